@@ -1,0 +1,187 @@
+//! CPU backward (FlashAttention-2 style, recomputing P from the LSE), deterministic by
+//! construction: dK/dV are owned by tasks over (kv head, key block) that loop over every segment
+//! and query head seeing those keys (so overlapping groups and GQA heads accumulate in a fixed
+//! order); dQ is owned by tasks over (query head, segment, query block).
+
+use rayon::prelude::*;
+
+use super::forward::{query_blocks, row_limits, BK, BQ};
+use super::layout::{from_head_major, matmul, to_head_major, Mat, SharedMut};
+use super::simd::{dot, exp2_neg, multiversion};
+use crate::backend::{BackwardInputs, Gradients};
+use crate::dtype::HostView;
+use crate::spec::AttnSpec;
+
+/// Keys per dK/dV task.
+const BKB: usize = 64;
+
+multiversion! {
+    /// `s` (rows x n, raw q.k) -> P = 2^(c*s - lse2) for row i's columns `< lims[i] - kb`, else 0.
+    fn probs_block(s: &mut [f32], n: usize, lims: &[usize], kb: usize, c: f32, lse2: &[f32]) {
+        for (i, &lim) in lims.iter().enumerate() {
+            let row = &mut s[i * n..(i + 1) * n];
+            let lim = lim.saturating_sub(kb).min(n);
+            let (live, dead) = row.split_at_mut(lim);
+            dead.fill(0.0);
+            let sub = lse2[i];
+            for x in live {
+                *x = exp2_neg(*x * c - sub);
+            }
+        }
+    }
+}
+
+multiversion! {
+    /// dS = P * (dP - D) in place in `dp` (rows x n).
+    fn dscores_block(p: &[f32], dp: &mut [f32], n: usize, dvec: &[f32]) {
+        for (i, &di) in dvec.iter().enumerate() {
+            for (x, &pi) in dp[i * n..(i + 1) * n].iter_mut().zip(&p[i * n..(i + 1) * n]) {
+                *x = pi * (*x - di);
+            }
+        }
+    }
+}
+
+struct Scratch {
+    s: Vec<f32>,
+    dp: Vec<f32>,
+    acc_a: Vec<f32>,
+    lims: Vec<usize>,
+}
+
+impl Scratch {
+    fn new(d: usize) -> Self {
+        let kmax = BK.max(BKB);
+        Scratch {
+            s: vec![0.0; BQ * kmax],
+            dp: vec![0.0; BQ * kmax],
+            acc_a: vec![0.0; kmax.max(BQ) * d],
+            lims: Vec::with_capacity(BQ),
+        }
+    }
+}
+
+struct Prepared {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    dout: Vec<f32>,
+    /// rowsum(dO * O), `[heads_q, total_q]`
+    delta: Vec<f32>,
+    /// LSE in base-2 units, `[heads_q, total_q]`
+    lse2: Vec<f32>,
+}
+
+fn prepare(spec: &AttnSpec, q: HostView, k: HostView, v: HostView, g: &BackwardInputs) -> Prepared {
+    let dm = spec.dims;
+    let (d, tq, tk) = (dm.head_dim, dm.total_q, dm.total_k);
+    let o = to_head_major(g.out, tq, dm.heads_q, d);
+    let dout = to_head_major(g.dout, tq, dm.heads_q, d);
+    let delta: Vec<f32> = (0..dm.lse_len())
+        .into_par_iter()
+        .map(|i| dot(&dout[i * d..(i + 1) * d], &o[i * d..(i + 1) * d]))
+        .collect();
+    Prepared {
+        q: to_head_major(q, tq, dm.heads_q, d),
+        k: to_head_major(k, tk, dm.heads_kv, d),
+        v: to_head_major(v, tk, dm.heads_kv, d),
+        dout,
+        delta,
+        lse2: g.lse.iter().map(|&x| x * std::f32::consts::LOG2_E).collect(),
+    }
+}
+
+pub(crate) fn backward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView, g: BackwardInputs) -> Gradients {
+    let dm = spec.dims;
+    let (d, tq, tk, hq, hkv) = (dm.head_dim, dm.total_q, dm.total_k, dm.heads_q, dm.heads_kv);
+    let p = prepare(spec, q, k, v, &g);
+    let c = spec.scale * std::f32::consts::LOG2_E;
+    let gs = dm.group_size();
+
+    // dK, dV: one task per (kv head, key block of the global key axis).
+    let mut dk = vec![0.0f32; dm.kv_len()];
+    let mut dv = vec![0.0f32; dm.kv_len()];
+    let dk_w = SharedMut::new(&mut dk);
+    let dv_w = SharedMut::new(&mut dv);
+    let kv_tasks: Vec<(usize, usize)> = (0..hkv).flat_map(|h| (0..tk).step_by(BKB).map(move |kb| (h, kb))).collect();
+    kv_tasks.par_iter().for_each_init(
+        || Scratch::new(d),
+        |sc, &(hk, kb)| {
+            let nk = BKB.min(tk - kb);
+            // SAFETY: tasks own disjoint (kv head, key block) ranges.
+            let dk_blk = unsafe { dk_w.slice((hk * tk + kb) * d, nk * d) };
+            let dv_blk = unsafe { dv_w.slice((hk * tk + kb) * d, nk * d) };
+            for seg in &spec.segments {
+                let a = kb.max(seg.k_start);
+                let b = (kb + nk).min(seg.k_start + seg.k_len);
+                if a >= b || seg.q_len == 0 {
+                    continue;
+                }
+                let nb = b - a;
+                let rel = a - seg.k_start;
+                // first row that sees key `a`
+                let r_min = if spec.causal { (rel + seg.q_len).saturating_sub(seg.k_len) } else { 0 };
+                let kblk = &p.k[(hk * tk + a) * d..][..nb * d];
+                let vblk = &p.v[(hk * tk + a) * d..][..nb * d];
+                let dk_out = &mut dk_blk[(a - kb) * d..][..nb * d];
+                let dv_out = &mut dv_blk[(a - kb) * d..][..nb * d];
+                for h in hk * gs..(hk + 1) * gs {
+                    for r0 in (r_min..seg.q_len).step_by(BQ) {
+                        let rows = BQ.min(seg.q_len - r0);
+                        let row0 = h * tq + seg.q_start + r0;
+                        let qblk = &p.q[row0 * d..][..rows * d];
+                        let doblk = &p.dout[row0 * d..][..rows * d];
+                        row_limits(seg, spec.causal, r0, rows, &mut sc.lims);
+                        matmul(&mut sc.s, nb, rows, nb, d, Mat::rows(qblk, d), Mat::rows_t(kblk, d), 1.0, false);
+                        probs_block(&mut sc.s[..rows * nb], nb, &sc.lims, rel, c, &p.lse2[row0..row0 + rows]);
+                        // dV += P^T dO
+                        matmul(dv_out, d, nb, d, rows, Mat::rows_t(&sc.s, nb), Mat::rows(doblk, d), 1.0, true);
+                        // dP = dO V^T, dS = P (dP - delta)
+                        matmul(&mut sc.dp, nb, rows, nb, d, Mat::rows(doblk, d), Mat::rows_t(vblk, d), 1.0, false);
+                        dscores_block(&sc.s[..rows * nb], &mut sc.dp[..rows * nb], nb, &p.delta[row0..row0 + rows]);
+                        // dK += scale * dS^T Q
+                        matmul(dk_out, d, nb, d, rows, Mat::rows_t(&sc.dp, nb), Mat::rows(qblk, d), spec.scale, true);
+                    }
+                }
+            }
+        },
+    );
+
+    // dQ: one task per (segment, query block, query head).
+    let mut dq = vec![0.0f32; dm.q_len()];
+    let dq_w = SharedMut::new(&mut dq);
+    let q_tasks: Vec<(usize, usize, usize)> =
+        query_blocks(spec).into_iter().flat_map(|(s, r0)| (0..hq).map(move |h| (s, r0, h))).collect();
+    q_tasks.par_iter().for_each_init(
+        || Scratch::new(d),
+        |sc, &(si, r0, h)| {
+            let seg = &spec.segments[si];
+            let rows = BQ.min(seg.q_len - r0);
+            let hk = h / gs;
+            let row0 = h * tq + seg.q_start + r0;
+            let qblk = &p.q[row0 * d..][..rows * d];
+            let doblk = &p.dout[row0 * d..][..rows * d];
+            let kseg = &p.k[(hk * tk + seg.k_start) * d..][..seg.k_len * d];
+            let vseg = &p.v[(hk * tk + seg.k_start) * d..][..seg.k_len * d];
+            row_limits(seg, spec.causal, r0, rows, &mut sc.lims);
+            let k_hi = sc.lims.iter().copied().max().unwrap_or(0);
+            let acc = &mut sc.acc_a[..rows * d];
+            acc.fill(0.0);
+            for kb in (0..k_hi).step_by(BK) {
+                let n = BK.min(k_hi - kb);
+                matmul(&mut sc.s, n, rows, n, d, Mat::rows(qblk, d), Mat::rows_t(&kseg[kb * d..], d), 1.0, false);
+                probs_block(&mut sc.s[..rows * n], n, &sc.lims, kb, c, &p.lse2[row0..row0 + rows]);
+                matmul(&mut sc.dp, n, rows, n, d, Mat::rows(doblk, d), Mat::rows_t(&vseg[kb * d..], d), 1.0, false);
+                dscores_block(&sc.s[..rows * n], &mut sc.dp[..rows * n], n, &p.delta[row0..row0 + rows]);
+                matmul(acc, d, rows, d, n, Mat::rows(&sc.dp, n), Mat::rows(&kseg[kb * d..], d), spec.scale, true);
+            }
+            // SAFETY: (head, row) ranges of tasks are disjoint.
+            unsafe { dq_w.slice(row0 * d, rows * d) }.copy_from_slice(acc);
+        },
+    );
+    Gradients {
+        dq: from_head_major(&dq, tq, hq, d, spec.dtype),
+        dk: from_head_major(&dk, tk, hkv, d, spec.dtype),
+        dv: from_head_major(&dv, tk, hkv, d, spec.dtype),
+    }
+}

@@ -1,0 +1,135 @@
+//! Data movement for the CPU backend: token-major <-> head-major f32 copies, shared output
+//! pointers for disjoint parallel writes, and a thin wrapper over the `gemm` crate.
+
+use rayon::prelude::*;
+
+use crate::dtype::{DType, Element, HostData, HostView};
+
+/// `[tokens, heads, d]` in any dtype -> `[heads, tokens, d]` f32.
+pub(crate) fn to_head_major(x: HostView, tokens: usize, heads: usize, d: usize) -> Vec<f32> {
+    fn go<T: Element>(x: &[T], tokens: usize, heads: usize, d: usize) -> Vec<f32> {
+        let mut out = vec![0.0f32; x.len()];
+        if out.is_empty() {
+            return out;
+        }
+        out.par_chunks_mut(tokens.max(1) * d).enumerate().for_each(|(h, dst)| {
+            for t in 0..tokens {
+                let src = &x[(t * heads + h) * d..][..d];
+                for (o, s) in dst[t * d..][..d].iter_mut().zip(src) {
+                    *o = s.to_f32();
+                }
+            }
+        });
+        out
+    }
+    match x {
+        HostView::F32(s) => go(s, tokens, heads, d),
+        HostView::F16(s) => go(s, tokens, heads, d),
+        HostView::BF16(s) => go(s, tokens, heads, d),
+    }
+}
+
+/// `[heads, tokens, d]` f32 -> `[tokens, heads, d]` in `dtype`.
+pub(crate) fn from_head_major(x: &[f32], tokens: usize, heads: usize, d: usize, dtype: DType) -> HostData {
+    fn go<T: Element>(x: &[f32], tokens: usize, heads: usize, d: usize) -> Vec<T> {
+        let mut out = vec![T::default(); x.len()];
+        if out.is_empty() {
+            return out;
+        }
+        out.par_chunks_mut(heads * d).enumerate().for_each(|(t, dst)| {
+            for h in 0..heads {
+                let src = &x[(h * tokens + t) * d..][..d];
+                for (o, &s) in dst[h * d..][..d].iter_mut().zip(src) {
+                    *o = T::from_f32(s);
+                }
+            }
+        });
+        out
+    }
+    match dtype {
+        DType::F32 => HostData::F32(go(x, tokens, heads, d)),
+        DType::F16 => HostData::F16(go(x, tokens, heads, d)),
+        DType::BF16 => HostData::BF16(go(x, tokens, heads, d)),
+    }
+}
+
+/// A raw pointer that parallel tasks use to write disjoint parts of one buffer.
+#[derive(Clone, Copy)]
+pub(crate) struct SharedMut<T>(*mut T, usize);
+// SAFETY: every user writes only the sub-slices its task owns (disjoint by construction).
+unsafe impl<T: Send> Send for SharedMut<T> {}
+unsafe impl<T: Send> Sync for SharedMut<T> {}
+
+impl<T> SharedMut<T> {
+    pub(crate) fn new(x: &mut [T]) -> Self {
+        SharedMut(x.as_mut_ptr(), x.len())
+    }
+    /// # Safety
+    /// No two live slices obtained from one `SharedMut` may overlap.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn slice(&self, start: usize, len: usize) -> &mut [T] {
+        assert!(start + len <= self.1, "SharedMut range out of bounds");
+        std::slice::from_raw_parts_mut(self.0.add(start), len)
+    }
+}
+
+/// A row-major f32 matrix view: element (i, j) at `ptr[i * rs + j * cs]`.
+#[derive(Clone, Copy)]
+pub(crate) struct Mat {
+    pub ptr: *const f32,
+    pub rs: isize,
+    pub cs: isize,
+}
+
+impl Mat {
+    /// Row-major view of `data` with `cols` columns.
+    pub fn rows(data: &[f32], cols: usize) -> Mat {
+        Mat { ptr: data.as_ptr(), rs: cols as isize, cs: 1 }
+    }
+    /// The transpose of a row-major `data` with `cols` columns.
+    pub fn rows_t(data: &[f32], cols: usize) -> Mat {
+        Mat { ptr: data.as_ptr(), rs: 1, cs: cols as isize }
+    }
+}
+
+/// `dst[m x n] (row-major, leading dim ldd) = (accumulate ? dst : 0) + alpha * a[m x k] * b[k x n]`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul(dst: &mut [f32], ldd: usize, m: usize, n: usize, k: usize, a: Mat, b: Mat, alpha: f32, accumulate: bool) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(dst.len() >= (m - 1) * ldd + n, "matmul destination too small");
+    if k == 0 {
+        if !accumulate {
+            for r in 0..m {
+                dst[r * ldd..r * ldd + n].fill(0.0);
+            }
+        }
+        return;
+    }
+    // SAFETY: callers build `a` and `b` from slices holding at least m x k and k x n elements at
+    // the given strides, and `dst` was bounds-checked above.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            ldd as isize,
+            accumulate,
+            a.ptr,
+            a.cs,
+            a.rs,
+            b.ptr,
+            b.cs,
+            b.rs,
+            1.0,
+            alpha,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}

@@ -1,0 +1,33 @@
+//! The CPU backend: always built, multi-threaded (rayon), f32 accumulation, blocked products
+//! through the `gemm` crate. Exact to f32 rounding against the f64 reference.
+
+mod backward;
+mod forward;
+mod layout;
+pub(crate) mod simd;
+
+use super::{check_backward_buffers, check_buffers, Backend, BackendKind, BackwardInputs, ForwardOutput, Gradients};
+use crate::dtype::HostView;
+use crate::error::Result;
+use crate::spec::AttnSpec;
+
+/// The CPU backend (stateless).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CpuBackend;
+
+impl Backend for CpuBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Cpu
+    }
+
+    fn forward(&self, spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> Result<ForwardOutput> {
+        check_buffers(spec, q, k, v)?;
+        Ok(forward::forward(spec, q, k, v))
+    }
+
+    fn backward(&self, spec: &AttnSpec, q: HostView, k: HostView, v: HostView, grad: BackwardInputs) -> Result<Gradients> {
+        check_buffers(spec, q, k, v)?;
+        check_backward_buffers(spec, &grad)?;
+        Ok(backward::backward(spec, q, k, v, grad))
+    }
+}

@@ -1,0 +1,139 @@
+//! Backends implement one trait over a validated [`AttnSpec`]; dispatch picks one and says which.
+
+pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
+use crate::dtype::{HostData, HostView};
+use crate::error::{invalid, Error, Result};
+use crate::spec::AttnSpec;
+
+/// Which backend ran a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendKind {
+    Cpu,
+    Cuda,
+}
+
+impl BackendKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Cpu => "cpu",
+            BackendKind::Cuda => "cuda",
+        }
+    }
+}
+
+/// The caller's choice: `auto` takes CUDA when it can start, else the CPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DevicePref {
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+impl DevicePref {
+    pub fn parse(s: &str) -> Result<DevicePref> {
+        match s {
+            "auto" => Ok(DevicePref::Auto),
+            "cpu" => Ok(DevicePref::Cpu),
+            "cuda" | "gpu" => Ok(DevicePref::Cuda),
+            other => Err(invalid("device", format!("must be \"auto\", \"cpu\" or \"cuda\", got {other:?}"))),
+        }
+    }
+}
+
+/// Forward result: `out` in the input dtype, `lse` f32 `[heads_q, total_q]`.
+#[derive(Debug, Clone)]
+pub struct ForwardOutput {
+    pub out: HostData,
+    pub lse: Vec<f32>,
+}
+
+/// Backward result, each in the input dtype and shape.
+#[derive(Debug, Clone)]
+pub struct Gradients {
+    pub dq: HostData,
+    pub dk: HostData,
+    pub dv: HostData,
+}
+
+/// Inputs of a backward call besides q, k, v.
+#[derive(Debug, Clone, Copy)]
+pub struct BackwardInputs<'a> {
+    pub out: HostView<'a>,
+    pub lse: &'a [f32],
+    pub dout: HostView<'a>,
+    /// Bitwise-identical gradients run to run.
+    pub deterministic: bool,
+}
+
+/// One implementation of attention over host buffers.
+pub trait Backend: Send + Sync {
+    fn kind(&self) -> BackendKind;
+    fn forward(&self, spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> Result<ForwardOutput>;
+    fn backward(
+        &self,
+        spec: &AttnSpec,
+        q: HostView,
+        k: HostView,
+        v: HostView,
+        grad: BackwardInputs,
+    ) -> Result<Gradients>;
+}
+
+/// Checks that buffers match the spec (lengths and dtype); called once at the API boundary.
+pub fn check_buffers(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> Result<()> {
+    let d = &spec.dims;
+    for (name, buf, want) in [("q", q, d.q_len()), ("k", k, d.kv_len()), ("v", v, d.kv_len())] {
+        if buf.len() != want {
+            return Err(invalid(name, format!("has {} elements, the spec needs {}", buf.len(), want)));
+        }
+        if buf.dtype() != spec.dtype {
+            return Err(crate::error::bad_dtype(
+                name,
+                format!("is {}, the spec says {}", buf.dtype().name(), spec.dtype.name()),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Checks the extra backward buffers against the spec.
+pub fn check_backward_buffers(spec: &AttnSpec, g: &BackwardInputs) -> Result<()> {
+    let d = &spec.dims;
+    for (name, buf) in [("out", g.out), ("dout", g.dout)] {
+        if buf.len() != d.q_len() {
+            return Err(invalid(name, format!("has {} elements, q has {}", buf.len(), d.q_len())));
+        }
+        if buf.dtype() != spec.dtype {
+            return Err(crate::error::bad_dtype(name, format!("is {}, q is {}", buf.dtype().name(), spec.dtype.name())));
+        }
+    }
+    if g.lse.len() != d.lse_len() {
+        return Err(invalid("lse", format!("has {} elements, expected heads_q*total_q = {}", g.lse.len(), d.lse_len())));
+    }
+    Ok(())
+}
+
+/// The backend for a preference: CPU always works; CUDA needs the `cuda` feature and a GPU.
+pub fn backend_for(pref: DevicePref) -> Result<&'static dyn Backend> {
+    match pref {
+        DevicePref::Cpu => Ok(&cpu::CpuBackend),
+        DevicePref::Cuda => cuda_backend(),
+        DevicePref::Auto => Ok(cuda_backend().unwrap_or(&cpu::CpuBackend)),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_backend() -> Result<&'static dyn Backend> {
+    cuda::CudaBackend::shared().map(|b| b as &'static dyn Backend)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_backend() -> Result<&'static dyn Backend> {
+    Err(Error::BackendUnavailable {
+        backend: "cuda",
+        reason: "this build of cubeattn has no `cuda` feature".into(),
+    })
+}

@@ -1,0 +1,24 @@
+//! cubeattn: flash, grouped (shared K,V with overlapping key ranges) and varlen attention.
+//!
+//! Layers, top to bottom: Python bindings (`python`, feature `python`) -> validated [`spec`] ->
+//! [`backend`] (CPU always; CUDA with feature `cuda`) -> kernels (`kernels`, CubeCL, feature
+//! `cuda`). Device detection and VRAM estimation are pure functions beside the backends.
+
+pub mod backend;
+pub mod device;
+pub mod dtype;
+pub mod error;
+pub mod reference;
+pub mod spec;
+pub mod vram;
+
+#[cfg(feature = "cuda")]
+pub mod kernels;
+
+#[cfg(feature = "python")]
+mod python;
+
+pub use backend::{backend_for, Backend, BackendKind, DevicePref, ForwardOutput, Gradients};
+pub use dtype::{DType, Element, HostData, HostView};
+pub use error::{Error, Result};
+pub use spec::{AttnSpec, Dims, Layout, Segment, TensorMeta};

@@ -1,0 +1,91 @@
+//! Naive f64 attention, forward and backward: the yardstick every backend is tested against.
+//! O(rows x keys x head_dim) with no blocking; meant for tests and small checks only.
+//! Buffers use the spec's token-major layouts (`[tokens, heads, d]`, lse `[heads_q, total_q]`).
+
+use crate::spec::AttnSpec;
+
+/// f64 gradients `(dq, dk, dv)`.
+pub type GradsF64 = (Vec<f64>, Vec<f64>, Vec<f64>);
+
+/// Softmax probabilities of one (row, head): `(first key, probabilities, lse)`; `None` when the
+/// row sees no key.
+fn row_probs(spec: &AttnSpec, q: &[f64], k: &[f64], t: usize, h: usize, lo: usize, hi: usize) -> Option<(Vec<f64>, f64)> {
+    let dm = spec.dims;
+    let d = dm.head_dim;
+    if hi <= lo {
+        return None;
+    }
+    let hk = h / dm.group_size();
+    let qi = &q[(t * dm.heads_q + h) * d..][..d];
+    let s: Vec<f64> = (lo..hi)
+        .map(|j| {
+            let kj = &k[(j * dm.heads_kv + hk) * d..][..d];
+            spec.scale as f64 * qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>()
+        })
+        .collect();
+    let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+    let l: f64 = e.iter().sum();
+    Some((e.into_iter().map(|x| x / l).collect(), m + l.ln()))
+}
+
+/// Forward: `(out, lse)`; rows that see no key give out 0 and lse +inf.
+pub fn forward_f64(spec: &AttnSpec, q: &[f64], k: &[f64], v: &[f64]) -> (Vec<f64>, Vec<f64>) {
+    let dm = spec.dims;
+    let d = dm.head_dim;
+    let mut out = vec![0.0; dm.q_len()];
+    let mut lse = vec![f64::INFINITY; dm.lse_len()];
+    for seg in &spec.segments {
+        for r in 0..seg.q_len {
+            let t = seg.q_start + r;
+            let (lo, hi) = seg.key_range(r, spec.causal);
+            for h in 0..dm.heads_q {
+                let hk = h / dm.group_size();
+                if let Some((p, l)) = row_probs(spec, q, k, t, h, lo, hi) {
+                    lse[h * dm.total_q + t] = l;
+                    let o = &mut out[(t * dm.heads_q + h) * d..][..d];
+                    for (j, pj) in (lo..hi).zip(p) {
+                        for (x, vv) in o.iter_mut().zip(&v[(j * dm.heads_kv + hk) * d..][..d]) {
+                            *x += pj * vv;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    (out, lse)
+}
+
+/// Backward from `dout`: `(dq, dk, dv)` with exact f64 softmax.
+pub fn backward_f64(spec: &AttnSpec, q: &[f64], k: &[f64], v: &[f64], dout: &[f64]) -> GradsF64 {
+    let dm = spec.dims;
+    let d = dm.head_dim;
+    let (mut dq, mut dk, mut dv) = (vec![0.0; dm.q_len()], vec![0.0; dm.kv_len()], vec![0.0; dm.kv_len()]);
+    let sc = spec.scale as f64;
+    for seg in &spec.segments {
+        for r in 0..seg.q_len {
+            let t = seg.q_start + r;
+            let (lo, hi) = seg.key_range(r, spec.causal);
+            for h in 0..dm.heads_q {
+                let hk = h / dm.group_size();
+                let Some((p, _)) = row_probs(spec, q, k, t, h, lo, hi) else { continue };
+                let qo = (t * dm.heads_q + h) * d;
+                let go = &dout[qo..qo + d];
+                let dp: Vec<f64> = (lo..hi)
+                    .map(|j| go.iter().zip(&v[(j * dm.heads_kv + hk) * d..][..d]).map(|(a, b)| a * b).sum())
+                    .collect();
+                let delta: f64 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
+                for (idx, j) in (lo..hi).enumerate() {
+                    let ko = (j * dm.heads_kv + hk) * d;
+                    let ds = p[idx] * (dp[idx] - delta);
+                    for x in 0..d {
+                        dv[ko + x] += p[idx] * go[x];
+                        dq[qo + x] += sc * ds * k[ko + x];
+                        dk[ko + x] += sc * ds * q[qo + x];
+                    }
+                }
+            }
+        }
+    }
+    (dq, dk, dv)
+}

@@ -1,0 +1,59 @@
+//! VRAM estimation for a call on the CUDA backend: a pure function of the sizes, so it can be
+//! checked against the measured peak (tests/gpu) and used before allocating anything.
+//!
+//! Forward: q, k, v in; out + lse (f32) out; workspace = the per-tile work list and segment
+//! table. Backward adds out, dout and lse in; dq, dk, dv out; workspace = delta (f32 per row and
+//! head) plus f32 accumulators for dq, dk and dv.
+
+use crate::dtype::DType;
+use crate::spec::Dims;
+
+/// Bytes per category; `total` is their sum.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct VramEstimate {
+    pub inputs: u64,
+    pub outputs: u64,
+    pub lse: u64,
+    pub workspace: u64,
+    pub total: u64,
+}
+
+/// Query rows per tile of the CUDA work list (the estimate assumes the smallest tile).
+pub const MIN_TILE_ROWS: usize = 64;
+/// Bytes of one work-list entry and of one segment-table entry.
+const ENTRY_BYTES: u64 = 16;
+
+/// Estimate for `segments` sequences or groups of the given sizes.
+pub fn estimate(dims: &Dims, dtype: DType, segments: usize, backward: bool) -> VramEstimate {
+    let e = dtype.size() as u64;
+    let q = dims.q_len() as u64 * e;
+    let kv = dims.kv_len() as u64 * e;
+    let lse = dims.lse_len() as u64 * 4;
+    let tiles = (dims.total_q.div_ceil(MIN_TILE_ROWS) + segments) as u64;
+    let meta = (tiles + segments as u64) * ENTRY_BYTES;
+    let est = if backward {
+        // q, k, v, out, dout in; dq, dk, dv out; lse in; delta + f32 accumulators as workspace.
+        let acc = (dims.q_len() as u64 + 2 * dims.kv_len() as u64) * 4;
+        VramEstimate { inputs: 2 * q + 2 * kv + q, outputs: q + 2 * kv, lse, workspace: lse + acc + meta, total: 0 }
+    } else {
+        VramEstimate { inputs: q + 2 * kv, outputs: q, lse, workspace: meta, total: 0 }
+    };
+    VramEstimate { total: est.inputs + est.outputs + est.lse + est.workspace, ..est }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn forward_counts_each_buffer_once() {
+        let dims = Dims { total_q: 1024, total_k: 2048, heads_q: 32, heads_kv: 8, head_dim: 128 };
+        let e = estimate(&dims, DType::BF16, 1, false);
+        assert_eq!(e.inputs, (1024 * 32 * 128 + 2 * 2048 * 8 * 128) * 2);
+        assert_eq!(e.outputs, 1024 * 32 * 128 * 2);
+        assert_eq!(e.lse, 32 * 1024 * 4);
+        assert_eq!(e.total, e.inputs + e.outputs + e.lse + e.workspace);
+        let b = estimate(&dims, DType::BF16, 1, true);
+        assert!(b.total > 2 * e.total);
+    }
+}

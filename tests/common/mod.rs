@@ -1,0 +1,99 @@
+//! Shared helpers for integration tests: random inputs, error metrics, spec builders.
+#![allow(dead_code)]
+
+use cubeattn::{AttnSpec, DType, HostData, TensorMeta};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+pub fn rng(seed: u64) -> StdRng {
+    StdRng::seed_from_u64(seed)
+}
+
+/// Uniform(-amp, amp) values rounded into `dtype`; returns the data and its exact f64 widening.
+pub fn random(rng: &mut StdRng, n: usize, dtype: DType, amp: f32) -> (HostData, Vec<f64>) {
+    let xs: Vec<f32> = (0..n).map(|_| rng.random_range(-amp..amp)).collect();
+    let data = HostData::from_f32(dtype, &xs);
+    let wide = data.view().to_f64_vec();
+    (data, wide)
+}
+
+/// ||a - b|| / ||b|| (finite entries of b only; NaN in `a` gives infinity).
+pub fn rel_err(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (x, y) in a.iter().zip(b) {
+        if !x.is_finite() {
+            return f64::INFINITY;
+        }
+        num += (x - y) * (x - y);
+        den += y * y;
+    }
+    if den == 0.0 {
+        num.sqrt()
+    } else {
+        (num / den).sqrt()
+    }
+}
+
+pub fn max_abs(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| if x.is_finite() { (x - y).abs() } else { f64::INFINITY }).fold(0.0, f64::max)
+}
+
+/// Asserts `got` matches `want` elementwise within atol + rtol*|want| and in relative norm.
+pub fn assert_close(what: &str, got: &[f64], want: &[f64], atol: f64, rtol: f64, max_rel: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(g.is_finite(), "{what}[{i}] = {g} is not finite");
+        assert!((g - w).abs() <= atol + rtol * w.abs(), "{what}[{i}]: got {g}, want {w}");
+    }
+    let r = rel_err(got, want);
+    assert!(r <= max_rel, "{what}: relative error {r:e} > {max_rel:e}");
+}
+
+/// LSE comparison: +inf must match exactly (rows that see no key).
+pub fn assert_lse(got: &[f32], want: &[f64], tol: f64) {
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        if w.is_infinite() {
+            assert_eq!(*g as f64, *w, "lse[{i}]");
+        } else {
+            assert!((*g as f64 - w).abs() <= tol * (1.0 + w.abs()), "lse[{i}]: got {g}, want {w}");
+        }
+    }
+}
+
+pub fn meta(tokens: usize, heads: usize, d: usize, dtype: DType) -> TensorMeta {
+    TensorMeta::new(&[tokens, heads, d], dtype)
+}
+
+/// A varlen spec from per-sequence (q_len, k_len).
+pub fn varlen_spec(lens: &[(usize, usize)], hq: usize, hkv: usize, d: usize, dtype: DType, causal: bool) -> AttnSpec {
+    let mut cq = vec![0i32];
+    let mut ck = vec![0i32];
+    for &(a, b) in lens {
+        cq.push(cq.last().unwrap() + a as i32);
+        ck.push(ck.last().unwrap() + b as i32);
+    }
+    let (tq, tk) = (*cq.last().unwrap() as usize, *ck.last().unwrap() as usize);
+    let mq = lens.iter().map(|x| x.0).max().unwrap_or(0);
+    let mk = lens.iter().map(|x| x.1).max().unwrap_or(0);
+    AttnSpec::varlen(&meta(tq, hq, d, dtype), &meta(tk, hkv, d, dtype), &meta(tk, hkv, d, dtype), &cq, &ck, mq, mk, None, causal)
+        .expect("valid spec")
+}
+
+/// A grouped spec over `total_k` shared keys.
+pub fn grouped_spec(q_lens: &[usize], kv: &[(i32, i32)], total_k: usize, hq: usize, hkv: usize, d: usize, dtype: DType, causal: bool) -> AttnSpec {
+    let mut qr = Vec::new();
+    let mut at = 0i32;
+    for &n in q_lens {
+        qr.push([at, at + n as i32]);
+        at += n as i32;
+    }
+    let kr: Vec<[i32; 2]> = kv.iter().map(|&(a, b)| [a, b]).collect();
+    AttnSpec::grouped(&meta(at as usize, hq, d, dtype), &meta(total_k, hkv, d, dtype), &meta(total_k, hkv, d, dtype), &qr, &kr, None, causal)
+        .expect("valid spec")
+}
+
+/// Random q, k, v for a spec: (data, f64 widening) each.
+pub fn random_qkv(rng: &mut StdRng, spec: &AttnSpec, amp: f32) -> [(HostData, Vec<f64>); 3] {
+    let d = spec.dims;
+    [random(rng, d.q_len(), spec.dtype, amp), random(rng, d.kv_len(), spec.dtype, amp), random(rng, d.kv_len(), spec.dtype, amp)]
+}

@@ -1,0 +1,239 @@
+//! CPU backend vs the f64 reference, spec validation, and (with `--features cuda` on a GPU
+//! machine) the GPU suite in tests/gpu.
+
+mod common;
+
+use common::*;
+use cubeattn::backend::BackwardInputs;
+use cubeattn::reference::{backward_f64, forward_f64};
+use cubeattn::{backend_for, AttnSpec, DType, DevicePref, Error, HostData, TensorMeta};
+
+const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+/// Per-dtype (atol = rtol, max relative norm error) for outputs and gradients. For f16/bf16 the
+/// seed's 1e-3 is widened by the unit roundoff of storing the exact value in that dtype
+/// (bf16: 2^-8, which alone exceeds 1e-3 for |out| > 0.25).
+fn fwd_tol(dt: DType) -> (f64, f64) {
+    match dt {
+        DType::F32 => (1e-5, 1e-5),
+        DType::F16 => (1e-3 + 2f64.powi(-11), 2e-3),
+        DType::BF16 => (1e-3 + 2f64.powi(-8), 8e-3),
+    }
+}
+fn bwd_tol(dt: DType) -> (f64, f64) {
+    match dt {
+        DType::F32 => (1e-4, 1e-4),
+        DType::F16 => (1e-2, 5e-3),
+        DType::BF16 => (1e-2, 2e-2),
+    }
+}
+
+/// Forward on the CPU backend vs f64; returns (out, lse) for further checks.
+fn check_forward(spec: &AttnSpec, seed: u64, amp: f32) -> (HostData, Vec<f32>) {
+    let mut r = rng(seed);
+    let [(q, qf), (k, kf), (v, vf)] = random_qkv(&mut r, spec, amp);
+    let cpu = backend_for(DevicePref::Cpu).unwrap();
+    let res = cpu.forward(spec, q.view(), k.view(), v.view()).unwrap();
+    let (out_ref, lse_ref) = forward_f64(spec, &qf, &kf, &vf);
+    let (tol, rel) = fwd_tol(spec.dtype);
+    assert_close("out", &res.out.view().to_f64_vec(), &out_ref, tol, tol, rel);
+    assert_lse(&res.lse, &lse_ref, 1e-5);
+    (res.out, res.lse)
+}
+
+fn check_backward(spec: &AttnSpec, seed: u64) {
+    let mut r = rng(seed);
+    let [(q, qf), (k, kf), (v, vf)] = random_qkv(&mut r, spec, 1.0);
+    let (dout, dof) = random(&mut r, spec.dims.q_len(), spec.dtype, 1.0);
+    let cpu = backend_for(DevicePref::Cpu).unwrap();
+    let fwd = cpu.forward(spec, q.view(), k.view(), v.view()).unwrap();
+    let g = BackwardInputs { out: fwd.out.view(), lse: &fwd.lse, dout: dout.view(), deterministic: true };
+    let grads = cpu.backward(spec, q.view(), k.view(), v.view(), g).unwrap();
+    let (dq, dk, dv) = backward_f64(spec, &qf, &kf, &vf, &dof);
+    let (tol, rel) = bwd_tol(spec.dtype);
+    assert_close("dq", &grads.dq.view().to_f64_vec(), &dq, tol, tol, rel);
+    assert_close("dk", &grads.dk.view().to_f64_vec(), &dk, tol, tol, rel);
+    assert_close("dv", &grads.dv.view().to_f64_vec(), &dv, tol, tol, rel);
+    // determinism: a second run is bitwise identical
+    let again = cpu.backward(spec, q.view(), k.view(), v.view(), g).unwrap();
+    assert_eq!(again.dq, grads.dq);
+    assert_eq!(again.dk, grads.dk);
+    assert_eq!(again.dv, grads.dv);
+}
+
+#[test]
+fn forward_dense_matches_reference_all_dtypes() {
+    for (i, &dt) in DTYPES.iter().enumerate() {
+        for causal in [false, true] {
+            for &(s, d) in &[(1usize, 64usize), (37, 64), (130, 128), (200, 40)] {
+                let spec = varlen_spec(&[(s, s)], 4, 2, d, dt, causal);
+                check_forward(&spec, 100 + i as u64 * 10 + s as u64, 1.0);
+            }
+        }
+    }
+}
+
+#[test]
+fn forward_causal_bottom_right_when_lengths_differ() {
+    for &(sq, sk) in &[(5usize, 300usize), (129, 77), (1, 1000), (64, 64), (300, 5)] {
+        let spec = varlen_spec(&[(sq, sk)], 2, 1, 64, DType::F32, true);
+        let (out, lse) = check_forward(&spec, sq as u64 * 7 + sk as u64, 1.0);
+        // rows with k_len - q_len + r + 1 <= 0 see nothing: zero output and lse = +inf
+        let blind = sq.saturating_sub(sk);
+        let o = out.to_f32_vec();
+        for r in 0..blind {
+            assert!(o[r * 2 * 64..(r + 1) * 2 * 64].iter().all(|&x| x == 0.0));
+            assert!(lse[r].is_infinite() && lse[r] > 0.0);
+        }
+    }
+}
+
+#[test]
+fn forward_gqa_32_8_and_varlen() {
+    let spec = varlen_spec(&[(128, 128), (1, 1), (333, 512), (0, 7), (90, 0), (513, 513)], 32, 8, 64, DType::BF16, true);
+    check_forward(&spec, 7, 1.0);
+    let spec = varlen_spec(&[(250, 700), (1000, 1000)], 32, 8, 128, DType::F16, false);
+    check_forward(&spec, 8, 1.0);
+}
+
+#[test]
+fn forward_large_inputs_stay_finite() {
+    // 10x-scaled inputs: the online softmax must not overflow
+    let spec = varlen_spec(&[(300, 300)], 4, 4, 64, DType::F16, true);
+    let (out, lse) = check_forward(&spec, 9, 10.0);
+    assert!(out.to_f32_vec().iter().all(|x| x.is_finite()));
+    assert!(lse.iter().all(|x| x.is_finite()));
+}
+
+#[test]
+fn backward_matches_reference() {
+    for (i, &dt) in DTYPES.iter().enumerate() {
+        for causal in [false, true] {
+            let spec = varlen_spec(&[(70, 70), (1, 33), (129, 100)], 4, 2, 64, dt, causal);
+            check_backward(&spec, 200 + i as u64 + causal as u64);
+        }
+    }
+    check_backward(&varlen_spec(&[(96, 200)], 32, 8, 128, DType::F32, true), 3);
+}
+
+#[test]
+fn grouped_matches_reference_with_overlap() {
+    for g in [2usize, 3, 4] {
+        let q_lens: Vec<usize> = (0..g).map(|i| 40 + 37 * i).collect();
+        let kv: Vec<(i32, i32)> = (0..g).map(|i| (0, 150 + 100 * i as i32)).collect();
+        for causal in [false, true] {
+            let spec = grouped_spec(&q_lens, &kv, 500, 8, 2, 64, DType::F16, causal);
+            check_forward(&spec, g as u64, 1.0);
+            check_backward(&spec, g as u64 + 50);
+        }
+    }
+}
+
+#[test]
+fn grouped_edge_cases() {
+    // empty groups, single-token groups, offset windows, all groups on the same K,V
+    let spec = grouped_spec(&[0, 1, 17, 0, 64], &[(10, 90), (0, 1), (50, 400), (0, 0), (0, 400)], 400, 4, 1, 64, DType::F32, true);
+    check_forward(&spec, 11, 1.0);
+    check_backward(&spec, 12);
+    let spec = grouped_spec(&[33; 8], &[(0, 256); 8], 256, 4, 2, 64, DType::BF16, true);
+    check_forward(&spec, 13, 1.0);
+    // imbalanced groups
+    let spec = grouped_spec(&[10, 990], &[(0, 100), (0, 9900)], 9900, 2, 1, 64, DType::BF16, true);
+    check_forward(&spec, 14, 1.0);
+}
+
+#[test]
+fn single_group_equals_plain_attention() {
+    let mut r = rng(21);
+    let grouped = grouped_spec(&[200], &[(0, 300)], 300, 8, 2, 64, DType::F16, true);
+    let plain = varlen_spec(&[(200, 300)], 8, 2, 64, DType::F16, true);
+    let [(q, _), (k, _), (v, _)] = random_qkv(&mut r, &plain, 1.0);
+    let cpu = backend_for(DevicePref::Cpu).unwrap();
+    let a = cpu.forward(&grouped, q.view(), k.view(), v.view()).unwrap();
+    let b = cpu.forward(&plain, q.view(), k.view(), v.view()).unwrap();
+    assert_eq!(a.out, b.out);
+    assert_eq!(a.lse, b.lse);
+}
+
+#[test]
+fn rows_outside_every_group_are_zero() {
+    let spec = grouped_spec(&[10, 10], &[(0, 50), (0, 60)], 60, 2, 2, 64, DType::F32, false);
+    // widen q by hand: groups cover rows 0..20 of 30
+    let q = TensorMeta::new(&[30, 2, 64], DType::F32);
+    let k = TensorMeta::new(&[60, 2, 64], DType::F32);
+    let spec2 = AttnSpec::grouped(&q, &k, &k, &[[0, 10], [20, 30]], &[[0, 50], [0, 60]], None, false).unwrap();
+    assert_eq!(spec2.uncovered_rows(), 10);
+    let (out, lse) = check_forward(&spec2, 31, 1.0);
+    let o = out.to_f32_vec();
+    assert!(o[10 * 128..20 * 128].iter().all(|&x| x == 0.0));
+    assert!(lse[10..20].iter().all(|x| x.is_infinite()));
+    drop(spec);
+}
+
+fn err_arg(e: Error) -> &'static str {
+    match e {
+        Error::InvalidArgument { arg, .. } | Error::InvalidDtype { arg, .. } => arg,
+        other => panic!("expected an argument error, got {other:?}"),
+    }
+}
+
+#[test]
+fn invalid_inputs_name_the_argument() {
+    let m = |s: &[usize]| TensorMeta::new(s, DType::F16);
+    let ok = m(&[10, 4, 64]);
+    let kv = m(&[10, 2, 64]);
+    let cu = [0, 10];
+    let vl = |q: &TensorMeta, k: &TensorMeta, v: &TensorMeta, cq: &[i32], ck: &[i32], mq, mk, sc| {
+        AttnSpec::varlen(q, k, v, cq, ck, mq, mk, sc, false).map(|_| ()).map_err(err_arg)
+    };
+    assert_eq!(vl(&m(&[10, 64]), &kv, &kv, &cu, &cu, 10, 10, None), Err("q"));
+    assert_eq!(vl(&ok, &m(&[10, 2, 64, 1]), &kv, &cu, &cu, 10, 10, None), Err("k"));
+    assert_eq!(vl(&m(&[10, 4, 0]), &m(&[10, 2, 0]), &m(&[10, 2, 0]), &cu, &cu, 10, 10, None), Err("q"));
+    assert_eq!(vl(&m(&[10, 4, 512]), &m(&[10, 2, 512]), &m(&[10, 2, 512]), &cu, &cu, 10, 10, None), Err("q"));
+    assert_eq!(vl(&ok, &m(&[10, 3, 64]), &m(&[10, 3, 64]), &cu, &cu, 10, 10, None), Err("k"));
+    assert_eq!(vl(&ok, &m(&[10, 2, 32]), &m(&[10, 2, 32]), &cu, &cu, 10, 10, None), Err("k"));
+    assert_eq!(vl(&ok, &kv, &m(&[9, 2, 64]), &cu, &cu, 10, 10, None), Err("v"));
+    assert_eq!(vl(&ok, &TensorMeta::new(&[10, 2, 64], DType::F32), &kv, &cu, &cu, 10, 10, None), Err("k"));
+    assert_eq!(vl(&ok, &kv, &TensorMeta::new(&[10, 2, 64], DType::BF16), &cu, &cu, 10, 10, None), Err("v"));
+    assert_eq!(vl(&ok, &kv, &kv, &[1, 10], &cu, 10, 10, None), Err("cu_seqlens_q"));
+    assert_eq!(vl(&ok, &kv, &kv, &[0, 6, 4, 10], &[0, 3, 6, 10], 10, 10, None), Err("cu_seqlens_q"));
+    assert_eq!(vl(&ok, &kv, &kv, &cu, &[0, 9], 10, 10, None), Err("cu_seqlens_k"));
+    assert_eq!(vl(&ok, &kv, &kv, &cu, &[0, 5, 10], 10, 10, None), Err("cu_seqlens_k"));
+    assert_eq!(vl(&ok, &kv, &kv, &[], &[], 10, 10, None), Err("cu_seqlens_q"));
+    assert_eq!(vl(&ok, &kv, &kv, &cu, &cu, 9, 10, None), Err("max_seqlen_q"));
+    assert_eq!(vl(&ok, &kv, &kv, &cu, &cu, 10, 3, None), Err("max_seqlen_k"));
+    assert_eq!(vl(&ok, &kv, &kv, &cu, &cu, 10, 10, Some(f64::NAN)), Err("softmax_scale"));
+    assert_eq!(vl(&ok, &kv, &kv, &cu, &cu, 10, 10, Some(f64::INFINITY)), Err("softmax_scale"));
+    assert!(vl(&ok, &kv, &kv, &cu, &cu, 10, 10, Some(0.5)).is_ok());
+
+    let gr = |qr: &[[i32; 2]], kr: &[[i32; 2]]| AttnSpec::grouped(&ok, &kv, &kv, qr, kr, None, true).map(|_| ()).map_err(err_arg);
+    assert_eq!(gr(&[], &[]), Err("q_ranges"));
+    assert_eq!(gr(&[[0, 5]], &[[0, 5], [0, 6]]), Err("kv_ranges"));
+    assert_eq!(gr(&[[0, 11]], &[[0, 5]]), Err("q_ranges"));
+    assert_eq!(gr(&[[3, 2]], &[[0, 5]]), Err("q_ranges"));
+    assert_eq!(gr(&[[0, 5]], &[[-1, 5]]), Err("kv_ranges"));
+    assert_eq!(gr(&[[0, 6], [5, 10]], &[[0, 5], [0, 10]]), Err("q_ranges"));
+    assert!(gr(&[[0, 5], [5, 10], [7, 7]], &[[0, 5], [0, 10], [2, 2]]).is_ok());
+}
+
+#[test]
+fn buffers_must_match_the_spec() {
+    let spec = varlen_spec(&[(8, 8)], 2, 2, 64, DType::F32, false);
+    let cpu = backend_for(DevicePref::Cpu).unwrap();
+    let good = HostData::F32(vec![0.5; 8 * 2 * 64]);
+    let short = HostData::F32(vec![0.5; 10]);
+    let half = HostData::from_f32(DType::F16, &vec![0.5; 8 * 2 * 64]);
+    assert_eq!(err_arg(cpu.forward(&spec, short.view(), good.view(), good.view()).unwrap_err()), "q");
+    assert_eq!(err_arg(cpu.forward(&spec, good.view(), good.view(), half.view()).unwrap_err()), "v");
+    assert!(matches!(DevicePref::parse("tpu"), Err(Error::InvalidArgument { arg: "device", .. })));
+}
+
+#[test]
+fn device_listing_never_panics() {
+    let st = cubeattn::device::backend_status();
+    assert!(!st.reason.is_empty());
+    if !st.cuda_available {
+        assert!(backend_for(DevicePref::Cuda).is_err());
+        assert_eq!(backend_for(DevicePref::Auto).unwrap().kind(), cubeattn::BackendKind::Cpu);
+    }
+}
