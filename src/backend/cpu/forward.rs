@@ -3,16 +3,16 @@
 
 use rayon::prelude::*;
 
-use super::layout::{from_head_major, matmul, to_head_major, Mat, SharedMut};
+use super::layout::{from_head_major, matmul, to_head_major, to_head_major_t, Mat, SharedMut};
 use super::simd::{exp2_sub_sum, max_of, multiversion, scale_in_place};
 use crate::backend::ForwardOutput;
 use crate::dtype::HostView;
 use crate::spec::{AttnSpec, Segment};
 
 /// Query rows per task.
-pub(crate) const BQ: usize = 64;
+pub(crate) const BQ: usize = 128;
 /// Keys per inner block.
-pub(crate) const BK: usize = 128;
+pub(crate) const BK: usize = 256;
 
 multiversion! {
     /// One key block of online softmax for `rows` rows. On entry `s` holds raw q.k (rows x n);
@@ -80,7 +80,7 @@ pub(crate) fn forward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) ->
     let dm = spec.dims;
     let (d, tq, tk) = (dm.head_dim, dm.total_q, dm.total_k);
     let qh = to_head_major(q, tq, dm.heads_q, d);
-    let kh = to_head_major(k, tk, dm.heads_kv, d);
+    let kt = to_head_major_t(k, tk, dm.heads_kv, d);
     let vh = to_head_major(v, tk, dm.heads_kv, d);
     let mut out = vec![0.0f32; dm.q_len()];
     let mut lse = vec![f32::INFINITY; dm.lse_len()];
@@ -99,7 +99,6 @@ pub(crate) fn forward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) ->
             let rows = BQ.min(seg.q_len - r0);
             let hk = h / dm.group_size();
             let qblk = &qh[(h * tq + seg.q_start + r0) * d..][..rows * d];
-            let kseg = &kh[(hk * tk + seg.k_start) * d..][..seg.k_len * d];
             let vseg = &vh[(hk * tk + seg.k_start) * d..][..seg.k_len * d];
             row_limits(seg, spec.causal, r0, rows, &mut sc.lims);
             let k_hi = sc.lims.iter().copied().max().unwrap_or(0);
@@ -108,7 +107,9 @@ pub(crate) fn forward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) ->
             sc.l[..rows].fill(0.0);
             for kb in (0..k_hi).step_by(BK) {
                 let n = BK.min(k_hi - kb);
-                matmul(&mut sc.s, n, rows, n, d, Mat::rows(qblk, d), Mat::rows_t(&kseg[kb * d..], d), 1.0, false);
+                // K^T block: column (key) k_start + kb.. of head hk's [d, total_k] slab
+                let kt_blk = &kt[hk * d * tk + seg.k_start + kb..];
+                matmul(&mut sc.s, n, rows, n, d, Mat::rows(qblk, d), Mat { ptr: kt_blk.as_ptr(), rs: tk as isize, cs: 1 }, 1.0, false);
                 online_softmax_block(&mut sc.s[..rows * n], n, &sc.lims, kb, c, &mut sc.m[..rows], &mut sc.l[..rows], &mut sc.o[..rows * d], d);
                 matmul(&mut sc.o, d, rows, d, n, Mat::rows(&sc.s, n), Mat::rows(&vseg[kb * d..], d), 1.0, true);
             }

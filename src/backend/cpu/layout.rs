@@ -29,6 +29,31 @@ pub(crate) fn to_head_major(x: HostView, tokens: usize, heads: usize, d: usize) 
     }
 }
 
+/// `[tokens, heads, d]` in any dtype -> `[heads, d, tokens]` f32 (transposed per head, so that
+/// q.k products read K^T row-major, the layout the gemm kernels prefer).
+pub(crate) fn to_head_major_t(x: HostView, tokens: usize, heads: usize, d: usize) -> Vec<f32> {
+    fn go<T: Element>(x: &[T], tokens: usize, heads: usize, d: usize) -> Vec<f32> {
+        let mut out = vec![0.0f32; x.len()];
+        if out.is_empty() {
+            return out;
+        }
+        out.par_chunks_mut(tokens.max(1) * d).enumerate().for_each(|(h, dst)| {
+            for t in 0..tokens {
+                let src = &x[(t * heads + h) * d..][..d];
+                for (c, s) in src.iter().enumerate() {
+                    dst[c * tokens + t] = s.to_f32();
+                }
+            }
+        });
+        out
+    }
+    match x {
+        HostView::F32(s) => go(s, tokens, heads, d),
+        HostView::F16(s) => go(s, tokens, heads, d),
+        HostView::BF16(s) => go(s, tokens, heads, d),
+    }
+}
+
 /// `[heads, tokens, d]` f32 -> `[tokens, heads, d]` in `dtype`.
 pub(crate) fn from_head_major(x: &[f32], tokens: usize, heads: usize, d: usize, dtype: DType) -> HostData {
     fn go<T: Element>(x: &[f32], tokens: usize, heads: usize, d: usize) -> Vec<T> {

@@ -62,9 +62,11 @@ const LANES: usize = 16;
 #[inline(always)]
 pub(crate) fn exp2_neg(x: f32) -> f32 {
     let x = if x < -127.0 { -127.0 } else { x };
-    // round to nearest with the 1.5*2^23 trick (|x| <= 127 here)
-    let n = (x + 12_582_912.0) - 12_582_912.0;
-    let f = x - n; // in [-0.5, 0.5]
+    // round to nearest with the 1.5*2^23 trick (|x| <= 127 here): the integer lands in the low
+    // mantissa bits of `t`, so no float->int conversion (which would not vectorise) is needed.
+    let t = x + 12_582_912.0;
+    let n_int = t.to_bits() as i32 - 0x4B40_0000;
+    let f = x - (t - 12_582_912.0); // in [-0.5, 0.5]
     const C: [f32; 8] = [
         1.0,
         std::f32::consts::LN_2,
@@ -79,7 +81,7 @@ pub(crate) fn exp2_neg(x: f32) -> f32 {
     for i in (0..7).rev() {
         p = p.mul_add(f, C[i]);
     }
-    let bits = ((n as i32 + 127) as u32) << 23;
+    let bits = ((n_int + 127) as u32) << 23;
     p * f32::from_bits(bits)
 }
 

@@ -1,0 +1,28 @@
+//! Times the CPU forward on the shapes: fp32, causal, 8 heads, d=128.
+//! `cargo run --release --example cpu_forward -- 2048 4096`
+use cubeattn::{backend_for, AttnSpec, DType, DevicePref, HostData, TensorMeta};
+use std::time::Instant;
+
+fn main() {
+    let lens: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
+    let lens = if lens.is_empty() { vec![2048, 4096] } else { lens };
+    let (h, d) = (8usize, 128usize);
+    let cpu = backend_for(DevicePref::Cpu).unwrap();
+    for s in lens {
+        let m = TensorMeta::new(&[s, h, d], DType::F32);
+        let cu = [0, s as i32];
+        let spec = AttnSpec::varlen(&m, &m, &m, &cu, &cu, s, s, None, true).unwrap();
+        let x: Vec<f32> = (0..s * h * d).map(|i| ((i * 2654435761usize) % 1000) as f32 / 500.0 - 1.0).collect();
+        let q = HostData::F32(x.clone());
+        let mut times = Vec::new();
+        for _ in 0..5 {
+            let t = Instant::now();
+            let r = cpu.forward(&spec, q.view(), q.view(), q.view()).unwrap();
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+            std::hint::black_box(r);
+        }
+        times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        let ms = times[times.len() / 2];
+        println!("S={s} H={h} d={d} causal fp32: median {ms:.1} ms, {:.1} GFLOP/s", spec.forward_flops() / ms / 1e6);
+    }
+}
