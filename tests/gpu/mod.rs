@@ -1,0 +1,10 @@
+//! Tests that need a CUDA GPU. They skip (printing why) where the CUDA backend cannot start.
+
+#[cfg(feature = "cuda")]
+mod flash_attention;
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn gpu_tests_need_the_cuda_feature() {
+    println!("SKIP: built without the `cuda` feature; GPU tests did not run");
+}
