@@ -1,0 +1,214 @@
+"""cubeattn: flash, grouped (shared K,V, overlapping key ranges) and varlen attention.
+
+CubeCL CUDA kernels when the wheel was built with the ``cuda`` feature and a GPU is present; an
+exact multi-threaded CPU backend otherwise, with the same API. Names and argument order follow
+flash-attn. Layout: q ``[total_q, heads_q, head_dim]``, k/v ``[total_k, heads_kv, head_dim]``;
+lse ``[heads_q, total_q]`` float32. Rows that see no key get zero output and lse ``+inf``.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from . import _core
+from ._arrays import from_core, int32_ranges, int32_vector, lse_out, to_core
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_backward",
+    "grouped_flash_attn_func",
+    "grouped_flash_attn_backward",
+    "devices",
+    "backend_status",
+    "estimate_vram",
+    "last_backend",
+    "varlen_spec",
+    "grouped_spec",
+]
+__version__ = "0.1.0"
+
+_last = threading.local()
+
+
+def last_backend() -> str | None:
+    """Which backend ("cpu" or "cuda") ran this thread's last call."""
+    return getattr(_last, "name", None)
+
+
+def backend_status() -> dict:
+    """{'cuda_compiled', 'cuda_available', 'reason', 'devices'}; never raises for a missing GPU."""
+    return _core.backend_status()
+
+
+def devices() -> list:
+    """CUDA devices: index, name, compute_capability, total/free memory, sm_count, cubecl_ok."""
+    return backend_status()["devices"]
+
+
+def varlen_spec(q_shape, k_shape, dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                softmax_scale=None, causal=False, v_shape=None):
+    """A validated spec for the varlen layout (shapes only; no data needed)."""
+    return _core.varlen_spec(list(q_shape), list(k_shape), list(v_shape or k_shape), dtype,
+                             int32_vector(cu_seqlens_q, "cu_seqlens_q"),
+                             int32_vector(cu_seqlens_k, "cu_seqlens_k"),
+                             _count(max_seqlen_q, "max_seqlen_q"), _count(max_seqlen_k, "max_seqlen_k"),
+                             _scale(softmax_scale), bool(causal))
+
+
+def grouped_spec(q_shape, k_shape, dtype, q_ranges, kv_ranges, softmax_scale=None, causal=True, v_shape=None):
+    """A validated spec for grouped attention (shapes only)."""
+    return _core.grouped_spec(list(q_shape), list(k_shape), list(v_shape or k_shape), dtype,
+                              int32_ranges(q_ranges, "q_ranges"), int32_ranges(kv_ranges, "kv_ranges"),
+                              _scale(softmax_scale), bool(causal))
+
+
+def _count(x, name):
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 0:
+        raise ValueError(f"invalid argument `{name}`: expected a non-negative int, got {x!r}")
+    return int(x)
+
+
+def _scale(s):
+    if s is None:
+        return None
+    if isinstance(s, bool) or not isinstance(s, (int, float, np.floating, np.integer)):
+        raise TypeError(f"invalid argument `softmax_scale`: expected a float or None, got {type(s).__name__}")
+    return float(s)
+
+
+def _check_device(device):
+    if not isinstance(device, str):
+        raise TypeError(f"invalid argument `device`: expected 'auto', 'cpu' or 'cuda', got {device!r}")
+    return device
+
+
+def _run_forward(spec, cq, ck, cv, return_lse, device):
+    out, lse, name = _core.forward(spec, cq.bytes, ck.bytes, cv.bytes, _check_device(device))
+    _last.name = name
+    o = from_core(out, cq.shape, cq.dtype, cq)
+    if not return_lse:
+        return o
+    total_q, _, heads_q, _, _ = spec.dims
+    return o, lse_out(lse, heads_q, total_q, cq)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           softmax_scale=None, causal=False, return_lse=False, device="auto"):
+    """Attention over a packed batch: sequence b has queries cu_seqlens_q[b]:cu_seqlens_q[b+1] and
+    keys cu_seqlens_k[b]:cu_seqlens_k[b+1]. Causal is bottom-right aligned. Returns out (and lse)."""
+    cq, ck, cv = to_core(q, "q"), to_core(k, "k"), to_core(v, "v")
+    spec = _core.varlen_spec(list(cq.shape), list(ck.shape), list(cv.shape), cq.dtype,
+                             int32_vector(cu_seqlens_q, "cu_seqlens_q"), int32_vector(cu_seqlens_k, "cu_seqlens_k"),
+                             _count(max_seqlen_q, "max_seqlen_q"), _count(max_seqlen_k, "max_seqlen_k"),
+                             _scale(softmax_scale), bool(causal))
+    if ck.dtype != cq.dtype or cv.dtype != cq.dtype:
+        raise TypeError(f"invalid dtype: q is {cq.dtype}, k is {ck.dtype}, v is {cv.dtype}; they must match")
+    return _run_forward(spec, cq, ck, cv, return_lse, device)
+
+
+def _batched_to_varlen(q, k, v):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if len(x.shape) != 4:
+            raise ValueError(f"invalid argument `{name}`: expected rank 4 [batch, seqlen, heads, head_dim], got shape {tuple(x.shape)}")
+    b, sq = q.shape[0], q.shape[1]
+    sk = k.shape[1]
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(f"invalid argument `k`: batch {k.shape[0]} differs from q's batch {b}")
+    cu_q = np.arange(b + 1, dtype=np.int32) * sq
+    cu_k = np.arange(b + 1, dtype=np.int32) * sk
+    flat = [x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]) for x in (q, k, v)]
+    return flat, cu_q, cu_k, b, sq, sk
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False, device="auto"):
+    """Batched layout q [batch, seqlen_q, heads_q, d], k/v [batch, seqlen_k, heads_kv, d].
+    Returns out [batch, seqlen_q, heads_q, d] (and lse [batch, heads_q, seqlen_q])."""
+    (fq, fk, fv), cu_q, cu_k, b, sq, sk = _batched_to_varlen(q, k, v)
+    res = flash_attn_varlen_func(fq, fk, fv, cu_q, cu_k, sq, sk, softmax_scale, causal, return_lse, device)
+    if not return_lse:
+        return res.reshape(q.shape)
+    o, lse = res
+    h = q.shape[2]
+    lse = lse.reshape(h, b, sq)
+    lse = lse.permute(1, 0, 2) if hasattr(lse, "permute") else lse.transpose(1, 0, 2)
+    return o.reshape(q.shape), lse
+
+
+def _run_backward(spec, dout, q, k, v, out, lse, deterministic, device):
+    cq, ck, cv = to_core(q, "q"), to_core(k, "k"), to_core(v, "v")
+    co, cg = to_core(out, "out"), to_core(dout, "dout")
+    if _is_torch_obj(lse):
+        lse = lse.detach().cpu().numpy()
+    lse_arr = np.ascontiguousarray(np.asarray(lse, dtype=np.float32)).reshape(-1)
+    dq, dk, dv, name = _core.backward(spec, cq.bytes, ck.bytes, cv.bytes, co.bytes, lse_arr, cg.bytes,
+                                      bool(deterministic), _check_device(device))
+    _last.name = name
+    return (from_core(dq, cq.shape, cq.dtype, cq), from_core(dk, ck.shape, ck.dtype, ck),
+            from_core(dv, cv.shape, cv.dtype, cv))
+
+
+def _is_torch_obj(x):
+    return type(x).__module__.startswith("torch")
+
+
+def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               softmax_scale=None, causal=False, deterministic=False, device="auto"):
+    """Gradients (dq, dk, dv) of flash_attn_varlen_func given dout, its out and lse."""
+    spec = varlen_spec(tuple(q.shape), tuple(k.shape), _dtype_name(q), cu_seqlens_q, cu_seqlens_k,
+                       max_seqlen_q, max_seqlen_k, softmax_scale, causal, v_shape=tuple(v.shape))
+    return _run_backward(spec, dout, q, k, v, out, lse, deterministic, device)
+
+
+def grouped_flash_attn_func(q, k, v, q_ranges, kv_ranges, softmax_scale=None, causal=True, return_lse=False,
+                            device="auto"):
+    """Grouped attention in one launch: group g's query rows q_ranges[g] = [start, end) attend to keys
+    kv_ranges[g] = [start, end) of the shared k, v (key ranges may overlap). Causal is bottom-right
+    inside each group: the group's last query row sees up to kv_ranges[g][1]. Rows in no group get
+    zero output and lse +inf."""
+    cq, ck, cv = to_core(q, "q"), to_core(k, "k"), to_core(v, "v")
+    spec = _core.grouped_spec(list(cq.shape), list(ck.shape), list(cv.shape), cq.dtype,
+                              int32_ranges(q_ranges, "q_ranges"), int32_ranges(kv_ranges, "kv_ranges"),
+                              _scale(softmax_scale), bool(causal))
+    if ck.dtype != cq.dtype or cv.dtype != cq.dtype:
+        raise TypeError(f"invalid dtype: q is {cq.dtype}, k is {ck.dtype}, v is {cv.dtype}; they must match")
+    return _run_forward(spec, cq, ck, cv, return_lse, device)
+
+
+def grouped_flash_attn_backward(dout, q, k, v, out, lse, q_ranges, kv_ranges, softmax_scale=None, causal=True,
+                                deterministic=False, device="auto"):
+    """Gradients (dq, dk, dv) of grouped_flash_attn_func; dk/dv accumulate over overlapping groups."""
+    spec = grouped_spec(tuple(q.shape), tuple(k.shape), _dtype_name(q), q_ranges, kv_ranges, softmax_scale, causal,
+                        v_shape=tuple(v.shape))
+    return _run_backward(spec, dout, q, k, v, out, lse, deterministic, device)
+
+
+def _dtype_name(x):
+    return to_core(x, "q").dtype if not hasattr(x, "dtype") or _is_torch_obj(x) else _np_name(x)
+
+
+def _np_name(x):
+    from ._arrays import _NP_NAMES
+
+    name = _NP_NAMES.get(np.dtype(x.dtype))
+    if name is None:
+        raise TypeError(f"invalid dtype for `q`: {x.dtype}; expected float32, float16 or bfloat16")
+    return name
+
+
+def estimate_vram(q_shape, k_shape, dtype="bfloat16", cu_seqlens_q=None, cu_seqlens_k=None, q_ranges=None,
+                  kv_ranges=None, causal=False, backward=False) -> dict:
+    """Bytes the CUDA backend needs for a call with these shapes: inputs, outputs, lse, workspace, total.
+    Give cu_seqlens (varlen) or q_ranges/kv_ranges (grouped); neither means one sequence."""
+    if q_ranges is not None:
+        spec = grouped_spec(q_shape, k_shape, dtype, q_ranges, kv_ranges, None, causal)
+    else:
+        if cu_seqlens_q is None:
+            cu_seqlens_q = [0, q_shape[0]]
+            cu_seqlens_k = [0, k_shape[0]]
+        cq, ck = np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k)
+        mq = int(np.diff(cq).max()) if cq.size > 1 else 0
+        mk = int(np.diff(ck).max()) if ck.size > 1 else 0
+        spec = varlen_spec(q_shape, k_shape, dtype, cq, ck, mq, mk, None, causal)
+    return _core.estimate_vram(spec, bool(backward))

@@ -1,0 +1,101 @@
+"""Array plumbing: numpy (float32/float16, bfloat16 via ml_dtypes) and torch tensors to the flat
+byte buffers the native core takes, and back. No maths here."""
+from __future__ import annotations
+
+import numpy as np
+
+try:  # optional: bfloat16 numpy arrays
+    import ml_dtypes as _ml
+
+    BF16 = np.dtype(_ml.bfloat16)
+except Exception:  # pragma: no cover - ml_dtypes is optional
+    _ml = None
+    BF16 = None
+
+_NP_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}
+if BF16 is not None:
+    _NP_NAMES[BF16] = "bfloat16"
+
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+class Converted:
+    """One input as the core wants it, plus what is needed to give outputs back in kind."""
+
+    __slots__ = ("bytes", "shape", "dtype", "torch_like")
+
+    def __init__(self, bytes_, shape, dtype, torch_like):
+        self.bytes, self.shape, self.dtype, self.torch_like = bytes_, shape, dtype, torch_like
+
+
+def to_core(x, name: str) -> Converted:
+    """numpy array or torch tensor -> contiguous flat uint8 view (no copy when already contiguous)."""
+    if _is_torch(x):
+        import torch
+
+        names = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+        if x.dtype not in names:
+            raise TypeError(f"invalid dtype for `{name}`: {x.dtype}; expected float32, float16 or bfloat16")
+        t = x.detach()
+        if t.is_cuda:
+            torch.cuda.synchronize(t.device)
+        t = t.contiguous().cpu()
+        flat = t.reshape(-1).view(torch.uint8).numpy()
+        return Converted(flat, tuple(t.shape), names[x.dtype], x)
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"`{name}` must be a numpy array or torch tensor, got {type(x).__name__}")
+    dt = _NP_NAMES.get(x.dtype)
+    if dt is None:
+        hint = " (install ml_dtypes for bfloat16)" if BF16 is None else ""
+        raise TypeError(f"invalid dtype for `{name}`: {x.dtype}; expected float32, float16 or bfloat16{hint}")
+    a = np.ascontiguousarray(x)
+    return Converted(a.reshape(-1).view(np.uint8), tuple(a.shape), dt, None)
+
+
+def from_core(buf: np.ndarray, shape, dtype: str, like: Converted):
+    """Flat bytes from the core -> array of `shape` in the kind (numpy / torch, device) of `like`."""
+    if like.torch_like is not None:
+        import torch
+
+        tdt = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+        t = torch.from_numpy(buf).view(tdt).reshape(shape)
+        return t.to(like.torch_like.device)
+    npdt = {"float32": np.float32, "float16": np.float16}.get(dtype, BF16)
+    return buf.view(npdt).reshape(shape)
+
+
+def lse_out(lse: np.ndarray, heads_q: int, total_q: int, like: Converted):
+    lse = lse.reshape(heads_q, total_q)
+    if like.torch_like is not None:
+        import torch
+
+        return torch.from_numpy(lse).to(like.torch_like.device)
+    return lse
+
+
+def int32_vector(x, name: str) -> np.ndarray:
+    if _is_torch(x):
+        x = x.detach().cpu().numpy()
+    a = np.asarray(x)
+    if a.ndim != 1:
+        raise ValueError(f"invalid argument `{name}`: expected a 1-D int32 array [batch+1], got shape {a.shape}")
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"invalid dtype for `{name}`: {a.dtype}; expected int32")
+    if a.size and (a.max() > np.iinfo(np.int32).max or a.min() < np.iinfo(np.int32).min):
+        raise ValueError(f"invalid argument `{name}`: values do not fit in int32")
+    return np.ascontiguousarray(a, dtype=np.int32)
+
+
+def int32_ranges(x, name: str) -> np.ndarray:
+    if _is_torch(x):
+        x = x.detach().cpu().numpy()
+    a = np.asarray(x)
+    if a.ndim != 2 or (a.size and a.shape[1] != 2):
+        raise ValueError(f"invalid argument `{name}`: expected shape [groups, 2], got {a.shape}")
+    if a.size == 0:
+        a = a.reshape(0, 2)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"invalid dtype for `{name}`: {a.dtype}; expected int32")
+    return np.ascontiguousarray(a, dtype=np.int32)

@@ -1,0 +1,357 @@
+"""Benchmarks: ``python -m cubeattn.bench [dense|grouped] [options]``.
+
+Times cubeattn beside the peers a user would otherwise pick, in the same run, on the same shapes:
+  * CPU: torch's scaled_dot_product_attention on the CPU (when torch is importable) and a naive
+    numpy implementation;
+  * CUDA: torch SDPA (flash and cuDNN backends), FlexAttention, and for grouped attention the
+    per-group calls that people make today.
+Our CUDA kernel is timed on device-resident inputs (no host<->device copies) after warm-up.
+Prints a table, writes JSON (``--json``), and a PNG plot when matplotlib is importable (``--png``).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+import cubeattn
+
+CONFIGS = {"llama3-8b": (32, 8, 128), "llama3-70b": (64, 8, 128), "cpu-small": (8, 8, 128)}
+
+
+def causal_pairs(sq, sk):
+    """Visible (query, key) pairs of one sequence with bottom-right causal alignment."""
+    r = np.arange(sq, dtype=np.int64)
+    return int(np.clip(sk - sq + r + 1, 0, sk).sum())
+
+
+def median_ms(fn, warmup, iters, sync=lambda: None):
+    for _ in range(warmup):
+        fn()
+    sync()
+    ts = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        sync()
+        ts.append((time.perf_counter() - t) * 1e3)
+    ts.sort()
+    return ts[len(ts) // 2], ts[0], ts[-1]
+
+
+def _torch():
+    try:
+        import torch
+
+        return torch
+    except Exception:
+        return None
+
+
+def _git_commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              ).stdout.strip() or None
+    except Exception:
+        return None
+
+
+def environment(device):
+    env = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "commit": _git_commit(),
+           "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
+           "cubeattn": cubeattn.__version__, "device": device}
+    st = cubeattn.backend_status()
+    env["backend_status"] = {k: v for k, v in st.items() if k != "devices"}
+    env["gpus"] = st["devices"]
+    t = _torch()
+    if t is not None:
+        env["torch"] = t.__version__
+        if device == "cuda" and t.cuda.is_available():
+            env["gpu_name"] = t.cuda.get_device_name(0)
+    return env
+
+
+# ---------------------------------------------------------------- CPU
+
+def naive_numpy(q, k, v, causal):
+    """What a user writes without a kernel: materialise the scores per head (float32)."""
+    s_q, h, d = q.shape
+    g = h // k.shape[1]
+    out = np.empty_like(q)
+    for hh in range(h):
+        s = (q[:, hh] @ k[:, hh // g].T) * (1.0 / math.sqrt(d))
+        if causal:
+            s = np.where(np.tri(s_q, k.shape[0], k.shape[0] - s_q, dtype=bool), s, -np.inf)
+        s = np.exp(s - s.max(-1, keepdims=True))
+        out[:, hh] = (s / s.sum(-1, keepdims=True)) @ v[:, hh // g]
+    return out
+
+
+def bench_cpu(args):
+    hq, hkv, d = CONFIGS[args.config]
+    rows = []
+    torch = _torch()
+    rng = np.random.default_rng(0)
+    for s in args.seqlens:
+        q = rng.standard_normal((s, hq, d), dtype=np.float32)
+        k = rng.standard_normal((s, hkv, d), dtype=np.float32)
+        v = rng.standard_normal((s, hkv, d), dtype=np.float32)
+        flops = 4 * d * hq * (causal_pairs(s, s) if args.causal else s * s)
+        cu = np.array([0, s], np.int32)
+
+        def ours():
+            cubeattn.flash_attn_varlen_func(q, k, v, cu, cu, s, s, causal=args.causal, device="cpu")
+        ms = median_ms(ours, 1, args.iterations)
+        rows.append(dict(what="dense_fwd", impl="cubeattn_cpu", S=s, ms=ms[0], ms_min=ms[1], ms_max=ms[2],
+                         gflops=flops / ms[0] / 1e6))
+        if torch is not None:
+            tq, tk, tv = (torch.from_numpy(x).transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v))
+            f = torch.nn.functional.scaled_dot_product_attention
+
+            def peer():
+                f(tq, tk, tv, is_causal=args.causal, enable_gqa=hq != hkv)
+            ms = median_ms(peer, 1, args.iterations)
+            rows.append(dict(what="dense_fwd", impl="torch_sdpa_cpu", S=s, ms=ms[0], ms_min=ms[1], ms_max=ms[2],
+                             gflops=flops / ms[0] / 1e6, threads=torch.get_num_threads()))
+        if s <= args.naive_max:
+            ms = median_ms(lambda: naive_numpy(q, k, v, args.causal), 0, max(1, min(3, args.iterations)))
+            rows.append(dict(what="dense_fwd", impl="naive_numpy", S=s, ms=ms[0], ms_min=ms[1], ms_max=ms[2],
+                             gflops=flops / ms[0] / 1e6))
+    return rows
+
+
+# ---------------------------------------------------------------- CUDA
+
+def _cuda_dense(args, torch):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    hq, hkv, d = CONFIGS[args.config]
+    tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    rows = []
+    sync = torch.cuda.synchronize
+    for s in args.seqlens:
+        flops = 4 * d * hq * (causal_pairs(s, s) if args.causal else s * s)
+        spec = cubeattn.varlen_spec((s, hq, d), (s, hkv, d), args.dtype, [0, s], [0, s], s, s, causal=args.causal)
+        try:
+            ts = sorted(cubeattn._core.cuda_bench_forward(spec, 3, args.iterations))
+            rows.append(dict(what="dense_fwd", impl="cubeattn_cuda", S=s, ms=ts[len(ts) // 2], ms_min=ts[0],
+                             ms_max=ts[-1], tflops=flops / ts[len(ts) // 2] / 1e9))
+        except Exception as e:  # report, keep the peers
+            rows.append(dict(what="dense_fwd", impl="cubeattn_cuda", S=s, error=str(e)[:200]))
+        q = torch.randn(1, hq, s, d, device="cuda", dtype=tdt)
+        k = torch.randn(1, hkv, s, d, device="cuda", dtype=tdt)
+        v = torch.randn_like(k)
+        for name, be in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+            try:
+                def run():
+                    with sdpa_kernel(be):
+                        F.scaled_dot_product_attention(q, k, v, is_causal=args.causal, enable_gqa=True)
+                ms = median_ms(run, 3, args.iterations, sync)
+                rows.append(dict(what="dense_fwd", impl=name, S=s, ms=ms[0], ms_min=ms[1], ms_max=ms[2],
+                                 tflops=flops / ms[0] / 1e9))
+            except Exception as e:
+                rows.append(dict(what="dense_fwd", impl=name, S=s, error=str(e)[:200]))
+        del q, k, v
+    return rows
+
+
+def zigzag_cases(quick):
+    cases = [(16384, 2), (32768, 4), (65536, 8)]
+    return cases[:1] if quick else cases
+
+
+def _cuda_grouped(args, torch):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        flex = torch.compile(flex_attention, dynamic=False)
+    except Exception:
+        flex = None
+    tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    sync = torch.cuda.synchronize
+    rows = []
+    for cfg in args.configs:
+        hq, hkv, d = CONFIGS[cfg]
+        for T, W in zigzag_cases(args.quick):
+            C = T // (2 * W)
+            for r in (0, W - 1):
+                ends = [(r + 1) * C, (2 * W - r) * C]
+                flops = 4 * d * hq * sum(causal_pairs(C, e) for e in ends)
+                key = dict(what="grouped_zigzag_fwd", config=cfg, T=T, W=W, rank=r)
+                spec = cubeattn.grouped_spec((2 * C, hq, d), (T, hkv, d), args.dtype, [[0, C], [C, 2 * C]],
+                                             [[0, ends[0]], [0, ends[1]]], causal=True)
+                try:
+                    ts = sorted(cubeattn._core.cuda_bench_forward(spec, 3, args.iterations))
+                    rows.append(dict(key, impl="cubeattn_grouped", ms=ts[len(ts) // 2], tflops=flops / ts[len(ts) // 2] / 1e9))
+                except Exception as e:
+                    rows.append(dict(key, impl="cubeattn_grouped", error=str(e)[:200]))
+                try:
+                    per = 0.0
+                    for e in ends:
+                        sp = cubeattn.varlen_spec((C, hq, d), (e, hkv, d), args.dtype, [0, C], [0, e], C, e, causal=True)
+                        ts = sorted(cubeattn._core.cuda_bench_forward(sp, 3, args.iterations))
+                        per += ts[len(ts) // 2]
+                    rows.append(dict(key, impl="cubeattn_per_group", ms=per, tflops=flops / per / 1e9))
+                except Exception as e:
+                    rows.append(dict(key, impl="cubeattn_per_group", error=str(e)[:200]))
+                qs = [torch.randn(1, hq, C, d, device="cuda", dtype=tdt) for _ in ends]
+                k = torch.randn(1, hkv, T, d, device="cuda", dtype=tdt)
+                v = torch.randn_like(k)
+
+                def two_calls():
+                    for qq, e in zip(qs, ends):
+                        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                            F.scaled_dot_product_attention(qq, k[:, :, :e], v[:, :, :e],
+                                                           attn_mask=causal_lower_right(C, e), enable_gqa=True)
+                try:
+                    ms = median_ms(two_calls, 3, args.iterations, sync)
+                    rows.append(dict(key, impl="sdpa_flash_per_group", ms=ms[0], tflops=flops / ms[0] / 1e9))
+                except Exception as e:
+                    rows.append(dict(key, impl="sdpa_flash_per_group", error=str(e)[:200]))
+                if flex is not None:
+                    try:
+                        qcat = torch.cat(qs, 2)
+                        e0, e1 = ends
+
+                        def gmask(b, h, qi, ki):
+                            return ki <= torch.where(qi < C, e0 - C + qi, e1 - C + (qi - C))
+                        bm = create_block_mask(gmask, None, None, 2 * C, T, device="cuda")
+                        ms = median_ms(lambda: flex(qcat, k, v, block_mask=bm, enable_gqa=True), 3, args.iterations, sync)
+                        rows.append(dict(key, impl="flex_one_call", ms=ms[0], tflops=flops / ms[0] / 1e9))
+                    except Exception as e:
+                        rows.append(dict(key, impl="flex_one_call", error=str(e)[:200]))
+                del qs, k, v
+    # shared prefix: G groups of Qg queries, group g sees keys [0, P - 256 g), non-causal
+    P, G, Qg = (8192, 8, 8) if args.quick else (32768, 32, 8)
+    hq, hkv, d = CONFIGS["llama3-8b"]
+    ends = [P - 256 * g for g in range(G)]
+    flops = 4 * d * hq * Qg * sum(ends)
+    key = dict(what="shared_prefix_fwd", P=P, G=G, Qg=Qg)
+    spec = cubeattn.grouped_spec((G * Qg, hq, d), (P, hkv, d), args.dtype, [[g * Qg, (g + 1) * Qg] for g in range(G)],
+                                 [[0, e] for e in ends], causal=False)
+    try:
+        ts = sorted(cubeattn._core.cuda_bench_forward(spec, 3, args.iterations))
+        rows.append(dict(key, impl="cubeattn_grouped", ms=ts[len(ts) // 2], tflops=flops / ts[len(ts) // 2] / 1e9))
+    except Exception as e:
+        rows.append(dict(key, impl="cubeattn_grouped", error=str(e)[:200]))
+    k = torch.randn(1, hkv, P, d, device="cuda", dtype=tdt)
+    v = torch.randn_like(k)
+    qs = [torch.randn(1, hq, Qg, d, device="cuda", dtype=tdt) for _ in range(G)]
+
+    def sep():
+        for qq, e in zip(qs, ends):
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                F.scaled_dot_product_attention(qq, k[:, :, :e], v[:, :, :e], enable_gqa=True)
+    ms = median_ms(sep, 3, args.iterations, sync)
+    rows.append(dict(key, impl="sdpa_flash_per_group", ms=ms[0], tflops=flops / ms[0] / 1e9))
+    if flex is not None:
+        try:
+            qcat = torch.cat(qs, 2)
+            endt = torch.tensor(ends, device="cuda")
+
+            def pm(b, h, qi, ki):
+                return ki < endt[qi // Qg]
+            bm = create_block_mask(pm, None, None, G * Qg, P, device="cuda")
+            ms = median_ms(lambda: flex(qcat, k, v, block_mask=bm, enable_gqa=True), 3, args.iterations, sync)
+            rows.append(dict(key, impl="flex_one_call", ms=ms[0], tflops=flops / ms[0] / 1e9))
+        except Exception as e:
+            rows.append(dict(key, impl="flex_one_call", error=str(e)[:200]))
+    kv_bytes_once = 2 * P * hkv * d * 2
+    rows.append(dict(key, impl="kv_bytes", grouped_bytes=kv_bytes_once, separate_bytes=2 * sum(ends) * hkv * d * 2))
+    return rows
+
+
+# ---------------------------------------------------------------- output
+
+def print_table(rows):
+    cols = [c for c in ("what", "config", "impl", "S", "T", "W", "rank", "P", "G", "ms", "gflops", "tflops", "error")
+            if any(c in r for r in rows)]
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
+    table = [[fmt(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for t in table:
+        print("  ".join(x.ljust(w) for x, w in zip(t, widths)))
+
+
+def maybe_png(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return False
+    dense = [r for r in rows if r.get("what") == "dense_fwd" and "ms" in r]
+    if not dense:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for impl in sorted({r["impl"] for r in dense}):
+        pts = [(r["S"], r["ms"]) for r in dense if r["impl"] == impl]
+        ax.plot(*zip(*pts), marker="o", label=impl)
+    ax.set_xscale("log", base=2); ax.set_yscale("log"); ax.set_xlabel("sequence length"); ax.set_ylabel("ms")
+    ax.legend(); fig.tight_layout(); fig.savefig(path)
+    return True
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m cubeattn.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", nargs="?", default="dense", choices=["dense", "grouped"])
+    p.add_argument("--quick", action="store_true", help="small shapes, few iterations")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--config", default=None, choices=sorted(CONFIGS))
+    p.add_argument("--configs", nargs="+", default=["llama3-8b", "llama3-70b"], choices=sorted(CONFIGS))
+    p.add_argument("--seqlens", nargs="+", type=int, default=None)
+    p.add_argument("--iterations", type=int, default=None)
+    p.add_argument("--causal", dest="causal", action="store_true", default=True)
+    p.add_argument("--no-causal", dest="causal", action="store_false")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--naive-max", type=int, default=4096, help="longest S for the naive numpy peer")
+    p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("--png", default=None, help="write a plot here (needs matplotlib)")
+    args = p.parse_args(argv)
+    st = cubeattn.backend_status()
+    device = args.device if args.device != "auto" else ("cuda" if st["cuda_available"] else "cpu")
+    if device == "cuda" and not st["cuda_available"]:
+        p.error(f"--device cuda: {st['reason']}")
+    if device == "cpu":
+        args.config = args.config or "cpu-small"
+        args.seqlens = args.seqlens or ([1024, 2048] if args.quick else [2048, 4096])
+        args.iterations = args.iterations or (3 if args.quick else 5)
+        if args.what == "grouped":
+            p.error("the grouped benchmark compares GPU kernels: run it with a CUDA build on a GPU")
+        rows = bench_cpu(args)
+    else:
+        torch = _torch()
+        if torch is None or not torch.cuda.is_available():
+            p.error("the CUDA benchmark needs torch with CUDA for the peers")
+        args.config = args.config or "llama3-8b"
+        args.seqlens = args.seqlens or ([4096, 8192] if args.quick else [4096, 8192, 16384, 32768])
+        args.iterations = args.iterations or (5 if args.quick else 20)
+        rows = _cuda_dense(args, torch) if args.what == "dense" else _cuda_grouped(args, torch)
+    env = environment(device)
+    print(f"# cubeattn bench {args.what} on {device}: {env.get('gpu_name', platform.processor() or 'cpu')}, "
+          f"{env['date']}, commit {env['commit']}")
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": env, "args": vars(args), "rows": rows}, f, indent=1)
+    if args.png:
+        maybe_png(rows, args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,315 @@
+//! PyO3 bindings: the `cubeattn._core` extension module. Converts, validates once (through the
+//! spec), releases the GIL while computing, and maps every error to a Python exception. No panic
+//! crosses the boundary: backend calls run under `catch_unwind`.
+//!
+//! Arrays cross as flat byte arrays plus shape and dtype name; `python/cubeattn` does the numpy
+//! and torch viewing, so bfloat16 (ml_dtypes or torch) needs no special support here.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use numpy::{PyArray1, PyReadonlyArray1, PyReadonlyArray2};
+use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::backend::{backend_for, BackwardInputs, DevicePref};
+use crate::dtype::{DType, HostData, HostView};
+use crate::error::Error;
+use crate::spec::{AttnSpec, TensorMeta};
+
+fn to_py(e: Error) -> PyErr {
+    match e {
+        Error::InvalidArgument { .. } | Error::Unsupported { .. } => PyValueError::new_err(e.to_string()),
+        Error::InvalidDtype { .. } => PyTypeError::new_err(e.to_string()),
+        Error::BackendUnavailable { .. } | Error::Device(_) => PyRuntimeError::new_err(e.to_string()),
+    }
+}
+
+/// Runs `f` without the GIL and turns a panic into RuntimeError.
+fn run_detached<T: Send>(py: Python<'_>, f: impl FnOnce() -> crate::Result<T> + Send) -> PyResult<T> {
+    let r = py.detach(|| catch_unwind(AssertUnwindSafe(f)));
+    match r {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(to_py(e)),
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown panic".into());
+            if msg.contains("memory") {
+                Err(PyMemoryError::new_err(msg))
+            } else {
+                Err(PyRuntimeError::new_err(format!("internal error in cubeattn: {msg}")))
+            }
+        }
+    }
+}
+
+fn parse_dtype(name: &str) -> PyResult<DType> {
+    DType::parse(name).ok_or_else(|| PyTypeError::new_err(format!("unsupported dtype {name:?}: expected float32, float16 or bfloat16")))
+}
+
+/// A flat little-endian byte buffer from Python, viewed as `dtype` elements.
+enum Buf {
+    Borrowed(*const u8, usize),
+    Owned(HostData),
+}
+// SAFETY: the pointer refers to a numpy buffer that the caller keeps borrowed (readonly) for the
+// whole call, during which nothing else can write it.
+unsafe impl Send for Buf {}
+unsafe impl Sync for Buf {}
+
+impl Buf {
+    fn new(arr: &PyReadonlyArray1<'_, u8>, dtype: DType, arg: &'static str) -> PyResult<Buf> {
+        let bytes = arr.as_slice().map_err(|_| PyValueError::new_err(format!("`{arg}` must be contiguous")))?;
+        if bytes.len() % dtype.size() != 0 {
+            return Err(PyValueError::new_err(format!("`{arg}` byte length is not a multiple of the element size")));
+        }
+        if (bytes.as_ptr() as usize) % dtype.size() == 0 {
+            Ok(Buf::Borrowed(bytes.as_ptr(), bytes.len()))
+        } else {
+            Ok(Buf::Owned(HostData::from_bytes(dtype, bytes)))
+        }
+    }
+    fn view(&self, dtype: DType) -> HostView<'_> {
+        match self {
+            Buf::Owned(d) => d.view(),
+            Buf::Borrowed(p, n) => {
+                // SAFETY: alignment and length were checked in `new`; the buffer outlives `self`.
+                let bytes = unsafe { std::slice::from_raw_parts(*p, *n) };
+                match dtype {
+                    DType::F32 => HostView::F32(bytemuck::cast_slice(bytes)),
+                    DType::F16 => HostView::F16(bytemuck::cast_slice(bytes)),
+                    DType::BF16 => HostView::BF16(bytemuck::cast_slice(bytes)),
+                }
+            }
+        }
+    }
+}
+
+fn bytes_out<'py>(py: Python<'py>, data: &HostData) -> Bound<'py, PyArray1<u8>> {
+    PyArray1::from_slice(py, data.view().as_bytes())
+}
+
+/// A validated attention call (shapes, dtype, scale, causal, segments).
+#[pyclass(name = "Spec", module = "cubeattn._core", frozen)]
+struct PySpec {
+    inner: AttnSpec,
+}
+
+#[pymethods]
+impl PySpec {
+    #[getter]
+    fn softmax_scale(&self) -> f32 {
+        self.inner.scale
+    }
+    #[getter]
+    fn causal(&self) -> bool {
+        self.inner.causal
+    }
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.inner.dtype.name()
+    }
+    /// (total_q, total_k, heads_q, heads_kv, head_dim)
+    #[getter]
+    fn dims(&self) -> (usize, usize, usize, usize, usize) {
+        let d = self.inner.dims;
+        (d.total_q, d.total_k, d.heads_q, d.heads_kv, d.head_dim)
+    }
+    /// Matmul FLOPs of the forward pass.
+    #[getter]
+    fn forward_flops(&self) -> f64 {
+        self.inner.forward_flops()
+    }
+    #[getter]
+    fn num_segments(&self) -> usize {
+        self.inner.segments.len()
+    }
+    fn __repr__(&self) -> String {
+        let d = self.inner.dims;
+        format!(
+            "Spec({:?}, total_q={}, total_k={}, heads={}/{}, head_dim={}, dtype={}, causal={}, scale={})",
+            self.inner.layout, d.total_q, d.total_k, d.heads_q, d.heads_kv, d.head_dim, self.inner.dtype.name(), self.inner.causal, self.inner.scale
+        )
+    }
+}
+
+fn metas(q_shape: Vec<usize>, k_shape: Vec<usize>, v_shape: Vec<usize>, dtype: &str) -> PyResult<[TensorMeta; 3]> {
+    let dt = parse_dtype(dtype)?;
+    Ok([TensorMeta::new(&q_shape, dt), TensorMeta::new(&k_shape, dt), TensorMeta::new(&v_shape, dt)])
+}
+
+#[pyfunction]
+#[pyo3(signature = (q_shape, k_shape, v_shape, dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal))]
+#[allow(clippy::too_many_arguments)]
+fn varlen_spec(
+    q_shape: Vec<usize>,
+    k_shape: Vec<usize>,
+    v_shape: Vec<usize>,
+    dtype: &str,
+    cu_seqlens_q: PyReadonlyArray1<'_, i32>,
+    cu_seqlens_k: PyReadonlyArray1<'_, i32>,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+    softmax_scale: Option<f64>,
+    causal: bool,
+) -> PyResult<PySpec> {
+    let [q, k, v] = metas(q_shape, k_shape, v_shape, dtype)?;
+    let cq = cu_seqlens_q.as_slice().map_err(|_| PyValueError::new_err("`cu_seqlens_q` must be contiguous"))?;
+    let ck = cu_seqlens_k.as_slice().map_err(|_| PyValueError::new_err("`cu_seqlens_k` must be contiguous"))?;
+    AttnSpec::varlen(&q, &k, &v, cq, ck, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+        .map(|inner| PySpec { inner })
+        .map_err(to_py)
+}
+
+fn ranges(a: &PyReadonlyArray2<'_, i32>, arg: &str) -> PyResult<Vec<[i32; 2]>> {
+    let view = a.as_array();
+    if view.shape()[1] != 2 {
+        return Err(PyValueError::new_err(format!("invalid argument `{arg}`: expected shape [groups, 2], got {:?}", view.shape())));
+    }
+    Ok(view.rows().into_iter().map(|r| [r[0], r[1]]).collect())
+}
+
+#[pyfunction]
+#[pyo3(signature = (q_shape, k_shape, v_shape, dtype, q_ranges, kv_ranges, softmax_scale, causal))]
+#[allow(clippy::too_many_arguments)]
+fn grouped_spec(
+    q_shape: Vec<usize>,
+    k_shape: Vec<usize>,
+    v_shape: Vec<usize>,
+    dtype: &str,
+    q_ranges: PyReadonlyArray2<'_, i32>,
+    kv_ranges: PyReadonlyArray2<'_, i32>,
+    softmax_scale: Option<f64>,
+    causal: bool,
+) -> PyResult<PySpec> {
+    let [q, k, v] = metas(q_shape, k_shape, v_shape, dtype)?;
+    let qr = ranges(&q_ranges, "q_ranges")?;
+    let kr = ranges(&kv_ranges, "kv_ranges")?;
+    AttnSpec::grouped(&q, &k, &v, &qr, &kr, softmax_scale, causal).map(|inner| PySpec { inner }).map_err(to_py)
+}
+
+/// Forward: returns (out bytes, lse f32 [heads_q * total_q], backend name).
+#[pyfunction]
+#[pyo3(signature = (spec, q, k, v, device="auto"))]
+fn forward<'py>(
+    py: Python<'py>,
+    spec: &PySpec,
+    q: PyReadonlyArray1<'py, u8>,
+    k: PyReadonlyArray1<'py, u8>,
+    v: PyReadonlyArray1<'py, u8>,
+    device: &str,
+) -> PyResult<(Bound<'py, PyArray1<u8>>, Bound<'py, PyArray1<f32>>, &'static str)> {
+    let pref = DevicePref::parse(device).map_err(to_py)?;
+    let dt = spec.inner.dtype;
+    let (qb, kb, vb) = (Buf::new(&q, dt, "q")?, Buf::new(&k, dt, "k")?, Buf::new(&v, dt, "v")?);
+    let s = &spec.inner;
+    let (res, kind) = run_detached(py, || {
+        let be = backend_for(pref)?;
+        Ok((be.forward(s, qb.view(dt), kb.view(dt), vb.view(dt))?, be.kind().name()))
+    })?;
+    Ok((bytes_out(py, &res.out), PyArray1::from_vec(py, res.lse), kind))
+}
+
+/// Backward: returns (dq bytes, dk bytes, dv bytes, backend name).
+#[pyfunction]
+#[pyo3(signature = (spec, q, k, v, out, lse, dout, deterministic=false, device="auto"))]
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+fn backward<'py>(
+    py: Python<'py>,
+    spec: &PySpec,
+    q: PyReadonlyArray1<'py, u8>,
+    k: PyReadonlyArray1<'py, u8>,
+    v: PyReadonlyArray1<'py, u8>,
+    out: PyReadonlyArray1<'py, u8>,
+    lse: PyReadonlyArray1<'py, f32>,
+    dout: PyReadonlyArray1<'py, u8>,
+    deterministic: bool,
+    device: &str,
+) -> PyResult<(Bound<'py, PyArray1<u8>>, Bound<'py, PyArray1<u8>>, Bound<'py, PyArray1<u8>>, &'static str)> {
+    let pref = DevicePref::parse(device).map_err(to_py)?;
+    let dt = spec.inner.dtype;
+    let (qb, kb, vb) = (Buf::new(&q, dt, "q")?, Buf::new(&k, dt, "k")?, Buf::new(&v, dt, "v")?);
+    let (ob, gb) = (Buf::new(&out, dt, "out")?, Buf::new(&dout, dt, "dout")?);
+    let lse = lse.as_slice().map_err(|_| PyValueError::new_err("`lse` must be contiguous"))?;
+    let s = &spec.inner;
+    let (g, kind) = run_detached(py, || {
+        let be = backend_for(pref)?;
+        let inputs = BackwardInputs { out: ob.view(dt), lse, dout: gb.view(dt), deterministic };
+        Ok((be.backward(s, qb.view(dt), kb.view(dt), vb.view(dt), inputs)?, be.kind().name()))
+    })?;
+    Ok((bytes_out(py, &g.dq), bytes_out(py, &g.dk), bytes_out(py, &g.dv), kind))
+}
+
+fn device_dict<'py>(py: Python<'py>, d: &crate::device::DeviceInfo) -> PyResult<Bound<'py, PyDict>> {
+    let x = PyDict::new(py);
+    x.set_item("index", d.index)?;
+    x.set_item("name", &d.name)?;
+    x.set_item("compute_capability", d.compute_capability)?;
+    x.set_item("total_memory", d.total_memory)?;
+    x.set_item("free_memory", d.free_memory)?;
+    x.set_item("sm_count", d.sm_count)?;
+    x.set_item("cubecl_ok", d.cubecl_ok)?;
+    Ok(x)
+}
+
+#[pyfunction]
+fn backend_status(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let st = py.detach(|| catch_unwind(crate::device::backend_status))
+        .map_err(|_| PyRuntimeError::new_err("device detection failed"))?;
+    let x = PyDict::new(py);
+    x.set_item("cuda_compiled", st.cuda_compiled)?;
+    x.set_item("cuda_available", st.cuda_available)?;
+    x.set_item("reason", st.reason)?;
+    let devs = st.devices.iter().map(|d| device_dict(py, d)).collect::<PyResult<Vec<_>>>()?;
+    x.set_item("devices", devs)?;
+    Ok(x)
+}
+
+/// VRAM estimate in bytes for a call of this spec on the CUDA backend.
+#[pyfunction]
+#[pyo3(signature = (spec, backward=false))]
+fn estimate_vram<'py>(py: Python<'py>, spec: &PySpec, backward: bool) -> PyResult<Bound<'py, PyDict>> {
+    let e = crate::vram::estimate(&spec.inner.dims, spec.inner.dtype, spec.inner.segments.len(), backward);
+    let x = PyDict::new(py);
+    x.set_item("inputs", e.inputs)?;
+    x.set_item("outputs", e.outputs)?;
+    x.set_item("lse", e.lse)?;
+    x.set_item("workspace", e.workspace)?;
+    x.set_item("total", e.total)?;
+    Ok(x)
+}
+
+/// Times the CUDA forward kernel on device-resident random inputs: per-iteration ms.
+#[pyfunction]
+#[pyo3(signature = (spec, warmup=3, iters=10))]
+fn cuda_bench_forward(py: Python<'_>, spec: &PySpec, warmup: usize, iters: usize) -> PyResult<Vec<f64>> {
+    let s = &spec.inner;
+    run_detached(py, || cuda_bench(s, warmup, iters))
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_bench(s: &AttnSpec, warmup: usize, iters: usize) -> crate::Result<Vec<f64>> {
+    crate::backend::cuda::bench_forward(s, warmup, iters)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_bench(_s: &AttnSpec, _warmup: usize, _iters: usize) -> crate::Result<Vec<f64>> {
+    Err(Error::BackendUnavailable { backend: "cuda", reason: "this build of cubeattn has no `cuda` feature".into() })
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PySpec>()?;
+    m.add_function(wrap_pyfunction!(varlen_spec, m)?)?;
+    m.add_function(wrap_pyfunction!(grouped_spec, m)?)?;
+    m.add_function(wrap_pyfunction!(forward, m)?)?;
+    m.add_function(wrap_pyfunction!(backward, m)?)?;
+    m.add_function(wrap_pyfunction!(backend_status, m)?)?;
+    m.add_function(wrap_pyfunction!(estimate_vram, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_bench_forward, m)?)?;
+    m.add("CUDA_COMPILED", cfg!(feature = "cuda"))?;
+    Ok(())
+}

@@ -1,0 +1,118 @@
+import numpy as np
+import pytest
+
+import cubeattn
+
+
+def ref_attention(q, k, v, segments, causal, scale=None):
+    """f64 numpy reference over (q_start, q_len, k_start, k_len) segments; bottom-right causal."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    tq, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    out = np.zeros_like(q)
+    lse = np.full((hq, tq), np.inf)
+    for (qs, ql, ks, kl) in segments:
+        if ql == 0 or kl == 0:
+            continue
+        kk = np.repeat(k[ks:ks + kl], g, axis=1)  # [kl, hq, d]
+        vv = np.repeat(v[ks:ks + kl], g, axis=1)
+        s = np.einsum("qhd,khd->hqk", q[qs:qs + ql], kk) * scale
+        if causal:
+            r = np.arange(ql)[:, None]
+            j = np.arange(kl)[None, :]
+            s = np.where(j <= kl - ql + r, s, -np.inf)
+        m = s.max(-1, keepdims=True)
+        seen = np.isfinite(m)
+        m = np.where(seen, m, 0.0)
+        p = np.exp(s - m)
+        l = p.sum(-1, keepdims=True)
+        p = np.where(l > 0, p / np.where(l > 0, l, 1), 0.0)
+        out[qs:qs + ql] = np.einsum("hqk,khd->qhd", p, vv)
+        lse[:, qs:qs + ql] = np.where(l[..., 0] > 0, (m + np.log(np.where(l > 0, l, 1)))[..., 0], np.inf)
+    return out, lse
+
+
+def ref_backward(q, k, v, dout, segments, causal, scale=None):
+    """f64 gradients by the explicit softmax Jacobian (small sizes only)."""
+    q, k, v, dout = (np.asarray(x, dtype=np.float64) for x in (q, k, v, dout))
+    tq, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for (qs, ql, ks, kl) in segments:
+        if ql == 0 or kl == 0:
+            continue
+        kk = np.repeat(k[ks:ks + kl], g, axis=1)
+        vv = np.repeat(v[ks:ks + kl], g, axis=1)
+        s = np.einsum("qhd,khd->hqk", q[qs:qs + ql], kk) * scale
+        mask = np.ones((ql, kl), bool)
+        if causal:
+            mask = np.arange(kl)[None, :] <= kl - ql + np.arange(ql)[:, None]
+        s = np.where(mask, s, -np.inf)
+        m = s.max(-1, keepdims=True)
+        m = np.where(np.isfinite(m), m, 0.0)
+        p = np.exp(s - m)
+        l = p.sum(-1, keepdims=True)
+        p = np.where(l > 0, p / np.where(l > 0, l, 1), 0.0)
+        do = dout[qs:qs + ql]
+        dvv = np.einsum("hqk,qhd->khd", p, do)
+        dp = np.einsum("qhd,khd->hqk", do, vv)
+        ds = p * (dp - (p * dp).sum(-1, keepdims=True))
+        dq[qs:qs + ql] += np.einsum("hqk,khd->qhd", ds, kk) * scale
+        dkk = np.einsum("hqk,qhd->khd", ds, q[qs:qs + ql]) * scale
+        dk[ks:ks + kl] += dkk.reshape(kl, hkv, g, d).sum(2)
+        dv[ks:ks + kl] += dvv.reshape(kl, hkv, g, d).sum(2)
+    return dq, dk, dv
+
+
+def varlen_segments(cu_q, cu_k):
+    return [(int(cu_q[b]), int(cu_q[b + 1] - cu_q[b]), int(cu_k[b]), int(cu_k[b + 1] - cu_k[b]))
+            for b in range(len(cu_q) - 1)]
+
+
+def grouped_segments(q_ranges, kv_ranges):
+    return [(int(a), int(b - a), int(c), int(d - c)) for (a, b), (c, d) in zip(q_ranges, kv_ranges)]
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    n = np.linalg.norm(b)
+    return np.linalg.norm(a - b) / (n if n > 0 else 1.0)
+
+
+DTYPES = ["float32", "float16", "bfloat16"]
+# forward: seed tolerance 1e-3 plus the output dtype's rounding; relative-norm bound per dtype
+FWD_TOL = {"float32": (1e-5, 1e-5), "float16": (1e-3 + 2 ** -11, 2e-3), "bfloat16": (1e-3 + 2 ** -8, 8e-3)}
+BWD_TOL = {"float32": (1e-4, 1e-4), "float16": (1e-2, 5e-3), "bfloat16": (1e-2, 2e-2)}
+
+
+def np_dtype(name):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
+def rand(rng, shape, dtype, amp=1.0):
+    return rng.uniform(-amp, amp, size=shape).astype(np.float32).astype(np_dtype(dtype))
+
+
+def cuda_available():
+    try:
+        return cubeattn.backend_status()["cuda_available"]
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if cuda_available():
+        return
+    reason = cubeattn.backend_status()["reason"]
+    skip = pytest.mark.skip(reason=f"no usable CUDA backend: {reason}")
+    for it in items:
+        if "gpu" in it.keywords:
+            it.add_marker(skip)

@@ -1,0 +1,87 @@
+import numpy as np
+import pytest
+
+import cubeattn
+
+
+def qkv(tq=10, tk=10, hq=4, hkv=2, d=64, dtype=np.float32):
+    return (np.ones((tq, hq, d), dtype), np.ones((tk, hkv, d), dtype), np.ones((tk, hkv, d), dtype))
+
+
+CU = np.array([0, 10], np.int32)
+
+
+@pytest.mark.parametrize("kwargs, exc, arg", [
+    (dict(q=np.ones((10, 64), np.float32)), ValueError, "`q`"),
+    (dict(k=np.ones((10, 3, 64), np.float32), v=np.ones((10, 3, 64), np.float32)), ValueError, "`k`"),
+    (dict(k=np.ones((10, 2, 32), np.float32), v=np.ones((10, 2, 32), np.float32)), ValueError, "`k`"),
+    (dict(v=np.ones((9, 2, 64), np.float32)), ValueError, "`v`"),
+    (dict(q=np.ones((10, 4, 0), np.float32), k=np.ones((10, 2, 0), np.float32), v=np.ones((10, 2, 0), np.float32)), ValueError, "head_dim"),
+    (dict(k=np.ones((10, 2, 64), np.float16)), TypeError, "dtype"),
+    (dict(q=np.ones((10, 4, 64), np.int32)), TypeError, "`q`"),
+    (dict(q=[[1.0]]), TypeError, "`q`"),
+    (dict(cu_seqlens_q=np.array([1, 10], np.int32)), ValueError, "`cu_seqlens_q`"),
+    (dict(cu_seqlens_k=np.array([0, 8, 6, 10], np.int32), cu_seqlens_q=np.array([0, 3, 6, 10], np.int32)), ValueError, "`cu_seqlens_k`"),
+    (dict(cu_seqlens_k=np.array([0, 9], np.int32)), ValueError, "`cu_seqlens_k`"),
+    (dict(cu_seqlens_q=np.array([[0, 10]], np.int32)), ValueError, "`cu_seqlens_q`"),
+    (dict(cu_seqlens_q=np.array([0.0, 10.0])), TypeError, "`cu_seqlens_q`"),
+    (dict(max_seqlen_q=3), ValueError, "`max_seqlen_q`"),
+    (dict(max_seqlen_k=-1), ValueError, "`max_seqlen_k`"),
+    (dict(softmax_scale=float("nan")), ValueError, "`softmax_scale`"),
+    (dict(softmax_scale=float("inf")), ValueError, "`softmax_scale`"),
+    (dict(softmax_scale="big"), TypeError, "`softmax_scale`"),
+    (dict(device="tpu"), ValueError, "`device`"),
+])
+def test_varlen_bad_inputs_raise_naming_the_argument(kwargs, exc, arg):
+    q, k, v = qkv()
+    args = dict(q=q, k=k, v=v, cu_seqlens_q=CU, cu_seqlens_k=CU, max_seqlen_q=10, max_seqlen_k=10)
+    args.update(kwargs)
+    with pytest.raises(exc, match=arg):
+        cubeattn.flash_attn_varlen_func(**args)
+
+
+@pytest.mark.parametrize("q_ranges, kv_ranges, arg", [
+    (np.zeros((0, 2), np.int32), np.zeros((0, 2), np.int32), "q_ranges"),
+    ([[0, 5]], [[0, 5], [0, 6]], "kv_ranges"),
+    ([[0, 11]], [[0, 5]], "q_ranges"),
+    ([[0, 6], [5, 10]], [[0, 5], [0, 5]], "q_ranges"),
+    ([[0, 5]], [[-1, 5]], "kv_ranges"),
+    ([[0, 5, 1]], [[0, 5]], "q_ranges"),
+])
+def test_grouped_bad_ranges(q_ranges, kv_ranges, arg):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=arg):
+        cubeattn.grouped_flash_attn_func(q, k, v, q_ranges, kv_ranges)
+
+
+def test_backward_bad_lse_length():
+    q, k, v = qkv()
+    out = cubeattn.flash_attn_varlen_func(q, k, v, CU, CU, 10, 10)
+    with pytest.raises(ValueError, match="`lse`"):
+        cubeattn.flash_attn_varlen_backward(out, q, k, v, out, np.zeros(3, np.float32), CU, CU, 10, 10)
+
+
+def test_cuda_request_without_cuda_is_a_clear_error():
+    if cubeattn.backend_status()["cuda_available"]:
+        pytest.skip("CUDA is available here")
+    q, k, v = qkv()
+    with pytest.raises(RuntimeError, match="cuda"):
+        cubeattn.flash_attn_varlen_func(q, k, v, CU, CU, 10, 10, device="cuda")
+
+
+def test_devices_and_status_never_raise():
+    st = cubeattn.backend_status()
+    assert isinstance(st["reason"], str) and st["reason"]
+    assert isinstance(cubeattn.devices(), list)
+
+
+def test_estimate_vram_breakdown():
+    e = cubeattn.estimate_vram((4096, 32, 128), (4096, 8, 128), "bfloat16")
+    assert e["inputs"] == (4096 * 32 * 128 + 2 * 4096 * 8 * 128) * 2
+    assert e["outputs"] == 4096 * 32 * 128 * 2
+    assert e["lse"] == 32 * 4096 * 4
+    assert e["total"] == e["inputs"] + e["outputs"] + e["lse"] + e["workspace"]
+    b = cubeattn.estimate_vram((4096, 32, 128), (4096, 8, 128), "bfloat16", backward=True)
+    assert b["total"] > e["total"]
+    with pytest.raises(ValueError, match="`k`"):
+        cubeattn.estimate_vram((4096, 32, 128), (4096, 7, 128), "bfloat16")
