@@ -3,8 +3,8 @@
 //!
 //! One cube = one (query tile, query head). The query tile comes from a host-built work list of
 //! `(segment id, first row of the tile inside the segment)`, so varlen batches and grouped
-//! attention (overlapping key windows over one K,V) are the same launch. Four planes (warps) per
-//! cube, 16 query rows each (BLOCK_M = 64); key tiles of BLOCK_N = 64 rows staged in shared memory.
+//! attention (overlapping key windows over one K,V) are the same launch. Eight planes (warps) per
+//! cube, 16 query rows each (BLOCK_M = 128); key tiles of BLOCK_N = 64 rows staged in shared memory.
 //! Scores, softmax statistics and the output accumulator stay in registers; P is re-used as the A
 //! operand of P.V without a trip through shared memory (the accumulator and A-operand register
 //! layouts of m16n8k16 line up).
@@ -17,11 +17,11 @@ use cubecl::prelude::*;
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 
 /// Query rows per cube.
-pub const BLOCK_M: usize = 64;
+pub const BLOCK_M: usize = 16 * PLANES;
 /// Keys per shared-memory tile.
 pub const BLOCK_N: usize = 64;
 /// Planes (warps) per cube.
-pub const PLANES: usize = 4;
+pub const PLANES: usize = 8;
 /// Width of the global-memory vector loads (elements): 16 bytes of f16/bf16.
 pub const LOAD_VEC: usize = 8;
 /// Padding (elements) added to each shared-memory row to spread banks.
@@ -98,10 +98,19 @@ pub fn flash_fwd_mma<E: Float, NV: Size>(
             let g = ((q_start + row_local) * heads_q + head) as usize * vecs_per_row + c;
             val = q[g];
         }
-        let base = r * stride + c * LOAD_VEC;
-        #[unroll]
-        for e in 0..LOAD_VEC {
-            kv_smem[base + e] = val[e];
+        // Rows [0, BLOCK_N) are staged in the K buffer, the rest in the V buffer.
+        if r < BLOCK_N {
+            let base = r * stride + c * LOAD_VEC;
+            #[unroll]
+            for e in 0..LOAD_VEC {
+                kv_smem[base + e] = val[e];
+            }
+        } else {
+            let base = (r - BLOCK_N) * stride + c * LOAD_VEC;
+            #[unroll]
+            for e in 0..LOAD_VEC {
+                v_smem[base + e] = val[e];
+            }
         }
     }
     sync_cube();
@@ -128,8 +137,12 @@ pub fn flash_fwd_mma<E: Float, NV: Size>(
             #[unroll]
             for j in 0..sa {
                 let (row, col) = def.position_of_nth(lane, (i * sa + j) as u32, MatrixIdent::A);
-                let r = plane * 16 + row;
-                reg[j] = kv_smem[r as usize * stride + ks * 16 + col as usize];
+                let r = (plane * 16 + row) as usize;
+                if r < BLOCK_N {
+                    reg[j] = kv_smem[r * stride + ks * 16 + col as usize];
+                } else {
+                    reg[j] = v_smem[(r - BLOCK_N) * stride + ks * 16 + col as usize];
+                }
             }
             qf[ks * va + i] = reg;
         }
