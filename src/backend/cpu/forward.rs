@@ -12,7 +12,7 @@ use crate::spec::{AttnSpec, Segment};
 /// Query rows per task.
 pub(crate) const BQ: usize = 128;
 /// Keys per inner block.
-pub(crate) const BK: usize = 256;
+pub(crate) const BK: usize = 512;
 
 multiversion! {
     /// One key block of online softmax for `rows` rows. On entry `s` holds raw q.k (rows x n);
