@@ -5,7 +5,9 @@ pub mod cpu;
 pub mod cuda;
 
 use crate::dtype::{HostData, HostView};
-use crate::error::{invalid, Error, Result};
+use crate::error::{invalid, Result};
+#[cfg(not(feature = "cuda"))]
+use crate::error::Error;
 use crate::spec::AttnSpec;
 
 /// Which backend ran a call.

@@ -1,0 +1,27 @@
+# Sourced by the other scripts: a virtual environment with the pinned tools, and the wheel build.
+# CUBEATTN_VENV: where the virtual environment lives (default .venv)
+# CUBEATTN_FEATURES: cargo features of the wheel besides `python` (default "cuda"; "" for CPU only)
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+VENV=${CUBEATTN_VENV:-$ROOT/.venv}
+FEATURES=${CUBEATTN_FEATURES-cuda}
+
+need() { command -v "$1" >/dev/null 2>&1 || { echo "error: '$1' not found: $2" >&2; exit 1; }; }
+
+setup_venv() {
+  need cargo "install a Rust toolchain (https://rustup.rs)"
+  need python3 "install Python 3.9 or newer"
+  if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV"
+  fi
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r "$ROOT/requirements-dev.txt"
+}
+
+build_wheel() {
+  rm -f "$ROOT"/dist/cubeattn-*.whl
+  local feat=()
+  [ -n "$FEATURES" ] && feat=(--features "$FEATURES")
+  "$VENV/bin/maturin" build --release --quiet -o "$ROOT/dist" "${feat[@]}"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$ROOT"/dist/cubeattn-*.whl
+}

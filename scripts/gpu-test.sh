@@ -1,0 +1,224 @@
+#!/usr/bin/env bash
+# GPU workflows for cubeattn.
+#
+#   scripts/gpu-test.sh COMMAND [TARGET] [--verbose] [--release] [--iterations N] [--min-vram GB]
+#
+# COMMAND   validate   GPU, driver, NVRTC, CUDA headers, free VRAM >= --min-vram, CubeCL starts
+#           test       GPU tests of TARGET (Rust test binary + pytest -m gpu)
+#           benchmark  python -m cubeattn.bench for TARGET, JSON + table under bench/results/
+#           profile    ncu (--clock-control none) on one kernel launch of TARGET: registers,
+#                      shared memory, duration, achieved TFLOP/s; falls back to nsys
+#           clean      remove build outputs, wheels and logs
+# TARGET    flash_attention | grouped | sparse | zigzag | all   (default: all)
+#
+# Two ways to run:
+#  * on a GPU box with cargo: builds the test binary (cargo test --features cuda --no-run) and the
+#    wheel (maturin, features python,cuda) as needed;
+#  * on a GPU box without cargo, from prebuilt artifacts made elsewhere: point CUBEATTN_TEST_BIN at
+#    the gpu_main test binary and CUBEATTN_WHEEL at the wheel (or have cubeattn installed already).
+# CUDA_PATH defaults to /usr/local/cuda (CubeCL needs the CUDA headers at run time).
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+
+CMD=${1:-}
+[ $# -gt 0 ] && shift
+TARGET=all
+VERBOSE=0
+PROFILE=debug
+ITER=20
+MIN_VRAM=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    flash_attention|grouped|sparse|zigzag|all) TARGET=$1 ;;
+    --verbose|-v) VERBOSE=1 ;;
+    --release) PROFILE=release ;;
+    --iterations) ITER=${2:?--iterations needs a number}; shift ;;
+    --min-vram) MIN_VRAM=${2:?--min-vram needs a number of GB}; shift ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    *) echo "error: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+case "$ITER" in ''|*[!0-9]*) echo "error: --iterations must be a positive integer, got '$ITER'" >&2; exit 2 ;; esac
+case "$MIN_VRAM" in ''|*[!0-9.]*) echo "error: --min-vram must be a number of GB, got '$MIN_VRAM'" >&2; exit 2 ;; esac
+
+export CUDA_PATH=${CUDA_PATH:-/usr/local/cuda}
+PY=${PYTHON:-python3}
+[ -x "$ROOT/.venv/bin/python" ] && [ -z "${PYTHON:-}" ] && PY="$ROOT/.venv/bin/python"
+LOG_DIR=${CUBEATTN_LOG_DIR:-$ROOT/bench/results}
+log() { [ "$VERBOSE" = 1 ] && echo "[gpu-test] $*" >&2; return 0; }
+fail() { echo "error: $*" >&2; exit 1; }
+
+built_targets="flash_attention grouped"
+not_built() { echo "$1: not built yet"; }
+
+targets() {
+  if [ "$TARGET" = all ]; then echo flash_attention grouped sparse zigzag; else echo "$TARGET"; fi
+}
+
+# ---------------------------------------------------------------- pieces
+
+check_gpu() {
+  command -v nvidia-smi >/dev/null 2>&1 || fail "nvidia-smi not found: no NVIDIA driver on this machine"
+  local q
+  q=$(nvidia-smi --query-gpu=index,name,driver_version,memory.total,memory.free,compute_cap --format=csv,noheader,nounits 2>&1) \
+    || fail "nvidia-smi failed: $q"
+  [ -n "$q" ] || fail "nvidia-smi lists no GPU"
+  echo "GPUs (index, name, driver, total MiB, free MiB, compute capability):"
+  echo "$q" | sed 's/^/  /'
+  local free_mib
+  free_mib=$(echo "$q" | head -1 | awk -F', ' '{print $5}')
+  awk -v f="$free_mib" -v m="$MIN_VRAM" 'BEGIN { exit !(f / 1024 >= m) }' \
+    || fail "GPU 0 has $(awk -v f="$free_mib" 'BEGIN{printf "%.1f", f/1024}') GB free, less than --min-vram $MIN_VRAM GB"
+  echo "free VRAM ok (>= $MIN_VRAM GB)"
+}
+
+check_nvrtc() {
+  if ldconfig -p 2>/dev/null | grep -q 'libnvrtc\.so'; then echo "NVRTC: $(ldconfig -p | grep -m1 'libnvrtc\.so' | awk '{print $NF}')"; return; fi
+  for d in "$CUDA_PATH/lib64" "$CUDA_PATH/lib" ${LD_LIBRARY_PATH//:/ }; do
+    if ls "$d"/libnvrtc.so* >/dev/null 2>&1; then echo "NVRTC: $(ls "$d"/libnvrtc.so* | head -1)"; return; fi
+  done
+  fail "libnvrtc.so not found (ldconfig, \$CUDA_PATH/lib64, LD_LIBRARY_PATH): CubeCL compiles kernels with NVRTC at run time"
+}
+
+check_headers() {
+  [ -f "$CUDA_PATH/include/cuda.h" ] || fail "CUDA headers not found at \$CUDA_PATH/include (CUDA_PATH=$CUDA_PATH); set CUDA_PATH"
+  echo "CUDA headers: $CUDA_PATH/include"
+}
+
+ensure_wheel() {
+  if [ -n "${CUBEATTN_WHEEL:-}" ]; then
+    log "installing $CUBEATTN_WHEEL"
+    "$PY" -m pip install -q --no-deps --force-reinstall "$CUBEATTN_WHEEL" || fail "could not install $CUBEATTN_WHEEL"
+  elif ! "$PY" -c "import cubeattn" >/dev/null 2>&1; then
+    command -v cargo >/dev/null 2>&1 || fail "cubeattn is not installed and there is no cargo: set CUBEATTN_WHEEL to a wheel built with the cuda feature"
+    log "building the wheel (features python,cuda)"
+    CUBEATTN_FEATURES=cuda bash -c "source '$ROOT/scripts/env.sh'; setup_venv; build_wheel" || fail "wheel build failed"
+    PY="$ROOT/.venv/bin/python"
+  fi
+  "$PY" -c "import cubeattn, sys; st = cubeattn.backend_status(); sys.exit(0 if st['cuda_compiled'] else 3)" \
+    || fail "the installed cubeattn was built without the cuda feature"
+}
+
+test_bin() {
+  if [ -n "${CUBEATTN_TEST_BIN:-}" ]; then
+    [ -x "$CUBEATTN_TEST_BIN" ] || fail "CUBEATTN_TEST_BIN=$CUBEATTN_TEST_BIN is not an executable"
+    echo "$CUBEATTN_TEST_BIN"; return
+  fi
+  command -v cargo >/dev/null 2>&1 || fail "no cargo here: set CUBEATTN_TEST_BIN to a gpu_main test binary built with --features cuda"
+  local flag=()
+  [ "$PROFILE" = release ] && flag=(--release)
+  local out
+  out=$(cargo test "${flag[@]}" --features cuda --test gpu_main --no-run --message-format=json 2>/dev/null) \
+    || fail "cargo test --features cuda --no-run failed (run it by hand to see why)"
+  echo "$out" | "$PY" -c "import sys, json
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get('reason') == 'compiler-artifact' and m['target']['name'] == 'gpu_main' and m.get('executable'):
+        print(m['executable'])" | tail -1
+}
+
+cubecl_starts() {
+  ensure_wheel
+  "$PY" - <<'PY' || fail "the CubeCL CUDA runtime did not start (see above)"
+import cubeattn, sys
+st = cubeattn.backend_status()
+print("cubeattn backend:", st["reason"])
+for d in st["devices"]:
+    print(f"  GPU {d['index']}: {d['name']} cc {d['compute_capability']}, {d['sm_count']} SMs, cubecl_ok={d['cubecl_ok']}")
+sys.exit(0 if st["cuda_available"] else 1)
+PY
+}
+
+# ---------------------------------------------------------------- commands
+
+do_validate() {
+  check_gpu
+  check_nvrtc
+  check_headers
+  cubecl_starts
+  echo "validate: ok"
+}
+
+rust_filter() {
+  case "$1" in
+    flash_attention) echo "flash_attention" ;;
+    grouped) echo "grouped" ;;
+  esac
+}
+
+do_test() {
+  check_gpu >/dev/null
+  local bin status=0
+  bin=$(test_bin) || exit 1
+  ensure_wheel
+  for t in $(targets); do
+    case " $built_targets " in
+      *" $t "*) ;;
+      *) not_built "$t"; [ "$TARGET" = all ] && continue; exit 2 ;;
+    esac
+    echo "== $t: Rust GPU tests ($bin)"
+    "$bin" --test-threads=1 $( [ "$VERBOSE" = 1 ] && echo --nocapture ) "$(rust_filter "$t")" || status=1
+    echo "== $t: pytest -m gpu"
+    (cd "$ROOT/tests/python" && "$PY" -m pytest -q -p no:cacheprovider -m gpu -k "$t or gpu" ) || status=1
+  done
+  exit $status
+}
+
+do_benchmark() {
+  check_gpu >/dev/null
+  ensure_wheel
+  mkdir -p "$LOG_DIR"
+  local stamp status=0
+  stamp=$(date -u +%Y%m%dT%H%M%SZ)
+  for t in $(targets); do
+    case "$t" in
+      flash_attention) "$PY" -m cubeattn.bench dense --device cuda --iterations "$ITER" --json "$LOG_DIR/dense-$stamp.json" | tee "$LOG_DIR/dense-$stamp.txt" || status=1 ;;
+      grouped) "$PY" -m cubeattn.bench grouped --device cuda --iterations "$ITER" --json "$LOG_DIR/grouped-$stamp.json" | tee "$LOG_DIR/grouped-$stamp.txt" || status=1 ;;
+      *) not_built "$t"; [ "$TARGET" = all ] || exit 2 ;;
+    esac
+  done
+  exit $status
+}
+
+do_profile() {
+  check_gpu >/dev/null
+  ensure_wheel
+  local t=$TARGET
+  [ "$t" = all ] && t=flash_attention
+  local what=dense
+  case "$t" in
+    flash_attention) what=dense ;;
+    grouped) what=grouped ;;
+    *) not_built "$t"; exit 2 ;;
+  esac
+  local args=(-m cubeattn.bench "$what" --device cuda --quick --iterations 1 --seqlens 8192 --configs llama3-8b)
+  if command -v ncu >/dev/null 2>&1; then
+    echo "== ncu on the first cubeattn kernel launch ($what)"
+    ncu --clock-control none --target-processes all -k "regex:flash|attn|fwd" -c 1 \
+      --section LaunchStats --section SpeedOfLight --section Occupancy \
+      --metrics sm__inst_executed_pipe_tensor.sum,gpu__time_duration.sum,launch__registers_per_thread,launch__shared_mem_per_block_dynamic \
+      "$PY" "${args[@]}" 2>&1 | tee "$LOG_DIR/profile-$t.txt" | grep -E "Registers|Shared Memory|Duration|Throughput|Occupancy|tensor|==PROF==|Error" 
+    echo "(full report: $LOG_DIR/profile-$t.txt; TFLOP/s = the kernel's FLOPs from the bench table / Duration)"
+  elif command -v nsys >/dev/null 2>&1; then
+    nsys profile -o "$LOG_DIR/profile-$t" "$PY" "${args[@]}" && nsys stats "$LOG_DIR/profile-$t.nsys-rep" | head -60
+  else
+    fail "neither ncu nor nsys is on the PATH"
+  fi
+}
+
+do_clean() {
+  rm -rf "$ROOT/target" "$ROOT/dist" "$ROOT/tests/python/.pytest_cache" "$ROOT/.hypothesis"
+  echo "removed target/, dist/ and test caches"
+}
+
+case "$CMD" in
+  validate) do_validate ;;
+  test) do_test ;;
+  benchmark) do_benchmark ;;
+  profile) do_profile ;;
+  clean) do_clean ;;
+  ""|-h|--help) sed -n '2,22p' "$0"; [ -z "$CMD" ] && exit 2 ;;
+  *) echo "error: unknown command '$CMD': expected validate | test | benchmark | profile | clean" >&2; exit 2 ;;
+esac

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The whole test suite: Rust unit + integration tests (GPU tests skip, printing why, without a GPU),
+# then the wheel is built and installed into the virtual environment and pytest runs.
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+setup_venv
+feat=()
+[ -n "$FEATURES" ] && feat=(--features "$FEATURES")
+echo "== cargo test --release ${feat[*]}"
+cargo test --release "${feat[@]}"
+echo "== wheel (features: python ${FEATURES})"
+build_wheel
+echo "== pytest"
+cd "$ROOT/tests/python"
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider
