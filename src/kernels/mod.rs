@@ -2,3 +2,4 @@
 
 pub mod flash_fwd;
 pub mod rowwise_fwd;
+pub mod flash_bwd;

@@ -3,8 +3,9 @@
 //! One process-wide client (created lazily; creation failures, including CubeCL's panics when the
 //! driver, NVRTC or the CUDA headers are missing, become `Error::BackendUnavailable`).
 //! Supported: forward for f16/bf16 (tensor-core flash kernel) and f32 (plain row-wise kernel),
-//! head_dim 64 and 128. Backward is not implemented yet.
+//! head_dim 64 and 128. Backward (dQ, dK, dV): see `backward`.
 
+pub mod backward;
 pub mod bench;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -376,16 +377,13 @@ impl Backend for CudaBackend {
 
     fn backward(
         &self,
-        _spec: &AttnSpec,
-        _q: HostView,
-        _k: HostView,
-        _v: HostView,
-        _grad: BackwardInputs,
+        spec: &AttnSpec,
+        q: HostView,
+        k: HostView,
+        v: HostView,
+        grad: BackwardInputs,
     ) -> Result<Gradients> {
-        Err(Error::Unsupported {
-            backend: "cuda",
-            msg: "the backward pass has no CUDA kernel yet; use the CPU backend".into(),
-        })
+        backward::backward(self, spec, q, k, v, grad, None)
     }
 }
 

@@ -1,0 +1,505 @@
+//! CUDA backward: host side of the kernels in `kernels::flash_bwd`.
+//!
+//! Launch order: delta = rowsum(dO * O) (f32), then dK/dV (one cube per (key tile, kv head),
+//! looping over every segment that overlaps the tile and over the query heads of the kv head),
+//! then dQ (one cube per (query tile, query head), looping over the key tiles its rows see).
+//! Both gradient passes own their outputs outright: no atomics, a fixed summation order, so the
+//! gradients are bitwise identical run to run whatever `deterministic` says.
+//! f16/bf16 run on tensor cores (mma.sync, f32 accumulation); f32 runs on plain kernels.
+//! head_dim 64 and 128; anything else is `Error::Unsupported`.
+//!
+//! Workspace on the device besides the inputs and the three gradients: delta (f32 per query row
+//! and head) and the small segment / work tables; no f32 gradient buffers (accumulators live in
+//! registers).
+
+use std::time::Instant;
+
+use cubecl::cuda::CudaRuntime;
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+use half::{bf16, f16};
+
+use super::{buf, check_supported, guarded, launch_forward, use_ldmatrix, CudaBackend, Plan};
+use crate::backend::{BackwardInputs, Gradients};
+use crate::dtype::{DType, HostData, HostView};
+use crate::error::{Error, Result};
+use crate::kernels::flash_bwd::{
+    self, BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, DELTA_PLANES, F32_ROWS_PER_CUBE,
+};
+use crate::spec::AttnSpec;
+
+/// Host-side tables of one backward call.
+pub(crate) struct BwdPlan {
+    /// (q_start, q_len, k_start, k_len) per segment.
+    segs: Vec<u32>,
+    /// dQ work list: (segment, first row of a `BWD_BM`-row tile), most keys first.
+    q_work: Vec<u32>,
+    /// dK/dV work list: key-tile indices, most (query row, key) pairs first.
+    k_work: Vec<u32>,
+    /// CSR over key tiles: segments whose key window overlaps tile t are
+    /// `tile_segs[tile_off[t]..tile_off[t+1]]`, ascending.
+    tile_off: Vec<u32>,
+    tile_segs: Vec<u32>,
+    /// Segment of every query row, u32::MAX when none (f32 path only).
+    row_seg: Vec<u32>,
+}
+
+impl BwdPlan {
+    pub(crate) fn new(spec: &AttnSpec) -> BwdPlan {
+        let d = &spec.dims;
+        let mut segs = Vec::with_capacity(spec.segments.len() * 4);
+        let mut q_items: Vec<(u64, u32, u32)> = Vec::new();
+        for (i, s) in spec.segments.iter().enumerate() {
+            segs.extend_from_slice(&[s.q_start as u32, s.q_len as u32, s.k_start as u32, s.k_len as u32]);
+            let mut t = 0;
+            while t < s.q_len {
+                let last = (t + BWD_BM).min(s.q_len) - 1;
+                q_items.push((s.visible_len(last, spec.causal) as u64 + 1, i as u32, t as u32));
+                t += BWD_BM;
+            }
+        }
+        q_items.sort_by(|a, b| b.0.cmp(&a.0));
+        let q_work = q_items.iter().flat_map(|&(_, s, t)| [s, t]).collect();
+
+        let n_tiles = d.total_k.div_ceil(BWD_BN);
+        let mut per_tile: Vec<Vec<u32>> = vec![Vec::new(); n_tiles];
+        let mut cost = vec![0u64; n_tiles];
+        for (i, s) in spec.segments.iter().enumerate() {
+            if s.q_len == 0 || s.k_len == 0 {
+                continue;
+            }
+            let (a, b) = (s.k_start / BWD_BN, (s.k_start + s.k_len).div_ceil(BWD_BN));
+            for (t, list) in per_tile.iter_mut().enumerate().take(b).skip(a) {
+                // rows that see the first key of the overlap, times the keys in it (upper bound)
+                let first = (t * BWD_BN).max(s.k_start) - s.k_start;
+                let r_min = if spec.causal { (first + s.q_len).saturating_sub(s.k_len) } else { 0 };
+                if r_min >= s.q_len {
+                    continue;
+                }
+                list.push(i as u32);
+                cost[t] += (s.q_len - r_min) as u64 * BWD_BN as u64;
+            }
+        }
+        let mut tile_off = Vec::with_capacity(n_tiles + 1);
+        let mut tile_segs = Vec::new();
+        tile_off.push(0u32);
+        for l in &per_tile {
+            tile_segs.extend_from_slice(l);
+            tile_off.push(tile_segs.len() as u32);
+        }
+        let mut order: Vec<u32> = (0..n_tiles as u32).collect();
+        order.sort_by(|&a, &b| cost[b as usize].cmp(&cost[a as usize]));
+
+        let row_seg = if spec.dtype == DType::F32 {
+            let mut rs = vec![u32::MAX; d.total_q];
+            for (i, s) in spec.segments.iter().enumerate() {
+                for r in &mut rs[s.q_start..s.q_start + s.q_len] {
+                    *r = i as u32;
+                }
+            }
+            rs
+        } else {
+            Vec::new()
+        };
+        BwdPlan { segs, q_work, k_work: order, tile_off, tile_segs, row_seg }
+    }
+
+    pub(crate) fn upload(&self, client: &ComputeClient<CudaRuntime>) -> BwdPlanDev {
+        let up = |v: &[u32]| -> (Handle, usize) {
+            if v.is_empty() {
+                (client.create_from_slice(bytemuck::cast_slice(&[0u32])), 1)
+            } else {
+                (client.create_from_slice(bytemuck::cast_slice(v)), v.len())
+            }
+        };
+        BwdPlanDev {
+            segs: up(&self.segs),
+            q_work: up(&self.q_work),
+            k_work: up(&self.k_work),
+            tile_off: up(&self.tile_off),
+            tile_segs: up(&self.tile_segs),
+            row_seg: up(&self.row_seg),
+            n_q_work: self.q_work.len() / 2,
+            n_k_work: self.k_work.len(),
+        }
+    }
+}
+
+pub(crate) struct BwdPlanDev {
+    segs: (Handle, usize),
+    q_work: (Handle, usize),
+    k_work: (Handle, usize),
+    tile_off: (Handle, usize),
+    tile_segs: (Handle, usize),
+    row_seg: (Handle, usize),
+    n_q_work: usize,
+    n_k_work: usize,
+}
+
+fn arr(h: &(Handle, usize)) -> ArrayArg<CudaRuntime> {
+    buf(&h.0, h.1)
+}
+
+/// A 2-D grid (x fastest) of at least `cubes` cubes.
+fn grid_2d(cubes: usize) -> CubeCount {
+    let cubes = cubes.max(1);
+    if cubes <= 65535 {
+        CubeCount::Static(cubes as u32, 1, 1)
+    } else {
+        let y = cubes.div_ceil(65535);
+        CubeCount::Static(cubes.div_ceil(y) as u32, y as u32, 1)
+    }
+}
+
+/// Device buffers of one backward call.
+pub(crate) struct BwdBuffers {
+    pub q: Handle,
+    pub k: Handle,
+    pub v: Handle,
+    pub out: Handle,
+    pub dout: Handle,
+    pub lse: Handle,
+    pub delta: Handle,
+    pub dq: Handle,
+    pub dk: Handle,
+    pub dv: Handle,
+}
+
+/// Launches the backward kernels (delta, dK/dV, dQ; plus the zero fill of dQ rows that no
+/// segment covers). Needs `total_q > 0` and `total_k > 0`.
+pub(crate) fn launch_backward(
+    client: &ComputeClient<CudaRuntime>,
+    spec: &AttnSpec,
+    plan: &BwdPlanDev,
+    b: &BwdBuffers,
+) -> Result<()> {
+    let d = &spec.dims;
+    let hd = d.head_dim;
+    let (ql, kl, ll) = (d.q_len(), d.kv_len(), d.lse_len());
+    let ldsm = use_ldmatrix();
+
+    // ---- delta ----
+    let rows = d.total_q * d.heads_q;
+    let dcount = grid_2d(rows.div_ceil(DELTA_PLANES));
+    let ddim = CubeDim::new_1d(32 * DELTA_PLANES as u32);
+    macro_rules! delta {
+        ($t:ty) => {
+            flash_bwd::bwd_delta::launch::<$t, CudaRuntime>(
+                client,
+                dcount,
+                ddim,
+                buf(&b.out, ql),
+                buf(&b.dout, ql),
+                buf(&b.delta, ll),
+                d.heads_q as u32,
+                d.total_q as u32,
+                hd,
+            )
+        };
+    }
+    match spec.dtype {
+        DType::F16 => delta!(f16),
+        DType::BF16 => delta!(bf16),
+        DType::F32 => delta!(f32),
+    }
+
+    match spec.dtype {
+        DType::F32 => {
+            let dim = CubeDim::new_1d(32 * F32_ROWS_PER_CUBE as u32);
+            flash_bwd::rowwise_bwd_dkdv_f32::launch::<CudaRuntime>(
+                client,
+                CubeCount::Static(d.total_k.div_ceil(F32_ROWS_PER_CUBE) as u32, d.heads_kv as u32, 1),
+                dim,
+                buf(&b.q, ql),
+                buf(&b.k, kl),
+                buf(&b.v, kl),
+                buf(&b.dout, ql),
+                buf(&b.lse, ll),
+                buf(&b.delta, ll),
+                buf(&b.dk, kl),
+                buf(&b.dv, kl),
+                arr(&plan.tile_off),
+                arr(&plan.tile_segs),
+                arr(&plan.segs),
+                spec.scale,
+                d.heads_q as u32,
+                d.heads_kv as u32,
+                d.total_q as u32,
+                d.total_k as u32,
+                hd,
+                spec.causal,
+            );
+            flash_bwd::rowwise_bwd_dq_f32::launch::<CudaRuntime>(
+                client,
+                CubeCount::Static(d.total_q.div_ceil(F32_ROWS_PER_CUBE) as u32, d.heads_q as u32, 1),
+                dim,
+                buf(&b.q, ql),
+                buf(&b.k, kl),
+                buf(&b.v, kl),
+                buf(&b.dout, ql),
+                buf(&b.lse, ll),
+                buf(&b.delta, ll),
+                buf(&b.dq, ql),
+                arr(&plan.row_seg),
+                arr(&plan.segs),
+                spec.scale,
+                d.heads_q as u32,
+                d.heads_kv as u32,
+                d.total_q as u32,
+                hd,
+                spec.causal,
+            );
+        }
+        DType::F16 | DType::BF16 => {
+            let dim = CubeDim::new_1d(32 * BWD_PLANES as u32);
+            let (qv, kv) = (ql / BWD_LOAD_VEC, kl / BWD_LOAD_VEC);
+            macro_rules! go {
+                ($t:ty) => {{
+                    if spec.uncovered_rows() > 0 {
+                        flash_bwd::fill_zero::launch::<$t, CudaRuntime>(
+                            client,
+                            grid_2d(ql.div_ceil(256)),
+                            CubeDim::new_1d(256),
+                            buf(&b.dq, ql),
+                        );
+                    }
+                    if plan.n_k_work > 0 {
+                        flash_bwd::flash_bwd_dkdv::launch::<$t, CudaRuntime>(
+                            client,
+                            CubeCount::Static(plan.n_k_work as u32, d.heads_kv as u32, 1),
+                            dim,
+                            BWD_LOAD_VEC,
+                            buf(&b.q, qv),
+                            buf(&b.k, kv),
+                            buf(&b.v, kv),
+                            buf(&b.dout, qv),
+                            buf(&b.lse, ll),
+                            buf(&b.delta, ll),
+                            buf(&b.dk, kl),
+                            buf(&b.dv, kl),
+                            arr(&plan.k_work),
+                            arr(&plan.tile_off),
+                            arr(&plan.tile_segs),
+                            arr(&plan.segs),
+                            spec.scale,
+                            d.heads_q as u32,
+                            d.heads_kv as u32,
+                            d.total_q as u32,
+                            d.total_k as u32,
+                            hd,
+                            spec.causal,
+                            ldsm,
+                        );
+                    }
+                    if plan.n_q_work > 0 {
+                        flash_bwd::flash_bwd_dq::launch::<$t, CudaRuntime>(
+                            client,
+                            CubeCount::Static(plan.n_q_work as u32, d.heads_q as u32, 1),
+                            dim,
+                            BWD_LOAD_VEC,
+                            buf(&b.q, qv),
+                            buf(&b.k, kv),
+                            buf(&b.v, kv),
+                            buf(&b.dout, qv),
+                            buf(&b.lse, ll),
+                            buf(&b.delta, ll),
+                            buf(&b.dq, ql),
+                            arr(&plan.q_work),
+                            arr(&plan.segs),
+                            spec.scale,
+                            d.heads_q as u32,
+                            d.heads_kv as u32,
+                            d.total_q as u32,
+                            hd,
+                            spec.causal,
+                            ldsm,
+                        );
+                    }
+                }};
+            }
+            match spec.dtype {
+                DType::F16 => go!(f16),
+                _ => go!(bf16),
+            }
+        }
+    }
+    Ok(())
+}
+
+fn zero_grads(spec: &AttnSpec) -> Gradients {
+    let d = &spec.dims;
+    Gradients {
+        dq: HostData::from_f32(spec.dtype, &vec![0.0; d.q_len()]),
+        dk: HostData::from_f32(spec.dtype, &vec![0.0; d.kv_len()]),
+        dv: HostData::from_f32(spec.dtype, &vec![0.0; d.kv_len()]),
+    }
+}
+
+/// The backward pass on host buffers. `poison`: fill dq, dk, dv with this value before the
+/// kernels run (tests pass NaN to prove every element is written).
+pub(crate) fn backward(
+    backend: &CudaBackend,
+    spec: &AttnSpec,
+    q: HostView,
+    k: HostView,
+    v: HostView,
+    g: BackwardInputs,
+    poison: Option<f32>,
+) -> Result<Gradients> {
+    crate::backend::check_buffers(spec, q, k, v)?;
+    crate::backend::check_backward_buffers(spec, &g)?;
+    check_supported(spec)?;
+    let d = &spec.dims;
+    if d.total_q == 0 || d.total_k == 0 {
+        // No (query, key) pair: every gradient is zero.
+        return Ok(zero_grads(spec));
+    }
+    let client = backend.client();
+    let run = guarded("CubeCL launch", || -> Result<Gradients> {
+        let up = |h: HostView| client.create_from_slice(h.as_bytes());
+        let filled = |n: usize| match poison {
+            Some(p) => client.create_from_slice(HostData::from_f32(spec.dtype, &vec![p; n]).view().as_bytes()),
+            None => client.empty(n * spec.dtype.size()),
+        };
+        let bufs = BwdBuffers {
+            q: up(q),
+            k: up(k),
+            v: up(v),
+            out: up(g.out),
+            dout: up(g.dout),
+            lse: client.create_from_slice(bytemuck::cast_slice(g.lse)),
+            delta: client.empty(d.lse_len() * 4),
+            dq: filled(d.q_len()),
+            dk: filled(d.kv_len()),
+            dv: filled(d.kv_len()),
+        };
+        let plan = BwdPlan::new(spec);
+        let dev = plan.upload(client);
+        launch_backward(client, spec, &dev, &bufs)?;
+        let read = |h: Handle| -> Result<HostData> {
+            let bytes = client.read_one(h).map_err(|e| Error::Device(format!("backward kernel failed: {e:?}")))?;
+            Ok(HostData::from_bytes(spec.dtype, &bytes))
+        };
+        Ok(Gradients { dq: read(bufs.dq)?, dk: read(bufs.dk)?, dv: read(bufs.dv)? })
+    });
+    match run {
+        Ok(r) => r,
+        Err(msg) => Err(Error::Device(msg)),
+    }
+}
+
+impl CudaBackend {
+    /// Backward pass that first fills dq, dk, dv with `poison` (tests use NaN to prove that every
+    /// element is written by the kernels).
+    pub fn backward_poisoned(
+        &self,
+        spec: &AttnSpec,
+        q: HostView,
+        k: HostView,
+        v: HostView,
+        grad: BackwardInputs,
+        poison: f32,
+    ) -> Result<Gradients> {
+        backward(self, spec, q, k, v, grad, Some(poison))
+    }
+}
+
+/// Deterministic pseudo-random values in [-1, 1) (SplitMix64), so benchmarks never run on zeros.
+fn random_f32(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = s;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn sync(client: &ComputeClient<CudaRuntime>) -> Result<()> {
+    cubecl::future::block_on(client.sync()).map_err(|e| Error::Device(format!("{e:?}")))
+}
+
+/// What [`bench_backward_split`] times.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BenchPart {
+    /// Forward then backward (the forward's `out` and `lse` feed the backward), like torch's
+    /// fwd+bwd timings.
+    ForwardBackward,
+    /// The backward kernels alone (delta, dK/dV, dQ).
+    Backward,
+}
+
+/// Times forward + backward together: uploads random q, k, v, dO once (device-resident, never
+/// zeros), runs `warmup` untimed iterations, then times `iters` iterations one by one (device
+/// sync before and after each, host clock). Each iteration = the forward kernel (writing out and
+/// lse) followed by the backward kernels (delta, dK/dV, dQ). Returns milliseconds per iteration.
+/// FLOPs to quote: 3.5 x `spec.forward_flops()`.
+pub fn bench_backward(spec: &AttnSpec, warmup: usize, iters: usize) -> Result<Vec<f64>> {
+    bench_backward_split(spec, warmup, iters, BenchPart::ForwardBackward)
+}
+
+/// [`bench_backward`] with the choice of timing forward + backward or the backward alone
+/// (then the forward runs once before the timed loop to produce out and lse).
+pub fn bench_backward_split(spec: &AttnSpec, warmup: usize, iters: usize, part: BenchPart) -> Result<Vec<f64>> {
+    let backend = CudaBackend::shared()?;
+    check_supported(spec)?;
+    let client = backend.client();
+    let d = &spec.dims;
+    if d.total_q == 0 || d.total_k == 0 {
+        return Err(crate::error::invalid("spec", "benchmark needs at least one query and one key"));
+    }
+    let r = guarded("CubeCL benchmark", || -> Result<Vec<f64>> {
+        let mk = |n: usize, seed: u64| {
+            let x = random_f32(n.max(1), seed);
+            let h = HostData::from_f32(spec.dtype, &x);
+            client.create_from_slice(h.view().as_bytes())
+        };
+        let esize = spec.dtype.size();
+        let bufs = BwdBuffers {
+            q: mk(d.q_len(), 11),
+            k: mk(d.kv_len(), 12),
+            v: mk(d.kv_len(), 13),
+            out: client.empty(d.q_len() * esize),
+            dout: mk(d.q_len(), 14),
+            lse: client.empty(d.lse_len() * 4),
+            delta: client.empty(d.lse_len() * 4),
+            dq: client.empty(d.q_len() * esize),
+            dk: client.empty(d.kv_len() * esize),
+            dv: client.empty(d.kv_len() * esize),
+        };
+        let fplan = Plan::new(spec);
+        let fdev = fplan.upload(client);
+        let bplan = BwdPlan::new(spec);
+        let bdev = bplan.upload(client);
+        let fwd = || launch_forward(client, spec, &fplan, &fdev, &bufs.q, &bufs.k, &bufs.v, &bufs.out, &bufs.lse);
+        let step = || -> Result<()> {
+            if part == BenchPart::ForwardBackward {
+                fwd()?;
+            }
+            launch_backward(client, spec, &bdev, &bufs)
+        };
+        fwd()?;
+        for _ in 0..warmup {
+            step()?;
+        }
+        sync(client)?;
+        let mut times = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            sync(client)?;
+            let t0 = Instant::now();
+            step()?;
+            sync(client)?;
+            times.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+        client.read_one(bufs.dq).map_err(|e| Error::Device(format!("backward kernel failed: {e:?}")))?;
+        Ok(times)
+    });
+    match r {
+        Ok(r) => r,
+        Err(msg) => Err(Error::Device(msg)),
+    }
+}

@@ -1,0 +1,930 @@
+//! Flash-attention backward (FlashAttention-2 style, P recomputed from the LSE) on tensor cores
+//! through CubeCL's manual `mma.sync` path (m16n8k16, f16/bf16 operands, f32 accumulators),
+//! plus plain f32 kernels (no tensor cores) for f32 inputs.
+//!
+//! Two passes, both deterministic (no atomics, fixed summation order):
+//! - [`flash_bwd_dkdv`]: one cube per (key tile of [`BWD_BN`] keys of the shared key axis, kv
+//!   head). Four planes own 16 keys each. The cube loops over every segment whose key window
+//!   overlaps the tile (a host-built CSR list, ascending segment order), over the query heads of
+//!   the kv head (GQA) and over the query tiles of the segment that see the tile's keys (causal
+//!   tiles above the diagonal are never visited). Per 32-row chunk each plane computes
+//!   S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q with
+//!   everything but K, V, Q and dO in registers (the accumulator layout of m16n8k16 is re-used as
+//!   the A operand, as in the forward). Overlapping groups therefore add into dK, dV inside one
+//!   cube, in segment order.
+//! - [`flash_bwd_dq`]: one cube per (query tile of [`BWD_BM`] rows, query head); each plane owns
+//!   16 rows and loops over the key tiles its rows see: S = Q K^T, dP = dO V^T,
+//!   dS = P (dP - delta), dQ += dS K.
+//!
+//! Rows are segment-local and keys window-local for the masks: segment row `r` sees window keys
+//! `j <= k_len - q_len + r` when causal (bottom-right alignment).
+
+use cubecl::cmma::{MatrixIdent, MmaDefinition};
+use cubecl::prelude::*;
+
+/// Planes (warps) per cube of the tensor-core kernels.
+pub const BWD_PLANES: usize = 4;
+/// Keys per dK/dV cube (16 per plane) and keys per shared-memory tile of the dQ kernel.
+pub const BWD_BN: usize = 16 * BWD_PLANES;
+/// Query rows per dQ cube (16 per plane) and query rows per shared-memory tile of the dK/dV kernel.
+pub const BWD_BM: usize = 16 * BWD_PLANES;
+/// Rows (dK/dV) or keys (dQ) computed at once from a shared-memory tile (bounds the registers).
+pub const BWD_SUB: usize = 32;
+/// Width of the global-memory vector loads (elements): 16 bytes of f16/bf16.
+pub const BWD_LOAD_VEC: usize = 8;
+/// Padding (elements) added to each shared-memory row (keeps 16-byte alignment, spreads banks).
+const PAD: usize = 8;
+/// Rows (or keys) per cube of the f32 kernels (one plane each).
+pub const F32_ROWS_PER_CUBE: usize = 4;
+/// Planes per cube of the preprocessing kernel.
+pub const DELTA_PLANES: usize = 8;
+
+// ---------------------------------------------------------------------------------------------
+// Fragment helpers. `ldsm` picks `ldmatrix` (fast) or per-element shared-memory reads through
+// `position_of_nth` (slow, kept to cross-check the register layouts).
+// ---------------------------------------------------------------------------------------------
+
+/// 16x16 A fragment with `A[m][kk] = smem[(row0 + m) * stride + col0 + kk]`.
+#[cube]
+fn frag_a<E: Float, NA: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    smem: &SharedMemory<E>,
+    row0: usize,
+    col0: usize,
+    #[comptime] stride: usize,
+    #[comptime] ldsm: bool,
+) -> Array<Vector<E, NA>> {
+    let lane = UNIT_POS_PLANE;
+    let va = def.vectors_per_lane(MatrixIdent::A);
+    let sa = def.vector_size(MatrixIdent::A);
+    let mut out = Array::<Vector<E, NA>>::new(va);
+    if ldsm {
+        // Matrices: 0 = rows 0-7 / cols 0-7, 1 = rows 8-15 / cols 0-7, 2 = rows 0-7 / cols 8-15,
+        // 3 = rows 8-15 / cols 8-15 (the a0..a3 registers of m16n8k16).
+        let mi = (lane / 8u32) as usize;
+        let mr = (lane % 8u32) as usize;
+        let start = (row0 + (mi % 2) * 8 + mr) * stride + col0 + (mi / 2) * 8;
+        let m = def.load_matrix::<E, NA>(&smem.slice(start, start + 8), MatrixIdent::A, 4usize, false);
+        #[unroll]
+        for i in 0..va {
+            out[i] = m[i];
+        }
+    } else {
+        #[unroll]
+        for i in 0..va {
+            let mut reg = Vector::<E, NA>::empty();
+            #[unroll]
+            for j in 0..sa {
+                let (row, col) = def.position_of_nth(lane, (i * sa + j) as u32, MatrixIdent::A);
+                reg[j] = smem[(row0 + row as usize) * stride + col0 + col as usize];
+            }
+            out[i] = reg;
+        }
+    }
+    out
+}
+
+/// Two B fragments (k-steps `col0..col0+16` in entries [0, 2) and `col0+16..col0+32` in [2, 4))
+/// with `B[kk][n] = smem[(row0 + n) * stride + col0 + kk]`, n in 0..8 (a transposed operand: K^T,
+/// Q^T, dO^T or V^T from row-major tiles).
+#[cube]
+fn frag_b_t2<E: Float, NB: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    smem: &SharedMemory<E>,
+    row0: usize,
+    col0: usize,
+    #[comptime] stride: usize,
+    #[comptime] ldsm: bool,
+) -> Array<Vector<E, NB>> {
+    let lane = UNIT_POS_PLANE;
+    let vb = def.vectors_per_lane(MatrixIdent::B);
+    let sb = def.vector_size(MatrixIdent::B);
+    let mut out = Array::<Vector<E, NB>>::new(comptime!(2 * vb));
+    if ldsm {
+        let mi = (lane / 8u32) as usize;
+        let mr = (lane % 8u32) as usize;
+        let start = (row0 + mr) * stride + col0 + mi * 8;
+        let m = def.load_matrix::<E, NB>(&smem.slice(start, start + 8), MatrixIdent::B, 4usize, false);
+        #[unroll]
+        for i in 0..comptime!(2 * vb) {
+            out[i] = m[i];
+        }
+    } else {
+        #[unroll]
+        for h in 0..2usize {
+            #[unroll]
+            for i in 0..vb {
+                let mut reg = Vector::<E, NB>::empty();
+                #[unroll]
+                for j in 0..sb {
+                    let (row, col) = def.position_of_nth(lane, (i * sb + j) as u32, MatrixIdent::B);
+                    reg[j] = smem[(row0 + col as usize) * stride + col0 + h * 16 + row as usize];
+                }
+                out[h * vb + i] = reg;
+            }
+        }
+    }
+    out
+}
+
+/// Two B fragments (n-blocks `col0..col0+8` in entries [0, 2) and `col0+8..col0+16` in [2, 4))
+/// with `B[kk][n] = smem[(row0 + kk) * stride + col0 + n]`, kk in 0..16 (a row-major operand:
+/// dO, Q or K as the right factor).
+#[cube]
+fn frag_b_n2<E: Float, NB: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    smem: &SharedMemory<E>,
+    row0: usize,
+    col0: usize,
+    #[comptime] stride: usize,
+    #[comptime] ldsm: bool,
+) -> Array<Vector<E, NB>> {
+    let lane = UNIT_POS_PLANE;
+    let vb = def.vectors_per_lane(MatrixIdent::B);
+    let sb = def.vector_size(MatrixIdent::B);
+    let mut out = Array::<Vector<E, NB>>::new(comptime!(2 * vb));
+    if ldsm {
+        let mi = (lane / 8u32) as usize;
+        let mr = (lane % 8u32) as usize;
+        let start = (row0 + (mi % 2) * 8 + mr) * stride + col0 + (mi / 2) * 8;
+        let m = def.load_matrix::<E, NB>(&smem.slice(start, start + 8), MatrixIdent::B, 4usize, true);
+        #[unroll]
+        for i in 0..comptime!(2 * vb) {
+            out[i] = m[i];
+        }
+    } else {
+        #[unroll]
+        for h in 0..2usize {
+            #[unroll]
+            for i in 0..vb {
+                let mut reg = Vector::<E, NB>::empty();
+                #[unroll]
+                for j in 0..sb {
+                    let (row, col) = def.position_of_nth(lane, (i * sb + j) as u32, MatrixIdent::B);
+                    reg[j] = smem[(row0 + row as usize) * stride + col0 + h * 8 + col as usize];
+                }
+                out[h * vb + i] = reg;
+            }
+        }
+    }
+    out
+}
+
+/// acc[off..off+ec] += A * B where B is entries `[bi, bi + vb)` of `b`.
+#[cube]
+fn mma_into<E: Float, NA: Size, NB: Size, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    a: &Array<Vector<E, NA>>,
+    b: &Array<Vector<E, NB>>,
+    bi: usize,
+    acc: &mut Array<f32>,
+    off: usize,
+) {
+    let vb = def.vectors_per_lane(MatrixIdent::B);
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let sc = def.vector_size(MatrixIdent::Accumulator);
+    let mut bb = Array::<Vector<E, NB>>::new(vb);
+    #[unroll]
+    for i in 0..vb {
+        bb[i] = b[bi + i];
+    }
+    let mut c = Array::<Vector<f32, NC>>::new(vc);
+    #[unroll]
+    for i in 0..vc {
+        let mut reg = Vector::<f32, NC>::empty();
+        #[unroll]
+        for j in 0..sc {
+            reg[j] = acc[off + i * sc + j];
+        }
+        c[i] = reg;
+    }
+    def.execute_inplace(a, &bb, &mut c);
+    #[unroll]
+    for i in 0..vc {
+        #[unroll]
+        for j in 0..sc {
+            acc[off + i * sc + j] = c[i][j];
+        }
+    }
+}
+
+/// The A fragment of k-step `ks` built from accumulator blocks `2ks` and `2ks+1` of `s`
+/// (16 x 8 blocks of `ec` floats per lane), rounded to `E`.
+#[cube]
+fn acc_to_a<E: Float, NA: Size>(def: &MmaDefinition<E, E, f32>, s: &Array<f32>, ks: usize) -> Array<Vector<E, NA>> {
+    let va = def.vectors_per_lane(MatrixIdent::A);
+    let sa = def.vector_size(MatrixIdent::A);
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let sc = def.vector_size(MatrixIdent::Accumulator);
+    let ec = comptime!(vc * sc);
+    let mut a = Array::<Vector<E, NA>>::new(va);
+    #[unroll]
+    for i in 0..va {
+        let mut reg = Vector::<E, NA>::empty();
+        #[unroll]
+        for j in 0..sa {
+            let e = i * sa + j;
+            reg[j] = E::cast_from(s[(2 * ks + e / ec) * ec + e % ec]);
+        }
+        a[i] = reg;
+    }
+    a
+}
+
+/// Copies `rows` x head_dim elements (rows from `row_at`, zero for `None` rows) into shared memory.
+/// Row `r` of the tile is global row `base_row + r` when `r + first < limit`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_rows<E: Float, NV: Size>(
+    src: &Array<Vector<E, NV>>,
+    smem: &mut SharedMemory<E>,
+    first: u32,
+    limit: u32,
+    base_row: u32,
+    heads: u32,
+    head: u32,
+    #[comptime] rows: usize,
+    #[comptime] head_dim: usize,
+) {
+    let threads = comptime!(BWD_PLANES * 32);
+    let vpr = comptime!(head_dim / BWD_LOAD_VEC);
+    let stride = comptime!(head_dim + PAD);
+    let loads = comptime!(rows * (head_dim / BWD_LOAD_VEC) / (BWD_PLANES * 32));
+    #[unroll]
+    for it in 0..loads {
+        let idx = UNIT_POS as usize + it * threads;
+        let r = idx / vpr;
+        let c = idx % vpr;
+        let mut val = Vector::<E, NV>::new(E::from_int(0));
+        if first + (r as u32) < limit {
+            let g = ((base_row + r as u32) * heads + head) as usize * vpr + c;
+            val = src[g];
+        }
+        let base = r * stride + c * BWD_LOAD_VEC;
+        #[unroll]
+        for e in 0..BWD_LOAD_VEC {
+            smem[base + e] = val[e];
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core kernels (f16 / bf16)
+// ---------------------------------------------------------------------------------------------
+
+/// dK, dV. Grid: (entries of `ktiles`, heads_kv); 32 * [`BWD_PLANES`] units.
+/// `ktiles`: key-tile indices (tile t = keys `[t*BN, t*BN+BN)` of the shared key axis), most
+/// expensive first; `tile_off`/`tile_segs`: CSR list of the segments overlapping each tile;
+/// `segs`: (q_start, q_len, k_start, k_len) per segment; `lse`, `delta`: `[heads_q, total_q]`.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+pub fn flash_bwd_dkdv<E: Float, NV: Size>(
+    q: &Array<Vector<E, NV>>,
+    k: &Array<Vector<E, NV>>,
+    v: &Array<Vector<E, NV>>,
+    dout: &Array<Vector<E, NV>>,
+    lse: &Array<f32>,
+    delta: &Array<f32>,
+    dk: &mut Array<E>,
+    dv: &mut Array<E>,
+    ktiles: &Array<u32>,
+    tile_off: &Array<u32>,
+    tile_segs: &Array<u32>,
+    segs: &Array<u32>,
+    scale: f32,
+    heads_q: u32,
+    heads_kv: u32,
+    total_q: u32,
+    total_k: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] causal: bool,
+    #[comptime] ldsm: bool,
+) {
+    let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
+    let lane = UNIT_POS_PLANE;
+    let plane = UNIT_POS / 32u32;
+    let stride = comptime!(head_dim + PAD);
+
+    let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(BWD_BN * (head_dim + PAD)), 16usize);
+    let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(BWD_BN * (head_dim + PAD)), 16usize);
+    let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(BWD_BM * (head_dim + PAD)), 16usize);
+    let mut do_smem = SharedMemory::<E>::new_aligned(comptime!(BWD_BM * (head_dim + PAD)), 16usize);
+    let mut lse_smem = SharedMemory::<f32>::new(BWD_BM);
+    let mut dl_smem = SharedMemory::<f32>::new(BWD_BM);
+
+    let kt = ktiles[CUBE_POS_X as usize];
+    let hk = CUBE_POS_Y;
+    let group = heads_q / heads_kv;
+    let key0 = kt * BWD_BN as u32;
+
+    stage_rows::<E, NV>(k, &mut k_smem, key0, total_k, key0, heads_kv, hk, BWD_BN, head_dim);
+    stage_rows::<E, NV>(v, &mut v_smem, key0, total_k, key0, heads_kv, hk, BWD_BN, head_dim);
+
+    let size!(NA) = def.vector_size(MatrixIdent::A);
+    let size!(NB) = def.vector_size(MatrixIdent::B);
+    let size!(NC) = def.vector_size(MatrixIdent::Accumulator);
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let sc = def.vector_size(MatrixIdent::Accumulator);
+    let ec = comptime!(vc * sc);
+    let o_blocks = comptime!(head_dim / 8);
+    let sn = comptime!(BWD_SUB / 8);
+    let k_steps = comptime!(head_dim / 16);
+
+    let mut dk_acc = Array::<f32>::new(comptime!(o_blocks * ec));
+    let mut dv_acc = Array::<f32>::new(comptime!(o_blocks * ec));
+    #[unroll]
+    for i in 0..comptime!(o_blocks * ec) {
+        dk_acc[i] = 0.0f32;
+        dv_acc[i] = 0.0f32;
+    }
+    let mut s = Array::<f32>::new(comptime!(sn * ec));
+    let mut dp = Array::<f32>::new(comptime!(sn * ec));
+
+    // This plane's keys: tile rows [kw_base, kw_base + 16).
+    let kw_base = plane as usize * 16;
+
+    let s_begin = tile_off[kt as usize];
+    let s_end = tile_off[kt as usize + 1];
+    for si in s_begin..s_end {
+        let seg = tile_segs[si as usize] as usize;
+        let q_start = segs[seg * 4];
+        let q_len = segs[seg * 4 + 1];
+        let k_start = segs[seg * 4 + 2];
+        let k_len = segs[seg * 4 + 3];
+        // Causal diagonal: window key j is visible to segment row r iff j <= shift + r.
+        let shift = k_len as i32 - q_len as i32;
+        // First row that sees the first overlapping key.
+        let first_key = max(key0, k_start) - k_start;
+        let mut r_min = 0i32;
+        if causal {
+            r_min = max(first_key as i32 - shift, 0i32);
+        }
+        let mut n_qt = 0u32;
+        if r_min < q_len as i32 {
+            n_qt = (q_len - r_min as u32 + BWD_BM as u32 - 1) / BWD_BM as u32;
+        }
+        // Window-local index of this plane's first key (may be negative).
+        let kw0 = (key0 as i32 + kw_base as i32) - k_start as i32;
+        for hh in 0..group {
+            let h = hk * group + hh;
+            for qt in 0..n_qt {
+                let r0 = r_min as u32 + qt * BWD_BM as u32;
+                sync_cube();
+                stage_rows::<E, NV>(q, &mut q_smem, r0, q_len, q_start + r0, heads_q, h, BWD_BM, head_dim);
+                stage_rows::<E, NV>(dout, &mut do_smem, r0, q_len, q_start + r0, heads_q, h, BWD_BM, head_dim);
+                if UNIT_POS < BWD_BM as u32 {
+                    let row = r0 + UNIT_POS;
+                    let mut l = 0.0f32;
+                    let mut dd = 0.0f32;
+                    if row < q_len {
+                        let li = (h * total_q + q_start + row) as usize;
+                        l = lse[li];
+                        dd = delta[li];
+                    }
+                    lse_smem[UNIT_POS as usize] = l;
+                    dl_smem[UNIT_POS as usize] = dd;
+                }
+                sync_cube();
+
+                for sub in 0..comptime!(BWD_BM / BWD_SUB) {
+                    let qr0 = sub * BWD_SUB;
+                    let rr0 = (r0 as usize + qr0) as i32;
+                    // Every (key, row) pair of this plane's 16 x SUB block valid?
+                    let mut full = kw0 >= 0i32 && kw0 + 16i32 <= k_len as i32 && rr0 + BWD_SUB as i32 <= q_len as i32;
+                    if causal {
+                        full = full && kw0 + 15i32 <= shift + rr0;
+                    }
+
+                    // ---- S^T = K_w Q^T (16 keys x SUB rows) ----
+                    #[unroll]
+                    for i in 0..comptime!(sn * ec) {
+                        s[i] = 0.0f32;
+                        dp[i] = 0.0f32;
+                    }
+                    #[unroll]
+                    for kk in 0..comptime!(k_steps / 2) {
+                        let a0 = frag_a::<E, NA>(&def, &k_smem, kw_base, kk * 32, stride, ldsm);
+                        let a1 = frag_a::<E, NA>(&def, &k_smem, kw_base, kk * 32 + 16, stride, ldsm);
+                        #[unroll]
+                        for nb in 0..sn {
+                            let m = frag_b_t2::<E, NB>(&def, &q_smem, qr0 + nb * 8, kk * 32, stride, ldsm);
+                            mma_into::<E, NA, NB, NC>(&def, &a0, &m, 0usize, &mut s, nb * ec);
+                            mma_into::<E, NA, NB, NC>(&def, &a1, &m, 2usize, &mut s, nb * ec);
+                        }
+                    }
+
+                    // ---- P^T = exp(scale * S^T - lse[row]), masked ----
+                    #[unroll]
+                    for nb in 0..sn {
+                        #[unroll]
+                        for e in 0..ec {
+                            let (row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
+                            let rloc = qr0 + nb * 8 + col as usize;
+                            let mut p = f32::exp(s[nb * ec + e] * scale - lse_smem[rloc]);
+                            if !full {
+                                let kwin = kw0 + row as i32;
+                                let rr = rr0 + (nb * 8) as i32 + col as i32;
+                                let mut ok = kwin >= 0i32 && kwin < k_len as i32 && rr < q_len as i32;
+                                if causal {
+                                    ok = ok && kwin <= shift + rr;
+                                }
+                                if !ok {
+                                    p = 0.0f32;
+                                }
+                            }
+                            s[nb * ec + e] = p;
+                        }
+                    }
+
+                    // ---- dV += P^T dO ----
+                    #[unroll]
+                    for ks in 0..comptime!(BWD_SUB / 16) {
+                        let a = acc_to_a::<E, NA>(&def, &s, ks);
+                        #[unroll]
+                        for ob2 in 0..comptime!(o_blocks / 2) {
+                            let m = frag_b_n2::<E, NB>(&def, &do_smem, qr0 + ks * 16, ob2 * 16, stride, ldsm);
+                            mma_into::<E, NA, NB, NC>(&def, &a, &m, 0usize, &mut dv_acc, (2 * ob2) * ec);
+                            mma_into::<E, NA, NB, NC>(&def, &a, &m, 2usize, &mut dv_acc, (2 * ob2 + 1) * ec);
+                        }
+                    }
+
+                    // ---- dP^T = V_w dO^T ----
+                    #[unroll]
+                    for kk in 0..comptime!(k_steps / 2) {
+                        let a0 = frag_a::<E, NA>(&def, &v_smem, kw_base, kk * 32, stride, ldsm);
+                        let a1 = frag_a::<E, NA>(&def, &v_smem, kw_base, kk * 32 + 16, stride, ldsm);
+                        #[unroll]
+                        for nb in 0..sn {
+                            let m = frag_b_t2::<E, NB>(&def, &do_smem, qr0 + nb * 8, kk * 32, stride, ldsm);
+                            mma_into::<E, NA, NB, NC>(&def, &a0, &m, 0usize, &mut dp, nb * ec);
+                            mma_into::<E, NA, NB, NC>(&def, &a1, &m, 2usize, &mut dp, nb * ec);
+                        }
+                    }
+
+                    // ---- dS^T = P^T (dP^T - delta[row]) ----
+                    #[unroll]
+                    for nb in 0..sn {
+                        #[unroll]
+                        for e in 0..ec {
+                            let (_row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
+                            let rloc = qr0 + nb * 8 + col as usize;
+                            s[nb * ec + e] = s[nb * ec + e] * (dp[nb * ec + e] - dl_smem[rloc]);
+                        }
+                    }
+
+                    // ---- dK += dS^T Q (scaled at the end) ----
+                    #[unroll]
+                    for ks in 0..comptime!(BWD_SUB / 16) {
+                        let a = acc_to_a::<E, NA>(&def, &s, ks);
+                        #[unroll]
+                        for ob2 in 0..comptime!(o_blocks / 2) {
+                            let m = frag_b_n2::<E, NB>(&def, &q_smem, qr0 + ks * 16, ob2 * 16, stride, ldsm);
+                            mma_into::<E, NA, NB, NC>(&def, &a, &m, 0usize, &mut dk_acc, (2 * ob2) * ec);
+                            mma_into::<E, NA, NB, NC>(&def, &a, &m, 2usize, &mut dk_acc, (2 * ob2 + 1) * ec);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    // ---- write dK, dV (zero for keys no segment sees) ----
+    #[unroll]
+    for ob in 0..o_blocks {
+        #[unroll]
+        for e in 0..ec {
+            let (row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
+            let key = key0 + kw_base as u32 + row;
+            if key < total_k {
+                let g = (key * heads_kv + hk) as usize * head_dim + ob * 8 + col as usize;
+                dk[g] = E::cast_from(dk_acc[ob * ec + e] * scale);
+                dv[g] = E::cast_from(dv_acc[ob * ec + e]);
+            }
+        }
+    }
+}
+
+/// dQ. Grid: (work items, heads_q); 32 * [`BWD_PLANES`] units. `work`: two u32 per cube
+/// (segment id, first row of the tile inside the segment); rows no segment covers are not
+/// written here (see [`fill_zero`]).
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+pub fn flash_bwd_dq<E: Float, NV: Size>(
+    q: &Array<Vector<E, NV>>,
+    k: &Array<Vector<E, NV>>,
+    v: &Array<Vector<E, NV>>,
+    dout: &Array<Vector<E, NV>>,
+    lse: &Array<f32>,
+    delta: &Array<f32>,
+    dq: &mut Array<E>,
+    work: &Array<u32>,
+    segs: &Array<u32>,
+    scale: f32,
+    heads_q: u32,
+    heads_kv: u32,
+    total_q: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] causal: bool,
+    #[comptime] ldsm: bool,
+) {
+    let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
+    let lane = UNIT_POS_PLANE;
+    let plane = UNIT_POS / 32u32;
+    let stride = comptime!(head_dim + PAD);
+
+    let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(BWD_BN * (head_dim + PAD)), 16usize);
+    let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(BWD_BN * (head_dim + PAD)), 16usize);
+
+    let tile = CUBE_POS_X as usize;
+    let head = CUBE_POS_Y;
+    let group = heads_q / heads_kv;
+    let head_kv = head / group;
+
+    let seg = work[tile * 2] as usize;
+    let tile_start = work[tile * 2 + 1];
+    let q_start = segs[seg * 4];
+    let q_len = segs[seg * 4 + 1];
+    let k_start = segs[seg * 4 + 2];
+    let k_len = segs[seg * 4 + 3];
+
+    let rows_here = min(q_len - tile_start, BWD_BM as u32);
+    let mut max_vis = k_len as i32;
+    if causal {
+        let lim = k_len as i32 - q_len as i32 + (tile_start + rows_here) as i32;
+        max_vis = max(min(lim, k_len as i32), 0i32);
+    }
+    let n_tiles = (max_vis as u32 + BWD_BN as u32 - 1) / BWD_BN as u32;
+
+    // ---- Q and dO tiles through shared memory into A fragments (BM == BN) ----
+    stage_rows::<E, NV>(q, &mut k_smem, tile_start, q_len, q_start + tile_start, heads_q, head, BWD_BM, head_dim);
+    stage_rows::<E, NV>(dout, &mut v_smem, tile_start, q_len, q_start + tile_start, heads_q, head, BWD_BM, head_dim);
+    sync_cube();
+
+    let size!(NA) = def.vector_size(MatrixIdent::A);
+    let size!(NB) = def.vector_size(MatrixIdent::B);
+    let size!(NC) = def.vector_size(MatrixIdent::Accumulator);
+    let va = def.vectors_per_lane(MatrixIdent::A);
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let sc = def.vector_size(MatrixIdent::Accumulator);
+    let ec = comptime!(vc * sc);
+    let o_blocks = comptime!(head_dim / 8);
+    let sn = comptime!(BWD_SUB / 8);
+    let k_steps = comptime!(head_dim / 16);
+
+    let mut qf = Array::<Vector<E, NA>>::new(comptime!(k_steps * va));
+    let mut df = Array::<Vector<E, NA>>::new(comptime!(k_steps * va));
+    #[unroll]
+    for ks in 0..k_steps {
+        let a = frag_a::<E, NA>(&def, &k_smem, plane as usize * 16, ks * 16, stride, ldsm);
+        let b = frag_a::<E, NA>(&def, &v_smem, plane as usize * 16, ks * 16, stride, ldsm);
+        #[unroll]
+        for i in 0..va {
+            qf[ks * va + i] = a[i];
+            df[ks * va + i] = b[i];
+        }
+    }
+
+    // Accumulator elements [0, ec/2) sit on row `row_a`, [ec/2, ec) on `row_b`.
+    let (row_a, _ca) = def.position_of_nth(lane, 0u32, MatrixIdent::Accumulator);
+    let (row_b, _cb) = def.position_of_nth(lane, (ec - 1) as u32, MatrixIdent::Accumulator);
+    let rl_a = tile_start + plane * 16 + row_a;
+    let rl_b = tile_start + plane * 16 + row_b;
+    let mut lim_a = k_len as i32;
+    let mut lim_b = k_len as i32;
+    if causal {
+        lim_a = max(min(k_len as i32 - q_len as i32 + rl_a as i32 + 1, k_len as i32), 0i32);
+        lim_b = max(min(k_len as i32 - q_len as i32 + rl_b as i32 + 1, k_len as i32), 0i32);
+    }
+    let mut lse_a = 0.0f32;
+    let mut lse_b = 0.0f32;
+    let mut dl_a = 0.0f32;
+    let mut dl_b = 0.0f32;
+    if rl_a < q_len {
+        let i = (head * total_q + q_start + rl_a) as usize;
+        lse_a = lse[i];
+        dl_a = delta[i];
+    }
+    if rl_b < q_len {
+        let i = (head * total_q + q_start + rl_b) as usize;
+        lse_b = lse[i];
+        dl_b = delta[i];
+    }
+    // Rows past the segment end: force every key masked.
+    if rl_a >= q_len {
+        lim_a = 0i32;
+    }
+    if rl_b >= q_len {
+        lim_b = 0i32;
+    }
+
+    let mut dq_acc = Array::<f32>::new(comptime!(o_blocks * ec));
+    #[unroll]
+    for i in 0..comptime!(o_blocks * ec) {
+        dq_acc[i] = 0.0f32;
+    }
+    let mut s = Array::<f32>::new(comptime!(sn * ec));
+    let mut dp = Array::<f32>::new(comptime!(sn * ec));
+
+    for kt in 0..n_tiles {
+        let kb = kt * BWD_BN as u32;
+        sync_cube();
+        stage_rows::<E, NV>(k, &mut k_smem, kb, k_len, k_start + kb, heads_kv, head_kv, BWD_BN, head_dim);
+        stage_rows::<E, NV>(v, &mut v_smem, kb, k_len, k_start + kb, heads_kv, head_kv, BWD_BN, head_dim);
+        sync_cube();
+
+        for sub in 0..comptime!(BWD_BN / BWD_SUB) {
+            let kc0 = sub * BWD_SUB;
+            #[unroll]
+            for i in 0..comptime!(sn * ec) {
+                s[i] = 0.0f32;
+                dp[i] = 0.0f32;
+            }
+            // ---- S = Q K^T, dP = dO V^T (16 rows x SUB keys) ----
+            #[unroll]
+            for nb in 0..sn {
+                #[unroll]
+                for kk in 0..comptime!(k_steps / 2) {
+                    let mk = frag_b_t2::<E, NB>(&def, &k_smem, kc0 + nb * 8, kk * 32, stride, ldsm);
+                    let mv = frag_b_t2::<E, NB>(&def, &v_smem, kc0 + nb * 8, kk * 32, stride, ldsm);
+                    #[unroll]
+                    for h in 0..2usize {
+                        let ks = 2 * kk + h;
+                        let mut aq = Array::<Vector<E, NA>>::new(va);
+                        let mut ad = Array::<Vector<E, NA>>::new(va);
+                        #[unroll]
+                        for i in 0..va {
+                            aq[i] = qf[ks * va + i];
+                            ad[i] = df[ks * va + i];
+                        }
+                        mma_into::<E, NA, NB, NC>(&def, &aq, &mk, 2 * h, &mut s, nb * ec);
+                        mma_into::<E, NA, NB, NC>(&def, &ad, &mv, 2 * h, &mut dp, nb * ec);
+                    }
+                }
+            }
+            // ---- dS = P (dP - delta), P = exp(scale S - lse) masked ----
+            let chunk_end = (kb + kc0 as u32 + BWD_SUB as u32) as i32;
+            let needs_mask = chunk_end > lim_a || chunk_end > lim_b;
+            #[unroll]
+            for nb in 0..sn {
+                #[unroll]
+                for e in 0..ec {
+                    let mut l = lse_b;
+                    let mut dd = dl_b;
+                    let mut lim = lim_b;
+                    if e < ec / 2 {
+                        l = lse_a;
+                        dd = dl_a;
+                        lim = lim_a;
+                    }
+                    let mut p = f32::exp(s[nb * ec + e] * scale - l);
+                    if needs_mask {
+                        let (_row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
+                        let key = (kb + (kc0 + nb * 8) as u32 + col) as i32;
+                        if key >= lim {
+                            p = 0.0f32;
+                        }
+                    }
+                    s[nb * ec + e] = p * (dp[nb * ec + e] - dd);
+                }
+            }
+            // ---- dQ += dS K ----
+            #[unroll]
+            for ks in 0..comptime!(BWD_SUB / 16) {
+                let a = acc_to_a::<E, NA>(&def, &s, ks);
+                #[unroll]
+                for ob2 in 0..comptime!(o_blocks / 2) {
+                    let m = frag_b_n2::<E, NB>(&def, &k_smem, kc0 + ks * 16, ob2 * 16, stride, ldsm);
+                    mma_into::<E, NA, NB, NC>(&def, &a, &m, 0usize, &mut dq_acc, (2 * ob2) * ec);
+                    mma_into::<E, NA, NB, NC>(&def, &a, &m, 2usize, &mut dq_acc, (2 * ob2 + 1) * ec);
+                }
+            }
+        }
+    }
+
+    #[unroll]
+    for ob in 0..o_blocks {
+        #[unroll]
+        for e in 0..ec {
+            let (row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
+            let rl = tile_start + plane * 16 + row;
+            if rl < q_len {
+                let g = ((q_start + rl) * heads_q + head) as usize * head_dim + ob * 8 + col as usize;
+                dq[g] = E::cast_from(dq_acc[ob * ec + e] * scale);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Preprocessing and fills (any float type)
+// ---------------------------------------------------------------------------------------------
+
+/// delta[h, t] = sum_d dO[t, h, d] * O[t, h, d] in f32. One plane per (t, h) pair, pairs in
+/// storage order; a 2-D grid (x fastest) of cubes of [`DELTA_PLANES`] planes.
+#[cube(launch)]
+pub fn bwd_delta<E: Float>(
+    out: &Array<E>,
+    dout: &Array<E>,
+    delta: &mut Array<f32>,
+    heads_q: u32,
+    total_q: u32,
+    #[comptime] head_dim: usize,
+) {
+    let per_lane = comptime!(head_dim / 32);
+    let lane = UNIT_POS_PLANE as usize;
+    let cube = CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X;
+    let idx = cube * DELTA_PLANES as u32 + UNIT_POS / 32u32;
+    if idx < total_q * heads_q {
+        let base = idx as usize * head_dim;
+        let mut acc = 0.0f32;
+        #[unroll]
+        for i in 0..per_lane {
+            let j = base + i * 32 + lane;
+            acc += f32::cast_from(out[j]) * f32::cast_from(dout[j]);
+        }
+        let tot = plane_sum(acc);
+        if lane == 0 {
+            let t = idx / heads_q;
+            let h = idx % heads_q;
+            delta[(h * total_q + t) as usize] = tot;
+        }
+    }
+}
+
+/// Zeroes `x` (2-D grid, x fastest, 256 units per cube).
+#[cube(launch)]
+pub fn fill_zero<E: Float>(x: &mut Array<E>) {
+    let idx = ((CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) * 256u32 + UNIT_POS) as usize;
+    if idx < x.len() {
+        x[idx] = E::from_int(0);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// f32 kernels (no tensor cores): one plane per (query row, head) or (key, kv head)
+// ---------------------------------------------------------------------------------------------
+
+/// dQ for f32: `row_seg[t]` = segment of query row t (u32::MAX when none: dq = 0).
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+pub fn rowwise_bwd_dq_f32(
+    q: &Array<f32>,
+    k: &Array<f32>,
+    v: &Array<f32>,
+    dout: &Array<f32>,
+    lse: &Array<f32>,
+    delta: &Array<f32>,
+    dq: &mut Array<f32>,
+    row_seg: &Array<u32>,
+    segs: &Array<u32>,
+    scale: f32,
+    heads_q: u32,
+    heads_kv: u32,
+    total_q: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] causal: bool,
+) {
+    let per_lane = comptime!(head_dim / 32);
+    let lane = UNIT_POS_PLANE as usize;
+    let row = CUBE_POS_X * F32_ROWS_PER_CUBE as u32 + UNIT_POS / 32u32;
+    let head = CUBE_POS_Y;
+    if row < total_q {
+        let seg = row_seg[row as usize];
+        let qbase = (row * heads_q + head) as usize * head_dim;
+        let mut qv = Array::<f32>::new(per_lane);
+        let mut dov = Array::<f32>::new(per_lane);
+        let mut acc = Array::<f32>::new(per_lane);
+        #[unroll]
+        for i in 0..per_lane {
+            qv[i] = q[qbase + i * 32 + lane];
+            dov[i] = dout[qbase + i * 32 + lane];
+            acc[i] = 0.0f32;
+        }
+        if seg != u32::MAX {
+            let q_start = segs[seg as usize * 4];
+            let q_len = segs[seg as usize * 4 + 1];
+            let k_start = segs[seg as usize * 4 + 2];
+            let k_len = segs[seg as usize * 4 + 3];
+            let r = row - q_start;
+            let mut vis = k_len as i32;
+            if causal {
+                vis = max(min(k_len as i32 - q_len as i32 + r as i32 + 1, k_len as i32), 0i32);
+            }
+            let head_kv = head / (heads_q / heads_kv);
+            let li = (head * total_q + row) as usize;
+            let l = lse[li];
+            let dd = delta[li];
+            for j in 0..vis as u32 {
+                let kbase = ((k_start + j) * heads_kv + head_kv) as usize * head_dim;
+                let mut ps = 0.0f32;
+                let mut pd = 0.0f32;
+                #[unroll]
+                for i in 0..per_lane {
+                    ps += qv[i] * k[kbase + i * 32 + lane];
+                    pd += dov[i] * v[kbase + i * 32 + lane];
+                }
+                let sv = plane_sum(ps);
+                let dpv = plane_sum(pd);
+                let p = f32::exp(sv * scale - l);
+                let ds = p * (dpv - dd);
+                #[unroll]
+                for i in 0..per_lane {
+                    acc[i] += ds * k[kbase + i * 32 + lane];
+                }
+            }
+        }
+        #[unroll]
+        for i in 0..per_lane {
+            dq[qbase + i * 32 + lane] = acc[i] * scale;
+        }
+    }
+}
+
+/// dK, dV for f32: one plane per (key, kv head); segments from the per-key-tile CSR list
+/// (tiles of [`BWD_BN`] keys), visited in ascending order.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch)]
+pub fn rowwise_bwd_dkdv_f32(
+    q: &Array<f32>,
+    k: &Array<f32>,
+    v: &Array<f32>,
+    dout: &Array<f32>,
+    lse: &Array<f32>,
+    delta: &Array<f32>,
+    dk: &mut Array<f32>,
+    dv: &mut Array<f32>,
+    tile_off: &Array<u32>,
+    tile_segs: &Array<u32>,
+    segs: &Array<u32>,
+    scale: f32,
+    heads_q: u32,
+    heads_kv: u32,
+    total_q: u32,
+    total_k: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] causal: bool,
+) {
+    let per_lane = comptime!(head_dim / 32);
+    let lane = UNIT_POS_PLANE as usize;
+    let key = CUBE_POS_X * F32_ROWS_PER_CUBE as u32 + UNIT_POS / 32u32;
+    let hk = CUBE_POS_Y;
+    if key < total_k {
+        let kbase = (key * heads_kv + hk) as usize * head_dim;
+        let mut kv = Array::<f32>::new(per_lane);
+        let mut vv = Array::<f32>::new(per_lane);
+        let mut dka = Array::<f32>::new(per_lane);
+        let mut dva = Array::<f32>::new(per_lane);
+        #[unroll]
+        for i in 0..per_lane {
+            kv[i] = k[kbase + i * 32 + lane];
+            vv[i] = v[kbase + i * 32 + lane];
+            dka[i] = 0.0f32;
+            dva[i] = 0.0f32;
+        }
+        let group = heads_q / heads_kv;
+        let kt = (key / BWD_BN as u32) as usize;
+        for si in tile_off[kt]..tile_off[kt + 1] {
+            let seg = tile_segs[si as usize] as usize;
+            let q_start = segs[seg * 4];
+            let q_len = segs[seg * 4 + 1];
+            let k_start = segs[seg * 4 + 2];
+            let k_len = segs[seg * 4 + 3];
+            if key >= k_start && key < k_start + k_len {
+                let kw = (key - k_start) as i32;
+                let mut r_min = 0i32;
+                if causal {
+                    r_min = max(kw - (k_len as i32 - q_len as i32), 0i32);
+                }
+                for hh in 0..group {
+                    let h = hk * group + hh;
+                    for r in r_min as u32..q_len {
+                        let t = q_start + r;
+                        let qbase = (t * heads_q + h) as usize * head_dim;
+                        let li = (h * total_q + t) as usize;
+                        let mut ps = 0.0f32;
+                        let mut pd = 0.0f32;
+                        #[unroll]
+                        for i in 0..per_lane {
+                            ps += q[qbase + i * 32 + lane] * kv[i];
+                            pd += dout[qbase + i * 32 + lane] * vv[i];
+                        }
+                        let sv = plane_sum(ps);
+                        let dpv = plane_sum(pd);
+                        let p = f32::exp(sv * scale - lse[li]);
+                        let ds = p * (dpv - delta[li]);
+                        #[unroll]
+                        for i in 0..per_lane {
+                            dva[i] += p * dout[qbase + i * 32 + lane];
+                            dka[i] += ds * q[qbase + i * 32 + lane];
+                        }
+                    }
+                }
+            }
+        }
+        #[unroll]
+        for i in 0..per_lane {
+            dk[kbase + i * 32 + lane] = dka[i] * scale;
+            dv[kbase + i * 32 + lane] = dva[i];
+        }
+    }
+}
