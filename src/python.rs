@@ -282,21 +282,33 @@ fn estimate_vram<'py>(py: Python<'py>, spec: &PySpec, backward: bool) -> PyResul
     Ok(x)
 }
 
-/// Times the CUDA forward kernel on device-resident random inputs: per-iteration ms.
+/// Times the CUDA forward kernels on device-resident random inputs: per-iteration ms.
 #[pyfunction]
 #[pyo3(signature = (spec, warmup=3, iters=10))]
 fn cuda_bench_forward(py: Python<'_>, spec: &PySpec, warmup: usize, iters: usize) -> PyResult<Vec<f64>> {
     let s = &spec.inner;
-    run_detached(py, || cuda_bench(s, warmup, iters))
+    run_detached(py, || cuda_bench(s, warmup, iters, false))
+}
+
+/// Times the CUDA forward + backward kernels on device-resident random inputs: per-iteration ms.
+#[pyfunction]
+#[pyo3(signature = (spec, warmup=3, iters=10))]
+fn cuda_bench_forward_backward(py: Python<'_>, spec: &PySpec, warmup: usize, iters: usize) -> PyResult<Vec<f64>> {
+    let s = &spec.inner;
+    run_detached(py, || cuda_bench(s, warmup, iters, true))
 }
 
 #[cfg(feature = "cuda")]
-fn cuda_bench(s: &AttnSpec, warmup: usize, iters: usize) -> crate::Result<Vec<f64>> {
-    crate::backend::cuda::bench_forward(s, warmup, iters)
+fn cuda_bench(s: &AttnSpec, warmup: usize, iters: usize, backward: bool) -> crate::Result<Vec<f64>> {
+    if backward {
+        crate::backend::cuda::backward::bench_backward(s, warmup, iters)
+    } else {
+        crate::backend::cuda::bench::bench_forward(s, warmup, iters)
+    }
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_bench(_s: &AttnSpec, _warmup: usize, _iters: usize) -> crate::Result<Vec<f64>> {
+fn cuda_bench(_s: &AttnSpec, _warmup: usize, _iters: usize, _backward: bool) -> crate::Result<Vec<f64>> {
     Err(Error::BackendUnavailable { backend: "cuda", reason: "this build of cubeattn has no `cuda` feature".into() })
 }
 
@@ -310,6 +322,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(backend_status, m)?)?;
     m.add_function(wrap_pyfunction!(estimate_vram, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_bench_forward, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_bench_forward_backward, m)?)?;
     m.add("CUDA_COMPILED", cfg!(feature = "cuda"))?;
     Ok(())
 }

@@ -273,6 +273,73 @@ def _cuda_grouped(args, torch):
     return rows
 
 
+def _cuda_fwdbwd(args, torch):
+    """Forward + backward (training step) timings; FLOPs = 3.5 x the forward matmul FLOPs."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    sync = torch.cuda.synchronize
+    hq, hkv, d = CONFIGS[args.config]
+    rows = []
+    for s in (args.seqlens if args.seqlens_given else ([8192] if args.quick else [8192, 16384])):
+        flops = 3.5 * 4 * d * hq * causal_pairs(s, s)
+        key = dict(what="dense_causal_fwdbwd", config=args.config, S=s)
+        spec = cubeattn.varlen_spec((s, hq, d), (s, hkv, d), args.dtype, [0, s], [0, s], s, s, causal=True)
+        try:
+            ts = sorted(cubeattn._core.cuda_bench_forward_backward(spec, 3, args.iterations))
+            rows.append(dict(key, impl="cubeattn_cuda", ms=ts[len(ts) // 2], tflops=flops / ts[len(ts) // 2] / 1e9))
+        except Exception as e:
+            rows.append(dict(key, impl="cubeattn_cuda", error=str(e)[:200]))
+        q = torch.randn(1, hq, s, d, device="cuda", dtype=tdt, requires_grad=True)
+        k = torch.randn(1, hkv, s, d, device="cuda", dtype=tdt, requires_grad=True)
+        v = torch.randn(1, hkv, s, d, device="cuda", dtype=tdt, requires_grad=True)
+        go = torch.randn(1, hq, s, d, device="cuda", dtype=tdt)
+        for name, be in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+            try:
+                def step():
+                    with sdpa_kernel(be):
+                        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                    o.backward(go)
+                ms = median_ms(step, 3, args.iterations, sync)
+                rows.append(dict(key, impl=name, ms=ms[0], tflops=flops / ms[0] / 1e9))
+            except Exception as e:
+                rows.append(dict(key, impl=name, error=str(e)[:200]))
+        del q, k, v, go
+    for T, W in zigzag_cases(args.quick):
+        C = T // (2 * W)
+        for r in (0, W - 1):
+            ends = [(r + 1) * C, (2 * W - r) * C]
+            flops = 3.5 * 4 * d * hq * sum(causal_pairs(C, e) for e in ends)
+            key = dict(what="grouped_zigzag_fwdbwd", config=args.config, T=T, W=W, rank=r)
+            spec = cubeattn.grouped_spec((2 * C, hq, d), (T, hkv, d), args.dtype, [[0, C], [C, 2 * C]],
+                                         [[0, ends[0]], [0, ends[1]]], causal=True)
+            try:
+                ts = sorted(cubeattn._core.cuda_bench_forward_backward(spec, 3, args.iterations))
+                rows.append(dict(key, impl="cubeattn_grouped", ms=ts[len(ts) // 2], tflops=flops / ts[len(ts) // 2] / 1e9))
+            except Exception as e:
+                rows.append(dict(key, impl="cubeattn_grouped", error=str(e)[:200]))
+            qs = [torch.randn(1, hq, C, d, device="cuda", dtype=tdt, requires_grad=True) for _ in ends]
+            k = torch.randn(1, hkv, T, d, device="cuda", dtype=tdt, requires_grad=True)
+            v = torch.randn(1, hkv, T, d, device="cuda", dtype=tdt, requires_grad=True)
+            go = torch.randn(1, hq, C, d, device="cuda", dtype=tdt)
+
+            def two_calls():
+                for qq, e in zip(qs, ends):
+                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                        o = F.scaled_dot_product_attention(qq, k[:, :, :e], v[:, :, :e],
+                                                           attn_mask=causal_lower_right(C, e), enable_gqa=True)
+                    o.backward(go)
+            try:
+                ms = median_ms(two_calls, 3, args.iterations, sync)
+                rows.append(dict(key, impl="sdpa_flash_per_group", ms=ms[0], tflops=flops / ms[0] / 1e9))
+            except Exception as e:
+                rows.append(dict(key, impl="sdpa_flash_per_group", error=str(e)[:200]))
+            del qs, k, v, go
+    return rows
+
+
 # ---------------------------------------------------------------- output
 
 def print_table(rows):
@@ -308,7 +375,7 @@ def maybe_png(rows, path):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m cubeattn.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", nargs="?", default="dense", choices=["dense", "grouped"])
+    p.add_argument("what", nargs="?", default="dense", choices=["dense", "grouped", "fwdbwd"])
     p.add_argument("--quick", action="store_true", help="small shapes, few iterations")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--config", default=None, choices=sorted(CONFIGS))
@@ -322,6 +389,7 @@ def main(argv=None):
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--png", default=None, help="write a plot here (needs matplotlib)")
     args = p.parse_args(argv)
+    args.seqlens_given = args.seqlens is not None
     st = cubeattn.backend_status()
     device = args.device if args.device != "auto" else ("cuda" if st["cuda_available"] else "cpu")
     if device == "cuda" and not st["cuda_available"]:
@@ -330,8 +398,8 @@ def main(argv=None):
         args.config = args.config or "cpu-small"
         args.seqlens = args.seqlens or ([1024, 2048] if args.quick else [2048, 4096])
         args.iterations = args.iterations or (3 if args.quick else 5)
-        if args.what == "grouped":
-            p.error("the grouped benchmark compares GPU kernels: run it with a CUDA build on a GPU")
+        if args.what != "dense":
+            p.error(f"the {args.what} benchmark compares GPU kernels: run it with a CUDA build on a GPU")
         rows = bench_cpu(args)
     else:
         torch = _torch()
@@ -340,7 +408,7 @@ def main(argv=None):
         args.config = args.config or "llama3-8b"
         args.seqlens = args.seqlens or ([4096, 8192] if args.quick else [4096, 8192, 16384, 32768])
         args.iterations = args.iterations or (5 if args.quick else 20)
-        rows = _cuda_dense(args, torch) if args.what == "dense" else _cuda_grouped(args, torch)
+        rows = {"dense": _cuda_dense, "grouped": _cuda_grouped, "fwdbwd": _cuda_fwdbwd}[args.what](args, torch)
     env = environment(device)
     print(f"# cubeattn bench {args.what} on {device}: {env.get('gpu_name', platform.processor() or 'cpu')}, "
           f"{env['date']}, commit {env['commit']}")
