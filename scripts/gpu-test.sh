@@ -174,7 +174,9 @@ do_benchmark() {
   stamp=$(date -u +%Y%m%dT%H%M%SZ)
   for t in $(targets); do
     case "$t" in
-      flash_attention) "$PY" -m cubeattn.bench dense --device cuda --iterations "$ITER" --json "$LOG_DIR/dense-$stamp.json" | tee "$LOG_DIR/dense-$stamp.txt" || status=1 ;;
+      flash_attention)
+        "$PY" -m cubeattn.bench dense --device cuda --iterations "$ITER" --json "$LOG_DIR/dense-$stamp.json" | tee "$LOG_DIR/dense-$stamp.txt" || status=1
+        "$PY" -m cubeattn.bench fwdbwd --device cuda --iterations "$ITER" --json "$LOG_DIR/fwdbwd-$stamp.json" | tee "$LOG_DIR/fwdbwd-$stamp.txt" || status=1 ;;
       grouped) "$PY" -m cubeattn.bench grouped --device cuda --iterations "$ITER" --json "$LOG_DIR/grouped-$stamp.json" | tee "$LOG_DIR/grouped-$stamp.txt" || status=1 ;;
       *) not_built "$t"; [ "$TARGET" = all ] || exit 2 ;;
     esac
