@@ -1,22 +1,34 @@
 //! Flash-attention forward (FlashAttention-2 style) on tensor cores through CubeCL's manual
 //! `mma.sync` path (m16n8k16, f16/bf16 operands, f32 accumulators).
 //!
-//! One cube = one (query tile, query head). The query tile comes from a host-built work list of
-//! `(segment id, first row of the tile inside the segment)`, so varlen batches and grouped
-//! attention (overlapping key windows over one K,V) are the same launch. Eight planes (warps) per
-//! cube, 16 query rows each (BLOCK_M = 128); key tiles of BLOCK_N = 64 rows staged in shared memory.
-//! Scores, softmax statistics and the output accumulator stay in registers; P is re-used as the A
-//! operand of P.V without a trip through shared memory (the accumulator and A-operand register
-//! layouts of m16n8k16 line up).
+//! One cube = one work item: a tile of BLOCK_M = 128 *packed rows* and a key range. The rows of a
+//! tile come from a host-built list of slices `(segment, first packed row, row count)`; packed row
+//! `p` of a segment is query `p / hp`, head `head_base + p % hp`, where `hp` (heads packed per row
+//! group) is 1 (one head per cube, `CUBE_POS_Y` = head) or the GQA group size (the q heads that
+//! share one kv head sit in one tile, `CUBE_POS_Y` = kv head). Rows of several segments can share
+//! a tile; each row keeps its own visible key range `[lo, hi)` (absolute key indices), so a K,V
+//! tile is read once for all of them. Varlen batches, grouped attention and decode-style groups are
+//! the same launch.
+//!
+//! A work item covers the absolute keys `[klo, khi)`: the tile's whole union range, or one part of
+//! it (split-K, for launches with too few cubes); parts write f32 partial outputs and their LSE,
+//! and `combine_parts` merges them.
+//!
+//! Eight planes (warps) per cube, 16 rows each; key tiles of BLOCK_N = 64 rows staged in shared
+//! memory. Scores, softmax statistics and the output accumulator stay in registers; P is re-used
+//! as the A operand of P.V without a trip through shared memory. With `pipe`, K and V tiles are
+//! copied with `cp.async` (16 B per copy, completion tracked by two shared mbarriers) in the
+//! FlashAttention-2 order: V(t) loads while S = Q K(t)^T and the softmax run, K(t+1) loads while
+//! O += P V(t) runs.
 //!
 //! Causal masking is bottom-right aligned per segment: segment row `r` sees window keys
-//! `j < k_len - q_len + r + 1`. Key tiles past the last row's limit are never visited; only tiles
-//! that straddle a limit pay for the mask.
+//! `j < k_len - q_len + r + 1`. Only tiles that cross a row's range limits pay for the mask.
 
 use cubecl::prelude::*;
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
+use cubecl::prelude::barrier::{copy_async, Barrier};
 
-/// Query rows per cube.
+/// Packed rows per cube.
 pub const BLOCK_M: usize = 16 * PLANES;
 /// Keys per shared-memory tile.
 pub const BLOCK_N: usize = 64;
@@ -26,29 +38,113 @@ pub const PLANES: usize = 8;
 pub const LOAD_VEC: usize = 8;
 /// Padding (elements) added to each shared-memory row to spread banks.
 pub const SMEM_PAD: usize = 8;
+/// u32 words per slice in the slice table.
+pub const SLICE_WORDS: usize = 3;
+/// u32 words per work item.
+pub const WORK_WORDS: usize = 5;
+/// u32 words per combine entry.
+pub const COMB_WORDS: usize = 4;
+/// Marks "no row" / "no partial slot".
+pub const NONE: u32 = u32::MAX;
 
-/// Forward kernel. `q`: `[total_q, heads_q, D]` scalars; `k`, `v`: `[total_k, heads_kv, D]` as
-/// vectors of `LOAD_VEC`; `out` like q; `lse`: `[heads_q, total_q]`.
-/// `work`: two u32 per cube (segment id, tile start row inside the segment);
-/// `segs`: four u32 per segment (q_start, q_len, k_start, k_len).
+/// `exp` through the hardware approximation (`__expf`: one multiply and `ex2.approx`).
+#[cube(fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf)]
+fn fast_exp(x: f32) -> f32 {
+    f32::exp(x)
+}
+
+/// Per-row metadata of one tile, written to shared memory by the first BLOCK_M units:
+/// token (NONE for an empty row), q head, and the visible absolute key range clipped to
+/// `[klo, khi)` (`lo == hi` when empty).
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube]
+pub fn fill_rows(
+    slices: &Array<u32>,
+    segs: &Array<u32>,
+    slice_off: u32,
+    n_slices: u32,
+    hp: u32,
+    head_base: u32,
+    klo: u32,
+    khi: u32,
+    row_tok: &mut SharedMemory<u32>,
+    row_head: &mut SharedMemory<u32>,
+    row_lo: &mut SharedMemory<u32>,
+    row_hi: &mut SharedMemory<u32>,
+    #[comptime] causal: bool,
+) {
+    let r = UNIT_POS;
+    if r < BLOCK_M as u32 {
+        let mut tok = 0xFFFF_FFFFu32;
+        let mut head = 0u32;
+        let mut lo = 0u32;
+        let mut hi = 0u32;
+        let mut off = 0u32;
+        for i in 0..n_slices {
+            let base = ((slice_off + i) * SLICE_WORDS as u32) as usize;
+            let n = slices[base + 2];
+            if r >= off && r < off + n {
+                let seg = slices[base] as usize;
+                let p = slices[base + 1] + (r - off);
+                let qr = p / hp;
+                let q_start = segs[seg * 4];
+                let q_len = segs[seg * 4 + 1];
+                let k_start = segs[seg * 4 + 2];
+                let k_len = segs[seg * 4 + 3];
+                tok = q_start + qr;
+                head = head_base + p % hp;
+                let mut vis = k_len;
+                if causal {
+                    let lim = k_len as i32 - q_len as i32 + qr as i32 + 1;
+                    vis = max(min(lim, k_len as i32), 0i32) as u32;
+                }
+                lo = max(k_start, klo);
+                hi = min(k_start + vis, khi);
+                if hi < lo {
+                    hi = lo;
+                }
+            }
+            off += n;
+        }
+        row_tok[r as usize] = tok;
+        row_head[r as usize] = head;
+        row_lo[r as usize] = lo;
+        row_hi[r as usize] = hi;
+    }
+}
+
+/// Forward kernel. `q`: `[total_q, heads_q, D]` as vectors of `LOAD_VEC`; `k`, `v`:
+/// `[total_k, heads_kv, D]`, both as scalars (`k_s`, `v_s`, for `cp.async`) and as vectors
+/// (`k`, `v`, for the synchronous path); `out` like q (scalars); `lse`: `[heads_q, total_q]`.
+/// `work`: WORK_WORDS u32 per cube (slice offset, slice count, klo, khi, partial slot or NONE);
+/// `slices`: SLICE_WORDS u32 per slice; `segs`: four u32 per segment (q_start, q_len, k_start,
+/// k_len). Partial slots: `part_o[(y * n_slots + slot) * BLOCK_M + row][D]`, `part_lse[.. + row]`.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch_unchecked)]
 pub fn flash_fwd_mma<E: Float, NV: Size>(
     q: &Array<Vector<E, NV>>,
     k: &Array<Vector<E, NV>>,
     v: &Array<Vector<E, NV>>,
+    k_s: &Array<E>,
+    v_s: &Array<E>,
     out: &mut Array<E>,
     lse: &mut Array<f32>,
+    part_o: &mut Array<f32>,
+    part_lse: &mut Array<f32>,
     work: &Array<u32>,
+    slices: &Array<u32>,
     segs: &Array<u32>,
     scale: f32,
     heads_q: u32,
     heads_kv: u32,
     total_q: u32,
+    hp: u32,
+    n_slots: u32,
     inf: f32,
     #[comptime] head_dim: usize,
     #[comptime] causal: bool,
     #[comptime] ldsm: bool,
+    #[comptime] pipe: bool,
 ) {
     // `inf` is passed at launch (f32::INFINITY): this CubeCL version prints infinite literals as
     // `inf`, which NVRTC rejects.
@@ -60,28 +156,34 @@ pub fn flash_fwd_mma<E: Float, NV: Size>(
     let vecs_per_row = comptime!(head_dim / LOAD_VEC);
     let mut kv_smem = SharedMemory::<E>::new_aligned(comptime!(BLOCK_N * (head_dim + SMEM_PAD)), 16usize);
     let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(BLOCK_N * (head_dim + SMEM_PAD)), 16usize);
+    let mut row_tok = SharedMemory::<u32>::new(BLOCK_M);
+    let mut row_head = SharedMemory::<u32>::new(BLOCK_M);
+    let mut row_lo = SharedMemory::<u32>::new(BLOCK_M);
+    let mut row_hi = SharedMemory::<u32>::new(BLOCK_M);
+    let bar_k = Barrier::shared(comptime!((PLANES * 32) as u32), UNIT_POS == 0);
+    let bar_v = Barrier::shared(comptime!((PLANES * 32) as u32), UNIT_POS == 0);
 
-    let tile = CUBE_POS_X as usize;
-    let head = CUBE_POS_Y;
+    let item = CUBE_POS_X as usize * WORK_WORDS;
+    let head_base = CUBE_POS_Y * hp;
     let group = heads_q / heads_kv;
-    let head_kv = head / group;
+    let head_kv = head_base / group;
 
-    let seg = work[tile * 2] as usize;
-    let tile_start = work[tile * 2 + 1];
-    let q_start = segs[seg * 4];
-    let q_len = segs[seg * 4 + 1];
-    let k_start = segs[seg * 4 + 2];
-    let k_len = segs[seg * 4 + 3];
+    let slice_off = work[item];
+    let n_slices = work[item + 1];
+    let klo = work[item + 2];
+    let khi = work[item + 3];
+    let slot = work[item + 4];
 
-    // Rows of this tile that belong to the segment.
-    let rows_here = min(q_len - tile_start, BLOCK_M as u32);
-    // Keys visible to the last row of the tile: the tile loop stops there.
-    let mut max_vis = k_len as i32;
-    if causal {
-        let lim = k_len as i32 - q_len as i32 + (tile_start + rows_here) as i32;
-        max_vis = max(min(lim, k_len as i32), 0i32);
+    fill_rows(
+        slices, segs, slice_off, n_slices, hp, head_base, klo, khi, &mut row_tok, &mut row_head, &mut row_lo,
+        &mut row_hi, causal,
+    );
+    sync_cube();
+
+    let mut n_tiles = 0u32;
+    if khi > klo {
+        n_tiles = (khi - klo + BLOCK_N as u32 - 1) / BLOCK_N as u32;
     }
-    let n_tiles = (max_vis as u32 + BLOCK_N as u32 - 1) / BLOCK_N as u32;
 
     // ---- stage the Q tile through shared memory, then into A fragments ----
     let threads = comptime!(PLANES * 32);
@@ -92,10 +194,10 @@ pub fn flash_fwd_mma<E: Float, NV: Size>(
         let idx = UNIT_POS as usize + it * threads;
         let r = idx / vecs_per_row;
         let c = idx % vecs_per_row;
-        let row_local = tile_start + r as u32;
+        let tok = row_tok[r];
         let mut val = Vector::<E, NV>::new(E::from_int(0));
-        if row_local < q_len {
-            let g = ((q_start + row_local) * heads_q + head) as usize * vecs_per_row + c;
+        if tok != NONE {
+            let g = (tok * heads_q + row_head[r]) as usize * vecs_per_row + c;
             val = q[g];
         }
         // Rows [0, BLOCK_N) are staged in the K buffer, the rest in the V buffer.
@@ -124,7 +226,7 @@ pub fn flash_fwd_mma<E: Float, NV: Size>(
     let sa = def.vector_size(MatrixIdent::A);
     let sb = def.vector_size(MatrixIdent::B);
     let sc = def.vector_size(MatrixIdent::Accumulator);
-    let ea = comptime!(va * sa);
+    let _ea = comptime!(va * sa);
     let ec = comptime!(vc * sc);
 
     let k_steps = comptime!(head_dim / 16);
@@ -152,15 +254,12 @@ pub fn flash_fwd_mma<E: Float, NV: Size>(
     // [0, ec/2) sit on row `row_a`, [ec/2, ec) on `row_b` (m16n8 accumulator layout).
     let (row_a, _ca) = def.position_of_nth(lane, 0u32, MatrixIdent::Accumulator);
     let (row_b, _cb) = def.position_of_nth(lane, (ec - 1) as u32, MatrixIdent::Accumulator);
-    let rl_a = tile_start + plane * 16 + row_a;
-    let rl_b = tile_start + plane * 16 + row_b;
-    // Keys visible to each row (window-local count).
-    let mut lim_a = k_len as i32;
-    let mut lim_b = k_len as i32;
-    if causal {
-        lim_a = max(min(k_len as i32 - q_len as i32 + rl_a as i32 + 1, k_len as i32), 0i32);
-        lim_b = max(min(k_len as i32 - q_len as i32 + rl_b as i32 + 1, k_len as i32), 0i32);
-    }
+    let ta = (plane * 16 + row_a) as usize;
+    let tb = (plane * 16 + row_b) as usize;
+    let lo_a = row_lo[ta];
+    let hi_a = row_hi[ta];
+    let lo_b = row_lo[tb];
+    let hi_b = row_hi[tb];
 
     let n_blocks = comptime!(BLOCK_N / 8);
     let o_blocks = comptime!(head_dim / 8);
@@ -178,31 +277,67 @@ pub fn flash_fwd_mma<E: Float, NV: Size>(
 
     let kv_vecs = comptime!(BLOCK_N * (head_dim / LOAD_VEC));
     let kv_loads = comptime!(kv_vecs / (PLANES * 32));
+    // Row stride of K and V in elements.
+    let krow = heads_kv as usize * head_dim;
+
+    if pipe {
+        // The Q fragments are in registers: the K buffer may be overwritten.
+        sync_cube();
+        if n_tiles > 0 {
+            #[unroll]
+            for it in 0..kv_loads {
+                let idx = UNIT_POS as usize + it * threads;
+                let r = idx / vecs_per_row;
+                let c = idx % vecs_per_row;
+                let key = min(klo + r as u32, khi - 1);
+                let g = key as usize * krow + head_kv as usize * head_dim + c * LOAD_VEC;
+                let base = r * stride + c * LOAD_VEC;
+                copy_async(&k_s.slice(g, g + LOAD_VEC), &mut kv_smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
+            }
+            bar_k.commit_copy_async();
+            let _tk = bar_k.arrive();
+        }
+    }
 
     for kt in 0..n_tiles {
-        sync_cube();
-        // ---- load K and V tiles (zero past the window end) ----
-        #[unroll]
-        for it in 0..kv_loads {
-            let idx = UNIT_POS as usize + it * threads;
-            let r = idx / vecs_per_row;
-            let c = idx % vecs_per_row;
-            let key_local = kt * BLOCK_N as u32 + r as u32;
-            let mut kval = Vector::<E, NV>::new(E::from_int(0));
-            let mut vval = Vector::<E, NV>::new(E::from_int(0));
-            if key_local < k_len {
-                let g = ((k_start + key_local) * heads_kv + head_kv) as usize * vecs_per_row + c;
-                kval = k[g];
-                vval = v[g];
-            }
-            let base = r * stride + c * LOAD_VEC;
+        let t0 = klo + kt * BLOCK_N as u32;
+        if pipe {
+            bar_k.wait_parity(kt & 1u32);
+            // Every plane has finished P.V of the previous tile: the V buffer is free.
+            sync_cube();
             #[unroll]
-            for e in 0..LOAD_VEC {
-                kv_smem[base + e] = kval[e];
-                v_smem[base + e] = vval[e];
+            for it in 0..kv_loads {
+                let idx = UNIT_POS as usize + it * threads;
+                let r = idx / vecs_per_row;
+                let c = idx % vecs_per_row;
+                let key = min(t0 + r as u32, khi - 1);
+                let g = key as usize * krow + head_kv as usize * head_dim + c * LOAD_VEC;
+                let base = r * stride + c * LOAD_VEC;
+                copy_async(&v_s.slice(g, g + LOAD_VEC), &mut v_smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
             }
+            bar_v.commit_copy_async();
+            let _tv = bar_v.arrive();
+        } else {
+            sync_cube();
+            // ---- load K and V tiles (keys past khi repeat the last key: they are masked) ----
+            #[unroll]
+            for it in 0..kv_loads {
+                let idx = UNIT_POS as usize + it * threads;
+                let r = idx / vecs_per_row;
+                let c = idx % vecs_per_row;
+                let key = min(t0 + r as u32, khi - 1);
+                let g = (key * heads_kv + head_kv) as usize * vecs_per_row + c;
+                let kval = k[g];
+                let vval = v[g];
+                let base = r * stride + c * LOAD_VEC;
+                #[unroll]
+                for e in 0..LOAD_VEC {
+                    kv_smem[base + e] = kval[e];
+                    v_smem[base + e] = vval[e];
+                }
+            }
+            sync_cube();
         }
-        sync_cube();
 
         // ---- S = Q K^T for this plane's 16 rows x BLOCK_N keys ----
         #[unroll]
@@ -268,21 +403,23 @@ pub fn flash_fwd_mma<E: Float, NV: Size>(
             }
         }
 
-        // ---- mask (only tiles that cross a row's limit) ----
-        let tile_end = (kt + 1) * BLOCK_N as u32;
-        let needs_mask = tile_end as i32 > lim_a || tile_end as i32 > lim_b;
+        // ---- mask (only tiles that cross a row's key range) ----
+        let t1 = t0 + BLOCK_N as u32;
+        let needs_mask = t0 < lo_a || t1 > hi_a || t0 < lo_b || t1 > hi_b;
         if needs_mask {
             #[unroll]
             for nb in 0..n_blocks {
                 #[unroll]
                 for e in 0..ec {
                     let (_row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
-                    let key = (kt * BLOCK_N as u32 + nb as u32 * 8 + col) as i32;
-                    let mut lim = lim_b;
+                    let key = t0 + nb as u32 * 8 + col;
+                    let mut lo = lo_b;
+                    let mut hi = hi_b;
                     if e < ec / 2 {
-                        lim = lim_a;
+                        lo = lo_a;
+                        hi = hi_a;
                     }
-                    if key >= lim {
+                    if key < lo || key >= hi {
                         s[nb * ec + e] = neg_inf;
                     }
                 }
@@ -318,8 +455,8 @@ pub fn flash_fwd_mma<E: Float, NV: Size>(
         if new_b == neg_inf {
             use_b = 0.0f32;
         }
-        let alpha_a = f32::exp(m_a - use_a);
-        let alpha_b = f32::exp(m_b - use_b);
+        let alpha_a = fast_exp(m_a - use_a);
+        let alpha_b = fast_exp(m_b - use_b);
         m_a = new_a;
         m_b = new_b;
 
@@ -331,11 +468,11 @@ pub fn flash_fwd_mma<E: Float, NV: Size>(
             for e in 0..ec {
                 let x = s[nb * ec + e];
                 if e < ec / 2 {
-                    let p = f32::exp(x * scale - use_a);
+                    let p = fast_exp(x * scale - use_a);
                     s[nb * ec + e] = p;
                     sum_a += p;
                 } else {
-                    let p = f32::exp(x * scale - use_b);
+                    let p = fast_exp(x * scale - use_b);
                     s[nb * ec + e] = p;
                     sum_b += p;
                 }
@@ -352,6 +489,26 @@ pub fn flash_fwd_mma<E: Float, NV: Size>(
                 } else {
                     o_acc[ob * ec + e] *= alpha_b;
                 }
+            }
+        }
+
+        if pipe {
+            bar_v.wait_parity(kt & 1u32);
+            // Every plane has finished S = Q K^T: the K buffer is free for the next tile.
+            sync_cube();
+            if kt + 1 < n_tiles {
+                #[unroll]
+                for it in 0..kv_loads {
+                    let idx = UNIT_POS as usize + it * threads;
+                    let r = idx / vecs_per_row;
+                    let c = idx % vecs_per_row;
+                    let key = min(t0 + (BLOCK_N + r) as u32, khi - 1);
+                    let g = key as usize * krow + head_kv as usize * head_dim + c * LOAD_VEC;
+                    let base = r * stride + c * LOAD_VEC;
+                    copy_async(&k_s.slice(g, g + LOAD_VEC), &mut kv_smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
+                }
+                bar_k.commit_copy_async();
+                let _tk = bar_k.arrive();
             }
         }
 
@@ -446,7 +603,7 @@ pub fn flash_fwd_mma<E: Float, NV: Size>(
                 }
             }
         }
-    }
+        }
 
     // ---- finish: reduce l over the 4 lanes of a row, normalise, write ----
     l_a += plane_shuffle_xor(l_a, 1u32);
@@ -462,36 +619,152 @@ pub fn flash_fwd_mma<E: Float, NV: Size>(
         inv_b = 1.0f32 / l_b;
     }
 
-    #[unroll]
-    for ob in 0..o_blocks {
+    if slot == NONE {
         #[unroll]
-        for e in 0..ec {
-            let (row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
-            let rl = tile_start + plane * 16 + row;
-            if rl < q_len {
+        for ob in 0..o_blocks {
+            #[unroll]
+            for e in 0..ec {
+                let (row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
+                let tr = (plane * 16 + row) as usize;
+                let tok = row_tok[tr];
+                if tok != NONE {
+                    let mut inv = inv_b;
+                    if e < ec / 2 {
+                        inv = inv_a;
+                    }
+                    let g = (tok * heads_q + row_head[tr]) as usize * head_dim + ob * 8 + col as usize;
+                    out[g] = E::cast_from(o_acc[ob * ec + e] * inv);
+                }
+            }
+        }
+        if lane % 4 == 0 {
+            let tok_a = row_tok[ta];
+            if tok_a != NONE {
+                let mut val = inf;
+                if l_a > 0.0f32 {
+                    val = m_a + f32::ln(l_a);
+                }
+                lse[(row_head[ta] * total_q + tok_a) as usize] = val;
+            }
+            let tok_b = row_tok[tb];
+            if tok_b != NONE {
+                let mut val = inf;
+                if l_b > 0.0f32 {
+                    val = m_b + f32::ln(l_b);
+                }
+                lse[(row_head[tb] * total_q + tok_b) as usize] = val;
+            }
+        }
+    } else {
+        // Partial result of a split tile: normalised output and LSE (-inf when no key was seen).
+        let pbase = ((CUBE_POS_Y * n_slots + slot) as usize) * BLOCK_M;
+        #[unroll]
+        for ob in 0..o_blocks {
+            #[unroll]
+            for e in 0..ec {
+                let (row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
+                let tr = (plane * 16 + row) as usize;
                 let mut inv = inv_b;
                 if e < ec / 2 {
                     inv = inv_a;
                 }
-                let g = ((q_start + rl) * heads_q + head) as usize * head_dim + ob * 8 + col as usize;
-                out[g] = E::cast_from(o_acc[ob * ec + e] * inv);
+                part_o[(pbase + tr) * head_dim + ob * 8 + col as usize] = o_acc[ob * ec + e] * inv;
             }
+        }
+        if lane % 4 == 0 {
+            let mut va_ = neg_inf;
+            if l_a > 0.0f32 {
+                va_ = m_a + f32::ln(l_a);
+            }
+            part_lse[pbase + ta] = va_;
+            let mut vb_ = neg_inf;
+            if l_b > 0.0f32 {
+                vb_ = m_b + f32::ln(l_b);
+            }
+            part_lse[pbase + tb] = vb_;
         }
     }
-    if lane % 4 == 0 {
-        if rl_a < q_len {
-            let mut val = inf;
-            if l_a > 0.0f32 {
-                val = m_a + f32::ln(l_a);
+}
+
+/// Merges the partial results of split tiles. One cube per (split tile, CUBE_POS_Y); `comb`:
+/// COMB_WORDS u32 per entry (slice offset, slice count, first slot, number of parts). Eight planes,
+/// 16 rows each; a row's lanes cover its `head_dim` columns.
+#[allow(clippy::too_many_arguments)]
+#[cube(launch_unchecked)]
+pub fn combine_parts<E: Float>(
+    out: &mut Array<E>,
+    lse: &mut Array<f32>,
+    part_o: &Array<f32>,
+    part_lse: &Array<f32>,
+    comb: &Array<u32>,
+    slices: &Array<u32>,
+    segs: &Array<u32>,
+    heads_q: u32,
+    total_q: u32,
+    hp: u32,
+    n_slots: u32,
+    inf: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] causal: bool,
+) {
+    let mut row_tok = SharedMemory::<u32>::new(BLOCK_M);
+    let mut row_head = SharedMemory::<u32>::new(BLOCK_M);
+    let mut row_lo = SharedMemory::<u32>::new(BLOCK_M);
+    let mut row_hi = SharedMemory::<u32>::new(BLOCK_M);
+    let e = CUBE_POS_X as usize * COMB_WORDS;
+    let head_base = CUBE_POS_Y * hp;
+    let first = comb[e + 2];
+    let n_parts = comb[e + 3];
+    fill_rows(
+        slices, segs, comb[e], comb[e + 1], hp, head_base, 0u32, NONE, &mut row_tok, &mut row_head, &mut row_lo,
+        &mut row_hi, causal,
+    );
+    sync_cube();
+    let lane = UNIT_POS_PLANE as usize;
+    let plane = (UNIT_POS / 32u32) as usize;
+    let per_lane = comptime!(head_dim / 32);
+    for rr in 0..16usize {
+        let tr = plane * 16 + rr;
+        let tok = row_tok[tr];
+        if tok != NONE {
+            let mut mx = -inf;
+            for p in 0..n_parts {
+                let b = ((CUBE_POS_Y * n_slots + first + p) as usize) * BLOCK_M + tr;
+                mx = max(mx, part_lse[b]);
             }
-            lse[(head * total_q + q_start + rl_a) as usize] = val;
-        }
-        if rl_b < q_len {
-            let mut val = inf;
-            if l_b > 0.0f32 {
-                val = m_b + f32::ln(l_b);
+            let mut acc = Array::<f32>::new(per_lane);
+            #[unroll]
+            for i in 0..per_lane {
+                acc[i] = 0.0f32;
             }
-            lse[(head * total_q + q_start + rl_b) as usize] = val;
+            let mut sum = 0.0f32;
+            if mx != -inf {
+                for p in 0..n_parts {
+                    let b = ((CUBE_POS_Y * n_slots + first + p) as usize) * BLOCK_M + tr;
+                    let w = f32::exp(part_lse[b] - mx);
+                    sum += w;
+                    #[unroll]
+                    for i in 0..per_lane {
+                        acc[i] += w * part_o[b * head_dim + i * 32 + lane];
+                    }
+                }
+            }
+            let mut inv = 0.0f32;
+            if sum > 0.0f32 {
+                inv = 1.0f32 / sum;
+            }
+            let g = (tok * heads_q + row_head[tr]) as usize * head_dim;
+            #[unroll]
+            for i in 0..per_lane {
+                out[g + i * 32 + lane] = E::cast_from(acc[i] * inv);
+            }
+            if lane == 0 {
+                let mut val = inf;
+                if sum > 0.0f32 {
+                    val = mx + f32::ln(sum);
+                }
+                lse[(row_head[tr] * total_q + tok) as usize] = val;
+            }
         }
     }
 }

@@ -4,7 +4,7 @@
 //! outputs are poisoned with NaN before each launch so unwritten elements fail the test.
 //! Set `CUBEATTN_GPU_BENCH=1` to also time the Llama3-8B shapes (prints a table).
 
-use cubeattn::backend::cuda::{bench::bench_forward, CudaBackend};
+use cubeattn::backend::cuda::{bench::bench_forward, fwd_options, set_fwd_options, CudaBackend, FwdOptions};
 use cubeattn::reference::forward_f64;
 use cubeattn::{AttnSpec, DType, Error, HostData, TensorMeta};
 use rand::{rngs::StdRng, SeedableRng};
@@ -82,21 +82,35 @@ struct Report {
     lse_inf_mismatch: usize,
 }
 
-fn run_case(b: &CudaBackend, c: &Case, seed: u64) -> Report {
+struct Prepared {
+    spec: AttnSpec,
+    q: HostData,
+    k: HostData,
+    v: HostData,
+    ref_out: Vec<f64>,
+    ref_lse: Vec<f64>,
+}
+
+fn prepare(c: &Case, seed: u64) -> Prepared {
     let spec = build_spec(c);
     let mut rng = StdRng::seed_from_u64(seed);
     let q = random(spec.dims.q_len(), c.dtype, c.input_scale, &mut rng);
     let k = random(spec.dims.kv_len(), c.dtype, c.input_scale, &mut rng);
     let v = random(spec.dims.kv_len(), c.dtype, c.input_scale, &mut rng);
-    let got = b.forward_poisoned(&spec, q.view(), k.view(), v.view(), f32::NAN).expect("CUDA forward failed");
     let f64v = |h: &HostData| h.view().to_f64_vec();
-    let (ro, rl) = forward_f64(&spec, &f64v(&q), &f64v(&k), &f64v(&v));
+    let (ref_out, ref_lse) = forward_f64(&spec, &f64v(&q), &f64v(&k), &f64v(&v));
+    Prepared { spec, q, k, v, ref_out, ref_lse }
+}
+
+fn run_prepared(b: &CudaBackend, p: &Prepared) -> Result<Report, Error> {
+    let got = b.forward_poisoned(&p.spec, p.q.view(), p.k.view(), p.v.view(), f32::NAN)?;
+    let (ro, rl) = (&p.ref_out, &p.ref_lse);
     let go = got.out.to_f32_vec();
     assert_eq!(go.len(), ro.len());
     assert_eq!(got.lse.len(), rl.len());
     let mut r = Report { max_abs: 0.0, rel_l2: 0.0, lse_max_abs: 0.0, unwritten: 0, lse_inf_mismatch: 0 };
     let (mut num, mut den) = (0.0f64, 0.0f64);
-    for (g, e) in go.iter().zip(&ro) {
+    for (g, e) in go.iter().zip(ro) {
         if !g.is_finite() {
             r.unwritten += 1;
             continue;
@@ -107,7 +121,7 @@ fn run_case(b: &CudaBackend, c: &Case, seed: u64) -> Report {
         den += e * e;
     }
     r.rel_l2 = if den > 0.0 { (num / den).sqrt() } else { num.sqrt() };
-    for (g, e) in got.lse.iter().zip(&rl) {
+    for (g, e) in got.lse.iter().zip(rl) {
         if g.is_nan() {
             r.unwritten += 1;
         } else if e.is_infinite() || g.is_infinite() {
@@ -118,7 +132,7 @@ fn run_case(b: &CudaBackend, c: &Case, seed: u64) -> Report {
             r.lse_max_abs = r.lse_max_abs.max((*g as f64 - e).abs());
         }
     }
-    r
+    Ok(r)
 }
 
 fn cases() -> Vec<Case> {
@@ -143,6 +157,71 @@ fn cases() -> Vec<Case> {
             input_scale: 1.0,
         },
         Case { name: "f16 d64 grouped noncausal same kv", dtype: F16, d: 64, hq: 4, hkv: 2, causal: false, layout: Layout::Grouped(vec![[0, 40], [40, 90]], vec![[0, 150], [0, 150]], 90, 150), input_scale: 1.0 },
+        Case {
+            name: "bf16 d128 GQA32/8 16 groups: windows, 1-token, empty",
+            dtype: BF16,
+            d: 128,
+            hq: 32,
+            hkv: 8,
+            causal: false,
+            layout: Layout::Grouped(
+                vec![[0, 1], [1, 1], [1, 9], [9, 40], [45, 46], [46, 60], [60, 61], [61, 70], [70, 70], [70, 90], [90, 91], [91, 92], [92, 100], [100, 130], [130, 131], [131, 140]],
+                vec![[0, 5], [3, 3], [0, 700], [100, 900], [5, 6], [0, 1000], [999, 1000], [0, 0], [10, 20], [200, 260], [0, 1000], [500, 501], [0, 64], [64, 128], [0, 1], [300, 1000]],
+                150,
+                1000,
+            ),
+            input_scale: 1.0,
+        },
+        Case {
+            name: "bf16 d128 GQA32/8 16 groups causal, same windows",
+            dtype: BF16,
+            d: 128,
+            hq: 32,
+            hkv: 8,
+            causal: true,
+            layout: Layout::Grouped(
+                vec![[0, 1], [1, 1], [1, 9], [9, 40], [45, 46], [46, 60], [60, 61], [61, 70], [70, 70], [70, 90], [90, 91], [91, 92], [92, 100], [100, 130], [130, 131], [131, 140]],
+                vec![[0, 5], [3, 3], [0, 700], [100, 900], [5, 6], [0, 1000], [999, 1000], [0, 0], [10, 20], [200, 260], [0, 1000], [500, 501], [0, 64], [64, 128], [0, 1], [300, 1000]],
+                150,
+                1000,
+            ),
+            input_scale: 1.0,
+        },
+        Case {
+            name: "bf16 d128 GQA32/8 shared prefix 16x8 (split)",
+            dtype: BF16,
+            d: 128,
+            hq: 32,
+            hkv: 8,
+            causal: false,
+            layout: Layout::Grouped(
+                (0..16).map(|g| [8 * g, 8 * g + 8]).collect(),
+                (0..16).map(|g| [0, 2048 - 64 * g]).collect(),
+                128,
+                2048,
+            ),
+            input_scale: 1.0,
+        },
+        Case {
+            name: "f16 d64 GQA8/2 causal groups 3x5 over 3000 keys (split)",
+            dtype: F16,
+            d: 64,
+            hq: 8,
+            hkv: 2,
+            causal: true,
+            layout: Layout::Grouped(vec![[0, 5], [5, 10], [10, 15]], vec![[0, 3000], [0, 2000], [1000, 3000]], 15, 3000),
+            input_scale: 1.0,
+        },
+        Case {
+            name: "bf16 d128 zigzag-like 2 groups causal 200/400 of 1600 keys",
+            dtype: BF16,
+            d: 128,
+            hq: 32,
+            hkv: 8,
+            causal: true,
+            layout: Layout::Grouped(vec![[0, 200], [200, 600]], vec![[0, 200], [0, 1600]], 600, 1600),
+            input_scale: 1.0,
+        },
         Case { name: "f32 d64 causal varlen [1,70]", dtype: F32, d: 64, hq: 4, hkv: 2, causal: true, layout: v(&[0, 1, 71], &[0, 1, 71]), input_scale: 1.0 },
         Case { name: "f32 d128 grouped causal", dtype: F32, d: 128, hq: 4, hkv: 1, causal: true, layout: Layout::Grouped(vec![[0, 30], [35, 80]], vec![[0, 60], [20, 120]], 80, 120), input_scale: 1.0 },
     ]
@@ -156,32 +235,59 @@ fn tolerance(dtype: DType) -> f64 {
     }
 }
 
+/// Option sets the correctness test runs every case under (the first is the default).
+fn variants() -> Vec<(&'static str, FwdOptions)> {
+    let all = FwdOptions { ldmatrix: true, pipeline: true, pack_heads: true, split: true };
+    vec![
+        ("default", all),
+        ("no-pipe", FwdOptions { pipeline: false, ..all }),
+        ("no-pack", FwdOptions { pack_heads: false, ..all }),
+        ("no-split", FwdOptions { split: false, ..all }),
+        ("no-ldsm/no-pack", FwdOptions { ldmatrix: false, pack_heads: false, ..all }),
+    ]
+}
+
 #[test]
 fn forward_matches_f64_reference() {
     let Some(b) = backend() else { return };
-    println!("{:<58} {:>10} {:>10} {:>10} {:>6}", "case", "max_abs", "rel_l2", "lse_abs", "ok");
+    let saved = fwd_options();
+    println!("{:<60} {:>16} {:>10} {:>10} {:>10} {:>4}", "case", "variant", "max_abs", "rel_l2", "lse_abs", "ok");
     let mut failures = Vec::new();
     for (i, c) in cases().iter().enumerate() {
-        let r = run_case(b, c, 1000 + i as u64);
-        let tol = tolerance(c.dtype);
-        let ok = r.unwritten == 0
-            && r.lse_inf_mismatch == 0
-            && r.rel_l2 < tol
-            && r.max_abs < 30.0 * tol * c.input_scale.max(1.0) as f64
-            && r.lse_max_abs < 1e-2 * c.input_scale.powi(2).max(1.0) as f64;
-        println!(
-            "{:<58} {:>10.2e} {:>10.2e} {:>10.2e} {:>6}{}",
-            c.name,
-            r.max_abs,
-            r.rel_l2,
-            r.lse_max_abs,
-            if ok { "yes" } else { "NO" },
-            if r.unwritten + r.lse_inf_mismatch > 0 { format!(" unwritten={} lse_inf_mismatch={}", r.unwritten, r.lse_inf_mismatch) } else { String::new() }
-        );
-        if !ok {
-            failures.push(c.name);
+        let p = prepare(c, 1000 + i as u64);
+        let vs = if c.dtype == DType::F32 { vec![variants()[0]] } else { variants() };
+        for (vname, o) in vs {
+            set_fwd_options(o);
+            let r = match run_prepared(b, &p) {
+                Ok(r) => r,
+                Err(e) => {
+                    println!("{:<60} {:>16} ERROR {e}", c.name, vname);
+                    failures.push(format!("{} [{}]", c.name, vname));
+                    continue;
+                }
+            };
+            let tol = tolerance(c.dtype);
+            let ok = r.unwritten == 0
+                && r.lse_inf_mismatch == 0
+                && r.rel_l2 < tol
+                && r.max_abs < 30.0 * tol * c.input_scale.max(1.0) as f64
+                && r.lse_max_abs < 1e-2 * c.input_scale.powi(2).max(1.0) as f64;
+            println!(
+                "{:<60} {:>16} {:>10.2e} {:>10.2e} {:>10.2e} {:>4}{}",
+                c.name,
+                vname,
+                r.max_abs,
+                r.rel_l2,
+                r.lse_max_abs,
+                if ok { "yes" } else { "NO" },
+                if r.unwritten + r.lse_inf_mismatch > 0 { format!(" unwritten={} lse_inf_mismatch={}", r.unwritten, r.lse_inf_mismatch) } else { String::new() }
+            );
+            if !ok {
+                failures.push(format!("{} [{}]", c.name, vname));
+            }
         }
     }
+    set_fwd_options(saved);
     assert!(failures.is_empty(), "failed cases: {failures:?}");
 }
 
@@ -232,7 +338,43 @@ fn status_lists_the_device() {
     assert!(s.devices[0].compute_capability.0 >= 7);
 }
 
-/// Timings for the Llama3-8B attention shape (32 q heads, 8 kv heads, d=128, bf16).
+fn dense_spec(n: usize, causal: bool, dtype: DType, d: usize) -> AttnSpec {
+    let cu = [0i32, n as i32];
+    AttnSpec::varlen(
+        &TensorMeta::new(&[n, 32, d], dtype),
+        &TensorMeta::new(&[n, 8, d], dtype),
+        &TensorMeta::new(&[n, 8, d], dtype),
+        &cu,
+        &cu,
+        n,
+        n,
+        None,
+        causal,
+    )
+    .unwrap()
+}
+
+fn grouped_spec(qr: &[[i32; 2]], kr: &[[i32; 2]], tq: usize, tk: usize, causal: bool) -> AttnSpec {
+    let m = |n: usize, h: usize| TensorMeta::new(&[n, h, 128], DType::BF16);
+    AttnSpec::grouped(&m(tq, 32), &m(tk, 8), &m(tk, 8), qr, kr, None, causal).unwrap()
+}
+
+/// Median milliseconds of one spec under the current options.
+fn median_ms(spec: &AttnSpec, iters: usize) -> f64 {
+    let mut t = match bench_forward(spec, 3, iters) {
+        Ok(t) => t,
+        Err(e) => {
+            println!("bench failed: {e}");
+            return f64::NAN;
+        }
+    };
+    t.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    t[t.len() / 2]
+}
+
+/// Timings for the Llama3-8B attention shape (32 q heads, 8 kv heads, d=128, bf16): dense causal,
+/// the zigzag context-parallel groups (T = 64K, W = 8, ranks 0 and W-1) and the shared-prefix
+/// decode groups, each grouped (one launch) and as one call of our kernel per group.
 #[test]
 fn bench_llama3_8b_shapes() {
     if std::env::var("CUBEATTN_GPU_BENCH").is_err() {
@@ -242,36 +384,89 @@ fn bench_llama3_8b_shapes() {
     if backend().is_none() {
         return;
     }
-    println!("{:<40} {:>10} {:>10} {:>10}", "shape", "median_ms", "min_ms", "TFLOP/s");
+    let saved = fwd_options();
     let iters: usize = std::env::var("CUBEATTN_GPU_BENCH_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(10);
-    for &(n, causal, dtype, d) in &[
-        (8192usize, true, DType::BF16, 128usize),
-        (16384, true, DType::BF16, 128),
-        (32768, true, DType::BF16, 128),
-        (8192, false, DType::BF16, 128),
-        (8192, true, DType::F16, 128),
-        (8192, true, DType::BF16, 64),
+    let all = FwdOptions { ldmatrix: true, pipeline: true, pack_heads: true, split: true };
+    let mut rows: Vec<(String, String, f64, f64)> = Vec::new();
+    let mut record = |name: String, variant: &str, ms: f64, flops: f64| {
+        let tf = flops / (ms * 1e-3) / 1e12;
+        println!("{:<44} {:>14} {:>10.3} {:>8.1}", name, variant, ms, tf);
+        rows.push((name, variant.to_string(), ms, tf));
+    };
+    let dense_variants = [
+        ("default", all),
+        ("no-pipe", FwdOptions { pipeline: false, ..all }),
+        ("no-pack", FwdOptions { pack_heads: false, ..all }),
+        ("no-pipe/pack", FwdOptions { pipeline: false, pack_heads: false, ..all }),
+    ];
+    for &(vname, o) in &dense_variants {
+        set_fwd_options(o);
+        for n in [8192usize, 16384, 32768] {
+            let spec = dense_spec(n, true, DType::BF16, 128);
+            record(format!("bf16 n={n} causal d=128"), vname, median_ms(&spec, iters), spec.forward_flops());
+        }
+    }
+    set_fwd_options(all);
+    for &(n, causal, dtype, d) in &[(8192usize, false, DType::BF16, 128usize), (8192, true, DType::F16, 128), (8192, true, DType::BF16, 64)] {
+        let spec = dense_spec(n, causal, dtype, d);
+        record(format!("{} n={} causal={} d={}", dtype.name(), n, causal, d), "default", median_ms(&spec, iters), spec.forward_flops());
+    }
+
+    // Zigzag: T = 65536, W = 8, chunk C = T / 16; rank r holds chunks r and 2W-1-r.
+    let c = 4096i32;
+    for rank in [0i32, 7] {
+        let (a, b) = (rank, 15 - rank);
+        let qr = [[0, c], [c, 2 * c]];
+        let kr = [[0, (a + 1) * c], [0, (b + 1) * c]];
+        let spec = grouped_spec(&qr, &kr, 2 * c as usize, 16 * c as usize, true);
+        let name = format!("zigzag T=64K W=8 rank {rank}");
+        for &(vname, o) in &[("grouped", all), ("grouped no-pack", FwdOptions { pack_heads: false, ..all }), ("grouped no-pipe", FwdOptions { pipeline: false, ..all })] {
+            set_fwd_options(o);
+            record(name.clone(), vname, median_ms(&spec, iters), spec.forward_flops());
+        }
+        set_fwd_options(all);
+        let mut sum = 0.0;
+        for g in 0..2 {
+            let kl = kr[g][1];
+            let sg = grouped_spec(&[[0, c]], &[[0, kl]], c as usize, kl as usize, true);
+            sum += median_ms(&sg, iters);
+        }
+        record(name, "per-group", sum, spec.forward_flops());
+    }
+
+    // Shared prefix / decode: 32 groups x 8 queries, group g sees keys [0, 32768 - 256 g).
+    let qr: Vec<[i32; 2]> = (0..32).map(|g| [8 * g, 8 * g + 8]).collect();
+    let kr: Vec<[i32; 2]> = (0..32).map(|g| [0, 32768 - 256 * g]).collect();
+    let spec = grouped_spec(&qr, &kr, 256, 32768, false);
+    let name = "shared prefix 32x8 q, 32K kv".to_string();
+    for &(vname, o) in &[
+        ("grouped", all),
+        ("grouped no-split", FwdOptions { split: false, ..all }),
+        ("grouped no-pack", FwdOptions { pack_heads: false, ..all }),
+        ("grouped no-pipe", FwdOptions { pipeline: false, ..all }),
     ] {
-        let hq = 32;
-        let hkv = 8;
-        let cu = [0i32, n as i32];
-        let spec = AttnSpec::varlen(
-            &TensorMeta::new(&[n, hq, d], dtype),
-            &TensorMeta::new(&[n, hkv, d], dtype),
-            &TensorMeta::new(&[n, hkv, d], dtype),
-            &cu,
-            &cu,
-            n,
-            n,
-            None,
-            causal,
-        )
-        .unwrap();
-        let mut t = bench_forward(&spec, 3, iters).expect("bench failed");
-        t.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        let med = t[t.len() / 2];
-        let tflops = spec.forward_flops() / (med * 1e-3) / 1e12;
-        let name = format!("{} n={} causal={} d={}", dtype.name(), n, causal, d);
-        println!("{:<40} {:>10.3} {:>10.3} {:>10.1}", name, med, t[0], tflops);
+        set_fwd_options(o);
+        record(name.clone(), vname, median_ms(&spec, iters.max(20)), spec.forward_flops());
+    }
+    set_fwd_options(all);
+    let mut sum = 0.0;
+    for g in 0..32 {
+        let kl = kr[g][1];
+        let sg = grouped_spec(&[[0, 8]], &[[0, kl]], 8, kl as usize, false);
+        sum += median_ms(&sg, iters);
+    }
+    record(name, "per-group", sum, spec.forward_flops());
+    set_fwd_options(saved);
+
+    println!("\n{:<44} {:>16} {:>10} {:>8}", "shape", "variant", "median_ms", "TFLOP/s");
+    for (n, v, ms, tf) in &rows {
+        println!("{:<44} {:>16} {:>10.3} {:>8.1}", n, v, ms, tf);
+    }
+    if let Ok(path) = std::env::var("CUBEATTN_GPU_BENCH_JSON") {
+        let body: Vec<String> = rows
+            .iter()
+            .map(|(n, v, ms, tf)| format!("{{\"shape\": \"{n}\", \"variant\": \"{v}\", \"median_ms\": {ms:.4}, \"tflops\": {tf:.2}}}"))
+            .collect();
+        let _ = std::fs::write(path, format!("[\n{}\n]\n", body.join(",\n")));
     }
 }

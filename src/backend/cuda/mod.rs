@@ -20,7 +20,7 @@ use crate::backend::{Backend, BackendKind, BackwardInputs, ForwardOutput, Gradie
 use crate::device::{BackendStatus, DeviceInfo};
 use crate::dtype::{DType, HostData, HostView};
 use crate::error::{Error, Result};
-use crate::kernels::flash_fwd::{self, BLOCK_M, LOAD_VEC, PLANES};
+use crate::kernels::flash_fwd::{self, BLOCK_M, BLOCK_N, COMB_WORDS, LOAD_VEC, NONE, PLANES, SLICE_WORDS, WORK_WORDS};
 use crate::kernels::rowwise_fwd::{self, ROWS_PER_CUBE};
 use crate::spec::AttnSpec;
 
@@ -187,6 +187,8 @@ pub(crate) struct Plan {
     pub work: Vec<u32>,
     /// Segment of every query row, u32::MAX when none (row-wise f32 path).
     pub row_seg: Vec<u32>,
+    /// Packed-row work list of the tensor-core forward kernel (empty for f32).
+    pub fwd: FwdPlan,
 }
 
 impl Plan {
@@ -217,9 +219,11 @@ impl Plan {
         } else {
             Vec::new()
         };
-        Plan { segs, work, row_seg }
+        let fwd = if spec.dtype == DType::F32 { FwdPlan::default() } else { FwdPlan::new(spec, &fwd_options()) };
+        Plan { segs, work, row_seg, fwd }
     }
 
+    #[allow(dead_code)]
     pub fn n_work(&self) -> usize {
         self.work.len() / 2
     }
@@ -232,14 +236,236 @@ impl Plan {
                 (client.create_from_slice(bytemuck::cast_slice(v)), v.len())
             }
         };
-        PlanDev { segs: up(&self.segs), work: up(&self.work), row_seg: up(&self.row_seg) }
+        PlanDev {
+            segs: up(&self.segs),
+            work: up(&self.work),
+            row_seg: up(&self.row_seg),
+            fwd_work: up(&self.fwd.work),
+            fwd_slices: up(&self.fwd.slices),
+            fwd_comb: up(&self.fwd.comb),
+        }
     }
 }
 
 pub(crate) struct PlanDev {
     pub segs: (Handle, usize),
+    #[allow(dead_code)]
     pub work: (Handle, usize),
     pub row_seg: (Handle, usize),
+    pub fwd_work: (Handle, usize),
+    pub fwd_slices: (Handle, usize),
+    pub fwd_comb: (Handle, usize),
+}
+
+/// Tuning switches of the tensor-core forward (defaults from the environment:
+/// `CUBEATTN_CUDA_LDMATRIX`, `CUBEATTN_CUDA_PIPE`, `CUBEATTN_CUDA_PACK_HEADS`, `CUBEATTN_CUDA_SPLIT`,
+/// each `0` to turn off). Tests and benchmarks switch them with [`set_fwd_options`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FwdOptions {
+    /// Fragment loads through `ldmatrix` (else per-element shared-memory reads).
+    pub ldmatrix: bool,
+    /// `cp.async` K/V copies overlapped with the matrix work (else synchronous loads).
+    pub pipeline: bool,
+    /// The q heads of one kv head share a tile (rows = (query, head) pairs).
+    pub pack_heads: bool,
+    /// Split long tiles over several cubes when the launch has too few cubes to fill the GPU.
+    pub split: bool,
+}
+
+static FWD_OPTS: std::sync::Mutex<Option<FwdOptions>> = std::sync::Mutex::new(None);
+
+fn env_on(name: &str) -> bool {
+    std::env::var(name).map(|v| v != "0").unwrap_or(true)
+}
+
+/// The forward switches in force.
+pub fn fwd_options() -> FwdOptions {
+    let mut g = FWD_OPTS.lock().unwrap_or_else(|e| e.into_inner());
+    *g.get_or_insert_with(|| FwdOptions {
+        ldmatrix: env_on("CUBEATTN_CUDA_LDMATRIX"),
+        pipeline: env_on("CUBEATTN_CUDA_PIPE"),
+        pack_heads: env_on("CUBEATTN_CUDA_PACK_HEADS"),
+        split: env_on("CUBEATTN_CUDA_SPLIT"),
+    })
+}
+
+/// Replaces the forward switches (process-wide; for tests and benchmarks).
+pub fn set_fwd_options(o: FwdOptions) {
+    *FWD_OPTS.lock().unwrap_or_else(|e| e.into_inner()) = Some(o);
+}
+
+/// Multiprocessors of device 0 (132 when unknown), for the split decision.
+fn sm_count() -> usize {
+    static N: OnceLock<usize> = OnceLock::new();
+    *N.get_or_init(|| {
+        guarded("CUDA device query", || {
+            use cudarc::driver::result as drv;
+            use cudarc::driver::sys::CUdevice_attribute as A;
+            drv::device::get(0)
+                .ok()
+                .and_then(|d| unsafe { drv::device::get_attribute(d, A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT) }.ok())
+                .filter(|&n| n > 0)
+                .map(|n| n as usize)
+        })
+        .ok()
+        .flatten()
+        .unwrap_or(132)
+    })
+}
+
+/// Work list of the tensor-core forward kernel: tiles of BLOCK_M packed rows built from slices of
+/// segments (several segments share a tile when their key ranges overlap), each tile's key range,
+/// and the split of long tiles into parts when the launch would not fill the GPU.
+#[derive(Debug, Clone, Default)]
+pub struct FwdPlan {
+    /// SLICE_WORDS u32 per slice: (segment, first packed row, rows).
+    pub slices: Vec<u32>,
+    /// WORK_WORDS u32 per cube column: (slice offset, slice count, klo, khi, slot or NONE).
+    pub work: Vec<u32>,
+    /// COMB_WORDS u32 per split tile: (slice offset, slice count, first slot, parts).
+    pub comb: Vec<u32>,
+    /// Partial slots per CUBE_POS_Y.
+    pub n_slots: u32,
+    /// Heads packed per row group (1, or the GQA group size).
+    pub hp: u32,
+    /// Tiles before splitting (for reports).
+    pub n_tiles: usize,
+}
+
+struct Tile {
+    slices: Vec<[u32; 3]>,
+    rows: usize,
+    lo: u64,
+    hi: u64,
+}
+
+impl Tile {
+    fn len(&self) -> u64 {
+        self.hi.saturating_sub(self.lo)
+    }
+}
+
+impl FwdPlan {
+    pub fn new(spec: &AttnSpec, opts: &FwdOptions) -> FwdPlan {
+        let d = &spec.dims;
+        let hp = if opts.pack_heads && d.heads_kv > 0 { d.group_size().max(1) } else { 1 };
+        let bm = BLOCK_M;
+        // Full tiles of one segment, and the remainders as packing candidates.
+        let mut tiles: Vec<Tile> = Vec::new();
+        let mut pieces: Vec<Tile> = Vec::new();
+        for (i, s) in spec.segments.iter().enumerate() {
+            let rows = s.q_len * hp;
+            let range = |p0: usize, n: usize| -> (u64, u64) {
+                let last_q = (p0 + n - 1) / hp;
+                let hi = s.k_start + s.visible_len(last_q, spec.causal);
+                (s.k_start as u64, hi as u64)
+            };
+            let mut p = 0;
+            while p < rows {
+                let n = bm.min(rows - p);
+                let (lo, hi) = range(p, n);
+                let t = Tile { slices: vec![[i as u32, p as u32, n as u32]], rows: n, lo, hi };
+                if n == bm {
+                    tiles.push(t);
+                } else {
+                    pieces.push(t);
+                }
+                p += n;
+            }
+        }
+        // Pack remainders: longest ranges first; a piece joins the open tile when the rows fit and
+        // the union of the key ranges is shorter than the two ranges apart (so keys are read once).
+        pieces.sort_by(|a, b| b.hi.cmp(&a.hi).then(a.lo.cmp(&b.lo)));
+        let mut open: Option<Tile> = None;
+        for pc in pieces {
+            match open.as_mut() {
+                Some(t) if t.rows + pc.rows <= bm && {
+                    let (lo, hi) = if t.len() == 0 {
+                        (pc.lo, pc.hi)
+                    } else if pc.len() == 0 {
+                        (t.lo, t.hi)
+                    } else {
+                        (t.lo.min(pc.lo), t.hi.max(pc.hi))
+                    };
+                    hi - lo < t.len() + pc.len() || t.len() == 0 || pc.len() == 0
+                } =>
+                {
+                    if t.len() == 0 {
+                        t.lo = pc.lo;
+                        t.hi = pc.hi;
+                    } else if pc.len() > 0 {
+                        t.lo = t.lo.min(pc.lo);
+                        t.hi = t.hi.max(pc.hi);
+                    }
+                    t.rows += pc.rows;
+                    t.slices.extend(pc.slices);
+                }
+                _ => {
+                    if let Some(t) = open.take() {
+                        tiles.push(t);
+                    }
+                    open = Some(pc);
+                }
+            }
+        }
+        if let Some(t) = open.take() {
+            tiles.push(t);
+        }
+
+        let y = (d.heads_q / hp).max(1);
+        let kt = |len: u64| len.div_ceil(BLOCK_N as u64);
+        // Split when the launch has fewer cubes than a few per multiprocessor.
+        let target = 4 * sm_count();
+        let mut chunk = u64::MAX;
+        if opts.split && tiles.len() * y < target {
+            let total: u64 = tiles.iter().map(|t| kt(t.len())).sum();
+            let want = target.div_ceil(y) as u64;
+            chunk = total.div_ceil(want).max(8);
+        }
+        let mut plan = FwdPlan { hp: hp as u32, n_tiles: tiles.len(), ..Default::default() };
+        // (cost, work entry)
+        let mut items: Vec<(u64, [u32; WORK_WORDS])> = Vec::new();
+        for t in &tiles {
+            let off = (plan.slices.len() / SLICE_WORDS) as u32;
+            for sl in &t.slices {
+                plan.slices.extend_from_slice(sl);
+            }
+            let ns = t.slices.len() as u32;
+            let n_kt = kt(t.len());
+            if n_kt > chunk {
+                let parts = n_kt.div_ceil(chunk);
+                let per = n_kt.div_ceil(parts);
+                let first = plan.n_slots;
+                let mut used = 0u32;
+                for i in 0..parts {
+                    let a = t.lo + i * per * BLOCK_N as u64;
+                    if a >= t.hi {
+                        break;
+                    }
+                    let b = (a + per * BLOCK_N as u64).min(t.hi);
+                    items.push((kt(b - a) + 1, [off, ns, a as u32, b as u32, first + used]));
+                    used += 1;
+                }
+                plan.comb.extend_from_slice(&[off, ns, first, used]);
+                plan.n_slots += used;
+            } else {
+                items.push((n_kt + 1, [off, ns, t.lo as u32, t.hi as u32, NONE]));
+            }
+        }
+        // Longest first so the tail of the grid is short work; stable for determinism.
+        items.sort_by(|a, b| b.0.cmp(&a.0));
+        plan.work = items.iter().flat_map(|(_, w)| *w).collect();
+        let _ = COMB_WORDS;
+        plan
+    }
+
+    pub fn n_work(&self) -> usize {
+        self.work.len() / WORK_WORDS
+    }
+
+    pub fn n_comb(&self) -> usize {
+        self.comb.len() / COMB_WORDS
+    }
 }
 
 fn buf(h: &Handle, len: usize) -> ArrayArg<CudaRuntime> {
@@ -317,16 +543,24 @@ pub(crate) fn launch_forward(
                     },
                 }
             }
-            let n_work = plan.n_work() as u32;
+            let fp = &plan.fwd;
+            let n_work = fp.n_work() as u32;
             if n_work == 0 {
                 return Ok(());
             }
-                        let count = CubeCount::Static(n_work, d.heads_q as u32, 1);
+            let opts = fwd_options();
+            let y = (d.heads_q as u32 / fp.hp).max(1);
+            let count = CubeCount::Static(n_work, y, 1);
             let dim = CubeDim::new_1d(32 * PLANES as u32);
+            let n_part = (fp.n_slots as usize * y as usize * BLOCK_M).max(1);
+            let part_o = client.empty(n_part * hd * 4);
+            let part_lse = client.empty(n_part * 4);
             macro_rules! go {
-                ($t:ty) => {
-                    {
-                        flash_fwd::flash_fwd_mma::launch::<$t, CudaRuntime>(
+                ($t:ty) => {{
+                    // SAFETY: every index the kernels form is inside its buffer: rows and keys come
+                    // from the validated spec through the plan (keys clamped to the tile's range).
+                    unsafe {
+                        flash_fwd::flash_fwd_mma::launch_unchecked::<$t, CudaRuntime>(
                             client,
                             count,
                             dim,
@@ -334,21 +568,50 @@ pub(crate) fn launch_forward(
                             buf(q, ql / LOAD_VEC),
                             buf(k, (kl / LOAD_VEC).max(1)),
                             buf(v, (kl / LOAD_VEC).max(1)),
+                            buf(k, kl),
+                            buf(v, kl),
                             buf(out, ql),
                             buf(lse, d.lse_len()),
-                            buf(&dev.work.0, dev.work.1),
+                            buf(&part_o, n_part * hd),
+                            buf(&part_lse, n_part),
+                            buf(&dev.fwd_work.0, dev.fwd_work.1),
+                            buf(&dev.fwd_slices.0, dev.fwd_slices.1),
                             buf(&dev.segs.0, dev.segs.1),
                             spec.scale,
                             d.heads_q as u32,
                             d.heads_kv as u32,
                             d.total_q as u32,
+                            fp.hp,
+                            fp.n_slots,
                             f32::INFINITY,
                             hd,
                             spec.causal,
-                            use_ldmatrix(),
-                        )
+                            opts.ldmatrix,
+                            opts.pipeline,
+                        );
+                        if fp.n_comb() > 0 {
+                            flash_fwd::combine_parts::launch_unchecked::<$t, CudaRuntime>(
+                                client,
+                                CubeCount::Static(fp.n_comb() as u32, y, 1),
+                                dim,
+                                buf(out, ql),
+                                buf(lse, d.lse_len()),
+                                buf(&part_o, n_part * hd),
+                                buf(&part_lse, n_part),
+                                buf(&dev.fwd_comb.0, dev.fwd_comb.1),
+                                buf(&dev.fwd_slices.0, dev.fwd_slices.1),
+                                buf(&dev.segs.0, dev.segs.1),
+                                d.heads_q as u32,
+                                d.total_q as u32,
+                                fp.hp,
+                                fp.n_slots,
+                                f32::INFINITY,
+                                hd,
+                                spec.causal,
+                            );
+                        }
                     }
-                };
+                }};
             }
             match spec.dtype {
                 DType::F16 => go!(f16),
@@ -361,9 +624,8 @@ pub(crate) fn launch_forward(
 
 /// Fragment loads through `ldmatrix` (default) or through per-element shared-memory reads
 /// (`CUBEATTN_CUDA_LDMATRIX=0`, kept as a cross-check of the register layouts).
-fn use_ldmatrix() -> bool {
-    static V: OnceLock<bool> = OnceLock::new();
-    *V.get_or_init(|| std::env::var("CUBEATTN_CUDA_LDMATRIX").map(|v| v != "0").unwrap_or(true))
+pub(crate) fn use_ldmatrix() -> bool {
+    fwd_options().ldmatrix
 }
 
 impl Backend for CudaBackend {
@@ -446,5 +708,123 @@ pub fn status() -> BackendStatus {
             devices,
         },
         (Err(msg), _) => BackendStatus { cuda_compiled: true, cuda_available: false, reason: msg, devices: Vec::new() },
+    }
+}
+
+#[cfg(test)]
+mod fwd_plan_tests {
+    use super::*;
+    use crate::spec::TensorMeta;
+
+    fn grouped(hq: usize, hkv: usize, qr: &[[i32; 2]], kr: &[[i32; 2]], tq: usize, tk: usize, causal: bool) -> AttnSpec {
+        AttnSpec::grouped(
+            &TensorMeta::new(&[tq, hq, 128], DType::BF16),
+            &TensorMeta::new(&[tk, hkv, 128], DType::BF16),
+            &TensorMeta::new(&[tk, hkv, 128], DType::BF16),
+            qr,
+            kr,
+            None,
+            causal,
+        )
+        .unwrap()
+    }
+
+    /// Every (query, head) of every segment appears in exactly one tile, tiles hold at most
+    /// BLOCK_M rows, each row's visible keys lie inside its tile's range, and split parts tile
+    /// that range without gaps.
+    fn check(spec: &AttnSpec, o: &FwdOptions) -> FwdPlan {
+        let p = FwdPlan::new(spec, o);
+        let hp = p.hp as usize;
+        let d = &spec.dims;
+        let mut seen = vec![0u8; d.total_q * hp];
+        // (slice offset) -> list of (klo, khi)
+        let mut ranges: std::collections::BTreeMap<u32, Vec<(u32, u32, u32)>> = Default::default();
+        for w in p.work.chunks(WORK_WORDS) {
+            ranges.entry(w[0]).or_default().push((w[2], w[3], w[4]));
+            assert!(w[2] <= w[3]);
+        }
+        for (&off, rs) in &ranges {
+            let mut rs = rs.clone();
+            rs.sort();
+            let (lo, hi) = (rs[0].0, rs.last().unwrap().1);
+            for w in rs.windows(2) {
+                assert_eq!(w[0].1, w[1].0, "split parts must be contiguous");
+            }
+            if rs.len() > 1 {
+                assert!(rs.iter().all(|r| r.2 != NONE));
+            }
+            let ns = p.work.chunks(WORK_WORDS).find(|w| w[0] == off).unwrap()[1];
+            let mut rows = 0;
+            for i in 0..ns {
+                let b = ((off + i) as usize) * SLICE_WORDS;
+                let (seg, p0, n) = (p.slices[b] as usize, p.slices[b + 1] as usize, p.slices[b + 2] as usize);
+                rows += n;
+                let s = &spec.segments[seg];
+                for pr in p0..p0 + n {
+                    let qr = pr / hp;
+                    assert!(qr < s.q_len);
+                    let idx = (s.q_start + qr) * hp + pr % hp;
+                    seen[idx] += 1;
+                    let (a, z) = s.key_range(qr, spec.causal);
+                    if z > a {
+                        assert!(a as u32 >= lo && z as u32 <= hi, "row keys [{a},{z}) outside tile [{lo},{hi})");
+                    }
+                }
+            }
+            assert!(rows <= BLOCK_M);
+        }
+        for s in &spec.segments {
+            for r in s.q_start..s.q_start + s.q_len {
+                for h in 0..hp {
+                    assert_eq!(seen[r * hp + h], 1, "row {r} head {h}");
+                }
+            }
+        }
+        p
+    }
+
+    fn all_opts() -> Vec<FwdOptions> {
+        let mut v = Vec::new();
+        for pack_heads in [false, true] {
+            for split in [false, true] {
+                v.push(FwdOptions { ldmatrix: true, pipeline: true, pack_heads, split });
+            }
+        }
+        v
+    }
+
+    #[test]
+    fn shared_prefix_groups_share_tiles() {
+        let qr: Vec<[i32; 2]> = (0..32).map(|g| [8 * g, 8 * g + 8]).collect();
+        let kr: Vec<[i32; 2]> = (0..32).map(|g| [0, 32768 - 256 * g]).collect();
+        let spec = grouped(32, 8, &qr, &kr, 256, 32768, false);
+        for o in all_opts() {
+            let p = check(&spec, &o);
+            if o.pack_heads {
+                // 8 queries x 4 heads = 32 rows per group: 4 groups per tile.
+                assert_eq!(p.n_tiles, 8);
+            }
+            if o.split {
+                assert!(p.n_work() * (32 / p.hp as usize) >= 4 * 132 / 2, "{} items", p.n_work());
+            }
+        }
+    }
+
+    #[test]
+    fn zigzag_and_varlen_plans_cover_every_row() {
+        let c = 4096;
+        let spec = grouped(32, 8, &[[0, c], [c, 2 * c]], &[[0, c], [0, 16 * c]], 2 * c as usize, 16 * c as usize, true);
+        for o in all_opts() {
+            check(&spec, &o);
+        }
+        // Many small groups, 1-token and empty groups, uncovered rows, causal and not.
+        let qr = [[0, 1], [1, 1], [1, 9], [9, 40], [45, 46], [46, 300], [300, 301]];
+        let kr = [[0, 5], [3, 3], [0, 700], [100, 900], [5, 6], [0, 1000], [999, 1000]];
+        for causal in [false, true] {
+            let spec = grouped(32, 8, &qr, &kr, 310, 1000, causal);
+            for o in all_opts() {
+                check(&spec, &o);
+            }
+        }
     }
 }
