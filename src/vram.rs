@@ -3,7 +3,8 @@
 //!
 //! Forward: q, k, v in; out + lse (f32) out; workspace = the per-tile work list and segment
 //! table. Backward adds out, dout and lse in; dq, dk, dv out; workspace = delta (f32 per row and
-//! head) plus f32 accumulators for dq, dk and dv.
+//! head) plus the work lists (query tiles, key tiles and the per-key-tile segment lists). The
+//! CUDA backward keeps its dq, dk, dv accumulators in registers: no f32 gradient buffers.
 
 use crate::dtype::DType;
 use crate::spec::Dims;
@@ -32,9 +33,15 @@ pub fn estimate(dims: &Dims, dtype: DType, segments: usize, backward: bool) -> V
     let tiles = (dims.total_q.div_ceil(MIN_TILE_ROWS) + segments) as u64;
     let meta = (tiles + segments as u64) * ENTRY_BYTES;
     let est = if backward {
-        // q, k, v, out, dout in; dq, dk, dv out; lse in; delta + f32 accumulators as workspace.
-        let acc = (dims.q_len() as u64 + 2 * dims.kv_len() as u64) * 4;
-        VramEstimate { inputs: 2 * q + 2 * kv + q, outputs: q + 2 * kv, lse, workspace: lse + acc + meta, total: 0 }
+        // q, k, v, out, dout in; dq, dk, dv out; lse in; delta + work lists as workspace.
+        let key_tiles = (dims.total_k.div_ceil(MIN_TILE_ROWS) + segments) as u64;
+        VramEstimate {
+            inputs: 2 * q + 2 * kv + q,
+            outputs: q + 2 * kv,
+            lse,
+            workspace: lse + meta + key_tiles * ENTRY_BYTES,
+            total: 0,
+        }
     } else {
         VramEstimate { inputs: q + 2 * kv, outputs: q, lse, workspace: meta, total: 0 }
     };
@@ -54,6 +61,8 @@ mod tests {
         assert_eq!(e.lse, 32 * 1024 * 4);
         assert_eq!(e.total, e.inputs + e.outputs + e.lse + e.workspace);
         let b = estimate(&dims, DType::BF16, 1, true);
-        assert!(b.total > 2 * e.total);
+        // backward: q, k, v, out, dout in, dq, dk, dv out, lse in, delta as workspace
+        assert_eq!(b.inputs, 2 * e.inputs + e.outputs - 2 * 2 * 2048 * 8 * 128);
+        assert!(b.total > 2 * e.total - 2 * e.workspace);
     }
 }

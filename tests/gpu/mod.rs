@@ -2,6 +2,10 @@
 
 #[cfg(feature = "cuda")]
 mod flash_attention;
+#[cfg(feature = "cuda")]
+mod memory;
+#[cfg(feature = "cuda")]
+mod backward;
 
 #[cfg(not(feature = "cuda"))]
 #[test]

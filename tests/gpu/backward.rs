@@ -1,0 +1,410 @@
+//! CUDA backward (dQ, dK, dV) against the f64 reference and the CPU backend, determinism, and
+//! timings.
+//!
+//! Inputs are fresh random normals (rounded to the tested dtype before the references see them);
+//! `out` and `lse` come from the CPU backend's forward (independent of the CUDA forward). The
+//! gradients are poisoned with NaN before each launch, so unwritten elements fail.
+//! Set `CUBEATTN_GPU_BENCH=1` to also time forward+backward for the Llama3-8B shapes.
+
+use cubeattn::backend::cpu::CpuBackend;
+use cubeattn::backend::cuda::backward::{bench_backward_split, BenchPart};
+use cubeattn::backend::cuda::CudaBackend;
+use cubeattn::backend::BackwardInputs;
+use cubeattn::reference::backward_f64;
+use cubeattn::{AttnSpec, Backend, DType, Error, Gradients, HostData, TensorMeta};
+use rand::{rngs::StdRng, SeedableRng};
+use rand_distr::{Distribution, StandardNormal};
+
+fn backend() -> Option<&'static CudaBackend> {
+    match CudaBackend::shared() {
+        Ok(b) => Some(b),
+        Err(e) => {
+            println!("SKIP: CUDA backend unavailable: {e}");
+            None
+        }
+    }
+}
+
+#[derive(Clone)]
+enum Layout {
+    /// Per sequence (q_len, k_len).
+    Varlen(Vec<(usize, usize)>),
+    /// q_ranges, kv_ranges, total_q, total_k.
+    Grouped(Vec<[i32; 2]>, Vec<[i32; 2]>, usize, usize),
+}
+
+#[derive(Clone)]
+struct Case {
+    name: String,
+    dtype: DType,
+    d: usize,
+    hq: usize,
+    hkv: usize,
+    causal: bool,
+    layout: Layout,
+    input_scale: f32,
+}
+
+fn meta(t: usize, h: usize, d: usize, dt: DType) -> TensorMeta {
+    TensorMeta::new(&[t, h, d], dt)
+}
+
+fn build_spec(c: &Case) -> AttnSpec {
+    match &c.layout {
+        Layout::Varlen(lens) => {
+            let mut cq = vec![0i32];
+            let mut ck = vec![0i32];
+            for &(a, b) in lens {
+                cq.push(cq.last().unwrap() + a as i32);
+                ck.push(ck.last().unwrap() + b as i32);
+            }
+            let (tq, tk) = (*cq.last().unwrap() as usize, *ck.last().unwrap() as usize);
+            let mq = lens.iter().map(|x| x.0).max().unwrap_or(0);
+            let mk = lens.iter().map(|x| x.1).max().unwrap_or(0);
+            AttnSpec::varlen(
+                &meta(tq, c.hq, c.d, c.dtype),
+                &meta(tk, c.hkv, c.d, c.dtype),
+                &meta(tk, c.hkv, c.d, c.dtype),
+                &cq,
+                &ck,
+                mq,
+                mk,
+                None,
+                c.causal,
+            )
+            .unwrap()
+        }
+        Layout::Grouped(qr, kr, tq, tk) => AttnSpec::grouped(
+            &meta(*tq, c.hq, c.d, c.dtype),
+            &meta(*tk, c.hkv, c.d, c.dtype),
+            &meta(*tk, c.hkv, c.d, c.dtype),
+            qr,
+            kr,
+            None,
+            c.causal,
+        )
+        .unwrap(),
+    }
+}
+
+fn random(n: usize, dtype: DType, scale: f32, rng: &mut StdRng) -> HostData {
+    let x: Vec<f32> = (0..n)
+        .map(|_| {
+            let z: f64 = StandardNormal.sample(rng);
+            scale * z as f32
+        })
+        .collect();
+    HostData::from_f32(dtype, &x)
+}
+
+struct Inputs {
+    q: HostData,
+    k: HostData,
+    v: HostData,
+    dout: HostData,
+    out: HostData,
+    lse: Vec<f32>,
+}
+
+fn make_inputs(spec: &AttnSpec, scale: f32, seed: u64) -> Inputs {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let dm = spec.dims;
+    let q = random(dm.q_len(), spec.dtype, scale, &mut rng);
+    let k = random(dm.kv_len(), spec.dtype, scale, &mut rng);
+    let v = random(dm.kv_len(), spec.dtype, scale, &mut rng);
+    let dout = random(dm.q_len(), spec.dtype, 1.0, &mut rng);
+    let f = CpuBackend.forward(spec, q.view(), k.view(), v.view()).expect("CPU forward");
+    Inputs { q, k, v, dout, out: f.out, lse: f.lse }
+}
+
+fn grad_inputs(i: &Inputs, deterministic: bool) -> BackwardInputs<'_> {
+    BackwardInputs { out: i.out.view(), lse: &i.lse, dout: i.dout.view(), deterministic }
+}
+
+#[derive(Default, Clone, Copy)]
+struct Err3 {
+    max_abs: f64,
+    rel_l2: f64,
+    /// elements outside atol + rtol * |ref|
+    bad: usize,
+    nonfinite: usize,
+}
+
+fn compare(got: &HostData, want: &[f64], atol: f64, rtol: f64) -> Err3 {
+    let g = got.to_f32_vec();
+    assert_eq!(g.len(), want.len());
+    let mut r = Err3::default();
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (x, w) in g.iter().zip(want) {
+        if !x.is_finite() {
+            r.nonfinite += 1;
+            continue;
+        }
+        let diff = (*x as f64 - w).abs();
+        r.max_abs = r.max_abs.max(diff);
+        if diff > atol + rtol * w.abs() {
+            r.bad += 1;
+        }
+        num += diff * diff;
+        den += w * w;
+    }
+    r.rel_l2 = if den > 0.0 { (num / den).sqrt() } else { num.sqrt() };
+    r
+}
+
+fn rel_tol(dtype: DType) -> f64 {
+    match dtype {
+        DType::BF16 => 1e-2,
+        DType::F16 => 5e-3,
+        DType::F32 => 1e-4,
+    }
+}
+
+fn cases() -> Vec<Case> {
+    use DType::*;
+    let mut v = Vec::new();
+    for dtype in [F16, BF16] {
+        for d in [64usize, 128] {
+            for causal in [false, true] {
+                let tag = format!("{} d{} {}", dtype.name(), d, if causal { "causal" } else { "full" });
+                v.push(Case {
+                    name: format!("{tag} GQA4/2 varlen [1,63,130,17]"),
+                    dtype,
+                    d,
+                    hq: 4,
+                    hkv: 2,
+                    causal,
+                    layout: Layout::Varlen(vec![(1, 1), (63, 63), (130, 130), (17, 17)]),
+                    input_scale: 1.0,
+                });
+                v.push(Case {
+                    name: format!("{tag} GQA32/8 varlen [100,1,77]"),
+                    dtype,
+                    d,
+                    hq: 32,
+                    hkv: 8,
+                    causal,
+                    layout: Layout::Varlen(vec![(100, 100), (1, 1), (77, 77)]),
+                    input_scale: 1.0,
+                });
+                v.push(Case {
+                    name: format!("{tag} GQA8/2 grouped 4 (1 empty, overlap, uncovered)"),
+                    dtype,
+                    d,
+                    hq: 8,
+                    hkv: 2,
+                    causal,
+                    layout: Layout::Grouped(
+                        vec![[0, 100], [100, 170], [170, 170], [180, 300]],
+                        vec![[0, 100], [0, 170], [10, 50], [50, 400]],
+                        310,
+                        400,
+                    ),
+                    input_scale: 1.0,
+                });
+            }
+        }
+    }
+    let mk = |name: &str, dtype, d, hq, hkv, causal, layout, input_scale| Case {
+        name: name.to_string(),
+        dtype,
+        d,
+        hq,
+        hkv,
+        causal,
+        layout,
+        input_scale,
+    };
+    v.push(mk("bf16 d128 causal sq=50 < sk=200", BF16, 128, 8, 2, true, Layout::Varlen(vec![(50, 200)]), 1.0));
+    v.push(mk("f16 d64 causal sq=200 > sk=70 (rows see no key)", F16, 64, 4, 1, true, Layout::Varlen(vec![(200, 70)]), 1.0));
+    v.push(mk("bf16 d128 causal 2 groups same kv", BF16, 128, 4, 2, true, Layout::Grouped(vec![[0, 90], [90, 200]], vec![[0, 150], [0, 150]], 200, 150), 1.0));
+    v.push(mk("f16 d64 full 3 groups nested kv", F16, 64, 4, 4, false, Layout::Grouped(vec![[0, 33], [33, 99], [99, 100]], vec![[0, 257], [64, 128], [100, 101]], 100, 257), 1.0));
+    v.push(mk("bf16 d128 causal inputs x4 1x300", BF16, 128, 4, 1, true, Layout::Varlen(vec![(300, 300)]), 4.0));
+    v.push(mk("f32 d64 causal GQA4/2 varlen [1,70,33]", F32, 64, 4, 2, true, Layout::Varlen(vec![(1, 1), (70, 70), (33, 33)]), 1.0));
+    v.push(mk("f32 d128 grouped causal 3 groups", F32, 128, 4, 1, true, Layout::Grouped(vec![[0, 30], [35, 80], [80, 80]], vec![[0, 60], [20, 120], [0, 5]], 80, 120), 1.0));
+    v
+}
+
+/// Pass criteria: no unwritten or non-finite element; ||g - ref|| / ||ref|| <= 1e-2 (bf16),
+/// 5e-3 (f16), 1e-4 (f32) against the f64 reference; elementwise |g - ref| <= atol + rtol*|ref|
+/// (atol = rtol = 1e-2, atol scaled by the input scale for dq and dk; 1e-4 for f32), or, where a
+/// bf16 element misses that, a max error no worse than twice the CPU backend's (the exact f32
+/// algorithm on the same rounded inputs: its error is the floor set by bf16 `out` and outputs).
+fn check_case(b: &CudaBackend, c: &Case, seed: u64) -> (bool, String) {
+    let spec = build_spec(c);
+    let inp = make_inputs(&spec, c.input_scale, seed);
+    let got = match b.backward_poisoned(&spec, inp.q.view(), inp.k.view(), inp.v.view(), grad_inputs(&inp, true), f32::NAN) {
+        Ok(g) => g,
+        Err(e) => return (false, format!("{:<62} ERROR {e}", c.name)),
+    };
+    let w = |h: &HostData| h.view().to_f64_vec();
+    let (rq, rk, rv) = backward_f64(&spec, &w(&inp.q), &w(&inp.k), &w(&inp.v), &w(&inp.dout));
+    let cpu = CpuBackend.backward(&spec, inp.q.view(), inp.k.view(), inp.v.view(), grad_inputs(&inp, true)).expect("CPU backward");
+    let (atol, rtol) = if c.dtype == DType::F32 { (1e-4, 1e-4) } else { (1e-2, 1e-2) };
+    let st = c.input_scale.max(1.0) as f64;
+    let e = [compare(&got.dq, &rq, atol * st, rtol), compare(&got.dk, &rk, atol * st, rtol), compare(&got.dv, &rv, atol, rtol)];
+    let ce = [compare(&cpu.dq, &rq, atol * st, rtol), compare(&cpu.dk, &rk, atol * st, rtol), compare(&cpu.dv, &rv, atol, rtol)];
+    let cw = |h: &HostData| h.to_f32_vec().iter().map(|&x| x as f64).collect::<Vec<f64>>();
+    let vs_cpu = [compare(&got.dq, &cw(&cpu.dq), 0.0, 0.0), compare(&got.dk, &cw(&cpu.dk), 0.0, 0.0), compare(&got.dv, &cw(&cpu.dv), 0.0, 0.0)];
+    let tol = rel_tol(c.dtype);
+    let mut ok = true;
+    let mut fallback = false;
+    for (g, cp) in e.iter().zip(&ce) {
+        ok &= g.nonfinite == 0 && g.rel_l2 <= tol;
+        if g.bad > 0 {
+            fallback = true;
+            ok &= c.dtype == DType::BF16 && g.max_abs <= 2.0 * cp.max_abs;
+        }
+    }
+    let mut line = format!(
+        "{:<62} dq {:>8.2e} {:>8.2e} | dk {:>8.2e} {:>8.2e} | dv {:>8.2e} {:>8.2e} | vs cpu {:>8.2e}",
+        c.name,
+        e[0].rel_l2,
+        e[0].max_abs,
+        e[1].rel_l2,
+        e[1].max_abs,
+        e[2].rel_l2,
+        e[2].max_abs,
+        vs_cpu.iter().map(|x| x.rel_l2).fold(0.0, f64::max)
+    );
+    line += &format!(" {}", if ok { "ok" } else { "FAIL" });
+    let nonfinite: usize = e.iter().map(|x| x.nonfinite).sum();
+    if fallback || nonfinite > 0 {
+        line += &format!(
+            "\n    outside atol/rtol: gpu dq {} dk {} dv {} (cpu backend: {} {} {}); max_abs cpu vs f64: {:.2e} {:.2e} {:.2e}; nonfinite {}",
+            e[0].bad, e[1].bad, e[2].bad, ce[0].bad, ce[1].bad, ce[2].bad, ce[0].max_abs, ce[1].max_abs, ce[2].max_abs, nonfinite
+        );
+    }
+    (ok, line)
+}
+
+#[test]
+fn backward_matches_f64_reference_and_cpu() {
+    let Some(b) = backend() else { return };
+    println!("{:<62} {:>17} | {:>17} | {:>17}", "case (rel_l2, max_abs vs f64)", "dq", "dk", "dv");
+    let mut failures = Vec::new();
+    for (i, c) in cases().iter().enumerate() {
+        let (ok, line) = check_case(b, c, 5000 + i as u64);
+        println!("{line}");
+        if !ok {
+            failures.push(c.name.clone());
+        }
+    }
+    assert!(failures.is_empty(), "failed cases: {failures:?}");
+}
+
+/// 32K keys: a few query rows (GQA 8/2) attending a 32768-key window, causal bottom-right, plus
+/// a second segment reusing the tail of the same keys (grouped).
+#[test]
+fn backward_32k_keys_stress() {
+    let Some(b) = backend() else { return };
+    let c = Case {
+        name: "bf16 d128 GQA8/2 causal grouped, 32768 keys".into(),
+        dtype: DType::BF16,
+        d: 128,
+        hq: 8,
+        hkv: 2,
+        causal: true,
+        layout: Layout::Grouped(vec![[0, 100], [100, 160]], vec![[0, 32768], [30000, 32768]], 160, 32768),
+        input_scale: 1.0,
+    };
+    let (ok, line) = check_case(b, &c, 77);
+    println!("{line}");
+    assert!(ok, "{line}");
+}
+
+fn same(a: &Gradients, b: &Gradients) -> bool {
+    a.dq.view().as_bytes() == b.dq.view().as_bytes()
+        && a.dk.view().as_bytes() == b.dk.view().as_bytes()
+        && a.dv.view().as_bytes() == b.dv.view().as_bytes()
+}
+
+#[test]
+fn backward_is_deterministic() {
+    let Some(b) = backend() else { return };
+    let mut cs: Vec<Case> = cases().into_iter().filter(|c| matches!(c.layout, Layout::Grouped(..))).take(2).collect();
+    cs.push(Case {
+        name: "bf16 d128 GQA32/8 causal 1x1500".into(),
+        dtype: DType::BF16,
+        d: 128,
+        hq: 32,
+        hkv: 8,
+        causal: true,
+        layout: Layout::Varlen(vec![(1500, 1500)]),
+        input_scale: 1.0,
+    });
+    for c in &cs {
+        let spec = build_spec(c);
+        let inp = make_inputs(&spec, 1.0, 99);
+        let run = || b.backward(&spec, inp.q.view(), inp.k.view(), inp.v.view(), grad_inputs(&inp, true)).expect("backward");
+        let first = run();
+        let mut all = true;
+        for _ in 0..3 {
+            all &= same(&first, &run());
+        }
+        println!("{:<62} bitwise identical over 4 runs: {all}", c.name);
+        assert!(all, "{}", c.name);
+    }
+}
+
+#[test]
+fn backward_unsupported_head_dim_is_an_error() {
+    let Some(b) = backend() else { return };
+    let c = Case {
+        name: "d96".into(),
+        dtype: DType::F16,
+        d: 96,
+        hq: 2,
+        hkv: 2,
+        causal: false,
+        layout: Layout::Varlen(vec![(8, 8)]),
+        input_scale: 1.0,
+    };
+    let spec = build_spec(&c);
+    let inp = make_inputs(&spec, 1.0, 3);
+    match b.backward(&spec, inp.q.view(), inp.k.view(), inp.v.view(), grad_inputs(&inp, false)) {
+        Err(Error::Unsupported { backend, msg }) => {
+            assert_eq!(backend, "cuda");
+            assert!(msg.contains("head_dim 96"), "{msg}");
+        }
+        other => panic!("expected Unsupported, got {:?}", other.map(|_| ())),
+    }
+}
+
+/// Forward+backward and backward-alone timings, Llama3-8B heads (32 q / 8 kv, d=128, bf16).
+/// TFLOP/s counts fwd+bwd as 3.5x and bwd as 2.5x the forward matmul FLOPs.
+#[test]
+fn bench_backward_llama3_8b() {
+    if std::env::var("CUBEATTN_GPU_BENCH").is_err() {
+        println!("SKIP: set CUBEATTN_GPU_BENCH=1 to time the kernels");
+        return;
+    }
+    if backend().is_none() {
+        return;
+    }
+    let iters: usize = std::env::var("CUBEATTN_GPU_BENCH_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(5);
+    println!("{:<44} {:>10} {:>10} {:>10}", "shape", "median_ms", "min_ms", "TFLOP/s");
+    for &(n, causal, d) in &[(8192usize, true, 128usize), (16384, true, 128), (8192, false, 128), (8192, true, 64)] {
+        let cu = [0i32, n as i32];
+        let spec = AttnSpec::varlen(
+            &meta(n, 32, d, DType::BF16),
+            &meta(n, 8, d, DType::BF16),
+            &meta(n, 8, d, DType::BF16),
+            &cu,
+            &cu,
+            n,
+            n,
+            None,
+            causal,
+        )
+        .unwrap();
+        for (part, mult, label) in [(BenchPart::ForwardBackward, 3.5, "fwd+bwd"), (BenchPart::Backward, 2.5, "bwd")] {
+            let mut t = bench_backward_split(&spec, 2, iters, part).expect("bench failed");
+            t.sort_by(|a, b| a.partial_cmp(b).unwrap());
+            let med = t[t.len() / 2];
+            let tflops = mult * spec.forward_flops() / (med * 1e-3) / 1e12;
+            let name = format!("{label} bf16 n={n} causal={causal} d={d}");
+            println!("{:<44} {:>10.3} {:>10.3} {:>10.1}", name, med, t[0], tflops);
+        }
+    }
+}
