@@ -39,6 +39,13 @@ pub const F32_ROWS_PER_CUBE: usize = 4;
 /// Planes per cube of the preprocessing kernel.
 pub const DELTA_PLANES: usize = 8;
 
+/// `exp` through the hardware approximation (`__expf`); the tensor-core kernels round P to
+/// f16/bf16 right after, so its few-ulp error is invisible.
+#[cube(fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf)]
+fn fast_exp(x: f32) -> f32 {
+    f32::exp(x)
+}
+
 // ---------------------------------------------------------------------------------------------
 // Fragment helpers. `ldsm` picks `ldmatrix` (fast) or per-element shared-memory reads through
 // `position_of_nth` (slow, kept to cross-check the register layouts).
@@ -277,7 +284,7 @@ fn stage_rows<E: Float, NV: Size>(
 /// expensive first; `tile_off`/`tile_segs`: CSR list of the segments overlapping each tile;
 /// `segs`: (q_start, q_len, k_start, k_len) per segment; `lse`, `delta`: `[heads_q, total_q]`.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn flash_bwd_dkdv<E: Float, NV: Size>(
     q: &Array<Vector<E, NV>>,
     k: &Array<Vector<E, NV>>,
@@ -420,7 +427,7 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size>(
                         for e in 0..ec {
                             let (row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
                             let rloc = qr0 + nb * 8 + col as usize;
-                            let mut p = f32::exp(s[nb * ec + e] * scale - lse_smem[rloc]);
+                            let mut p = fast_exp(s[nb * ec + e] * scale - lse_smem[rloc]);
                             if !full {
                                 let kwin = kw0 + row as i32;
                                 let rr = rr0 + (nb * 8) as i32 + col as i32;
@@ -508,7 +515,7 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size>(
 /// (segment id, first row of the tile inside the segment); rows no segment covers are not
 /// written here (see [`fill_zero`]).
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn flash_bwd_dq<E: Float, NV: Size>(
     q: &Array<Vector<E, NV>>,
     k: &Array<Vector<E, NV>>,
@@ -676,7 +683,7 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
                         dd = dl_a;
                         lim = lim_a;
                     }
-                    let mut p = f32::exp(s[nb * ec + e] * scale - l);
+                    let mut p = fast_exp(s[nb * ec + e] * scale - l);
                     if needs_mask {
                         let (_row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
                         let key = (kb + (kc0 + nb * 8) as u32 + col) as i32;
@@ -721,7 +728,7 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
 
 /// delta[h, t] = sum_d dO[t, h, d] * O[t, h, d] in f32. One plane per (t, h) pair, pairs in
 /// storage order; a 2-D grid (x fastest) of cubes of [`DELTA_PLANES`] planes.
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn bwd_delta<E: Float>(
     out: &Array<E>,
     dout: &Array<E>,
@@ -752,7 +759,7 @@ pub fn bwd_delta<E: Float>(
 }
 
 /// Zeroes `x` (2-D grid, x fastest, 256 units per cube).
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn fill_zero<E: Float>(x: &mut Array<E>) {
     let idx = ((CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) * 256u32 + UNIT_POS) as usize;
     if idx < x.len() {
@@ -766,7 +773,7 @@ pub fn fill_zero<E: Float>(x: &mut Array<E>) {
 
 /// dQ for f32: `row_seg[t]` = segment of query row t (u32::MAX when none: dq = 0).
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn rowwise_bwd_dq_f32(
     q: &Array<f32>,
     k: &Array<f32>,
@@ -843,7 +850,7 @@ pub fn rowwise_bwd_dq_f32(
 /// dK, dV for f32: one plane per (key, kv head); segments from the per-key-tile CSR list
 /// (tiles of [`BWD_BN`] keys), visited in ascending order.
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn rowwise_bwd_dkdv_f32(
     q: &Array<f32>,
     k: &Array<f32>,

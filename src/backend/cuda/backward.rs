@@ -177,6 +177,10 @@ pub(crate) fn launch_backward(
     let hd = d.head_dim;
     let (ql, kl, ll) = (d.q_len(), d.kv_len(), d.lse_len());
     let ldsm = use_ldmatrix();
+    // SAFETY (every launch below): each index the kernels form is inside its buffer. Rows and keys
+    // come from the validated spec through the plan; global loads and stores are guarded by the
+    // segment / total bounds, the work lists only hold valid segment ids, tile starts and key
+    // tiles, and `tile_off` has one entry per key tile plus one.
 
     // ---- delta ----
     let rows = d.total_q * d.heads_q;
@@ -184,7 +188,7 @@ pub(crate) fn launch_backward(
     let ddim = CubeDim::new_1d(32 * DELTA_PLANES as u32);
     macro_rules! delta {
         ($t:ty) => {
-            flash_bwd::bwd_delta::launch::<$t, CudaRuntime>(
+            flash_bwd::bwd_delta::launch_unchecked::<$t, CudaRuntime>(
                 client,
                 dcount,
                 ddim,
@@ -197,16 +201,18 @@ pub(crate) fn launch_backward(
             )
         };
     }
-    match spec.dtype {
-        DType::F16 => delta!(f16),
-        DType::BF16 => delta!(bf16),
-        DType::F32 => delta!(f32),
+    unsafe {
+        match spec.dtype {
+            DType::F16 => delta!(f16),
+            DType::BF16 => delta!(bf16),
+            DType::F32 => delta!(f32),
+        }
     }
 
     match spec.dtype {
-        DType::F32 => {
+        DType::F32 => unsafe {
             let dim = CubeDim::new_1d(32 * F32_ROWS_PER_CUBE as u32);
-            flash_bwd::rowwise_bwd_dkdv_f32::launch::<CudaRuntime>(
+            flash_bwd::rowwise_bwd_dkdv_f32::launch_unchecked::<CudaRuntime>(
                 client,
                 CubeCount::Static(d.total_k.div_ceil(F32_ROWS_PER_CUBE) as u32, d.heads_kv as u32, 1),
                 dim,
@@ -229,7 +235,7 @@ pub(crate) fn launch_backward(
                 hd,
                 spec.causal,
             );
-            flash_bwd::rowwise_bwd_dq_f32::launch::<CudaRuntime>(
+            flash_bwd::rowwise_bwd_dq_f32::launch_unchecked::<CudaRuntime>(
                 client,
                 CubeCount::Static(d.total_q.div_ceil(F32_ROWS_PER_CUBE) as u32, d.heads_q as u32, 1),
                 dim,
@@ -256,7 +262,7 @@ pub(crate) fn launch_backward(
             macro_rules! go {
                 ($t:ty) => {{
                     if spec.uncovered_rows() > 0 {
-                        flash_bwd::fill_zero::launch::<$t, CudaRuntime>(
+                        flash_bwd::fill_zero::launch_unchecked::<$t, CudaRuntime>(
                             client,
                             grid_2d(ql.div_ceil(256)),
                             CubeDim::new_1d(256),
@@ -264,7 +270,7 @@ pub(crate) fn launch_backward(
                         );
                     }
                     if plan.n_k_work > 0 {
-                        flash_bwd::flash_bwd_dkdv::launch::<$t, CudaRuntime>(
+                        flash_bwd::flash_bwd_dkdv::launch_unchecked::<$t, CudaRuntime>(
                             client,
                             CubeCount::Static(plan.n_k_work as u32, d.heads_kv as u32, 1),
                             dim,
@@ -292,7 +298,7 @@ pub(crate) fn launch_backward(
                         );
                     }
                     if plan.n_q_work > 0 {
-                        flash_bwd::flash_bwd_dq::launch::<$t, CudaRuntime>(
+                        flash_bwd::flash_bwd_dq::launch_unchecked::<$t, CudaRuntime>(
                             client,
                             CubeCount::Static(plan.n_q_work as u32, d.heads_q as u32, 1),
                             dim,
@@ -317,9 +323,11 @@ pub(crate) fn launch_backward(
                     }
                 }};
             }
-            match spec.dtype {
-                DType::F16 => go!(f16),
-                _ => go!(bf16),
+            unsafe {
+                match spec.dtype {
+                    DType::F16 => go!(f16),
+                    _ => go!(bf16),
+                }
             }
         }
     }
