@@ -20,8 +20,7 @@ setup_venv() {
 
 build_wheel() {
   rm -f "$ROOT"/dist/cubeattn-*.whl
-  local feat=()
-  [ -n "$FEATURES" ] && feat=(--features "$FEATURES")
-  "$VENV/bin/maturin" build --release --quiet -o "$ROOT/dist" "${feat[@]}"
+  # --features replaces pyproject's list, so `python` (the PyO3 bindings) is always named here
+  "$VENV/bin/maturin" build --release --quiet -o "$ROOT/dist" --features "python${FEATURES:+,$FEATURES}"
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$ROOT"/dist/cubeattn-*.whl
 }
