@@ -237,7 +237,7 @@ fn tolerance(dtype: DType) -> f64 {
 
 /// Option sets the correctness test runs every case under (the first is the default).
 fn variants() -> Vec<(&'static str, FwdOptions)> {
-    let all = FwdOptions { ldmatrix: true, pipeline: true, pack_heads: true, split: true };
+    let all = FwdOptions { ldmatrix: true, pipeline: true, pack_heads: true, split: true, split_waves: 2 };
     vec![
         ("default", all),
         ("no-pipe", FwdOptions { pipeline: false, ..all }),
@@ -386,7 +386,7 @@ fn bench_llama3_8b_shapes() {
     }
     let saved = fwd_options();
     let iters: usize = std::env::var("CUBEATTN_GPU_BENCH_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(10);
-    let all = FwdOptions { ldmatrix: true, pipeline: true, pack_heads: true, split: true };
+    let all = FwdOptions { ldmatrix: true, pipeline: true, pack_heads: true, split: true, split_waves: 2 };
     let mut rows: Vec<(String, String, f64, f64)> = Vec::new();
     let mut record = |name: String, variant: &str, ms: f64, flops: f64| {
         let tf = flops / (ms * 1e-3) / 1e12;
@@ -442,6 +442,9 @@ fn bench_llama3_8b_shapes() {
     for &(vname, o) in &[
         ("grouped", all),
         ("grouped no-split", FwdOptions { split: false, ..all }),
+        ("grouped waves=4", FwdOptions { split_waves: 4, ..all }),
+        ("grouped waves=8", FwdOptions { split_waves: 8, ..all }),
+        ("grouped waves=16", FwdOptions { split_waves: 16, ..all }),
         ("grouped no-pack", FwdOptions { pack_heads: false, ..all }),
         ("grouped no-pipe", FwdOptions { pipeline: false, ..all }),
     ] {

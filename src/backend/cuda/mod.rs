@@ -270,6 +270,9 @@ pub struct FwdOptions {
     pub pack_heads: bool,
     /// Split long tiles over several cubes when the launch has too few cubes to fill the GPU.
     pub split: bool,
+    /// Split target: about this many cubes per multiprocessor (`CUBEATTN_CUDA_SPLIT_WAVES`, 2:
+    /// measured best of 2/4/8/16 on the shared-prefix shape).
+    pub split_waves: u32,
 }
 
 static FWD_OPTS: std::sync::Mutex<Option<FwdOptions>> = std::sync::Mutex::new(None);
@@ -286,6 +289,7 @@ pub fn fwd_options() -> FwdOptions {
         pipeline: env_on("CUBEATTN_CUDA_PIPE"),
         pack_heads: env_on("CUBEATTN_CUDA_PACK_HEADS"),
         split: env_on("CUBEATTN_CUDA_SPLIT"),
+        split_waves: std::env::var("CUBEATTN_CUDA_SPLIT_WAVES").ok().and_then(|v| v.parse().ok()).filter(|&w| w > 0).unwrap_or(2),
     })
 }
 
@@ -415,7 +419,7 @@ impl FwdPlan {
         let y = (d.heads_q / hp).max(1);
         let kt = |len: u64| len.div_ceil(BLOCK_N as u64);
         // Split when the launch has fewer cubes than a few per multiprocessor.
-        let target = 4 * sm_count();
+        let target = opts.split_waves.max(1) as usize * sm_count();
         let mut chunk = u64::MAX;
         if opts.split && tiles.len() * y < target {
             let total: u64 = tiles.iter().map(|t| kt(t.len())).sum();
@@ -787,7 +791,7 @@ mod fwd_plan_tests {
         let mut v = Vec::new();
         for pack_heads in [false, true] {
             for split in [false, true] {
-                v.push(FwdOptions { ldmatrix: true, pipeline: true, pack_heads, split });
+                v.push(FwdOptions { ldmatrix: true, pipeline: true, pack_heads, split, split_waves: 4 });
             }
         }
         v
