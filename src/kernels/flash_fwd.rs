@@ -780,3 +780,533 @@ pub fn fill_uncovered<E: Float>(out: &mut Array<E>, lse: &mut Array<f32>, inf: f
         lse[idx] = inf;
     }
 }
+
+/// Forward kernel v5: FlashAttention-2's warp shape. Each plane (warp) owns `mt` m16 row blocks
+/// (`mt` = 2: 4 planes x 32 rows = 128 threads), so every K/V B fragment read through `ldmatrix`
+/// feeds `mt` mma instructions (half the shared-memory traffic per FLOP of v4 at `mt` = 2). The Q
+/// tile stays in shared memory (its own buffer, copied with `cp.async` together with the first K
+/// tile) and its A fragments are re-read with `ldmatrix` each key tile, which keeps the register
+/// count under 255 so two 128-thread cubes share a multiprocessor (one cube's barriers and
+/// softmax overlap the other's mma). `block_n` keys per tile (32 or 64); always the cp.async K/V
+/// pipeline and `ldmatrix`. Same work list, slices and partial-output layout as `flash_fwd_mma`
+/// (BLOCK_M = 128 packed rows per cube).
+#[allow(clippy::too_many_arguments)]
+#[cube(launch_unchecked)]
+pub fn flash_fwd_mma2<E: Float>(
+    q_s: &Array<E>,
+    k_s: &Array<E>,
+    v_s: &Array<E>,
+    out: &mut Array<E>,
+    lse: &mut Array<f32>,
+    part_o: &mut Array<f32>,
+    part_lse: &mut Array<f32>,
+    work: &Array<u32>,
+    slices: &Array<u32>,
+    segs: &Array<u32>,
+    scale: f32,
+    heads_q: u32,
+    heads_kv: u32,
+    total_q: u32,
+    hp: u32,
+    n_slots: u32,
+    inf: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] causal: bool,
+    #[comptime] mt: usize,
+    #[comptime] block_n: usize,
+) {
+    let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
+    let lane = UNIT_POS_PLANE;
+    let plane = UNIT_POS / 32u32;
+    let threads = comptime!(BLOCK_M / mt * 2);
+    let plane_rows = comptime!(16 * mt);
+
+    let stride = comptime!(head_dim + SMEM_PAD);
+    let vecs_per_row = comptime!(head_dim / LOAD_VEC);
+    let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(BLOCK_M * (head_dim + SMEM_PAD)), 16usize);
+    let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(block_n * (head_dim + SMEM_PAD)), 16usize);
+    let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(block_n * (head_dim + SMEM_PAD)), 16usize);
+    let mut row_tok = SharedMemory::<u32>::new(BLOCK_M);
+    let mut row_head = SharedMemory::<u32>::new(BLOCK_M);
+    let mut row_lo = SharedMemory::<u32>::new(BLOCK_M);
+    let mut row_hi = SharedMemory::<u32>::new(BLOCK_M);
+    let bar_k = Barrier::shared(comptime!(threads as u32), UNIT_POS == 0);
+    let bar_v = Barrier::shared(comptime!(threads as u32), UNIT_POS == 0);
+
+    let item = CUBE_POS_X as usize * WORK_WORDS;
+    let head_base = CUBE_POS_Y * hp;
+    let group = heads_q / heads_kv;
+    let head_kv = head_base / group;
+
+    let slice_off = work[item];
+    let n_slices = work[item + 1];
+    let klo = work[item + 2];
+    let khi = work[item + 3];
+    let slot = work[item + 4];
+
+    // fill_rows covers rows [0, BLOCK_M) with one unit each: with fewer units, loop.
+    fill_rows2(
+        slices, segs, slice_off, n_slices, hp, head_base, klo, khi, &mut row_tok, &mut row_head, &mut row_lo,
+        &mut row_hi, causal, threads,
+    );
+    sync_cube();
+
+    let mut n_tiles = 0u32;
+    if khi > klo {
+        n_tiles = (khi - klo + block_n as u32 - 1) / block_n as u32;
+    }
+
+    let size!(NA) = def.vector_size(MatrixIdent::A);
+    let size!(NB) = def.vector_size(MatrixIdent::B);
+    let size!(NC) = def.vector_size(MatrixIdent::Accumulator);
+    let va = def.vectors_per_lane(MatrixIdent::A);
+    let vb = def.vectors_per_lane(MatrixIdent::B);
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let sa = def.vector_size(MatrixIdent::A);
+    let sc = def.vector_size(MatrixIdent::Accumulator);
+    let ec = comptime!(vc * sc);
+    let _ = vb;
+
+    let k_steps = comptime!(head_dim / 16);
+    let n_blocks = comptime!(block_n / 8);
+    let o_blocks = comptime!(head_dim / 8);
+    let slots = comptime!(2 * mt);
+    let krow = heads_kv as usize * head_dim;
+    let kv_loads = comptime!(block_n * (head_dim / LOAD_VEC) / threads);
+    let q_loads = comptime!(BLOCK_M * (head_dim / LOAD_VEC) / threads);
+    let mi = (lane / 8u32) as usize;
+    let mr = (lane % 8u32) as usize;
+    let prow = plane as usize * plane_rows;
+
+    // Q tile and K(0) in one cp.async group on bar_k. Rows without a token copy token 0 (any
+    // valid row): their key range is empty, so every score is masked and nothing is written.
+    if n_tiles > 0 {
+        #[unroll]
+        for it in 0..q_loads {
+            let idx = UNIT_POS as usize + it * threads;
+            let r = idx / vecs_per_row;
+            let c = idx % vecs_per_row;
+            let mut tok = row_tok[r];
+            if tok == NONE {
+                tok = 0u32;
+            }
+            let g = (tok * heads_q + row_head[r]) as usize * head_dim + c * LOAD_VEC;
+            let base = r * stride + c * LOAD_VEC;
+            copy_async(&q_s.slice(g, g + LOAD_VEC), &mut q_smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
+        }
+        #[unroll]
+        for it in 0..kv_loads {
+            let idx = UNIT_POS as usize + it * threads;
+            let r = idx / vecs_per_row;
+            let c = idx % vecs_per_row;
+            let key = min(klo + r as u32, khi - 1);
+            let g = key as usize * krow + head_kv as usize * head_dim + c * LOAD_VEC;
+            let base = r * stride + c * LOAD_VEC;
+            copy_async(&k_s.slice(g, g + LOAD_VEC), &mut k_smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
+        }
+        bar_k.commit_copy_async();
+        let _tk = bar_k.arrive();
+    }
+
+    let mut o_acc = Array::<f32>::new(comptime!(mt * o_blocks * ec));
+    #[unroll]
+    for i in 0..comptime!(mt * o_blocks * ec) {
+        o_acc[i] = 0.0f32;
+    }
+    let mut s = Array::<f32>::new(comptime!(mt * n_blocks * ec));
+    let neg_inf = -inf;
+    let mut m_r = Array::<f32>::new(slots);
+    let mut l_r = Array::<f32>::new(slots);
+    #[unroll]
+    for i in 0..slots {
+        m_r[i] = neg_inf;
+        l_r[i] = 0.0f32;
+    }
+    // Row (inside the cube tile) of slot `i`: m-tile i / 2, accumulator half i % 2.
+    let (row_a, _ca) = def.position_of_nth(lane, 0u32, MatrixIdent::Accumulator);
+    let (row_b, _cb) = def.position_of_nth(lane, (ec - 1) as u32, MatrixIdent::Accumulator);
+
+    for kt in 0..n_tiles {
+        let t0 = klo + kt * block_n as u32;
+        bar_k.wait_parity(kt & 1u32);
+        // Every plane has finished P.V of the previous tile: the V buffer is free.
+        sync_cube();
+        #[unroll]
+        for it in 0..kv_loads {
+            let idx = UNIT_POS as usize + it * threads;
+            let r = idx / vecs_per_row;
+            let c = idx % vecs_per_row;
+            let key = min(t0 + r as u32, khi - 1);
+            let g = key as usize * krow + head_kv as usize * head_dim + c * LOAD_VEC;
+            let base = r * stride + c * LOAD_VEC;
+            copy_async(&v_s.slice(g, g + LOAD_VEC), &mut v_smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
+        }
+        bar_v.commit_copy_async();
+        let _tv = bar_v.arrive();
+
+        // ---- S = Q K^T: mt x 16 rows x block_n keys per plane ----
+        #[unroll]
+        for i in 0..comptime!(mt * n_blocks * ec) {
+            s[i] = 0.0f32;
+        }
+        #[unroll]
+        for kk in 0..comptime!(k_steps / 2) {
+            // A fragments of k-steps 2kk and 2kk+1 for each m-tile: [(m * 2 + h) * va + i].
+            let mut af = Array::<Vector<E, NA>>::new(comptime!(mt * 2 * va));
+            #[unroll]
+            for m in 0..mt {
+                #[unroll]
+                for h in 0..2usize {
+                    let start = (prow + m * 16 + (mi % 2) * 8 + mr) * stride + (2 * kk + h) * 16 + (mi / 2) * 8;
+                    let a = def.load_matrix::<E, NA>(&q_smem.slice(start, start + 8), MatrixIdent::A, 4usize, false);
+                    #[unroll]
+                    for i in 0..va {
+                        af[(m * 2 + h) * va + i] = a[i];
+                    }
+                }
+            }
+            #[unroll]
+            for nb in 0..n_blocks {
+                let start = (nb * 8 + mr) * stride + kk * 32 + mi * 8;
+                let bm = def.load_matrix::<E, NB>(&k_smem.slice(start, start + 8), MatrixIdent::B, 4usize, false);
+                #[unroll]
+                for m in 0..mt {
+                    let mut acc = Array::<Vector<f32, NC>>::new(vc);
+                    #[unroll]
+                    for i in 0..vc {
+                        let mut reg = Vector::<f32, NC>::empty();
+                        #[unroll]
+                        for j in 0..sc {
+                            reg[j] = s[(m * n_blocks + nb) * ec + i * sc + j];
+                        }
+                        acc[i] = reg;
+                    }
+                    #[unroll]
+                    for h in 0..2usize {
+                        let mut a = Array::<Vector<E, NA>>::new(va);
+                        #[unroll]
+                        for i in 0..va {
+                            a[i] = af[(m * 2 + h) * va + i];
+                        }
+                        let mut b = Array::<Vector<E, NB>>::new(2usize);
+                        b[0] = bm[2 * h];
+                        b[1] = bm[2 * h + 1];
+                        def.execute_inplace(&a, &b, &mut acc);
+                    }
+                    #[unroll]
+                    for i in 0..vc {
+                        #[unroll]
+                        for j in 0..sc {
+                            s[(m * n_blocks + nb) * ec + i * sc + j] = acc[i][j];
+                        }
+                    }
+                }
+            }
+        }
+
+        // ---- mask (only tiles that cross a row's key range) ----
+        let t1 = t0 + block_n as u32;
+        let mut needs_mask = false;
+        #[unroll]
+        for i in 0..slots {
+            let mut r = row_b;
+            if i % 2 == 0 {
+                r = row_a;
+            }
+            let tr = prow + (i / 2) * 16 + r as usize;
+            if t0 < row_lo[tr] || t1 > row_hi[tr] {
+                needs_mask = true;
+            }
+        }
+        if needs_mask {
+            #[unroll]
+            for i in 0..slots {
+                let mut r = row_b;
+                if i % 2 == 0 {
+                    r = row_a;
+                }
+                let tr = prow + (i / 2) * 16 + r as usize;
+                let lo = row_lo[tr];
+                let hi = row_hi[tr];
+                #[unroll]
+                for nb in 0..n_blocks {
+                    #[unroll]
+                    for e2 in 0..comptime!(ec / 2) {
+                        let e = (i % 2) * (ec / 2) + e2;
+                        let (_row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
+                        let key = t0 + nb as u32 * 8 + col;
+                        if key < lo || key >= hi {
+                            s[((i / 2) * n_blocks + nb) * ec + e] = neg_inf;
+                        }
+                    }
+                }
+            }
+        }
+
+        // ---- online softmax per row slot ----
+        #[unroll]
+        for i in 0..slots {
+            let m = i / 2;
+            let e0 = (i % 2) * (ec / 2);
+            let mut mx = neg_inf;
+            #[unroll]
+            for nb in 0..n_blocks {
+                #[unroll]
+                for e2 in 0..comptime!(ec / 2) {
+                    mx = max(mx, s[(m * n_blocks + nb) * ec + e0 + e2]);
+                }
+            }
+            mx = max(mx, plane_shuffle_xor(mx, 1u32));
+            mx = max(mx, plane_shuffle_xor(mx, 2u32));
+            let old = m_r[i];
+            let new = max(old, mx * scale);
+            let mut use_m = new;
+            if new == neg_inf {
+                use_m = 0.0f32;
+            }
+            let alpha = fast_exp(old - use_m);
+            m_r[i] = new;
+            let mut sum = 0.0f32;
+            #[unroll]
+            for nb in 0..n_blocks {
+                #[unroll]
+                for e2 in 0..comptime!(ec / 2) {
+                    let idx = (m * n_blocks + nb) * ec + e0 + e2;
+                    let p = fast_exp(s[idx] * scale - use_m);
+                    s[idx] = p;
+                    sum += p;
+                }
+            }
+            l_r[i] = l_r[i] * alpha + sum;
+            #[unroll]
+            for ob in 0..o_blocks {
+                #[unroll]
+                for e2 in 0..comptime!(ec / 2) {
+                    o_acc[(m * o_blocks + ob) * ec + e0 + e2] *= alpha;
+                }
+            }
+        }
+
+        bar_v.wait_parity(kt & 1u32);
+        // Every plane has finished S = Q K^T: the K buffer is free for the next tile.
+        sync_cube();
+        if kt + 1 < n_tiles {
+            #[unroll]
+            for it in 0..kv_loads {
+                let idx = UNIT_POS as usize + it * threads;
+                let r = idx / vecs_per_row;
+                let c = idx % vecs_per_row;
+                let key = min(t0 + (block_n + r) as u32, khi - 1);
+                let g = key as usize * krow + head_kv as usize * head_dim + c * LOAD_VEC;
+                let base = r * stride + c * LOAD_VEC;
+                copy_async(&k_s.slice(g, g + LOAD_VEC), &mut k_smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
+            }
+            bar_k.commit_copy_async();
+            let _tk = bar_k.arrive();
+        }
+
+        // ---- O += P V: P from registers as A (per m-tile), V fragments shared by the m-tiles ----
+        #[unroll]
+        for ks in 0..comptime!(block_n / 16) {
+            let mut pf = Array::<Vector<E, NA>>::new(comptime!(mt * va));
+            #[unroll]
+            for m in 0..mt {
+                #[unroll]
+                for i in 0..va {
+                    let mut reg = Vector::<E, NA>::empty();
+                    #[unroll]
+                    for j in 0..sa {
+                        let e = i * sa + j;
+                        let src = (m * n_blocks + 2 * ks + e / ec) * ec + e % ec;
+                        reg[j] = E::cast_from(s[src]);
+                    }
+                    pf[m * va + i] = reg;
+                }
+            }
+            #[unroll]
+            for ob2 in 0..comptime!(o_blocks / 2) {
+                let key = ks * 16 + (mi % 2) * 8 + mr;
+                let start = key * stride + (2 * ob2 + mi / 2) * 8;
+                let bm = def.load_matrix::<E, NB>(&v_smem.slice(start, start + 8), MatrixIdent::B, 4usize, true);
+                #[unroll]
+                for h in 0..2usize {
+                    let ob = 2 * ob2 + h;
+                    let mut b = Array::<Vector<E, NB>>::new(2usize);
+                    b[0] = bm[2 * h];
+                    b[1] = bm[2 * h + 1];
+                    #[unroll]
+                    for m in 0..mt {
+                        let mut a = Array::<Vector<E, NA>>::new(va);
+                        #[unroll]
+                        for i in 0..va {
+                            a[i] = pf[m * va + i];
+                        }
+                        let mut acc = Array::<Vector<f32, NC>>::new(vc);
+                        #[unroll]
+                        for i in 0..vc {
+                            let mut reg = Vector::<f32, NC>::empty();
+                            #[unroll]
+                            for j in 0..sc {
+                                reg[j] = o_acc[(m * o_blocks + ob) * ec + i * sc + j];
+                            }
+                            acc[i] = reg;
+                        }
+                        def.execute_inplace(&a, &b, &mut acc);
+                        #[unroll]
+                        for i in 0..vc {
+                            #[unroll]
+                            for j in 0..sc {
+                                o_acc[(m * o_blocks + ob) * ec + i * sc + j] = acc[i][j];
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    // ---- finish: reduce l over the 4 lanes of a row, normalise, write ----
+    let mut inv_r = Array::<f32>::new(slots);
+    #[unroll]
+    for i in 0..slots {
+        let mut l = l_r[i];
+        l += plane_shuffle_xor(l, 1u32);
+        l += plane_shuffle_xor(l, 2u32);
+        l_r[i] = l;
+        let mut inv = 0.0f32;
+        if l > 0.0f32 {
+            inv = 1.0f32 / l;
+        }
+        inv_r[i] = inv;
+    }
+
+    if slot == NONE {
+        #[unroll]
+        for m in 0..mt {
+            #[unroll]
+            for ob in 0..o_blocks {
+                #[unroll]
+                for e in 0..ec {
+                    let (row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
+                    let tr = prow + m * 16 + row as usize;
+                    let tok = row_tok[tr];
+                    if tok != NONE {
+                        let inv = inv_r[m * 2 + e / (ec / 2)];
+                        let g = (tok * heads_q + row_head[tr]) as usize * head_dim + ob * 8 + col as usize;
+                        out[g] = E::cast_from(o_acc[(m * o_blocks + ob) * ec + e] * inv);
+                    }
+                }
+            }
+        }
+        if lane % 4 == 0 {
+            #[unroll]
+            for i in 0..slots {
+                let mut r = row_b;
+                if i % 2 == 0 {
+                    r = row_a;
+                }
+                let tr = prow + (i / 2) * 16 + r as usize;
+                let tok = row_tok[tr];
+                if tok != NONE {
+                    let mut val = inf;
+                    if l_r[i] > 0.0f32 {
+                        val = m_r[i] + f32::ln(l_r[i]);
+                    }
+                    lse[(row_head[tr] * total_q + tok) as usize] = val;
+                }
+            }
+        }
+    } else {
+        let pbase = ((CUBE_POS_Y * n_slots + slot) as usize) * BLOCK_M;
+        #[unroll]
+        for m in 0..mt {
+            #[unroll]
+            for ob in 0..o_blocks {
+                #[unroll]
+                for e in 0..ec {
+                    let (row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
+                    let tr = prow + m * 16 + row as usize;
+                    let inv = inv_r[m * 2 + e / (ec / 2)];
+                    part_o[(pbase + tr) * head_dim + ob * 8 + col as usize] = o_acc[(m * o_blocks + ob) * ec + e] * inv;
+                }
+            }
+        }
+        if lane % 4 == 0 {
+            #[unroll]
+            for i in 0..slots {
+                let mut r = row_b;
+                if i % 2 == 0 {
+                    r = row_a;
+                }
+                let tr = prow + (i / 2) * 16 + r as usize;
+                let mut val = neg_inf;
+                if l_r[i] > 0.0f32 {
+                    val = m_r[i] + f32::ln(l_r[i]);
+                }
+                part_lse[pbase + tr] = val;
+            }
+        }
+    }
+}
+
+/// `fill_rows` for cubes with `threads` units (fewer than BLOCK_M: each unit fills several rows).
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn fill_rows2(
+    slices: &Array<u32>,
+    segs: &Array<u32>,
+    slice_off: u32,
+    n_slices: u32,
+    hp: u32,
+    head_base: u32,
+    klo: u32,
+    khi: u32,
+    row_tok: &mut SharedMemory<u32>,
+    row_head: &mut SharedMemory<u32>,
+    row_lo: &mut SharedMemory<u32>,
+    row_hi: &mut SharedMemory<u32>,
+    #[comptime] causal: bool,
+    #[comptime] threads: usize,
+) {
+    #[unroll]
+    for pass in 0..comptime!(BLOCK_M.div_ceil(threads)) {
+        let r = UNIT_POS + (pass * threads) as u32;
+        if r < BLOCK_M as u32 {
+            let mut tok = 0xFFFF_FFFFu32;
+            let mut head = 0u32;
+            let mut lo = 0u32;
+            let mut hi = 0u32;
+            let mut off = 0u32;
+            for i in 0..n_slices {
+                let base = ((slice_off + i) * SLICE_WORDS as u32) as usize;
+                let n = slices[base + 2];
+                if r >= off && r < off + n {
+                    let seg = slices[base] as usize;
+                    let p = slices[base + 1] + (r - off);
+                    let qr = p / hp;
+                    let q_start = segs[seg * 4];
+                    let q_len = segs[seg * 4 + 1];
+                    let k_start = segs[seg * 4 + 2];
+                    let k_len = segs[seg * 4 + 3];
+                    tok = q_start + qr;
+                    head = head_base + p % hp;
+                    let mut vis = k_len;
+                    if causal {
+                        let lim = k_len as i32 - q_len as i32 + qr as i32 + 1;
+                        vis = max(min(lim, k_len as i32), 0i32) as u32;
+                    }
+                    lo = max(k_start, klo);
+                    hi = min(k_start + vis, khi);
+                    if hi < lo {
+                        hi = lo;
+                    }
+                }
+                off += n;
+            }
+            row_tok[r as usize] = tok;
+            row_head[r as usize] = head;
+            row_lo[r as usize] = lo;
+            row_hi[r as usize] = hi;
+        }
+    }
+}

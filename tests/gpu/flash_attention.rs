@@ -237,14 +237,33 @@ fn tolerance(dtype: DType) -> f64 {
 
 /// Option sets the correctness test runs every case under (the first is the default).
 fn variants() -> Vec<(&'static str, FwdOptions)> {
-    let all = FwdOptions { ldmatrix: true, pipeline: true, pack_heads: true, split: true, split_waves: 2 };
+    let all = FwdOptions::defaults();
+    let v4 = FwdOptions { v5: false, ..all };
+    let v5 = FwdOptions { v5: true, plane_rows: 32, block_n: 64, ..all };
     vec![
         ("default", all),
-        ("no-pipe", FwdOptions { pipeline: false, ..all }),
-        ("no-pack", FwdOptions { pack_heads: false, ..all }),
-        ("no-split", FwdOptions { split: false, ..all }),
-        ("no-ldsm/no-pack", FwdOptions { ldmatrix: false, pack_heads: false, ..all }),
+        ("v4", v4),
+        ("v4 no-pipe", FwdOptions { pipeline: false, ..v4 }),
+        ("v4 no-pack", FwdOptions { pack_heads: false, ..v4 }),
+        ("v4 no-split", FwdOptions { split: false, ..v4 }),
+        ("v4 no-ldsm/pack", FwdOptions { ldmatrix: false, pack_heads: false, ..v4 }),
+        ("v5", v5),
+        ("v5 no-pack", FwdOptions { pack_heads: false, ..v5 }),
+        ("v5 no-split", FwdOptions { split: false, ..v5 }),
+        ("v5 bn32", FwdOptions { block_n: 32, ..v5 }),
+        ("v5 rows16", FwdOptions { plane_rows: 16, ..v5 }),
     ]
+}
+
+/// `variants()`, or only those named in `CUBEATTN_GPU_VARIANTS` (comma-separated).
+fn selected_variants() -> Vec<(&'static str, FwdOptions)> {
+    match std::env::var("CUBEATTN_GPU_VARIANTS") {
+        Ok(list) => {
+            let names: Vec<&str> = list.split(',').map(|n| n.trim()).collect();
+            variants().into_iter().filter(|(n, _)| names.contains(n)).collect()
+        }
+        Err(_) => variants(),
+    }
 }
 
 #[test]
@@ -255,7 +274,7 @@ fn forward_matches_f64_reference() {
     let mut failures = Vec::new();
     for (i, c) in cases().iter().enumerate() {
         let p = prepare(c, 1000 + i as u64);
-        let vs = if c.dtype == DType::F32 { vec![variants()[0]] } else { variants() };
+        let vs = if c.dtype == DType::F32 { vec![variants()[0]] } else { selected_variants() };
         for (vname, o) in vs {
             set_fwd_options(o);
             let r = match run_prepared(b, &p) {
@@ -386,19 +405,30 @@ fn bench_llama3_8b_shapes() {
     }
     let saved = fwd_options();
     let iters: usize = std::env::var("CUBEATTN_GPU_BENCH_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(10);
-    let all = FwdOptions { ldmatrix: true, pipeline: true, pack_heads: true, split: true, split_waves: 2 };
+    let all = FwdOptions::defaults();
+    let v4 = FwdOptions { v5: false, ..all };
+    let v5 = FwdOptions { v5: true, plane_rows: 32, block_n: 64, ..all };
+    // CUBEATTN_GPU_BENCH=full adds the v4 ablations and the per-group call timings.
+    let full = std::env::var("CUBEATTN_GPU_BENCH").map(|v| v == "full").unwrap_or(false);
     let mut rows: Vec<(String, String, f64, f64)> = Vec::new();
     let mut record = |name: String, variant: &str, ms: f64, flops: f64| {
         let tf = flops / (ms * 1e-3) / 1e12;
         println!("{:<44} {:>14} {:>10.3} {:>8.1}", name, variant, ms, tf);
         rows.push((name, variant.to_string(), ms, tf));
     };
-    let dense_variants = [
-        ("default", all),
-        ("no-pipe", FwdOptions { pipeline: false, ..all }),
-        ("no-pack", FwdOptions { pack_heads: false, ..all }),
-        ("no-pipe/pack", FwdOptions { pipeline: false, pack_heads: false, ..all }),
+    let mut dense_variants = vec![
+        ("v4", v4),
+        ("v5", v5),
+        ("v5 bn32", FwdOptions { block_n: 32, ..v5 }),
+        ("v5 rows16", FwdOptions { plane_rows: 16, ..v5 }),
+        ("v4 again", v4),
+        ("v5 again", v5),
     ];
+    if full {
+        dense_variants.push(("v4 no-pipe", FwdOptions { pipeline: false, ..v4 }));
+        dense_variants.push(("v4 no-pack", FwdOptions { pack_heads: false, ..v4 }));
+        dense_variants.push(("v5 no-pack", FwdOptions { pack_heads: false, ..v5 }));
+    }
     for &(vname, o) in &dense_variants {
         set_fwd_options(o);
         for n in [8192usize, 16384, 32768] {
@@ -406,10 +436,12 @@ fn bench_llama3_8b_shapes() {
             record(format!("bf16 n={n} causal d=128"), vname, median_ms(&spec, iters), spec.forward_flops());
         }
     }
-    set_fwd_options(all);
-    for &(n, causal, dtype, d) in &[(8192usize, false, DType::BF16, 128usize), (8192, true, DType::F16, 128), (8192, true, DType::BF16, 64)] {
-        let spec = dense_spec(n, causal, dtype, d);
-        record(format!("{} n={} causal={} d={}", dtype.name(), n, causal, d), "default", median_ms(&spec, iters), spec.forward_flops());
+    for &(vname, o) in &[("v4", v4), ("v5", v5)] {
+        set_fwd_options(o);
+        for &(n, causal, dtype, d) in &[(8192usize, false, DType::BF16, 128usize), (8192, true, DType::F16, 128), (8192, true, DType::BF16, 64)] {
+            let spec = dense_spec(n, causal, dtype, d);
+            record(format!("{} n={} causal={} d={}", dtype.name(), n, causal, d), vname, median_ms(&spec, iters), spec.forward_flops());
+        }
     }
 
     // Zigzag: T = 65536, W = 8, chunk C = T / 16; rank r holds chunks r and 2W-1-r.
@@ -420,18 +452,20 @@ fn bench_llama3_8b_shapes() {
         let kr = [[0, (a + 1) * c], [0, (b + 1) * c]];
         let spec = grouped_spec(&qr, &kr, 2 * c as usize, 16 * c as usize, true);
         let name = format!("zigzag T=64K W=8 rank {rank}");
-        for &(vname, o) in &[("grouped", all), ("grouped no-pack", FwdOptions { pack_heads: false, ..all }), ("grouped no-pipe", FwdOptions { pipeline: false, ..all })] {
+        for &(vname, o) in &[("v4 grouped", v4), ("v5 grouped", v5)] {
             set_fwd_options(o);
             record(name.clone(), vname, median_ms(&spec, iters), spec.forward_flops());
         }
-        set_fwd_options(all);
-        let mut sum = 0.0;
-        for g in 0..2 {
-            let kl = kr[g][1];
-            let sg = grouped_spec(&[[0, c]], &[[0, kl]], c as usize, kl as usize, true);
-            sum += median_ms(&sg, iters);
+        if full {
+            set_fwd_options(all);
+            let mut sum = 0.0;
+            for g in 0..2 {
+                let kl = kr[g][1];
+                let sg = grouped_spec(&[[0, c]], &[[0, kl]], c as usize, kl as usize, true);
+                sum += median_ms(&sg, iters);
+            }
+            record(name, "per-group", sum, spec.forward_flops());
         }
-        record(name, "per-group", sum, spec.forward_flops());
     }
 
     // Shared prefix / decode: 32 groups x 8 queries, group g sees keys [0, 32768 - 256 g).
@@ -440,25 +474,25 @@ fn bench_llama3_8b_shapes() {
     let spec = grouped_spec(&qr, &kr, 256, 32768, false);
     let name = "shared prefix 32x8 q, 32K kv".to_string();
     for &(vname, o) in &[
-        ("grouped", all),
-        ("grouped no-split", FwdOptions { split: false, ..all }),
-        ("grouped waves=4", FwdOptions { split_waves: 4, ..all }),
-        ("grouped waves=8", FwdOptions { split_waves: 8, ..all }),
-        ("grouped waves=16", FwdOptions { split_waves: 16, ..all }),
-        ("grouped no-pack", FwdOptions { pack_heads: false, ..all }),
-        ("grouped no-pipe", FwdOptions { pipeline: false, ..all }),
+        ("v4 grouped", v4),
+        ("v5 grouped", v5),
+        ("v5 waves=4", FwdOptions { split_waves: 4, ..v5 }),
+        ("v5 waves=8", FwdOptions { split_waves: 8, ..v5 }),
+        ("v5 no-split", FwdOptions { split: false, ..v5 }),
     ] {
         set_fwd_options(o);
         record(name.clone(), vname, median_ms(&spec, iters.max(20)), spec.forward_flops());
     }
-    set_fwd_options(all);
-    let mut sum = 0.0;
-    for g in 0..32 {
-        let kl = kr[g][1];
-        let sg = grouped_spec(&[[0, 8]], &[[0, kl]], 8, kl as usize, false);
-        sum += median_ms(&sg, iters);
+    if full {
+        set_fwd_options(all);
+        let mut sum = 0.0;
+        for g in 0..32 {
+            let kl = kr[g][1];
+            let sg = grouped_spec(&[[0, 8]], &[[0, kl]], 8, kl as usize, false);
+            sum += median_ms(&sg, iters);
+        }
+        record(name, "per-group", sum, spec.forward_flops());
     }
-    record(name, "per-group", sum, spec.forward_flops());
     set_fwd_options(saved);
 
     println!("\n{:<44} {:>16} {:>10} {:>8}", "shape", "variant", "median_ms", "TFLOP/s");
@@ -472,4 +506,25 @@ fn bench_llama3_8b_shapes() {
             .collect();
         let _ = std::fs::write(path, format!("[\n{}\n]\n", body.join(",\n")));
     }
+}
+
+/// Runs one bf16 d=128 causal case under each kernel configuration, so that
+/// `CUBECL_DEBUG_LOG=<file>` captures each generated CUDA source once (for `nvcc -Xptxas -v`).
+#[test]
+fn dump_kernel_sources() {
+    if std::env::var("CUBEATTN_GPU_DUMP").is_err() {
+        return;
+    }
+    let Some(b) = backend() else { return };
+    let saved = fwd_options();
+    let c = &cases()[2];
+    let p = prepare(c, 5);
+    let all = FwdOptions::defaults();
+    let v5 = FwdOptions { v5: true, plane_rows: 32, block_n: 64, ..all };
+    for o in [FwdOptions { v5: false, ..all }, v5, FwdOptions { block_n: 32, ..v5 }, FwdOptions { plane_rows: 16, ..v5 }] {
+        set_fwd_options(o);
+        let r = run_prepared(b, &p).unwrap();
+        println!("dump {o:?}: rel_l2 {:.2e}", r.rel_l2);
+    }
+    set_fwd_options(saved);
 }

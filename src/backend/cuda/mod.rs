@@ -273,12 +273,34 @@ pub struct FwdOptions {
     /// Split target: about this many cubes per multiprocessor (`CUBEATTN_CUDA_SPLIT_WAVES`, 2:
     /// measured best of 2/4/8/16 on the shared-prefix shape).
     pub split_waves: u32,
+    /// Kernel v5 (`flash_fwd_mma2`: Q in shared memory, `plane_rows` rows per plane) instead of
+    /// v4 (`flash_fwd_mma`: 8 planes x 16 rows, Q fragments in registers). Needs `ldmatrix` and
+    /// `pipeline`; otherwise v4 runs (`CUBEATTN_CUDA_V5`).
+    pub v5: bool,
+    /// v5 rows per plane: 32 (4 planes, 128 threads) or 16 (8 planes) (`CUBEATTN_CUDA_PLANE_ROWS`).
+    pub plane_rows: u32,
+    /// v5 keys per shared-memory tile: 64 or 32 (`CUBEATTN_CUDA_BLOCK_N`).
+    pub block_n: u32,
 }
 
 static FWD_OPTS: std::sync::Mutex<Option<FwdOptions>> = std::sync::Mutex::new(None);
 
 fn env_on(name: &str) -> bool {
     std::env::var(name).map(|v| v != "0").unwrap_or(true)
+}
+
+/// Whether kernel v5 is the default (measured: see bench/NOTES.md).
+const V5_DEFAULT: bool = false;
+
+fn env_u32(name: &str, allowed: &[u32], default: u32) -> u32 {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).filter(|w| allowed.contains(w)).unwrap_or(default)
+}
+
+impl FwdOptions {
+    /// The defaults without environment overrides.
+    pub fn defaults() -> FwdOptions {
+        FwdOptions { ldmatrix: true, pipeline: true, pack_heads: true, split: true, split_waves: 2, v5: V5_DEFAULT, plane_rows: 32, block_n: 64 }
+    }
 }
 
 /// The forward switches in force.
@@ -290,6 +312,9 @@ pub fn fwd_options() -> FwdOptions {
         pack_heads: env_on("CUBEATTN_CUDA_PACK_HEADS"),
         split: env_on("CUBEATTN_CUDA_SPLIT"),
         split_waves: std::env::var("CUBEATTN_CUDA_SPLIT_WAVES").ok().and_then(|v| v.parse().ok()).filter(|&w| w > 0).unwrap_or(2),
+        v5: std::env::var("CUBEATTN_CUDA_V5").map(|v| v != "0").unwrap_or(V5_DEFAULT),
+        plane_rows: env_u32("CUBEATTN_CUDA_PLANE_ROWS", &[16, 32], 32),
+        block_n: env_u32("CUBEATTN_CUDA_BLOCK_N", &[32, 64], 64),
     })
 }
 
@@ -556,6 +581,8 @@ pub(crate) fn launch_forward(
             let y = (d.heads_q as u32 / fp.hp).max(1);
             let count = CubeCount::Static(n_work, y, 1);
             let dim = CubeDim::new_1d(32 * PLANES as u32);
+            let v5 = opts.v5 && opts.ldmatrix && opts.pipeline;
+            let mt = if opts.plane_rows == 16 { 1usize } else { 2 };
             let n_part = (fp.n_slots as usize * y as usize * BLOCK_M).max(1);
             let part_o = client.empty(n_part * hd * 4);
             let part_lse = client.empty(n_part * 4);
@@ -564,6 +591,34 @@ pub(crate) fn launch_forward(
                     // SAFETY: every index the kernels form is inside its buffer: rows and keys come
                     // from the validated spec through the plan (keys clamped to the tile's range).
                     unsafe {
+                        if v5 {
+                        flash_fwd::flash_fwd_mma2::launch_unchecked::<$t, CudaRuntime>(
+                            client,
+                            count,
+                            CubeDim::new_1d((BLOCK_M * 2 / mt) as u32),
+                            buf(q, ql),
+                            buf(k, kl),
+                            buf(v, kl),
+                            buf(out, ql),
+                            buf(lse, d.lse_len()),
+                            buf(&part_o, n_part * hd),
+                            buf(&part_lse, n_part),
+                            buf(&dev.fwd_work.0, dev.fwd_work.1),
+                            buf(&dev.fwd_slices.0, dev.fwd_slices.1),
+                            buf(&dev.segs.0, dev.segs.1),
+                            spec.scale,
+                            d.heads_q as u32,
+                            d.heads_kv as u32,
+                            d.total_q as u32,
+                            fp.hp,
+                            fp.n_slots,
+                            f32::INFINITY,
+                            hd,
+                            spec.causal,
+                            mt,
+                            opts.block_n as usize,
+                        );
+                        } else {
                         flash_fwd::flash_fwd_mma::launch_unchecked::<$t, CudaRuntime>(
                             client,
                             count,
@@ -593,6 +648,7 @@ pub(crate) fn launch_forward(
                             opts.ldmatrix,
                             opts.pipeline,
                         );
+                        }
                         if fp.n_comb() > 0 {
                             flash_fwd::combine_parts::launch_unchecked::<$t, CudaRuntime>(
                                 client,
@@ -791,7 +847,7 @@ mod fwd_plan_tests {
         let mut v = Vec::new();
         for pack_heads in [false, true] {
             for split in [false, true] {
-                v.push(FwdOptions { ldmatrix: true, pipeline: true, pack_heads, split, split_waves: 4 });
+                v.push(FwdOptions { pack_heads, split, split_waves: 4, ..FwdOptions::defaults() });
             }
         }
         v
