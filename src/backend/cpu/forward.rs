@@ -3,7 +3,7 @@
 
 use rayon::prelude::*;
 
-use super::layout::{from_head_major, matmul, to_head_major, to_head_major_t, Mat, SharedMut};
+use super::layout::{from_f32_vec, matmul, to_f32_cow, Mat, SharedMut};
 use super::simd::{exp2_sub_sum, max_of, multiversion, scale_in_place};
 use crate::backend::ForwardOutput;
 use crate::dtype::HostView;
@@ -78,19 +78,22 @@ pub(crate) fn query_blocks(spec: &AttnSpec) -> Vec<(usize, usize)> {
 
 pub(crate) fn forward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> ForwardOutput {
     let dm = spec.dims;
-    let (d, tq, tk) = (dm.head_dim, dm.total_q, dm.total_k);
-    let qh = to_head_major(q, tq, dm.heads_q, d);
-    let kt = to_head_major_t(k, tk, dm.heads_kv, d);
-    let vh = to_head_major(v, tk, dm.heads_kv, d);
+    let (d, tq, hq, hkv) = (dm.head_dim, dm.total_q, dm.heads_q, dm.heads_kv);
+    // Token-major f32 throughout: the gemm reads head h's rows at stride heads*d, so f32 input
+    // is used in place and other dtypes are only widened.
+    let qf = to_f32_cow(q);
+    let kf = to_f32_cow(k);
+    let vf = to_f32_cow(v);
     let mut out = vec![0.0f32; dm.q_len()];
     let mut lse = vec![f32::INFINITY; dm.lse_len()];
     let out_w = SharedMut::new(&mut out);
     let lse_w = SharedMut::new(&mut lse);
     let c = spec.scale * std::f32::consts::LOG2_E;
+    let (q_rs, kv_rs) = ((hq * d) as isize, (hkv * d) as isize);
 
     let tasks: Vec<(usize, usize, usize)> = query_blocks(spec)
         .into_iter()
-        .flat_map(|(s, r0)| (0..dm.heads_q).map(move |h| (s, r0, h)))
+        .flat_map(|(s, r0)| (0..hq).map(move |h| (s, r0, h)))
         .collect();
     tasks.par_iter().for_each_init(
         || Scratch::new(d),
@@ -98,8 +101,8 @@ pub(crate) fn forward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) ->
             let seg = &spec.segments[si];
             let rows = BQ.min(seg.q_len - r0);
             let hk = h / dm.group_size();
-            let qblk = &qh[(h * tq + seg.q_start + r0) * d..][..rows * d];
-            let vseg = &vh[(hk * tk + seg.k_start) * d..][..seg.k_len * d];
+            let row0 = seg.q_start + r0;
+            let qblk = Mat { ptr: qf[(row0 * hq + h) * d..].as_ptr(), rs: q_rs, cs: 1 };
             row_limits(seg, spec.causal, r0, rows, &mut sc.lims);
             let k_hi = sc.lims.iter().copied().max().unwrap_or(0);
             sc.o[..rows * d].fill(0.0);
@@ -107,20 +110,22 @@ pub(crate) fn forward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) ->
             sc.l[..rows].fill(0.0);
             for kb in (0..k_hi).step_by(BK) {
                 let n = BK.min(k_hi - kb);
-                // K^T block: column (key) k_start + kb.. of head hk's [d, total_k] slab
-                let kt_blk = &kt[hk * d * tk + seg.k_start + kb..];
-                matmul(&mut sc.s, n, rows, n, d, Mat::rows(qblk, d), Mat { ptr: kt_blk.as_ptr(), rs: tk as isize, cs: 1 }, 1.0, false);
+                let key0 = ((seg.k_start + kb) * hkv + hk) * d;
+                // K^T block (d x n): element (c, j) at kf[key0 + j * kv_rs + c]
+                let kt_blk = Mat { ptr: kf[key0..].as_ptr(), rs: 1, cs: kv_rs };
+                let v_blk = Mat { ptr: vf[key0..].as_ptr(), rs: kv_rs, cs: 1 };
+                matmul(&mut sc.s, n, rows, n, d, qblk, kt_blk, 1.0, false);
                 online_softmax_block(&mut sc.s[..rows * n], n, &sc.lims, kb, c, &mut sc.m[..rows], &mut sc.l[..rows], &mut sc.o[..rows * d], d);
-                matmul(&mut sc.o, d, rows, d, n, Mat::rows(&sc.s, n), Mat::rows(&vseg[kb * d..], d), 1.0, true);
+                matmul(&mut sc.o, d, rows, d, n, Mat::rows(&sc.s, n), v_blk, 1.0, true);
             }
-            // SAFETY: segments own disjoint query rows, so (head, row) ranges of tasks are disjoint.
-            let dst = unsafe { out_w.slice((h * tq + seg.q_start + r0) * d, rows * d) };
-            let lse_dst = unsafe { lse_w.slice(h * tq + seg.q_start + r0, rows) };
+            // SAFETY: segments own disjoint query rows, so (row, head) ranges of tasks are disjoint.
+            let lse_dst = unsafe { lse_w.slice(h * tq + row0, rows) };
             for i in 0..rows {
                 let li = sc.l[i];
                 if li > 0.0 {
+                    let dst = unsafe { out_w.slice(((row0 + i) * hq + h) * d, d) };
                     let inv = 1.0 / li;
-                    for (o, &a) in dst[i * d..(i + 1) * d].iter_mut().zip(&sc.o[i * d..(i + 1) * d]) {
+                    for (o, &a) in dst.iter_mut().zip(&sc.o[i * d..(i + 1) * d]) {
                         *o = a * inv;
                     }
                     lse_dst[i] = (sc.m[i] + li.log2()) * std::f32::consts::LN_2;
@@ -128,5 +133,5 @@ pub(crate) fn forward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) ->
             }
         },
     );
-    ForwardOutput { out: from_head_major(&out, tq, dm.heads_q, d, spec.dtype), lse }
+    ForwardOutput { out: from_f32_vec(out, spec.dtype), lse }
 }

@@ -1,6 +1,8 @@
 //! Data movement for the CPU backend: token-major <-> head-major f32 copies, shared output
 //! pointers for disjoint parallel writes, and a thin wrapper over the `gemm` crate.
 
+use std::borrow::Cow;
+
 use rayon::prelude::*;
 
 use crate::dtype::{DType, Element, HostData, HostView};
@@ -29,28 +31,39 @@ pub(crate) fn to_head_major(x: HostView, tokens: usize, heads: usize, d: usize) 
     }
 }
 
-/// `[tokens, heads, d]` in any dtype -> `[heads, d, tokens]` f32 (transposed per head, so that
-/// q.k products read K^T row-major, the layout the gemm kernels prefer).
-pub(crate) fn to_head_major_t(x: HostView, tokens: usize, heads: usize, d: usize) -> Vec<f32> {
-    fn go<T: Element>(x: &[T], tokens: usize, heads: usize, d: usize) -> Vec<f32> {
+/// Any dtype -> f32 in the same (token-major) layout; f32 input is borrowed, not copied.
+pub(crate) fn to_f32_cow(x: HostView<'_>) -> Cow<'_, [f32]> {
+    fn go<T: Element>(x: &[T]) -> Vec<f32> {
         let mut out = vec![0.0f32; x.len()];
-        if out.is_empty() {
-            return out;
-        }
-        out.par_chunks_mut(tokens.max(1) * d).enumerate().for_each(|(h, dst)| {
-            for t in 0..tokens {
-                let src = &x[(t * heads + h) * d..][..d];
-                for (c, s) in src.iter().enumerate() {
-                    dst[c * tokens + t] = s.to_f32();
-                }
+        out.par_chunks_mut(1 << 14).zip(x.par_chunks(1 << 14)).for_each(|(o, s)| {
+            for (a, b) in o.iter_mut().zip(s) {
+                *a = b.to_f32();
             }
         });
         out
     }
     match x {
-        HostView::F32(s) => go(s, tokens, heads, d),
-        HostView::F16(s) => go(s, tokens, heads, d),
-        HostView::BF16(s) => go(s, tokens, heads, d),
+        HostView::F32(s) => Cow::Borrowed(s),
+        HostView::F16(s) => Cow::Owned(go(s)),
+        HostView::BF16(s) => Cow::Owned(go(s)),
+    }
+}
+
+/// f32 values -> `dtype` (same layout); f32 output is moved, not copied.
+pub(crate) fn from_f32_vec(x: Vec<f32>, dtype: DType) -> HostData {
+    fn go<T: Element>(x: &[f32]) -> Vec<T> {
+        let mut out = vec![T::default(); x.len()];
+        out.par_chunks_mut(1 << 14).zip(x.par_chunks(1 << 14)).for_each(|(o, s)| {
+            for (a, &b) in o.iter_mut().zip(s) {
+                *a = T::from_f32(b);
+            }
+        });
+        out
+    }
+    match dtype {
+        DType::F32 => HostData::F32(x),
+        DType::F16 => HostData::F16(go(&x)),
+        DType::BF16 => HostData::BF16(go(&x)),
     }
 }
 
