@@ -4,7 +4,7 @@
 use rayon::prelude::*;
 
 use super::layout::{from_f32_vec, matmul, to_f32_cow, Mat, SharedMut};
-use super::simd::{exp2_sub_sum, max_of, multiversion, scale_in_place};
+use super::simd::{exp2_scaled_sub_sum, exp2_sub_sum, max_of, multiversion, scale_in_place};
 use crate::backend::ForwardOutput;
 use crate::dtype::HostView;
 use crate::spec::{AttnSpec, Segment};
@@ -30,10 +30,18 @@ multiversion! {
             }
             let (live, dead) = row.split_at_mut(lim);
             dead.fill(0.0);
-            scale_in_place(live, c);
-            let m_new = max_of(live).max(m[i]);
+            // the max of c*s is c*max(s) for c >= 0; a negative scale takes the slow path
+            let sum;
+            let m_new;
+            if c >= 0.0 {
+                m_new = (max_of(live) * c).max(m[i]);
+                sum = exp2_scaled_sub_sum(live, c, m_new);
+            } else {
+                scale_in_place(live, c);
+                m_new = max_of(live).max(m[i]);
+                sum = exp2_sub_sum(live, m_new);
+            }
             let alpha = super::simd::exp2_neg(m[i] - m_new);
-            let sum = exp2_sub_sum(live, m_new);
             l[i] = l[i] * alpha + sum;
             m[i] = m_new;
             if alpha != 1.0 {

@@ -123,6 +123,26 @@ pub(crate) fn exp2_sub_sum(xs: &mut [f32], m: f32) -> f32 {
     s + acc.iter().sum::<f32>()
 }
 
+/// In place: x <- 2^(c*x - m); returns the sum. `m` must be finite and >= every c*x.
+#[inline(always)]
+pub(crate) fn exp2_scaled_sub_sum(xs: &mut [f32], c: f32, m: f32) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let mut chunks = xs.chunks_exact_mut(LANES);
+    for ch in &mut chunks {
+        for i in 0..LANES {
+            let e = exp2_neg(ch[i].mul_add(c, -m));
+            ch[i] = e;
+            acc[i] += e;
+        }
+    }
+    let mut s = 0.0;
+    for x in chunks.into_remainder() {
+        *x = exp2_neg(x.mul_add(c, -m));
+        s += *x;
+    }
+    s + acc.iter().sum::<f32>()
+}
+
 #[inline(always)]
 pub(crate) fn scale_in_place(xs: &mut [f32], c: f32) {
     for x in xs {
