@@ -3,7 +3,7 @@
 
 use rayon::prelude::*;
 
-use super::layout::{from_f32_vec, matmul, to_f32_cow, Mat, SharedMut};
+use super::layout::{from_f32_vec, matmul, to_f32_cow, transpose_per_head, Mat, SharedMut};
 use super::simd::{exp2_scaled_sub_sum, exp2_sub_sum, max_of, multiversion, scale_in_place};
 use crate::backend::ForwardOutput;
 use crate::dtype::HostView;
@@ -90,7 +90,8 @@ pub(crate) fn forward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) ->
     // Token-major f32 throughout: the gemm reads head h's rows at stride heads*d, so f32 input
     // is used in place and other dtypes are only widened.
     let qf = to_f32_cow(q);
-    let kf = to_f32_cow(k);
+    let kt = transpose_per_head(k, dm.total_k, hkv, d);
+    let tk = dm.total_k;
     let vf = to_f32_cow(v);
     let mut out = vec![0.0f32; dm.q_len()];
     let mut lse = vec![f32::INFINITY; dm.lse_len()];
@@ -119,8 +120,8 @@ pub(crate) fn forward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) ->
             for kb in (0..k_hi).step_by(BK) {
                 let n = BK.min(k_hi - kb);
                 let key0 = ((seg.k_start + kb) * hkv + hk) * d;
-                // K^T block (d x n): element (c, j) at kf[key0 + j * kv_rs + c]
-                let kt_blk = Mat { ptr: kf[key0..].as_ptr(), rs: 1, cs: kv_rs };
+                // K^T block (d x n) of head hk's [d, total_k] slab
+                let kt_blk = Mat { ptr: kt[hk * d * tk + seg.k_start + kb..].as_ptr(), rs: tk as isize, cs: 1 };
                 let v_blk = Mat { ptr: vf[key0..].as_ptr(), rs: kv_rs, cs: 1 };
                 matmul(&mut sc.s, n, rows, n, d, qblk, kt_blk, 1.0, false);
                 online_softmax_block(&mut sc.s[..rows * n], n, &sc.lims, kb, c, &mut sc.m[..rows], &mut sc.l[..rows], &mut sc.o[..rows * d], d);
