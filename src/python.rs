@@ -88,8 +88,14 @@ impl Buf {
     }
 }
 
-fn bytes_out<'py>(py: Python<'py>, data: &HostData) -> Bound<'py, PyArray1<u8>> {
-    PyArray1::from_slice(py, data.view().as_bytes())
+/// Moves the data into a numpy array without copying: float32 as float32, 16-bit types as uint16
+/// (the Python layer views them as float16 / bfloat16).
+fn data_out(py: Python<'_>, data: HostData) -> Bound<'_, PyAny> {
+    match data {
+        HostData::F32(v) => PyArray1::from_vec(py, v).into_any(),
+        HostData::F16(v) => PyArray1::<u16>::from_vec(py, bytemuck::cast_vec(v)).into_any(),
+        HostData::BF16(v) => PyArray1::<u16>::from_vec(py, bytemuck::cast_vec(v)).into_any(),
+    }
 }
 
 /// A validated attention call (shapes, dtype, scale, causal, segments).
@@ -191,7 +197,7 @@ fn grouped_spec(
     AttnSpec::grouped(&q, &k, &v, &qr, &kr, softmax_scale, causal).map(|inner| PySpec { inner }).map_err(to_py)
 }
 
-/// Forward: returns (out bytes, lse f32 [heads_q * total_q], backend name).
+/// Forward: returns (out as float32 or uint16 bits, lse f32 [heads_q * total_q], backend name).
 #[pyfunction]
 #[pyo3(signature = (spec, q, k, v, device="auto"))]
 fn forward<'py>(
@@ -201,7 +207,7 @@ fn forward<'py>(
     k: PyReadonlyArray1<'py, u8>,
     v: PyReadonlyArray1<'py, u8>,
     device: &str,
-) -> PyResult<(Bound<'py, PyArray1<u8>>, Bound<'py, PyArray1<f32>>, &'static str)> {
+) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyArray1<f32>>, &'static str)> {
     let pref = DevicePref::parse(device).map_err(to_py)?;
     let dt = spec.inner.dtype;
     let (qb, kb, vb) = (Buf::new(&q, dt, "q")?, Buf::new(&k, dt, "k")?, Buf::new(&v, dt, "v")?);
@@ -210,10 +216,10 @@ fn forward<'py>(
         let be = backend_for(pref)?;
         Ok((be.forward(s, qb.view(dt), kb.view(dt), vb.view(dt))?, be.kind().name()))
     })?;
-    Ok((bytes_out(py, &res.out), PyArray1::from_vec(py, res.lse), kind))
+    Ok((data_out(py, res.out), PyArray1::from_vec(py, res.lse), kind))
 }
 
-/// Backward: returns (dq bytes, dk bytes, dv bytes, backend name).
+/// Backward: returns (dq, dk, dv as float32 or uint16 bits, backend name).
 #[pyfunction]
 #[pyo3(signature = (spec, q, k, v, out, lse, dout, deterministic=false, device="auto"))]
 #[allow(clippy::too_many_arguments, clippy::type_complexity)]
@@ -228,7 +234,7 @@ fn backward<'py>(
     dout: PyReadonlyArray1<'py, u8>,
     deterministic: bool,
     device: &str,
-) -> PyResult<(Bound<'py, PyArray1<u8>>, Bound<'py, PyArray1<u8>>, Bound<'py, PyArray1<u8>>, &'static str)> {
+) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>, &'static str)> {
     let pref = DevicePref::parse(device).map_err(to_py)?;
     let dt = spec.inner.dtype;
     let (qb, kb, vb) = (Buf::new(&q, dt, "q")?, Buf::new(&k, dt, "k")?, Buf::new(&v, dt, "v")?);
@@ -240,7 +246,7 @@ fn backward<'py>(
         let inputs = BackwardInputs { out: ob.view(dt), lse, dout: gb.view(dt), deterministic };
         Ok((be.backward(s, qb.view(dt), kb.view(dt), vb.view(dt), inputs)?, be.kind().name()))
     })?;
-    Ok((bytes_out(py, &g.dq), bytes_out(py, &g.dk), bytes_out(py, &g.dv), kind))
+    Ok((data_out(py, g.dq), data_out(py, g.dk), data_out(py, g.dv), kind))
 }
 
 fn device_dict<'py>(py: Python<'py>, d: &crate::device::DeviceInfo) -> PyResult<Bound<'py, PyDict>> {

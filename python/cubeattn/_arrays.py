@@ -55,7 +55,8 @@ def to_core(x, name: str) -> Converted:
 
 
 def from_core(buf: np.ndarray, shape, dtype: str, like: Converted):
-    """Flat bytes from the core -> array of `shape` in the kind (numpy / torch, device) of `like`."""
+    """Flat float32 or uint16 (16-bit types) array from the core -> array of `shape` in the kind
+    (numpy / torch, device) of `like`. No copy on the numpy path."""
     if like.torch_like is not None:
         import torch
 
