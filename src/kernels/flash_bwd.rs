@@ -285,7 +285,7 @@ fn stage_rows<E: Float, NV: Size>(
 /// `segs`: (q_start, q_len, k_start, k_len) per segment; `lse`, `delta`: `[heads_q, total_q]`.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch_unchecked)]
-pub fn flash_bwd_dkdv<E: Float, NV: Size>(
+pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
     q: &Array<Vector<E, NV>>,
     k: &Array<Vector<E, NV>>,
     v: &Array<Vector<E, NV>>,
@@ -294,6 +294,7 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size>(
     delta: &Array<f32>,
     dk: &mut Array<E>,
     dv: &mut Array<E>,
+    dq_acc: &mut Array<Atomic<Vector<f32, NQ>>>,
     ktiles: &Array<u32>,
     tile_off: &Array<u32>,
     tile_segs: &Array<u32>,
@@ -306,14 +307,20 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size>(
     #[comptime] head_dim: usize,
     #[comptime] causal: bool,
     #[comptime] ldsm: bool,
+    #[comptime] fuse_dq: bool,
+    #[comptime] qvec: usize,
 ) {
     let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
     let lane = UNIT_POS_PLANE;
     let plane = UNIT_POS / 32u32;
     let stride = comptime!(head_dim + PAD);
+    let dstride = comptime!(BWD_BN + PAD);
 
     let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(BWD_BN * (head_dim + PAD)), 16usize);
     let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(BWD_BN * (head_dim + PAD)), 16usize);
+    // dS of the current query tile, row-major [row][key] (fused dQ only).
+    let mut ds_smem =
+        SharedMemory::<E>::new_aligned(comptime!(if fuse_dq { BWD_BM * (BWD_BN + PAD) } else { 8 }), 16usize);
     let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(BWD_BM * (head_dim + PAD)), 16usize);
     let mut do_smem = SharedMemory::<E>::new_aligned(comptime!(BWD_BM * (head_dim + PAD)), 16usize);
     let mut lse_smem = SharedMemory::<f32>::new(BWD_BM);
@@ -478,6 +485,18 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size>(
                             s[nb * ec + e] = s[nb * ec + e] * (dp[nb * ec + e] - dl_smem[rloc]);
                         }
                     }
+                    if fuse_dq {
+                        // dS (row-major, rows x keys) for the dQ product after the chunk loop.
+                        #[unroll]
+                        for nb in 0..sn {
+                            #[unroll]
+                            for e in 0..ec {
+                                let (row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
+                                let at = (qr0 + nb * 8 + col as usize) * dstride + kw_base + row as usize;
+                                ds_smem[at] = E::cast_from(s[nb * ec + e]);
+                            }
+                        }
+                    }
 
                     // ---- dK += dS^T Q (scaled at the end) ----
                     #[unroll]
@@ -488,6 +507,66 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size>(
                             let m = frag_b_n2::<E, NB>(&def, &q_smem, qr0 + ks * 16, ob2 * 16, stride, ldsm);
                             mma_into::<E, NA, NB, NC>(&def, &a, &m, 0usize, &mut dk_acc, (2 * ob2) * ec);
                             mma_into::<E, NA, NB, NC>(&def, &a, &m, 2usize, &mut dk_acc, (2 * ob2 + 1) * ec);
+                        }
+                    }
+                }
+
+                if fuse_dq {
+                    // ---- dQ[rows] += dS K (this plane: 16 rows x head_dim, 32 columns at a
+                    // time), added into the f32 accumulator with atomics (scaled later) ----
+                    sync_cube();
+                    let prow = plane as usize * 16;
+                    let (row_a, col_a) = def.position_of_nth(lane, 0u32, MatrixIdent::Accumulator);
+                    let (row_b, _cb) = def.position_of_nth(lane, (ec - 1) as u32, MatrixIdent::Accumulator);
+                    let ra = r0 + prow as u32 + row_a;
+                    let rb = r0 + prow as u32 + row_b;
+                    let gba = ((q_start + ra) * heads_q + h) as usize * head_dim + col_a as usize;
+                    let gbb = ((q_start + rb) * heads_q + h) as usize * head_dim + col_a as usize;
+                    let mut dqc = Array::<f32>::new(comptime!(4 * ec));
+                    for c in 0..comptime!(head_dim / 32) {
+                        #[unroll]
+                        for i in 0..comptime!(4 * ec) {
+                            dqc[i] = 0.0f32;
+                        }
+                        #[unroll]
+                        for ks in 0..comptime!(BWD_BN / 16) {
+                            let a = frag_a::<E, NA>(&def, &ds_smem, prow, ks * 16, dstride, ldsm);
+                            #[unroll]
+                            for ob2 in 0..2usize {
+                                let m = frag_b_n2::<E, NB>(&def, &k_smem, ks * 16, c * 32 + ob2 * 16, stride, ldsm);
+                                mma_into::<E, NA, NB, NC>(&def, &a, &m, 0usize, &mut dqc, (2 * ob2) * ec);
+                                mma_into::<E, NA, NB, NC>(&def, &a, &m, 2usize, &mut dqc, (2 * ob2 + 1) * ec);
+                            }
+                        }
+                        // Accumulator pairs (e, e + 1) are adjacent columns of one row.
+                        #[unroll]
+                        for blk in 0..4usize {
+                            #[unroll]
+                            for e2 in 0..comptime!(ec / 2) {
+                                let e = 2 * e2;
+                                let mut ok = ra < q_len;
+                                let mut g = gba;
+                                if e >= ec / 2 {
+                                    ok = rb < q_len;
+                                    g = gbb;
+                                }
+                                if ok {
+                                    let gi = g + c * 32 + blk * 8;
+                                    if qvec == 2 {
+                                        let mut val = Vector::<f32, NQ>::empty();
+                                        val[0] = dqc[blk * ec + e];
+                                        val[1] = dqc[blk * ec + e + 1];
+                                        dq_acc[gi / 2].fetch_add(val);
+                                    } else {
+                                        let mut v0 = Vector::<f32, NQ>::empty();
+                                        v0[0] = dqc[blk * ec + e];
+                                        dq_acc[gi].fetch_add(v0);
+                                        let mut v1 = Vector::<f32, NQ>::empty();
+                                        v1[0] = dqc[blk * ec + e + 1];
+                                        dq_acc[gi + 1].fetch_add(v1);
+                                    }
+                                }
+                            }
                         }
                     }
                 }
@@ -755,6 +834,16 @@ pub fn bwd_delta<E: Float>(
             let h = idx % heads_q;
             delta[(h * total_q + t) as usize] = tot;
         }
+    }
+}
+
+/// dq = scale * acc (the f32 dQ accumulator of the fused path) rounded to `E`
+/// (2-D grid, x fastest, 256 units per cube).
+#[cube(launch_unchecked)]
+pub fn dq_convert<E: Float>(acc: &Array<f32>, dq: &mut Array<E>, scale: f32) {
+    let idx = ((CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) * 256u32 + UNIT_POS) as usize;
+    if idx < dq.len() {
+        dq[idx] = E::cast_from(acc[idx] * scale);
     }
 }
 

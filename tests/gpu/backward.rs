@@ -7,7 +7,7 @@
 //! Set `CUBEATTN_GPU_BENCH=1` to also time forward+backward for the Llama3-8B shapes.
 
 use cubeattn::backend::cpu::CpuBackend;
-use cubeattn::backend::cuda::backward::{bench_backward_split, BenchPart};
+use cubeattn::backend::cuda::backward::{bench_backward_with, BenchPart};
 use cubeattn::backend::cuda::CudaBackend;
 use cubeattn::backend::BackwardInputs;
 use cubeattn::reference::backward_f64;
@@ -230,10 +230,11 @@ fn cases() -> Vec<Case> {
 /// (atol = rtol = 1e-2, atol scaled by the input scale for dq and dk; 1e-4 for f32), or, where a
 /// bf16 element misses that, a max error no worse than twice the CPU backend's (the exact f32
 /// algorithm on the same rounded inputs: its error is the floor set by bf16 `out` and outputs).
-fn check_case(b: &CudaBackend, c: &Case, seed: u64) -> (bool, String) {
+/// `deterministic`: false takes the fused atomic dQ path (f16/bf16).
+fn check_case(b: &CudaBackend, c: &Case, seed: u64, deterministic: bool) -> (bool, String) {
     let spec = build_spec(c);
     let inp = make_inputs(&spec, c.input_scale, seed);
-    let got = match b.backward_poisoned(&spec, inp.q.view(), inp.k.view(), inp.v.view(), grad_inputs(&inp, true), f32::NAN) {
+    let got = match b.backward_poisoned(&spec, inp.q.view(), inp.k.view(), inp.v.view(), grad_inputs(&inp, deterministic), f32::NAN) {
         Ok(g) => g,
         Err(e) => return (false, format!("{:<62} ERROR {e}", c.name)),
     };
@@ -257,7 +258,8 @@ fn check_case(b: &CudaBackend, c: &Case, seed: u64) -> (bool, String) {
         }
     }
     let mut line = format!(
-        "{:<62} dq {:>8.2e} {:>8.2e} | dk {:>8.2e} {:>8.2e} | dv {:>8.2e} {:>8.2e} | vs cpu {:>8.2e}",
+        "{} {:<62} dq {:>8.2e} {:>8.2e} | dk {:>8.2e} {:>8.2e} | dv {:>8.2e} {:>8.2e} | vs cpu {:>8.2e}",
+        if deterministic { "[det]" } else { "[atm]" },
         c.name,
         e[0].rel_l2,
         e[0].max_abs,
@@ -283,11 +285,13 @@ fn backward_matches_f64_reference_and_cpu() {
     let Some(b) = backend() else { return };
     println!("{:<62} {:>17} | {:>17} | {:>17}", "case (rel_l2, max_abs vs f64)", "dq", "dk", "dv");
     let mut failures = Vec::new();
-    for (i, c) in cases().iter().enumerate() {
-        let (ok, line) = check_case(b, c, 5000 + i as u64);
-        println!("{line}");
-        if !ok {
-            failures.push(c.name.clone());
+    for det in [true, false] {
+        for (i, c) in cases().iter().enumerate() {
+            let (ok, line) = check_case(b, c, 5000 + i as u64, det);
+            println!("{line}");
+            if !ok {
+                failures.push(format!("{} (deterministic={det})", c.name));
+            }
         }
     }
     assert!(failures.is_empty(), "failed cases: {failures:?}");
@@ -308,9 +312,11 @@ fn backward_32k_keys_stress() {
         layout: Layout::Grouped(vec![[0, 100], [100, 160]], vec![[0, 32768], [30000, 32768]], 160, 32768),
         input_scale: 1.0,
     };
-    let (ok, line) = check_case(b, &c, 77);
-    println!("{line}");
-    assert!(ok, "{line}");
+    for det in [true, false] {
+        let (ok, line) = check_case(b, &c, 77, det);
+        println!("{line}");
+        assert!(ok, "{line}");
+    }
 }
 
 fn same(a: &Gradients, b: &Gradients) -> bool {
@@ -344,6 +350,14 @@ fn backward_is_deterministic() {
         }
         println!("{:<62} bitwise identical over 4 runs: {all}", c.name);
         assert!(all, "{}", c.name);
+        // The atomic path: dK, dV stay bitwise identical; dQ may differ in the last bits.
+        let arun = || b.backward(&spec, inp.q.view(), inp.k.view(), inp.v.view(), grad_inputs(&inp, false)).expect("backward");
+        let (a0, a1) = (arun(), arun());
+        let dkdv_same = a0.dk.view().as_bytes() == a1.dk.view().as_bytes() && a0.dv.view().as_bytes() == a1.dv.view().as_bytes();
+        let want: Vec<f64> = a0.dq.to_f32_vec().iter().map(|&x| x as f64).collect();
+        let dqd = compare(&a1.dq, &want, 0.0, 0.0);
+        println!("{:<62} atomic path, 2 runs: dk/dv identical {dkdv_same}, dq rel_l2 diff {:.2e}", c.name, dqd.rel_l2);
+        assert!(dkdv_same && dqd.rel_l2 < 1e-3, "{}", c.name);
     }
 }
 
@@ -384,6 +398,7 @@ fn bench_backward_llama3_8b() {
     }
     let iters: usize = std::env::var("CUBEATTN_GPU_BENCH_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(5);
     println!("{:<44} {:>10} {:>10} {:>10}", "shape", "median_ms", "min_ms", "TFLOP/s");
+    let mut table = Vec::new();
     for &(n, causal, d) in &[(8192usize, true, 128usize), (16384, true, 128), (8192, false, 128), (8192, true, 64)] {
         let cu = [0i32, n as i32];
         let spec = AttnSpec::varlen(
@@ -398,13 +413,22 @@ fn bench_backward_llama3_8b() {
             causal,
         )
         .unwrap();
-        for (part, mult, label) in [(BenchPart::ForwardBackward, 3.5, "fwd+bwd"), (BenchPart::Backward, 2.5, "bwd")] {
-            let mut t = bench_backward_split(&spec, 2, iters, part).expect("bench failed");
-            t.sort_by(|a, b| a.partial_cmp(b).unwrap());
-            let med = t[t.len() / 2];
-            let tflops = mult * spec.forward_flops() / (med * 1e-3) / 1e12;
-            let name = format!("{label} bf16 n={n} causal={causal} d={d}");
-            println!("{:<44} {:>10.3} {:>10.3} {:>10.1}", name, med, t[0], tflops);
+        for det in [false, true] {
+            for (part, mult, label) in [(BenchPart::ForwardBackward, 3.5, "fwd+bwd"), (BenchPart::Backward, 2.5, "bwd")] {
+                let mut t = bench_backward_with(&spec, 2, iters, part, det).expect("bench failed");
+                t.sort_by(|a, b| a.partial_cmp(b).unwrap());
+                let med = t[t.len() / 2];
+                let tflops = mult * spec.forward_flops() / (med * 1e-3) / 1e12;
+                let path = if det { "det" } else { "atomic" };
+                let name = format!("{label} {path} n={n} causal={causal} d={d}");
+                let line = format!("{:<44} {:>10.3} {:>10.3} {:>10.1}", name, med, t[0], tflops);
+                println!("{line}");
+                table.push(line);
+            }
         }
+    }
+    println!("---- summary ----");
+    for l in &table {
+        println!("{l}");
     }
 }

@@ -2,15 +2,20 @@
 //!
 //! Launch order: delta = rowsum(dO * O) (f32), then dK/dV (one cube per (key tile, kv head),
 //! looping over every segment that overlaps the tile and over the query heads of the kv head),
-//! then dQ (one cube per (query tile, query head), looping over the key tiles its rows see).
-//! Both gradient passes own their outputs outright: no atomics, a fixed summation order, so the
-//! gradients are bitwise identical run to run whatever `deterministic` says.
-//! f16/bf16 run on tensor cores (mma.sync, f32 accumulation); f32 runs on plain kernels.
-//! head_dim 64 and 128; anything else is `Error::Unsupported`.
+//! then dQ, one of two ways:
+//! - `deterministic = true`: a separate dQ pass (one cube per (query tile, query head), looping
+//!   over the key tiles its rows see, S and dP recomputed). Every pass owns its outputs outright:
+//!   no atomics, a fixed summation order, bitwise identical run to run.
+//! - `deterministic = false` (f16/bf16; flash-attn's default): the dK/dV kernel also forms
+//!   dQ += dS K per (query tile, key tile) and adds it into an f32 accumulator with atomics
+//!   (FlashAttention-2's way); a small kernel then writes dq = scale * acc in the dtype. The
+//!   summation order of dQ then varies run to run (last-bit differences).
+//! f16/bf16 run on tensor cores (mma.sync, f32 accumulation); f32 runs on plain kernels (always
+//! deterministic). head_dim 64 and 128; anything else is `Error::Unsupported`.
 //!
 //! Workspace on the device besides the inputs and the three gradients: delta (f32 per query row
-//! and head) and the small segment / work tables; no f32 gradient buffers (accumulators live in
-//! registers).
+//! and head), the small segment / work tables, and on the atomic path the f32 dQ accumulator
+//! (`total_q * heads_q * head_dim * 4` bytes).
 
 use std::time::Instant;
 
@@ -163,10 +168,27 @@ pub(crate) struct BwdBuffers {
     pub dq: Handle,
     pub dk: Handle,
     pub dv: Handle,
+    /// f32 dQ accumulator (`q_len()` floats), present on the atomic (non-deterministic) path.
+    pub dq_acc: Option<Handle>,
+}
+
+/// Vector width of the dQ atomics (float2 `atomicAdd`, sm_90); `CUBEATTN_BWD_ATOMIC_VEC=1` falls
+/// back to scalar atomics.
+fn atomic_vec() -> usize {
+    match std::env::var("CUBEATTN_BWD_ATOMIC_VEC").ok().as_deref() {
+        Some("1") => 1,
+        _ => 2,
+    }
+}
+
+/// Whether the backward of `spec` takes the fused atomic dQ path.
+fn fused_dq(spec: &AttnSpec, deterministic: bool) -> bool {
+    !deterministic && spec.dtype != DType::F32
 }
 
 /// Launches the backward kernels (delta, dK/dV, dQ; plus the zero fill of dQ rows that no
-/// segment covers). Needs `total_q > 0` and `total_k > 0`.
+/// segment covers, or of the f32 accumulator on the atomic path, which `b.dq_acc` selects).
+/// Needs `total_q > 0` and `total_k > 0`.
 pub(crate) fn launch_backward(
     client: &ComputeClient<CudaRuntime>,
     spec: &AttnSpec,
@@ -261,7 +283,18 @@ pub(crate) fn launch_backward(
             let (qv, kv) = (ql / BWD_LOAD_VEC, kl / BWD_LOAD_VEC);
             macro_rules! go {
                 ($t:ty) => {{
-                    if spec.uncovered_rows() > 0 {
+                    let fuse = b.dq_acc.is_some();
+                    let qvec = atomic_vec();
+                    let acc_h = b.dq_acc.as_ref().unwrap_or(&b.delta);
+                    let acc_len = if fuse { ql / qvec } else { 1 };
+                    if fuse {
+                        flash_bwd::fill_zero::launch_unchecked::<f32, CudaRuntime>(
+                            client,
+                            grid_2d(ql.div_ceil(256)),
+                            CubeDim::new_1d(256),
+                            buf(acc_h, ql),
+                        );
+                    } else if spec.uncovered_rows() > 0 {
                         flash_bwd::fill_zero::launch_unchecked::<$t, CudaRuntime>(
                             client,
                             grid_2d(ql.div_ceil(256)),
@@ -275,6 +308,7 @@ pub(crate) fn launch_backward(
                             CubeCount::Static(plan.n_k_work as u32, d.heads_kv as u32, 1),
                             dim,
                             BWD_LOAD_VEC,
+                            qvec,
                             buf(&b.q, qv),
                             buf(&b.k, kv),
                             buf(&b.v, kv),
@@ -283,6 +317,7 @@ pub(crate) fn launch_backward(
                             buf(&b.delta, ll),
                             buf(&b.dk, kl),
                             buf(&b.dv, kl),
+                            buf(acc_h, acc_len),
                             arr(&plan.k_work),
                             arr(&plan.tile_off),
                             arr(&plan.tile_segs),
@@ -295,9 +330,20 @@ pub(crate) fn launch_backward(
                             hd,
                             spec.causal,
                             ldsm,
+                            fuse,
+                            qvec,
                         );
                     }
-                    if plan.n_q_work > 0 {
+                    if fuse {
+                        flash_bwd::dq_convert::launch_unchecked::<$t, CudaRuntime>(
+                            client,
+                            grid_2d(ql.div_ceil(256)),
+                            CubeDim::new_1d(256),
+                            buf(acc_h, ql),
+                            buf(&b.dq, ql),
+                            spec.scale,
+                        );
+                    } else if plan.n_q_work > 0 {
                         flash_bwd::flash_bwd_dq::launch_unchecked::<$t, CudaRuntime>(
                             client,
                             CubeCount::Static(plan.n_q_work as u32, d.heads_q as u32, 1),
@@ -380,6 +426,7 @@ pub(crate) fn backward(
             dq: filled(d.q_len()),
             dk: filled(d.kv_len()),
             dv: filled(d.kv_len()),
+            dq_acc: fused_dq(spec, g.deterministic).then(|| client.empty(d.q_len() * 4)),
         };
         let plan = BwdPlan::new(spec);
         let dev = plan.upload(client);
@@ -446,13 +493,26 @@ pub enum BenchPart {
 /// sync before and after each, host clock). Each iteration = the forward kernel (writing out and
 /// lse) followed by the backward kernels (delta, dK/dV, dQ). Returns milliseconds per iteration.
 /// FLOPs to quote: 3.5 x `spec.forward_flops()`.
+/// Times the default (non-deterministic, atomic dQ) path.
 pub fn bench_backward(spec: &AttnSpec, warmup: usize, iters: usize) -> Result<Vec<f64>> {
     bench_backward_split(spec, warmup, iters, BenchPart::ForwardBackward)
 }
 
 /// [`bench_backward`] with the choice of timing forward + backward or the backward alone
-/// (then the forward runs once before the timed loop to produce out and lse).
+/// (then the forward runs once before the timed loop to produce out and lse); atomic dQ path.
 pub fn bench_backward_split(spec: &AttnSpec, warmup: usize, iters: usize, part: BenchPart) -> Result<Vec<f64>> {
+    bench_backward_with(spec, warmup, iters, part, false)
+}
+
+/// [`bench_backward_split`] with the choice of dQ path (`deterministic = true`: the separate
+/// dQ pass; `false`: dQ fused into the dK/dV kernel with f32 atomics).
+pub fn bench_backward_with(
+    spec: &AttnSpec,
+    warmup: usize,
+    iters: usize,
+    part: BenchPart,
+    deterministic: bool,
+) -> Result<Vec<f64>> {
     let backend = CudaBackend::shared()?;
     check_supported(spec)?;
     let client = backend.client();
@@ -478,6 +538,7 @@ pub fn bench_backward_split(spec: &AttnSpec, warmup: usize, iters: usize, part: 
             dq: client.empty(d.q_len() * esize),
             dk: client.empty(d.kv_len() * esize),
             dv: client.empty(d.kv_len() * esize),
+            dq_acc: fused_dq(spec, deterministic).then(|| client.empty(d.q_len() * 4)),
         };
         let fplan = Plan::new(spec);
         let fdev = fplan.upload(client);
