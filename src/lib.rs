@@ -18,7 +18,7 @@ pub mod kernels;
 #[cfg(feature = "python")]
 mod python;
 
-pub use backend::{backend_for, Backend, BackendKind, DevicePref, ForwardOutput, Gradients};
+pub use backend::{backend_for, backend_for_spec, Backend, BackendKind, DevicePref, ForwardOutput, Gradients};
 pub use dtype::{DType, Element, HostData, HostView};
 pub use error::{Error, Result};
 pub use spec::{AttnSpec, Dims, Layout, Segment, TensorMeta};

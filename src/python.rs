@@ -12,7 +12,7 @@ use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyTypeError, PyValueError}
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::backend::{backend_for, BackwardInputs, DevicePref};
+use crate::backend::{backend_for_spec, BackwardInputs, DevicePref};
 use crate::dtype::{DType, HostData, HostView};
 use crate::error::Error;
 use crate::spec::{AttnSpec, TensorMeta};
@@ -213,7 +213,7 @@ fn forward<'py>(
     let (qb, kb, vb) = (Buf::new(&q, dt, "q")?, Buf::new(&k, dt, "k")?, Buf::new(&v, dt, "v")?);
     let s = &spec.inner;
     let (res, kind) = run_detached(py, || {
-        let be = backend_for(pref)?;
+        let be = backend_for_spec(pref, s)?;
         Ok((be.forward(s, qb.view(dt), kb.view(dt), vb.view(dt))?, be.kind().name()))
     })?;
     Ok((data_out(py, res.out), PyArray1::from_vec(py, res.lse), kind))
@@ -242,7 +242,7 @@ fn backward<'py>(
     let lse = lse.as_slice().map_err(|_| PyValueError::new_err("`lse` must be contiguous"))?;
     let s = &spec.inner;
     let (g, kind) = run_detached(py, || {
-        let be = backend_for(pref)?;
+        let be = backend_for_spec(pref, s)?;
         let inputs = BackwardInputs { out: ob.view(dt), lse, dout: gb.view(dt), deterministic };
         Ok((be.backward(s, qb.view(dt), kb.view(dt), vb.view(dt), inputs)?, be.kind().name()))
     })?;

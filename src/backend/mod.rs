@@ -127,6 +127,26 @@ pub fn backend_for(pref: DevicePref) -> Result<&'static dyn Backend> {
     }
 }
 
+/// The backend for a preference and a call: like [`backend_for`], but `auto` also falls back to
+/// the CPU when the CUDA backend cannot serve this spec (e.g. a head_dim without a kernel).
+pub fn backend_for_spec(pref: DevicePref, spec: &AttnSpec) -> Result<&'static dyn Backend> {
+    let be = backend_for(pref)?;
+    if pref == DevicePref::Auto && be.kind() == BackendKind::Cuda && cuda_supports(spec).is_err() {
+        return Ok(&cpu::CpuBackend);
+    }
+    Ok(be)
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_supports(spec: &AttnSpec) -> Result<()> {
+    cuda::check_supported(spec)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_supports(_spec: &AttnSpec) -> Result<()> {
+    Ok(())
+}
+
 #[cfg(feature = "cuda")]
 fn cuda_backend() -> Result<&'static dyn Backend> {
     cuda::CudaBackend::shared().map(|b| b as &'static dyn Backend)

@@ -86,3 +86,14 @@ def test_gpu_repeated_calls_do_not_grow_device_memory():
     for _ in range(10):
         cubeattn.flash_attn_varlen_func(q, k, v, cu, cu, 1024, 1024, causal=True, device="cuda")
     assert before - free() < 64 << 20, "device memory grew by more than 64 MiB over 10 calls"
+
+
+def test_auto_falls_back_to_cpu_for_head_dims_without_a_kernel():
+    rng = np.random.default_rng(10)
+    q = rand(rng, (50, 4, 40), "float16")
+    out = cubeattn.flash_attn_varlen_func(q, q, q, [0, 50], [0, 50], 50, 50, causal=True, device="auto")
+    assert cubeattn.last_backend() == "cpu"
+    with pytest.raises(ValueError, match="head_dim"):
+        cubeattn.flash_attn_varlen_func(q, q, q, [0, 50], [0, 50], 50, 50, device="cuda")
+    ref, _ = ref_attention(q, q, q, [(0, 50, 0, 50)], True)
+    assert rel_err(out.astype(np.float64), ref) < 2e-3
