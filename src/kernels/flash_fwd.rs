@@ -21,6 +21,11 @@
 //! FlashAttention-2 order: V(t) loads while S = Q K(t)^T and the softmax run, K(t+1) loads while
 //! O += P V(t) runs.
 //!
+//! `flash_fwd_mma2` (v5, the default) keeps the same work items but uses FlashAttention-2's warp
+//! shape: 4 planes x 32 rows, each K/V fragment shared by two m16 row blocks, Q re-read from its
+//! own shared buffer; two 128-thread cubes fit per multiprocessor. `flash_fwd_mma` (v4) remains
+//! for the switches (no pipeline, no ldmatrix) and as a cross-check.
+//!
 //! Causal masking is bottom-right aligned per segment: segment row `r` sees window keys
 //! `j < k_len - q_len + r + 1`. Only tiles that cross a row's range limits pay for the mask.
 
