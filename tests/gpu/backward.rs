@@ -7,7 +7,7 @@
 //! Set `CUBEATTN_GPU_BENCH=1` to also time forward+backward for the Llama3-8B shapes.
 
 use cubeattn::backend::cpu::CpuBackend;
-use cubeattn::backend::cuda::backward::{bench_backward_with, BenchPart};
+use cubeattn::backend::cuda::backward::{bench_backward_with, BenchPart, DqPath};
 use cubeattn::backend::cuda::CudaBackend;
 use cubeattn::backend::BackwardInputs;
 use cubeattn::reference::backward_f64;
@@ -234,7 +234,8 @@ fn cases() -> Vec<Case> {
 fn check_case(b: &CudaBackend, c: &Case, seed: u64, deterministic: bool) -> (bool, String) {
     let spec = build_spec(c);
     let inp = make_inputs(&spec, c.input_scale, seed);
-    let got = match b.backward_poisoned(&spec, inp.q.view(), inp.k.view(), inp.v.view(), grad_inputs(&inp, deterministic), f32::NAN) {
+    let path = if deterministic { DqPath::Pass } else { DqPath::Atomic };
+    let got = match b.backward_poisoned_on(&spec, inp.q.view(), inp.k.view(), inp.v.view(), grad_inputs(&inp, deterministic), f32::NAN, path) {
         Ok(g) => g,
         Err(e) => return (false, format!("{:<62} ERROR {e}", c.name)),
     };
@@ -351,7 +352,10 @@ fn backward_is_deterministic() {
         println!("{:<62} bitwise identical over 4 runs: {all}", c.name);
         assert!(all, "{}", c.name);
         // The atomic path: dK, dV stay bitwise identical; dQ may differ in the last bits.
-        let arun = || b.backward(&spec, inp.q.view(), inp.k.view(), inp.v.view(), grad_inputs(&inp, false)).expect("backward");
+        let arun = || {
+            b.backward_on(&spec, inp.q.view(), inp.k.view(), inp.v.view(), grad_inputs(&inp, false), DqPath::Atomic)
+                .expect("backward")
+        };
         let (a0, a1) = (arun(), arun());
         let dkdv_same = a0.dk.view().as_bytes() == a1.dk.view().as_bytes() && a0.dv.view().as_bytes() == a1.dv.view().as_bytes();
         let want: Vec<f64> = a0.dq.to_f32_vec().iter().map(|&x| x as f64).collect();
@@ -413,14 +417,18 @@ fn bench_backward_llama3_8b() {
             causal,
         )
         .unwrap();
-        for det in [false, true] {
+        for (det, path) in [(Some(false), DqPath::Atomic), (Some(true), DqPath::Pass)] {
             for (part, mult, label) in [(BenchPart::ForwardBackward, 3.5, "fwd+bwd"), (BenchPart::Backward, 2.5, "bwd")] {
-                let mut t = bench_backward_with(&spec, 2, iters, part, det).expect("bench failed");
+                let mut t = bench_backward_with(&spec, 2, iters, part, path).expect("bench failed");
                 t.sort_by(|a, b| a.partial_cmp(b).unwrap());
                 let med = t[t.len() / 2];
                 let tflops = mult * spec.forward_flops() / (med * 1e-3) / 1e12;
-                let path = if det { "det" } else { "atomic" };
-                let name = format!("{label} {path} n={n} causal={causal} d={d}");
+                let tag = match det {
+                    None => "default",
+                    Some(false) => "atomic",
+                    Some(true) => "pass",
+                };
+                let name = format!("{label} {tag} n={n} causal={causal} d={d}");
                 let line = format!("{:<44} {:>10.3} {:>10.3} {:>10.1}", name, med, t[0], tflops);
                 println!("{line}");
                 table.push(line);

@@ -6,10 +6,11 @@
 //! - `deterministic = true`: a separate dQ pass (one cube per (query tile, query head), looping
 //!   over the key tiles its rows see, S and dP recomputed). Every pass owns its outputs outright:
 //!   no atomics, a fixed summation order, bitwise identical run to run.
-//! - `deterministic = false` (f16/bf16; flash-attn's default): the dK/dV kernel also forms
-//!   dQ += dS K per (query tile, key tile) and adds it into an f32 accumulator with atomics
+//! - fused (f16/bf16, only when `deterministic = false`, see [`DqPath`]): the dK/dV kernel also
+//!   forms dQ += dS K per (query tile, key tile) and adds it into an f32 accumulator with atomics
 //!   (FlashAttention-2's way); a small kernel then writes dq = scale * acc in the dtype. The
-//!   summation order of dQ then varies run to run (last-bit differences).
+//!   summation order of dQ then varies run to run (last-bit differences). `deterministic =
+//!   false` picks it for non-causal specs only, where it measured faster.
 //! f16/bf16 run on tensor cores (mma.sync, f32 accumulation); f32 runs on plain kernels (always
 //! deterministic). head_dim 64 and 128; anything else is `Error::Unsupported`.
 //!
@@ -181,9 +182,36 @@ fn atomic_vec() -> usize {
     }
 }
 
+/// How the backward forms dQ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DqPath {
+    /// `deterministic = true`: the separate pass. `false`: the fused atomic path where it measured
+    /// faster on an H200 (non-causal: 15.0 vs 16.5 ms at 8K), the separate pass for causal
+    /// (8K causal: 8.87 ms separate vs 9.42 ms fused; 16K: 31.4 vs 31.1, within noise).
+    /// `CUBEATTN_BWD_DQ=atomic|pass` overrides the choice for non-deterministic calls.
+    Auto,
+    /// The separate deterministic dQ pass.
+    Pass,
+    /// dQ fused into the dK/dV kernel with f32 atomics (f16/bf16; f32 inputs always use the
+    /// row-wise kernels).
+    Atomic,
+}
+
 /// Whether the backward of `spec` takes the fused atomic dQ path.
-fn fused_dq(spec: &AttnSpec, deterministic: bool) -> bool {
-    !deterministic && spec.dtype != DType::F32
+fn fused_dq(spec: &AttnSpec, deterministic: bool, path: DqPath) -> bool {
+    if spec.dtype == DType::F32 {
+        return false;
+    }
+    match path {
+        DqPath::Pass => false,
+        DqPath::Atomic => true,
+        DqPath::Auto if deterministic => false,
+        DqPath::Auto => match std::env::var("CUBEATTN_BWD_DQ").ok().as_deref() {
+            Some("atomic") => true,
+            Some("pass") => false,
+            _ => !spec.causal,
+        },
+    }
 }
 
 /// Launches the backward kernels (delta, dK/dV, dQ; plus the zero fill of dQ rows that no
@@ -400,6 +428,21 @@ pub(crate) fn backward(
     g: BackwardInputs,
     poison: Option<f32>,
 ) -> Result<Gradients> {
+    backward_path(backend, spec, q, k, v, g, poison, DqPath::Auto)
+}
+
+/// [`backward`] with an explicit dQ path.
+#[allow(clippy::too_many_arguments)]
+fn backward_path(
+    backend: &CudaBackend,
+    spec: &AttnSpec,
+    q: HostView,
+    k: HostView,
+    v: HostView,
+    g: BackwardInputs,
+    poison: Option<f32>,
+    path: DqPath,
+) -> Result<Gradients> {
     crate::backend::check_buffers(spec, q, k, v)?;
     crate::backend::check_backward_buffers(spec, &g)?;
     check_supported(spec)?;
@@ -426,7 +469,7 @@ pub(crate) fn backward(
             dq: filled(d.q_len()),
             dk: filled(d.kv_len()),
             dv: filled(d.kv_len()),
-            dq_acc: fused_dq(spec, g.deterministic).then(|| client.empty(d.q_len() * 4)),
+            dq_acc: fused_dq(spec, g.deterministic, path).then(|| client.empty(d.q_len() * 4)),
         };
         let plan = BwdPlan::new(spec);
         let dev = plan.upload(client);
@@ -456,6 +499,34 @@ impl CudaBackend {
         poison: f32,
     ) -> Result<Gradients> {
         backward(self, spec, q, k, v, grad, Some(poison))
+    }
+
+    /// [`CudaBackend::backward_poisoned`] on an explicit dQ path (tests cover both paths).
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_poisoned_on(
+        &self,
+        spec: &AttnSpec,
+        q: HostView,
+        k: HostView,
+        v: HostView,
+        grad: BackwardInputs,
+        poison: f32,
+        path: DqPath,
+    ) -> Result<Gradients> {
+        backward_path(self, spec, q, k, v, grad, Some(poison), path)
+    }
+
+    /// The backward on an explicit dQ path (no poisoning).
+    pub fn backward_on(
+        &self,
+        spec: &AttnSpec,
+        q: HostView,
+        k: HostView,
+        v: HostView,
+        grad: BackwardInputs,
+        path: DqPath,
+    ) -> Result<Gradients> {
+        backward_path(self, spec, q, k, v, grad, None, path)
     }
 }
 
@@ -493,25 +564,25 @@ pub enum BenchPart {
 /// sync before and after each, host clock). Each iteration = the forward kernel (writing out and
 /// lse) followed by the backward kernels (delta, dK/dV, dQ). Returns milliseconds per iteration.
 /// FLOPs to quote: 3.5 x `spec.forward_flops()`.
-/// Times the default (non-deterministic, atomic dQ) path.
+/// Times the default (non-deterministic) call: [`DqPath::Auto`] with `deterministic = false`.
 pub fn bench_backward(spec: &AttnSpec, warmup: usize, iters: usize) -> Result<Vec<f64>> {
     bench_backward_split(spec, warmup, iters, BenchPart::ForwardBackward)
 }
 
 /// [`bench_backward`] with the choice of timing forward + backward or the backward alone
-/// (then the forward runs once before the timed loop to produce out and lse); atomic dQ path.
+/// (then the forward runs once before the timed loop to produce out and lse); default path.
 pub fn bench_backward_split(spec: &AttnSpec, warmup: usize, iters: usize, part: BenchPart) -> Result<Vec<f64>> {
-    bench_backward_with(spec, warmup, iters, part, false)
+    bench_backward_with(spec, warmup, iters, part, DqPath::Auto)
 }
 
-/// [`bench_backward_split`] with the choice of dQ path (`deterministic = true`: the separate
-/// dQ pass; `false`: dQ fused into the dK/dV kernel with f32 atomics).
+/// [`bench_backward_split`] with the choice of dQ path ([`DqPath::Auto`] as a
+/// `deterministic = false` call).
 pub fn bench_backward_with(
     spec: &AttnSpec,
     warmup: usize,
     iters: usize,
     part: BenchPart,
-    deterministic: bool,
+    path: DqPath,
 ) -> Result<Vec<f64>> {
     let backend = CudaBackend::shared()?;
     check_supported(spec)?;
@@ -538,7 +609,7 @@ pub fn bench_backward_with(
             dq: client.empty(d.q_len() * esize),
             dk: client.empty(d.kv_len() * esize),
             dv: client.empty(d.kv_len() * esize),
-            dq_acc: fused_dq(spec, deterministic).then(|| client.empty(d.q_len() * 4)),
+            dq_acc: fused_dq(spec, false, path).then(|| client.empty(d.q_len() * 4)),
         };
         let fplan = Plan::new(spec);
         let fdev = fplan.upload(client);
