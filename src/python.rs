@@ -276,9 +276,9 @@ fn backend_status(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 
 /// VRAM estimate in bytes for a call of this spec on the CUDA backend.
 #[pyfunction]
-#[pyo3(signature = (spec, backward=false))]
-fn estimate_vram<'py>(py: Python<'py>, spec: &PySpec, backward: bool) -> PyResult<Bound<'py, PyDict>> {
-    let e = crate::vram::estimate(&spec.inner.dims, spec.inner.dtype, spec.inner.segments.len(), backward);
+#[pyo3(signature = (spec, backward=false, deterministic=false))]
+fn estimate_vram<'py>(py: Python<'py>, spec: &PySpec, backward: bool, deterministic: bool) -> PyResult<Bound<'py, PyDict>> {
+    let e = crate::vram::estimate_spec(&spec.inner, backward, deterministic);
     let x = PyDict::new(py);
     x.set_item("inputs", e.inputs)?;
     x.set_item("outputs", e.outputs)?;

@@ -66,3 +66,25 @@ mod tests {
         assert!(b.total > 2 * e.total - 2 * e.workspace);
     }
 }
+
+/// Estimate for one call of `spec`. With the `cuda` feature the workspace is computed from the
+/// launch plan the CUDA backend builds for this spec (split-K partial buffers, work lists, and
+/// for the backward delta plus the f32 dQ accumulator of the atomic path, which
+/// `deterministic=false` may choose); without it, the size-only formula of [`estimate`].
+pub fn estimate_spec(spec: &crate::spec::AttnSpec, backward: bool, deterministic: bool) -> VramEstimate {
+    let base = estimate(&spec.dims, spec.dtype, spec.segments.len(), backward);
+    #[cfg(feature = "cuda")]
+    {
+        let workspace = if backward {
+            crate::backend::cuda::backward::backward_workspace_bytes(spec, deterministic)
+        } else {
+            crate::backend::cuda::forward_workspace_bytes(spec)
+        };
+        VramEstimate { workspace, total: base.inputs + base.outputs + base.lse + workspace, ..base }
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = deterministic;
+        base
+    }
+}

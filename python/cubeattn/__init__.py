@@ -198,7 +198,7 @@ def _np_name(x):
 
 
 def estimate_vram(q_shape, k_shape, dtype="bfloat16", cu_seqlens_q=None, cu_seqlens_k=None, q_ranges=None,
-                  kv_ranges=None, causal=False, backward=False) -> dict:
+                  kv_ranges=None, causal=False, backward=False, deterministic=False) -> dict:
     """Bytes the CUDA backend needs for a call with these shapes: inputs, outputs, lse, workspace, total.
     Give cu_seqlens (varlen) or q_ranges/kv_ranges (grouped); neither means one sequence."""
     if q_ranges is not None:
@@ -211,4 +211,4 @@ def estimate_vram(q_shape, k_shape, dtype="bfloat16", cu_seqlens_q=None, cu_seql
         mq = int(np.diff(cq).max()) if cq.size > 1 else 0
         mk = int(np.diff(ck).max()) if ck.size > 1 else 0
         spec = varlen_spec(q_shape, k_shape, dtype, cq, ck, mq, mk, None, causal)
-    return _core.estimate_vram(spec, bool(backward))
+    return _core.estimate_vram(spec, bool(backward), bool(deterministic))

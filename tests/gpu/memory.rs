@@ -4,7 +4,7 @@
 
 use cubeattn::backend::cuda::CudaBackend;
 use cubeattn::backend::{Backend, BackwardInputs};
-use cubeattn::vram::estimate;
+use cubeattn::vram::estimate_spec;
 use cubeattn::{AttnSpec, DType, Error, HostData, TensorMeta};
 
 fn backend() -> Option<&'static CudaBackend> {
@@ -39,7 +39,7 @@ fn vram_estimate_within_10_percent_of_measured() {
         let fwd = b.forward(&sp, q.view(), k.view(), v.view()).unwrap();
         let (_, r1) = usage(b);
         let measured = r1.saturating_sub(r0);
-        let est = estimate(&sp.dims, sp.dtype, sp.segments.len(), false).total;
+        let est = estimate_spec(&sp, false, true).total;
         let err = (est as f64 - measured as f64).abs() / measured.max(1) as f64;
         println!("forward  S={s} heads={hq}/{hkv}: estimate {est} B, measured pool growth {measured} B, error {:.1}%", err * 100.0);
         assert!(err <= 0.10, "forward VRAM estimate off by {:.1}%", err * 100.0);
@@ -54,7 +54,7 @@ fn vram_estimate_within_10_percent_of_measured() {
             Ok(_) => {
                 let (_, r1) = usage(b);
                 let measured = r1.saturating_sub(r0);
-                let est = estimate(&sp.dims, sp.dtype, sp.segments.len(), true).total;
+                let est = estimate_spec(&sp, true, true).total;
                 let err = (est as f64 - measured as f64).abs() / measured.max(1) as f64;
                 println!("backward S={s} heads={hq}/{hkv}: estimate {est} B, measured pool growth {measured} B, error {:.1}%", err * 100.0);
                 assert!(err <= 0.10, "backward VRAM estimate off by {:.1}%", err * 100.0);

@@ -198,6 +198,19 @@ pub enum DqPath {
 }
 
 /// Whether the backward of `spec` takes the fused atomic dQ path.
+/// Device workspace of a backward call besides q, k, v, out, dout, lse, dq, dk and dv: the plan
+/// tables, delta (f32 per row and head) and, on the atomic dQ path, the f32 dQ accumulator.
+pub fn backward_workspace_bytes(spec: &AttnSpec, deterministic: bool) -> u64 {
+    let plan = BwdPlan::new(spec);
+    let tables: u64 = [&plan.segs, &plan.q_work, &plan.k_work, &plan.tile_off, &plan.tile_segs, &plan.row_seg]
+        .iter()
+        .map(|v| 4 * v.len().max(1) as u64)
+        .sum();
+    let d = &spec.dims;
+    let acc = if fused_dq(spec, deterministic, DqPath::Auto) { d.q_len() as u64 * 4 } else { 0 };
+    tables + d.lse_len() as u64 * 4 + acc
+}
+
 fn fused_dq(spec: &AttnSpec, deterministic: bool, path: DqPath) -> bool {
     if spec.dtype == DType::F32 {
         return false;

@@ -159,6 +159,18 @@ impl CudaBackend {
     }
 }
 
+/// Device workspace of a forward call besides q, k, v, out and lse: the plan tables and, on the
+/// tensor-core path, the split-K partial buffers. Host-only arithmetic (no GPU needed); the VRAM
+/// estimate uses it so that it follows the plan the launch really makes.
+pub fn forward_workspace_bytes(spec: &AttnSpec) -> u64 {
+    let plan = Plan::new(spec);
+    let mut bytes = plan.table_bytes();
+    if plan.fwd.n_work() > 0 {
+        bytes += plan.split_rows(spec.dims.heads_q) as u64 * (spec.dims.head_dim as u64 + 1) * 4;
+    }
+    bytes
+}
+
 /// Err(Unsupported) for what no CUDA kernel serves.
 pub fn check_supported(spec: &AttnSpec) -> Result<()> {
     let hd = spec.dims.head_dim;
@@ -226,6 +238,21 @@ impl Plan {
     #[allow(dead_code)]
     pub fn n_work(&self) -> usize {
         self.work.len() / 2
+    }
+
+    /// Rows of the split-K partial buffers of the tensor-core forward (`part_o` holds
+    /// rows x head_dim f32, `part_lse` rows f32).
+    pub(crate) fn split_rows(&self, heads_q: usize) -> usize {
+        let y = (heads_q as u32 / self.fwd.hp.max(1)).max(1) as usize;
+        (self.fwd.n_slots as usize * y * BLOCK_M).max(1)
+    }
+
+    /// Device bytes of the tables [`Plan::upload`] creates.
+    pub(crate) fn table_bytes(&self) -> u64 {
+        [&self.segs, &self.work, &self.row_seg, &self.fwd.work, &self.fwd.slices, &self.fwd.comb]
+            .iter()
+            .map(|v| 4 * v.len().max(1) as u64)
+            .sum()
     }
 
     pub fn upload(&self, client: &ComputeClient<CudaRuntime>) -> PlanDev {
@@ -584,7 +611,7 @@ pub(crate) fn launch_forward(
             let dim = CubeDim::new_1d(32 * PLANES as u32);
             let v5 = opts.v5 && opts.ldmatrix && opts.pipeline;
             let mt = if opts.plane_rows == 16 { 1usize } else { 2 };
-            let n_part = (fp.n_slots as usize * y as usize * BLOCK_M).max(1);
+            let n_part = plan.split_rows(d.heads_q);
             let part_o = client.empty(n_part * hd * 4);
             let part_lse = client.empty(n_part * 4);
             macro_rules! go {
