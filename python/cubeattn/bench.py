@@ -57,6 +57,8 @@ def _torch():
 
 
 def _git_commit():
+    if os.environ.get("CUBEATTN_COMMIT"):
+        return os.environ["CUBEATTN_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               ).stdout.strip() or None
