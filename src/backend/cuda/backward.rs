@@ -487,6 +487,7 @@ fn backward_path(
         let plan = BwdPlan::new(spec);
         let dev = plan.upload(client);
         launch_backward(client, spec, &dev, &bufs)?;
+        super::memory_probe(client);
         let read = |h: Handle| -> Result<HostData> {
             let bytes = client.read_one(h).map_err(|e| Error::Device(format!("backward kernel failed: {e:?}")))?;
             Ok(HostData::from_bytes(spec.dtype, &bytes))
