@@ -98,35 +98,38 @@ def naive_numpy(q, k, v, causal):
 
 
 def bench_cpu(args):
+    """Each implementation runs over all lengths before the next starts: torch's OpenMP threads
+    keep spinning for a while after a call and would otherwise steal cores from the next one."""
     hq, hkv, d = CONFIGS[args.config]
-    rows = []
     torch = _torch()
     rng = np.random.default_rng(0)
+    inputs = {}
     for s in args.seqlens:
-        q = rng.standard_normal((s, hq, d), dtype=np.float32)
-        k = rng.standard_normal((s, hkv, d), dtype=np.float32)
-        v = rng.standard_normal((s, hkv, d), dtype=np.float32)
-        flops = 4 * d * hq * (causal_pairs(s, s) if args.causal else s * s)
+        inputs[s] = tuple(rng.standard_normal((s, h, d), dtype=np.float32) for h in (hq, hkv, hkv))
+
+    def flops(s):
+        return 4 * d * hq * (causal_pairs(s, s) if args.causal else s * s)
+
+    def row(impl, s, ms, **kw):
+        return dict(what="dense_fwd", impl=impl, S=s, ms=ms[0], ms_min=ms[1], ms_max=ms[2],
+                    gflops=flops(s) / ms[0] / 1e6, **kw)
+
+    rows = []
+    for s, (q, k, v) in inputs.items():
         cu = np.array([0, s], np.int32)
-
-        def ours():
-            cubeattn.flash_attn_varlen_func(q, k, v, cu, cu, s, s, causal=args.causal, device="cpu")
-        ms = median_ms(ours, 1, args.iterations)
-        rows.append(dict(what="dense_fwd", impl="cubeattn_cpu", S=s, ms=ms[0], ms_min=ms[1], ms_max=ms[2],
-                         gflops=flops / ms[0] / 1e6))
-        if torch is not None:
+        ms = median_ms(lambda: cubeattn.flash_attn_varlen_func(q, k, v, cu, cu, s, s, causal=args.causal,
+                                                               device="cpu"), 1, args.iterations)
+        rows.append(row("cubeattn_cpu", s, ms))
+    if torch is not None:
+        f = torch.nn.functional.scaled_dot_product_attention
+        for s, (q, k, v) in inputs.items():
             tq, tk, tv = (torch.from_numpy(x).transpose(0, 1).unsqueeze(0).contiguous() for x in (q, k, v))
-            f = torch.nn.functional.scaled_dot_product_attention
-
-            def peer():
-                f(tq, tk, tv, is_causal=args.causal, enable_gqa=hq != hkv)
-            ms = median_ms(peer, 1, args.iterations)
-            rows.append(dict(what="dense_fwd", impl="torch_sdpa_cpu", S=s, ms=ms[0], ms_min=ms[1], ms_max=ms[2],
-                             gflops=flops / ms[0] / 1e6, threads=torch.get_num_threads()))
+            ms = median_ms(lambda: f(tq, tk, tv, is_causal=args.causal, enable_gqa=hq != hkv), 1, args.iterations)
+            rows.append(row("torch_sdpa_cpu", s, ms, threads=torch.get_num_threads()))
+    for s, (q, k, v) in inputs.items():
         if s <= args.naive_max:
             ms = median_ms(lambda: naive_numpy(q, k, v, args.causal), 0, max(1, min(3, args.iterations)))
-            rows.append(dict(what="dense_fwd", impl="naive_numpy", S=s, ms=ms[0], ms_min=ms[1], ms_max=ms[2],
-                             gflops=flops / ms[0] / 1e6))
+            rows.append(row("naive_numpy", s, ms))
     return rows
 
 
