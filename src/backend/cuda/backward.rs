@@ -111,13 +111,7 @@ impl BwdPlan {
     }
 
     pub(crate) fn upload(&self, client: &ComputeClient<CudaRuntime>) -> BwdPlanDev {
-        let up = |v: &[u32]| -> (Handle, usize) {
-            if v.is_empty() {
-                (client.create_from_slice(bytemuck::cast_slice(&[0u32])), 1)
-            } else {
-                (client.create_from_slice(bytemuck::cast_slice(v)), v.len())
-            }
-        };
+        let up = |v: &[u32]| super::upload_table(client, v);
         BwdPlanDev {
             segs: up(&self.segs),
             q_work: up(&self.q_work),
@@ -202,10 +196,7 @@ pub enum DqPath {
 /// tables, delta (f32 per row and head) and, on the atomic dQ path, the f32 dQ accumulator.
 pub fn backward_workspace_bytes(spec: &AttnSpec, deterministic: bool) -> u64 {
     let plan = BwdPlan::new(spec);
-    let tables: u64 = [&plan.segs, &plan.q_work, &plan.k_work, &plan.tile_off, &plan.tile_segs, &plan.row_seg]
-        .iter()
-        .map(|v| 4 * v.len().max(1) as u64)
-        .sum();
+    let tables = super::table_bytes(&[&plan.segs, &plan.q_work, &plan.k_work, &plan.tile_off, &plan.tile_segs, &plan.row_seg]);
     let d = &spec.dims;
     let acc = if fused_dq(spec, deterministic, DqPath::Auto) { d.q_len() as u64 * 4 } else { 0 };
     tables + d.lse_len() as u64 * 4 + acc

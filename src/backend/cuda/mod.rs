@@ -191,6 +191,21 @@ pub fn check_supported(spec: &AttnSpec) -> Result<()> {
     Ok(())
 }
 
+/// Uploads a u32 table; an empty one becomes a single zero word (kernels take no empty
+/// buffers). Returns the handle and the length the kernels see.
+pub(crate) fn upload_table(client: &ComputeClient<CudaRuntime>, v: &[u32]) -> (Handle, usize) {
+    if v.is_empty() {
+        (client.create_from_slice(bytemuck::cast_slice(&[0u32])), 1)
+    } else {
+        (client.create_from_slice(bytemuck::cast_slice(v)), v.len())
+    }
+}
+
+/// Device bytes [`upload_table`] takes for these tables.
+pub(crate) fn table_bytes(tables: &[&Vec<u32>]) -> u64 {
+    tables.iter().map(|v| 4 * v.len().max(1) as u64).sum()
+}
+
 /// Host-side launch plan: segment table and per-cube work list.
 pub(crate) struct Plan {
     /// (q_start, q_len, k_start, k_len) per segment.
@@ -249,20 +264,11 @@ impl Plan {
 
     /// Device bytes of the tables [`Plan::upload`] creates.
     pub(crate) fn table_bytes(&self) -> u64 {
-        [&self.segs, &self.work, &self.row_seg, &self.fwd.work, &self.fwd.slices, &self.fwd.comb]
-            .iter()
-            .map(|v| 4 * v.len().max(1) as u64)
-            .sum()
+        table_bytes(&[&self.segs, &self.work, &self.row_seg, &self.fwd.work, &self.fwd.slices, &self.fwd.comb])
     }
 
     pub fn upload(&self, client: &ComputeClient<CudaRuntime>) -> PlanDev {
-        let up = |v: &[u32]| -> (Handle, usize) {
-            if v.is_empty() {
-                (client.create_from_slice(bytemuck::cast_slice(&[0u32])), 1)
-            } else {
-                (client.create_from_slice(bytemuck::cast_slice(v)), v.len())
-            }
-        };
+        let up = |v: &[u32]| upload_table(client, v);
         PlanDev {
             segs: up(&self.segs),
             work: up(&self.work),
