@@ -12,7 +12,7 @@ import threading
 import numpy as np
 
 from . import _core
-from ._arrays import from_core, int32_ranges, int32_vector, lse_out, to_core
+from ._arrays import _is_torch, dtype_name, from_core, int32_ranges, int32_vector, lse_out, to_core
 
 __all__ = [
     "flash_attn_func",
@@ -139,7 +139,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
 def _run_backward(spec, dout, q, k, v, out, lse, deterministic, device):
     cq, ck, cv = to_core(q, "q"), to_core(k, "k"), to_core(v, "v")
     co, cg = to_core(out, "out"), to_core(dout, "dout")
-    if _is_torch_obj(lse):
+    if _is_torch(lse):
         lse = lse.detach().cpu().numpy()
     lse_arr = np.ascontiguousarray(np.asarray(lse, dtype=np.float32)).reshape(-1)
     dq, dk, dv, name = _core.backward(spec, cq.bytes, ck.bytes, cv.bytes, co.bytes, lse_arr, cg.bytes,
@@ -149,14 +149,11 @@ def _run_backward(spec, dout, q, k, v, out, lse, deterministic, device):
             from_core(dv, cv.shape, cv.dtype, cv))
 
 
-def _is_torch_obj(x):
-    return type(x).__module__.startswith("torch")
-
-
 def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                softmax_scale=None, causal=False, deterministic=False, device="auto"):
     """Gradients (dq, dk, dv) of flash_attn_varlen_func given dout, its out and lse."""
-    spec = varlen_spec(tuple(q.shape), tuple(k.shape), _dtype_name(q), cu_seqlens_q, cu_seqlens_k,
+    dt = dtype_name(q, "q")
+    spec = varlen_spec(tuple(q.shape), tuple(k.shape), dt, cu_seqlens_q, cu_seqlens_k,
                        max_seqlen_q, max_seqlen_k, softmax_scale, causal, v_shape=tuple(v.shape))
     return _run_backward(spec, dout, q, k, v, out, lse, deterministic, device)
 
@@ -179,22 +176,12 @@ def grouped_flash_attn_func(q, k, v, q_ranges, kv_ranges, softmax_scale=None, ca
 def grouped_flash_attn_backward(dout, q, k, v, out, lse, q_ranges, kv_ranges, softmax_scale=None, causal=True,
                                 deterministic=False, device="auto"):
     """Gradients (dq, dk, dv) of grouped_flash_attn_func; dk/dv accumulate over overlapping groups."""
-    spec = grouped_spec(tuple(q.shape), tuple(k.shape), _dtype_name(q), q_ranges, kv_ranges, softmax_scale, causal,
+    dt = dtype_name(q, "q")
+    spec = grouped_spec(tuple(q.shape), tuple(k.shape), dt, q_ranges, kv_ranges, softmax_scale, causal,
                         v_shape=tuple(v.shape))
     return _run_backward(spec, dout, q, k, v, out, lse, deterministic, device)
 
 
-def _dtype_name(x):
-    return to_core(x, "q").dtype if not hasattr(x, "dtype") or _is_torch_obj(x) else _np_name(x)
-
-
-def _np_name(x):
-    from ._arrays import _NP_NAMES
-
-    name = _NP_NAMES.get(np.dtype(x.dtype))
-    if name is None:
-        raise TypeError(f"invalid dtype for `q`: {x.dtype}; expected float32, float16 or bfloat16")
-    return name
 
 
 def estimate_vram(q_shape, k_shape, dtype="bfloat16", cu_seqlens_q=None, cu_seqlens_k=None, q_ranges=None,

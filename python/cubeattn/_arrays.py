@@ -30,26 +30,35 @@ class Converted:
         self.bytes, self.shape, self.dtype, self.torch_like = bytes_, shape, dtype, torch_like
 
 
-def to_core(x, name: str) -> Converted:
-    """numpy array or torch tensor -> contiguous flat uint8 view (no copy when already contiguous)."""
+def dtype_name(x, name: str) -> str:
+    """'float32' | 'float16' | 'bfloat16' for a numpy array or torch tensor, else TypeError."""
     if _is_torch(x):
         import torch
 
         names = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-        if x.dtype not in names:
-            raise TypeError(f"invalid dtype for `{name}`: {x.dtype}; expected float32, float16 or bfloat16")
+        dt = names.get(x.dtype)
+    elif isinstance(x, np.ndarray):
+        dt = _NP_NAMES.get(x.dtype)
+    else:
+        raise TypeError(f"`{name}` must be a numpy array or torch tensor, got {type(x).__name__}")
+    if dt is None:
+        hint = " (install ml_dtypes for bfloat16)" if BF16 is None and not _is_torch(x) else ""
+        raise TypeError(f"invalid dtype for `{name}`: {x.dtype}; expected float32, float16 or bfloat16{hint}")
+    return dt
+
+
+def to_core(x, name: str) -> Converted:
+    """numpy array or torch tensor -> contiguous flat uint8 view (no copy when already contiguous)."""
+    dt = dtype_name(x, name)
+    if _is_torch(x):
+        import torch
+
         t = x.detach()
         if t.is_cuda:
             torch.cuda.synchronize(t.device)
         t = t.contiguous().cpu()
         flat = t.reshape(-1).view(torch.uint8).numpy()
-        return Converted(flat, tuple(t.shape), names[x.dtype], x)
-    if not isinstance(x, np.ndarray):
-        raise TypeError(f"`{name}` must be a numpy array or torch tensor, got {type(x).__name__}")
-    dt = _NP_NAMES.get(x.dtype)
-    if dt is None:
-        hint = " (install ml_dtypes for bfloat16)" if BF16 is None else ""
-        raise TypeError(f"invalid dtype for `{name}`: {x.dtype}; expected float32, float16 or bfloat16{hint}")
+        return Converted(flat, tuple(t.shape), dt, x)
     a = np.ascontiguousarray(x)
     return Converted(a.reshape(-1).view(np.uint8), tuple(a.shape), dt, None)
 

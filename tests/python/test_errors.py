@@ -85,3 +85,10 @@ def test_estimate_vram_breakdown():
     assert b["total"] > e["total"]
     with pytest.raises(ValueError, match="`k`"):
         cubeattn.estimate_vram((4096, 32, 128), (4096, 7, 128), "bfloat16")
+
+
+def test_backward_rejects_non_arrays_with_type_error():
+    q, k, v = qkv()
+    out = cubeattn.flash_attn_varlen_func(q, k, v, CU, CU, 10, 10)
+    with pytest.raises(TypeError, match="`q`"):
+        cubeattn.flash_attn_varlen_backward(out, q.tolist(), k, v, out, np.zeros((4, 10), np.float32), CU, CU, 10, 10)
