@@ -1,0 +1,408 @@
+//! Host-side launch plans of the forward: segment table, work lists, packed-row tiles, split-K,
+//! and the device bytes they take (used by the VRAM estimate).
+
+use super::*;
+
+/// Device workspace of a forward call besides q, k, v, out and lse: the plan tables and, on the
+/// tensor-core path, the split-K partial buffers. Host-only arithmetic (no GPU needed); the VRAM
+/// estimate uses it so that it follows the plan the launch really makes.
+pub fn forward_workspace_bytes(spec: &AttnSpec) -> u64 {
+    let plan = Plan::new(spec);
+    let mut bytes = plan.table_bytes();
+    if plan.fwd.n_work() > 0 {
+        bytes += plan.split_rows(spec.dims.heads_q) as u64 * (spec.dims.head_dim as u64 + 1) * 4;
+    }
+    bytes
+}
+
+/// Uploads a u32 table; an empty one becomes a single zero word (kernels take no empty
+/// buffers). Returns the handle and the length the kernels see.
+pub(crate) fn upload_table(client: &ComputeClient<CudaRuntime>, v: &[u32]) -> (Handle, usize) {
+    if v.is_empty() {
+        (client.create_from_slice(bytemuck::cast_slice(&[0u32])), 1)
+    } else {
+        (client.create_from_slice(bytemuck::cast_slice(v)), v.len())
+    }
+}
+
+/// Device bytes [`upload_table`] takes for these tables.
+pub(crate) fn table_bytes(tables: &[&Vec<u32>]) -> u64 {
+    tables.iter().map(|v| 4 * v.len().max(1) as u64).sum()
+}
+
+/// Host-side launch plan: segment table and per-cube work list.
+pub(crate) struct Plan {
+    /// (q_start, q_len, k_start, k_len) per segment.
+    pub segs: Vec<u32>,
+    /// (segment, tile start) per cube, most expensive first (tensor-core path).
+    pub work: Vec<u32>,
+    /// Segment of every query row, u32::MAX when none (row-wise f32 path).
+    pub row_seg: Vec<u32>,
+    /// Packed-row work list of the tensor-core forward kernel (empty for f32).
+    pub fwd: FwdPlan,
+}
+
+impl Plan {
+    pub fn new(spec: &AttnSpec) -> Plan {
+        let mut segs = Vec::with_capacity(spec.segments.len() * 4);
+        let mut items: Vec<(u64, u32, u32)> = Vec::new();
+        for (i, s) in spec.segments.iter().enumerate() {
+            segs.extend_from_slice(&[s.q_start as u32, s.q_len as u32, s.k_start as u32, s.k_len as u32]);
+            let mut t = 0;
+            while t < s.q_len {
+                let last = (t + BLOCK_M).min(s.q_len) - 1;
+                let cost = s.visible_len(last, spec.causal) as u64 + 1;
+                items.push((cost, i as u32, t as u32));
+                t += BLOCK_M;
+            }
+        }
+        // Longest first so the tail of the grid is short work; stable for determinism.
+        items.sort_by(|a, b| b.0.cmp(&a.0));
+        let work = items.iter().flat_map(|&(_, s, t)| [s, t]).collect();
+        let row_seg = if spec.dtype == DType::F32 {
+            let mut rs = vec![u32::MAX; spec.dims.total_q];
+            for (i, s) in spec.segments.iter().enumerate() {
+                for r in &mut rs[s.q_start..s.q_start + s.q_len] {
+                    *r = i as u32;
+                }
+            }
+            rs
+        } else {
+            Vec::new()
+        };
+        let fwd = if spec.dtype == DType::F32 { FwdPlan::default() } else { FwdPlan::new(spec, &fwd_options()) };
+        Plan { segs, work, row_seg, fwd }
+    }
+
+    #[allow(dead_code)]
+    pub fn n_work(&self) -> usize {
+        self.work.len() / 2
+    }
+
+    /// Rows of the split-K partial buffers of the tensor-core forward (`part_o` holds
+    /// rows x head_dim f32, `part_lse` rows f32).
+    pub(crate) fn split_rows(&self, heads_q: usize) -> usize {
+        let y = (heads_q as u32 / self.fwd.hp.max(1)).max(1) as usize;
+        (self.fwd.n_slots as usize * y * BLOCK_M).max(1)
+    }
+
+    /// Device bytes of the tables [`Plan::upload`] creates.
+    pub(crate) fn table_bytes(&self) -> u64 {
+        table_bytes(&[&self.segs, &self.work, &self.row_seg, &self.fwd.work, &self.fwd.slices, &self.fwd.comb])
+    }
+
+    pub fn upload(&self, client: &ComputeClient<CudaRuntime>) -> PlanDev {
+        let up = |v: &[u32]| upload_table(client, v);
+        PlanDev {
+            segs: up(&self.segs),
+            work: up(&self.work),
+            row_seg: up(&self.row_seg),
+            fwd_work: up(&self.fwd.work),
+            fwd_slices: up(&self.fwd.slices),
+            fwd_comb: up(&self.fwd.comb),
+        }
+    }
+}
+
+pub(crate) struct PlanDev {
+    pub segs: (Handle, usize),
+    #[allow(dead_code)]
+    pub work: (Handle, usize),
+    pub row_seg: (Handle, usize),
+    pub fwd_work: (Handle, usize),
+    pub fwd_slices: (Handle, usize),
+    pub fwd_comb: (Handle, usize),
+}
+
+/// Multiprocessors of device 0 (132 when unknown), for the split decision.
+fn sm_count() -> usize {
+    static N: OnceLock<usize> = OnceLock::new();
+    *N.get_or_init(|| {
+        guarded("CUDA device query", || {
+            use cudarc::driver::result as drv;
+            use cudarc::driver::sys::CUdevice_attribute as A;
+            drv::device::get(0)
+                .ok()
+                .and_then(|d| unsafe { drv::device::get_attribute(d, A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT) }.ok())
+                .filter(|&n| n > 0)
+                .map(|n| n as usize)
+        })
+        .ok()
+        .flatten()
+        .unwrap_or(132)
+    })
+}
+
+/// Work list of the tensor-core forward kernel: tiles of BLOCK_M packed rows built from slices of
+/// segments (several segments share a tile when their key ranges overlap), each tile's key range,
+/// and the split of long tiles into parts when the launch would not fill the GPU.
+#[derive(Debug, Clone, Default)]
+pub struct FwdPlan {
+    /// SLICE_WORDS u32 per slice: (segment, first packed row, rows).
+    pub slices: Vec<u32>,
+    /// WORK_WORDS u32 per cube column: (slice offset, slice count, klo, khi, slot or NONE).
+    pub work: Vec<u32>,
+    /// COMB_WORDS u32 per split tile: (slice offset, slice count, first slot, parts).
+    pub comb: Vec<u32>,
+    /// Partial slots per CUBE_POS_Y.
+    pub n_slots: u32,
+    /// Heads packed per row group (1, or the GQA group size).
+    pub hp: u32,
+    /// Tiles before splitting (for reports).
+    pub n_tiles: usize,
+}
+
+struct Tile {
+    slices: Vec<[u32; 3]>,
+    rows: usize,
+    lo: u64,
+    hi: u64,
+}
+
+impl Tile {
+    fn len(&self) -> u64 {
+        self.hi.saturating_sub(self.lo)
+    }
+}
+
+impl FwdPlan {
+    pub fn new(spec: &AttnSpec, opts: &FwdOptions) -> FwdPlan {
+        let d = &spec.dims;
+        let hp = if opts.pack_heads && d.heads_kv > 0 { d.group_size().max(1) } else { 1 };
+        let bm = BLOCK_M;
+        // Full tiles of one segment, and the remainders as packing candidates.
+        let mut tiles: Vec<Tile> = Vec::new();
+        let mut pieces: Vec<Tile> = Vec::new();
+        for (i, s) in spec.segments.iter().enumerate() {
+            let rows = s.q_len * hp;
+            let range = |p0: usize, n: usize| -> (u64, u64) {
+                let last_q = (p0 + n - 1) / hp;
+                let hi = s.k_start + s.visible_len(last_q, spec.causal);
+                (s.k_start as u64, hi as u64)
+            };
+            let mut p = 0;
+            while p < rows {
+                let n = bm.min(rows - p);
+                let (lo, hi) = range(p, n);
+                let t = Tile { slices: vec![[i as u32, p as u32, n as u32]], rows: n, lo, hi };
+                if n == bm {
+                    tiles.push(t);
+                } else {
+                    pieces.push(t);
+                }
+                p += n;
+            }
+        }
+        // Pack remainders: longest ranges first; a piece joins the open tile when the rows fit and
+        // the union of the key ranges is shorter than the two ranges apart (so keys are read once).
+        pieces.sort_by(|a, b| b.hi.cmp(&a.hi).then(a.lo.cmp(&b.lo)));
+        let mut open: Option<Tile> = None;
+        for pc in pieces {
+            match open.as_mut() {
+                Some(t) if t.rows + pc.rows <= bm && {
+                    let (lo, hi) = if t.len() == 0 {
+                        (pc.lo, pc.hi)
+                    } else if pc.len() == 0 {
+                        (t.lo, t.hi)
+                    } else {
+                        (t.lo.min(pc.lo), t.hi.max(pc.hi))
+                    };
+                    hi - lo < t.len() + pc.len() || t.len() == 0 || pc.len() == 0
+                } =>
+                {
+                    if t.len() == 0 {
+                        t.lo = pc.lo;
+                        t.hi = pc.hi;
+                    } else if pc.len() > 0 {
+                        t.lo = t.lo.min(pc.lo);
+                        t.hi = t.hi.max(pc.hi);
+                    }
+                    t.rows += pc.rows;
+                    t.slices.extend(pc.slices);
+                }
+                _ => {
+                    if let Some(t) = open.take() {
+                        tiles.push(t);
+                    }
+                    open = Some(pc);
+                }
+            }
+        }
+        if let Some(t) = open.take() {
+            tiles.push(t);
+        }
+
+        let y = (d.heads_q / hp).max(1);
+        let kt = |len: u64| len.div_ceil(BLOCK_N as u64);
+        // Split when the launch has fewer cubes than a few per multiprocessor.
+        let target = opts.split_waves.max(1) as usize * sm_count();
+        let mut chunk = u64::MAX;
+        if opts.split && tiles.len() * y < target {
+            let total: u64 = tiles.iter().map(|t| kt(t.len())).sum();
+            let want = target.div_ceil(y) as u64;
+            chunk = total.div_ceil(want).max(8);
+        }
+        let mut plan = FwdPlan { hp: hp as u32, n_tiles: tiles.len(), ..Default::default() };
+        // (cost, work entry)
+        let mut items: Vec<(u64, [u32; WORK_WORDS])> = Vec::new();
+        for t in &tiles {
+            let off = (plan.slices.len() / SLICE_WORDS) as u32;
+            for sl in &t.slices {
+                plan.slices.extend_from_slice(sl);
+            }
+            let ns = t.slices.len() as u32;
+            let n_kt = kt(t.len());
+            if n_kt > chunk {
+                let parts = n_kt.div_ceil(chunk);
+                let per = n_kt.div_ceil(parts);
+                let first = plan.n_slots;
+                let mut used = 0u32;
+                for i in 0..parts {
+                    let a = t.lo + i * per * BLOCK_N as u64;
+                    if a >= t.hi {
+                        break;
+                    }
+                    let b = (a + per * BLOCK_N as u64).min(t.hi);
+                    items.push((kt(b - a) + 1, [off, ns, a as u32, b as u32, first + used]));
+                    used += 1;
+                }
+                plan.comb.extend_from_slice(&[off, ns, first, used]);
+                plan.n_slots += used;
+            } else {
+                items.push((n_kt + 1, [off, ns, t.lo as u32, t.hi as u32, NONE]));
+            }
+        }
+        // Longest first so the tail of the grid is short work; stable for determinism.
+        items.sort_by(|a, b| b.0.cmp(&a.0));
+        plan.work = items.iter().flat_map(|(_, w)| *w).collect();
+        let _ = COMB_WORDS;
+        plan
+    }
+
+    pub fn n_work(&self) -> usize {
+        self.work.len() / WORK_WORDS
+    }
+
+    pub fn n_comb(&self) -> usize {
+        self.comb.len() / COMB_WORDS
+    }
+}
+
+#[cfg(test)]
+mod fwd_plan_tests {
+    use super::*;
+    use crate::spec::TensorMeta;
+
+    fn grouped(hq: usize, hkv: usize, qr: &[[i32; 2]], kr: &[[i32; 2]], tq: usize, tk: usize, causal: bool) -> AttnSpec {
+        AttnSpec::grouped(
+            &TensorMeta::new(&[tq, hq, 128], DType::BF16),
+            &TensorMeta::new(&[tk, hkv, 128], DType::BF16),
+            &TensorMeta::new(&[tk, hkv, 128], DType::BF16),
+            qr,
+            kr,
+            None,
+            causal,
+        )
+        .unwrap()
+    }
+
+    /// Every (query, head) of every segment appears in exactly one tile, tiles hold at most
+    /// BLOCK_M rows, each row's visible keys lie inside its tile's range, and split parts tile
+    /// that range without gaps.
+    fn check(spec: &AttnSpec, o: &FwdOptions) -> FwdPlan {
+        let p = FwdPlan::new(spec, o);
+        let hp = p.hp as usize;
+        let d = &spec.dims;
+        let mut seen = vec![0u8; d.total_q * hp];
+        // (slice offset) -> list of (klo, khi)
+        let mut ranges: std::collections::BTreeMap<u32, Vec<(u32, u32, u32)>> = Default::default();
+        for w in p.work.chunks(WORK_WORDS) {
+            ranges.entry(w[0]).or_default().push((w[2], w[3], w[4]));
+            assert!(w[2] <= w[3]);
+        }
+        for (&off, rs) in &ranges {
+            let mut rs = rs.clone();
+            rs.sort();
+            let (lo, hi) = (rs[0].0, rs.last().unwrap().1);
+            for w in rs.windows(2) {
+                assert_eq!(w[0].1, w[1].0, "split parts must be contiguous");
+            }
+            if rs.len() > 1 {
+                assert!(rs.iter().all(|r| r.2 != NONE));
+            }
+            let ns = p.work.chunks(WORK_WORDS).find(|w| w[0] == off).unwrap()[1];
+            let mut rows = 0;
+            for i in 0..ns {
+                let b = ((off + i) as usize) * SLICE_WORDS;
+                let (seg, p0, n) = (p.slices[b] as usize, p.slices[b + 1] as usize, p.slices[b + 2] as usize);
+                rows += n;
+                let s = &spec.segments[seg];
+                for pr in p0..p0 + n {
+                    let qr = pr / hp;
+                    assert!(qr < s.q_len);
+                    let idx = (s.q_start + qr) * hp + pr % hp;
+                    seen[idx] += 1;
+                    let (a, z) = s.key_range(qr, spec.causal);
+                    if z > a {
+                        assert!(a as u32 >= lo && z as u32 <= hi, "row keys [{a},{z}) outside tile [{lo},{hi})");
+                    }
+                }
+            }
+            assert!(rows <= BLOCK_M);
+        }
+        for s in &spec.segments {
+            for r in s.q_start..s.q_start + s.q_len {
+                for h in 0..hp {
+                    assert_eq!(seen[r * hp + h], 1, "row {r} head {h}");
+                }
+            }
+        }
+        p
+    }
+
+    fn all_opts() -> Vec<FwdOptions> {
+        let mut v = Vec::new();
+        for pack_heads in [false, true] {
+            for split in [false, true] {
+                v.push(FwdOptions { pack_heads, split, split_waves: 4, ..FwdOptions::defaults() });
+            }
+        }
+        v
+    }
+
+    #[test]
+    fn shared_prefix_groups_share_tiles() {
+        let qr: Vec<[i32; 2]> = (0..32).map(|g| [8 * g, 8 * g + 8]).collect();
+        let kr: Vec<[i32; 2]> = (0..32).map(|g| [0, 32768 - 256 * g]).collect();
+        let spec = grouped(32, 8, &qr, &kr, 256, 32768, false);
+        for o in all_opts() {
+            let p = check(&spec, &o);
+            if o.pack_heads {
+                // 8 queries x 4 heads = 32 rows per group: 4 groups per tile.
+                assert_eq!(p.n_tiles, 8);
+            }
+            if o.split {
+                assert!(p.n_work() * (32 / p.hp as usize) >= 4 * 132 / 2, "{} items", p.n_work());
+            }
+        }
+    }
+
+    #[test]
+    fn zigzag_and_varlen_plans_cover_every_row() {
+        let c = 4096;
+        let spec = grouped(32, 8, &[[0, c], [c, 2 * c]], &[[0, c], [0, 16 * c]], 2 * c as usize, 16 * c as usize, true);
+        for o in all_opts() {
+            check(&spec, &o);
+        }
+        // Many small groups, 1-token and empty groups, uncovered rows, causal and not.
+        let qr = [[0, 1], [1, 1], [1, 9], [9, 40], [45, 46], [46, 300], [300, 301]];
+        let kr = [[0, 5], [3, 3], [0, 700], [100, 900], [5, 6], [0, 1000], [999, 1000]];
+        for causal in [false, true] {
+            let spec = grouped(32, 8, &qr, &kr, 310, 1000, causal);
+            for o in all_opts() {
+                check(&spec, &o);
+            }
+        }
+    }
+}
+
