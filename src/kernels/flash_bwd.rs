@@ -21,6 +21,7 @@
 
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
+use cubecl::prelude::barrier::{copy_async, Barrier};
 
 /// Planes (warps) per cube of the tensor-core kernels.
 pub const BWD_PLANES: usize = 4;
@@ -275,6 +276,95 @@ fn stage_rows<E: Float, NV: Size>(
     }
 }
 
+/// `cp.async` copy of a query tile of Q and dO (rows `r0..r0+BWD_BM` of the segment, clamped to
+/// its last row: rows past `q_len` are masked by the caller) into rows `boff..boff+BWD_BM` of
+/// `q_smem` / `do_smem`; lse and delta of the rows go to `lse_smem` / `dl_smem[boff..]` with
+/// plain loads and stores (visible after the caller's next `sync_cube`). The caller commits the
+/// copies to a barrier.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn issue_q_tile<E: Float>(
+    q_s: &Array<E>,
+    do_s: &Array<E>,
+    lse: &Array<f32>,
+    delta: &Array<f32>,
+    q_smem: &mut SharedMemory<E>,
+    do_smem: &mut SharedMemory<E>,
+    lse_smem: &mut SharedMemory<f32>,
+    dl_smem: &mut SharedMemory<f32>,
+    boff: usize,
+    r0: u32,
+    q_len: u32,
+    q_start: u32,
+    h: u32,
+    heads_q: u32,
+    total_q: u32,
+    #[comptime] head_dim: usize,
+) {
+    let threads = comptime!(BWD_PLANES * 32);
+    let vpr = comptime!(head_dim / BWD_LOAD_VEC);
+    let stride = comptime!(head_dim + PAD);
+    let loads = comptime!(BWD_BM * (head_dim / BWD_LOAD_VEC) / (BWD_PLANES * 32));
+    #[unroll]
+    for it in 0..loads {
+        let idx = UNIT_POS as usize + it * threads;
+        let r = idx / vpr;
+        let c = idx % vpr;
+        let row = min(r0 + r as u32, q_len - 1);
+        let g = ((q_start + row) * heads_q + h) as usize * head_dim + c * BWD_LOAD_VEC;
+        let base = (boff + r) * stride + c * BWD_LOAD_VEC;
+        copy_async(&q_s.slice(g, g + BWD_LOAD_VEC), &mut q_smem.slice_mut(base, base + BWD_LOAD_VEC), comptime!(BWD_LOAD_VEC as u32));
+        copy_async(&do_s.slice(g, g + BWD_LOAD_VEC), &mut do_smem.slice_mut(base, base + BWD_LOAD_VEC), comptime!(BWD_LOAD_VEC as u32));
+    }
+    if UNIT_POS < BWD_BM as u32 {
+        let row = r0 + UNIT_POS;
+        let mut l = 0.0f32;
+        let mut dd = 0.0f32;
+        if row < q_len {
+            let li = (h * total_q + q_start + row) as usize;
+            l = lse[li];
+            dd = delta[li];
+        }
+        lse_smem[boff + UNIT_POS as usize] = l;
+        dl_smem[boff + UNIT_POS as usize] = dd;
+    }
+}
+
+/// `cp.async` copy of key tile rows `kb..kb+BWD_BN` of K and V (window-local, clamped to the
+/// window's last key: keys past `k_len` are masked by the caller) into rows `boff..` of
+/// `k_smem` / `v_smem`. The caller commits the copies to a barrier.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn issue_kv_tile<E: Float>(
+    k_s: &Array<E>,
+    v_s: &Array<E>,
+    k_smem: &mut SharedMemory<E>,
+    v_smem: &mut SharedMemory<E>,
+    boff: usize,
+    kb: u32,
+    k_len: u32,
+    k_start: u32,
+    head_kv: u32,
+    heads_kv: u32,
+    #[comptime] head_dim: usize,
+) {
+    let threads = comptime!(BWD_PLANES * 32);
+    let vpr = comptime!(head_dim / BWD_LOAD_VEC);
+    let stride = comptime!(head_dim + PAD);
+    let loads = comptime!(BWD_BN * (head_dim / BWD_LOAD_VEC) / (BWD_PLANES * 32));
+    #[unroll]
+    for it in 0..loads {
+        let idx = UNIT_POS as usize + it * threads;
+        let r = idx / vpr;
+        let c = idx % vpr;
+        let key = min(kb + r as u32, k_len - 1);
+        let g = ((k_start + key) * heads_kv + head_kv) as usize * head_dim + c * BWD_LOAD_VEC;
+        let base = (boff + r) * stride + c * BWD_LOAD_VEC;
+        copy_async(&k_s.slice(g, g + BWD_LOAD_VEC), &mut k_smem.slice_mut(base, base + BWD_LOAD_VEC), comptime!(BWD_LOAD_VEC as u32));
+        copy_async(&v_s.slice(g, g + BWD_LOAD_VEC), &mut v_smem.slice_mut(base, base + BWD_LOAD_VEC), comptime!(BWD_LOAD_VEC as u32));
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Tensor-core kernels (f16 / bf16)
 // ---------------------------------------------------------------------------------------------
@@ -295,6 +385,8 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
     dk: &mut Array<E>,
     dv: &mut Array<E>,
     dq_acc: &mut Array<Atomic<Vector<f32, NQ>>>,
+    q_s: &Array<E>,
+    do_s: &Array<E>,
     ktiles: &Array<u32>,
     tile_off: &Array<u32>,
     tile_segs: &Array<u32>,
@@ -309,6 +401,7 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
     #[comptime] ldsm: bool,
     #[comptime] fuse_dq: bool,
     #[comptime] qvec: usize,
+    #[comptime] pipe: bool,
 ) {
     let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
     let lane = UNIT_POS_PLANE;
@@ -321,10 +414,15 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
     // dS of the current query tile, row-major [row][key] (fused dQ only).
     let mut ds_smem =
         SharedMemory::<E>::new_aligned(comptime!(if fuse_dq { BWD_BM * (BWD_BN + PAD) } else { 8 }), 16usize);
-    let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(BWD_BM * (head_dim + PAD)), 16usize);
-    let mut do_smem = SharedMemory::<E>::new_aligned(comptime!(BWD_BM * (head_dim + PAD)), 16usize);
-    let mut lse_smem = SharedMemory::<f32>::new(BWD_BM);
-    let mut dl_smem = SharedMemory::<f32>::new(BWD_BM);
+    // With `pipe`: two stages of the query tile (Q, dO, lse, delta), rows [0, BM) and [BM, 2 BM);
+    // the next tile is copied with cp.async while the current one is computed.
+    let nbuf = comptime!(if pipe { 2usize } else { 1usize });
+    let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(nbuf * BWD_BM * (head_dim + PAD)), 16usize);
+    let mut do_smem = SharedMemory::<E>::new_aligned(comptime!(nbuf * BWD_BM * (head_dim + PAD)), 16usize);
+    let mut lse_smem = SharedMemory::<f32>::new(comptime!(nbuf * BWD_BM));
+    let mut dl_smem = SharedMemory::<f32>::new(comptime!(nbuf * BWD_BM));
+    let bar0 = Barrier::shared(comptime!((BWD_PLANES * 32) as u32), UNIT_POS == 0);
+    let bar1 = Barrier::shared(comptime!((BWD_PLANES * 32) as u32), UNIT_POS == 0);
 
     let kt = ktiles[CUBE_POS_X as usize];
     let hk = CUBE_POS_Y;
@@ -333,6 +431,10 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
 
     stage_rows::<E, NV>(k, &mut k_smem, key0, total_k, key0, heads_kv, hk, BWD_BN, head_dim);
     stage_rows::<E, NV>(v, &mut v_smem, key0, total_k, key0, heads_kv, hk, BWD_BN, head_dim);
+    // Barrier initialisation visible before the first cp.async commit.
+    sync_cube();
+    // Query tiles issued so far (pipe): tile g uses stage g % 2 and barrier phase (g / 2) % 2.
+    let mut g_tile = 0u32;
 
     let size!(NA) = def.vector_size(MatrixIdent::A);
     let size!(NB) = def.vector_size(MatrixIdent::B);
@@ -379,11 +481,56 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
         }
         // Window-local index of this plane's first key (may be negative).
         let kw0 = (key0 as i32 + kw_base as i32) - k_start as i32;
-        for hh in 0..group {
-            let h = hk * group + hh;
-            for qt in 0..n_qt {
-                let r0 = r_min as u32 + qt * BWD_BM as u32;
-                sync_cube();
+        // (q head, query tile) pairs of this segment, q head outer.
+        let n_it = group * n_qt;
+        if pipe && n_it > 0 {
+            // First tile of the segment: its stage was last read two tiles ago, before the
+            // barrier at the top of the previous iteration.
+            let boff = ((g_tile & 1u32) * BWD_BM as u32) as usize;
+            issue_q_tile::<E>(
+                q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, boff, r_min as u32,
+                q_len, q_start, hk * group, heads_q, total_q, head_dim,
+            );
+            if (g_tile & 1u32) == 0 {
+                bar0.commit_copy_async();
+                let _t = bar0.arrive();
+            } else {
+                bar1.commit_copy_async();
+                let _t = bar1.arrive();
+            }
+        }
+        for it in 0..n_it {
+            let h = hk * group + it / n_qt;
+            let r0 = r_min as u32 + (it % n_qt) * BWD_BM as u32;
+            let mut qb = 0usize;
+            sync_cube();
+            if pipe {
+                let cur = g_tile;
+                qb = ((cur & 1u32) * BWD_BM as u32) as usize;
+                if it + 1 < n_it {
+                    // Every plane has finished tile cur - 1: its stage takes tile cur + 1.
+                    let hn = hk * group + (it + 1) / n_qt;
+                    let rn = r_min as u32 + ((it + 1) % n_qt) * BWD_BM as u32;
+                    let nb = (((cur + 1u32) & 1u32) * BWD_BM as u32) as usize;
+                    issue_q_tile::<E>(
+                        q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, nb, rn, q_len,
+                        q_start, hn, heads_q, total_q, head_dim,
+                    );
+                    if (cur & 1u32) == 0 {
+                        bar1.commit_copy_async();
+                        let _t = bar1.arrive();
+                    } else {
+                        bar0.commit_copy_async();
+                        let _t = bar0.arrive();
+                    }
+                }
+                if (cur & 1u32) == 0 {
+                    bar0.wait_parity((cur >> 1u32) & 1u32);
+                } else {
+                    bar1.wait_parity((cur >> 1u32) & 1u32);
+                }
+                g_tile = cur + 1u32;
+            } else {
                 stage_rows::<E, NV>(q, &mut q_smem, r0, q_len, q_start + r0, heads_q, h, BWD_BM, head_dim);
                 stage_rows::<E, NV>(dout, &mut do_smem, r0, q_len, q_start + r0, heads_q, h, BWD_BM, head_dim);
                 if UNIT_POS < BWD_BM as u32 {
@@ -399,6 +546,7 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                     dl_smem[UNIT_POS as usize] = dd;
                 }
                 sync_cube();
+            }
 
                 for sub in 0..comptime!(BWD_BM / BWD_SUB) {
                     let qr0 = sub * BWD_SUB;
@@ -421,7 +569,7 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                         let a1 = frag_a::<E, NA>(&def, &k_smem, kw_base, kk * 32 + 16, stride, ldsm);
                         #[unroll]
                         for nb in 0..sn {
-                            let m = frag_b_t2::<E, NB>(&def, &q_smem, qr0 + nb * 8, kk * 32, stride, ldsm);
+                            let m = frag_b_t2::<E, NB>(&def, &q_smem, qb + qr0 + nb * 8, kk * 32, stride, ldsm);
                             mma_into::<E, NA, NB, NC>(&def, &a0, &m, 0usize, &mut s, nb * ec);
                             mma_into::<E, NA, NB, NC>(&def, &a1, &m, 2usize, &mut s, nb * ec);
                         }
@@ -434,7 +582,7 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                         for e in 0..ec {
                             let (row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
                             let rloc = qr0 + nb * 8 + col as usize;
-                            let mut p = fast_exp(s[nb * ec + e] * scale - lse_smem[rloc]);
+                            let mut p = fast_exp(s[nb * ec + e] * scale - lse_smem[qb + rloc]);
                             if !full {
                                 let kwin = kw0 + row as i32;
                                 let rr = rr0 + (nb * 8) as i32 + col as i32;
@@ -456,7 +604,7 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                         let a = acc_to_a::<E, NA>(&def, &s, ks);
                         #[unroll]
                         for ob2 in 0..comptime!(o_blocks / 2) {
-                            let m = frag_b_n2::<E, NB>(&def, &do_smem, qr0 + ks * 16, ob2 * 16, stride, ldsm);
+                            let m = frag_b_n2::<E, NB>(&def, &do_smem, qb + qr0 + ks * 16, ob2 * 16, stride, ldsm);
                             mma_into::<E, NA, NB, NC>(&def, &a, &m, 0usize, &mut dv_acc, (2 * ob2) * ec);
                             mma_into::<E, NA, NB, NC>(&def, &a, &m, 2usize, &mut dv_acc, (2 * ob2 + 1) * ec);
                         }
@@ -469,7 +617,7 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                         let a1 = frag_a::<E, NA>(&def, &v_smem, kw_base, kk * 32 + 16, stride, ldsm);
                         #[unroll]
                         for nb in 0..sn {
-                            let m = frag_b_t2::<E, NB>(&def, &do_smem, qr0 + nb * 8, kk * 32, stride, ldsm);
+                            let m = frag_b_t2::<E, NB>(&def, &do_smem, qb + qr0 + nb * 8, kk * 32, stride, ldsm);
                             mma_into::<E, NA, NB, NC>(&def, &a0, &m, 0usize, &mut dp, nb * ec);
                             mma_into::<E, NA, NB, NC>(&def, &a1, &m, 2usize, &mut dp, nb * ec);
                         }
@@ -482,7 +630,7 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                         for e in 0..ec {
                             let (_row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
                             let rloc = qr0 + nb * 8 + col as usize;
-                            s[nb * ec + e] = s[nb * ec + e] * (dp[nb * ec + e] - dl_smem[rloc]);
+                            s[nb * ec + e] = s[nb * ec + e] * (dp[nb * ec + e] - dl_smem[qb + rloc]);
                         }
                     }
                     if fuse_dq {
@@ -504,7 +652,7 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                         let a = acc_to_a::<E, NA>(&def, &s, ks);
                         #[unroll]
                         for ob2 in 0..comptime!(o_blocks / 2) {
-                            let m = frag_b_n2::<E, NB>(&def, &q_smem, qr0 + ks * 16, ob2 * 16, stride, ldsm);
+                            let m = frag_b_n2::<E, NB>(&def, &q_smem, qb + qr0 + ks * 16, ob2 * 16, stride, ldsm);
                             mma_into::<E, NA, NB, NC>(&def, &a, &m, 0usize, &mut dk_acc, (2 * ob2) * ec);
                             mma_into::<E, NA, NB, NC>(&def, &a, &m, 2usize, &mut dk_acc, (2 * ob2 + 1) * ec);
                         }
@@ -570,7 +718,6 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                         }
                     }
                 }
-            }
         }
     }
 
@@ -603,6 +750,8 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     lse: &Array<f32>,
     delta: &Array<f32>,
     dq: &mut Array<E>,
+    k_s: &Array<E>,
+    v_s: &Array<E>,
     work: &Array<u32>,
     segs: &Array<u32>,
     scale: f32,
@@ -612,14 +761,20 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     #[comptime] head_dim: usize,
     #[comptime] causal: bool,
     #[comptime] ldsm: bool,
+    #[comptime] pipe: bool,
 ) {
     let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
     let lane = UNIT_POS_PLANE;
     let plane = UNIT_POS / 32u32;
     let stride = comptime!(head_dim + PAD);
 
-    let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(BWD_BN * (head_dim + PAD)), 16usize);
-    let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(BWD_BN * (head_dim + PAD)), 16usize);
+    // With `pipe`: two stages of K/V rows, [0, BN) and [BN, 2 BN). Key tile kt uses stage
+    // (kt + 1) % 2 and barrier phase (kt / 2) % 2; stage 0 first holds the Q / dO staging.
+    let nbuf = comptime!(if pipe { 2usize } else { 1usize });
+    let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(nbuf * BWD_BN * (head_dim + PAD)), 16usize);
+    let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(nbuf * BWD_BN * (head_dim + PAD)), 16usize);
+    let bar0 = Barrier::shared(comptime!((BWD_PLANES * 32) as u32), UNIT_POS == 0);
+    let bar1 = Barrier::shared(comptime!((BWD_PLANES * 32) as u32), UNIT_POS == 0);
 
     let tile = CUBE_POS_X as usize;
     let head = CUBE_POS_Y;
@@ -641,6 +796,17 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     }
     let n_tiles = (max_vis as u32 + BWD_BN as u32 - 1) / BWD_BN as u32;
 
+    if pipe {
+        // Barrier initialisation visible, then key tile 0 into stage 1 while Q / dO are staged.
+        sync_cube();
+        if n_tiles > 0 {
+            issue_kv_tile::<E>(
+                k_s, v_s, &mut k_smem, &mut v_smem, BWD_BN, 0u32, k_len, k_start, head_kv, heads_kv, head_dim,
+            );
+            bar1.commit_copy_async();
+            let _t = bar1.arrive();
+        }
+    }
     // ---- Q and dO tiles through shared memory into A fragments (BM == BN) ----
     stage_rows::<E, NV>(q, &mut k_smem, tile_start, q_len, q_start + tile_start, heads_q, head, BWD_BM, head_dim);
     stage_rows::<E, NV>(dout, &mut v_smem, tile_start, q_len, q_start + tile_start, heads_q, head, BWD_BM, head_dim);
@@ -713,10 +879,36 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
 
     for kt in 0..n_tiles {
         let kb = kt * BWD_BN as u32;
+        let mut kb_off = 0usize;
         sync_cube();
-        stage_rows::<E, NV>(k, &mut k_smem, kb, k_len, k_start + kb, heads_kv, head_kv, BWD_BN, head_dim);
-        stage_rows::<E, NV>(v, &mut v_smem, kb, k_len, k_start + kb, heads_kv, head_kv, BWD_BN, head_dim);
-        sync_cube();
+        if pipe {
+            kb_off = (((kt + 1u32) & 1u32) * BWD_BN as u32) as usize;
+            if kt + 1 < n_tiles {
+                // Every plane has finished tile kt - 1 (or the Q / dO fragments): its stage
+                // takes tile kt + 1.
+                let nb = ((kt & 1u32) * BWD_BN as u32) as usize;
+                issue_kv_tile::<E>(
+                    k_s, v_s, &mut k_smem, &mut v_smem, nb, kb + BWD_BN as u32, k_len, k_start, head_kv, heads_kv,
+                    head_dim,
+                );
+                if (kt & 1u32) == 0 {
+                    bar0.commit_copy_async();
+                    let _t = bar0.arrive();
+                } else {
+                    bar1.commit_copy_async();
+                    let _t = bar1.arrive();
+                }
+            }
+            if (kt & 1u32) == 0 {
+                bar1.wait_parity((kt >> 1u32) & 1u32);
+            } else {
+                bar0.wait_parity((kt >> 1u32) & 1u32);
+            }
+        } else {
+            stage_rows::<E, NV>(k, &mut k_smem, kb, k_len, k_start + kb, heads_kv, head_kv, BWD_BN, head_dim);
+            stage_rows::<E, NV>(v, &mut v_smem, kb, k_len, k_start + kb, heads_kv, head_kv, BWD_BN, head_dim);
+            sync_cube();
+        }
 
         for sub in 0..comptime!(BWD_BN / BWD_SUB) {
             let kc0 = sub * BWD_SUB;
@@ -730,8 +922,8 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
             for nb in 0..sn {
                 #[unroll]
                 for kk in 0..comptime!(k_steps / 2) {
-                    let mk = frag_b_t2::<E, NB>(&def, &k_smem, kc0 + nb * 8, kk * 32, stride, ldsm);
-                    let mv = frag_b_t2::<E, NB>(&def, &v_smem, kc0 + nb * 8, kk * 32, stride, ldsm);
+                    let mk = frag_b_t2::<E, NB>(&def, &k_smem, kb_off + kc0 + nb * 8, kk * 32, stride, ldsm);
+                    let mv = frag_b_t2::<E, NB>(&def, &v_smem, kb_off + kc0 + nb * 8, kk * 32, stride, ldsm);
                     #[unroll]
                     for h in 0..2usize {
                         let ks = 2 * kk + h;
@@ -779,7 +971,7 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
                 let a = acc_to_a::<E, NA>(&def, &s, ks);
                 #[unroll]
                 for ob2 in 0..comptime!(o_blocks / 2) {
-                    let m = frag_b_n2::<E, NB>(&def, &k_smem, kc0 + ks * 16, ob2 * 16, stride, ldsm);
+                    let m = frag_b_n2::<E, NB>(&def, &k_smem, kb_off + kc0 + ks * 16, ob2 * 16, stride, ldsm);
                     mma_into::<E, NA, NB, NC>(&def, &a, &m, 0usize, &mut dq_acc, (2 * ob2) * ec);
                     mma_into::<E, NA, NB, NC>(&def, &a, &m, 2usize, &mut dq_acc, (2 * ob2 + 1) * ec);
                 }

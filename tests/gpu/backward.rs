@@ -401,7 +401,7 @@ fn bench_backward_llama3_8b() {
         return;
     }
     let iters: usize = std::env::var("CUBEATTN_GPU_BENCH_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(5);
-    println!("{:<44} {:>10} {:>10} {:>10}", "shape", "median_ms", "min_ms", "TFLOP/s");
+    println!("{:<52} {:>10} {:>10} {:>10}", "shape", "median_ms", "min_ms", "TFLOP/s");
     let mut table = Vec::new();
     for &(n, causal, d) in &[(8192usize, true, 128usize), (16384, true, 128), (8192, false, 128), (8192, true, 64)] {
         let cu = [0i32, n as i32];
@@ -417,6 +417,10 @@ fn bench_backward_llama3_8b() {
             causal,
         )
         .unwrap();
+        // Both settings of the cp.async pipeline (`CUBEATTN_BWD_PIPE`, read at each launch).
+        let pipe_env = std::env::var("CUBEATTN_BWD_PIPE").ok();
+        for (pipe, ptag) in [("0", "nopipe"), ("1", "pipe")] {
+        std::env::set_var("CUBEATTN_BWD_PIPE", pipe);
         for (det, path) in [(Some(false), DqPath::Atomic), (Some(true), DqPath::Pass)] {
             for (part, mult, label) in [(BenchPart::ForwardBackward, 3.5, "fwd+bwd"), (BenchPart::Backward, 2.5, "bwd")] {
                 let mut t = bench_backward_with(&spec, 2, iters, part, path).expect("bench failed");
@@ -428,11 +432,16 @@ fn bench_backward_llama3_8b() {
                     Some(false) => "atomic",
                     Some(true) => "pass",
                 };
-                let name = format!("{label} {tag} n={n} causal={causal} d={d}");
-                let line = format!("{:<44} {:>10.3} {:>10.3} {:>10.1}", name, med, t[0], tflops);
+                let name = format!("{label} {tag} {ptag} n={n} causal={causal} d={d}");
+                let line = format!("{:<52} {:>10.3} {:>10.3} {:>10.1}", name, med, t[0], tflops);
                 println!("{line}");
                 table.push(line);
             }
+        }
+        }
+        match &pipe_env {
+            Some(v) => std::env::set_var("CUBEATTN_BWD_PIPE", v),
+            None => std::env::remove_var("CUBEATTN_BWD_PIPE"),
         }
     }
     println!("---- summary ----");
