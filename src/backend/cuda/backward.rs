@@ -194,10 +194,9 @@ pub const BWD_PIPE_DEFAULT: bool = true;
 /// How the backward forms dQ.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DqPath {
-    /// `deterministic = true`: the separate pass. `false`: the fused atomic path where it measured
-    /// faster on an H200 (non-causal: 15.0 vs 16.5 ms at 8K), the separate pass for causal
-    /// (8K causal: 8.87 ms separate vs 9.42 ms fused; 16K: 31.4 vs 31.1, within noise).
-    /// `CUBEATTN_BWD_DQ=atomic|pass` overrides the choice for non-deterministic calls.
+    /// The separate (deterministic) pass: with the cp.async Q/dO pipeline it measured faster than
+    /// the fused atomic path on every H200 shape (8K causal bwd 8.18 vs 8.99 ms, 8K full 13.88 vs
+    /// 14.56 ms). `CUBEATTN_BWD_DQ=atomic` selects the fused path for non-deterministic calls.
     Auto,
     /// The separate deterministic dQ pass.
     Pass,
@@ -206,7 +205,6 @@ pub enum DqPath {
     Atomic,
 }
 
-/// Whether the backward of `spec` takes the fused atomic dQ path.
 /// Device workspace of a backward call besides q, k, v, out, dout, lse, dq, dk and dv: the plan
 /// tables, delta (f32 per row and head) and, on the atomic dQ path, the f32 dQ accumulator.
 pub fn backward_workspace_bytes(spec: &AttnSpec, deterministic: bool) -> u64 {
@@ -217,6 +215,7 @@ pub fn backward_workspace_bytes(spec: &AttnSpec, deterministic: bool) -> u64 {
     tables + d.lse_len() as u64 * 4 + acc
 }
 
+/// Whether the backward of `spec` takes the fused atomic dQ path.
 fn fused_dq(spec: &AttnSpec, deterministic: bool, path: DqPath) -> bool {
     if spec.dtype == DType::F32 {
         return false;
@@ -226,9 +225,9 @@ fn fused_dq(spec: &AttnSpec, deterministic: bool, path: DqPath) -> bool {
         DqPath::Atomic => true,
         DqPath::Auto if deterministic => false,
         DqPath::Auto => match std::env::var("CUBEATTN_BWD_DQ").ok().as_deref() {
+            // with the Q/dO pipeline the two-pass dQ measured faster on every shape (bench/NOTES.md)
             Some("atomic") => true,
-            Some("pass") => false,
-            _ => !spec.causal,
+            _ => false,
         },
     }
 }
