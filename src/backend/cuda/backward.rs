@@ -18,6 +18,7 @@
 //! and head), the small segment / work tables, and on the atomic path the f32 dQ accumulator
 //! (`total_q * heads_q * head_dim * 4` bytes).
 
+use super::bench::{random_f32, sync};
 use std::time::Instant;
 
 use cubecl::cuda::CudaRuntime;
@@ -554,25 +555,6 @@ impl CudaBackend {
     ) -> Result<Gradients> {
         backward_path(self, spec, q, k, v, grad, None, path)
     }
-}
-
-/// Deterministic pseudo-random values in [-1, 1) (SplitMix64), so benchmarks never run on zeros.
-fn random_f32(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = s;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
-            ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
-
-fn sync(client: &ComputeClient<CudaRuntime>) -> Result<()> {
-    cubecl::future::block_on(client.sync()).map_err(|e| Error::Device(format!("{e:?}")))
 }
 
 /// What [`bench_backward_split`] times.

@@ -11,7 +11,7 @@ use crate::error::{Error, Result};
 use crate::spec::AttnSpec;
 
 /// Deterministic pseudo-random values in [-1, 1) (SplitMix64), so benchmarks never run on zeros.
-fn random_f32(n: usize, seed: u64) -> Vec<f32> {
+pub(crate) fn random_f32(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed;
     (0..n)
         .map(|_| {
@@ -25,7 +25,8 @@ fn random_f32(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-fn sync(client: &ComputeClient<CudaRuntime>) -> Result<()> {
+/// Waits for every queued launch of the client.
+pub(crate) fn sync(client: &ComputeClient<CudaRuntime>) -> Result<()> {
     cubecl::future::block_on(client.sync()).map_err(|e| Error::Device(format!("{e:?}")))
 }
 
