@@ -18,7 +18,6 @@
 //! and head), the small segment / work tables, and on the atomic path the f32 dQ accumulator
 //! (`total_q * heads_q * head_dim * 4` bytes).
 
-use super::bench::{random_f32, sync};
 use std::time::Instant;
 
 use cubecl::cuda::CudaRuntime;
@@ -26,6 +25,7 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 use half::{bf16, f16};
 
+use super::bench::{random_f32, sync};
 use super::{buf, check_supported, guarded, launch_forward, use_ldmatrix, CudaBackend, Plan};
 use crate::backend::{BackwardInputs, Gradients};
 use crate::dtype::{DType, HostData, HostView};
