@@ -13,7 +13,7 @@ use cubeattn::backend::BackwardInputs;
 use cubeattn::reference::backward_f64;
 use cubeattn::{AttnSpec, Backend, DType, Error, Gradients, HostData, TensorMeta};
 use rand::{rngs::StdRng, SeedableRng};
-use rand_distr::{Distribution, StandardNormal};
+use super::random;
 
 fn backend() -> Option<&'static CudaBackend> {
     match CudaBackend::shared() {
@@ -85,16 +85,6 @@ fn build_spec(c: &Case) -> AttnSpec {
         )
         .unwrap(),
     }
-}
-
-fn random(n: usize, dtype: DType, scale: f32, rng: &mut StdRng) -> HostData {
-    let x: Vec<f32> = (0..n)
-        .map(|_| {
-            let z: f64 = StandardNormal.sample(rng);
-            scale * z as f32
-        })
-        .collect();
-    HostData::from_f32(dtype, &x)
 }
 
 struct Inputs {

@@ -8,7 +8,7 @@ use cubeattn::backend::cuda::{bench::bench_forward, fwd_options, set_fwd_options
 use cubeattn::reference::forward_f64;
 use cubeattn::{AttnSpec, DType, Error, HostData, TensorMeta};
 use rand::{rngs::StdRng, SeedableRng};
-use rand_distr::{Distribution, StandardNormal};
+use super::random;
 
 fn backend() -> Option<&'static CudaBackend> {
     match CudaBackend::shared() {
@@ -67,11 +67,6 @@ fn build_spec(c: &Case) -> AttnSpec {
         )
         .unwrap(),
     }
-}
-
-fn random(n: usize, dtype: DType, scale: f32, rng: &mut StdRng) -> HostData {
-    let x: Vec<f32> = (0..n).map(|_| { let z: f64 = StandardNormal.sample(rng); scale * z as f32 }).collect();
-    HostData::from_f32(dtype, &x)
 }
 
 struct Report {
