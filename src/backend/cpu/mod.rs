@@ -3,6 +3,7 @@
 
 mod backward;
 mod forward;
+mod kernel;
 mod layout;
 pub(crate) mod simd;
 

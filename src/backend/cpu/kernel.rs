@@ -1,0 +1,495 @@
+//! Hand-written AVX-512 tiles for the CPU forward (used when the CPU has AVX-512; the gemm-crate
+//! path in `forward.rs` is the fallback).
+//!
+//! K and V are packed once per forward into `G` = 64-wide panels, so every tile streams one
+//! contiguous run of memory and no per-call packing is left:
+//! - K of (segment, kv head): `[key / G][p][key % G]`, keys zero-padded to a multiple of `G`;
+//! - V of (segment, kv head): `[col / G][key][col % G]`, columns zero-padded to a multiple of `G`.
+//!
+//! Q blocks are packed per task into strips of `MR` rows, `[strip][p][row % MR]` (zero rows pad
+//! the last strip), so a tile's broadcasts read consecutive floats.
+//!
+//! Each tile keeps `MR x NV` 16-float accumulators in registers (`MR * NV + NV <= 32`).
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+use std::sync::Mutex;
+
+use rayon::prelude::*;
+
+use super::layout::SharedMut;
+use crate::dtype::{Element, HostView};
+use crate::spec::AttnSpec;
+
+/// Rows per register tile (and per packed Q strip).
+pub(crate) const MR: usize = 6;
+/// 16-float vectors per register tile row.
+pub(crate) const NV: usize = 4;
+/// Lanes per vector.
+pub(crate) const L: usize = 16;
+/// Panel width of packed K (keys) and V (columns): one tile's width.
+pub(crate) const G: usize = NV * L;
+
+/// True when the AVX-512 tiles can run on this CPU.
+pub(crate) fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        super::simd::simd_level() == 2
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// An f32 buffer whose first element is 64-byte aligned. Its contents are unspecified (buffers
+/// are recycled through a small pool, see [`Aligned::take`]); users write what they read.
+pub(crate) struct Aligned {
+    buf: Vec<f32>,
+    off: usize,
+    len: usize,
+}
+
+/// Recycled buffers: the packed operands of one forward are tens of MiB, and fresh pages cost a
+/// page fault and a zeroing each (about 8% of a 2K forward), so a few buffers are kept.
+static POOL: Mutex<Vec<Vec<f32>>> = Mutex::new(Vec::new());
+/// At most this many buffers, and only those up to `POOL_MAX_FLOATS`, are kept.
+const POOL_SLOTS: usize = 4;
+const POOL_MAX_FLOATS: usize = 1 << 28;
+
+impl Aligned {
+    /// A buffer of `len` floats, from the pool when one is large enough.
+    pub(crate) fn take(len: usize) -> Self {
+        let need = len + L;
+        let reused = {
+            let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
+            // the smallest pooled buffer that fits
+            let best = (0..pool.len()).filter(|&i| pool[i].len() >= need).min_by_key(|&i| pool[i].len());
+            best.map(|i| pool.swap_remove(i))
+        };
+        let buf = reused.unwrap_or_else(|| vec![0.0f32; need]);
+        let off = buf.as_ptr().align_offset(64).min(L);
+        Aligned { buf, off, len }
+    }
+    /// Returns the buffer to the pool (or frees it).
+    pub(crate) fn give(self) {
+        if self.buf.len() > POOL_MAX_FLOATS {
+            return;
+        }
+        let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
+        pool.push(self.buf);
+        if pool.len() > POOL_SLOTS {
+            // drop the smallest
+            let i = (0..pool.len()).min_by_key(|&i| pool[i].len()).unwrap_or(0);
+            pool.swap_remove(i);
+        }
+    }
+    pub(crate) fn as_slice(&self) -> &[f32] {
+        &self.buf[self.off..self.off + self.len]
+    }
+    pub(crate) fn as_mut_slice(&mut self) -> &mut [f32] {
+        &mut self.buf[self.off..self.off + self.len]
+    }
+}
+
+/// K and V of every (segment, kv head), packed into `G`-wide panels (see the module docs).
+pub(crate) struct PackedKv {
+    pub k: Aligned,
+    pub v: Aligned,
+    /// Per segment: offsets of head 0's K and V panels; head h adds h times the per-head size.
+    pub k_off: Vec<usize>,
+    pub v_off: Vec<usize>,
+    /// Head dimension padded to a multiple of 16 (the O scratch's leading dimension).
+    pub dp: usize,
+    /// Head dimension padded to a multiple of `G` (V's packed width).
+    pub dg: usize,
+}
+
+impl PackedKv {
+    pub(crate) fn new(spec: &AttnSpec, k: HostView, v: HostView) -> Self {
+        let dm = spec.dims;
+        let (d, hkv) = (dm.head_dim, dm.heads_kv);
+        let dp = d.div_ceil(L) * L;
+        let dg = d.div_ceil(G) * G;
+        let (mut k_off, mut v_off) = (Vec::new(), Vec::new());
+        let (mut kn, mut vn) = (0usize, 0usize);
+        for seg in &spec.segments {
+            k_off.push(kn);
+            v_off.push(vn);
+            kn += seg.k_len.div_ceil(G) * G * d * hkv;
+            vn += seg.k_len * dg * hkv;
+        }
+        let mut pk = Aligned::take(kn);
+        let mut pv = Aligned::take(vn);
+        #[allow(clippy::too_many_arguments)]
+        fn go<T: Element>(spec: &AttnSpec, k: &[T], v: &[T], pk: &mut [f32], pv: &mut [f32], k_off: &[usize], v_off: &[usize], dg: usize) {
+            let dm = spec.dims;
+            let (d, hkv) = (dm.head_dim, dm.heads_kv);
+            let rs = hkv * d;
+            let (kw, vw) = (SharedMut::new(pk), SharedMut::new(pv));
+            // one job per (segment, G-key panel), all heads: reads G whole token rows (contiguous,
+            // so the hardware prefetchers stream them) and writes every head's K panel and G rows
+            // of its V panels, padding included
+            let jobs: Vec<(usize, usize)> =
+                spec.segments.iter().enumerate().flat_map(|(si, s)| (0..s.k_len.div_ceil(G)).map(move |b| (si, b))).collect();
+            jobs.par_iter().for_each(|&(si, b)| {
+                let seg = &spec.segments[si];
+                let (t0, t1) = (b * G, ((b + 1) * G).min(seg.k_len));
+                for h in 0..hkv {
+                    let kpan = k_off[si] + h * seg.k_len.div_ceil(G) * G * d + b * G * d;
+                    // SAFETY: (segment, head, panel) ranges are disjoint across jobs.
+                    let kdst = unsafe { kw.slice(kpan, G * d) };
+                    if t1 - t0 < G {
+                        kdst.fill(0.0);
+                    }
+                    for t in t0..t1 {
+                        let src = &k[(seg.k_start + t) * rs + h * d..][..d];
+                        for (p, x) in src.iter().enumerate() {
+                            kdst[p * G + (t - t0)] = x.to_f32();
+                        }
+                    }
+                    let vh = v_off[si] + h * seg.k_len * dg;
+                    for cp in 0..dg / G {
+                        let c0 = cp * G;
+                        let cn = G.min(d - c0);
+                        // SAFETY: as above (rows t0..t1 of column panel cp of this head).
+                        let vdst = unsafe { vw.slice(vh + cp * seg.k_len * G + t0 * G, (t1 - t0) * G) };
+                        for t in t0..t1 {
+                            let row = &mut vdst[(t - t0) * G..][..G];
+                            let src = &v[(seg.k_start + t) * rs + h * d + c0..][..cn];
+                            for (o, x) in row.iter_mut().zip(src) {
+                                *o = x.to_f32();
+                            }
+                            row[cn..].fill(0.0);
+                        }
+                    }
+                }
+            });
+        }
+        let (ks, vs) = (pk.as_mut_slice(), pv.as_mut_slice());
+        match (k, v) {
+            (HostView::F32(k), HostView::F32(v)) => go(spec, k, v, ks, vs, &k_off, &v_off, dg),
+            (HostView::F16(k), HostView::F16(v)) => go(spec, k, v, ks, vs, &k_off, &v_off, dg),
+            (HostView::BF16(k), HostView::BF16(v)) => go(spec, k, v, ks, vs, &k_off, &v_off, dg),
+            _ => unreachable!("k and v share one dtype (checked by check_buffers)"),
+        }
+        PackedKv { k: pk, v: pv, k_off, v_off, dp, dg }
+    }
+
+    /// Returns the buffers to the pool.
+    pub(crate) fn release(self) {
+        self.k.give();
+        self.v.give();
+    }
+    /// K panels of head `h` of segment `si`, starting at key `kb` (a multiple of `G`).
+    pub(crate) fn k_panels(&self, spec: &AttnSpec, si: usize, h: usize, kb: usize) -> *const f32 {
+        let seg = &spec.segments[si];
+        let d = spec.dims.head_dim;
+        debug_assert!(kb % G == 0);
+        self.k.as_slice()[self.k_off[si] + h * seg.k_len.div_ceil(G) * G * d + kb * d..].as_ptr()
+    }
+
+    /// V panels of head `h` of segment `si`, starting at key `kb`; column panels lie
+    /// `v_stride` floats apart.
+    pub(crate) fn v_panels(&self, spec: &AttnSpec, si: usize, h: usize, kb: usize) -> (*const f32, usize) {
+        let seg = &spec.segments[si];
+        let off = self.v_off[si] + h * seg.k_len * self.dg + kb * G;
+        (self.v.as_slice()[off..].as_ptr(), seg.k_len * G)
+    }
+}
+
+/// Software prefetch into L2 of up to two address ranges, spread evenly over a kernel's tiles:
+/// while one block of keys is multiplied, the next block's operand streams in from L3 (the
+/// hardware prefetchers stop at 4 KiB pages and left the tiles waiting on L3 otherwise).
+#[derive(Clone, Copy)]
+pub(crate) struct Prefetch {
+    ranges: [(*const f32, usize); 2],
+    /// Cache lines per tile.
+    per_tile: usize,
+    /// Next line (index over both ranges).
+    next: usize,
+}
+
+impl Prefetch {
+
+    /// Prefetch `ranges` (pointer, floats) over `tiles` tiles.
+    pub(crate) fn new(ranges: [(*const f32, usize); 2], tiles: usize) -> Self {
+        let lines: usize = ranges.iter().map(|r| r.1.div_ceil(L)).sum();
+        Prefetch { ranges, per_tile: lines.div_ceil(tiles.max(1)), next: 0 }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn step(&mut self) {
+        for _ in 0..self.per_tile {
+            let mut i = self.next;
+            for &(ptr, len) in &self.ranges {
+                let n = len.div_ceil(L);
+                if i < n {
+                    // SAFETY: prefetches never fault; wrapping_add keeps the pointer math defined.
+                    unsafe { _mm_prefetch::<_MM_HINT_T1>(ptr.wrapping_add(i * L) as *const i8) };
+                    break;
+                }
+                i -= n;
+            }
+            self.next += 1;
+        }
+    }
+}
+
+/// Q of every (query block, query head), packed into `MR`-row strips `[strip][p][MR]`; rows past
+/// a block's end are zero. Block `bi` of `blocks` (segment, first row, rows), head `h`, starts at
+/// `((bi * heads_q) + h) * bq * d`.
+pub(crate) struct PackedQ {
+    pub q: Aligned,
+    pub block_len: usize,
+}
+
+impl PackedQ {
+    pub(crate) fn new(spec: &AttnSpec, q: HostView, blocks: &[(usize, usize, usize)], bq: usize) -> Self {
+        let dm = spec.dims;
+        let (d, hq) = (dm.head_dim, dm.heads_q);
+        debug_assert!(bq % MR == 0);
+        let block_len = hq * bq * d;
+        let mut pq = Aligned::take(blocks.len() * block_len);
+        fn go<T: Element>(spec: &AttnSpec, q: &[T], blocks: &[(usize, usize, usize)], bq: usize, dst: &mut [f32]) {
+            let dm = spec.dims;
+            let (d, hq) = (dm.head_dim, dm.heads_q);
+            // one job per (block, strip): reads MR whole token rows (contiguous) for every head
+            let strips = bq / MR;
+            let w = SharedMut::new(dst);
+            (0..blocks.len() * strips).into_par_iter().with_min_len(4).for_each(|j| {
+                let (bi, st) = (j / strips, j % strips);
+                let (si, r0, rows) = blocks[bi];
+                let seg = &spec.segments[si];
+                for h in 0..hq {
+                    // SAFETY: (block, head, strip) ranges are disjoint across jobs.
+                    let out = unsafe { w.slice(((bi * hq + h) * bq + st * MR) * d, MR * d) };
+                    for i in 0..MR {
+                        let r = st * MR + i;
+                        if r < rows {
+                            let src = &q[((seg.q_start + r0 + r) * hq + h) * d..][..d];
+                            for (p, x) in src.iter().enumerate() {
+                                out[p * MR + i] = x.to_f32();
+                            }
+                        } else {
+                            for p in 0..d {
+                                out[p * MR + i] = 0.0;
+                            }
+                        }
+                    }
+                }
+            });
+        }
+        let dst = pq.as_mut_slice();
+        match q {
+            HostView::F32(x) => go(spec, x, blocks, bq, dst),
+            HostView::F16(x) => go(spec, x, blocks, bq, dst),
+            HostView::BF16(x) => go(spec, x, blocks, bq, dst),
+        }
+        PackedQ { q: pq, block_len }
+    }
+
+    /// The packed strips of block `bi`, head `h`.
+    pub(crate) fn strips(&self, bi: usize, h: usize, hq: usize) -> &[f32] {
+        let per_head = self.block_len / hq;
+        &self.q.as_slice()[(bi * hq + h) * per_head..][..per_head]
+    }
+}
+
+/// `S[strip rows, keys]` = Q K^T for each strip `s`, keys `0..ceil16(lim[s])`.
+/// `qp`: packed Q strips (`d * MR` floats each); `kp`: K panels (`G * d` floats each);
+/// `s_out`: row-major with leading dimension `lds`.
+///
+/// # Safety
+/// The CPU has AVX-512F; `kp` holds `ceil(max(lim) / G)` panels; `s_out` holds
+/// `strips * MR` rows of `lds >= ceil16(max(lim))` floats.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn qk(qp: &[f32], d: usize, kp: *const f32, lims: &[usize], s_out: &mut [f32], lds: usize, pf: [(*const f32, usize); 2]) {
+    let strips = lims.len();
+    let tiles: usize = lims.iter().map(|&x| x.div_ceil(G)).sum();
+    let mut pf = Prefetch::new(pf, tiles);
+    debug_assert!(qp.len() >= strips * d * MR);
+    debug_assert!(s_out.len() >= strips * MR * lds);
+    let kmax = lims.iter().copied().max().unwrap_or(0);
+    let so = s_out.as_mut_ptr();
+    let qo = qp.as_ptr();
+    // panels outer (one K panel, G keys x d, stays in L1), strips inner
+    let mut k0 = 0;
+    while k0 < kmax {
+        for (s, &lim) in lims.iter().enumerate() {
+            if lim <= k0 {
+                continue;
+            }
+            let nv = (lim - k0).div_ceil(L).min(NV);
+            let q = qo.add(s * d * MR);
+            let kpp = kp.add(k0 * d);
+            let dst = so.add(s * MR * lds + k0);
+            pf.step();
+            match nv {
+                4 => qk_tile::<4>(q, kpp, d, dst, lds),
+                3 => qk_tile::<3>(q, kpp, d, dst, lds),
+                2 => qk_tile::<2>(q, kpp, d, dst, lds),
+                _ => qk_tile::<1>(q, kpp, d, dst, lds),
+            }
+        }
+        k0 += G;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn qk_tile<const V: usize>(q: *const f32, kp: *const f32, d: usize, dst: *mut f32, lds: usize) {
+    let mut acc = [[_mm512_setzero_ps(); V]; MR];
+    for p in 0..d {
+        let mut b = [_mm512_setzero_ps(); V];
+        for (v, bv) in b.iter_mut().enumerate() {
+            *bv = _mm512_load_ps(kp.add(p * G + v * L));
+        }
+        for (i, row) in acc.iter_mut().enumerate() {
+            let a = _mm512_set1_ps(*q.add(p * MR + i));
+            for v in 0..V {
+                row[v] = _mm512_fmadd_ps(a, b[v], row[v]);
+            }
+        }
+    }
+    for (i, row) in acc.iter().enumerate() {
+        for (v, x) in row.iter().enumerate() {
+            _mm512_storeu_ps(dst.add(i * lds + v * L), *x);
+        }
+    }
+}
+
+/// Keys per chunk of the P V product (the V chunk, KC x NV*16 floats, stays in L1).
+const KC: usize = 128;
+
+/// `O[strip rows, 0..dp] += P[strip rows, 0..lim[s]] V` for each strip `s`.
+/// `p`: row-major, leading dimension `ldp`; `vp`: V column panels `v_stride` floats apart, row
+/// j of a panel at `j * G`; `o`: row-major, leading dimension `dp`.
+///
+/// # Safety
+/// The CPU has AVX-512F; `p` holds `strips * MR` rows of `ldp` floats, finite up to each strip's
+/// limit; `vp` holds `ceil(dp / G)` panels of `max(lim)` rows; `o` holds `strips * MR * dp` floats.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn pv(p: &[f32], ldp: usize, vp: *const f32, v_stride: usize, lims: &[usize], o: &mut [f32], dp: usize, pf: [(*const f32, usize); 2]) {
+    let strips = lims.len();
+    let tiles: usize = dp.div_ceil(G) * lims.iter().map(|&x| x.div_ceil(KC)).sum::<usize>();
+    let mut pf = Prefetch::new(pf, tiles);
+    debug_assert!(o.len() >= strips * MR * dp);
+    let kmax = lims.iter().copied().max().unwrap_or(0);
+    let (po, oo) = (p.as_ptr(), o.as_mut_ptr());
+    let mut c0 = 0;
+    while c0 < dp {
+        let nv = (dp - c0).div_ceil(L).min(NV);
+        let mut j0 = 0;
+        while j0 < kmax {
+            for (s, &lim) in lims.iter().enumerate() {
+                if lim <= j0 {
+                    continue;
+                }
+                let len = (lim - j0).min(KC);
+                let a = po.add(s * MR * ldp + j0);
+                let b = vp.add(c0 / G * v_stride + j0 * G);
+                let dst = oo.add(s * MR * dp + c0);
+                pf.step();
+                match nv {
+                    4 => pv_tile::<4>(a, ldp, b, len, dst, dp),
+                    3 => pv_tile::<3>(a, ldp, b, len, dst, dp),
+                    2 => pv_tile::<2>(a, ldp, b, len, dst, dp),
+                    _ => pv_tile::<1>(a, ldp, b, len, dst, dp),
+                }
+            }
+            j0 += KC;
+        }
+        c0 += G;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn pv_tile<const V: usize>(a: *const f32, lda: usize, b: *const f32, len: usize, dst: *mut f32, ldd: usize) {
+    let mut acc = [[_mm512_setzero_ps(); V]; MR];
+    for (i, row) in acc.iter_mut().enumerate() {
+        for (v, x) in row.iter_mut().enumerate() {
+            *x = _mm512_load_ps(dst.add(i * ldd + v * L));
+        }
+    }
+    for j in 0..len {
+        let mut bv = [_mm512_setzero_ps(); V];
+        for (v, x) in bv.iter_mut().enumerate() {
+            *x = _mm512_load_ps(b.add(j * G + v * L));
+        }
+        for (i, row) in acc.iter_mut().enumerate() {
+            let av = _mm512_set1_ps(*a.add(i * lda + j));
+            for v in 0..V {
+                row[v] = _mm512_fmadd_ps(av, bv[v], row[v]);
+            }
+        }
+    }
+    for (i, row) in acc.iter().enumerate() {
+        for (v, x) in row.iter().enumerate() {
+            _mm512_store_ps(dst.add(i * ldd + v * L), *x);
+        }
+    }
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+
+    /// Single-thread tile throughput: `cargo test --release kernel::tests::tile_rate -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn tile_rate() {
+        if !available() {
+            return;
+        }
+        let (d, bq, bk) = (128usize, MR * (128 / MR), 512usize);
+        let strips = bq / MR;
+        let lds = bk + L;
+        let mut q = Aligned::take(strips * MR * d);
+        q.as_mut_slice().fill(0.0);
+        let k = {
+            let mut a = Aligned::take(bk * d);
+            a.as_mut_slice().iter_mut().enumerate().for_each(|(i, x)| *x = (i % 7) as f32 * 0.01);
+            a
+        };
+        let mut s = Aligned::take(strips * MR * lds);
+        let mut o = Aligned::take(strips * MR * d);
+        o.as_mut_slice().fill(0.0);
+        s.as_mut_slice().fill(0.0);
+        let lims = vec![bk; strips];
+        let reps = 400;
+        const PF: [(*const f32, usize); 2] = [(std::ptr::null(), 0); 2];
+        // K/V either one L2-resident block or blocks walked through a 32 MiB buffer (as in a real
+        // forward, where every block comes from L3)
+        let big = {
+            let mut a = Aligned::take(64 * bk * d);
+            a.as_mut_slice().iter_mut().enumerate().for_each(|(i, x)| *x = (i % 7) as f32 * 0.01);
+            a
+        };
+        for cold in [false, true] {
+            for (name, f) in [("qk", 0), ("pv", 1)] {
+                let t = std::time::Instant::now();
+                for r in 0..reps {
+                    let kp = if cold { big.as_slice()[(r % 64) * bk * d..].as_ptr() } else { k.as_slice().as_ptr() };
+                    unsafe {
+                        if f == 0 {
+                            qk(q.as_slice(), d, kp, &lims, s.as_mut_slice(), lds, PF);
+                        } else {
+                            pv(s.as_slice(), lds, kp, bk * G, &lims, o.as_mut_slice(), d, PF);
+                        }
+                    }
+                }
+                let dt = t.elapsed().as_secs_f64();
+                let flops = 2.0 * (strips * MR * bk * d * reps) as f64;
+                println!("{name} (cold={cold}): {:.1} GFLOP/s (MR={MR} NV={NV})", flops / dt / 1e9);
+            }
+        }
+    }
+}
