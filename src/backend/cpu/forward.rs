@@ -217,7 +217,7 @@ fn forward_tiles(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> Forw
                 // SAFETY: AVX-512 was detected (use_tiles); the packed K/V hold this segment's
                 // k_len >= kb + n keys (K padded to G), scratch sizes cover BQ_T rows.
                 unsafe { kernel::qk(qs, d, kp, &sc.strip_lims, sc.s.as_mut_slice(), LDS_T, pf_v) };
-                online_softmax_block(sc.s.as_mut_slice(), LDS_T, n, &sc.lims, kb, c, &mut sc.m[..rows], &mut sc.l[..rows], sc.o.as_mut_slice(), dp);
+                unsafe { kernel::softmax_block(sc.s.as_mut_slice(), LDS_T, n, &sc.lims, &sc.strip_lims, kb, c, &mut sc.m[..rows], &mut sc.l[..rows], sc.o.as_mut_slice(), dp) };
                 unsafe { kernel::pv(sc.s.as_slice(), LDS_T, vp, vs, &sc.strip_lims, sc.o.as_mut_slice(), dp, pf_k) };
             }
             // SAFETY: segments own disjoint query rows, so (row, head) ranges of tasks are disjoint.

@@ -438,9 +438,144 @@ unsafe fn pv_tile<const V: usize>(a: *const f32, lda: usize, b: *const f32, len:
     }
 }
 
+/// 2^t for t <= ~0, 16 lanes: t = n + f with n = round(t), |f| <= 1/2; 2^f by a degree-6
+/// polynomial (relative error ~1e-7 in f32, under the f32 rounding of the result), then
+/// `scalef` applies 2^n (underflowing to 0 for very negative t, no integer tricks needed).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn exp2_v(t: __m512) -> __m512 {
+    const C: [f32; 7] = [1.0, 0.693_147_2, 0.240_226_48, 0.055_503_324, 0.009_618_437, 0.001_339_888_5, 0.000_153_535_88];
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t);
+    let f = _mm512_sub_ps(t, n);
+    let mut p = _mm512_set1_ps(C[6]);
+    for &ck in C[..6].iter().rev() {
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ck));
+    }
+    _mm512_scalef_ps(p, n)
+}
+
+/// One key block of online softmax (base-2 units) for rows `0..lims.len()`: on entry `s` holds
+/// raw q.k (leading dimension `lds`), on exit the unnormalised probabilities; row i sees block
+/// columns `< lims[i] - kb` (clamped to `n`) and gets zeros from there up to its strip's limit
+/// `strip_lims[i / MR]` (the columns P V reads). `m`/`l` are updated and each row of `o`
+/// (leading dimension `ldo`, `ldo` a multiple of 16) is rescaled for the new maximum.
+///
+/// # Safety
+/// The CPU has AVX-512F; `s` holds `lims.len()` rows of `lds >= n` floats, `o` as many of `ldo`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn softmax_block(
+    s: &mut [f32],
+    lds: usize,
+    n: usize,
+    lims: &[usize],
+    strip_lims: &[usize],
+    kb: usize,
+    c: f32,
+    m: &mut [f32],
+    l: &mut [f32],
+    o: &mut [f32],
+    ldo: usize,
+) {
+    let rows = lims.len();
+    assert!(m.len() >= rows && l.len() >= rows && strip_lims.len() * MR >= rows);
+    assert!(rows == 0 || (s.len() >= (rows - 1) * lds + n && o.len() >= rows * ldo && ldo % L == 0));
+    let cv = _mm512_set1_ps(c);
+    for i in 0..rows {
+        let row = s.as_mut_ptr().add(i * lds);
+        let lim = lims[i].saturating_sub(kb).min(n);
+        let zero_to = strip_lims[i / MR].min(n).max(lim);
+        let mut j = lim;
+        while j < zero_to {
+            _mm512_mask_storeu_ps(row.add(j), tail_mask(zero_to - j), _mm512_setzero_ps());
+            j += L;
+        }
+        if lim == 0 {
+            continue;
+        }
+        // max of c*x over the live columns (c*x, not x: the scale may be negative)
+        let full = lim / L * L;
+        let mut mx = [_mm512_set1_ps(f32::NEG_INFINITY); 2];
+        let mut j = 0;
+        while j < full {
+            let x = _mm512_mul_ps(_mm512_loadu_ps(row.add(j)), cv);
+            mx[(j / L) & 1] = _mm512_max_ps(mx[(j / L) & 1], x);
+            j += L;
+        }
+        if full < lim {
+            let x = _mm512_mask_loadu_ps(_mm512_set1_ps(f32::NEG_INFINITY), tail_mask(lim - full), row.add(full));
+            mx[0] = _mm512_max_ps(mx[0], _mm512_mul_ps(x, cv));
+        }
+        let m_new = _mm512_reduce_max_ps(_mm512_max_ps(mx[0], mx[1])).max(m[i]);
+        let mneg = _mm512_set1_ps(-m_new);
+        let mut sum = [_mm512_setzero_ps(); 2];
+        let mut j = 0;
+        while j < full {
+            let e = exp2_v(_mm512_fmadd_ps(_mm512_loadu_ps(row.add(j)), cv, mneg));
+            _mm512_storeu_ps(row.add(j), e);
+            sum[(j / L) & 1] = _mm512_add_ps(sum[(j / L) & 1], e);
+            j += L;
+        }
+        if full < lim {
+            let k = tail_mask(lim - full);
+            let e = exp2_v(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, row.add(full)), cv, mneg));
+            let e = _mm512_maskz_mov_ps(k, e);
+            _mm512_mask_storeu_ps(row.add(full), k, e);
+            sum[0] = _mm512_add_ps(sum[0], e);
+        }
+        let total = _mm512_reduce_add_ps(_mm512_add_ps(sum[0], sum[1]));
+        let alpha = super::simd::exp2_neg(m[i] - m_new);
+        l[i] = l[i] * alpha + total;
+        m[i] = m_new;
+        if alpha != 1.0 {
+            let av = _mm512_set1_ps(alpha);
+            let orow = o.as_mut_ptr().add(i * ldo);
+            let mut j = 0;
+            while j < ldo {
+                _mm512_storeu_ps(orow.add(j), _mm512_mul_ps(_mm512_loadu_ps(orow.add(j)), av));
+                j += L;
+            }
+        }
+    }
+}
+
+/// The low `min(n, 16)` lanes.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn tail_mask(n: usize) -> __mmask16 {
+    if n >= L {
+        0xffff
+    } else {
+        ((1u32 << n) - 1) as __mmask16
+    }
+}
+
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
+
+    #[test]
+    fn exp2_v_is_accurate() {
+        if !available() {
+            return;
+        }
+        let mut worst = 0.0f64;
+        let mut x = -140.0f32;
+        while x <= 0.5 {
+            let mut out = [0.0f32; 16];
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr(), exp2_v(_mm512_set1_ps(x))) };
+            let want = (x as f64).exp2();
+            if want > 1e-37 {
+                worst = worst.max(((out[0] as f64 - want) / want).abs());
+            } else {
+                assert!((out[0] as f64) < 2e-37, "2^{x}: {}", out[0]);
+            }
+            x += 0.00731;
+        }
+        assert!(worst < 2.5e-7, "worst relative error {worst}");
+    }
 
     /// Single-thread tile throughput: `cargo test --release kernel::tests::tile_rate -- --ignored --nocapture`.
     #[test]
