@@ -119,13 +119,28 @@ fn finish_rows(o: &[f32], ldo: usize, m: &[f32], l: &[f32], rows: usize, d: usiz
     }
 }
 
-/// Query rows per task of the tile path: a multiple of the tile height near 128.
-const BQ_T: usize = kernel::MR * (128 / kernel::MR);
-/// Leading dimension of the score block of the tile path.
-const LDS_T: usize = BK + kernel::L;
+/// Query rows per task and keys per block of the tile path. 378 x 256 measured ~3% faster than
+/// 126 x 512 and 252 x 256 at d = 128 (each K/V byte streamed from L3 serves more rows); its
+/// ~1.7 MiB working set at d = 128 is why larger heads fall back to 126 x 512.
+/// `CUBEATTN_CPU_BLOCKS=bq,bk` overrides both for experiments (bq a multiple of the tile
+/// height, bk of the panel width).
+fn tile_blocks(d: usize) -> (usize, usize) {
+    static B: std::sync::OnceLock<Option<(usize, usize)>> = std::sync::OnceLock::new();
+    let over = *B.get_or_init(|| {
+        let v = std::env::var("CUBEATTN_CPU_BLOCKS").ok()?;
+        let x: Vec<usize> = v.split(',').filter_map(|t| t.trim().parse().ok()).collect();
+        match x[..] {
+            [bq, bk] if bq > 0 && bk > 0 && bq % kernel::MR == 0 && bk % kernel::G == 0 => Some((bq, bk)),
+            _ => None,
+        }
+    });
+    over.unwrap_or(if d <= 128 { (kernel::MR * 63, 256) } else { (kernel::MR * 21, 512) })
+}
 
 struct TileScratch {
     d: usize,
+    bq: usize,
+    bk: usize,
     s: kernel::Aligned,
     o: kernel::Aligned,
     m: Vec<f32>,
@@ -135,15 +150,17 @@ struct TileScratch {
 }
 
 impl TileScratch {
-    fn new(d: usize, dp: usize) -> Self {
+    fn new(d: usize, dp: usize, bq: usize, lds: usize) -> Self {
         TileScratch {
             d,
-            s: kernel::Aligned::take(BQ_T * LDS_T),
-            o: kernel::Aligned::take(BQ_T * dp),
-            m: vec![0.0; BQ_T],
-            l: vec![0.0; BQ_T],
-            lims: Vec::with_capacity(BQ_T),
-            strip_lims: Vec::with_capacity(BQ_T / kernel::MR),
+            bq,
+            bk: lds - kernel::L,
+            s: kernel::Aligned::take(bq * lds),
+            o: kernel::Aligned::take(bq * dp),
+            m: vec![0.0; bq],
+            l: vec![0.0; bq],
+            lims: Vec::with_capacity(bq),
+            strip_lims: Vec::with_capacity(bq / kernel::MR),
         }
     }
 }
@@ -157,17 +174,19 @@ fn forward_tiles(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> Forw
     let dm = spec.dims;
     let (d, tq, hq) = (dm.head_dim, dm.total_q, dm.heads_q);
     let mr = kernel::MR;
+    let (bq, bk) = tile_blocks(d);
+    let lds = bk + kernel::L;
     // query blocks (segment, first row, rows), longest first
     let mut blocks: Vec<(usize, usize, usize, usize)> = Vec::new();
     for (si, seg) in spec.segments.iter().enumerate() {
-        for r0 in (0..seg.q_len).step_by(BQ_T) {
-            let rows = BQ_T.min(seg.q_len - r0);
+        for r0 in (0..seg.q_len).step_by(bq) {
+            let rows = bq.min(seg.q_len - r0);
             blocks.push((si, r0, rows, seg.visible_len(r0 + rows - 1, spec.causal)));
         }
     }
     blocks.sort_by(|a, b| b.3.cmp(&a.3));
     let blocks: Vec<(usize, usize, usize)> = blocks.into_iter().map(|(s, r, n, _)| (s, r, n)).collect();
-    let pq = kernel::PackedQ::new(spec, q, &blocks, BQ_T);
+    let pq = kernel::PackedQ::new(spec, q, &blocks, bq);
     let pkv = kernel::PackedKv::new(spec, k, v);
     let dp = pkv.dp;
     let mut out = vec![0.0f32; dm.q_len()];
@@ -179,12 +198,12 @@ fn forward_tiles(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> Forw
     let tasks: Vec<(usize, usize)> = (0..blocks.len()).flat_map(|bi| (0..hq).map(move |h| (bi, h))).collect();
     tasks.par_iter().for_each(|&(bi, h)| {
         TILE_SCRATCH.with_borrow_mut(|slot| {
-            if slot.as_ref().map_or(true, |sc| sc.d != d) {
+            if slot.as_ref().map_or(true, |sc| sc.d != d || sc.bq != bq || sc.bk != bk) {
                 if let Some(old) = slot.take() {
                     old.s.give();
                     old.o.give();
                 }
-                *slot = Some(TileScratch::new(d, dp));
+                *slot = Some(TileScratch::new(d, dp, bq, lds));
             }
             let sc = slot.as_mut().expect("scratch was just set");
             let (si, r0, rows) = blocks[bi];
@@ -198,8 +217,8 @@ fn forward_tiles(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> Forw
             sc.o.as_mut_slice()[..strips * mr * dp].fill(0.0);
             sc.m[..rows].fill(f32::NEG_INFINITY);
             sc.l[..rows].fill(0.0);
-            for kb in (0..k_hi).step_by(BK) {
-                let n = BK.min(k_hi - kb);
+            for kb in (0..k_hi).step_by(bk) {
+                let n = bk.min(k_hi - kb);
                 sc.strip_lims.clear();
                 sc.strip_lims.extend(sc.lims.chunks(mr).map(|ch| ch.iter().copied().max().unwrap_or(0).saturating_sub(kb).min(n)));
                 let kp = pkv.k_panels(spec, si, hk, kb);
@@ -208,17 +227,17 @@ fn forward_tiles(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> Forw
                 // runs, the next block's K
                 let kv_used = sc.strip_lims.iter().copied().max().unwrap_or(0);
                 let pf_v = [(vp, kv_used * kernel::G), (vp.wrapping_add(vs), if dp > kernel::G { kv_used * kernel::G } else { 0 })];
-                let next_n = BK.min(k_hi.saturating_sub(kb + BK));
+                let next_n = bk.min(k_hi.saturating_sub(kb + bk));
                 let pf_k = if next_n > 0 {
-                    [(pkv.k_panels(spec, si, hk, kb + BK), next_n.div_ceil(kernel::G) * kernel::G * d), (std::ptr::null(), 0)]
+                    [(pkv.k_panels(spec, si, hk, kb + bk), next_n.div_ceil(kernel::G) * kernel::G * d), (std::ptr::null(), 0)]
                 } else {
                     [(std::ptr::null(), 0); 2]
                 };
                 // SAFETY: AVX-512 was detected (use_tiles); the packed K/V hold this segment's
-                // k_len >= kb + n keys (K padded to G), scratch sizes cover BQ_T rows.
-                unsafe { kernel::qk(qs, d, kp, &sc.strip_lims, sc.s.as_mut_slice(), LDS_T, pf_v) };
-                unsafe { kernel::softmax_block(sc.s.as_mut_slice(), LDS_T, n, &sc.lims, &sc.strip_lims, kb, c, &mut sc.m[..rows], &mut sc.l[..rows], sc.o.as_mut_slice(), dp) };
-                unsafe { kernel::pv(sc.s.as_slice(), LDS_T, vp, vs, &sc.strip_lims, sc.o.as_mut_slice(), dp, pf_k) };
+                // k_len >= kb + n keys (K padded to G), scratch sizes cover bq rows.
+                unsafe { kernel::qk(qs, d, kp, &sc.strip_lims, sc.s.as_mut_slice(), lds, pf_v) };
+                unsafe { kernel::softmax_block(sc.s.as_mut_slice(), lds, n, &sc.lims, &sc.strip_lims, kb, c, &mut sc.m[..rows], &mut sc.l[..rows], sc.o.as_mut_slice(), dp) };
+                unsafe { kernel::pv(sc.s.as_slice(), lds, vp, vs, &sc.strip_lims, sc.o.as_mut_slice(), dp, pf_k) };
             }
             // SAFETY: segments own disjoint query rows, so (row, head) ranges of tasks are disjoint.
             let lse_dst = unsafe { lse_w.slice(h * tq + row0, rows) };

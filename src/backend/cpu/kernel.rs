@@ -577,6 +577,40 @@ mod tests {
         assert!(worst < 2.5e-7, "worst relative error {worst}");
     }
 
+    /// Packing time at S = 2048, H = 8, d = 128 (both threads):
+    /// `cargo test --release kernel::tests::pack_rate -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn pack_rate() {
+        use crate::dtype::{DType, HostData};
+        use crate::spec::TensorMeta;
+        let (sl, h, d) = (2048usize, 8usize, 128usize);
+        let m = TensorMeta::new(&[sl, h, d], DType::F32);
+        let cu = [0, sl as i32];
+        let spec = AttnSpec::varlen(&m, &m, &m, &cu, &cu, sl, sl, None, true).unwrap();
+        let x = HostData::F32((0..sl * h * d).map(|i| (i % 13) as f32).collect());
+        let blocks: Vec<(usize, usize, usize)> = (0..sl).step_by(126).map(|r| (0, r, 126.min(sl - r))).collect();
+        for _ in 0..3 {
+            let t = std::time::Instant::now();
+            let pkv = PackedKv::new(&spec, x.view(), x.view());
+            let t1 = t.elapsed().as_secs_f64() * 1e3;
+            let t = std::time::Instant::now();
+            let pq = PackedQ::new(&spec, x.view(), &blocks, 126);
+            let t2 = t.elapsed().as_secs_f64() * 1e3;
+            let mut dst = vec![0.0f32; 2 * sl * h * d];
+            let src = x.to_f32_vec();
+            let t = std::time::Instant::now();
+            dst.par_chunks_mut(1 << 16).enumerate().for_each(|(i, c)| {
+                let n = c.len().min(src.len() - ((i << 16) % src.len()));
+                c[..n].copy_from_slice(&src[(i << 16) % src.len()..][..n]);
+            });
+            let t3 = t.elapsed().as_secs_f64() * 1e3;
+            println!("pack K,V {t1:.2} ms, Q {t2:.2} ms; plain copy of K,V's size {t3:.2} ms");
+            pkv.release();
+            pq.q.give();
+        }
+    }
+
     /// Single-thread tile throughput: `cargo test --release kernel::tests::tile_rate -- --ignored --nocapture`.
     #[test]
     #[ignore]
@@ -613,11 +647,13 @@ mod tests {
                 let t = std::time::Instant::now();
                 for r in 0..reps {
                     let kp = if cold { big.as_slice()[(r % 64) * bk * d..].as_ptr() } else { k.as_slice().as_ptr() };
+                    // cold runs prefetch the next block, as the forward does
+                    let pf = if cold { [(big.as_slice()[((r + 1) % 64) * bk * d..].as_ptr(), bk * d), (std::ptr::null(), 0)] } else { PF };
                     unsafe {
                         if f == 0 {
-                            qk(q.as_slice(), d, kp, &lims, s.as_mut_slice(), lds, PF);
+                            qk(q.as_slice(), d, kp, &lims, s.as_mut_slice(), lds, pf);
                         } else {
-                            pv(s.as_slice(), lds, kp, bk * G, &lims, o.as_mut_slice(), d, PF);
+                            pv(s.as_slice(), lds, kp, bk * G, &lims, o.as_mut_slice(), d, pf);
                         }
                     }
                 }
