@@ -34,7 +34,7 @@ pub const BWD_SUB: usize = 32;
 /// Width of the global-memory vector loads (elements): 16 bytes of f16/bf16.
 pub const BWD_LOAD_VEC: usize = 8;
 /// Padding (elements) added to each shared-memory row (keeps 16-byte alignment, spreads banks).
-pub(crate) const PAD: usize = 8;
+const PAD: usize = 8;
 /// Rows (or keys) per cube of the f32 kernels (one plane each).
 pub const F32_ROWS_PER_CUBE: usize = 4;
 /// Planes per cube of the preprocessing kernel.
@@ -43,7 +43,7 @@ pub const DELTA_PLANES: usize = 8;
 /// `exp` through the hardware approximation (`__expf`); the tensor-core kernels round P to
 /// f16/bf16 right after, so its few-ulp error is invisible.
 #[cube(fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf)]
-pub(crate) fn fast_exp(x: f32) -> f32 {
+fn fast_exp(x: f32) -> f32 {
     f32::exp(x)
 }
 
@@ -54,7 +54,7 @@ pub(crate) fn fast_exp(x: f32) -> f32 {
 
 /// 16x16 A fragment with `A[m][kk] = smem[(row0 + m) * stride + col0 + kk]`.
 #[cube]
-pub(crate) fn frag_a<E: Float, NA: Size>(
+fn frag_a<E: Float, NA: Size>(
     def: &MmaDefinition<E, E, f32>,
     smem: &SharedMemory<E>,
     row0: usize,
@@ -96,7 +96,7 @@ pub(crate) fn frag_a<E: Float, NA: Size>(
 /// with `B[kk][n] = smem[(row0 + n) * stride + col0 + kk]`, n in 0..8 (a transposed operand: K^T,
 /// Q^T, dO^T or V^T from row-major tiles).
 #[cube]
-pub(crate) fn frag_b_t2<E: Float, NB: Size>(
+fn frag_b_t2<E: Float, NB: Size>(
     def: &MmaDefinition<E, E, f32>,
     smem: &SharedMemory<E>,
     row0: usize,
@@ -139,7 +139,7 @@ pub(crate) fn frag_b_t2<E: Float, NB: Size>(
 /// with `B[kk][n] = smem[(row0 + kk) * stride + col0 + n]`, kk in 0..16 (a row-major operand:
 /// dO, Q or K as the right factor).
 #[cube]
-pub(crate) fn frag_b_n2<E: Float, NB: Size>(
+fn frag_b_n2<E: Float, NB: Size>(
     def: &MmaDefinition<E, E, f32>,
     smem: &SharedMemory<E>,
     row0: usize,
@@ -180,7 +180,7 @@ pub(crate) fn frag_b_n2<E: Float, NB: Size>(
 
 /// acc[off..off+ec] += A * B where B is entries `[bi, bi + vb)` of `b`.
 #[cube]
-pub(crate) fn mma_into<E: Float, NA: Size, NB: Size, NC: Size>(
+fn mma_into<E: Float, NA: Size, NB: Size, NC: Size>(
     def: &MmaDefinition<E, E, f32>,
     a: &Array<Vector<E, NA>>,
     b: &Array<Vector<E, NB>>,
@@ -243,7 +243,7 @@ fn acc_to_a<E: Float, NA: Size>(def: &MmaDefinition<E, E, f32>, s: &Array<f32>, 
 /// Row `r` of the tile is global row `base_row + r` when `r + first < limit`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn stage_rows<E: Float, NV: Size>(
+fn stage_rows<E: Float, NV: Size>(
     src: &Array<Vector<E, NV>>,
     smem: &mut SharedMemory<E>,
     first: u32,
@@ -253,12 +253,11 @@ pub(crate) fn stage_rows<E: Float, NV: Size>(
     head: u32,
     #[comptime] rows: usize,
     #[comptime] head_dim: usize,
-    #[comptime] planes: usize,
 ) {
-    let threads = comptime!(planes * 32);
+    let threads = comptime!(BWD_PLANES * 32);
     let vpr = comptime!(head_dim / BWD_LOAD_VEC);
     let stride = comptime!(head_dim + PAD);
-    let loads = comptime!(rows * (head_dim / BWD_LOAD_VEC) / (planes * 32));
+    let loads = comptime!(rows * (head_dim / BWD_LOAD_VEC) / (BWD_PLANES * 32));
     #[unroll]
     for it in 0..loads {
         let idx = UNIT_POS as usize + it * threads;
@@ -284,7 +283,7 @@ pub(crate) fn stage_rows<E: Float, NV: Size>(
 /// copies to a barrier.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn issue_q_tile<E: Float>(
+fn issue_q_tile<E: Float>(
     q_s: &Array<E>,
     do_s: &Array<E>,
     lse: &Array<f32>,
@@ -301,12 +300,11 @@ pub(crate) fn issue_q_tile<E: Float>(
     heads_q: u32,
     total_q: u32,
     #[comptime] head_dim: usize,
-    #[comptime] planes: usize,
 ) {
-    let threads = comptime!(planes * 32);
+    let threads = comptime!(BWD_PLANES * 32);
     let vpr = comptime!(head_dim / BWD_LOAD_VEC);
     let stride = comptime!(head_dim + PAD);
-    let loads = comptime!(BWD_BM * (head_dim / BWD_LOAD_VEC) / (planes * 32));
+    let loads = comptime!(BWD_BM * (head_dim / BWD_LOAD_VEC) / (BWD_PLANES * 32));
     #[unroll]
     for it in 0..loads {
         let idx = UNIT_POS as usize + it * threads;
@@ -431,8 +429,8 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
     let group = heads_q / heads_kv;
     let key0 = kt * BWD_BN as u32;
 
-    stage_rows::<E, NV>(k, &mut k_smem, key0, total_k, key0, heads_kv, hk, BWD_BN, head_dim, BWD_PLANES);
-    stage_rows::<E, NV>(v, &mut v_smem, key0, total_k, key0, heads_kv, hk, BWD_BN, head_dim, BWD_PLANES);
+    stage_rows::<E, NV>(k, &mut k_smem, key0, total_k, key0, heads_kv, hk, BWD_BN, head_dim);
+    stage_rows::<E, NV>(v, &mut v_smem, key0, total_k, key0, heads_kv, hk, BWD_BN, head_dim);
     // Barrier initialisation visible before the first cp.async commit.
     sync_cube();
     // Query tiles issued so far (pipe): tile g uses stage g % 2 and barrier phase (g / 2) % 2.
@@ -491,7 +489,7 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
             let boff = ((g_tile & 1u32) * BWD_BM as u32) as usize;
             issue_q_tile::<E>(
                 q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, boff, r_min as u32,
-                q_len, q_start, hk * group, heads_q, total_q, head_dim, BWD_PLANES,
+                q_len, q_start, hk * group, heads_q, total_q, head_dim,
             );
             if (g_tile & 1u32) == 0 {
                 bar0.commit_copy_async();
@@ -516,7 +514,7 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                     let nb = (((cur + 1u32) & 1u32) * BWD_BM as u32) as usize;
                     issue_q_tile::<E>(
                         q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, nb, rn, q_len,
-                        q_start, hn, heads_q, total_q, head_dim, BWD_PLANES,
+                        q_start, hn, heads_q, total_q, head_dim,
                     );
                     if (cur & 1u32) == 0 {
                         bar1.commit_copy_async();
@@ -533,8 +531,8 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                 }
                 g_tile = cur + 1u32;
             } else {
-                stage_rows::<E, NV>(q, &mut q_smem, r0, q_len, q_start + r0, heads_q, h, BWD_BM, head_dim, BWD_PLANES);
-                stage_rows::<E, NV>(dout, &mut do_smem, r0, q_len, q_start + r0, heads_q, h, BWD_BM, head_dim, BWD_PLANES);
+                stage_rows::<E, NV>(q, &mut q_smem, r0, q_len, q_start + r0, heads_q, h, BWD_BM, head_dim);
+                stage_rows::<E, NV>(dout, &mut do_smem, r0, q_len, q_start + r0, heads_q, h, BWD_BM, head_dim);
                 if UNIT_POS < BWD_BM as u32 {
                     let row = r0 + UNIT_POS;
                     let mut l = 0.0f32;
@@ -810,8 +808,8 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
         }
     }
     // ---- Q and dO tiles through shared memory into A fragments (BM == BN) ----
-    stage_rows::<E, NV>(q, &mut k_smem, tile_start, q_len, q_start + tile_start, heads_q, head, BWD_BM, head_dim, BWD_PLANES);
-    stage_rows::<E, NV>(dout, &mut v_smem, tile_start, q_len, q_start + tile_start, heads_q, head, BWD_BM, head_dim, BWD_PLANES);
+    stage_rows::<E, NV>(q, &mut k_smem, tile_start, q_len, q_start + tile_start, heads_q, head, BWD_BM, head_dim);
+    stage_rows::<E, NV>(dout, &mut v_smem, tile_start, q_len, q_start + tile_start, heads_q, head, BWD_BM, head_dim);
     sync_cube();
 
     let size!(NA) = def.vector_size(MatrixIdent::A);
@@ -907,8 +905,8 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
                 bar0.wait_parity((kt >> 1u32) & 1u32);
             }
         } else {
-            stage_rows::<E, NV>(k, &mut k_smem, kb, k_len, k_start + kb, heads_kv, head_kv, BWD_BN, head_dim, BWD_PLANES);
-            stage_rows::<E, NV>(v, &mut v_smem, kb, k_len, k_start + kb, heads_kv, head_kv, BWD_BN, head_dim, BWD_PLANES);
+            stage_rows::<E, NV>(k, &mut k_smem, kb, k_len, k_start + kb, heads_kv, head_kv, BWD_BN, head_dim);
+            stage_rows::<E, NV>(v, &mut v_smem, kb, k_len, k_start + kb, heads_kv, head_kv, BWD_BN, head_dim);
             sync_cube();
         }
 

@@ -3,4 +3,3 @@
 pub mod flash_fwd;
 pub mod rowwise_fwd;
 pub mod flash_bwd;
-pub mod flash_bwd_wide;

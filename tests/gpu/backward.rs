@@ -407,15 +407,11 @@ fn bench_backward_llama3_8b() {
             causal,
         )
         .unwrap();
-        // Both dK/dV kernels (`CUBEATTN_BWD_WIDE`, read when the plan is built): 64 keys x 4
-        // planes ("k64") and 128 keys x 8 planes ("k128"); the atomic dQ path has only the first.
-        let wide_env = std::env::var("CUBEATTN_BWD_WIDE").ok();
-        for (wide, ptag) in [("0", "k64"), ("1", "k128")] {
-        std::env::set_var("CUBEATTN_BWD_WIDE", wide);
+        // Both settings of the cp.async pipeline (`CUBEATTN_BWD_PIPE`, read at each launch).
+        let pipe_env = std::env::var("CUBEATTN_BWD_PIPE").ok();
+        for (pipe, ptag) in [("0", "nopipe"), ("1", "pipe")] {
+        std::env::set_var("CUBEATTN_BWD_PIPE", pipe);
         for (det, path) in [(Some(false), DqPath::Atomic), (Some(true), DqPath::Pass)] {
-            if wide == "1" && path == DqPath::Atomic {
-                continue;
-            }
             for (part, mult, label) in [(BenchPart::ForwardBackward, 3.5, "fwd+bwd"), (BenchPart::Backward, 2.5, "bwd")] {
                 let mut t = bench_backward_with(&spec, 2, iters, part, path).expect("bench failed");
                 t.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -433,9 +429,9 @@ fn bench_backward_llama3_8b() {
             }
         }
         }
-        match &wide_env {
-            Some(v) => std::env::set_var("CUBEATTN_BWD_WIDE", v),
-            None => std::env::remove_var("CUBEATTN_BWD_WIDE"),
+        match &pipe_env {
+            Some(v) => std::env::set_var("CUBEATTN_BWD_PIPE", v),
+            None => std::env::remove_var("CUBEATTN_BWD_PIPE"),
         }
     }
     println!("---- summary ----");

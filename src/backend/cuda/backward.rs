@@ -33,7 +33,6 @@ use crate::error::{Error, Result};
 use crate::kernels::flash_bwd::{
     self, BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, DELTA_PLANES, F32_ROWS_PER_CUBE,
 };
-use crate::kernels::flash_bwd_wide::{self, WIDE_BN, WIDE_PLANES};
 use crate::spec::AttnSpec;
 
 /// Host-side tables of one backward call.
@@ -50,13 +49,10 @@ pub(crate) struct BwdPlan {
     tile_segs: Vec<u32>,
     /// Segment of every query row, u32::MAX when none (f32 path only).
     row_seg: Vec<u32>,
-    /// Keys per dK/dV tile: [`WIDE_BN`] for the 8-plane kernel, [`BWD_BN`] otherwise.
-    key_tile: usize,
 }
 
 impl BwdPlan {
-    /// Tables for dK/dV tiles of `key_tile` keys (see [`key_tile`]).
-    pub(crate) fn new(spec: &AttnSpec, key_tile: usize) -> BwdPlan {
+    pub(crate) fn new(spec: &AttnSpec) -> BwdPlan {
         let d = &spec.dims;
         let mut segs = Vec::with_capacity(spec.segments.len() * 4);
         let mut q_items: Vec<(u64, u32, u32)> = Vec::new();
@@ -72,24 +68,23 @@ impl BwdPlan {
         q_items.sort_by(|a, b| b.0.cmp(&a.0));
         let q_work = q_items.iter().flat_map(|&(_, s, t)| [s, t]).collect();
 
-        let kt = key_tile;
-        let n_tiles = d.total_k.div_ceil(kt);
+        let n_tiles = d.total_k.div_ceil(BWD_BN);
         let mut per_tile: Vec<Vec<u32>> = vec![Vec::new(); n_tiles];
         let mut cost = vec![0u64; n_tiles];
         for (i, s) in spec.segments.iter().enumerate() {
             if s.q_len == 0 || s.k_len == 0 {
                 continue;
             }
-            let (a, b) = (s.k_start / kt, (s.k_start + s.k_len).div_ceil(kt));
+            let (a, b) = (s.k_start / BWD_BN, (s.k_start + s.k_len).div_ceil(BWD_BN));
             for (t, list) in per_tile.iter_mut().enumerate().take(b).skip(a) {
                 // rows that see the first key of the overlap, times the keys in it (upper bound)
-                let first = (t * kt).max(s.k_start) - s.k_start;
+                let first = (t * BWD_BN).max(s.k_start) - s.k_start;
                 let r_min = if spec.causal { (first + s.q_len).saturating_sub(s.k_len) } else { 0 };
                 if r_min >= s.q_len {
                     continue;
                 }
                 list.push(i as u32);
-                cost[t] += (s.q_len - r_min) as u64 * kt as u64;
+                cost[t] += (s.q_len - r_min) as u64 * BWD_BN as u64;
             }
         }
         let mut tile_off = Vec::with_capacity(n_tiles + 1);
@@ -113,7 +108,7 @@ impl BwdPlan {
         } else {
             Vec::new()
         };
-        BwdPlan { segs, q_work, k_work: order, tile_off, tile_segs, row_seg, key_tile }
+        BwdPlan { segs, q_work, k_work: order, tile_off, tile_segs, row_seg }
     }
 
     pub(crate) fn upload(&self, client: &ComputeClient<CudaRuntime>) -> BwdPlanDev {
@@ -127,7 +122,6 @@ impl BwdPlan {
             row_seg: up(&self.row_seg),
             n_q_work: self.q_work.len() / 2,
             n_k_work: self.k_work.len(),
-            wide: self.key_tile == WIDE_BN,
         }
     }
 }
@@ -141,8 +135,6 @@ pub(crate) struct BwdPlanDev {
     row_seg: (Handle, usize),
     n_q_work: usize,
     n_k_work: usize,
-    /// dK/dV through [`flash_bwd_wide::flash_bwd_dkdv_wide`] (tables of [`WIDE_BN`]-key tiles).
-    wide: bool,
 }
 
 fn arr(h: &(Handle, usize)) -> ArrayArg<CudaRuntime> {
@@ -217,28 +209,11 @@ pub enum DqPath {
 /// Device workspace of a backward call besides q, k, v, out, dout, lse, dq, dk and dv: the plan
 /// tables, delta (f32 per row and head) and, on the atomic dQ path, the f32 dQ accumulator.
 pub fn backward_workspace_bytes(spec: &AttnSpec, deterministic: bool) -> u64 {
-    let fused = fused_dq(spec, deterministic, DqPath::Auto);
-    let plan = BwdPlan::new(spec, key_tile(spec, fused));
+    let plan = BwdPlan::new(spec);
     let tables = super::table_bytes(&[&plan.segs, &plan.q_work, &plan.k_work, &plan.tile_off, &plan.tile_segs, &plan.row_seg]);
     let d = &spec.dims;
-    let acc = if fused { d.q_len() as u64 * 4 } else { 0 };
+    let acc = if fused_dq(spec, deterministic, DqPath::Auto) { d.q_len() as u64 * 4 } else { 0 };
     tables + d.lse_len() as u64 * 4 + acc
-}
-
-/// Whether dK/dV run on the 128-key, 8-plane kernel (f16/bf16 without the fused dQ). Default off
-/// (measured slower, bench/NOTES.md "Backward v4"); `CUBEATTN_BWD_WIDE=1` selects it.
-pub fn dkdv_wide() -> bool {
-    std::env::var("CUBEATTN_BWD_WIDE").map(|v| v != "0").unwrap_or(WIDE_DEFAULT)
-}
-const WIDE_DEFAULT: bool = false;
-
-/// Keys per dK/dV tile of the plan for `spec` (`fused`: the atomic dQ path, 64-key kernel only).
-fn key_tile(spec: &AttnSpec, fused: bool) -> usize {
-    if spec.dtype != DType::F32 && !fused && dkdv_wide() {
-        WIDE_BN
-    } else {
-        BWD_BN
-    }
 }
 
 /// Whether the backward of `spec` takes the fused atomic dQ path.
@@ -375,33 +350,7 @@ pub(crate) fn launch_backward(
                             buf(&b.dq, ql),
                         );
                     }
-                    if plan.n_k_work > 0 && plan.wide {
-                        flash_bwd_wide::flash_bwd_dkdv_wide::launch_unchecked::<$t, CudaRuntime>(
-                            client,
-                            CubeCount::Static(plan.n_k_work as u32, d.heads_kv as u32, 1),
-                            CubeDim::new_1d(32 * WIDE_PLANES as u32),
-                            BWD_LOAD_VEC,
-                            buf(&b.k, kv),
-                            buf(&b.v, kv),
-                            buf(&b.lse, ll),
-                            buf(&b.delta, ll),
-                            buf(&b.dk, kl),
-                            buf(&b.dv, kl),
-                            buf(&b.q, ql),
-                            buf(&b.dout, ql),
-                            arr(&plan.k_work),
-                            arr(&plan.tile_off),
-                            arr(&plan.tile_segs),
-                            arr(&plan.segs),
-                            spec.scale,
-                            d.heads_q as u32,
-                            d.heads_kv as u32,
-                            d.total_q as u32,
-                            d.total_k as u32,
-                            hd,
-                            spec.causal,
-                        );
-                    } else if plan.n_k_work > 0 {
+                    if plan.n_k_work > 0 {
                         flash_bwd::flash_bwd_dkdv::launch_unchecked::<$t, CudaRuntime>(
                             client,
                             CubeCount::Static(plan.n_k_work as u32, d.heads_kv as u32, 1),
@@ -529,7 +478,6 @@ fn backward_path(
         return Ok(zero_grads(spec));
     }
     let client = backend.client();
-    let fused = fused_dq(spec, g.deterministic, path);
     let run = guarded("CubeCL launch", || -> Result<Gradients> {
         let up = |h: HostView| client.create_from_slice(h.as_bytes());
         let filled = |n: usize| match poison {
@@ -547,9 +495,9 @@ fn backward_path(
             dq: filled(d.q_len()),
             dk: filled(d.kv_len()),
             dv: filled(d.kv_len()),
-            dq_acc: fused.then(|| client.empty(d.q_len() * 4)),
+            dq_acc: fused_dq(spec, g.deterministic, path).then(|| client.empty(d.q_len() * 4)),
         };
-        let plan = BwdPlan::new(spec, key_tile(spec, fused));
+        let plan = BwdPlan::new(spec);
         let dev = plan.upload(client);
         launch_backward(client, spec, &dev, &bufs)?;
         super::memory_probe(client);
@@ -651,7 +599,6 @@ pub fn bench_backward_with(
     if d.total_q == 0 || d.total_k == 0 {
         return Err(crate::error::invalid("spec", "benchmark needs at least one query and one key"));
     }
-    let fused = fused_dq(spec, false, path);
     let r = guarded("CubeCL benchmark", || -> Result<Vec<f64>> {
         let mk = |n: usize, seed: u64| {
             let x = random_f32(n.max(1), seed);
@@ -670,11 +617,11 @@ pub fn bench_backward_with(
             dq: client.empty(d.q_len() * esize),
             dk: client.empty(d.kv_len() * esize),
             dv: client.empty(d.kv_len() * esize),
-            dq_acc: fused.then(|| client.empty(d.q_len() * 4)),
+            dq_acc: fused_dq(spec, false, path).then(|| client.empty(d.q_len() * 4)),
         };
         let fplan = Plan::new(spec);
         let fdev = fplan.upload(client);
-        let bplan = BwdPlan::new(spec, key_tile(spec, fused));
+        let bplan = BwdPlan::new(spec);
         let bdev = bplan.upload(client);
         let fwd = || launch_forward(client, spec, &fplan, &fdev, &bufs.q, &bufs.k, &bufs.v, &bufs.out, &bufs.lse);
         let step = || -> Result<()> {
