@@ -3,6 +3,7 @@
 
 use rayon::prelude::*;
 
+#[cfg(target_arch = "x86_64")]
 use super::kernel;
 use super::layout::{from_f32_vec, matmul, to_f32_cow, transpose_per_head, Mat, SharedMut};
 use super::simd::{exp2_scaled_sub_sum, exp2_sub_sum, max_of, multiversion, scale_in_place};
@@ -82,18 +83,19 @@ pub(crate) fn query_blocks(spec: &AttnSpec) -> Vec<(usize, usize)> {
             blocks.push((si, r0, seg.visible_len(last, spec.causal)));
         }
     }
-    blocks.sort_by(|a, b| b.2.cmp(&a.2));
+    blocks.sort_by_key(|b| std::cmp::Reverse(b.2));
     blocks.into_iter().map(|(s, r, _)| (s, r)).collect()
 }
 
 pub(crate) fn forward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> ForwardOutput {
+    #[cfg(target_arch = "x86_64")]
     if use_tiles() {
-        forward_tiles(spec, q, k, v)
-    } else {
-        forward_gemm(spec, q, k, v)
+        return forward_tiles(spec, q, k, v);
     }
+    forward_gemm(spec, q, k, v)
 }
 
+#[cfg(target_arch = "x86_64")]
 /// The AVX-512 tiles unless the CPU lacks AVX-512 or `CUBEATTN_CPU_KERNEL=gemm` asks for the
 /// gemm-crate path (read once).
 fn use_tiles() -> bool {
@@ -119,6 +121,7 @@ fn finish_rows(o: &[f32], ldo: usize, m: &[f32], l: &[f32], rows: usize, d: usiz
     }
 }
 
+#[cfg(target_arch = "x86_64")]
 /// Query rows per task and keys per block of the tile path. 378 x 256 measured ~3% faster than
 /// 126 x 512 and 252 x 256 at d = 128 (each K/V byte streamed from L3 serves more rows); its
 /// ~1.7 MiB working set at d = 128 is why larger heads fall back to 126 x 512.
@@ -137,6 +140,7 @@ fn tile_blocks(d: usize) -> (usize, usize) {
     over.unwrap_or(if d <= 128 { (kernel::MR * 63, 256) } else { (kernel::MR * 21, 512) })
 }
 
+#[cfg(target_arch = "x86_64")]
 struct TileScratch {
     d: usize,
     bq: usize,
@@ -149,6 +153,7 @@ struct TileScratch {
     strip_lims: Vec<usize>,
 }
 
+#[cfg(target_arch = "x86_64")]
 impl TileScratch {
     fn new(d: usize, dp: usize, bq: usize, lds: usize) -> Self {
         TileScratch {
@@ -165,11 +170,13 @@ impl TileScratch {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
 thread_local! {
     /// Per-thread scratch of the tile path, kept between calls (about 0.3 MiB at d = 128).
     static TILE_SCRATCH: std::cell::RefCell<Option<TileScratch>> = const { std::cell::RefCell::new(None) };
 }
 
+#[cfg(target_arch = "x86_64")]
 fn forward_tiles(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> ForwardOutput {
     let dm = spec.dims;
     let (d, tq, hq) = (dm.head_dim, dm.total_q, dm.heads_q);
@@ -184,7 +191,7 @@ fn forward_tiles(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> Forw
             blocks.push((si, r0, rows, seg.visible_len(r0 + rows - 1, spec.causal)));
         }
     }
-    blocks.sort_by(|a, b| b.3.cmp(&a.3));
+    blocks.sort_by_key(|b| std::cmp::Reverse(b.3));
     let blocks: Vec<(usize, usize, usize)> = blocks.into_iter().map(|(s, r, n, _)| (s, r, n)).collect();
     let pq = kernel::PackedQ::new(spec, q, &blocks, bq);
     let pkv = kernel::PackedKv::new(spec, k, v);
@@ -300,7 +307,7 @@ fn forward_gemm(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> Forwa
     ForwardOutput { out: from_f32_vec(out, spec.dtype), lse }
 }
 
-#[cfg(test)]
+#[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
     use crate::dtype::{DType, HostData};
@@ -315,7 +322,9 @@ mod tests {
         if !kernel::available() {
             return;
         }
-        let cases: &[(&[(usize, usize)], usize, usize, usize)] = &[
+        // (segments as (q_len, k_len), heads_q, heads_kv, head_dim)
+        type Case<'a> = (&'a [(usize, usize)], usize, usize, usize);
+        let cases: &[Case] = &[
             (&[(1100, 1100)], 2, 1, 128),
             (&[(300, 1300), (1, 1), (0, 5), (77, 0), (129, 200)], 4, 2, 80),
             (&[(200, 200)], 2, 2, 200),

@@ -10,8 +10,13 @@
 //! the last strip), so a tile's broadcasts read consecutive floats.
 //!
 //! Each tile keeps `MR x NV` 16-float accumulators in registers (`MR * NV + NV <= 32`).
+//! The module is x86-64 only (`mod.rs` gates it).
+//!
+//! The AVX-512 intrinsics are stable since Rust 1.89; the `gemm` dependency's `x86-v4` feature
+//! (through `pulp`) already needs them, so the crate's effective MSRV is 1.89 whatever
+//! `rust-version` in Cargo.toml says.
+#![allow(clippy::incompatible_msrv)]
 
-#[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
 use std::sync::Mutex;
@@ -33,14 +38,7 @@ pub(crate) const G: usize = NV * L;
 
 /// True when the AVX-512 tiles can run on this CPU.
 pub(crate) fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        super::simd::simd_level() == 2
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    super::simd::simd_level() == 2
 }
 
 /// An f32 buffer whose first element is 64-byte aligned. Its contents are unspecified (buffers
@@ -219,8 +217,7 @@ impl Prefetch {
         Prefetch { ranges, per_tile: lines.div_ceil(tiles.max(1)), next: 0 }
     }
 
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
+        #[inline(always)]
     fn step(&mut self) {
         for _ in 0..self.per_tile {
             let mut i = self.next;
@@ -305,7 +302,6 @@ impl PackedQ {
 /// # Safety
 /// The CPU has AVX-512F; `kp` holds `ceil(max(lim) / G)` panels; `s_out` holds
 /// `strips * MR` rows of `lds >= ceil16(max(lim))` floats.
-#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn qk(qp: &[f32], d: usize, kp: *const f32, lims: &[usize], s_out: &mut [f32], lds: usize, pf: [(*const f32, usize); 2]) {
     let strips = lims.len();
@@ -339,7 +335,6 @@ pub(crate) unsafe fn qk(qp: &[f32], d: usize, kp: *const f32, lims: &[usize], s_
     }
 }
 
-#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
 unsafe fn qk_tile<const V: usize>(q: *const f32, kp: *const f32, d: usize, dst: *mut f32, lds: usize) {
@@ -373,8 +368,8 @@ const KC: usize = 128;
 /// # Safety
 /// The CPU has AVX-512F; `p` holds `strips * MR` rows of `ldp` floats, finite up to each strip's
 /// limit; `vp` holds `ceil(dp / G)` panels of `max(lim)` rows; `o` holds `strips * MR * dp` floats.
-#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn pv(p: &[f32], ldp: usize, vp: *const f32, v_stride: usize, lims: &[usize], o: &mut [f32], dp: usize, pf: [(*const f32, usize); 2]) {
     let strips = lims.len();
     let tiles: usize = dp.div_ceil(G) * lims.iter().map(|&x| x.div_ceil(KC)).sum::<usize>();
@@ -409,7 +404,6 @@ pub(crate) unsafe fn pv(p: &[f32], ldp: usize, vp: *const f32, v_stride: usize, 
     }
 }
 
-#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
 unsafe fn pv_tile<const V: usize>(a: *const f32, lda: usize, b: *const f32, len: usize, dst: *mut f32, ldd: usize) {
@@ -441,11 +435,10 @@ unsafe fn pv_tile<const V: usize>(a: *const f32, lda: usize, b: *const f32, len:
 /// 2^t for t <= ~0, 16 lanes: t = n + f with n = round(t), |f| <= 1/2; 2^f by a degree-6
 /// polynomial (relative error ~1e-7 in f32, under the f32 rounding of the result), then
 /// `scalef` applies 2^n (underflowing to 0 for very negative t, no integer tricks needed).
-#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
 unsafe fn exp2_v(t: __m512) -> __m512 {
-    const C: [f32; 7] = [1.0, 0.693_147_2, 0.240_226_48, 0.055_503_324, 0.009_618_437, 0.001_339_888_5, 0.000_153_535_88];
+    const C: [f32; 7] = [1.0, std::f32::consts::LN_2, 0.240_226_48, 0.055_503_324, 0.009_618_437, 0.001_339_888_5, 0.000_153_535_88];
     let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t);
     let f = _mm512_sub_ps(t, n);
     let mut p = _mm512_set1_ps(C[6]);
@@ -463,7 +456,6 @@ unsafe fn exp2_v(t: __m512) -> __m512 {
 ///
 /// # Safety
 /// The CPU has AVX-512F; `s` holds `lims.len()` rows of `lds >= n` floats, `o` as many of `ldo`.
-#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn softmax_block(
@@ -542,7 +534,6 @@ pub(crate) unsafe fn softmax_block(
 }
 
 /// The low `min(n, 16)` lanes.
-#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn tail_mask(n: usize) -> __mmask16 {
     if n >= L {
@@ -552,7 +543,7 @@ fn tail_mask(n: usize) -> __mmask16 {
     }
 }
 
-#[cfg(all(test, target_arch = "x86_64"))]
+#[cfg(test)]
 mod tests {
     use super::*;
 

@@ -3,6 +3,7 @@
 
 mod backward;
 mod forward;
+#[cfg(target_arch = "x86_64")]
 mod kernel;
 mod layout;
 pub(crate) mod simd;
