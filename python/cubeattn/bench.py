@@ -356,6 +356,15 @@ def _cuda_fwdbwd(args, torch):
                 rows.append(dict(key, impl="cubeattn_grouped", ms=ts[len(ts) // 2], tflops=flops / ts[len(ts) // 2] / 1e9))
             except Exception as e:
                 rows.append(dict(key, impl="cubeattn_grouped", error=str(e)[:200]))
+            try:
+                per = 0.0
+                for e in ends:
+                    sp = cubeattn.varlen_spec((C, hq, d), (e, hkv, d), args.dtype, [0, C], [0, e], C, e, causal=True)
+                    ts = sorted(cubeattn._core.cuda_bench_forward_backward(sp, 3, args.iterations))
+                    per += ts[len(ts) // 2]
+                rows.append(dict(key, impl="cubeattn_per_group", ms=per, tflops=flops / per / 1e9))
+            except Exception as e:
+                rows.append(dict(key, impl="cubeattn_per_group", error=str(e)[:200]))
             qs = [torch.randn(1, hq, C, d, device="cuda", dtype=tdt, requires_grad=True) for _ in ends]
             k = torch.randn(1, hkv, T, d, device="cuda", dtype=tdt, requires_grad=True)
             v = torch.randn(1, hkv, T, d, device="cuda", dtype=tdt, requires_grad=True)

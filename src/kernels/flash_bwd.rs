@@ -499,9 +499,17 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                 let _t = bar1.arrive();
             }
         }
+        // The (q head, query tile) pair of iteration `it` as two counters (no divisions).
+        let mut hi = 0u32;
+        let mut ti = 0u32;
         for it in 0..n_it {
-            let h = hk * group + it / n_qt;
-            let r0 = r_min as u32 + (it % n_qt) * BWD_BM as u32;
+            let h = hk * group + hi;
+            let r0 = r_min as u32 + ti * BWD_BM as u32;
+            ti += 1u32;
+            if ti == n_qt {
+                ti = 0u32;
+                hi += 1u32;
+            }
             let mut qb = 0usize;
             sync_cube();
             if pipe {
@@ -509,8 +517,8 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                 qb = ((cur & 1u32) * BWD_BM as u32) as usize;
                 if it + 1 < n_it {
                     // Every plane has finished tile cur - 1: its stage takes tile cur + 1.
-                    let hn = hk * group + (it + 1) / n_qt;
-                    let rn = r_min as u32 + ((it + 1) % n_qt) * BWD_BM as u32;
+                    let hn = hk * group + hi;
+                    let rn = r_min as u32 + ti * BWD_BM as u32;
                     let nb = (((cur + 1u32) & 1u32) * BWD_BM as u32) as usize;
                     issue_q_tile::<E>(
                         q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, nb, rn, q_len,
