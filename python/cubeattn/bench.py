@@ -205,6 +205,20 @@ def zigzag_cases(quick):
     return cases[:1] if quick else cases
 
 
+def _ours_per_group(bench, key, flops, C, ends, hq, hkv, d, args):
+    """Row for our kernel called once per zigzag group (C queries over keys [0, e)): the sum of the
+    per-call medians of `bench` (cuda_bench_forward or cuda_bench_forward_backward)."""
+    try:
+        per = 0.0
+        for e in ends:
+            sp = cubeattn.varlen_spec((C, hq, d), (e, hkv, d), args.dtype, [0, C], [0, e], C, e, causal=True)
+            ts = sorted(bench(sp, 3, args.iterations))
+            per += ts[len(ts) // 2]
+        return dict(key, impl="cubeattn_per_group", ms=per, tflops=flops / per / 1e9)
+    except Exception as e:
+        return dict(key, impl="cubeattn_per_group", error=str(e)[:200])
+
+
 def _cuda_grouped(args, torch):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -233,15 +247,7 @@ def _cuda_grouped(args, torch):
                     rows.append(dict(key, impl="cubeattn_grouped", ms=ts[len(ts) // 2], tflops=flops / ts[len(ts) // 2] / 1e9))
                 except Exception as e:
                     rows.append(dict(key, impl="cubeattn_grouped", error=str(e)[:200]))
-                try:
-                    per = 0.0
-                    for e in ends:
-                        sp = cubeattn.varlen_spec((C, hq, d), (e, hkv, d), args.dtype, [0, C], [0, e], C, e, causal=True)
-                        ts = sorted(cubeattn._core.cuda_bench_forward(sp, 3, args.iterations))
-                        per += ts[len(ts) // 2]
-                    rows.append(dict(key, impl="cubeattn_per_group", ms=per, tflops=flops / per / 1e9))
-                except Exception as e:
-                    rows.append(dict(key, impl="cubeattn_per_group", error=str(e)[:200]))
+                rows.append(_ours_per_group(cubeattn._core.cuda_bench_forward, key, flops, C, ends, hq, hkv, d, args))
                 qs = [torch.randn(1, hq, C, d, device="cuda", dtype=tdt) for _ in ends]
                 k = torch.randn(1, hkv, T, d, device="cuda", dtype=tdt)
                 v = torch.randn_like(k)
@@ -356,15 +362,7 @@ def _cuda_fwdbwd(args, torch):
                 rows.append(dict(key, impl="cubeattn_grouped", ms=ts[len(ts) // 2], tflops=flops / ts[len(ts) // 2] / 1e9))
             except Exception as e:
                 rows.append(dict(key, impl="cubeattn_grouped", error=str(e)[:200]))
-            try:
-                per = 0.0
-                for e in ends:
-                    sp = cubeattn.varlen_spec((C, hq, d), (e, hkv, d), args.dtype, [0, C], [0, e], C, e, causal=True)
-                    ts = sorted(cubeattn._core.cuda_bench_forward_backward(sp, 3, args.iterations))
-                    per += ts[len(ts) // 2]
-                rows.append(dict(key, impl="cubeattn_per_group", ms=per, tflops=flops / per / 1e9))
-            except Exception as e:
-                rows.append(dict(key, impl="cubeattn_per_group", error=str(e)[:200]))
+            rows.append(_ours_per_group(cubeattn._core.cuda_bench_forward_backward, key, flops, C, ends, hq, hkv, d, args))
             qs = [torch.randn(1, hq, C, d, device="cuda", dtype=tdt, requires_grad=True) for _ in ends]
             k = torch.randn(1, hkv, T, d, device="cuda", dtype=tdt, requires_grad=True)
             v = torch.randn(1, hkv, T, d, device="cuda", dtype=tdt, requires_grad=True)
