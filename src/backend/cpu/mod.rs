@@ -1,5 +1,7 @@
-//! The CPU backend: always built, multi-threaded (rayon), f32 accumulation, blocked products
-//! through the `gemm` crate. Exact to f32 rounding against the f64 reference.
+//! The CPU backend: always built, multi-threaded (rayon), f32 accumulation. The forward runs
+//! hand-written AVX-512 register tiles (`kernel.rs`) where the CPU has AVX-512, blocked products
+//! through the `gemm` crate elsewhere (and in the backward). Exact to f32 rounding against the
+//! f64 reference.
 
 mod backward;
 mod forward;
