@@ -12,10 +12,8 @@
 //! Each tile keeps `MR x NV` 16-float accumulators in registers (`MR * NV + NV <= 32`).
 //! The module is x86-64 only (`mod.rs` gates it).
 //!
-//! The AVX-512 intrinsics are stable since Rust 1.89; the `gemm` dependency's `x86-v4` feature
-//! (through `pulp`) already needs them, so the crate's effective MSRV is 1.89 whatever
-//! `rust-version` in Cargo.toml says.
-#![allow(clippy::incompatible_msrv)]
+//! The AVX-512 intrinsics are stable since Rust 1.89, the crate's `rust-version` (the `gemm`
+//! dependency's `x86-v4` feature needs them too).
 
 use std::arch::x86_64::*;
 
@@ -52,9 +50,10 @@ pub(crate) struct Aligned {
 /// Recycled buffers: the packed operands of one forward are tens of MiB, and fresh pages cost a
 /// page fault and a zeroing each (about 8% of a 2K forward), so a few buffers are kept.
 static POOL: Mutex<Vec<Vec<f32>>> = Mutex::new(Vec::new());
-/// At most this many buffers, and only those up to `POOL_MAX_FLOATS`, are kept.
+/// At most this many buffers, holding at most `POOL_MAX_FLOATS` floats together (512 MiB), are
+/// kept between calls; larger buffers are freed when returned.
 const POOL_SLOTS: usize = 4;
-const POOL_MAX_FLOATS: usize = 1 << 28;
+const POOL_MAX_FLOATS: usize = 1 << 27;
 
 impl Aligned {
     /// A buffer of `len` floats, from the pool when one is large enough.
@@ -77,8 +76,8 @@ impl Aligned {
         }
         let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
         pool.push(self.buf);
-        if pool.len() > POOL_SLOTS {
-            // drop the smallest
+        // drop the smallest until both limits hold (the new buffer alone fits the size limit)
+        while pool.len() > POOL_SLOTS || pool.iter().map(Vec::len).sum::<usize>() > POOL_MAX_FLOATS {
             let i = (0..pool.len()).min_by_key(|&i| pool[i].len()).unwrap_or(0);
             pool.swap_remove(i);
         }
