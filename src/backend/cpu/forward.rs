@@ -205,7 +205,7 @@ fn forward_tiles(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> Forw
     let tasks: Vec<(usize, usize)> = (0..blocks.len()).flat_map(|bi| (0..hq).map(move |h| (bi, h))).collect();
     tasks.par_iter().for_each(|&(bi, h)| {
         TILE_SCRATCH.with_borrow_mut(|slot| {
-            if slot.as_ref().map_or(true, |sc| sc.d != d || sc.bq != bq || sc.bk != bk) {
+            if slot.as_ref().is_none_or(|sc| sc.d != d || sc.bq != bq || sc.bk != bk) {
                 if let Some(old) = slot.take() {
                     old.s.give();
                     old.o.give();

@@ -183,7 +183,7 @@ impl PackedKv {
     pub(crate) fn k_panels(&self, spec: &AttnSpec, si: usize, h: usize, kb: usize) -> *const f32 {
         let seg = &spec.segments[si];
         let d = spec.dims.head_dim;
-        debug_assert!(kb % G == 0);
+        debug_assert!(kb.is_multiple_of(G));
         self.k.as_slice()[self.k_off[si] + h * seg.k_len.div_ceil(G) * G * d + kb * d..].as_ptr()
     }
 
@@ -246,7 +246,7 @@ impl PackedQ {
     pub(crate) fn new(spec: &AttnSpec, q: HostView, blocks: &[(usize, usize, usize)], bq: usize) -> Self {
         let dm = spec.dims;
         let (d, hq) = (dm.head_dim, dm.heads_q);
-        debug_assert!(bq % MR == 0);
+        debug_assert!(bq.is_multiple_of(MR));
         let block_len = hq * bq * d;
         let mut pq = Aligned::take(blocks.len() * block_len);
         fn go<T: Element>(spec: &AttnSpec, q: &[T], blocks: &[(usize, usize, usize)], bq: usize, dst: &mut [f32]) {
@@ -472,7 +472,7 @@ pub(crate) unsafe fn softmax_block(
 ) {
     let rows = lims.len();
     assert!(m.len() >= rows && l.len() >= rows && strip_lims.len() * MR >= rows);
-    assert!(rows == 0 || (s.len() >= (rows - 1) * lds + n && o.len() >= rows * ldo && ldo % L == 0));
+    assert!(rows == 0 || (s.len() >= (rows - 1) * lds + n && o.len() >= rows * ldo && ldo.is_multiple_of(L)));
     let cv = _mm512_set1_ps(c);
     for i in 0..rows {
         let row = s.as_mut_ptr().add(i * lds);

@@ -6,11 +6,12 @@
 //! - `deterministic = true`: a separate dQ pass (one cube per (query tile, query head), looping
 //!   over the key tiles its rows see, S and dP recomputed). Every pass owns its outputs outright:
 //!   no atomics, a fixed summation order, bitwise identical run to run.
-//! - fused (f16/bf16, only when `deterministic = false`, see [`DqPath`]): the dK/dV kernel also
-//!   forms dQ += dS K per (query tile, key tile) and adds it into an f32 accumulator with atomics
-//!   (FlashAttention-2's way); a small kernel then writes dq = scale * acc in the dtype. The
-//!   summation order of dQ then varies run to run (last-bit differences). `deterministic =
-//!   false` picks it for non-causal specs only, where it measured faster.
+//! - fused (f16/bf16, `deterministic = false` with `CUBEATTN_BWD_DQ=atomic`, see [`DqPath`]):
+//!   the dK/dV kernel also forms dQ += dS K per (query tile, key tile) and adds it into an f32
+//!   accumulator with atomics (FlashAttention-2's way); a small kernel then writes dq = scale *
+//!   acc in the dtype. The summation order of dQ then varies run to run (last-bit differences).
+//!   Not the default: with the Q/dO pipeline the separate pass measured faster on every shape.
+//!
 //! f16/bf16 run on tensor cores (mma.sync, f32 accumulation); f32 runs on plain kernels (always
 //! deterministic). head_dim 64 and 128; anything else is `Error::Unsupported`.
 //!
@@ -65,7 +66,7 @@ impl BwdPlan {
                 t += BWD_BM;
             }
         }
-        q_items.sort_by(|a, b| b.0.cmp(&a.0));
+        q_items.sort_by_key(|x| std::cmp::Reverse(x.0));
         let q_work = q_items.iter().flat_map(|&(_, s, t)| [s, t]).collect();
 
         let n_tiles = d.total_k.div_ceil(BWD_BN);

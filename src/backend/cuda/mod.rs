@@ -215,34 +215,30 @@ pub(crate) fn launch_forward(
     match spec.dtype {
         DType::F32 => {
             let cubes = d.total_q.div_ceil(ROWS_PER_CUBE) as u32;
-            {
-                rowwise_fwd::rowwise_fwd_f32::launch::<CudaRuntime>(
-                    client,
-                    CubeCount::Static(cubes, d.heads_q as u32, 1),
-                    CubeDim::new_1d(32 * ROWS_PER_CUBE as u32),
-                    buf(q, ql),
-                    buf(k, kl),
-                    buf(v, kl),
-                    buf(out, ql),
-                    buf(lse, d.lse_len()),
-                    buf(&dev.row_seg.0, dev.row_seg.1),
-                    buf(&dev.segs.0, dev.segs.1),
-                    spec.scale,
-                    d.heads_q as u32,
-                    d.heads_kv as u32,
-                    d.total_q as u32,
-                    f32::INFINITY,
-                    hd,
-                    spec.causal,
-                )
-            };
+            rowwise_fwd::rowwise_fwd_f32::launch::<CudaRuntime>(
+                client,
+                CubeCount::Static(cubes, d.heads_q as u32, 1),
+                CubeDim::new_1d(32 * ROWS_PER_CUBE as u32),
+                buf(q, ql),
+                buf(k, kl),
+                buf(v, kl),
+                buf(out, ql),
+                buf(lse, d.lse_len()),
+                buf(&dev.row_seg.0, dev.row_seg.1),
+                buf(&dev.segs.0, dev.segs.1),
+                spec.scale,
+                d.heads_q as u32,
+                d.heads_kv as u32,
+                d.total_q as u32,
+                f32::INFINITY,
+                hd,
+                spec.causal,
+            );
         }
         DType::F16 | DType::BF16 => {
             if spec.uncovered_rows() > 0 {
                 let n = ql.max(d.lse_len());
                 let cubes = n.div_ceil(256) as u32;
-                let (cx, cy) = if cubes > 65535 { (65535, cubes.div_ceil(65535)) } else { (cubes, 1) };
-                let _ = (cx, cy);
                 match spec.dtype {
                     DType::F16 => {
                         flash_fwd::fill_uncovered::launch::<f16, CudaRuntime>(

@@ -57,7 +57,7 @@ impl Plan {
             }
         }
         // Longest first so the tail of the grid is short work; stable for determinism.
-        items.sort_by(|a, b| b.0.cmp(&a.0));
+        items.sort_by_key(|x| std::cmp::Reverse(x.0));
         let work = items.iter().flat_map(|&(_, s, t)| [s, t]).collect();
         let row_seg = if spec.dtype == DType::F32 {
             let mut rs = vec![u32::MAX; spec.dims.total_q];
@@ -273,7 +273,7 @@ impl FwdPlan {
             }
         }
         // Longest first so the tail of the grid is short work; stable for determinism.
-        items.sort_by(|a, b| b.0.cmp(&a.0));
+        items.sort_by_key(|x| std::cmp::Reverse(x.0));
         plan.work = items.iter().flat_map(|(_, w)| *w).collect();
         let _ = COMB_WORDS;
         plan
