@@ -4,7 +4,7 @@
 #   scripts/gpu-test.sh COMMAND [TARGET] [--verbose] [--release] [--iterations N] [--min-vram GB]
 #
 # COMMAND   validate   GPU, driver, NVRTC, CUDA headers, free VRAM >= --min-vram, CubeCL starts
-#           test       GPU tests of TARGET (Rust test binary + pytest -m gpu)
+#           test       GPU tests of TARGET (Rust test binary + pytest -m 'gpu or torch')
 #           benchmark  python -m cubeattn.bench for TARGET, JSON + table under bench/results/
 #           profile    ncu (--clock-control none) on one kernel launch of TARGET: registers,
 #                      shared memory, duration, achieved TFLOP/s; falls back to nsys
@@ -157,8 +157,8 @@ do_test() {
     ran=1
     echo "== Rust GPU tests ($bin)"
     "$bin" --test-threads=1 $( [ "$VERBOSE" = 1 ] && echo --nocapture ) || status=1
-    echo "== pytest -m gpu"
-    (cd "$ROOT/tests/python" && "$PY" -m pytest -q -p no:cacheprovider -m gpu) || status=1
+    echo "== pytest -m 'gpu or torch' (torch: autograd on CPU and CUDA tensors)"
+    (cd "$ROOT/tests/python" && "$PY" -m pytest -q -p no:cacheprovider -m "gpu or torch") || status=1
   done
   exit $status
 }

@@ -4,6 +4,8 @@ CubeCL CUDA kernels when the wheel was built with the ``cuda`` feature and a GPU
 exact multi-threaded CPU backend otherwise, with the same API. Names and argument order follow
 flash-attn. Layout: q ``[total_q, heads_q, head_dim]``, k/v ``[total_k, heads_kv, head_dim]``;
 lse ``[heads_q, total_q]`` float32. Rows that see no key get zero output and lse ``+inf``.
+torch tensors that require grad give an output attached to the autograd graph (its backward is
+cubeattn's backward; ``deterministic=`` picks the dQ path as in the explicit backward calls).
 """
 from __future__ import annotations
 
@@ -84,6 +86,25 @@ def _check_device(device):
     return device
 
 
+def _needs_grad(q, k, v) -> bool:
+    if not any(_is_torch(x) for x in (q, k, v)):
+        return False
+    from ._autograd import needs_grad
+
+    return needs_grad(q, k, v)
+
+
+def _forward(spec, q, k, v, cq, ck, cv, return_lse, deterministic, device):
+    """The forward of a validated spec: through autograd when a torch input requires grad."""
+    if ck.dtype != cq.dtype or cv.dtype != cq.dtype:
+        raise TypeError(f"invalid dtype: q is {cq.dtype}, k is {ck.dtype}, v is {cv.dtype}; they must match")
+    if _needs_grad(q, k, v):
+        from ._autograd import attention
+
+        return attention(spec, q, k, v, (cq, ck, cv), return_lse, bool(deterministic), _check_device(device))
+    return _run_forward(spec, cq, ck, cv, return_lse, device)
+
+
 def _run_forward(spec, cq, ck, cv, return_lse, device):
     out, lse, name = _core.forward(spec, cq.bytes, ck.bytes, cv.bytes, _check_device(device))
     _last.name = name
@@ -95,17 +116,16 @@ def _run_forward(spec, cq, ck, cv, return_lse, device):
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           softmax_scale=None, causal=False, return_lse=False, device="auto"):
+                           softmax_scale=None, causal=False, return_lse=False, device="auto", deterministic=False):
     """Attention over a packed batch: sequence b has queries cu_seqlens_q[b]:cu_seqlens_q[b+1] and
-    keys cu_seqlens_k[b]:cu_seqlens_k[b+1]. Causal is bottom-right aligned. Returns out (and lse)."""
+    keys cu_seqlens_k[b]:cu_seqlens_k[b+1]. Causal is bottom-right aligned. Returns out (and lse).
+    `deterministic` applies to the autograd backward of torch inputs that require grad."""
     cq, ck, cv = to_core(q, "q"), to_core(k, "k"), to_core(v, "v")
     spec = _core.varlen_spec(list(cq.shape), list(ck.shape), list(cv.shape), cq.dtype,
                              int32_vector(cu_seqlens_q, "cu_seqlens_q"), int32_vector(cu_seqlens_k, "cu_seqlens_k"),
                              _count(max_seqlen_q, "max_seqlen_q"), _count(max_seqlen_k, "max_seqlen_k"),
                              _scale(softmax_scale), bool(causal))
-    if ck.dtype != cq.dtype or cv.dtype != cq.dtype:
-        raise TypeError(f"invalid dtype: q is {cq.dtype}, k is {ck.dtype}, v is {cv.dtype}; they must match")
-    return _run_forward(spec, cq, ck, cv, return_lse, device)
+    return _forward(spec, q, k, v, cq, ck, cv, return_lse, deterministic, device)
 
 
 def _batched_to_varlen(q, k, v):
@@ -122,11 +142,13 @@ def _batched_to_varlen(q, k, v):
     return flat, cu_q, cu_k, b, sq, sk
 
 
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False, device="auto"):
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False, device="auto",
+                    deterministic=False):
     """Batched layout q [batch, seqlen_q, heads_q, d], k/v [batch, seqlen_k, heads_kv, d].
     Returns out [batch, seqlen_q, heads_q, d] (and lse [batch, heads_q, seqlen_q])."""
     (fq, fk, fv), cu_q, cu_k, b, sq, sk = _batched_to_varlen(q, k, v)
-    res = flash_attn_varlen_func(fq, fk, fv, cu_q, cu_k, sq, sk, softmax_scale, causal, return_lse, device)
+    res = flash_attn_varlen_func(fq, fk, fv, cu_q, cu_k, sq, sk, softmax_scale, causal, return_lse, device,
+                                 deterministic)
     if not return_lse:
         return res.reshape(q.shape)
     o, lse = res
@@ -159,7 +181,7 @@ def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
 
 
 def grouped_flash_attn_func(q, k, v, q_ranges, kv_ranges, softmax_scale=None, causal=True, return_lse=False,
-                            device="auto"):
+                            device="auto", deterministic=False):
     """Grouped attention in one launch: group g's query rows q_ranges[g] = [start, end) attend to keys
     kv_ranges[g] = [start, end) of the shared k, v (key ranges may overlap). Causal is bottom-right
     inside each group: the group's last query row sees up to kv_ranges[g][1]. Rows in no group get
@@ -168,9 +190,7 @@ def grouped_flash_attn_func(q, k, v, q_ranges, kv_ranges, softmax_scale=None, ca
     spec = _core.grouped_spec(list(cq.shape), list(ck.shape), list(cv.shape), cq.dtype,
                               int32_ranges(q_ranges, "q_ranges"), int32_ranges(kv_ranges, "kv_ranges"),
                               _scale(softmax_scale), bool(causal))
-    if ck.dtype != cq.dtype or cv.dtype != cq.dtype:
-        raise TypeError(f"invalid dtype: q is {cq.dtype}, k is {ck.dtype}, v is {cv.dtype}; they must match")
-    return _run_forward(spec, cq, ck, cv, return_lse, device)
+    return _forward(spec, q, k, v, cq, ck, cv, return_lse, deterministic, device)
 
 
 def grouped_flash_attn_backward(dout, q, k, v, out, lse, q_ranges, kv_ranges, softmax_scale=None, causal=True,
@@ -180,8 +200,6 @@ def grouped_flash_attn_backward(dout, q, k, v, out, lse, q_ranges, kv_ranges, so
     spec = grouped_spec(tuple(q.shape), tuple(k.shape), dt, q_ranges, kv_ranges, softmax_scale, causal,
                         v_shape=tuple(v.shape))
     return _run_backward(spec, dout, q, k, v, out, lse, deterministic, device)
-
-
 
 
 def estimate_vram(q_shape, k_shape, dtype="bfloat16", cu_seqlens_q=None, cu_seqlens_k=None, q_ranges=None,

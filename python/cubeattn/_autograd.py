@@ -1,0 +1,44 @@
+"""torch.autograd glue: when q, k or v is a torch tensor that requires grad (and grad mode is on),
+the attention functions return an output attached to the autograd graph; its backward runs the
+cubeattn backward (same spec, same backend choice). No maths here."""
+from __future__ import annotations
+
+import torch
+
+
+class _Attention(torch.autograd.Function):
+    """out, lse = attention(q, k, v) for one validated spec; lse is not differentiable.
+    `conv`: q, k, v already converted for the core (see `_arrays.to_core`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, spec, conv, deterministic, device):
+        from . import _run_forward
+
+        out, lse = _run_forward(spec, *conv, True, device)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.spec, ctx.deterministic, ctx.device = spec, deterministic, device
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        from . import _run_backward
+
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _run_backward(ctx.spec, dout, q, k, v, out, lse, ctx.deterministic, ctx.device)
+        return dq, dk, dv, None, None, None, None
+
+
+def needs_grad(*xs) -> bool:
+    """True when grad mode is on and one of `xs` is a torch tensor that requires grad."""
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
+
+
+def attention(spec, q, k, v, conv, return_lse, deterministic, device):
+    """The differentiable forward; q, k, v must all be torch tensors."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"invalid argument `{name}`: with torch inputs that require grad, q, k and v must "
+                            f"all be torch tensors, got {type(x).__name__}")
+    out, lse = _Attention.apply(q, k, v, spec, conv, deterministic, device)
+    return (out, lse) if return_lse else out

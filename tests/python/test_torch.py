@@ -1,0 +1,138 @@
+"""torch tensors in and out, and autograd (marked `torch`; skipped where torch is not installed).
+CPU tensors everywhere; CUDA tensors too when torch and the CUDA backend both see a GPU."""
+import numpy as np
+import pytest
+
+import cubeattn
+from conftest import BWD_TOL, FWD_TOL, cuda_available, grouped_segments, ref_attention, ref_backward, rel_err, varlen_segments
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.torch
+
+TDT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and cuda_available() else [])
+
+
+def rand_t(gen, shape, dtype, device):
+    x = torch.rand(shape, generator=gen, dtype=torch.float32) * 2 - 1
+    return x.to(TDT[dtype]).to(device).requires_grad_(True)
+
+
+def f64(t):
+    return t.detach().float().cpu().numpy().astype(np.float64)
+
+
+def backend_for(device):
+    return "cuda" if device == "cuda" else "cpu"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_autograd_matches_f64_reference(device, dtype, causal):
+    gen = torch.Generator().manual_seed(7 + causal)
+    lens = [(1, 1), (37, 70), (64, 64)]
+    cu_q = np.cumsum([0] + [a for a, _ in lens]).astype(np.int32)
+    cu_k = np.cumsum([0] + [b for _, b in lens]).astype(np.int32)
+    d = 64
+    q = rand_t(gen, (int(cu_q[-1]), 4, d), dtype, device)
+    k = rand_t(gen, (int(cu_k[-1]), 2, d), dtype, device)
+    v = rand_t(gen, (int(cu_k[-1]), 2, d), dtype, device)
+    out = cubeattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 64, 70, causal=causal, device=backend_for(device))
+    assert isinstance(out, torch.Tensor) and out.grad_fn is not None
+    assert out.device.type == device and out.dtype == TDT[dtype] and out.shape == q.shape
+    dout = (torch.rand(out.shape, generator=gen) * 2 - 1).to(out.dtype).to(device)
+    out.backward(dout)
+    segs = varlen_segments(cu_q, cu_k)
+    ref_out, _ = ref_attention(f64(q), f64(k), f64(v), segs, causal)
+    ref = ref_backward(f64(q), f64(k), f64(v), f64(dout), segs, causal)
+    assert rel_err(f64(out), ref_out) <= max(FWD_TOL[dtype][1], 2e-3)
+    tol, rel = BWD_TOL[dtype]
+    for t, want in zip((q, k, v), ref):
+        assert t.grad is not None and t.grad.dtype == t.dtype and t.grad.device == t.device
+        assert rel_err(f64(t.grad), want) <= rel, rel_err(f64(t.grad), want)
+        np.testing.assert_allclose(f64(t.grad), want, atol=tol * 5, rtol=tol * 5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autograd_equals_explicit_backward(device):
+    gen = torch.Generator().manual_seed(3)
+    n, d = 90, 64
+    q, k, v = (rand_t(gen, (n, h, d), "float32", device) for h in (4, 2, 2))
+    cu = np.array([0, n], np.int32)
+    out, lse = cubeattn.flash_attn_varlen_func(q, k, v, cu, cu, n, n, causal=True, return_lse=True,
+                                               device=backend_for(device), deterministic=True)
+    assert lse.grad_fn is None and not lse.requires_grad
+    dout = torch.rand(out.shape, generator=gen).to(device)
+    out.backward(dout)
+    dq, dk, dv = cubeattn.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu, cu, n, n, causal=True,
+                                                     deterministic=True, device=backend_for(device))
+    for t, g in zip((q, k, v), (dq, dk, dv)):
+        assert torch.equal(t.grad, g)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_batched_autograd_and_non_contiguous_grad(device):
+    gen = torch.Generator().manual_seed(5)
+    b, s, d = 2, 48, 64
+    q = rand_t(gen, (b, s, 4, d), "float32", device)
+    k = rand_t(gen, (b, s, 1, d), "float32", device)
+    v = rand_t(gen, (b, s, 1, d), "float32", device)
+    out = cubeattn.flash_attn_func(q, k, v, causal=True, device=backend_for(device))
+    assert out.shape == q.shape
+    # a loss whose gradient reaches `out` non-contiguous (through a transpose)
+    w = torch.rand(b, 4, s, d, generator=gen).to(device)
+    (out.transpose(1, 2) * w).sum().backward()
+    dout = w.transpose(1, 2)
+    for i in range(b):
+        seg = [(0, s, 0, s)]
+        ref = ref_backward(f64(q[i]), f64(k[i]), f64(v[i]), f64(dout[i]), seg, True)
+        for t, want in zip((q, k, v), ref):
+            assert rel_err(f64(t.grad[i]), want) <= 1e-4
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_autograd_accumulates_dk_dv(device):
+    gen = torch.Generator().manual_seed(11)
+    d, tk = 64, 120
+    q_ranges = np.array([[0, 30], [30, 31], [31, 80]], np.int32)
+    kv_ranges = np.array([[0, 60], [10, 11], [20, 120]], np.int32)
+    q = rand_t(gen, (80, 2, d), "float32", device)
+    k = rand_t(gen, (tk, 2, d), "float32", device)
+    v = rand_t(gen, (tk, 2, d), "float32", device)
+    out = cubeattn.grouped_flash_attn_func(q, k, v, q_ranges, kv_ranges, causal=True, device=backend_for(device))
+    dout = torch.rand(out.shape, generator=gen).to(device)
+    out.backward(dout)
+    segs = grouped_segments(q_ranges, kv_ranges)
+    ref = ref_backward(f64(q), f64(k), f64(v), f64(dout), segs, True)
+    for t, want in zip((q, k, v), ref):
+        assert rel_err(f64(t.grad), want) <= 1e-4
+
+
+def test_no_grad_and_plain_tensors_give_plain_outputs():
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.rand(16, 2, 64, generator=gen) for _ in range(3))
+    cu = np.array([0, 16], np.int32)
+    out = cubeattn.flash_attn_varlen_func(q, k, v, cu, cu, 16, 16, device="cpu")
+    assert isinstance(out, torch.Tensor) and out.grad_fn is None
+    with torch.no_grad():
+        out2 = cubeattn.flash_attn_varlen_func(q.requires_grad_(True), k, v, cu, cu, 16, 16, device="cpu")
+    assert out2.grad_fn is None
+    assert torch.equal(out, out2)
+    ref, _ = ref_attention(f64(q), f64(k), f64(v), [(0, 16, 0, 16)], False)
+    assert rel_err(f64(out), ref) <= 1e-5
+
+
+def test_mixing_numpy_with_grad_tensors_is_a_type_error():
+    q = torch.rand(8, 2, 64, requires_grad=True)
+    k = np.random.default_rng(0).random((8, 2, 64), dtype=np.float32)
+    cu = np.array([0, 8], np.int32)
+    with pytest.raises(TypeError, match="`k`"):
+        cubeattn.flash_attn_varlen_func(q, k, k, cu, cu, 8, 8, device="cpu")
+
+
+def test_torch_bad_dtype_names_the_argument():
+    q = torch.zeros(8, 2, 64, dtype=torch.float64)
+    cu = np.array([0, 8], np.int32)
+    with pytest.raises(TypeError, match="`q`"):
+        cubeattn.flash_attn_varlen_func(q, q, q, cu, cu, 8, 8, device="cpu")
