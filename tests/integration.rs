@@ -229,11 +229,26 @@ fn buffers_must_match_the_spec() {
 }
 
 #[test]
+fn device_strings_parse_with_indices() {
+    assert_eq!(DevicePref::parse("auto").unwrap(), DevicePref::Auto(0));
+    assert_eq!(DevicePref::parse("cpu").unwrap(), DevicePref::Cpu);
+    assert_eq!(DevicePref::parse("cuda").unwrap(), DevicePref::Cuda(0));
+    assert_eq!(DevicePref::parse("gpu").unwrap(), DevicePref::Cuda(0));
+    assert_eq!(DevicePref::parse("cuda:3").unwrap(), DevicePref::Cuda(3));
+    assert_eq!(DevicePref::parse("auto:1").unwrap(), DevicePref::Auto(1));
+    for bad in ["cuda:", "cuda:-1", "cuda:x", "cpu:0", "cuda:1:2", "cuda:100000", "Cuda"] {
+        assert!(matches!(DevicePref::parse(bad), Err(Error::InvalidArgument { arg: "device", .. })), "{bad}");
+    }
+}
+
+#[test]
 fn device_listing_never_panics() {
     let st = cubeattn::device::backend_status();
     assert!(!st.reason.is_empty());
     if !st.cuda_available {
-        assert!(backend_for(DevicePref::Cuda).is_err());
-        assert_eq!(backend_for(DevicePref::Auto).unwrap().kind(), cubeattn::BackendKind::Cpu);
+        assert!(backend_for(DevicePref::Cuda(0)).is_err());
+        assert!(backend_for(DevicePref::Cuda(5)).is_err());
+        assert_eq!(backend_for(DevicePref::Auto(0)).unwrap().kind(), cubeattn::BackendKind::Cpu);
+        assert_eq!(backend_for(DevicePref::Auto(3)).unwrap().kind(), cubeattn::BackendKind::Cpu);
     }
 }

@@ -6,6 +6,8 @@ flash-attn. Layout: q ``[total_q, heads_q, head_dim]``, k/v ``[total_k, heads_kv
 lse ``[heads_q, total_q]`` float32. Rows that see no key get zero output and lse ``+inf``.
 torch tensors that require grad give an output attached to the autograd graph (its backward is
 cubeattn's backward; ``deterministic=`` picks the dQ path as in the explicit backward calls).
+``device``: "auto" (CUDA when it starts and has a kernel for the call, else the CPU), "cpu",
+"cuda" or "cuda:N"; with torch CUDA tensors, "auto" and "cuda" mean the tensors' own GPU.
 """
 from __future__ import annotations
 
@@ -82,7 +84,20 @@ def _scale(s):
 
 def _check_device(device):
     if not isinstance(device, str):
-        raise TypeError(f"invalid argument `device`: expected 'auto', 'cpu' or 'cuda', got {device!r}")
+        raise TypeError(f"invalid argument `device`: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    return device
+
+
+def _device_for(device, *conv):
+    """`device` as the core takes it: 'auto' / 'cuda' with a torch CUDA input become 'auto:N' /
+    'cuda:N' for that tensor's device N, so each torchrun rank computes on its own GPU."""
+    device = _check_device(device)
+    if device in ("auto", "cuda", "gpu"):
+        for c in conv:
+            t = c.torch_like
+            if t is not None and t.is_cuda:
+                kind = "auto" if device == "auto" else "cuda"
+                return f"{kind}:{t.device.index or 0}"
     return device
 
 
@@ -106,7 +121,7 @@ def _forward(spec, q, k, v, cq, ck, cv, return_lse, deterministic, device):
 
 
 def _run_forward(spec, cq, ck, cv, return_lse, device):
-    out, lse, name = _core.forward(spec, cq.bytes, ck.bytes, cv.bytes, _check_device(device))
+    out, lse, name = _core.forward(spec, cq.bytes, ck.bytes, cv.bytes, _device_for(device, cq, ck, cv))
     _last.name = name
     o = from_core(out, cq.shape, cq.dtype, cq)
     if not return_lse:
@@ -165,7 +180,7 @@ def _run_backward(spec, dout, q, k, v, out, lse, deterministic, device):
         lse = lse.detach().cpu().numpy()
     lse_arr = np.ascontiguousarray(np.asarray(lse, dtype=np.float32)).reshape(-1)
     dq, dk, dv, name = _core.backward(spec, cq.bytes, ck.bytes, cv.bytes, co.bytes, lse_arr, cg.bytes,
-                                      bool(deterministic), _check_device(device))
+                                      bool(deterministic), _device_for(device, cq, ck, cv))
     _last.name = name
     return (from_core(dq, cq.shape, cq.dtype, cq), from_core(dk, ck.shape, ck.dtype, ck),
             from_core(dv, cv.shape, cv.dtype, cv))

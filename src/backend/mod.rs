@@ -29,18 +29,35 @@ impl BackendKind {
 /// The caller's choice: `auto` takes CUDA when it can start, else the CPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DevicePref {
-    Auto,
+    /// CUDA device `n` when the CUDA backend starts there, else the CPU (`"auto"` is `Auto(0)`).
+    Auto(usize),
     Cpu,
-    Cuda,
+    /// CUDA device `n` (`"cuda"` is `Cuda(0)`).
+    Cuda(usize),
 }
 
+/// Most CUDA devices one process addresses (device indices 0..MAX_DEVICES).
+pub const MAX_DEVICES: usize = 64;
+
 impl DevicePref {
+    /// `"auto"`, `"cpu"`, `"cuda"` (or `"gpu"`), `"cuda:N"`, `"auto:N"` (N: a CUDA device index).
     pub fn parse(s: &str) -> Result<DevicePref> {
-        match s {
-            "auto" => Ok(DevicePref::Auto),
-            "cpu" => Ok(DevicePref::Cpu),
-            "cuda" | "gpu" => Ok(DevicePref::Cuda),
-            other => Err(invalid("device", format!("must be \"auto\", \"cpu\" or \"cuda\", got {other:?}"))),
+        let bad = || invalid("device", format!("must be \"auto\", \"cpu\", \"cuda\" or \"cuda:N\", got {s:?}"));
+        let (kind, index) = match s.split_once(':') {
+            Some((k, n)) => {
+                let i: usize = n.parse().map_err(|_| bad())?;
+                if i >= MAX_DEVICES {
+                    return Err(invalid("device", format!("CUDA device index {i} is out of range (at most {MAX_DEVICES} devices)")));
+                }
+                (k, Some(i))
+            }
+            None => (s, None),
+        };
+        match (kind, index) {
+            ("auto", i) => Ok(DevicePref::Auto(i.unwrap_or(0))),
+            ("cpu", None) => Ok(DevicePref::Cpu),
+            ("cuda" | "gpu", i) => Ok(DevicePref::Cuda(i.unwrap_or(0))),
+            _ => Err(bad()),
         }
     }
 }
@@ -122,8 +139,8 @@ pub fn check_backward_buffers(spec: &AttnSpec, g: &BackwardInputs) -> Result<()>
 pub fn backend_for(pref: DevicePref) -> Result<&'static dyn Backend> {
     match pref {
         DevicePref::Cpu => Ok(&cpu::CpuBackend),
-        DevicePref::Cuda => cuda_backend(),
-        DevicePref::Auto => Ok(cuda_backend().unwrap_or(&cpu::CpuBackend)),
+        DevicePref::Cuda(i) => cuda_backend(i),
+        DevicePref::Auto(i) => Ok(cuda_backend(i).unwrap_or(&cpu::CpuBackend)),
     }
 }
 
@@ -131,7 +148,7 @@ pub fn backend_for(pref: DevicePref) -> Result<&'static dyn Backend> {
 /// the CPU when the CUDA backend cannot serve this spec (e.g. a head_dim without a kernel).
 pub fn backend_for_spec(pref: DevicePref, spec: &AttnSpec) -> Result<&'static dyn Backend> {
     let be = backend_for(pref)?;
-    if pref == DevicePref::Auto && be.kind() == BackendKind::Cuda && cuda_supports(spec).is_err() {
+    if matches!(pref, DevicePref::Auto(_)) && be.kind() == BackendKind::Cuda && cuda_supports(spec).is_err() {
         return Ok(&cpu::CpuBackend);
     }
     Ok(be)
@@ -148,12 +165,12 @@ fn cuda_supports(_spec: &AttnSpec) -> Result<()> {
 }
 
 #[cfg(feature = "cuda")]
-fn cuda_backend() -> Result<&'static dyn Backend> {
-    cuda::CudaBackend::shared().map(|b| b as &'static dyn Backend)
+fn cuda_backend(index: usize) -> Result<&'static dyn Backend> {
+    cuda::CudaBackend::on(index).map(|b| b as &'static dyn Backend)
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_backend() -> Result<&'static dyn Backend> {
+fn cuda_backend(_index: usize) -> Result<&'static dyn Backend> {
     Err(Error::BackendUnavailable {
         backend: "cuda",
         reason: "this build of cubeattn has no `cuda` feature".into(),

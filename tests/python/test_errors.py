@@ -31,6 +31,11 @@ CU = np.array([0, 10], np.int32)
     (dict(softmax_scale=float("inf")), ValueError, "`softmax_scale`"),
     (dict(softmax_scale="big"), TypeError, "`softmax_scale`"),
     (dict(device="tpu"), ValueError, "`device`"),
+    (dict(device="cuda:x"), ValueError, "`device`"),
+    (dict(device="cpu:0"), ValueError, "`device`"),
+    (dict(device="cuda:-1"), ValueError, "`device`"),
+    (dict(device="cuda:100000"), ValueError, "`device`"),
+    (dict(device=0), TypeError, "`device`"),
 ])
 def test_varlen_bad_inputs_raise_naming_the_argument(kwargs, exc, arg):
     q, k, v = qkv()
@@ -67,6 +72,15 @@ def test_cuda_request_without_cuda_is_a_clear_error():
     q, k, v = qkv()
     with pytest.raises(RuntimeError, match="cuda"):
         cubeattn.flash_attn_varlen_func(q, k, v, CU, CU, 10, 10, device="cuda")
+
+
+def test_auto_with_a_device_index_falls_back_to_the_cpu_without_cuda():
+    if cubeattn.backend_status()["cuda_available"]:
+        pytest.skip("CUDA is available here")
+    q, k, v = qkv()
+    out = cubeattn.flash_attn_varlen_func(q, k, v, CU, CU, 10, 10, device="auto:3")
+    assert cubeattn.last_backend() == "cpu"
+    assert np.array_equal(out, cubeattn.flash_attn_varlen_func(q, k, v, CU, CU, 10, 10, device="cpu"))
 
 
 def test_devices_and_status_never_raise():

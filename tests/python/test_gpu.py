@@ -97,3 +97,17 @@ def test_auto_falls_back_to_cpu_for_head_dims_without_a_kernel():
         cubeattn.flash_attn_varlen_func(q, q, q, [0, 50], [0, 50], 50, 50, device="cuda")
     ref, _ = ref_attention(q, q, q, [(0, 50, 0, 50)], True)
     assert rel_err(out.astype(np.float64), ref) < 2e-3
+
+
+def test_gpu_device_index():
+    q = np.random.default_rng(0).random((16, 2, 64), dtype=np.float32).astype(np.float16)
+    cu = np.array([0, 16], np.int32)
+    out0 = cubeattn.flash_attn_varlen_func(q, q, q, cu, cu, 16, 16, device="cuda:0")
+    assert cubeattn.last_backend() == "cuda"
+    assert np.array_equal(out0, cubeattn.flash_attn_varlen_func(q, q, q, cu, cu, 16, 16, device="cuda"))
+    n = len(cubeattn.devices())
+    with pytest.raises(ValueError, match="`device`"):
+        cubeattn.flash_attn_varlen_func(q, q, q, cu, cu, 16, 16, device=f"cuda:{n}")
+    out_auto = cubeattn.flash_attn_varlen_func(q, q, q, cu, cu, 16, 16, device=f"auto:{n}")
+    assert cubeattn.last_backend() == "cpu"
+    assert np.abs(out_auto.astype(np.float32) - out0.astype(np.float32)).max() < 2e-3

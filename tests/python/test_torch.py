@@ -136,3 +136,25 @@ def test_torch_bad_dtype_names_the_argument():
     cu = np.array([0, 8], np.int32)
     with pytest.raises(TypeError, match="`q`"):
         cubeattn.flash_attn_varlen_func(q, q, q, cu, cu, 8, 8, device="cpu")
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 2 and cuda_available()),
+                    reason="needs two CUDA GPUs")
+def test_torch_tensors_on_the_second_gpu_compute_there():
+    """A torchrun rank's tensors live on cuda:N; the kernels must run on that GPU, not on GPU 0."""
+    gen = torch.Generator().manual_seed(2)
+    dev = torch.device("cuda:1")
+    q, k, v = (rand_t(gen, (512, h, 128), "bfloat16", dev) for h in (8, 2, 2))
+    torch.cuda.synchronize(0), torch.cuda.synchronize(1)
+    free0, free1 = torch.cuda.mem_get_info(0)[0], torch.cuda.mem_get_info(1)[0]
+    cu = np.array([0, 512], np.int32)
+    out = cubeattn.flash_attn_varlen_func(q, k, v, cu, cu, 512, 512, causal=True)
+    assert cubeattn.last_backend() == "cuda" and out.device == dev
+    out.float().sum().backward()
+    used0 = free0 - torch.cuda.mem_get_info(0)[0]
+    used1 = free1 - torch.cuda.mem_get_info(1)[0]
+    # CubeCL's memory pool reserves on the device it runs on (torch's own tensors are already there)
+    assert used1 > used0, (used0, used1)
+    assert q.grad is not None and q.grad.device == dev
+    ref = ref_backward(f64(q), f64(k), f64(v), np.ones(q.shape), [(0, 512, 0, 512)], True)
+    assert rel_err(f64(q.grad), ref[0]) <= 2e-2

@@ -39,12 +39,14 @@ use crate::spec::AttnSpec;
 /// head_dims with a CUDA kernel.
 pub const SUPPORTED_HEAD_DIMS: [usize; 2] = [64, 128];
 
-/// The CUDA backend: a CubeCL client on device 0.
+/// The CUDA backend: a CubeCL client on one device.
 pub struct CudaBackend {
     client: ComputeClient<CudaRuntime>,
 }
 
-static SHARED: OnceLock<std::result::Result<CudaBackend, String>> = OnceLock::new();
+/// One backend per device index, created on first use.
+static SHARED: [OnceLock<std::result::Result<CudaBackend, String>>; crate::backend::MAX_DEVICES] =
+    [const { OnceLock::new() }; crate::backend::MAX_DEVICES];
 
 fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
     if let Some(s) = p.downcast_ref::<&str>() {
@@ -85,14 +87,30 @@ fn unavailable(reason: impl Into<String>) -> Error {
 }
 
 impl CudaBackend {
-    /// The process-wide backend (device 0), created on first use.
+    /// The process-wide backend of device 0, created on first use.
     pub fn shared() -> Result<&'static CudaBackend> {
-        let r = SHARED.get_or_init(|| {
-            driver_check()?;
-            let client = guarded("CubeCL CUDA runtime", || CudaRuntime::client(&CudaDevice::new(0)))?;
+        Self::on(0)
+    }
+
+    /// The process-wide backend of CUDA device `index`, created on first use. An index the driver
+    /// does not have is `Error::InvalidArgument` naming `device`.
+    pub fn on(index: usize) -> Result<&'static CudaBackend> {
+        let slot = SHARED.get(index).ok_or_else(|| {
+            crate::error::invalid("device", format!("CUDA device index {index} is out of range"))
+        })?;
+        let r = slot.get_or_init(|| {
+            let count = driver_check()?;
+            if index >= count as usize {
+                return Err(format!("no CUDA device {index}: the driver reports {count}"));
+            }
+            let client = guarded("CubeCL CUDA runtime", || CudaRuntime::client(&CudaDevice::new(index)))?;
             Ok(CudaBackend { client })
         });
-        r.as_ref().map_err(|e| unavailable(e.clone()))
+        match r {
+            Ok(b) => Ok(b),
+            Err(e) if e.starts_with("no CUDA device") => Err(crate::error::invalid("device", e.clone())),
+            Err(e) => Err(unavailable(e.clone())),
+        }
     }
 
     /// The CubeCL client (for benchmarks and tests that keep data on the device).
