@@ -318,6 +318,69 @@ fn cuda_bench(_s: &AttnSpec, _warmup: usize, _iters: usize, _backward: bool) -> 
     Err(Error::BackendUnavailable { backend: "cuda", reason: "this build of cubeattn has no `cuda` feature".into() })
 }
 
+#[cfg(feature = "cuda")]
+/// Forward on device-resident buffers (torch CUDA tensors as raw addresses, contiguous): writes
+/// out and lse in place. Returns false when the host path should run instead: `device` is the
+/// CPU, or `auto` and CUDA cannot serve the call, or the call has no row or key.
+#[pyfunction]
+#[pyo3(signature = (spec, q, k, v, out, lse, device))]
+#[allow(clippy::too_many_arguments)]
+fn forward_device(py: Python<'_>, spec: &PySpec, q: u64, k: u64, v: u64, out: u64, lse: u64, device: &str) -> PyResult<bool> {
+    let pref = DevicePref::parse(device).map_err(to_py)?;
+    let s = &spec.inner;
+    run_detached(py, || device_call(pref, s, |be| {
+        // SAFETY: the Python caller passes contiguous CUDA tensors of the spec's shapes and dtype
+        // on this device (checked there), kept alive and untouched for the call.
+        unsafe { be.forward_device(s, crate::backend::cuda::DeviceForward { q, k, v, out, lse }) }
+    }))
+}
+
+#[cfg(feature = "cuda")]
+/// Backward on device-resident buffers (see [`forward_device`]); writes dq, dk, dv in place.
+#[pyfunction]
+#[pyo3(signature = (spec, q, k, v, out, lse, dout, dq, dk, dv, deterministic, device))]
+#[allow(clippy::too_many_arguments)]
+fn backward_device(
+    py: Python<'_>,
+    spec: &PySpec,
+    q: u64,
+    k: u64,
+    v: u64,
+    out: u64,
+    lse: u64,
+    dout: u64,
+    dq: u64,
+    dk: u64,
+    dv: u64,
+    deterministic: bool,
+    device: &str,
+) -> PyResult<bool> {
+    let pref = DevicePref::parse(device).map_err(to_py)?;
+    let s = &spec.inner;
+    let p = crate::backend::cuda::DeviceBackward { q, k, v, out, lse, dout, dq, dk, dv };
+    // SAFETY: as in `forward_device`.
+    run_detached(py, || device_call(pref, s, |be| unsafe { be.backward_device(s, p, deterministic) }))
+}
+
+#[cfg(feature = "cuda")]
+/// Runs `f` on the CUDA backend `pref` names; `Ok(false)` where the host path must run instead.
+fn device_call(
+    pref: DevicePref,
+    s: &AttnSpec,
+    f: impl FnOnce(&crate::backend::cuda::CudaBackend) -> crate::Result<bool>,
+) -> crate::Result<bool> {
+    use crate::backend::cuda::{check_supported, CudaBackend};
+    let be = match pref {
+        DevicePref::Cpu => return Ok(false),
+        DevicePref::Cuda(i) => CudaBackend::on(i)?,
+        DevicePref::Auto(i) => match CudaBackend::on(i) {
+            Ok(be) if check_supported(s).is_ok() => be,
+            _ => return Ok(false),
+        },
+    };
+    f(be)
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySpec>()?;
@@ -325,6 +388,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(grouped_spec, m)?)?;
     m.add_function(wrap_pyfunction!(forward, m)?)?;
     m.add_function(wrap_pyfunction!(backward, m)?)?;
+    #[cfg(feature = "cuda")]
+    m.add_function(wrap_pyfunction!(forward_device, m)?)?;
+    #[cfg(feature = "cuda")]
+    m.add_function(wrap_pyfunction!(backward_device, m)?)?;
     m.add_function(wrap_pyfunction!(backend_status, m)?)?;
     m.add_function(wrap_pyfunction!(estimate_vram, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_bench_forward, m)?)?;

@@ -11,6 +11,7 @@ cubeattn's backward; ``deterministic=`` picks the dQ path as in the explicit bac
 """
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -120,13 +121,39 @@ def _forward(spec, q, k, v, cq, ck, cv, return_lse, deterministic, device):
     return _run_forward(spec, cq, ck, cv, return_lse, device)
 
 
+def _one_gpu(device, *conv):
+    """The torch device when every input is a CUDA tensor on the GPU `device` resolves to, else
+    None (then the host path runs; CUBEATTN_TORCH_HOST_COPY=1 forces it, for comparisons)."""
+    if not hasattr(_core, "forward_device") or any(c.device_tensor is None for c in conv):
+        return None
+    if os.environ.get("CUBEATTN_TORCH_HOST_COPY") == "1":
+        return None
+    gpu = conv[0].device_tensor.device
+    if any(c.device_tensor.device != gpu for c in conv) or not device.endswith(f":{gpu.index or 0}"):
+        return None
+    return gpu
+
+
 def _run_forward(spec, cq, ck, cv, return_lse, device):
-    out, lse, name = _core.forward(spec, cq.bytes, ck.bytes, cv.bytes, _device_for(device, cq, ck, cv))
+    dev = _device_for(device, cq, ck, cv)
+    total_q, _, heads_q, _, _ = spec.dims
+    gpu = _one_gpu(dev, cq, ck, cv)
+    if gpu is not None:
+        # device-resident path: no host round trip
+        import torch
+
+        q, k, v = cq.device_tensor, ck.device_tensor, cv.device_tensor
+        o = torch.empty(cq.shape, dtype=q.dtype, device=gpu)
+        lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=gpu)
+        torch.cuda.synchronize(gpu)
+        if _core.forward_device(spec, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), dev):
+            _last.name = "cuda"
+            return (o, lse) if return_lse else o
+    out, lse, name = _core.forward(spec, cq.bytes, ck.bytes, cv.bytes, dev)
     _last.name = name
     o = from_core(out, cq.shape, cq.dtype, cq)
     if not return_lse:
         return o
-    total_q, _, heads_q, _, _ = spec.dims
     return o, lse_out(lse, heads_q, total_q, cq)
 
 
@@ -173,14 +200,45 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
     return o.reshape(q.shape), lse
 
 
+def _backward_on_gpu(spec, gpu, conv, lse, deterministic, dev):
+    """dq, dk, dv computed on device-resident torch tensors, or None where the host path must run."""
+    import torch
+
+    cq, ck, cv, co, cg = conv
+    if not (_is_torch(lse) and lse.is_cuda and lse.device == gpu and lse.dtype == torch.float32):
+        return None
+    for name, c in (("out", co), ("dout", cg)):
+        if c.dtype != cq.dtype:
+            raise TypeError(f"invalid dtype for `{name}`: {c.dtype}; q is {cq.dtype}")
+        if c.shape != cq.shape:
+            raise ValueError(f"invalid argument `{name}`: shape {c.shape} differs from q's {cq.shape}")
+    total_q, _, heads_q, _, _ = spec.dims
+    lt = lse.detach().contiguous()
+    if lt.numel() != heads_q * total_q:
+        raise ValueError(f"invalid argument `lse`: expected {heads_q * total_q} values, got {lt.numel()}")
+    ptrs = [c.device_tensor.data_ptr() for c in (cq, ck, cv, co)] + [lt.data_ptr(), cg.device_tensor.data_ptr()]
+    grads = tuple(torch.empty(c.shape, dtype=c.device_tensor.dtype, device=gpu) for c in (cq, ck, cv))
+    torch.cuda.synchronize(gpu)
+    if not _core.backward_device(spec, *ptrs, *(g.data_ptr() for g in grads), bool(deterministic), dev):
+        return None
+    return grads
+
+
 def _run_backward(spec, dout, q, k, v, out, lse, deterministic, device):
     cq, ck, cv = to_core(q, "q"), to_core(k, "k"), to_core(v, "v")
     co, cg = to_core(out, "out"), to_core(dout, "dout")
+    dev = _device_for(device, cq, ck, cv)
+    gpu = _one_gpu(dev, cq, ck, cv, co, cg)
+    if gpu is not None:
+        grads = _backward_on_gpu(spec, gpu, (cq, ck, cv, co, cg), lse, deterministic, dev)
+        if grads is not None:
+            _last.name = "cuda"
+            return grads
     if _is_torch(lse):
         lse = lse.detach().cpu().numpy()
     lse_arr = np.ascontiguousarray(np.asarray(lse, dtype=np.float32)).reshape(-1)
     dq, dk, dv, name = _core.backward(spec, cq.bytes, ck.bytes, cv.bytes, co.bytes, lse_arr, cg.bytes,
-                                      bool(deterministic), _device_for(device, cq, ck, cv))
+                                      bool(deterministic), dev)
     _last.name = name
     return (from_core(dq, cq.shape, cq.dtype, cq), from_core(dk, ck.shape, ck.dtype, ck),
             from_core(dv, cv.shape, cv.dtype, cv))

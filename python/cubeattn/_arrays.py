@@ -22,12 +22,25 @@ def _is_torch(x) -> bool:
 
 
 class Converted:
-    """One input as the core wants it, plus what is needed to give outputs back in kind."""
+    """One input as the core wants it, plus what is needed to give outputs back in kind. For a
+    torch CUDA tensor, `device_tensor` is it made contiguous on its GPU, and the host bytes are
+    only made (copied to the host) when `bytes` is first read."""
 
-    __slots__ = ("bytes", "shape", "dtype", "torch_like")
+    __slots__ = ("_bytes", "shape", "dtype", "torch_like", "device_tensor")
 
-    def __init__(self, bytes_, shape, dtype, torch_like):
-        self.bytes, self.shape, self.dtype, self.torch_like = bytes_, shape, dtype, torch_like
+    def __init__(self, bytes_, shape, dtype, torch_like, device_tensor=None):
+        self._bytes, self.shape, self.dtype, self.torch_like = bytes_, shape, dtype, torch_like
+        self.device_tensor = device_tensor
+
+    @property
+    def bytes(self):
+        if self._bytes is None:
+            import torch
+
+            t = self.device_tensor
+            torch.cuda.synchronize(t.device)
+            self._bytes = t.cpu().reshape(-1).view(torch.uint8).numpy()
+        return self._bytes
 
 
 def dtype_name(x, name: str) -> str:
@@ -55,8 +68,8 @@ def to_core(x, name: str) -> Converted:
 
         t = x.detach()
         if t.is_cuda:
-            torch.cuda.synchronize(t.device)
-        t = t.contiguous().cpu()
+            return Converted(None, tuple(t.shape), dt, x, t.contiguous())
+        t = t.contiguous()
         flat = t.reshape(-1).view(torch.uint8).numpy()
         return Converted(flat, tuple(t.shape), dt, x)
     a = np.ascontiguousarray(x)

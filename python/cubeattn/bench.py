@@ -383,6 +383,49 @@ def _cuda_fwdbwd(args, torch):
     return rows
 
 
+def _cuda_autograd(args, torch):
+    """A training step through torch autograd (out = attention(q, k, v); out.backward(g)) on CUDA
+    tensors: cubeattn device-resident, cubeattn with host copies (CUBEATTN_TORCH_HOST_COPY=1), and
+    SDPA flash; the step's FLOPs counted as 3.5 x the forward's."""
+    import os
+
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    hq, hkv, d = CONFIGS[args.config]
+    rows = []
+    for s in (args.seqlens if args.seqlens_given else ([8192] if args.quick else [4096, 8192])):
+        flops = 3.5 * 4 * d * hq * causal_pairs(s, s)
+        key = dict(what="autograd_step", config=args.config, S=s)
+        q = torch.randn(s, hq, d, device="cuda", dtype=tdt, requires_grad=True)
+        k = torch.randn(s, hkv, d, device="cuda", dtype=tdt, requires_grad=True)
+        v = torch.randn(s, hkv, d, device="cuda", dtype=tdt, requires_grad=True)
+        g = torch.randn(s, hq, d, device="cuda", dtype=tdt)
+        cu = torch.tensor([0, s], dtype=torch.int32)
+
+        def ours():
+            cubeattn.flash_attn_varlen_func(q, k, v, cu, cu, s, s, causal=True, deterministic=True).backward(g)
+        for impl, host in (("cubeattn_device", "0"), ("cubeattn_host_copy", "1")):
+            os.environ["CUBEATTN_TORCH_HOST_COPY"] = host
+            try:
+                ms = median_ms(ours, 2, args.iterations, torch.cuda.synchronize)
+                rows.append(dict(key, impl=impl, ms=ms[0], tflops=flops / ms[0] / 1e9))
+            except Exception as e:
+                rows.append(dict(key, impl=impl, error=str(e)[:200]))
+        os.environ.pop("CUBEATTN_TORCH_HOST_COPY", None)
+        q4, k4, v4 = (x.detach().transpose(0, 1).unsqueeze(0).requires_grad_(True) for x in (q, k, v))
+        g4 = g.transpose(0, 1).unsqueeze(0)
+
+        def sdpa():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True).backward(g4)
+        ms = median_ms(sdpa, 2, args.iterations, torch.cuda.synchronize)
+        rows.append(dict(key, impl="sdpa_flash", ms=ms[0], tflops=flops / ms[0] / 1e9))
+        del q, k, v, g, q4, k4, v4, g4
+    return rows
+
+
 # ---------------------------------------------------------------- output
 
 def print_table(rows):
@@ -418,7 +461,7 @@ def maybe_png(rows, path):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m cubeattn.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", nargs="?", default="dense", choices=["dense", "grouped", "fwdbwd"])
+    p.add_argument("what", nargs="?", default="dense", choices=["dense", "grouped", "fwdbwd", "autograd"])
     p.add_argument("--quick", action="store_true", help="small shapes, few iterations")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--config", default=None, choices=sorted(CONFIGS))
@@ -451,7 +494,8 @@ def main(argv=None):
         args.config = args.config or "llama3-8b"
         args.seqlens = args.seqlens or ([4096, 8192] if args.quick else [4096, 8192, 16384, 32768])
         args.iterations = args.iterations or (5 if args.quick else 20)
-        rows = {"dense": _cuda_dense, "grouped": _cuda_grouped, "fwdbwd": _cuda_fwdbwd}[args.what](args, torch)
+        rows = {"dense": _cuda_dense, "grouped": _cuda_grouped, "fwdbwd": _cuda_fwdbwd,
+                "autograd": _cuda_autograd}[args.what](args, torch)
     env = environment(device)
     print(f"# cubeattn bench {args.what} on {device}: {env.get('gpu_name', platform.processor() or 'cpu')}, "
           f"{env['date']}, commit {env['commit']}")

@@ -158,3 +158,46 @@ def test_torch_tensors_on_the_second_gpu_compute_there():
     assert q.grad is not None and q.grad.device == dev
     ref = ref_backward(f64(q), f64(k), f64(v), np.ones(q.shape), [(0, 512, 0, 512)], True)
     assert rel_err(f64(q.grad), ref[0]) <= 2e-2
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs torch with CUDA and the CUDA backend")
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_tensors_stay_on_the_device_and_match_the_host_path(causal, monkeypatch):
+    """CUDA tensors go device-to-device (no host round trip); the results are the host path's,
+    bit for bit (same kernels, deterministic backward)."""
+    gen = torch.Generator().manual_seed(21)
+    cu = np.array([0, 100, 300], np.int32)
+    q = rand_t(gen, (300, 8, 128), "bfloat16", "cuda")
+    k = rand_t(gen, (300, 2, 128), "bfloat16", "cuda")
+    v = rand_t(gen, (300, 2, 128), "bfloat16", "cuda")
+    dout = (torch.rand(q.shape, generator=gen) * 2 - 1).to(torch.bfloat16).cuda()
+
+    def run():
+        out, lse = cubeattn.flash_attn_varlen_func(q, k, v, cu, cu, 200, 200, causal=causal, return_lse=True,
+                                                   deterministic=True)
+        assert cubeattn.last_backend() == "cuda" and out.is_cuda and lse.is_cuda
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        return out.detach(), lse, grads
+
+    dev_out, dev_lse, dev_g = run()
+    monkeypatch.setenv("CUBEATTN_TORCH_HOST_COPY", "1")
+    host_out, host_lse, host_g = run()
+    assert torch.equal(dev_out, host_out) and torch.equal(dev_lse, host_lse)
+    for a, b in zip(dev_g, host_g):
+        assert torch.equal(a, b)
+    ref = ref_backward(f64(q), f64(k), f64(v), f64(dout), varlen_segments(cu, cu), causal)
+    for g, want in zip(dev_g, ref):
+        assert rel_err(f64(g), want) <= BWD_TOL["bfloat16"][1]
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs torch with CUDA and the CUDA backend")
+def test_cuda_backward_checks_out_and_dout_shapes():
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (rand_t(gen, (64, 2, 64), "float16", "cuda") for _ in range(3))
+    cu = np.array([0, 64], np.int32)
+    out, lse = cubeattn.flash_attn_varlen_func(q, k, v, cu, cu, 64, 64, return_lse=True)
+    bad = torch.zeros(63, 2, 64, dtype=torch.float16, device="cuda")
+    with pytest.raises(ValueError, match="`dout`"):
+        cubeattn.flash_attn_varlen_backward(bad, q, k, v, out, lse, cu, cu, 64, 64)
+    with pytest.raises(TypeError, match="`out`"):
+        cubeattn.flash_attn_varlen_backward(out, q, k, v, out.float(), lse, cu, cu, 64, 64)

@@ -218,7 +218,7 @@ pub fn backward_workspace_bytes(spec: &AttnSpec, deterministic: bool) -> u64 {
 }
 
 /// Whether the backward of `spec` takes the fused atomic dQ path.
-fn fused_dq(spec: &AttnSpec, deterministic: bool, path: DqPath) -> bool {
+pub(super) fn fused_dq(spec: &AttnSpec, deterministic: bool, path: DqPath) -> bool {
     if spec.dtype == DType::F32 {
         return false;
     }

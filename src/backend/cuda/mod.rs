@@ -7,6 +7,8 @@
 
 pub mod backward;
 pub mod bench;
+mod device_io;
+pub use device_io::{DeviceBackward, DeviceForward};
 mod options;
 mod plan;
 mod probe;
@@ -42,6 +44,9 @@ pub const SUPPORTED_HEAD_DIMS: [usize; 2] = [64, 128];
 /// The CUDA backend: a CubeCL client on one device.
 pub struct CudaBackend {
     client: ComputeClient<CudaRuntime>,
+    /// The device's primary context (the one CubeCL and torch use), as an address, for the
+    /// device-to-device copies of [`device_io`].
+    ctx: usize,
 }
 
 /// One backend per device index, created on first use.
@@ -104,7 +109,12 @@ impl CudaBackend {
                 return Err(format!("no CUDA device {index}: the driver reports {count}"));
             }
             let client = guarded("CubeCL CUDA runtime", || CudaRuntime::client(&CudaDevice::new(index)))?;
-            Ok(CudaBackend { client })
+            // SAFETY: `index` is below the driver's device count (checked above).
+            let ctx = unsafe {
+                let dev = cudarc::driver::result::device::get(index as i32).map_err(|e| format!("cuDeviceGet: {e:?}"))?;
+                cudarc::driver::result::primary_ctx::retain(dev).map_err(|e| format!("cuDevicePrimaryCtxRetain: {e:?}"))?
+            };
+            Ok(CudaBackend { client, ctx: ctx as usize })
         });
         match r {
             Ok(b) => Ok(b),
