@@ -91,25 +91,33 @@ impl CudaBackend {
         }
         let es = spec.dtype.size();
         let run = guarded("CubeCL launch", || -> Result<()> {
+            let mut tr = Trace::new("forward");
             self.bind()?;
             let (qh, qp, _qr) = self.staged(d.q_len() * es)?;
             let (kh, kp, _kr) = self.staged(d.kv_len() * es)?;
             let (vh, vp, _vr) = self.staged(d.kv_len() * es)?;
             let (oh, op, _or) = self.staged(d.q_len() * es)?;
             let (lh, lp, _lr) = self.staged(d.lse_len() * 4)?;
+            tr.mark("buffers");
             self.bind()?;
             self.copy(qp, p.q, d.q_len() * es)?;
             self.copy(kp, p.k, d.kv_len() * es)?;
             self.copy(vp, p.v, d.kv_len() * es)?;
             self.ctx_sync()?;
+            tr.mark("copy in");
             let plan = Plan::new(spec);
             let dev = plan.upload(&self.client);
+            tr.mark("plan");
             launch_forward(&self.client, spec, &plan, &dev, &qh, &kh, &vh, &oh, &lh)?;
+            tr.mark("launch");
             sync(&self.client)?;
+            tr.mark("kernels");
             self.bind()?;
             self.copy(p.out, op, d.q_len() * es)?;
             self.copy(p.lse, lp, d.lse_len() * 4)?;
-            self.ctx_sync()
+            self.ctx_sync()?;
+            tr.mark("copy out");
+            Ok(())
         });
         run.map_err(Error::Device)??;
         Ok(true)
@@ -129,6 +137,7 @@ impl CudaBackend {
         let es = spec.dtype.size();
         let fused = fused_dq(spec, deterministic, DqPath::Auto);
         let run = guarded("CubeCL launch", || -> Result<()> {
+            let mut tr = Trace::new("backward");
             self.bind()?;
             let (q, qp, _a) = self.staged(d.q_len() * es)?;
             let (k, kp, _b) = self.staged(d.kv_len() * es)?;
@@ -139,6 +148,7 @@ impl CudaBackend {
             let (dq, dqp, _g) = self.staged(d.q_len() * es)?;
             let (dk, dkp, _h) = self.staged(d.kv_len() * es)?;
             let (dv, dvp, _i) = self.staged(d.kv_len() * es)?;
+            tr.mark("buffers");
             self.bind()?;
             for (dst, src, n) in [
                 (qp, p.q, d.q_len() * es),
@@ -151,6 +161,7 @@ impl CudaBackend {
                 self.copy(dst, src, n)?;
             }
             self.ctx_sync()?;
+            tr.mark("copy in");
             let bufs = BwdBuffers {
                 q,
                 k,
@@ -166,15 +177,52 @@ impl CudaBackend {
             };
             let plan = BwdPlan::new(spec);
             let dev = plan.upload(&self.client);
+            tr.mark("plan");
             launch_backward(&self.client, spec, &dev, &bufs)?;
+            tr.mark("launch");
             sync(&self.client)?;
+            tr.mark("kernels");
             self.bind()?;
             self.copy(p.dq, dqp, d.q_len() * es)?;
             self.copy(p.dk, dkp, d.kv_len() * es)?;
             self.copy(p.dv, dvp, d.kv_len() * es)?;
-            self.ctx_sync()
+            self.ctx_sync()?;
+            tr.mark("copy out");
+            Ok(())
         });
         run.map_err(Error::Device)??;
         Ok(true)
+    }
+}
+
+/// Phase timings of a device call on stderr when `CUBEATTN_TRACE=1` (host clock, microseconds).
+struct Trace {
+    on: bool,
+    what: &'static str,
+    last: std::time::Instant,
+    parts: Vec<(&'static str, u128)>,
+}
+
+impl Trace {
+    fn new(what: &'static str) -> Trace {
+        let on = std::env::var("CUBEATTN_TRACE").is_ok_and(|v| v == "1");
+        Trace { on, what, last: std::time::Instant::now(), parts: Vec::new() }
+    }
+
+    fn mark(&mut self, phase: &'static str) {
+        if self.on {
+            let now = std::time::Instant::now();
+            self.parts.push((phase, (now - self.last).as_micros()));
+            self.last = now;
+        }
+    }
+}
+
+impl Drop for Trace {
+    fn drop(&mut self) {
+        if self.on {
+            let parts: Vec<String> = self.parts.iter().map(|(p, us)| format!("{p} {us}")).collect();
+            eprintln!("cubeattn {} us: {}", self.what, parts.join(", "));
+        }
     }
 }
