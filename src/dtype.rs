@@ -36,13 +36,11 @@ impl DType {
 
 /// A scalar the kernels read and write; math is always done in f32 (or f64 for the reference).
 pub trait Element: Copy + Send + Sync + Default + 'static {
-    const DTYPE: DType;
     fn to_f32(self) -> f32;
     fn from_f32(x: f32) -> Self;
 }
 
 impl Element for f32 {
-    const DTYPE: DType = DType::F32;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self
@@ -53,7 +51,6 @@ impl Element for f32 {
     }
 }
 impl Element for f16 {
-    const DTYPE: DType = DType::F16;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f16::to_f32(self)
@@ -64,7 +61,6 @@ impl Element for f16 {
     }
 }
 impl Element for bf16 {
-    const DTYPE: DType = DType::BF16;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         bf16::to_f32(self)

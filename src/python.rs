@@ -363,22 +363,17 @@ fn backward_device(
 }
 
 #[cfg(feature = "cuda")]
-/// Runs `f` on the CUDA backend `pref` names; `Ok(false)` where the host path must run instead.
+/// Runs `f` on the CUDA backend `pref` picks for `s`; `Ok(false)` where the host path must run
+/// instead (the CPU is picked).
 fn device_call(
     pref: DevicePref,
     s: &AttnSpec,
     f: impl FnOnce(&crate::backend::cuda::CudaBackend) -> crate::Result<bool>,
 ) -> crate::Result<bool> {
-    use crate::backend::cuda::{check_supported, CudaBackend};
-    let be = match pref {
-        DevicePref::Cpu => return Ok(false),
-        DevicePref::Cuda(i) => CudaBackend::on(i)?,
-        DevicePref::Auto(i) => match CudaBackend::on(i) {
-            Ok(be) if check_supported(s).is_ok() => be,
-            _ => return Ok(false),
-        },
-    };
-    f(be)
+    match crate::backend::cuda_for_spec(pref, s)? {
+        Some(be) => f(be),
+        None => Ok(false),
+    }
 }
 
 #[pymodule]

@@ -17,7 +17,7 @@ import threading
 import numpy as np
 
 from . import _core
-from ._arrays import _is_torch, dtype_name, from_core, int32_ranges, int32_vector, lse_out, to_core
+from ._arrays import _is_torch, dtype_name, from_core, int32_ranges, int32_vector, to_core
 
 __all__ = [
     "flash_attn_func",
@@ -55,7 +55,7 @@ def devices() -> list:
 def varlen_spec(q_shape, k_shape, dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale=None, causal=False, v_shape=None):
     """A validated spec for the varlen layout (shapes only; no data needed)."""
-    return _core.varlen_spec(list(q_shape), list(k_shape), list(v_shape or k_shape), dtype,
+    return _core.varlen_spec(list(q_shape), list(k_shape), list(k_shape if v_shape is None else v_shape), dtype,
                              int32_vector(cu_seqlens_q, "cu_seqlens_q"),
                              int32_vector(cu_seqlens_k, "cu_seqlens_k"),
                              _count(max_seqlen_q, "max_seqlen_q"), _count(max_seqlen_k, "max_seqlen_k"),
@@ -64,7 +64,7 @@ def varlen_spec(q_shape, k_shape, dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_
 
 def grouped_spec(q_shape, k_shape, dtype, q_ranges, kv_ranges, softmax_scale=None, causal=True, v_shape=None):
     """A validated spec for grouped attention (shapes only)."""
-    return _core.grouped_spec(list(q_shape), list(k_shape), list(v_shape or k_shape), dtype,
+    return _core.grouped_spec(list(q_shape), list(k_shape), list(k_shape if v_shape is None else v_shape), dtype,
                               int32_ranges(q_ranges, "q_ranges"), int32_ranges(kv_ranges, "kv_ranges"),
                               _scale(softmax_scale), bool(causal))
 
@@ -117,7 +117,7 @@ def _forward(spec, q, k, v, cq, ck, cv, return_lse, deterministic, device):
     if _needs_grad(q, k, v):
         from ._autograd import attention
 
-        return attention(spec, q, k, v, (cq, ck, cv), return_lse, bool(deterministic), _check_device(device))
+        return attention(spec, q, k, v, (cq, ck, cv), return_lse, bool(deterministic), device)
     return _run_forward(spec, cq, ck, cv, return_lse, device)
 
 
@@ -154,7 +154,7 @@ def _run_forward(spec, cq, ck, cv, return_lse, device):
     o = from_core(out, cq.shape, cq.dtype, cq)
     if not return_lse:
         return o
-    return o, lse_out(lse, heads_q, total_q, cq)
+    return o, from_core(lse, (heads_q, total_q), "float32", cq)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -163,10 +163,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     keys cu_seqlens_k[b]:cu_seqlens_k[b+1]. Causal is bottom-right aligned. Returns out (and lse).
     `deterministic` applies to the autograd backward of torch inputs that require grad."""
     cq, ck, cv = to_core(q, "q"), to_core(k, "k"), to_core(v, "v")
-    spec = _core.varlen_spec(list(cq.shape), list(ck.shape), list(cv.shape), cq.dtype,
-                             int32_vector(cu_seqlens_q, "cu_seqlens_q"), int32_vector(cu_seqlens_k, "cu_seqlens_k"),
-                             _count(max_seqlen_q, "max_seqlen_q"), _count(max_seqlen_k, "max_seqlen_k"),
-                             _scale(softmax_scale), bool(causal))
+    spec = varlen_spec(cq.shape, ck.shape, cq.dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       softmax_scale, causal, v_shape=cv.shape)
     return _forward(spec, q, k, v, cq, ck, cv, return_lse, deterministic, device)
 
 
@@ -260,9 +258,7 @@ def grouped_flash_attn_func(q, k, v, q_ranges, kv_ranges, softmax_scale=None, ca
     inside each group: the group's last query row sees up to kv_ranges[g][1]. Rows in no group get
     zero output and lse +inf."""
     cq, ck, cv = to_core(q, "q"), to_core(k, "k"), to_core(v, "v")
-    spec = _core.grouped_spec(list(cq.shape), list(ck.shape), list(cv.shape), cq.dtype,
-                              int32_ranges(q_ranges, "q_ranges"), int32_ranges(kv_ranges, "kv_ranges"),
-                              _scale(softmax_scale), bool(causal))
+    spec = grouped_spec(cq.shape, ck.shape, cq.dtype, q_ranges, kv_ranges, softmax_scale, causal, v_shape=cv.shape)
     return _forward(spec, q, k, v, cq, ck, cv, return_lse, deterministic, device)
 
 

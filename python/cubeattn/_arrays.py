@@ -37,9 +37,8 @@ class Converted:
         if self._bytes is None:
             import torch
 
-            t = self.device_tensor
-            torch.cuda.synchronize(t.device)
-            self._bytes = t.cpu().reshape(-1).view(torch.uint8).numpy()
+            # .cpu() waits for the tensor's pending work on its stream
+            self._bytes = self.device_tensor.cpu().reshape(-1).view(torch.uint8).numpy()
         return self._bytes
 
 
@@ -87,15 +86,6 @@ def from_core(buf: np.ndarray, shape, dtype: str, like: Converted):
         return t.to(like.torch_like.device)
     npdt = {"float32": np.float32, "float16": np.float16}.get(dtype, BF16)
     return buf.view(npdt).reshape(shape)
-
-
-def lse_out(lse: np.ndarray, heads_q: int, total_q: int, like: Converted):
-    lse = lse.reshape(heads_q, total_q)
-    if like.torch_like is not None:
-        import torch
-
-        return torch.from_numpy(lse).to(like.torch_like.device)
-    return lse
 
 
 def int32_vector(x, name: str) -> np.ndarray:

@@ -387,8 +387,6 @@ def _cuda_autograd(args, torch):
     """A training step through torch autograd (out = attention(q, k, v); out.backward(g)) on CUDA
     tensors: cubeattn device-resident, cubeattn with host copies (CUBEATTN_TORCH_HOST_COPY=1), and
     SDPA flash; the step's FLOPs counted as 3.5 x the forward's."""
-    import os
-
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -147,21 +147,29 @@ pub fn backend_for(pref: DevicePref) -> Result<&'static dyn Backend> {
 /// The backend for a preference and a call: like [`backend_for`], but `auto` also falls back to
 /// the CPU when the CUDA backend cannot serve this spec (e.g. a head_dim without a kernel).
 pub fn backend_for_spec(pref: DevicePref, spec: &AttnSpec) -> Result<&'static dyn Backend> {
-    let be = backend_for(pref)?;
-    if matches!(pref, DevicePref::Auto(_)) && be.kind() == BackendKind::Cuda && cuda_supports(spec).is_err() {
-        return Ok(&cpu::CpuBackend);
+    #[cfg(feature = "cuda")]
+    {
+        Ok(match cuda_for_spec(pref, spec)? {
+            Some(be) => be,
+            None => &cpu::CpuBackend,
+        })
     }
-    Ok(be)
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = spec;
+        backend_for(pref)
+    }
 }
 
+/// The CUDA backend a preference picks for this call, `None` where the CPU runs it: `cpu`, or
+/// `auto` when CUDA cannot start or serve the spec. `cuda` / `cuda:N` that cannot start is an error.
 #[cfg(feature = "cuda")]
-fn cuda_supports(spec: &AttnSpec) -> Result<()> {
-    cuda::check_supported(spec)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda_supports(_spec: &AttnSpec) -> Result<()> {
-    Ok(())
+pub fn cuda_for_spec(pref: DevicePref, spec: &AttnSpec) -> Result<Option<&'static cuda::CudaBackend>> {
+    match pref {
+        DevicePref::Cpu => Ok(None),
+        DevicePref::Cuda(i) => cuda::CudaBackend::on(i).map(Some),
+        DevicePref::Auto(i) => Ok(cuda::CudaBackend::on(i).ok().filter(|_| cuda::check_supported(spec).is_ok())),
+    }
 }
 
 #[cfg(feature = "cuda")]

@@ -79,7 +79,7 @@ pub fn varlen_spec(lens: &[(usize, usize)], hq: usize, hkv: usize, d: usize, dty
         .expect("valid spec")
 }
 
-/// A grouped spec over `total_k` shared keys.
+/// A grouped spec over `total_k` shared keys, groups of `q_lens` rows back to back.
 pub fn grouped_spec(q_lens: &[usize], kv: &[(i32, i32)], total_k: usize, hq: usize, hkv: usize, d: usize, dtype: DType, causal: bool) -> AttnSpec {
     let mut qr = Vec::new();
     let mut at = 0i32;
@@ -88,7 +88,23 @@ pub fn grouped_spec(q_lens: &[usize], kv: &[(i32, i32)], total_k: usize, hq: usi
         at += n as i32;
     }
     let kr: Vec<[i32; 2]> = kv.iter().map(|&(a, b)| [a, b]).collect();
-    AttnSpec::grouped(&meta(at as usize, hq, d, dtype), &meta(total_k, hkv, d, dtype), &meta(total_k, hkv, d, dtype), &qr, &kr, None, causal)
+    grouped_ranges_spec(&qr, &kr, at as usize, total_k, hq, hkv, d, dtype, causal)
+}
+
+/// A grouped spec from explicit q_ranges / kv_ranges over `total_q` rows and `total_k` keys.
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_ranges_spec(
+    qr: &[[i32; 2]],
+    kr: &[[i32; 2]],
+    total_q: usize,
+    total_k: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    dtype: DType,
+    causal: bool,
+) -> AttnSpec {
+    AttnSpec::grouped(&meta(total_q, hq, d, dtype), &meta(total_k, hkv, d, dtype), &meta(total_k, hkv, d, dtype), qr, kr, None, causal)
         .expect("valid spec")
 }
 

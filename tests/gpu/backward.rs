@@ -11,9 +11,10 @@ use cubeattn::backend::cuda::backward::{bench_backward_with, BenchPart, DqPath};
 use cubeattn::backend::cuda::CudaBackend;
 use cubeattn::backend::BackwardInputs;
 use cubeattn::reference::backward_f64;
-use cubeattn::{AttnSpec, Backend, DType, Error, Gradients, HostData, TensorMeta};
+use cubeattn::{AttnSpec, Backend, DType, Error, Gradients, HostData};
 use rand::{rngs::StdRng, SeedableRng};
 use super::random;
+use crate::common::{grouped_ranges_spec, meta, varlen_spec};
 
 fn backend() -> Option<&'static CudaBackend> {
     match CudaBackend::shared() {
@@ -45,45 +46,10 @@ struct Case {
     input_scale: f32,
 }
 
-fn meta(t: usize, h: usize, d: usize, dt: DType) -> TensorMeta {
-    TensorMeta::new(&[t, h, d], dt)
-}
-
 fn build_spec(c: &Case) -> AttnSpec {
     match &c.layout {
-        Layout::Varlen(lens) => {
-            let mut cq = vec![0i32];
-            let mut ck = vec![0i32];
-            for &(a, b) in lens {
-                cq.push(cq.last().unwrap() + a as i32);
-                ck.push(ck.last().unwrap() + b as i32);
-            }
-            let (tq, tk) = (*cq.last().unwrap() as usize, *ck.last().unwrap() as usize);
-            let mq = lens.iter().map(|x| x.0).max().unwrap_or(0);
-            let mk = lens.iter().map(|x| x.1).max().unwrap_or(0);
-            AttnSpec::varlen(
-                &meta(tq, c.hq, c.d, c.dtype),
-                &meta(tk, c.hkv, c.d, c.dtype),
-                &meta(tk, c.hkv, c.d, c.dtype),
-                &cq,
-                &ck,
-                mq,
-                mk,
-                None,
-                c.causal,
-            )
-            .unwrap()
-        }
-        Layout::Grouped(qr, kr, tq, tk) => AttnSpec::grouped(
-            &meta(*tq, c.hq, c.d, c.dtype),
-            &meta(*tk, c.hkv, c.d, c.dtype),
-            &meta(*tk, c.hkv, c.d, c.dtype),
-            qr,
-            kr,
-            None,
-            c.causal,
-        )
-        .unwrap(),
+        Layout::Varlen(lens) => varlen_spec(lens, c.hq, c.hkv, c.d, c.dtype, c.causal),
+        Layout::Grouped(qr, kr, tq, tk) => grouped_ranges_spec(qr, kr, *tq, *tk, c.hq, c.hkv, c.d, c.dtype, c.causal),
     }
 }
 

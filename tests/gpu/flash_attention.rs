@@ -9,6 +9,7 @@ use cubeattn::reference::forward_f64;
 use cubeattn::{AttnSpec, DType, Error, HostData, TensorMeta};
 use rand::{rngs::StdRng, SeedableRng};
 use super::random;
+use crate::common::{grouped_ranges_spec, varlen_spec};
 
 fn backend() -> Option<&'static CudaBackend> {
     match CudaBackend::shared() {
@@ -40,32 +41,11 @@ enum Layout {
 fn build_spec(c: &Case) -> AttnSpec {
     match &c.layout {
         Layout::Varlen(cq, ck) => {
-            let (tq, tk) = (*cq.last().unwrap() as usize, *ck.last().unwrap() as usize);
-            let mq = cq.windows(2).map(|w| (w[1] - w[0]) as usize).max().unwrap_or(0);
-            let mk = ck.windows(2).map(|w| (w[1] - w[0]) as usize).max().unwrap_or(0);
-            AttnSpec::varlen(
-                &TensorMeta::new(&[tq, c.hq, c.d], c.dtype),
-                &TensorMeta::new(&[tk, c.hkv, c.d], c.dtype),
-                &TensorMeta::new(&[tk, c.hkv, c.d], c.dtype),
-                cq,
-                ck,
-                mq,
-                mk,
-                None,
-                c.causal,
-            )
-            .unwrap()
+            let lens: Vec<(usize, usize)> =
+                cq.windows(2).zip(ck.windows(2)).map(|(a, b)| ((a[1] - a[0]) as usize, (b[1] - b[0]) as usize)).collect();
+            varlen_spec(&lens, c.hq, c.hkv, c.d, c.dtype, c.causal)
         }
-        Layout::Grouped(qr, kr, tq, tk) => AttnSpec::grouped(
-            &TensorMeta::new(&[*tq, c.hq, c.d], c.dtype),
-            &TensorMeta::new(&[*tk, c.hkv, c.d], c.dtype),
-            &TensorMeta::new(&[*tk, c.hkv, c.d], c.dtype),
-            qr,
-            kr,
-            None,
-            c.causal,
-        )
-        .unwrap(),
+        Layout::Grouped(qr, kr, tq, tk) => grouped_ranges_spec(qr, kr, *tq, *tk, c.hq, c.hkv, c.d, c.dtype, c.causal),
     }
 }
 

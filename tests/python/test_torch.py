@@ -22,10 +22,6 @@ def f64(t):
     return t.detach().float().cpu().numpy().astype(np.float64)
 
 
-def backend_for(device):
-    return "cuda" if device == "cuda" else "cpu"
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("causal", [False, True])
@@ -38,7 +34,7 @@ def test_varlen_autograd_matches_f64_reference(device, dtype, causal):
     q = rand_t(gen, (int(cu_q[-1]), 4, d), dtype, device)
     k = rand_t(gen, (int(cu_k[-1]), 2, d), dtype, device)
     v = rand_t(gen, (int(cu_k[-1]), 2, d), dtype, device)
-    out = cubeattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 64, 70, causal=causal, device=backend_for(device))
+    out = cubeattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 64, 70, causal=causal, device=device)
     assert isinstance(out, torch.Tensor) and out.grad_fn is not None
     assert out.device.type == device and out.dtype == TDT[dtype] and out.shape == q.shape
     dout = (torch.rand(out.shape, generator=gen) * 2 - 1).to(out.dtype).to(device)
@@ -61,12 +57,12 @@ def test_autograd_equals_explicit_backward(device):
     q, k, v = (rand_t(gen, (n, h, d), "float32", device) for h in (4, 2, 2))
     cu = np.array([0, n], np.int32)
     out, lse = cubeattn.flash_attn_varlen_func(q, k, v, cu, cu, n, n, causal=True, return_lse=True,
-                                               device=backend_for(device), deterministic=True)
+                                               device=device, deterministic=True)
     assert lse.grad_fn is None and not lse.requires_grad
     dout = torch.rand(out.shape, generator=gen).to(device)
     out.backward(dout)
     dq, dk, dv = cubeattn.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu, cu, n, n, causal=True,
-                                                     deterministic=True, device=backend_for(device))
+                                                     deterministic=True, device=device)
     for t, g in zip((q, k, v), (dq, dk, dv)):
         assert torch.equal(t.grad, g)
 
@@ -78,7 +74,7 @@ def test_batched_autograd_and_non_contiguous_grad(device):
     q = rand_t(gen, (b, s, 4, d), "float32", device)
     k = rand_t(gen, (b, s, 1, d), "float32", device)
     v = rand_t(gen, (b, s, 1, d), "float32", device)
-    out = cubeattn.flash_attn_func(q, k, v, causal=True, device=backend_for(device))
+    out = cubeattn.flash_attn_func(q, k, v, causal=True, device=device)
     assert out.shape == q.shape
     # a loss whose gradient reaches `out` non-contiguous (through a transpose)
     w = torch.rand(b, 4, s, d, generator=gen).to(device)
@@ -100,7 +96,7 @@ def test_grouped_autograd_accumulates_dk_dv(device):
     q = rand_t(gen, (80, 2, d), "float32", device)
     k = rand_t(gen, (tk, 2, d), "float32", device)
     v = rand_t(gen, (tk, 2, d), "float32", device)
-    out = cubeattn.grouped_flash_attn_func(q, k, v, q_ranges, kv_ranges, causal=True, device=backend_for(device))
+    out = cubeattn.grouped_flash_attn_func(q, k, v, q_ranges, kv_ranges, causal=True, device=device)
     dout = torch.rand(out.shape, generator=gen).to(device)
     out.backward(dout)
     segs = grouped_segments(q_ranges, kv_ranges)

@@ -6,7 +6,7 @@
 use rayon::prelude::*;
 
 use super::forward::{query_blocks, row_limits, BK, BQ};
-use super::layout::{from_head_major, matmul, to_head_major, Mat, SharedMut};
+use super::layout::{from_head_major, matmul, to_f32_cow, to_head_major, Mat, SharedMut};
 use super::simd::{dot, exp2_neg, multiversion};
 use crate::backend::{BackwardInputs, Gradients};
 use crate::dtype::HostView;
@@ -75,11 +75,16 @@ struct Prepared {
 fn prepare(spec: &AttnSpec, q: HostView, k: HostView, v: HostView, g: &BackwardInputs) -> Prepared {
     let dm = spec.dims;
     let (d, tq, tk) = (dm.head_dim, dm.total_q, dm.total_k);
-    let o = to_head_major(g.out, tq, dm.heads_q, d);
+    // out is read in place (token-major); only delta needs it
+    let o = to_f32_cow(g.out);
     let dout = to_head_major(g.dout, tq, dm.heads_q, d);
+    let hq = dm.heads_q;
     let delta: Vec<f32> = (0..dm.lse_len())
         .into_par_iter()
-        .map(|i| dot(&dout[i * d..(i + 1) * d], &o[i * d..(i + 1) * d]))
+        .map(|i| {
+            let (h, t) = (i / tq, i % tq);
+            dot(&dout[i * d..(i + 1) * d], &o[(t * hq + h) * d..][..d])
+        })
         .collect();
     Prepared {
         q: to_head_major(q, tq, dm.heads_q, d),

@@ -27,7 +27,7 @@ use cubecl::server::Handle;
 use half::{bf16, f16};
 
 use super::bench::{random_f32, sync};
-use super::{buf, check_supported, guarded, launch_forward, use_ldmatrix, CudaBackend, Plan};
+use super::{buf, table, check_supported, guarded, launch_forward, use_ldmatrix, CudaBackend, Plan};
 use crate::backend::{BackwardInputs, Gradients};
 use crate::dtype::{DType, HostData, HostView};
 use crate::error::{Error, Result};
@@ -136,10 +136,6 @@ pub(crate) struct BwdPlanDev {
     row_seg: (Handle, usize),
     n_q_work: usize,
     n_k_work: usize,
-}
-
-fn arr(h: &(Handle, usize)) -> ArrayArg<CudaRuntime> {
-    buf(&h.0, h.1)
 }
 
 /// A 2-D grid (x fastest) of at least `cubes` cubes.
@@ -294,9 +290,9 @@ pub(crate) fn launch_backward(
                 buf(&b.delta, ll),
                 buf(&b.dk, kl),
                 buf(&b.dv, kl),
-                arr(&plan.tile_off),
-                arr(&plan.tile_segs),
-                arr(&plan.segs),
+                table(&plan.tile_off),
+                table(&plan.tile_segs),
+                table(&plan.segs),
                 spec.scale,
                 d.heads_q as u32,
                 d.heads_kv as u32,
@@ -316,8 +312,8 @@ pub(crate) fn launch_backward(
                 buf(&b.lse, ll),
                 buf(&b.delta, ll),
                 buf(&b.dq, ql),
-                arr(&plan.row_seg),
-                arr(&plan.segs),
+                table(&plan.row_seg),
+                table(&plan.segs),
                 spec.scale,
                 d.heads_q as u32,
                 d.heads_kv as u32,
@@ -369,10 +365,10 @@ pub(crate) fn launch_backward(
                             buf(acc_h, acc_len),
                             buf(&b.q, ql),
                             buf(&b.dout, ql),
-                            arr(&plan.k_work),
-                            arr(&plan.tile_off),
-                            arr(&plan.tile_segs),
-                            arr(&plan.segs),
+                            table(&plan.k_work),
+                            table(&plan.tile_off),
+                            table(&plan.tile_segs),
+                            table(&plan.segs),
                             spec.scale,
                             d.heads_q as u32,
                             d.heads_kv as u32,
@@ -410,8 +406,8 @@ pub(crate) fn launch_backward(
                             buf(&b.dq, ql),
                             buf(&b.k, kl),
                             buf(&b.v, kl),
-                            arr(&plan.q_work),
-                            arr(&plan.segs),
+                            table(&plan.q_work),
+                            table(&plan.segs),
                             spec.scale,
                             d.heads_q as u32,
                             d.heads_kv as u32,
@@ -433,6 +429,16 @@ pub(crate) fn launch_backward(
         }
     }
     Ok(())
+}
+
+/// Builds the backward plan of `spec`, uploads its tables and launches the backward kernels.
+pub(crate) fn plan_and_launch_backward(
+    client: &ComputeClient<CudaRuntime>,
+    spec: &AttnSpec,
+    b: &BwdBuffers,
+) -> Result<()> {
+    let dev = BwdPlan::new(spec).upload(client);
+    launch_backward(client, spec, &dev, b)
 }
 
 fn zero_grads(spec: &AttnSpec) -> Gradients {
@@ -498,9 +504,7 @@ fn backward_path(
             dv: filled(d.kv_len()),
             dq_acc: fused_dq(spec, g.deterministic, path).then(|| client.empty(d.q_len() * 4)),
         };
-        let plan = BwdPlan::new(spec);
-        let dev = plan.upload(client);
-        launch_backward(client, spec, &dev, &bufs)?;
+        plan_and_launch_backward(client, spec, &bufs)?;
         super::memory_probe(client);
         let read = |h: Handle| -> Result<HostData> {
             let bytes = client.read_one(h).map_err(|e| Error::Device(format!("backward kernel failed: {e:?}")))?;

@@ -10,9 +10,9 @@
 
 use cubecl::server::Handle;
 
-use super::backward::{fused_dq, launch_backward, BwdBuffers, BwdPlan, DqPath};
+use super::backward::{fused_dq, plan_and_launch_backward, BwdBuffers, DqPath};
 use super::bench::sync;
-use super::{check_supported, guarded, launch_forward, CudaBackend, Plan};
+use super::{check_supported, guarded, plan_and_launch_forward, CudaBackend};
 use crate::error::{Error, Result};
 use crate::spec::AttnSpec;
 
@@ -92,7 +92,6 @@ impl CudaBackend {
         let es = spec.dtype.size();
         let run = guarded("CubeCL launch", || -> Result<()> {
             let mut tr = Trace::new("forward");
-            self.bind()?;
             let (qh, qp, _qr) = self.staged(d.q_len() * es)?;
             let (kh, kp, _kr) = self.staged(d.kv_len() * es)?;
             let (vh, vp, _vr) = self.staged(d.kv_len() * es)?;
@@ -105,11 +104,8 @@ impl CudaBackend {
             self.copy(vp, p.v, d.kv_len() * es)?;
             self.ctx_sync()?;
             tr.mark("copy in");
-            let plan = Plan::new(spec);
-            let dev = plan.upload(&self.client);
-            tr.mark("plan");
-            launch_forward(&self.client, spec, &plan, &dev, &qh, &kh, &vh, &oh, &lh)?;
-            tr.mark("launch");
+            plan_and_launch_forward(&self.client, spec, [&qh, &kh, &vh], &oh, &lh)?;
+            tr.mark("plan + launch");
             sync(&self.client)?;
             tr.mark("kernels");
             self.bind()?;
@@ -138,7 +134,6 @@ impl CudaBackend {
         let fused = fused_dq(spec, deterministic, DqPath::Auto);
         let run = guarded("CubeCL launch", || -> Result<()> {
             let mut tr = Trace::new("backward");
-            self.bind()?;
             let (q, qp, _a) = self.staged(d.q_len() * es)?;
             let (k, kp, _b) = self.staged(d.kv_len() * es)?;
             let (v, vp, _c) = self.staged(d.kv_len() * es)?;
@@ -175,11 +170,8 @@ impl CudaBackend {
                 dv,
                 dq_acc: fused.then(|| self.client.empty(d.q_len() * 4)),
             };
-            let plan = BwdPlan::new(spec);
-            let dev = plan.upload(&self.client);
-            tr.mark("plan");
-            launch_backward(&self.client, spec, &dev, &bufs)?;
-            tr.mark("launch");
+            plan_and_launch_backward(&self.client, spec, &bufs)?;
+            tr.mark("plan + launch");
             sync(&self.client)?;
             tr.mark("kernels");
             self.bind()?;

@@ -179,9 +179,7 @@ impl CudaBackend {
                 }
                 None => (client.empty(d.q_len() * esize), client.empty(d.lse_len() * 4)),
             };
-            let plan = Plan::new(spec);
-            let dev = plan.upload(client);
-            launch_forward(client, spec, &plan, &dev, &qh, &kh, &vh, &out_h, &lse_h)?;
+            plan_and_launch_forward(client, spec, [&qh, &kh, &vh], &out_h, &lse_h)?;
             let ob = client
                 .read_one(out_h)
                 .map_err(|e| Error::Device(format!("forward kernel failed: {e:?}")))?;
@@ -224,6 +222,24 @@ fn buf(h: &Handle, len: usize) -> ArrayArg<CudaRuntime> {
     unsafe { ArrayArg::from_raw_parts(h.clone(), len) }
 }
 
+/// A device table uploaded with [`upload_table`] (handle, element count) as a kernel argument.
+fn table(h: &(Handle, usize)) -> ArrayArg<CudaRuntime> {
+    buf(&h.0, h.1)
+}
+
+/// Builds the launch plan of `spec`, uploads its tables and launches the forward kernels.
+fn plan_and_launch_forward(
+    client: &ComputeClient<CudaRuntime>,
+    spec: &AttnSpec,
+    [q, k, v]: [&Handle; 3],
+    out: &Handle,
+    lse: &Handle,
+) -> Result<()> {
+    let plan = Plan::new(spec);
+    let dev = plan.upload(client);
+    launch_forward(client, spec, &plan, &dev, q, k, v, out, lse)
+}
+
 /// Launches the forward kernels (the zero-fill of uncovered rows first when there are any).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch_forward(
@@ -252,8 +268,8 @@ pub(crate) fn launch_forward(
                 buf(v, kl),
                 buf(out, ql),
                 buf(lse, d.lse_len()),
-                buf(&dev.row_seg.0, dev.row_seg.1),
-                buf(&dev.segs.0, dev.segs.1),
+                table(&dev.row_seg),
+                table(&dev.segs),
                 spec.scale,
                 d.heads_q as u32,
                 d.heads_kv as u32,
@@ -321,9 +337,9 @@ pub(crate) fn launch_forward(
                             buf(lse, d.lse_len()),
                             buf(&part_o, n_part * hd),
                             buf(&part_lse, n_part),
-                            buf(&dev.fwd_work.0, dev.fwd_work.1),
-                            buf(&dev.fwd_slices.0, dev.fwd_slices.1),
-                            buf(&dev.segs.0, dev.segs.1),
+                            table(&dev.fwd_work),
+                            table(&dev.fwd_slices),
+                            table(&dev.segs),
                             spec.scale,
                             d.heads_q as u32,
                             d.heads_kv as u32,
@@ -351,9 +367,9 @@ pub(crate) fn launch_forward(
                             buf(lse, d.lse_len()),
                             buf(&part_o, n_part * hd),
                             buf(&part_lse, n_part),
-                            buf(&dev.fwd_work.0, dev.fwd_work.1),
-                            buf(&dev.fwd_slices.0, dev.fwd_slices.1),
-                            buf(&dev.segs.0, dev.segs.1),
+                            table(&dev.fwd_work),
+                            table(&dev.fwd_slices),
+                            table(&dev.segs),
                             spec.scale,
                             d.heads_q as u32,
                             d.heads_kv as u32,
@@ -376,9 +392,9 @@ pub(crate) fn launch_forward(
                                 buf(lse, d.lse_len()),
                                 buf(&part_o, n_part * hd),
                                 buf(&part_lse, n_part),
-                                buf(&dev.fwd_comb.0, dev.fwd_comb.1),
-                                buf(&dev.fwd_slices.0, dev.fwd_slices.1),
-                                buf(&dev.segs.0, dev.segs.1),
+                                table(&dev.fwd_comb),
+                                table(&dev.fwd_slices),
+                                table(&dev.segs),
                                 d.heads_q as u32,
                                 d.total_q as u32,
                                 fp.hp,
