@@ -19,6 +19,9 @@ pub enum Error {
     /// A device call failed at run time.
     #[error("device error: {0}")]
     Device(String),
+    /// The GPU has too little free memory for the call (Python: `MemoryError`).
+    #[error("out of GPU memory: the call needs {needed} bytes more, the device has {free} bytes free")]
+    OutOfMemory { needed: u64, free: u64 },
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

@@ -22,6 +22,7 @@ fn to_py(e: Error) -> PyErr {
         Error::InvalidArgument { .. } | Error::Unsupported { .. } => PyValueError::new_err(e.to_string()),
         Error::InvalidDtype { .. } => PyTypeError::new_err(e.to_string()),
         Error::BackendUnavailable { .. } | Error::Device(_) => PyRuntimeError::new_err(e.to_string()),
+        Error::OutOfMemory { .. } => PyMemoryError::new_err(e.to_string()),
     }
 }
 
@@ -309,7 +310,7 @@ fn cuda_bench(s: &AttnSpec, warmup: usize, iters: usize, backward: bool) -> crat
     if backward {
         crate::backend::cuda::backward::bench_backward(s, warmup, iters)
     } else {
-        crate::backend::cuda::bench::bench_forward(s, warmup, iters)
+        crate::backend::cuda::bench(s, warmup, iters, crate::backend::cuda::BenchPart::Forward, crate::backend::cuda::backward::DqPath::Auto)
     }
 }
 
@@ -319,26 +320,56 @@ fn cuda_bench(_s: &AttnSpec, _warmup: usize, _iters: usize, _backward: bool) -> 
 }
 
 #[cfg(feature = "cuda")]
-/// Forward on device-resident buffers (torch CUDA tensors as raw addresses, contiguous): writes
-/// out and lse in place. Returns false when the host path should run instead: `device` is the
-/// CPU, or `auto` and CUDA cannot serve the call, or the call has no row or key.
+/// Workspace bytes of a device-resident call on `stream` (the launch plan of the shape is built
+/// and uploaded on `stream` if new), or None when the host path must run (`device` picks the CPU).
 #[pyfunction]
-#[pyo3(signature = (spec, q, k, v, out, lse, device))]
-#[allow(clippy::too_many_arguments)]
-fn forward_device(py: Python<'_>, spec: &PySpec, q: u64, k: u64, v: u64, out: u64, lse: u64, device: &str) -> PyResult<bool> {
+#[pyo3(signature = (spec, device, stream, backward=false, deterministic=false))]
+fn device_workspace(py: Python<'_>, spec: &PySpec, device: &str, stream: u64, backward: bool, deterministic: bool) -> PyResult<Option<usize>> {
     let pref = DevicePref::parse(device).map_err(to_py)?;
     let s = &spec.inner;
+    run_detached(py, || match crate::backend::cuda_for_spec(pref, s)? {
+        // SAFETY: `stream` is torch's current stream of this device (the Python caller's contract).
+        Some(be) if backward => unsafe { be.backward_workspace(s, deterministic, stream) }.map(Some),
+        Some(be) => unsafe { be.forward_workspace(s, stream) }.map(Some),
+        None => Ok(None),
+    })
+}
+
+#[cfg(feature = "cuda")]
+/// Forward on device-resident buffers (torch CUDA tensors as raw addresses, contiguous), enqueued
+/// on `stream`: writes out and lse in place, returns at once. False when the host path must run
+/// instead (`device` picks the CPU) or the call has no row or key (nothing was enqueued).
+#[pyfunction]
+#[pyo3(signature = (spec, q, k, v, out, lse, workspace, workspace_bytes, stream, device))]
+#[allow(clippy::too_many_arguments)]
+fn forward_device(
+    py: Python<'_>,
+    spec: &PySpec,
+    q: u64,
+    k: u64,
+    v: u64,
+    out: u64,
+    lse: u64,
+    workspace: u64,
+    workspace_bytes: usize,
+    stream: u64,
+    device: &str,
+) -> PyResult<bool> {
+    let pref = DevicePref::parse(device).map_err(to_py)?;
+    let s = &spec.inner;
+    let p = crate::backend::cuda::FwdPtrs { q, k, v, out, lse, workspace };
     run_detached(py, || device_call(pref, s, |be| {
         // SAFETY: the Python caller passes contiguous CUDA tensors of the spec's shapes and dtype
-        // on this device (checked there), kept alive and untouched for the call.
-        unsafe { be.forward_device(s, crate::backend::cuda::DeviceForward { q, k, v, out, lse }) }
+        // on this device and torch's current stream there; torch's caching allocator keeps the
+        // tensors alive until the work enqueued on that stream has run.
+        unsafe { be.forward_device(s, p, workspace_bytes, stream) }
     }))
 }
 
 #[cfg(feature = "cuda")]
 /// Backward on device-resident buffers (see [`forward_device`]); writes dq, dk, dv in place.
 #[pyfunction]
-#[pyo3(signature = (spec, q, k, v, out, lse, dout, dq, dk, dv, deterministic, device))]
+#[pyo3(signature = (spec, q, k, v, out, lse, dout, dq, dk, dv, workspace, workspace_bytes, stream, deterministic, device))]
 #[allow(clippy::too_many_arguments)]
 fn backward_device(
     py: Python<'_>,
@@ -352,14 +383,17 @@ fn backward_device(
     dq: u64,
     dk: u64,
     dv: u64,
+    workspace: u64,
+    workspace_bytes: usize,
+    stream: u64,
     deterministic: bool,
     device: &str,
 ) -> PyResult<bool> {
     let pref = DevicePref::parse(device).map_err(to_py)?;
     let s = &spec.inner;
-    let p = crate::backend::cuda::DeviceBackward { q, k, v, out, lse, dout, dq, dk, dv };
+    let p = crate::backend::cuda::BwdPtrs { q, k, v, out, lse, dout, dq, dk, dv, workspace };
     // SAFETY: as in `forward_device`.
-    run_detached(py, || device_call(pref, s, |be| unsafe { be.backward_device(s, p, deterministic) }))
+    run_detached(py, || device_call(pref, s, |be| unsafe { be.backward_device(s, p, deterministic, workspace_bytes, stream) }))
 }
 
 #[cfg(feature = "cuda")]
@@ -383,6 +417,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(grouped_spec, m)?)?;
     m.add_function(wrap_pyfunction!(forward, m)?)?;
     m.add_function(wrap_pyfunction!(backward, m)?)?;
+    #[cfg(feature = "cuda")]
+    m.add_function(wrap_pyfunction!(device_workspace, m)?)?;
     #[cfg(feature = "cuda")]
     m.add_function(wrap_pyfunction!(forward_device, m)?)?;
     #[cfg(feature = "cuda")]

@@ -31,6 +31,7 @@ __all__ = [
     "last_backend",
     "varlen_spec",
     "grouped_spec",
+    "warmup",
 ]
 __version__ = "0.1.0"
 
@@ -134,19 +135,38 @@ def _one_gpu(device, *conv):
     return gpu
 
 
+def _workspace(spec, gpu, dev, backward=False, deterministic=False):
+    """(stream, workspace tensor, bytes) for a device-resident call on torch's current stream of
+    `gpu`, or None where the host path must run. The workspace comes from torch's caching
+    allocator, so torch's memory statistics include it and it is reused."""
+    import torch
+
+    stream = torch.cuda.current_stream(gpu).cuda_stream
+    n = _core.device_workspace(spec, dev, stream, backward, deterministic)
+    if n is None:
+        return None
+    ws = torch.empty(max(n, 1), dtype=torch.uint8, device=gpu)
+    return stream, ws, n
+
+
 def _run_forward(spec, cq, ck, cv, return_lse, device):
     dev = _device_for(device, cq, ck, cv)
     total_q, _, heads_q, _, _ = spec.dims
     gpu = _one_gpu(dev, cq, ck, cv)
     if gpu is not None:
-        # device-resident path: no host round trip
+        # device-resident path: enqueued on torch's current stream, no copies, no synchronization
         import torch
 
-        q, k, v = cq.device_tensor, ck.device_tensor, cv.device_tensor
-        o = torch.empty(cq.shape, dtype=q.dtype, device=gpu)
-        lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=gpu)
-        torch.cuda.synchronize(gpu)
-        if _core.forward_device(spec, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), dev):
+        w = _workspace(spec, gpu, dev)
+        if w is not None:
+            stream, ws, n = w
+            q, k, v = cq.device_tensor, ck.device_tensor, cv.device_tensor
+            o = torch.empty(cq.shape, dtype=q.dtype, device=gpu)
+            lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=gpu)
+            if not _core.forward_device(spec, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
+                                        lse.data_ptr(), ws.data_ptr(), n, stream, dev):
+                o.zero_()
+                lse.fill_(float("inf"))
             _last.name = "cuda"
             return (o, lse) if return_lse else o
     out, lse, name = _core.forward(spec, cq.bytes, ck.bytes, cv.bytes, dev)
@@ -214,11 +234,16 @@ def _backward_on_gpu(spec, gpu, conv, lse, deterministic, dev):
     lt = lse.detach().contiguous()
     if lt.numel() != heads_q * total_q:
         raise ValueError(f"invalid argument `lse`: expected {heads_q * total_q} values, got {lt.numel()}")
+    w = _workspace(spec, gpu, dev, True, bool(deterministic))
+    if w is None:
+        return None
+    stream, ws, n = w
     ptrs = [c.device_tensor.data_ptr() for c in (cq, ck, cv, co)] + [lt.data_ptr(), cg.device_tensor.data_ptr()]
     grads = tuple(torch.empty(c.shape, dtype=c.device_tensor.dtype, device=gpu) for c in (cq, ck, cv))
-    torch.cuda.synchronize(gpu)
-    if not _core.backward_device(spec, *ptrs, *(g.data_ptr() for g in grads), bool(deterministic), dev):
-        return None
+    if not _core.backward_device(spec, *ptrs, *(g.data_ptr() for g in grads), ws.data_ptr(), n, stream,
+                                 bool(deterministic), dev):
+        for g in grads:
+            g.zero_()
     return grads
 
 
@@ -286,3 +311,32 @@ def estimate_vram(q_shape, k_shape, dtype="bfloat16", cu_seqlens_q=None, cu_seql
         mk = int(np.diff(ck).max()) if ck.size > 1 else 0
         spec = varlen_spec(q_shape, k_shape, dtype, cq, ck, mq, mk, None, causal)
     return _core.estimate_vram(spec, bool(backward), bool(deterministic))
+
+
+def warmup(head_dims=(64, 128), dtypes=("bfloat16", "float16"), causal=(True, False), backward=True,
+           device="cuda", progress=True):
+    """Compiles (or loads from the kernel cache) the CUDA kernels a job will use, ahead of its first
+    call: one small call per (dtype, head_dim, causal) that takes every kernel of that variant
+    (split-K combine and the uncovered-row fill included), forward and, with `backward`, backward.
+    Compiled kernels are cached on disk (``CUBEATTN_CACHE_DIR``; ``off`` disables), so a later
+    process starts without compiling. Returns the number of variants warmed."""
+    import sys
+
+    todo = [(dt, hd, c) for dt in dtypes for hd in head_dims for c in causal]
+    rng = np.random.default_rng(0)
+    for i, (dt, hd, c) in enumerate(todo):
+        if progress:
+            print(f"cubeattn.warmup [{i + 1}/{len(todo)}] {dt} head_dim={hd} causal={c}", file=sys.stderr, flush=True)
+        npdt = {"float32": np.float32, "float16": np.float16}.get(dt)
+        if npdt is None:
+            from ._arrays import BF16 as npdt
+        q = rng.uniform(-1, 1, (40, 2, hd)).astype(npdt)
+        k = rng.uniform(-1, 1, (640, 1, hd)).astype(npdt)
+        v = rng.uniform(-1, 1, (640, 1, hd)).astype(npdt)
+        # rows 36..39 lie in no group (the uncovered-row kernels run); 640 keys on a small grid
+        # make the plan split the key range (the split-K combine runs)
+        qr, kr = [[0, 20], [20, 36]], [[0, 640], [64, 600]]
+        out, lse = grouped_flash_attn_func(q, k, v, qr, kr, causal=c, return_lse=True, device=device)
+        if backward:
+            grouped_flash_attn_backward(q, q, k, v, out, lse, qr, kr, causal=c, device=device)
+    return len(todo)

@@ -424,10 +424,117 @@ def _cuda_autograd(args, torch):
     return rows
 
 
+def _wall_ms(fn, torch, calls=20, rounds=5):
+    """What a user feels: `calls` back-to-back calls, one device sync at the end, per-call ms
+    (median over `rounds`)."""
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t) * 1e3 / calls)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+_FIRST_CALL = """
+import os, sys, time, json
+t0 = time.perf_counter()
+import torch, cubeattn
+q = torch.randn(1, 1024, 32, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+k = torch.randn(1, 1024, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+v = torch.randn(1, 1024, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+torch.cuda.synchronize()
+t1 = time.perf_counter()
+out = cubeattn.flash_attn_func(q, k, v, causal=True)
+torch.cuda.synchronize()
+t2 = time.perf_counter()
+out.backward(torch.ones_like(out))
+torch.cuda.synchronize()
+t3 = time.perf_counter()
+print(json.dumps({"forward": (t2 - t1) * 1e3, "backward": (t3 - t2) * 1e3}))
+"""
+
+
+def _first_call(torch):
+    """First forward and backward call in a fresh process: with an empty kernel cache (cold) and
+    again with the cache the first process filled (warm)."""
+    import subprocess
+    import tempfile
+
+    rows = []
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, CUBEATTN_CACHE_DIR=cache)
+        for state in ("cold", "warm"):
+            r = subprocess.run([sys.executable, "-c", _FIRST_CALL], env=env, capture_output=True, text=True)
+            if r.returncode != 0:
+                rows.append(dict(what="first_call", impl="cubeattn", cache=state, error=r.stderr[-200:]))
+                continue
+            t = json.loads(r.stdout.strip().splitlines()[-1])
+            for part in ("forward", "backward"):
+                rows.append(dict(what="first_call", impl="cubeattn", cache=state, part=part, B=1, S=1024, ms=t[part]))
+    return rows
+
+
+def _cuda_callpath(args, torch):
+    """The torch call path as a user feels it (bf16, heads of --config, causal): wall clock over 20
+    calls with one sync at the end, beside the kernels' own GPU time (CUDA events) and SDPA flash /
+    cuDNN in the same process; the per-call host overhead on a tiny shape; the first call in a
+    fresh process with a cold and a warm kernel cache."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    hq, hkv, d = CONFIGS[args.config]
+    rows = []
+    for what, b, s in (("forward", 4, 1024), ("forward", 1, 8192), ("fwdbwd", 1, 8192), ("host_overhead", 1, 128)):
+        grad = what == "fwdbwd"
+        q = torch.randn(b, s, hq, d, device="cuda", dtype=tdt, requires_grad=grad)
+        k = torch.randn(b, s, hkv, d, device="cuda", dtype=tdt, requires_grad=grad)
+        v = torch.randn(b, s, hkv, d, device="cuda", dtype=tdt, requires_grad=grad)
+        g = torch.randn(b, s, hq, d, device="cuda", dtype=tdt)
+        key = dict(what=what, config=args.config, B=b, S=s)
+        qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_(grad) for x in (q, k, v))
+        gt = g.transpose(1, 2).contiguous()
+
+        def ours():
+            o = cubeattn.flash_attn_func(q, k, v, causal=True)
+            if grad:
+                o.backward(g)
+
+        def sdpa(backend):
+            def f():
+                with sdpa_kernel(backend):
+                    o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+                    if grad:
+                        o.backward(gt)
+            return f
+        calls = 200 if what == "host_overhead" else 20
+        rows.append(dict(key, impl="cubeattn", ms=_wall_ms(ours, torch, calls)))
+        if what != "host_overhead":
+            cu = np.arange(b + 1, dtype=np.int32) * s
+            spec = cubeattn.varlen_spec((b * s, hq, d), (b * s, hkv, d), args.dtype, cu, cu, s, s, None, True)
+            bench = cubeattn._core.cuda_bench_forward_backward if grad else cubeattn._core.cuda_bench_forward
+            ts = sorted(bench(spec, 3, 20))
+            rows.append(dict(key, impl="cubeattn_kernels", ms=ts[len(ts) // 2]))
+            for impl, be in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+                try:
+                    rows.append(dict(key, impl=impl, ms=_wall_ms(sdpa(be), torch, calls)))
+                except Exception as e:
+                    rows.append(dict(key, impl=impl, error=str(e)[:200]))
+        del q, k, v, g, qt, kt, vt, gt
+    rows.extend(_first_call(torch))
+    return rows
+
+
 # ---------------------------------------------------------------- output
 
 def print_table(rows):
-    cols = [c for c in ("what", "config", "impl", "S", "T", "W", "rank", "P", "G", "ms", "gflops", "tflops", "error")
+    cols = [c for c in ("what", "config", "impl", "cache", "part", "B", "S", "T", "W", "rank", "P", "G", "ms", "gflops",
+                        "tflops", "error")
             if any(c in r for r in rows)]
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
     table = [[fmt(r.get(c, "")) for c in cols] for r in rows]
@@ -459,7 +566,7 @@ def maybe_png(rows, path):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m cubeattn.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", nargs="?", default="dense", choices=["dense", "grouped", "fwdbwd", "autograd"])
+    p.add_argument("what", nargs="?", default="dense", choices=["dense", "grouped", "fwdbwd", "autograd", "callpath"])
     p.add_argument("--quick", action="store_true", help="small shapes, few iterations")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--config", default=None, choices=sorted(CONFIGS))
@@ -493,7 +600,7 @@ def main(argv=None):
         args.seqlens = args.seqlens or ([4096, 8192] if args.quick else [4096, 8192, 16384, 32768])
         args.iterations = args.iterations or (5 if args.quick else 20)
         rows = {"dense": _cuda_dense, "grouped": _cuda_grouped, "fwdbwd": _cuda_fwdbwd,
-                "autograd": _cuda_autograd}[args.what](args, torch)
+                "autograd": _cuda_autograd, "callpath": _cuda_callpath}[args.what](args, torch)
     env = environment(device)
     print(f"# cubeattn bench {args.what} on {device}: {env.get('gpu_name', platform.processor() or 'cpu')}, "
           f"{env['date']}, commit {env['commit']}")

@@ -10,7 +10,7 @@ pub const ROWS_PER_CUBE: usize = 4;
 /// `row_seg`: for every query row, the segment that owns it (u32::MAX when none);
 /// `segs`: four u32 per segment (q_start, q_len, k_start, k_len).
 #[allow(clippy::too_many_arguments)]
-#[cube(launch)]
+#[cube(launch_unchecked)]
 pub fn rowwise_fwd_f32(
     q: &Array<f32>,
     k: &Array<f32>,

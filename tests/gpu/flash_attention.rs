@@ -4,7 +4,8 @@
 //! outputs are poisoned with NaN before each launch so unwritten elements fail the test.
 //! Set `CUBEATTN_GPU_BENCH=1` to also time the Llama3-8B shapes (prints a table).
 
-use cubeattn::backend::cuda::{bench::bench_forward, fwd_options, set_fwd_options, CudaBackend, FwdOptions};
+use cubeattn::backend::cuda::backward::DqPath;
+use cubeattn::backend::cuda::{bench, fwd_options, set_fwd_options, BenchPart, CudaBackend, FwdOptions};
 use cubeattn::reference::forward_f64;
 use cubeattn::{AttnSpec, DType, Error, HostData, TensorMeta};
 use rand::{rngs::StdRng, SeedableRng};
@@ -213,20 +214,12 @@ fn tolerance(dtype: DType) -> f64 {
 /// Option sets the correctness test runs every case under (the first is the default).
 fn variants() -> Vec<(&'static str, FwdOptions)> {
     let all = FwdOptions::defaults();
-    let v4 = FwdOptions { v5: false, ..all };
-    let v5 = FwdOptions { v5: true, plane_rows: 32, block_n: 64, ..all };
     vec![
         ("default", all),
-        ("v4", v4),
-        ("v4 no-pipe", FwdOptions { pipeline: false, ..v4 }),
-        ("v4 no-pack", FwdOptions { pack_heads: false, ..v4 }),
-        ("v4 no-split", FwdOptions { split: false, ..v4 }),
-        ("v4 no-ldsm/pack", FwdOptions { ldmatrix: false, pack_heads: false, ..v4 }),
-        ("v5", v5),
-        ("v5 no-pack", FwdOptions { pack_heads: false, ..v5 }),
-        ("v5 no-split", FwdOptions { split: false, ..v5 }),
-        ("v5 bn32", FwdOptions { block_n: 32, ..v5 }),
-        ("v5 rows16", FwdOptions { plane_rows: 16, ..v5 }),
+        ("no-pack", FwdOptions { pack_heads: false, ..all }),
+        ("no-split", FwdOptions { split: false, ..all }),
+        ("bn32", FwdOptions { block_n: 32, ..all }),
+        ("rows16", FwdOptions { plane_rows: 16, ..all }),
     ]
 }
 
@@ -355,7 +348,7 @@ fn grouped_spec(qr: &[[i32; 2]], kr: &[[i32; 2]], tq: usize, tk: usize, causal: 
 
 /// Median milliseconds of one spec under the current options.
 fn median_ms(spec: &AttnSpec, iters: usize) -> f64 {
-    let mut t = match bench_forward(spec, 3, iters) {
+    let mut t = match bench(spec, 3, iters, BenchPart::Forward, DqPath::Auto) {
         Ok(t) => t,
         Err(e) => {
             println!("bench failed: {e}");
@@ -381,9 +374,8 @@ fn bench_llama3_8b_shapes() {
     let saved = fwd_options();
     let iters: usize = std::env::var("CUBEATTN_GPU_BENCH_ITERS").ok().and_then(|s| s.parse().ok()).unwrap_or(10);
     let all = FwdOptions::defaults();
-    let v4 = FwdOptions { v5: false, ..all };
-    let v5 = FwdOptions { v5: true, plane_rows: 32, block_n: 64, ..all };
-    // CUBEATTN_GPU_BENCH=full adds the v4 ablations and the per-group call timings.
+    let v5 = all;
+    // CUBEATTN_GPU_BENCH=full adds the ablations and the per-group call timings.
     let full = std::env::var("CUBEATTN_GPU_BENCH").map(|v| v == "full").unwrap_or(false);
     let mut rows: Vec<(String, String, f64, f64)> = Vec::new();
     let mut record = |name: String, variant: &str, ms: f64, flops: f64| {
@@ -391,18 +383,9 @@ fn bench_llama3_8b_shapes() {
         println!("{:<44} {:>14} {:>10.3} {:>8.1}", name, variant, ms, tf);
         rows.push((name, variant.to_string(), ms, tf));
     };
-    let mut dense_variants = vec![
-        ("v4", v4),
-        ("v5", v5),
-        ("v5 bn32", FwdOptions { block_n: 32, ..v5 }),
-        ("v5 rows16", FwdOptions { plane_rows: 16, ..v5 }),
-        ("v4 again", v4),
-        ("v5 again", v5),
-    ];
+    let mut dense_variants = vec![("default", v5), ("bn32", FwdOptions { block_n: 32, ..v5 }), ("rows16", FwdOptions { plane_rows: 16, ..v5 })];
     if full {
-        dense_variants.push(("v4 no-pipe", FwdOptions { pipeline: false, ..v4 }));
-        dense_variants.push(("v4 no-pack", FwdOptions { pack_heads: false, ..v4 }));
-        dense_variants.push(("v5 no-pack", FwdOptions { pack_heads: false, ..v5 }));
+        dense_variants.push(("no-pack", FwdOptions { pack_heads: false, ..v5 }));
     }
     for &(vname, o) in &dense_variants {
         set_fwd_options(o);
@@ -411,7 +394,7 @@ fn bench_llama3_8b_shapes() {
             record(format!("bf16 n={n} causal d=128"), vname, median_ms(&spec, iters), spec.forward_flops());
         }
     }
-    for &(vname, o) in &[("v4", v4), ("v5", v5)] {
+    for &(vname, o) in &[("default", v5)] {
         set_fwd_options(o);
         for &(n, causal, dtype, d) in &[(8192usize, false, DType::BF16, 128usize), (8192, true, DType::F16, 128), (8192, true, DType::BF16, 64)] {
             let spec = dense_spec(n, causal, dtype, d);
@@ -427,7 +410,7 @@ fn bench_llama3_8b_shapes() {
         let kr = [[0, (a + 1) * c], [0, (b + 1) * c]];
         let spec = grouped_spec(&qr, &kr, 2 * c as usize, 16 * c as usize, true);
         let name = format!("zigzag T=64K W=8 rank {rank}");
-        for &(vname, o) in &[("v4 grouped", v4), ("v5 grouped", v5)] {
+        for &(vname, o) in &[("grouped", v5)] {
             set_fwd_options(o);
             record(name.clone(), vname, median_ms(&spec, iters), spec.forward_flops());
         }
@@ -449,11 +432,10 @@ fn bench_llama3_8b_shapes() {
     let spec = grouped_spec(&qr, &kr, 256, 32768, false);
     let name = "shared prefix 32x8 q, 32K kv".to_string();
     for &(vname, o) in &[
-        ("v4 grouped", v4),
-        ("v5 grouped", v5),
-        ("v5 waves=4", FwdOptions { split_waves: 4, ..v5 }),
-        ("v5 waves=8", FwdOptions { split_waves: 8, ..v5 }),
-        ("v5 no-split", FwdOptions { split: false, ..v5 }),
+        ("grouped", v5),
+        ("waves=4", FwdOptions { split_waves: 4, ..v5 }),
+        ("waves=8", FwdOptions { split_waves: 8, ..v5 }),
+        ("no-split", FwdOptions { split: false, ..v5 }),
     ] {
         set_fwd_options(o);
         record(name.clone(), vname, median_ms(&spec, iters.max(20)), spec.forward_flops());
@@ -483,8 +465,8 @@ fn bench_llama3_8b_shapes() {
     }
 }
 
-/// Runs one bf16 d=128 causal case under each kernel configuration, so that
-/// `CUBECL_DEBUG_LOG=<file>` captures each generated CUDA source once (for `nvcc -Xptxas -v`).
+/// Runs one bf16 d=128 causal case under each kernel configuration (`CUBEATTN_GPU_DUMP=1`):
+/// with `CUBEATTN_DUMP_DIR=<dir>` (and `CUBEATTN_CACHE_DIR=off`) each generated CUDA source lands in `dir` (for `nvcc -Xptxas -v`).
 #[test]
 fn dump_kernel_sources() {
     if std::env::var("CUBEATTN_GPU_DUMP").is_err() {
@@ -495,8 +477,7 @@ fn dump_kernel_sources() {
     let c = &cases()[2];
     let p = prepare(c, 5);
     let all = FwdOptions::defaults();
-    let v5 = FwdOptions { v5: true, plane_rows: 32, block_n: 64, ..all };
-    for o in [FwdOptions { v5: false, ..all }, v5, FwdOptions { block_n: 32, ..v5 }, FwdOptions { plane_rows: 16, ..v5 }] {
+    for o in [all, FwdOptions { block_n: 32, ..all }, FwdOptions { plane_rows: 16, ..all }] {
         set_fwd_options(o);
         let r = run_prepared(b, &p).unwrap();
         println!("dump {o:?}: rel_l2 {:.2e}", r.rel_l2);

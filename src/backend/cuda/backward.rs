@@ -15,25 +15,25 @@
 //! f16/bf16 run on tensor cores (mma.sync, f32 accumulation); f32 runs on plain kernels (always
 //! deterministic). head_dim 64 and 128; anything else is `Error::Unsupported`.
 //!
-//! Workspace on the device besides the inputs and the three gradients: delta (f32 per query row
-//! and head), the small segment / work tables, and on the atomic path the f32 dQ accumulator
-//! (`total_q * heads_q * head_dim * 4` bytes).
-
-use std::time::Instant;
+//! Workspace (caller-provided device memory, [`bwd_workspace`]): delta (f32 per query row and
+//! head) and on the atomic path the f32 dQ accumulator (`total_q * heads_q * head_dim * 4`
+//! bytes). The segment / work tables live in the backend's plan cache.
 
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
-use cubecl::server::Handle;
+use cudarc::driver::sys;
 use half::{bf16, f16};
 
-use super::bench::{random_f32, sync};
-use super::{buf, table, check_supported, guarded, launch_forward, use_ldmatrix, CudaBackend, Plan};
+use super::compile::{codegen, settings, KernelKey};
+use super::forward::layout;
+use super::launch::{grid_2d, launch, Args};
+use super::plans::Cached;
+use super::{use_ldmatrix, CudaBackend};
 use crate::backend::{BackwardInputs, Gradients};
-use crate::dtype::{DType, HostData, HostView};
-use crate::error::{Error, Result};
-use crate::kernels::flash_bwd::{
-    self, BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, DELTA_PLANES, F32_ROWS_PER_CUBE,
-};
+use crate::dtype::{DType, HostView};
+use crate::error::Result;
+pub use super::device_io::BenchPart;
+use crate::kernels::flash_bwd::{self, BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, DELTA_PLANES, F32_ROWS_PER_CUBE};
 use crate::spec::AttnSpec;
 
 /// Host-side tables of one backward call.
@@ -41,9 +41,9 @@ pub(crate) struct BwdPlan {
     /// (q_start, q_len, k_start, k_len) per segment.
     segs: Vec<u32>,
     /// dQ work list: (segment, first row of a `BWD_BM`-row tile), most keys first.
-    q_work: Vec<u32>,
+    pub(crate) q_work: Vec<u32>,
     /// dK/dV work list: key-tile indices, most (query row, key) pairs first.
-    k_work: Vec<u32>,
+    pub(crate) k_work: Vec<u32>,
     /// CSR over key tiles: segments whose key window overlaps tile t are
     /// `tile_segs[tile_off[t]..tile_off[t+1]]`, ascending.
     tile_off: Vec<u32>,
@@ -112,57 +112,51 @@ impl BwdPlan {
         BwdPlan { segs, q_work, k_work: order, tile_off, tile_segs, row_seg }
     }
 
-    pub(crate) fn upload(&self, client: &ComputeClient<CudaRuntime>) -> BwdPlanDev {
-        let up = |v: &[u32]| super::upload_table(client, v);
-        BwdPlanDev {
-            segs: up(&self.segs),
-            q_work: up(&self.q_work),
-            k_work: up(&self.k_work),
-            tile_off: up(&self.tile_off),
-            tile_segs: up(&self.tile_segs),
-            row_seg: up(&self.row_seg),
-            n_q_work: self.q_work.len() / 2,
-            n_k_work: self.k_work.len(),
-        }
+    /// The tables in the `TBL_*` order of [`launch_backward`].
+    pub(crate) fn tables(&self) -> Vec<Vec<u32>> {
+        vec![
+            self.segs.clone(),
+            self.q_work.clone(),
+            self.k_work.clone(),
+            self.tile_off.clone(),
+            self.tile_segs.clone(),
+            self.row_seg.clone(),
+        ]
     }
 }
 
-pub(crate) struct BwdPlanDev {
-    segs: (Handle, usize),
-    q_work: (Handle, usize),
-    k_work: (Handle, usize),
-    tile_off: (Handle, usize),
-    tile_segs: (Handle, usize),
-    row_seg: (Handle, usize),
-    n_q_work: usize,
-    n_k_work: usize,
+const TBL_SEGS: usize = 0;
+const TBL_Q_WORK: usize = 1;
+const TBL_K_WORK: usize = 2;
+const TBL_TILE_OFF: usize = 3;
+const TBL_TILE_SEGS: usize = 4;
+const TBL_ROW_SEG: usize = 5;
+
+/// Device addresses of one backward call: q, k, v, out, lse, dout in; dq, dk, dv out; workspace.
+#[derive(Debug, Clone, Copy)]
+pub struct BwdPtrs {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub out: u64,
+    pub lse: u64,
+    pub dout: u64,
+    pub dq: u64,
+    pub dk: u64,
+    pub dv: u64,
+    pub workspace: u64,
 }
 
-/// A 2-D grid (x fastest) of at least `cubes` cubes.
-fn grid_2d(cubes: usize) -> CubeCount {
-    let cubes = cubes.max(1);
-    if cubes <= 65535 {
-        CubeCount::Static(cubes as u32, 1, 1)
-    } else {
-        let y = cubes.div_ceil(65535);
-        CubeCount::Static(cubes.div_ceil(y) as u32, y as u32, 1)
-    }
+/// Workspace parts of a backward call: delta (f32 per row and head) and, on the fused path, the
+/// f32 dQ accumulator.
+fn workspace_parts(spec: &AttnSpec, fused: bool) -> [usize; 2] {
+    let d = &spec.dims;
+    [d.lse_len() * 4, if fused { d.q_len() * 4 } else { 0 }]
 }
 
-/// Device buffers of one backward call.
-pub(crate) struct BwdBuffers {
-    pub q: Handle,
-    pub k: Handle,
-    pub v: Handle,
-    pub out: Handle,
-    pub dout: Handle,
-    pub lse: Handle,
-    pub delta: Handle,
-    pub dq: Handle,
-    pub dk: Handle,
-    pub dv: Handle,
-    /// f32 dQ accumulator (`q_len()` floats), present on the atomic (non-deterministic) path.
-    pub dq_acc: Option<Handle>,
+/// Workspace bytes of a backward call of `spec` on the chosen dQ path.
+pub(crate) fn bwd_workspace(spec: &AttnSpec, fused: bool) -> usize {
+    layout(&workspace_parts(spec, fused)).1
 }
 
 /// Vector width of the dQ atomics (float2 `atomicAdd`, sm_90); `CUBEATTN_BWD_ATOMIC_VEC=1` falls
@@ -203,14 +197,15 @@ pub enum DqPath {
     Atomic,
 }
 
-/// Device workspace of a backward call besides q, k, v, out, dout, lse, dq, dk and dv: the plan
-/// tables, delta (f32 per row and head) and, on the atomic dQ path, the f32 dQ accumulator.
+/// Device workspace of a backward call besides the caller's tensors: delta and, on the atomic dQ
+/// path, the f32 dQ accumulator (the plan tables are counted by [`backward_plan_bytes`]).
 pub fn backward_workspace_bytes(spec: &AttnSpec, deterministic: bool) -> u64 {
-    let plan = BwdPlan::new(spec);
-    let tables = super::table_bytes(&[&plan.segs, &plan.q_work, &plan.k_work, &plan.tile_off, &plan.tile_segs, &plan.row_seg]);
-    let d = &spec.dims;
-    let acc = if fused_dq(spec, deterministic, DqPath::Auto) { d.q_len() as u64 * 4 } else { 0 };
-    tables + d.lse_len() as u64 * 4 + acc
+    bwd_workspace(spec, fused_dq(spec, deterministic, DqPath::Auto)) as u64
+}
+
+/// Device bytes of the cached plan tables of a backward call of `spec`.
+pub fn backward_plan_bytes(spec: &AttnSpec) -> u64 {
+    super::table_bytes(&BwdPlan::new(spec).tables().iter().collect::<Vec<_>>())
 }
 
 /// Whether the backward of `spec` takes the fused atomic dQ path.
@@ -230,292 +225,146 @@ pub(super) fn fused_dq(spec: &AttnSpec, deterministic: bool, path: DqPath) -> bo
     }
 }
 
-/// Launches the backward kernels (delta, dK/dV, dQ; plus the zero fill of dQ rows that no
-/// segment covers, or of the f32 accumulator on the atomic path, which `b.dq_acc` selects).
-/// Needs `total_q > 0` and `total_k > 0`.
+/// The array argument every kernel struct takes for a plain (not in-place) array.
+const A: ArrayCompilationArg = ArrayCompilationArg { inplace: None };
+
+/// Enqueues the backward of `spec` on `stream` (delta, dK/dV, dQ; plus the zero fill of dQ rows
+/// that no segment covers, or of the f32 accumulator on the fused path). `plan` must be the
+/// cached plan of `spec`. Needs `total_q > 0` and `total_k > 0`.
 pub(crate) fn launch_backward(
-    client: &ComputeClient<CudaRuntime>,
+    be: &CudaBackend,
     spec: &AttnSpec,
-    plan: &BwdPlanDev,
-    b: &BwdBuffers,
+    plan: &Cached<BwdPlan>,
+    p: &BwdPtrs,
+    fused: bool,
+    stream: sys::CUstream,
 ) -> Result<()> {
     let d = &spec.dims;
     let hd = d.head_dim;
     let (ql, kl, ll) = (d.q_len(), d.kv_len(), d.lse_len());
-    let ldsm = use_ldmatrix();
-    // SAFETY (every launch below): each index the kernels form is inside its buffer. Rows and keys
-    // come from the validated spec through the plan; global loads and stores are guarded by the
-    // segment / total bounds, the work lists only hold valid segment ids, tile starts and key
-    // tiles, and `tile_off` has one entry per key tile plus one.
-
-    // ---- delta ----
-    let rows = d.total_q * d.heads_q;
-    let dcount = grid_2d(rows.div_ceil(DELTA_PLANES));
-    let ddim = CubeDim::new_1d(32 * DELTA_PLANES as u32);
-    macro_rules! delta {
-        ($t:ty) => {
-            flash_bwd::bwd_delta::launch_unchecked::<$t, CudaRuntime>(
-                client,
-                dcount,
-                ddim,
-                buf(&b.out, ql),
-                buf(&b.dout, ql),
-                buf(&b.delta, ll),
-                d.heads_q as u32,
-                d.total_q as u32,
-                hd,
-            )
+    let dt = spec.dtype;
+    let client = be.client();
+    let t = |i| plan.tables.get(i);
+    let (offs, _) = layout(&workspace_parts(spec, fused));
+    let delta = p.workspace + offs[0] as u64;
+    let acc = p.workspace + offs[1] as u64;
+    let causal = spec.causal as u32;
+    macro_rules! by_dtype {
+        ($k:ident, $($e:tt)*) => {
+            match dt {
+                DType::F16 => { type $k = f16; $($e)* }
+                DType::BF16 => { type $k = bf16; $($e)* }
+                DType::F32 => { type $k = f32; $($e)* }
+            }
         };
     }
-    unsafe {
-        match spec.dtype {
-            DType::F16 => delta!(f16),
-            DType::BF16 => delta!(bf16),
-            DType::F32 => delta!(f32),
+
+    // ---- delta = rowsum(dO * O) ----
+    let f = be.kernels.get(&KernelKey::new("bwd_delta", dt, &[hd as u32]), || {
+        by_dtype!(T, codegen(flash_bwd::bwd_delta::BwdDelta::<T, CudaRuntime>::new(
+            settings(32 * DELTA_PLANES as u32), client.clone(), A, A, A, (), (), hd)))
+    })?;
+    let mut a = Args::new();
+    a.array(p.out, ql).array(p.dout, ql).array(delta, ll).u32(d.heads_q as u32).u32(d.total_q as u32);
+    launch(&f, grid_2d((d.total_q * d.heads_q).div_ceil(DELTA_PLANES)), &mut a, stream)?;
+
+    if dt == DType::F32 {
+        let threads = 32 * F32_ROWS_PER_CUBE as u32;
+        let f = be.kernels.get(&KernelKey::new("rowwise_bwd_dkdv_f32", dt, &[hd as u32, causal]), || {
+            codegen(flash_bwd::rowwise_bwd_dkdv_f32::RowwiseBwdDkdvF32::<CudaRuntime>::new(
+                settings(threads), client.clone(), A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), hd, spec.causal))
+        })?;
+        let mut a = Args::new();
+        a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.dout, ql).array(p.lse, ll).array(delta, ll);
+        a.array(p.dk, kl).array(p.dv, kl);
+        for i in [TBL_TILE_OFF, TBL_TILE_SEGS, TBL_SEGS] {
+            a.array(t(i).0, t(i).1);
         }
+        a.f32(spec.scale).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32).u32(d.total_k as u32);
+        launch(&f, (d.total_k.div_ceil(F32_ROWS_PER_CUBE) as u32, d.heads_kv as u32, 1), &mut a, stream)?;
+
+        let f = be.kernels.get(&KernelKey::new("rowwise_bwd_dq_f32", dt, &[hd as u32, causal]), || {
+            codegen(flash_bwd::rowwise_bwd_dq_f32::RowwiseBwdDqF32::<CudaRuntime>::new(
+                settings(threads), client.clone(), A, A, A, A, A, A, A, A, A, (), (), (), (), hd, spec.causal))
+        })?;
+        let mut a = Args::new();
+        a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.dout, ql).array(p.lse, ll).array(delta, ll);
+        a.array(p.dq, ql);
+        for i in [TBL_ROW_SEG, TBL_SEGS] {
+            a.array(t(i).0, t(i).1);
+        }
+        a.f32(spec.scale).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32);
+        return launch(&f, (d.total_q.div_ceil(F32_ROWS_PER_CUBE) as u32, d.heads_q as u32, 1), &mut a, stream);
     }
 
-    match spec.dtype {
-        DType::F32 => unsafe {
-            let dim = CubeDim::new_1d(32 * F32_ROWS_PER_CUBE as u32);
-            flash_bwd::rowwise_bwd_dkdv_f32::launch_unchecked::<CudaRuntime>(
-                client,
-                CubeCount::Static(d.total_k.div_ceil(F32_ROWS_PER_CUBE) as u32, d.heads_kv as u32, 1),
-                dim,
-                buf(&b.q, ql),
-                buf(&b.k, kl),
-                buf(&b.v, kl),
-                buf(&b.dout, ql),
-                buf(&b.lse, ll),
-                buf(&b.delta, ll),
-                buf(&b.dk, kl),
-                buf(&b.dv, kl),
-                table(&plan.tile_off),
-                table(&plan.tile_segs),
-                table(&plan.segs),
-                spec.scale,
-                d.heads_q as u32,
-                d.heads_kv as u32,
-                d.total_q as u32,
-                d.total_k as u32,
-                hd,
-                spec.causal,
-            );
-            flash_bwd::rowwise_bwd_dq_f32::launch_unchecked::<CudaRuntime>(
-                client,
-                CubeCount::Static(d.total_q.div_ceil(F32_ROWS_PER_CUBE) as u32, d.heads_q as u32, 1),
-                dim,
-                buf(&b.q, ql),
-                buf(&b.k, kl),
-                buf(&b.v, kl),
-                buf(&b.dout, ql),
-                buf(&b.lse, ll),
-                buf(&b.delta, ll),
-                buf(&b.dq, ql),
-                table(&plan.row_seg),
-                table(&plan.segs),
-                spec.scale,
-                d.heads_q as u32,
-                d.heads_kv as u32,
-                d.total_q as u32,
-                hd,
-                spec.causal,
-            );
-        }
-        DType::F16 | DType::BF16 => {
-            let dim = CubeDim::new_1d(32 * BWD_PLANES as u32);
-            let (qv, kv) = (ql / BWD_LOAD_VEC, kl / BWD_LOAD_VEC);
-            macro_rules! go {
-                ($t:ty) => {{
-                    let fuse = b.dq_acc.is_some();
-                    let pipe = bwd_pipe();
-                    let qvec = atomic_vec();
-                    let acc_h = b.dq_acc.as_ref().unwrap_or(&b.delta);
-                    let acc_len = if fuse { ql / qvec } else { 1 };
-                    if fuse {
-                        flash_bwd::fill_zero::launch_unchecked::<f32, CudaRuntime>(
-                            client,
-                            grid_2d(ql.div_ceil(256)),
-                            CubeDim::new_1d(256),
-                            buf(acc_h, ql),
-                        );
-                    } else if spec.uncovered_rows() > 0 {
-                        flash_bwd::fill_zero::launch_unchecked::<$t, CudaRuntime>(
-                            client,
-                            grid_2d(ql.div_ceil(256)),
-                            CubeDim::new_1d(256),
-                            buf(&b.dq, ql),
-                        );
-                    }
-                    if plan.n_k_work > 0 {
-                        flash_bwd::flash_bwd_dkdv::launch_unchecked::<$t, CudaRuntime>(
-                            client,
-                            CubeCount::Static(plan.n_k_work as u32, d.heads_kv as u32, 1),
-                            dim,
-                            BWD_LOAD_VEC,
-                            qvec,
-                            buf(&b.q, qv),
-                            buf(&b.k, kv),
-                            buf(&b.v, kv),
-                            buf(&b.dout, qv),
-                            buf(&b.lse, ll),
-                            buf(&b.delta, ll),
-                            buf(&b.dk, kl),
-                            buf(&b.dv, kl),
-                            buf(acc_h, acc_len),
-                            buf(&b.q, ql),
-                            buf(&b.dout, ql),
-                            table(&plan.k_work),
-                            table(&plan.tile_off),
-                            table(&plan.tile_segs),
-                            table(&plan.segs),
-                            spec.scale,
-                            d.heads_q as u32,
-                            d.heads_kv as u32,
-                            d.total_q as u32,
-                            d.total_k as u32,
-                            hd,
-                            spec.causal,
-                            ldsm,
-                            fuse,
-                            qvec,
-                            pipe,
-                        );
-                    }
-                    if fuse {
-                        flash_bwd::dq_convert::launch_unchecked::<$t, CudaRuntime>(
-                            client,
-                            grid_2d(ql.div_ceil(256)),
-                            CubeDim::new_1d(256),
-                            buf(acc_h, ql),
-                            buf(&b.dq, ql),
-                            spec.scale,
-                        );
-                    } else if plan.n_q_work > 0 {
-                        flash_bwd::flash_bwd_dq::launch_unchecked::<$t, CudaRuntime>(
-                            client,
-                            CubeCount::Static(plan.n_q_work as u32, d.heads_q as u32, 1),
-                            dim,
-                            BWD_LOAD_VEC,
-                            buf(&b.q, qv),
-                            buf(&b.k, kv),
-                            buf(&b.v, kv),
-                            buf(&b.dout, qv),
-                            buf(&b.lse, ll),
-                            buf(&b.delta, ll),
-                            buf(&b.dq, ql),
-                            buf(&b.k, kl),
-                            buf(&b.v, kl),
-                            table(&plan.q_work),
-                            table(&plan.segs),
-                            spec.scale,
-                            d.heads_q as u32,
-                            d.heads_kv as u32,
-                            d.total_q as u32,
-                            hd,
-                            spec.causal,
-                            ldsm,
-                            pipe,
-                        );
-                    }
-                }};
+    let ldsm = use_ldmatrix();
+    let pipe = bwd_pipe();
+    let qvec = atomic_vec();
+    let threads = 32 * BWD_PLANES as u32;
+    let (qv, kv) = (ql / BWD_LOAD_VEC, kl / BWD_LOAD_VEC);
+    let n_k_work = plan.host.k_work.len();
+    let n_q_work = plan.host.q_work.len() / 2;
+    let fill = |ptr: u64, n: usize, f32_acc: bool| -> Result<()> {
+        let kdt = if f32_acc { DType::F32 } else { dt };
+        let f = be.kernels.get(&KernelKey::new("fill_zero", kdt, &[]), || {
+            match kdt {
+                DType::F16 => codegen(flash_bwd::fill_zero::FillZero::<f16, CudaRuntime>::new(settings(256), client.clone(), A)),
+                DType::BF16 => codegen(flash_bwd::fill_zero::FillZero::<bf16, CudaRuntime>::new(settings(256), client.clone(), A)),
+                DType::F32 => codegen(flash_bwd::fill_zero::FillZero::<f32, CudaRuntime>::new(settings(256), client.clone(), A)),
             }
-            unsafe {
-                match spec.dtype {
-                    DType::F16 => go!(f16),
-                    _ => go!(bf16),
-                }
-            }
+        })?;
+        let mut a = Args::new();
+        a.array(ptr, n);
+        launch(&f, grid_2d(n.div_ceil(256)), &mut a, stream)
+    };
+    if fused {
+        fill(acc, ql, true)?;
+    } else if spec.uncovered_rows() > 0 {
+        fill(p.dq, ql, false)?;
+    }
+    if n_k_work > 0 {
+        let key = KernelKey::new("flash_bwd_dkdv", dt, &[hd as u32, causal, ldsm as u32, fused as u32, qvec as u32, pipe as u32]);
+        let f = be.kernels.get(&key, || {
+            by_dtype!(T, codegen(flash_bwd::flash_bwd_dkdv::FlashBwdDkdv::<T, CudaRuntime>::new(
+                settings(threads), client.clone(),
+                A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (),
+                BWD_LOAD_VEC, qvec, hd, spec.causal, ldsm, fused, qvec, pipe)))
+        })?;
+        let (acc_ptr, acc_len) = if fused { (acc, ql / qvec) } else { (delta, 1) };
+        let mut a = Args::new();
+        a.array(p.q, qv).array(p.k, kv).array(p.v, kv).array(p.dout, qv).array(p.lse, ll).array(delta, ll);
+        a.array(p.dk, kl).array(p.dv, kl).array(acc_ptr, acc_len).array(p.q, ql).array(p.dout, ql);
+        for i in [TBL_K_WORK, TBL_TILE_OFF, TBL_TILE_SEGS, TBL_SEGS] {
+            a.array(t(i).0, t(i).1);
         }
+        a.f32(spec.scale).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32).u32(d.total_k as u32);
+        launch(&f, (n_k_work as u32, d.heads_kv as u32, 1), &mut a, stream)?;
+    }
+    if fused {
+        let f = be.kernels.get(&KernelKey::new("dq_convert", dt, &[]), || {
+            by_dtype!(T, codegen(flash_bwd::dq_convert::DqConvert::<T, CudaRuntime>::new(settings(256), client.clone(), A, A, ())))
+        })?;
+        let mut a = Args::new();
+        a.array(acc, ql).array(p.dq, ql).f32(spec.scale);
+        launch(&f, grid_2d(ql.div_ceil(256)), &mut a, stream)?;
+    } else if n_q_work > 0 {
+        let key = KernelKey::new("flash_bwd_dq", dt, &[hd as u32, causal, ldsm as u32, pipe as u32]);
+        let f = be.kernels.get(&key, || {
+            by_dtype!(T, codegen(flash_bwd::flash_bwd_dq::FlashBwdDq::<T, CudaRuntime>::new(
+                settings(threads), client.clone(),
+                A, A, A, A, A, A, A, A, A, A, A, (), (), (), (),
+                BWD_LOAD_VEC, hd, spec.causal, ldsm, pipe)))
+        })?;
+        let mut a = Args::new();
+        a.array(p.q, qv).array(p.k, kv).array(p.v, kv).array(p.dout, qv).array(p.lse, ll).array(delta, ll);
+        a.array(p.dq, ql).array(p.k, kl).array(p.v, kl);
+        for i in [TBL_Q_WORK, TBL_SEGS] {
+            a.array(t(i).0, t(i).1);
+        }
+        a.f32(spec.scale).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32);
+        launch(&f, (n_q_work as u32, d.heads_q as u32, 1), &mut a, stream)?;
     }
     Ok(())
-}
-
-/// Builds the backward plan of `spec`, uploads its tables and launches the backward kernels.
-pub(crate) fn plan_and_launch_backward(
-    client: &ComputeClient<CudaRuntime>,
-    spec: &AttnSpec,
-    b: &BwdBuffers,
-) -> Result<()> {
-    let dev = BwdPlan::new(spec).upload(client);
-    launch_backward(client, spec, &dev, b)
-}
-
-fn zero_grads(spec: &AttnSpec) -> Gradients {
-    let d = &spec.dims;
-    Gradients {
-        dq: HostData::from_f32(spec.dtype, &vec![0.0; d.q_len()]),
-        dk: HostData::from_f32(spec.dtype, &vec![0.0; d.kv_len()]),
-        dv: HostData::from_f32(spec.dtype, &vec![0.0; d.kv_len()]),
-    }
-}
-
-/// The backward pass on host buffers. `poison`: fill dq, dk, dv with this value before the
-/// kernels run (tests pass NaN to prove every element is written).
-pub(crate) fn backward(
-    backend: &CudaBackend,
-    spec: &AttnSpec,
-    q: HostView,
-    k: HostView,
-    v: HostView,
-    g: BackwardInputs,
-    poison: Option<f32>,
-) -> Result<Gradients> {
-    backward_path(backend, spec, q, k, v, g, poison, DqPath::Auto)
-}
-
-/// [`backward`] with an explicit dQ path.
-#[allow(clippy::too_many_arguments)]
-fn backward_path(
-    backend: &CudaBackend,
-    spec: &AttnSpec,
-    q: HostView,
-    k: HostView,
-    v: HostView,
-    g: BackwardInputs,
-    poison: Option<f32>,
-    path: DqPath,
-) -> Result<Gradients> {
-    crate::backend::check_buffers(spec, q, k, v)?;
-    crate::backend::check_backward_buffers(spec, &g)?;
-    check_supported(spec)?;
-    let d = &spec.dims;
-    if d.total_q == 0 || d.total_k == 0 {
-        // No (query, key) pair: every gradient is zero.
-        return Ok(zero_grads(spec));
-    }
-    let client = backend.client();
-    let run = guarded("CubeCL launch", || -> Result<Gradients> {
-        let up = |h: HostView| client.create_from_slice(h.as_bytes());
-        let filled = |n: usize| match poison {
-            Some(p) => client.create_from_slice(HostData::from_f32(spec.dtype, &vec![p; n]).view().as_bytes()),
-            None => client.empty(n * spec.dtype.size()),
-        };
-        let bufs = BwdBuffers {
-            q: up(q),
-            k: up(k),
-            v: up(v),
-            out: up(g.out),
-            dout: up(g.dout),
-            lse: client.create_from_slice(bytemuck::cast_slice(g.lse)),
-            delta: client.empty(d.lse_len() * 4),
-            dq: filled(d.q_len()),
-            dk: filled(d.kv_len()),
-            dv: filled(d.kv_len()),
-            dq_acc: fused_dq(spec, g.deterministic, path).then(|| client.empty(d.q_len() * 4)),
-        };
-        plan_and_launch_backward(client, spec, &bufs)?;
-        super::memory_probe(client);
-        let read = |h: Handle| -> Result<HostData> {
-            let bytes = client.read_one(h).map_err(|e| Error::Device(format!("backward kernel failed: {e:?}")))?;
-            Ok(HostData::from_bytes(spec.dtype, &bytes))
-        };
-        Ok(Gradients { dq: read(bufs.dq)?, dk: read(bufs.dk)?, dv: read(bufs.dv)? })
-    });
-    match run {
-        Ok(r) => r,
-        Err(msg) => Err(Error::Device(msg)),
-    }
 }
 
 impl CudaBackend {
@@ -530,7 +379,7 @@ impl CudaBackend {
         grad: BackwardInputs,
         poison: f32,
     ) -> Result<Gradients> {
-        backward(self, spec, q, k, v, grad, Some(poison))
+        self.backward_host(spec, q, k, v, grad, Some(poison), DqPath::Auto)
     }
 
     /// [`CudaBackend::backward_poisoned`] on an explicit dQ path (tests cover both paths).
@@ -545,7 +394,7 @@ impl CudaBackend {
         poison: f32,
         path: DqPath,
     ) -> Result<Gradients> {
-        backward_path(self, spec, q, k, v, grad, Some(poison), path)
+        self.backward_host(spec, q, k, v, grad, Some(poison), path)
     }
 
     /// The backward on an explicit dQ path (no poisoning).
@@ -558,101 +407,17 @@ impl CudaBackend {
         grad: BackwardInputs,
         path: DqPath,
     ) -> Result<Gradients> {
-        backward_path(self, spec, q, k, v, grad, None, path)
+        self.backward_host(spec, q, k, v, grad, None, path)
     }
 }
 
-/// What [`bench_backward_split`] times.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BenchPart {
-    /// Forward then backward (the forward's `out` and `lse` feed the backward), like torch's
-    /// fwd+bwd timings.
-    ForwardBackward,
-    /// The backward kernels alone (delta, dK/dV, dQ).
-    Backward,
-}
-
-/// Times forward + backward together: uploads random q, k, v, dO once (device-resident, never
-/// zeros), runs `warmup` untimed iterations, then times `iters` iterations one by one (device
-/// sync before and after each, host clock). Each iteration = the forward kernel (writing out and
-/// lse) followed by the backward kernels (delta, dK/dV, dQ). Returns milliseconds per iteration.
-/// FLOPs to quote: 3.5 x `spec.forward_flops()`.
-/// Times the default (non-deterministic) call: [`DqPath::Auto`] with `deterministic = false`.
+/// GPU time (ms per iteration, CUDA events) of forward + backward on device-resident random
+/// inputs, default path (`deterministic = false`). FLOPs to quote: 3.5 x `spec.forward_flops()`.
 pub fn bench_backward(spec: &AttnSpec, warmup: usize, iters: usize) -> Result<Vec<f64>> {
-    bench_backward_split(spec, warmup, iters, BenchPart::ForwardBackward)
+    bench_backward_with(spec, warmup, iters, BenchPart::ForwardBackward, DqPath::Auto)
 }
 
-/// [`bench_backward`] with the choice of timing forward + backward or the backward alone
-/// (then the forward runs once before the timed loop to produce out and lse); default path.
-pub fn bench_backward_split(spec: &AttnSpec, warmup: usize, iters: usize, part: BenchPart) -> Result<Vec<f64>> {
-    bench_backward_with(spec, warmup, iters, part, DqPath::Auto)
-}
-
-/// [`bench_backward_split`] with the choice of dQ path ([`DqPath::Auto`] as a
-/// `deterministic = false` call).
-pub fn bench_backward_with(
-    spec: &AttnSpec,
-    warmup: usize,
-    iters: usize,
-    part: BenchPart,
-    path: DqPath,
-) -> Result<Vec<f64>> {
-    let backend = CudaBackend::shared()?;
-    check_supported(spec)?;
-    let client = backend.client();
-    let d = &spec.dims;
-    if d.total_q == 0 || d.total_k == 0 {
-        return Err(crate::error::invalid("spec", "benchmark needs at least one query and one key"));
-    }
-    let r = guarded("CubeCL benchmark", || -> Result<Vec<f64>> {
-        let mk = |n: usize, seed: u64| {
-            let x = random_f32(n.max(1), seed);
-            let h = HostData::from_f32(spec.dtype, &x);
-            client.create_from_slice(h.view().as_bytes())
-        };
-        let esize = spec.dtype.size();
-        let bufs = BwdBuffers {
-            q: mk(d.q_len(), 11),
-            k: mk(d.kv_len(), 12),
-            v: mk(d.kv_len(), 13),
-            out: client.empty(d.q_len() * esize),
-            dout: mk(d.q_len(), 14),
-            lse: client.empty(d.lse_len() * 4),
-            delta: client.empty(d.lse_len() * 4),
-            dq: client.empty(d.q_len() * esize),
-            dk: client.empty(d.kv_len() * esize),
-            dv: client.empty(d.kv_len() * esize),
-            dq_acc: fused_dq(spec, false, path).then(|| client.empty(d.q_len() * 4)),
-        };
-        let fplan = Plan::new(spec);
-        let fdev = fplan.upload(client);
-        let bplan = BwdPlan::new(spec);
-        let bdev = bplan.upload(client);
-        let fwd = || launch_forward(client, spec, &fplan, &fdev, &bufs.q, &bufs.k, &bufs.v, &bufs.out, &bufs.lse);
-        let step = || -> Result<()> {
-            if part == BenchPart::ForwardBackward {
-                fwd()?;
-            }
-            launch_backward(client, spec, &bdev, &bufs)
-        };
-        fwd()?;
-        for _ in 0..warmup {
-            step()?;
-        }
-        sync(client)?;
-        let mut times = Vec::with_capacity(iters);
-        for _ in 0..iters {
-            sync(client)?;
-            let t0 = Instant::now();
-            step()?;
-            sync(client)?;
-            times.push(t0.elapsed().as_secs_f64() * 1e3);
-        }
-        client.read_one(bufs.dq).map_err(|e| Error::Device(format!("backward kernel failed: {e:?}")))?;
-        Ok(times)
-    });
-    match r {
-        Ok(r) => r,
-        Err(msg) => Err(Error::Device(msg)),
-    }
+/// [`bench_backward`] with the choice of what is timed and of the dQ path.
+pub fn bench_backward_with(spec: &AttnSpec, warmup: usize, iters: usize, part: BenchPart, path: DqPath) -> Result<Vec<f64>> {
+    super::device_io::bench(spec, warmup, iters, part, path)
 }

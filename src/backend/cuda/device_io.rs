@@ -1,220 +1,387 @@
-//! Device-resident inputs and outputs: caller-owned buffers on the backend's GPU (torch CUDA
-//! tensors, given as raw device addresses) are copied device-to-device into CubeCL buffers, the
-//! same kernels run, and the results are copied device-to-device into the caller's output
-//! buffers. No host round trip. CubeCL, torch and these copies all use the device's primary
-//! context, so the addresses are valid in each.
+//! The calls of the CUDA backend.
 //!
-//! Ordering: the caller finishes writing the inputs before the call (torch: synchronize); the
-//! copies in are followed by a context synchronize before the kernels start, the kernels by a
-//! CubeCL sync before the copies out, and the copies out by a context synchronize before return.
+//! Device-resident ([`CudaBackend::forward_device`], [`CudaBackend::backward_device`]): the
+//! kernels read the caller's buffers in place and write the outputs in place, enqueued on the
+//! caller's stream (torch's current stream), with a caller-provided workspace; the call returns
+//! once the kernels are enqueued. No copies, no synchronization. The launch plan comes from the
+//! backend's plan cache (uploaded on the caller's stream the first time a shape is seen).
+//!
+//! Host buffers ([`Backend::forward`] / [`Backend::backward`]): device memory is allocated for the
+//! inputs, outputs and workspace, the inputs are copied in, the same device-resident call runs on
+//! the backend's own stream, the outputs are copied back and the stream is synchronized.
 
-use cubecl::server::Handle;
+use half::{bf16, f16};
 
-use super::backward::{fused_dq, plan_and_launch_backward, BwdBuffers, DqPath};
-use super::bench::sync;
-use super::{check_supported, guarded, plan_and_launch_forward, CudaBackend};
-use crate::error::{Error, Result};
+use super::backward::{bwd_workspace, fused_dq, launch_backward, BwdPlan, BwdPtrs, DqPath};
+use super::driver::{bind, DevBuf, Timer};
+use super::forward::{fwd_tables, fwd_workspace, launch_forward, plan_opts, FwdPtrs};
+use super::plans::{Cached, PlanKey};
+use super::{check_supported, CudaBackend, Plan};
+use crate::backend::{BackwardInputs, ForwardOutput, Gradients};
+use crate::dtype::{DType, HostData, HostView};
+use crate::error::{invalid, Error, Result};
 use crate::spec::AttnSpec;
 
-/// Device addresses of one forward call's buffers (contiguous, in the spec's dtype; lse f32
-/// `[heads_q, total_q]`).
-#[derive(Debug, Clone, Copy)]
-pub struct DeviceForward {
-    pub q: u64,
-    pub k: u64,
-    pub v: u64,
-    pub out: u64,
-    pub lse: u64,
-}
+use cudarc::driver::sys::CUstream;
+use std::sync::Arc;
 
-/// Device addresses of one backward call's buffers (inputs, then the gradients it writes).
-#[derive(Debug, Clone, Copy)]
-pub struct DeviceBackward {
-    pub q: u64,
-    pub k: u64,
-    pub v: u64,
-    pub out: u64,
-    pub lse: u64,
-    pub dout: u64,
-    pub dq: u64,
-    pub dk: u64,
-    pub dv: u64,
-}
-
-fn dev_err(what: &str, e: impl std::fmt::Debug) -> Error {
-    Error::Device(format!("{what}: {e:?}"))
+/// Whether a device call has work: at least one query row, one key and one head.
+fn has_work(spec: &AttnSpec) -> bool {
+    let d = &spec.dims;
+    d.total_q > 0 && d.total_k > 0 && d.heads_q > 0
 }
 
 impl CudaBackend {
-    /// Makes the device's primary context current on this thread (the copies need it).
-    fn bind(&self) -> Result<()> {
-        // SAFETY: `ctx` was returned by cuDevicePrimaryCtxRetain and is never released.
-        unsafe { cudarc::driver::result::ctx::set_current(self.ctx as cudarc::driver::sys::CUcontext) }
-            .map_err(|e| dev_err("cuCtxSetCurrent", e))
+    fn fwd_plan(&self, spec: &AttnSpec, stream: CUstream) -> Result<Arc<Cached<Plan>>> {
+        self.fwd_plans.get(PlanKey::new(spec, plan_opts()), stream, || {
+            let p = Plan::new(spec);
+            let t = fwd_tables(&p);
+            (p, t)
+        })
     }
 
-    /// A CubeCL buffer of `bytes` (at least 4) and its device address. The returned resource keeps
-    /// the allocation reserved while it is alive.
-    fn staged(&self, bytes: usize) -> Result<(Handle, u64, impl Sized + use<>)> {
-        let h = self.client.empty(bytes.max(4));
-        let r = self.client.get_resource(h.clone()).map_err(|e| dev_err("CubeCL buffer address", e))?;
-        let ptr = r.resource().ptr;
-        Ok((h, ptr, r))
+    fn bwd_plan(&self, spec: &AttnSpec, stream: CUstream) -> Result<Arc<Cached<BwdPlan>>> {
+        self.bwd_plans.get(PlanKey::new(spec, 0), stream, || {
+            let p = BwdPlan::new(spec);
+            let t = p.tables();
+            (p, t)
+        })
     }
 
-    /// `bytes` from `src` to `dst` (device addresses of this GPU).
-    fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
-        if bytes == 0 {
-            return Ok(());
-        }
-        // SAFETY: both ranges are live device allocations of at least `bytes` on this device
-        // (CubeCL's buffers by construction, the caller's by the contract of the public methods).
-        unsafe { cudarc::driver::result::memcpy_dtod_sync(dst, src, bytes) }.map_err(|e| dev_err("cuMemcpyDtoD", e))
-    }
-
-    fn ctx_sync(&self) -> Result<()> {
-        cudarc::driver::result::ctx::synchronize().map_err(|e| dev_err("cuCtxSynchronize", e))
-    }
-
-    /// Forward on device buffers. Returns `Ok(false)` without touching anything when the call has
-    /// no query row or no key (the host path handles those).
+    /// Workspace bytes a device-resident forward of `spec` needs (0: none). Builds (and uploads
+    /// on `stream`) the launch plan of this shape if it is not cached yet.
     ///
     /// # Safety
-    /// Every address must point to a live allocation on this backend's device holding (inputs)
-    /// or able to hold (outputs) the contiguous tensor of the spec's shape and dtype, and nothing
-    /// else may write the inputs or touch the outputs during the call.
-    pub unsafe fn forward_device(&self, spec: &AttnSpec, p: DeviceForward) -> Result<bool> {
+    /// `stream` must be a live stream of this device's primary context (0: the legacy stream).
+    pub unsafe fn forward_workspace(&self, spec: &AttnSpec, stream: u64) -> Result<usize> {
         check_supported(spec)?;
-        let d = &spec.dims;
-        if d.total_q == 0 || d.total_k == 0 || d.heads_q == 0 {
+        if !has_work(spec) {
+            return Ok(0);
+        }
+        bind(self.ctx)?;
+        let plan = self.fwd_plan(spec, stream as CUstream)?;
+        Ok(fwd_workspace(spec, &plan.host))
+    }
+
+    /// Workspace bytes a device-resident backward of `spec` needs (see [`Self::forward_workspace`]).
+    ///
+    /// # Safety
+    /// As for [`Self::forward_workspace`].
+    pub unsafe fn backward_workspace(&self, spec: &AttnSpec, deterministic: bool, stream: u64) -> Result<usize> {
+        check_supported(spec)?;
+        if !has_work(spec) {
+            return Ok(0);
+        }
+        bind(self.ctx)?;
+        self.bwd_plan(spec, stream as CUstream)?;
+        Ok(bwd_workspace(spec, fused_dq(spec, deterministic, DqPath::Auto)))
+    }
+
+    /// Enqueues the forward of `spec` on `stream`: reads q, k, v and writes out and lse in place.
+    /// Returns `Ok(false)` without touching anything when the call has no query row, key or
+    /// head (the caller fills the outputs: zeros and lse +inf).
+    ///
+    /// # Safety
+    /// Every address must point to a live allocation of this backend's device holding (inputs)
+    /// or able to hold (outputs) the contiguous tensor of the spec's shape and dtype (lse: f32
+    /// `[heads_q, total_q]`), `workspace` at least `workspace_bytes` bytes, at least
+    /// [`Self::forward_workspace`]; `stream` a live stream of the device; the buffers stay alive
+    /// and untouched by other streams until the enqueued work completes.
+    pub unsafe fn forward_device(&self, spec: &AttnSpec, p: FwdPtrs, workspace_bytes: usize, stream: u64) -> Result<bool> {
+        check_supported(spec)?;
+        if !has_work(spec) {
             return Ok(false);
         }
-        let es = spec.dtype.size();
-        let run = guarded("CubeCL launch", || -> Result<()> {
-            let mut tr = Trace::new("forward");
-            let (qh, qp, _qr) = self.staged(d.q_len() * es)?;
-            let (kh, kp, _kr) = self.staged(d.kv_len() * es)?;
-            let (vh, vp, _vr) = self.staged(d.kv_len() * es)?;
-            let (oh, op, _or) = self.staged(d.q_len() * es)?;
-            let (lh, lp, _lr) = self.staged(d.lse_len() * 4)?;
-            tr.mark("buffers");
-            self.bind()?;
-            self.copy(qp, p.q, d.q_len() * es)?;
-            self.copy(kp, p.k, d.kv_len() * es)?;
-            self.copy(vp, p.v, d.kv_len() * es)?;
-            self.ctx_sync()?;
-            tr.mark("copy in");
-            plan_and_launch_forward(&self.client, spec, [&qh, &kh, &vh], &oh, &lh)?;
-            tr.mark("plan + launch");
-            sync(&self.client)?;
-            tr.mark("kernels");
-            self.bind()?;
-            self.copy(p.out, op, d.q_len() * es)?;
-            self.copy(p.lse, lp, d.lse_len() * 4)?;
-            self.ctx_sync()?;
-            tr.mark("copy out");
-            Ok(())
-        });
-        run.map_err(Error::Device)??;
+        bind(self.ctx)?;
+        let s = stream as CUstream;
+        let plan = self.fwd_plan(spec, s)?;
+        let need = fwd_workspace(spec, &plan.host);
+        if workspace_bytes < need {
+            return Err(invalid("workspace", format!("has {workspace_bytes} bytes, the call needs {need}")));
+        }
+        launch_forward(self, spec, &plan, &p, s)?;
         Ok(true)
     }
 
-    /// Backward on device buffers (see [`CudaBackend::forward_device`] for the contract and the
-    /// `Ok(false)` case).
+    /// Enqueues the backward of `spec` on `stream`: reads q, k, v, out, lse, dout and writes dq,
+    /// dk, dv in place. `Ok(false)` as for [`Self::forward_device`] (gradients are then zero).
     ///
     /// # Safety
-    /// As for [`CudaBackend::forward_device`].
-    pub unsafe fn backward_device(&self, spec: &AttnSpec, p: DeviceBackward, deterministic: bool) -> Result<bool> {
+    /// As for [`Self::forward_device`], with the backward's buffers and
+    /// [`Self::backward_workspace`].
+    pub unsafe fn backward_device(
+        &self,
+        spec: &AttnSpec,
+        p: BwdPtrs,
+        deterministic: bool,
+        workspace_bytes: usize,
+        stream: u64,
+    ) -> Result<bool> {
+        self.backward_device_on(spec, p, DqPath::Auto, deterministic, workspace_bytes, stream)
+    }
+
+    unsafe fn backward_device_on(
+        &self,
+        spec: &AttnSpec,
+        p: BwdPtrs,
+        path: DqPath,
+        deterministic: bool,
+        workspace_bytes: usize,
+        stream: u64,
+    ) -> Result<bool> {
         check_supported(spec)?;
-        let d = &spec.dims;
-        if d.total_q == 0 || d.total_k == 0 || d.heads_q == 0 {
+        if !has_work(spec) {
             return Ok(false);
         }
+        bind(self.ctx)?;
+        let s = stream as CUstream;
+        let plan = self.bwd_plan(spec, s)?;
+        let fused = fused_dq(spec, deterministic, path);
+        let need = bwd_workspace(spec, fused);
+        if workspace_bytes < need {
+            return Err(invalid("workspace", format!("has {workspace_bytes} bytes, the call needs {need}")));
+        }
+        launch_backward(self, spec, &plan, &p, fused, s)?;
+        Ok(true)
+    }
+
+    /// Forward on host buffers; `poison` first fills out and lse (tests pass NaN to prove that
+    /// every element is written).
+    pub(crate) fn forward_host(&self, spec: &AttnSpec, q: HostView, k: HostView, v: HostView, poison: Option<f32>) -> Result<ForwardOutput> {
+        crate::backend::check_buffers(spec, q, k, v)?;
+        check_supported(spec)?;
+        let d = &spec.dims;
+        if d.total_q == 0 || d.heads_q == 0 {
+            return Ok(ForwardOutput { out: HostData::from_f32(spec.dtype, &[]), lse: Vec::new() });
+        }
+        let _g = self.host_lock.lock().unwrap_or_else(|e| e.into_inner());
+        bind(self.ctx)?;
+        let s = self.stream.0;
         let es = spec.dtype.size();
-        let fused = fused_dq(spec, deterministic, DqPath::Auto);
-        let run = guarded("CubeCL launch", || -> Result<()> {
-            let mut tr = Trace::new("backward");
-            let (q, qp, _a) = self.staged(d.q_len() * es)?;
-            let (k, kp, _b) = self.staged(d.kv_len() * es)?;
-            let (v, vp, _c) = self.staged(d.kv_len() * es)?;
-            let (out, op, _d) = self.staged(d.q_len() * es)?;
-            let (dout, gp, _e) = self.staged(d.q_len() * es)?;
-            let (lse, lp, _f) = self.staged(d.lse_len() * 4)?;
-            let (dq, dqp, _g) = self.staged(d.q_len() * es)?;
-            let (dk, dkp, _h) = self.staged(d.kv_len() * es)?;
-            let (dv, dvp, _i) = self.staged(d.kv_len() * es)?;
-            tr.mark("buffers");
-            self.bind()?;
-            for (dst, src, n) in [
-                (qp, p.q, d.q_len() * es),
-                (kp, p.k, d.kv_len() * es),
-                (vp, p.v, d.kv_len() * es),
-                (op, p.out, d.q_len() * es),
-                (gp, p.dout, d.q_len() * es),
-                (lp, p.lse, d.lse_len() * 4),
-            ] {
-                self.copy(dst, src, n)?;
+        let up = |h: HostView| -> Result<DevBuf> {
+            let b = DevBuf::alloc(h.as_bytes().len())?;
+            b.upload(h.as_bytes(), s)?;
+            Ok(b)
+        };
+        let (qb, kb, vb) = (up(q)?, up(k)?, up(v)?);
+        let ob = DevBuf::alloc(d.q_len() * es)?;
+        let lb = DevBuf::alloc(d.lse_len() * 4)?;
+        let po = poison.unwrap_or(0.0);
+        let out0 = HostData::from_f32(spec.dtype, &vec![po; d.q_len()]);
+        let lse0 = vec![if has_work(spec) { po } else { f32::INFINITY }; d.lse_len()];
+        if poison.is_some() || !has_work(spec) {
+            ob.upload(out0.view().as_bytes(), s)?;
+            lb.upload(bytemuck::cast_slice(&lse0), s)?;
+        }
+        // SAFETY: the buffers above hold the spec's tensors; the stream is synchronized below
+        // before any of them is freed.
+        let ws_bytes = unsafe { self.forward_workspace(spec, s as u64)? };
+        let ws = DevBuf::alloc(ws_bytes)?;
+        let ptrs = FwdPtrs { q: qb.ptr, k: kb.ptr, v: vb.ptr, out: ob.ptr, lse: lb.ptr, workspace: ws.ptr };
+        unsafe { self.forward_device(spec, ptrs, ws.bytes, s as u64)? };
+        memory_probe();
+        let mut out = vec![0u8; d.q_len() * es];
+        let mut lse = vec![0f32; d.lse_len()];
+        ob.download(&mut out, s)?;
+        lb.download(bytemuck::cast_slice_mut(&mut lse), s)?;
+        self.stream.sync().map_err(|e| Error::Device(format!("forward kernels failed: {e}")))?;
+        Ok(ForwardOutput { out: HostData::from_bytes(spec.dtype, &out), lse })
+    }
+
+    /// Backward on host buffers; `poison` first fills dq, dk, dv.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn backward_host(
+        &self,
+        spec: &AttnSpec,
+        q: HostView,
+        k: HostView,
+        v: HostView,
+        g: BackwardInputs,
+        poison: Option<f32>,
+        path: DqPath,
+    ) -> Result<Gradients> {
+        crate::backend::check_buffers(spec, q, k, v)?;
+        crate::backend::check_backward_buffers(spec, &g)?;
+        check_supported(spec)?;
+        let d = &spec.dims;
+        if !has_work(spec) {
+            let z = |n: usize| HostData::from_f32(spec.dtype, &vec![0.0; n]);
+            return Ok(Gradients { dq: z(d.q_len()), dk: z(d.kv_len()), dv: z(d.kv_len()) });
+        }
+        let _g = self.host_lock.lock().unwrap_or_else(|e| e.into_inner());
+        bind(self.ctx)?;
+        let s = self.stream.0;
+        let es = spec.dtype.size();
+        let up = |b: &[u8]| -> Result<DevBuf> {
+            let x = DevBuf::alloc(b.len())?;
+            x.upload(b, s)?;
+            Ok(x)
+        };
+        let (qb, kb, vb) = (up(q.as_bytes())?, up(k.as_bytes())?, up(v.as_bytes())?);
+        let (ob, gb, lb) = (up(g.out.as_bytes())?, up(g.dout.as_bytes())?, up(bytemuck::cast_slice(g.lse))?);
+        let fill = HostData::from_f32(spec.dtype, &vec![poison.unwrap_or(0.0); d.q_len().max(d.kv_len())]);
+        let grad = |n: usize| -> Result<DevBuf> {
+            let x = DevBuf::alloc(n * es)?;
+            if poison.is_some() {
+                x.upload(&fill.view().as_bytes()[..n * es], s)?;
             }
-            self.ctx_sync()?;
-            tr.mark("copy in");
-            let bufs = BwdBuffers {
-                q,
-                k,
-                v,
-                out,
-                dout,
-                lse,
-                delta: self.client.empty(d.lse_len() * 4),
-                dq,
-                dk,
-                dv,
-                dq_acc: fused.then(|| self.client.empty(d.q_len() * 4)),
-            };
-            plan_and_launch_backward(&self.client, spec, &bufs)?;
-            tr.mark("plan + launch");
-            sync(&self.client)?;
-            tr.mark("kernels");
-            self.bind()?;
-            self.copy(p.dq, dqp, d.q_len() * es)?;
-            self.copy(p.dk, dkp, d.kv_len() * es)?;
-            self.copy(p.dv, dvp, d.kv_len() * es)?;
-            self.ctx_sync()?;
-            tr.mark("copy out");
-            Ok(())
-        });
-        run.map_err(Error::Device)??;
-        Ok(true)
+            Ok(x)
+        };
+        let (dqb, dkb, dvb) = (grad(d.q_len())?, grad(d.kv_len())?, grad(d.kv_len())?);
+        // SAFETY: as in `forward_host`.
+        let ws_bytes = unsafe { self.backward_workspace(spec, g.deterministic, s as u64)? };
+        let ws_bytes = ws_bytes.max(bwd_workspace(spec, fused_dq(spec, g.deterministic, path)));
+        let ws = DevBuf::alloc(ws_bytes)?;
+        let ptrs = BwdPtrs {
+            q: qb.ptr,
+            k: kb.ptr,
+            v: vb.ptr,
+            out: ob.ptr,
+            lse: lb.ptr,
+            dout: gb.ptr,
+            dq: dqb.ptr,
+            dk: dkb.ptr,
+            dv: dvb.ptr,
+            workspace: ws.ptr,
+        };
+        unsafe { self.backward_device_on(spec, ptrs, path, g.deterministic, ws.bytes, s as u64)? };
+        memory_probe();
+        let read = |b: &DevBuf, n: usize| -> Result<Vec<u8>> {
+            let mut v = vec![0u8; n * es];
+            b.download(&mut v, s)?;
+            Ok(v)
+        };
+        let (dq, dk, dv) = (read(&dqb, d.q_len())?, read(&dkb, d.kv_len())?, read(&dvb, d.kv_len())?);
+        self.stream.sync().map_err(|e| Error::Device(format!("backward kernels failed: {e}")))?;
+        let h = |b: &[u8]| HostData::from_bytes(spec.dtype, b);
+        Ok(Gradients { dq: h(&dq), dk: h(&dk), dv: h(&dv) })
     }
 }
 
-/// Phase timings of a device call on stderr when `CUBEATTN_TRACE=1` (host clock, microseconds).
-struct Trace {
-    on: bool,
-    what: &'static str,
-    last: std::time::Instant,
-    parts: Vec<(&'static str, u128)>,
+static PROBE_ON: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static PROBE_MIN_FREE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(u64::MAX);
+
+/// Test instrumentation: while on, the host-buffer calls record the smallest free device memory
+/// (as the driver reports it) at the point where every buffer of the call is allocated.
+pub fn set_memory_probe(on: bool) {
+    PROBE_MIN_FREE.store(u64::MAX, std::sync::atomic::Ordering::SeqCst);
+    PROBE_ON.store(on, std::sync::atomic::Ordering::SeqCst);
 }
 
-impl Trace {
-    fn new(what: &'static str) -> Trace {
-        let on = std::env::var("CUBEATTN_TRACE").is_ok_and(|v| v == "1");
-        Trace { on, what, last: std::time::Instant::now(), parts: Vec::new() }
-    }
+/// The smallest free device memory recorded since [`set_memory_probe`] switched the probe on.
+pub fn memory_probe_min_free() -> u64 {
+    PROBE_MIN_FREE.load(std::sync::atomic::Ordering::SeqCst)
+}
 
-    fn mark(&mut self, phase: &'static str) {
-        if self.on {
-            let now = std::time::Instant::now();
-            self.parts.push((phase, (now - self.last).as_micros()));
-            self.last = now;
+fn memory_probe() {
+    if PROBE_ON.load(std::sync::atomic::Ordering::Relaxed) {
+        if let Ok((free, _)) = super::driver::mem_info() {
+            PROBE_MIN_FREE.fetch_min(free, std::sync::atomic::Ordering::SeqCst);
         }
     }
 }
 
-impl Drop for Trace {
-    fn drop(&mut self) {
-        if self.on {
-            let parts: Vec<String> = self.parts.iter().map(|(p, us)| format!("{p} {us}")).collect();
-            eprintln!("cubeattn {} us: {}", self.what, parts.join(", "));
+/// Deterministic pseudo-random values in [-1, 1) (SplitMix64), so benchmarks never run on zeros.
+pub(crate) fn random_f32(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = s;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// What a benchmark times.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BenchPart {
+    /// The forward kernels.
+    Forward,
+    /// Forward then backward (the forward's out and lse feed the backward), like torch's fwd+bwd.
+    ForwardBackward,
+    /// The backward kernels alone.
+    Backward,
+}
+
+/// GPU time of the kernels of `spec` on device-resident random inputs (never zeros): `warmup`
+/// untimed iterations, then `iters` iterations each timed with CUDA events around the kernels
+/// (the kernels' own GPU time). Milliseconds per iteration. Backward parts take `path`
+/// (`DqPath::Auto` as a `deterministic = false` call). FLOPs to quote for fwd+bwd: 3.5 x
+/// `spec.forward_flops()`.
+pub fn bench(spec: &AttnSpec, warmup: usize, iters: usize, part: BenchPart, path: DqPath) -> Result<Vec<f64>> {
+    let be = CudaBackend::shared()?;
+    check_supported(spec)?;
+    if !has_work(spec) {
+        return Err(invalid("spec", "benchmark needs at least one query, key and head"));
+    }
+    let d = &spec.dims;
+    let _g = be.host_lock.lock().unwrap_or_else(|e| e.into_inner());
+    bind(be.ctx)?;
+    let s = be.stream.0;
+    let es = spec.dtype.size();
+    let rnd = |n: usize, seed: u64| -> Result<DevBuf> {
+        let h = match spec.dtype {
+            DType::F32 => HostData::F32(random_f32(n, seed)),
+            DType::F16 => HostData::F16(random_f32(n, seed).into_iter().map(f16::from_f32).collect()),
+            DType::BF16 => HostData::BF16(random_f32(n, seed).into_iter().map(bf16::from_f32).collect()),
+        };
+        let b = DevBuf::alloc(n * es)?;
+        b.upload(h.view().as_bytes(), s)?;
+        be.stream.sync()?;
+        Ok(b)
+    };
+    let (q, k, v, dout) = (rnd(d.q_len(), 11)?, rnd(d.kv_len(), 12)?, rnd(d.kv_len(), 13)?, rnd(d.q_len(), 14)?);
+    let out = DevBuf::alloc(d.q_len() * es)?;
+    let lse = DevBuf::alloc(d.lse_len() * 4)?;
+    let (dq, dk, dv) = (DevBuf::alloc(d.q_len() * es)?, DevBuf::alloc(d.kv_len() * es)?, DevBuf::alloc(d.kv_len() * es)?);
+    // SAFETY: every buffer above holds its tensor of the spec; the stream is synchronized (timer
+    // reads and the final sync) before they are freed.
+    unsafe {
+        let fws = DevBuf::alloc(be.forward_workspace(spec, s as u64)?)?;
+        let bws_n = be.backward_workspace(spec, false, s as u64)?.max(bwd_workspace(spec, fused_dq(spec, false, path)));
+        let bws = DevBuf::alloc(bws_n)?;
+        let fp = FwdPtrs { q: q.ptr, k: k.ptr, v: v.ptr, out: out.ptr, lse: lse.ptr, workspace: fws.ptr };
+        let bp = BwdPtrs {
+            q: q.ptr,
+            k: k.ptr,
+            v: v.ptr,
+            out: out.ptr,
+            lse: lse.ptr,
+            dout: dout.ptr,
+            dq: dq.ptr,
+            dk: dk.ptr,
+            dv: dv.ptr,
+            workspace: bws.ptr,
+        };
+        let fwd = || be.forward_device(spec, fp, fws.bytes, s as u64).map(|_| ());
+        let bwd = || be.backward_device_on(spec, bp, path, false, bws.bytes, s as u64).map(|_| ());
+        let step = || -> Result<()> {
+            match part {
+                BenchPart::Forward => fwd(),
+                BenchPart::ForwardBackward => {
+                    fwd()?;
+                    bwd()
+                }
+                BenchPart::Backward => bwd(),
+            }
+        };
+        fwd()?;
+        for _ in 0..warmup {
+            step()?;
         }
+        let timer = Timer::new()?;
+        let mut times = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            timer.start(s)?;
+            step()?;
+            timer.stop(s)?;
+            times.push(timer.ms()?);
+        }
+        be.stream.sync()?;
+        Ok(times)
     }
 }

@@ -1,52 +1,61 @@
-//! CUDA backend: CubeCL kernels launched on the CubeCL CUDA runtime.
-//!
-//! One process-wide client (created lazily; creation failures, including CubeCL's panics when the
-//! driver, NVRTC or the CUDA headers are missing, become `Error::BackendUnavailable`).
+//! CUDA backend: kernels written in CubeCL, compiled by us (CubeCL's code generator + NVRTC, cached
+//! on disk: `compile`) and launched by us (`launch`) on the caller's stream with the caller's
+//! device pointers (`device_io`). One backend per device, created lazily; creation failures,
+//! including CubeCL's panics when the driver is missing, become `Error::BackendUnavailable`.
 //! Supported: forward for f16/bf16 (tensor-core flash kernel) and f32 (plain row-wise kernel),
 //! head_dim 64 and 128. Backward (dQ, dK, dV): see `backward`.
 
 pub mod backward;
-pub mod bench;
+mod compile;
 mod device_io;
-pub use device_io::{DeviceBackward, DeviceForward};
+mod driver;
+mod forward;
+mod launch;
 mod options;
 mod plan;
-mod probe;
+mod plans;
 mod status;
 
+pub use backward::BwdPtrs;
+pub use compile::cache_dir;
+pub use device_io::{bench, memory_probe_min_free, set_memory_probe, BenchPart};
+pub use driver::mem_info;
+pub use forward::FwdPtrs;
 pub use options::{fwd_options, set_fwd_options, FwdOptions};
 pub(crate) use options::use_ldmatrix;
 pub use plan::{forward_workspace_bytes, FwdPlan};
-pub(crate) use plan::{table_bytes, upload_table, Plan, PlanDev};
-pub use probe::{memory_probe_peak, set_memory_probe};
-pub(crate) use probe::memory_probe;
+pub(crate) use plan::{table_bytes, Plan};
 pub use status::status;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::prelude::*;
-use cubecl::server::Handle;
-use half::{bf16, f16};
 
 use crate::backend::{Backend, BackendKind, BackwardInputs, ForwardOutput, Gradients};
 use crate::device::{BackendStatus, DeviceInfo};
-use crate::dtype::{DType, HostData, HostView};
+use crate::dtype::HostView;
 use crate::error::{Error, Result};
-use crate::kernels::flash_fwd::{self, BLOCK_M, BLOCK_N, COMB_WORDS, LOAD_VEC, NONE, PLANES, SLICE_WORDS, WORK_WORDS};
-use crate::kernels::rowwise_fwd::{self, ROWS_PER_CUBE};
+use crate::kernels::flash_fwd::{BLOCK_M, BLOCK_N, COMB_WORDS, NONE, SLICE_WORDS, WORK_WORDS};
 use crate::spec::AttnSpec;
 
 /// head_dims with a CUDA kernel.
 pub const SUPPORTED_HEAD_DIMS: [usize; 2] = [64, 128];
 
-/// The CUDA backend: a CubeCL client on one device.
+/// The CUDA backend of one device: compiled kernels, cached launch plans, and a stream of its own
+/// for calls on host buffers.
 pub struct CudaBackend {
+    /// CubeCL's client: the generated kernel structs read the device properties from it.
     client: ComputeClient<CudaRuntime>,
-    /// The device's primary context (the one CubeCL and torch use), as an address, for the
-    /// device-to-device copies of [`device_io`].
+    /// The device's primary context (the one torch uses too), as an address.
     ctx: usize,
+    pub(crate) kernels: compile::Kernels,
+    fwd_plans: plans::PlanCache<Plan>,
+    bwd_plans: plans::PlanCache<backward::BwdPlan>,
+    stream: driver::Stream,
+    /// Serializes calls on host buffers (they share `stream`).
+    host_lock: Mutex<()>,
 }
 
 /// One backend per device index, created on first use.
@@ -110,11 +119,26 @@ impl CudaBackend {
             }
             let client = guarded("CubeCL CUDA runtime", || CudaRuntime::client(&CudaDevice::new(index)))?;
             // SAFETY: `index` is below the driver's device count (checked above).
-            let ctx = unsafe {
-                let dev = cudarc::driver::result::device::get(index as i32).map_err(|e| format!("cuDeviceGet: {e:?}"))?;
-                cudarc::driver::result::primary_ctx::retain(dev).map_err(|e| format!("cuDevicePrimaryCtxRetain: {e:?}"))?
+            let (ctx, major, minor) = unsafe {
+                use cudarc::driver::result as drv;
+                use cudarc::driver::sys::CUdevice_attribute as A;
+                let dev = drv::device::get(index as i32).map_err(|e| format!("cuDeviceGet: {e:?}"))?;
+                let ctx = drv::primary_ctx::retain(dev).map_err(|e| format!("cuDevicePrimaryCtxRetain: {e:?}"))?;
+                let major = drv::device::get_attribute(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR).unwrap_or(0);
+                let minor = drv::device::get_attribute(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR).unwrap_or(0);
+                (ctx as usize, major, minor)
             };
-            Ok(CudaBackend { client, ctx: ctx as usize })
+            driver::bind(ctx).map_err(|e| e.to_string())?;
+            let stream = driver::Stream::new().map_err(|e| e.to_string())?;
+            Ok(CudaBackend {
+                client,
+                ctx,
+                kernels: compile::Kernels::new(ctx, major, minor),
+                fwd_plans: plans::PlanCache::new(ctx),
+                bwd_plans: plans::PlanCache::new(ctx),
+                stream,
+                host_lock: Mutex::new(()),
+            })
         });
         match r {
             Ok(b) => Ok(b),
@@ -123,9 +147,19 @@ impl CudaBackend {
         }
     }
 
-    /// The CubeCL client (for benchmarks and tests that keep data on the device).
-    pub fn client(&self) -> &ComputeClient<CudaRuntime> {
+    /// The CubeCL client (code generation reads the device properties from it).
+    pub(crate) fn client(&self) -> &ComputeClient<CudaRuntime> {
         &self.client
+    }
+
+    /// Kernels compiled with NVRTC by this process (the others came from the disk cache).
+    pub fn kernels_compiled(&self) -> usize {
+        self.kernels.compiled_count()
+    }
+
+    /// Launch plans cached (forward, backward).
+    pub fn plans_cached(&self) -> (usize, usize) {
+        (self.fwd_plans.len(), self.bwd_plans.len())
     }
 
     /// Forward pass that first fills `out` and `lse` with `poison` (tests use NaN to prove that
@@ -138,62 +172,7 @@ impl CudaBackend {
         v: HostView,
         poison: f32,
     ) -> Result<ForwardOutput> {
-        self.forward_impl(spec, q, k, v, Some(poison))
-    }
-
-    fn forward_impl(
-        &self,
-        spec: &AttnSpec,
-        q: HostView,
-        k: HostView,
-        v: HostView,
-        poison: Option<f32>,
-    ) -> Result<ForwardOutput> {
-        crate::backend::check_buffers(spec, q, k, v)?;
-        check_supported(spec)?;
-        let d = &spec.dims;
-        if d.total_q == 0 || d.heads_q == 0 {
-            return Ok(ForwardOutput { out: HostData::from_f32(spec.dtype, &[]), lse: Vec::new() });
-        }
-        let client = &self.client;
-        let esize = spec.dtype.size();
-        let upload = |h: HostView| -> Handle {
-            if h.is_empty() {
-                client.empty(esize)
-            } else {
-                client.create_from_slice(h.as_bytes())
-            }
-        };
-        let run = guarded("CubeCL launch", || -> Result<ForwardOutput> {
-            let qh = upload(q);
-            let kh = upload(k);
-            let vh = upload(v);
-            let (out_h, lse_h) = match poison {
-                Some(p) => {
-                    let out = HostData::from_f32(spec.dtype, &vec![p; d.q_len()]);
-                    let lse = vec![p; d.lse_len()];
-                    (
-                        client.create_from_slice(out.view().as_bytes()),
-                        client.create_from_slice(bytemuck::cast_slice(&lse)),
-                    )
-                }
-                None => (client.empty(d.q_len() * esize), client.empty(d.lse_len() * 4)),
-            };
-            plan_and_launch_forward(client, spec, [&qh, &kh, &vh], &out_h, &lse_h)?;
-            let ob = client
-                .read_one(out_h)
-                .map_err(|e| Error::Device(format!("forward kernel failed: {e:?}")))?;
-            let lb = client
-                .read_one(lse_h)
-                .map_err(|e| Error::Device(format!("forward kernel failed: {e:?}")))?;
-            let out = HostData::from_bytes(spec.dtype, &ob);
-            let lse: Vec<f32> = bytemuck::pod_collect_to_vec(&lb);
-            Ok(ForwardOutput { out, lse })
-        });
-        match run {
-            Ok(r) => r,
-            Err(msg) => Err(Error::Device(msg)),
-        }
+        self.forward_host(spec, q, k, v, Some(poison))
     }
 }
 
@@ -217,215 +196,13 @@ pub fn check_supported(spec: &AttnSpec) -> Result<()> {
     Ok(())
 }
 
-fn buf(h: &Handle, len: usize) -> ArrayArg<CudaRuntime> {
-    // SAFETY: every handle passed here was allocated with at least `len` elements.
-    unsafe { ArrayArg::from_raw_parts(h.clone(), len) }
-}
-
-/// A device table uploaded with [`upload_table`] (handle, element count) as a kernel argument.
-fn table(h: &(Handle, usize)) -> ArrayArg<CudaRuntime> {
-    buf(&h.0, h.1)
-}
-
-/// Builds the launch plan of `spec`, uploads its tables and launches the forward kernels.
-fn plan_and_launch_forward(
-    client: &ComputeClient<CudaRuntime>,
-    spec: &AttnSpec,
-    [q, k, v]: [&Handle; 3],
-    out: &Handle,
-    lse: &Handle,
-) -> Result<()> {
-    let plan = Plan::new(spec);
-    let dev = plan.upload(client);
-    launch_forward(client, spec, &plan, &dev, q, k, v, out, lse)
-}
-
-/// Launches the forward kernels (the zero-fill of uncovered rows first when there are any).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn launch_forward(
-    client: &ComputeClient<CudaRuntime>,
-    spec: &AttnSpec,
-    plan: &Plan,
-    dev: &PlanDev,
-    q: &Handle,
-    k: &Handle,
-    v: &Handle,
-    out: &Handle,
-    lse: &Handle,
-) -> Result<()> {
-    let d = &spec.dims;
-    let hd = d.head_dim;
-    let (ql, kl) = (d.q_len(), d.kv_len().max(1));
-    match spec.dtype {
-        DType::F32 => {
-            let cubes = d.total_q.div_ceil(ROWS_PER_CUBE) as u32;
-            rowwise_fwd::rowwise_fwd_f32::launch::<CudaRuntime>(
-                client,
-                CubeCount::Static(cubes, d.heads_q as u32, 1),
-                CubeDim::new_1d(32 * ROWS_PER_CUBE as u32),
-                buf(q, ql),
-                buf(k, kl),
-                buf(v, kl),
-                buf(out, ql),
-                buf(lse, d.lse_len()),
-                table(&dev.row_seg),
-                table(&dev.segs),
-                spec.scale,
-                d.heads_q as u32,
-                d.heads_kv as u32,
-                d.total_q as u32,
-                f32::INFINITY,
-                hd,
-                spec.causal,
-            );
-        }
-        DType::F16 | DType::BF16 => {
-            if spec.uncovered_rows() > 0 {
-                let n = ql.max(d.lse_len());
-                let cubes = n.div_ceil(256) as u32;
-                match spec.dtype {
-                    DType::F16 => {
-                        flash_fwd::fill_uncovered::launch::<f16, CudaRuntime>(
-                            client,
-                            CubeCount::Static(cubes, 1, 1),
-                            CubeDim::new_1d(256),
-                            buf(out, ql),
-                            buf(lse, d.lse_len()),
-                            f32::INFINITY,
-                        )
-                    },
-                    _ => {
-                        flash_fwd::fill_uncovered::launch::<bf16, CudaRuntime>(
-                            client,
-                            CubeCount::Static(cubes, 1, 1),
-                            CubeDim::new_1d(256),
-                            buf(out, ql),
-                            buf(lse, d.lse_len()),
-                            f32::INFINITY,
-                        )
-                    },
-                }
-            }
-            let fp = &plan.fwd;
-            let n_work = fp.n_work() as u32;
-            if n_work == 0 {
-                return Ok(());
-            }
-            let opts = fwd_options();
-            let y = (d.heads_q as u32 / fp.hp).max(1);
-            let count = CubeCount::Static(n_work, y, 1);
-            let dim = CubeDim::new_1d(32 * PLANES as u32);
-            let v5 = opts.v5 && opts.ldmatrix && opts.pipeline;
-            let mt = if opts.plane_rows == 16 { 1usize } else { 2 };
-            let n_part = plan.split_rows(d.heads_q);
-            let part_o = client.empty(n_part * hd * 4);
-            let part_lse = client.empty(n_part * 4);
-            macro_rules! go {
-                ($t:ty) => {{
-                    // SAFETY: every index the kernels form is inside its buffer: rows and keys come
-                    // from the validated spec through the plan (keys clamped to the tile's range).
-                    unsafe {
-                        if v5 {
-                        flash_fwd::flash_fwd_mma2::launch_unchecked::<$t, CudaRuntime>(
-                            client,
-                            count,
-                            CubeDim::new_1d((BLOCK_M * 2 / mt) as u32),
-                            buf(q, ql),
-                            buf(k, kl),
-                            buf(v, kl),
-                            buf(out, ql),
-                            buf(lse, d.lse_len()),
-                            buf(&part_o, n_part * hd),
-                            buf(&part_lse, n_part),
-                            table(&dev.fwd_work),
-                            table(&dev.fwd_slices),
-                            table(&dev.segs),
-                            spec.scale,
-                            d.heads_q as u32,
-                            d.heads_kv as u32,
-                            d.total_q as u32,
-                            fp.hp,
-                            fp.n_slots,
-                            f32::INFINITY,
-                            hd,
-                            spec.causal,
-                            mt,
-                            opts.block_n as usize,
-                        );
-                        } else {
-                        flash_fwd::flash_fwd_mma::launch_unchecked::<$t, CudaRuntime>(
-                            client,
-                            count,
-                            dim,
-                            LOAD_VEC,
-                            buf(q, ql / LOAD_VEC),
-                            buf(k, (kl / LOAD_VEC).max(1)),
-                            buf(v, (kl / LOAD_VEC).max(1)),
-                            buf(k, kl),
-                            buf(v, kl),
-                            buf(out, ql),
-                            buf(lse, d.lse_len()),
-                            buf(&part_o, n_part * hd),
-                            buf(&part_lse, n_part),
-                            table(&dev.fwd_work),
-                            table(&dev.fwd_slices),
-                            table(&dev.segs),
-                            spec.scale,
-                            d.heads_q as u32,
-                            d.heads_kv as u32,
-                            d.total_q as u32,
-                            fp.hp,
-                            fp.n_slots,
-                            f32::INFINITY,
-                            hd,
-                            spec.causal,
-                            opts.ldmatrix,
-                            opts.pipeline,
-                        );
-                        }
-                        if fp.n_comb() > 0 {
-                            flash_fwd::combine_parts::launch_unchecked::<$t, CudaRuntime>(
-                                client,
-                                CubeCount::Static(fp.n_comb() as u32, y, 1),
-                                dim,
-                                buf(out, ql),
-                                buf(lse, d.lse_len()),
-                                buf(&part_o, n_part * hd),
-                                buf(&part_lse, n_part),
-                                table(&dev.fwd_comb),
-                                table(&dev.fwd_slices),
-                                table(&dev.segs),
-                                d.heads_q as u32,
-                                d.total_q as u32,
-                                fp.hp,
-                                fp.n_slots,
-                                f32::INFINITY,
-                                hd,
-                                spec.causal,
-                            );
-                        }
-                    }
-                }};
-            }
-            match spec.dtype {
-                DType::F16 => go!(f16),
-                _ => go!(bf16),
-            }
-            // every buffer of the launch (split-K partials included) is alive here
-            memory_probe(client);
-        }
-    }
-    memory_probe(client);
-    Ok(())
-}
-
 impl Backend for CudaBackend {
     fn kind(&self) -> BackendKind {
         BackendKind::Cuda
     }
 
     fn forward(&self, spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> Result<ForwardOutput> {
-        self.forward_impl(spec, q, k, v, None)
+        self.forward_host(spec, q, k, v, None)
     }
 
     fn backward(
@@ -436,7 +213,7 @@ impl Backend for CudaBackend {
         v: HostView,
         grad: BackwardInputs,
     ) -> Result<Gradients> {
-        backward::backward(self, spec, q, k, v, grad, None)
+        self.backward_host(spec, q, k, v, grad, None, backward::DqPath::Auto)
     }
 }
 

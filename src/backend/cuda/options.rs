@@ -1,14 +1,13 @@
 //! Tuning switches of the tensor-core forward (environment defaults, test overrides).
 
-/// Tuning switches of the tensor-core forward (defaults from the environment:
-/// `CUBEATTN_CUDA_LDMATRIX`, `CUBEATTN_CUDA_PIPE`, `CUBEATTN_CUDA_PACK_HEADS`, `CUBEATTN_CUDA_SPLIT`,
-/// each `0` to turn off). Tests and benchmarks switch them with [`set_fwd_options`].
+/// Tuning switches of the tensor-core kernels (defaults from the environment:
+/// `CUBEATTN_CUDA_LDMATRIX`, `CUBEATTN_CUDA_PACK_HEADS`, `CUBEATTN_CUDA_SPLIT`, each `0` to turn
+/// off). Tests and benchmarks switch them with [`set_fwd_options`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FwdOptions {
-    /// Fragment loads through `ldmatrix` (else per-element shared-memory reads).
+    /// Backward fragment loads through `ldmatrix` (else per-element shared-memory reads, kept as
+    /// a cross-check of the register layouts; the forward always uses `ldmatrix`).
     pub ldmatrix: bool,
-    /// `cp.async` K/V copies overlapped with the matrix work (else synchronous loads).
-    pub pipeline: bool,
     /// The q heads of one kv head share a tile (rows = (query, head) pairs).
     pub pack_heads: bool,
     /// Split long tiles over several cubes when the launch has too few cubes to fill the GPU.
@@ -16,13 +15,9 @@ pub struct FwdOptions {
     /// Split target: about this many cubes per multiprocessor (`CUBEATTN_CUDA_SPLIT_WAVES`, 2:
     /// measured best of 2/4/8/16 on the shared-prefix shape).
     pub split_waves: u32,
-    /// Kernel v5 (`flash_fwd_mma2`: Q in shared memory, `plane_rows` rows per plane) instead of
-    /// v4 (`flash_fwd_mma`: 8 planes x 16 rows, Q fragments in registers). Needs `ldmatrix` and
-    /// `pipeline`; otherwise v4 runs (`CUBEATTN_CUDA_V5`).
-    pub v5: bool,
-    /// v5 rows per plane: 32 (4 planes, 128 threads) or 16 (8 planes) (`CUBEATTN_CUDA_PLANE_ROWS`).
+    /// Forward rows per plane: 32 (4 planes, 128 threads) or 16 (8 planes) (`CUBEATTN_CUDA_PLANE_ROWS`).
     pub plane_rows: u32,
-    /// v5 keys per shared-memory tile: 64 or 32 (`CUBEATTN_CUDA_BLOCK_N`).
+    /// Forward keys per shared-memory tile: 64 or 32 (`CUBEATTN_CUDA_BLOCK_N`).
     pub block_n: u32,
 }
 
@@ -32,10 +27,6 @@ fn env_on(name: &str) -> bool {
     std::env::var(name).map(|v| v != "0").unwrap_or(true)
 }
 
-/// Kernel v5 is the default: 1.28-1.30x over v4 on the dense causal Llama3-8B shapes (H200,
-/// bench/NOTES.md).
-const V5_DEFAULT: bool = true;
-
 fn env_u32(name: &str, allowed: &[u32], default: u32) -> u32 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).filter(|w| allowed.contains(w)).unwrap_or(default)
 }
@@ -43,7 +34,7 @@ fn env_u32(name: &str, allowed: &[u32], default: u32) -> u32 {
 impl FwdOptions {
     /// The defaults without environment overrides.
     pub fn defaults() -> FwdOptions {
-        FwdOptions { ldmatrix: true, pipeline: true, pack_heads: true, split: true, split_waves: 2, v5: V5_DEFAULT, plane_rows: 32, block_n: 64 }
+        FwdOptions { ldmatrix: true, pack_heads: true, split: true, split_waves: 2, plane_rows: 32, block_n: 64 }
     }
 }
 
@@ -52,11 +43,9 @@ pub fn fwd_options() -> FwdOptions {
     let mut g = FWD_OPTS.lock().unwrap_or_else(|e| e.into_inner());
     *g.get_or_insert_with(|| FwdOptions {
         ldmatrix: env_on("CUBEATTN_CUDA_LDMATRIX"),
-        pipeline: env_on("CUBEATTN_CUDA_PIPE"),
         pack_heads: env_on("CUBEATTN_CUDA_PACK_HEADS"),
         split: env_on("CUBEATTN_CUDA_SPLIT"),
         split_waves: std::env::var("CUBEATTN_CUDA_SPLIT_WAVES").ok().and_then(|v| v.parse().ok()).filter(|&w| w > 0).unwrap_or(2),
-        v5: std::env::var("CUBEATTN_CUDA_V5").map(|v| v != "0").unwrap_or(V5_DEFAULT),
         plane_rows: env_u32("CUBEATTN_CUDA_PLANE_ROWS", &[16, 32], 32),
         block_n: env_u32("CUBEATTN_CUDA_BLOCK_N", &[32, 64], 64),
     })

@@ -2,40 +2,25 @@
 //! and the device bytes they take (used by the VRAM estimate).
 
 use super::*;
+use crate::dtype::DType;
 
-/// Device workspace of a forward call besides q, k, v, out and lse: the plan tables and, on the
-/// tensor-core path, the split-K partial buffers. Host-only arithmetic (no GPU needed); the VRAM
-/// estimate uses it so that it follows the plan the launch really makes.
+/// Device workspace of a forward call besides q, k, v, out and lse: the split-K partial buffers
+/// (the caller's workspace) and the plan tables (the backend's plan cache). Host-only arithmetic
+/// (no GPU needed); the VRAM estimate uses it so that it follows the plan the launch really makes.
 pub fn forward_workspace_bytes(spec: &AttnSpec) -> u64 {
     let plan = Plan::new(spec);
-    let mut bytes = plan.table_bytes();
-    if plan.fwd.n_work() > 0 {
-        bytes += plan.split_rows(spec.dims.heads_q) as u64 * (spec.dims.head_dim as u64 + 1) * 4;
-    }
-    bytes
+    plan.table_bytes() + super::forward::fwd_workspace(spec, &plan) as u64
 }
 
-/// Uploads a u32 table; an empty one becomes a single zero word (kernels take no empty
-/// buffers). Returns the handle and the length the kernels see.
-pub(crate) fn upload_table(client: &ComputeClient<CudaRuntime>, v: &[u32]) -> (Handle, usize) {
-    if v.is_empty() {
-        (client.create_from_slice(bytemuck::cast_slice(&[0u32])), 1)
-    } else {
-        (client.create_from_slice(bytemuck::cast_slice(v)), v.len())
-    }
-}
-
-/// Device bytes [`upload_table`] takes for these tables.
+/// Device bytes the plan cache takes for these tables (empty ones are one word).
 pub(crate) fn table_bytes(tables: &[&Vec<u32>]) -> u64 {
     tables.iter().map(|v| 4 * v.len().max(1) as u64).sum()
 }
 
-/// Host-side launch plan: segment table and per-cube work list.
+/// Host-side launch plan: segment table and the work list of the forward kernels.
 pub(crate) struct Plan {
     /// (q_start, q_len, k_start, k_len) per segment.
     pub segs: Vec<u32>,
-    /// (segment, tile start) per cube, most expensive first (tensor-core path).
-    pub work: Vec<u32>,
     /// Segment of every query row, u32::MAX when none (row-wise f32 path).
     pub row_seg: Vec<u32>,
     /// Packed-row work list of the tensor-core forward kernel (empty for f32).
@@ -45,20 +30,9 @@ pub(crate) struct Plan {
 impl Plan {
     pub fn new(spec: &AttnSpec) -> Plan {
         let mut segs = Vec::with_capacity(spec.segments.len() * 4);
-        let mut items: Vec<(u64, u32, u32)> = Vec::new();
-        for (i, s) in spec.segments.iter().enumerate() {
+        for s in &spec.segments {
             segs.extend_from_slice(&[s.q_start as u32, s.q_len as u32, s.k_start as u32, s.k_len as u32]);
-            let mut t = 0;
-            while t < s.q_len {
-                let last = (t + BLOCK_M).min(s.q_len) - 1;
-                let cost = s.visible_len(last, spec.causal) as u64 + 1;
-                items.push((cost, i as u32, t as u32));
-                t += BLOCK_M;
-            }
         }
-        // Longest first so the tail of the grid is short work; stable for determinism.
-        items.sort_by_key(|x| std::cmp::Reverse(x.0));
-        let work = items.iter().flat_map(|&(_, s, t)| [s, t]).collect();
         let row_seg = if spec.dtype == DType::F32 {
             let mut rs = vec![u32::MAX; spec.dims.total_q];
             for (i, s) in spec.segments.iter().enumerate() {
@@ -71,12 +45,7 @@ impl Plan {
             Vec::new()
         };
         let fwd = if spec.dtype == DType::F32 { FwdPlan::default() } else { FwdPlan::new(spec, &fwd_options()) };
-        Plan { segs, work, row_seg, fwd }
-    }
-
-    #[allow(dead_code)]
-    pub fn n_work(&self) -> usize {
-        self.work.len() / 2
+        Plan { segs, row_seg, fwd }
     }
 
     /// Rows of the split-K partial buffers of the tensor-core forward (`part_o` holds
@@ -86,32 +55,10 @@ impl Plan {
         (self.fwd.n_slots as usize * y * BLOCK_M).max(1)
     }
 
-    /// Device bytes of the tables [`Plan::upload`] creates.
+    /// Device bytes of the plan's tables in the plan cache.
     pub(crate) fn table_bytes(&self) -> u64 {
-        table_bytes(&[&self.segs, &self.work, &self.row_seg, &self.fwd.work, &self.fwd.slices, &self.fwd.comb])
+        table_bytes(&[&self.segs, &self.row_seg, &self.fwd.work, &self.fwd.slices, &self.fwd.comb])
     }
-
-    pub fn upload(&self, client: &ComputeClient<CudaRuntime>) -> PlanDev {
-        let up = |v: &[u32]| upload_table(client, v);
-        PlanDev {
-            segs: up(&self.segs),
-            work: up(&self.work),
-            row_seg: up(&self.row_seg),
-            fwd_work: up(&self.fwd.work),
-            fwd_slices: up(&self.fwd.slices),
-            fwd_comb: up(&self.fwd.comb),
-        }
-    }
-}
-
-pub(crate) struct PlanDev {
-    pub segs: (Handle, usize),
-    #[allow(dead_code)]
-    pub work: (Handle, usize),
-    pub row_seg: (Handle, usize),
-    pub fwd_work: (Handle, usize),
-    pub fwd_slices: (Handle, usize),
-    pub fwd_comb: (Handle, usize),
 }
 
 /// Multiprocessors of device 0 (132 when unknown), for the split decision.

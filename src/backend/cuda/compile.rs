@@ -1,0 +1,358 @@
+//! Compiling the `#[cube]` kernels ourselves: CubeCL generates the CUDA source (its public
+//! `CubeKernel::define` + `Compiler::compile`), NVRTC compiles it to a cubin with our options, the
+//! cubin is cached on disk, and the function is loaded into the device's primary context. The
+//! launches themselves are ours too ([`super::launch`]), on the caller's stream with the caller's
+//! pointers. Why this route and not CubeCL's own launch: bench/NOTES.md "Call path".
+//!
+//! Disk cache: one file per (kernel, comptime choices, dtype, GPU architecture, NVRTC options,
+//! kernel sources, cubeattn and CubeCL versions) under `CUBEATTN_CACHE_DIR`, else
+//! `$XDG_CACHE_HOME/cubeattn`, else `~/.cache/cubeattn`; `CUBEATTN_CACHE_DIR=off` disables it.
+//! A hit skips CubeCL's code generation and NVRTC entirely. `CUBEATTN_DUMP_DIR=dir` writes the
+//! CUDA source of every kernel compiled (not read from the cache) into `dir`.
+
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use cubecl::cuda::CudaCompiler;
+use cubecl::prelude::*;
+use cubecl::Compiler;
+use cubecl_cpp::shared::{CompilationOptions, CppSupportedFeatures};
+use cudarc::driver::sys;
+
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+
+/// CubeCL version the generated-source ABI was checked against (Cargo.toml pins it with `=`).
+pub const CUBECL_VERSION: &str = "0.10.0";
+
+/// Identifies one compiled kernel: its name, the dtype it is instantiated for and every comptime
+/// choice (block shapes, flags), which together fix the generated source.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub(crate) struct KernelKey {
+    pub name: &'static str,
+    pub dtype: DType,
+    pub params: [u32; 8],
+}
+
+impl KernelKey {
+    pub fn new(name: &'static str, dtype: DType, p: &[u32]) -> KernelKey {
+        let mut params = [0u32; 8];
+        params[..p.len()].copy_from_slice(p);
+        KernelKey { name, dtype, params }
+    }
+}
+
+/// What CubeCL generated for one kernel.
+pub(crate) struct Source {
+    pub entry: String,
+    pub cuda: String,
+    pub smem: u32,
+    pub block: [u32; 3],
+}
+
+/// A loaded kernel function.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Func {
+    pub f: sys::CUfunction,
+    pub smem: u32,
+    pub block: [u32; 3],
+}
+
+// SAFETY: a CUfunction handle is valid in every thread once its module is loaded in the context.
+unsafe impl Send for Func {}
+unsafe impl Sync for Func {}
+
+/// The options CubeCL's code generator gets: those CubeCL's CUDA runtime uses on sm_70+.
+/// `grid_constants` makes the scalars and array lengths one by-value `__grid_constant__` struct
+/// after the buffer pointers, which is the parameter layout [`super::launch`] builds.
+fn codegen_options() -> CompilationOptions {
+    CompilationOptions {
+        warp_size: 32,
+        supports_features: CppSupportedFeatures {
+            grid_constants: true,
+            fast_math: true,
+            ..Default::default()
+        },
+    }
+}
+
+/// CUDA source of a kernel (CubeCL's code generator; no device work).
+pub(crate) fn codegen<K: CubeKernel>(kernel: K) -> Result<Source> {
+    let addr = kernel.address_type();
+    let def = kernel.define();
+    let entry = def.options.kernel_name.clone();
+    let cube_dim = def.cube_dim;
+    let mut compiler = CudaCompiler::default();
+    let repr = compiler
+        .compile(def, &codegen_options(), ExecutionMode::Unchecked, addr)
+        .map_err(|e| Error::Device(format!("CubeCL code generation of {entry} failed: {e:?}")))?;
+    Ok(Source {
+        smem: repr.shared_memory_size() as u32,
+        cuda: repr.to_string(),
+        entry,
+        block: [cube_dim.x, cube_dim.y, cube_dim.z],
+    })
+}
+
+/// Kernel settings of a launch with `threads` threads in x (the kernels are 1-D cubes).
+pub(crate) fn settings(threads: u32) -> KernelSettings {
+    KernelSettings::default().cube_dim(CubeDim::new_1d(threads)).address_type(AddressType::U32)
+}
+
+/// Directory of the disk cache, `None` when disabled.
+pub fn cache_dir() -> Option<PathBuf> {
+    match std::env::var("CUBEATTN_CACHE_DIR") {
+        Ok(v) if matches!(v.as_str(), "" | "0" | "off" | "none") => None,
+        Ok(v) => Some(PathBuf::from(v)),
+        Err(_) => {
+            let base = std::env::var_os("XDG_CACHE_HOME")
+                .map(PathBuf::from)
+                .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache")))?;
+            Some(base.join("cubeattn"))
+        }
+    }
+}
+
+/// NVRTC options besides the architecture and include paths. `-ftz=true` lets `exp`/`pow` use the
+/// flush-to-zero approximations (no denormal path; FlashAttention-2 builds with --use_fast_math).
+/// `CUBEATTN_NVRTC_FLAGS` replaces them (space separated), for experiments.
+fn extra_flags() -> Vec<String> {
+    match std::env::var("CUBEATTN_NVRTC_FLAGS") {
+        Ok(v) => v.split_whitespace().map(String::from).collect(),
+        Err(_) => vec!["-ftz=true".into()],
+    }
+}
+
+/// CUDA headers NVRTC needs (CubeCL's generated source includes cuda_fp16/bf16, mma, pipeline).
+fn include_dirs() -> Result<Vec<PathBuf>> {
+    let mut roots: Vec<PathBuf> = Vec::new();
+    if let Some(p) = std::env::var_os("CUDA_PATH") {
+        roots.push(PathBuf::from(p));
+    }
+    roots.extend(["/usr/local/cuda", "/opt/cuda", "/usr"].map(PathBuf::from));
+    for r in roots {
+        let inc = r.join("include");
+        if inc.join("cuda_fp16.h").exists() {
+            let mut v = vec![inc.clone()];
+            if inc.join("cccl").exists() {
+                v.push(inc.join("cccl"));
+            }
+            return Ok(v);
+        }
+    }
+    Err(Error::BackendUnavailable {
+        backend: "cuda",
+        reason: "CUDA headers (cuda_fp16.h) not found to compile kernels: set CUDA_PATH".into(),
+    })
+}
+
+/// FNV-1a 64-bit over several byte strings (stable across processes and builds).
+fn fnv(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for p in parts {
+        for &b in p.iter().chain(&[0xffu8]) {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h
+}
+
+/// Hash of every kernel source file: a cached cubin is never reused after a kernel edit.
+fn kernel_sources_hash() -> u64 {
+    let parts: Vec<&[u8]> = crate::kernels::SOURCES.iter().map(|s| s.as_bytes()).collect();
+    fnv(&parts)
+}
+
+fn nvrtc_err(what: &str, e: impl std::fmt::Debug) -> Error {
+    Error::Device(format!("{what}: {e:?}"))
+}
+
+/// Compiles CUDA source to a cubin for `arch` (e.g. "sm_90a").
+fn nvrtc_cubin(src: &Source, arch: &str, flags: &[String]) -> Result<Vec<u8>> {
+    let mut opts = vec![format!("--gpu-architecture={arch}")];
+    for inc in include_dirs()? {
+        opts.push(format!("--include-path={}", inc.display()));
+    }
+    opts.extend(flags.iter().cloned());
+    let code = CString::new(src.cuda.as_str()).map_err(|e| nvrtc_err("kernel source", e))?;
+    use cudarc::nvrtc::{result as nv, sys as nsys};
+    let prog = nv::create_program(code.as_c_str(), None).map_err(|e| nvrtc_err("nvrtcCreateProgram", e))?;
+    // SAFETY: `prog` is a live program until destroy_program below; buffers are sized by NVRTC.
+    unsafe {
+        let r = nv::compile_program(prog, &opts);
+        if r.is_err() {
+            let log = nv::get_program_log(prog).unwrap_or_default();
+            let log: String = log.iter().map(|&c| c as u8 as char).collect();
+            let _ = nv::destroy_program(prog);
+            return Err(Error::Device(format!("NVRTC failed on {} ({opts:?}):\n{log}", src.entry)));
+        }
+        let mut size = 0usize;
+        nsys::nvrtcGetCUBINSize(prog, &mut size).result().map_err(|e| nvrtc_err("nvrtcGetCUBINSize", e))?;
+        let mut cubin = vec![0u8; size];
+        nsys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut _).result().map_err(|e| nvrtc_err("nvrtcGetCUBIN", e))?;
+        let _ = nv::destroy_program(prog);
+        Ok(cubin)
+    }
+}
+
+/// On-disk entry: a short text header (entry point, shared bytes, block) then the cubin.
+fn encode(src: &Source, cubin: &[u8]) -> Vec<u8> {
+    let head = format!("cubeattn-cubin 1\n{}\n{}\n{} {} {}\n", src.entry, src.smem, src.block[0], src.block[1], src.block[2]);
+    let mut v = head.into_bytes();
+    v.extend_from_slice(cubin);
+    v
+}
+
+fn decode(bytes: &[u8]) -> Option<(Source, Vec<u8>)> {
+    let mut lines = 0;
+    let mut end = 0;
+    for (i, &b) in bytes.iter().enumerate() {
+        if b == b'\n' {
+            lines += 1;
+            if lines == 4 {
+                end = i + 1;
+                break;
+            }
+        }
+    }
+    if lines < 4 {
+        return None;
+    }
+    let head = std::str::from_utf8(&bytes[..end]).ok()?;
+    let mut it = head.lines();
+    if it.next()? != "cubeattn-cubin 1" {
+        return None;
+    }
+    let entry = it.next()?.to_string();
+    let smem = it.next()?.parse().ok()?;
+    let b: Vec<u32> = it.next()?.split(' ').filter_map(|x| x.parse().ok()).collect();
+    if b.len() != 3 || bytes.len() <= end {
+        return None;
+    }
+    Some((Source { entry, cuda: String::new(), smem, block: [b[0], b[1], b[2]] }, bytes[end..].to_vec()))
+}
+
+/// Compiled-kernel registry of one device: in memory, backed by the disk cache.
+pub(crate) struct Kernels {
+    ctx: usize,
+    arch: String,
+    flags: Vec<String>,
+    loaded: Mutex<HashMap<KernelKey, Func>>,
+    /// Kernels compiled (not read from disk) by this process, for reports and tests.
+    compiled: std::sync::atomic::AtomicUsize,
+}
+
+impl Kernels {
+    pub fn new(ctx: usize, major: i32, minor: i32) -> Kernels {
+        let arch = if major >= 9 { format!("sm_{major}{minor}a") } else { format!("sm_{major}{minor}") };
+        Kernels { ctx, arch, flags: extra_flags(), loaded: Mutex::new(HashMap::new()), compiled: Default::default() }
+    }
+
+    /// Kernels this process compiled with NVRTC (the rest came from the disk cache).
+    pub fn compiled_count(&self) -> usize {
+        self.compiled.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn cache_file(&self, key: &KernelKey) -> Option<PathBuf> {
+        let dir = cache_dir()?;
+        let k = format!("{key:?}");
+        let flags = self.flags.join(" ");
+        let h = fnv(&[
+            b"cubeattn-cubin 1",
+            env!("CARGO_PKG_VERSION").as_bytes(),
+            CUBECL_VERSION.as_bytes(),
+            &kernel_sources_hash().to_le_bytes(),
+            k.as_bytes(),
+            self.arch.as_bytes(),
+            flags.as_bytes(),
+        ]);
+        Some(dir.join(&self.arch).join(format!("{}-{h:016x}.cubin", key.name)))
+    }
+
+    /// The loaded function of `key`; on a miss, from the disk cache or compiled from `build()`.
+    pub fn get(&self, key: &KernelKey, build: impl FnOnce() -> Result<Source>) -> Result<Func> {
+        if let Some(f) = self.loaded.lock().unwrap().get(key) {
+            return Ok(*f);
+        }
+        let file = self.cache_file(key);
+        let cached = file.as_ref().and_then(|p| std::fs::read(p).ok()).and_then(|b| decode(&b));
+        let (src, cubin) = match cached {
+            Some(x) => x,
+            None => {
+                let src = build()?;
+                if let Some(dir) = std::env::var_os("CUBEATTN_DUMP_DIR") {
+                    let _ = std::fs::create_dir_all(&dir);
+                    let _ = std::fs::write(Path::new(&dir).join(format!("{}.cu", src.entry)), &src.cuda);
+                }
+                let cubin = nvrtc_cubin(&src, &self.arch, &self.flags)?;
+                self.compiled.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if let Some(p) = &file {
+                    store(p, &encode(&src, &cubin));
+                }
+                (src, cubin)
+            }
+        };
+        let f = self.load(&src, &cubin)?;
+        self.loaded.lock().unwrap().insert(*key, f);
+        Ok(f)
+    }
+
+    fn load(&self, src: &Source, cubin: &[u8]) -> Result<Func> {
+        use cudarc::driver::result as drv;
+        let name = CString::new(src.entry.as_str()).map_err(|e| nvrtc_err("entry point", e))?;
+        // SAFETY: `ctx` is the device's retained primary context; `cubin` is a complete image
+        // produced by NVRTC for this device's architecture (or read back byte for byte).
+        unsafe {
+            drv::ctx::set_current(self.ctx as sys::CUcontext).map_err(|e| nvrtc_err("cuCtxSetCurrent", e))?;
+            let module = drv::module::load_data(cubin.as_ptr() as *const c_void).map_err(|e| nvrtc_err("cuModuleLoadData", e))?;
+            let f = drv::module::get_function(module, name).map_err(|e| nvrtc_err("cuModuleGetFunction", e))?;
+            drv::function::set_function_attribute(
+                f,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                src.smem as i32,
+            )
+            .map_err(|e| nvrtc_err("cuFuncSetAttribute", e))?;
+            Ok(Func { f, smem: src.smem, block: src.block })
+        }
+    }
+}
+
+/// Writes a cache file atomically (temporary file + rename); failures only cost a recompile.
+fn store(path: &Path, bytes: &[u8]) {
+    let Some(dir) = path.parent() else { return };
+    if std::fs::create_dir_all(dir).is_err() {
+        return;
+    }
+    let tmp = dir.join(format!(".tmp-{}-{:?}", std::process::id(), std::thread::current().id()));
+    if std::fs::write(&tmp, bytes).is_ok() && std::fs::rename(&tmp, path).is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_entries_round_trip() {
+        let src = Source { entry: "k_f16".into(), cuda: String::new(), smem: 12345, block: [128, 1, 1] };
+        let cubin: Vec<u8> = (0..=255u8).collect();
+        let (s, c) = decode(&encode(&src, &cubin)).unwrap();
+        assert_eq!((s.entry.as_str(), s.smem, s.block), ("k_f16", 12345, [128, 1, 1]));
+        assert_eq!(c, cubin);
+        assert!(decode(b"cubeattn-cubin 2\nk\n1\n1 1 1\nxx").is_none());
+        assert!(decode(b"cubeattn-cubin 1\nk\n1\n").is_none());
+    }
+
+    #[test]
+    fn keys_differ_by_every_field() {
+        let a = KernelKey::new("fwd", DType::BF16, &[128, 1]);
+        assert_ne!(a, KernelKey::new("fwd", DType::F16, &[128, 1]));
+        assert_ne!(a, KernelKey::new("fwd", DType::BF16, &[64, 1]));
+        assert_ne!(a, KernelKey::new("bwd", DType::BF16, &[128, 1]));
+        assert_ne!(fnv(&[b"ab", b"c"]), fnv(&[b"a", b"bc"]));
+    }
+}

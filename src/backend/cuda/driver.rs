@@ -1,0 +1,152 @@
+//! The few CUDA driver calls the backend makes itself (through cudarc): device memory, copies,
+//! streams, events, capture status. Each returns `Error::Device` naming the call that failed.
+
+use cudarc::driver::{result as drv, sys};
+
+use crate::error::{Error, Result};
+
+pub(crate) fn err(what: &str, e: impl std::fmt::Debug) -> Error {
+    Error::Device(format!("{what}: {e:?}"))
+}
+
+/// Makes the primary context `ctx` current on this thread.
+pub(crate) fn bind(ctx: usize) -> Result<()> {
+    // SAFETY: `ctx` was returned by cuDevicePrimaryCtxRetain and is never released.
+    unsafe { drv::ctx::set_current(ctx as sys::CUcontext) }.map_err(|e| err("cuCtxSetCurrent", e))
+}
+
+/// Device memory owned by the backend (freed on drop with cuMemFree).
+pub(crate) struct DevBuf {
+    pub ptr: u64,
+    pub bytes: usize,
+}
+
+impl DevBuf {
+    /// `bytes` (at least 256) of device memory in the current context. Out of memory is
+    /// `Error::OutOfMemory` with the bytes asked for and the bytes free.
+    pub fn alloc(bytes: usize) -> Result<DevBuf> {
+        let n = bytes.max(256);
+        // SAFETY: plain allocation in the current context; the memory is only handed out as an
+        // address and freed once in Drop.
+        match unsafe { drv::malloc_sync(n) } {
+            Ok(ptr) => Ok(DevBuf { ptr, bytes: n }),
+            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+                let free = drv::mem_get_info().map(|(f, _)| f as u64).unwrap_or(0);
+                Err(Error::OutOfMemory { needed: n as u64, free })
+            }
+            Err(e) => Err(err("cuMemAlloc", e)),
+        }
+    }
+
+    /// Copies `bytes` to the start of the buffer, ordered on `stream`.
+    pub fn upload(&self, bytes: &[u8], stream: sys::CUstream) -> Result<()> {
+        assert!(bytes.len() <= self.bytes);
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: the destination holds at least `bytes.len()` bytes (asserted); the caller keeps
+        // `bytes` alive until the stream has run the copy (it synchronizes before returning).
+        unsafe { sys::cuMemcpyHtoDAsync_v2(self.ptr, bytes.as_ptr() as *const _, bytes.len(), stream) }
+            .result()
+            .map_err(|e| err("cuMemcpyHtoDAsync", e))
+    }
+
+    /// Copies the start of the buffer into `out`, ordered on `stream` (valid after a sync).
+    pub fn download(&self, out: &mut [u8], stream: sys::CUstream) -> Result<()> {
+        assert!(out.len() <= self.bytes);
+        if out.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: the source holds at least `out.len()` bytes (asserted); `out` outlives the copy
+        // (the caller synchronizes the stream before reading it).
+        unsafe { sys::cuMemcpyDtoHAsync_v2(out.as_mut_ptr() as *mut _, self.ptr, out.len(), stream) }
+            .result()
+            .map_err(|e| err("cuMemcpyDtoHAsync", e))
+    }
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from cuMemAlloc and is freed once.
+        let _ = unsafe { drv::free_sync(self.ptr) };
+    }
+}
+
+/// A non-blocking stream owned by the backend (host-buffer calls and benchmarks run on it).
+pub(crate) struct Stream(pub sys::CUstream);
+
+// SAFETY: a CUstream handle may be used from any thread of the process.
+unsafe impl Send for Stream {}
+unsafe impl Sync for Stream {}
+
+impl Stream {
+    pub fn new() -> Result<Stream> {
+        drv::stream::create(drv::stream::StreamKind::NonBlocking).map(Stream).map_err(|e| err("cuStreamCreate", e))
+    }
+
+    pub fn sync(&self) -> Result<()> {
+        // SAFETY: the stream is live until Drop.
+        unsafe { drv::stream::synchronize(self.0) }.map_err(|e| err("kernel execution (cuStreamSynchronize)", e))
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // SAFETY: destroyed once; pending work completes first (driver semantics).
+        let _ = unsafe { drv::stream::destroy(self.0) };
+    }
+}
+
+/// Whether `stream` is being captured into a CUDA graph.
+pub(crate) fn capturing(stream: sys::CUstream) -> Result<bool> {
+    // SAFETY: the caller passes a live stream handle (or 0, the legacy default stream).
+    let st = unsafe { drv::stream::is_capturing(stream) }.map_err(|e| err("cuStreamIsCapturing", e))?;
+    Ok(st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+}
+
+/// (free, total) bytes of the current context's device, as the driver reports them.
+pub fn mem_info() -> Result<(u64, u64)> {
+    drv::mem_get_info().map(|(f, t)| (f as u64, t as u64)).map_err(|e| err("cuMemGetInfo", e))
+}
+
+/// GPU time of work on a stream, measured with a pair of events.
+pub(crate) struct Timer {
+    start: sys::CUevent,
+    stop: sys::CUevent,
+}
+
+impl Timer {
+    pub fn new() -> Result<Timer> {
+        let mk = || drv::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(|e| err("cuEventCreate", e));
+        Ok(Timer { start: mk()?, stop: mk()? })
+    }
+
+    pub fn start(&self, s: sys::CUstream) -> Result<()> {
+        // SAFETY: live event and stream.
+        unsafe { drv::event::record(self.start, s) }.map_err(|e| err("cuEventRecord", e))
+    }
+
+    pub fn stop(&self, s: sys::CUstream) -> Result<()> {
+        // SAFETY: live event and stream.
+        unsafe { drv::event::record(self.stop, s) }.map_err(|e| err("cuEventRecord", e))
+    }
+
+    /// Milliseconds between start and stop (waits for stop).
+    pub fn ms(&self) -> Result<f64> {
+        // SAFETY: both events were recorded.
+        unsafe {
+            drv::event::synchronize(self.stop).map_err(|e| err("cuEventSynchronize", e))?;
+            drv::event::elapsed(self.start, self.stop).map(|x| x as f64).map_err(|e| err("cuEventElapsedTime", e))
+        }
+    }
+}
+
+impl Drop for Timer {
+    fn drop(&mut self) {
+        // SAFETY: destroyed once.
+        unsafe {
+            let _ = drv::event::destroy(self.start);
+            let _ = drv::event::destroy(self.stop);
+        }
+    }
+}

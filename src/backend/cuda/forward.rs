@@ -1,0 +1,199 @@
+//! CUDA forward: host side of the kernels in `kernels::flash_fwd` and `kernels::rowwise_fwd`.
+//!
+//! Launch order on the caller's stream: the zero fill of rows no segment covers (when there are
+//! any), the tensor-core kernel over the cached work list, then the split-K combine (when the plan
+//! split long tiles). f32 inputs run the plain row-wise kernel.
+//!
+//! Workspace (caller-provided device memory, [`fwd_workspace`]): the split-K partial outputs
+//! (f32 rows x head_dim) and their LSE. The plan tables live in the backend's plan cache.
+
+use cubecl::cuda::CudaRuntime;
+use cubecl::prelude::*;
+use cudarc::driver::sys;
+use half::{bf16, f16};
+
+use super::compile::{codegen, settings, KernelKey};
+use super::launch::{launch, Args};
+use super::{fwd_options, CudaBackend, Plan};
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::kernels::flash_fwd::{self, BLOCK_M};
+use crate::kernels::rowwise_fwd::{self, ROWS_PER_CUBE};
+use crate::spec::AttnSpec;
+
+/// Device addresses of one forward call: q, k, v in; out, lse out; the workspace.
+#[derive(Debug, Clone, Copy)]
+pub struct FwdPtrs {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub out: u64,
+    pub lse: u64,
+    pub workspace: u64,
+}
+
+/// Byte offsets of the workspace parts, each 256-byte aligned.
+pub(crate) fn layout(parts: &[usize]) -> (Vec<usize>, usize) {
+    let mut offs = Vec::with_capacity(parts.len());
+    let mut at = 0usize;
+    for &p in parts {
+        offs.push(at);
+        at += p.max(1).next_multiple_of(256);
+    }
+    (offs, at)
+}
+
+/// Bytes of the split-K partial outputs and LSE of a plan (both at least one element).
+fn partial_bytes(spec: &AttnSpec, plan: &Plan) -> [usize; 2] {
+    let rows = plan.split_rows(spec.dims.heads_q);
+    [rows * spec.dims.head_dim * 4, rows * 4]
+}
+
+/// Workspace bytes a forward call of `spec` takes with this plan.
+pub(crate) fn fwd_workspace(spec: &AttnSpec, plan: &Plan) -> usize {
+    if spec.dtype == DType::F32 {
+        return 0;
+    }
+    layout(&partial_bytes(spec, plan)).1
+}
+
+/// Plan-cache options word of the forward (the switches that change the plan).
+pub(crate) fn plan_opts() -> u64 {
+    let o = fwd_options();
+    (o.pack_heads as u64) | (o.split as u64) << 1 | (o.split_waves as u64) << 8 | (o.block_n as u64) << 32
+}
+
+/// The array argument every kernel struct takes for a plain (not in-place) array.
+const A: ArrayCompilationArg = ArrayCompilationArg { inplace: None };
+
+fn is_f16(dt: DType) -> bool {
+    dt == DType::F16
+}
+
+/// Enqueues the forward of `spec` on `stream`. `plan` must be the cached plan of `spec`.
+pub(crate) fn launch_forward(
+    be: &CudaBackend,
+    spec: &AttnSpec,
+    plan: &super::plans::Cached<Plan>,
+    p: &FwdPtrs,
+    stream: sys::CUstream,
+) -> Result<()> {
+    let d = &spec.dims;
+    let hd = d.head_dim;
+    let (ql, kl, ll) = (d.q_len(), d.kv_len().max(1), d.lse_len());
+    let t = |i| plan.tables.get(i);
+    let client = be.client();
+    let dt = spec.dtype;
+    if dt == DType::F32 {
+        let key = KernelKey::new("rowwise_fwd_f32", dt, &[hd as u32, spec.causal as u32]);
+        let f = be.kernels.get(&key, || {
+            codegen(rowwise_fwd::rowwise_fwd_f32::RowwiseFwdF32::<CudaRuntime>::new(
+                settings(32 * ROWS_PER_CUBE as u32),
+                client.clone(),
+                A, A, A, A, A, A, A, (), (), (), (), (),
+                hd,
+                spec.causal,
+            ))
+        })?;
+        let mut a = Args::new();
+        a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.out, ql).array(p.lse, ll);
+        a.array(t(TBL_ROW_SEG).0, t(TBL_ROW_SEG).1).array(t(TBL_SEGS).0, t(TBL_SEGS).1);
+        a.f32(spec.scale).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32).f32(f32::INFINITY);
+        let cubes = d.total_q.div_ceil(ROWS_PER_CUBE) as u32;
+        return launch(&f, (cubes, d.heads_q as u32, 1), &mut a, stream);
+    }
+
+    if spec.uncovered_rows() > 0 {
+        let key = KernelKey::new("fill_uncovered", dt, &[]);
+        let f = be.kernels.get(&key, || {
+            let s = settings(256);
+            if is_f16(dt) {
+                codegen(flash_fwd::fill_uncovered::FillUncovered::<f16, CudaRuntime>::new(s, client.clone(), A, A, ()))
+            } else {
+                codegen(flash_fwd::fill_uncovered::FillUncovered::<bf16, CudaRuntime>::new(s, client.clone(), A, A, ()))
+            }
+        })?;
+        let mut a = Args::new();
+        a.array(p.out, ql).array(p.lse, ll).f32(f32::INFINITY);
+        launch(&f, super::launch::grid_2d(ql.max(ll).div_ceil(256)), &mut a, stream)?;
+    }
+    let fp = &plan.host.fwd;
+    let n_work = fp.n_work() as u32;
+    if n_work == 0 {
+        return Ok(());
+    }
+    let opts = fwd_options();
+    let y = (d.heads_q as u32 / fp.hp).max(1);
+    let mt = if opts.plane_rows == 16 { 1usize } else { 2 };
+    let bn = opts.block_n as usize;
+    let threads = (BLOCK_M * 2 / mt) as u32;
+    let [po_bytes, pl_bytes] = partial_bytes(spec, &plan.host);
+    let (offs, _) = layout(&[po_bytes, pl_bytes]);
+    let (part_o, part_lse) = (p.workspace + offs[0] as u64, p.workspace + offs[1] as u64);
+    let n_part = po_bytes / (4 * hd);
+
+    let key = KernelKey::new("flash_fwd_mma2", dt, &[hd as u32, spec.causal as u32, mt as u32, bn as u32]);
+    let f = be.kernels.get(&key, || {
+        macro_rules! k {
+            ($t:ty) => {
+                codegen(flash_fwd::flash_fwd_mma2::FlashFwdMma2::<$t, CudaRuntime>::new(
+                    settings(threads),
+                    client.clone(),
+                    A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (),
+                    hd,
+                    spec.causal,
+                    mt,
+                    bn,
+                ))
+            };
+        }
+        if is_f16(dt) { k!(f16) } else { k!(bf16) }
+    })?;
+    let mut a = Args::new();
+    a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.out, ql).array(p.lse, ll);
+    a.array(part_o, n_part * hd).array(part_lse, n_part);
+    for i in [TBL_FWD_WORK, TBL_FWD_SLICES, TBL_SEGS] {
+        a.array(t(i).0, t(i).1);
+    }
+    a.f32(spec.scale).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32);
+    a.u32(fp.hp).u32(fp.n_slots).f32(f32::INFINITY);
+    launch(&f, (n_work, y, 1), &mut a, stream)?;
+
+    if fp.n_comb() > 0 {
+        let key = KernelKey::new("combine_parts", dt, &[hd as u32, spec.causal as u32]);
+        let f = be.kernels.get(&key, || {
+            macro_rules! k {
+                ($t:ty) => {
+                    codegen(flash_fwd::combine_parts::CombineParts::<$t, CudaRuntime>::new(
+                        settings(32 * flash_fwd::PLANES as u32),
+                        client.clone(),
+                        A, A, A, A, A, A, A, (), (), (), (), (),
+                        hd,
+                        spec.causal,
+                    ))
+                };
+            }
+            if is_f16(dt) { k!(f16) } else { k!(bf16) }
+        })?;
+        let mut a = Args::new();
+        a.array(p.out, ql).array(p.lse, ll).array(part_o, n_part * hd).array(part_lse, n_part);
+        for i in [TBL_FWD_COMB, TBL_FWD_SLICES, TBL_SEGS] {
+            a.array(t(i).0, t(i).1);
+        }
+        a.u32(d.heads_q as u32).u32(d.total_q as u32).u32(fp.hp).u32(fp.n_slots).f32(f32::INFINITY);
+        launch(&f, (fp.n_comb() as u32, y, 1), &mut a, stream)?;
+    }
+    Ok(())
+}
+
+/// Table order of a cached forward plan ([`fwd_tables`]).
+pub(crate) const TBL_SEGS: usize = 0;
+pub(crate) const TBL_ROW_SEG: usize = 1;
+pub(crate) const TBL_FWD_WORK: usize = 2;
+pub(crate) const TBL_FWD_SLICES: usize = 3;
+pub(crate) const TBL_FWD_COMB: usize = 4;
+
+/// The tables of a forward plan, in the `TBL_*` order.
+pub(crate) fn fwd_tables(plan: &Plan) -> Vec<Vec<u32>> {
+    vec![plan.segs.clone(), plan.row_seg.clone(), plan.fwd.work.clone(), plan.fwd.slices.clone(), plan.fwd.comb.clone()]
+}

@@ -1,0 +1,85 @@
+//! Launching a compiled kernel ([`super::compile`]) on a stream with raw device pointers.
+//!
+//! Parameter layout of CubeCL 0.10's generated CUDA kernels with grid constants (what CubeCL's
+//! own CUDA runtime passes, cubecl-cuda `compute/context.rs`): one pointer per array argument in
+//! declaration order, then one by-value info struct holding the scalar arguments grouped by type
+//! and the array lengths. The info bytes come from CubeCL's public `InfoBuilder`, fed in
+//! declaration order exactly as its launcher does, so the layout is CubeCL's by construction. The
+//! GPU tests compare every kernel family with the f64 reference through this path, so a change of
+//! the ABI in another CubeCL version fails them loudly.
+
+use std::ffi::c_void;
+
+use cubecl::prelude::AddressType;
+use cubecl::InfoBuilder;
+use cudarc::driver::sys;
+
+use super::compile::Func;
+use crate::error::{Error, Result};
+
+/// Arguments of one launch, in the kernel's declaration order.
+#[derive(Default)]
+pub(crate) struct Args {
+    ptrs: Vec<u64>,
+    info: InfoBuilder,
+}
+
+impl Args {
+    pub fn new() -> Args {
+        Args::default()
+    }
+
+    /// An array argument: device address and its length in the kernel's element type (vector
+    /// elements for vectorised arrays).
+    pub fn array(&mut self, ptr: u64, len: usize) -> &mut Args {
+        self.ptrs.push(ptr);
+        self.info.metadata.register_array(len as u64, len as u64, AddressType::U32);
+        self
+    }
+
+    pub fn u32(&mut self, v: u32) -> &mut Args {
+        self.info.scalars.push(v);
+        self
+    }
+
+    pub fn f32(&mut self, v: f32) -> &mut Args {
+        self.info.scalars.push(v);
+        self
+    }
+}
+
+/// Enqueues `func` on `stream` over `grid` cubes.
+pub(crate) fn launch(func: &Func, grid: (u32, u32, u32), args: &mut Args, stream: sys::CUstream) -> Result<()> {
+    if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+        return Ok(());
+    }
+    let info = args.info.finish(AddressType::U32);
+    let mut params: Vec<*mut c_void> = args.ptrs.iter().map(|p| p as *const u64 as *mut c_void).collect();
+    params.push(info.data.as_ptr() as *mut c_void);
+    // SAFETY: `func` is a loaded function whose parameters are the arrays pushed here in order
+    // followed by the info struct (see the module doc); the caller guarantees that every address
+    // is a live device allocation of at least the given length on this context, and `params`,
+    // `args` and `info` outlive the call (the driver copies the parameter values at launch).
+    unsafe {
+        cudarc::driver::result::launch_kernel(
+            func.f,
+            grid,
+            (func.block[0], func.block[1], func.block[2]),
+            func.smem,
+            stream,
+            &mut params,
+        )
+    }
+    .map_err(|e| Error::Device(format!("cuLaunchKernel: {e:?}")))
+}
+
+/// A 2-D grid (x fastest) of at least `cubes` cubes.
+pub(crate) fn grid_2d(cubes: usize) -> (u32, u32, u32) {
+    let cubes = cubes.max(1);
+    if cubes <= 65535 {
+        (cubes as u32, 1, 1)
+    } else {
+        let y = cubes.div_ceil(65535);
+        (cubes.div_ceil(y) as u32, y as u32, 1)
+    }
+}

@@ -1,0 +1,188 @@
+//! Launch plans kept on the device, per call shape: the work lists and tables of a spec are built
+//! and uploaded once (stream-ordered on the calling stream), then every later call with the same
+//! shape launches at once with no host-to-device traffic. That also makes the calls capturable
+//! in a CUDA graph once each shape has run before the capture.
+//!
+//! Memory: each entry owns one device allocation (`cuMemAllocAsync`), freed stream-ordered on the
+//! stream that used it last when the entry leaves the cache (least recently used beyond
+//! [`CAPACITY`] entries) and the last launch holding it is enqueued. An entry first used on one
+//! stream and then on another waits for the first stream once, at the switch, so its memory is
+//! never freed under work of a stream it no longer tracks. Entries used during a graph capture are
+//! pinned (the graph keeps their addresses).
+
+use std::collections::HashMap;
+use std::hash::Hash;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{result as drv, sys};
+
+use super::driver::{capturing, err};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::spec::AttnSpec;
+
+/// Entries kept per device and direction.
+pub const CAPACITY: usize = 256;
+
+/// What a plan depends on: the call's shape (dims, dtype, causal, segments) and the options that
+/// change the plan.
+#[derive(Clone, PartialEq, Eq, Hash, Debug)]
+pub(crate) struct PlanKey {
+    dtype: DType,
+    dims: [usize; 5],
+    causal: bool,
+    segs: Vec<[usize; 4]>,
+    opts: u64,
+}
+
+impl PlanKey {
+    pub fn new(spec: &AttnSpec, opts: u64) -> PlanKey {
+        let d = &spec.dims;
+        PlanKey {
+            dtype: spec.dtype,
+            dims: [d.total_q, d.total_k, d.heads_q, d.heads_kv, d.head_dim],
+            causal: spec.causal,
+            segs: spec.segments.iter().map(|s| [s.q_start, s.q_len, s.k_start, s.k_len]).collect(),
+            opts,
+        }
+    }
+}
+
+/// u32 tables on the device (one allocation).
+pub(crate) struct Tables {
+    ptr: u64,
+    spans: Vec<(u64, usize)>,
+    stream: AtomicU64,
+    ctx: usize,
+    /// The uploaded words, kept alive until the entry goes (the upload is asynchronous).
+    _host: Vec<u32>,
+}
+
+impl Tables {
+    /// Device address and length (u32 words; empty tables are one zero word) of table `i`.
+    pub fn get(&self, i: usize) -> (u64, usize) {
+        self.spans[i]
+    }
+
+    fn upload(ctx: usize, tables: &[&[u32]], stream: sys::CUstream) -> Result<Tables> {
+        let mut host = Vec::new();
+        let mut offs = Vec::new();
+        for t in tables {
+            // every table starts 16-byte aligned
+            while host.len() % 4 != 0 {
+                host.push(0);
+            }
+            offs.push((host.len(), t.len().max(1)));
+            if t.is_empty() {
+                host.push(0);
+            } else {
+                host.extend_from_slice(t);
+            }
+        }
+        let bytes = host.len() * 4;
+        // SAFETY: stream-ordered allocation and copy on a live stream of the current context; the
+        // source `host` is kept in the returned value until the memory is freed.
+        let ptr = unsafe {
+            let ptr = drv::malloc_async(stream, bytes).map_err(|e| match e.0 {
+                sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Error::OutOfMemory {
+                    needed: bytes as u64,
+                    free: drv::mem_get_info().map(|(f, _)| f as u64).unwrap_or(0),
+                },
+                _ => err("cuMemAllocAsync", e),
+            })?;
+            sys::cuMemcpyHtoDAsync_v2(ptr, host.as_ptr() as *const _, bytes, stream)
+                .result()
+                .map_err(|e| err("cuMemcpyHtoDAsync", e))?;
+            ptr
+        };
+        let spans = offs.iter().map(|&(o, n)| (ptr + 4 * o as u64, n)).collect();
+        Ok(Tables { ptr, spans, stream: AtomicU64::new(stream as u64), ctx, _host: host })
+    }
+}
+
+impl Drop for Tables {
+    fn drop(&mut self) {
+        let _ = super::driver::bind(self.ctx);
+        // SAFETY: freed once, ordered after the last launch enqueued on the tracked stream.
+        let _ = unsafe { drv::free_async(self.ptr, self.stream.load(Ordering::SeqCst) as sys::CUstream) };
+    }
+}
+
+/// A cached plan: the host-side plan `P` and its tables on the device.
+pub(crate) struct Cached<P> {
+    pub host: P,
+    pub tables: Tables,
+}
+
+struct Slot<P> {
+    plan: Arc<Cached<P>>,
+    last: u64,
+    pinned: bool,
+}
+
+/// Per-device cache of plans of one kind.
+pub(crate) struct PlanCache<P> {
+    ctx: usize,
+    inner: Mutex<(HashMap<PlanKey, Slot<P>>, u64)>,
+}
+
+impl<P> PlanCache<P> {
+    pub fn new(ctx: usize) -> PlanCache<P> {
+        PlanCache { ctx, inner: Mutex::new((HashMap::new(), 0)) }
+    }
+
+    /// The plan of `key` for a launch on `stream`. On a miss `build` makes the host plan and its
+    /// tables, which are uploaded on `stream`; a miss while `stream` is being captured into a
+    /// CUDA graph is an error (run the call once before capturing).
+    pub fn get(
+        &self,
+        key: PlanKey,
+        stream: sys::CUstream,
+        build: impl FnOnce() -> (P, Vec<Vec<u32>>),
+    ) -> Result<Arc<Cached<P>>> {
+        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let (map, tick) = &mut *g;
+        *tick += 1;
+        let now = *tick;
+        let capture = capturing(stream)?;
+        if let Some(slot) = map.get_mut(&key) {
+            slot.last = now;
+            let prev = slot.plan.tables.stream.swap(stream as u64, Ordering::SeqCst);
+            if capture {
+                // graph capture starts from an idle device (torch synchronizes before it); the
+                // graph keeps this plan's addresses
+                slot.pinned = true;
+            } else if prev != stream as u64 {
+                // SAFETY: `prev` is a stream this plan was launched on; waiting makes its work
+                // (the upload included) complete before the plan follows the new stream.
+                let _ = unsafe { drv::stream::synchronize(prev as sys::CUstream) };
+            }
+            return Ok(slot.plan.clone());
+        }
+        if capture {
+            return Err(Error::Unsupported {
+                backend: "cuda",
+                msg: "this call shape has no launch plan yet and none can be uploaded during CUDA graph capture: \
+                      run the call once (same shapes) before capturing"
+                    .into(),
+            });
+        }
+        let (host, tables) = build();
+        let refs: Vec<&[u32]> = tables.iter().map(|t| t.as_slice()).collect();
+        let plan = Arc::new(Cached { host, tables: Tables::upload(self.ctx, &refs, stream)? });
+        if map.len() >= CAPACITY {
+            let victim = map.iter().filter(|(_, s)| !s.pinned).min_by_key(|(_, s)| s.last).map(|(k, _)| k.clone());
+            if let Some(k) = victim {
+                map.remove(&k);
+            }
+        }
+        map.insert(key, Slot { plan: plan.clone(), last: now, pinned: false });
+        Ok(plan)
+    }
+
+    /// Number of cached plans (tests).
+    pub fn len(&self) -> usize {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).0.len()
+    }
+}
