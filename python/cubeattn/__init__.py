@@ -286,3 +286,11 @@ def estimate_vram(q_shape, k_shape, dtype="bfloat16", cu_seqlens_q=None, cu_seql
         mk = int(np.diff(ck).max()) if ck.size > 1 else 0
         spec = varlen_spec(q_shape, k_shape, dtype, cq, ck, mq, mk, None, causal)
     return _core.estimate_vram(spec, bool(backward), bool(deterministic))
+
+
+# zigzag llama3 context parallelism (torch.distributed; torch is imported on first use only)
+from .zigzag import (extract_zigzag_kv_slice, scatter_grad_to_zigzag, zigzag_cu_seqlens,  # noqa: E402
+                     zigzag_llama3_flash_attn_varlen_func, zigzag_merge, zigzag_split)
+
+__all__ += ["zigzag_llama3_flash_attn_varlen_func", "zigzag_split", "zigzag_merge", "zigzag_cu_seqlens",
+            "extract_zigzag_kv_slice", "scatter_grad_to_zigzag"]
