@@ -196,7 +196,7 @@ def test_layer_rejects_bad_input_before_any_collective():
     with pytest.raises(ValueError, match="`heads_k_stride`"):
         f(q, k, k, cu, cu, 8, 8, 0)
     with pytest.raises(ValueError, match="`cu_seqlens_q`.*local sequence 1 has 3 tokens"):
-        f(q, k, k, np.array([0, 5, 8], np.int32), np.array([0, 5, 8], np.int32), 8, 8, 1)
+        f(q, k, k, np.array([0, 2, 5, 8], np.int32), np.array([0, 2, 5, 8], np.int32), 8, 8, 1)
     with pytest.raises(ValueError, match="`cu_seqlens_q`"):
         f(q, k, k, np.array([0, 6], np.int32), np.array([0, 6], np.int32), 8, 8, 1)
     with pytest.raises(ValueError, match="`cu_seqlens_k`"):
