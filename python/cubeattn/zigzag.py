@@ -25,8 +25,9 @@ ranks are separated by the other sequences). Reading in place therefore needs, p
 several key pieces: fully visible pieces (no mask) plus one diagonal piece (causal). The grouped
 API has one causal flag per call, bottom-right inside each group, and each query row in exactly
 one group, so those pieces cannot be one call: it would take two calls (causal and non-causal) and
-an LSE merge of up to W partial results per row, i.e. more launches and an extra pass over the
-output, to save one copy of K,V that is 1/H_q * d-th of the attention work. No layout reachable by
+an LSE merge of up to W partial results per row (more launches and extra passes over the
+output) to save one copy of K,V: T x heads_kv x d elements moved, against ~T^2 x heads_q x d
+multiply-adds of attention. No layout reachable by
 an all-gather puts every causal prefix in one contiguous range either (rank o contributes chunks o
 and 2W-1-o together). The ordered copy reads and writes the gathered K,V once (an O(T) memory
 pass; the attention itself is O(T^2)), after which both local chunks share one key buffer and the
