@@ -18,6 +18,14 @@ setup_venv() {
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r "$ROOT/requirements-dev.txt"
 }
 
+# torch (CUDA build from PyPI, usable on CPU-only machines): CUBEATTN_TORCH=0 skips it and the torch
+# tests skip themselves
+setup_torch() {
+  if [ "${CUBEATTN_TORCH:-1}" != 0 ]; then
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r "$ROOT/requirements-torch.txt"
+  fi
+}
+
 build_wheel() {
   rm -f "$ROOT"/dist/cubeattn-*.whl
   # --features replaces pyproject's list, so `python` (the PyO3 bindings) is always named here

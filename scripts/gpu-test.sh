@@ -50,7 +50,10 @@ LOG_DIR=${CUBEATTN_LOG_DIR:-$ROOT/bench/results}
 log() { [ "$VERBOSE" = 1 ] && echo "[gpu-test] $*" >&2; return 0; }
 fail() { echo "error: $*" >&2; exit 1; }
 
-built_targets="flash_attention grouped"
+built_targets="flash_attention grouped zigzag"
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}   # NVLink multicast off (torchrun targets)
+
+gpu_count() { nvidia-smi -L 2>/dev/null | grep -c '^GPU'; }
 not_built() { echo "$1: not built yet"; }
 
 targets() {
@@ -151,6 +154,18 @@ do_test() {
       *" $t "*) ;;
       *) not_built "$t"; [ "$TARGET" = all ] && continue; exit 2 ;;
     esac
+    if [ "$t" = zigzag ]; then
+      # context parallelism across GPUs: torchrun, one rank per GPU (NCCL), W = 1..N, bf16 and fp16
+      local n; n=$(gpu_count)
+      if [ "$n" -lt 2 ]; then echo "zigzag: needs >= 2 GPUs, found $n: skipped"; continue; fi
+      for dt in bfloat16 float16; do
+        echo "== zigzag: torchrun --nproc_per_node $n tests/python/zigzag_worker.py --dtype $dt"
+        "$PY" -m torch.distributed.run --standalone --nproc_per_node "$n" "$ROOT/tests/python/zigzag_worker.py" --dtype "$dt" || status=1
+      done
+      echo "== zigzag: examples/zigzag_cp.py"
+      "$PY" -m torch.distributed.run --standalone --nproc_per_node "$n" "$ROOT/examples/zigzag_cp.py" || status=1
+      continue
+    fi
     # grouped attention shares the kernels and the test binary with flash_attention: its cases
     # (packed tiles, overlapping windows, empty groups) are part of the forward/backward suites.
     [ $ran = 1 ] && continue
@@ -175,6 +190,15 @@ do_benchmark() {
         "$PY" -m cubeattn.bench dense --device cuda --iterations "$ITER" --json "$LOG_DIR/dense-$stamp.json" | tee "$LOG_DIR/dense-$stamp.txt" || status=1
         "$PY" -m cubeattn.bench fwdbwd --device cuda --iterations "$ITER" --json "$LOG_DIR/fwdbwd-$stamp.json" | tee "$LOG_DIR/fwdbwd-$stamp.txt" || status=1 ;;
       grouped) "$PY" -m cubeattn.bench grouped --device cuda --iterations "$ITER" --json "$LOG_DIR/grouped-$stamp.json" | tee "$LOG_DIR/grouped-$stamp.txt" || status=1 ;;
+      zigzag)
+        # one rank per GPU; W = 2 and 4 where there are that many GPUs; 16K tokens per GPU
+        local n; n=$(gpu_count)
+        [ "$n" -ge 2 ] || { echo "zigzag: needs >= 2 GPUs, found $n: skipped"; continue; }
+        for w in 2 4; do
+          [ "$n" -ge "$w" ] || continue
+          "$PY" -m torch.distributed.run --standalone --nproc_per_node "$w" -m cubeattn.bench zigzag --device cuda \
+            --iterations "$ITER" --json "$LOG_DIR/cp-W$w-$stamp.json" | tee "$LOG_DIR/cp-W$w-$stamp.txt" || status=1
+        done ;;
       *) not_built "$t"; [ "$TARGET" = all ] || exit 2 ;;
     esac
   done

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The whole test suite: Rust unit + integration tests (GPU tests skip, printing why, without a GPU),
-# then the wheel is built and installed into the virtual environment and pytest runs.
+# then the wheel is built and installed into the virtual environment and pytest runs (with torch,
+# from requirements-torch.txt, unless CUBEATTN_TORCH=0).
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 setup_venv
+setup_torch
 feat=()
 [ -n "$FEATURES" ] && feat=(--features "$FEATURES")
 echo "== cargo test --release ${feat[*]}"

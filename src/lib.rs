@@ -11,6 +11,7 @@ pub mod error;
 pub mod reference;
 pub mod spec;
 pub mod vram;
+pub mod zigzag;
 
 #[cfg(feature = "cuda")]
 pub mod kernels;

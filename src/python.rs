@@ -428,5 +428,71 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_bench_forward, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_bench_forward_backward, m)?)?;
     m.add("CUDA_COMPILED", cfg!(feature = "cuda"))?;
+    add_zigzag(m)?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------- zigzag layout (src/zigzag.rs)
+
+fn usize_rows(rows: &PyReadonlyArray1<'_, i64>) -> PyResult<Vec<usize>> {
+    let r = rows.as_slice().map_err(|_| PyValueError::new_err("`rows` must be contiguous"))?;
+    r.iter()
+        .map(|&x| usize::try_from(x).map_err(|_| PyValueError::new_err(format!("invalid argument `rows`: negative row {x}"))))
+        .collect()
+}
+
+fn cu_slice<'a>(cu: &'a PyReadonlyArray1<'_, i32>) -> PyResult<&'a [i32]> {
+    cu.as_slice().map_err(|_| PyValueError::new_err("`cu_seqlens` must be contiguous"))
+}
+
+fn index_out(py: Python<'_>, rows: Vec<usize>) -> Bound<'_, PyArray1<i64>> {
+    PyArray1::from_vec(py, rows.into_iter().map(|r| r as i64).collect())
+}
+
+/// Local shard cu_seqlens (every sequence split 2W ways, two chunks per rank).
+#[pyfunction]
+fn zigzag_local_cu_seqlens<'py>(py: Python<'py>, cu_seqlens: PyReadonlyArray1<'py, i32>, world_size: usize) -> PyResult<Bound<'py, PyArray1<i32>>> {
+    let v = crate::zigzag::local_cu_seqlens(cu_slice(&cu_seqlens)?, world_size).map_err(to_py)?;
+    Ok(PyArray1::from_vec(py, v))
+}
+
+/// Full-batch row of each row of `rank`'s zigzag shard.
+#[pyfunction]
+fn zigzag_shard_rows<'py>(py: Python<'py>, cu_seqlens: PyReadonlyArray1<'py, i32>, world_size: usize, rank: usize) -> PyResult<Bound<'py, PyArray1<i64>>> {
+    let v = crate::zigzag::shard_rows(cu_slice(&cu_seqlens)?, world_size, rank).map_err(to_py)?;
+    Ok(index_out(py, v))
+}
+
+/// Gathered-buffer row of each row of the extracted causal prefixes (chunks 0..=max_chunk).
+#[pyfunction]
+fn zigzag_gathered_rows<'py>(py: Python<'py>, cu_seqlens: PyReadonlyArray1<'py, i32>, world_size: usize, max_chunk: usize) -> PyResult<Bound<'py, PyArray1<i64>>> {
+    let v = crate::zigzag::gathered_rows(cu_slice(&cu_seqlens)?, world_size, max_chunk).map_err(to_py)?;
+    Ok(index_out(py, v))
+}
+
+/// out[i] = src[rows[i]] (rows of `row_bytes` bytes): exact for any dtype.
+#[pyfunction]
+fn zigzag_extract<'py>(py: Python<'py>, src: PyReadonlyArray1<'py, u8>, row_bytes: usize, rows: PyReadonlyArray1<'py, i64>) -> PyResult<Bound<'py, PyArray1<u8>>> {
+    let rows = usize_rows(&rows)?;
+    let s = src.as_slice().map_err(|_| PyValueError::new_err("`kv` must be contiguous"))?;
+    let out = run_detached(py, || crate::zigzag::extract(s, row_bytes, &rows))?;
+    Ok(PyArray1::from_vec(py, out))
+}
+
+/// out[rows[i]] = src[i], other rows zero, `total_rows` rows.
+#[pyfunction]
+fn zigzag_scatter<'py>(py: Python<'py>, src: PyReadonlyArray1<'py, u8>, row_bytes: usize, rows: PyReadonlyArray1<'py, i64>, total_rows: usize) -> PyResult<Bound<'py, PyArray1<u8>>> {
+    let rows = usize_rows(&rows)?;
+    let s = src.as_slice().map_err(|_| PyValueError::new_err("`grad` must be contiguous"))?;
+    let out = run_detached(py, || crate::zigzag::scatter(s, row_bytes, &rows, total_rows))?;
+    Ok(PyArray1::from_vec(py, out))
+}
+
+fn add_zigzag(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(zigzag_local_cu_seqlens, m)?)?;
+    m.add_function(wrap_pyfunction!(zigzag_shard_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(zigzag_gathered_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(zigzag_extract, m)?)?;
+    m.add_function(wrap_pyfunction!(zigzag_scatter, m)?)?;
     Ok(())
 }

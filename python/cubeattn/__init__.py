@@ -340,3 +340,11 @@ def warmup(head_dims=(64, 128), dtypes=("bfloat16", "float16"), causal=(True, Fa
         if backward:
             grouped_flash_attn_backward(q, q, k, v, out, lse, qr, kr, causal=c, device=device)
     return len(todo)
+
+
+# zigzag llama3 context parallelism (torch.distributed; torch is imported on first use only)
+from .zigzag import (extract_zigzag_kv_slice, scatter_grad_to_zigzag, zigzag_cu_seqlens,  # noqa: E402
+                     zigzag_llama3_flash_attn_varlen_func, zigzag_merge, zigzag_split)
+
+__all__ += ["zigzag_llama3_flash_attn_varlen_func", "zigzag_split", "zigzag_merge", "zigzag_cu_seqlens",
+            "extract_zigzag_kv_slice", "scatter_grad_to_zigzag"]

@@ -1,4 +1,7 @@
-"""Benchmarks: ``python -m cubeattn.bench [dense|grouped] [options]``.
+"""Benchmarks: ``python -m cubeattn.bench [dense|grouped|fwdbwd|autograd|callpath|zigzag] [options]``.
+
+``zigzag`` runs under torchrun (one rank per GPU): ``torchrun --nproc_per_node 2 -m cubeattn.bench
+zigzag --json cp.json`` (on the CPU with gloo too, with small shapes: ``--device cpu``).
 
 Times cubeattn beside the peers a user would otherwise pick, in the same run, on the same shapes:
   * CPU: torch's scaled_dot_product_attention on the CPU (when torch is importable) and a naive
@@ -527,6 +530,159 @@ def _cuda_callpath(args, torch):
                     rows.append(dict(key, impl=impl, error=str(e)[:200]))
         del q, k, v, g, qt, kt, vt, gt
     rows.extend(_first_call(torch))
+# ---------------------------------------------------------------- context parallel (torchrun)
+
+def _dist_setup(torch, device):
+    """Joins (or starts) the torchrun process group: NCCL with one GPU per rank, gloo on the CPU."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        if "RANK" not in os.environ:  # plain `python -m cubeattn.bench zigzag`: one rank
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    return dist
+
+
+class _NoComm:
+    """Replaces the collectives of cubeattn.zigzag (and the baseline's) by no-ops while active: the
+    same step without communication, to measure how much of it is exposed."""
+
+    active = False
+
+
+def _allgather_kv(torch, dist):
+    """The baseline's differentiable all-gather: forward all_gather_into_tensor, backward
+    reduce_scatter_tensor of the gradient (summing every rank's contribution)."""
+
+    class AllGather(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            w = dist.get_world_size()
+            out = torch.empty((w * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+            if not _NoComm.active:
+                if dist.get_backend() == "nccl":
+                    dist.all_gather_into_tensor(out, x.contiguous())
+                else:
+                    dist.all_gather(list(out.chunk(w, 0)), x.contiguous())
+            return out
+
+        @staticmethod
+        def backward(ctx, g):
+            w = dist.get_world_size()
+            g = g.contiguous()
+            out = torch.empty((g.shape[0] // w,) + tuple(g.shape[1:]), dtype=g.dtype, device=g.device)
+            if _NoComm.active:
+                return out.copy_(g[:out.shape[0]])
+            if dist.get_backend() == "nccl":
+                dist.reduce_scatter_tensor(out, g)
+            else:
+                dist.all_reduce(g)
+                r = dist.get_rank()
+                out.copy_(g[r * out.shape[0]:(r + 1) * out.shape[0]])
+            return out
+
+    return AllGather.apply
+
+
+def _cp_zigzag(args, torch, device):
+    """Per-GPU step times of zigzag context parallelism (one sequence of W x T tokens; each rank
+    holds T): cubeattn's layer beside all-gather K,V + two SDPA (flash) calls + reduce-scatter.
+    Every time is the max over ranks of the per-rank median; `*_nocomm` repeats the step with the
+    collectives replaced by no-ops, and exposed communication = step - step without collectives."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    from . import zigzag as zz
+
+    dist = _dist_setup(torch, device)
+    w, rank = dist.get_world_size(), dist.get_rank()
+    hq, hkv, d = CONFIGS[args.config]
+    tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype] if device == "cuda" else torch.float32
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    stride = args.heads_k_stride or hkv
+    real_gather, real_rs = zz._all_gather, zz._reduce_scatter
+
+    def gather(out, inp, group):
+        if not _NoComm.active:
+            real_gather(out, inp, group)
+
+    def rs(out, inp, group):
+        if not _NoComm.active:
+            real_rs(out, inp, group)
+    zz._all_gather, zz._reduce_scatter = gather, rs
+    ag = _allgather_kv(torch, dist)
+    rows = []
+    try:
+        for tg in args.seqlens:
+            T = w * tg
+            C = tg // 2
+            if tg % 2:
+                raise SystemExit(f"--seqlens: tokens per GPU must be even, got {tg}")
+            ends = [(rank + 1) * C, (2 * w - rank) * C]
+            fwd_flops = 4 * d * hq * sum(causal_pairs(C, e) for e in ends)
+            gen = torch.Generator().manual_seed(rank)
+            q, k, v, go = (torch.randn(tg, h, d, generator=gen).to(tdt).to(dev) for h in (hq, hkv, hkv, hq))
+            q, k, v = (x.requires_grad_() for x in (q, k, v))
+            cu = np.array([0, T], np.int32)
+            lcu = zz.zigzag_cu_seqlens(cu, w)
+            nat = torch.from_numpy(zz._core.zigzag_gathered_rows(cu, w, 2 * w - 1)).to(dev)
+
+            def ours(backward):
+                o = zz.zigzag_llama3_flash_attn_varlen_func(q, k, v, lcu, lcu, tg, tg, stride, causal=True)
+                if backward:
+                    o.backward(go)
+
+            def baseline(backward):
+                kg, vg = (ag(x).index_select(0, nat) for x in (k, v))  # gathered, in original order
+                k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (kg, vg))
+                q4 = q.transpose(0, 1).unsqueeze(0)
+                outs = []
+                for i, e in enumerate(ends):
+                    ctx = sdpa_kernel(SDPBackend.FLASH_ATTENTION) if device == "cuda" else sdpa_kernel(SDPBackend.MATH)
+                    with ctx:
+                        outs.append(F.scaled_dot_product_attention(q4[:, :, i * C:(i + 1) * C], k4[:, :, :e], v4[:, :, :e],
+                                                                   attn_mask=causal_lower_right(C, e), enable_gqa=True))
+                o = torch.cat(outs, 2)[0].transpose(0, 1)
+                if backward:
+                    o.backward(go)
+
+            for impl, fn in (("cubeattn", ours), ("allgather_sdpa_flash", baseline)):
+                row = dict(what="cp_zigzag", impl=impl, W=w, T=T, T_per_gpu=tg, config=args.config,
+                           dtype=str(tdt).replace("torch.", ""), heads_k_stride=stride if impl == "cubeattn" else None)
+                try:
+                    for key, backward in (("fwd", False), ("fwdbwd", True)):
+                        for nocomm in (False, True):
+                            _NoComm.active = nocomm
+
+                            def step():
+                                if backward:
+                                    fn(True)
+                                else:
+                                    with torch.no_grad():
+                                        fn(False)
+                            dist.barrier()
+                            ms = median_ms(step, 2, args.iterations, sync)[0]
+                            t = torch.tensor([ms], dtype=torch.float64, device=dev)
+                            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                            row[f"{key}_ms" + ("_nocomm" if nocomm else "")] = t.item()
+                        _NoComm.active = False
+                        row[f"exposed_comm_{key}_ms"] = row[f"{key}_ms"] - row[f"{key}_ms_nocomm"]
+                        flops = fwd_flops * (3.5 if backward else 1.0)
+                        row[f"{key}_tflops"] = flops / row[f"{key}_ms"] / 1e9
+                        for x in (q, k, v):
+                            x.grad = None
+                except Exception as e:
+                    _NoComm.active = False
+                    row["error"] = str(e)[:200]
+                rows.append(row)
+            del q, k, v, go
+    finally:
+        _NoComm.active = False
+        zz._all_gather, zz._reduce_scatter = real_gather, real_rs
     return rows
 
 
@@ -534,7 +690,8 @@ def _cuda_callpath(args, torch):
 
 def print_table(rows):
     cols = [c for c in ("what", "config", "impl", "cache", "part", "B", "S", "T", "W", "rank", "P", "G", "ms", "gflops",
-                        "tflops", "error")
+                        "tflops", "fwd_ms", "fwd_tflops", "fwdbwd_ms", "fwdbwd_tflops", "exposed_comm_fwd_ms",
+                        "exposed_comm_fwdbwd_ms", "error")
             if any(c in r for r in rows)]
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
     table = [[fmt(r.get(c, "")) for c in cols] for r in rows]
@@ -566,7 +723,8 @@ def maybe_png(rows, path):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m cubeattn.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", nargs="?", default="dense", choices=["dense", "grouped", "fwdbwd", "autograd", "callpath"])
+    p.add_argument("what", nargs="?", default="dense",
+                   choices=["dense", "grouped", "fwdbwd", "autograd", "callpath", "zigzag"])
     p.add_argument("--quick", action="store_true", help="small shapes, few iterations")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--config", default=None, choices=sorted(CONFIGS))
@@ -577,6 +735,8 @@ def main(argv=None):
     p.add_argument("--no-causal", dest="causal", action="store_false")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--naive-max", type=int, default=4096, help="longest S for the naive numpy peer")
+    p.add_argument("--heads-k-stride", type=int, default=None,
+                   help="zigzag: kv heads all-gathered per step (default: all of them)")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--png", default=None, help="write a plot here (needs matplotlib)")
     args = p.parse_args(argv)
@@ -585,7 +745,24 @@ def main(argv=None):
     device = args.device if args.device != "auto" else ("cuda" if st["cuda_available"] else "cpu")
     if device == "cuda" and not st["cuda_available"]:
         p.error(f"--device cuda: {st['reason']}")
-    if device == "cpu":
+    if args.what == "zigzag":
+        # under torchrun: every rank runs this; rank 0 prints and writes the JSON
+        torch = _torch()
+        if torch is None:
+            p.error("the zigzag benchmark needs torch (torch.distributed)")
+        if device == "cuda" and not torch.cuda.is_available():
+            p.error("the zigzag benchmark on CUDA needs torch with CUDA")
+        args.config = args.config or ("llama3-8b" if device == "cuda" else "cpu-small")
+        args.seqlens = args.seqlens or ([16384] if device == "cuda" else [512])
+        args.iterations = args.iterations or (5 if args.quick else 20)
+        rows = _cp_zigzag(args, torch, device)
+        import torch.distributed as dist
+
+        if dist.get_rank() != 0:
+            dist.destroy_process_group()
+            return 0
+        dist.destroy_process_group()
+    elif device == "cpu":
         args.config = args.config or "cpu-small"
         args.seqlens = args.seqlens or ([1024, 2048] if args.quick else [2048, 4096])
         args.iterations = args.iterations or (3 if args.quick else 5)

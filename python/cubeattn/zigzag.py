@@ -1,0 +1,503 @@
+"""Zigzag llama3 context parallelism over torch.distributed, on top of the grouped call.
+
+Layout. A packed varlen batch (``cu_seqlens`` of the full sequences) is spread over the W ranks of
+a process group: every sequence is cut into 2W equal chunks and rank r keeps chunks r and 2W-1-r
+of every sequence, back to back (``zigzag_split``; the local cu_seqlens are the full ones divided
+by W, ``zigzag_cu_seqlens``). Under causal attention the two chunks cost (r+1) + (2W-r) chunk
+pairs together, the same on every rank: the work is balanced.
+
+Forward, per slice of ``heads_k_stride`` kv heads:
+
+1. all-gather the local K,V of the slice (one collective for K and V together). The gathered
+   buffer is rank-major, as ``all_gather_into_tensor`` writes it:
+   ``[rank 0: seq0 (c0, c2W-1), seq1 (c0, c2W-1), ..., rank 1: seq0 (c1, c2W-2), ...]``;
+2. one ``index_select`` of the gathered rows into original order (``extract_zigzag_kv_slice``
+   with every chunk: the "extract" step; the index comes from the Rust core);
+3. ONE ``grouped_flash_attn_func`` call for all sequences: per (sequence b, local chunk) a group
+   whose queries are the local chunk and whose keys are the causal prefix of sequence b in the
+   ordered buffer: chunk r sees ``[0, (r+1) C_b)``, chunk 2W-1-r sees ``[0, (2W-r) C_b)``, causal
+   inside each group measured from the group's end (bottom-right), so the mask is exact.
+
+Why reorder once instead of reading the gathered buffer in place. The prefix of chunk i is chunks
+0..i of the sequence, which in the gathered buffer lie in up to i+1 separate places (pairs of
+chunks owned by one rank are adjacent, but in the order (o, 2W-1-o), and the pairs of different
+ranks are separated by the other sequences). Reading in place therefore needs, per query chunk,
+several key pieces: fully visible pieces (no mask) plus one diagonal piece (causal). The grouped
+API has one causal flag per call, bottom-right inside each group, and each query row in exactly
+one group, so those pieces cannot be one call: it would take two calls (causal and non-causal) and
+an LSE merge of up to W partial results per row (more launches and extra passes over the
+output) to save one copy of K,V: T x heads_kv x d elements moved, against ~T^2 x heads_q x d
+multiply-adds of attention. No layout reachable by
+an all-gather puts every causal prefix in one contiguous range either (rank o contributes chunks o
+and 2W-1-o together). The ordered copy reads and writes the gathered K,V once (an O(T) memory
+pass; the attention itself is O(T^2)), after which both local chunks share one key buffer and the
+grouped kernel reads each key tile once for both groups. An in-place kernel would need per-group
+lists of key pieces with a per-piece causal flag in the spec: a kernel change, left for later.
+
+Backward, per head slice: K,V are all-gathered and ordered again (not kept from the forward: that
+would hold W times the local K,V per layer), one ``grouped_flash_attn_backward`` gives dQ (local,
+kept) and dK,dV over the whole ordered buffer; they are scattered back to the gathered layout
+(``scatter_grad_to_zigzag``, the inverse permutation) in float32 and summed onto their owners with
+``reduce_scatter_tensor`` (NCCL). gloo has no reduce-scatter: there an ``all_reduce`` of the float32
+buffer and the own slice give the same sum. dK,dV partial sums of the W ranks are added in float32
+and rounded to the input dtype once.
+
+On CUDA the all-gather of slice i+1 (and in the backward the reduce-scatter of slice i) runs on a
+separate communication stream, double-buffered, ordered against the compute stream with CUDA
+events. Whether the collectives overlap the attention depends on the attention call being
+stream-ordered; a call path that synchronises the device serialises them (still correct). On CPU
+tensors (gloo) everything is synchronous.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _core
+from ._arrays import _is_torch, dtype_name, from_core, int32_vector, to_core
+
+__all__ = [
+    "zigzag_llama3_flash_attn_varlen_func",
+    "zigzag_split",
+    "zigzag_merge",
+    "zigzag_cu_seqlens",
+    "extract_zigzag_kv_slice",
+    "scatter_grad_to_zigzag",
+]
+
+
+# ---------------------------------------------------------------- argument checks
+
+def _int(x, name, lo=0):
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"invalid argument `{name}`: expected an int, got {type(x).__name__}")
+    if x < lo:
+        raise ValueError(f"invalid argument `{name}`: must be >= {lo}, got {x}")
+    return int(x)
+
+
+def _cu(cu_seqlens, name="cu_seqlens"):
+    a = int32_vector(cu_seqlens, name)
+    if a.size == 0:
+        raise ValueError(f"invalid argument `{name}`: needs batch + 1 values, got an empty array")
+    return a
+
+
+def _rename(e, name):
+    """Errors of the core name `cu_seqlens`; say which argument it was."""
+    msg = str(e)
+    if name != "cu_seqlens":
+        msg = msg.replace("`cu_seqlens`", f"`{name}`")
+    return type(e)(msg)
+
+
+def _rows_tensor(rows, like):
+    import torch
+
+    return torch.from_numpy(rows).to(like.device)
+
+
+def _take(x, rows, name):
+    """x[rows] along axis 0 (torch index_select or numpy take); checks the row count."""
+    n = x.shape[0]
+    if rows.size and rows.max() >= n:
+        raise ValueError(f"invalid argument `{name}`: has {n} rows but row {int(rows.max())} is needed")
+    if _is_torch(x):
+        return x.index_select(0, _rows_tensor(rows, x))
+    return np.asarray(x)[rows]
+
+
+# ---------------------------------------------------------------- layout helpers
+
+def zigzag_cu_seqlens(cu_seqlens, world_size):
+    """cu_seqlens of every rank's local shard: each sequence keeps 2 of its 2W chunks, so the
+    local lengths are the full ones divided by W. ValueError names a sequence whose length is not
+    a multiple of 2 * world_size. Returns int32 of the same kind (numpy array or torch tensor)."""
+    w = _int(world_size, "world_size", 1)
+    out = _core.zigzag_local_cu_seqlens(_cu(cu_seqlens), w)
+    if _is_torch(cu_seqlens):
+        import torch
+
+        return torch.from_numpy(out).to(cu_seqlens.device)
+    return out
+
+
+def zigzag_split(x, cu_seqlens, rank, world_size):
+    """This rank's zigzag shard of a packed full batch ``x`` [total_tokens, ...]: per sequence,
+    chunks ``rank`` and ``2W-1-rank`` of its 2W chunks, back to back."""
+    w = _int(world_size, "world_size", 1)
+    r = _int(rank, "rank")
+    if r >= w:
+        raise ValueError(f"invalid argument `rank`: must be in 0..{w}, got {r}")
+    cu = _cu(cu_seqlens)
+    if x.shape[0] != cu[-1]:
+        raise ValueError(f"invalid argument `x`: has {x.shape[0]} rows, cu_seqlens ends at {cu[-1]}")
+    return _take(x, _core.zigzag_shard_rows(cu, w, r), "x")
+
+
+def zigzag_merge(shards, cu_seqlens, world_size):
+    """Inverse of ``zigzag_split``: the W shards (a list in rank order) or their all-gathered
+    concatenation [total_tokens, ...] back to the packed batch in original order."""
+    w = _int(world_size, "world_size", 1)
+    cu = _cu(cu_seqlens)
+    if isinstance(shards, (list, tuple)):
+        if len(shards) != w:
+            raise ValueError(f"invalid argument `shards`: expected {w} shards (one per rank), got {len(shards)}")
+        if _is_torch(shards[0]):
+            import torch
+
+            gathered = torch.cat(list(shards), 0)
+        else:
+            gathered = np.concatenate([np.asarray(s) for s in shards], 0)
+    else:
+        gathered = shards
+    if gathered.shape[0] != cu[-1]:
+        raise ValueError(f"invalid argument `shards`: {gathered.shape[0]} rows in all, cu_seqlens ends at {cu[-1]}")
+    return _take(gathered, _core.zigzag_gathered_rows(cu, w, 2 * w - 1), "shards")
+
+
+def _gathered_index(cu_seqlens, world_size, max_chunk_idx):
+    w = _int(world_size, "world_size", 1)
+    cu = _cu(cu_seqlens)
+    m = 2 * w - 1 if max_chunk_idx is None else _int(max_chunk_idx, "max_chunk_idx")
+    return cu, w, _core.zigzag_gathered_rows(cu, w, m)
+
+
+def extract_zigzag_kv_slice(kv, cu_seqlens, world_size, max_chunk_idx=None):
+    """Gathered zigzag K or V [total_tokens, heads, d] (the all-gather of every rank's shard, rank
+    order) -> for each sequence its chunks 0..max_chunk_idx (default: all 2W) in original order,
+    sequences concatenated: [sum_b (max_chunk_idx+1) * C_b, heads, d]. ``cu_seqlens`` are the
+    full sequences'. An exact row copy (any dtype): in the Rust core for numpy arrays and CPU
+    tensors, ``index_select`` with the core's row index for CUDA tensors."""
+    cu, w, rows = _gathered_index(cu_seqlens, world_size, max_chunk_idx)
+    if kv.shape[0] != cu[-1]:
+        raise ValueError(f"invalid argument `kv`: has {kv.shape[0]} rows, the gathered buffer of "
+                         f"cu_seqlens has {cu[-1]}")
+    if _is_torch(kv) and kv.is_cuda:
+        return kv.index_select(0, _rows_tensor(rows, kv))
+    c = to_core(kv, "kv")
+    row_bytes = int(np.prod(c.shape[1:], dtype=np.int64)) * {"float32": 4}.get(c.dtype, 2)
+    out = _core.zigzag_extract(c.bytes, row_bytes, rows)
+    return from_core(_as_core_dtype(out, c.dtype), (len(rows),) + tuple(c.shape[1:]), c.dtype, c)
+
+
+def scatter_grad_to_zigzag(grad, cu_seqlens, world_size, max_chunk_idx=None):
+    """Backward of ``extract_zigzag_kv_slice``: the gradient of the extracted prefixes back to
+    the gathered zigzag layout [total_tokens, heads, d]; rows outside the prefixes are zero."""
+    cu, w, rows = _gathered_index(cu_seqlens, world_size, max_chunk_idx)
+    total = int(cu[-1])
+    if grad.shape[0] != len(rows):
+        raise ValueError(f"invalid argument `grad`: has {grad.shape[0]} rows, the extracted prefixes "
+                         f"have {len(rows)}")
+    if _is_torch(grad) and grad.is_cuda:
+        import torch
+
+        out = torch.zeros((total,) + tuple(grad.shape[1:]), dtype=grad.dtype, device=grad.device)
+        return out.index_copy_(0, _rows_tensor(rows, grad), grad)
+    c = to_core(grad, "grad")
+    row_bytes = int(np.prod(c.shape[1:], dtype=np.int64)) * {"float32": 4}.get(c.dtype, 2)
+    out = _core.zigzag_scatter(c.bytes, row_bytes, rows, total)
+    return from_core(_as_core_dtype(out, c.dtype), (total,) + tuple(c.shape[1:]), c.dtype, c)
+
+
+def _as_core_dtype(buf, dtype):
+    """uint8 bytes from the core -> the flat float32 / uint16 array from_core expects."""
+    return buf.view(np.float32 if dtype == "float32" else np.uint16)
+
+
+# ---------------------------------------------------------------- the distributed layer
+
+class _Plan:
+    """Everything about one call that does not depend on the data: group ranges and indices."""
+
+    def __init__(self, local_cu, world_size, rank, total_local, causal):
+        w, r = world_size, rank
+        self.world_size, self.rank, self.total_local = w, r, total_local
+        full_cu = local_cu.astype(np.int64) * w
+        chunk = (local_cu[1:] - local_cu[:-1]) // 2
+        qr, kr = [], []
+        for b, c in enumerate(chunk):
+            ls, fs = int(local_cu[b]), int(full_cu[b])
+            qr += [[ls, ls + c], [ls + c, ls + 2 * c]]
+            if causal:
+                kr += [[fs, fs + (r + 1) * c], [fs, fs + (2 * w - r) * c]]
+            else:
+                kr += [[fs, fs + 2 * w * c]] * 2
+        self.q_ranges = np.asarray(qr, np.int32).reshape(-1, 2)
+        self.kv_ranges = np.asarray(kr, np.int32).reshape(-1, 2)
+        # K and V of a slice are gathered together: each rank contributes [2, total_local, ...],
+        # so the gathered buffer is [W, 2, total_local, ...] and gathered row g of K is at flat row
+        # (g // total_local) * 2 * total_local + g % total_local (V: + total_local).
+        g = _core.zigzag_gathered_rows(full_cu.astype(np.int32), w, 2 * w - 1)
+        flat_k = (g // total_local) * 2 * total_local + g % total_local
+        self.k_rows, self.v_rows = flat_k, flat_k + total_local
+        self._dev = {}
+
+    def rows(self, device):
+        """(k_rows, v_rows) as int64 tensors on `device` (made once per device)."""
+        import torch
+
+        key = str(device)
+        if key not in self._dev:
+            self._dev[key] = (torch.from_numpy(self.k_rows).to(device), torch.from_numpy(self.v_rows).to(device))
+        return self._dev[key]
+
+
+def _backend(group):
+    import torch.distributed as dist
+
+    return dist.get_backend(group)
+
+
+def _all_gather(out, inp, group):
+    """all-gather of `inp` into the rank-major `out` ([W * inp.shape[0], ...])."""
+    import torch.distributed as dist
+
+    if _backend(group) == "nccl":
+        dist.all_gather_into_tensor(out, inp, group=group)
+    else:  # gloo: the list form writes straight into the views of `out`
+        dist.all_gather(list(out.chunk(dist.get_world_size(group), 0)), inp, group=group)
+
+
+def _reduce_scatter(out, inp, group):
+    """out = this rank's slice of the sum over ranks of `inp` ([W * out.shape[0], ...])."""
+    import torch.distributed as dist
+
+    if _backend(group) == "nccl":
+        dist.reduce_scatter_tensor(out, inp, group=group)
+    else:  # gloo has no reduce-scatter
+        dist.all_reduce(inp, group=group)
+        r = dist.get_rank(group)
+        n = out.shape[0]
+        out.copy_(inp[r * n:(r + 1) * n])
+
+
+class _Comm:
+    """Collectives of the head slices on a side stream (CUDA) or inline (CPU). On CUDA each
+    collective waits for an event recorded on the compute stream after its input was made, and
+    signals one that the compute stream waits for before reading the output."""
+
+    def __init__(self, device):
+        import torch
+
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+
+    def run(self, fn, *tensors, after=None):
+        """fn() on the comm stream once the compute stream has reached this point (and the
+        events in `after`); returns an event to wait for (None on CPU)."""
+        if not self.cuda:
+            fn()
+            return None
+        import torch
+
+        ready = torch.cuda.Event()
+        ready.record()
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            for ev in after or ():
+                if ev is not None:
+                    self.stream.wait_event(ev)
+            fn()
+            for t in tensors:
+                t.record_stream(self.stream)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return done
+
+    def mark(self):
+        """An event at the compute stream's current point (None on CPU)."""
+        if not self.cuda:
+            return None
+        import torch
+
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
+
+    @staticmethod
+    def wait(ev):
+        if ev is not None:
+            import torch
+
+            torch.cuda.current_stream().wait_event(ev)
+
+
+def _gathered_kv(k, v, stride, group, plan, comm):
+    """Yields (slice index, kv-head slice, ordered K, ordered V) for every kv-head slice; the
+    all-gather of slice i+1 is issued before slice i is handed out (double buffer)."""
+    import torch
+
+    w, tl = plan.world_size, plan.total_local
+    n = k.shape[1] // stride
+    d = k.shape[2]
+    bufs = [torch.empty((w * 2 * tl, stride, d), dtype=k.dtype, device=k.device) for _ in range(min(n, 2))]
+    done, free = [None] * n, [None, None]
+    k_rows, v_rows = plan.rows(k.device)
+
+    def start(i):
+        hs = slice(i * stride, (i + 1) * stride)
+        local = torch.stack([k[:, hs], v[:, hs]]).reshape(2 * tl, stride, d)
+        buf = bufs[i % 2]
+        done[i] = comm.run(lambda: _all_gather(buf, local, group), local, buf, after=[free[i % 2]])
+
+    start(0)
+    for i in range(n):
+        if i + 1 < n:
+            start(i + 1)
+        comm.wait(done[i])
+        buf = bufs[i % 2]
+        kk, vv = buf.index_select(0, k_rows), buf.index_select(0, v_rows)
+        free[i % 2] = comm.mark()  # the buffer may be overwritten once the two copies are done
+        yield i, slice(i * stride, (i + 1) * stride), kk, vv
+
+
+def _forward(q, k, v, plan, stride, scale, causal, group):
+    import torch
+
+    from . import grouped_flash_attn_func
+
+    g = q.shape[1] // k.shape[1]
+    comm = _Comm(q.device)
+    outs, lses = [], []
+    for _, hs, kk, vv in _gathered_kv(k, v, stride, group, plan, comm):
+        qi = q[:, hs.start * g:hs.stop * g]
+        o, lse = grouped_flash_attn_func(qi, kk, vv, plan.q_ranges, plan.kv_ranges, softmax_scale=scale,
+                                         causal=causal, return_lse=True)
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs, 1), torch.cat(lses, 0)
+
+
+def _backward(dout, q, k, v, out, lse, plan, stride, scale, causal, deterministic, group):
+    import torch
+
+    from . import grouped_flash_attn_backward
+
+    g = q.shape[1] // k.shape[1]
+    w, tl, d = plan.world_size, plan.total_local, k.shape[2]
+    comm = _Comm(q.device)
+    dq = torch.empty_like(q)
+    dkv_local = torch.empty((k.shape[1] // stride, 2 * tl, stride, d), dtype=torch.float32, device=k.device)
+    k_rows, v_rows = plan.rows(k.device)
+    pending = []
+    for i, hs, kk, vv in _gathered_kv(k, v, stride, group, plan, comm):
+        qs = slice(hs.start * g, hs.stop * g)
+        dqi, dki, dvi = grouped_flash_attn_backward(dout[:, qs], q[:, qs], kk, vv, out[:, qs], lse[qs],
+                                                    plan.q_ranges, plan.kv_ranges, softmax_scale=scale,
+                                                    causal=causal, deterministic=deterministic)
+        dq[:, qs] = dqi
+        # back to the gathered (rank-major) layout in float32, then summed onto the owners
+        dkv = torch.empty((w * 2 * tl, stride, d), dtype=torch.float32, device=k.device)
+        dkv.index_copy_(0, k_rows, dki.float())
+        dkv.index_copy_(0, v_rows, dvi.float())
+        dst = dkv_local[i]
+        pending.append(comm.run(lambda dst=dst, dkv=dkv: _reduce_scatter(dst, dkv, group), dkv, dst))
+    for ev in pending:
+        comm.wait(ev)
+    # dkv_local[i] is [2, tl, stride, d] (K then V of slice i)
+    dkv_local = dkv_local.view(-1, 2, tl, stride, d)
+    dk = dkv_local[:, 0].permute(1, 0, 2, 3).reshape(tl, -1, d).to(k.dtype)
+    dv = dkv_local[:, 1].permute(1, 0, 2, 3).reshape(tl, -1, d).to(v.dtype)
+    return dq, dk, dv
+
+
+_FN = None
+
+
+def _function():
+    """The torch.autograd.Function (made on first use: importing cubeattn does not import torch)."""
+    global _FN
+    if _FN is not None:
+        return _FN
+    import torch
+
+    class ZigzagLlama3Attention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, plan, stride, scale, causal, deterministic, group):
+            out, lse = _forward(q, k, v, plan, stride, scale, causal, group)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.args = (plan, stride, scale, causal, deterministic, group)
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            q, k, v, out, lse = ctx.saved_tensors
+            plan, stride, scale, causal, deterministic, group = ctx.args
+            dq, dk, dv = _backward(dout.contiguous(), q, k, v, out, lse, plan, stride, scale, causal,
+                                   deterministic, group)
+            return dq, dk, dv, None, None, None, None, None, None
+
+    _FN = ZigzagLlama3Attention
+    return _FN
+
+
+def zigzag_llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                         heads_k_stride, local_k_slice=None, softmax_scale=None, causal=True,
+                                         deterministic=False, group=None):
+    """Attention of this rank's zigzag shard over the whole sequences of a process group.
+
+    q [total_local, heads_q, d], k/v [total_local, heads_kv, d]: torch tensors of this rank's
+    zigzag shard (``zigzag_split``), on CUDA (NCCL) or the CPU (gloo); cu_seqlens_q/k: the LOCAL
+    cu_seqlens (``zigzag_cu_seqlens``; equal: self-attention), max_seqlen_q/k their longest local
+    sequence (as flash-attn; checked, not needed). heads_k_stride: kv heads gathered per step (a
+    divisor of heads_kv). local_k_slice: ring-flash-attention's argument; the zigzag layer always
+    uses all gathered keys, so only None or slice(None) is accepted. Returns out like q; with
+    autograd (dq local, dk/dv reduce-scattered to their owners)."""
+    import torch
+    import torch.distributed as dist
+
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"invalid argument `{name}`: expected a torch tensor, got {type(x).__name__}")
+        if x.dim() != 3:
+            raise ValueError(f"invalid argument `{name}`: expected [total_tokens, heads, head_dim], got shape {tuple(x.shape)}")
+        dtype_name(x, name)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"invalid dtype: q is {q.dtype}, k is {k.dtype}, v is {v.dtype}; they must match")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"invalid argument `k`: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"invalid argument `v`: shape {tuple(v.shape)} differs from k's {tuple(k.shape)}")
+    tl, hq, d = q.shape
+    hk = k.shape[1]
+    if k.shape[0] != tl or k.shape[2] != d:
+        raise ValueError(f"invalid argument `k`: shape {tuple(k.shape)} does not match q's {tuple(q.shape)} "
+                         "(self-attention over the same local tokens)")
+    if hk == 0 or hq % hk != 0:
+        raise ValueError(f"invalid argument `k`: heads_q {hq} is not a multiple of heads_kv {hk}")
+    stride = _int(heads_k_stride, "heads_k_stride", 1)
+    if hk % stride != 0:
+        raise ValueError(f"invalid argument `heads_k_stride`: {stride} does not divide heads_kv {hk}")
+    if local_k_slice is not None and local_k_slice != slice(None):
+        raise ValueError("invalid argument `local_k_slice`: the zigzag layer attends all gathered keys; "
+                         f"pass None or slice(None), got {local_k_slice!r}")
+    cu_q, cu_k = _cu(cu_seqlens_q, "cu_seqlens_q"), _cu(cu_seqlens_k, "cu_seqlens_k")
+    if cu_q.shape != cu_k.shape or (cu_q != cu_k).any():
+        raise ValueError("invalid argument `cu_seqlens_k`: must equal cu_seqlens_q (zigzag self-attention)")
+    if cu_q[0] != 0 or (np.diff(cu_q) < 0).any():
+        raise ValueError(f"invalid argument `cu_seqlens_q`: must start at 0 and be non-decreasing, got {cu_q.tolist()}")
+    if cu_q[-1] != tl:
+        raise ValueError(f"invalid argument `cu_seqlens_q`: ends at {cu_q[-1]}, q has {tl} tokens")
+    lens = np.diff(cu_q)
+    odd = np.nonzero(lens % 2)[0]
+    if odd.size:
+        b = int(odd[0])
+        raise ValueError(f"invalid argument `cu_seqlens_q`: local sequence {b} has {int(lens[b])} tokens, not a "
+                         "multiple of 2 (two zigzag chunks per rank): the full sequence must be a multiple of "
+                         "2 * world_size")
+    longest = int(lens.max()) if lens.size else 0
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if _int(m, name) < longest:
+            raise ValueError(f"invalid argument `{name}`: {m} is less than the longest local sequence {longest}")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
+        raise TypeError(f"invalid argument `softmax_scale`: expected a float or None, got {type(softmax_scale).__name__}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("invalid argument `group`: torch.distributed is not initialized "
+                         "(call torch.distributed.init_process_group first)")
+    w, r = dist.get_world_size(group), dist.get_rank(group)
+    if _backend(group) == "nccl" and not q.is_cuda:
+        raise ValueError("invalid argument `q`: the process group uses NCCL, which needs CUDA tensors")
+    plan = _Plan(cu_q, w, r, tl, bool(causal))
+    scale = None if softmax_scale is None else float(softmax_scale)
+    return _function().apply(q, k.contiguous(), v.contiguous(), plan, stride, scale, bool(causal),
+                             bool(deterministic), group)

@@ -1,0 +1,241 @@
+"""Distributed checks of cubeattn's zigzag llama3 layer: every rank's output and dq/dk/dv against
+attention over the whole packed batch in one process (torch SDPA in float64 on the CPU, float32 on
+CUDA, and cubeattn's own varlen call in the input dtype).
+
+* pytest (tests/python/test_zigzag.py) spawns W processes on CPU tensors with gloo (`spawn_main`).
+* On GPUs, one process per GPU with NCCL:
+    python -m torch.distributed.run --nproc_per_node 2 tests/python/zigzag_worker.py --dtype bfloat16
+  exits non-zero (after printing every failed check) when a check fails.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+# forward / backward bounds on ||got - ref|| / ||ref||: vs the float32/float64 reference (seed 000's
+# 1e-3 / 1e-2 plus the rounding of the output dtype), and vs one-process cubeattn in the same dtype
+TOL = {
+    "float32": {"ref": (1e-5, 1e-4), "one": (1e-5, 1e-4)},
+    "float16": {"ref": (2e-3, 5e-3), "one": (1e-3, 1e-2)},
+    "bfloat16": {"ref": (8e-3, 2e-2), "one": (4e-3, 1e-2)},
+}
+
+
+def cpu_cases(world_size):
+    """Small varlen batches for the gloo test: uneven lengths (multiples of 2W), an empty sequence,
+    GQA 4/2, head_dim 64 and an odd one, one and two kv-head slices, causal and not."""
+    m = 2 * world_size
+    return [
+        dict(seqlens=[5 * m, 12 * m, 3 * m], hq=4, hkv=2, d=64, stride=1, causal=True),
+        dict(seqlens=[7 * m, 0, 2 * m], hq=4, hkv=2, d=40, stride=2, causal=True),
+        dict(seqlens=[9 * m], hq=2, hkv=2, d=24, stride=1, causal=False),
+    ]
+
+
+def gpu_cases(world_size):
+    """Seed 000's shapes: Llama3-8B heads at 4K and 8K tokens, varlen uneven, GQA 32/8 and 64/8."""
+    m = 2 * world_size * 64
+    return [
+        dict(seqlens=[4096 // m * m], hq=32, hkv=8, d=128, stride=8, causal=True),
+        dict(seqlens=[8192 // m * m], hq=32, hkv=8, d=128, stride=4, causal=True),
+        dict(seqlens=[3 * m, 17 * m, 5 * m], hq=64, hkv=8, d=128, stride=2, causal=True),
+        dict(seqlens=[7 * m, 2 * m], hq=8, hkv=2, d=64, stride=1, causal=True),
+    ]
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    n = b.norm().item()
+    return (a - b).norm().item() / (n if n > 0 else 1.0)
+
+
+def _reference(q, k, v, cu, causal, dtype):
+    """out over the whole batch, one SDPA call per sequence (GQA by repeating K,V heads)."""
+    import torch
+    import torch.nn.functional as F
+
+    outs = []
+    g = q.shape[1] // k.shape[1]
+    for b in range(len(cu) - 1):
+        s, e = int(cu[b]), int(cu[b + 1])
+        if e == s:
+            continue
+        qq = q[s:e].to(dtype).transpose(0, 1).unsqueeze(0)
+        kk = k[s:e].to(dtype).repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0)
+        vv = v[s:e].to(dtype).repeat_interleave(g, 1).transpose(0, 1).unsqueeze(0)
+        outs.append(F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal)[0].transpose(0, 1))
+    return torch.cat(outs, 0)
+
+
+def run_case(case, dtype_name, device, group=None, seed=0):
+    """Runs one case on this rank; returns {check: relative error} (also max/mean abs errors)."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    import cubeattn
+
+    w, r = dist.get_world_size(group), dist.get_rank(group)
+    dt = getattr(torch, dtype_name)
+    cu = np.concatenate([[0], np.cumsum(case["seqlens"])]).astype(np.int32)
+    total, hq, hkv, d = int(cu[-1]), case["hq"], case["hkv"], case["d"]
+    gen = torch.Generator().manual_seed(seed)  # same full batch on every rank
+    q, k, v, dout = (torch.randn(total, h, d, generator=gen) for h in (hq, hkv, hkv, hq))
+    q, k, v, dout = (x.to(dt).to(device) for x in (q, k, v, dout))
+
+    # every rank: the whole batch in one process, float64 (CPU) / float32 (CUDA)
+    ref_dt = torch.float64 if device.type == "cpu" else torch.float32
+    fq, fk, fv = (x.detach().to(ref_dt).requires_grad_() for x in (q, k, v))
+    ref = _reference(fq, fk, fv, cu, case["causal"], ref_dt)
+    ref.backward(dout.to(ref_dt))
+    # and cubeattn over the whole batch in the input dtype
+    oq, ok, ov = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    maxlen = max(case["seqlens"])
+    one = cubeattn.flash_attn_varlen_func(oq, ok, ov, cu, cu, maxlen, maxlen, causal=case["causal"])
+    one.backward(dout)
+
+    # this rank's shard through the zigzag layer
+    local_cu = cubeattn.zigzag_cu_seqlens(cu, w)
+    lq, lk, lv = (cubeattn.zigzag_split(x, cu, r, w).detach().clone().requires_grad_() for x in (q, k, v))
+    ldout = cubeattn.zigzag_split(dout, cu, r, w)
+    lmax = int(np.diff(local_cu).max())
+    out = cubeattn.zigzag_llama3_flash_attn_varlen_func(lq, lk, lv, local_cu, local_cu, lmax, lmax,
+                                                        case["stride"], causal=case["causal"], group=group)
+    out.backward(ldout)
+
+    res = {}
+    for name, got, want_ref, want_one in (("out", out, ref, one), ("dq", lq.grad, fq.grad, oq.grad),
+                                          ("dk", lk.grad, fk.grad, ok.grad), ("dv", lv.grad, fv.grad, ov.grad)):
+        want_ref = cubeattn.zigzag_split(want_ref.detach(), cu, r, w)
+        want_one = cubeattn.zigzag_split(want_one.detach(), cu, r, w)
+        if got.shape != want_ref.shape or got.dtype != dt:
+            res[f"{name}_shape"] = float("inf")
+            continue
+        res[f"{name}_vs_ref"] = _rel(got, want_ref)
+        res[f"{name}_vs_one"] = _rel(got, want_one)
+        diff = (got.double() - want_ref.double()).abs()
+        res[f"{name}_max_abs"] = diff.max().item() if diff.numel() else 0.0
+        res[f"{name}_mean_abs"] = diff.mean().item() if diff.numel() else 0.0
+    return res
+
+
+def failures(res, dtype_name):
+    """The checks of `res` over their bound, as strings."""
+    bad = []
+    for key, val in res.items():
+        if key.endswith("_shape"):
+            bad.append(f"{key}: wrong shape or dtype")
+            continue
+        for kind in ("ref", "one"):
+            if key.endswith(f"_vs_{kind}"):
+                fwd, bwd = TOL[dtype_name][kind]
+                bound = fwd if key.startswith("out") else bwd
+                if not (val <= bound):  # NaN fails too
+                    bad.append(f"{key} = {val:.3e} > {bound:.0e}")
+    return bad
+
+
+def _worker(rank, world_size, port, dtype_name, result_path):
+    """One CPU process: gloo group, all cases, results (or the exception) as JSON."""
+    os.environ.setdefault("RAYON_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    out = {"rank": rank, "cases": []}
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        for i, case in enumerate(cpu_cases(world_size)):
+            out["cases"].append({"case": case, "res": run_case(case, dtype_name, torch.device("cpu"), seed=i)})
+    except Exception as e:  # reported by the parent
+        import traceback
+
+        out["error"] = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    finally:
+        with open(result_path, "w") as f:
+            json.dump(out, f)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _spawn_entry(rank, world_size, port, dtype_name, result_dir):
+    _worker(rank, world_size, port, dtype_name, os.path.join(result_dir, f"rank{rank}.json"))
+
+
+def spawn_main(world_size, dtype_name, result_dir):
+    """Spawns `world_size` CPU processes (gloo); returns their result dicts, rank order."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_spawn_entry, args=(world_size, port, dtype_name, result_dir), nprocs=world_size, join=True)
+    results = []
+    for r in range(world_size):
+        with open(os.path.join(result_dir, f"rank{r}.json")) as f:
+            results.append(json.load(f))
+    return results
+
+
+def main(argv=None):
+    """torchrun entry: one process per GPU (NCCL) or per CPU process (gloo)."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(TOL))
+    p.add_argument("--backend", default=None, help="nccl (default with GPUs) or gloo")
+    p.add_argument("--json", default=None, help="rank 0 writes all ranks' results here")
+    args = p.parse_args(argv)
+    import torch
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available() and args.backend != "gloo"
+    backend = args.backend or ("nccl" if cuda else "gloo")
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
+    if cuda:
+        torch.cuda.set_device(local)
+    dist.init_process_group(backend)
+    w = dist.get_world_size()
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    dtype = args.dtype if cuda else "float32"
+    cases_for = gpu_cases if cuda else cpu_cases
+    # W = 1..world: a subgroup of the first n ranks (W = 3 on four GPUs); every rank joins new_group
+    mine, bad = [], []
+    for n in range(1, w + 1):
+        sub = dist.new_group(list(range(n)))
+        if rank < n:
+            for i, case in enumerate(cases_for(n)):
+                res = run_case(case, dtype, device, group=sub, seed=i)
+                mine.append({"W": n, "case": case, "res": res})
+                bad += [f"rank {rank} W={n} case {i} {case}: {b}" for b in failures(res, dtype)]
+        dist.barrier()
+    everything = [None] * w
+    dist.all_gather_object(everything, {"rank": rank, "runs": mine, "bad": bad})
+    if rank == 0:
+        nbad = sum(len(e["bad"]) for e in everything)
+        for e in everything:
+            for b in e["bad"]:
+                print("FAIL", b)
+        checks = sum(len(r["res"]) for e in everything for r in e["runs"])
+        print(f"zigzag: {w} ranks, {dtype}, {sum(len(e['runs']) for e in everything)} (rank, W, case) runs, "
+              f"{nbad} failed checks of {checks} values")
+        worst = {}
+        for e in everything:
+            for r in e["runs"]:
+                for key, val in r["res"].items():
+                    worst[key] = max(worst.get(key, 0.0), val)
+        print(json.dumps({k: float(f"{v:.3e}") for k, v in sorted(worst.items())}))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(everything, f, indent=1)
+    ok = not bad
+    flags = [None] * w
+    dist.all_gather_object(flags, ok)
+    dist.destroy_process_group()
+    return 0 if all(flags) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
