@@ -53,9 +53,40 @@ def devices() -> list:
     return backend_status()["devices"]
 
 
+_SPECS = {}  # validated specs of recent call shapes (the hot path skips re-validation)
+_SPECS_MAX = 512
+
+
+def _cache_key(x):
+    """Hashable form of a cu_seqlens argument, or None where only the slow path can tell."""
+    if isinstance(x, np.ndarray) and x.dtype == np.int32 and x.ndim == 1:
+        return x.tobytes()
+    return None
+
+
 def varlen_spec(q_shape, k_shape, dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale=None, causal=False, v_shape=None):
     """A validated spec for the varlen layout (shapes only; no data needed)."""
+    kq, kk = _cache_key(cu_seqlens_q), _cache_key(cu_seqlens_k)
+    key = None
+    if kq is not None and kk is not None and type(max_seqlen_q) is int and type(max_seqlen_k) is int \
+            and (softmax_scale is None or type(softmax_scale) is float):
+        key = (tuple(q_shape), tuple(k_shape), None if v_shape is None else tuple(v_shape), dtype, kq, kk,
+               max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal))
+        spec = _SPECS.get(key)
+        if spec is not None:
+            return spec
+    spec = _varlen_spec(q_shape, k_shape, dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                        softmax_scale, causal, v_shape)
+    if key is not None:
+        if len(_SPECS) >= _SPECS_MAX:
+            _SPECS.clear()
+        _SPECS[key] = spec
+    return spec
+
+
+def _varlen_spec(q_shape, k_shape, dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                 softmax_scale, causal, v_shape):
     return _core.varlen_spec(list(q_shape), list(k_shape), list(k_shape if v_shape is None else v_shape), dtype,
                              int32_vector(cu_seqlens_q, "cu_seqlens_q"),
                              int32_vector(cu_seqlens_k, "cu_seqlens_k"),
@@ -135,6 +166,9 @@ def _one_gpu(device, *conv):
     return gpu
 
 
+_WS = {}  # workspace bytes per (spec, device, direction); a spec object lives in _SPECS
+
+
 def _workspace(spec, gpu, dev, backward=False, deterministic=False):
     """(stream, workspace tensor, bytes) for a device-resident call on torch's current stream of
     `gpu`, or None where the host path must run. The workspace comes from torch's caching
@@ -142,9 +176,17 @@ def _workspace(spec, gpu, dev, backward=False, deterministic=False):
     import torch
 
     stream = torch.cuda.current_stream(gpu).cuda_stream
-    n = _core.device_workspace(spec, dev, stream, backward, deterministic)
-    if n is None:
-        return None
+    key = (id(spec), dev, backward, deterministic)
+    hit = _WS.get(key)
+    if hit is not None and hit[0] is spec:
+        n = hit[1]
+    else:
+        n = _core.device_workspace(spec, dev, stream, backward, deterministic)
+        if n is None:
+            return None
+        if len(_WS) >= 4 * _SPECS_MAX:
+            _WS.clear()
+        _WS[key] = (spec, n)
     ws = torch.empty(max(n, 1), dtype=torch.uint8, device=gpu)
     return stream, ws, n
 

@@ -470,15 +470,19 @@ def _first_call(torch):
 
     rows = []
     with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, CUBEATTN_CACHE_DIR=cache)
+        env = dict(os.environ, CUBEATTN_CACHE_DIR=cache, CUBEATTN_TRACE="1")
         for state in ("cold", "warm"):
             r = subprocess.run([sys.executable, "-c", _FIRST_CALL], env=env, capture_output=True, text=True)
             if r.returncode != 0:
                 rows.append(dict(what="first_call", impl="cubeattn", cache=state, error=r.stderr[-200:]))
                 continue
             t = json.loads(r.stdout.strip().splitlines()[-1])
+            loads = [ln for ln in r.stderr.splitlines() if ln.startswith("cubeattn kernel")]
+            for ln in loads:
+                print(f"# first call ({state} cache): {ln}")
             for part in ("forward", "backward"):
-                rows.append(dict(what="first_call", impl="cubeattn", cache=state, part=part, B=1, S=1024, ms=t[part]))
+                rows.append(dict(what="first_call", impl="cubeattn", cache=state, part=part, B=1, S=1024, ms=t[part],
+                                 compiled=sum("compiled" in ln for ln in loads)))
     return rows
 
 

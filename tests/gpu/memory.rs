@@ -4,7 +4,7 @@
 //! shape are loaded by a first call; the measured call is the second (module code and the
 //! driver's local-memory reservation are per process, not per call: printed for the first).
 
-use cubeattn::backend::cuda::{mem_info, memory_probe_min_free, set_memory_probe, CudaBackend};
+use cubeattn::backend::cuda::{memory_probe_min_free, set_memory_probe, CudaBackend};
 use cubeattn::backend::{Backend, BackwardInputs};
 use cubeattn::vram::estimate_spec;
 use cubeattn::{AttnSpec, DType, HostData, TensorMeta};
@@ -35,8 +35,8 @@ fn data(n: usize, seed: u32) -> HostData {
 }
 
 /// Bytes the card lost during `f` (driver-reported free memory).
-fn lost(f: impl FnOnce()) -> u64 {
-    let (free0, _) = mem_info().expect("cuMemGetInfo");
+fn lost(b: &CudaBackend, f: impl FnOnce()) -> u64 {
+    let (free0, _) = b.mem_info().expect("cuMemGetInfo");
     set_memory_probe(true);
     f();
     let min_free = memory_probe_min_free();
@@ -58,11 +58,11 @@ fn vram_estimate_within_10_percent_of_driver_reported() {
     for sp in &specs {
         let name = format!("{:?} tq={} tk={} heads={}/{} causal={}", sp.layout, sp.dims.total_q, sp.dims.total_k, sp.dims.heads_q, sp.dims.heads_kv, sp.causal);
         let (q, k, v) = (data(sp.dims.q_len(), 1), data(sp.dims.kv_len(), 2), data(sp.dims.kv_len(), 3));
-        let first = lost(|| {
+        let first = lost(b, || {
             b.forward(sp, q.view(), k.view(), v.view()).unwrap();
         });
         let mut fwd = None;
-        let second = lost(|| fwd = Some(b.forward(sp, q.view(), k.view(), v.view()).unwrap()));
+        let second = lost(b, || fwd = Some(b.forward(sp, q.view(), k.view(), v.view()).unwrap()));
         println!("forward  {name}: first call in the process lost {first} B");
         check(&format!("forward  {name}"), estimate_spec(sp, false, true).total, second);
         let fwd = fwd.unwrap();
@@ -70,7 +70,7 @@ fn vram_estimate_within_10_percent_of_driver_reported() {
         for deterministic in [true, false] {
             let g = BackwardInputs { out: fwd.out.view(), lse: &fwd.lse, dout: dout.view(), deterministic };
             b.backward(sp, q.view(), k.view(), v.view(), g).unwrap();
-            let l = lost(|| {
+            let l = lost(b, || {
                 b.backward(sp, q.view(), k.view(), v.view(), g).unwrap();
             });
             check(&format!("backward {name} deterministic={deterministic}"), estimate_spec(sp, true, deterministic).total, l);
@@ -84,12 +84,12 @@ fn repeated_calls_do_not_grow_device_memory() {
     let sp = varlen(4096, 32, 8, true);
     let (q, k, v) = (data(sp.dims.q_len(), 5), data(sp.dims.kv_len(), 6), data(sp.dims.kv_len(), 7));
     let first = b.forward(&sp, q.view(), k.view(), v.view()).unwrap();
-    let (f1, _) = mem_info().unwrap();
+    let (f1, _) = b.mem_info().unwrap();
     for _ in 0..20 {
         let again = b.forward(&sp, q.view(), k.view(), v.view()).unwrap();
         assert_eq!(again.out, first.out, "repeated forward differs");
     }
-    let (f2, _) = mem_info().unwrap();
+    let (f2, _) = b.mem_info().unwrap();
     println!("free after 1 call: {f1} B; after 21 calls: {f2} B");
     assert!(f2 + (4 << 20) >= f1, "free device memory fell from {f1} to {f2}");
 }

@@ -277,8 +277,10 @@ impl Kernels {
         if let Some(f) = self.loaded.lock().unwrap().get(key) {
             return Ok(*f);
         }
+        let t0 = std::time::Instant::now();
         let file = self.cache_file(key);
         let cached = file.as_ref().and_then(|p| std::fs::read(p).ok()).and_then(|b| decode(&b));
+        let from = if cached.is_some() { "disk cache" } else { "compiled" };
         let (src, cubin) = match cached {
             Some(x) => x,
             None => {
@@ -297,6 +299,9 @@ impl Kernels {
         };
         let f = self.load(&src, &cubin)?;
         self.loaded.lock().unwrap().insert(*key, f);
+        if std::env::var("CUBEATTN_TRACE").is_ok_and(|v| v == "1") {
+            eprintln!("cubeattn kernel {} ({key:?}): {from}, {:.1} ms", src.entry, t0.elapsed().as_secs_f64() * 1e3);
+        }
         Ok(f)
     }
 

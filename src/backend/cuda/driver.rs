@@ -105,7 +105,7 @@ pub(crate) fn capturing(stream: sys::CUstream) -> Result<bool> {
 }
 
 /// (free, total) bytes of the current context's device, as the driver reports them.
-pub fn mem_info() -> Result<(u64, u64)> {
+pub(crate) fn mem_info() -> Result<(u64, u64)> {
     drv::mem_get_info().map(|(f, t)| (f as u64, t as u64)).map_err(|e| err("cuMemGetInfo", e))
 }
 

@@ -19,7 +19,6 @@ mod status;
 pub use backward::BwdPtrs;
 pub use compile::cache_dir;
 pub use device_io::{bench, memory_probe_min_free, set_memory_probe, BenchPart};
-pub use driver::mem_info;
 pub use forward::FwdPtrs;
 pub use options::{fwd_options, set_fwd_options, FwdOptions};
 pub(crate) use options::use_ldmatrix;
@@ -150,6 +149,12 @@ impl CudaBackend {
     /// The CubeCL client (code generation reads the device properties from it).
     pub(crate) fn client(&self) -> &ComputeClient<CudaRuntime> {
         &self.client
+    }
+
+    /// (free, total) device memory as the driver reports it.
+    pub fn mem_info(&self) -> Result<(u64, u64)> {
+        driver::bind(self.ctx)?;
+        driver::mem_info()
     }
 
     /// Kernels compiled with NVRTC by this process (the others came from the disk cache).
