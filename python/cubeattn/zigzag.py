@@ -44,9 +44,9 @@ and rounded to the input dtype once.
 
 On CUDA the all-gather of slice i+1 (and in the backward the reduce-scatter of slice i) runs on a
 separate communication stream, double-buffered, ordered against the compute stream with CUDA
-events. Whether the collectives overlap the attention depends on the attention call being
-stream-ordered; a call path that synchronises the device serialises them (still correct). On CPU
-tensors (gloo) everything is synchronous.
+events. The attention calls are stream-ordered (enqueued on the current stream, no host or device
+synchronisation), so the collectives of one slice overlap the attention of another. On CPU tensors
+(gloo) everything is synchronous.
 """
 from __future__ import annotations
 
