@@ -31,6 +31,11 @@ __all__ = [
     "last_backend",
     "varlen_spec",
     "grouped_spec",
+    "block_sparse_attn_func",
+    "block_sparse_attn_backward",
+    "block_index_from_flex",
+    "sparse_spec",
+    "sparse_patterns",
 ]
 __version__ = "0.1.0"
 
@@ -286,3 +291,8 @@ def estimate_vram(q_shape, k_shape, dtype="bfloat16", cu_seqlens_q=None, cu_seql
         mk = int(np.diff(ck).max()) if ck.size > 1 else 0
         spec = varlen_spec(q_shape, k_shape, dtype, cq, ck, mq, mk, None, causal)
     return _core.estimate_vram(spec, bool(backward), bool(deterministic))
+
+
+# block-sparse attention (python/cubeattn/_sparse.py; patterns in sparse_patterns.py)
+from . import sparse_patterns  # noqa: E402
+from ._sparse import block_index_from_flex, block_sparse_attn_backward, block_sparse_attn_func, sparse_spec  # noqa: E402

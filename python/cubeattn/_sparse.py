@@ -223,8 +223,9 @@ def block_sparse_attn_func(q, k, v, block_index=None, q_block=DEFAULT_Q_BLOCK, k
     if qk_int8 and quant_gran not in QUANT_GRANS:
         raise ValueError(f"invalid argument `quant_gran`: must be one of {QUANT_GRANS}, got {quant_gran!r}")
     cq, ck, cv = to_core(fq, "q"), to_core(fk, "k"), to_core(fv, "v")
-    if ck.dtype != cq.dtype or cv.dtype != cq.dtype:
-        raise TypeError(f"invalid dtype: q is {cq.dtype}, k is {ck.dtype}, v is {cv.dtype}; they must match")
+    for name, c in (("k", ck), ("v", cv)):
+        if c.dtype != cq.dtype:
+            raise TypeError(f"invalid dtype for `{name}`: {c.dtype}; q is {cq.dtype} (they must match)")
     spec = sparse_spec(cq.shape, ck.shape, cq0, cu_q, cu_k, mq, mk, ix, q_block, k_block, softmax_scale, causal,
                        v_shape=cv.shape, qk_int8=quant_gran if qk_int8 else None, smooth_k=smooth_k)
     _check_device(device)
