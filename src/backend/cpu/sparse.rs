@@ -1,6 +1,7 @@
 //! CPU block-sparse attention: the dense gemm path's online softmax, visiting only the listed key
 //! blocks (skipped, not masked). Runs of consecutive listed blocks are multiplied as one span (up
-//! to `BK` keys), so 100% kept does the dense path's work. f32 accumulation, rayon tasks.
+//! to `BK` keys), so 100% kept does the dense path's work; scattered spans are gathered (K and V
+//! copied side by side, up to `BK` keys) into one product. f32 accumulation, rayon tasks.
 //!
 //! - forward: one task per (sequence, query block, <= `BQ` rows, query head);
 //! - backward: dK/dV tasks per (sequence, kv head, key block) walk the transposed index (query
@@ -53,6 +54,46 @@ fn spans(kept: &[u32], k_block: usize, hi_limit: usize, max_len: usize, out: &mu
         }
     }
     out.sort_unstable();
+}
+
+/// Consecutive groups of `spans` (each at most `max_len` long) holding at most `max_len` keys
+/// together: `(first span, end span)` index pairs. A group is gathered into one product.
+fn chunks(spans: &[(usize, usize)], max_len: usize, out: &mut Vec<(usize, usize)>) {
+    out.clear();
+    let (mut start, mut total) = (0, 0);
+    for (i, &(lo, hi)) in spans.iter().enumerate() {
+        if total + (hi - lo) > max_len && i > start {
+            out.push((start, i));
+            start = i;
+            total = 0;
+        }
+        total += hi - lo;
+    }
+    if start < spans.len() {
+        out.push((start, spans.len()));
+    }
+}
+
+/// Per row, how many of the gathered keys of `group` (ascending spans) it sees: causal visibility
+/// is a prefix in key order, so it stays a prefix of the gathered columns.
+fn gathered_limits(lims: &[usize], group: &[(usize, usize)], out: &mut Vec<usize>) {
+    out.clear();
+    out.extend(lims.iter().map(|&lim| group.iter().map(|&(lo, hi)| lim.clamp(lo, hi) - lo).sum::<usize>()));
+}
+
+/// Gather buffers of one task: K (as K^T, `d x n`, or as rows, `n x d`) and V rows (`n x d`).
+struct Gather {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    lims: Vec<usize>,
+    spans: Vec<(usize, usize)>,
+    chunks: Vec<(usize, usize)>,
+}
+
+impl Gather {
+    fn new(d: usize) -> Self {
+        Gather { k: vec![0.0; BK * d], v: vec![0.0; BK * d], lims: Vec::with_capacity(BQ), spans: Vec::new(), chunks: Vec::new() }
+    }
 }
 
 /// Row tasks (sequence, first row, rows, query block) of the forward and dQ, each at most `BQ`
@@ -167,14 +208,14 @@ fn quantize(spec: &SparseSpec, opt: Int8Qk, q: HostView, k: HostView) -> Quantiz
     Quantized { q: qt, q_scale: qs, k: ki, k_scale: ks, lse_shift: shift }
 }
 
-/// `s[rows x n]` = dequantised int8 Q K^T.
+/// Columns `col0..col0 + n` of `s` (rows x `lds`) = dequantised int8 Q K^T for keys `key0..key0 + n`.
 #[allow(clippy::too_many_arguments)]
-fn qk_int8(s: &mut [f32], qz: &Quantized, hq: usize, tq: usize, tk: usize, d: usize, h: usize, hk: usize, row0: usize, rows: usize, key0: usize, n: usize) {
+fn qk_int8(s: &mut [f32], lds: usize, col0: usize, qz: &Quantized, hq: usize, tq: usize, tk: usize, d: usize, h: usize, hk: usize, row0: usize, rows: usize, key0: usize, n: usize) {
     for i in 0..rows {
         let t = row0 + i;
         let qr = &qz.q[(t * hq + h) * d..][..d];
         let sq = qz.q_scale[h * tq + t];
-        let srow = &mut s[i * n..(i + 1) * n];
+        let srow = &mut s[i * lds + col0..i * lds + col0 + n];
         for (j, o) in srow.iter_mut().enumerate() {
             let kk = hk * tk + key0 + j;
             let kr = &qz.k[kk * d..][..d];
@@ -209,33 +250,62 @@ pub(crate) fn forward(spec: &SparseSpec, q: HostView, k: HostView, v: HostView) 
     let tasks: Vec<(usize, usize, usize, usize)> =
         row_tasks(spec).into_iter().flat_map(|(b, r0, rows)| (0..hq).map(move |h| (b, r0, rows, h))).collect();
     tasks.par_iter().for_each_init(
-        || (Scratch::new(d), Vec::new()),
-        |(sc, sp), &(b, r0, rows, h)| {
+        || (Scratch::new(d), Gather::new(d)),
+        |(sc, ga), &(b, r0, rows, h)| {
             let seg = &a.segments[b];
             let hk = h / dm.group_size();
             let row0 = seg.q_start + r0;
             row_limits(seg, a.causal, r0, rows, &mut sc.lims);
             let k_hi = sc.lims.iter().copied().max().unwrap_or(0);
-            spans(spec.index.kept(b, spec.index_head(h), r0 / spec.q_block), spec.k_block, k_hi, BK, sp);
+            spans(spec.index.kept(b, spec.index_head(h), r0 / spec.q_block), spec.k_block, k_hi, BK, &mut ga.spans);
+            chunks(&ga.spans, BK, &mut ga.chunks);
             sc.o[..rows * d].fill(0.0);
             sc.m[..rows].fill(f32::NEG_INFINITY);
             sc.l[..rows].fill(0.0);
-            for &(lo, hi) in sp.iter() {
-                let n = hi - lo;
-                match &qz {
-                    None => {
-                        let qblk = Mat { ptr: qf[(row0 * hq + h) * d..].as_ptr(), rs: q_rs, cs: 1 };
-                        let kt_blk = Mat { ptr: kt[hk * d * tk + seg.k_start + lo..].as_ptr(), rs: tk as isize, cs: 1 };
-                        matmul(&mut sc.s, n, rows, n, d, qblk, kt_blk, 1.0, false);
+            let qblk = Mat { ptr: qf[(row0 * hq + h) * d..].as_ptr(), rs: q_rs, cs: 1 };
+            for ci in 0..ga.chunks.len() {
+                let (c0, c1) = ga.chunks[ci];
+                let group = &ga.spans[c0..c1];
+                let n: usize = group.iter().map(|&(lo, hi)| hi - lo).sum();
+                // one contiguous span is read in place; several are gathered (K^T columns, V rows)
+                let (kt_blk, v_blk) = if let [(lo, _)] = *group {
+                    (
+                        Mat { ptr: if kt.is_empty() { std::ptr::null() } else { kt[hk * d * tk + seg.k_start + lo..].as_ptr() }, rs: tk as isize, cs: 1 },
+                        Mat { ptr: vf[((seg.k_start + lo) * hkv + hk) * d..].as_ptr(), rs: kv_rs, cs: 1 },
+                    )
+                } else {
+                    let mut off = 0;
+                    for &(lo, hi) in group {
+                        let w = hi - lo;
+                        if !kt.is_empty() {
+                            for p in 0..d {
+                                let src = &kt[hk * d * tk + p * tk + seg.k_start + lo..][..w];
+                                ga.k[p * n + off..p * n + off + w].copy_from_slice(src);
+                            }
+                        }
+                        for t in 0..w {
+                            ga.v[(off + t) * d..(off + t + 1) * d].copy_from_slice(&vf[((seg.k_start + lo + t) * hkv + hk) * d..][..d]);
+                        }
+                        off += w;
                     }
-                    Some(qz) => qk_int8(&mut sc.s, qz, hq, tq, tk, d, h, hk, row0, rows, seg.k_start + lo, n),
+                    (Mat { ptr: ga.k.as_ptr(), rs: n as isize, cs: 1 }, Mat::rows(&ga.v, d))
+                };
+                match &qz {
+                    None => matmul(&mut sc.s, n, rows, n, d, qblk, kt_blk, 1.0, false),
+                    Some(qz) => {
+                        let mut off = 0;
+                        for &(lo, hi) in group {
+                            qk_int8(&mut sc.s, n, off, qz, hq, tq, tk, d, h, hk, row0, rows, seg.k_start + lo, hi - lo);
+                            off += hi - lo;
+                        }
+                    }
                 }
-                online_softmax_block(&mut sc.s[..rows * n], n, n, &sc.lims, lo, c, &mut sc.m[..rows], &mut sc.l[..rows], &mut sc.o[..rows * d], d);
+                gathered_limits(&sc.lims, group, &mut ga.lims);
+                online_softmax_block(&mut sc.s[..rows * n], n, n, &ga.lims, 0, c, &mut sc.m[..rows], &mut sc.l[..rows], &mut sc.o[..rows * d], d);
                 if qz.is_some() {
                     // P.V in the input dtype (as the GPU's f16/bf16 mma would take P)
                     round_to(a.dtype, &mut sc.s[..rows * n]);
                 }
-                let v_blk = Mat { ptr: vf[((seg.k_start + lo) * hkv + hk) * d..].as_ptr(), rs: kv_rs, cs: 1 };
                 matmul(&mut sc.o, d, rows, d, n, Mat::rows(&sc.s, n), v_blk, 1.0, true);
             }
             // SAFETY: tasks own disjoint (row, head) ranges (sequences own disjoint rows).
@@ -323,8 +393,8 @@ pub(crate) fn backward(spec: &SparseSpec, q: HostView, k: HostView, v: HostView,
     let q_tasks: Vec<(usize, usize, usize, usize)> =
         row_tasks(spec).into_iter().flat_map(|(b, r0, rows)| (0..hq).map(move |h| (b, r0, rows, h))).collect();
     q_tasks.par_iter().for_each_init(
-        || (BwdScratch::new(d), Vec::new()),
-        |(sc, sp), &(b, r0, rows, h)| {
+        || (BwdScratch::new(d), Gather::new(d)),
+        |(sc, ga), &(b, r0, rows, h)| {
             let seg = &a.segments[b];
             let hk = h / gs;
             let row0 = h * tq + seg.q_start + r0;
@@ -334,16 +404,33 @@ pub(crate) fn backward(spec: &SparseSpec, q: HostView, k: HostView, v: HostView,
             let vseg = &p.v[(hk * tk + seg.k_start) * d..][..seg.k_len * d];
             row_limits(seg, a.causal, r0, rows, &mut sc.lims);
             let k_hi = sc.lims.iter().copied().max().unwrap_or(0);
-            spans(spec.index.kept(b, spec.index_head(h), r0 / spec.q_block), spec.k_block, k_hi, BK, sp);
+            spans(spec.index.kept(b, spec.index_head(h), r0 / spec.q_block), spec.k_block, k_hi, BK, &mut ga.spans);
+            chunks(&ga.spans, BK, &mut ga.chunks);
             let acc = &mut sc.acc_a[..rows * d];
             acc.fill(0.0);
-            for &(lo, hi) in sp.iter() {
-                let n = hi - lo;
-                matmul(&mut sc.s, n, rows, n, d, Mat::rows(qblk, d), Mat::rows_t(&kseg[lo * d..], d), 1.0, false);
-                probs_block(&mut sc.s[..rows * n], n, &sc.lims, lo, c, &p.lse2[row0..row0 + rows]);
-                matmul(&mut sc.dp, n, rows, n, d, Mat::rows(doblk, d), Mat::rows_t(&vseg[lo * d..], d), 1.0, false);
+            for ci in 0..ga.chunks.len() {
+                let (c0, c1) = ga.chunks[ci];
+                let group = &ga.spans[c0..c1];
+                let n: usize = group.iter().map(|&(lo, hi)| hi - lo).sum();
+                // K and V rows (head-major, contiguous per span): in place or gathered
+                let (kb, vb): (&[f32], &[f32]) = if let [(lo, _)] = *group {
+                    (&kseg[lo * d..], &vseg[lo * d..])
+                } else {
+                    let mut off = 0;
+                    for &(lo, hi) in group {
+                        let w = (hi - lo) * d;
+                        ga.k[off..off + w].copy_from_slice(&kseg[lo * d..hi * d]);
+                        ga.v[off..off + w].copy_from_slice(&vseg[lo * d..hi * d]);
+                        off += w;
+                    }
+                    (&ga.k, &ga.v)
+                };
+                gathered_limits(&sc.lims, group, &mut ga.lims);
+                matmul(&mut sc.s, n, rows, n, d, Mat::rows(qblk, d), Mat::rows_t(kb, d), 1.0, false);
+                probs_block(&mut sc.s[..rows * n], n, &ga.lims, 0, c, &p.lse2[row0..row0 + rows]);
+                matmul(&mut sc.dp, n, rows, n, d, Mat::rows(doblk, d), Mat::rows_t(vb, d), 1.0, false);
                 dscores_block(&sc.s[..rows * n], &mut sc.dp[..rows * n], n, &p.delta[row0..row0 + rows]);
-                matmul(acc, d, rows, d, n, Mat::rows(&sc.dp, n), Mat::rows(&kseg[lo * d..], d), a.scale, true);
+                matmul(acc, d, rows, d, n, Mat::rows(&sc.dp, n), Mat::rows(kb, d), a.scale, true);
             }
             // SAFETY: (head, row) ranges of tasks are disjoint.
             unsafe { dq_w.slice(row0 * d, rows * d) }.copy_from_slice(acc);
@@ -372,6 +459,12 @@ mod tests {
         assert_eq!(out, vec![(0, 256), (256, 512), (512, 640)]);
         spans(&[2, 3], 128, 256, 512, &mut out);
         assert!(out.is_empty());
+        let mut ch = Vec::new();
+        chunks(&[(0, 128), (256, 384), (512, 900), (1024, 1100)], 512, &mut ch);
+        assert_eq!(ch, vec![(0, 2), (2, 4)]);
+        let mut lv = Vec::new();
+        gathered_limits(&[0, 200, 300, 2000], &[(0, 128), (256, 384)], &mut lv);
+        assert_eq!(lv, vec![0, 128, 172, 256]);
     }
 
     fn lcg(n: usize, seed: u64) -> Vec<f32> {
