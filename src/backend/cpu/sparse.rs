@@ -3,7 +3,8 @@
 //! to `BK` keys), so 100% kept does the dense path's work; scattered spans are gathered (K and V
 //! copied side by side, up to `BK` keys) into one product. f32 accumulation, rayon tasks.
 //!
-//! - forward: one task per (sequence, query block, <= `BQ` rows, query head);
+//! - forward: one task per (sequence, query head, query block or run of consecutive query blocks
+//!   with equal lists, <= `BQ` rows);
 //! - backward: dK/dV tasks per (sequence, kv head, key block) walk the transposed index (query
 //!   blocks listing the key block), dQ tasks per (sequence, query block, rows, query head) walk
 //!   the listed key blocks; deterministic by construction (fixed order, no atomics);
@@ -96,21 +97,34 @@ impl Gather {
     }
 }
 
-/// Row tasks (sequence, first row, rows, query block) of the forward and dQ, each at most `BQ`
-/// rows inside one query block; most kept blocks first.
-fn row_tasks(spec: &SparseSpec) -> Vec<(usize, usize, usize)> {
-    let mut t: Vec<(usize, usize, usize, usize)> = Vec::new();
+/// Row tasks (sequence, first row, rows, query head) of the forward and dQ: at most `BQ` rows
+/// whose query blocks list the same key blocks (consecutive query blocks with equal lists share a
+/// task, so 64-row blocks still make 128-row products where the pattern allows); most work first.
+fn row_tasks(spec: &SparseSpec) -> Vec<(usize, usize, usize, usize)> {
+    let mut t: Vec<(usize, usize, usize, usize, usize)> = Vec::new();
+    let hq = spec.attn.dims.heads_q;
     for (b, seg) in spec.attn.segments.iter().enumerate() {
-        for qb in 0..seg.q_len.div_ceil(spec.q_block) {
-            let (r_lo, r_hi) = (qb * spec.q_block, ((qb + 1) * spec.q_block).min(seg.q_len));
-            let work = (0..spec.index.heads).map(|h| spec.index.kept(b, h, qb).len()).sum::<usize>();
-            for r0 in (r_lo..r_hi).step_by(BQ) {
-                t.push((b, r0, BQ.min(r_hi - r0), work));
+        let qbn = seg.q_len.div_ceil(spec.q_block);
+        for h in 0..hq {
+            let hi = spec.index_head(h);
+            let mut qb = 0;
+            while qb < qbn {
+                let kept = spec.index.kept(b, hi, qb);
+                // extend over following blocks with the same list while the rows fit one task
+                let mut end = qb + 1;
+                while end < qbn && (end + 1 - qb) * spec.q_block <= BQ && spec.index.kept(b, hi, end) == kept {
+                    end += 1;
+                }
+                let (r_lo, r_hi) = (qb * spec.q_block, (end * spec.q_block).min(seg.q_len));
+                for r0 in (r_lo..r_hi).step_by(BQ) {
+                    t.push((b, r0, BQ.min(r_hi - r0), h, kept.len()));
+                }
+                qb = end;
             }
         }
     }
-    t.sort_by_key(|x| std::cmp::Reverse(x.3));
-    t.into_iter().map(|(b, r0, rows, _)| (b, r0, rows)).collect()
+    t.sort_by_key(|x| std::cmp::Reverse(x.4));
+    t.into_iter().map(|(b, r0, rows, h, _)| (b, r0, rows, h)).collect()
 }
 
 /// Quantised operands of the INT8 option.
@@ -247,8 +261,7 @@ pub(crate) fn forward(spec: &SparseSpec, q: HostView, k: HostView, v: HostView) 
     let lse_w = SharedMut::new(&mut lse);
     let c = a.scale * std::f32::consts::LOG2_E;
     let (q_rs, kv_rs) = ((hq * d) as isize, (hkv * d) as isize);
-    let tasks: Vec<(usize, usize, usize, usize)> =
-        row_tasks(spec).into_iter().flat_map(|(b, r0, rows)| (0..hq).map(move |h| (b, r0, rows, h))).collect();
+    let tasks = row_tasks(spec);
     tasks.par_iter().for_each_init(
         || (Scratch::new(d), Gather::new(d)),
         |(sc, ga), &(b, r0, rows, h)| {
@@ -390,8 +403,7 @@ pub(crate) fn backward(spec: &SparseSpec, q: HostView, k: HostView, v: HostView,
     // dQ: one task per (sequence, query block rows, query head)
     let mut dq = vec![0.0f32; dm.q_len()];
     let dq_w = SharedMut::new(&mut dq);
-    let q_tasks: Vec<(usize, usize, usize, usize)> =
-        row_tasks(spec).into_iter().flat_map(|(b, r0, rows)| (0..hq).map(move |h| (b, r0, rows, h))).collect();
+    let q_tasks = row_tasks(spec);
     q_tasks.par_iter().for_each_init(
         || (BwdScratch::new(d), Gather::new(d)),
         |(sc, ga), &(b, r0, rows, h)| {
@@ -494,7 +506,7 @@ mod tests {
         }
         let qbn = 150usize.div_ceil(qbs);
         let top_k = 4;
-        for causal in [false, true] {
+        for (causal, uniform) in [(false, false), (true, false), (true, true)] {
             for index_heads in [hq, hkv] {
                 let qm = TensorMeta::new(&[tq, hq, d], DType::F32);
                 let km = TensorMeta::new(&[tk, hkv, d], DType::F32);
@@ -519,7 +531,19 @@ mod tests {
                         }
                     }
                 }
+                if uniform {
+                    // equal lists in consecutive query blocks: row tasks merge them (up to BQ rows)
+                    for row in 0..lens.len() * index_heads {
+                        let first: Vec<i32> = ix[row * qbn * top_k..][..top_k].to_vec();
+                        for qb in 2..qbn {
+                            ix[(row * qbn + qb) * top_k..][..top_k].copy_from_slice(&first);
+                        }
+                    }
+                }
                 let s = SparseSpec::new(attn, &ix, &[lens.len(), index_heads, qbn, top_k], qbs, kbs, None).unwrap();
+                if uniform {
+                    assert!(row_tasks(&s).iter().any(|t| t.2 > qbs), "some task spans two query blocks");
+                }
                 let (q, k, v, go) = (lcg(tq * hq * d, 1), lcg(tk * hkv * d, 2), lcg(tk * hkv * d, 3), lcg(tq * hq * d, 4));
                 let f64v = |x: &[f32]| x.iter().map(|&y| y as f64).collect::<Vec<f64>>();
                 let (ro, rl) = sparse_forward_f64(&s, &f64v(&q), &f64v(&k), &f64v(&v));
@@ -527,7 +551,7 @@ mod tests {
                 let f = forward(&s, qd.view(), kd.view(), vd.view());
                 let o = f.out.to_f32_vec();
                 for (i, (x, y)) in o.iter().zip(&ro).enumerate() {
-                    assert!((*x as f64 - y).abs() < 1e-5, "causal={causal} ih={index_heads} out[{i}] {x} vs {y}");
+                    assert!((*x as f64 - y).abs() < 1e-5, "causal={causal} uniform={uniform} ih={index_heads} out[{i}] {x} vs {y}");
                 }
                 for (i, (x, y)) in f.lse.iter().zip(&rl).enumerate() {
                     assert!((x.is_infinite() && y.is_infinite()) || (*x as f64 - y).abs() < 1e-5, "lse[{i}] {x} vs {y}");
