@@ -1,5 +1,23 @@
 //! Dispatch of block-sparse calls. The CPU runs them; the CUDA backend has no block-sparse kernel
 //! yet, so `cuda` / `cuda:N` is refused with [`Error::Unsupported`] and `auto` runs on the CPU.
+//!
+//! What a CUDA kernel needs (the dense kernels' key-tile iteration is what changes):
+//! - forward (`flash_fwd_mma2`): a work item = one query block (`q_block` rows) of one head (or of
+//!   the GQA group's heads packed, when the index is per kv head); instead of
+//!   `t0 = klo + kt * BLOCK_N` for `kt in 0..n_tiles`, read the item's key-tile starts from a
+//!   host-built CSR (the kept blocks of [`crate::sparse::BlockIndex`], each `k_block` = 128
+//!   block = two 64-key tiles, a partial last block's empty tile dropped), also for the cp.async
+//!   prefetch of K(t+1); per-row `[lo, hi)` keeps the causal and sequence-end masks; an item with
+//!   no tile writes zeros and lse +inf (as `fill_uncovered` does). With BLOCK_M = 128 packed rows
+//!   and `q_block` = 64 one head per cube holds two query blocks with different lists: use a
+//!   64-row variant (2 planes x 32 rows) or pack two GQA heads sharing the list.
+//! - backward dQ (`flash_bwd_dq`, 64-row cubes = `q_block`): the same list replaces its
+//!   `0..n_tiles` key-tile loop. dK/dV (`flash_bwd_dkdv`, 64-key cubes, two per `k_block`): the
+//!   transposed index ([`crate::sparse::SparseSpec::transposed`], per key block the query blocks
+//!   listing it, ascending) replaces the loop over the segment's query tiles; build it on the GPU
+//!   with a count / exclusive-scan / ordered-fill pass so the summation order stays fixed.
+//! - INT8 QK^T: an m16n8k32 s8 mma with i32 accumulators and the scale groups of
+//!   [`crate::sparse::QuantGran`]; P.V stays f16/bf16.
 
 use super::{check_backward_buffers, check_buffers, BackendKind, BackwardInputs, DevicePref, ForwardOutput, Gradients};
 use crate::dtype::HostView;
