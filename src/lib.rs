@@ -1,4 +1,5 @@
-//! cubeattn: flash, grouped (shared K,V with overlapping key ranges) and varlen attention.
+//! cubeattn: flash, grouped (shared K,V with overlapping key ranges), varlen and block-sparse
+//! ([`sparse`]) attention.
 //!
 //! Layers, top to bottom: Python bindings (`python`, feature `python`) -> validated [`spec`] ->
 //! [`backend`] (CPU always; CUDA with feature `cuda`) -> kernels (`kernels`, CubeCL, feature
@@ -10,6 +11,7 @@ pub mod dtype;
 pub mod error;
 pub mod reference;
 pub mod spec;
+pub mod sparse;
 pub mod vram;
 pub mod zigzag;
 
@@ -23,3 +25,4 @@ pub use backend::{backend_for, backend_for_spec, Backend, BackendKind, DevicePre
 pub use dtype::{DType, Element, HostData, HostView};
 pub use error::{Error, Result};
 pub use spec::{AttnSpec, Dims, Layout, Segment, TensorMeta};
+pub use sparse::{QuantGran, SparseSpec};

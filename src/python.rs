@@ -410,6 +410,192 @@ fn device_call(
     }
 }
 
+// ---------------------------------------------------------------- block-sparse attention
+
+/// A validated block-sparse call: the dense spec plus the block index (see `crate::sparse`).
+#[pyclass(name = "SparseSpec", module = "cubeattn._core", frozen)]
+struct PySparseSpec {
+    inner: crate::sparse::SparseSpec,
+}
+
+#[pymethods]
+impl PySparseSpec {
+    /// (total_q, total_k, heads_q, heads_kv, head_dim)
+    #[getter]
+    fn dims(&self) -> (usize, usize, usize, usize, usize) {
+        let d = self.inner.attn.dims;
+        (d.total_q, d.total_k, d.heads_q, d.heads_kv, d.head_dim)
+    }
+    #[getter]
+    fn softmax_scale(&self) -> f32 {
+        self.inner.attn.scale
+    }
+    #[getter]
+    fn causal(&self) -> bool {
+        self.inner.attn.causal
+    }
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.inner.attn.dtype.name()
+    }
+    #[getter]
+    fn q_block(&self) -> usize {
+        self.inner.q_block
+    }
+    #[getter]
+    fn k_block(&self) -> usize {
+        self.inner.k_block
+    }
+    /// Kept (query block, key block) pairs over all sequences and index heads.
+    #[getter]
+    fn kept_blocks(&self) -> usize {
+        self.inner.index.kept_total()
+    }
+    /// Visible (query, key) pairs summed over query heads (block mask and causal together).
+    #[getter]
+    fn visible_pairs(&self) -> u64 {
+        self.inner.visible_pairs()
+    }
+    #[getter]
+    fn forward_flops(&self) -> f64 {
+        self.inner.forward_flops()
+    }
+    /// "per_block" | "per_warp" | "per_thread", or None for exact QK^T.
+    #[getter]
+    fn qk_int8(&self) -> Option<&'static str> {
+        self.inner.int8.map(|o| o.gran.name())
+    }
+    fn __repr__(&self) -> String {
+        let d = self.inner.attn.dims;
+        let ix = &self.inner.index;
+        format!(
+            "SparseSpec(batch={}, total_q={}, total_k={}, heads={}/{}, head_dim={}, dtype={}, causal={}, q_block={}, k_block={}, index=[{}, {}, {}, {}], kept={}, qk_int8={:?})",
+            ix.batch, d.total_q, d.total_k, d.heads_q, d.heads_kv, d.head_dim, self.inner.attn.dtype.name(), self.inner.attn.causal,
+            self.inner.q_block, self.inner.k_block, ix.batch, ix.heads, ix.q_blocks, ix.top_k, ix.kept_total(), self.qk_int8()
+        )
+    }
+}
+
+/// `Unsupported` (no CUDA kernel for block-sparse yet) as NotImplementedError; the rest as usual.
+fn sparse_err(e: Error) -> PyErr {
+    match e {
+        Error::Unsupported { .. } => pyo3::exceptions::PyNotImplementedError::new_err(e.to_string()),
+        e => to_py(e),
+    }
+}
+
+fn flat_i32<'a>(a: &'a PyReadonlyArray1<'_, i32>, arg: &str) -> PyResult<&'a [i32]> {
+    a.as_slice().map_err(|_| PyValueError::new_err(format!("`{arg}` must be contiguous")))
+}
+
+#[pyfunction]
+#[pyo3(signature = (q_shape, k_shape, v_shape, dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, block_index, index_shape, q_block, k_block, qk_int8=None, smooth_k=true))]
+#[allow(clippy::too_many_arguments)]
+fn sparse_spec(
+    q_shape: Vec<usize>,
+    k_shape: Vec<usize>,
+    v_shape: Vec<usize>,
+    dtype: &str,
+    cu_seqlens_q: PyReadonlyArray1<'_, i32>,
+    cu_seqlens_k: PyReadonlyArray1<'_, i32>,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+    softmax_scale: Option<f64>,
+    causal: bool,
+    block_index: PyReadonlyArray1<'_, i32>,
+    index_shape: Vec<usize>,
+    q_block: usize,
+    k_block: usize,
+    qk_int8: Option<&str>,
+    smooth_k: bool,
+) -> PyResult<PySparseSpec> {
+    let [q, k, v] = metas(q_shape, k_shape, v_shape, dtype)?;
+    let cq = flat_i32(&cu_seqlens_q, "cu_seqlens_q")?;
+    let ck = flat_i32(&cu_seqlens_k, "cu_seqlens_k")?;
+    let attn = AttnSpec::varlen(&q, &k, &v, cq, ck, max_seqlen_q, max_seqlen_k, softmax_scale, causal).map_err(to_py)?;
+    let int8 = match qk_int8 {
+        Some(g) => Some(crate::sparse::Int8Qk { gran: crate::sparse::QuantGran::parse(g).map_err(to_py)?, smooth_k }),
+        None => None,
+    };
+    let ix = flat_i32(&block_index, "block_index")?;
+    crate::sparse::SparseSpec::new(attn, ix, &index_shape, q_block, k_block, int8).map(|inner| PySparseSpec { inner }).map_err(to_py)
+}
+
+/// FlexAttention BlockMask fields -> (flat block_index int32, its shape).
+#[pyfunction]
+#[pyo3(signature = (kv_num_blocks, num_shape, kv_indices, idx_shape, full_kv_num_blocks=None, full_num_shape=None, full_kv_indices=None, full_idx_shape=None))]
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+fn flex_block_index<'py>(
+    py: Python<'py>,
+    kv_num_blocks: PyReadonlyArray1<'py, i32>,
+    num_shape: Vec<usize>,
+    kv_indices: PyReadonlyArray1<'py, i32>,
+    idx_shape: Vec<usize>,
+    full_kv_num_blocks: Option<PyReadonlyArray1<'py, i32>>,
+    full_num_shape: Option<Vec<usize>>,
+    full_kv_indices: Option<PyReadonlyArray1<'py, i32>>,
+    full_idx_shape: Option<Vec<usize>>,
+) -> PyResult<(Bound<'py, PyArray1<i32>>, Vec<usize>)> {
+    let num = flat_i32(&kv_num_blocks, "kv_num_blocks")?;
+    let idx = flat_i32(&kv_indices, "kv_indices")?;
+    let full = match (&full_kv_num_blocks, &full_num_shape, &full_kv_indices, &full_idx_shape) {
+        (Some(a), Some(ash), Some(b), Some(bsh)) => Some((flat_i32(a, "full_kv_num_blocks")?, ash.as_slice(), flat_i32(b, "full_kv_indices")?, bsh.as_slice())),
+        (None, None, None, None) => None,
+        _ => return Err(PyValueError::new_err("invalid argument `full_kv_indices`: give full_kv_num_blocks and full_kv_indices together")),
+    };
+    let (out, shape) = crate::sparse::block_index_from_flex(num, &num_shape, idx, &idx_shape, full).map_err(to_py)?;
+    Ok((PyArray1::from_vec(py, out), shape))
+}
+
+/// Block-sparse forward: (out as float32 or uint16 bits, lse f32 [heads_q * total_q], backend name).
+#[pyfunction]
+#[pyo3(signature = (spec, q, k, v, device="auto"))]
+fn sparse_forward<'py>(
+    py: Python<'py>,
+    spec: &PySparseSpec,
+    q: PyReadonlyArray1<'py, u8>,
+    k: PyReadonlyArray1<'py, u8>,
+    v: PyReadonlyArray1<'py, u8>,
+    device: &str,
+) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyArray1<f32>>, &'static str)> {
+    let pref = DevicePref::parse(device).map_err(to_py)?;
+    crate::backend::sparse::sparse_backend(pref).map_err(sparse_err)?;
+    let s = &spec.inner;
+    let dt = s.attn.dtype;
+    let (qb, kb, vb) = (Buf::new(&q, dt, "q")?, Buf::new(&k, dt, "k")?, Buf::new(&v, dt, "v")?);
+    let (res, kind) = run_detached(py, || crate::backend::sparse::sparse_forward(pref, s, qb.view(dt), kb.view(dt), vb.view(dt)))?;
+    Ok((data_out(py, res.out), PyArray1::from_vec(py, res.lse), kind.name()))
+}
+
+/// Block-sparse backward: (dq, dk, dv as float32 or uint16 bits, backend name).
+#[pyfunction]
+#[pyo3(signature = (spec, q, k, v, out, lse, dout, device="auto"))]
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+fn sparse_backward<'py>(
+    py: Python<'py>,
+    spec: &PySparseSpec,
+    q: PyReadonlyArray1<'py, u8>,
+    k: PyReadonlyArray1<'py, u8>,
+    v: PyReadonlyArray1<'py, u8>,
+    out: PyReadonlyArray1<'py, u8>,
+    lse: PyReadonlyArray1<'py, f32>,
+    dout: PyReadonlyArray1<'py, u8>,
+    device: &str,
+) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>, &'static str)> {
+    let pref = DevicePref::parse(device).map_err(to_py)?;
+    crate::backend::sparse::sparse_backend(pref).map_err(sparse_err)?;
+    let s = &spec.inner;
+    let dt = s.attn.dtype;
+    let (qb, kb, vb) = (Buf::new(&q, dt, "q")?, Buf::new(&k, dt, "k")?, Buf::new(&v, dt, "v")?);
+    let (ob, gb) = (Buf::new(&out, dt, "out")?, Buf::new(&dout, dt, "dout")?);
+    let lse = lse.as_slice().map_err(|_| PyValueError::new_err("`lse` must be contiguous"))?;
+    let (g, kind) = run_detached(py, || {
+        let inputs = BackwardInputs { out: ob.view(dt), lse, dout: gb.view(dt), deterministic: true };
+        crate::backend::sparse::sparse_backward(pref, s, qb.view(dt), kb.view(dt), vb.view(dt), inputs)
+    })?;
+    Ok((data_out(py, g.dq), data_out(py, g.dk), data_out(py, g.dv), kind.name()))
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySpec>()?;
@@ -427,6 +613,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(estimate_vram, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_bench_forward, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_bench_forward_backward, m)?)?;
+    m.add_class::<PySparseSpec>()?;
+    m.add_function(wrap_pyfunction!(sparse_spec, m)?)?;
+    m.add_function(wrap_pyfunction!(flex_block_index, m)?)?;
+    m.add_function(wrap_pyfunction!(sparse_forward, m)?)?;
+    m.add_function(wrap_pyfunction!(sparse_backward, m)?)?;
     m.add("CUDA_COMPILED", cfg!(feature = "cuda"))?;
     add_zigzag(m)?;
     Ok(())

@@ -32,6 +32,11 @@ __all__ = [
     "varlen_spec",
     "grouped_spec",
     "warmup",
+    "block_sparse_attn_func",
+    "block_sparse_attn_backward",
+    "block_index_from_flex",
+    "sparse_spec",
+    "sparse_patterns",
 ]
 __version__ = "0.1.0"
 
@@ -390,3 +395,7 @@ from .zigzag import (extract_zigzag_kv_slice, scatter_grad_to_zigzag, zigzag_cu_
 
 __all__ += ["zigzag_llama3_flash_attn_varlen_func", "zigzag_split", "zigzag_merge", "zigzag_cu_seqlens",
             "extract_zigzag_kv_slice", "scatter_grad_to_zigzag"]
+
+# block-sparse attention (python/cubeattn/_sparse.py; patterns in sparse_patterns.py)
+from . import sparse_patterns  # noqa: E402
+from ._sparse import block_index_from_flex, block_sparse_attn_backward, block_sparse_attn_func, sparse_spec  # noqa: E402

@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m cubeattn.bench [dense|grouped|fwdbwd|autograd|callpath|zigzag] [options]``.
+"""Benchmarks: ``python -m cubeattn.bench [dense|grouped|fwdbwd|autograd|callpath|zigzag|sparse] [options]``.
 
 ``zigzag`` runs under torchrun (one rank per GPU): ``torchrun --nproc_per_node 2 -m cubeattn.bench
 zigzag --json cp.json`` (on the CPU with gloo too, with small shapes: ``--device cpu``).
@@ -8,6 +8,8 @@ Times cubeattn beside the peers a user would otherwise pick, in the same run, on
     numpy implementation;
   * CUDA: torch SDPA (flash and cuDNN backends), FlexAttention, and for grouped attention the
     per-group calls that people make today.
+``sparse`` (CPU for now: the block-sparse CUDA kernel is not built) times block-sparse attention at
+several kept fractions beside our dense CPU path on the same inputs.
 Our CUDA kernel is timed on device-resident inputs (no host<->device copies) after warm-up.
 Prints a table, writes JSON (``--json``), and a PNG plot when matplotlib is importable (``--png``).
 """
@@ -696,12 +698,47 @@ def _cp_zigzag(args, torch, device):
     return rows
 
 
+# ---------------------------------------------------------------- block-sparse (CPU)
+
+def bench_sparse_cpu(args):
+    """Dense vs block-sparse forward on the CPU, same inputs, fp32, batch 1. Rows:
+    {what: "sparse_fwd", impl: "cubeattn_cpu_dense" | "cubeattn_cpu_sparse", S, kept, ms}; kept is
+    the fraction of key blocks listed per query block (top_k / k_blocks), `ideal` = 1 / kept."""
+    from . import sparse_patterns as sp
+
+    hq, hkv, d = CONFIGS[args.config]
+    rng = np.random.default_rng(0)
+    rows = []
+    for s in args.seqlens:
+        q, k, v = (rng.standard_normal((1, s, h, d), dtype=np.float32) for h in (hq, hkv, hkv))
+        qbn, kbn = -(-s // 64), -(-s // 128)
+        dense_flops = 4 * d * hq * (causal_pairs(s, s) if args.causal else s * s)
+        ms = median_ms(lambda: cubeattn.flash_attn_func(q, k, v, causal=args.causal, device="cpu"), 1, args.iterations)
+        dense_ms = ms[0]
+        rows.append(dict(what="sparse_fwd", impl="cubeattn_cpu_dense", S=s, kept=1.0, pattern="dense", causal=args.causal,
+                         ms=ms[0], ms_min=ms[1], ms_max=ms[2], gflops=dense_flops / ms[0] / 1e6))
+        variants = [("cubeattn_cpu_sparse", False)] + ([("cubeattn_cpu_sparse_int8", True)] if args.qk_int8 else [])
+        for ratio in args.top_k_ratios:
+            top_k = sp.top_k_for(kbn, ratio)
+            ix = sp.PATTERNS[args.pattern](1, hq, qbn, kbn, top_k, seed=0)
+            spec = cubeattn.sparse_spec((s, hq, d), (s, hkv, d), "float32", [0, s], [0, s], s, s, ix, causal=args.causal)
+            for impl, int8 in variants:
+                ms = median_ms(lambda: cubeattn.block_sparse_attn_func(q, k, v, ix, causal=args.causal, device="cpu",
+                                                                       qk_int8=int8, quant_gran=args.quant_gran),
+                               1, args.iterations)
+                rows.append(dict(what="sparse_fwd", impl=impl, S=s, kept=round(top_k / kbn, 4), pattern=args.pattern,
+                                 causal=args.causal, ms=ms[0], ms_min=ms[1], ms_max=ms[2],
+                                 gflops=spec.forward_flops / ms[0] / 1e6, speedup=dense_ms / ms[0],
+                                 ideal=kbn / top_k, **({"quant_gran": args.quant_gran} if int8 else {})))
+    return rows
+
+
 # ---------------------------------------------------------------- output
 
 def print_table(rows):
-    cols = [c for c in ("what", "config", "impl", "cache", "part", "B", "S", "T", "W", "rank", "P", "G", "ms", "gflops",
-                        "tflops", "fwd_ms", "fwd_tflops", "fwdbwd_ms", "fwdbwd_tflops", "exposed_comm_fwd_ms",
-                        "exposed_comm_fwdbwd_ms", "error")
+    cols = [c for c in ("what", "config", "impl", "cache", "part", "B", "S", "T", "W", "rank", "P", "G", "pattern",
+                        "kept", "ms", "gflops", "tflops", "speedup", "ideal", "fwd_ms", "fwd_tflops", "fwdbwd_ms",
+                        "fwdbwd_tflops", "exposed_comm_fwd_ms", "exposed_comm_fwdbwd_ms", "error")
             if any(c in r for r in rows)]
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
     table = [[fmt(r.get(c, "")) for c in cols] for r in rows]
@@ -734,7 +771,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m cubeattn.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", nargs="?", default="dense",
-                   choices=["dense", "grouped", "fwdbwd", "autograd", "callpath", "zigzag"])
+                   choices=["dense", "grouped", "fwdbwd", "autograd", "callpath", "zigzag", "sparse"])
     p.add_argument("--quick", action="store_true", help="small shapes, few iterations")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--config", default=None, choices=sorted(CONFIGS))
@@ -747,6 +784,12 @@ def main(argv=None):
     p.add_argument("--naive-max", type=int, default=4096, help="longest S for the naive numpy peer")
     p.add_argument("--heads-k-stride", type=int, default=None,
                    help="zigzag: kv heads all-gathered per step (default: all of them)")
+    p.add_argument("--pattern", default="random", choices=["random", "local", "strided", "block_diagonal"],
+                   help="sparse: block pattern")
+    p.add_argument("--top_k_ratios", "--top-k-ratios", nargs="+", type=float, default=[0.25, 0.5, 0.75, 1.0],
+                   help="sparse: kept fractions of the key blocks")
+    p.add_argument("--qk-int8", "--qk_int8", action="store_true", help="sparse: also time the INT8 QK^T option")
+    p.add_argument("--quant_gran", "--quant-gran", default="per_warp", choices=["per_block", "per_warp", "per_thread"])
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--png", default=None, help="write a plot here (needs matplotlib)")
     args = p.parse_args(argv)
@@ -776,9 +819,11 @@ def main(argv=None):
         args.config = args.config or "cpu-small"
         args.seqlens = args.seqlens or ([1024, 2048] if args.quick else [2048, 4096])
         args.iterations = args.iterations or (3 if args.quick else 5)
-        if args.what != "dense":
+        if args.what not in ("dense", "sparse"):
             p.error(f"the {args.what} benchmark compares GPU kernels: run it with a CUDA build on a GPU")
-        rows = bench_cpu(args)
+        rows = bench_sparse_cpu(args) if args.what == "sparse" else bench_cpu(args)
+    elif args.what == "sparse":
+        p.error("the block-sparse CUDA kernel is not built yet: run `sparse` with --device cpu")
     else:
         torch = _torch()
         if torch is None or not torch.cuda.is_available():

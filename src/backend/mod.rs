@@ -3,6 +3,7 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod sparse;
 
 use crate::dtype::{HostData, HostView};
 use crate::error::{invalid, Result};

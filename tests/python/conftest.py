@@ -116,3 +116,78 @@ def pytest_collection_modifyitems(config, items):
     for it in items:
         if "gpu" in it.keywords:
             it.add_marker(skip)
+
+
+# ---------------------------------------------------------------- block-sparse reference
+
+def sparse_token_mask(block_index, b, q_len, k_len, q_block, k_block, heads_q, causal):
+    """[heads_q, q_len, k_len] bool: the token mask of sequence b expanded from block_index
+    [B, H, q_blocks, top_k] (-1 = unused; H = heads_q or heads_kv), with bottom-right causal."""
+    ix = np.asarray(block_index)[b]  # [H, q_blocks, top_k]
+    h_idx, qbn, _ = ix.shape
+    kbn = max(1, -(-k_len // k_block))
+    keep = np.zeros((h_idx, qbn, kbn), bool)
+    for h in range(h_idx):
+        for qb in range(qbn):
+            for x in ix[h, qb]:
+                if x >= 0:
+                    keep[h, qb, x] = True
+    rq = np.arange(q_len) // q_block
+    rk = np.arange(k_len) // k_block
+    mask = keep[:, rq][:, :, rk]  # [H, q_len, k_len]
+    if h_idx != heads_q:
+        mask = np.repeat(mask, heads_q // h_idx, axis=0)
+    if causal:
+        mask = mask & (np.arange(k_len)[None, :] <= k_len - q_len + np.arange(q_len)[:, None])[None]
+    return mask
+
+
+def _masked_probs(qs, kk, mask, scale):
+    s = np.einsum("qhd,khd->hqk", qs, kk) * scale
+    s = np.where(mask, s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(s - m)
+    l = p.sum(-1, keepdims=True)
+    p = np.where(l > 0, p / np.where(l > 0, l, 1), 0.0)
+    lse = np.where(l[..., 0] > 0, (m + np.log(np.where(l > 0, l, 1)))[..., 0], np.inf)
+    return p, lse
+
+
+def ref_sparse(q, k, v, block_index, cu_q, cu_k, q_block, k_block, causal, scale=None, dout=None):
+    """f64 block-sparse attention in the varlen layout: dense softmax under the token mask expanded
+    from the block mask. Returns (out, lse) or, with dout, (out, lse, dq, dk, dv) by the explicit
+    softmax Jacobian."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    tq, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    out = np.zeros_like(q)
+    lse = np.full((hq, tq), np.inf)
+    grads = [np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)] if dout is not None else None
+    if dout is not None:
+        dout = np.asarray(dout, dtype=np.float64)
+    for b in range(len(cu_q) - 1):
+        qs, ql = int(cu_q[b]), int(cu_q[b + 1] - cu_q[b])
+        ks, kl = int(cu_k[b]), int(cu_k[b + 1] - cu_k[b])
+        if ql == 0 or kl == 0:
+            continue
+        mask = sparse_token_mask(block_index, b, ql, kl, q_block, k_block, hq, causal)
+        kk = np.repeat(k[ks:ks + kl], g, axis=1)
+        vv = np.repeat(v[ks:ks + kl], g, axis=1)
+        p, l = _masked_probs(q[qs:qs + ql], kk, mask, scale)
+        out[qs:qs + ql] = np.einsum("hqk,khd->qhd", p, vv)
+        lse[:, qs:qs + ql] = l
+        if dout is not None:
+            do = dout[qs:qs + ql]
+            dvv = np.einsum("hqk,qhd->khd", p, do)
+            dp = np.einsum("qhd,khd->hqk", do, vv)
+            ds = p * (dp - (p * dp).sum(-1, keepdims=True))
+            grads[0][qs:qs + ql] += np.einsum("hqk,khd->qhd", ds, kk) * scale
+            dkk = np.einsum("hqk,qhd->khd", ds, q[qs:qs + ql]) * scale
+            grads[1][ks:ks + kl] += dkk.reshape(kl, hkv, g, d).sum(2)
+            grads[2][ks:ks + kl] += dvv.reshape(kl, hkv, g, d).sum(2)
+    if dout is None:
+        return out, lse
+    return (out, lse, *grads)

@@ -13,7 +13,7 @@ use crate::dtype::HostView;
 use crate::spec::AttnSpec;
 
 /// Keys per dK/dV task.
-const BKB: usize = 64;
+pub(crate) const BKB: usize = 64;
 
 multiversion! {
     /// `s` (rows x n, raw q.k) -> P = 2^(c*s - lse2) for row i's columns `< lims[i] - kb`, else 0.
@@ -42,15 +42,15 @@ multiversion! {
     }
 }
 
-struct Scratch {
-    s: Vec<f32>,
-    dp: Vec<f32>,
-    acc_a: Vec<f32>,
-    lims: Vec<usize>,
+pub(crate) struct Scratch {
+    pub(crate) s: Vec<f32>,
+    pub(crate) dp: Vec<f32>,
+    pub(crate) acc_a: Vec<f32>,
+    pub(crate) lims: Vec<usize>,
 }
 
 impl Scratch {
-    fn new(d: usize) -> Self {
+    pub(crate) fn new(d: usize) -> Self {
         let kmax = BK.max(BKB);
         Scratch {
             s: vec![0.0; BQ * kmax],
@@ -61,18 +61,18 @@ impl Scratch {
     }
 }
 
-struct Prepared {
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    dout: Vec<f32>,
+pub(crate) struct Prepared {
+    pub(crate) q: Vec<f32>,
+    pub(crate) k: Vec<f32>,
+    pub(crate) v: Vec<f32>,
+    pub(crate) dout: Vec<f32>,
     /// rowsum(dO * O), `[heads_q, total_q]`
-    delta: Vec<f32>,
+    pub(crate) delta: Vec<f32>,
     /// LSE in base-2 units, `[heads_q, total_q]`
-    lse2: Vec<f32>,
+    pub(crate) lse2: Vec<f32>,
 }
 
-fn prepare(spec: &AttnSpec, q: HostView, k: HostView, v: HostView, g: &BackwardInputs) -> Prepared {
+pub(crate) fn prepare(spec: &AttnSpec, q: HostView, k: HostView, v: HostView, g: &BackwardInputs) -> Prepared {
     let dm = spec.dims;
     let (d, tq, tk) = (dm.head_dim, dm.total_q, dm.total_k);
     // out is read in place (token-major); only delta needs it

@@ -54,16 +54,16 @@ multiversion! {
     }
 }
 
-struct Scratch {
-    s: Vec<f32>,
-    o: Vec<f32>,
-    m: Vec<f32>,
-    l: Vec<f32>,
-    lims: Vec<usize>,
+pub(crate) struct Scratch {
+    pub(crate) s: Vec<f32>,
+    pub(crate) o: Vec<f32>,
+    pub(crate) m: Vec<f32>,
+    pub(crate) l: Vec<f32>,
+    pub(crate) lims: Vec<usize>,
 }
 
 impl Scratch {
-    fn new(d: usize) -> Self {
+    pub(crate) fn new(d: usize) -> Self {
         Scratch { s: vec![0.0; BQ * BK], o: vec![0.0; BQ * d], m: vec![0.0; BQ], l: vec![0.0; BQ], lims: vec![0; BQ] }
     }
 }
@@ -106,7 +106,7 @@ fn use_tiles() -> bool {
 /// Writes rows `0..rows` of the normalised output (`o` has leading dimension `ldo`) and their
 /// LSE; rows that saw no key keep out = 0, lse = +inf.
 #[allow(clippy::too_many_arguments)]
-fn finish_rows(o: &[f32], ldo: usize, m: &[f32], l: &[f32], rows: usize, d: usize, out_w: &SharedMut<f32>, lse_dst: &mut [f32], out_at: impl Fn(usize) -> usize) {
+pub(crate) fn finish_rows(o: &[f32], ldo: usize, m: &[f32], l: &[f32], rows: usize, d: usize, out_w: &SharedMut<f32>, lse_dst: &mut [f32], out_at: impl Fn(usize) -> usize) {
     for i in 0..rows {
         let li = l[i];
         if li > 0.0 {

@@ -8,6 +8,7 @@ mod forward;
 #[cfg(target_arch = "x86_64")]
 mod kernel;
 mod layout;
+pub(crate) mod sparse;
 pub(crate) mod simd;
 
 use super::{check_backward_buffers, check_buffers, Backend, BackendKind, BackwardInputs, ForwardOutput, Gradients};

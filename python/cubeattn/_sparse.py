@@ -1,0 +1,277 @@
+"""Block-sparse attention: per (sequence, head, query block) a list of key blocks to attend;
+everything else is skipped. Validation and maths live in the native core (`src/sparse.rs`,
+`src/backend/cpu/sparse.rs`); this file converts arrays and shapes. No maths here.
+
+Block-size contract: query rows in blocks of ``q_block`` (default 64), keys in blocks of
+``k_block`` (default 128), both counted from each sequence's start; the last block may be
+partial. ``block_index`` is int32 ``[batch, heads, q_blocks, top_k]``, ``q_blocks =
+ceil(max_seqlen_q / q_block)``, ``-1`` = unused slot, any order, no duplicates; ``heads`` is
+heads_q or heads_kv (one pattern per GQA group). Causal (bottom-right) applies on top of the
+block pattern. A row that sees no key gets zero output and lse ``+inf``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _core
+from ._arrays import _is_torch, dtype_name, from_core, int32_vector, to_core
+
+DEFAULT_Q_BLOCK = 64
+DEFAULT_K_BLOCK = 128
+QUANT_GRANS = ("per_block", "per_warp", "per_thread")
+
+
+def _int(x, name, lo=0):
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < lo:
+        raise ValueError(f"invalid argument `{name}`: expected an int >= {lo}, got {x!r}")
+    return int(x)
+
+
+def _index_array(x, name):
+    """Any integer array-like (numpy, torch, nested lists) -> (C-contiguous int32 array, shape)."""
+    if _is_torch(x):
+        x = x.detach().cpu().numpy()
+    try:
+        a = np.asarray(x)
+    except Exception as e:  # ragged lists and the like
+        raise ValueError(f"invalid argument `{name}`: not a rectangular integer array ({e})") from None
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"invalid dtype for `{name}`: {a.dtype}; expected int32")
+    if a.size:
+        lo, hi = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+        bad = np.argwhere((a < lo) | (a > hi))
+        if len(bad):
+            pos = ", ".join(str(int(i)) for i in bad[0])
+            raise ValueError(f"invalid argument `{name}`: {name}[{pos}] = {a[tuple(bad[0])]} does not fit in int32")
+    return np.ascontiguousarray(a, dtype=np.int32)
+
+
+def _flex_fields(block_mask, kv_num_blocks, kv_indices):
+    """(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, block_size) from a
+    FlexAttention BlockMask or from the two arrays."""
+    if block_mask is not None:
+        if kv_num_blocks is not None or kv_indices is not None:
+            raise ValueError("invalid argument `block_mask`: give a BlockMask or kv_num_blocks/kv_indices, not both")
+        for f in ("kv_num_blocks", "kv_indices"):
+            if not hasattr(block_mask, f):
+                raise TypeError(f"invalid argument `block_mask`: expected a FlexAttention BlockMask (with kv_num_blocks "
+                                f"and kv_indices), got {type(block_mask).__name__}")
+        bs = getattr(block_mask, "BLOCK_SIZE", None)
+        return (block_mask.kv_num_blocks, block_mask.kv_indices, getattr(block_mask, "full_kv_num_blocks", None),
+                getattr(block_mask, "full_kv_indices", None), tuple(int(x) for x in bs) if bs is not None else None)
+    if (kv_num_blocks is None) != (kv_indices is None):
+        raise ValueError("invalid argument `kv_indices`: kv_num_blocks and kv_indices go together")
+    return kv_num_blocks, kv_indices, None, None, None
+
+
+def block_index_from_flex(kv_num_blocks, kv_indices, full_kv_num_blocks=None, full_kv_indices=None):
+    """FlexAttention BlockMask fields -> block_index int32 ``[B, H, q_blocks, top_k]`` (-1 padded):
+    row (b, h, qb) keeps ``kv_indices[b, h, qb, :kv_num_blocks[b, h, qb]]`` plus, when given, the
+    full blocks ``full_kv_indices[b, h, qb, :full_kv_num_blocks[b, h, qb]]``. Every kept block is
+    attended in full (a mask_mod inside a partial block is not applied; causal=True gives the
+    causal one)."""
+    num = _index_array(kv_num_blocks, "kv_num_blocks")
+    idx = _index_array(kv_indices, "kv_indices")
+    full = ()
+    if (full_kv_num_blocks is None) != (full_kv_indices is None):
+        raise ValueError("invalid argument `full_kv_indices`: full_kv_num_blocks and full_kv_indices go together")
+    if full_kv_num_blocks is not None:
+        fn = _index_array(full_kv_num_blocks, "full_kv_num_blocks")
+        fi = _index_array(full_kv_indices, "full_kv_indices")
+        full = (fn.reshape(-1), list(fn.shape), fi.reshape(-1), list(fi.shape))
+    flat, shape = _core.flex_block_index(num.reshape(-1), list(num.shape), idx.reshape(-1), list(idx.shape), *full)
+    return np.asarray(flat).reshape(shape)
+
+
+def _resolve_index(block_index, block_mask, kv_num_blocks, kv_indices, q_block, k_block, batch, heads_q):
+    """-> (block_index int32 array, q_block, k_block)."""
+    if block_index is not None and hasattr(block_index, "kv_indices") and block_mask is None:
+        block_index, block_mask = None, block_index  # a BlockMask passed positionally
+    q_block = _int(q_block, "q_block", 1)
+    k_block = _int(k_block, "k_block", 1)
+    if block_index is not None:
+        if block_mask is not None or kv_num_blocks is not None or kv_indices is not None:
+            raise ValueError("invalid argument `block_index`: give block_index, or a BlockMask / kv_num_blocks+kv_indices, not both")
+        return _index_array(block_index, "block_index"), q_block, k_block
+    num, idx, fnum, fidx, bs = _flex_fields(block_mask, kv_num_blocks, kv_indices)
+    if num is None:
+        raise ValueError("invalid argument `block_index`: required (or a FlexAttention block_mask / kv_num_blocks+kv_indices)")
+    if bs is not None:
+        if (q_block, k_block) not in ((DEFAULT_Q_BLOCK, DEFAULT_K_BLOCK), bs):
+            raise ValueError(f"invalid argument `q_block`: ({q_block}, {k_block}) differs from the BlockMask's BLOCK_SIZE {bs}")
+        q_block, k_block = bs
+    ix = block_index_from_flex(num, idx, fnum, fidx)
+    # FlexAttention broadcasts a batch or head dimension of 1 (masks made with B=None / H=None)
+    b, h = ix.shape[0], ix.shape[1]
+    if (b == 1 and batch != 1) or (h == 1 and heads_q != 1):
+        ix = np.ascontiguousarray(np.broadcast_to(ix, (batch if b == 1 else b, heads_q if h == 1 else h) + ix.shape[2:]))
+    return ix, q_block, k_block
+
+
+def _layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """-> (flat q, k, v, cu_q, cu_k, max_q, max_k, batched (B, Sq) or None)."""
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if len(x.shape) != 4:
+                raise ValueError(f"invalid argument `{name}`: expected rank 4 [batch, seqlen, heads, head_dim] "
+                                 f"(or rank 3 with cu_seqlens_q/cu_seqlens_k), got shape {tuple(x.shape)}")
+        b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+        if k.shape[0] != b or v.shape[0] != b:
+            raise ValueError(f"invalid argument `k`: batch {k.shape[0]} differs from q's batch {b}")
+        cu_q = np.arange(b + 1, dtype=np.int32) * sq
+        cu_k = np.arange(b + 1, dtype=np.int32) * sk
+        flat = [x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]) for x in (q, k, v)]
+        return (*flat, cu_q, cu_k, sq, sk, (b, sq))
+    if cu_seqlens_q is None or cu_seqlens_k is None:
+        raise ValueError("invalid argument `cu_seqlens_k`: cu_seqlens_q and cu_seqlens_k go together")
+    cu_q, cu_k = int32_vector(cu_seqlens_q, "cu_seqlens_q"), int32_vector(cu_seqlens_k, "cu_seqlens_k")
+    mq = int(np.diff(cu_q).max()) if cu_q.size > 1 else 0
+    mk = int(np.diff(cu_k).max()) if cu_k.size > 1 else 0
+    mq = mq if max_seqlen_q is None else _int(max_seqlen_q, "max_seqlen_q")
+    mk = mk if max_seqlen_k is None else _int(max_seqlen_k, "max_seqlen_k")
+    return q, k, v, cu_q, cu_k, mq, mk, None
+
+
+def sparse_spec(q_shape, k_shape, dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_index,
+                q_block=DEFAULT_Q_BLOCK, k_block=DEFAULT_K_BLOCK, softmax_scale=None, causal=False, v_shape=None,
+                qk_int8=None, smooth_k=True):
+    """A validated block-sparse spec (varlen layout; shapes only, no data needed)."""
+    from . import _scale
+
+    ix = _index_array(block_index, "block_index")
+    if qk_int8 is not None and qk_int8 not in QUANT_GRANS:
+        raise ValueError(f"invalid argument `quant_gran`: must be one of {QUANT_GRANS}, got {qk_int8!r}")
+    return _core.sparse_spec(list(q_shape), list(k_shape), list(k_shape if v_shape is None else v_shape), dtype,
+                             int32_vector(cu_seqlens_q, "cu_seqlens_q"), int32_vector(cu_seqlens_k, "cu_seqlens_k"),
+                             _int(max_seqlen_q, "max_seqlen_q"), _int(max_seqlen_k, "max_seqlen_k"),
+                             _scale(softmax_scale), bool(causal), ix.reshape(-1), list(ix.shape),
+                             _int(q_block, "q_block", 1), _int(k_block, "k_block", 1), qk_int8, bool(smooth_k))
+
+
+def _check_device(device):
+    if not isinstance(device, str):
+        raise TypeError(f"invalid argument `device`: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    return device
+
+
+def _run_forward(spec, cq, ck, cv, device):
+    from . import _last
+
+    out, lse, name = _core.sparse_forward(spec, cq.bytes, ck.bytes, cv.bytes, _check_device(device))
+    _last.name = name
+    total_q, _, heads_q, _, _ = spec.dims
+    return from_core(out, cq.shape, cq.dtype, cq), from_core(lse, (heads_q, total_q), "float32", cq)
+
+
+def _run_backward(spec, dout, q, k, v, out, lse, device):
+    from . import _last
+
+    cq, ck, cv = to_core(q, "q"), to_core(k, "k"), to_core(v, "v")
+    co, cg = to_core(out, "out"), to_core(dout, "dout")
+    for name, c in (("k", ck), ("v", cv), ("out", co), ("dout", cg)):
+        if c.dtype != cq.dtype:
+            raise TypeError(f"invalid dtype for `{name}`: {c.dtype}; q is {cq.dtype}")
+    for name, c in (("out", co), ("dout", cg)):
+        if c.shape != cq.shape:
+            raise ValueError(f"invalid argument `{name}`: shape {c.shape} differs from q's {cq.shape}")
+    if _is_torch(lse):
+        lse = lse.detach().cpu().numpy()
+    lse_arr = np.ascontiguousarray(np.asarray(lse, dtype=np.float32)).reshape(-1)
+    dq, dk, dv, name = _core.sparse_backward(spec, cq.bytes, ck.bytes, cv.bytes, co.bytes, lse_arr, cg.bytes,
+                                             _check_device(device))
+    _last.name = name
+    return (from_core(dq, cq.shape, cq.dtype, cq), from_core(dk, ck.shape, ck.dtype, ck),
+            from_core(dv, cv.shape, cv.dtype, cv))
+
+
+def _lse_batched(lse, b, sq):
+    """[heads, b * sq] -> [b, heads, sq] (numpy or torch)."""
+    h = lse.shape[0]
+    lse = lse.reshape(h, b, sq)
+    return lse.permute(1, 0, 2) if hasattr(lse, "permute") else lse.transpose(1, 0, 2)
+
+
+def _lse_flat(lse, b, sq):
+    """[b, heads, sq] -> [heads, b * sq]."""
+    if _is_torch(lse):
+        lse = lse.detach().cpu().numpy()
+    lse = np.asarray(lse, dtype=np.float32)
+    if lse.ndim != 3 or lse.shape[0] != b or lse.shape[2] != sq:
+        raise ValueError(f"invalid argument `lse`: expected shape [batch={b}, heads, seqlen_q={sq}], got {lse.shape}")
+    return np.ascontiguousarray(lse.transpose(1, 0, 2)).reshape(lse.shape[1], b * sq)
+
+
+def block_sparse_attn_func(q, k, v, block_index=None, q_block=DEFAULT_Q_BLOCK, k_block=DEFAULT_K_BLOCK, causal=False,
+                           softmax_scale=None, return_lse=False, device="auto", cu_seqlens_q=None, cu_seqlens_k=None,
+                           max_seqlen_q=None, max_seqlen_k=None, qk_int8=False, quant_gran="per_warp", smooth_k=True,
+                           block_mask=None, kv_num_blocks=None, kv_indices=None):
+    """Block-sparse attention. Batched: q ``[B, Sq, Hq, d]``, k/v ``[B, Sk, Hkv, d]``; varlen (with
+    cu_seqlens_q/cu_seqlens_k): q ``[total_q, Hq, d]``, k/v ``[total_k, Hkv, d]``. ``block_index``
+    int32 ``[B, H, q_blocks, top_k]`` (see the module docs), or a FlexAttention ``block_mask`` /
+    its ``kv_num_blocks`` + ``kv_indices``. Returns out (and lse: ``[B, Hq, Sq]`` batched,
+    ``[Hq, total_q]`` varlen). ``qk_int8=True``: SageAttention-style INT8 Q K^T with
+    ``quant_gran`` scales and K smoothing (``smooth_k``), forward only. ``device="cuda"`` raises
+    NotImplementedError (no CUDA kernel yet); "auto" runs on the CPU."""
+    cq0 = dtype_name(q, "q")
+    dtype_name(k, "k"), dtype_name(v, "v")
+    fq, fk, fv, cu_q, cu_k, mq, mk, batched = _layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    heads_q = fq.shape[1] if len(fq.shape) == 3 else 0
+    ix, q_block, k_block = _resolve_index(block_index, block_mask, kv_num_blocks, kv_indices, q_block, k_block,
+                                          len(cu_q) - 1, heads_q)
+    if not isinstance(qk_int8, (bool, np.bool_)):
+        raise TypeError(f"invalid argument `qk_int8`: expected a bool, got {qk_int8!r}")
+    if qk_int8 and quant_gran not in QUANT_GRANS:
+        raise ValueError(f"invalid argument `quant_gran`: must be one of {QUANT_GRANS}, got {quant_gran!r}")
+    cq, ck, cv = to_core(fq, "q"), to_core(fk, "k"), to_core(fv, "v")
+    for name, c in (("k", ck), ("v", cv)):
+        if c.dtype != cq.dtype:
+            raise TypeError(f"invalid dtype for `{name}`: {c.dtype}; q is {cq.dtype} (they must match)")
+    spec = sparse_spec(cq.shape, ck.shape, cq0, cu_q, cu_k, mq, mk, ix, q_block, k_block, softmax_scale, causal,
+                       v_shape=cv.shape, qk_int8=quant_gran if qk_int8 else None, smooth_k=smooth_k)
+    _check_device(device)
+    if any(_is_torch(x) for x in (fq, fk, fv)):
+        from ._sparse_autograd import needs_grad
+
+        if needs_grad(fq, fk, fv):
+            if qk_int8:
+                raise ValueError("invalid argument `qk_int8`: the INT8 QK^T option is forward-only; run it under "
+                                 "torch.no_grad() or with inputs that do not require grad")
+            from ._sparse_autograd import attention
+
+            out, lse = attention(spec, fq, fk, fv, (cq, ck, cv), device)
+        else:
+            out, lse = _run_forward(spec, cq, ck, cv, device)
+    else:
+        out, lse = _run_forward(spec, cq, ck, cv, device)
+    if batched is not None:
+        out = out.reshape(q.shape)
+        lse = _lse_batched(lse, *batched)
+    return (out, lse) if return_lse else out
+
+
+def block_sparse_attn_backward(dout, q, k, v, out, lse, block_index=None, q_block=DEFAULT_Q_BLOCK,
+                               k_block=DEFAULT_K_BLOCK, causal=False, softmax_scale=None, device="auto",
+                               cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                               block_mask=None, kv_num_blocks=None, kv_indices=None):
+    """Gradients (dq, dk, dv) of block_sparse_attn_func (exact QK^T) given dout, its out and lse,
+    in the layout of the forward call (lse ``[B, Hq, Sq]`` batched, ``[Hq, total_q]`` varlen).
+    Deterministic: the same inputs give bitwise-identical gradients."""
+    dt = dtype_name(q, "q")
+    for name, x in (("k", k), ("v", v), ("out", out), ("dout", dout)):
+        dtype_name(x, name)
+    fq, fk, fv, cu_q, cu_k, mq, mk, batched = _layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    heads_q = fq.shape[1] if len(fq.shape) == 3 else 0
+    ix, q_block, k_block = _resolve_index(block_index, block_mask, kv_num_blocks, kv_indices, q_block, k_block,
+                                          len(cu_q) - 1, heads_q)
+    spec = sparse_spec(tuple(fq.shape), tuple(fk.shape), dt, cu_q, cu_k, mq, mk, ix, q_block, k_block,
+                       softmax_scale, causal, v_shape=tuple(fv.shape))
+    if batched is not None:
+        for name, x in (("dout", dout), ("out", out)):
+            if tuple(x.shape) != tuple(q.shape):
+                raise ValueError(f"invalid argument `{name}`: shape {tuple(x.shape)} differs from q's {tuple(q.shape)}")
+        dout, out = dout.reshape(fq.shape), out.reshape(fq.shape)
+        lse = _lse_flat(lse, *batched)
+    dq, dk, dv = _run_backward(spec, dout, fq, fk, fv, out, lse, device)
+    if batched is not None:
+        dq, dk, dv = dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
+    return dq, dk, dv

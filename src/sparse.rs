@@ -1,0 +1,487 @@
+//! Block-sparse attention: a validated [`AttnSpec`] (varlen layout) plus a block index saying, per
+//! (sequence, head, query block), which key blocks are attended. Everything else is skipped.
+//!
+//! # Block-size contract
+//! Sequence `b`'s query rows are cut into blocks of `q_block` rows and its keys into blocks of
+//! `k_block` keys, both counted from the sequence's own start; the last block of each may be
+//! partial. `block_index` is int32 `[batch, heads, q_blocks, top_k]` with
+//! `q_blocks = ceil(max_seqlen_q / q_block)`; entry `[b, h, qb, i]` is a key block of sequence `b`
+//! (`0 <= x < ceil(k_len_b / k_block)`) or `-1` (unused slot). Entries may come in any order;
+//! a block may appear once per row. `heads` is `heads_q`, or `heads_kv` to share one pattern across
+//! a GQA group. Query blocks past a shorter sequence's end are validated but never used.
+//! Defaults: `q_block` = [`DEFAULT_Q_BLOCK`] = 64, `k_block` = [`DEFAULT_K_BLOCK`] = 128 (seed
+//! 004's CTA_Q / CTA_K); backends may accept only some sizes (the CPU accepts any >= 1).
+//!
+//! Token mask: query row `r` of sequence `b` sees key `j` when `j`'s block is listed for `r`'s
+//! block and (with `causal`) `j <= k_len - q_len + r` (bottom-right, as in dense attention). A row
+//! that sees no key gets a zero output and LSE +inf.
+//!
+//! Optional INT8 QK^T ([`QuantGran`]): Q and (smoothed) K are quantised symmetrically to int8
+//! with one f32 scale per group of rows; P.V stays in the input dtype. K smoothing subtracts the
+//! mean of K over the sequence (per kv head and channel), which shifts every score of a row by the
+//! same constant: the softmax is unchanged and the LSE is corrected by `scale * q . mean`.
+
+use crate::error::{invalid, Result};
+use crate::spec::{AttnSpec, Layout};
+
+/// Query rows per block unless told otherwise (seed 004's CTA_Q).
+pub const DEFAULT_Q_BLOCK: usize = 64;
+/// Keys per block unless told otherwise (seed 004's CTA_K).
+pub const DEFAULT_K_BLOCK: usize = 128;
+
+/// Scale granularity of the INT8 QK^T option, defined on the tile contract of an mma.sync
+/// m16n8k32 int8 kernel whose CTA holds `q_block` = 64 query rows in 4 warps of 16 rows:
+/// - `PerBlock`: one Q scale per query block (`q_block` rows), one K scale per key block
+///   (`k_block` keys);
+/// - `PerWarp`: one Q scale per 16 query rows (one warp's m16 tile), one K scale per key block;
+/// - `PerThread`: the scales a single thread's mma fragments need: Q rows `r` and `r + 8` of each
+///   16-row tile share a scale (8 per 16 rows: thread `t` holds rows `t/4` and `t/4 + 8`), and
+///   within a key block, keys with the same `(j mod 8) / 2` share a scale (4 per key block: thread
+///   `t` holds columns `2 (t mod 4)` and `2 (t mod 4) + 1` of every n8 tile).
+///
+/// Rows and keys are counted from the sequence's start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuantGran {
+    PerBlock,
+    PerWarp,
+    PerThread,
+}
+
+impl QuantGran {
+    pub fn parse(s: &str) -> Result<QuantGran> {
+        match s {
+            "per_block" => Ok(QuantGran::PerBlock),
+            "per_warp" => Ok(QuantGran::PerWarp),
+            "per_thread" => Ok(QuantGran::PerThread),
+            _ => Err(invalid("quant_gran", format!("must be \"per_block\", \"per_warp\" or \"per_thread\", got {s:?}"))),
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantGran::PerBlock => "per_block",
+            QuantGran::PerWarp => "per_warp",
+            QuantGran::PerThread => "per_thread",
+        }
+    }
+    /// Scale group of query row `r` (counted from the sequence start).
+    pub fn q_group(self, r: usize, q_block: usize) -> usize {
+        match self {
+            QuantGran::PerBlock => r / q_block,
+            QuantGran::PerWarp => r / 16,
+            QuantGran::PerThread => (r / 16) * 8 + r % 8,
+        }
+    }
+    /// Scale group of key `j` (counted from the sequence start).
+    pub fn k_group(self, j: usize, k_block: usize) -> usize {
+        match self {
+            QuantGran::PerBlock | QuantGran::PerWarp => j / k_block,
+            QuantGran::PerThread => (j / k_block) * 4 + (j % 8) / 2,
+        }
+    }
+}
+
+/// The INT8 QK^T option.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Int8Qk {
+    pub gran: QuantGran,
+    /// Subtract K's per-sequence mean before quantising.
+    pub smooth_k: bool,
+}
+
+/// A validated block index in compressed form: for row `(b, h, qb)` (row id
+/// `(b * heads + h) * q_blocks + qb`) the kept key blocks `blocks[offsets[id]..offsets[id + 1]]`,
+/// ascending, without duplicates or `-1`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockIndex {
+    pub batch: usize,
+    pub heads: usize,
+    pub q_blocks: usize,
+    pub top_k: usize,
+    pub offsets: Vec<usize>,
+    pub blocks: Vec<u32>,
+}
+
+impl BlockIndex {
+    fn row_id(&self, b: usize, h: usize, qb: usize) -> usize {
+        (b * self.heads + h) * self.q_blocks + qb
+    }
+    /// Kept key blocks of `(b, h, qb)`, ascending.
+    pub fn kept(&self, b: usize, h: usize, qb: usize) -> &[u32] {
+        let id = self.row_id(b, h, qb);
+        &self.blocks[self.offsets[id]..self.offsets[id + 1]]
+    }
+    /// Number of kept (query block, key block) pairs.
+    pub fn kept_total(&self) -> usize {
+        self.blocks.len()
+    }
+}
+
+/// Per `(b, h, key block)` the query blocks listing it, ascending (the backward's view).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransposedIndex {
+    /// Key blocks per sequence slot (the longest sequence's count).
+    pub k_blocks: usize,
+    pub heads: usize,
+    pub offsets: Vec<usize>,
+    pub q_blocks: Vec<u32>,
+}
+
+impl TransposedIndex {
+    /// Query blocks of sequence `b`, index head `h` that list key block `kb`.
+    pub fn listing(&self, b: usize, h: usize, kb: usize) -> &[u32] {
+        let id = (b * self.heads + h) * self.k_blocks + kb;
+        &self.q_blocks[self.offsets[id]..self.offsets[id + 1]]
+    }
+}
+
+/// A validated block-sparse attention call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SparseSpec {
+    /// The dense call (varlen layout: one segment per sequence).
+    pub attn: AttnSpec,
+    pub q_block: usize,
+    pub k_block: usize,
+    pub index: BlockIndex,
+    /// INT8 QK^T (forward only); `None` = exact.
+    pub int8: Option<Int8Qk>,
+}
+
+fn block_count(len: usize, block: usize) -> usize {
+    len.div_ceil(block)
+}
+
+impl SparseSpec {
+    /// Validates `block_index` (flat, C order, shape `index_shape`) against the dense spec `attn`
+    /// (varlen layout; batched calls are varlen with equal lengths).
+    pub fn new(
+        attn: AttnSpec,
+        block_index: &[i32],
+        index_shape: &[usize],
+        q_block: usize,
+        k_block: usize,
+        int8: Option<Int8Qk>,
+    ) -> Result<SparseSpec> {
+        let batch = match attn.layout {
+            Layout::Varlen { batch } => batch,
+            Layout::Grouped { .. } => {
+                return Err(invalid("block_index", "block-sparse attention takes the batched or varlen layout, not groups"))
+            }
+        };
+        if q_block == 0 {
+            return Err(invalid("q_block", "must be at least 1, got 0"));
+        }
+        if k_block == 0 {
+            return Err(invalid("k_block", "must be at least 1, got 0"));
+        }
+        let dm = attn.dims;
+        let q_blocks = block_count(attn.max_seqlen_q, q_block);
+        if index_shape.len() != 4 {
+            return Err(invalid(
+                "block_index",
+                format!("expected rank 4 [batch, heads, q_blocks, top_k], got shape {index_shape:?}"),
+            ));
+        }
+        let (ib, ih, iq, top_k) = (index_shape[0], index_shape[1], index_shape[2], index_shape[3]);
+        if ib != batch {
+            return Err(invalid("block_index", format!("has batch {ib} (shape {index_shape:?}) but the call has {batch} sequences")));
+        }
+        if ih != dm.heads_q && ih != dm.heads_kv {
+            return Err(invalid(
+                "block_index",
+                format!("has {ih} heads (shape {index_shape:?}); expected heads_q ({}) or heads_kv ({})", dm.heads_q, dm.heads_kv),
+            ));
+        }
+        if iq != q_blocks {
+            return Err(invalid(
+                "block_index",
+                format!(
+                    "has {iq} query blocks (shape {index_shape:?}); max_seqlen_q {} in blocks of q_block {q_block} gives {q_blocks}",
+                    attn.max_seqlen_q
+                ),
+            ));
+        }
+        let n = ib * ih * iq * top_k;
+        if block_index.len() != n {
+            return Err(invalid("block_index", format!("has {} elements, its shape {index_shape:?} needs {n}", block_index.len())));
+        }
+        let mut offsets = Vec::with_capacity(ib * ih * iq + 1);
+        offsets.push(0);
+        let mut blocks: Vec<u32> = Vec::with_capacity(n);
+        let mut row: Vec<u32> = Vec::with_capacity(top_k);
+        for b in 0..ib {
+            let kbn = block_count(attn.segments[b].k_len, k_block);
+            for h in 0..ih {
+                for qb in 0..iq {
+                    let base = ((b * ih + h) * iq + qb) * top_k;
+                    let slots = &block_index[base..base + top_k];
+                    row.clear();
+                    for (i, &x) in slots.iter().enumerate() {
+                        if x == -1 {
+                            continue;
+                        }
+                        if x < 0 {
+                            return Err(invalid(
+                                "block_index",
+                                format!("block_index[{b}, {h}, {qb}, {i}] = {x} is negative (only -1 marks an unused slot)"),
+                            ));
+                        }
+                        if x as usize >= kbn {
+                            return Err(invalid(
+                                "block_index",
+                                format!(
+                                    "block_index[{b}, {h}, {qb}, {i}] = {x} but there are {kbn} key blocks (sequence {b} has {} keys, k_block {k_block})",
+                                    attn.segments[b].k_len
+                                ),
+                            ));
+                        }
+                        if let Some(j) = slots[..i].iter().position(|&y| y == x) {
+                            return Err(invalid(
+                                "block_index",
+                                format!("block_index[{b}, {h}, {qb}, {i}] = {x} duplicates block_index[{b}, {h}, {qb}, {j}]"),
+                            ));
+                        }
+                        row.push(x as u32);
+                    }
+                    row.sort_unstable();
+                    blocks.extend_from_slice(&row);
+                    offsets.push(blocks.len());
+                }
+            }
+        }
+        Ok(SparseSpec {
+            attn,
+            q_block,
+            k_block,
+            index: BlockIndex { batch: ib, heads: ih, q_blocks: iq, top_k, offsets, blocks },
+            int8,
+        })
+    }
+
+    /// The index head that query head `h` reads.
+    #[inline]
+    pub fn index_head(&self, h: usize) -> usize {
+        if self.index.heads == self.attn.dims.heads_q {
+            h
+        } else {
+            h / self.attn.dims.group_size()
+        }
+    }
+
+    /// Key blocks (of the longest sequence).
+    pub fn k_blocks(&self) -> usize {
+        block_count(self.attn.max_seqlen_k, self.k_block)
+    }
+
+    /// Whether row `r` (inside sequence `b`) of query head `h` sees key `j` (inside the sequence).
+    pub fn visible(&self, b: usize, h: usize, r: usize, j: usize) -> bool {
+        let seg = &self.attn.segments[b];
+        if r >= seg.q_len || j >= seg.visible_len(r, self.attn.causal) {
+            return false;
+        }
+        self.index.kept(b, self.index_head(h), r / self.q_block).binary_search(&((j / self.k_block) as u32)).is_ok()
+    }
+
+    /// The transposed index (per key block, the query blocks listing it), built once on the host
+    /// in O(kept blocks).
+    pub fn transposed(&self) -> TransposedIndex {
+        let ix = &self.index;
+        let kbn = self.k_blocks();
+        let cells = ix.batch * ix.heads * kbn;
+        let mut counts = vec![0usize; cells + 1];
+        for b in 0..ix.batch {
+            for h in 0..ix.heads {
+                for qb in 0..ix.q_blocks {
+                    for &kb in ix.kept(b, h, qb) {
+                        counts[(b * ix.heads + h) * kbn + kb as usize + 1] += 1;
+                    }
+                }
+            }
+        }
+        for i in 0..cells {
+            counts[i + 1] += counts[i];
+        }
+        let offsets = counts.clone();
+        let mut fill = counts;
+        let mut q_blocks = vec![0u32; ix.kept_total()];
+        // query blocks visited in ascending order, so every list comes out ascending
+        for b in 0..ix.batch {
+            for h in 0..ix.heads {
+                for qb in 0..ix.q_blocks {
+                    for &kb in ix.kept(b, h, qb) {
+                        let c = (b * ix.heads + h) * kbn + kb as usize;
+                        q_blocks[fill[c]] = qb as u32;
+                        fill[c] += 1;
+                    }
+                }
+            }
+        }
+        TransposedIndex { k_blocks: kbn, heads: ix.heads, offsets, q_blocks }
+    }
+
+    /// Visible (query, key) pairs summed over query heads.
+    pub fn visible_pairs(&self) -> u64 {
+        let dm = self.attn.dims;
+        let mut total = 0u64;
+        for (b, seg) in self.attn.segments.iter().enumerate() {
+            for h in 0..dm.heads_q {
+                let hi = self.index_head(h);
+                for r in 0..seg.q_len {
+                    let lim = seg.visible_len(r, self.attn.causal);
+                    for &kb in self.index.kept(b, hi, r / self.q_block) {
+                        let lo = kb as usize * self.k_block;
+                        total += (lim.min(lo + self.k_block).min(seg.k_len)).saturating_sub(lo) as u64;
+                    }
+                }
+            }
+        }
+        total
+    }
+
+    /// Matmul FLOPs of the forward pass over the visible pairs.
+    pub fn forward_flops(&self) -> f64 {
+        4.0 * self.visible_pairs() as f64 * self.attn.dims.head_dim as f64
+    }
+}
+
+/// FlexAttention's `BlockMask` fields -> a `block_index` (flat, `[B, H, q_blocks, top_k]` with
+/// `top_k` = the total slots, -1 padded): row `(b, h, qb)` keeps `kv_indices[b, h, qb, :kv_num_blocks[b, h, qb]]`
+/// plus, when given, `full_kv_indices[b, h, qb, :full_kv_num_blocks[b, h, qb]]` (FlexAttention
+/// splits kept blocks into partial and full ones; both are attended in full here). Returns the
+/// flat index and its shape. Value checks (range, duplicates) happen in [`SparseSpec::new`].
+pub fn block_index_from_flex(
+    kv_num_blocks: &[i32],
+    num_shape: &[usize],
+    kv_indices: &[i32],
+    idx_shape: &[usize],
+    full: Option<(&[i32], &[usize], &[i32], &[usize])>,
+) -> Result<(Vec<i32>, Vec<usize>)> {
+    fn check(num_name: &'static str, num: &[i32], ns: &[usize], idx_name: &'static str, idx: &[i32], is: &[usize]) -> Result<()> {
+        if ns.len() != 3 {
+            return Err(invalid(num_name, format!("expected rank 3 [batch, heads, q_blocks], got shape {ns:?}")));
+        }
+        if is.len() != 4 || is[..3] != ns[..] {
+            return Err(invalid(idx_name, format!("expected shape [{}, {}, {}, max_blocks] to match {num_name}, got {is:?}", ns[0], ns[1], ns[2])));
+        }
+        if num.len() != ns.iter().product::<usize>() || idx.len() != is.iter().product::<usize>() {
+            return Err(invalid(idx_name, "element count does not match the shape"));
+        }
+        let m = is[3];
+        for (i, &c) in num.iter().enumerate() {
+            if c < 0 || c as usize > m {
+                let (b, h, q) = (i / (ns[1] * ns[2]), (i / ns[2]) % ns[1], i % ns[2]);
+                return Err(invalid(num_name, format!("{num_name}[{b}, {h}, {q}] = {c} must lie in 0..={m} (the last dimension of {idx_name})")));
+            }
+        }
+        Ok(())
+    }
+    check("kv_num_blocks", kv_num_blocks, num_shape, "kv_indices", kv_indices, idx_shape)?;
+    let m1 = idx_shape[3];
+    let m2 = match full {
+        Some((fnum, fns, fidx, fis)) => {
+            check("full_kv_num_blocks", fnum, fns, "full_kv_indices", fidx, fis)?;
+            if fns != num_shape {
+                return Err(invalid("full_kv_num_blocks", format!("shape {fns:?} differs from kv_num_blocks' {num_shape:?}")));
+            }
+            fis[3]
+        }
+        None => 0,
+    };
+    let rows = kv_num_blocks.len();
+    let top_k = m1 + m2;
+    let mut out = vec![-1i32; rows * top_k];
+    for r in 0..rows {
+        let dst = &mut out[r * top_k..(r + 1) * top_k];
+        let n1 = kv_num_blocks[r] as usize;
+        dst[..n1].copy_from_slice(&kv_indices[r * m1..r * m1 + n1]);
+        if let Some((fnum, _, fidx, _)) = full {
+            let n2 = fnum[r] as usize;
+            dst[n1..n1 + n2].copy_from_slice(&fidx[r * m2..r * m2 + n2]);
+        }
+    }
+    let mut shape = num_shape.to_vec();
+    shape.push(top_k);
+    Ok((out, shape))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::DType;
+    use crate::spec::TensorMeta;
+
+    fn spec(lens: &[(usize, usize)], hq: usize, hkv: usize, causal: bool) -> AttnSpec {
+        let (tq, tk): (usize, usize) = (lens.iter().map(|l| l.0).sum(), lens.iter().map(|l| l.1).sum());
+        let mut cq = vec![0i32];
+        let mut ck = vec![0i32];
+        for l in lens {
+            cq.push(cq.last().unwrap() + l.0 as i32);
+            ck.push(ck.last().unwrap() + l.1 as i32);
+        }
+        let q = TensorMeta::new(&[tq, hq, 16], DType::F32);
+        let k = TensorMeta::new(&[tk, hkv, 16], DType::F32);
+        let mq = lens.iter().map(|l| l.0).max().unwrap();
+        let mk = lens.iter().map(|l| l.1).max().unwrap();
+        AttnSpec::varlen(&q, &k, &k, &cq, &ck, mq, mk, None, causal).unwrap()
+    }
+
+    fn err_of(r: Result<SparseSpec>) -> String {
+        match r {
+            Err(crate::Error::InvalidArgument { arg, msg }) => format!("{arg}: {msg}"),
+            other => panic!("expected InvalidArgument, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn validation_names_the_first_bad_position() {
+        // 1 sequence, 130 queries (3 blocks of 64), 300 keys (3 blocks of 128)
+        let a = spec(&[(130, 300)], 2, 1, false);
+        let shape = [1, 2, 3, 2];
+        let mut ix = vec![0, 1, 2, -1, 1, 0, 0, 2, -1, -1, 2, 1];
+        assert!(SparseSpec::new(a.clone(), &ix, &shape, 64, 128, None).is_ok());
+        ix[5] = 3;
+        let e = err_of(SparseSpec::new(a.clone(), &ix, &shape, 64, 128, None));
+        assert!(e.contains("block_index[0, 0, 2, 1] = 3 but there are 3 key blocks"), "{e}");
+        ix[5] = -2;
+        let e = err_of(SparseSpec::new(a.clone(), &ix, &shape, 64, 128, None));
+        assert!(e.contains("block_index[0, 0, 2, 1] = -2 is negative"), "{e}");
+        ix[5] = 0;
+        ix[11] = 2;
+        let e = err_of(SparseSpec::new(a.clone(), &ix, &shape, 64, 128, None));
+        assert!(e.contains("block_index[0, 1, 2, 1] = 2 duplicates block_index[0, 1, 2, 0]"), "{e}");
+        let e = err_of(SparseSpec::new(a.clone(), &ix[..8], &[1, 2, 2, 2], 64, 128, None));
+        assert!(e.starts_with("block_index") && e.contains("query blocks"), "{e}");
+        let e = err_of(SparseSpec::new(a.clone(), &ix, &[1, 3, 2, 2], 64, 128, None));
+        assert!(e.contains("heads"), "{e}");
+        let e = err_of(SparseSpec::new(a.clone(), &ix, &shape, 0, 128, None));
+        assert!(e.starts_with("q_block"), "{e}");
+    }
+
+    #[test]
+    fn index_is_sorted_and_transposed() {
+        let a = spec(&[(128, 256), (64, 100)], 1, 1, false);
+        // batch 2, 1 head, 2 query blocks, top_k 2; sequence 1 has 1 key block
+        let ix = vec![1, 0, -1, 1, 0, -1, -1, -1];
+        let s = SparseSpec::new(a, &ix, &[2, 1, 2, 2], 64, 128, None).unwrap();
+        assert_eq!(s.index.kept(0, 0, 0), &[0, 1]);
+        assert_eq!(s.index.kept(0, 0, 1), &[1]);
+        assert_eq!(s.index.kept(1, 0, 0), &[0]);
+        assert!(s.index.kept(1, 0, 1).is_empty());
+        let t = s.transposed();
+        assert_eq!(t.listing(0, 0, 0), &[0]);
+        assert_eq!(t.listing(0, 0, 1), &[0, 1]);
+        assert_eq!(t.listing(1, 0, 0), &[0]);
+        assert!(t.listing(1, 0, 1).is_empty());
+        assert!(s.visible(0, 0, 70, 200) && !s.visible(0, 0, 70, 10) && !s.visible(1, 0, 0, 100));
+    }
+
+    #[test]
+    fn flex_fields_convert() {
+        let num = [2, 0];
+        let idx = [3, 1, 7, 7];
+        let (out, shape) = block_index_from_flex(&num, &[1, 1, 2], &idx, &[1, 1, 2, 2], Some((&[1, 1], &[1, 1, 2], &[0, 2], &[1, 1, 2, 1]))).unwrap();
+        assert_eq!(shape, vec![1, 1, 2, 3]);
+        assert_eq!(out, vec![3, 1, 0, 2, -1, -1]);
+        let e = block_index_from_flex(&[3, 0], &[1, 1, 2], &idx, &[1, 1, 2, 2], None).unwrap_err();
+        assert!(e.to_string().contains("kv_num_blocks[0, 0, 0] = 3"), "{e}");
+    }
+}
