@@ -50,7 +50,7 @@ fn main() -> candle_core::Result<()> {
     println!("grouped_flash_attn: out {:?}", o.dims());
 
     // bad input is an error naming the argument, not a panic
-    let err = cubeattn::candle::flash_attn(&q, &k.narrow(3, 0, 32)?, &v, scale, true).unwrap_err();
+    let err = cubeattn::candle::flash_attn(&q, &k.narrow(3, 0, 32)?, &v.narrow(3, 0, 32)?, scale, true).unwrap_err();
     println!("error: {err}");
     Ok(())
 }

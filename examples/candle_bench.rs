@@ -23,17 +23,26 @@ fn status_kib(key: &str) -> Option<f64> {
 
 /// candle's attention as model code writes it with candle-core ops: scores = q k^T * scale, the
 /// causal mask applied with `where_cond` (-inf above the diagonal), softmax as exp(x - max) / sum
-/// over the last axis, then p v. `mask` is built once per length, as models cache it.
+/// over the last axis, then p v. `mask` is built once per length, as models cache it. Each S x S
+/// intermediate is dropped as soon as the next one exists (at most two live at once), so the
+/// peak is the least this formulation needs.
 fn naive(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, scale: f64) -> candle_core::Result<Tensor> {
     let q = q.transpose(1, 2)?.contiguous()?; // [b, h, s, d]
     let k = k.transpose(1, 2)?.contiguous()?;
     let v = v.transpose(1, 2)?.contiguous()?;
-    let att = (q.matmul(&k.t()?)? * scale)?; // [b, h, s, s]
-    let neg = Tensor::new(f32::NEG_INFINITY, att.device())?.broadcast_as(att.shape())?;
-    let att = mask.broadcast_as(att.shape())?.where_cond(&neg, &att)?;
-    let max = att.max_keepdim(D::Minus1)?;
-    let e = att.broadcast_sub(&max)?.exp()?;
+    let masked = {
+        let att = (q.matmul(&k.t()?)? * scale)?; // [b, h, s, s]
+        let neg = Tensor::new(f32::NEG_INFINITY, att.device())?.broadcast_as(att.shape())?;
+        mask.broadcast_as(att.shape())?.where_cond(&neg, &att)?
+    };
+    let e = {
+        let max = masked.max_keepdim(D::Minus1)?;
+        let x = masked.broadcast_sub(&max)?;
+        drop(masked);
+        x.exp()?
+    };
     let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
+    drop(e);
     p.matmul(&v)?.transpose(1, 2)?.contiguous() // [b, s, h, d]
 }
 
@@ -104,7 +113,14 @@ fn all(args: &[String]) -> Result<(), String> {
     let out_dir = arg_after(args, "--out");
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut rows = Vec::new();
+    let date = Command::new("date").args(["-u", "+%Y-%m-%dT%H:%M UTC"]).output().ok().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default();
+    let env = env_json();
     let mut table = format!(
+        "# candle attention on cpu: {}, {date}, commit {}\n",
+        field(&env, "cpu"),
+        field(&env, "commit")
+    );
+    table += &format!(
         "candle attention, CPU, fp32 causal, batch 1, {HEADS} heads, d={HEAD_DIM} (median of {iters} runs; one process per row)\n{:<16} {:>6} {:>10} {:>10} {:>14} {:>18}\n",
         "impl", "S", "ms", "min ms", "peak RSS MiB", "RSS w/ inputs MiB"
     );
@@ -128,7 +144,8 @@ fn all(args: &[String]) -> Result<(), String> {
             rows.push(line);
         }
     }
-    let json = format!("{{\"env\": {},\n \"rows\": [\n  {}\n ]}}\n", env_json(), rows.join(",\n  "));
+    let env = env.replacen('{', &format!("{{\"date\": \"{date}\", "), 1);
+    let json = format!("{{\"env\": {env},\n \"rows\": [\n  {}\n ]}}\n", rows.join(",\n  "));
     print!("{table}");
     if let Some(dir) = out_dir {
         std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;

@@ -3,8 +3,8 @@
 # then the wheel is built and installed into the virtual environment and pytest runs.
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 setup_venv
-feat=()
-[ -n "$FEATURES" ] && feat=(--features "$FEATURES")
+# `candle` (the candle-core ops and tests/candle.rs) joins the tested features: one build for both
+feat=(--features "${FEATURES:+$FEATURES,}candle")
 echo "== cargo test --release ${feat[*]}"
 cargo test --release "${feat[@]}"
 echo "== wheel (features: python ${FEATURES})"

@@ -54,12 +54,14 @@ fn our_dtype(d: CDType) -> DType {
     }
 }
 
-/// Tolerances (relative norm error vs the f64 reference) for out and for gradients.
+/// Tolerances (relative norm error vs the f64 reference) for out and for gradients: about 4x
+/// the largest error seen over these tests (f32 2.3e-7 / 9.3e-7, f16 2.2e-4 / 2.5e-4, bf16
+/// 1.7e-3 / 1.9e-3; the 16-bit ones are dominated by rounding the result to the dtype).
 fn tol(d: CDType) -> (f64, f64) {
     match d {
-        CDType::F32 => (2e-6, 2e-5),
-        CDType::F16 => (1e-3, 4e-3),
-        _ => (6e-3, 3e-2),
+        CDType::F32 => (1e-6, 4e-6),
+        CDType::F16 => (1e-3, 1.2e-3),
+        _ => (7e-3, 8e-3),
     }
 }
 
@@ -284,8 +286,12 @@ fn reference_packed(q: &Tensor, k: &Tensor, v: &Tensor, segs: &[(usize, usize, u
     (Tensor::cat(&pieces, 0).unwrap(), Tensor::cat(&lses, 1).unwrap())
 }
 
+/// A call under test: (q, k, v) -> (out, lse).
+type PackedOp<'a> = &'a dyn Fn(&Tensor, &Tensor, &Tensor) -> R<(Tensor, Tensor)>;
+
 /// Runs `op` (forward + backward with a random upstream gradient) and the packed reference, and
 /// compares out, lse and the gradients.
+#[allow(clippy::too_many_arguments)]
 fn check_packed(
     what: &str,
     rng: &mut StdRng,
@@ -294,7 +300,7 @@ fn check_packed(
     segs: &[(usize, usize, usize, usize)],
     scale: f32,
     causal: bool,
-    op: &dyn Fn(&Tensor, &Tensor, &Tensor) -> R<(Tensor, Tensor)>,
+    op: PackedOp<'_>,
 ) {
     let (tq, tk, hq, hkv, d) = dims;
     let q = Var::from_tensor(&rand_t(rng, &[tq, hq, d], dt)).unwrap();
