@@ -96,6 +96,10 @@ fn field<'a>(json: &'a str, key: &str) -> &'a str {
     rest[..end].trim_matches('"')
 }
 
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg").unwrap_or_default().split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+}
+
 fn env_json() -> String {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let model = cpuinfo.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).unwrap_or("?").trim().to_string();
@@ -115,6 +119,7 @@ fn all(args: &[String]) -> Result<(), String> {
     let mut rows = Vec::new();
     let date = Command::new("date").args(["-u", "+%Y-%m-%dT%H:%M UTC"]).output().ok().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default();
     let env = env_json();
+    let load_before = loadavg();
     let mut table = format!(
         "# candle attention on cpu: {}, {date}, commit {}\n",
         field(&env, "cpu"),
@@ -144,7 +149,8 @@ fn all(args: &[String]) -> Result<(), String> {
             rows.push(line);
         }
     }
-    let env = env.replacen('{', &format!("{{\"date\": \"{date}\", "), 1);
+    // the 1/5/15-minute load averages before and after the run: other work on the machine shows here
+    let env = env.replacen('{', &format!("{{\"date\": \"{date}\", \"loadavg_before\": \"{load_before}\", \"loadavg_after\": \"{}\", ", loadavg()), 1);
     let json = format!("{{\"env\": {env},\n \"rows\": [\n  {}\n ]}}\n", rows.join(",\n  "));
     print!("{table}");
     if let Some(dir) = out_dir {
