@@ -105,7 +105,10 @@ fn env_json() -> String {
     let model = cpuinfo.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).unwrap_or("?").trim().to_string();
     let avx512 = cpuinfo.contains(" avx512f");
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
-    let commit = Command::new("git").args(["rev-parse", "--short", "HEAD"]).output().ok().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default();
+    // CUBEATTN_COMMIT names the commit where the binary runs outside a git checkout
+    let commit = std::env::var("CUBEATTN_COMMIT").ok().filter(|c| !c.is_empty()).unwrap_or_else(|| {
+        Command::new("git").args(["rev-parse", "--short", "HEAD"]).output().ok().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default()
+    });
     format!(
         "{{\"cpu\": \"{model}\", \"threads\": {threads}, \"avx512f\": {avx512}, \"commit\": \"{commit}\", \"candle_core\": \"0.11.1\", \"dtype\": \"float32\", \"causal\": true, \"batch\": 1, \"heads\": {HEADS}, \"head_dim\": {HEAD_DIM}, \"profile\": \"release\", \"timing\": \"median of the timed runs after one warm-up, one process per row\", \"peak_rss\": \"VmHWM of that process (inputs, mask and binary included)\"}}"
     )
