@@ -30,11 +30,19 @@
 //! gradient) is gathered into one contiguous buffer once per call; call `.contiguous()` yourself
 //! to reuse that copy across calls.
 //!
-//! **Devices.** CPU tensors only for now. candle's CUDA tensors are not supported yet: this
-//! build uses candle-core without its `cuda` feature (that feature compiles candle-kernels with
-//! nvcc and requires cudarc ^0.19.10 linked dynamically, while cubeattn's `cuda` feature pins cudarc
-//! =0.19.6 loaded at run time; Cargo.lock can hold only one). A CUDA or Metal tensor gives an error
-//! saying so, never a panic.
+//! **Devices.** CPU tensors only for now; a CUDA or Metal tensor gives an error saying it is not
+//! supported yet, never a panic. candle-core is built without its `cuda` feature, because:
+//! * one cudarc: candle-core 0.11.x needs cudarc ^0.19.10 while cubeattn's `cuda` feature pins
+//!   =0.19.6, so Cargo cannot resolve both. candle-core 0.10.x (cudarc ^0.19.4) would resolve to
+//!   0.19.6, but candle turns on cudarc's `dynamic-linking`, which feature unification would impose
+//!   on cubeattn's `cuda` build too (CUDA libraries needed at link time instead of loaded at run
+//!   time).
+//! * nvcc: Debian's main archive has no CUDA compiler; PyPI's `nvidia-cuda-nvcc-cu12` 12.9 wheel
+//!   ships no `nvcc` binary, while `nvidia-cuda-nvcc` 13.5 does and (with the 13.5 runtime, crt
+//!   and cccl header wheels, `CUDARC_CUDA_VERSION=13000`) compiles candle-kernels' PTX modules, so
+//!   a build is possible but slow (tens of minutes on 2 cores) and untested at link and run time.
+//!
+//! The device path for candle's CUDA tensors is left for when these line up.
 
 use std::borrow::Cow;
 use std::sync::{Arc, Mutex};
