@@ -5,8 +5,8 @@
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 setup_venv
 setup_torch
-feat=()
-[ -n "$FEATURES" ] && feat=(--features "$FEATURES")
+# `candle` (the candle-core ops and tests/candle.rs) joins the tested features: one build for both
+feat=(--features "${FEATURES:+$FEATURES,}candle")
 echo "== cargo test --release ${feat[*]}"
 cargo test --release "${feat[@]}"
 echo "== wheel (features: python ${FEATURES})"

@@ -4,6 +4,7 @@
 //! Layers, top to bottom: Python bindings (`python`, feature `python`) -> validated [`spec`] ->
 //! [`backend`] (CPU always; CUDA with feature `cuda`) -> kernels (`kernels`, CubeCL, feature
 //! `cuda`). Device detection and VRAM estimation are pure functions beside the backends.
+//! With feature `candle`, [`candle`] exposes the same calls as candle custom ops (with autograd).
 
 pub mod backend;
 pub mod device;
@@ -17,6 +18,9 @@ pub mod zigzag;
 
 #[cfg(feature = "cuda")]
 pub mod kernels;
+
+#[cfg(feature = "candle")]
+pub mod candle;
 
 #[cfg(feature = "python")]
 mod python;
