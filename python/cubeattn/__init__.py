@@ -235,6 +235,19 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return _forward(spec, q, k, v, cq, ck, cv, return_lse, deterministic, device)
 
 
+_CU = {}  # cu_seqlens of batched calls per (batch, seqlen)
+
+
+def _cu(b, s):
+    a = _CU.get((b, s))
+    if a is None:
+        if len(_CU) > 256:
+            _CU.clear()
+        a = _CU[(b, s)] = np.arange(b + 1, dtype=np.int32) * np.int32(s)
+        a.setflags(write=False)
+    return a
+
+
 def _batched_to_varlen(q, k, v):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if len(x.shape) != 4:
@@ -243,10 +256,8 @@ def _batched_to_varlen(q, k, v):
     sk = k.shape[1]
     if k.shape[0] != b or v.shape[0] != b:
         raise ValueError(f"invalid argument `k`: batch {k.shape[0]} differs from q's batch {b}")
-    cu_q = np.arange(b + 1, dtype=np.int32) * sq
-    cu_k = np.arange(b + 1, dtype=np.int32) * sk
     flat = [x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]) for x in (q, k, v)]
-    return flat, cu_q, cu_k, b, sq, sk
+    return flat, _cu(b, sq), _cu(b, sk), b, sq, sk
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False, device="auto",

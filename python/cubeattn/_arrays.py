@@ -42,13 +42,22 @@ class Converted:
         return self._bytes
 
 
+_TORCH_NAMES = None
+
+
+def _torch_names():
+    global _TORCH_NAMES
+    if _TORCH_NAMES is None:
+        import torch
+
+        _TORCH_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+    return _TORCH_NAMES
+
+
 def dtype_name(x, name: str) -> str:
     """'float32' | 'float16' | 'bfloat16' for a numpy array or torch tensor, else TypeError."""
     if _is_torch(x):
-        import torch
-
-        names = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-        dt = names.get(x.dtype)
+        dt = _torch_names().get(x.dtype)
     elif isinstance(x, np.ndarray):
         dt = _NP_NAMES.get(x.dtype)
     else:

@@ -502,8 +502,9 @@ def _cuda_callpath(args, torch):
     tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     hq, hkv, d = CONFIGS[args.config]
     rows = []
-    for what, b, s in (("forward", 4, 1024), ("forward", 1, 8192), ("fwdbwd", 1, 8192), ("host_overhead", 1, 128)):
-        grad = what == "fwdbwd"
+    for what, b, s in (("forward", 4, 1024), ("forward", 1, 8192), ("fwdbwd", 1, 8192), ("host_overhead", 1, 128),
+                       ("host_overhead_fwdbwd", 1, 128)):
+        grad = what in ("fwdbwd", "host_overhead_fwdbwd")
         q = torch.randn(b, s, hq, d, device="cuda", dtype=tdt, requires_grad=grad)
         k = torch.randn(b, s, hkv, d, device="cuda", dtype=tdt, requires_grad=grad)
         v = torch.randn(b, s, hkv, d, device="cuda", dtype=tdt, requires_grad=grad)
@@ -524,9 +525,13 @@ def _cuda_callpath(args, torch):
                     if grad:
                         o.backward(gt)
             return f
-        calls = 200 if what == "host_overhead" else 20
+        tiny = what.startswith("host_overhead")
+        calls = 200 if tiny else 20
         rows.append(dict(key, impl="cubeattn", ms=_wall_ms(ours, torch, calls)))
-        if what != "host_overhead":
+        if tiny:
+            # SDPA flash on the same tiny shape: the peer's own per-call cost
+            rows.append(dict(key, impl="sdpa_flash", ms=_wall_ms(sdpa(SDPBackend.FLASH_ATTENTION), torch, calls)))
+        else:
             cu = np.arange(b + 1, dtype=np.int32) * s
             spec = cubeattn.varlen_spec((b * s, hq, d), (b * s, hkv, d), args.dtype, cu, cu, s, s, None, True)
             bench = cubeattn._core.cuda_bench_forward_backward if grad else cubeattn._core.cuda_bench_forward
