@@ -219,7 +219,7 @@ def test_layer_rejects_bad_input_before_any_collective():
 # ---------------------------------------------------------------- the distributed layer, CPU + gloo
 
 @pytest.mark.torch
-@pytest.mark.parametrize("w,dtype", [(1, "float32"), (2, "float32"), (3, "float32"), (2, "bfloat16")])
+@pytest.mark.parametrize("w,dtype", [(1, "float32"), (2, "float32"), (3, "float32"), (2, "bfloat16"), (8, "float32")])
 def test_zigzag_layer_gloo_matches_whole_sequence_attention(w, dtype, tmp_path):
     pytest.importorskip("torch")
     import torch.distributed as dist
