@@ -166,9 +166,10 @@ impl CudaBackend {
         let (qb, kb, vb) = (up(q)?, up(k)?, up(v)?);
         let ob = DevBuf::alloc(d.q_len() * es)?;
         let lb = DevBuf::alloc(d.lse_len() * 4)?;
-        let po = poison.unwrap_or(0.0);
-        let out0 = HostData::from_f32(spec.dtype, &vec![po; d.q_len()]);
-        let lse0 = vec![if has_work(spec) { po } else { f32::INFINITY }; d.lse_len()];
+        // no key: nothing is launched and the outputs are zeros and lse +inf; else `poison` first
+        let (o0, l0) = if has_work(spec) { (poison.unwrap_or(0.0), poison.unwrap_or(0.0)) } else { (0.0, f32::INFINITY) };
+        let out0 = HostData::from_f32(spec.dtype, &vec![o0; d.q_len()]);
+        let lse0 = vec![l0; d.lse_len()];
         if poison.is_some() || !has_work(spec) {
             ob.upload(out0.view().as_bytes(), s)?;
             lb.upload(bytemuck::cast_slice(&lse0), s)?;
