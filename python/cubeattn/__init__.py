@@ -314,6 +314,30 @@ def _backward_on_gpu(spec, gpu, conv, lse, deterministic, dev):
     return grads
 
 
+def _backward_device_fast(spec, gpu, dev, q, k, v, out, lse, dout, deterministic):
+    """Autograd's backward after a forward that ran on the device path: q, k, v, out and lse are
+    the contiguous CUDA tensors that forward used (validated then); only dout is checked here.
+    None where the general path must run (dout on another device or of another dtype or shape)."""
+    import torch
+
+    if not (isinstance(dout, torch.Tensor) and dout.device == gpu and dout.dtype == out.dtype
+            and dout.shape == out.shape):
+        return None
+    d = dout if dout.is_contiguous() else dout.contiguous()
+    w = _workspace(spec, gpu, dev, True, bool(deterministic))
+    if w is None:
+        return None
+    stream, ws, n = w
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if not _core.backward_device(spec, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                                 d.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), ws.data_ptr(), n,
+                                 stream, bool(deterministic), dev):
+        for g in (dq, dk, dv):
+            g.zero_()
+    _last.name = "cuda"
+    return dq, dk, dv
+
+
 def _run_backward(spec, dout, q, k, v, out, lse, deterministic, device):
     cq, ck, cv = to_core(q, "q"), to_core(k, "k"), to_core(v, "v")
     co, cg = to_core(out, "out"), to_core(dout, "dout")

@@ -12,19 +12,32 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, spec, conv, deterministic, device):
-        from . import _run_forward
+        from . import _device_for, _one_gpu, _run_forward
 
         out, lse = _run_forward(spec, *conv, True, device)
-        ctx.save_for_backward(q, k, v, out, lse)
+        dev = _device_for(device, *conv)
+        gpu = _one_gpu(dev, *conv)
+        if gpu is not None and out.is_cuda:
+            # device path: keep the contiguous tensors the kernels read, so that the backward only
+            # has dout to check and convert
+            ctx.save_for_backward(*(c.device_tensor for c in conv), out, lse)
+            ctx.fast = (gpu, dev)
+        else:
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.fast = None
         ctx.spec, ctx.deterministic, ctx.device = spec, deterministic, device
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        from . import _run_backward
+        from . import _backward_device_fast, _run_backward
 
         q, k, v, out, lse = ctx.saved_tensors
+        if ctx.fast is not None:
+            grads = _backward_device_fast(ctx.spec, *ctx.fast, q, k, v, out, lse, dout, ctx.deterministic)
+            if grads is not None:
+                return (*grads, None, None, None, None)
         dq, dk, dv = _run_backward(ctx.spec, dout, q, k, v, out, lse, ctx.deterministic, ctx.device)
         return dq, dk, dv, None, None, None, None
 
