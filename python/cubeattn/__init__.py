@@ -147,10 +147,20 @@ def _needs_grad(q, k, v) -> bool:
     return needs_grad(q, k, v)
 
 
+def _check_like_q(cq, named, shapes=()):
+    """dtype of each (name, Converted) must be q's (TypeError), and the shapes of those named in
+    `shapes` q's shape (ValueError): the core sees bytes only, so a float16 / bfloat16 mix or a
+    reshaped `out` with q's element count would otherwise be read as garbage."""
+    for name, c in named:
+        if c.dtype != cq.dtype:
+            raise TypeError(f"invalid dtype for `{name}`: {c.dtype}; q is {cq.dtype} (they must match)")
+        if name in shapes and tuple(c.shape) != tuple(cq.shape):
+            raise ValueError(f"invalid argument `{name}`: shape {tuple(c.shape)} differs from q's {tuple(cq.shape)}")
+
+
 def _forward(spec, q, k, v, cq, ck, cv, return_lse, deterministic, device):
     """The forward of a validated spec: through autograd when a torch input requires grad."""
-    if ck.dtype != cq.dtype or cv.dtype != cq.dtype:
-        raise TypeError(f"invalid dtype: q is {cq.dtype}, k is {ck.dtype}, v is {cv.dtype}; they must match")
+    _check_like_q(cq, (("k", ck), ("v", cv)))
     if _needs_grad(q, k, v):
         from ._autograd import attention
 
@@ -341,6 +351,7 @@ def _backward_device_fast(spec, gpu, dev, q, k, v, out, lse, dout, deterministic
 def _run_backward(spec, dout, q, k, v, out, lse, deterministic, device):
     cq, ck, cv = to_core(q, "q"), to_core(k, "k"), to_core(v, "v")
     co, cg = to_core(out, "out"), to_core(dout, "dout")
+    _check_like_q(cq, (("k", ck), ("v", cv), ("out", co), ("dout", cg)), shapes=("out", "dout"))
     dev = _device_for(device, cq, ck, cv)
     gpu = _one_gpu(dev, cq, ck, cv, co, cg)
     if gpu is not None:

@@ -97,10 +97,17 @@ def from_core(buf: np.ndarray, shape, dtype: str, like: Converted):
     return buf.view(npdt).reshape(shape)
 
 
-def int32_vector(x, name: str) -> np.ndarray:
+def _asarray(x, name: str) -> np.ndarray:
     if _is_torch(x):
         x = x.detach().cpu().numpy()
-    a = np.asarray(x)
+    try:
+        return np.asarray(x)
+    except (ValueError, TypeError) as e:  # ragged nested lists and the like
+        raise ValueError(f"invalid argument `{name}`: not a rectangular integer array ({e})") from None
+
+
+def int32_vector(x, name: str) -> np.ndarray:
+    a = _asarray(x, name)
     if a.ndim != 1:
         raise ValueError(f"invalid argument `{name}`: expected a 1-D int32 array [batch+1], got shape {a.shape}")
     if a.dtype.kind not in "iu":
@@ -111,9 +118,7 @@ def int32_vector(x, name: str) -> np.ndarray:
 
 
 def int32_ranges(x, name: str) -> np.ndarray:
-    if _is_torch(x):
-        x = x.detach().cpu().numpy()
-    a = np.asarray(x)
+    a = _asarray(x, name)
     if a.ndim != 2 or (a.size and a.shape[1] != 2):
         raise ValueError(f"invalid argument `{name}`: expected shape [groups, 2], got {a.shape}")
     if a.size == 0:
