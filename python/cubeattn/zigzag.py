@@ -452,8 +452,9 @@ def zigzag_llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, ma
         if x.dim() != 3:
             raise ValueError(f"invalid argument `{name}`: expected [total_tokens, heads, head_dim], got shape {tuple(x.shape)}")
         dtype_name(x, name)
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"invalid dtype: q is {q.dtype}, k is {k.dtype}, v is {v.dtype}; they must match")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(f"invalid dtype for `{name}`: {x.dtype}; q is {q.dtype} (q, k, v must match)")
     if k.device != q.device or v.device != q.device:
         raise ValueError(f"invalid argument `k`: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if k.shape != v.shape:

@@ -205,7 +205,7 @@ def test_layer_rejects_bad_input_before_any_collective():
         f(q, k, k, cu, cu, 4, 8, 1)
     with pytest.raises(ValueError, match="`local_k_slice`"):
         f(q, k, k, cu, cu, 8, 8, 1, local_k_slice=slice(0, 4))
-    with pytest.raises(TypeError, match="dtype"):
+    with pytest.raises(TypeError, match="dtype for `k`"):
         f(q, k.double(), k, cu, cu, 8, 8, 1)
     with pytest.raises(ValueError, match="`k`"):
         f(q, torch.randn(8, 3, 16), torch.randn(8, 3, 16), cu, cu, 8, 8, 1)
