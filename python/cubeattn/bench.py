@@ -29,7 +29,7 @@ import numpy as np
 
 import cubeattn
 
-CONFIGS = {"llama3-8b": (32, 8, 128), "llama3-70b": (64, 8, 128), "cpu-small": (8, 8, 128)}
+CONFIGS = {"llama3-8b": (32, 8, 128), "llama3-70b": (64, 8, 128), "gqa-d64": (32, 8, 64), "cpu-small": (8, 8, 128)}
 
 
 def causal_pairs(sq, sk):
@@ -181,13 +181,14 @@ def _cuda_dense(args, torch):
     sync = torch.cuda.synchronize
     for s in args.seqlens:
         flops = 4 * d * hq * (causal_pairs(s, s) if args.causal else s * s)
+        key = dict(what="dense_fwd", config=args.config, causal=args.causal, dtype=args.dtype, S=s)
         spec = cubeattn.varlen_spec((s, hq, d), (s, hkv, d), args.dtype, [0, s], [0, s], s, s, causal=args.causal)
         try:
             ts = sorted(cubeattn._core.cuda_bench_forward(spec, 3, args.iterations))
-            rows.append(dict(what="dense_fwd", impl="cubeattn_cuda", S=s, ms=ts[len(ts) // 2], ms_min=ts[0],
+            rows.append(dict(key, impl="cubeattn_cuda", ms=ts[len(ts) // 2], ms_min=ts[0],
                              ms_max=ts[-1], tflops=flops / ts[len(ts) // 2] / 1e9))
         except Exception as e:  # report, keep the peers
-            rows.append(dict(what="dense_fwd", impl="cubeattn_cuda", S=s, error=str(e)[:200]))
+            rows.append(dict(key, impl="cubeattn_cuda", error=str(e)[:200]))
         q = torch.randn(1, hq, s, d, device="cuda", dtype=tdt)
         k = torch.randn(1, hkv, s, d, device="cuda", dtype=tdt)
         v = torch.randn_like(k)
@@ -197,10 +198,10 @@ def _cuda_dense(args, torch):
                     with sdpa_kernel(be):
                         F.scaled_dot_product_attention(q, k, v, is_causal=args.causal, enable_gqa=True)
                 ms = median_ms(run, 3, args.iterations, sync)
-                rows.append(dict(what="dense_fwd", impl=name, S=s, ms=ms[0], ms_min=ms[1], ms_max=ms[2],
+                rows.append(dict(key, impl=name, ms=ms[0], ms_min=ms[1], ms_max=ms[2],
                                  tflops=flops / ms[0] / 1e9))
             except Exception as e:
-                rows.append(dict(what="dense_fwd", impl=name, S=s, error=str(e)[:200]))
+                rows.append(dict(key, impl=name, error=str(e)[:200]))
         del q, k, v
     return rows
 
@@ -741,7 +742,7 @@ def bench_sparse_cpu(args):
 # ---------------------------------------------------------------- output
 
 def print_table(rows):
-    cols = [c for c in ("what", "config", "impl", "cache", "part", "B", "S", "T", "W", "rank", "P", "G", "pattern",
+    cols = [c for c in ("what", "config", "causal", "impl", "cache", "part", "B", "S", "T", "W", "rank", "P", "G", "pattern",
                         "kept", "ms", "gflops", "tflops", "speedup", "ideal", "fwd_ms", "fwd_tflops", "fwdbwd_ms",
                         "fwdbwd_tflops", "exposed_comm_fwd_ms", "exposed_comm_fwdbwd_ms", "error")
             if any(c in r for r in rows)]

@@ -29,6 +29,8 @@ use cubecl::prelude::*;
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::barrier::{copy_async, Barrier};
 
+use super::math::{fast_exp2, LN2};
+
 /// Packed rows per cube.
 pub const BLOCK_M: usize = 16 * PLANES;
 /// Keys per shared-memory tile.
@@ -47,12 +49,6 @@ pub const WORK_WORDS: usize = 5;
 pub const COMB_WORDS: usize = 4;
 /// Marks "no row" / "no partial slot".
 pub const NONE: u32 = u32::MAX;
-
-/// `exp` through the hardware approximation (`__expf`: one multiply and `ex2.approx`).
-#[cube(fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf)]
-fn fast_exp(x: f32) -> f32 {
-    f32::exp(x)
-}
 
 /// Per-row metadata of one tile, written to shared memory by the first BLOCK_M units:
 /// token (NONE for an empty row), q head, and the visible absolute key range clipped to
@@ -231,7 +227,7 @@ pub fn flash_fwd_mma2<E: Float>(
     work: &Array<u32>,
     slices: &Array<u32>,
     segs: &Array<u32>,
-    scale: f32,
+    scale_log2: f32,
     heads_q: u32,
     heads_kv: u32,
     total_q: u32,
@@ -487,12 +483,12 @@ pub fn flash_fwd_mma2<E: Float>(
             mx = max(mx, plane_shuffle_xor(mx, 1u32));
             mx = max(mx, plane_shuffle_xor(mx, 2u32));
             let old = m_r[i];
-            let new = max(old, mx * scale);
+            let new = max(old, mx * scale_log2);
             let mut use_m = new;
             if new == neg_inf {
                 use_m = 0.0f32;
             }
-            let alpha = fast_exp(old - use_m);
+            let alpha = fast_exp2(old - use_m);
             m_r[i] = new;
             let mut sum = 0.0f32;
             #[unroll]
@@ -500,7 +496,7 @@ pub fn flash_fwd_mma2<E: Float>(
                 #[unroll]
                 for e2 in 0..comptime!(ec / 2) {
                     let idx = (m * n_blocks + nb) * ec + e0 + e2;
-                    let p = fast_exp(s[idx] * scale - use_m);
+                    let p = fast_exp2(s[idx] * scale_log2 - use_m);
                     s[idx] = p;
                     sum += p;
                 }
@@ -638,7 +634,7 @@ pub fn flash_fwd_mma2<E: Float>(
                 if tok != NONE {
                     let mut val = inf;
                     if l_r[i] > 0.0f32 {
-                        val = m_r[i] + f32::ln(l_r[i]);
+                        val = m_r[i] * LN2 + f32::ln(l_r[i]);
                     }
                     lse[(row_head[tr] * total_q + tok) as usize] = val;
                 }
@@ -669,7 +665,7 @@ pub fn flash_fwd_mma2<E: Float>(
                 let tr = prow + (i / 2) * 16 + r as usize;
                 let mut val = neg_inf;
                 if l_r[i] > 0.0f32 {
-                    val = m_r[i] + f32::ln(l_r[i]);
+                    val = m_r[i] * LN2 + f32::ln(l_r[i]);
                 }
                 part_lse[pbase + tr] = val;
             }

@@ -12,12 +12,13 @@ use cubecl::prelude::*;
 use cudarc::driver::sys;
 use half::{bf16, f16};
 
-use super::compile::{codegen, settings, KernelKey};
+use super::compile::{codegen, codegen_exp2, settings, KernelKey};
 use super::launch::{launch, Args};
 use super::{fwd_options, CudaBackend, Plan};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::kernels::flash_fwd::{self, BLOCK_M};
+use crate::kernels::math::LOG2E;
 use crate::kernels::rowwise_fwd::{self, ROWS_PER_CUBE};
 use crate::spec::AttnSpec;
 
@@ -136,7 +137,7 @@ pub(crate) fn launch_forward(
     let f = be.kernels.get(&key, || {
         macro_rules! k {
             ($t:ty) => {
-                codegen(flash_fwd::flash_fwd_mma2::FlashFwdMma2::<$t, CudaRuntime>::new(
+                codegen_exp2(flash_fwd::flash_fwd_mma2::FlashFwdMma2::<$t, CudaRuntime>::new(
                     settings(threads),
                     client.clone(),
                     A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (),
@@ -155,7 +156,7 @@ pub(crate) fn launch_forward(
     for i in [TBL_FWD_WORK, TBL_FWD_SLICES, TBL_SEGS] {
         a.array(t(i).0, t(i).1);
     }
-    a.f32(spec.scale).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32);
+    a.f32(spec.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32);
     a.u32(fp.hp).u32(fp.n_slots).f32(f32::INFINITY);
     launch(&f, (n_work, y, 1), &mut a, stream)?;
 

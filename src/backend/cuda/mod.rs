@@ -14,6 +14,7 @@ mod launch;
 mod options;
 mod plan;
 mod plans;
+mod rewrite;
 mod status;
 
 pub use backward::BwdPtrs;
