@@ -7,7 +7,9 @@ Block-size contract: query rows in blocks of ``q_block`` (default 64), keys in b
 partial. ``block_index`` is int32 ``[batch, heads, q_blocks, top_k]``, ``q_blocks =
 ceil(max_seqlen_q / q_block)``, ``-1`` = unused slot, any order, no duplicates; ``heads`` is
 heads_q or heads_kv (one pattern per GQA group). Causal (bottom-right) applies on top of the
-block pattern. A row that sees no key gets zero output and lse ``+inf``.
+block pattern. A row that sees no key gets zero output and lse ``+inf``. The results do not
+depend on the device; on CUDA, ``k_block`` a multiple of 64 and ``q_block`` (times the GQA group
+size when the index is per kv head) a multiple of 64 run without padded (masked) work.
 """
 from __future__ import annotations
 
@@ -155,9 +157,27 @@ def _check_device(device):
 
 
 def _run_forward(spec, cq, ck, cv, device):
-    from . import _last
+    from . import _device_for, _last, _one_gpu, _raw_stream
 
-    out, lse, name = _core.sparse_forward(spec, cq.bytes, ck.bytes, cv.bytes, _check_device(device))
+    dev = _device_for(_check_device(device), cq, ck, cv)
+    total_q, _, heads_q, _, _ = spec.dims
+    gpu = _one_gpu(dev, cq, ck, cv) if hasattr(_core, "sparse_forward_device") else None
+    if gpu is not None:
+        # device-resident: enqueued on torch's current stream, no copies, no synchronization
+        import torch
+
+        q, k, v = cq.device_tensor, ck.device_tensor, cv.device_tensor
+        o = torch.empty(cq.shape, dtype=q.dtype, device=gpu)
+        lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=gpu)
+        done = _core.sparse_forward_device(spec, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
+                                           lse.data_ptr(), _raw_stream(torch, gpu), dev)
+        if done is not None:
+            if not done:
+                o.zero_()
+                lse.fill_(float("inf"))
+            _last.name = "cuda"
+            return o, lse
+    out, lse, name = _core.sparse_forward(spec, cq.bytes, ck.bytes, cv.bytes, dev)
     _last.name = name
     total_q, _, heads_q, _, _ = spec.dims
     return from_core(out, cq.shape, cq.dtype, cq), from_core(lse, (heads_q, total_q), "float32", cq)
@@ -210,8 +230,11 @@ def block_sparse_attn_func(q, k, v, block_index=None, q_block=DEFAULT_Q_BLOCK, k
     int32 ``[B, H, q_blocks, top_k]`` (see the module docs), or a FlexAttention ``block_mask`` /
     its ``kv_num_blocks`` + ``kv_indices``. Returns out (and lse: ``[B, Hq, Sq]`` batched,
     ``[Hq, total_q]`` varlen). ``qk_int8=True``: SageAttention-style INT8 Q K^T with
-    ``quant_gran`` scales and K smoothing (``smooth_k``), forward only. ``device="cuda"`` raises
-    NotImplementedError (no CUDA kernel yet); "auto" runs on the CPU."""
+    ``quant_gran`` scales and K smoothing (``smooth_k``), forward only. Forward on CUDA (torch
+    CUDA tensors stay on their GPU; numpy inputs are copied) for float16/bfloat16, head_dim 64/128,
+    exact QK^T; the rest runs on the CPU with ``device="auto"`` and raises NotImplementedError
+    with ``device="cuda"``. The backward has no CUDA kernel yet: autograd runs it on the CPU
+    (``device="auto"``); ``device="cuda"`` raises NotImplementedError there."""
     cq0 = dtype_name(q, "q")
     dtype_name(k, "k"), dtype_name(v, "v")
     fq, fk, fv, cu_q, cu_k, mq, mk, batched = _layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)

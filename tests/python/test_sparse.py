@@ -274,13 +274,19 @@ def test_block_index_dtype_and_other_arguments():
         cubeattn._core.sparse_backward(spec, *(x.reshape(-1).view(np.uint8) for x in (q, k, v, out)), lse.reshape(-1), out.reshape(-1).view(np.uint8))
 
 
-def test_cuda_device_is_not_implemented_and_auto_runs_on_the_cpu():
+def test_cuda_without_a_kernel_for_the_call_is_refused_and_auto_runs_on_the_cpu():
+    # head_dim 8 has no CUDA kernel: NotImplementedError naming it where CUDA runs, the
+    # "unavailable" RuntimeError where it does not; never a silent CPU run for device="cuda"
     q, k, v = small()
     ok = np.zeros((1, 2, 1, 1), np.int32)
-    with pytest.raises(NotImplementedError, match="CUDA kernel"):
+    cuda = cubeattn.backend_status()["cuda_available"]
+    with pytest.raises(NotImplementedError if cuda else RuntimeError, match="head_dim 8|cuda"):
         cubeattn.block_sparse_attn_func(q, k, v, ok, device="cuda")
     cubeattn.block_sparse_attn_func(q, k, v, ok, device="auto")
     assert cubeattn.last_backend() == "cpu"
+    out = cubeattn.block_sparse_attn_func(q, k, v, ok)
+    with pytest.raises(NotImplementedError, match="backward"):
+        cubeattn.block_sparse_attn_backward(out, q, k, v, out, np.zeros((1, 2, 64), np.float32), ok, device="cuda")
 
 
 # ---------------------------------------------------------------- FlexAttention BlockMask fields

@@ -133,18 +133,20 @@ pub(crate) fn launch_forward(
     let (part_o, part_lse) = (p.workspace + offs[0] as u64, p.workspace + offs[1] as u64);
     let n_part = po_bytes / (4 * hd);
 
-    let key = KernelKey::new("flash_fwd_mma2", dt, &[hd as u32, spec.causal as u32, mt as u32, bn as u32]);
+    let key = KernelKey::new("flash_fwd_mma2", dt, &[hd as u32, spec.causal as u32, mt as u32, bn as u32, BLOCK_M as u32, 0]);
     let f = be.kernels.get(&key, || {
         macro_rules! k {
             ($t:ty) => {
                 codegen_exp2(flash_fwd::flash_fwd_mma2::FlashFwdMma2::<$t, CudaRuntime>::new(
                     settings(threads),
                     client.clone(),
-                    A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (),
+                    A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (),
                     hd,
                     spec.causal,
                     mt,
                     bn,
+                    BLOCK_M,
+                    false,
                 ))
             };
         }
@@ -156,8 +158,10 @@ pub(crate) fn launch_forward(
     for i in [TBL_FWD_WORK, TBL_FWD_SLICES, TBL_SEGS] {
         a.array(t(i).0, t(i).1);
     }
+    // no block list (the sparse tables): any valid address
+    a.array(t(TBL_SEGS).0, 1).array(t(TBL_SEGS).0, 1);
     a.f32(spec.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32);
-    a.u32(fp.hp).u32(fp.n_slots).f32(f32::INFINITY);
+    a.u32(fp.hp).u32(fp.n_slots).f32(f32::INFINITY).u32(0).u32(1);
     launch(&f, (n_work, y, 1), &mut a, stream)?;
 
     if fp.n_comb() > 0 {
