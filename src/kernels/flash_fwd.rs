@@ -47,6 +47,8 @@ pub const SLICE_WORDS: usize = 3;
 pub const WORK_WORDS: usize = 5;
 /// u32 words per combine entry.
 pub const COMB_WORDS: usize = 4;
+/// Key blocks of a sparse work item's list staged in shared memory (the rest is read from global).
+pub const LIST_SMEM: usize = 256;
 /// Marks "no row" / "no partial slot".
 pub const NONE: u32 = u32::MAX;
 
@@ -274,24 +276,35 @@ pub fn flash_fwd_mma2<E: Float>(
     let khi = work[item + 3];
     let slot = work[item + 4];
 
+    // Key tiles: dense, `[klo, khi)` in block_n steps; sparse, the listed key blocks of this
+    // (item, CUBE_POS_Y), each `tiles_per_block` tiles (see `tile_bounds`). The first LIST_SMEM
+    // blocks of the list are staged in shared memory, so no tile waits on a global load for its
+    // address.
+    let mut n_tiles = 0u32;
+    let mut list = 0u32;
+    let mut list_smem = SharedMemory::<u32>::new(comptime!(if sparse { LIST_SMEM } else { 1usize }));
+    if sparse {
+        let r = ((CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) * 2u32) as usize;
+        list = tile_ref[r];
+        n_tiles = tile_ref[r + 1];
+        let lim = min((n_tiles + tiles_per_block - 1) / tiles_per_block, LIST_SMEM as u32);
+        #[unroll]
+        for pass in 0..comptime!(LIST_SMEM.div_ceil(threads)) {
+            let i = UNIT_POS + (pass * threads) as u32;
+            if i < lim {
+                list_smem[i as usize] = blocks[(list + i) as usize];
+            }
+        }
+    } else if khi > klo {
+        n_tiles = (khi - klo + block_n as u32 - 1) / block_n as u32;
+    }
+
     // fill_rows covers rows [0, block_m) with one unit each: with fewer units, loop.
     fill_rows2(
         slices, segs, slice_off, n_slices, hp, head_base, klo, khi, &mut row_tok, &mut row_head, &mut row_lo,
         &mut row_hi, causal, threads, block_m,
     );
     sync_cube();
-
-    // Key tiles: dense, `[klo, khi)` in block_n steps; sparse, the listed key blocks of this
-    // (item, CUBE_POS_Y), each `tiles_per_block` tiles (see `tile_bounds`).
-    let mut n_tiles = 0u32;
-    let mut list = 0u32;
-    if sparse {
-        let r = ((CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) * 2u32) as usize;
-        list = tile_ref[r];
-        n_tiles = tile_ref[r + 1];
-    } else if khi > klo {
-        n_tiles = (khi - klo + block_n as u32 - 1) / block_n as u32;
-    }
 
     let size!(NA) = def.vector_size(MatrixIdent::A);
     let size!(NB) = def.vector_size(MatrixIdent::B);
@@ -318,7 +331,7 @@ pub fn flash_fwd_mma2<E: Float>(
     // Q tile and K(0) in one cp.async group on bar_k. Rows without a token copy token 0 (any
     // valid row): their key range is empty, so every score is masked and nothing is written.
     if n_tiles > 0 {
-        let (f0, f1) = tile_bounds(0u32, klo, khi, list, blocks, k_block, tiles_per_block, block_n, sparse);
+        let (f0, f1) = tile_bounds(0u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, block_n, sparse);
         #[unroll]
         for it in 0..q_loads {
             let idx = UNIT_POS as usize + it * threads;
@@ -365,7 +378,7 @@ pub fn flash_fwd_mma2<E: Float>(
     let (row_b, _cb) = def.position_of_nth(lane, (ec - 1) as u32, MatrixIdent::Accumulator);
 
     for kt in 0..n_tiles {
-        let (t0, t1) = tile_bounds(kt, klo, khi, list, blocks, k_block, tiles_per_block, block_n, sparse);
+        let (t0, t1) = tile_bounds(kt, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, block_n, sparse);
         bar_k.wait_parity(kt & 1u32);
         // Every plane has finished P.V of the previous tile: the V buffer is free.
         sync_cube();
@@ -529,7 +542,7 @@ pub fn flash_fwd_mma2<E: Float>(
         // Every plane has finished S = Q K^T: the K buffer is free for the next tile.
         sync_cube();
         if kt + 1 < n_tiles {
-            let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, k_block, tiles_per_block, block_n, sparse);
+            let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, block_n, sparse);
             #[unroll]
             for it in 0..kv_loads {
                 let idx = UNIT_POS as usize + it * threads;
@@ -764,6 +777,7 @@ fn tile_bounds(
     khi: u32,
     list: u32,
     blocks: &Array<u32>,
+    list_smem: &SharedMemory<u32>,
     k_block: u32,
     tiles_per_block: u32,
     #[comptime] block_n: usize,
@@ -774,7 +788,8 @@ fn tile_bounds(
     if sparse {
         let bi = kt / tiles_per_block;
         let part = kt - bi * tiles_per_block;
-        let bstart = klo + blocks[(list + bi) as usize] * k_block;
+        let kb = if bi < LIST_SMEM as u32 { list_smem[bi as usize] } else { blocks[(list + bi) as usize] };
+        let bstart = klo + kb * k_block;
         t0 = bstart + part * block_n as u32;
         t1 = min(min(t0 + block_n as u32, bstart + k_block), khi);
     }

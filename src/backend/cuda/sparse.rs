@@ -52,25 +52,24 @@ const T_SLICES: usize = 2;
 const T_REF: usize = 3;
 const T_BLOCKS: usize = 4;
 
-fn fnv(h: &mut u64, x: u64) {
-    for b in x.to_le_bytes() {
-        *h ^= b as u64;
-        *h = h.wrapping_mul(0x0100_0000_01b3);
-    }
+/// Mixes one word into `h` (FNV-1a style over words with odd multiplier `m`).
+fn mix(h: &mut u64, x: u64, m: u64) {
+    *h = (*h ^ x).wrapping_mul(m);
 }
 
-/// What besides the dense shape the plan depends on: block sizes and the whole index.
-fn index_hash(spec: &SparseSpec) -> u64 {
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
+/// What besides the dense shape the plan depends on: block sizes and the whole index, hashed
+/// from two seeds (128 bits of key: a collision would silently run another pattern's plan).
+fn index_hash(spec: &SparseSpec, seed: u64, m: u64) -> u64 {
+    let mut h = seed;
     let ix = &spec.index;
     for x in [spec.q_block, spec.k_block, ix.batch, ix.heads, ix.q_blocks, ix.blocks.len()] {
-        fnv(&mut h, x as u64);
+        mix(&mut h, x as u64, m);
     }
     for &o in &ix.offsets {
-        fnv(&mut h, o as u64);
+        mix(&mut h, o as u64, m);
     }
     for &b in &ix.blocks {
-        fnv(&mut h, b as u64);
+        mix(&mut h, b as u64, m);
     }
     h
 }
@@ -152,7 +151,7 @@ pub(crate) fn check_sparse_supported(spec: &SparseSpec) -> Result<()> {
 
 impl CudaBackend {
     fn sparse_plan(&self, spec: &SparseSpec, stream: sys::CUstream) -> Result<Arc<Cached<SparsePlan>>> {
-        self.sparse_plans.get(PlanKey::new(&spec.attn, index_hash(spec)), stream, || SparsePlan::build(spec))
+        self.sparse_plans.get(PlanKey::with_extra(&spec.attn, index_hash(spec, 0xcbf2_9ce4_8422_2325, 0x0100_0000_01b3), index_hash(spec, 0x9e37_79b9_7f4a_7c15, 0xff51_afd7_ed55_8ccd)), stream, || SparsePlan::build(spec))
     }
 
     /// Enqueues the block-sparse forward of `spec` on `stream` (no workspace): reads q, k, v and
