@@ -446,6 +446,11 @@ impl PySparseSpec {
     fn k_block(&self) -> usize {
         self.inner.k_block
     }
+    /// (q_start, q_len, k_start, k_len) per sequence.
+    #[getter]
+    fn segments(&self) -> Vec<(usize, usize, usize, usize)> {
+        self.inner.attn.segments.iter().map(|s| (s.q_start, s.q_len, s.k_start, s.k_len)).collect()
+    }
     /// Kept (query block, key block) pairs over all sequences and index heads.
     #[getter]
     fn kept_blocks(&self) -> usize {

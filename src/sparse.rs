@@ -246,7 +246,9 @@ impl SparseSpec {
                         bad |= x < 0 || x as usize >= kbn;
                         row.push(x as u32);
                     }
-                    row.sort_unstable();
+                    if !row.is_sorted() {
+                        row.sort_unstable();
+                    }
                     bad |= row.windows(2).any(|w| w[0] == w[1]);
                     if bad {
                         return Err(first_bad_slot(slots, b, h, qb, kbn, attn.segments[b].k_len, k_block));

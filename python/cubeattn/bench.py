@@ -745,8 +745,8 @@ def _cuda_sparse(args, torch):
     """Block-sparse forward on CUDA vs our dense kernel, SDPA flash (dense) and FlexAttention with
     the same BlockMask; bf16, q_block = k_block = 128 (FlexAttention's block), index per head.
     Wall clock of the torch call (median, one sync per call). Rows: {what: "sparse", impl:
-    "cubeattn" (the public call: index validated per call) | "cubeattn_prepared" (spec built once,
-    the launch only) | "cubeattn_dense" | "sdpa_flash" | "flex", B, H, S, keep, pattern, causal, ms}."""
+    "cubeattn" (the public call with the index: validated per call) | "cubeattn_prepared" (the
+    public call with a SparseSpec built once, as a FlexAttention BlockMask is) | "cubeattn_dense" | "sdpa_flash" | "flex", B, H, S, keep, pattern, causal, ms}."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -786,11 +786,7 @@ def _cuda_sparse(args, torch):
                 rows.append(dict(key, impl="cubeattn", ms=ms[0], ms_min=ms[1]))
                 spec = cubeattn.sparse_spec((B * s, H, d), (B * s, H, d), "bfloat16", (np.arange(B + 1) * s).astype(np.int32),
                                             (np.arange(B + 1) * s).astype(np.int32), s, s, ix, 128, 128, causal=args.causal)
-                o = torch.empty_like(q)
-                lse = torch.empty(H, B * s, device="cuda", dtype=torch.float32)
-                stream = torch.cuda.current_stream().cuda_stream
-                ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr())
-                ms = median_ms(lambda: cubeattn._core.sparse_forward_device(spec, *ptrs, stream, "cuda:0"), 3, it, sync)
+                ms = median_ms(lambda: cubeattn.block_sparse_attn_func(q, k, v, spec), 3, it, sync)
                 rows.append(dict(key, impl="cubeattn_prepared", ms=ms[0], ms_min=ms[1]))
             except Exception as e:
                 rows.append(dict(key, impl="cubeattn", error=str(e)[:200]))
