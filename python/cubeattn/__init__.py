@@ -211,7 +211,7 @@ def _workspace(spec, gpu, dev, backward=False, deterministic=False):
         if len(_WS) >= 4 * _SPECS_MAX:
             _WS.clear()
         _WS[key] = (spec, n)
-    ws = torch.empty(max(n, 1), dtype=torch.uint8, device=gpu)
+    ws = torch.empty(n, dtype=torch.uint8, device=gpu) if n else None  # kept alive by the caller
     return stream, ws, n
 
 
@@ -230,7 +230,7 @@ def _run_forward(spec, cq, ck, cv, return_lse, device):
             o = torch.empty(cq.shape, dtype=q.dtype, device=gpu)
             lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=gpu)
             if not _core.forward_device(spec, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
-                                        lse.data_ptr(), ws.data_ptr(), n, stream, dev):
+                                        lse.data_ptr(), (ws.data_ptr() if ws is not None else 0), n, stream, dev):
                 o.zero_()
                 lse.fill_(float("inf"))
             _last.name = "cuda"
@@ -317,7 +317,7 @@ def _backward_on_gpu(spec, gpu, conv, lse, deterministic, dev):
     stream, ws, n = w
     ptrs = [c.device_tensor.data_ptr() for c in (cq, ck, cv, co)] + [lt.data_ptr(), cg.device_tensor.data_ptr()]
     grads = tuple(torch.empty(c.shape, dtype=c.device_tensor.dtype, device=gpu) for c in (cq, ck, cv))
-    if not _core.backward_device(spec, *ptrs, *(g.data_ptr() for g in grads), ws.data_ptr(), n, stream,
+    if not _core.backward_device(spec, *ptrs, *(g.data_ptr() for g in grads), (ws.data_ptr() if ws is not None else 0), n, stream,
                                  bool(deterministic), dev):
         for g in grads:
             g.zero_()
@@ -340,7 +340,7 @@ def _backward_device_fast(spec, gpu, dev, q, k, v, out, lse, dout, deterministic
     stream, ws, n = w
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if not _core.backward_device(spec, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                                 d.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), ws.data_ptr(), n,
+                                 d.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), (ws.data_ptr() if ws is not None else 0), n,
                                  stream, bool(deterministic), dev):
         for g in (dq, dk, dv):
             g.zero_()

@@ -52,7 +52,7 @@ fn partial_bytes(spec: &AttnSpec, plan: &Plan) -> [usize; 2] {
 
 /// Workspace bytes a forward call of `spec` takes with this plan.
 pub(crate) fn fwd_workspace(spec: &AttnSpec, plan: &Plan) -> usize {
-    if spec.dtype == DType::F32 {
+    if spec.dtype == DType::F32 || plan.fwd.n_slots == 0 {
         return 0;
     }
     layout(&partial_bytes(spec, plan)).1
