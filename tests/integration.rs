@@ -250,3 +250,86 @@ fn device_listing_never_panics() {
         assert_eq!(backend_for(DevicePref::Auto(3)).unwrap().kind(), cubeattn::BackendKind::Cpu);
     }
 }
+
+// ---------------------------------------------------------------- sliding window (window_size)
+
+fn with_window(spec: AttnSpec, left: i64, right: i64) -> AttnSpec {
+    spec.with_window(left, right).expect("valid window")
+}
+
+/// Forward and backward with flash-attn's window_size vs the f64 reference (whose key ranges come
+/// from `AttnSpec::row_keys`, itself checked key by key against flash-attn's definition in
+/// spec.rs): odd lengths, q longer and shorter than k, GQA, causal and not, windows wider than the
+/// sequence, 0-width windows, one-sided windows, varlen with empty sequences.
+#[test]
+fn window_forward_and_backward_match_reference() {
+    let shapes: &[&[(usize, usize)]] = &[&[(37, 37)], &[(5, 131)], &[(131, 5)], &[(700, 700)], &[(3, 0), (0, 4), (29, 61), (1, 1)]];
+    let windows = [(0, 0), (3, 2), (16, -1), (-1, 7), (0, -1), (1000, 1000), (130, 0), (2, 600)];
+    let mut seed = 9000;
+    for (si, &lens) in shapes.iter().enumerate() {
+        for &(l, r) in &windows {
+            for causal in [false, true] {
+                let dt = DTYPES[(si + seed as usize) % 3];
+                let spec = with_window(varlen_spec(lens, 4, 2, 24, dt, causal), l, r);
+                seed += 1;
+                check_forward(&spec, seed, 1.0);
+                if lens[0].0 < 200 {
+                    check_backward(&spec, seed);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn window_on_grouped_attention_is_measured_inside_each_group() {
+    let base = grouped_spec(&[20, 0, 33, 7], &[(0, 40), (3, 9), (10, 90), (60, 60)], 90, 2, 1, 16, DType::F32, true);
+    for (l, r) in [(5, -1), (0, 0), (31, 4)] {
+        let spec = with_window(base.clone(), l, r);
+        check_forward(&spec, 77 + l as u64, 1.0);
+        check_backward(&spec, 78 + l as u64);
+        let nc = with_window(AttnSpec { causal: false, ..base.clone() }, l, r);
+        check_forward(&nc, 79 + l as u64, 1.0);
+        check_backward(&nc, 80 + l as u64);
+    }
+}
+
+/// A row whose window holds no key (q longer than k with a 0-width window: the first rows'
+/// diagonal lies before key 0) gets a zero output and lse +inf, the library's no-key convention.
+#[test]
+fn rows_with_an_empty_window_give_zero_and_lse_inf() {
+    let spec = with_window(varlen_spec(&[(10, 4)], 2, 2, 8, DType::F32, false), 0, 0);
+    let (out, lse) = check_forward(&spec, 5, 1.0);
+    let out = out.view().to_f64_vec();
+    for t in 0..10 {
+        let empty = t < 6; // diag = t + 4 - 10 < 0
+        for h in 0..2 {
+            assert_eq!(lse[h * 10 + t].is_infinite(), empty, "row {t}");
+            let o = &out[(t * 2 + h) * 8..][..8];
+            assert_eq!(o.iter().all(|&x| x == 0.0), empty, "row {t}");
+        }
+    }
+}
+
+/// Windows wider than every sequence are the plain spec (bitwise the same output).
+#[test]
+fn windows_wider_than_the_sequence_change_nothing() {
+    let plain = varlen_spec(&[(50, 70)], 2, 1, 32, DType::F32, true);
+    let wide = with_window(plain.clone(), 69, 49);
+    assert_eq!(wide, plain);
+    let narrower = with_window(plain.clone(), 68, -1);
+    assert_ne!(narrower, plain);
+    let (a, _) = check_forward(&plain, 3, 1.0);
+    let (b, _) = check_forward(&narrower, 3, 1.0);
+    assert_ne!(a, b, "a window one key narrower must change row 49's output");
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn window_on_cuda_is_not_implemented_naming_window_size() {
+    let spec = with_window(varlen_spec(&[(8, 8)], 2, 2, 64, DType::F16, true), 2, 0);
+    match cubeattn::backend::cuda::check_supported(&spec) {
+        Err(Error::NotImplemented { arg, backend, .. }) => assert_eq!((arg, backend), ("window_size", "cuda")),
+        other => panic!("{other:?}"),
+    }
+}

@@ -106,14 +106,12 @@ def _shape(x, name):
 
 def _varlen_spec(q_shape, k_shape, dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                  softmax_scale, causal, v_shape, window):
-    if window != (-1, -1):
-        raise NotImplementedError("`window_size` is not implemented yet")
     return _core.varlen_spec(_shape(q_shape, "q_shape"), _shape(k_shape, "k_shape"),
                              _shape(k_shape if v_shape is None else v_shape, "v_shape"), dtype,
                              int32_vector(cu_seqlens_q, "cu_seqlens_q"),
                              int32_vector(cu_seqlens_k, "cu_seqlens_k"),
                              _count(max_seqlen_q, "max_seqlen_q"), _count(max_seqlen_k, "max_seqlen_k"),
-                             _scale(softmax_scale), causal)
+                             _scale(softmax_scale), causal, window)
 
 
 def grouped_spec(q_shape, k_shape, dtype, q_ranges, kv_ranges, softmax_scale=None, causal=True, v_shape=None,
@@ -121,12 +119,10 @@ def grouped_spec(q_shape, k_shape, dtype, q_ranges, kv_ranges, softmax_scale=Non
     """A validated spec for grouped attention (shapes only)."""
     causal = _flag(causal, "causal")
     window = _window(window_size)
-    if window != (-1, -1):
-        raise NotImplementedError("`window_size` is not implemented yet")
     return _core.grouped_spec(_shape(q_shape, "q_shape"), _shape(k_shape, "k_shape"),
                               _shape(k_shape if v_shape is None else v_shape, "v_shape"), dtype,
                               int32_ranges(q_ranges, "q_ranges"), int32_ranges(kv_ranges, "kv_ranges"),
-                              _scale(softmax_scale), causal)
+                              _scale(softmax_scale), causal, window)
 
 
 def _count(x, name):

@@ -17,21 +17,24 @@ pub(crate) const BQ: usize = 128;
 pub(crate) const BK: usize = 512;
 
 multiversion! {
-    /// One key block of online softmax for `rows` rows. On entry `s` holds raw q.k (rows x n,
-    /// leading dimension `lds`); on exit it holds the unnormalised probabilities, `m`/`l` are
-    /// updated (base-2 units) and each row of `o` (leading dimension `ldo`) is rescaled for the
-    /// new maximum. Row i sees block columns
-    /// `< lims[i] - kb`.
+    /// One key block of online softmax for `his.len()` rows. On entry `s` holds raw q.k (rows x
+    /// n, leading dimension `lds`); on exit it holds the unnormalised probabilities (exact zeros
+    /// outside each row's keys), `m`/`l` are updated (base-2 units) and each row of `o` (leading
+    /// dimension `ldo`) is rescaled for the new maximum. Row i sees block columns
+    /// `[los[i] - kb, his[i] - kb)` (clamped to `[0, n)`); an empty `los` means 0 for every row.
     #[allow(clippy::too_many_arguments)]
-    fn online_softmax_block(s: &mut [f32], lds: usize, n: usize, lims: &[usize], kb: usize, c: f32, m: &mut [f32], l: &mut [f32], o: &mut [f32], ldo: usize) {
-        for (i, &lim) in lims.iter().enumerate() {
+    fn online_softmax_rows(s: &mut [f32], lds: usize, n: usize, los: &[usize], his: &[usize], kb: usize, c: f32, m: &mut [f32], l: &mut [f32], o: &mut [f32], ldo: usize) {
+        for (i, &hi) in his.iter().enumerate() {
             let row = &mut s[i * lds..i * lds + n];
-            let lim = lim.saturating_sub(kb).min(n);
-            if lim == 0 {
+            let hi = hi.saturating_sub(kb).min(n);
+            let lo = if los.is_empty() { 0 } else { los[i].saturating_sub(kb).min(hi) };
+            if lo == hi {
                 row.fill(0.0);
                 continue;
             }
-            let (live, dead) = row.split_at_mut(lim);
+            let (head, rest) = row.split_at_mut(lo);
+            head.fill(0.0);
+            let (live, dead) = rest.split_at_mut(hi - lo);
             dead.fill(0.0);
             // the max of c*s is c*max(s) for c >= 0; a negative scale takes the slow path
             let sum;
@@ -54,17 +57,24 @@ multiversion! {
     }
 }
 
+/// [`online_softmax_rows`] for rows that see block columns `< lims[i] - kb` (no lower bound).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn online_softmax_block(s: &mut [f32], lds: usize, n: usize, lims: &[usize], kb: usize, c: f32, m: &mut [f32], l: &mut [f32], o: &mut [f32], ldo: usize) {
+    online_softmax_rows(s, lds, n, &[], lims, kb, c, m, l, o, ldo)
+}
+
 pub(crate) struct Scratch {
     pub(crate) s: Vec<f32>,
     pub(crate) o: Vec<f32>,
     pub(crate) m: Vec<f32>,
     pub(crate) l: Vec<f32>,
     pub(crate) lims: Vec<usize>,
+    pub(crate) los: Vec<usize>,
 }
 
 impl Scratch {
     pub(crate) fn new(d: usize) -> Self {
-        Scratch { s: vec![0.0; BQ * BK], o: vec![0.0; BQ * d], m: vec![0.0; BQ], l: vec![0.0; BQ], lims: vec![0; BQ] }
+        Scratch { s: vec![0.0; BQ * BK], o: vec![0.0; BQ * d], m: vec![0.0; BQ], l: vec![0.0; BQ], lims: vec![0; BQ], los: vec![0; BQ] }
     }
 }
 
@@ -74,13 +84,37 @@ pub(crate) fn row_limits(seg: &Segment, causal: bool, r0: usize, rows: usize, ou
     out.extend((r0..r0 + rows).map(|r| seg.visible_len(r, causal)));
 }
 
+/// Keys `[los[i], his[i])` (relative to the window start, see [`AttnSpec::row_keys`]) of rows
+/// `r0..r0+rows` of `seg`; returns the union `[min lo, max hi)` over the rows that see a key
+/// (`(0, 0)` when none does).
+pub(crate) fn row_bounds(spec: &AttnSpec, seg: &Segment, r0: usize, rows: usize, los: &mut Vec<usize>, his: &mut Vec<usize>) -> (usize, usize) {
+    los.clear();
+    his.clear();
+    let (mut a, mut b) = (usize::MAX, 0);
+    for r in r0..r0 + rows {
+        let (lo, hi) = spec.row_keys(seg, r);
+        los.push(lo);
+        his.push(hi);
+        if lo < hi {
+            a = a.min(lo);
+            b = b.max(hi);
+        }
+    }
+    if b == 0 { (0, 0) } else { (a, b) }
+}
+
+/// Keys of the first to the last row of a query block: its work estimate.
+fn block_span(spec: &AttnSpec, seg: &Segment, r0: usize, last: usize) -> usize {
+    spec.row_keys(seg, last).1.saturating_sub(spec.row_keys(seg, r0).0)
+}
+
 /// Work items (segment index, first row) per head, longest first.
 pub(crate) fn query_blocks(spec: &AttnSpec) -> Vec<(usize, usize)> {
     let mut blocks: Vec<(usize, usize, usize)> = Vec::new();
     for (si, seg) in spec.segments.iter().enumerate() {
         for r0 in (0..seg.q_len).step_by(BQ) {
             let last = (r0 + BQ).min(seg.q_len) - 1;
-            blocks.push((si, r0, seg.visible_len(last, spec.causal)));
+            blocks.push((si, r0, block_span(spec, seg, r0, last)));
         }
     }
     blocks.sort_by_key(|b| std::cmp::Reverse(b.2));
@@ -88,8 +122,9 @@ pub(crate) fn query_blocks(spec: &AttnSpec) -> Vec<(usize, usize)> {
 }
 
 pub(crate) fn forward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> ForwardOutput {
+    // the AVX-512 tiles serve the plain causal / full masks; a sliding window takes the gemm path
     #[cfg(target_arch = "x86_64")]
-    if use_tiles() {
+    if use_tiles() && spec.window.is_none() {
         return forward_tiles(spec, q, k, v);
     }
     forward_gemm(spec, q, k, v)
@@ -284,19 +319,18 @@ fn forward_gemm(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> Forwa
             let hk = h / dm.group_size();
             let row0 = seg.q_start + r0;
             let qblk = Mat { ptr: qf[(row0 * hq + h) * d..].as_ptr(), rs: q_rs, cs: 1 };
-            row_limits(seg, spec.causal, r0, rows, &mut sc.lims);
-            let k_hi = sc.lims.iter().copied().max().unwrap_or(0);
+            let (k_lo, k_hi) = row_bounds(spec, seg, r0, rows, &mut sc.los, &mut sc.lims);
             sc.o[..rows * d].fill(0.0);
             sc.m[..rows].fill(f32::NEG_INFINITY);
             sc.l[..rows].fill(0.0);
-            for kb in (0..k_hi).step_by(BK) {
+            for kb in (k_lo..k_hi).step_by(BK) {
                 let n = BK.min(k_hi - kb);
                 let key0 = ((seg.k_start + kb) * hkv + hk) * d;
                 // K^T block (d x n) of head hk's [d, total_k] slab
                 let kt_blk = Mat { ptr: kt[hk * d * tk + seg.k_start + kb..].as_ptr(), rs: tk as isize, cs: 1 };
                 let v_blk = Mat { ptr: vf[key0..].as_ptr(), rs: kv_rs, cs: 1 };
                 matmul(&mut sc.s, n, rows, n, d, qblk, kt_blk, 1.0, false);
-                online_softmax_block(&mut sc.s[..rows * n], n, n, &sc.lims, kb, c, &mut sc.m[..rows], &mut sc.l[..rows], &mut sc.o[..rows * d], d);
+                online_softmax_rows(&mut sc.s[..rows * n], n, n, &sc.los, &sc.lims, kb, c, &mut sc.m[..rows], &mut sc.l[..rows], &mut sc.o[..rows * d], d);
                 matmul(&mut sc.o, d, rows, d, n, Mat::rows(&sc.s, n), v_blk, 1.0, true);
             }
             // SAFETY: segments own disjoint query rows, so (row, head) ranges of tasks are disjoint.
