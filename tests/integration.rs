@@ -333,3 +333,131 @@ fn window_on_cuda_is_not_implemented_naming_window_size() {
         other => panic!("{other:?}"),
     }
 }
+
+// ---------------------------------------------------------------- NaN / Inf policy
+
+fn run(spec: &AttnSpec, q: &HostData, k: &HostData, v: &HostData, dout: &HostData) -> (Vec<f64>, Vec<f32>, [Vec<f64>; 3]) {
+    let cpu = backend_for(DevicePref::Cpu).unwrap();
+    let f = cpu.forward(spec, q.view(), k.view(), v.view()).unwrap();
+    let g = BackwardInputs { out: f.out.view(), lse: &f.lse, dout: dout.view(), deterministic: true };
+    let gr = cpu.backward(spec, q.view(), k.view(), v.view(), g).unwrap();
+    (f.out.view().to_f64_vec(), f.lse, [gr.dq.view().to_f64_vec(), gr.dk.view().to_f64_vec(), gr.dv.view().to_f64_vec()])
+}
+
+fn with_value(x: &HostData, at: usize, value: f32) -> HostData {
+    let mut xs = x.to_f32_vec();
+    xs[at] = value;
+    HostData::from_f32(x.dtype(), &xs)
+}
+
+/// A NaN or Inf element that a row cannot see (causal mask, sliding window, varlen boundary)
+/// leaves that row bit for bit as without it (forward and dq); a row that uses a NaN gets a NaN
+/// output and lse, as torch's softmax gives.
+#[test]
+fn non_finite_values_reach_only_the_rows_that_see_them() {
+    let (hq, hkv, d) = (2usize, 1usize, 16usize);
+    for dt in DTYPES {
+        for (window, causal) in [((-1, -1), true), ((2, 1), false), ((3, 0), true)] {
+            // two sequences: a bad element of sequence 0 never reaches sequence 1 either
+            let spec = with_window(varlen_spec(&[(9, 9), (6, 6)], hq, hkv, d, dt, causal), window.0, window.1);
+            let mut r = rng(4);
+            let [(q, _), (k, _), (v, _)] = random_qkv(&mut r, &spec, 1.0);
+            let (dout, _) = random(&mut r, spec.dims.q_len(), dt, 1.0);
+            let clean = run(&spec, &q, &k, &v, &dout);
+            let seg = spec.segments[0];
+            for (which, value) in [("v", f32::INFINITY), ("v", f32::NAN), ("k", f32::NAN), ("q", f32::NAN), ("dout", f32::NAN)] {
+                let (row, chan) = (3usize, 5usize);
+                let heads = if which == "q" || which == "dout" { hq } else { hkv };
+                let at = (row * heads) * d + chan;
+                let (q2, k2, v2, g2) = match which {
+                    "q" => (with_value(&q, at, value), k.clone(), v.clone(), dout.clone()),
+                    "k" => (q.clone(), with_value(&k, at, value), v.clone(), dout.clone()),
+                    "v" => (q.clone(), k.clone(), with_value(&v, at, value), dout.clone()),
+                    _ => (q.clone(), k.clone(), v.clone(), with_value(&dout, at, value)),
+                };
+                let bad = run(&spec, &q2, &k2, &v2, &g2);
+                let what = format!("{dt:?} window={window:?} causal={causal} {which}[{row}]={value}");
+                for t in 0..spec.dims.total_q {
+                    // does row t (head 0) use the bad element in its forward?
+                    let uses = match which {
+                        "q" => t == row,
+                        "dout" => false,
+                        _ => t < seg.q_len && { let (lo, hi) = spec.row_keys(&seg, t); (lo..hi).contains(&row) },
+                    };
+                    let o = |x: &Vec<f64>| x[(t * hq) * d..(t * hq + 1) * d].to_vec();
+                    if uses && (value.is_nan() || which == "v") {
+                        assert!(o(&bad.0).iter().any(|x| !x.is_finite()), "{what}: row {t} uses it but is finite");
+                        if value.is_nan() && which != "v" {
+                            assert!(bad.1[t].is_nan(), "{what}: row {t}: lse {} should be NaN", bad.1[t]);
+                        }
+                    } else if !uses {
+                        // the same values (rounding may differ: NaN / Inf inputs take the exact,
+                        // pair-by-pair products)
+                        let (ft, bt) = (fwd_tol(dt).0, bwd_tol(dt).0);
+                        assert_close(&format!("{what}: row {t}"), &o(&bad.0), &o(&clean.0), ft, ft, f64::INFINITY);
+                        assert_eq!(bad.1[t], clean.1[t], "{what}: lse of row {t}");
+                        // its dq: the row's own probabilities and keys only (dout: row 3's own dq)
+                        if which != "dout" || t != row {
+                            assert_close(&format!("{what}: dq of row {t}"), &o(&bad.2[0]), &o(&clean.2[0]), bt, bt, f64::INFINITY);
+                        }
+                    }
+                }
+                // keys that no row using the element sees keep their exact gradients
+                if which == "k" || which == "v" {
+                    for j in 0..spec.dims.total_k {
+                        let seen_by_user = j < seg.k_len
+                            && (0..seg.q_len).any(|t| {
+                                let (lo, hi) = spec.row_keys(&seg, t);
+                                (lo..hi).contains(&row) && (lo..hi).contains(&j)
+                            });
+                        if !seen_by_user && j != row {
+                            let kk = |x: &Vec<f64>| x[j * hkv * d..(j + 1) * hkv * d].to_vec();
+                            let bt = bwd_tol(dt).0;
+                            assert_close(&format!("{what}: dk of key {j}"), &kk(&bad.2[1]), &kk(&clean.2[1]), bt, bt, f64::INFINITY);
+                            assert_close(&format!("{what}: dv of key {j}"), &kk(&bad.2[2]), &kk(&clean.2[2]), bt, bt, f64::INFINITY);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A -inf score (an Inf in k, the right sign against q) gives that key weight 0: the row stays
+/// finite and equals attention without the key, as in torch; a row whose keys all have -inf
+/// scores is a row with no key (zero output, lse +inf; torch's SDPA gives zeros too).
+#[test]
+fn minus_inf_scores_weigh_nothing() {
+    let d = 8usize;
+    let spec = varlen_spec(&[(6, 6)], 1, 1, d, DType::F32, true);
+    let q = HostData::from_f32(DType::F32, &vec![1.0; 6 * d]);
+    let mut kx: Vec<f32> = (0..6 * d).map(|i| ((i * 37) % 11) as f32 / 11.0 - 0.5).collect();
+    kx[2 * d] = f32::NEG_INFINITY; // key 2: score -inf for every row (q > 0)
+    kx[0] = f32::NEG_INFINITY; // key 0 too: row 0 sees only key 0
+    let k = HostData::from_f32(DType::F32, &kx);
+    let vx: Vec<f32> = (0..6 * d).map(|i| (i % 7) as f32).collect();
+    let v = HostData::from_f32(DType::F32, &vx);
+    let mut v_big = vx.clone();
+    v_big[2 * d..3 * d].fill(1e30);
+    let v2 = HostData::from_f32(DType::F32, &v_big);
+    let dout = HostData::from_f32(DType::F32, &vec![1.0; 6 * d]);
+    let a = run(&spec, &q, &k, &v, &dout);
+    let b = run(&spec, &q, &k, &v2, &dout);
+    assert!(a.0[..d].iter().all(|&x| x == 0.0) && a.1[0] == f32::INFINITY, "row 0: all its scores are -inf");
+    assert!(a.0[d..].iter().all(|x| x.is_finite()), "rows 1..: finite");
+    assert_eq!(a.0[d..], b.0[d..], "key 2 must weigh exactly 0");
+}
+
+/// Bitwise the same result as before for finite inputs whatever the scale sign: a negative or
+/// zero softmax_scale masks the tails correctly (exercises the AVX-512 tiles where present).
+#[test]
+fn negative_and_zero_scales_match_reference() {
+    for scale in [-0.7f64, 0.0, -3.0] {
+        for &(sq, sk) in &[(37usize, 37usize), (5, 70), (130, 130)] {
+            let mut c = varlen_spec(&[(sq, sk)], 2, 1, 24, DType::F32, true);
+            c.scale = scale as f32;
+            check_forward(&c, 3 + sq as u64, 1.0);
+            check_backward(&c, 4 + sq as u64);
+        }
+    }
+}

@@ -5,7 +5,7 @@
 
 use rayon::prelude::*;
 
-use super::forward::{query_blocks, row_bounds, BK, BQ};
+use super::forward::{all_finite, pv_rows, query_blocks, row_bounds, BK, BQ};
 use super::layout::{from_head_major, matmul, to_f32_cow, to_head_major, Mat, SharedMut};
 use super::simd::{dot, exp2_neg, multiversion};
 use crate::backend::{BackwardInputs, Gradients};
@@ -65,6 +65,23 @@ multiversion! {
             row[hi..].fill(0.0);
             for (x, &pi) in row[lo..hi].iter_mut().zip(&p[i * n + lo..i * n + hi]) {
                 *x = pi * (*x - di);
+            }
+        }
+    }
+}
+
+/// `dst[j] += alpha * sum_i p[i, j] x[i]` over the pairs (i, j) with j in row i's keys
+/// `[los[i] - kb, his[i] - kb)` (clamped to `[0, n)`): the exact form of `P^T X` for inputs with
+/// NaN / Inf (a masked pair contributes nothing, not 0 * Inf).
+#[allow(clippy::too_many_arguments)]
+fn pt_rows(dst: &mut [f32], d: usize, p: &[f32], n: usize, x: &[f32], los: &[usize], his: &[usize], kb: usize, alpha: f32) {
+    for (i, xi) in x.chunks_exact(d).enumerate().take(his.len()) {
+        let hi = his[i].saturating_sub(kb).min(n);
+        let lo = los[i].saturating_sub(kb).min(hi);
+        for j in lo..hi {
+            let w = alpha * p[i * n + j];
+            for (o, &y) in dst[j * d..(j + 1) * d].iter_mut().zip(xi) {
+                *o = w.mul_add(y, *o);
             }
         }
     }
@@ -132,6 +149,10 @@ pub(crate) fn backward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView, g
     let p = prepare(spec, q, k, v, &g);
     let c = spec.scale * std::f32::consts::LOG2_E;
     let gs = dm.group_size();
+    // NaN / Inf in q, k or dout: the products that meet them through zeros of masked pairs run
+    // pair by pair (a masked pair must contribute nothing, not 0 * Inf); V meets only dP, whose
+    // masked entries dscores_rows overwrites
+    let exact = !(all_finite(&p.q) && all_finite(&p.k) && all_finite(&p.dout));
 
     // dK, dV: one task per (kv head, key block of the global key axis).
     let mut dk = vec![0.0f32; dm.kv_len()];
@@ -170,12 +191,20 @@ pub(crate) fn backward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView, g
                         matmul(&mut sc.s, nb, rows, nb, d, Mat::rows(qblk, d), Mat::rows_t(kblk, d), 1.0, false);
                         probs_rows(&mut sc.s[..rows * nb], nb, &sc.los, &sc.lims, rel, c, &p.lse2[row0..row0 + rows]);
                         // dV += P^T dO
-                        matmul(dv_out, d, nb, d, rows, Mat::rows_t(&sc.s, nb), Mat::rows(doblk, d), 1.0, true);
+                        if exact {
+                            pt_rows(dv_out, d, &sc.s[..rows * nb], nb, doblk, &sc.los, &sc.lims, rel, 1.0);
+                        } else {
+                            matmul(dv_out, d, nb, d, rows, Mat::rows_t(&sc.s, nb), Mat::rows(doblk, d), 1.0, true);
+                        }
                         // dP = dO V^T, dS = P (dP - delta)
                         matmul(&mut sc.dp, nb, rows, nb, d, Mat::rows(doblk, d), Mat::rows_t(vblk, d), 1.0, false);
                         dscores_rows(&sc.s[..rows * nb], &mut sc.dp[..rows * nb], nb, &sc.los, &sc.lims, rel, &p.delta[row0..row0 + rows]);
                         // dK += scale * dS^T Q
-                        matmul(dk_out, d, nb, d, rows, Mat::rows_t(&sc.dp, nb), Mat::rows(qblk, d), spec.scale, true);
+                        if exact {
+                            pt_rows(dk_out, d, &sc.dp[..rows * nb], nb, qblk, &sc.los, &sc.lims, rel, spec.scale);
+                        } else {
+                            matmul(dk_out, d, nb, d, rows, Mat::rows_t(&sc.dp, nb), Mat::rows(qblk, d), spec.scale, true);
+                        }
                     }
                 }
             }
@@ -207,7 +236,11 @@ pub(crate) fn backward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView, g
                 probs_rows(&mut sc.s[..rows * n], n, &sc.los, &sc.lims, kb, c, &p.lse2[row0..row0 + rows]);
                 matmul(&mut sc.dp, n, rows, n, d, Mat::rows(doblk, d), Mat::rows_t(&vseg[kb * d..], d), 1.0, false);
                 dscores_rows(&sc.s[..rows * n], &mut sc.dp[..rows * n], n, &sc.los, &sc.lims, kb, &p.delta[row0..row0 + rows]);
-                matmul(acc, d, rows, d, n, Mat::rows(&sc.dp, n), Mat::rows(&kseg[kb * d..], d), spec.scale, true);
+                if exact {
+                    pv_rows(acc, d, &sc.dp[..rows * n], n, &sc.los, &sc.lims, kb, &kseg[kb * d..], d, spec.scale);
+                } else {
+                    matmul(acc, d, rows, d, n, Mat::rows(&sc.dp, n), Mat::rows(&kseg[kb * d..], d), spec.scale, true);
+                }
             }
             // SAFETY: (head, row) ranges of tasks are disjoint.
             unsafe { dq_w.slice(row0 * d, rows * d) }.copy_from_slice(acc);

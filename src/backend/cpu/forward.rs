@@ -37,16 +37,21 @@ multiversion! {
             let (live, dead) = rest.split_at_mut(hi - lo);
             dead.fill(0.0);
             // the max of c*s is c*max(s) for c >= 0; a negative scale takes the slow path
-            let sum;
-            let m_new;
-            if c >= 0.0 {
-                m_new = (max_of(live) * c).max(m[i]);
-                sum = exp2_scaled_sub_sum(live, c, m_new);
-            } else {
+            // (max_of skips NaN: a NaN score reaches the sum through exp2 instead)
+            if c < 0.0 {
                 scale_in_place(live, c);
-                m_new = max_of(live).max(m[i]);
-                sum = exp2_sub_sum(live, m_new);
             }
+            let cs = if c < 0.0 { 1.0 } else { c };
+            let bmax = max_of(live) * cs;
+            if bmax == f32::NEG_INFINITY && live.iter().all(|&x| x * cs == f32::NEG_INFINITY) {
+                // every score of the block is -inf (e.g. an Inf in k): weight 0; a row whose scores
+                // are all -inf keeps l = 0 and ends as a row with no key (zero output, lse +inf:
+                // torch's SDPA also gives zeros there)
+                live.fill(0.0);
+                continue;
+            }
+            let m_new = bmax.max(m[i]);
+            let sum = if c < 0.0 { exp2_sub_sum(live, m_new) } else { exp2_scaled_sub_sum(live, c, m_new) };
             let alpha = super::simd::exp2_neg(m[i] - m_new);
             l[i] = l[i] * alpha + sum;
             m[i] = m_new;
@@ -139,12 +144,13 @@ fn use_tiles() -> bool {
 }
 
 /// Writes rows `0..rows` of the normalised output (`o` has leading dimension `ldo`) and their
-/// LSE; rows that saw no key keep out = 0, lse = +inf.
+/// LSE; rows that saw no key (`l == 0`) keep out = 0, lse = +inf; a NaN `l` (a NaN or +Inf score,
+/// or NaN marked by the caller) gives a NaN row and lse, as torch's softmax does.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn finish_rows(o: &[f32], ldo: usize, m: &[f32], l: &[f32], rows: usize, d: usize, out_w: &SharedMut<f32>, lse_dst: &mut [f32], out_at: impl Fn(usize) -> usize) {
     for i in 0..rows {
         let li = l[i];
-        if li > 0.0 {
+        if li != 0.0 {
             // SAFETY: callers pass disjoint (row, head) ranges per task.
             let dst = unsafe { out_w.slice(out_at(i), d) };
             let inv = 1.0 / li;
@@ -230,6 +236,13 @@ fn forward_tiles(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> Forw
     let blocks: Vec<(usize, usize, usize)> = blocks.into_iter().map(|(s, r, n, _)| (s, r, n)).collect();
     let pq = kernel::PackedQ::new(spec, q, &blocks, bq);
     let pkv = kernel::PackedKv::new(spec, k, v);
+    if !(pq.finite && pkv.finite) {
+        // NaN / Inf inputs take the gemm path, which follows the NaN/Inf policy exactly (a masked
+        // key contributes nothing, not even 0 * Inf); the tiles read whole strips
+        pq.q.give();
+        pkv.release();
+        return forward_gemm(spec, q, k, v);
+    }
     let dp = pkv.dp;
     let mut out = vec![0.0f32; dm.q_len()];
     let mut lse = vec![f32::INFINITY; dm.lse_len()];
@@ -306,6 +319,9 @@ fn forward_gemm(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> Forwa
     let lse_w = SharedMut::new(&mut lse);
     let c = spec.scale * std::f32::consts::LOG2_E;
     let (q_rs, kv_rs) = ((hq * d) as isize, (hkv * d) as isize);
+    // with a NaN / Inf in V, P V runs row by row over each row's own keys only: the product's
+    // zeros of masked keys would turn 0 * Inf into NaN
+    let exact_pv = !all_finite(&vf);
 
     let tasks: Vec<(usize, usize, usize)> = query_blocks(spec)
         .into_iter()
@@ -331,14 +347,41 @@ fn forward_gemm(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> Forwa
                 let v_blk = Mat { ptr: vf[key0..].as_ptr(), rs: kv_rs, cs: 1 };
                 matmul(&mut sc.s, n, rows, n, d, qblk, kt_blk, 1.0, false);
                 online_softmax_rows(&mut sc.s[..rows * n], n, n, &sc.los, &sc.lims, kb, c, &mut sc.m[..rows], &mut sc.l[..rows], &mut sc.o[..rows * d], d);
-                matmul(&mut sc.o, d, rows, d, n, Mat::rows(&sc.s, n), v_blk, 1.0, true);
+                if exact_pv {
+                    pv_rows(&mut sc.o[..rows * d], d, &sc.s[..rows * n], n, &sc.los, &sc.lims, kb, &vf[key0..], hkv * d, 1.0);
+                } else {
+                    matmul(&mut sc.o, d, rows, d, n, Mat::rows(&sc.s, n), v_blk, 1.0, true);
+                }
             }
+
             // SAFETY: segments own disjoint query rows, so (row, head) ranges of tasks are disjoint.
             let lse_dst = unsafe { lse_w.slice(h * tq + row0, rows) };
             finish_rows(&sc.o, d, &sc.m, &sc.l, rows, d, &out_w, lse_dst, |i| ((row0 + i) * hq + h) * d);
         },
     );
     ForwardOutput { out: from_f32_vec(out, spec.dtype), lse }
+}
+
+/// True when no value is NaN or +-Inf.
+pub(crate) fn all_finite(x: &[f32]) -> bool {
+    x.par_chunks(1 << 15).all(|c| c.iter().fold(0u32, |m, v| m.max(v.to_bits() & 0x7fff_ffff)) < 0x7f80_0000)
+}
+
+/// `o[i] += alpha * sum_j p[i, j] v[j]` over row i's keys `[los[i] - kb, his[i] - kb)` only
+/// (clamped to `[0, n)`); `v` row j at `j * v_rs`. The exact (slow) product for inputs with NaN /
+/// Inf, where a dense product's zeros of masked keys would turn 0 * Inf into NaN.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn pv_rows(o: &mut [f32], d: usize, p: &[f32], n: usize, los: &[usize], his: &[usize], kb: usize, v: &[f32], v_rs: usize, alpha: f32) {
+    for (i, orow) in o.chunks_exact_mut(d).enumerate() {
+        let hi = his[i].saturating_sub(kb).min(n);
+        let lo = los[i].saturating_sub(kb).min(hi);
+        for j in lo..hi {
+            let pij = alpha * p[i * n + j];
+            for (x, &y) in orow.iter_mut().zip(&v[j * v_rs..j * v_rs + d]) {
+                *x = pij.mul_add(y, *x);
+            }
+        }
+    }
 }
 
 #[cfg(all(test, target_arch = "x86_64"))]
