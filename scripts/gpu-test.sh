@@ -21,6 +21,9 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 
+# the comment block at the top of this file, without its '#'
+usage() { awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; }
+
 CMD=${1:-}
 [ $# -gt 0 ] && shift
 TARGET=all
@@ -35,7 +38,7 @@ while [ $# -gt 0 ]; do
     --release) PROFILE=release ;;
     --iterations) ITER=${2:?--iterations needs a number}; shift ;;
     --min-vram) MIN_VRAM=${2:?--min-vram needs a number of GB}; shift ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) usage; exit 0 ;;
     *) echo "error: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -171,7 +174,9 @@ do_test() {
     [ $ran = 1 ] && continue
     ran=1
     echo "== Rust GPU tests ($bin)"
-    "$bin" --test-threads=1 $( [ "$VERBOSE" = 1 ] && echo --nocapture ) || status=1
+    # the GPU tests are #[ignore]d (so a GPU-less `cargo test` lists them as ignored); here they
+    # run, and a CUDA backend that cannot start fails them instead of skipping
+    CUBEATTN_REQUIRE_GPU=1 "$bin" --include-ignored --test-threads=1 $( [ "$VERBOSE" = 1 ] && echo --nocapture ) || status=1
     echo "== pytest -m 'gpu or torch' (torch: autograd on CPU and CUDA tensors)"
     (cd "$ROOT/tests/python" && "$PY" -m pytest -q -p no:cacheprovider -m "gpu or torch") || status=1
   done
@@ -242,6 +247,7 @@ case "$CMD" in
   benchmark) do_benchmark ;;
   profile) do_profile ;;
   clean) do_clean ;;
-  ""|-h|--help) sed -n '2,22p' "$0"; [ -z "$CMD" ] && exit 2 ;;
+  -h|--help) usage; exit 0 ;;
+  "") usage >&2; exit 2 ;;
   *) echo "error: unknown command '$CMD': expected validate | test | benchmark | profile | clean" >&2; exit 2 ;;
 esac

@@ -224,6 +224,15 @@ fn buffers_must_match_the_spec() {
     assert_eq!(err_arg(cpu.forward(&spec, short.view(), good.view(), good.view()).unwrap_err()), "q");
     assert_eq!(err_arg(cpu.forward(&spec, good.view(), good.view(), half.view()).unwrap_err()), "v");
     assert!(matches!(DevicePref::parse("tpu"), Err(Error::InvalidArgument { arg: "device", .. })));
+    // an f16 `out` with f32 q: a dtype error naming `out`, not an element-count mismatch
+    let half_q = HostData::from_f32(DType::F16, &vec![0.5; 8 * 2 * 64]);
+    let g = BackwardInputs { out: half_q.view(), lse: &[0.0; 16], dout: good.view(), deterministic: false };
+    match cpu.backward(&spec, good.view(), good.view(), good.view(), g) {
+        Err(Error::InvalidDtype { arg: "out", .. }) => {}
+        other => panic!("{other:?}"),
+    }
+    let bf = HostData::from_f32(DType::BF16, &[0.5; 10]);
+    assert!(matches!(cpu.forward(&spec, bf.view(), good.view(), good.view()), Err(Error::InvalidDtype { arg: "q", .. })));
 }
 
 #[test]
