@@ -26,7 +26,7 @@ def test_gpu_test_help_is_clean(flag):
     r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu-test.sh"), flag], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stderr
-    assert "COMMAND" in r.stdout
+    assert "COMMAND" in r.stdout and "sanitize" in r.stdout
     # the usage only: no line of the script itself
     assert not re.search(r"^(set |ROOT=|cd |usage\(\))", r.stdout, re.M), r.stdout
     assert r.stderr == ""
