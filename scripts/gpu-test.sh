@@ -64,7 +64,7 @@ LOG_DIR=${CUBEATTN_LOG_DIR:-$ROOT/bench/results}
 log() { [ "$VERBOSE" = 1 ] && echo "[gpu-test] $*" >&2; return 0; }
 fail() { echo "error: $*" >&2; exit 1; }
 
-built_targets="flash_attention grouped zigzag"
+built_targets="flash_attention grouped sparse zigzag"
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}   # NVLink multicast off (torchrun targets)
 
 gpu_count() { nvidia-smi -L 2>/dev/null | grep -c '^GPU'; }
@@ -223,8 +223,9 @@ do_test() {
       "$PY" -m torch.distributed.run --standalone --nproc_per_node "$n" "$ROOT/examples/zigzag_cp.py" || status=1
       continue
     fi
-    # grouped attention shares the kernels and the test binary with flash_attention: its cases
-    # (packed tiles, overlapping windows, empty groups) are part of the forward/backward suites.
+    # grouped and block-sparse attention share the kernels and the test binary with
+    # flash_attention: their cases (packed tiles, overlapping windows, empty groups, block lists)
+    # are part of the same suites (Rust gpu_main, pytest -m gpu: test_sparse_gpu.py).
     [ $ran = 1 ] && continue
     ran=1
     echo "== Rust GPU tests ($bin)"
@@ -249,6 +250,9 @@ do_benchmark() {
         "$PY" -m cubeattn.bench dense --device cuda --iterations "$ITER" --json "$LOG_DIR/dense-$stamp.json" | tee "$LOG_DIR/dense-$stamp.txt" || status=1
         "$PY" -m cubeattn.bench fwdbwd --device cuda --iterations "$ITER" --json "$LOG_DIR/fwdbwd-$stamp.json" | tee "$LOG_DIR/fwdbwd-$stamp.txt" || status=1 ;;
       grouped) "$PY" -m cubeattn.bench grouped --device cuda --iterations "$ITER" --json "$LOG_DIR/grouped-$stamp.json" | tee "$LOG_DIR/grouped-$stamp.txt" || status=1 ;;
+      sparse)
+        "$PY" -m cubeattn.bench sparse --device cuda --no-causal --iterations "$ITER" --json "$LOG_DIR/sparse-$stamp.json" | tee "$LOG_DIR/sparse-$stamp.txt" || status=1
+        "$PY" -m cubeattn.bench sparse --device cuda --causal --iterations "$ITER" --json "$LOG_DIR/sparse-causal-$stamp.json" | tee "$LOG_DIR/sparse-causal-$stamp.txt" || status=1 ;;
       zigzag)
         # one rank per GPU; W = 2 and 4 where there are that many GPUs; 16K tokens per GPU
         local n; n=$(gpu_count)

@@ -459,6 +459,11 @@ impl PySparseSpec {
     fn k_block(&self) -> usize {
         self.inner.k_block
     }
+    /// (q_start, q_len, k_start, k_len) per sequence.
+    #[getter]
+    fn segments(&self) -> Vec<(usize, usize, usize, usize)> {
+        self.inner.attn.segments.iter().map(|s| (s.q_start, s.q_len, s.k_start, s.k_len)).collect()
+    }
     /// Kept (query block, key block) pairs over all sequences and index heads.
     #[getter]
     fn kept_blocks(&self) -> usize {
@@ -572,8 +577,8 @@ fn sparse_forward<'py>(
     device: &str,
 ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyArray1<f32>>, &'static str)> {
     let pref = DevicePref::parse(device).map_err(to_py)?;
-    crate::backend::sparse::sparse_backend(pref).map_err(sparse_err)?;
     let s = &spec.inner;
+    crate::backend::sparse::sparse_forward_backend(pref, s).map_err(sparse_err)?;
     let dt = s.attn.dtype;
     let (qb, kb, vb) = (Buf::new(&q, dt, "q")?, Buf::new(&k, dt, "k")?, Buf::new(&v, dt, "v")?);
     let (res, kind) = run_detached(py, || crate::backend::sparse::sparse_forward(pref, s, qb.view(dt), kb.view(dt), vb.view(dt)))?;
@@ -596,7 +601,7 @@ fn sparse_backward<'py>(
     device: &str,
 ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>, &'static str)> {
     let pref = DevicePref::parse(device).map_err(to_py)?;
-    crate::backend::sparse::sparse_backend(pref).map_err(sparse_err)?;
+    crate::backend::sparse::sparse_backward_backend(pref).map_err(sparse_err)?;
     let s = &spec.inner;
     let dt = s.attn.dtype;
     let (qb, kb, vb) = (Buf::new(&q, dt, "q")?, Buf::new(&k, dt, "k")?, Buf::new(&v, dt, "v")?);
@@ -607,6 +612,35 @@ fn sparse_backward<'py>(
         crate::backend::sparse::sparse_backward(pref, s, qb.view(dt), kb.view(dt), vb.view(dt), inputs)
     })?;
     Ok((data_out(py, g.dq), data_out(py, g.dk), data_out(py, g.dv), kind.name()))
+}
+
+#[cfg(feature = "cuda")]
+/// Block-sparse forward on device-resident buffers (torch CUDA tensors as raw addresses,
+/// contiguous), enqueued on `stream`, no workspace: None when the host path must run (`device`
+/// picks the CPU), False when the call has no row or key (nothing enqueued), True when enqueued.
+#[pyfunction]
+#[pyo3(signature = (spec, q, k, v, out, lse, stream, device))]
+#[allow(clippy::too_many_arguments)]
+fn sparse_forward_device(
+    py: Python<'_>,
+    spec: &PySparseSpec,
+    q: u64,
+    k: u64,
+    v: u64,
+    out: u64,
+    lse: u64,
+    stream: u64,
+    device: &str,
+) -> PyResult<Option<bool>> {
+    let pref = DevicePref::parse(device).map_err(to_py)?;
+    let s = &spec.inner;
+    let be = crate::backend::sparse::sparse_forward_cuda(pref, s).map_err(sparse_err)?;
+    let p = crate::backend::cuda::FwdPtrs { q, k, v, out, lse, workspace: 0 };
+    match be {
+        // SAFETY: as in `forward_device`.
+        Some(be) => run_detached(py, || unsafe { be.sparse_forward_device(s, p, stream) }).map(Some),
+        None => Ok(None),
+    }
 }
 
 #[pymodule]
@@ -630,6 +664,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sparse_spec, m)?)?;
     m.add_function(wrap_pyfunction!(flex_block_index, m)?)?;
     m.add_function(wrap_pyfunction!(sparse_forward, m)?)?;
+    #[cfg(feature = "cuda")]
+    m.add_function(wrap_pyfunction!(sparse_forward_device, m)?)?;
     m.add_function(wrap_pyfunction!(sparse_backward, m)?)?;
     m.add("CUDA_COMPILED", cfg!(feature = "cuda"))?;
     add_zigzag(m)?;

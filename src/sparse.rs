@@ -21,7 +21,7 @@
 //! mean of K over the sequence (per kv head and channel), which shifts every score of a row by the
 //! same constant: the softmax is unchanged and the LSE is corrected by `scale * q . mean`.
 
-use crate::error::{invalid, Result};
+use crate::error::{invalid, Error, Result};
 use crate::spec::{AttnSpec, Layout};
 
 /// Query rows per block unless told otherwise (seed 004's CTA_Q).
@@ -150,6 +150,29 @@ fn block_count(len: usize, block: usize) -> usize {
     len.div_ceil(block)
 }
 
+/// The error for the first bad slot of one `block_index` row (in slot order): a negative value
+/// other than -1, a block past the sequence's last, or a duplicate.
+fn first_bad_slot(slots: &[i32], b: usize, h: usize, qb: usize, kbn: usize, k_len: usize, k_block: usize) -> Error {
+    for (i, &x) in slots.iter().enumerate() {
+        if x == -1 {
+            continue;
+        }
+        if x < 0 {
+            return invalid("block_index", format!("block_index[{b}, {h}, {qb}, {i}] = {x} is negative (only -1 marks an unused slot)"));
+        }
+        if x as usize >= kbn {
+            return invalid(
+                "block_index",
+                format!("block_index[{b}, {h}, {qb}, {i}] = {x} but there are {kbn} key blocks (sequence {b} has {k_len} keys, k_block {k_block})"),
+            );
+        }
+        if let Some(j) = slots[..i].iter().position(|&y| y == x) {
+            return invalid("block_index", format!("block_index[{b}, {h}, {qb}, {i}] = {x} duplicates block_index[{b}, {h}, {qb}, {j}]"));
+        }
+    }
+    invalid("block_index", format!("row [{b}, {h}, {qb}] is invalid"))
+}
+
 impl SparseSpec {
     /// Validates `block_index` (flat, C order, shape `index_shape`) against the dense spec `attn`
     /// (varlen layout; batched calls are varlen with equal lengths).
@@ -215,34 +238,21 @@ impl SparseSpec {
                     let base = ((b * ih + h) * iq + qb) * top_k;
                     let slots = &block_index[base..base + top_k];
                     row.clear();
-                    for (i, &x) in slots.iter().enumerate() {
+                    let mut bad = false;
+                    for &x in slots {
                         if x == -1 {
                             continue;
                         }
-                        if x < 0 {
-                            return Err(invalid(
-                                "block_index",
-                                format!("block_index[{b}, {h}, {qb}, {i}] = {x} is negative (only -1 marks an unused slot)"),
-                            ));
-                        }
-                        if x as usize >= kbn {
-                            return Err(invalid(
-                                "block_index",
-                                format!(
-                                    "block_index[{b}, {h}, {qb}, {i}] = {x} but there are {kbn} key blocks (sequence {b} has {} keys, k_block {k_block})",
-                                    attn.segments[b].k_len
-                                ),
-                            ));
-                        }
-                        if let Some(j) = slots[..i].iter().position(|&y| y == x) {
-                            return Err(invalid(
-                                "block_index",
-                                format!("block_index[{b}, {h}, {qb}, {i}] = {x} duplicates block_index[{b}, {h}, {qb}, {j}]"),
-                            ));
-                        }
+                        bad |= x < 0 || x as usize >= kbn;
                         row.push(x as u32);
                     }
-                    row.sort_unstable();
+                    if !row.is_sorted() {
+                        row.sort_unstable();
+                    }
+                    bad |= row.windows(2).any(|w| w[0] == w[1]);
+                    if bad {
+                        return Err(first_bad_slot(slots, b, h, qb, kbn, attn.segments[b].k_len, k_block));
+                    }
                     blocks.extend_from_slice(&row);
                     offsets.push(blocks.len());
                 }

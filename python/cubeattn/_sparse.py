@@ -7,7 +7,9 @@ Block-size contract: query rows in blocks of ``q_block`` (default 64), keys in b
 partial. ``block_index`` is int32 ``[batch, heads, q_blocks, top_k]``, ``q_blocks =
 ceil(max_seqlen_q / q_block)``, ``-1`` = unused slot, any order, no duplicates; ``heads`` is
 heads_q or heads_kv (one pattern per GQA group). Causal (bottom-right) applies on top of the
-block pattern. A row that sees no key gets zero output and lse ``+inf``.
+block pattern. A row that sees no key gets zero output and lse ``+inf``. The results do not
+depend on the device; on CUDA, ``k_block`` a multiple of 64 and ``q_block`` (times the GQA group
+size when the index is per kv head) a multiple of 64 run without padded (masked) work.
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ def _index_array(x, name):
         raise ValueError(f"invalid argument `{name}`: not a rectangular integer array ({e})") from None
     if a.dtype.kind not in "iu":
         raise TypeError(f"invalid dtype for `{name}`: {a.dtype}; expected int32")
-    if a.size:
+    if a.size and a.dtype.itemsize >= 4 and a.dtype != np.int32:  # int32 (and narrower) always fit
         lo, hi = np.iinfo(np.int32).min, np.iinfo(np.int32).max
         bad = np.argwhere((a < lo) | (a > hi))
         if len(bad):
@@ -155,9 +157,27 @@ def _check_device(device):
 
 
 def _run_forward(spec, cq, ck, cv, device):
-    from . import _last
+    from . import _device_for, _last, _one_gpu, _raw_stream
 
-    out, lse, name = _core.sparse_forward(spec, cq.bytes, ck.bytes, cv.bytes, _check_device(device))
+    dev = _device_for(_check_device(device), cq, ck, cv)
+    total_q, _, heads_q, _, _ = spec.dims
+    gpu = _one_gpu(dev, cq, ck, cv) if hasattr(_core, "sparse_forward_device") else None
+    if gpu is not None:
+        # device-resident: enqueued on torch's current stream, no copies, no synchronization
+        import torch
+
+        q, k, v = cq.device_tensor, ck.device_tensor, cv.device_tensor
+        o = torch.empty(cq.shape, dtype=q.dtype, device=gpu)
+        lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=gpu)
+        done = _core.sparse_forward_device(spec, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
+                                           lse.data_ptr(), _raw_stream(torch, gpu), dev)
+        if done is not None:
+            if not done:
+                o.zero_()
+                lse.fill_(float("inf"))
+            _last.name = "cuda"
+            return o, lse
+    out, lse, name = _core.sparse_forward(spec, cq.bytes, ck.bytes, cv.bytes, dev)
     _last.name = name
     total_q, _, heads_q, _, _ = spec.dims
     return from_core(out, cq.shape, cq.dtype, cq), from_core(lse, (heads_q, total_q), "float32", cq)
@@ -210,12 +230,25 @@ def block_sparse_attn_func(q, k, v, block_index=None, q_block=DEFAULT_Q_BLOCK, k
     int32 ``[B, H, q_blocks, top_k]`` (see the module docs), or a FlexAttention ``block_mask`` /
     its ``kv_num_blocks`` + ``kv_indices``. Returns out (and lse: ``[B, Hq, Sq]`` batched,
     ``[Hq, total_q]`` varlen). ``qk_int8=True``: SageAttention-style INT8 Q K^T with
-    ``quant_gran`` scales and K smoothing (``smooth_k``), forward only. ``device="cuda"`` raises
-    NotImplementedError (no CUDA kernel yet); "auto" runs on the CPU."""
+    ``quant_gran`` scales and K smoothing (``smooth_k``), forward only. ``block_index`` may also be a
+    SparseSpec from ``cubeattn.sparse_spec`` (the index validated once, as a FlexAttention BlockMask
+    is built once): the call must match its shapes, sequences and dtype. Forward on CUDA (torch
+    CUDA tensors stay on their GPU; numpy inputs are copied) for float16/bfloat16, head_dim 64/128,
+    exact QK^T; the rest runs on the CPU with ``device="auto"`` and raises NotImplementedError
+    with ``device="cuda"``. The backward has no CUDA kernel yet: autograd runs it on the CPU
+    (``device="auto"``); ``device="cuda"`` raises NotImplementedError there."""
     cq0 = dtype_name(q, "q")
     dtype_name(k, "k"), dtype_name(v, "v")
     fq, fk, fv, cu_q, cu_k, mq, mk, batched = _layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     heads_q = fq.shape[1] if len(fq.shape) == 3 else 0
+    if isinstance(block_index, _core.SparseSpec):
+        spec = _prepared(block_index, fq, fk, fv, cq0, cu_q, cu_k, q_block, k_block, causal, softmax_scale, qk_int8,
+                         block_mask, kv_num_blocks, kv_indices)
+        cq, ck, cv = to_core(fq, "q"), to_core(fk, "k"), to_core(fv, "v")
+        for name, c in (("k", ck), ("v", cv)):
+            if c.dtype != cq.dtype:
+                raise TypeError(f"invalid dtype for `{name}`: {c.dtype}; q is {cq.dtype} (they must match)")
+        return _sparse_call(spec, q, fq, fk, fv, cq, ck, cv, batched, return_lse, device, spec.qk_int8 is not None)
     ix, q_block, k_block = _resolve_index(block_index, block_mask, kv_num_blocks, kv_indices, q_block, k_block,
                                           len(cu_q) - 1, heads_q)
     if not isinstance(qk_int8, (bool, np.bool_)):
@@ -228,6 +261,37 @@ def block_sparse_attn_func(q, k, v, block_index=None, q_block=DEFAULT_Q_BLOCK, k
             raise TypeError(f"invalid dtype for `{name}`: {c.dtype}; q is {cq.dtype} (they must match)")
     spec = sparse_spec(cq.shape, ck.shape, cq0, cu_q, cu_k, mq, mk, ix, q_block, k_block, softmax_scale, causal,
                        v_shape=cv.shape, qk_int8=quant_gran if qk_int8 else None, smooth_k=smooth_k)
+    return _sparse_call(spec, q, fq, fk, fv, cq, ck, cv, batched, return_lse, device, qk_int8)
+
+
+def _prepared(spec, fq, fk, fv, dtype, cu_q, cu_k, q_block, k_block, causal, softmax_scale, qk_int8, *mask_args):
+    """A SparseSpec passed as `block_index` (built once with `cubeattn.sparse_spec`): the call must
+    match it; the arguments it fixes must be left at their defaults or agree with it."""
+    if any(a is not None for a in mask_args):
+        raise ValueError("invalid argument `block_mask`: give a prepared SparseSpec or a block mask, not both")
+    for name, got, default, want in (("q_block", q_block, DEFAULT_Q_BLOCK, spec.q_block),
+                                     ("k_block", k_block, DEFAULT_K_BLOCK, spec.k_block),
+                                     ("causal", causal, False, spec.causal)):
+        if got != default and got != want:
+            raise ValueError(f"invalid argument `{name}`: {got!r} differs from the prepared SparseSpec's {want!r}")
+    if softmax_scale is not None and abs(float(softmax_scale) - spec.softmax_scale) > 1e-6 * abs(spec.softmax_scale):
+        raise ValueError(f"invalid argument `softmax_scale`: {softmax_scale!r} differs from the prepared SparseSpec's "
+                         f"{spec.softmax_scale!r}")
+    if qk_int8:
+        raise ValueError("invalid argument `qk_int8`: a prepared SparseSpec fixes it (build it with qk_int8=...)")
+    dims = (fq.shape[0], fk.shape[0], fq.shape[1], fk.shape[1], fq.shape[2]) if len(fq.shape) == 3 else None
+    if dims != tuple(spec.dims) or tuple(fv.shape) != tuple(fk.shape) or dtype != spec.dtype:
+        raise ValueError(f"invalid argument `block_index`: the prepared SparseSpec is for dims {tuple(spec.dims)} "
+                         f"{spec.dtype}, the call has q {tuple(fq.shape)} k {tuple(fk.shape)} {dtype}")
+    segs = [(int(cu_q[i]), int(cu_q[i + 1] - cu_q[i]), int(cu_k[i]), int(cu_k[i + 1] - cu_k[i]))
+            for i in range(len(cu_q) - 1)]
+    if segs != [tuple(x) for x in spec.segments]:
+        raise ValueError("invalid argument `block_index`: the prepared SparseSpec's sequences (cu_seqlens) differ "
+                         "from the call's")
+    return spec
+
+
+def _sparse_call(spec, q, fq, fk, fv, cq, ck, cv, batched, return_lse, device, qk_int8):
     _check_device(device)
     if any(_is_torch(x) for x in (fq, fk, fv)):
         from ._sparse_autograd import needs_grad

@@ -29,7 +29,7 @@ import numpy as np
 
 import cubeattn
 
-CONFIGS = {"llama3-8b": (32, 8, 128), "llama3-70b": (64, 8, 128), "cpu-small": (8, 8, 128)}
+CONFIGS = {"llama3-8b": (32, 8, 128), "llama3-70b": (64, 8, 128), "gqa-d64": (32, 8, 64), "cpu-small": (8, 8, 128)}
 
 
 def causal_pairs(sq, sk):
@@ -181,13 +181,14 @@ def _cuda_dense(args, torch):
     sync = torch.cuda.synchronize
     for s in args.seqlens:
         flops = 4 * d * hq * (causal_pairs(s, s) if args.causal else s * s)
+        key = dict(what="dense_fwd", config=args.config, causal=args.causal, dtype=args.dtype, S=s)
         spec = cubeattn.varlen_spec((s, hq, d), (s, hkv, d), args.dtype, [0, s], [0, s], s, s, causal=args.causal)
         try:
             ts = sorted(cubeattn._core.cuda_bench_forward(spec, 3, args.iterations))
-            rows.append(dict(what="dense_fwd", impl="cubeattn_cuda", S=s, ms=ts[len(ts) // 2], ms_min=ts[0],
+            rows.append(dict(key, impl="cubeattn_cuda", ms=ts[len(ts) // 2], ms_min=ts[0],
                              ms_max=ts[-1], tflops=flops / ts[len(ts) // 2] / 1e9))
         except Exception as e:  # report, keep the peers
-            rows.append(dict(what="dense_fwd", impl="cubeattn_cuda", S=s, error=str(e)[:200]))
+            rows.append(dict(key, impl="cubeattn_cuda", error=str(e)[:200]))
         q = torch.randn(1, hq, s, d, device="cuda", dtype=tdt)
         k = torch.randn(1, hkv, s, d, device="cuda", dtype=tdt)
         v = torch.randn_like(k)
@@ -197,10 +198,10 @@ def _cuda_dense(args, torch):
                     with sdpa_kernel(be):
                         F.scaled_dot_product_attention(q, k, v, is_causal=args.causal, enable_gqa=True)
                 ms = median_ms(run, 3, args.iterations, sync)
-                rows.append(dict(what="dense_fwd", impl=name, S=s, ms=ms[0], ms_min=ms[1], ms_max=ms[2],
+                rows.append(dict(key, impl=name, ms=ms[0], ms_min=ms[1], ms_max=ms[2],
                                  tflops=flops / ms[0] / 1e9))
             except Exception as e:
-                rows.append(dict(what="dense_fwd", impl=name, S=s, error=str(e)[:200]))
+                rows.append(dict(key, impl=name, error=str(e)[:200]))
         del q, k, v
     return rows
 
@@ -738,11 +739,82 @@ def bench_sparse_cpu(args):
     return rows
 
 
+# ---------------------------------------------------------------- block-sparse (CUDA)
+
+def _cuda_sparse(args, torch):
+    """Block-sparse forward on CUDA vs our dense kernel, SDPA flash (dense) and FlexAttention with
+    the same BlockMask; bf16, q_block = k_block = 128 (FlexAttention's block), index per head.
+    Wall clock of the torch call (median, one sync per call). Rows: {what: "sparse", impl:
+    "cubeattn" (the public call with the index: validated per call) | "cubeattn_prepared" (the
+    public call with a SparseSpec built once, as a FlexAttention BlockMask is) | "cubeattn_dense" | "sdpa_flash" | "flex", B, H, S, keep, pattern, causal, ms}."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from . import sparse_patterns as sp
+
+    B, H, d = 4, 32, 128
+    tdt = torch.bfloat16
+    sync = torch.cuda.synchronize
+    it = args.iterations
+    rows = []
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+        flex = torch.compile(flex_attention, dynamic=False)
+    except Exception as e:  # report, keep the others
+        flex = None
+        rows.append(dict(what="sparse", impl="flex", error=str(e)[:200]))
+    for s in args.seqlens:
+        nb = -(-s // 128)
+        q, k, v = (torch.randn(B, s, H, d, device="cuda", dtype=tdt) for _ in range(3))
+        qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+        base = dict(what="sparse", B=B, H=H, S=s, causal=args.causal)
+        ms = median_ms(lambda: cubeattn.flash_attn_func(q, k, v, causal=args.causal), 3, it, sync)
+        rows.append(dict(base, impl="cubeattn_dense", keep=1.0, pattern="dense", ms=ms[0], ms_min=ms[1]))
+        def sdpa():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                F.scaled_dot_product_attention(qt, kt, vt, is_causal=args.causal)
+        ms = median_ms(sdpa, 3, it, sync)
+        rows.append(dict(base, impl="sdpa_flash", keep=1.0, pattern="dense", ms=ms[0], ms_min=ms[1]))
+        for ratio in args.top_k_ratios:
+            top_k = sp.top_k_for(nb, ratio)
+            ix = sp.PATTERNS[args.pattern](B, H, nb, nb, top_k, seed=1)
+            key = dict(base, keep=round(top_k / nb, 4), pattern=args.pattern)
+            try:
+                ms = median_ms(lambda: cubeattn.block_sparse_attn_func(q, k, v, ix, q_block=128, k_block=128,
+                                                                       causal=args.causal), 3, it, sync)
+                rows.append(dict(key, impl="cubeattn", ms=ms[0], ms_min=ms[1]))
+                spec = cubeattn.sparse_spec((B * s, H, d), (B * s, H, d), "bfloat16", (np.arange(B + 1) * s).astype(np.int32),
+                                            (np.arange(B + 1) * s).astype(np.int32), s, s, ix, 128, 128, causal=args.causal)
+                ms = median_ms(lambda: cubeattn.block_sparse_attn_func(q, k, v, spec), 3, it, sync)
+                rows.append(dict(key, impl="cubeattn_prepared", ms=ms[0], ms_min=ms[1]))
+            except Exception as e:
+                rows.append(dict(key, impl="cubeattn", error=str(e)[:200]))
+            if flex is not None and not args.causal:
+                try:
+                    ti = torch.from_numpy(np.sort(np.where(ix < 0, np.iinfo(np.int32).max, ix), -1)).cuda()
+                    num = (ti != np.iinfo(np.int32).max).sum(-1).to(torch.int32)
+                    idx = torch.where(ti == np.iinfo(np.int32).max, 0, ti).to(torch.int32)
+                    idx = torch.cat([idx, torch.zeros(B, H, nb, nb - idx.shape[-1], dtype=torch.int32, device="cuda")], -1)
+                    bm = BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=128)
+                    ms = median_ms(lambda: flex(qt, kt, vt, block_mask=bm), 3, it, sync)
+                    rows.append(dict(key, impl="flex", ms=ms[0], ms_min=ms[1]))
+                except Exception as e:
+                    rows.append(dict(key, impl="flex", error=str(e)[:200]))
+        del q, k, v, qt, kt, vt
+    dense = {r["S"]: r["ms"] for r in rows if r.get("impl") == "cubeattn_dense" and "ms" in r}
+    for r in rows:
+        if r.get("impl") in ("cubeattn", "cubeattn_prepared") and "ms" in r and r["S"] in dense:
+            r["speedup"] = dense[r["S"]] / r["ms"]
+            r["ideal"] = 1.0 / r["keep"]
+    return rows
+
+
 # ---------------------------------------------------------------- output
 
 def print_table(rows):
-    cols = [c for c in ("what", "config", "impl", "cache", "part", "B", "S", "T", "W", "rank", "P", "G", "pattern",
-                        "kept", "ms", "gflops", "tflops", "speedup", "ideal", "fwd_ms", "fwd_tflops", "fwdbwd_ms",
+    cols = [c for c in ("what", "config", "causal", "impl", "cache", "part", "B", "S", "T", "W", "rank", "P", "G", "pattern",
+                        "kept", "keep", "ms", "gflops", "tflops", "speedup", "ideal", "fwd_ms", "fwd_tflops", "fwdbwd_ms",
                         "fwdbwd_tflops", "exposed_comm_fwd_ms", "exposed_comm_fwdbwd_ms", "error")
             if any(c in r for r in rows)]
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
@@ -827,17 +899,16 @@ def main(argv=None):
         if args.what not in ("dense", "sparse"):
             p.error(f"the {args.what} benchmark compares GPU kernels: run it with a CUDA build on a GPU")
         rows = bench_sparse_cpu(args) if args.what == "sparse" else bench_cpu(args)
-    elif args.what == "sparse":
-        p.error("the block-sparse CUDA kernel is not built yet: run `sparse` with --device cpu")
     else:
         torch = _torch()
         if torch is None or not torch.cuda.is_available():
             p.error("the CUDA benchmark needs torch with CUDA for the peers")
         args.config = args.config or "llama3-8b"
-        args.seqlens = args.seqlens or ([4096, 8192] if args.quick else [4096, 8192, 16384, 32768])
+        args.seqlens = args.seqlens or ([8192] if args.what == "sparse" else [4096, 8192] if args.quick
+                                        else [4096, 8192, 16384, 32768])
         args.iterations = args.iterations or (5 if args.quick else 20)
         rows = {"dense": _cuda_dense, "grouped": _cuda_grouped, "fwdbwd": _cuda_fwdbwd,
-                "autograd": _cuda_autograd, "callpath": _cuda_callpath}[args.what](args, torch)
+                "autograd": _cuda_autograd, "callpath": _cuda_callpath, "sparse": _cuda_sparse}[args.what](args, torch)
     env = environment(device)
     print(f"# cubeattn bench {args.what} on {device}: {env.get('gpu_name', platform.processor() or 'cpu')}, "
           f"{env['date']}, commit {env['commit']}")

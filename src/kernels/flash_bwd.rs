@@ -23,6 +23,8 @@ use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
 use cubecl::prelude::barrier::{copy_async, Barrier};
 
+use super::math::{fast_exp2, LOG2E};
+
 /// Planes (warps) per cube of the tensor-core kernels.
 pub const BWD_PLANES: usize = 4;
 /// Keys per dK/dV cube (16 per plane) and keys per shared-memory tile of the dQ kernel.
@@ -40,12 +42,6 @@ pub const F32_ROWS_PER_CUBE: usize = 4;
 /// Planes per cube of the preprocessing kernel.
 pub const DELTA_PLANES: usize = 8;
 
-/// `exp` through the hardware approximation (`__expf`); the tensor-core kernels round P to
-/// f16/bf16 right after, so its few-ulp error is invisible.
-#[cube(fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf)]
-fn fast_exp(x: f32) -> f32 {
-    f32::exp(x)
-}
 
 // ---------------------------------------------------------------------------------------------
 // Fragment helpers. `ldsm` picks `ldmatrix` (fast) or per-element shared-memory reads through
@@ -322,7 +318,7 @@ fn issue_q_tile<E: Float>(
         let mut dd = 0.0f32;
         if row < q_len {
             let li = (h * total_q + q_start + row) as usize;
-            l = lse[li];
+            l = lse[li] * LOG2E;
             dd = delta[li];
         }
         lse_smem[boff + UNIT_POS as usize] = l;
@@ -392,6 +388,7 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
     tile_segs: &Array<u32>,
     segs: &Array<u32>,
     scale: f32,
+    scale_log2: f32,
     heads_q: u32,
     heads_kv: u32,
     total_q: u32,
@@ -547,7 +544,7 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                     let mut dd = 0.0f32;
                     if row < q_len {
                         let li = (h * total_q + q_start + row) as usize;
-                        l = lse[li];
+                        l = lse[li] * LOG2E;
                         dd = delta[li];
                     }
                     lse_smem[UNIT_POS as usize] = l;
@@ -583,14 +580,14 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                         }
                     }
 
-                    // ---- P^T = exp(scale * S^T - lse[row]), masked ----
+                    // ---- P^T = exp(scale * S^T - lse[row]) = 2^(scale_log2 * S^T - lse[row] * log2(e)), masked ----
                     #[unroll]
                     for nb in 0..sn {
                         #[unroll]
                         for e in 0..ec {
                             let (row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
                             let rloc = qr0 + nb * 8 + col as usize;
-                            let mut p = fast_exp(s[nb * ec + e] * scale - lse_smem[qb + rloc]);
+                            let mut p = fast_exp2(s[nb * ec + e] * scale_log2 - lse_smem[qb + rloc]);
                             if !full {
                                 let kwin = kw0 + row as i32;
                                 let rr = rr0 + (nb * 8) as i32 + col as i32;
@@ -763,6 +760,7 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     work: &Array<u32>,
     segs: &Array<u32>,
     scale: f32,
+    scale_log2: f32,
     heads_q: u32,
     heads_kv: u32,
     total_q: u32,
@@ -861,12 +859,12 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     let mut dl_b = 0.0f32;
     if rl_a < q_len {
         let i = (head * total_q + q_start + rl_a) as usize;
-        lse_a = lse[i];
+        lse_a = lse[i] * LOG2E;
         dl_a = delta[i];
     }
     if rl_b < q_len {
         let i = (head * total_q + q_start + rl_b) as usize;
-        lse_b = lse[i];
+        lse_b = lse[i] * LOG2E;
         dl_b = delta[i];
     }
     // Rows past the segment end: force every key masked.
@@ -962,7 +960,7 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
                         dd = dl_a;
                         lim = lim_a;
                     }
-                    let mut p = fast_exp(s[nb * ec + e] * scale - l);
+                    let mut p = fast_exp2(s[nb * ec + e] * scale_log2 - l);
                     if needs_mask {
                         let (_row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
                         let key = (kb + (kc0 + nb * 8) as u32 + col) as i32;

@@ -29,6 +29,8 @@ use cubecl::prelude::*;
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::barrier::{copy_async, Barrier};
 
+use super::math::{fast_exp2, LN2};
+
 /// Packed rows per cube.
 pub const BLOCK_M: usize = 16 * PLANES;
 /// Keys per shared-memory tile.
@@ -45,14 +47,10 @@ pub const SLICE_WORDS: usize = 3;
 pub const WORK_WORDS: usize = 5;
 /// u32 words per combine entry.
 pub const COMB_WORDS: usize = 4;
+/// Key blocks of a sparse work item's list staged in shared memory (the rest is read from global).
+pub const LIST_SMEM: usize = 256;
 /// Marks "no row" / "no partial slot".
 pub const NONE: u32 = u32::MAX;
-
-/// `exp` through the hardware approximation (`__expf`: one multiply and `ex2.approx`).
-#[cube(fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf)]
-fn fast_exp(x: f32) -> f32 {
-    f32::exp(x)
-}
 
 /// Per-row metadata of one tile, written to shared memory by the first BLOCK_M units:
 /// token (NONE for an empty row), q head, and the visible absolute key range clipped to
@@ -231,33 +229,39 @@ pub fn flash_fwd_mma2<E: Float>(
     work: &Array<u32>,
     slices: &Array<u32>,
     segs: &Array<u32>,
-    scale: f32,
+    tile_ref: &Array<u32>,
+    blocks: &Array<u32>,
+    scale_log2: f32,
     heads_q: u32,
     heads_kv: u32,
     total_q: u32,
     hp: u32,
     n_slots: u32,
     inf: f32,
+    k_block: u32,
+    tiles_per_block: u32,
     #[comptime] head_dim: usize,
     #[comptime] causal: bool,
     #[comptime] mt: usize,
     #[comptime] block_n: usize,
+    #[comptime] block_m: usize,
+    #[comptime] sparse: bool,
 ) {
     let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
     let lane = UNIT_POS_PLANE;
     let plane = UNIT_POS / 32u32;
-    let threads = comptime!(BLOCK_M / mt * 2);
+    let threads = comptime!(block_m / mt * 2);
     let plane_rows = comptime!(16 * mt);
 
     let stride = comptime!(head_dim + SMEM_PAD);
     let vecs_per_row = comptime!(head_dim / LOAD_VEC);
-    let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(BLOCK_M * (head_dim + SMEM_PAD)), 16usize);
+    let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(block_m * (head_dim + SMEM_PAD)), 16usize);
     let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(block_n * (head_dim + SMEM_PAD)), 16usize);
     let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(block_n * (head_dim + SMEM_PAD)), 16usize);
-    let mut row_tok = SharedMemory::<u32>::new(BLOCK_M);
-    let mut row_head = SharedMemory::<u32>::new(BLOCK_M);
-    let mut row_lo = SharedMemory::<u32>::new(BLOCK_M);
-    let mut row_hi = SharedMemory::<u32>::new(BLOCK_M);
+    let mut row_tok = SharedMemory::<u32>::new(block_m);
+    let mut row_head = SharedMemory::<u32>::new(block_m);
+    let mut row_lo = SharedMemory::<u32>::new(block_m);
+    let mut row_hi = SharedMemory::<u32>::new(block_m);
     let bar_k = Barrier::shared(comptime!(threads as u32), UNIT_POS == 0);
     let bar_v = Barrier::shared(comptime!(threads as u32), UNIT_POS == 0);
 
@@ -272,17 +276,35 @@ pub fn flash_fwd_mma2<E: Float>(
     let khi = work[item + 3];
     let slot = work[item + 4];
 
-    // fill_rows covers rows [0, BLOCK_M) with one unit each: with fewer units, loop.
-    fill_rows2(
-        slices, segs, slice_off, n_slices, hp, head_base, klo, khi, &mut row_tok, &mut row_head, &mut row_lo,
-        &mut row_hi, causal, threads,
-    );
-    sync_cube();
-
+    // Key tiles: dense, `[klo, khi)` in block_n steps; sparse, the listed key blocks of this
+    // (item, CUBE_POS_Y), each `tiles_per_block` tiles (see `tile_bounds`). The first LIST_SMEM
+    // blocks of the list are staged in shared memory, so no tile waits on a global load for its
+    // address.
     let mut n_tiles = 0u32;
-    if khi > klo {
+    let mut list = 0u32;
+    let mut list_smem = SharedMemory::<u32>::new(comptime!(if sparse { LIST_SMEM } else { 1usize }));
+    if sparse {
+        let r = ((CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) * 2u32) as usize;
+        list = tile_ref[r];
+        n_tiles = tile_ref[r + 1];
+        let lim = min((n_tiles + tiles_per_block - 1) / tiles_per_block, LIST_SMEM as u32);
+        #[unroll]
+        for pass in 0..comptime!(LIST_SMEM.div_ceil(threads)) {
+            let i = UNIT_POS + (pass * threads) as u32;
+            if i < lim {
+                list_smem[i as usize] = blocks[(list + i) as usize];
+            }
+        }
+    } else if khi > klo {
         n_tiles = (khi - klo + block_n as u32 - 1) / block_n as u32;
     }
+
+    // fill_rows covers rows [0, block_m) with one unit each: with fewer units, loop.
+    fill_rows2(
+        slices, segs, slice_off, n_slices, hp, head_base, klo, khi, &mut row_tok, &mut row_head, &mut row_lo,
+        &mut row_hi, causal, threads, block_m,
+    );
+    sync_cube();
 
     let size!(NA) = def.vector_size(MatrixIdent::A);
     let size!(NB) = def.vector_size(MatrixIdent::B);
@@ -301,7 +323,7 @@ pub fn flash_fwd_mma2<E: Float>(
     let slots = comptime!(2 * mt);
     let krow = heads_kv as usize * head_dim;
     let kv_loads = comptime!(block_n * (head_dim / LOAD_VEC) / threads);
-    let q_loads = comptime!(BLOCK_M * (head_dim / LOAD_VEC) / threads);
+    let q_loads = comptime!(block_m * (head_dim / LOAD_VEC) / threads);
     let mi = (lane / 8u32) as usize;
     let mr = (lane % 8u32) as usize;
     let prow = plane as usize * plane_rows;
@@ -309,6 +331,7 @@ pub fn flash_fwd_mma2<E: Float>(
     // Q tile and K(0) in one cp.async group on bar_k. Rows without a token copy token 0 (any
     // valid row): their key range is empty, so every score is masked and nothing is written.
     if n_tiles > 0 {
+        let (f0, f1) = tile_bounds(0u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, block_n, sparse);
         #[unroll]
         for it in 0..q_loads {
             let idx = UNIT_POS as usize + it * threads;
@@ -327,7 +350,7 @@ pub fn flash_fwd_mma2<E: Float>(
             let idx = UNIT_POS as usize + it * threads;
             let r = idx / vecs_per_row;
             let c = idx % vecs_per_row;
-            let key = min(klo + r as u32, khi - 1);
+            let key = min(f0 + r as u32, f1 - 1);
             let g = key as usize * krow + head_kv as usize * head_dim + c * LOAD_VEC;
             let base = r * stride + c * LOAD_VEC;
             copy_async(&k_s.slice(g, g + LOAD_VEC), &mut k_smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
@@ -355,7 +378,7 @@ pub fn flash_fwd_mma2<E: Float>(
     let (row_b, _cb) = def.position_of_nth(lane, (ec - 1) as u32, MatrixIdent::Accumulator);
 
     for kt in 0..n_tiles {
-        let t0 = klo + kt * block_n as u32;
+        let (t0, t1) = tile_bounds(kt, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, block_n, sparse);
         bar_k.wait_parity(kt & 1u32);
         // Every plane has finished P.V of the previous tile: the V buffer is free.
         sync_cube();
@@ -364,7 +387,7 @@ pub fn flash_fwd_mma2<E: Float>(
             let idx = UNIT_POS as usize + it * threads;
             let r = idx / vecs_per_row;
             let c = idx % vecs_per_row;
-            let key = min(t0 + r as u32, khi - 1);
+            let key = min(t0 + r as u32, t1 - 1);
             let g = key as usize * krow + head_kv as usize * head_dim + c * LOAD_VEC;
             let base = r * stride + c * LOAD_VEC;
             copy_async(&v_s.slice(g, g + LOAD_VEC), &mut v_smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
@@ -433,7 +456,7 @@ pub fn flash_fwd_mma2<E: Float>(
         }
 
         // ---- mask (only tiles that cross a row's key range) ----
-        let t1 = t0 + block_n as u32;
+        let tn = t0 + block_n as u32;
         let mut needs_mask = false;
         #[unroll]
         for i in 0..slots {
@@ -442,7 +465,7 @@ pub fn flash_fwd_mma2<E: Float>(
                 r = row_a;
             }
             let tr = prow + (i / 2) * 16 + r as usize;
-            if t0 < row_lo[tr] || t1 > row_hi[tr] {
+            if t0 < row_lo[tr] || tn > min(row_hi[tr], t1) {
                 needs_mask = true;
             }
         }
@@ -455,7 +478,7 @@ pub fn flash_fwd_mma2<E: Float>(
                 }
                 let tr = prow + (i / 2) * 16 + r as usize;
                 let lo = row_lo[tr];
-                let hi = row_hi[tr];
+                let hi = min(row_hi[tr], t1);
                 #[unroll]
                 for nb in 0..n_blocks {
                     #[unroll]
@@ -487,12 +510,12 @@ pub fn flash_fwd_mma2<E: Float>(
             mx = max(mx, plane_shuffle_xor(mx, 1u32));
             mx = max(mx, plane_shuffle_xor(mx, 2u32));
             let old = m_r[i];
-            let new = max(old, mx * scale);
+            let new = max(old, mx * scale_log2);
             let mut use_m = new;
             if new == neg_inf {
                 use_m = 0.0f32;
             }
-            let alpha = fast_exp(old - use_m);
+            let alpha = fast_exp2(old - use_m);
             m_r[i] = new;
             let mut sum = 0.0f32;
             #[unroll]
@@ -500,7 +523,7 @@ pub fn flash_fwd_mma2<E: Float>(
                 #[unroll]
                 for e2 in 0..comptime!(ec / 2) {
                     let idx = (m * n_blocks + nb) * ec + e0 + e2;
-                    let p = fast_exp(s[idx] * scale - use_m);
+                    let p = fast_exp2(s[idx] * scale_log2 - use_m);
                     s[idx] = p;
                     sum += p;
                 }
@@ -519,12 +542,13 @@ pub fn flash_fwd_mma2<E: Float>(
         // Every plane has finished S = Q K^T: the K buffer is free for the next tile.
         sync_cube();
         if kt + 1 < n_tiles {
+            let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, block_n, sparse);
             #[unroll]
             for it in 0..kv_loads {
                 let idx = UNIT_POS as usize + it * threads;
                 let r = idx / vecs_per_row;
                 let c = idx % vecs_per_row;
-                let key = min(t0 + (block_n + r) as u32, khi - 1);
+                let key = min(n0 + r as u32, n1 - 1);
                 let g = key as usize * krow + head_kv as usize * head_dim + c * LOAD_VEC;
                 let base = r * stride + c * LOAD_VEC;
                 copy_async(&k_s.slice(g, g + LOAD_VEC), &mut k_smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
@@ -638,14 +662,14 @@ pub fn flash_fwd_mma2<E: Float>(
                 if tok != NONE {
                     let mut val = inf;
                     if l_r[i] > 0.0f32 {
-                        val = m_r[i] + f32::ln(l_r[i]);
+                        val = m_r[i] * LN2 + f32::ln(l_r[i]);
                     }
                     lse[(row_head[tr] * total_q + tok) as usize] = val;
                 }
             }
         }
     } else {
-        let pbase = ((CUBE_POS_Y * n_slots + slot) as usize) * BLOCK_M;
+        let pbase = ((CUBE_POS_Y * n_slots + slot) as usize) * block_m;
         #[unroll]
         for m in 0..mt {
             #[unroll]
@@ -669,7 +693,7 @@ pub fn flash_fwd_mma2<E: Float>(
                 let tr = prow + (i / 2) * 16 + r as usize;
                 let mut val = neg_inf;
                 if l_r[i] > 0.0f32 {
-                    val = m_r[i] + f32::ln(l_r[i]);
+                    val = m_r[i] * LN2 + f32::ln(l_r[i]);
                 }
                 part_lse[pbase + tr] = val;
             }
@@ -677,7 +701,8 @@ pub fn flash_fwd_mma2<E: Float>(
     }
 }
 
-/// `fill_rows` for cubes with `threads` units (fewer than BLOCK_M: each unit fills several rows).
+/// `fill_rows` for cubes of `block_m` rows with `threads` units (fewer than rows: each unit fills
+/// several rows).
 #[allow(clippy::too_many_arguments)]
 #[cube]
 fn fill_rows2(
@@ -695,11 +720,12 @@ fn fill_rows2(
     row_hi: &mut SharedMemory<u32>,
     #[comptime] causal: bool,
     #[comptime] threads: usize,
+    #[comptime] block_m: usize,
 ) {
     #[unroll]
-    for pass in 0..comptime!(BLOCK_M.div_ceil(threads)) {
+    for pass in 0..comptime!(block_m.div_ceil(threads)) {
         let r = UNIT_POS + (pass * threads) as u32;
-        if r < BLOCK_M as u32 {
+        if r < block_m as u32 {
             let mut tok = 0xFFFF_FFFFu32;
             let mut head = 0u32;
             let mut lo = 0u32;
@@ -737,4 +763,35 @@ fn fill_rows2(
             row_hi[r as usize] = hi;
         }
     }
+}
+
+/// Absolute key range `[t0, t1)` of key tile `kt` of a work item. Dense: tile `kt` of `[klo, khi)`.
+/// Sparse: `blocks[list..]` lists the item's key blocks (ascending, window-relative, `k_block`
+/// keys each, `klo` = the window start, `khi` its end); tile `kt` is part `kt % tiles_per_block`
+/// of block `kt / tiles_per_block`, cut at the block's and the window's end.
+#[allow(clippy::too_many_arguments)]
+#[cube]
+fn tile_bounds(
+    kt: u32,
+    klo: u32,
+    khi: u32,
+    list: u32,
+    blocks: &Array<u32>,
+    list_smem: &SharedMemory<u32>,
+    k_block: u32,
+    tiles_per_block: u32,
+    #[comptime] block_n: usize,
+    #[comptime] sparse: bool,
+) -> (u32, u32) {
+    let mut t0 = klo + kt * block_n as u32;
+    let mut t1 = min(t0 + block_n as u32, khi);
+    if sparse {
+        let bi = kt / tiles_per_block;
+        let part = kt - bi * tiles_per_block;
+        let kb = if bi < LIST_SMEM as u32 { list_smem[bi as usize] } else { blocks[(list + bi) as usize] };
+        let bstart = klo + kb * k_block;
+        t0 = bstart + part * block_n as u32;
+        t1 = min(min(t0 + block_n as u32, bstart + k_block), khi);
+    }
+    (t0, t1)
 }

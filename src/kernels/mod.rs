@@ -1,9 +1,10 @@
 //! CubeCL kernels (`#[cube]` code only), one file per kernel family. Built with feature `cuda`.
 
 pub mod flash_fwd;
+pub mod math;
 pub mod rowwise_fwd;
 pub mod flash_bwd;
 
 /// The kernel sources, hashed into the compiled-kernel cache key so that an edited kernel is never
 /// served from a stale cache entry.
-pub const SOURCES: &[&str] = &[include_str!("flash_fwd.rs"), include_str!("rowwise_fwd.rs"), include_str!("flash_bwd.rs")];
+pub const SOURCES: &[&str] = &[include_str!("flash_fwd.rs"), include_str!("math.rs"), include_str!("rowwise_fwd.rs"), include_str!("flash_bwd.rs")];

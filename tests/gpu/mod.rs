@@ -9,6 +9,8 @@ mod flash_attention;
 mod memory;
 #[cfg(feature = "cuda")]
 mod backward;
+#[cfg(feature = "cuda")]
+mod sparse;
 
 /// Normal(0, scale^2) values rounded into `dtype` (fresh inputs for every case; never zeros).
 #[cfg(feature = "cuda")]

@@ -274,13 +274,19 @@ def test_block_index_dtype_and_other_arguments():
         cubeattn._core.sparse_backward(spec, *(x.reshape(-1).view(np.uint8) for x in (q, k, v, out)), lse.reshape(-1), out.reshape(-1).view(np.uint8))
 
 
-def test_cuda_device_is_not_implemented_and_auto_runs_on_the_cpu():
+def test_cuda_without_a_kernel_for_the_call_is_refused_and_auto_runs_on_the_cpu():
+    # head_dim 8 has no CUDA kernel: NotImplementedError naming it where CUDA runs, the
+    # "unavailable" RuntimeError where it does not; never a silent CPU run for device="cuda"
     q, k, v = small()
     ok = np.zeros((1, 2, 1, 1), np.int32)
-    with pytest.raises(NotImplementedError, match="CUDA kernel"):
+    cuda = cubeattn.backend_status()["cuda_available"]
+    with pytest.raises(NotImplementedError if cuda else RuntimeError, match="head_dim 8|cuda"):
         cubeattn.block_sparse_attn_func(q, k, v, ok, device="cuda")
     cubeattn.block_sparse_attn_func(q, k, v, ok, device="auto")
     assert cubeattn.last_backend() == "cpu"
+    out = cubeattn.block_sparse_attn_func(q, k, v, ok)
+    with pytest.raises(NotImplementedError, match="backward"):
+        cubeattn.block_sparse_attn_backward(out, q, k, v, out, np.zeros((1, 2, 64), np.float32), ok, device="cuda")
 
 
 # ---------------------------------------------------------------- FlexAttention BlockMask fields
@@ -453,3 +459,32 @@ def test_torch_inputs_without_grad_and_half_precision():
     dense = cubeattn.flash_attn_func(q, k, v, causal=True, device="cpu")
     # one key block of 100 keys covers the whole sequence: the dense result
     torch.testing.assert_close(out.float(), dense.float(), rtol=1e-2, atol=1e-2)
+
+
+# ---------------------------------------------------------------- a prepared SparseSpec as block_index
+
+def test_prepared_spec_equals_the_index_call_and_mismatches_are_refused():
+    rng = np.random.default_rng(3)
+    B, sq, sk, hq, hkv, d = 2, 200, 300, 4, 2, 16
+    ix = sp.random(B, hq, 4, 3, 2, seed=4)
+    q, k, v = rand(rng, (B, sq, hq, d), "float32"), rand(rng, (B, sk, hkv, d), "float32"), rand(rng, (B, sk, hkv, d), "float32")
+    cu_q, cu_k = batched_cu(B, sq, sk)
+    spec = cubeattn.sparse_spec((B * sq, hq, d), (B * sk, hkv, d), "float32", cu_q, cu_k, sq, sk, ix, causal=True)
+    want, want_lse = cubeattn.block_sparse_attn_func(q, k, v, ix, causal=True, return_lse=True)
+    got, got_lse = cubeattn.block_sparse_attn_func(q, k, v, spec, return_lse=True)
+    assert np.array_equal(got, want) and np.array_equal(got_lse, want_lse)
+    assert np.array_equal(cubeattn.block_sparse_attn_func(q, k, v, spec, causal=True), want)
+    with pytest.raises(ValueError, match="k_block"):
+        cubeattn.block_sparse_attn_func(q, k, v, spec, k_block=64)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        cubeattn.block_sparse_attn_func(q, k, v, spec, softmax_scale=0.5)
+    with pytest.raises(ValueError, match="block_index"):
+        cubeattn.block_sparse_attn_func(q[:, :100], k, v, spec)
+    with pytest.raises(ValueError, match="block_index"):
+        cubeattn.block_sparse_attn_func(q.astype(np.float16), k.astype(np.float16), v.astype(np.float16), spec)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        cu_q2 = np.array([0, 150, 400], np.int32)
+        cubeattn.block_sparse_attn_func(q.reshape(-1, hq, d), k.reshape(-1, hkv, d), v.reshape(-1, hkv, d), spec,
+                                        cu_seqlens_q=cu_q2, cu_seqlens_k=cu_k, max_seqlen_q=250, max_seqlen_k=sk)
+    with pytest.raises(TypeError, match="`v`"):
+        cubeattn.block_sparse_attn_func(q, k, v.astype(np.float16), spec)

@@ -24,7 +24,7 @@ use cubecl::prelude::*;
 use cudarc::driver::sys;
 use half::{bf16, f16};
 
-use super::compile::{codegen, settings, KernelKey};
+use super::compile::{codegen, codegen_exp2, settings, KernelKey};
 use super::forward::layout;
 use super::launch::{grid_2d, launch, Args};
 use super::plans::Cached;
@@ -34,6 +34,7 @@ use crate::dtype::{DType, HostView};
 use crate::error::Result;
 pub use super::device_io::BenchPart;
 use crate::kernels::flash_bwd::{self, BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, DELTA_PLANES, F32_ROWS_PER_CUBE};
+use crate::kernels::math::LOG2E;
 use crate::spec::AttnSpec;
 
 /// Host-side tables of one backward call.
@@ -325,9 +326,9 @@ pub(crate) fn launch_backward(
     if n_k_work > 0 {
         let key = KernelKey::new("flash_bwd_dkdv", dt, &[hd as u32, causal, ldsm as u32, fused as u32, qvec as u32, pipe as u32]);
         let f = be.kernels.get(&key, || {
-            by_dtype!(T, codegen(flash_bwd::flash_bwd_dkdv::FlashBwdDkdv::<T, CudaRuntime>::new(
+            by_dtype!(T, codegen_exp2(flash_bwd::flash_bwd_dkdv::FlashBwdDkdv::<T, CudaRuntime>::new(
                 settings(threads), client.clone(),
-                A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (),
+                A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (),
                 BWD_LOAD_VEC, qvec, hd, spec.causal, ldsm, fused, qvec, pipe)))
         })?;
         let (acc_ptr, acc_len) = if fused { (acc, ql / qvec) } else { (delta, 1) };
@@ -337,7 +338,7 @@ pub(crate) fn launch_backward(
         for i in [TBL_K_WORK, TBL_TILE_OFF, TBL_TILE_SEGS, TBL_SEGS] {
             a.array(t(i).0, t(i).1);
         }
-        a.f32(spec.scale).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32).u32(d.total_k as u32);
+        a.f32(spec.scale).f32(spec.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32).u32(d.total_k as u32);
         launch(&f, (n_k_work as u32, d.heads_kv as u32, 1), &mut a, stream)?;
     }
     if fused {
@@ -350,9 +351,9 @@ pub(crate) fn launch_backward(
     } else if n_q_work > 0 {
         let key = KernelKey::new("flash_bwd_dq", dt, &[hd as u32, causal, ldsm as u32, pipe as u32]);
         let f = be.kernels.get(&key, || {
-            by_dtype!(T, codegen(flash_bwd::flash_bwd_dq::FlashBwdDq::<T, CudaRuntime>::new(
+            by_dtype!(T, codegen_exp2(flash_bwd::flash_bwd_dq::FlashBwdDq::<T, CudaRuntime>::new(
                 settings(threads), client.clone(),
-                A, A, A, A, A, A, A, A, A, A, A, (), (), (), (),
+                A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (),
                 BWD_LOAD_VEC, hd, spec.causal, ldsm, pipe)))
         })?;
         let mut a = Args::new();
@@ -361,7 +362,7 @@ pub(crate) fn launch_backward(
         for i in [TBL_Q_WORK, TBL_SEGS] {
             a.array(t(i).0, t(i).1);
         }
-        a.f32(spec.scale).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32);
+        a.f32(spec.scale).f32(spec.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32);
         launch(&f, (n_q_work as u32, d.heads_q as u32, 1), &mut a, stream)?;
     }
     Ok(())

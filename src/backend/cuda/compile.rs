@@ -79,6 +79,14 @@ fn codegen_options() -> CompilationOptions {
 }
 
 /// CUDA source of a kernel (CubeCL's code generator; no device work).
+/// [`codegen`] with `2^x` rewritten into `exp2f` ([`super::rewrite`]); for the kernels that use
+/// `kernels::math::fast_exp2`.
+pub(crate) fn codegen_exp2<K: CubeKernel>(kernel: K) -> Result<Source> {
+    let mut src = codegen(kernel)?;
+    src.cuda = super::rewrite::exp2_calls(&src.entry, &src.cuda)?;
+    Ok(src)
+}
+
 pub(crate) fn codegen<K: CubeKernel>(kernel: K) -> Result<Source> {
     let addr = kernel.address_type();
     let def = kernel.define();

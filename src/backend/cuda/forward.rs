@@ -12,12 +12,13 @@ use cubecl::prelude::*;
 use cudarc::driver::sys;
 use half::{bf16, f16};
 
-use super::compile::{codegen, settings, KernelKey};
+use super::compile::{codegen, codegen_exp2, settings, KernelKey};
 use super::launch::{launch, Args};
 use super::{fwd_options, CudaBackend, Plan};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::kernels::flash_fwd::{self, BLOCK_M};
+use crate::kernels::math::LOG2E;
 use crate::kernels::rowwise_fwd::{self, ROWS_PER_CUBE};
 use crate::spec::AttnSpec;
 
@@ -132,18 +133,20 @@ pub(crate) fn launch_forward(
     let (part_o, part_lse) = (p.workspace + offs[0] as u64, p.workspace + offs[1] as u64);
     let n_part = po_bytes / (4 * hd);
 
-    let key = KernelKey::new("flash_fwd_mma2", dt, &[hd as u32, spec.causal as u32, mt as u32, bn as u32]);
+    let key = KernelKey::new("flash_fwd_mma2", dt, &[hd as u32, spec.causal as u32, mt as u32, bn as u32, BLOCK_M as u32, 0]);
     let f = be.kernels.get(&key, || {
         macro_rules! k {
             ($t:ty) => {
-                codegen(flash_fwd::flash_fwd_mma2::FlashFwdMma2::<$t, CudaRuntime>::new(
+                codegen_exp2(flash_fwd::flash_fwd_mma2::FlashFwdMma2::<$t, CudaRuntime>::new(
                     settings(threads),
                     client.clone(),
-                    A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (),
+                    A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (),
                     hd,
                     spec.causal,
                     mt,
                     bn,
+                    BLOCK_M,
+                    false,
                 ))
             };
         }
@@ -155,8 +158,10 @@ pub(crate) fn launch_forward(
     for i in [TBL_FWD_WORK, TBL_FWD_SLICES, TBL_SEGS] {
         a.array(t(i).0, t(i).1);
     }
-    a.f32(spec.scale).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32);
-    a.u32(fp.hp).u32(fp.n_slots).f32(f32::INFINITY);
+    // no block list (the sparse tables): any valid address
+    a.array(t(TBL_SEGS).0, 1).array(t(TBL_SEGS).0, 1);
+    a.f32(spec.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32);
+    a.u32(fp.hp).u32(fp.n_slots).f32(f32::INFINITY).u32(0).u32(1);
     launch(&f, (n_work, y, 1), &mut a, stream)?;
 
     if fp.n_comb() > 0 {

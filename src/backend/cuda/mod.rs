@@ -14,6 +14,8 @@ mod launch;
 mod options;
 mod plan;
 mod plans;
+mod rewrite;
+mod sparse;
 mod status;
 
 pub use backward::BwdPtrs;
@@ -25,6 +27,7 @@ pub(crate) use options::use_ldmatrix;
 pub use plan::{forward_workspace_bytes, FwdPlan};
 pub(crate) use plan::{table_bytes, Plan};
 pub use status::status;
+pub(crate) use sparse::check_sparse_supported as sparse_supported;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Mutex, OnceLock};
@@ -52,6 +55,7 @@ pub struct CudaBackend {
     pub(crate) kernels: compile::Kernels,
     fwd_plans: plans::PlanCache<Plan>,
     bwd_plans: plans::PlanCache<backward::BwdPlan>,
+    sparse_plans: plans::PlanCache<sparse::SparsePlan>,
     stream: driver::Stream,
     /// Serializes calls on host buffers (they share `stream`).
     host_lock: Mutex<()>,
@@ -135,6 +139,7 @@ impl CudaBackend {
                 kernels: compile::Kernels::new(ctx, major, minor),
                 fwd_plans: plans::PlanCache::new(ctx),
                 bwd_plans: plans::PlanCache::new(ctx),
+                sparse_plans: plans::PlanCache::new(ctx),
                 stream,
                 host_lock: Mutex::new(()),
             })

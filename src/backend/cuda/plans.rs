@@ -34,6 +34,7 @@ pub(crate) struct PlanKey {
     causal: bool,
     segs: Vec<[usize; 4]>,
     opts: u64,
+    extra: u64,
 }
 
 impl PlanKey {
@@ -45,7 +46,13 @@ impl PlanKey {
             causal: spec.causal,
             segs: spec.segments.iter().map(|s| [s.q_start, s.q_len, s.k_start, s.k_len]).collect(),
             opts,
+            extra: 0,
         }
+    }
+
+    /// A key with two more words of what the plan depends on (the block-sparse index hashes).
+    pub fn with_extra(spec: &AttnSpec, opts: u64, extra: u64) -> PlanKey {
+        PlanKey { extra, ..PlanKey::new(spec, opts) }
     }
 }
 

@@ -1,0 +1,257 @@
+//! CUDA block-sparse forward: the dense forward kernel (`flash_fwd_mma2`) with its key-tile
+//! iterator reading a block list (`sparse = true`), so unlisted key blocks are skipped, not masked.
+//!
+//! Plan (built on the host once per (shape, index), cached on the device like the dense plans):
+//! - one work item per chunk of `block_m` packed rows inside one query block of one sequence
+//!   (`block_m` = 128 when a query block's packed rows are a multiple of 128, else 64: one list
+//!   per cube); packed rows are `hp` heads per query (`hp` = the GQA group when the index is per
+//!   kv head, else 1), as in the dense plan;
+//! - `tile_ref[(y * n_items + item) * 2 ..]` = (offset into `blocks`, key tiles) of the item's
+//!   list for index head `y`; the list is the query block's kept key blocks (ascending), cut,
+//!   when causal, after the last block any row of the item can see; each block is
+//!   `ceil(k_block / BLOCK_N)` tiles.
+//!
+//! Memory of the tables: O(items * heads + kept blocks), never O(S^2).
+//! Speed contract (same results for every block size): `k_block` a multiple of 64 and
+//! `q_block * hp` a multiple of 64 run without masked padding.
+
+use std::sync::Arc;
+
+use cubecl::cuda::CudaRuntime;
+use cubecl::prelude::*;
+use cudarc::driver::sys;
+use half::{bf16, f16};
+
+use super::compile::{codegen_exp2, settings, KernelKey};
+use super::launch::{launch, Args};
+use super::plans::{Cached, PlanKey};
+use super::driver::DevBuf;
+use super::{check_supported, driver, CudaBackend, FwdPtrs};
+use crate::backend::ForwardOutput;
+use crate::dtype::{DType, HostData, HostView};
+use crate::error::{invalid, Error, Result};
+use crate::kernels::flash_fwd::{self, BLOCK_N, NONE, SLICE_WORDS, WORK_WORDS};
+use crate::kernels::math::LOG2E;
+use crate::sparse::SparseSpec;
+
+const A: ArrayCompilationArg = ArrayCompilationArg { inplace: None };
+
+/// Host part of a cached block-sparse plan.
+pub(crate) struct SparsePlan {
+    hp: u32,
+    block_m: usize,
+    n_items: usize,
+    ys: u32,
+    tiles_per_block: u32,
+}
+
+/// Table order of a sparse plan.
+const T_SEGS: usize = 0;
+const T_WORK: usize = 1;
+const T_SLICES: usize = 2;
+const T_REF: usize = 3;
+const T_BLOCKS: usize = 4;
+
+/// Mixes one word into `h` (FNV-1a style over words with odd multiplier `m`).
+fn mix(h: &mut u64, x: u64, m: u64) {
+    *h = (*h ^ x).wrapping_mul(m);
+}
+
+/// What besides the dense shape the plan depends on: block sizes and the whole index, hashed
+/// from two seeds (128 bits of key: a collision would silently run another pattern's plan).
+fn index_hash(spec: &SparseSpec, seed: u64, m: u64) -> u64 {
+    let mut h = seed;
+    let ix = &spec.index;
+    for x in [spec.q_block, spec.k_block, ix.batch, ix.heads, ix.q_blocks, ix.blocks.len()] {
+        mix(&mut h, x as u64, m);
+    }
+    for &o in &ix.offsets {
+        mix(&mut h, o as u64, m);
+    }
+    for &b in &ix.blocks {
+        mix(&mut h, b as u64, m);
+    }
+    h
+}
+
+impl SparsePlan {
+    fn build(spec: &SparseSpec) -> (SparsePlan, Vec<Vec<u32>>) {
+        let d = &spec.attn.dims;
+        let group = d.group_size();
+        let hp = if spec.index.heads == d.heads_kv && group > 1 { group } else { 1 };
+        let ys = (d.heads_q / hp) as u32;
+        let block_m = if (spec.q_block * hp) % 128 == 0 { 128 } else { 64 };
+        let tpb = spec.k_block.div_ceil(BLOCK_N);
+        let mut segs = Vec::new();
+        let mut work = Vec::new();
+        let mut slices = Vec::new();
+        // per item: (sequence, query block, visible keys of its last row)
+        let mut items: Vec<(usize, usize, usize)> = Vec::new();
+        for (b, sg) in spec.attn.segments.iter().enumerate() {
+            segs.extend_from_slice(&[sg.q_start as u32, sg.q_len as u32, sg.k_start as u32, sg.k_len as u32]);
+            for qb in 0..sg.q_len.div_ceil(spec.q_block) {
+                let (r0, r1) = (qb * spec.q_block, ((qb + 1) * spec.q_block).min(sg.q_len));
+                let mut p = r0 * hp;
+                while p < r1 * hp {
+                    let n = block_m.min(r1 * hp - p);
+                    let last_row = (p + n - 1) / hp;
+                    let vis = if spec.attn.causal {
+                        (sg.k_len as i64 - sg.q_len as i64 + last_row as i64 + 1).clamp(0, sg.k_len as i64) as usize
+                    } else {
+                        sg.k_len
+                    };
+                    work.extend_from_slice(&[(slices.len() / SLICE_WORDS) as u32, 1, sg.k_start as u32, (sg.k_start + sg.k_len) as u32, NONE]);
+                    slices.extend_from_slice(&[b as u32, p as u32, n as u32]);
+                    items.push((b, qb, vis));
+                    p += n;
+                }
+            }
+        }
+        let ix = &spec.index;
+        let mut refs = vec![0u32; items.len() * ys as usize * 2];
+        for y in 0..ys as usize {
+            for (x, &(b, qb, vis)) in items.iter().enumerate() {
+                let id = (b * ix.heads + y) * ix.q_blocks + qb;
+                let kept = &ix.blocks[ix.offsets[id]..ix.offsets[id + 1]];
+                let n = kept.iter().take_while(|&&kb| (kb as usize) * spec.k_block < vis).count();
+                refs[(y * items.len() + x) * 2] = ix.offsets[id] as u32;
+                refs[(y * items.len() + x) * 2 + 1] = (n * tpb) as u32;
+            }
+        }
+        debug_assert_eq!(work.len(), items.len() * WORK_WORDS);
+        let plan = SparsePlan { hp: hp as u32, block_m, n_items: items.len(), ys, tiles_per_block: tpb as u32 };
+        (plan, vec![segs, work, slices, refs, ix.blocks.clone()])
+    }
+}
+
+/// Err(Unsupported) for the block-sparse calls no CUDA kernel serves.
+pub(crate) fn check_sparse_supported(spec: &SparseSpec) -> Result<()> {
+    check_supported(&spec.attn)?;
+    if spec.attn.dtype == DType::F32 {
+        return Err(Error::Unsupported {
+            backend: "cuda",
+            msg: "block-sparse attention on CUDA takes float16/bfloat16 (tensor cores); float32 runs on the CPU".into(),
+        });
+    }
+    if spec.int8.is_some() {
+        return Err(Error::Unsupported {
+            backend: "cuda",
+            msg: "the INT8 QK^T option has no CUDA kernel yet (qk_int8=True runs on the CPU)".into(),
+        });
+    }
+    if spec.attn.uncovered_rows() > 0 {
+        return Err(invalid("cu_seqlens_q", "the sequences must cover every query row (cu_seqlens_q[-1] == total_q)"));
+    }
+    let (tq, tk) = (spec.attn.dims.total_q as u64, spec.attn.dims.total_k as u64);
+    if tq.max(tk) + spec.k_block as u64 >= u32::MAX as u64 / 2 {
+        return Err(invalid("k_block", "sequence too long for 32-bit key indexing"));
+    }
+    Ok(())
+}
+
+impl CudaBackend {
+    fn sparse_plan(&self, spec: &SparseSpec, stream: sys::CUstream) -> Result<Arc<Cached<SparsePlan>>> {
+        self.sparse_plans.get(PlanKey::with_extra(&spec.attn, index_hash(spec, 0xcbf2_9ce4_8422_2325, 0x0100_0000_01b3), index_hash(spec, 0x9e37_79b9_7f4a_7c15, 0xff51_afd7_ed55_8ccd)), stream, || SparsePlan::build(spec))
+    }
+
+    /// Enqueues the block-sparse forward of `spec` on `stream` (no workspace): reads q, k, v and
+    /// writes out and lse in place; rows that see no key get zeros and lse +inf. `Ok(false)` when
+    /// the call has no query row, key or head (the caller fills the outputs).
+    ///
+    /// # Safety
+    /// As for [`CudaBackend::forward_device`] (the workspace address is not used).
+    pub unsafe fn sparse_forward_device(&self, spec: &SparseSpec, p: FwdPtrs, stream: u64) -> Result<bool> {
+        check_sparse_supported(spec)?;
+        let d = &spec.attn.dims;
+        if d.total_q == 0 || d.total_k == 0 || d.heads_q == 0 {
+            return Ok(false);
+        }
+        driver::bind(self.ctx)?;
+        let s = stream as sys::CUstream;
+        let plan = self.sparse_plan(spec, s)?;
+        launch_sparse_forward(self, spec, &plan, &p, s)?;
+        Ok(true)
+    }
+}
+
+impl CudaBackend {
+    /// Block-sparse forward on host buffers (copies in, kernels on the backend's stream, copies
+    /// out); `poison` first fills out and lse (tests: proves every element is written).
+    pub fn sparse_forward_host(&self, spec: &SparseSpec, q: HostView, k: HostView, v: HostView, poison: Option<f32>) -> Result<ForwardOutput> {
+        crate::backend::check_buffers(&spec.attn, q, k, v)?;
+        check_sparse_supported(spec)?;
+        let d = &spec.attn.dims;
+        let _g = self.host_lock.lock().unwrap_or_else(|e| e.into_inner());
+        driver::bind(self.ctx)?;
+        let s = self.stream.0;
+        let es = spec.attn.dtype.size();
+        let up = |h: HostView| -> Result<DevBuf> {
+            let b = DevBuf::alloc(h.as_bytes().len().max(1))?;
+            b.upload(h.as_bytes(), s)?;
+            Ok(b)
+        };
+        let (qb, kb, vb) = (up(q)?, up(k)?, up(v)?);
+        let ob = DevBuf::alloc((d.q_len() * es).max(1))?;
+        let lb = DevBuf::alloc((d.lse_len() * 4).max(1))?;
+        let has_work = d.total_q > 0 && d.total_k > 0 && d.heads_q > 0;
+        let (o0, l0) = if has_work { (poison.unwrap_or(0.0), poison.unwrap_or(0.0)) } else { (0.0, f32::INFINITY) };
+        if poison.is_some() || !has_work {
+            ob.upload(HostData::from_f32(spec.attn.dtype, &vec![o0; d.q_len()]).view().as_bytes(), s)?;
+            lb.upload(bytemuck::cast_slice(&vec![l0; d.lse_len()]), s)?;
+        }
+        let ptrs = FwdPtrs { q: qb.ptr, k: kb.ptr, v: vb.ptr, out: ob.ptr, lse: lb.ptr, workspace: 0 };
+        // SAFETY: the buffers above hold the spec's tensors; the stream is synchronized below
+        // before any of them is freed.
+        unsafe { self.sparse_forward_device(spec, ptrs, s as u64)? };
+        let mut out = vec![0u8; d.q_len() * es];
+        let mut lse = vec![0f32; d.lse_len()];
+        ob.download(&mut out, s)?;
+        lb.download(bytemuck::cast_slice_mut(&mut lse), s)?;
+        self.stream.sync().map_err(|e| Error::Device(format!("block-sparse forward kernels failed: {e}")))?;
+        Ok(ForwardOutput { out: HostData::from_bytes(spec.attn.dtype, &out), lse })
+    }
+}
+
+fn launch_sparse_forward(be: &CudaBackend, spec: &SparseSpec, plan: &Cached<SparsePlan>, p: &FwdPtrs, stream: sys::CUstream) -> Result<()> {
+    let sp = &plan.host;
+    if sp.n_items == 0 {
+        return Ok(());
+    }
+    let d = &spec.attn.dims;
+    let (hd, dt) = (d.head_dim, spec.attn.dtype);
+    let (ql, kl, ll) = (d.q_len(), d.kv_len().max(1), d.lse_len());
+    let mt = 2usize;
+    let threads = (sp.block_m * 2 / mt) as u32;
+    let causal = spec.attn.causal;
+    let key = KernelKey::new("flash_fwd_mma2", dt, &[hd as u32, causal as u32, mt as u32, BLOCK_N as u32, sp.block_m as u32, 1]);
+    let client = be.client();
+    let f = be.kernels.get(&key, || {
+        macro_rules! k {
+            ($t:ty) => {
+                codegen_exp2(flash_fwd::flash_fwd_mma2::FlashFwdMma2::<$t, CudaRuntime>::new(
+                    settings(threads),
+                    client.clone(),
+                    A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (),
+                    hd,
+                    causal,
+                    mt,
+                    BLOCK_N,
+                    sp.block_m,
+                    true,
+                ))
+            };
+        }
+        if dt == DType::F16 { k!(f16) } else { k!(bf16) }
+    })?;
+    let t = |i| plan.tables.get(i);
+    let mut a = Args::new();
+    a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.out, ql).array(p.lse, ll);
+    // no split-K partial outputs: any valid address
+    a.array(p.out, 1).array(p.lse, 1);
+    for i in [T_WORK, T_SLICES, T_SEGS, T_REF, T_BLOCKS] {
+        a.array(t(i).0, t(i).1);
+    }
+    a.f32(spec.attn.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32);
+    a.u32(sp.hp).u32(0).f32(f32::INFINITY).u32(spec.k_block as u32).u32(sp.tiles_per_block);
+    launch(&f, (sp.n_items as u32, sp.ys, 1), &mut a, stream)
+}

@@ -1,0 +1,149 @@
+"""Block-sparse forward on CUDA (marked `gpu`; skipped unless the CUDA backend starts): the four
+patterns at 10-100% kept, causal and not, f16/bf16, head_dim 64/128, index per q head and per kv
+head (two cube shapes), odd lengths and block sizes, varlen, empty rows, against the f64 reference
+with the token mask expanded from the block mask; torch CUDA tensors stay on the GPU and equal the
+numpy path; autograd's backward (CPU) matches the reference."""
+import numpy as np
+import pytest
+
+import cubeattn
+from cubeattn import sparse_patterns as sp
+from conftest import FWD_TOL, rand, ref_sparse, rel_err
+
+pytestmark = pytest.mark.gpu
+
+PATTERNS = ["random", "local", "strided", "block_diagonal"]
+
+
+def pattern(name, B, H, qbn, kbn, kept, seed):
+    top_k = sp.top_k_for(kbn, kept)
+    if name == "random":
+        return sp.random(B, H, qbn, kbn, top_k, seed=seed)
+    return sp.PATTERNS[name](B, H, qbn, kbn, top_k, seed=seed)
+
+
+def check(out, lse, want_out, want_lse, dtype):
+    tol, rel = FWD_TOL[dtype]
+    o = np.asarray(out, np.float64)
+    assert np.all(np.isfinite(o)), "every output element written and finite"
+    assert rel_err(o, want_out) <= max(rel, 2e-3)
+    np.testing.assert_allclose(o, want_out, atol=max(tol, 1e-2), rtol=max(tol, 1e-2))
+    inf = np.isinf(want_lse)
+    assert np.array_equal(np.isinf(lse), inf), "rows with no visible key (and only those) have lse +inf"
+    np.testing.assert_allclose(np.asarray(lse)[~inf], want_lse[~inf], atol=1e-3, rtol=1e-3)
+
+
+def run_case(rng, B, sq, sk, hq, hkv, d, dtype, causal, ix, q_block=64, k_block=128):
+    q = rand(rng, (B, sq, hq, d), dtype)
+    k, v = rand(rng, (B, sk, hkv, d), dtype), rand(rng, (B, sk, hkv, d), dtype)
+    out, lse = cubeattn.block_sparse_attn_func(q, k, v, ix, q_block=q_block, k_block=k_block, causal=causal,
+                                               return_lse=True, device="cuda")
+    assert cubeattn.last_backend() == "cuda"
+    cu_q, cu_k = np.arange(B + 1, dtype=np.int32) * sq, np.arange(B + 1, dtype=np.int32) * sk
+    want_out, want_lse = ref_sparse(q.reshape(-1, hq, d), k.reshape(-1, hkv, d), v.reshape(-1, hkv, d), ix, cu_q,
+                                    cu_k, q_block, k_block, causal)
+    check(out.reshape(-1, hq, d), lse.transpose(1, 0, 2).reshape(hq, -1), want_out, want_lse, dtype)
+    return q, k, v, out, lse
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kept", [0.10, 0.25, 0.50, 1.00])
+@pytest.mark.parametrize("name", PATTERNS)
+def test_patterns_match_reference_on_cuda(name, kept, causal):
+    # Sq != Sk, neither a multiple of its block (partial last blocks), GQA 4/2, batch 2
+    B, sq, sk, hq, hkv, d = 2, 333, 1290, 4, 2, 128
+    ix = pattern(name, B, hq, -(-sq // 64), -(-sk // 128), kept, seed=int(kept * 100))
+    run_case(np.random.default_rng(int(kept * 100) + causal), B, sq, sk, hq, hkv, d, "bfloat16", causal, ix)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("per_kv_head", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dtypes_head_dims_and_index_heads(dtype, d, per_kv_head, causal):
+    # per kv head with group 4: 64-row query blocks x 4 heads = 256 packed rows (128-row cubes);
+    # per q head: one head per 64-row cube
+    B, sq, sk, hq, hkv = 1, 600, 700, 8, 2
+    ix = pattern("random", B, hkv if per_kv_head else hq, -(-sq // 64), -(-sk // 128), 0.5, seed=d)
+    run_case(np.random.default_rng(d), B, sq, sk, hq, hkv, d, dtype, causal, ix)
+
+
+@pytest.mark.parametrize("q_block, k_block", [(128, 64), (32, 96), (64, 200), (16, 16), (100, 128)])
+def test_odd_block_sizes(q_block, k_block):
+    B, sq, sk, hq, hkv, d = 2, 257, 519, 2, 1, 64
+    ix = pattern("random", B, hq, -(-sq // q_block), -(-sk // k_block), 0.4, seed=q_block + k_block)
+    for causal in (False, True):
+        run_case(np.random.default_rng(k_block), B, sq, sk, hq, hkv, d, "float16", causal, ix, q_block, k_block)
+
+
+def test_varlen_and_single_token_sequences():
+    rng = np.random.default_rng(5)
+    lens = [(1, 1), (65, 300), (200, 129), (1, 513)]
+    cu_q = np.cumsum([0] + [a for a, _ in lens]).astype(np.int32)
+    cu_k = np.cumsum([0] + [b for _, b in lens]).astype(np.int32)
+    hq, hkv, d = 4, 4, 128
+    mq, mk = max(a for a, _ in lens), max(b for _, b in lens)
+    ix = pattern("random", len(lens), hq, -(-mq // 64), -(-mk // 128), 0.5, seed=3)
+    # block lists may only name blocks inside each sequence: drop the others (-1)
+    for b, (_, kl) in enumerate(lens):
+        ix[b][ix[b] >= -(-kl // 128)] = -1
+    q = rand(rng, (cu_q[-1], hq, d), "bfloat16")
+    k, v = rand(rng, (cu_k[-1], hkv, d), "bfloat16"), rand(rng, (cu_k[-1], hkv, d), "bfloat16")
+    for causal in (False, True):
+        out, lse = cubeattn.block_sparse_attn_func(q, k, v, ix, causal=causal, return_lse=True, device="cuda",
+                                                   cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        want_out, want_lse = ref_sparse(q, k, v, ix, cu_q, cu_k, 64, 128, causal)
+        check(out, lse, want_out, want_lse, "bfloat16")
+
+
+def test_empty_query_blocks_give_zero_output_and_inf_lse():
+    B, sq, sk, hq, hkv, d = 1, 256, 512, 2, 2, 64
+    ix = pattern("random", B, hq, 4, 4, 0.5, seed=1)
+    ix[0, 1, 2, :] = -1  # head 1, query block 2: nothing kept
+    ix[0, 0, :, :] = -1  # head 0: nothing at all
+    q, k, v, out, lse = run_case(np.random.default_rng(2), B, sq, sk, hq, hkv, d, "float16", False, ix)
+    assert np.all(out[0, :, 0].astype(np.float32) == 0) and np.all(np.isinf(lse[0, 0]))
+    assert np.all(out[0, 128:192, 1].astype(np.float32) == 0) and np.all(np.isinf(lse[0, 1, 128:192]))
+
+
+def test_unsupported_calls_on_cuda_name_the_reason():
+    rng = np.random.default_rng(0)
+    q, k, v = rand(rng, (1, 128, 2, 128), "float32"), rand(rng, (1, 128, 2, 128), "float32"), rand(rng, (1, 128, 2, 128), "float32")
+    ix = np.zeros((1, 2, 2, 1), np.int32)
+    with pytest.raises(NotImplementedError, match="float32"):
+        cubeattn.block_sparse_attn_func(q, k, v, ix, device="cuda")
+    cubeattn.block_sparse_attn_func(q, k, v, ix, device="auto")
+    assert cubeattn.last_backend() == "cpu"
+    qh, kh, vh = (x.astype(np.float16) for x in (q, k, v))
+    with pytest.raises(NotImplementedError, match="INT8"):
+        cubeattn.block_sparse_attn_func(qh, kh, vh, ix, device="cuda", qk_int8=True)
+
+
+def test_torch_cuda_tensors_stay_on_the_gpu_and_equal_the_numpy_path():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    B, sq, sk, hq, hkv, d = 2, 320, 640, 8, 2, 128
+    ix = pattern("random", B, hkv, 5, 5, 0.4, seed=9)
+    rng = np.random.default_rng(9)
+    qn, kn, vn = rand(rng, (B, sq, hq, d), "float32"), rand(rng, (B, sk, hkv, d), "float32"), rand(rng, (B, sk, hkv, d), "float32")
+    q, k, v = (torch.from_numpy(x).to("cuda", torch.bfloat16) for x in (qn, kn, vn))
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # on a side stream, no synchronize before reading back
+        out, lse = cubeattn.block_sparse_attn_func(q, k, v, torch.from_numpy(ix), causal=True, return_lse=True)
+        assert out.is_cuda and lse.is_cuda and cubeattn.last_backend() == "cuda"
+        got = out.float().cpu().numpy()
+    want, want_lse = cubeattn.block_sparse_attn_func(*(x.float().cpu().numpy().astype(np.float32) for x in (q, k, v)),
+                                                     ix, causal=True, return_lse=True, device="cpu")
+    assert rel_err(got.astype(np.float64), want.astype(np.float64)) <= 8e-3
+    # autograd: forward on the GPU, backward on the CPU (no CUDA kernel yet), vs the CPU path's grads
+    qg, kg, vg = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    o = cubeattn.block_sparse_attn_func(qg, kg, vg, ix, causal=True)
+    dout = torch.randn_like(o)
+    o.backward(dout)
+    qc, kc, vc = (x.detach().float().cpu().requires_grad_(True) for x in (q, k, v))
+    oc = cubeattn.block_sparse_attn_func(qc, kc, vc, ix, causal=True, device="cpu")
+    oc.backward(dout.float().cpu())
+    for g, w in ((qg.grad, qc.grad), (kg.grad, kc.grad), (vg.grad, vc.grad)):
+        assert g.is_cuda
+        assert rel_err(g.float().cpu().numpy().astype(np.float64), w.numpy().astype(np.float64)) <= 3e-2
