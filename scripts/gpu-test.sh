@@ -2,9 +2,16 @@
 # GPU workflows for cubeattn.
 #
 #   scripts/gpu-test.sh COMMAND [TARGET] [--verbose] [--release] [--iterations N] [--min-vram GB]
+#                       [--log-dir DIR] [--sanitize]
 #
 # COMMAND   validate   GPU, driver, NVRTC, CUDA headers, free VRAM >= --min-vram, CubeCL starts
+#                      (with --sanitize, then the sanitize command)
 #           test       GPU tests of TARGET (Rust test binary + pytest -m 'gpu or torch')
+#           sanitize   compute-sanitizer memcheck, racecheck, synccheck and initcheck over small
+#                      calls of each kernel family (forward, split-K combine, backward with the
+#                      dQ pass and with atomic dQ, grouped; tests/python/sanitize_driver.py):
+#                      one log per tool and family plus summary.txt in --log-dir DIR (default
+#                      bench/results/sanitize-<UTC time>); exit 1 on any reported error
 #           benchmark  python -m cubeattn.bench for TARGET, JSON + table under bench/results/
 #           profile    ncu (--clock-control none) on one kernel launch of TARGET: registers,
 #                      shared memory, duration, achieved TFLOP/s; falls back to nsys
@@ -21,6 +28,9 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 
+# the comment block at the top of this file, without its '#'
+usage() { awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; }
+
 CMD=${1:-}
 [ $# -gt 0 ] && shift
 TARGET=all
@@ -28,6 +38,8 @@ VERBOSE=0
 PROFILE=debug
 ITER=20
 MIN_VRAM=0
+SAN_DIR=
+SANITIZE=0
 while [ $# -gt 0 ]; do
   case "$1" in
     flash_attention|grouped|sparse|zigzag|all) TARGET=$1 ;;
@@ -35,7 +47,9 @@ while [ $# -gt 0 ]; do
     --release) PROFILE=release ;;
     --iterations) ITER=${2:?--iterations needs a number}; shift ;;
     --min-vram) MIN_VRAM=${2:?--min-vram needs a number of GB}; shift ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    --log-dir) SAN_DIR=${2:?--log-dir needs a directory}; shift ;;
+    --sanitize) SANITIZE=1 ;;
+    -h|--help) usage; exit 0 ;;
     *) echo "error: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -142,6 +156,49 @@ do_validate() {
   check_headers
   cubecl_starts
   echo "validate: ok"
+  [ "$SANITIZE" = 1 ] && do_sanitize
+  return 0
+}
+
+SAN_TOOLS="memcheck racecheck synccheck initcheck"
+SAN_FAMILIES="forward splitk backward_pass backward_atomic grouped"
+
+do_sanitize() {
+  check_gpu >/dev/null
+  ensure_wheel
+  local cs
+  cs=$(command -v compute-sanitizer || true)
+  [ -z "$cs" ] && [ -x "$CUDA_PATH/bin/compute-sanitizer" ] && cs="$CUDA_PATH/bin/compute-sanitizer"
+  [ -n "$cs" ] || fail "compute-sanitizer not found (PATH, \$CUDA_PATH/bin): it ships with the CUDA toolkit"
+  local dir=${SAN_DIR:-$LOG_DIR/sanitize-$(date -u +%Y%m%dT%H%M%SZ)}
+  mkdir -p "$dir" || fail "cannot create $dir"
+  local summary="$dir/summary.txt" status=0
+  {
+    echo "compute-sanitizer: $("$cs" --version 2>/dev/null | tail -1)"
+    echo "cubeattn: $("$PY" -c 'import cubeattn; print(cubeattn.__version__, cubeattn.backend_status()["reason"])' 2>&1)"
+    echo "commit: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  } > "$summary"
+  # a private kernel cache: NVRTC compiles under the sanitizer once per family, then loads
+  export CUBEATTN_CACHE_DIR=${CUBEATTN_CACHE_DIR:-$dir/kernel-cache}
+  for tool in $SAN_TOOLS; do
+    local extra=()
+    [ "$tool" = racecheck ] && extra=(--racecheck-report all)
+    for fam in $SAN_FAMILIES; do
+      local log="$dir/$tool-$fam.log" out="$dir/$tool-$fam.out" rc
+      echo "== $tool $fam"
+      "$cs" --tool "$tool" "${extra[@]}" --error-exitcode 99 --log-file "$log" \
+        "$PY" "$ROOT/tests/python/sanitize_driver.py" "$fam" > "$out" 2>&1
+      rc=$?
+      local errs
+      errs=$(grep -Eo 'ERROR SUMMARY: [0-9]+' "$log" | tail -1 | grep -Eo '[0-9]+$' || true)
+      [ -z "$errs" ] && errs="?"
+      printf '%-10s %-16s exit %-3s sanitizer errors %s\n' "$tool" "$fam" "$rc" "$errs" | tee -a "$summary"
+      # 99: the sanitizer found errors; anything else non-zero: the driver failed (wrong result, crash)
+      [ "$rc" = 0 ] && [ "$errs" = 0 ] || status=1
+    done
+  done
+  echo "logs and summary: $dir"
+  return $status
 }
 
 do_test() {
@@ -172,7 +229,9 @@ do_test() {
     [ $ran = 1 ] && continue
     ran=1
     echo "== Rust GPU tests ($bin)"
-    "$bin" --test-threads=1 $( [ "$VERBOSE" = 1 ] && echo --nocapture ) || status=1
+    # the GPU tests are #[ignore]d (so a GPU-less `cargo test` lists them as ignored); here they
+    # run, and a CUDA backend that cannot start fails them instead of skipping
+    CUBEATTN_REQUIRE_GPU=1 "$bin" --include-ignored --test-threads=1 $( [ "$VERBOSE" = 1 ] && echo --nocapture ) || status=1
     echo "== pytest -m 'gpu or torch' (torch: autograd on CPU and CUDA tensors)"
     (cd "$ROOT/tests/python" && "$PY" -m pytest -q -p no:cacheprovider -m "gpu or torch") || status=1
   done
@@ -241,11 +300,13 @@ do_clean() {
 }
 
 case "$CMD" in
-  validate) do_validate ;;
+  validate) do_validate; exit $? ;;
+  sanitize) do_sanitize; exit $? ;;
   test) do_test ;;
   benchmark) do_benchmark ;;
   profile) do_profile ;;
   clean) do_clean ;;
-  ""|-h|--help) sed -n '2,22p' "$0"; [ -z "$CMD" ] && exit 2 ;;
-  *) echo "error: unknown command '$CMD': expected validate | test | benchmark | profile | clean" >&2; exit 2 ;;
+  -h|--help) usage; exit 0 ;;
+  "") usage >&2; exit 2 ;;
+  *) echo "error: unknown command '$CMD': expected validate | test | sanitize | benchmark | profile | clean" >&2; exit 2 ;;
 esac

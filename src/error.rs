@@ -13,6 +13,10 @@ pub enum Error {
     /// The request is valid but this backend cannot serve it (e.g. a head_dim without a kernel).
     #[error("unsupported by the {backend} backend: {msg}")]
     Unsupported { backend: &'static str, msg: String },
+    /// A valid option this backend has no kernel for yet (Python: `NotImplementedError` naming
+    /// the argument), e.g. `window_size` on CUDA.
+    #[error("`{arg}` is not implemented by the {backend} backend yet: {msg}")]
+    NotImplemented { arg: &'static str, backend: &'static str, msg: String },
     /// The asked-for backend cannot start here.
     #[error("backend `{backend}` unavailable: {reason}")]
     BackendUnavailable { backend: &'static str, reason: String },

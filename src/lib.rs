@@ -28,5 +28,5 @@ mod python;
 pub use backend::{backend_for, backend_for_spec, Backend, BackendKind, DevicePref, ForwardOutput, Gradients};
 pub use dtype::{DType, Element, HostData, HostView};
 pub use error::{Error, Result};
-pub use spec::{AttnSpec, Dims, Layout, Segment, TensorMeta};
+pub use spec::{AttnSpec, Dims, Layout, Segment, TensorMeta, Window};
 pub use sparse::{QuantGran, SparseSpec};

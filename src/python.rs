@@ -23,6 +23,7 @@ fn to_py(e: Error) -> PyErr {
         Error::InvalidDtype { .. } => PyTypeError::new_err(e.to_string()),
         Error::BackendUnavailable { .. } | Error::Device(_) => PyRuntimeError::new_err(e.to_string()),
         Error::OutOfMemory { .. } => PyMemoryError::new_err(e.to_string()),
+        Error::NotImplemented { .. } => pyo3::exceptions::PyNotImplementedError::new_err(e.to_string()),
     }
 }
 
@@ -119,6 +120,11 @@ impl PySpec {
     fn dtype(&self) -> &'static str {
         self.inner.dtype.name()
     }
+    /// flash-attn's (left, right) after normalisation (-1 = unbounded side).
+    #[getter]
+    fn window_size(&self) -> (i64, i64) {
+        self.inner.window.as_pair()
+    }
     /// (total_q, total_k, heads_q, heads_kv, head_dim)
     #[getter]
     fn dims(&self) -> (usize, usize, usize, usize, usize) {
@@ -137,8 +143,9 @@ impl PySpec {
     fn __repr__(&self) -> String {
         let d = self.inner.dims;
         format!(
-            "Spec({:?}, total_q={}, total_k={}, heads={}/{}, head_dim={}, dtype={}, causal={}, scale={})",
-            self.inner.layout, d.total_q, d.total_k, d.heads_q, d.heads_kv, d.head_dim, self.inner.dtype.name(), self.inner.causal, self.inner.scale
+            "Spec({:?}, total_q={}, total_k={}, heads={}/{}, head_dim={}, dtype={}, causal={}, scale={}, window_size={:?})",
+            self.inner.layout, d.total_q, d.total_k, d.heads_q, d.heads_kv, d.head_dim, self.inner.dtype.name(), self.inner.causal, self.inner.scale,
+            self.inner.window.as_pair()
         )
     }
 }
@@ -149,7 +156,7 @@ fn metas(q_shape: Vec<usize>, k_shape: Vec<usize>, v_shape: Vec<usize>, dtype: &
 }
 
 #[pyfunction]
-#[pyo3(signature = (q_shape, k_shape, v_shape, dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal))]
+#[pyo3(signature = (q_shape, k_shape, v_shape, dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size=(-1, -1)))]
 #[allow(clippy::too_many_arguments)]
 fn varlen_spec(
     q_shape: Vec<usize>,
@@ -162,11 +169,13 @@ fn varlen_spec(
     max_seqlen_k: usize,
     softmax_scale: Option<f64>,
     causal: bool,
+    window_size: (i64, i64),
 ) -> PyResult<PySpec> {
     let [q, k, v] = metas(q_shape, k_shape, v_shape, dtype)?;
     let cq = cu_seqlens_q.as_slice().map_err(|_| PyValueError::new_err("`cu_seqlens_q` must be contiguous"))?;
     let ck = cu_seqlens_k.as_slice().map_err(|_| PyValueError::new_err("`cu_seqlens_k` must be contiguous"))?;
     AttnSpec::varlen(&q, &k, &v, cq, ck, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
+        .and_then(|s| s.with_window(window_size.0, window_size.1))
         .map(|inner| PySpec { inner })
         .map_err(to_py)
 }
@@ -180,7 +189,7 @@ fn ranges(a: &PyReadonlyArray2<'_, i32>, arg: &str) -> PyResult<Vec<[i32; 2]>> {
 }
 
 #[pyfunction]
-#[pyo3(signature = (q_shape, k_shape, v_shape, dtype, q_ranges, kv_ranges, softmax_scale, causal))]
+#[pyo3(signature = (q_shape, k_shape, v_shape, dtype, q_ranges, kv_ranges, softmax_scale, causal, window_size=(-1, -1)))]
 #[allow(clippy::too_many_arguments)]
 fn grouped_spec(
     q_shape: Vec<usize>,
@@ -191,11 +200,15 @@ fn grouped_spec(
     kv_ranges: PyReadonlyArray2<'_, i32>,
     softmax_scale: Option<f64>,
     causal: bool,
+    window_size: (i64, i64),
 ) -> PyResult<PySpec> {
     let [q, k, v] = metas(q_shape, k_shape, v_shape, dtype)?;
     let qr = ranges(&q_ranges, "q_ranges")?;
     let kr = ranges(&kv_ranges, "kv_ranges")?;
-    AttnSpec::grouped(&q, &k, &v, &qr, &kr, softmax_scale, causal).map(|inner| PySpec { inner }).map_err(to_py)
+    AttnSpec::grouped(&q, &k, &v, &qr, &kr, softmax_scale, causal)
+        .and_then(|s| s.with_window(window_size.0, window_size.1))
+        .map(|inner| PySpec { inner })
+        .map_err(to_py)
 }
 
 /// Forward: returns (out as float32 or uint16 bits, lse f32 [heads_q * total_q], backend name).

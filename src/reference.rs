@@ -40,7 +40,7 @@ pub fn forward_f64(spec: &AttnSpec, q: &[f64], k: &[f64], v: &[f64]) -> (Vec<f64
     for seg in &spec.segments {
         for r in 0..seg.q_len {
             let t = seg.q_start + r;
-            let (lo, hi) = seg.key_range(r, spec.causal);
+            let (lo, hi) = spec.row_key_range(seg, r);
             for h in 0..dm.heads_q {
                 let hk = h / dm.group_size();
                 if let Some((p, l)) = row_probs(spec, q, k, t, h, lo, hi) {
@@ -67,7 +67,7 @@ pub fn backward_f64(spec: &AttnSpec, q: &[f64], k: &[f64], v: &[f64], dout: &[f6
     for seg in &spec.segments {
         for r in 0..seg.q_len {
             let t = seg.q_start + r;
-            let (lo, hi) = seg.key_range(r, spec.causal);
+            let (lo, hi) = spec.row_key_range(seg, r);
             for h in 0..dm.heads_q {
                 let hk = h / dm.group_size();
                 let Some((p, _)) = row_probs(spec, q, k, t, h, lo, hi) else { continue };

@@ -6,6 +6,8 @@
 //! `causal`, row `r` of a segment (0-based) sees window keys `j <= k_len - q_len + r`
 //! (bottom-right alignment, the flash-attn convention); a row that sees no key gets a zero
 //! output and an LSE of +inf (also flash-attn's convention), and so do rows outside every group.
+//! A sliding window ([`Window`], flash-attn's `window_size`) narrows each row's keys further, with
+//! the same bottom-right alignment; [`AttnSpec::row_keys`] is the one definition of a row's keys.
 //!
 //! Layout (flash-attn varlen): q `[total_q, heads_q, head_dim]`, k and v
 //! `[total_k, heads_kv, head_dim]`, all contiguous; out like q; lse `[heads_q, total_q]` f32.
@@ -72,6 +74,46 @@ impl Segment {
     }
 }
 
+/// Sliding-window attention (flash-attn's `window_size = (left, right)`, `-1` = unbounded): row
+/// `r` of a segment sees window keys `j` with
+/// `r + k_len - q_len - left <= j <= r + k_len - q_len + right` (bottom-right aligned, as causal;
+/// with `causal` the right side is at most 0). `None` is an unbounded side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Window {
+    pub left: Option<usize>,
+    pub right: Option<usize>,
+}
+
+impl Window {
+    /// No window: every row sees its segment's keys (up to the causal bound).
+    pub const NONE: Window = Window { left: None, right: None };
+
+    /// flash-attn's `(left, right)`: each side `-1` (unbounded) or `>= 0`.
+    pub fn parse(left: i64, right: i64) -> Result<Window> {
+        let side = |x: i64| -> Result<Option<usize>> {
+            match x {
+                -1 => Ok(None),
+                x if x >= 0 => usize::try_from(x).map(Some).map_err(|_| invalid("window_size", format!("{x} is too large"))),
+                _ => Err(invalid(
+                    "window_size",
+                    format!("({left}, {right}): each side must be -1 (unbounded) or >= 0, got {x}"),
+                )),
+            }
+        };
+        Ok(Window { left: side(left)?, right: side(right)? })
+    }
+
+    pub fn is_none(&self) -> bool {
+        self.left.is_none() && self.right.is_none()
+    }
+
+    /// flash-attn's form: `-1` for an unbounded side.
+    pub fn as_pair(&self) -> (i64, i64) {
+        let f = |x: Option<usize>| x.map_or(-1, |v| v.min(i64::MAX as usize) as i64);
+        (f(self.left), f(self.right))
+    }
+}
+
 /// Which API built the spec (kept for messages and for kernels that want the original form).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Layout {
@@ -94,6 +136,9 @@ pub struct AttnSpec {
     pub segments: Vec<Segment>,
     pub max_seqlen_q: usize,
     pub max_seqlen_k: usize,
+    /// Sliding window (normalised by [`AttnSpec::with_window`]: a side that bounds no row of any
+    /// segment is `None`, and so is the right side under `causal`).
+    pub window: Window,
 }
 
 /// Shape and dtype of one input tensor, as the caller gave it.
@@ -242,6 +287,7 @@ impl AttnSpec {
             max_seqlen_q: check_max("max_seqlen_q", max_seqlen_q, mq)?,
             max_seqlen_k: check_max("max_seqlen_k", max_seqlen_k, mk)?,
             segments,
+            window: Window::NONE,
         })
     }
 
@@ -298,17 +344,177 @@ impl AttnSpec {
             max_seqlen_q: segments.iter().map(|s| s.q_len).max().unwrap_or(0),
             max_seqlen_k: segments.iter().map(|s| s.k_len).max().unwrap_or(0),
             segments,
+            window: Window::NONE,
         })
+    }
+
+    /// The spec with flash-attn's `window_size = (left, right)` (`-1` = unbounded side), checked
+    /// here once (`InvalidArgument` naming `window_size`). A side that cannot narrow any row (left
+    /// >= k_len - 1, right >= q_len - 1 in every segment; the right side under `causal`) becomes
+    /// `None`, so `(-1, -1)` and windows wider than every sequence give the plain spec.
+    pub fn with_window(mut self, left: i64, right: i64) -> Result<AttnSpec> {
+        let mut w = Window::parse(left, right)?;
+        if w.left.is_some_and(|l| self.segments.iter().all(|s| l.saturating_add(1) >= s.k_len)) {
+            w.left = None;
+        }
+        if self.causal || w.right.is_some_and(|r| self.segments.iter().all(|s| r.saturating_add(1) >= s.q_len)) {
+            w.right = None;
+        }
+        self.window = w;
+        Ok(self)
+    }
+
+    /// Keys `[lo, hi)` (relative to the segment's key start) that row `r` of `seg` sees: the
+    /// causal bound, then the window, both bottom-right aligned. Empty (`lo == hi`) when the row
+    /// sees no key.
+    #[inline]
+    pub fn row_keys(&self, seg: &Segment, r: usize) -> (usize, usize) {
+        let k = seg.k_len as i64;
+        // the key aligned with row r (bottom-right): r + k_len - q_len
+        let diag = k - seg.q_len as i64 + r as i64;
+        let mut hi = k;
+        if self.causal {
+            hi = hi.min(diag + 1);
+        }
+        if let Some(w) = self.window.right {
+            hi = hi.min(diag.saturating_add(w.min(i64::MAX as usize) as i64).saturating_add(1));
+        }
+        let hi = hi.max(0);
+        let lo = match self.window.left {
+            Some(w) => diag.saturating_sub(w.min(i64::MAX as usize) as i64).clamp(0, hi),
+            None => 0,
+        };
+        (lo as usize, hi as usize)
+    }
+
+    /// Absolute key range `[lo, hi)` of row `r` of `seg` (see [`AttnSpec::row_keys`]).
+    #[inline]
+    pub fn row_key_range(&self, seg: &Segment, r: usize) -> (usize, usize) {
+        let (lo, hi) = self.row_keys(seg, r);
+        (seg.k_start + lo, seg.k_start + hi)
+    }
+
+    /// Rows `[r0, r1)` of `seg` that may see a key of `[a, b)` (relative to the key start): every
+    /// row outside sees none of them (both bounds of a row's keys grow with the row).
+    pub fn rows_seeing(&self, seg: &Segment, a: usize, b: usize) -> (usize, usize) {
+        let first = |pred: &dyn Fn(usize) -> bool| {
+            // first row in 0..q_len where pred holds (pred is monotone: false..., true...)
+            let (mut lo, mut hi) = (0usize, seg.q_len);
+            while lo < hi {
+                let mid = lo + (hi - lo) / 2;
+                if pred(mid) {
+                    hi = mid;
+                } else {
+                    lo = mid + 1;
+                }
+            }
+            lo
+        };
+        let r0 = first(&|r| self.row_keys(seg, r).1 > a);
+        let r1 = first(&|r| self.row_keys(seg, r).0 >= b);
+        (r0, r1.max(r0))
+    }
+
+    /// Number of (query, key) pairs segment `seg` computes.
+    pub fn segment_pairs(&self, seg: &Segment) -> u64 {
+        if self.window.is_none() {
+            return seg.pairs(self.causal);
+        }
+        (0..seg.q_len).map(|r| {
+            let (lo, hi) = self.row_keys(seg, r);
+            (hi - lo) as u64
+        }).sum()
     }
 
     /// Matmul FLOPs of the forward pass (4 * head_dim per visible (query, key) pair and head).
     pub fn forward_flops(&self) -> f64 {
-        let pairs: u64 = self.segments.iter().map(|s| s.pairs(self.causal)).sum();
+        let pairs: u64 = self.segments.iter().map(|s| self.segment_pairs(s)).sum();
         4.0 * pairs as f64 * self.dims.heads_q as f64 * self.dims.head_dim as f64
     }
 
     /// Rows of q that no segment covers (their output is zero, their LSE +inf).
     pub fn uncovered_rows(&self) -> usize {
         self.dims.total_q - self.segments.iter().map(|s| s.q_len).sum::<usize>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::Error;
+
+    fn spec(lens: &[(usize, usize)], causal: bool) -> AttnSpec {
+        let (mut cq, mut ck) = (vec![0i32], vec![0i32]);
+        for &(a, b) in lens {
+            cq.push(cq.last().unwrap() + a as i32);
+            ck.push(ck.last().unwrap() + b as i32);
+        }
+        let m = |n: i32| TensorMeta::new(&[n as usize, 2, 8], DType::F32);
+        let (mq, mk) = (lens.iter().map(|x| x.0).max().unwrap(), lens.iter().map(|x| x.1).max().unwrap());
+        AttnSpec::varlen(&m(*cq.last().unwrap()), &m(*ck.last().unwrap()), &m(*ck.last().unwrap()), &cq, &ck, mq, mk, None, causal).unwrap()
+    }
+
+    /// flash-attn's docstring, key by key: row i sees j when
+    /// i + sk - sq - left <= j <= i + sk - sq + right (unbounded side: -1), and j <= i + sk - sq
+    /// with causal.
+    fn brute(sq: usize, sk: usize, causal: bool, left: i64, right: i64, i: usize) -> Vec<usize> {
+        let diag = i as i64 + sk as i64 - sq as i64;
+        (0..sk)
+            .filter(|&j| {
+                let j = j as i64;
+                (!causal || j <= diag) && (left < 0 || j >= diag - left) && (right < 0 || j <= diag + right)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn row_keys_follow_flash_attns_definition() {
+        let lens = [(1, 1), (7, 7), (5, 13), (13, 5), (0, 4), (4, 0), (9, 1), (1, 9)];
+        let windows = [(-1, -1), (0, 0), (0, -1), (-1, 0), (1, 2), (3, 0), (0, 3), (20, -1), (-1, 20), (2, 100), (100, 100)];
+        for causal in [false, true] {
+            let sp = spec(&lens, causal);
+            for &(l, r) in &windows {
+                let w = sp.clone().with_window(l, r).unwrap();
+                for seg in &w.segments {
+                    let mut pairs = 0u64;
+                    for i in 0..seg.q_len {
+                        let want = brute(seg.q_len, seg.k_len, causal, l, r, i);
+                        let (lo, hi) = w.row_keys(seg, i);
+                        assert_eq!((lo..hi).collect::<Vec<_>>(), want, "{seg:?} causal={causal} window=({l},{r}) row {i}");
+                        pairs += want.len() as u64;
+                    }
+                    assert_eq!(w.segment_pairs(seg), pairs);
+                    // rows_seeing is exact for every key range
+                    for a in 0..=seg.k_len {
+                        for b in a..=seg.k_len {
+                            let (r0, r1) = w.rows_seeing(seg, a, b);
+                            for i in 0..seg.q_len {
+                                let sees = brute(seg.q_len, seg.k_len, causal, l, r, i).iter().any(|&j| j >= a && j < b);
+                                assert!(!sees || (r0..r1).contains(&i), "{seg:?} ({l},{r}) keys [{a},{b}) row {i} outside [{r0},{r1})");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn window_is_validated_once_naming_window_size() {
+        let sp = spec(&[(5, 5)], false);
+        for (l, r) in [(-2, 0), (0, -2), (i64::MIN, -1)] {
+            match sp.clone().with_window(l, r) {
+                Err(Error::InvalidArgument { arg, msg }) => assert!(arg == "window_size" && msg.contains("-1"), "{msg}"),
+                other => panic!("({l}, {r}): {other:?}"),
+            }
+        }
+        // sides that narrow no row are dropped: the spec equals the plain one
+        assert_eq!(sp.clone().with_window(-1, -1).unwrap(), sp);
+        assert_eq!(sp.clone().with_window(4, 4).unwrap(), sp);
+        assert_eq!(sp.clone().with_window(3, 4).unwrap().window, Window { left: Some(3), right: None });
+        assert_eq!(sp.clone().with_window(4, 3).unwrap().window, Window { left: None, right: Some(3) });
+        let c = spec(&[(5, 5)], true);
+        assert_eq!(c.clone().with_window(2, 0).unwrap().window, Window { left: Some(2), right: None });
+        assert_eq!(c.clone().with_window(2, 0).unwrap().window.as_pair(), (2, -1));
     }
 }

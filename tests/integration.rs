@@ -224,6 +224,15 @@ fn buffers_must_match_the_spec() {
     assert_eq!(err_arg(cpu.forward(&spec, short.view(), good.view(), good.view()).unwrap_err()), "q");
     assert_eq!(err_arg(cpu.forward(&spec, good.view(), good.view(), half.view()).unwrap_err()), "v");
     assert!(matches!(DevicePref::parse("tpu"), Err(Error::InvalidArgument { arg: "device", .. })));
+    // an f16 `out` with f32 q: a dtype error naming `out`, not an element-count mismatch
+    let half_q = HostData::from_f32(DType::F16, &vec![0.5; 8 * 2 * 64]);
+    let g = BackwardInputs { out: half_q.view(), lse: &[0.0; 16], dout: good.view(), deterministic: false };
+    match cpu.backward(&spec, good.view(), good.view(), good.view(), g) {
+        Err(Error::InvalidDtype { arg: "out", .. }) => {}
+        other => panic!("{other:?}"),
+    }
+    let bf = HostData::from_f32(DType::BF16, &[0.5; 10]);
+    assert!(matches!(cpu.forward(&spec, bf.view(), good.view(), good.view()), Err(Error::InvalidDtype { arg: "q", .. })));
 }
 
 #[test]
@@ -248,5 +257,216 @@ fn device_listing_never_panics() {
         assert!(backend_for(DevicePref::Cuda(5)).is_err());
         assert_eq!(backend_for(DevicePref::Auto(0)).unwrap().kind(), cubeattn::BackendKind::Cpu);
         assert_eq!(backend_for(DevicePref::Auto(3)).unwrap().kind(), cubeattn::BackendKind::Cpu);
+    }
+}
+
+// ---------------------------------------------------------------- sliding window (window_size)
+
+fn with_window(spec: AttnSpec, left: i64, right: i64) -> AttnSpec {
+    spec.with_window(left, right).expect("valid window")
+}
+
+/// Forward and backward with flash-attn's window_size vs the f64 reference (whose key ranges come
+/// from `AttnSpec::row_keys`, itself checked key by key against flash-attn's definition in
+/// spec.rs): odd lengths, q longer and shorter than k, GQA, causal and not, windows wider than the
+/// sequence, 0-width windows, one-sided windows, varlen with empty sequences.
+#[test]
+fn window_forward_and_backward_match_reference() {
+    let shapes: &[&[(usize, usize)]] = &[&[(37, 37)], &[(5, 131)], &[(131, 5)], &[(700, 700)], &[(3, 0), (0, 4), (29, 61), (1, 1)]];
+    let windows = [(0, 0), (3, 2), (16, -1), (-1, 7), (0, -1), (1000, 1000), (130, 0), (2, 600)];
+    let mut seed = 9000;
+    for (si, &lens) in shapes.iter().enumerate() {
+        for &(l, r) in &windows {
+            for causal in [false, true] {
+                let dt = DTYPES[(si + seed as usize) % 3];
+                let spec = with_window(varlen_spec(lens, 4, 2, 24, dt, causal), l, r);
+                seed += 1;
+                check_forward(&spec, seed, 1.0);
+                if lens[0].0 < 200 {
+                    check_backward(&spec, seed);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn window_on_grouped_attention_is_measured_inside_each_group() {
+    let base = grouped_spec(&[20, 0, 33, 7], &[(0, 40), (3, 9), (10, 90), (60, 60)], 90, 2, 1, 16, DType::F32, true);
+    for (l, r) in [(5, -1), (0, 0), (31, 4)] {
+        let spec = with_window(base.clone(), l, r);
+        check_forward(&spec, 77 + l as u64, 1.0);
+        check_backward(&spec, 78 + l as u64);
+        let nc = with_window(AttnSpec { causal: false, ..base.clone() }, l, r);
+        check_forward(&nc, 79 + l as u64, 1.0);
+        check_backward(&nc, 80 + l as u64);
+    }
+}
+
+/// A row whose window holds no key (q longer than k with a 0-width window: the first rows'
+/// diagonal lies before key 0) gets a zero output and lse +inf, the library's no-key convention.
+#[test]
+fn rows_with_an_empty_window_give_zero_and_lse_inf() {
+    let spec = with_window(varlen_spec(&[(10, 4)], 2, 2, 8, DType::F32, false), 0, 0);
+    let (out, lse) = check_forward(&spec, 5, 1.0);
+    let out = out.view().to_f64_vec();
+    for t in 0..10 {
+        let empty = t < 6; // diag = t + 4 - 10 < 0
+        for h in 0..2 {
+            assert_eq!(lse[h * 10 + t].is_infinite(), empty, "row {t}");
+            let o = &out[(t * 2 + h) * 8..][..8];
+            assert_eq!(o.iter().all(|&x| x == 0.0), empty, "row {t}");
+        }
+    }
+}
+
+/// Windows wider than every sequence are the plain spec (bitwise the same output).
+#[test]
+fn windows_wider_than_the_sequence_change_nothing() {
+    let plain = varlen_spec(&[(50, 70)], 2, 1, 32, DType::F32, true);
+    let wide = with_window(plain.clone(), 69, 49);
+    assert_eq!(wide, plain);
+    let narrower = with_window(plain.clone(), 68, -1);
+    assert_ne!(narrower, plain);
+    let (a, _) = check_forward(&plain, 3, 1.0);
+    let (b, _) = check_forward(&narrower, 3, 1.0);
+    assert_ne!(a, b, "a window one key narrower must change row 49's output");
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn window_on_cuda_is_not_implemented_naming_window_size() {
+    let spec = with_window(varlen_spec(&[(8, 8)], 2, 2, 64, DType::F16, true), 2, 0);
+    match cubeattn::backend::cuda::check_supported(&spec) {
+        Err(Error::NotImplemented { arg, backend, .. }) => assert_eq!((arg, backend), ("window_size", "cuda")),
+        other => panic!("{other:?}"),
+    }
+}
+
+// ---------------------------------------------------------------- NaN / Inf policy
+
+fn run(spec: &AttnSpec, q: &HostData, k: &HostData, v: &HostData, dout: &HostData) -> (Vec<f64>, Vec<f32>, [Vec<f64>; 3]) {
+    let cpu = backend_for(DevicePref::Cpu).unwrap();
+    let f = cpu.forward(spec, q.view(), k.view(), v.view()).unwrap();
+    let g = BackwardInputs { out: f.out.view(), lse: &f.lse, dout: dout.view(), deterministic: true };
+    let gr = cpu.backward(spec, q.view(), k.view(), v.view(), g).unwrap();
+    (f.out.view().to_f64_vec(), f.lse, [gr.dq.view().to_f64_vec(), gr.dk.view().to_f64_vec(), gr.dv.view().to_f64_vec()])
+}
+
+fn with_value(x: &HostData, at: usize, value: f32) -> HostData {
+    let mut xs = x.to_f32_vec();
+    xs[at] = value;
+    HostData::from_f32(x.dtype(), &xs)
+}
+
+/// A NaN or Inf element that a row cannot see (causal mask, sliding window, varlen boundary)
+/// leaves that row bit for bit as without it (forward and dq); a row that uses a NaN gets a NaN
+/// output and lse, as torch's softmax gives.
+#[test]
+fn non_finite_values_reach_only_the_rows_that_see_them() {
+    let (hq, hkv, d) = (2usize, 1usize, 16usize);
+    for dt in DTYPES {
+        for (window, causal) in [((-1, -1), true), ((2, 1), false), ((3, 0), true)] {
+            // two sequences: a bad element of sequence 0 never reaches sequence 1 either
+            let spec = with_window(varlen_spec(&[(9, 9), (6, 6)], hq, hkv, d, dt, causal), window.0, window.1);
+            let mut r = rng(4);
+            let [(q, _), (k, _), (v, _)] = random_qkv(&mut r, &spec, 1.0);
+            let (dout, _) = random(&mut r, spec.dims.q_len(), dt, 1.0);
+            let clean = run(&spec, &q, &k, &v, &dout);
+            let seg = spec.segments[0];
+            for (which, value) in [("v", f32::INFINITY), ("v", f32::NAN), ("k", f32::NAN), ("q", f32::NAN), ("dout", f32::NAN)] {
+                let (row, chan) = (3usize, 5usize);
+                let heads = if which == "q" || which == "dout" { hq } else { hkv };
+                let at = (row * heads) * d + chan;
+                let (q2, k2, v2, g2) = match which {
+                    "q" => (with_value(&q, at, value), k.clone(), v.clone(), dout.clone()),
+                    "k" => (q.clone(), with_value(&k, at, value), v.clone(), dout.clone()),
+                    "v" => (q.clone(), k.clone(), with_value(&v, at, value), dout.clone()),
+                    _ => (q.clone(), k.clone(), v.clone(), with_value(&dout, at, value)),
+                };
+                let bad = run(&spec, &q2, &k2, &v2, &g2);
+                let what = format!("{dt:?} window={window:?} causal={causal} {which}[{row}]={value}");
+                for t in 0..spec.dims.total_q {
+                    // does row t (head 0) use the bad element in its forward?
+                    let uses = match which {
+                        "q" => t == row,
+                        "dout" => false,
+                        _ => t < seg.q_len && { let (lo, hi) = spec.row_keys(&seg, t); (lo..hi).contains(&row) },
+                    };
+                    let o = |x: &Vec<f64>| x[(t * hq) * d..(t * hq + 1) * d].to_vec();
+                    if uses && (value.is_nan() || which == "v") {
+                        assert!(o(&bad.0).iter().any(|x| !x.is_finite()), "{what}: row {t} uses it but is finite");
+                        if value.is_nan() && which != "v" {
+                            assert!(bad.1[t].is_nan(), "{what}: row {t}: lse {} should be NaN", bad.1[t]);
+                        }
+                    } else if !uses {
+                        // the same values (rounding may differ: NaN / Inf inputs take the exact,
+                        // pair-by-pair products)
+                        let (ft, bt) = (fwd_tol(dt).0, bwd_tol(dt).0);
+                        assert_close(&format!("{what}: row {t}"), &o(&bad.0), &o(&clean.0), ft, ft, f64::INFINITY);
+                        assert_eq!(bad.1[t], clean.1[t], "{what}: lse of row {t}");
+                        // its dq: the row's own probabilities and keys only (dout: row 3's own dq)
+                        if which != "dout" || t != row {
+                            assert_close(&format!("{what}: dq of row {t}"), &o(&bad.2[0]), &o(&clean.2[0]), bt, bt, f64::INFINITY);
+                        }
+                    }
+                }
+                // keys that no row using the element sees keep their exact gradients
+                if which == "k" || which == "v" {
+                    for j in 0..spec.dims.total_k {
+                        let seen_by_user = j < seg.k_len
+                            && (0..seg.q_len).any(|t| {
+                                let (lo, hi) = spec.row_keys(&seg, t);
+                                (lo..hi).contains(&row) && (lo..hi).contains(&j)
+                            });
+                        if !seen_by_user && j != row {
+                            let kk = |x: &Vec<f64>| x[j * hkv * d..(j + 1) * hkv * d].to_vec();
+                            let bt = bwd_tol(dt).0;
+                            assert_close(&format!("{what}: dk of key {j}"), &kk(&bad.2[1]), &kk(&clean.2[1]), bt, bt, f64::INFINITY);
+                            assert_close(&format!("{what}: dv of key {j}"), &kk(&bad.2[2]), &kk(&clean.2[2]), bt, bt, f64::INFINITY);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A -inf score (an Inf in k, the right sign against q) gives that key weight 0: the row stays
+/// finite and equals attention without the key, as in torch; a row whose keys all have -inf
+/// scores is a row with no key (zero output, lse +inf; torch's SDPA gives zeros too).
+#[test]
+fn minus_inf_scores_weigh_nothing() {
+    let d = 8usize;
+    let spec = varlen_spec(&[(6, 6)], 1, 1, d, DType::F32, true);
+    let q = HostData::from_f32(DType::F32, &vec![1.0; 6 * d]);
+    let mut kx: Vec<f32> = (0..6 * d).map(|i| ((i * 37) % 11) as f32 / 11.0 - 0.5).collect();
+    kx[2 * d] = f32::NEG_INFINITY; // key 2: score -inf for every row (q > 0)
+    kx[0] = f32::NEG_INFINITY; // key 0 too: row 0 sees only key 0
+    let k = HostData::from_f32(DType::F32, &kx);
+    let vx: Vec<f32> = (0..6 * d).map(|i| (i % 7) as f32).collect();
+    let v = HostData::from_f32(DType::F32, &vx);
+    let mut v_big = vx.clone();
+    v_big[2 * d..3 * d].fill(1e30);
+    let v2 = HostData::from_f32(DType::F32, &v_big);
+    let dout = HostData::from_f32(DType::F32, &vec![1.0; 6 * d]);
+    let a = run(&spec, &q, &k, &v, &dout);
+    let b = run(&spec, &q, &k, &v2, &dout);
+    assert!(a.0[..d].iter().all(|&x| x == 0.0) && a.1[0] == f32::INFINITY, "row 0: all its scores are -inf");
+    assert!(a.0[d..].iter().all(|x| x.is_finite()), "rows 1..: finite");
+    assert_eq!(a.0[d..], b.0[d..], "key 2 must weigh exactly 0");
+}
+
+/// Bitwise the same result as before for finite inputs whatever the scale sign: a negative or
+/// zero softmax_scale masks the tails correctly (exercises the AVX-512 tiles where present).
+#[test]
+fn negative_and_zero_scales_match_reference() {
+    for scale in [-0.7f64, 0.0, -3.0] {
+        for &(sq, sk) in &[(37usize, 37usize), (5, 70), (130, 130)] {
+            let mut c = varlen_spec(&[(sq, sk)], 2, 1, 24, DType::F32, true);
+            c.scale = scale as f32;
+            check_forward(&c, 3 + sq as u64, 1.0);
+            check_backward(&c, 4 + sq as u64);
+        }
     }
 }

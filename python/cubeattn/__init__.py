@@ -70,19 +70,21 @@ def _cache_key(x):
 
 
 def varlen_spec(q_shape, k_shape, dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                softmax_scale=None, causal=False, v_shape=None):
+                softmax_scale=None, causal=False, v_shape=None, window_size=(-1, -1)):
     """A validated spec for the varlen layout (shapes only; no data needed)."""
+    causal = _flag(causal, "causal")
+    window = _window(window_size)
     kq, kk = _cache_key(cu_seqlens_q), _cache_key(cu_seqlens_k)
     key = None
     if kq is not None and kk is not None and type(max_seqlen_q) is int and type(max_seqlen_k) is int \
             and (softmax_scale is None or type(softmax_scale) is float):
         key = (tuple(q_shape), tuple(k_shape), None if v_shape is None else tuple(v_shape), dtype, kq, kk,
-               max_seqlen_q, max_seqlen_k, softmax_scale, bool(causal))
+               max_seqlen_q, max_seqlen_k, softmax_scale, causal, window)
         spec = _SPECS.get(key)
         if spec is not None:
             return spec
     spec = _varlen_spec(q_shape, k_shape, dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                        softmax_scale, causal, v_shape)
+                        softmax_scale, causal, v_shape, window)
     if key is not None:
         if len(_SPECS) >= _SPECS_MAX:
             _SPECS.clear()
@@ -90,26 +92,109 @@ def varlen_spec(q_shape, k_shape, dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     return spec
 
 
+def _shape(x, name):
+    """A tensor shape given by the caller: a sequence of non-negative ints (ValueError naming the
+    argument otherwise, instead of the bare OverflowError of a negative size)."""
+    try:
+        dims = [int(n) for n in x]
+    except (TypeError, ValueError):
+        raise TypeError(f"invalid argument `{name}`: expected a sequence of ints, got {x!r}") from None
+    if any(n < 0 or n >= 2 ** 62 for n in dims) or any(isinstance(n, (bool, float)) for n in x):
+        raise ValueError(f"invalid argument `{name}`: sizes must be non-negative ints, got {tuple(x)}")
+    return dims
+
+
 def _varlen_spec(q_shape, k_shape, dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                 softmax_scale, causal, v_shape):
-    return _core.varlen_spec(list(q_shape), list(k_shape), list(k_shape if v_shape is None else v_shape), dtype,
+                 softmax_scale, causal, v_shape, window):
+    return _core.varlen_spec(_shape(q_shape, "q_shape"), _shape(k_shape, "k_shape"),
+                             _shape(k_shape if v_shape is None else v_shape, "v_shape"), dtype,
                              int32_vector(cu_seqlens_q, "cu_seqlens_q"),
                              int32_vector(cu_seqlens_k, "cu_seqlens_k"),
                              _count(max_seqlen_q, "max_seqlen_q"), _count(max_seqlen_k, "max_seqlen_k"),
-                             _scale(softmax_scale), bool(causal))
+                             _scale(softmax_scale), causal, window)
 
 
-def grouped_spec(q_shape, k_shape, dtype, q_ranges, kv_ranges, softmax_scale=None, causal=True, v_shape=None):
+def grouped_spec(q_shape, k_shape, dtype, q_ranges, kv_ranges, softmax_scale=None, causal=True, v_shape=None,
+                 window_size=(-1, -1)):
     """A validated spec for grouped attention (shapes only)."""
-    return _core.grouped_spec(list(q_shape), list(k_shape), list(k_shape if v_shape is None else v_shape), dtype,
+    causal = _flag(causal, "causal")
+    window = _window(window_size)
+    return _core.grouped_spec(_shape(q_shape, "q_shape"), _shape(k_shape, "k_shape"),
+                              _shape(k_shape if v_shape is None else v_shape, "v_shape"), dtype,
                               int32_ranges(q_ranges, "q_ranges"), int32_ranges(kv_ranges, "kv_ranges"),
-                              _scale(softmax_scale), bool(causal))
+                              _scale(softmax_scale), causal, window)
 
 
 def _count(x, name):
-    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 0:
+    """A non-negative int: Python / numpy ints and 0-d integer arrays or torch tensors (flash-attn
+    users pass ``cu_seqlens.diff().max()``); bools and everything else raise."""
+    if _is_torch(x) or isinstance(x, np.ndarray):
+        kind = str(x.dtype)
+        if getattr(x, "ndim", None) != 0 or not (kind.startswith(("int", "uint", "torch.int", "torch.uint"))):
+            raise ValueError(f"invalid argument `{name}`: expected a non-negative int or a 0-d integer tensor, "
+                            f"got {type(x).__name__} of shape {tuple(x.shape)} and dtype {x.dtype}")
+        x = int(x.item())
+    elif isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+        raise ValueError(f"invalid argument `{name}`: expected a non-negative int, got {x!r}")
+    if x < 0 or x >= 2 ** 63:
         raise ValueError(f"invalid argument `{name}`: expected a non-negative int, got {x!r}")
     return int(x)
+
+
+def _flag(x, name):
+    """A bool: Python bool, numpy bool_ or a 0-d torch bool tensor; anything else (a string, an int)
+    is a TypeError, so that `causal='no'` cannot silently mean True."""
+    if isinstance(x, (bool, np.bool_)):
+        return bool(x)
+    if _is_torch(x) and str(getattr(x, "dtype", "")) == "torch.bool" and getattr(x, "ndim", None) == 0:
+        return bool(x.item())
+    if isinstance(x, np.ndarray) and x.dtype == np.bool_ and x.ndim == 0:
+        return bool(x)
+    raise TypeError(f"invalid argument `{name}`: expected a bool, got {type(x).__name__} {x!r}")
+
+
+def _window(w):
+    """flash-attn's window_size (left, right) -> a pair of ints (-1 = unbounded; values are
+    checked once, in Rust, naming `window_size`)."""
+    if isinstance(w, (tuple, list)) and len(w) == 2 and all(
+            isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) for x in w):
+        left, right = int(w[0]), int(w[1])
+        if not all(-2 ** 62 < x < 2 ** 62 for x in (left, right)):
+            raise ValueError(f"invalid argument `window_size`: {tuple(w)} is out of range")
+        return left, right
+    raise TypeError(f"invalid argument `window_size`: expected a pair of ints (left, right), -1 = unbounded, "
+                    f"got {w!r}")
+
+
+def _zero_option(x, name):
+    """dropout_p / softcap: a number that must be 0 (flash-attn's \"off\"); others are not implemented."""
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
+        raise TypeError(f"invalid argument `{name}`: expected a float, got {type(x).__name__}")
+    if x != 0:
+        raise NotImplementedError(f"`{name}`={x!r} is not implemented by cubeattn (only {name}=0.0)")
+
+
+def _unsupported(dropout_p=0.0, softcap=0.0, alibi_slopes=None, block_table=None):
+    """flash-attn options cubeattn has no kernel for: their defaults pass, anything else raises
+    NotImplementedError naming the argument."""
+    _zero_option(dropout_p, "dropout_p")
+    _zero_option(softcap, "softcap")
+    if alibi_slopes is not None:
+        raise NotImplementedError("`alibi_slopes` is not implemented by cubeattn (only alibi_slopes=None)")
+    if block_table is not None:
+        raise NotImplementedError("`block_table` (paged KV cache) is not implemented by cubeattn "
+                                  "(only block_table=None)")
+
+
+def _results(out, lse, return_lse, return_attn_probs):
+    """flash-attn's return convention: out, or (out, softmax_lse, S_dmask) with return_attn_probs
+    (S_dmask is always None here: cubeattn never materialises the attention matrix); our extra
+    return_lse=True gives (out, lse)."""
+    if return_attn_probs:
+        return out, lse, None
+    if return_lse:
+        return out, lse
+    return out
 
 
 def _scale(s):
@@ -164,7 +249,7 @@ def _forward(spec, q, k, v, cq, ck, cv, return_lse, deterministic, device):
     if _needs_grad(q, k, v):
         from ._autograd import attention
 
-        return attention(spec, q, k, v, (cq, ck, cv), return_lse, bool(deterministic), device)
+        return attention(spec, q, k, v, (cq, ck, cv), return_lse, deterministic, device)
     return _run_forward(spec, cq, ck, cv, return_lse, device)
 
 
@@ -243,15 +328,27 @@ def _run_forward(spec, cq, ck, cv, return_lse, device):
     return o, from_core(lse, (heads_q, total_q), "float32", cq)
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           softmax_scale=None, causal=False, return_lse=False, device="auto", deterministic=False):
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None, *, return_lse=False,
+                           device="auto"):
     """Attention over a packed batch: sequence b has queries cu_seqlens_q[b]:cu_seqlens_q[b+1] and
-    keys cu_seqlens_k[b]:cu_seqlens_k[b+1]. Causal is bottom-right aligned. Returns out (and lse).
-    `deterministic` applies to the autograd backward of torch inputs that require grad."""
+    keys cu_seqlens_k[b]:cu_seqlens_k[b+1]. flash-attn 2's signature and argument order; causal is
+    bottom-right aligned; window_size=(left, right) is sliding-window attention (-1 = unbounded).
+    dropout_p, softcap, alibi_slopes and block_table must keep their defaults (NotImplementedError
+    otherwise). Returns out; (out, softmax_lse, None) with return_attn_probs (no S_dmask is ever
+    built); (out, lse) with the keyword-only return_lse. `deterministic` applies to the autograd
+    backward of torch inputs that require grad."""
+    _unsupported(dropout_p, softcap, alibi_slopes, block_table)
+    deterministic, return_attn_probs = _flag(deterministic, "deterministic"), _flag(return_attn_probs, "return_attn_probs")
+    return_lse = _flag(return_lse, "return_lse")
     cq, ck, cv = to_core(q, "q"), to_core(k, "k"), to_core(v, "v")
     spec = varlen_spec(cq.shape, ck.shape, cq.dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                       softmax_scale, causal, v_shape=cv.shape)
-    return _forward(spec, q, k, v, cq, ck, cv, return_lse, deterministic, device)
+                       softmax_scale, causal, v_shape=cv.shape, window_size=window_size)
+    res = _forward(spec, q, k, v, cq, ck, cv, return_lse or return_attn_probs, deterministic, device)
+    if not (return_lse or return_attn_probs):
+        return res
+    return _results(res[0], res[1], return_lse, return_attn_probs)
 
 
 _CU = {}  # cu_seqlens of batched calls per (batch, seqlen)
@@ -279,20 +376,26 @@ def _batched_to_varlen(q, k, v):
     return flat, _cu(b, sq), _cu(b, sk), b, sq, sk
 
 
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False, device="auto",
-                    deterministic=False):
-    """Batched layout q [batch, seqlen_q, heads_q, d], k/v [batch, seqlen_k, heads_kv, d].
-    Returns out [batch, seqlen_q, heads_q, d] (and lse [batch, heads_q, seqlen_q])."""
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False,
+                    device="auto"):
+    """Batched layout q [batch, seqlen_q, heads_q, d], k/v [batch, seqlen_k, heads_kv, d], with
+    flash-attn 2's signature and argument order (see flash_attn_varlen_func). Returns out
+    [batch, seqlen_q, heads_q, d]; with return_lse (out, lse [batch, heads_q, seqlen_q]); with
+    return_attn_probs (out, lse, None)."""
+    _unsupported(dropout_p, softcap, alibi_slopes)
+    want_lse = _flag(return_lse, "return_lse")
+    probs = _flag(return_attn_probs, "return_attn_probs")
     (fq, fk, fv), cu_q, cu_k, b, sq, sk = _batched_to_varlen(q, k, v)
-    res = flash_attn_varlen_func(fq, fk, fv, cu_q, cu_k, sq, sk, softmax_scale, causal, return_lse, device,
-                                 deterministic)
-    if not return_lse:
+    res = flash_attn_varlen_func(fq, fk, fv, cu_q, cu_k, sq, sk, 0.0, softmax_scale, causal, window_size,
+                                 deterministic=deterministic, return_lse=want_lse or probs, device=device)
+    if not (want_lse or probs):
         return res.reshape(q.shape)
     o, lse = res
     h = q.shape[2]
     lse = lse.reshape(h, b, sq)
     lse = lse.permute(1, 0, 2) if hasattr(lse, "permute") else lse.transpose(1, 0, 2)
-    return o.reshape(q.shape), lse
+    return _results(o.reshape(q.shape), lse, want_lse, probs)
 
 
 def _backward_on_gpu(spec, gpu, conv, lse, deterministic, dev):
@@ -370,31 +473,49 @@ def _run_backward(spec, dout, q, k, v, out, lse, deterministic, device):
 
 
 def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               softmax_scale=None, causal=False, deterministic=False, device="auto"):
-    """Gradients (dq, dk, dv) of flash_attn_varlen_func given dout, its out and lse."""
+                               dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                               alibi_slopes=None, deterministic=False, *, device="auto"):
+    """Gradients (dq, dk, dv) of flash_attn_varlen_func given dout, its out and lse. After the
+    tensors, the options follow flash-attn's order (dropout_p, softmax_scale, causal, window_size,
+    softcap, alibi_slopes, deterministic); they must be those of the forward."""
+    _unsupported(dropout_p, softcap, alibi_slopes)
+    deterministic = _flag(deterministic, "deterministic")
     dt = dtype_name(q, "q")
     spec = varlen_spec(tuple(q.shape), tuple(k.shape), dt, cu_seqlens_q, cu_seqlens_k,
-                       max_seqlen_q, max_seqlen_k, softmax_scale, causal, v_shape=tuple(v.shape))
+                       max_seqlen_q, max_seqlen_k, softmax_scale, causal, v_shape=tuple(v.shape),
+                       window_size=window_size)
     return _run_backward(spec, dout, q, k, v, out, lse, deterministic, device)
 
 
-def grouped_flash_attn_func(q, k, v, q_ranges, kv_ranges, softmax_scale=None, causal=True, return_lse=False,
-                            device="auto", deterministic=False):
+def grouped_flash_attn_func(q, k, v, q_ranges, kv_ranges, dropout_p=0.0, softmax_scale=None, causal=True,
+                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                            return_attn_probs=False, *, return_lse=False, device="auto"):
     """Grouped attention in one launch: group g's query rows q_ranges[g] = [start, end) attend to keys
-    kv_ranges[g] = [start, end) of the shared k, v (key ranges may overlap). Causal is bottom-right
-    inside each group: the group's last query row sees up to kv_ranges[g][1]. Rows in no group get
-    zero output and lse +inf."""
+    kv_ranges[g] = [start, end) of the shared k, v (key ranges may overlap). Causal (and a
+    window_size) is bottom-right inside each group: the group's last query row sees up to
+    kv_ranges[g][1]. Rows in no group get zero output and lse +inf. After the ranges, the options
+    follow flash-attn's order and return convention (see flash_attn_varlen_func)."""
+    _unsupported(dropout_p, softcap, alibi_slopes)
+    deterministic, probs = _flag(deterministic, "deterministic"), _flag(return_attn_probs, "return_attn_probs")
+    want_lse = _flag(return_lse, "return_lse")
     cq, ck, cv = to_core(q, "q"), to_core(k, "k"), to_core(v, "v")
-    spec = grouped_spec(cq.shape, ck.shape, cq.dtype, q_ranges, kv_ranges, softmax_scale, causal, v_shape=cv.shape)
-    return _forward(spec, q, k, v, cq, ck, cv, return_lse, deterministic, device)
+    spec = grouped_spec(cq.shape, ck.shape, cq.dtype, q_ranges, kv_ranges, softmax_scale, causal, v_shape=cv.shape,
+                        window_size=window_size)
+    res = _forward(spec, q, k, v, cq, ck, cv, want_lse or probs, deterministic, device)
+    if not (want_lse or probs):
+        return res
+    return _results(res[0], res[1], want_lse, probs)
 
 
-def grouped_flash_attn_backward(dout, q, k, v, out, lse, q_ranges, kv_ranges, softmax_scale=None, causal=True,
-                                deterministic=False, device="auto"):
+def grouped_flash_attn_backward(dout, q, k, v, out, lse, q_ranges, kv_ranges, dropout_p=0.0, softmax_scale=None,
+                                causal=True, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                deterministic=False, *, device="auto"):
     """Gradients (dq, dk, dv) of grouped_flash_attn_func; dk/dv accumulate over overlapping groups."""
+    _unsupported(dropout_p, softcap, alibi_slopes)
+    deterministic = _flag(deterministic, "deterministic")
     dt = dtype_name(q, "q")
     spec = grouped_spec(tuple(q.shape), tuple(k.shape), dt, q_ranges, kv_ranges, softmax_scale, causal,
-                        v_shape=tuple(v.shape))
+                        v_shape=tuple(v.shape), window_size=window_size)
     return _run_backward(spec, dout, q, k, v, out, lse, deterministic, device)
 
 
@@ -402,17 +523,23 @@ def estimate_vram(q_shape, k_shape, dtype="bfloat16", cu_seqlens_q=None, cu_seql
                   kv_ranges=None, causal=False, backward=False, deterministic=False) -> dict:
     """Bytes the CUDA backend needs for a call with these shapes: inputs, outputs, lse, workspace, total.
     Give cu_seqlens (varlen) or q_ranges/kv_ranges (grouped); neither means one sequence."""
+    q_shape, k_shape = _shape(q_shape, "q_shape"), _shape(k_shape, "k_shape")
+    for name, shp in (("q_shape", q_shape), ("k_shape", k_shape)):
+        if len(shp) != 3:
+            raise ValueError(f"invalid argument `{name}`: expected [total_tokens, heads, head_dim], got {tuple(shp)}")
     if q_ranges is not None:
         spec = grouped_spec(q_shape, k_shape, dtype, q_ranges, kv_ranges, None, causal)
     else:
         if cu_seqlens_q is None:
             cu_seqlens_q = [0, q_shape[0]]
             cu_seqlens_k = [0, k_shape[0]]
-        cq, ck = np.asarray(cu_seqlens_q), np.asarray(cu_seqlens_k)
-        mq = int(np.diff(cq).max()) if cq.size > 1 else 0
-        mk = int(np.diff(ck).max()) if ck.size > 1 else 0
+        cq = int32_vector(cu_seqlens_q, "cu_seqlens_q")
+        ck = int32_vector(cu_seqlens_k, "cu_seqlens_k")
+        # a malformed cu_seqlens is reported by the spec under its own name, not as a bad maximum
+        mq = max(0, int(np.diff(cq).max())) if cq.size > 1 else 0
+        mk = max(0, int(np.diff(ck).max())) if ck.size > 1 else 0
         spec = varlen_spec(q_shape, k_shape, dtype, cq, ck, mq, mk, None, causal)
-    return _core.estimate_vram(spec, bool(backward), bool(deterministic))
+    return _core.estimate_vram(spec, _flag(backward, "backward"), _flag(deterministic, "deterministic"))
 
 
 def warmup(head_dims=(64, 128), dtypes=("bfloat16", "float16"), causal=(True, False), backward=True,
@@ -438,9 +565,9 @@ def warmup(head_dims=(64, 128), dtypes=("bfloat16", "float16"), causal=(True, Fa
         # rows 36..39 lie in no group (the uncovered-row kernels run); 640 keys on a small grid
         # make the plan split the key range (the split-K combine runs)
         qr, kr = [[0, 20], [20, 36]], [[0, 640], [64, 600]]
-        out, lse = grouped_flash_attn_func(q, k, v, qr, kr, causal=c, return_lse=True, device=device)
+        out, lse = grouped_flash_attn_func(q, k, v, qr, kr, causal=bool(c), return_lse=True, device=device)
         if backward:
-            grouped_flash_attn_backward(q, q, k, v, out, lse, qr, kr, causal=c, device=device)
+            grouped_flash_attn_backward(q, q, k, v, out, lse, qr, kr, causal=bool(c), device=device)
     return len(todo)
 
 

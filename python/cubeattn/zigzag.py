@@ -432,8 +432,9 @@ def _function():
 
 
 def zigzag_llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                         heads_k_stride, local_k_slice=None, softmax_scale=None, causal=True,
-                                         deterministic=False, group=None):
+                                         heads_k_stride, local_k_slice=None, dropout_p=0.0, softmax_scale=None,
+                                         causal=True, window_size=(-1, -1), alibi_slopes=None, deterministic=False,
+                                         return_attn_probs=False, group=None):
     """Attention of this rank's zigzag shard over the whole sequences of a process group.
 
     q [total_local, heads_q, d], k/v [total_local, heads_kv, d]: torch tensors of this rank's
@@ -441,10 +442,22 @@ def zigzag_llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, ma
     cu_seqlens (``zigzag_cu_seqlens``; equal: self-attention), max_seqlen_q/k their longest local
     sequence (as flash-attn; checked, not needed). heads_k_stride: kv heads gathered per step (a
     divisor of heads_kv). local_k_slice: ring-flash-attention's argument; the zigzag layer always
-    uses all gathered keys, so only None or slice(None) is accepted. Returns out like q; with
-    autograd (dq local, dk/dv reduce-scattered to their owners)."""
+    uses all gathered keys, so only None or slice(None) is accepted. The options follow
+    ring-flash-attention's order (dropout_p, softmax_scale, causal, window_size, alibi_slopes,
+    deterministic, return_attn_probs, group); dropout_p, window_size, alibi_slopes and
+    return_attn_probs must keep their defaults (NotImplementedError otherwise). Returns out like q;
+    with autograd (dq local, dk/dv reduce-scattered to their owners)."""
     import torch
     import torch.distributed as dist
+
+    from . import _flag, _unsupported, _window
+
+    _unsupported(dropout_p, 0.0, alibi_slopes)
+    if _window(window_size) != (-1, -1):
+        raise NotImplementedError("`window_size` is not implemented by the zigzag layer (only (-1, -1))")
+    if _flag(return_attn_probs, "return_attn_probs"):
+        raise NotImplementedError("`return_attn_probs` is not implemented by the zigzag layer (only False)")
+    causal, deterministic = _flag(causal, "causal"), _flag(deterministic, "deterministic")
 
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):

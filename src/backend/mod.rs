@@ -105,15 +105,17 @@ pub trait Backend: Send + Sync {
 /// Checks that buffers match the spec (lengths and dtype); called once at the API boundary.
 pub fn check_buffers(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> Result<()> {
     let d = &spec.dims;
+    // dtype first: a buffer of another dtype also has another element count, and the dtype is
+    // the error to report
     for (name, buf, want) in [("q", q, d.q_len()), ("k", k, d.kv_len()), ("v", v, d.kv_len())] {
-        if buf.len() != want {
-            return Err(invalid(name, format!("has {} elements, the spec needs {}", buf.len(), want)));
-        }
         if buf.dtype() != spec.dtype {
             return Err(crate::error::bad_dtype(
                 name,
                 format!("is {}, the spec says {}", buf.dtype().name(), spec.dtype.name()),
             ));
+        }
+        if buf.len() != want {
+            return Err(invalid(name, format!("has {} elements, the spec needs {}", buf.len(), want)));
         }
     }
     Ok(())
@@ -123,11 +125,11 @@ pub fn check_buffers(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> 
 pub fn check_backward_buffers(spec: &AttnSpec, g: &BackwardInputs) -> Result<()> {
     let d = &spec.dims;
     for (name, buf) in [("out", g.out), ("dout", g.dout)] {
-        if buf.len() != d.q_len() {
-            return Err(invalid(name, format!("has {} elements, q has {}", buf.len(), d.q_len())));
-        }
         if buf.dtype() != spec.dtype {
             return Err(crate::error::bad_dtype(name, format!("is {}, q is {}", buf.dtype().name(), spec.dtype.name())));
+        }
+        if buf.len() != d.q_len() {
+            return Err(invalid(name, format!("has {} elements, q has {}", buf.len(), d.q_len())));
         }
     }
     if g.lse.len() != d.lse_len() {

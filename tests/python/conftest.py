@@ -4,8 +4,27 @@ import pytest
 import cubeattn
 
 
-def ref_attention(q, k, v, segments, causal, scale=None):
-    """f64 numpy reference over (q_start, q_len, k_start, k_len) segments; bottom-right causal."""
+def visible_mask(ql, kl, causal, window=(-1, -1)):
+    """[ql, kl] bool: key j is visible to row i (flash-attn's definition, bottom-right aligned):
+    j <= i + kl - ql with causal, and i + kl - ql - left <= j <= i + kl - ql + right for a
+    window_size (left, right), -1 = unbounded side."""
+    i = np.arange(ql)[:, None]
+    j = np.arange(kl)[None, :]
+    diag = i + kl - ql
+    mask = np.ones((ql, kl), bool)
+    if causal:
+        mask &= j <= diag
+    left, right = window
+    if left >= 0:
+        mask &= j >= diag - left
+    if right >= 0:
+        mask &= j <= diag + right
+    return mask
+
+
+def ref_attention(q, k, v, segments, causal, scale=None, window=(-1, -1)):
+    """f64 numpy reference over (q_start, q_len, k_start, k_len) segments; bottom-right causal and
+    sliding window."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     tq, hq, d = q.shape
     hkv = k.shape[1]
@@ -19,10 +38,7 @@ def ref_attention(q, k, v, segments, causal, scale=None):
         kk = np.repeat(k[ks:ks + kl], g, axis=1)  # [kl, hq, d]
         vv = np.repeat(v[ks:ks + kl], g, axis=1)
         s = np.einsum("qhd,khd->hqk", q[qs:qs + ql], kk) * scale
-        if causal:
-            r = np.arange(ql)[:, None]
-            j = np.arange(kl)[None, :]
-            s = np.where(j <= kl - ql + r, s, -np.inf)
+        s = np.where(visible_mask(ql, kl, causal, window), s, -np.inf)
         m = s.max(-1, keepdims=True)
         seen = np.isfinite(m)
         m = np.where(seen, m, 0.0)
@@ -34,7 +50,7 @@ def ref_attention(q, k, v, segments, causal, scale=None):
     return out, lse
 
 
-def ref_backward(q, k, v, dout, segments, causal, scale=None):
+def ref_backward(q, k, v, dout, segments, causal, scale=None, window=(-1, -1)):
     """f64 gradients by the explicit softmax Jacobian (small sizes only)."""
     q, k, v, dout = (np.asarray(x, dtype=np.float64) for x in (q, k, v, dout))
     tq, hq, d = q.shape
@@ -48,10 +64,7 @@ def ref_backward(q, k, v, dout, segments, causal, scale=None):
         kk = np.repeat(k[ks:ks + kl], g, axis=1)
         vv = np.repeat(v[ks:ks + kl], g, axis=1)
         s = np.einsum("qhd,khd->hqk", q[qs:qs + ql], kk) * scale
-        mask = np.ones((ql, kl), bool)
-        if causal:
-            mask = np.arange(kl)[None, :] <= kl - ql + np.arange(ql)[:, None]
-        s = np.where(mask, s, -np.inf)
+        s = np.where(visible_mask(ql, kl, causal, window), s, -np.inf)
         m = s.max(-1, keepdims=True)
         m = np.where(np.isfinite(m), m, 0.0)
         p = np.exp(s - m)

@@ -5,7 +5,7 @@
 
 use rayon::prelude::*;
 
-use super::forward::{query_blocks, row_limits, BK, BQ};
+use super::forward::{all_finite, pv_rows, query_blocks, row_bounds, BK, BQ};
 use super::layout::{from_head_major, matmul, to_f32_cow, to_head_major, Mat, SharedMut};
 use super::simd::{dot, exp2_neg, multiversion};
 use crate::backend::{BackwardInputs, Gradients};
@@ -16,12 +16,16 @@ use crate::spec::AttnSpec;
 pub(crate) const BKB: usize = 64;
 
 multiversion! {
-    /// `s` (rows x n, raw q.k) -> P = 2^(c*s - lse2) for row i's columns `< lims[i] - kb`, else 0.
-    fn probs_block(s: &mut [f32], n: usize, lims: &[usize], kb: usize, c: f32, lse2: &[f32]) {
-        for (i, &lim) in lims.iter().enumerate() {
+    /// `s` (rows x n, raw q.k) -> P = 2^(c*s - lse2) for row i's columns
+    /// `[los[i] - kb, his[i] - kb)` (clamped to `[0, n)`; an empty `los` means 0), else exactly 0.
+    fn probs_rows(s: &mut [f32], n: usize, los: &[usize], his: &[usize], kb: usize, c: f32, lse2: &[f32]) {
+        for (i, &hi) in his.iter().enumerate() {
             let row = &mut s[i * n..(i + 1) * n];
-            let lim = lim.saturating_sub(kb).min(n);
-            let (live, dead) = row.split_at_mut(lim);
+            let hi = hi.saturating_sub(kb).min(n);
+            let lo = if los.is_empty() { 0 } else { los[i].saturating_sub(kb).min(hi) };
+            let (head, rest) = row.split_at_mut(lo);
+            head.fill(0.0);
+            let (live, dead) = rest.split_at_mut(hi - lo);
             dead.fill(0.0);
             let sub = lse2[i];
             for x in live {
@@ -29,6 +33,11 @@ multiversion! {
             }
         }
     }
+}
+
+/// [`probs_rows`] for rows that see block columns `< lims[i] - kb`.
+pub(crate) fn probs_block(s: &mut [f32], n: usize, lims: &[usize], kb: usize, c: f32, lse2: &[f32]) {
+    probs_rows(s, n, &[], lims, kb, c, lse2)
 }
 
 multiversion! {
@@ -42,11 +51,48 @@ multiversion! {
     }
 }
 
+multiversion! {
+    /// dS = P * (dP - D) in place in `dp` (rows x n) on row i's columns `[los[i] - kb, his[i] - kb)`
+    /// and exactly 0 elsewhere: a key a row cannot see contributes nothing to dQ or dK, even when
+    /// its V (hence dP) is not finite.
+    #[allow(clippy::too_many_arguments)]
+    fn dscores_rows(p: &[f32], dp: &mut [f32], n: usize, los: &[usize], his: &[usize], kb: usize, dvec: &[f32]) {
+        for (i, &di) in dvec.iter().enumerate() {
+            let hi = his[i].saturating_sub(kb).min(n);
+            let lo = los[i].saturating_sub(kb).min(hi);
+            let row = &mut dp[i * n..(i + 1) * n];
+            row[..lo].fill(0.0);
+            row[hi..].fill(0.0);
+            for (x, &pi) in row[lo..hi].iter_mut().zip(&p[i * n + lo..i * n + hi]) {
+                *x = pi * (*x - di);
+            }
+        }
+    }
+}
+
+/// `dst[j] += alpha * sum_i p[i, j] x[i]` over the pairs (i, j) with j in row i's keys
+/// `[los[i] - kb, his[i] - kb)` (clamped to `[0, n)`): the exact form of `P^T X` for inputs with
+/// NaN / Inf (a masked pair contributes nothing, not 0 * Inf).
+#[allow(clippy::too_many_arguments)]
+fn pt_rows(dst: &mut [f32], d: usize, p: &[f32], n: usize, x: &[f32], los: &[usize], his: &[usize], kb: usize, alpha: f32) {
+    for (i, xi) in x.chunks_exact(d).enumerate().take(his.len()) {
+        let hi = his[i].saturating_sub(kb).min(n);
+        let lo = los[i].saturating_sub(kb).min(hi);
+        for j in lo..hi {
+            let w = alpha * p[i * n + j];
+            for (o, &y) in dst[j * d..(j + 1) * d].iter_mut().zip(xi) {
+                *o = w.mul_add(y, *o);
+            }
+        }
+    }
+}
+
 pub(crate) struct Scratch {
     pub(crate) s: Vec<f32>,
     pub(crate) dp: Vec<f32>,
     pub(crate) acc_a: Vec<f32>,
     pub(crate) lims: Vec<usize>,
+    pub(crate) los: Vec<usize>,
 }
 
 impl Scratch {
@@ -57,6 +103,7 @@ impl Scratch {
             dp: vec![0.0; BQ * kmax],
             acc_a: vec![0.0; kmax.max(BQ) * d],
             lims: Vec::with_capacity(BQ),
+            los: Vec::with_capacity(BQ),
         }
     }
 }
@@ -102,6 +149,10 @@ pub(crate) fn backward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView, g
     let p = prepare(spec, q, k, v, &g);
     let c = spec.scale * std::f32::consts::LOG2_E;
     let gs = dm.group_size();
+    // NaN / Inf in q, k or dout: the products that meet them through zeros of masked pairs run
+    // pair by pair (a masked pair must contribute nothing, not 0 * Inf); V meets only dP, whose
+    // masked entries dscores_rows overwrites
+    let exact = !(all_finite(&p.q) && all_finite(&p.k) && all_finite(&p.dout));
 
     // dK, dV: one task per (kv head, key block of the global key axis).
     let mut dk = vec![0.0f32; dm.kv_len()];
@@ -124,28 +175,36 @@ pub(crate) fn backward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView, g
                 }
                 let nb = b - a;
                 let rel = a - seg.k_start;
-                // first row that sees key `a`
-                let r_min = if spec.causal { (rel + seg.q_len).saturating_sub(seg.k_len) } else { 0 };
+                // the rows that see a key of [a, b)
+                let (r_min, r_end) = spec.rows_seeing(seg, rel, rel + nb);
                 let kblk = &p.k[(hk * tk + a) * d..][..nb * d];
                 let vblk = &p.v[(hk * tk + a) * d..][..nb * d];
                 let dk_out = &mut dk_blk[(a - kb) * d..][..nb * d];
                 let dv_out = &mut dv_blk[(a - kb) * d..][..nb * d];
                 for h in hk * gs..(hk + 1) * gs {
-                    for r0 in (r_min..seg.q_len).step_by(BQ) {
-                        let rows = BQ.min(seg.q_len - r0);
+                    for r0 in (r_min..r_end).step_by(BQ) {
+                        let rows = BQ.min(r_end - r0);
                         let row0 = h * tq + seg.q_start + r0;
                         let qblk = &p.q[row0 * d..][..rows * d];
                         let doblk = &p.dout[row0 * d..][..rows * d];
-                        row_limits(seg, spec.causal, r0, rows, &mut sc.lims);
+                        row_bounds(spec, seg, r0, rows, &mut sc.los, &mut sc.lims);
                         matmul(&mut sc.s, nb, rows, nb, d, Mat::rows(qblk, d), Mat::rows_t(kblk, d), 1.0, false);
-                        probs_block(&mut sc.s[..rows * nb], nb, &sc.lims, rel, c, &p.lse2[row0..row0 + rows]);
+                        probs_rows(&mut sc.s[..rows * nb], nb, &sc.los, &sc.lims, rel, c, &p.lse2[row0..row0 + rows]);
                         // dV += P^T dO
-                        matmul(dv_out, d, nb, d, rows, Mat::rows_t(&sc.s, nb), Mat::rows(doblk, d), 1.0, true);
+                        if exact {
+                            pt_rows(dv_out, d, &sc.s[..rows * nb], nb, doblk, &sc.los, &sc.lims, rel, 1.0);
+                        } else {
+                            matmul(dv_out, d, nb, d, rows, Mat::rows_t(&sc.s, nb), Mat::rows(doblk, d), 1.0, true);
+                        }
                         // dP = dO V^T, dS = P (dP - delta)
                         matmul(&mut sc.dp, nb, rows, nb, d, Mat::rows(doblk, d), Mat::rows_t(vblk, d), 1.0, false);
-                        dscores_block(&sc.s[..rows * nb], &mut sc.dp[..rows * nb], nb, &p.delta[row0..row0 + rows]);
+                        dscores_rows(&sc.s[..rows * nb], &mut sc.dp[..rows * nb], nb, &sc.los, &sc.lims, rel, &p.delta[row0..row0 + rows]);
                         // dK += scale * dS^T Q
-                        matmul(dk_out, d, nb, d, rows, Mat::rows_t(&sc.dp, nb), Mat::rows(qblk, d), spec.scale, true);
+                        if exact {
+                            pt_rows(dk_out, d, &sc.dp[..rows * nb], nb, qblk, &sc.los, &sc.lims, rel, spec.scale);
+                        } else {
+                            matmul(dk_out, d, nb, d, rows, Mat::rows_t(&sc.dp, nb), Mat::rows(qblk, d), spec.scale, true);
+                        }
                     }
                 }
             }
@@ -168,17 +227,20 @@ pub(crate) fn backward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView, g
             let doblk = &p.dout[row0 * d..][..rows * d];
             let kseg = &p.k[(hk * tk + seg.k_start) * d..][..seg.k_len * d];
             let vseg = &p.v[(hk * tk + seg.k_start) * d..][..seg.k_len * d];
-            row_limits(seg, spec.causal, r0, rows, &mut sc.lims);
-            let k_hi = sc.lims.iter().copied().max().unwrap_or(0);
+            let (k_lo, k_hi) = row_bounds(spec, seg, r0, rows, &mut sc.los, &mut sc.lims);
             let acc = &mut sc.acc_a[..rows * d];
             acc.fill(0.0);
-            for kb in (0..k_hi).step_by(BK) {
+            for kb in (k_lo..k_hi).step_by(BK) {
                 let n = BK.min(k_hi - kb);
                 matmul(&mut sc.s, n, rows, n, d, Mat::rows(qblk, d), Mat::rows_t(&kseg[kb * d..], d), 1.0, false);
-                probs_block(&mut sc.s[..rows * n], n, &sc.lims, kb, c, &p.lse2[row0..row0 + rows]);
+                probs_rows(&mut sc.s[..rows * n], n, &sc.los, &sc.lims, kb, c, &p.lse2[row0..row0 + rows]);
                 matmul(&mut sc.dp, n, rows, n, d, Mat::rows(doblk, d), Mat::rows_t(&vseg[kb * d..], d), 1.0, false);
-                dscores_block(&sc.s[..rows * n], &mut sc.dp[..rows * n], n, &p.delta[row0..row0 + rows]);
-                matmul(acc, d, rows, d, n, Mat::rows(&sc.dp, n), Mat::rows(&kseg[kb * d..], d), spec.scale, true);
+                dscores_rows(&sc.s[..rows * n], &mut sc.dp[..rows * n], n, &sc.los, &sc.lims, kb, &p.delta[row0..row0 + rows]);
+                if exact {
+                    pv_rows(acc, d, &sc.dp[..rows * n], n, &sc.los, &sc.lims, kb, &kseg[kb * d..], d, spec.scale);
+                } else {
+                    matmul(acc, d, rows, d, n, Mat::rows(&sc.dp, n), Mat::rows(&kseg[kb * d..], d), spec.scale, true);
+                }
             }
             // SAFETY: (head, row) ranges of tasks are disjoint.
             unsafe { dq_w.slice(row0 * d, rows * d) }.copy_from_slice(acc);

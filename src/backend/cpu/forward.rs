@@ -17,33 +17,41 @@ pub(crate) const BQ: usize = 128;
 pub(crate) const BK: usize = 512;
 
 multiversion! {
-    /// One key block of online softmax for `rows` rows. On entry `s` holds raw q.k (rows x n,
-    /// leading dimension `lds`); on exit it holds the unnormalised probabilities, `m`/`l` are
-    /// updated (base-2 units) and each row of `o` (leading dimension `ldo`) is rescaled for the
-    /// new maximum. Row i sees block columns
-    /// `< lims[i] - kb`.
+    /// One key block of online softmax for `his.len()` rows. On entry `s` holds raw q.k (rows x
+    /// n, leading dimension `lds`); on exit it holds the unnormalised probabilities (exact zeros
+    /// outside each row's keys), `m`/`l` are updated (base-2 units) and each row of `o` (leading
+    /// dimension `ldo`) is rescaled for the new maximum. Row i sees block columns
+    /// `[los[i] - kb, his[i] - kb)` (clamped to `[0, n)`); an empty `los` means 0 for every row.
     #[allow(clippy::too_many_arguments)]
-    fn online_softmax_block(s: &mut [f32], lds: usize, n: usize, lims: &[usize], kb: usize, c: f32, m: &mut [f32], l: &mut [f32], o: &mut [f32], ldo: usize) {
-        for (i, &lim) in lims.iter().enumerate() {
+    fn online_softmax_rows(s: &mut [f32], lds: usize, n: usize, los: &[usize], his: &[usize], kb: usize, c: f32, m: &mut [f32], l: &mut [f32], o: &mut [f32], ldo: usize) {
+        for (i, &hi) in his.iter().enumerate() {
             let row = &mut s[i * lds..i * lds + n];
-            let lim = lim.saturating_sub(kb).min(n);
-            if lim == 0 {
+            let hi = hi.saturating_sub(kb).min(n);
+            let lo = if los.is_empty() { 0 } else { los[i].saturating_sub(kb).min(hi) };
+            if lo == hi {
                 row.fill(0.0);
                 continue;
             }
-            let (live, dead) = row.split_at_mut(lim);
+            let (head, rest) = row.split_at_mut(lo);
+            head.fill(0.0);
+            let (live, dead) = rest.split_at_mut(hi - lo);
             dead.fill(0.0);
             // the max of c*s is c*max(s) for c >= 0; a negative scale takes the slow path
-            let sum;
-            let m_new;
-            if c >= 0.0 {
-                m_new = (max_of(live) * c).max(m[i]);
-                sum = exp2_scaled_sub_sum(live, c, m_new);
-            } else {
+            // (max_of skips NaN: a NaN score reaches the sum through exp2 instead)
+            if c < 0.0 {
                 scale_in_place(live, c);
-                m_new = max_of(live).max(m[i]);
-                sum = exp2_sub_sum(live, m_new);
             }
+            let cs = if c < 0.0 { 1.0 } else { c };
+            let bmax = max_of(live) * cs;
+            if bmax == f32::NEG_INFINITY && live.iter().all(|&x| x * cs == f32::NEG_INFINITY) {
+                // every score of the block is -inf (e.g. an Inf in k): weight 0; a row whose scores
+                // are all -inf keeps l = 0 and ends as a row with no key (zero output, lse +inf:
+                // torch's SDPA also gives zeros there)
+                live.fill(0.0);
+                continue;
+            }
+            let m_new = bmax.max(m[i]);
+            let sum = if c < 0.0 { exp2_sub_sum(live, m_new) } else { exp2_scaled_sub_sum(live, c, m_new) };
             let alpha = super::simd::exp2_neg(m[i] - m_new);
             l[i] = l[i] * alpha + sum;
             m[i] = m_new;
@@ -54,17 +62,24 @@ multiversion! {
     }
 }
 
+/// [`online_softmax_rows`] for rows that see block columns `< lims[i] - kb` (no lower bound).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn online_softmax_block(s: &mut [f32], lds: usize, n: usize, lims: &[usize], kb: usize, c: f32, m: &mut [f32], l: &mut [f32], o: &mut [f32], ldo: usize) {
+    online_softmax_rows(s, lds, n, &[], lims, kb, c, m, l, o, ldo)
+}
+
 pub(crate) struct Scratch {
     pub(crate) s: Vec<f32>,
     pub(crate) o: Vec<f32>,
     pub(crate) m: Vec<f32>,
     pub(crate) l: Vec<f32>,
     pub(crate) lims: Vec<usize>,
+    pub(crate) los: Vec<usize>,
 }
 
 impl Scratch {
     pub(crate) fn new(d: usize) -> Self {
-        Scratch { s: vec![0.0; BQ * BK], o: vec![0.0; BQ * d], m: vec![0.0; BQ], l: vec![0.0; BQ], lims: vec![0; BQ] }
+        Scratch { s: vec![0.0; BQ * BK], o: vec![0.0; BQ * d], m: vec![0.0; BQ], l: vec![0.0; BQ], lims: vec![0; BQ], los: vec![0; BQ] }
     }
 }
 
@@ -74,13 +89,37 @@ pub(crate) fn row_limits(seg: &Segment, causal: bool, r0: usize, rows: usize, ou
     out.extend((r0..r0 + rows).map(|r| seg.visible_len(r, causal)));
 }
 
+/// Keys `[los[i], his[i])` (relative to the window start, see [`AttnSpec::row_keys`]) of rows
+/// `r0..r0+rows` of `seg`; returns the union `[min lo, max hi)` over the rows that see a key
+/// (`(0, 0)` when none does).
+pub(crate) fn row_bounds(spec: &AttnSpec, seg: &Segment, r0: usize, rows: usize, los: &mut Vec<usize>, his: &mut Vec<usize>) -> (usize, usize) {
+    los.clear();
+    his.clear();
+    let (mut a, mut b) = (usize::MAX, 0);
+    for r in r0..r0 + rows {
+        let (lo, hi) = spec.row_keys(seg, r);
+        los.push(lo);
+        his.push(hi);
+        if lo < hi {
+            a = a.min(lo);
+            b = b.max(hi);
+        }
+    }
+    if b == 0 { (0, 0) } else { (a, b) }
+}
+
+/// Keys of the first to the last row of a query block: its work estimate.
+fn block_span(spec: &AttnSpec, seg: &Segment, r0: usize, last: usize) -> usize {
+    spec.row_keys(seg, last).1.saturating_sub(spec.row_keys(seg, r0).0)
+}
+
 /// Work items (segment index, first row) per head, longest first.
 pub(crate) fn query_blocks(spec: &AttnSpec) -> Vec<(usize, usize)> {
     let mut blocks: Vec<(usize, usize, usize)> = Vec::new();
     for (si, seg) in spec.segments.iter().enumerate() {
         for r0 in (0..seg.q_len).step_by(BQ) {
             let last = (r0 + BQ).min(seg.q_len) - 1;
-            blocks.push((si, r0, seg.visible_len(last, spec.causal)));
+            blocks.push((si, r0, block_span(spec, seg, r0, last)));
         }
     }
     blocks.sort_by_key(|b| std::cmp::Reverse(b.2));
@@ -88,8 +127,9 @@ pub(crate) fn query_blocks(spec: &AttnSpec) -> Vec<(usize, usize)> {
 }
 
 pub(crate) fn forward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> ForwardOutput {
+    // the AVX-512 tiles serve the plain causal / full masks; a sliding window takes the gemm path
     #[cfg(target_arch = "x86_64")]
-    if use_tiles() {
+    if use_tiles() && spec.window.is_none() {
         return forward_tiles(spec, q, k, v);
     }
     forward_gemm(spec, q, k, v)
@@ -104,12 +144,13 @@ fn use_tiles() -> bool {
 }
 
 /// Writes rows `0..rows` of the normalised output (`o` has leading dimension `ldo`) and their
-/// LSE; rows that saw no key keep out = 0, lse = +inf.
+/// LSE; rows that saw no key (`l == 0`) keep out = 0, lse = +inf; a NaN `l` (a NaN or +Inf score,
+/// or NaN marked by the caller) gives a NaN row and lse, as torch's softmax does.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn finish_rows(o: &[f32], ldo: usize, m: &[f32], l: &[f32], rows: usize, d: usize, out_w: &SharedMut<f32>, lse_dst: &mut [f32], out_at: impl Fn(usize) -> usize) {
     for i in 0..rows {
         let li = l[i];
-        if li > 0.0 {
+        if li != 0.0 {
             // SAFETY: callers pass disjoint (row, head) ranges per task.
             let dst = unsafe { out_w.slice(out_at(i), d) };
             let inv = 1.0 / li;
@@ -195,6 +236,13 @@ fn forward_tiles(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> Forw
     let blocks: Vec<(usize, usize, usize)> = blocks.into_iter().map(|(s, r, n, _)| (s, r, n)).collect();
     let pq = kernel::PackedQ::new(spec, q, &blocks, bq);
     let pkv = kernel::PackedKv::new(spec, k, v);
+    if !(pq.finite && pkv.finite) {
+        // NaN / Inf inputs take the gemm path, which follows the NaN/Inf policy exactly (a masked
+        // key contributes nothing, not even 0 * Inf); the tiles read whole strips
+        pq.q.give();
+        pkv.release();
+        return forward_gemm(spec, q, k, v);
+    }
     let dp = pkv.dp;
     let mut out = vec![0.0f32; dm.q_len()];
     let mut lse = vec![f32::INFINITY; dm.lse_len()];
@@ -271,6 +319,9 @@ fn forward_gemm(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> Forwa
     let lse_w = SharedMut::new(&mut lse);
     let c = spec.scale * std::f32::consts::LOG2_E;
     let (q_rs, kv_rs) = ((hq * d) as isize, (hkv * d) as isize);
+    // with a NaN / Inf in V, P V runs row by row over each row's own keys only: the product's
+    // zeros of masked keys would turn 0 * Inf into NaN
+    let exact_pv = !all_finite(&vf);
 
     let tasks: Vec<(usize, usize, usize)> = query_blocks(spec)
         .into_iter()
@@ -284,27 +335,53 @@ fn forward_gemm(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> Forwa
             let hk = h / dm.group_size();
             let row0 = seg.q_start + r0;
             let qblk = Mat { ptr: qf[(row0 * hq + h) * d..].as_ptr(), rs: q_rs, cs: 1 };
-            row_limits(seg, spec.causal, r0, rows, &mut sc.lims);
-            let k_hi = sc.lims.iter().copied().max().unwrap_or(0);
+            let (k_lo, k_hi) = row_bounds(spec, seg, r0, rows, &mut sc.los, &mut sc.lims);
             sc.o[..rows * d].fill(0.0);
             sc.m[..rows].fill(f32::NEG_INFINITY);
             sc.l[..rows].fill(0.0);
-            for kb in (0..k_hi).step_by(BK) {
+            for kb in (k_lo..k_hi).step_by(BK) {
                 let n = BK.min(k_hi - kb);
                 let key0 = ((seg.k_start + kb) * hkv + hk) * d;
                 // K^T block (d x n) of head hk's [d, total_k] slab
                 let kt_blk = Mat { ptr: kt[hk * d * tk + seg.k_start + kb..].as_ptr(), rs: tk as isize, cs: 1 };
                 let v_blk = Mat { ptr: vf[key0..].as_ptr(), rs: kv_rs, cs: 1 };
                 matmul(&mut sc.s, n, rows, n, d, qblk, kt_blk, 1.0, false);
-                online_softmax_block(&mut sc.s[..rows * n], n, n, &sc.lims, kb, c, &mut sc.m[..rows], &mut sc.l[..rows], &mut sc.o[..rows * d], d);
-                matmul(&mut sc.o, d, rows, d, n, Mat::rows(&sc.s, n), v_blk, 1.0, true);
+                online_softmax_rows(&mut sc.s[..rows * n], n, n, &sc.los, &sc.lims, kb, c, &mut sc.m[..rows], &mut sc.l[..rows], &mut sc.o[..rows * d], d);
+                if exact_pv {
+                    pv_rows(&mut sc.o[..rows * d], d, &sc.s[..rows * n], n, &sc.los, &sc.lims, kb, &vf[key0..], hkv * d, 1.0);
+                } else {
+                    matmul(&mut sc.o, d, rows, d, n, Mat::rows(&sc.s, n), v_blk, 1.0, true);
+                }
             }
+
             // SAFETY: segments own disjoint query rows, so (row, head) ranges of tasks are disjoint.
             let lse_dst = unsafe { lse_w.slice(h * tq + row0, rows) };
             finish_rows(&sc.o, d, &sc.m, &sc.l, rows, d, &out_w, lse_dst, |i| ((row0 + i) * hq + h) * d);
         },
     );
     ForwardOutput { out: from_f32_vec(out, spec.dtype), lse }
+}
+
+/// True when no value is NaN or +-Inf.
+pub(crate) fn all_finite(x: &[f32]) -> bool {
+    x.par_chunks(1 << 15).all(|c| c.iter().fold(0u32, |m, v| m.max(v.to_bits() & 0x7fff_ffff)) < 0x7f80_0000)
+}
+
+/// `o[i] += alpha * sum_j p[i, j] v[j]` over row i's keys `[los[i] - kb, his[i] - kb)` only
+/// (clamped to `[0, n)`); `v` row j at `j * v_rs`. The exact (slow) product for inputs with NaN /
+/// Inf, where a dense product's zeros of masked keys would turn 0 * Inf into NaN.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn pv_rows(o: &mut [f32], d: usize, p: &[f32], n: usize, los: &[usize], his: &[usize], kb: usize, v: &[f32], v_rs: usize, alpha: f32) {
+    for (i, orow) in o.chunks_exact_mut(d).enumerate() {
+        let hi = his[i].saturating_sub(kb).min(n);
+        let lo = los[i].saturating_sub(kb).min(hi);
+        for j in lo..hi {
+            let pij = alpha * p[i * n + j];
+            for (x, &y) in orow.iter_mut().zip(&v[j * v_rs..j * v_rs + d]) {
+                *x = pij.mul_add(y, *x);
+            }
+        }
+    }
 }
 
 #[cfg(all(test, target_arch = "x86_64"))]

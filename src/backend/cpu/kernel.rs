@@ -101,6 +101,8 @@ pub(crate) struct PackedKv {
     pub dp: usize,
     /// Head dimension padded to a multiple of `G` (V's packed width).
     pub dg: usize,
+    /// Every packed K and V value is finite (the tiles are only run on finite inputs).
+    pub finite: bool,
 }
 
 impl PackedKv {
@@ -119,8 +121,10 @@ impl PackedKv {
         }
         let mut pk = Aligned::take(kn);
         let mut pv = Aligned::take(vn);
+        /// Returns the largest `bits & 0x7fff_ffff` of the packed values (>= 0x7f80_0000: a
+        /// non-finite one).
         #[allow(clippy::too_many_arguments)]
-        fn go<T: Element>(spec: &AttnSpec, k: &[T], v: &[T], pk: &mut [f32], pv: &mut [f32], k_off: &[usize], v_off: &[usize], dg: usize) {
+        fn go<T: Element>(spec: &AttnSpec, k: &[T], v: &[T], pk: &mut [f32], pv: &mut [f32], k_off: &[usize], v_off: &[usize], dg: usize) -> u32 {
             let dm = spec.dims;
             let (d, hkv) = (dm.head_dim, dm.heads_kv);
             let rs = hkv * d;
@@ -130,9 +134,10 @@ impl PackedKv {
             // of its V panels, padding included
             let jobs: Vec<(usize, usize)> =
                 spec.segments.iter().enumerate().flat_map(|(si, s)| (0..s.k_len.div_ceil(G)).map(move |b| (si, b))).collect();
-            jobs.par_iter().for_each(|&(si, b)| {
+            jobs.par_iter().map(|&(si, b)| {
                 let seg = &spec.segments[si];
                 let (t0, t1) = (b * G, ((b + 1) * G).min(seg.k_len));
+                let mut mag = 0u32;
                 for h in 0..hkv {
                     let kpan = k_off[si] + h * seg.k_len.div_ceil(G) * G * d + b * G * d;
                     // SAFETY: (segment, head, panel) ranges are disjoint across jobs.
@@ -143,7 +148,9 @@ impl PackedKv {
                     for t in t0..t1 {
                         let src = &k[(seg.k_start + t) * rs + h * d..][..d];
                         for (p, x) in src.iter().enumerate() {
-                            kdst[p * G + (t - t0)] = x.to_f32();
+                            let f = x.to_f32();
+                            mag = mag.max(f.to_bits() & 0x7fff_ffff);
+                            kdst[p * G + (t - t0)] = f;
                         }
                     }
                     let vh = v_off[si] + h * seg.k_len * dg;
@@ -157,21 +164,23 @@ impl PackedKv {
                             let src = &v[(seg.k_start + t) * rs + h * d + c0..][..cn];
                             for (o, x) in row.iter_mut().zip(src) {
                                 *o = x.to_f32();
+                                mag = mag.max(o.to_bits() & 0x7fff_ffff);
                             }
                             row[cn..].fill(0.0);
                         }
                     }
                 }
-            });
+                mag
+            }).max().unwrap_or(0)
         }
         let (ks, vs) = (pk.as_mut_slice(), pv.as_mut_slice());
-        match (k, v) {
+        let mag = match (k, v) {
             (HostView::F32(k), HostView::F32(v)) => go(spec, k, v, ks, vs, &k_off, &v_off, dg),
             (HostView::F16(k), HostView::F16(v)) => go(spec, k, v, ks, vs, &k_off, &v_off, dg),
             (HostView::BF16(k), HostView::BF16(v)) => go(spec, k, v, ks, vs, &k_off, &v_off, dg),
             _ => unreachable!("k and v share one dtype (checked by check_buffers)"),
-        }
-        PackedKv { k: pk, v: pv, k_off, v_off, dp, dg }
+        };
+        PackedKv { k: pk, v: pv, k_off, v_off, dp, dg, finite: mag < 0x7f80_0000 }
     }
 
     /// Returns the buffers to the pool.
@@ -240,6 +249,8 @@ impl Prefetch {
 pub(crate) struct PackedQ {
     pub q: Aligned,
     pub block_len: usize,
+    /// Every packed Q value is finite.
+    pub finite: bool,
 }
 
 impl PackedQ {
@@ -249,14 +260,15 @@ impl PackedQ {
         debug_assert!(bq.is_multiple_of(MR));
         let block_len = hq * bq * d;
         let mut pq = Aligned::take(blocks.len() * block_len);
-        fn go<T: Element>(spec: &AttnSpec, q: &[T], blocks: &[(usize, usize, usize)], bq: usize, dst: &mut [f32]) {
+        fn go<T: Element>(spec: &AttnSpec, q: &[T], blocks: &[(usize, usize, usize)], bq: usize, dst: &mut [f32]) -> u32 {
             let dm = spec.dims;
             let (d, hq) = (dm.head_dim, dm.heads_q);
             // one job per (block, strip): reads MR whole token rows (contiguous) for every head
             let strips = bq / MR;
             let w = SharedMut::new(dst);
-            (0..blocks.len() * strips).into_par_iter().with_min_len(4).for_each(|j| {
+            (0..blocks.len() * strips).into_par_iter().with_min_len(4).map(|j| {
                 let (bi, st) = (j / strips, j % strips);
+                let mut mag = 0u32;
                 let (si, r0, rows) = blocks[bi];
                 let seg = &spec.segments[si];
                 for h in 0..hq {
@@ -267,7 +279,9 @@ impl PackedQ {
                         if r < rows {
                             let src = &q[((seg.q_start + r0 + r) * hq + h) * d..][..d];
                             for (p, x) in src.iter().enumerate() {
-                                out[p * MR + i] = x.to_f32();
+                                let f = x.to_f32();
+                                mag = mag.max(f.to_bits() & 0x7fff_ffff);
+                                out[p * MR + i] = f;
                             }
                         } else {
                             for p in 0..d {
@@ -276,15 +290,16 @@ impl PackedQ {
                         }
                     }
                 }
-            });
+                mag
+            }).max().unwrap_or(0)
         }
         let dst = pq.as_mut_slice();
-        match q {
+        let mag = match q {
             HostView::F32(x) => go(spec, x, blocks, bq, dst),
             HostView::F16(x) => go(spec, x, blocks, bq, dst),
             HostView::BF16(x) => go(spec, x, blocks, bq, dst),
-        }
-        PackedQ { q: pq, block_len }
+        };
+        PackedQ { q: pq, block_len, finite: mag < 0x7f80_0000 }
     }
 
     /// The packed strips of block `bi`, head `h`.
@@ -433,11 +448,15 @@ unsafe fn pv_tile<const V: usize>(a: *const f32, lda: usize, b: *const f32, len:
 
 /// 2^t for t <= ~0, 16 lanes: t = n + f with n = round(t), |f| <= 1/2; 2^f by a degree-6
 /// polynomial (relative error ~1e-7 in f32, under the f32 rounding of the result), then
-/// `scalef` applies 2^n (underflowing to 0 for very negative t, no integer tricks needed).
+/// `scalef` applies 2^n (underflowing to 0 for very negative t and -inf, no integer tricks
+/// needed); NaN gives NaN.
 #[target_feature(enable = "avx512f")]
 #[inline]
 unsafe fn exp2_v(t: __m512) -> __m512 {
     const C: [f32; 7] = [1.0, std::f32::consts::LN_2, 0.240_226_48, 0.055_503_324, 0.009_618_437, 0.001_339_888_5, 0.000_153_535_88];
+    // -inf (a -inf score, or one that overflowed) -> 2^-150 = 0 instead of inf - inf = NaN; max
+    // returns its second operand when one is NaN, so a NaN stays NaN
+    let t = _mm512_max_ps(_mm512_set1_ps(-150.0), t);
     let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t);
     let f = _mm512_sub_ps(t, n);
     let mut p = _mm512_set1_ps(C[6]);
@@ -496,8 +515,10 @@ pub(crate) unsafe fn softmax_block(
             j += L;
         }
         if full < lim {
-            let x = _mm512_mask_loadu_ps(_mm512_set1_ps(f32::NEG_INFINITY), tail_mask(lim - full), row.add(full));
-            mx[0] = _mm512_max_ps(mx[0], _mm512_mul_ps(x, cv));
+            // scale first, then -inf in the dead lanes: -inf * c would be +inf (c < 0) or NaN (c = 0)
+            let k = tail_mask(lim - full);
+            let x = _mm512_mask_mov_ps(_mm512_set1_ps(f32::NEG_INFINITY), k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, row.add(full)), cv));
+            mx[0] = _mm512_max_ps(mx[0], x);
         }
         let m_new = _mm512_reduce_max_ps(_mm512_max_ps(mx[0], mx[1])).max(m[i]);
         let mneg = _mm512_set1_ps(-m_new);
@@ -565,6 +586,14 @@ mod tests {
             x += 0.00731;
         }
         assert!(worst < 2.5e-7, "worst relative error {worst}");
+        let at = |x: f32| {
+            let mut out = [0.0f32; 16];
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr(), exp2_v(_mm512_set1_ps(x))) };
+            out[0]
+        };
+        assert_eq!(at(f32::NEG_INFINITY), 0.0);
+        assert_eq!(at(-1e30), 0.0);
+        assert!(at(f32::NAN).is_nan());
     }
 
     /// Packing time at S = 2048, H = 8, d = 128 (both threads):

@@ -188,6 +188,13 @@ impl CudaBackend {
 
 /// Err(Unsupported) for what no CUDA kernel serves.
 pub fn check_supported(spec: &AttnSpec) -> Result<()> {
+    if !spec.window.is_none() {
+        return Err(Error::NotImplemented {
+            arg: "window_size",
+            backend: "cuda",
+            msg: "no CUDA kernel for sliding-window attention yet; device=\"cpu\" runs it (\"auto\" falls back to the CPU)".into(),
+        });
+    }
     let hd = spec.dims.head_dim;
     if !SUPPORTED_HEAD_DIMS.contains(&hd) {
         return Err(Error::Unsupported {

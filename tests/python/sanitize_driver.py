@@ -1,0 +1,119 @@
+"""Small calls of one CUDA kernel family, for compute-sanitizer (scripts/gpu-test.sh sanitize):
+
+    python tests/python/sanitize_driver.py FAMILY
+
+FAMILY: forward (tensor-core forward without split-K, f16/bf16; the f32 row-wise kernels),
+splitk (few rows over many keys: split-K partials and the combine kernel, uncovered rows),
+backward_pass (the deterministic dQ pass), backward_atomic (dQ fused with f32 atomics,
+CUBEATTN_BWD_DQ=atomic), grouped (overlapping groups, an empty group, rows in no group; forward
+and backward). head_dim 64 and 128, causal and not. Each result is checked against the CPU
+backend, so a run also fails (exit 1) on a wrong answer. numpy inputs only: no torch kernels run
+under the sanitizer. The environment switches each family needs are set here, before cubeattn
+loads (the CUDA options are read once)."""
+import os
+import sys
+
+FAMILIES = {
+    "forward": {"CUBEATTN_CUDA_SPLIT": "0"},
+    "splitk": {"CUBEATTN_CUDA_SPLIT": "1"},
+    "backward_pass": {},
+    "backward_atomic": {"CUBEATTN_BWD_DQ": "atomic"},
+    "grouped": {},
+}
+
+
+def main(family):
+    os.environ.update(FAMILIES[family])
+    import numpy as np
+
+    import cubeattn
+
+    st = cubeattn.backend_status()
+    if not st["cuda_available"]:
+        print(f"no usable CUDA backend: {st['reason']}", file=sys.stderr)
+        return 2
+    try:
+        import ml_dtypes
+
+        dtypes = [np.float16, ml_dtypes.bfloat16]
+    except ImportError:
+        dtypes = [np.float16]
+    rng = np.random.default_rng(0)
+    failures = []
+
+    def rand(shape, dt):
+        return rng.uniform(-1, 1, shape).astype(np.float32).astype(dt)
+
+    def check(name, got, want, tol):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        fin = np.isfinite(want)
+        err = np.abs(got[fin] - want[fin]).max() if fin.any() else 0.0
+        scale = max(1.0, np.abs(want[fin]).max()) if fin.any() else 1.0
+        ok = np.array_equal(np.isfinite(got), fin) and err <= tol * scale
+        print(f"{family:16s} {name:48s} max_err={err:.2e} {'ok' if ok else 'FAIL'}", flush=True)
+        if not ok:
+            failures.append(name)
+
+    def varlen(d, dt, causal, backward, deterministic=True, lens=((100, 100), (37, 150), (1, 1), (129, 64))):
+        cu_q = np.cumsum([0] + [a for a, _ in lens]).astype(np.int32)
+        cu_k = np.cumsum([0] + [b for _, b in lens]).astype(np.int32)
+        mq, mk = max(a for a, _ in lens), max(b for _, b in lens)
+        q, k, v = rand((cu_q[-1], 4, d), dt), rand((cu_k[-1], 2, d), dt), rand((cu_k[-1], 2, d), dt)
+        tag = f"varlen d={d} {np.dtype(dt).name} causal={causal}"
+        res = {}
+        for dev in ("cuda", "cpu"):
+            out, lse = cubeattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=causal, return_lse=True,
+                                                       device=dev)
+            res[dev] = [out, lse]
+            if backward:
+                res[dev] += cubeattn.flash_attn_varlen_backward(q, q, k, v, out, lse, cu_q, cu_k, mq, mk,
+                                                                causal=causal, deterministic=deterministic,
+                                                                device=dev)
+        tol = 3e-2
+        for i, name in enumerate(["out", "lse", "dq", "dk", "dv"][:len(res["cpu"])]):
+            check(f"{tag} {name}", res["cuda"][i], res["cpu"][i], tol)
+
+    def grouped(d, dt, causal, backward, q_len=40, qr=((0, 20), (20, 36)), kr=((0, 640), (64, 600))):
+        tk = max(e for _, e in kr)
+        q, k, v = rand((q_len, 2, d), dt), rand((tk, 1, d), dt), rand((tk, 1, d), dt)
+        tag = f"grouped d={d} {np.dtype(dt).name} causal={causal} groups={len(qr)}"
+        res = {}
+        for dev in ("cuda", "cpu"):
+            out, lse = cubeattn.grouped_flash_attn_func(q, k, v, [list(x) for x in qr], [list(x) for x in kr],
+                                                        causal=causal, return_lse=True, device=dev)
+            res[dev] = [out, lse]
+            if backward:
+                res[dev] += cubeattn.grouped_flash_attn_backward(q, q, k, v, out, lse, [list(x) for x in qr],
+                                                                 [list(x) for x in kr], causal=causal,
+                                                                 deterministic=True, device=dev)
+        for i, name in enumerate(["out", "lse", "dq", "dk", "dv"][:len(res["cpu"])]):
+            check(f"{tag} {name}", res["cuda"][i], res["cpu"][i], 3e-2)
+
+    for d in (64, 128):
+        for causal in (False, True):
+            if family == "forward":
+                for dt in dtypes + [np.float32]:
+                    varlen(d, dt, causal, backward=False)
+            elif family == "splitk":
+                for dt in dtypes:
+                    # 40 rows (4 in no group) over 640 keys: the plan splits the key range
+                    grouped(d, dt, causal, backward=False)
+            elif family == "backward_pass":
+                for dt in dtypes + [np.float32]:
+                    varlen(d, dt, causal, backward=True, deterministic=True)
+            elif family == "backward_atomic":
+                for dt in dtypes:
+                    varlen(d, dt, causal, backward=True, deterministic=False)
+            elif family == "grouped":
+                for dt in dtypes:
+                    grouped(d, dt, causal, backward=True, q_len=90, qr=((0, 30), (30, 30), (35, 80)),
+                            kr=((0, 200), (10, 20), (50, 260)))
+    print(f"{family}: {len(failures)} failed checks", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1] not in FAMILIES:
+        print(__doc__, file=sys.stderr)
+        sys.exit(2)
+    sys.exit(main(sys.argv[1]))
