@@ -161,7 +161,7 @@ do_validate() {
 }
 
 SAN_TOOLS="memcheck racecheck synccheck initcheck"
-SAN_FAMILIES="forward splitk backward_pass backward_atomic grouped"
+SAN_FAMILIES="forward splitk backward_pass backward_atomic grouped sparse"
 
 do_sanitize() {
   check_gpu >/dev/null
