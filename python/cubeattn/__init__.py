@@ -144,6 +144,8 @@ def _count(x, name):
 def _flag(x, name):
     """A bool: Python bool, numpy bool_ or a 0-d torch bool tensor; anything else (a string, an int)
     is a TypeError, so that `causal='no'` cannot silently mean True."""
+    if x is False or x is True:  # the common case first: this runs several times per call
+        return x
     if isinstance(x, (bool, np.bool_)):
         return bool(x)
     if _is_torch(x) and str(getattr(x, "dtype", "")) == "torch.bool" and getattr(x, "ndim", None) == 0:
@@ -156,6 +158,8 @@ def _flag(x, name):
 def _window(w):
     """flash-attn's window_size (left, right) -> a pair of ints (-1 = unbounded; values are
     checked once, in Rust, naming `window_size`)."""
+    if w == (-1, -1) and type(w) is tuple:
+        return -1, -1
     if isinstance(w, (tuple, list)) and len(w) == 2 and all(
             isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) for x in w):
         left, right = int(w[0]), int(w[1])
@@ -177,6 +181,9 @@ def _zero_option(x, name):
 def _unsupported(dropout_p=0.0, softcap=0.0, alibi_slopes=None, block_table=None):
     """flash-attn options cubeattn has no kernel for: their defaults pass, anything else raises
     NotImplementedError naming the argument."""
+    if dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None and block_table is None \
+            and type(dropout_p) in (float, int) and type(softcap) in (float, int):
+        return
     _zero_option(dropout_p, "dropout_p")
     _zero_option(softcap, "softcap")
     if alibi_slopes is not None:
