@@ -61,7 +61,10 @@ def test_varlen_window_forward_and_backward_match_reference(data):
         for name, g, r in zip(("dq", "dk", "dv"), grads, ref_backward(q, k, v, dout, segs, causal, window=window)):
             g = np.asarray(g, np.float64)
             np.testing.assert_allclose(g, r, rtol=tol, atol=tol, err_msg=name)
-            assert rel_err(g, r) <= rel, name
+            # the relative-norm bound where the gradient is above the atol level (below it the
+            # stored out's rounding in delta = rowsum(dout * out) dominates; test_properties' rule)
+            if np.linalg.norm(r) > tol * np.sqrt(r.size):
+                assert rel_err(g, r) <= rel, name
 
 
 @settings(max_examples=60, **SETTINGS)
