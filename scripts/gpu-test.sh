@@ -161,7 +161,7 @@ do_validate() {
 }
 
 SAN_TOOLS="memcheck racecheck synccheck initcheck"
-SAN_FAMILIES="forward splitk backward_pass backward_atomic grouped"
+SAN_FAMILIES="forward splitk backward_pass backward_atomic grouped sparse"
 
 do_sanitize() {
   check_gpu >/dev/null
@@ -190,7 +190,8 @@ do_sanitize() {
         "$PY" "$ROOT/tests/python/sanitize_driver.py" "$fam" > "$out" 2>&1
       rc=$?
       local errs
-      errs=$(grep -Eo 'ERROR SUMMARY: [0-9]+' "$log" | tail -1 | grep -Eo '[0-9]+$' || true)
+      # memcheck/synccheck/initcheck: "ERROR SUMMARY: N errors"; racecheck: "RACECHECK SUMMARY: N hazards"
+      errs=$(grep -Eo '(ERROR|RACECHECK) SUMMARY: [0-9]+' "$log" | tail -1 | grep -Eo '[0-9]+$' || true)
       [ -z "$errs" ] && errs="?"
       printf '%-10s %-16s exit %-3s sanitizer errors %s\n' "$tool" "$fam" "$rc" "$errs" | tee -a "$summary"
       # 99: the sanitizer found errors; anything else non-zero: the driver failed (wrong result, crash)

@@ -144,6 +144,8 @@ def _count(x, name):
 def _flag(x, name):
     """A bool: Python bool, numpy bool_ or a 0-d torch bool tensor; anything else (a string, an int)
     is a TypeError, so that `causal='no'` cannot silently mean True."""
+    if x is False or x is True:  # the common case first: this runs several times per call
+        return x
     if isinstance(x, (bool, np.bool_)):
         return bool(x)
     if _is_torch(x) and str(getattr(x, "dtype", "")) == "torch.bool" and getattr(x, "ndim", None) == 0:
@@ -156,6 +158,8 @@ def _flag(x, name):
 def _window(w):
     """flash-attn's window_size (left, right) -> a pair of ints (-1 = unbounded; values are
     checked once, in Rust, naming `window_size`)."""
+    if w == (-1, -1) and type(w) is tuple:
+        return -1, -1
     if isinstance(w, (tuple, list)) and len(w) == 2 and all(
             isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) for x in w):
         left, right = int(w[0]), int(w[1])
@@ -177,6 +181,9 @@ def _zero_option(x, name):
 def _unsupported(dropout_p=0.0, softcap=0.0, alibi_slopes=None, block_table=None):
     """flash-attn options cubeattn has no kernel for: their defaults pass, anything else raises
     NotImplementedError naming the argument."""
+    if dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None and block_table is None \
+            and type(dropout_p) in (float, int) and type(softcap) in (float, int):
+        return
     _zero_option(dropout_p, "dropout_p")
     _zero_option(softcap, "softcap")
     if alibi_slopes is not None:
@@ -296,7 +303,7 @@ def _workspace(spec, gpu, dev, backward=False, deterministic=False):
         if len(_WS) >= 4 * _SPECS_MAX:
             _WS.clear()
         _WS[key] = (spec, n)
-    ws = torch.empty(max(n, 1), dtype=torch.uint8, device=gpu)
+    ws = torch.empty(n, dtype=torch.uint8, device=gpu) if n else None  # kept alive by the caller
     return stream, ws, n
 
 
@@ -315,7 +322,7 @@ def _run_forward(spec, cq, ck, cv, return_lse, device):
             o = torch.empty(cq.shape, dtype=q.dtype, device=gpu)
             lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=gpu)
             if not _core.forward_device(spec, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
-                                        lse.data_ptr(), ws.data_ptr(), n, stream, dev):
+                                        lse.data_ptr(), (ws.data_ptr() if ws is not None else 0), n, stream, dev):
                 o.zero_()
                 lse.fill_(float("inf"))
             _last.name = "cuda"
@@ -420,7 +427,7 @@ def _backward_on_gpu(spec, gpu, conv, lse, deterministic, dev):
     stream, ws, n = w
     ptrs = [c.device_tensor.data_ptr() for c in (cq, ck, cv, co)] + [lt.data_ptr(), cg.device_tensor.data_ptr()]
     grads = tuple(torch.empty(c.shape, dtype=c.device_tensor.dtype, device=gpu) for c in (cq, ck, cv))
-    if not _core.backward_device(spec, *ptrs, *(g.data_ptr() for g in grads), ws.data_ptr(), n, stream,
+    if not _core.backward_device(spec, *ptrs, *(g.data_ptr() for g in grads), (ws.data_ptr() if ws is not None else 0), n, stream,
                                  bool(deterministic), dev):
         for g in grads:
             g.zero_()
@@ -443,7 +450,7 @@ def _backward_device_fast(spec, gpu, dev, q, k, v, out, lse, dout, deterministic
     stream, ws, n = w
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if not _core.backward_device(spec, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                                 d.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), ws.data_ptr(), n,
+                                 d.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), (ws.data_ptr() if ws is not None else 0), n,
                                  stream, bool(deterministic), dev):
         for g in (dq, dk, dv):
             g.zero_()

@@ -752,7 +752,7 @@ def _cuda_sparse(args, torch):
 
     from . import sparse_patterns as sp
 
-    B, H, d = 4, 32, 128
+    B, H, d = args.batch_size or 4, args.num_heads or 32, args.head_dim or 128
     tdt = torch.bfloat16
     sync = torch.cuda.synchronize
     it = args.iterations
@@ -810,14 +810,79 @@ def _cuda_sparse(args, torch):
     return rows
 
 
+def _sparse_ref(q, k, v, ix, q_block, k_block, causal):
+    """f64 block-sparse attention of one batched call: dense softmax under the token mask expanded
+    from the block mask (rows with no visible key: zeros). q [B, S, H, d], ix [B, H, qb, top_k]."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    B, S, H, d = q.shape
+    Sk = k.shape[1]
+    out = np.zeros_like(q)
+    for b in range(B):
+        for h in range(H):
+            keep = np.zeros((-(-S // q_block), -(-Sk // k_block)), bool)
+            for qb in range(keep.shape[0]):
+                sel = ix[b, h, qb]
+                keep[qb, sel[sel >= 0]] = True
+            mask = np.repeat(np.repeat(keep, q_block, 0), k_block, 1)[:S, :Sk]
+            if causal:
+                mask &= np.arange(Sk)[None, :] <= Sk - S + np.arange(S)[:, None]
+            sc = np.where(mask, q[b, :, h] @ k[b, :, h].T / np.sqrt(d), -np.inf)
+            m = sc.max(-1, keepdims=True)
+            p = np.where(mask, np.exp(sc - np.where(np.isfinite(m), m, 0)), 0.0)
+            l = p.sum(-1, keepdims=True)
+            out[b, :, h] = (p / np.where(l > 0, l, 1)) @ v[b, :, h]
+    return out
+
+
+def _sparse_check(args, device, patterns):
+    """Seed 004's --test_correctness / --test_patterns: every pattern x kept fraction, causal as
+    asked, small shapes (B <= 2, H <= 4, S <= 1024, d as asked), against the f64 reference."""
+    from . import sparse_patterns as sp
+
+    B, H, d = min(args.batch_size or 2, 2), min(args.num_heads or 4, 4), args.head_dim or 128
+    S = min(max(args.seqlens), 1024)
+    dt = "float32" if device == "cpu" else "float16"
+    rng = np.random.default_rng(0)
+    rows = []
+    for pat in patterns:
+        for ratio in args.top_k_ratios:
+            nq, nk = -(-S // 64), -(-S // 128)
+            ix = sp.PATTERNS[pat](B, H, nq, nk, sp.top_k_for(nk, ratio), seed=1)
+            q, k, v = (rng.standard_normal((B, S, H, d)).astype(np.float32) for _ in range(3))
+            if dt == "float16":
+                q, k, v = (x.astype(np.float16) for x in (q, k, v))
+            try:
+                out = cubeattn.block_sparse_attn_func(q, k, v, ix, causal=args.causal, device=device)
+                want = _sparse_ref(q, k, v, ix, 64, 128, args.causal)
+                err = float(np.linalg.norm(out.astype(np.float64) - want) / max(np.linalg.norm(want), 1e-30))
+                ok = bool(np.all(np.isfinite(out.astype(np.float32)))) and err < (1e-5 if dt == "float32" else 2e-3)
+                rows.append(dict(what="sparse_check", impl=f"cubeattn_{cubeattn.last_backend()}", S=S, pattern=pat,
+                                 keep=round(ix.shape[-1] / nk, 4), causal=args.causal, rel_err=err, ok=ok))
+            except Exception as e:
+                rows.append(dict(what="sparse_check", impl="cubeattn", S=S, pattern=pat, error=str(e)[:200], ok=False))
+    return rows
+
+
+def _sparse(args, device, torch):
+    """`bench sparse`: the correctness checks asked for, then the timings (unless only checks were
+    asked for)."""
+    rows = []
+    if args.test_correctness or args.test_patterns:
+        pats = ["random", "local", "strided", "block_diagonal"] if args.test_patterns else [args.pattern]
+        rows += _sparse_check(args, device, pats)
+    if args.benchmark_perf or not (args.test_correctness or args.test_patterns):
+        rows += bench_sparse_cpu(args) if device == "cpu" else _cuda_sparse(args, torch)
+    return rows
+
+
 # ---------------------------------------------------------------- output
 
 def print_table(rows):
     cols = [c for c in ("what", "config", "causal", "impl", "cache", "part", "B", "S", "T", "W", "rank", "P", "G", "pattern",
                         "kept", "keep", "ms", "gflops", "tflops", "speedup", "ideal", "fwd_ms", "fwd_tflops", "fwdbwd_ms",
-                        "fwdbwd_tflops", "exposed_comm_fwd_ms", "exposed_comm_fwdbwd_ms", "error")
+                        "fwdbwd_tflops", "exposed_comm_fwd_ms", "exposed_comm_fwdbwd_ms", "rel_err", "ok", "error")
             if any(c in r for r in rows)]
-    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
+    fmt = lambda v: (f"{v:.3f}" if v == 0 or abs(v) >= 0.01 else f"{v:.2e}") if isinstance(v, float) else str(v)
     table = [[fmt(r.get(c, "")) for c in cols] for r in rows]
     widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
@@ -853,7 +918,16 @@ def main(argv=None):
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--config", default=None, choices=sorted(CONFIGS))
     p.add_argument("--configs", nargs="+", default=["llama3-8b", "llama3-70b"], choices=sorted(CONFIGS))
-    p.add_argument("--seqlens", nargs="+", type=int, default=None)
+    p.add_argument("--seqlens", "--seq_lens", "--seq-lens", nargs="+", type=int, default=None)
+    p.add_argument("--batch_size", "--batch-size", type=int, default=None, help="sparse: batch (default 4 on CUDA)")
+    p.add_argument("--num_heads", "--num-heads", type=int, default=None, help="sparse: heads (default 32 on CUDA)")
+    p.add_argument("--head_dim", "--head-dim", type=int, default=None, help="sparse: head_dim (default 128 on CUDA)")
+    p.add_argument("--test_correctness", "--test-correctness", action="store_true",
+                   help="sparse: check against the f64 masked-dense reference (small shapes)")
+    p.add_argument("--test_patterns", "--test-patterns", action="store_true",
+                   help="sparse: the correctness check over all four patterns")
+    p.add_argument("--benchmark_perf", "--benchmark-perf", action="store_true",
+                   help="sparse: time (the default when no test flag is given)")
     p.add_argument("--iterations", type=int, default=None)
     p.add_argument("--causal", dest="causal", action="store_true", default=True)
     p.add_argument("--no-causal", dest="causal", action="store_false")
@@ -898,7 +972,7 @@ def main(argv=None):
         args.iterations = args.iterations or (3 if args.quick else 5)
         if args.what not in ("dense", "sparse"):
             p.error(f"the {args.what} benchmark compares GPU kernels: run it with a CUDA build on a GPU")
-        rows = bench_sparse_cpu(args) if args.what == "sparse" else bench_cpu(args)
+        rows = _sparse(args, device, None) if args.what == "sparse" else bench_cpu(args)
     else:
         torch = _torch()
         if torch is None or not torch.cuda.is_available():
@@ -908,7 +982,8 @@ def main(argv=None):
                                         else [4096, 8192, 16384, 32768])
         args.iterations = args.iterations or (5 if args.quick else 20)
         rows = {"dense": _cuda_dense, "grouped": _cuda_grouped, "fwdbwd": _cuda_fwdbwd,
-                "autograd": _cuda_autograd, "callpath": _cuda_callpath, "sparse": _cuda_sparse}[args.what](args, torch)
+                "autograd": _cuda_autograd, "callpath": _cuda_callpath,
+                "sparse": lambda a, t: _sparse(a, device, t)}[args.what](args, torch)
     env = environment(device)
     print(f"# cubeattn bench {args.what} on {device}: {env.get('gpu_name', platform.processor() or 'cpu')}, "
           f"{env['date']}, commit {env['commit']}")

@@ -15,18 +15,7 @@ use cubeattn::{AttnSpec, Backend, DType, Error, Gradients, HostData};
 use rand::{rngs::StdRng, SeedableRng};
 use super::random;
 use crate::common::{grouped_ranges_spec, meta, varlen_spec};
-
-fn backend() -> Option<&'static CudaBackend> {
-    match CudaBackend::shared() {
-        Ok(b) => Some(b),
-        Err(e) => {
-            // scripts/gpu-test.sh sets CUBEATTN_REQUIRE_GPU=1: there a missing GPU is a failure
-            assert!(std::env::var_os("CUBEATTN_REQUIRE_GPU").is_none(), "CUDA backend unavailable: {e}");
-            println!("SKIP: CUDA backend unavailable: {e}");
-            None
-        }
-    }
-}
+use super::backend;
 
 #[derive(Clone)]
 enum Layout {

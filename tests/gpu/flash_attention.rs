@@ -11,18 +11,7 @@ use cubeattn::{AttnSpec, DType, Error, HostData, TensorMeta};
 use rand::{rngs::StdRng, SeedableRng};
 use super::random;
 use crate::common::{grouped_ranges_spec, varlen_spec};
-
-fn backend() -> Option<&'static CudaBackend> {
-    match CudaBackend::shared() {
-        Ok(b) => Some(b),
-        Err(e) => {
-            // scripts/gpu-test.sh sets CUBEATTN_REQUIRE_GPU=1: there a missing GPU is a failure
-            assert!(std::env::var_os("CUBEATTN_REQUIRE_GPU").is_none(), "CUDA backend unavailable: {e}");
-            println!("SKIP: CUDA backend unavailable: {e}");
-            None
-        }
-    }
-}
+use super::backend;
 
 struct Case {
     name: &'static str,

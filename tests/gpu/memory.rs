@@ -8,16 +8,7 @@ use cubeattn::backend::cuda::{memory_probe_min_free, set_memory_probe, CudaBacke
 use cubeattn::backend::{Backend, BackwardInputs};
 use cubeattn::vram::estimate_spec;
 use cubeattn::{AttnSpec, DType, HostData, TensorMeta};
-
-fn backend() -> Option<&'static CudaBackend> {
-    CudaBackend::shared()
-        .map_err(|e| {
-            // scripts/gpu-test.sh sets CUBEATTN_REQUIRE_GPU=1: there a missing GPU is a failure
-            assert!(std::env::var_os("CUBEATTN_REQUIRE_GPU").is_none(), "CUDA backend unavailable: {e}");
-            println!("SKIP: CUDA backend unavailable: {e}")
-        })
-        .ok()
-}
+use super::backend;
 
 fn varlen(s: usize, hq: usize, hkv: usize, causal: bool) -> AttnSpec {
     let q = TensorMeta::new(&[s, hq, 128], DType::BF16);

@@ -12,6 +12,20 @@ mod backward;
 #[cfg(feature = "cuda")]
 mod sparse;
 
+/// The CUDA backend of device 0, or None (printing why) where it cannot start; a failure instead
+/// under CUBEATTN_REQUIRE_GPU=1 (scripts/gpu-test.sh sets it).
+#[cfg(feature = "cuda")]
+fn backend() -> Option<&'static cubeattn::backend::cuda::CudaBackend> {
+    match cubeattn::backend::cuda::CudaBackend::shared() {
+        Ok(b) => Some(b),
+        Err(e) => {
+            assert!(std::env::var_os("CUBEATTN_REQUIRE_GPU").is_none(), "CUDA backend unavailable: {e}");
+            println!("SKIP: CUDA backend unavailable: {e}");
+            None
+        }
+    }
+}
+
 /// Normal(0, scale^2) values rounded into `dtype` (fresh inputs for every case; never zeros).
 #[cfg(feature = "cuda")]
 fn random(n: usize, dtype: cubeattn::DType, scale: f32, rng: &mut rand::rngs::StdRng) -> cubeattn::HostData {

@@ -3,25 +3,13 @@
 //! written. Random patterns with empty rows, causal and not, per-q-head and per-kv-head indices,
 //! odd lengths and block sizes.
 
-use cubeattn::backend::cuda::CudaBackend;
 use cubeattn::backend::sparse::sparse_forward;
 use cubeattn::{AttnSpec, DType, DevicePref, SparseSpec, TensorMeta};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use super::backend;
 
 use super::random;
-
-fn backend() -> Option<&'static CudaBackend> {
-    match CudaBackend::shared() {
-        Ok(b) => Some(b),
-        Err(e) => {
-            // scripts/gpu-test.sh sets CUBEATTN_REQUIRE_GPU=1: there a missing GPU is a failure
-            assert!(std::env::var_os("CUBEATTN_REQUIRE_GPU").is_none(), "CUDA backend unavailable: {e}");
-            println!("SKIP: CUDA backend unavailable: {e}");
-            None
-        }
-    }
-}
 
 struct Case {
     lens: &'static [(usize, usize)],

@@ -6,7 +6,8 @@ FAMILY: forward (tensor-core forward without split-K, f16/bf16; the f32 row-wise
 splitk (few rows over many keys: split-K partials and the combine kernel, uncovered rows),
 backward_pass (the deterministic dQ pass), backward_atomic (dQ fused with f32 atomics,
 CUBEATTN_BWD_DQ=atomic), grouped (overlapping groups, an empty group, rows in no group; forward
-and backward). head_dim 64 and 128, causal and not. Each result is checked against the CPU
+and backward), sparse (block-sparse forward: 64- and 128-row cubes, empty rows, odd block
+sizes). head_dim 64 and 128, causal and not. Each result is checked against the CPU
 backend, so a run also fails (exit 1) on a wrong answer. numpy inputs only: no torch kernels run
 under the sanitizer. The environment switches each family needs are set here, before cubeattn
 loads (the CUDA options are read once)."""
@@ -19,6 +20,7 @@ FAMILIES = {
     "backward_pass": {},
     "backward_atomic": {"CUBEATTN_BWD_DQ": "atomic"},
     "grouped": {},
+    "sparse": {},
 }
 
 
@@ -89,8 +91,30 @@ def main(family):
         for i, name in enumerate(["out", "lse", "dq", "dk", "dv"][:len(res["cpu"])]):
             check(f"{tag} {name}", res["cuda"][i], res["cpu"][i], 3e-2)
 
+    def sparse(d, dt, causal, per_kv_head, q_block, k_block):
+        B, sq, sk, hq, hkv = 2, 130, 300, 4, 2
+        nq, nk = -(-sq // q_block), -(-sk // k_block)
+        ix = np.full((B, hkv if per_kv_head else hq, nq, nk), -1, np.int32)
+        for b in range(B):
+            for h in range(ix.shape[1]):
+                for i in range(nq):
+                    if (b + h + i) % 5:  # some rows keep nothing
+                        keep = rng.permutation(nk)[: max(1, nk // 2)]
+                        ix[b, h, i, : len(keep)] = keep
+        q, k, v = rand((B, sq, hq, d), dt), rand((B, sk, hkv, d), dt), rand((B, sk, hkv, d), dt)
+        res = {dev: cubeattn.block_sparse_attn_func(q, k, v, ix, q_block=q_block, k_block=k_block, causal=causal,
+                                                    return_lse=True, device=dev) for dev in ("cuda", "cpu")}
+        tag = f"sparse d={d} {np.dtype(dt).name} causal={causal} kvhead={per_kv_head} blocks={q_block}/{k_block}"
+        for i, name in enumerate(["out", "lse"]):
+            check(f"{tag} {name}", res["cuda"][i], res["cpu"][i], 3e-2)
+
     for d in (64, 128):
         for causal in (False, True):
+            if family == "sparse":
+                for dt in dtypes:
+                    sparse(d, dt, causal, False, 64, 128)
+                    sparse(d, dt, causal, True, 64, 96)
+                continue
             if family == "forward":
                 for dt in dtypes + [np.float32]:
                     varlen(d, dt, causal, backward=False)

@@ -488,3 +488,17 @@ def test_prepared_spec_equals_the_index_call_and_mismatches_are_refused():
                                         cu_seqlens_q=cu_q2, cu_seqlens_k=cu_k, max_seqlen_q=250, max_seqlen_k=sk)
     with pytest.raises(TypeError, match="`v`"):
         cubeattn.block_sparse_attn_func(q, k, v.astype(np.float16), spec)
+
+
+def test_bench_cli_seed_004_flags_check_every_pattern(tmp_path, capsys):
+    from cubeattn import bench
+
+    out = tmp_path / "r.json"
+    assert bench.main(["sparse", "--device", "cpu", "--test_patterns", "--seq_lens", "200", "--head_dim", "16",
+                       "--batch_size", "1", "--num_heads", "2", "--top_k_ratios", "0.5", "1.0", "--json", str(out)]) == 0
+    capsys.readouterr()
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["pattern"] for r in rows} == {"random", "local", "strided", "block_diagonal"}
+    assert all(r["ok"] and r["rel_err"] < 1e-5 for r in rows), rows

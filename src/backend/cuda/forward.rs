@@ -52,7 +52,7 @@ fn partial_bytes(spec: &AttnSpec, plan: &Plan) -> [usize; 2] {
 
 /// Workspace bytes a forward call of `spec` takes with this plan.
 pub(crate) fn fwd_workspace(spec: &AttnSpec, plan: &Plan) -> usize {
-    if spec.dtype == DType::F32 {
+    if spec.dtype == DType::F32 || plan.fwd.n_slots == 0 {
         return 0;
     }
     layout(&partial_bytes(spec, plan)).1
@@ -69,6 +69,43 @@ const A: ArrayCompilationArg = ArrayCompilationArg { inplace: None };
 
 fn is_f16(dt: DType) -> bool {
     dt == DType::F16
+}
+
+/// The tensor-core forward kernel (`flash_fwd::flash_fwd_mma2`) for one set of comptime choices:
+/// `mt` m16 blocks per plane, `bn` keys per tile, `block_m` rows per cube, dense or sparse key
+/// iteration (`cuda::sparse`). f16 or bf16.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn flash_fwd_kernel(
+    be: &CudaBackend,
+    dt: DType,
+    hd: usize,
+    causal: bool,
+    mt: usize,
+    bn: usize,
+    block_m: usize,
+    sparse: bool,
+) -> Result<super::compile::Func> {
+    let key = KernelKey::new("flash_fwd_mma2", dt, &[hd as u32, causal as u32, mt as u32, bn as u32, block_m as u32, sparse as u32]);
+    let threads = (block_m * 2 / mt) as u32;
+    let client = be.client();
+    be.kernels.get(&key, || {
+        macro_rules! k {
+            ($t:ty) => {
+                codegen_exp2(flash_fwd::flash_fwd_mma2::FlashFwdMma2::<$t, CudaRuntime>::new(
+                    settings(threads),
+                    client.clone(),
+                    A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (),
+                    hd,
+                    causal,
+                    mt,
+                    bn,
+                    block_m,
+                    sparse,
+                ))
+            };
+        }
+        if is_f16(dt) { k!(f16) } else { k!(bf16) }
+    })
 }
 
 /// Enqueues the forward of `spec` on `stream`. `plan` must be the cached plan of `spec`.
@@ -127,31 +164,12 @@ pub(crate) fn launch_forward(
     let y = (d.heads_q as u32 / fp.hp).max(1);
     let mt = if opts.plane_rows == 16 { 1usize } else { 2 };
     let bn = opts.block_n as usize;
-    let threads = (BLOCK_M * 2 / mt) as u32;
     let [po_bytes, pl_bytes] = partial_bytes(spec, &plan.host);
     let (offs, _) = layout(&[po_bytes, pl_bytes]);
     let (part_o, part_lse) = (p.workspace + offs[0] as u64, p.workspace + offs[1] as u64);
     let n_part = po_bytes / (4 * hd);
 
-    let key = KernelKey::new("flash_fwd_mma2", dt, &[hd as u32, spec.causal as u32, mt as u32, bn as u32, BLOCK_M as u32, 0]);
-    let f = be.kernels.get(&key, || {
-        macro_rules! k {
-            ($t:ty) => {
-                codegen_exp2(flash_fwd::flash_fwd_mma2::FlashFwdMma2::<$t, CudaRuntime>::new(
-                    settings(threads),
-                    client.clone(),
-                    A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (),
-                    hd,
-                    spec.causal,
-                    mt,
-                    bn,
-                    BLOCK_M,
-                    false,
-                ))
-            };
-        }
-        if is_f16(dt) { k!(f16) } else { k!(bf16) }
-    })?;
+    let f = flash_fwd_kernel(be, dt, hd, spec.causal, mt, bn, BLOCK_M, false)?;
     let mut a = Args::new();
     a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.out, ql).array(p.lse, ll);
     a.array(part_o, n_part * hd).array(part_lse, n_part);

@@ -17,12 +17,8 @@
 
 use std::sync::Arc;
 
-use cubecl::cuda::CudaRuntime;
-use cubecl::prelude::*;
 use cudarc::driver::sys;
-use half::{bf16, f16};
 
-use super::compile::{codegen_exp2, settings, KernelKey};
 use super::launch::{launch, Args};
 use super::plans::{Cached, PlanKey};
 use super::driver::DevBuf;
@@ -30,11 +26,9 @@ use super::{check_supported, driver, CudaBackend, FwdPtrs};
 use crate::backend::ForwardOutput;
 use crate::dtype::{DType, HostData, HostView};
 use crate::error::{invalid, Error, Result};
-use crate::kernels::flash_fwd::{self, BLOCK_N, NONE, SLICE_WORDS, WORK_WORDS};
+use crate::kernels::flash_fwd::{BLOCK_N, NONE, SLICE_WORDS, WORK_WORDS};
 use crate::kernels::math::LOG2E;
 use crate::sparse::SparseSpec;
-
-const A: ArrayCompilationArg = ArrayCompilationArg { inplace: None };
 
 /// Host part of a cached block-sparse plan.
 pub(crate) struct SparsePlan {
@@ -220,29 +214,7 @@ fn launch_sparse_forward(be: &CudaBackend, spec: &SparseSpec, plan: &Cached<Spar
     let d = &spec.attn.dims;
     let (hd, dt) = (d.head_dim, spec.attn.dtype);
     let (ql, kl, ll) = (d.q_len(), d.kv_len().max(1), d.lse_len());
-    let mt = 2usize;
-    let threads = (sp.block_m * 2 / mt) as u32;
-    let causal = spec.attn.causal;
-    let key = KernelKey::new("flash_fwd_mma2", dt, &[hd as u32, causal as u32, mt as u32, BLOCK_N as u32, sp.block_m as u32, 1]);
-    let client = be.client();
-    let f = be.kernels.get(&key, || {
-        macro_rules! k {
-            ($t:ty) => {
-                codegen_exp2(flash_fwd::flash_fwd_mma2::FlashFwdMma2::<$t, CudaRuntime>::new(
-                    settings(threads),
-                    client.clone(),
-                    A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (),
-                    hd,
-                    causal,
-                    mt,
-                    BLOCK_N,
-                    sp.block_m,
-                    true,
-                ))
-            };
-        }
-        if dt == DType::F16 { k!(f16) } else { k!(bf16) }
-    })?;
+    let f = super::forward::flash_fwd_kernel(be, dt, hd, spec.attn.causal, 2, BLOCK_N, sp.block_m, true)?;
     let t = |i| plan.tables.get(i);
     let mut a = Args::new();
     a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.out, ql).array(p.lse, ll);
