@@ -144,6 +144,31 @@ pub struct SparseSpec {
     pub index: BlockIndex,
     /// INT8 QK^T (forward only); `None` = exact.
     pub int8: Option<Int8Qk>,
+    /// 128-bit hash of the block sizes and the index as validated ([`SparseSpec::fingerprint`]).
+    fingerprint: [u64; 2],
+}
+
+/// Mixes one word into `h` (FNV-1a style over words with odd multiplier `m`).
+fn mix(h: &mut u64, x: u64, m: u64) {
+    *h = (*h ^ x).wrapping_mul(m);
+}
+
+/// Two independent 64-bit hashes of the block sizes and the index (offsets and block ids).
+fn index_fingerprint(q_block: usize, k_block: usize, ix: &BlockIndex) -> [u64; 2] {
+    let one = |seed: u64, m: u64| {
+        let mut h = seed;
+        for x in [q_block, k_block, ix.batch, ix.heads, ix.q_blocks, ix.blocks.len()] {
+            mix(&mut h, x as u64, m);
+        }
+        for &o in &ix.offsets {
+            mix(&mut h, o as u64, m);
+        }
+        for &b in &ix.blocks {
+            mix(&mut h, b as u64, m);
+        }
+        h
+    };
+    [one(0xcbf2_9ce4_8422_2325, 0x0100_0000_01b3), one(0x9e37_79b9_7f4a_7c15, 0xff51_afd7_ed55_8ccd)]
 }
 
 fn block_count(len: usize, block: usize) -> usize {
@@ -258,13 +283,15 @@ impl SparseSpec {
                 }
             }
         }
-        Ok(SparseSpec {
-            attn,
-            q_block,
-            k_block,
-            index: BlockIndex { batch: ib, heads: ih, q_blocks: iq, top_k, offsets, blocks },
-            int8,
-        })
+        let index = BlockIndex { batch: ib, heads: ih, q_blocks: iq, top_k, offsets, blocks };
+        let fingerprint = index_fingerprint(q_block, k_block, &index);
+        Ok(SparseSpec { attn, q_block, k_block, index, int8, fingerprint })
+    }
+
+    /// 128-bit hash of the block sizes and the index, computed once at validation: what a
+    /// device plan of this spec depends on besides the dense shape (a key per call in O(1)).
+    pub fn fingerprint(&self) -> [u64; 2] {
+        self.fingerprint
     }
 
     /// The index head that query head `h` reads.

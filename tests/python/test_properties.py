@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import cubeattn
-from conftest import (BWD_TOL, DTYPES, FWD_TOL, grouped_segments, np_dtype, rand, ref_attention, ref_backward,
+from conftest import (BWD_TOL, assert_grad_close, DTYPES, FWD_TOL, grouped_segments, np_dtype, rand, ref_attention, ref_backward,
                       ref_sparse, rel_err, varlen_segments, visible_mask)
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -213,9 +213,7 @@ def check_grads(got, want, shapes, dtype, scale, d):
         assert g.shape == shape and g.dtype == dt, name
         g = np.asarray(g, np.float64)
         assert np.all(np.isfinite(g)), name
-        np.testing.assert_allclose(g, w, rtol=tol, atol=atol, err_msg=name)
-        if np.linalg.norm(w) > atol * np.sqrt(w.size):
-            assert rel_err(g, w) <= rel, name
+        assert_grad_close(g, w, tol, rel, atol, name)
 
 
 @settings(max_examples=150, **SETTINGS)

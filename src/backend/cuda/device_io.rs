@@ -150,6 +150,26 @@ impl CudaBackend {
     pub(crate) fn forward_host(&self, spec: &AttnSpec, q: HostView, k: HostView, v: HostView, poison: Option<f32>) -> Result<ForwardOutput> {
         crate::backend::check_buffers(spec, q, k, v)?;
         check_supported(spec)?;
+        // SAFETY: `run_forward_host` passes buffers holding the spec's tensors and a workspace of
+        // the bytes asked for, and synchronizes its stream before freeing them.
+        self.run_forward_host(spec, q, k, v, poison, |s| unsafe { self.forward_workspace(spec, s) }, |p, ws, s| unsafe {
+            self.forward_device(spec, p, ws, s).map(|_| ())
+        })
+    }
+
+    /// The host path of a forward-like call on `spec`'s (checked) tensors: uploads q, k, v on the backend's
+    /// stream, fills out/lse with `poison` (or zeros / lse +inf when there is no key), allocates
+    /// the workspace `workspace` asks for, enqueues `launch`, downloads out and lse, synchronizes.
+    pub(crate) fn run_forward_host(
+        &self,
+        spec: &AttnSpec,
+        q: HostView,
+        k: HostView,
+        v: HostView,
+        poison: Option<f32>,
+        workspace: impl FnOnce(u64) -> Result<usize>,
+        launch: impl FnOnce(FwdPtrs, usize, u64) -> Result<()>,
+    ) -> Result<ForwardOutput> {
         let d = &spec.dims;
         if d.total_q == 0 || d.heads_q == 0 {
             return Ok(ForwardOutput { out: HostData::from_f32(spec.dtype, &[]), lse: Vec::new() });
@@ -174,12 +194,9 @@ impl CudaBackend {
             ob.upload(out0.view().as_bytes(), s)?;
             lb.upload(bytemuck::cast_slice(&lse0), s)?;
         }
-        // SAFETY: the buffers above hold the spec's tensors; the stream is synchronized below
-        // before any of them is freed.
-        let ws_bytes = unsafe { self.forward_workspace(spec, s as u64)? };
-        let ws = DevBuf::alloc(ws_bytes)?;
+        let ws = DevBuf::alloc(workspace(s as u64)?)?;
         let ptrs = FwdPtrs { q: qb.ptr, k: kb.ptr, v: vb.ptr, out: ob.ptr, lse: lb.ptr, workspace: ws.ptr };
-        unsafe { self.forward_device(spec, ptrs, ws.bytes, s as u64)? };
+        launch(ptrs, ws.bytes, s as u64)?;
         memory_probe();
         let mut out = vec![0u8; d.q_len() * es];
         let mut lse = vec![0f32; d.lse_len()];

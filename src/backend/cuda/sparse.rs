@@ -21,10 +21,9 @@ use cudarc::driver::sys;
 
 use super::launch::{launch, Args};
 use super::plans::{Cached, PlanKey};
-use super::driver::DevBuf;
 use super::{check_supported, driver, CudaBackend, FwdPtrs};
 use crate::backend::ForwardOutput;
-use crate::dtype::{DType, HostData, HostView};
+use crate::dtype::{DType, HostView};
 use crate::error::{invalid, Error, Result};
 use crate::kernels::flash_fwd::{BLOCK_N, NONE, SLICE_WORDS, WORK_WORDS};
 use crate::kernels::math::LOG2E;
@@ -45,28 +44,6 @@ const T_WORK: usize = 1;
 const T_SLICES: usize = 2;
 const T_REF: usize = 3;
 const T_BLOCKS: usize = 4;
-
-/// Mixes one word into `h` (FNV-1a style over words with odd multiplier `m`).
-fn mix(h: &mut u64, x: u64, m: u64) {
-    *h = (*h ^ x).wrapping_mul(m);
-}
-
-/// What besides the dense shape the plan depends on: block sizes and the whole index, hashed
-/// from two seeds (128 bits of key: a collision would silently run another pattern's plan).
-fn index_hash(spec: &SparseSpec, seed: u64, m: u64) -> u64 {
-    let mut h = seed;
-    let ix = &spec.index;
-    for x in [spec.q_block, spec.k_block, ix.batch, ix.heads, ix.q_blocks, ix.blocks.len()] {
-        mix(&mut h, x as u64, m);
-    }
-    for &o in &ix.offsets {
-        mix(&mut h, o as u64, m);
-    }
-    for &b in &ix.blocks {
-        mix(&mut h, b as u64, m);
-    }
-    h
-}
 
 impl SparsePlan {
     fn build(spec: &SparseSpec) -> (SparsePlan, Vec<Vec<u32>>) {
@@ -89,11 +66,7 @@ impl SparsePlan {
                 while p < r1 * hp {
                     let n = block_m.min(r1 * hp - p);
                     let last_row = (p + n - 1) / hp;
-                    let vis = if spec.attn.causal {
-                        (sg.k_len as i64 - sg.q_len as i64 + last_row as i64 + 1).clamp(0, sg.k_len as i64) as usize
-                    } else {
-                        sg.k_len
-                    };
+                    let vis = sg.visible_len(last_row, spec.attn.causal);
                     work.extend_from_slice(&[(slices.len() / SLICE_WORDS) as u32, 1, sg.k_start as u32, (sg.k_start + sg.k_len) as u32, NONE]);
                     slices.extend_from_slice(&[b as u32, p as u32, n as u32]);
                     items.push((b, qb, vis));
@@ -145,7 +118,7 @@ pub(crate) fn check_sparse_supported(spec: &SparseSpec) -> Result<()> {
 
 impl CudaBackend {
     fn sparse_plan(&self, spec: &SparseSpec, stream: sys::CUstream) -> Result<Arc<Cached<SparsePlan>>> {
-        self.sparse_plans.get(PlanKey::with_extra(&spec.attn, index_hash(spec, 0xcbf2_9ce4_8422_2325, 0x0100_0000_01b3), index_hash(spec, 0x9e37_79b9_7f4a_7c15, 0xff51_afd7_ed55_8ccd)), stream, || SparsePlan::build(spec))
+        self.sparse_plans.get(PlanKey::with_extra(&spec.attn, spec.fingerprint()[0], spec.fingerprint()[1]), stream, || SparsePlan::build(spec))
     }
 
     /// Enqueues the block-sparse forward of `spec` on `stream` (no workspace): reads q, k, v and
@@ -174,35 +147,11 @@ impl CudaBackend {
     pub fn sparse_forward_host(&self, spec: &SparseSpec, q: HostView, k: HostView, v: HostView, poison: Option<f32>) -> Result<ForwardOutput> {
         crate::backend::check_buffers(&spec.attn, q, k, v)?;
         check_sparse_supported(spec)?;
-        let d = &spec.attn.dims;
-        let _g = self.host_lock.lock().unwrap_or_else(|e| e.into_inner());
-        driver::bind(self.ctx)?;
-        let s = self.stream.0;
-        let es = spec.attn.dtype.size();
-        let up = |h: HostView| -> Result<DevBuf> {
-            let b = DevBuf::alloc(h.as_bytes().len().max(1))?;
-            b.upload(h.as_bytes(), s)?;
-            Ok(b)
-        };
-        let (qb, kb, vb) = (up(q)?, up(k)?, up(v)?);
-        let ob = DevBuf::alloc((d.q_len() * es).max(1))?;
-        let lb = DevBuf::alloc((d.lse_len() * 4).max(1))?;
-        let has_work = d.total_q > 0 && d.total_k > 0 && d.heads_q > 0;
-        let (o0, l0) = if has_work { (poison.unwrap_or(0.0), poison.unwrap_or(0.0)) } else { (0.0, f32::INFINITY) };
-        if poison.is_some() || !has_work {
-            ob.upload(HostData::from_f32(spec.attn.dtype, &vec![o0; d.q_len()]).view().as_bytes(), s)?;
-            lb.upload(bytemuck::cast_slice(&vec![l0; d.lse_len()]), s)?;
-        }
-        let ptrs = FwdPtrs { q: qb.ptr, k: kb.ptr, v: vb.ptr, out: ob.ptr, lse: lb.ptr, workspace: 0 };
-        // SAFETY: the buffers above hold the spec's tensors; the stream is synchronized below
-        // before any of them is freed.
-        unsafe { self.sparse_forward_device(spec, ptrs, s as u64)? };
-        let mut out = vec![0u8; d.q_len() * es];
-        let mut lse = vec![0f32; d.lse_len()];
-        ob.download(&mut out, s)?;
-        lb.download(bytemuck::cast_slice_mut(&mut lse), s)?;
-        self.stream.sync().map_err(|e| Error::Device(format!("block-sparse forward kernels failed: {e}")))?;
-        Ok(ForwardOutput { out: HostData::from_bytes(spec.attn.dtype, &out), lse })
+        // SAFETY: `run_forward_host` passes buffers holding the spec's tensors and synchronizes its
+        // stream before freeing them.
+        self.run_forward_host(&spec.attn, q, k, v, poison, |_| Ok(0), |p, _, s| unsafe {
+            self.sparse_forward_device(spec, p, s).map(|_| ())
+        })
     }
 }
 
