@@ -24,6 +24,7 @@ use cubecl::prelude::*;
 use cubecl::prelude::barrier::{copy_async, Barrier};
 
 use super::math::{fast_exp2, LOG2E};
+use super::rows::{key_rows, row_keys};
 
 /// Planes (warps) per cube of the tensor-core kernels.
 pub const BWD_PLANES: usize = 4;
@@ -393,12 +394,15 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
     heads_kv: u32,
     total_q: u32,
     total_k: u32,
+    win_l: u32,
+    win_r: u32,
     #[comptime] head_dim: usize,
     #[comptime] causal: bool,
     #[comptime] ldsm: bool,
     #[comptime] fuse_dq: bool,
     #[comptime] qvec: usize,
     #[comptime] pipe: bool,
+    #[comptime] window: bool,
 ) {
     let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
     let lane = UNIT_POS_PLANE;
@@ -469,12 +473,20 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
         // First row that sees the first overlapping key.
         let first_key = max(key0, k_start) - k_start;
         let mut r_min = 0i32;
-        if causal {
+        let mut r_end = q_len as i32;
+        if window {
+            // rows from the first that sees the tile's first key to the last that sees its last
+            let last_key = min(key0 + BWD_BN as u32, k_start + k_len) - 1u32 - k_start;
+            let (a, _) = key_rows(q_len, k_len, first_key as i32, win_l, win_r);
+            let (_, b) = key_rows(q_len, k_len, last_key as i32, win_l, win_r);
+            r_min = a;
+            r_end = b;
+        } else if causal {
             r_min = max(first_key as i32 - shift, 0i32);
         }
         let mut n_qt = 0u32;
-        if r_min < q_len as i32 {
-            n_qt = (q_len - r_min as u32 + BWD_BM as u32 - 1) / BWD_BM as u32;
+        if r_min < r_end {
+            n_qt = (r_end as u32 - r_min as u32 + BWD_BM as u32 - 1) / BWD_BM as u32;
         }
         // Window-local index of this plane's first key (may be negative).
         let kw0 = (key0 as i32 + kw_base as i32) - k_start as i32;
@@ -558,7 +570,10 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                     let rr0 = (r0 as usize + qr0) as i32;
                     // Every (key, row) pair of this plane's 16 x SUB block valid?
                     let mut full = kw0 >= 0i32 && kw0 + 16i32 <= k_len as i32 && rr0 + BWD_SUB as i32 <= q_len as i32;
-                    if causal {
+                    if window {
+                        full = full && kw0 + 15i32 <= shift + rr0 + win_r as i32
+                            && kw0 >= shift + rr0 + BWD_SUB as i32 - 1i32 - win_l as i32;
+                    } else if causal {
                         full = full && kw0 + 15i32 <= shift + rr0;
                     }
 
@@ -592,7 +607,9 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                                 let kwin = kw0 + row as i32;
                                 let rr = rr0 + (nb * 8) as i32 + col as i32;
                                 let mut ok = kwin >= 0i32 && kwin < k_len as i32 && rr < q_len as i32;
-                                if causal {
+                                if window {
+                                    ok = ok && kwin <= shift + rr + win_r as i32 && kwin >= shift + rr - win_l as i32;
+                                } else if causal {
                                     ok = ok && kwin <= shift + rr;
                                 }
                                 if !ok {
@@ -764,10 +781,13 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     heads_q: u32,
     heads_kv: u32,
     total_q: u32,
+    win_l: u32,
+    win_r: u32,
     #[comptime] head_dim: usize,
     #[comptime] causal: bool,
     #[comptime] ldsm: bool,
     #[comptime] pipe: bool,
+    #[comptime] window: bool,
 ) {
     let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
     let lane = UNIT_POS_PLANE;
@@ -796,18 +816,25 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
 
     let rows_here = min(q_len - tile_start, BWD_BM as u32);
     let mut max_vis = k_len as i32;
-    if causal {
+    // First key (window-relative) of key tile 0: the first key the tile's first row sees.
+    let mut kbase = 0u32;
+    if window {
+        let (a, _) = row_keys(q_len, k_len, tile_start, win_l, win_r);
+        let (_, b) = row_keys(q_len, k_len, tile_start + rows_here - 1u32, win_l, win_r);
+        kbase = a;
+        max_vis = max(b as i32, a as i32);
+    } else if causal {
         let lim = k_len as i32 - q_len as i32 + (tile_start + rows_here) as i32;
         max_vis = max(min(lim, k_len as i32), 0i32);
     }
-    let n_tiles = (max_vis as u32 + BWD_BN as u32 - 1) / BWD_BN as u32;
+    let n_tiles = (max_vis as u32 - kbase + BWD_BN as u32 - 1) / BWD_BN as u32;
 
     if pipe {
         // Barrier initialisation visible, then key tile 0 into stage 1 while Q / dO are staged.
         sync_cube();
         if n_tiles > 0 {
             issue_kv_tile::<E>(
-                k_s, v_s, &mut k_smem, &mut v_smem, BWD_BN, 0u32, k_len, k_start, head_kv, heads_kv, head_dim,
+                k_s, v_s, &mut k_smem, &mut v_smem, BWD_BN, kbase, k_len, k_start, head_kv, heads_kv, head_dim,
             );
             bar1.commit_copy_async();
             let _t = bar1.arrive();
@@ -849,7 +876,16 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     let rl_b = tile_start + plane * 16 + row_b;
     let mut lim_a = k_len as i32;
     let mut lim_b = k_len as i32;
-    if causal {
+    let mut lo_a = 0i32;
+    let mut lo_b = 0i32;
+    if window {
+        let (a0, a1) = row_keys(q_len, k_len, rl_a, win_l, win_r);
+        let (b0, b1) = row_keys(q_len, k_len, rl_b, win_l, win_r);
+        lo_a = a0 as i32;
+        lim_a = a1 as i32;
+        lo_b = b0 as i32;
+        lim_b = b1 as i32;
+    } else if causal {
         lim_a = max(min(k_len as i32 - q_len as i32 + rl_a as i32 + 1, k_len as i32), 0i32);
         lim_b = max(min(k_len as i32 - q_len as i32 + rl_b as i32 + 1, k_len as i32), 0i32);
     }
@@ -884,7 +920,7 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     let mut dp = Array::<f32>::new(comptime!(sn * ec));
 
     for kt in 0..n_tiles {
-        let kb = kt * BWD_BN as u32;
+        let kb = kbase + kt * BWD_BN as u32;
         let mut kb_off = 0usize;
         sync_cube();
         if pipe {
@@ -947,7 +983,11 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
             }
             // ---- dS = P (dP - delta), P = exp(scale S - lse) masked ----
             let chunk_end = (kb + kc0 as u32 + BWD_SUB as u32) as i32;
-            let needs_mask = chunk_end > lim_a || chunk_end > lim_b;
+            let mut needs_mask = chunk_end > lim_a || chunk_end > lim_b;
+            if window {
+                let chunk0 = (kb + kc0 as u32) as i32;
+                needs_mask = needs_mask || chunk0 < lo_a || chunk0 < lo_b;
+            }
             #[unroll]
             for nb in 0..sn {
                 #[unroll]
@@ -955,16 +995,18 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
                     let mut l = lse_b;
                     let mut dd = dl_b;
                     let mut lim = lim_b;
+                    let mut lo = lo_b;
                     if e < ec / 2 {
                         l = lse_a;
                         dd = dl_a;
                         lim = lim_a;
+                        lo = lo_a;
                     }
                     let mut p = fast_exp2(s[nb * ec + e] * scale_log2 - l);
                     if needs_mask {
                         let (_row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
                         let key = (kb + (kc0 + nb * 8) as u32 + col) as i32;
-                        if key >= lim {
+                        if key >= lim || (window && key < lo) {
                             p = 0.0f32;
                         }
                     }
@@ -1075,8 +1117,9 @@ pub fn rowwise_bwd_dq_f32(
     heads_q: u32,
     heads_kv: u32,
     total_q: u32,
+    win_l: u32,
+    win_r: u32,
     #[comptime] head_dim: usize,
-    #[comptime] causal: bool,
 ) {
     let per_lane = comptime!(head_dim / 32);
     let lane = UNIT_POS_PLANE as usize;
@@ -1099,16 +1142,12 @@ pub fn rowwise_bwd_dq_f32(
             let q_len = segs[seg as usize * 4 + 1];
             let k_start = segs[seg as usize * 4 + 2];
             let k_len = segs[seg as usize * 4 + 3];
-            let r = row - q_start;
-            let mut vis = k_len as i32;
-            if causal {
-                vis = max(min(k_len as i32 - q_len as i32 + r as i32 + 1, k_len as i32), 0i32);
-            }
+            let (lo, hi) = row_keys(q_len, k_len, row - q_start, win_l, win_r);
             let head_kv = head / (heads_q / heads_kv);
             let li = (head * total_q + row) as usize;
             let l = lse[li];
             let dd = delta[li];
-            for j in 0..vis as u32 {
+            for j in lo..hi {
                 let kbase = ((k_start + j) * heads_kv + head_kv) as usize * head_dim;
                 let mut ps = 0.0f32;
                 let mut pd = 0.0f32;
@@ -1155,8 +1194,9 @@ pub fn rowwise_bwd_dkdv_f32(
     heads_kv: u32,
     total_q: u32,
     total_k: u32,
+    win_l: u32,
+    win_r: u32,
     #[comptime] head_dim: usize,
-    #[comptime] causal: bool,
 ) {
     let per_lane = comptime!(head_dim / 32);
     let lane = UNIT_POS_PLANE as usize;
@@ -1184,14 +1224,10 @@ pub fn rowwise_bwd_dkdv_f32(
             let k_start = segs[seg * 4 + 2];
             let k_len = segs[seg * 4 + 3];
             if key >= k_start && key < k_start + k_len {
-                let kw = (key - k_start) as i32;
-                let mut r_min = 0i32;
-                if causal {
-                    r_min = max(kw - (k_len as i32 - q_len as i32), 0i32);
-                }
+                let (r_min, r_end) = key_rows(q_len, k_len, (key - k_start) as i32, win_l, win_r);
                 for hh in 0..group {
                     let h = hk * group + hh;
-                    for r in r_min as u32..q_len {
+                    for r in r_min as u32..max(r_end, r_min) as u32 {
                         let t = q_start + r;
                         let qbase = (t * heads_q + h) as usize * head_dim;
                         let li = (h * total_q + t) as usize;

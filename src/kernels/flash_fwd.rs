@@ -30,6 +30,7 @@ use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::barrier::{copy_async, Barrier};
 
 use super::math::{fast_exp2, LN2};
+use super::rows::row_keys;
 
 /// Packed rows per cube.
 pub const BLOCK_M: usize = 16 * PLANES;
@@ -240,12 +241,15 @@ pub fn flash_fwd_mma2<E: Float>(
     inf: f32,
     k_block: u32,
     tiles_per_block: u32,
+    win_l: u32,
+    win_r: u32,
     #[comptime] head_dim: usize,
     #[comptime] causal: bool,
     #[comptime] mt: usize,
     #[comptime] block_n: usize,
     #[comptime] block_m: usize,
     #[comptime] sparse: bool,
+    #[comptime] window: bool,
 ) {
     let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
     let lane = UNIT_POS_PLANE;
@@ -302,7 +306,7 @@ pub fn flash_fwd_mma2<E: Float>(
     // fill_rows covers rows [0, block_m) with one unit each: with fewer units, loop.
     fill_rows2(
         slices, segs, slice_off, n_slices, hp, head_base, klo, khi, &mut row_tok, &mut row_head, &mut row_lo,
-        &mut row_hi, causal, threads, block_m,
+        &mut row_hi, win_l, win_r, causal, window, threads, block_m,
     );
     sync_cube();
 
@@ -718,7 +722,10 @@ fn fill_rows2(
     row_head: &mut SharedMemory<u32>,
     row_lo: &mut SharedMemory<u32>,
     row_hi: &mut SharedMemory<u32>,
+    win_l: u32,
+    win_r: u32,
     #[comptime] causal: bool,
+    #[comptime] window: bool,
     #[comptime] threads: usize,
     #[comptime] block_m: usize,
 ) {
@@ -744,12 +751,17 @@ fn fill_rows2(
                     let k_len = segs[seg * 4 + 3];
                     tok = q_start + qr;
                     head = head_base + p % hp;
+                    let mut vis_lo = 0u32;
                     let mut vis = k_len;
-                    if causal {
+                    if window {
+                        let (a, b) = row_keys(q_len, k_len, qr, win_l, win_r);
+                        vis_lo = a;
+                        vis = b;
+                    } else if causal {
                         let lim = k_len as i32 - q_len as i32 + qr as i32 + 1;
                         vis = max(min(lim, k_len as i32), 0i32) as u32;
                     }
-                    lo = max(k_start, klo);
+                    lo = max(k_start + vis_lo, klo);
                     hi = min(k_start + vis, khi);
                     if hi < lo {
                         hi = lo;

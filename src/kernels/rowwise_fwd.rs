@@ -4,6 +4,8 @@
 
 use cubecl::prelude::*;
 
+use super::rows::row_keys;
+
 /// Query rows per cube (one plane each).
 pub const ROWS_PER_CUBE: usize = 4;
 
@@ -24,8 +26,9 @@ pub fn rowwise_fwd_f32(
     heads_kv: u32,
     total_q: u32,
     inf: f32,
+    win_l: u32,
+    win_r: u32,
     #[comptime] head_dim: usize,
-    #[comptime] causal: bool,
 ) {
     let per_lane = comptime!(head_dim / 32);
     let lane = UNIT_POS_PLANE;
@@ -48,13 +51,9 @@ pub fn rowwise_fwd_f32(
             let q_len = segs[seg as usize * 4 + 1];
             let k_start = segs[seg as usize * 4 + 2];
             let k_len = segs[seg as usize * 4 + 3];
-            let r = row - q_start;
-            let mut vis = k_len as i32;
-            if causal {
-                vis = max(min(k_len as i32 - q_len as i32 + r as i32 + 1, k_len as i32), 0i32);
-            }
+            let (lo, hi) = row_keys(q_len, k_len, row - q_start, win_l, win_r);
             let head_kv = head / (heads_q / heads_kv);
-            for j in 0..vis as u32 {
+            for j in lo..hi {
                 let kbase = ((k_start + j) * heads_kv + head_kv) as usize * head_dim;
                 let mut part = 0.0f32;
                 #[unroll]

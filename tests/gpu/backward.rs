@@ -35,13 +35,16 @@ struct Case {
     causal: bool,
     layout: Layout,
     input_scale: f32,
+    /// flash-attn's window_size (left, right); (-1, -1) for none.
+    window: (i64, i64),
 }
 
 fn build_spec(c: &Case) -> AttnSpec {
-    match &c.layout {
+    let spec = match &c.layout {
         Layout::Varlen(lens) => varlen_spec(lens, c.hq, c.hkv, c.d, c.dtype, c.causal),
         Layout::Grouped(qr, kr, tq, tk) => grouped_ranges_spec(qr, kr, *tq, *tk, c.hq, c.hkv, c.d, c.dtype, c.causal),
-    }
+    };
+    spec.with_window(c.window.0, c.window.1).expect("valid window")
 }
 
 struct Inputs {
@@ -123,6 +126,7 @@ fn cases() -> Vec<Case> {
                     causal,
                     layout: Layout::Varlen(vec![(1, 1), (63, 63), (130, 130), (17, 17)]),
                     input_scale: 1.0,
+                    window: (-1, -1),
                 });
                 v.push(Case {
                     name: format!("{tag} GQA32/8 varlen [100,1,77]"),
@@ -133,6 +137,7 @@ fn cases() -> Vec<Case> {
                     causal,
                     layout: Layout::Varlen(vec![(100, 100), (1, 1), (77, 77)]),
                     input_scale: 1.0,
+                    window: (-1, -1),
                 });
                 v.push(Case {
                     name: format!("{tag} GQA8/2 grouped 4 (1 empty, overlap, uncovered)"),
@@ -148,6 +153,7 @@ fn cases() -> Vec<Case> {
                         400,
                     ),
                     input_scale: 1.0,
+                    window: (-1, -1),
                 });
             }
         }
@@ -161,6 +167,7 @@ fn cases() -> Vec<Case> {
         causal,
         layout,
         input_scale,
+        window: (-1, -1),
     };
     v.push(mk("bf16 d128 causal sq=50 < sk=200", BF16, 128, 8, 2, true, Layout::Varlen(vec![(50, 200)]), 1.0));
     v.push(mk("f16 d64 causal sq=200 > sk=70 (rows see no key)", F16, 64, 4, 1, true, Layout::Varlen(vec![(200, 70)]), 1.0));
@@ -169,6 +176,13 @@ fn cases() -> Vec<Case> {
     v.push(mk("bf16 d128 causal inputs x4 1x300", BF16, 128, 4, 1, true, Layout::Varlen(vec![(300, 300)]), 4.0));
     v.push(mk("f32 d64 causal GQA4/2 varlen [1,70,33]", F32, 64, 4, 2, true, Layout::Varlen(vec![(1, 1), (70, 70), (33, 33)]), 1.0));
     v.push(mk("f32 d128 grouped causal 3 groups", F32, 128, 4, 1, true, Layout::Grouped(vec![[0, 30], [35, 80], [80, 80]], vec![[0, 60], [20, 120], [0, 5]], 80, 120), 1.0));
+    // sliding windows: key tiles seen by a band of rows, rows whose window holds no key
+    let w = |c: Case, window| Case { window, ..c };
+    v.push(w(mk("bf16 d128 window (70,0) causal GQA8/2 varlen [1,200,300]", BF16, 128, 8, 2, true, Layout::Varlen(vec![(1, 1), (200, 200), (300, 300)]), 1.0), (70, 0)));
+    v.push(w(mk("f16 d64 window (5,130) sq=300 > sk=120", F16, 64, 4, 1, false, Layout::Varlen(vec![(300, 120)]), 1.0), (5, 130)));
+    v.push(w(mk("bf16 d128 window (0,0) sq=100 < sk=500", BF16, 128, 4, 2, false, Layout::Varlen(vec![(100, 500)]), 1.0), (0, 0)));
+    v.push(w(mk("f16 d128 window (40,3) grouped overlapping kv", F16, 128, 8, 2, false, Layout::Grouped(vec![[0, 100], [100, 170], [180, 300]], vec![[0, 100], [0, 170], [50, 400]], 310, 400), 1.0), (40, 3)));
+    v.push(w(mk("f32 d64 window (9,2) GQA4/2 varlen [1,70,33]", F32, 64, 4, 2, false, Layout::Varlen(vec![(1, 1), (70, 70), (33, 33)]), 1.0), (9, 2)));
     v
 }
 
@@ -261,6 +275,7 @@ fn backward_32k_keys_stress() {
         causal: true,
         layout: Layout::Grouped(vec![[0, 100], [100, 160]], vec![[0, 32768], [30000, 32768]], 160, 32768),
         input_scale: 1.0,
+        window: (-1, -1),
     };
     for det in [true, false] {
         let (ok, line) = check_case(b, &c, 77, det);
@@ -289,6 +304,7 @@ fn backward_is_deterministic() {
         causal: true,
         layout: Layout::Varlen(vec![(1500, 1500)]),
         input_scale: 1.0,
+        window: (-1, -1),
     });
     for c in &cs {
         let spec = build_spec(c);
@@ -328,6 +344,7 @@ fn backward_unsupported_head_dim_is_an_error() {
         causal: false,
         layout: Layout::Varlen(vec![(8, 8)]),
         input_scale: 1.0,
+        window: (-1, -1),
     };
     let spec = build_spec(&c);
     let inp = make_inputs(&spec, 1.0, 3);

@@ -23,6 +23,8 @@ struct Case {
     /// Varlen (cu_q, cu_k) or grouped (q_ranges, kv_ranges, total_q, total_k).
     layout: Layout,
     input_scale: f32,
+    /// flash-attn's window_size (left, right); (-1, -1) for none.
+    window: (i64, i64),
 }
 
 enum Layout {
@@ -30,15 +32,18 @@ enum Layout {
     Grouped(Vec<[i32; 2]>, Vec<[i32; 2]>, usize, usize),
 }
 
+const NOWIN: (i64, i64) = (-1, -1);
+
 fn build_spec(c: &Case) -> AttnSpec {
-    match &c.layout {
+    let spec = match &c.layout {
         Layout::Varlen(cq, ck) => {
             let lens: Vec<(usize, usize)> =
                 cq.windows(2).zip(ck.windows(2)).map(|(a, b)| ((a[1] - a[0]) as usize, (b[1] - b[0]) as usize)).collect();
             varlen_spec(&lens, c.hq, c.hkv, c.d, c.dtype, c.causal)
         }
         Layout::Grouped(qr, kr, tq, tk) => grouped_ranges_spec(qr, kr, *tq, *tk, c.hq, c.hkv, c.d, c.dtype, c.causal),
-    }
+    };
+    spec.with_window(c.window.0, c.window.1).expect("valid window")
 }
 
 struct Report {
@@ -106,13 +111,13 @@ fn cases() -> Vec<Case> {
     use DType::*;
     let v = |q: &[i32], k: &[i32]| Layout::Varlen(q.to_vec(), k.to_vec());
     vec![
-        Case { name: "f16 d64 1 token", dtype: F16, d: 64, hq: 4, hkv: 4, causal: false, layout: v(&[0, 1], &[0, 1]), input_scale: 1.0 },
-        Case { name: "f16 d128 noncausal 1x200", dtype: F16, d: 128, hq: 4, hkv: 2, causal: false, layout: v(&[0, 200], &[0, 200]), input_scale: 1.0 },
-        Case { name: "bf16 d128 GQA32/8 causal varlen [1,63,130]", dtype: BF16, d: 128, hq: 32, hkv: 8, causal: true, layout: v(&[0, 1, 64, 194], &[0, 1, 64, 194]), input_scale: 1.0 },
-        Case { name: "f16 d64 GQA8/2 causal varlen [65,129,7]", dtype: F16, d: 64, hq: 8, hkv: 2, causal: true, layout: v(&[0, 65, 194, 201], &[0, 65, 194, 201]), input_scale: 1.0 },
-        Case { name: "f16 d128 causal sq=50 < sk=200", dtype: F16, d: 128, hq: 8, hkv: 2, causal: true, layout: v(&[0, 50], &[0, 200]), input_scale: 1.0 },
-        Case { name: "bf16 d64 causal sq=200 > sk=70", dtype: BF16, d: 64, hq: 4, hkv: 1, causal: true, layout: v(&[0, 200], &[0, 70]), input_scale: 1.0 },
-        Case { name: "bf16 d128 causal 10x inputs 1x300", dtype: BF16, d: 128, hq: 4, hkv: 1, causal: true, layout: v(&[0, 300], &[0, 300]), input_scale: 10.0 },
+        Case { name: "f16 d64 1 token", dtype: F16, d: 64, hq: 4, hkv: 4, causal: false, layout: v(&[0, 1], &[0, 1]), input_scale: 1.0, window: NOWIN },
+        Case { name: "f16 d128 noncausal 1x200", dtype: F16, d: 128, hq: 4, hkv: 2, causal: false, layout: v(&[0, 200], &[0, 200]), input_scale: 1.0, window: NOWIN },
+        Case { name: "bf16 d128 GQA32/8 causal varlen [1,63,130]", dtype: BF16, d: 128, hq: 32, hkv: 8, causal: true, layout: v(&[0, 1, 64, 194], &[0, 1, 64, 194]), input_scale: 1.0, window: NOWIN },
+        Case { name: "f16 d64 GQA8/2 causal varlen [65,129,7]", dtype: F16, d: 64, hq: 8, hkv: 2, causal: true, layout: v(&[0, 65, 194, 201], &[0, 65, 194, 201]), input_scale: 1.0, window: NOWIN },
+        Case { name: "f16 d128 causal sq=50 < sk=200", dtype: F16, d: 128, hq: 8, hkv: 2, causal: true, layout: v(&[0, 50], &[0, 200]), input_scale: 1.0, window: NOWIN },
+        Case { name: "bf16 d64 causal sq=200 > sk=70", dtype: BF16, d: 64, hq: 4, hkv: 1, causal: true, layout: v(&[0, 200], &[0, 70]), input_scale: 1.0, window: NOWIN },
+        Case { name: "bf16 d128 causal 10x inputs 1x300", dtype: BF16, d: 128, hq: 4, hkv: 1, causal: true, layout: v(&[0, 300], &[0, 300]), input_scale: 10.0, window: NOWIN },
         Case {
             name: "bf16 d128 grouped 3 groups overlapping kv + uncovered rows",
             dtype: BF16,
@@ -122,8 +127,9 @@ fn cases() -> Vec<Case> {
             causal: true,
             layout: Layout::Grouped(vec![[0, 100], [100, 170], [180, 300]], vec![[0, 100], [0, 170], [50, 400]], 310, 400),
             input_scale: 1.0,
+            window: NOWIN,
         },
-        Case { name: "f16 d64 grouped noncausal same kv", dtype: F16, d: 64, hq: 4, hkv: 2, causal: false, layout: Layout::Grouped(vec![[0, 40], [40, 90]], vec![[0, 150], [0, 150]], 90, 150), input_scale: 1.0 },
+        Case { name: "f16 d64 grouped noncausal same kv", dtype: F16, d: 64, hq: 4, hkv: 2, causal: false, layout: Layout::Grouped(vec![[0, 40], [40, 90]], vec![[0, 150], [0, 150]], 90, 150), input_scale: 1.0, window: NOWIN },
         Case {
             name: "bf16 d128 GQA32/8 16 groups: windows, 1-token, empty",
             dtype: BF16,
@@ -138,6 +144,7 @@ fn cases() -> Vec<Case> {
                 1000,
             ),
             input_scale: 1.0,
+            window: NOWIN,
         },
         Case {
             name: "bf16 d128 GQA32/8 16 groups causal, same windows",
@@ -153,6 +160,7 @@ fn cases() -> Vec<Case> {
                 1000,
             ),
             input_scale: 1.0,
+            window: NOWIN,
         },
         Case {
             name: "bf16 d128 GQA32/8 shared prefix 16x8 (split)",
@@ -168,6 +176,7 @@ fn cases() -> Vec<Case> {
                 2048,
             ),
             input_scale: 1.0,
+            window: NOWIN,
         },
         Case {
             name: "f16 d64 GQA8/2 causal groups 3x5 over 3000 keys (split)",
@@ -178,6 +187,7 @@ fn cases() -> Vec<Case> {
             causal: true,
             layout: Layout::Grouped(vec![[0, 5], [5, 10], [10, 15]], vec![[0, 3000], [0, 2000], [1000, 3000]], 15, 3000),
             input_scale: 1.0,
+            window: NOWIN,
         },
         Case {
             name: "bf16 d128 zigzag-like 2 groups causal 200/400 of 1600 keys",
@@ -188,9 +198,17 @@ fn cases() -> Vec<Case> {
             causal: true,
             layout: Layout::Grouped(vec![[0, 200], [200, 600]], vec![[0, 200], [0, 1600]], 600, 1600),
             input_scale: 1.0,
+            window: NOWIN,
         },
-        Case { name: "f32 d64 causal varlen [1,70]", dtype: F32, d: 64, hq: 4, hkv: 2, causal: true, layout: v(&[0, 1, 71], &[0, 1, 71]), input_scale: 1.0 },
-        Case { name: "f32 d128 grouped causal", dtype: F32, d: 128, hq: 4, hkv: 1, causal: true, layout: Layout::Grouped(vec![[0, 30], [35, 80]], vec![[0, 60], [20, 120]], 80, 120), input_scale: 1.0 },
+        Case { name: "f32 d64 causal varlen [1,70]", dtype: F32, d: 64, hq: 4, hkv: 2, causal: true, layout: v(&[0, 1, 71], &[0, 1, 71]), input_scale: 1.0, window: NOWIN },
+        Case { name: "f32 d128 grouped causal", dtype: F32, d: 128, hq: 4, hkv: 1, causal: true, layout: Layout::Grouped(vec![[0, 30], [35, 80]], vec![[0, 60], [20, 120]], 80, 120), input_scale: 1.0, window: NOWIN },
+        // sliding windows (flash-attn window_size): rows whose window holds no key, windows off the tiles
+        Case { name: "bf16 d128 GQA8/2 window (70,0) causal varlen [1,200,700]", dtype: BF16, d: 128, hq: 8, hkv: 2, causal: true, layout: v(&[0, 1, 201, 901], &[0, 1, 201, 901]), input_scale: 1.0, window: (70, 0) },
+        Case { name: "f16 d64 window (5,130) sq=300 > sk=120", dtype: F16, d: 64, hq: 4, hkv: 1, causal: false, layout: v(&[0, 300], &[0, 120]), input_scale: 1.0, window: (5, 130) },
+        Case { name: "bf16 d128 window (0,0) sq=100 < sk=500", dtype: BF16, d: 128, hq: 4, hkv: 2, causal: false, layout: v(&[0, 100], &[0, 500]), input_scale: 1.0, window: (0, 0) },
+        Case { name: "f16 d128 window (300,-1) 1x1000 (split-K)", dtype: F16, d: 128, hq: 4, hkv: 1, causal: false, layout: v(&[0, 1000], &[0, 1000]), input_scale: 1.0, window: (300, -1) },
+        Case { name: "bf16 d128 grouped window (40,3) overlapping kv", dtype: BF16, d: 128, hq: 8, hkv: 2, causal: false, layout: Layout::Grouped(vec![[0, 100], [100, 170], [180, 300]], vec![[0, 100], [0, 170], [50, 400]], 310, 400), input_scale: 1.0, window: (40, 3) },
+        Case { name: "f32 d64 window (9,2) varlen [1,70]", dtype: F32, d: 64, hq: 4, hkv: 2, causal: false, layout: v(&[0, 1, 71], &[0, 1, 71]), input_scale: 1.0, window: (9, 2) },
     ]
 }
 
@@ -292,7 +310,7 @@ fn repeated_calls_are_deterministic() {
 #[ignore = "needs a CUDA GPU: scripts/gpu-test.sh test runs it (--include-ignored)"]
 fn unsupported_head_dim_is_an_error() {
     let Some(b) = backend() else { return };
-    let c = Case { name: "d96", dtype: DType::F16, d: 96, hq: 2, hkv: 2, causal: false, layout: Layout::Varlen(vec![0, 8], vec![0, 8]), input_scale: 1.0 };
+    let c = Case { window: NOWIN, name: "d96", dtype: DType::F16, d: 96, hq: 2, hkv: 2, causal: false, layout: Layout::Varlen(vec![0, 8], vec![0, 8]), input_scale: 1.0 };
     let spec = build_spec(&c);
     let mut rng = StdRng::seed_from_u64(3);
     let x = random(spec.dims.q_len(), c.dtype, 1.0, &mut rng);

@@ -2,7 +2,7 @@
 whose mask is written from flash-attn's definition (row i sees keys
 i + sk - sq - left <= j <= i + sk - sq + right, bottom-right aligned, -1 = unbounded): varlen,
 batched and grouped layouts, forward, backward and torch autograd; odd lengths, GQA, causal and not,
-0-width windows, windows wider than the sequence; argument checking; CUDA's NotImplementedError."""
+0-width windows, windows wider than the sequence; argument checking (CUDA: test_window_gpu.py)."""
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -166,14 +166,3 @@ def test_window_through_torch_autograd():
     refs = rb(*flat, dout.numpy().reshape(-1, 4, 16), segs, True, window=(6, 0))
     for x, r in zip((q, k, v), refs):
         np.testing.assert_allclose(x.grad.numpy().reshape(r.shape), r, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.gpu
-def test_window_on_cuda_is_not_implemented_and_auto_falls_back_to_the_cpu():
-    q = np.random.default_rng(4).uniform(-1, 1, (16, 2, 64)).astype(np.float16)
-    with pytest.raises(NotImplementedError, match="`window_size`"):
-        cubeattn.flash_attn_varlen_func(q, q, q, [0, 16], [0, 16], 16, 16, window_size=(3, 3), device="cuda")
-    out = cubeattn.flash_attn_varlen_func(q, q, q, [0, 16], [0, 16], 16, 16, window_size=(3, 3), device="auto")
-    assert cubeattn.last_backend() == "cpu"
-    ref, _ = ref_attention(q, q, q, [(0, 16, 0, 16)], False, window=(3, 3))
-    np.testing.assert_allclose(out.astype(np.float64), ref, rtol=3e-3, atol=3e-3)

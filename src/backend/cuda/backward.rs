@@ -28,7 +28,7 @@ use super::compile::{codegen, codegen_exp2, settings, KernelKey};
 use super::forward::layout;
 use super::launch::{grid_2d, launch, Args};
 use super::plans::Cached;
-use super::{use_ldmatrix, CudaBackend};
+use super::{use_ldmatrix, window_bounds, CudaBackend};
 use crate::backend::{BackwardInputs, Gradients};
 use crate::dtype::{DType, HostView};
 use crate::error::Result;
@@ -63,7 +63,9 @@ impl BwdPlan {
             let mut t = 0;
             while t < s.q_len {
                 let last = (t + BWD_BM).min(s.q_len) - 1;
-                q_items.push((s.visible_len(last, spec.causal) as u64 + 1, i as u32, t as u32));
+                // keys the tile's rows see: from the first row's first to the last row's last
+                let keys = spec.row_keys(s, last).1.saturating_sub(spec.row_keys(s, t).0);
+                q_items.push((keys as u64 + 1, i as u32, t as u32));
                 t += BWD_BM;
             }
         }
@@ -79,14 +81,15 @@ impl BwdPlan {
             }
             let (a, b) = (s.k_start / BWD_BN, (s.k_start + s.k_len).div_ceil(BWD_BN));
             for (t, list) in per_tile.iter_mut().enumerate().take(b).skip(a) {
-                // rows that see the first key of the overlap, times the keys in it (upper bound)
+                // rows that see a key of the overlap, times the keys in it (upper bound)
                 let first = (t * BWD_BN).max(s.k_start) - s.k_start;
-                let r_min = if spec.causal { (first + s.q_len).saturating_sub(s.k_len) } else { 0 };
-                if r_min >= s.q_len {
+                let end = ((t + 1) * BWD_BN).min(s.k_start + s.k_len) - s.k_start;
+                let (r0, r1) = spec.rows_seeing(s, first, end);
+                if r0 >= r1 {
                     continue;
                 }
                 list.push(i as u32);
-                cost[t] += (s.q_len - r_min) as u64 * BWD_BN as u64;
+                cost[t] += (r1 - r0) as u64 * BWD_BN as u64;
             }
         }
         let mut tile_off = Vec::with_capacity(n_tiles + 1);
@@ -250,6 +253,7 @@ pub(crate) fn launch_backward(
     let delta = p.workspace + offs[0] as u64;
     let acc = p.workspace + offs[1] as u64;
     let causal = spec.causal as u32;
+    let (win_l, win_r, window) = window_bounds(spec);
     macro_rules! by_dtype {
         ($k:ident, $($e:tt)*) => {
             match dt {
@@ -271,9 +275,9 @@ pub(crate) fn launch_backward(
 
     if dt == DType::F32 {
         let threads = 32 * F32_ROWS_PER_CUBE as u32;
-        let f = be.kernels.get(&KernelKey::new("rowwise_bwd_dkdv_f32", dt, &[hd as u32, causal]), || {
+        let f = be.kernels.get(&KernelKey::new("rowwise_bwd_dkdv_f32", dt, &[hd as u32]), || {
             codegen(flash_bwd::rowwise_bwd_dkdv_f32::RowwiseBwdDkdvF32::<CudaRuntime>::new(
-                settings(threads), client.clone(), A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), hd, spec.causal))
+                settings(threads), client.clone(), A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), hd))
         })?;
         let mut a = Args::new();
         a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.dout, ql).array(p.lse, ll).array(delta, ll);
@@ -282,11 +286,12 @@ pub(crate) fn launch_backward(
             a.array(t(i).0, t(i).1);
         }
         a.f32(spec.scale).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32).u32(d.total_k as u32);
+        a.u32(win_l).u32(win_r);
         launch(&f, (d.total_k.div_ceil(F32_ROWS_PER_CUBE) as u32, d.heads_kv as u32, 1), &mut a, stream)?;
 
-        let f = be.kernels.get(&KernelKey::new("rowwise_bwd_dq_f32", dt, &[hd as u32, causal]), || {
+        let f = be.kernels.get(&KernelKey::new("rowwise_bwd_dq_f32", dt, &[hd as u32]), || {
             codegen(flash_bwd::rowwise_bwd_dq_f32::RowwiseBwdDqF32::<CudaRuntime>::new(
-                settings(threads), client.clone(), A, A, A, A, A, A, A, A, A, (), (), (), (), hd, spec.causal))
+                settings(threads), client.clone(), A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), hd))
         })?;
         let mut a = Args::new();
         a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.dout, ql).array(p.lse, ll).array(delta, ll);
@@ -294,7 +299,7 @@ pub(crate) fn launch_backward(
         for i in [TBL_ROW_SEG, TBL_SEGS] {
             a.array(t(i).0, t(i).1);
         }
-        a.f32(spec.scale).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32);
+        a.f32(spec.scale).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32).u32(win_l).u32(win_r);
         return launch(&f, (d.total_q.div_ceil(F32_ROWS_PER_CUBE) as u32, d.heads_q as u32, 1), &mut a, stream);
     }
 
@@ -324,12 +329,16 @@ pub(crate) fn launch_backward(
         fill(p.dq, ql, false)?;
     }
     if n_k_work > 0 {
-        let key = KernelKey::new("flash_bwd_dkdv", dt, &[hd as u32, causal, ldsm as u32, fused as u32, qvec as u32, pipe as u32]);
+        let key = KernelKey::new(
+            "flash_bwd_dkdv",
+            dt,
+            &[hd as u32, causal, ldsm as u32, fused as u32, qvec as u32, pipe as u32, window as u32],
+        );
         let f = be.kernels.get(&key, || {
             by_dtype!(T, codegen_exp2(flash_bwd::flash_bwd_dkdv::FlashBwdDkdv::<T, CudaRuntime>::new(
                 settings(threads), client.clone(),
-                A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (),
-                BWD_LOAD_VEC, qvec, hd, spec.causal, ldsm, fused, qvec, pipe)))
+                A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (),
+                BWD_LOAD_VEC, qvec, hd, spec.causal, ldsm, fused, qvec, pipe, window)))
         })?;
         let (acc_ptr, acc_len) = if fused { (acc, ql / qvec) } else { (delta, 1) };
         let mut a = Args::new();
@@ -339,6 +348,7 @@ pub(crate) fn launch_backward(
             a.array(t(i).0, t(i).1);
         }
         a.f32(spec.scale).f32(spec.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32).u32(d.total_k as u32);
+        a.u32(win_l).u32(win_r);
         launch(&f, (n_k_work as u32, d.heads_kv as u32, 1), &mut a, stream)?;
     }
     if fused {
@@ -349,12 +359,12 @@ pub(crate) fn launch_backward(
         a.array(acc, ql).array(p.dq, ql).f32(spec.scale);
         launch(&f, grid_2d(ql.div_ceil(256)), &mut a, stream)?;
     } else if n_q_work > 0 {
-        let key = KernelKey::new("flash_bwd_dq", dt, &[hd as u32, causal, ldsm as u32, pipe as u32]);
+        let key = KernelKey::new("flash_bwd_dq", dt, &[hd as u32, causal, ldsm as u32, pipe as u32, window as u32]);
         let f = be.kernels.get(&key, || {
             by_dtype!(T, codegen_exp2(flash_bwd::flash_bwd_dq::FlashBwdDq::<T, CudaRuntime>::new(
                 settings(threads), client.clone(),
-                A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (),
-                BWD_LOAD_VEC, hd, spec.causal, ldsm, pipe)))
+                A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (),
+                BWD_LOAD_VEC, hd, spec.causal, ldsm, pipe, window)))
         })?;
         let mut a = Args::new();
         a.array(p.q, qv).array(p.k, kv).array(p.v, kv).array(p.dout, qv).array(p.lse, ll).array(delta, ll);
@@ -363,6 +373,7 @@ pub(crate) fn launch_backward(
             a.array(t(i).0, t(i).1);
         }
         a.f32(spec.scale).f32(spec.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32);
+        a.u32(win_l).u32(win_r);
         launch(&f, (n_q_work as u32, d.heads_q as u32, 1), &mut a, stream)?;
     }
     Ok(())

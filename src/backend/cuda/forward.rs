@@ -14,7 +14,7 @@ use half::{bf16, f16};
 
 use super::compile::{codegen, codegen_exp2, settings, KernelKey};
 use super::launch::{launch, Args};
-use super::{fwd_options, CudaBackend, Plan};
+use super::{fwd_options, window_bounds, CudaBackend, Plan};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::kernels::flash_fwd::{self, BLOCK_M};
@@ -84,8 +84,13 @@ pub(crate) fn flash_fwd_kernel(
     bn: usize,
     block_m: usize,
     sparse: bool,
+    window: bool,
 ) -> Result<super::compile::Func> {
-    let key = KernelKey::new("flash_fwd_mma2", dt, &[hd as u32, causal as u32, mt as u32, bn as u32, block_m as u32, sparse as u32]);
+    let key = KernelKey::new(
+        "flash_fwd_mma2",
+        dt,
+        &[hd as u32, causal as u32, mt as u32, bn as u32, block_m as u32, sparse as u32, window as u32],
+    );
     let threads = (block_m * 2 / mt) as u32;
     let client = be.client();
     be.kernels.get(&key, || {
@@ -94,13 +99,14 @@ pub(crate) fn flash_fwd_kernel(
                 codegen_exp2(flash_fwd::flash_fwd_mma2::FlashFwdMma2::<$t, CudaRuntime>::new(
                     settings(threads),
                     client.clone(),
-                    A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (),
+                    A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (),
                     hd,
                     causal,
                     mt,
                     bn,
                     block_m,
                     sparse,
+                    window,
                 ))
             };
         }
@@ -122,21 +128,22 @@ pub(crate) fn launch_forward(
     let t = |i| plan.tables.get(i);
     let client = be.client();
     let dt = spec.dtype;
+    let (win_l, win_r, window) = window_bounds(spec);
     if dt == DType::F32 {
-        let key = KernelKey::new("rowwise_fwd_f32", dt, &[hd as u32, spec.causal as u32]);
+        let key = KernelKey::new("rowwise_fwd_f32", dt, &[hd as u32]);
         let f = be.kernels.get(&key, || {
             codegen(rowwise_fwd::rowwise_fwd_f32::RowwiseFwdF32::<CudaRuntime>::new(
                 settings(32 * ROWS_PER_CUBE as u32),
                 client.clone(),
-                A, A, A, A, A, A, A, (), (), (), (), (),
+                A, A, A, A, A, A, A, (), (), (), (), (), (), (),
                 hd,
-                spec.causal,
             ))
         })?;
         let mut a = Args::new();
         a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.out, ql).array(p.lse, ll);
         a.array(t(TBL_ROW_SEG).0, t(TBL_ROW_SEG).1).array(t(TBL_SEGS).0, t(TBL_SEGS).1);
         a.f32(spec.scale).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32).f32(f32::INFINITY);
+        a.u32(win_l).u32(win_r);
         let cubes = d.total_q.div_ceil(ROWS_PER_CUBE) as u32;
         return launch(&f, (cubes, d.heads_q as u32, 1), &mut a, stream);
     }
@@ -169,7 +176,7 @@ pub(crate) fn launch_forward(
     let (part_o, part_lse) = (p.workspace + offs[0] as u64, p.workspace + offs[1] as u64);
     let n_part = po_bytes / (4 * hd);
 
-    let f = flash_fwd_kernel(be, dt, hd, spec.causal, mt, bn, BLOCK_M, false)?;
+    let f = flash_fwd_kernel(be, dt, hd, spec.causal, mt, bn, BLOCK_M, false, window)?;
     let mut a = Args::new();
     a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.out, ql).array(p.lse, ll);
     a.array(part_o, n_part * hd).array(part_lse, n_part);
@@ -179,7 +186,7 @@ pub(crate) fn launch_forward(
     // no block list (the sparse tables): any valid address
     a.array(t(TBL_SEGS).0, 1).array(t(TBL_SEGS).0, 1);
     a.f32(spec.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32);
-    a.u32(fp.hp).u32(fp.n_slots).f32(f32::INFINITY).u32(0).u32(1);
+    a.u32(fp.hp).u32(fp.n_slots).f32(f32::INFINITY).u32(0).u32(1).u32(win_l).u32(win_r);
     launch(&f, (n_work, y, 1), &mut a, stream)?;
 
     if fp.n_comb() > 0 {

@@ -40,6 +40,7 @@ use crate::device::{BackendStatus, DeviceInfo};
 use crate::dtype::HostView;
 use crate::error::{Error, Result};
 use crate::kernels::flash_fwd::{BLOCK_M, BLOCK_N, COMB_WORDS, NONE, SLICE_WORDS, WORK_WORDS};
+use crate::kernels::rows::WIN_NONE;
 use crate::spec::AttnSpec;
 
 /// head_dims with a CUDA kernel.
@@ -186,15 +187,17 @@ impl CudaBackend {
     }
 }
 
+/// The sliding window of `spec` as the kernels take it (`kernels::rows`): key bounds left and
+/// right of each row's diagonal ([`WIN_NONE`] for an unbounded side, right 0 with causal), and
+/// whether the window-aware kernel variants are needed.
+pub(crate) fn window_bounds(spec: &AttnSpec) -> (u32, u32, bool) {
+    let side = |x: Option<usize>| x.map_or(WIN_NONE, |v| v.min(WIN_NONE as usize) as u32);
+    let right = if spec.causal { 0 } else { side(spec.window.right) };
+    (side(spec.window.left), right, !spec.window.is_none())
+}
+
 /// Err(Unsupported) for what no CUDA kernel serves.
 pub fn check_supported(spec: &AttnSpec) -> Result<()> {
-    if !spec.window.is_none() {
-        return Err(Error::NotImplemented {
-            arg: "window_size",
-            backend: "cuda",
-            msg: "no CUDA kernel for sliding-window attention yet; device=\"cpu\" runs it (\"auto\" falls back to the CPU)".into(),
-        });
-    }
     let hd = spec.dims.head_dim;
     if !SUPPORTED_HEAD_DIMS.contains(&hd) {
         return Err(Error::Unsupported {

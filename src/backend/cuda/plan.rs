@@ -122,10 +122,11 @@ impl FwdPlan {
         let mut pieces: Vec<Tile> = Vec::new();
         for (i, s) in spec.segments.iter().enumerate() {
             let rows = s.q_len * hp;
+            // keys from the first row's first to the last row's last (both bounds grow with the row)
             let range = |p0: usize, n: usize| -> (u64, u64) {
-                let last_q = (p0 + n - 1) / hp;
-                let hi = s.k_start + s.visible_len(last_q, spec.causal);
-                (s.k_start as u64, hi as u64)
+                let (lo, _) = spec.row_key_range(s, p0 / hp);
+                let (_, hi) = spec.row_key_range(s, (p0 + n - 1) / hp);
+                (lo.min(hi) as u64, hi as u64)
             };
             let mut p = 0;
             while p < rows {
@@ -289,7 +290,7 @@ mod fwd_plan_tests {
                     assert!(qr < s.q_len);
                     let idx = (s.q_start + qr) * hp + pr % hp;
                     seen[idx] += 1;
-                    let (a, z) = s.key_range(qr, spec.causal);
+                    let (a, z) = spec.row_key_range(s, qr);
                     if z > a {
                         assert!(a as u32 >= lo && z as u32 <= hi, "row keys [{a},{z}) outside tile [{lo},{hi})");
                     }
@@ -315,6 +316,25 @@ mod fwd_plan_tests {
             }
         }
         v
+    }
+
+    /// Sliding windows: every row's window keys inside its tile's range, and the tile ranges
+    /// narrowed to the band (a row far down a long sequence does not read keys from the start).
+    #[test]
+    fn window_tiles_cover_exactly_the_band() {
+        for (l, r, causal) in [(70i64, 0i64, true), (5, 130, false), (0, 0, false), (300, -1, false), (-1, 3, false)] {
+            let spec = grouped(8, 2, &[[0, 1000], [1000, 1001]], &[[0, 1000], [0, 1000]], 1001, 1000, causal)
+                .with_window(l, r)
+                .unwrap();
+            for o in all_opts() {
+                let p = check(&spec, &o);
+                if l >= 0 && (r >= 0 || causal) {
+                    let widest = p.work.chunks(WORK_WORDS).map(|w| w[3] - w[2]).max().unwrap();
+                    // a tile holds at most BLOCK_M query rows
+                    assert!(widest as i64 <= l + r.max(0) + BLOCK_M as i64, "({l},{r}): a tile spans {widest} keys");
+                }
+            }
+        }
     }
 
     #[test]

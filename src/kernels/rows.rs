@@ -1,0 +1,32 @@
+//! Which keys a query row sees, on the device: the kernels' mirror of `AttnSpec::row_keys`
+//! (causal bound, then flash-attn's sliding window, both bottom-right aligned).
+//!
+//! The host passes the window as two `u32` bounds (see `backend::cuda::window_bounds`): `win_l`
+//! keys left of the row's diagonal, `win_r` right of it (0 with causal), [`WIN_NONE`] for an
+//! unbounded side. All arithmetic is `i32`: lengths and bounds stay below 2^30, so no sum here
+//! can overflow.
+
+use cubecl::prelude::*;
+
+/// The bound of an unbounded window side: wider than any sequence, small enough for `i32` sums.
+pub const WIN_NONE: u32 = 1 << 30;
+
+/// Keys `[lo, hi)` (relative to the segment's key start) that row `r` of a segment with `q_len`
+/// queries and `k_len` keys sees; `lo == hi` when none.
+#[cube]
+pub fn row_keys(q_len: u32, k_len: u32, r: u32, win_l: u32, win_r: u32) -> (u32, u32) {
+    let diag = k_len as i32 - q_len as i32 + r as i32;
+    let hi = max(min(k_len as i32, diag + win_r as i32 + 1i32), 0i32);
+    let lo = min(max(diag - win_l as i32, 0i32), hi);
+    (lo as u32, hi as u32)
+}
+
+/// Rows `[r0, r1)` of a segment that see key `kw` (relative to the segment's key start, inside
+/// `[0, k_len)`); `r0 >= r1` when none.
+#[cube]
+pub fn key_rows(q_len: u32, k_len: u32, kw: i32, win_l: u32, win_r: u32) -> (i32, i32) {
+    let shift = k_len as i32 - q_len as i32;
+    let r0 = max(kw - shift - win_r as i32, 0i32);
+    let r1 = min(kw - shift + win_l as i32 + 1i32, q_len as i32);
+    (r0, r1)
+}
