@@ -78,7 +78,7 @@ impl Segment {
 /// `r` of a segment sees window keys `j` with
 /// `r + k_len - q_len - left <= j <= r + k_len - q_len + right` (bottom-right aligned, as causal;
 /// with `causal` the right side is at most 0). `None` is an unbounded side.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct Window {
     pub left: Option<usize>,
     pub right: Option<usize>,

@@ -187,7 +187,7 @@ pub fn combine_parts<E: Float>(
             }
             if lane == 0 {
                 let mut val = inf;
-                if sum > 0.0f32 {
+                if sum != 0.0f32 {
                     val = mx + f32::ln(sum);
                 }
                 lse[(row_head[tr] * total_q + tok) as usize] = val;
@@ -665,7 +665,7 @@ pub fn flash_fwd_mma2<E: Float>(
                 let tok = row_tok[tr];
                 if tok != NONE {
                     let mut val = inf;
-                    if l_r[i] > 0.0f32 {
+                    if l_r[i] != 0.0f32 {
                         val = m_r[i] * LN2 + f32::ln(l_r[i]);
                     }
                     lse[(row_head[tr] * total_q + tok) as usize] = val;
@@ -696,7 +696,7 @@ pub fn flash_fwd_mma2<E: Float>(
                 }
                 let tr = prow + (i / 2) * 16 + r as usize;
                 let mut val = neg_inf;
-                if l_r[i] > 0.0f32 {
+                if l_r[i] != 0.0f32 {
                     val = m_r[i] * LN2 + f32::ln(l_r[i]);
                 }
                 part_lse[pbase + tr] = val;

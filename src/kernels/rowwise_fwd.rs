@@ -82,7 +82,7 @@ pub fn rowwise_fwd_f32(
         }
         if lane == 0 {
             let mut val = inf;
-            if l > 0.0f32 {
+            if l != 0.0f32 {
                 val = m + f32::ln(l);
             }
             lse[(head * total_q + row) as usize] = val;

@@ -141,3 +141,38 @@ def test_new_shape_during_capture_is_a_clear_error():
     with pytest.raises(Exception, match="capture"):
         with torch.cuda.graph(graph):
             cubeattn.flash_attn_func(q, k, v, causal=False)
+
+
+def test_repeated_batched_call_takes_the_cached_path_and_stays_exact():
+    """The second identical batched call skips the validating layers (cached spec); its result
+    equals the first call's bit for bit and the reference; any change of shape, option,
+    contiguity or autograd goes back through the validating path."""
+    gen = torch.Generator().manual_seed(21)
+    b, s, hq, hkv, d = 2, 200, 8, 2, 128
+    q, k, v = rand(gen, (b, s, hq, d)), rand(gen, (b, s, hkv, d)), rand(gen, (b, s, hkv, d))
+    cubeattn._FAST.clear()
+    first = cubeattn.flash_attn_func(q, k, v, causal=True)
+    assert len(cubeattn._FAST) == 1
+    again = cubeattn.flash_attn_func(q, k, v, causal=True)
+    assert torch.equal(first, again) and again.shape == q.shape
+    cu = np.arange(b + 1) * s
+    flat = [f64(x).reshape(b * s, x.shape[2], d) for x in (q, k, v)]
+    ref, _ = ref_attention(*flat, varlen_segments(cu, cu), True)
+    assert rel_err(f64(again).reshape(ref.shape), ref) < 1e-2
+    # other options and shapes: new entries, each correct
+    full = cubeattn.flash_attn_func(q, k, v, causal=False)
+    ref_full, _ = ref_attention(*flat, varlen_segments(cu, cu), False)
+    assert rel_err(f64(full).reshape(ref.shape), ref_full) < 1e-2
+    half = cubeattn.flash_attn_func(q[:, :100].contiguous(), k[:, :100].contiguous(), v[:, :100].contiguous(), causal=True)
+    assert half.shape == (b, 100, hq, d)
+    assert len(cubeattn._FAST) == 3
+    # a non-contiguous view of the same shape: the validating path (contiguous copy), same values
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not qt.is_contiguous()
+    assert torch.equal(cubeattn.flash_attn_func(qt, k, v, causal=True), first)
+    # requires_grad: autograd, not the cached forward
+    qg = q.clone().requires_grad_()
+    out = cubeattn.flash_attn_func(qg, k, v, causal=True)
+    assert out.requires_grad and torch.equal(out.detach(), first)
+    out.sum().backward()
+    assert qg.grad is not None and torch.isfinite(qg.grad).all()

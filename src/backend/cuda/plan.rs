@@ -322,10 +322,15 @@ mod fwd_plan_tests {
     /// narrowed to the band (a row far down a long sequence does not read keys from the start).
     #[test]
     fn window_tiles_cover_exactly_the_band() {
-        for (l, r, causal) in [(70i64, 0i64, true), (5, 130, false), (0, 0, false), (300, -1, false), (-1, 3, false)] {
+        let qr = [[0, 1], [1, 64], [64, 194], [194, 451]];
+        let kr = [[0, 1], [1, 81], [81, 211], [211, 511]];
+        for (l, r, causal) in [(70i64, 0i64, true), (5, 130, false), (0, 0, false), (300, -1, false), (-1, 3, false), (4, 3, false)] {
             let spec = grouped(8, 2, &[[0, 1000], [1000, 1001]], &[[0, 1000], [0, 1000]], 1001, 1000, causal)
                 .with_window(l, r)
                 .unwrap();
+            for o in all_opts() {
+                check(&grouped(4, 2, &qr, &kr, 451, 511, causal).with_window(l, r).unwrap(), &o);
+            }
             for o in all_opts() {
                 let p = check(&spec, &o);
                 if l >= 0 && (r >= 0 || causal) {

@@ -20,18 +20,19 @@ use cudarc::driver::{result as drv, sys};
 use super::driver::{capturing, err};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::spec::AttnSpec;
+use crate::spec::{AttnSpec, Window};
 
 /// Entries kept per device and direction.
 pub const CAPACITY: usize = 256;
 
-/// What a plan depends on: the call's shape (dims, dtype, causal, segments) and the options that
-/// change the plan.
+/// What a plan depends on: the call's shape (dims, dtype, causal, sliding window, segments) and the
+/// options that change the plan.
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
 pub(crate) struct PlanKey {
     dtype: DType,
     dims: [usize; 5],
     causal: bool,
+    window: Window,
     segs: Vec<[usize; 4]>,
     opts: u64,
     extra: u64,
@@ -44,6 +45,7 @@ impl PlanKey {
             dtype: spec.dtype,
             dims: [d.total_q, d.total_k, d.heads_q, d.heads_kv, d.head_dim],
             causal: spec.causal,
+            window: spec.window,
             segs: spec.segments.iter().map(|s| [s.q_start, s.q_len, s.k_start, s.k_len]).collect(),
             opts,
             extra: 0,
