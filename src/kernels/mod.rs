@@ -4,7 +4,8 @@ pub mod flash_fwd;
 pub mod math;
 pub mod rowwise_fwd;
 pub mod flash_bwd;
+pub mod sparse_index;
 
 /// The kernel sources, hashed into the compiled-kernel cache key so that an edited kernel is never
 /// served from a stale cache entry.
-pub const SOURCES: &[&str] = &[include_str!("flash_fwd.rs"), include_str!("math.rs"), include_str!("rowwise_fwd.rs"), include_str!("flash_bwd.rs")];
+pub const SOURCES: &[&str] = &[include_str!("flash_fwd.rs"), include_str!("math.rs"), include_str!("rowwise_fwd.rs"), include_str!("flash_bwd.rs"), include_str!("sparse_index.rs")];
