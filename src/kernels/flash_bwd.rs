@@ -18,6 +18,12 @@
 //!
 //! Rows are segment-local and keys window-local for the masks: segment row `r` sees window keys
 //! `j <= k_len - q_len + r` when causal (bottom-right alignment).
+//!
+//! Block-sparse (comptime `sparse`, same kernels): a dQ cube's rows lie in one query block and
+//! its key tiles are that block's listed key blocks (the forward's `tile_bounds` over a list);
+//! a dK/dV cube's keys lie in one key block and its query tiles come from the transposed index
+//! (`kernels::sparse_index`): per index head the query blocks listing the key block, ascending,
+//! each `q_tiles_per_block` tiles of `BWD_BM` rows, rows past the query block's end masked.
 
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
@@ -405,6 +411,8 @@ fn sparse_q_tile(
 /// `ktiles`: key-tile indices (tile t = keys `[t*BN, t*BN+BN)` of the shared key axis), most
 /// expensive first; `tile_off`/`tile_segs`: CSR list of the segments overlapping each tile;
 /// `segs`: (q_start, q_len, k_start, k_len) per segment; `lse`, `delta`: `[heads_q, total_q]`.
+/// Sparse: `ktiles` holds [`SPARSE_KWORK_WORDS`] words per item, `tq_off` / `tq_list` the
+/// transposed index (cell `(sequence * k_blocks + key block) * idx_heads + index head`).
 #[allow(clippy::too_many_arguments, unused_assignments)]
 #[cube(launch_unchecked)]
 pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
@@ -856,7 +864,9 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
 
 /// dQ. Grid: (work items, heads_q); 32 * [`BWD_PLANES`] units. `work`: two u32 per cube
 /// (segment id, first row of the tile inside the segment); rows no segment covers are not
-/// written here (see [`fill_zero`]).
+/// written here (see [`fill_zero`]). Sparse: [`SPARSE_QWORK_WORDS`] words per item and
+/// `tile_ref[(index head * items + item) * 2..]` = (offset into `blocks`, key tiles), as in the
+/// forward.
 #[allow(clippy::too_many_arguments, unused_assignments)]
 #[cube(launch_unchecked)]
 pub fn flash_bwd_dq<E: Float, NV: Size>(
