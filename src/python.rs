@@ -601,8 +601,8 @@ fn sparse_backward<'py>(
     device: &str,
 ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>, &'static str)> {
     let pref = DevicePref::parse(device).map_err(to_py)?;
-    crate::backend::sparse::sparse_backward_backend(pref).map_err(sparse_err)?;
     let s = &spec.inner;
+    crate::backend::sparse::sparse_backward_backend(pref, s).map_err(sparse_err)?;
     let dt = s.attn.dtype;
     let (qb, kb, vb) = (Buf::new(&q, dt, "q")?, Buf::new(&k, dt, "k")?, Buf::new(&v, dt, "v")?);
     let (ob, gb) = (Buf::new(&out, dt, "out")?, Buf::new(&dout, dt, "dout")?);
@@ -634,13 +634,55 @@ fn sparse_forward_device(
 ) -> PyResult<Option<bool>> {
     let pref = DevicePref::parse(device).map_err(to_py)?;
     let s = &spec.inner;
-    let be = crate::backend::sparse::sparse_forward_cuda(pref, s).map_err(sparse_err)?;
+    let be = crate::backend::sparse::sparse_cuda(pref, s, false).map_err(sparse_err)?;
     let p = crate::backend::cuda::FwdPtrs { q, k, v, out, lse, workspace: 0 };
     match be {
         // SAFETY: as in `forward_device`.
         Some(be) => run_detached(py, || unsafe { be.sparse_forward_device(s, p, stream) }).map(Some),
         None => Ok(None),
     }
+}
+
+#[cfg(feature = "cuda")]
+/// Block-sparse backward on device-resident buffers (see [`sparse_forward_device`]): writes dq,
+/// dk, dv in place; `workspace` holds at least [`sparse_backward_workspace`] bytes. None when the
+/// host path must run, False when the call has no row or key (nothing enqueued), True when enqueued.
+#[pyfunction]
+#[pyo3(signature = (spec, q, k, v, out, lse, dout, dq, dk, dv, workspace, workspace_bytes, stream, device))]
+#[allow(clippy::too_many_arguments)]
+fn sparse_backward_device(
+    py: Python<'_>,
+    spec: &PySparseSpec,
+    q: u64,
+    k: u64,
+    v: u64,
+    out: u64,
+    lse: u64,
+    dout: u64,
+    dq: u64,
+    dk: u64,
+    dv: u64,
+    workspace: u64,
+    workspace_bytes: usize,
+    stream: u64,
+    device: &str,
+) -> PyResult<Option<bool>> {
+    let pref = DevicePref::parse(device).map_err(to_py)?;
+    let s = &spec.inner;
+    let be = crate::backend::sparse::sparse_cuda(pref, s, true).map_err(sparse_err)?;
+    let p = crate::backend::cuda::BwdPtrs { q, k, v, out, lse, dout, dq, dk, dv, workspace };
+    match be {
+        // SAFETY: as in `forward_device`.
+        Some(be) => run_detached(py, || unsafe { be.sparse_backward_device(s, p, workspace_bytes, stream) }).map(Some),
+        None => Ok(None),
+    }
+}
+
+#[cfg(feature = "cuda")]
+/// Device workspace bytes of a block-sparse backward of `spec` (torch allocates it).
+#[pyfunction]
+fn sparse_backward_workspace(spec: &PySparseSpec) -> usize {
+    crate::backend::cuda::sparse_backward_workspace(&spec.inner)
 }
 
 #[pymodule]
@@ -667,6 +709,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     #[cfg(feature = "cuda")]
     m.add_function(wrap_pyfunction!(sparse_forward_device, m)?)?;
     m.add_function(wrap_pyfunction!(sparse_backward, m)?)?;
+    #[cfg(feature = "cuda")]
+    m.add_function(wrap_pyfunction!(sparse_backward_device, m)?)?;
+    #[cfg(feature = "cuda")]
+    m.add_function(wrap_pyfunction!(sparse_backward_workspace, m)?)?;
     m.add("CUDA_COMPILED", cfg!(feature = "cuda"))?;
     add_zigzag(m)?;
     Ok(())

@@ -183,8 +183,35 @@ def _run_forward(spec, cq, ck, cv, device):
     return from_core(out, cq.shape, cq.dtype, cq), from_core(lse, (heads_q, total_q), "float32", cq)
 
 
+def _backward_on_gpu(spec, gpu, dev, conv, lse):
+    """dq, dk, dv computed on device-resident torch tensors, enqueued on torch's current stream (no
+    copies, no synchronization), or None where the host path must run."""
+    import torch
+
+    from . import _raw_stream
+
+    if not (_is_torch(lse) and lse.is_cuda and lse.device == gpu and lse.dtype == torch.float32):
+        return None
+    total_q, _, heads_q, _, _ = spec.dims
+    lt = lse.detach().contiguous()
+    if lt.numel() != heads_q * total_q:
+        raise ValueError(f"invalid argument `lse`: expected {heads_q * total_q} values, got {lt.numel()}")
+    n = _core.sparse_backward_workspace(spec)
+    ws = torch.empty(max(n, 1), dtype=torch.uint8, device=gpu)
+    grads = tuple(torch.empty(c.shape, dtype=c.device_tensor.dtype, device=gpu) for c in conv[:3])
+    ptrs = [c.device_tensor.data_ptr() for c in conv[:4]] + [lt.data_ptr(), conv[4].device_tensor.data_ptr()]
+    done = _core.sparse_backward_device(spec, *ptrs, *(g.data_ptr() for g in grads), ws.data_ptr(), n,
+                                        _raw_stream(torch, gpu), dev)
+    if done is None:
+        return None
+    if not done:
+        for g in grads:
+            g.zero_()
+    return grads
+
+
 def _run_backward(spec, dout, q, k, v, out, lse, device):
-    from . import _last
+    from . import _device_for, _last, _one_gpu
 
     cq, ck, cv = to_core(q, "q"), to_core(k, "k"), to_core(v, "v")
     co, cg = to_core(out, "out"), to_core(dout, "dout")
@@ -194,11 +221,17 @@ def _run_backward(spec, dout, q, k, v, out, lse, device):
     for name, c in (("out", co), ("dout", cg)):
         if c.shape != cq.shape:
             raise ValueError(f"invalid argument `{name}`: shape {c.shape} differs from q's {cq.shape}")
+    dev = _device_for(_check_device(device), cq, ck, cv)
+    gpu = _one_gpu(dev, cq, ck, cv, co, cg) if hasattr(_core, "sparse_backward_device") else None
+    if gpu is not None:
+        grads = _backward_on_gpu(spec, gpu, dev, (cq, ck, cv, co, cg), lse)
+        if grads is not None:
+            _last.name = "cuda"
+            return grads
     if _is_torch(lse):
         lse = lse.detach().cpu().numpy()
     lse_arr = np.ascontiguousarray(np.asarray(lse, dtype=np.float32)).reshape(-1)
-    dq, dk, dv, name = _core.sparse_backward(spec, cq.bytes, ck.bytes, cv.bytes, co.bytes, lse_arr, cg.bytes,
-                                             _check_device(device))
+    dq, dk, dv, name = _core.sparse_backward(spec, cq.bytes, ck.bytes, cv.bytes, co.bytes, lse_arr, cg.bytes, dev)
     _last.name = name
     return (from_core(dq, cq.shape, cq.dtype, cq), from_core(dk, ck.shape, ck.dtype, ck),
             from_core(dv, cv.shape, cv.dtype, cv))
@@ -212,12 +245,13 @@ def _lse_batched(lse, b, sq):
 
 
 def _lse_flat(lse, b, sq):
-    """[b, heads, sq] -> [heads, b * sq]."""
-    if _is_torch(lse):
-        lse = lse.detach().cpu().numpy()
-    lse = np.asarray(lse, dtype=np.float32)
+    """[b, heads, sq] -> [heads, b * sq] (a torch tensor stays on its device)."""
+    if not _is_torch(lse):
+        lse = np.asarray(lse, dtype=np.float32)
     if lse.ndim != 3 or lse.shape[0] != b or lse.shape[2] != sq:
-        raise ValueError(f"invalid argument `lse`: expected shape [batch={b}, heads, seqlen_q={sq}], got {lse.shape}")
+        raise ValueError(f"invalid argument `lse`: expected shape [batch={b}, heads, seqlen_q={sq}], got {tuple(lse.shape)}")
+    if _is_torch(lse):
+        return lse.detach().float().permute(1, 0, 2).reshape(lse.shape[1], b * sq)
     return np.ascontiguousarray(lse.transpose(1, 0, 2)).reshape(lse.shape[1], b * sq)
 
 
@@ -235,8 +269,8 @@ def block_sparse_attn_func(q, k, v, block_index=None, q_block=DEFAULT_Q_BLOCK, k
     is built once): the call must match its shapes, sequences and dtype. Forward on CUDA (torch
     CUDA tensors stay on their GPU; numpy inputs are copied) for float16/bfloat16, head_dim 64/128,
     exact QK^T; the rest runs on the CPU with ``device="auto"`` and raises NotImplementedError
-    with ``device="cuda"``. The backward has no CUDA kernel yet: autograd runs it on the CPU
-    (``device="auto"``); ``device="cuda"`` raises NotImplementedError there."""
+    with ``device="cuda"``. The backward (torch autograd, or block_sparse_attn_backward) follows
+    the same rule; on torch CUDA tensors it is enqueued on the current stream with no copies."""
     cq0 = dtype_name(q, "q")
     dtype_name(k, "k"), dtype_name(v, "v")
     fq, fk, fv, cu_q, cu_k, mq, mk, batched = _layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -319,7 +353,9 @@ def block_sparse_attn_backward(dout, q, k, v, out, lse, block_index=None, q_bloc
                                block_mask=None, kv_num_blocks=None, kv_indices=None):
     """Gradients (dq, dk, dv) of block_sparse_attn_func (exact QK^T) given dout, its out and lse,
     in the layout of the forward call (lse ``[B, Hq, Sq]`` batched, ``[Hq, total_q]`` varlen).
-    Deterministic: the same inputs give bitwise-identical gradients."""
+    Deterministic on every device: the same inputs give bitwise-identical gradients. CUDA for
+    float16/bfloat16, head_dim 64/128 (torch CUDA tensors stay on their GPU); the CPU otherwise
+    with ``device="auto"``, NotImplementedError with ``device="cuda"``."""
     dt = dtype_name(q, "q")
     for name, x in (("k", k), ("v", v), ("out", out), ("dout", dout)):
         dtype_name(x, name)

@@ -1,6 +1,7 @@
 """torch.autograd glue for block-sparse attention (the sibling of `_autograd.py` for dense
 attention): when q, k or v is a torch tensor that requires grad, the output joins the autograd
-graph and its backward runs cubeattn's block-sparse backward (same spec, same device choice).
+graph and its backward runs cubeattn's block-sparse backward (same spec, same device choice:
+on torch CUDA tensors the CUDA kernels, enqueued on the current stream with no host copies).
 No maths here."""
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ Times cubeattn beside the peers a user would otherwise pick, in the same run, on
     numpy implementation;
   * CUDA: torch SDPA (flash and cuDNN backends), FlexAttention, and for grouped attention the
     per-group calls that people make today.
-``sparse`` (CPU for now: the block-sparse CUDA kernel is not built) times block-sparse attention at
-several kept fractions beside our dense CPU path on the same inputs.
+``sparse`` times block-sparse attention at several kept fractions beside our dense path on the same
+inputs (CUDA: forward and forward+backward, with SDPA flash and FlexAttention with the same BlockMask).
 Our CUDA kernel is timed on device-resident inputs (no host<->device copies) after warm-up.
 Prints a table, writes JSON (``--json``), and a PNG plot when matplotlib is importable (``--png``).
 """
@@ -746,7 +746,10 @@ def _cuda_sparse(args, torch):
     the same BlockMask; bf16, q_block = k_block = 128 (FlexAttention's block), index per head.
     Wall clock of the torch call (median, one sync per call). Rows: {what: "sparse", impl:
     "cubeattn" (the public call with the index: validated per call) | "cubeattn_prepared" (the
-    public call with a SparseSpec built once, as a FlexAttention BlockMask is) | "cubeattn_dense" | "sdpa_flash" | "flex", B, H, S, keep, pattern, causal, ms}."""
+    public call with a SparseSpec built once, as a FlexAttention BlockMask is) | "cubeattn_dense" | "sdpa_flash" | "flex", B, H, S, keep, pattern, causal, ms}.
+    Then what "sparse_fwdbwd": one autograd step (out = f(q, k, v); out.backward(g), gradients
+    accumulating into the leaves) for cubeattn_prepared, cubeattn_dense (deterministic dQ),
+    sdpa_flash and flex with the same BlockMask."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -768,14 +771,26 @@ def _cuda_sparse(args, torch):
         nb = -(-s // 128)
         q, k, v = (torch.randn(B, s, H, d, device="cuda", dtype=tdt) for _ in range(3))
         qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+        # autograd leaves and the output gradient of the fwd+bwd rows
+        qg, kg, vg, qtg, ktg, vtg = (x.detach().requires_grad_(True) for x in (q, k, v, qt, kt, vt))
+        g = torch.randn_like(q)
+        gt = g.transpose(1, 2).contiguous()
         base = dict(what="sparse", B=B, H=H, S=s, causal=args.causal)
+        fb = dict(base, what="sparse_fwdbwd")
         ms = median_ms(lambda: cubeattn.flash_attn_func(q, k, v, causal=args.causal), 3, it, sync)
         rows.append(dict(base, impl="cubeattn_dense", keep=1.0, pattern="dense", ms=ms[0], ms_min=ms[1]))
-        def sdpa():
+        def sdpa(x=(qt, kt, vt), grad=None):
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                F.scaled_dot_product_attention(qt, kt, vt, is_causal=args.causal)
+                o = F.scaled_dot_product_attention(*x, is_causal=args.causal)
+            if grad is not None:
+                o.backward(grad)
         ms = median_ms(sdpa, 3, it, sync)
         rows.append(dict(base, impl="sdpa_flash", keep=1.0, pattern="dense", ms=ms[0], ms_min=ms[1]))
+        ms = median_ms(lambda: cubeattn.flash_attn_func(qg, kg, vg, causal=args.causal, deterministic=True).backward(g),
+                       2, it, sync)
+        rows.append(dict(fb, impl="cubeattn_dense", keep=1.0, pattern="dense", ms=ms[0], ms_min=ms[1]))
+        ms = median_ms(lambda: sdpa((qtg, ktg, vtg), gt), 2, it, sync)
+        rows.append(dict(fb, impl="sdpa_flash", keep=1.0, pattern="dense", ms=ms[0], ms_min=ms[1]))
         for ratio in args.top_k_ratios:
             top_k = sp.top_k_for(nb, ratio)
             ix = sp.PATTERNS[args.pattern](B, H, nb, nb, top_k, seed=1)
@@ -788,6 +803,8 @@ def _cuda_sparse(args, torch):
                                             (np.arange(B + 1) * s).astype(np.int32), s, s, ix, 128, 128, causal=args.causal)
                 ms = median_ms(lambda: cubeattn.block_sparse_attn_func(q, k, v, spec), 3, it, sync)
                 rows.append(dict(key, impl="cubeattn_prepared", ms=ms[0], ms_min=ms[1]))
+                ms = median_ms(lambda: cubeattn.block_sparse_attn_func(qg, kg, vg, spec).backward(g), 2, it, sync)
+                rows.append(dict(key, what="sparse_fwdbwd", impl="cubeattn_prepared", ms=ms[0], ms_min=ms[1]))
             except Exception as e:
                 rows.append(dict(key, impl="cubeattn", error=str(e)[:200]))
             if flex is not None and not args.causal:
@@ -799,13 +816,16 @@ def _cuda_sparse(args, torch):
                     bm = BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=128)
                     ms = median_ms(lambda: flex(qt, kt, vt, block_mask=bm), 3, it, sync)
                     rows.append(dict(key, impl="flex", ms=ms[0], ms_min=ms[1]))
+                    ms = median_ms(lambda: flex(qtg, ktg, vtg, block_mask=bm).backward(gt), 2, it, sync)
+                    rows.append(dict(key, what="sparse_fwdbwd", impl="flex", ms=ms[0], ms_min=ms[1]))
                 except Exception as e:
                     rows.append(dict(key, impl="flex", error=str(e)[:200]))
-        del q, k, v, qt, kt, vt
-    dense = {r["S"]: r["ms"] for r in rows if r.get("impl") == "cubeattn_dense" and "ms" in r}
+        del q, k, v, qt, kt, vt, qg, kg, vg, qtg, ktg, vtg, g, gt
+    dense = {(r["what"], r["S"]): r["ms"] for r in rows if r.get("impl") == "cubeattn_dense" and "ms" in r}
     for r in rows:
-        if r.get("impl") in ("cubeattn", "cubeattn_prepared") and "ms" in r and r["S"] in dense:
-            r["speedup"] = dense[r["S"]] / r["ms"]
+        at = (r.get("what"), r.get("S"))
+        if r.get("impl") in ("cubeattn", "cubeattn_prepared") and "ms" in r and at in dense:
+            r["speedup"] = dense[at] / r["ms"]
             r["ideal"] = 1.0 / r["keep"]
     return rows
 

@@ -18,11 +18,18 @@
 //!
 //! Rows are segment-local and keys window-local for the masks: segment row `r` sees window keys
 //! `j <= k_len - q_len + r` when causal (bottom-right alignment).
+//!
+//! Block-sparse (comptime `sparse`, same kernels): a dQ cube's rows lie in one query block and
+//! its key tiles are that block's listed key blocks (the forward's `tile_bounds` over a list);
+//! a dK/dV cube's keys lie in one key block and its query tiles come from the transposed index
+//! (`kernels::sparse_index`): per index head the query blocks listing the key block, ascending,
+//! each `q_tiles_per_block` tiles of `BWD_BM` rows, rows past the query block's end masked.
 
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
 use cubecl::prelude::barrier::{copy_async, Barrier};
 
+use super::flash_fwd::{tile_bounds, LIST_SMEM};
 use super::math::{fast_exp2, LOG2E};
 use super::rows::{key_rows, row_keys};
 
@@ -42,6 +49,14 @@ const PAD: usize = 8;
 pub const F32_ROWS_PER_CUBE: usize = 4;
 /// Planes per cube of the preprocessing kernel.
 pub const DELTA_PLANES: usize = 8;
+/// u32 words per block-sparse dQ work item: (sequence, first row, end row of its query block).
+pub const SPARSE_QWORK_WORDS: usize = 3;
+/// u32 words per block-sparse dK/dV work item: (sequence, first window key, keys, key block).
+pub const SPARSE_KWORK_WORDS: usize = 4;
+/// An entry of the transposed block index is `query block | index head << SPARSE_QB_BITS`.
+pub const SPARSE_QB_BITS: u32 = 20;
+/// The query-block bits of a transposed-index entry.
+pub const SPARSE_QB_MASK: u32 = (1 << SPARSE_QB_BITS) - 1;
 
 
 // ---------------------------------------------------------------------------------------------
@@ -362,6 +377,33 @@ fn issue_kv_tile<E: Float>(
     }
 }
 
+/// Block-sparse dK/dV: (q head, first row, end row of the query block) of query tile `t` of entry
+/// `e` of the transposed list at `lo` (entries `query block | index head << SPARSE_QB_BITS`).
+/// With an index per q head (`span` > 1) the entry names the head; with one per kv head, the
+/// `ri`-th q head of the group (`h_base` = its first).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn sparse_q_tile(
+    tq_list: &Array<u32>,
+    lo: u32,
+    e: u32,
+    t: u32,
+    ri: u32,
+    h_base: u32,
+    span: u32,
+    q_block: u32,
+    q_len: u32,
+) -> (u32, u32, u32) {
+    let entry = tq_list[(lo + e) as usize];
+    let qblk = entry & SPARSE_QB_MASK;
+    let mut h = h_base + ri;
+    if span > 1u32 {
+        h = entry >> SPARSE_QB_BITS;
+    }
+    let b0 = qblk * q_block;
+    (h, b0 + t * BWD_BM as u32, min(b0 + q_block, q_len))
+}
+
 // ---------------------------------------------------------------------------------------------
 // Tensor-core kernels (f16 / bf16)
 // ---------------------------------------------------------------------------------------------
@@ -370,7 +412,9 @@ fn issue_kv_tile<E: Float>(
 /// `ktiles`: key-tile indices (tile t = keys `[t*BN, t*BN+BN)` of the shared key axis), most
 /// expensive first; `tile_off`/`tile_segs`: CSR list of the segments overlapping each tile;
 /// `segs`: (q_start, q_len, k_start, k_len) per segment; `lse`, `delta`: `[heads_q, total_q]`.
-#[allow(clippy::too_many_arguments)]
+/// Sparse: `ktiles` holds [`SPARSE_KWORK_WORDS`] words per item, `tq_off` / `tq_list` the
+/// transposed index (cell `(sequence * k_blocks + key block) * idx_heads + index head`).
+#[allow(clippy::too_many_arguments, unused_assignments)]
 #[cube(launch_unchecked)]
 pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
     q: &Array<Vector<E, NV>>,
@@ -388,12 +432,18 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
     tile_off: &Array<u32>,
     tile_segs: &Array<u32>,
     segs: &Array<u32>,
+    tq_off: &Array<u32>,
+    tq_list: &Array<u32>,
     scale: f32,
     scale_log2: f32,
     heads_q: u32,
     heads_kv: u32,
     total_q: u32,
     total_k: u32,
+    q_block: u32,
+    idx_heads: u32,
+    k_blocks: u32,
+    q_tiles_per_block: u32,
     win_l: u32,
     win_r: u32,
     #[comptime] head_dim: usize,
@@ -402,6 +452,7 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
     #[comptime] fuse_dq: bool,
     #[comptime] qvec: usize,
     #[comptime] pipe: bool,
+    #[comptime] sparse: bool,
     #[comptime] window: bool,
 ) {
     let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
@@ -425,13 +476,31 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
     let bar0 = Barrier::shared(comptime!((BWD_PLANES * 32) as u32), UNIT_POS == 0);
     let bar1 = Barrier::shared(comptime!((BWD_PLANES * 32) as u32), UNIT_POS == 0);
 
-    let kt = ktiles[CUBE_POS_X as usize];
     let hk = CUBE_POS_Y;
     let group = heads_q / heads_kv;
-    let key0 = kt * BWD_BN as u32;
+    // Dense: key tile `kt` of the shared key axis, its segments from the CSR list. Sparse: work
+    // item (sequence, first window key, keys, key block) inside one key block of one sequence.
+    let mut key0 = 0u32;
+    let mut key_lim = total_k;
+    let mut s_begin = 0u32;
+    let mut s_end = 1u32;
+    let mut sp_seq = 0u32;
+    let mut sp_kblk = 0u32;
+    if sparse {
+        let w = CUBE_POS_X as usize * SPARSE_KWORK_WORDS;
+        sp_seq = ktiles[w];
+        sp_kblk = ktiles[w + 3];
+        key0 = segs[sp_seq as usize * 4 + 2] + ktiles[w + 1];
+        key_lim = key0 + ktiles[w + 2];
+    } else {
+        let kt = ktiles[CUBE_POS_X as usize];
+        key0 = kt * BWD_BN as u32;
+        s_begin = tile_off[kt as usize];
+        s_end = tile_off[kt as usize + 1];
+    }
 
-    stage_rows::<E, NV>(k, &mut k_smem, key0, total_k, key0, heads_kv, hk, BWD_BN, head_dim);
-    stage_rows::<E, NV>(v, &mut v_smem, key0, total_k, key0, heads_kv, hk, BWD_BN, head_dim);
+    stage_rows::<E, NV>(k, &mut k_smem, key0, key_lim, key0, heads_kv, hk, BWD_BN, head_dim);
+    stage_rows::<E, NV>(v, &mut v_smem, key0, key_lim, key0, heads_kv, hk, BWD_BN, head_dim);
     // Barrier initialisation visible before the first cp.async commit.
     sync_cube();
     // Query tiles issued so far (pipe): tile g uses stage g % 2 and barrier phase (g / 2) % 2.
@@ -460,10 +529,11 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
     // This plane's keys: tile rows [kw_base, kw_base + 16).
     let kw_base = plane as usize * 16;
 
-    let s_begin = tile_off[kt as usize];
-    let s_end = tile_off[kt as usize + 1];
     for si in s_begin..s_end {
-        let seg = tile_segs[si as usize] as usize;
+        let mut seg = sp_seq as usize;
+        if !sparse {
+            seg = tile_segs[si as usize] as usize;
+        }
         let q_start = segs[seg * 4];
         let q_len = segs[seg * 4 + 1];
         let k_start = segs[seg * 4 + 2];
@@ -484,21 +554,45 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
         } else if causal {
             r_min = max(first_key as i32 - shift, 0i32);
         }
-        let mut n_qt = 0u32;
-        if r_min < r_end {
-            n_qt = (r_end as u32 - r_min as u32 + BWD_BM as u32 - 1) / BWD_BM as u32;
-        }
         // Window-local index of this plane's first key (may be negative).
         let kw0 = (key0 as i32 + kw_base as i32) - k_start as i32;
-        // (q head, query tile) pairs of this segment, q head outer.
-        let n_it = group * n_qt;
+        // Window keys of this cube: [.., k_hi) (dense: the window; sparse: the item's keys).
+        let mut k_hi = k_len;
+        // (q head, query tile) pairs of this segment. Dense: q head outer, the tiles from the first
+        // row that sees the tile. Sparse: the entries of the transposed index (query blocks
+        // listing the key block, per index head; with an index per kv head every q head of the
+        // group walks the one list) x `q_tiles_per_block` tiles per query block.
+        let mut n_qt = 0u32;
+        let mut n_it = 0u32;
+        let mut t_lo = 0u32;
+        let mut t_n = 0u32;
+        let span = idx_heads / heads_kv;
+        if sparse {
+            k_hi = key_lim - k_start;
+            let c0 = (sp_seq * k_blocks + sp_kblk) * idx_heads + hk * span;
+            t_lo = tq_off[c0 as usize];
+            t_n = tq_off[(c0 + span) as usize] - t_lo;
+            n_it = (group / span) * t_n * q_tiles_per_block;
+        } else {
+            if r_min < r_end {
+                n_qt = (r_end as u32 - r_min as u32 + BWD_BM as u32 - 1) / BWD_BM as u32;
+            }
+            n_it = group * n_qt;
+        }
         if pipe && n_it > 0 {
             // First tile of the segment: its stage was last read two tiles ago, before the
             // barrier at the top of the previous iteration.
             let boff = ((g_tile & 1u32) * BWD_BM as u32) as usize;
+            let mut h0 = hk * group;
+            let mut r00 = r_min as u32;
+            if sparse {
+                let (ha, ra, _re) = sparse_q_tile(tq_list, t_lo, 0u32, 0u32, 0u32, hk * group, span, q_block, q_len);
+                h0 = ha;
+                r00 = ra;
+            }
             issue_q_tile::<E>(
-                q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, boff, r_min as u32,
-                q_len, q_start, hk * group, heads_q, total_q, head_dim,
+                q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, boff, r00,
+                q_len, q_start, h0, heads_q, total_q, head_dim,
             );
             if (g_tile & 1u32) == 0 {
                 bar0.commit_copy_async();
@@ -508,16 +602,37 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                 let _t = bar1.arrive();
             }
         }
-        // The (q head, query tile) pair of iteration `it` as two counters (no divisions).
+        // The (q head, query tile) pair of iteration `it` as counters (no divisions). Dense: head
+        // `hi`, tile `ti`. Sparse: repeat `hi` of the list (q head of an index per kv head),
+        // entry `ei`, tile `ti` of the entry's query block.
         let mut hi = 0u32;
         let mut ti = 0u32;
+        let mut ei = 0u32;
         for it in 0..n_it {
-            let h = hk * group + hi;
-            let r0 = r_min as u32 + ti * BWD_BM as u32;
-            ti += 1u32;
-            if ti == n_qt {
-                ti = 0u32;
-                hi += 1u32;
+            let mut h = hk * group + hi;
+            let mut r0 = r_min as u32 + ti * BWD_BM as u32;
+            // Rows of the tile's query block (dense: the segment).
+            let mut row_end = q_len;
+            if sparse {
+                let (ha, ra, re) = sparse_q_tile(tq_list, t_lo, ei, ti, hi, hk * group, span, q_block, q_len);
+                h = ha;
+                r0 = ra;
+                row_end = re;
+                ti += 1u32;
+                if ti == q_tiles_per_block {
+                    ti = 0u32;
+                    ei += 1u32;
+                    if ei == t_n {
+                        ei = 0u32;
+                        hi += 1u32;
+                    }
+                }
+            } else {
+                ti += 1u32;
+                if ti == n_qt {
+                    ti = 0u32;
+                    hi += 1u32;
+                }
             }
             let mut qb = 0usize;
             sync_cube();
@@ -526,8 +641,13 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                 qb = ((cur & 1u32) * BWD_BM as u32) as usize;
                 if it + 1 < n_it {
                     // Every plane has finished tile cur - 1: its stage takes tile cur + 1.
-                    let hn = hk * group + hi;
-                    let rn = r_min as u32 + ti * BWD_BM as u32;
+                    let mut hn = hk * group + hi;
+                    let mut rn = r_min as u32 + ti * BWD_BM as u32;
+                    if sparse {
+                        let (ha, ra, _re) = sparse_q_tile(tq_list, t_lo, ei, ti, hi, hk * group, span, q_block, q_len);
+                        hn = ha;
+                        rn = ra;
+                    }
                     let nb = (((cur + 1u32) & 1u32) * BWD_BM as u32) as usize;
                     issue_q_tile::<E>(
                         q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, nb, rn, q_len,
@@ -569,7 +689,7 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                     let qr0 = sub * BWD_SUB;
                     let rr0 = (r0 as usize + qr0) as i32;
                     // Every (key, row) pair of this plane's 16 x SUB block valid?
-                    let mut full = kw0 >= 0i32 && kw0 + 16i32 <= k_len as i32 && rr0 + BWD_SUB as i32 <= q_len as i32;
+                    let mut full = kw0 >= 0i32 && kw0 + 16i32 <= k_hi as i32 && rr0 + BWD_SUB as i32 <= row_end as i32;
                     if window {
                         full = full && kw0 + 15i32 <= shift + rr0 + win_r as i32
                             && kw0 >= shift + rr0 + BWD_SUB as i32 - 1i32 - win_l as i32;
@@ -606,7 +726,7 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                             if !full {
                                 let kwin = kw0 + row as i32;
                                 let rr = rr0 + (nb * 8) as i32 + col as i32;
-                                let mut ok = kwin >= 0i32 && kwin < k_len as i32 && rr < q_len as i32;
+                                let mut ok = kwin >= 0i32 && kwin < k_hi as i32 && rr < row_end as i32;
                                 if window {
                                     ok = ok && kwin <= shift + rr + win_r as i32 && kwin >= shift + rr - win_l as i32;
                                 } else if causal {
@@ -743,14 +863,14 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
         }
     }
 
-    // ---- write dK, dV (zero for keys no segment sees) ----
+    // ---- write dK, dV (zero for keys no segment sees; sparse: the item's keys only) ----
     #[unroll]
     for ob in 0..o_blocks {
         #[unroll]
         for e in 0..ec {
             let (row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
             let key = key0 + kw_base as u32 + row;
-            if key < total_k {
+            if key < key_lim {
                 let g = (key * heads_kv + hk) as usize * head_dim + ob * 8 + col as usize;
                 dk[g] = E::cast_from(dk_acc[ob * ec + e] * scale);
                 dv[g] = E::cast_from(dv_acc[ob * ec + e]);
@@ -761,8 +881,10 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
 
 /// dQ. Grid: (work items, heads_q); 32 * [`BWD_PLANES`] units. `work`: two u32 per cube
 /// (segment id, first row of the tile inside the segment); rows no segment covers are not
-/// written here (see [`fill_zero`]).
-#[allow(clippy::too_many_arguments)]
+/// written here (see [`fill_zero`]). Sparse: [`SPARSE_QWORK_WORDS`] words per item and
+/// `tile_ref[(index head * items + item) * 2..]` = (offset into `blocks`, key tiles), as in the
+/// forward.
+#[allow(clippy::too_many_arguments, unused_assignments)]
 #[cube(launch_unchecked)]
 pub fn flash_bwd_dq<E: Float, NV: Size>(
     q: &Array<Vector<E, NV>>,
@@ -776,17 +898,23 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     v_s: &Array<E>,
     work: &Array<u32>,
     segs: &Array<u32>,
+    tile_ref: &Array<u32>,
+    blocks: &Array<u32>,
     scale: f32,
     scale_log2: f32,
     heads_q: u32,
     heads_kv: u32,
     total_q: u32,
+    idx_heads: u32,
+    k_block: u32,
+    tiles_per_block: u32,
     win_l: u32,
     win_r: u32,
     #[comptime] head_dim: usize,
     #[comptime] causal: bool,
     #[comptime] ldsm: bool,
     #[comptime] pipe: bool,
+    #[comptime] sparse: bool,
     #[comptime] window: bool,
 ) {
     let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
@@ -807,34 +935,69 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     let group = heads_q / heads_kv;
     let head_kv = head / group;
 
-    let seg = work[tile * 2] as usize;
-    let tile_start = work[tile * 2 + 1];
+    let wstride = comptime!(if sparse { SPARSE_QWORK_WORDS } else { 2usize });
+    let seg = work[tile * wstride] as usize;
+    let tile_start = work[tile * wstride + 1];
     let q_start = segs[seg * 4];
     let q_len = segs[seg * 4 + 1];
     let k_start = segs[seg * 4 + 2];
     let k_len = segs[seg * 4 + 3];
-
-    let rows_here = min(q_len - tile_start, BWD_BM as u32);
-    let mut max_vis = k_len as i32;
-    // First key (window-relative) of key tile 0: the first key the tile's first row sees.
-    let mut kbase = 0u32;
-    if window {
-        let (a, _) = row_keys(q_len, k_len, tile_start, win_l, win_r);
-        let (_, b) = row_keys(q_len, k_len, tile_start + rows_here - 1u32, win_l, win_r);
-        kbase = a;
-        max_vis = max(b as i32, a as i32);
-    } else if causal {
-        let lim = k_len as i32 - q_len as i32 + (tile_start + rows_here) as i32;
-        max_vis = max(min(lim, k_len as i32), 0i32);
+    // Rows of this cube: [tile_start, row_end) (sparse: cut at the query block's end).
+    let mut row_end = q_len;
+    if sparse {
+        row_end = work[tile * wstride + 2];
     }
-    let n_tiles = (max_vis as u32 - kbase + BWD_BN as u32 - 1) / BWD_BN as u32;
+
+    // Key tiles (see `tile_bounds`): dense, the window keys the rows see in BN steps; sparse, the
+    // listed key blocks of this (item, index head) from `tile_ref` (cut after the last block any
+    // row sees when causal), the first LIST_SMEM ids staged in shared memory.
+    let mut n_tiles = 0u32;
+    let mut list = 0u32;
+    // Dense key range of the tiles, window-relative: [klo, khi) (a sliding window starts at the
+    // first key the tile's first row sees).
+    let mut klo = 0u32;
+    let mut khi = k_len;
+    let mut list_smem = SharedMemory::<u32>::new(comptime!(if sparse { LIST_SMEM } else { 1usize }));
+    if sparse {
+        let mut y = head;
+        if idx_heads != heads_q {
+            y = head / group;
+        }
+        let r = ((y * CUBE_COUNT_X + CUBE_POS_X) * 2u32) as usize;
+        list = tile_ref[r];
+        n_tiles = tile_ref[r + 1];
+        let lim = min((n_tiles + tiles_per_block - 1) / tiles_per_block, LIST_SMEM as u32);
+        #[unroll]
+        for pass in 0..comptime!(LIST_SMEM.div_ceil(BWD_PLANES * 32)) {
+            let i = UNIT_POS + (pass * BWD_PLANES * 32) as u32;
+            if i < lim {
+                list_smem[i as usize] = blocks[(list + i) as usize];
+            }
+        }
+    } else {
+        let rows_here = min(q_len - tile_start, BWD_BM as u32);
+        let mut max_vis = k_len as i32;
+        if window {
+            let (a, _) = row_keys(q_len, k_len, tile_start, win_l, win_r);
+            let (_, b) = row_keys(q_len, k_len, tile_start + rows_here - 1u32, win_l, win_r);
+            klo = a;
+            max_vis = max(b as i32, a as i32);
+        } else if causal {
+            let lim = k_len as i32 - q_len as i32 + (tile_start + rows_here) as i32;
+            max_vis = max(min(lim, k_len as i32), 0i32);
+        }
+        khi = max_vis as u32;
+        n_tiles = (khi - klo + BWD_BN as u32 - 1) / BWD_BN as u32;
+    }
 
     if pipe {
-        // Barrier initialisation visible, then key tile 0 into stage 1 while Q / dO are staged.
+        // Barrier initialisation (and the staged list) visible, then key tile 0 into stage 1
+        // while Q / dO are staged.
         sync_cube();
         if n_tiles > 0 {
+            let (f0, _f1) = tile_bounds(0u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, BWD_BN, sparse);
             issue_kv_tile::<E>(
-                k_s, v_s, &mut k_smem, &mut v_smem, BWD_BN, kbase, k_len, k_start, head_kv, heads_kv, head_dim,
+                k_s, v_s, &mut k_smem, &mut v_smem, BWD_BN, f0, k_len, k_start, head_kv, heads_kv, head_dim,
             );
             bar1.commit_copy_async();
             let _t = bar1.arrive();
@@ -903,11 +1066,11 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
         lse_b = lse[i] * LOG2E;
         dl_b = delta[i];
     }
-    // Rows past the segment end: force every key masked.
-    if rl_a >= q_len {
+    // Rows past the segment end (sparse: the query block's end): force every key masked.
+    if rl_a >= row_end {
         lim_a = 0i32;
     }
-    if rl_b >= q_len {
+    if rl_b >= row_end {
         lim_b = 0i32;
     }
 
@@ -920,7 +1083,8 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     let mut dp = Array::<f32>::new(comptime!(sn * ec));
 
     for kt in 0..n_tiles {
-        let kb = kbase + kt * BWD_BN as u32;
+        // Window keys [kb, kb_end) of tile kt (dense: kb_end is not needed, `lim_*` cut).
+        let (kb, kb_end) = tile_bounds(kt, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, BWD_BN, sparse);
         let mut kb_off = 0usize;
         sync_cube();
         if pipe {
@@ -929,9 +1093,13 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
                 // Every plane has finished tile kt - 1 (or the Q / dO fragments): its stage
                 // takes tile kt + 1.
                 let nb = ((kt & 1u32) * BWD_BN as u32) as usize;
+                let mut next = kb + BWD_BN as u32;
+                if sparse {
+                    let (n0, _n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, BWD_BN, sparse);
+                    next = n0;
+                }
                 issue_kv_tile::<E>(
-                    k_s, v_s, &mut k_smem, &mut v_smem, nb, kb + BWD_BN as u32, k_len, k_start, head_kv, heads_kv,
-                    head_dim,
+                    k_s, v_s, &mut k_smem, &mut v_smem, nb, next, k_len, k_start, head_kv, heads_kv, head_dim,
                 );
                 if (kt & 1u32) == 0 {
                     bar0.commit_copy_async();
@@ -983,7 +1151,14 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
             }
             // ---- dS = P (dP - delta), P = exp(scale S - lse) masked ----
             let chunk_end = (kb + kc0 as u32 + BWD_SUB as u32) as i32;
-            let mut needs_mask = chunk_end > lim_a || chunk_end > lim_b;
+            // Sparse: a tile cut at its key block's end masks the keys past it too.
+            let mut la = lim_a;
+            let mut lb = lim_b;
+            if sparse {
+                la = min(lim_a, kb_end as i32);
+                lb = min(lim_b, kb_end as i32);
+            }
+            let mut needs_mask = chunk_end > la || chunk_end > lb;
             if window {
                 let chunk0 = (kb + kc0 as u32) as i32;
                 needs_mask = needs_mask || chunk0 < lo_a || chunk0 < lo_b;
@@ -994,12 +1169,12 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
                 for e in 0..ec {
                     let mut l = lse_b;
                     let mut dd = dl_b;
-                    let mut lim = lim_b;
+                    let mut lim = lb;
                     let mut lo = lo_b;
                     if e < ec / 2 {
                         l = lse_a;
                         dd = dl_a;
-                        lim = lim_a;
+                        lim = la;
                         lo = lo_a;
                     }
                     let mut p = fast_exp2(s[nb * ec + e] * scale_log2 - l);
@@ -1033,7 +1208,7 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
         for e in 0..ec {
             let (row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
             let rl = tile_start + plane * 16 + row;
-            if rl < q_len {
+            if rl < row_end {
                 let g = ((q_start + rl) * heads_q + head) as usize * head_dim + ob * 8 + col as usize;
                 dq[g] = E::cast_from(dq_acc[ob * ec + e] * scale);
             }

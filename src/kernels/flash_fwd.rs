@@ -783,7 +783,7 @@ fn fill_rows2(
 /// of block `kt / tiles_per_block`, cut at the block's and the window's end.
 #[allow(clippy::too_many_arguments)]
 #[cube]
-fn tile_bounds(
+pub fn tile_bounds(
     kt: u32,
     klo: u32,
     khi: u32,

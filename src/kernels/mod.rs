@@ -5,7 +5,15 @@ pub mod math;
 pub mod rows;
 pub mod rowwise_fwd;
 pub mod flash_bwd;
+pub mod sparse_index;
 
 /// The kernel sources, hashed into the compiled-kernel cache key so that an edited kernel is never
 /// served from a stale cache entry.
-pub const SOURCES: &[&str] = &[include_str!("flash_fwd.rs"), include_str!("math.rs"), include_str!("rows.rs"), include_str!("rowwise_fwd.rs"), include_str!("flash_bwd.rs")];
+pub const SOURCES: &[&str] = &[
+    include_str!("flash_fwd.rs"),
+    include_str!("math.rs"),
+    include_str!("rows.rs"),
+    include_str!("rowwise_fwd.rs"),
+    include_str!("flash_bwd.rs"),
+    include_str!("sparse_index.rs"),
+];

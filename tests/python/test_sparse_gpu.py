@@ -1,14 +1,15 @@
-"""Block-sparse forward on CUDA (marked `gpu`; skipped unless the CUDA backend starts): the four
-patterns at 10-100% kept, causal and not, f16/bf16, head_dim 64/128, index per q head and per kv
-head (two cube shapes), odd lengths and block sizes, varlen, empty rows, against the f64 reference
-with the token mask expanded from the block mask; torch CUDA tensors stay on the GPU and equal the
-numpy path; autograd's backward (CPU) matches the reference."""
+"""Block-sparse forward and backward on CUDA (marked `gpu`; skipped unless the CUDA backend
+starts): the four patterns at 10-100% kept, causal and not, f16/bf16, head_dim 64/128, index per
+q head and per kv head (two cube shapes), odd lengths and block sizes, varlen with 1-token
+sequences, empty rows, Sq != Sk, against the f64 reference with the token mask expanded from the
+block mask; the backward bitwise deterministic; torch CUDA tensors stay on the GPU (forward and
+autograd's backward) and equal the numpy path."""
 import numpy as np
 import pytest
 
 import cubeattn
 from cubeattn import sparse_patterns as sp
-from conftest import FWD_TOL, rand, ref_sparse, rel_err
+from conftest import BWD_TOL, FWD_TOL, assert_grad_close, rand, ref_sparse, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -34,23 +35,45 @@ def check(out, lse, want_out, want_lse, dtype):
 
 
 def run_case(rng, B, sq, sk, hq, hkv, d, dtype, causal, ix, q_block=64, k_block=128):
+    """Forward and backward on CUDA (numpy inputs) against the f64 reference; a second backward
+    must be bitwise identical. Returns (q, k, v, out, lse, (dq, dk, dv))."""
     q = rand(rng, (B, sq, hq, d), dtype)
     k, v = rand(rng, (B, sk, hkv, d), dtype), rand(rng, (B, sk, hkv, d), dtype)
-    out, lse = cubeattn.block_sparse_attn_func(q, k, v, ix, q_block=q_block, k_block=k_block, causal=causal,
-                                               return_lse=True, device="cuda")
+    dout = rand(rng, q.shape, dtype)
+    kw = dict(q_block=q_block, k_block=k_block, causal=causal, device="cuda")
+    out, lse = cubeattn.block_sparse_attn_func(q, k, v, ix, return_lse=True, **kw)
     assert cubeattn.last_backend() == "cuda"
     cu_q, cu_k = np.arange(B + 1, dtype=np.int32) * sq, np.arange(B + 1, dtype=np.int32) * sk
-    want_out, want_lse = ref_sparse(q.reshape(-1, hq, d), k.reshape(-1, hkv, d), v.reshape(-1, hkv, d), ix, cu_q,
-                                    cu_k, q_block, k_block, causal)
-    check(out.reshape(-1, hq, d), lse.transpose(1, 0, 2).reshape(hq, -1), want_out, want_lse, dtype)
-    return q, k, v, out, lse
+    flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
+    want_out, want_lse, *want = ref_sparse(flat(q), flat(k), flat(v), ix, cu_q, cu_k, q_block, k_block, causal,
+                                           dout=flat(dout))
+    check(flat(out), lse.transpose(1, 0, 2).reshape(hq, -1), want_out, want_lse, dtype)
+    grads = check_backward(dout, q, k, v, out, lse, ix, want, dtype, flat, **kw)
+    return q, k, v, out, lse, grads
+
+
+def check_backward(dout, q, k, v, out, lse, ix, want, dtype, flat, **kw):
+    """The CUDA backward against the f64 gradients `want`, twice (bitwise equal)."""
+    grads = cubeattn.block_sparse_attn_backward(dout, q, k, v, out, lse, ix, **kw)
+    assert cubeattn.last_backend() == "cuda"
+    tol, rel = BWD_TOL[dtype]
+    for name, g, w, x in zip(("dq", "dk", "dv"), grads, want, (q, k, v)):
+        assert g.shape == x.shape and g.dtype == x.dtype, name
+        g = np.asarray(flat(g), np.float64)
+        assert np.all(np.isfinite(g)), f"{name}: every element written and finite"
+        assert_grad_close(g, w, tol, rel, tol, name)
+    again = cubeattn.block_sparse_attn_backward(dout, q, k, v, out, lse, ix, **kw)
+    for a, b in zip(grads, again):
+        assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16)), "backward must be deterministic"
+    return grads
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kept", [0.10, 0.25, 0.50, 1.00])
 @pytest.mark.parametrize("name", PATTERNS)
 def test_patterns_match_reference_on_cuda(name, kept, causal):
-    # Sq != Sk, neither a multiple of its block (partial last blocks), GQA 4/2, batch 2
+    # Sq != Sk, neither a multiple of its block (partial last blocks), GQA 4/2 with an index per q
+    # head (each kv head's dK/dV is the union over its q heads' lists), batch 2
     B, sq, sk, hq, hkv, d = 2, 333, 1290, 4, 2, 128
     ix = pattern(name, B, hq, -(-sq // 64), -(-sk // 128), kept, seed=int(kept * 100))
     run_case(np.random.default_rng(int(kept * 100) + causal), B, sq, sk, hq, hkv, d, "bfloat16", causal, ix)
@@ -61,14 +84,15 @@ def test_patterns_match_reference_on_cuda(name, kept, causal):
 @pytest.mark.parametrize("per_kv_head", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 def test_dtypes_head_dims_and_index_heads(dtype, d, per_kv_head, causal):
-    # per kv head with group 4: 64-row query blocks x 4 heads = 256 packed rows (128-row cubes);
-    # per q head: one head per 64-row cube
+    # per kv head with group 4: 64-row query blocks x 4 heads = 256 packed rows (128-row cubes in
+    # the forward), one list walked by the group's 4 q heads in the backward; per q head: one head
+    # per 64-row cube, 8 lists
     B, sq, sk, hq, hkv = 1, 600, 700, 8, 2
     ix = pattern("random", B, hkv if per_kv_head else hq, -(-sq // 64), -(-sk // 128), 0.5, seed=d)
     run_case(np.random.default_rng(d), B, sq, sk, hq, hkv, d, dtype, causal, ix)
 
 
-@pytest.mark.parametrize("q_block, k_block", [(128, 64), (32, 96), (64, 200), (16, 16), (100, 128)])
+@pytest.mark.parametrize("q_block, k_block", [(128, 64), (32, 96), (64, 200), (16, 16), (100, 128), (256, 256)])
 def test_odd_block_sizes(q_block, k_block):
     B, sq, sk, hq, hkv, d = 2, 257, 519, 2, 1, 64
     ix = pattern("random", B, hq, -(-sq // q_block), -(-sk // k_block), 0.4, seed=q_block + k_block)
@@ -76,34 +100,42 @@ def test_odd_block_sizes(q_block, k_block):
         run_case(np.random.default_rng(k_block), B, sq, sk, hq, hkv, d, "float16", causal, ix, q_block, k_block)
 
 
-def test_varlen_and_single_token_sequences():
+@pytest.mark.parametrize("per_kv_head", [False, True])
+def test_varlen_and_single_token_sequences(per_kv_head):
     rng = np.random.default_rng(5)
-    lens = [(1, 1), (65, 300), (200, 129), (1, 513)]
+    lens = [(1, 1), (65, 300), (200, 129), (1, 513), (130, 64)]
     cu_q = np.cumsum([0] + [a for a, _ in lens]).astype(np.int32)
     cu_k = np.cumsum([0] + [b for _, b in lens]).astype(np.int32)
-    hq, hkv, d = 4, 4, 128
+    hq, hkv, d = 4, 2, 128
     mq, mk = max(a for a, _ in lens), max(b for _, b in lens)
-    ix = pattern("random", len(lens), hq, -(-mq // 64), -(-mk // 128), 0.5, seed=3)
+    ix = pattern("random", len(lens), hkv if per_kv_head else hq, -(-mq // 64), -(-mk // 128), 0.5, seed=3)
     # block lists may only name blocks inside each sequence: drop the others (-1)
     for b, (_, kl) in enumerate(lens):
         ix[b][ix[b] >= -(-kl // 128)] = -1
     q = rand(rng, (cu_q[-1], hq, d), "bfloat16")
     k, v = rand(rng, (cu_k[-1], hkv, d), "bfloat16"), rand(rng, (cu_k[-1], hkv, d), "bfloat16")
+    dout = rand(rng, q.shape, "bfloat16")
     for causal in (False, True):
-        out, lse = cubeattn.block_sparse_attn_func(q, k, v, ix, causal=causal, return_lse=True, device="cuda",
-                                                   cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-        want_out, want_lse = ref_sparse(q, k, v, ix, cu_q, cu_k, 64, 128, causal)
+        kw = dict(causal=causal, device="cuda", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        out, lse = cubeattn.block_sparse_attn_func(q, k, v, ix, return_lse=True, **kw)
+        want_out, want_lse, *want = ref_sparse(q, k, v, ix, cu_q, cu_k, 64, 128, causal, dout=dout)
         check(out, lse, want_out, want_lse, "bfloat16")
+        check_backward(dout, q, k, v, out, lse, ix, want, "bfloat16", lambda x: x, **kw)
 
 
-def test_empty_query_blocks_give_zero_output_and_inf_lse():
+def test_empty_query_blocks_give_zero_output_inf_lse_and_zero_gradients():
     B, sq, sk, hq, hkv, d = 1, 256, 512, 2, 2, 64
     ix = pattern("random", B, hq, 4, 4, 0.5, seed=1)
     ix[0, 1, 2, :] = -1  # head 1, query block 2: nothing kept
     ix[0, 0, :, :] = -1  # head 0: nothing at all
-    q, k, v, out, lse = run_case(np.random.default_rng(2), B, sq, sk, hq, hkv, d, "float16", False, ix)
+    ix[0, 1][ix[0, 1] == 3] = -1  # key block 3 listed by no query block of head 1
+    q, k, v, out, lse, (dq, dk, dv) = run_case(np.random.default_rng(2), B, sq, sk, hq, hkv, d, "float16", False, ix)
     assert np.all(out[0, :, 0].astype(np.float32) == 0) and np.all(np.isinf(lse[0, 0]))
     assert np.all(out[0, 128:192, 1].astype(np.float32) == 0) and np.all(np.isinf(lse[0, 1, 128:192]))
+    assert np.all(dq[0, :, 0].astype(np.float32) == 0) and np.all(dq[0, 128:192, 1].astype(np.float32) == 0)
+    assert np.all(dk[0, :, 0].astype(np.float32) == 0) and np.all(dv[0, :, 0].astype(np.float32) == 0)
+    assert np.all(dk[0, 384:, 1].astype(np.float32) == 0) and np.all(dv[0, 384:, 1].astype(np.float32) == 0)
+    assert np.any(dq[0, :128, 1].astype(np.float32) != 0)
 
 
 def test_unsupported_calls_on_cuda_name_the_reason():
@@ -112,7 +144,11 @@ def test_unsupported_calls_on_cuda_name_the_reason():
     ix = np.zeros((1, 2, 2, 1), np.int32)
     with pytest.raises(NotImplementedError, match="float32"):
         cubeattn.block_sparse_attn_func(q, k, v, ix, device="cuda")
-    cubeattn.block_sparse_attn_func(q, k, v, ix, device="auto")
+    out, lse = cubeattn.block_sparse_attn_func(q, k, v, ix, return_lse=True, device="auto")
+    assert cubeattn.last_backend() == "cpu"
+    with pytest.raises(NotImplementedError, match="float32"):
+        cubeattn.block_sparse_attn_backward(out, q, k, v, out, lse, ix, device="cuda")
+    cubeattn.block_sparse_attn_backward(out, q, k, v, out, lse, ix, device="auto")
     assert cubeattn.last_backend() == "cpu"
     qh, kh, vh = (x.astype(np.float16) for x in (q, k, v))
     with pytest.raises(NotImplementedError, match="INT8"):
@@ -136,14 +172,25 @@ def test_torch_cuda_tensors_stay_on_the_gpu_and_equal_the_numpy_path():
     want, want_lse = cubeattn.block_sparse_attn_func(*(x.float().cpu().numpy().astype(np.float32) for x in (q, k, v)),
                                                      ix, causal=True, return_lse=True, device="cpu")
     assert rel_err(got.astype(np.float64), want.astype(np.float64)) <= 8e-3
-    # autograd: forward on the GPU, backward on the CPU (no CUDA kernel yet), vs the CPU path's grads
+    # autograd: forward and backward on the GPU (device path, on the side stream), vs the CPU path's
+    # gradients, and bitwise equal to the numpy CUDA path (same kernels, deterministic)
     qg, kg, vg = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
-    o = cubeattn.block_sparse_attn_func(qg, kg, vg, ix, causal=True)
-    dout = torch.randn_like(o)
-    o.backward(dout)
+    dout = torch.randn(q.shape, device="cuda", dtype=q.dtype)
+    with torch.cuda.stream(side):
+        o = cubeattn.block_sparse_attn_func(qg, kg, vg, ix, causal=True)
+        o.backward(dout)
+        assert cubeattn.last_backend() == "cuda"
+        got = [g.cpu() for g in (qg.grad, kg.grad, vg.grad)]
     qc, kc, vc = (x.detach().float().cpu().requires_grad_(True) for x in (q, k, v))
     oc = cubeattn.block_sparse_attn_func(qc, kc, vc, ix, causal=True, device="cpu")
     oc.backward(dout.float().cpu())
-    for g, w in ((qg.grad, qc.grad), (kg.grad, kc.grad), (vg.grad, vc.grad)):
-        assert g.is_cuda
-        assert rel_err(g.float().cpu().numpy().astype(np.float64), w.numpy().astype(np.float64)) <= 3e-2
+    for g, w, x in zip(got, (qc.grad, kc.grad, vc.grad), (qg, kg, vg)):
+        assert x.grad.is_cuda and g.dtype == torch.bfloat16
+        assert rel_err(g.float().numpy().astype(np.float64), w.numpy().astype(np.float64)) <= 3e-2
+    import ml_dtypes
+
+    bf = lambda t: t.detach().cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16)  # noqa: E731
+    on, lsen = cubeattn.block_sparse_attn_func(bf(q), bf(k), bf(v), ix, causal=True, return_lse=True, device="cuda")
+    want = cubeattn.block_sparse_attn_backward(bf(dout), bf(q), bf(k), bf(v), on, lsen, ix, causal=True, device="cuda")
+    for g, w in zip(got, want):
+        assert np.array_equal(g.view(torch.int16).numpy(), np.asarray(w).view(np.int16)), "torch path == numpy path, bit for bit"

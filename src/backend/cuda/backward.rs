@@ -230,7 +230,149 @@ pub(super) fn fused_dq(spec: &AttnSpec, deterministic: bool, path: DqPath) -> bo
 }
 
 /// The array argument every kernel struct takes for a plain (not in-place) array.
-const A: ArrayCompilationArg = ArrayCompilationArg { inplace: None };
+pub(crate) const A: ArrayCompilationArg = ArrayCompilationArg { inplace: None };
+
+/// Runs `$e` with the type alias `$k` bound to the element type of `$dt`.
+macro_rules! by_dtype {
+    ($dt:expr, $k:ident, $($e:tt)*) => {
+        match $dt {
+            DType::F16 => { type $k = f16; $($e)* }
+            DType::BF16 => { type $k = bf16; $($e)* }
+            DType::F32 => { type $k = f32; $($e)* }
+        }
+    };
+}
+
+/// Enqueues delta = rowsum(dO * O) (f32 `[heads_q, total_q]` at `delta`).
+pub(crate) fn launch_delta(be: &CudaBackend, spec: &AttnSpec, p: &BwdPtrs, delta: u64, stream: sys::CUstream) -> Result<()> {
+    let d = &spec.dims;
+    let (hd, dt) = (d.head_dim, spec.dtype);
+    let f = be.kernels.get(&KernelKey::new("bwd_delta", dt, &[hd as u32]), || {
+        by_dtype!(dt, T, codegen(flash_bwd::bwd_delta::BwdDelta::<T, CudaRuntime>::new(
+            settings(32 * DELTA_PLANES as u32), be.client().clone(), A, A, A, (), (), hd)))
+    })?;
+    let mut a = Args::new();
+    a.array(p.out, d.q_len()).array(p.dout, d.q_len()).array(delta, d.lse_len()).u32(d.heads_q as u32).u32(d.total_q as u32);
+    launch(&f, grid_2d((d.total_q * d.heads_q).div_ceil(DELTA_PLANES)), &mut a, stream)
+}
+
+/// Enqueues a zero fill of `n` elements of type `dt` at `ptr`.
+pub(crate) fn launch_fill_zero(be: &CudaBackend, dt: DType, ptr: u64, n: usize, stream: sys::CUstream) -> Result<()> {
+    let f = be.kernels.get(&KernelKey::new("fill_zero", dt, &[]), || {
+        by_dtype!(dt, T, codegen(flash_bwd::fill_zero::FillZero::<T, CudaRuntime>::new(settings(256), be.client().clone(), A)))
+    })?;
+    let mut a = Args::new();
+    a.array(ptr, n);
+    launch(&f, grid_2d(n.div_ceil(256)), &mut a, stream)
+}
+
+/// Tables of one `flash_bwd_dkdv` launch: work list, tile_off, tile_segs, segs (dense), and the
+/// transposed block index (offsets, entries) of the sparse variant; a table a variant does not
+/// read takes any valid address.
+pub(crate) struct DkdvTables {
+    pub work: (u64, usize),
+    pub tile_off: (u64, usize),
+    pub tile_segs: (u64, usize),
+    pub segs: (u64, usize),
+    pub tq_off: (u64, usize),
+    pub tq_list: (u64, usize),
+}
+
+/// Enqueues `flash_bwd_dkdv` (f16/bf16) over `n_work` work items x heads_kv. `acc`: the f32 dQ
+/// accumulator of the fused path; `sparse`: (q_block, index heads, key blocks per sequence slot,
+/// query tiles per query block) of the block-sparse variant.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_dkdv(
+    be: &CudaBackend,
+    spec: &AttnSpec,
+    p: &BwdPtrs,
+    delta: u64,
+    acc: Option<u64>,
+    t: &DkdvTables,
+    sparse: Option<[u32; 4]>,
+    n_work: usize,
+    stream: sys::CUstream,
+) -> Result<()> {
+    let d = &spec.dims;
+    let (hd, dt) = (d.head_dim, spec.dtype);
+    let (ql, kl, ll) = (d.q_len(), d.kv_len(), d.lse_len());
+    let (ldsm, pipe, qvec, fused) = (use_ldmatrix(), bwd_pipe(), atomic_vec(), acc.is_some());
+    let is_sparse = sparse.is_some();
+    let (win_l, win_r, window) = window_bounds(spec);
+    let key = KernelKey::new(
+        "flash_bwd_dkdv",
+        dt,
+        &[hd as u32, spec.causal as u32, ldsm as u32, fused as u32, qvec as u32, pipe as u32, is_sparse as u32, window as u32],
+    );
+    let f = be.kernels.get(&key, || {
+        by_dtype!(dt, T, codegen_exp2(flash_bwd::flash_bwd_dkdv::FlashBwdDkdv::<T, CudaRuntime>::new(
+            settings(32 * BWD_PLANES as u32), be.client().clone(),
+            A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (), (),
+            BWD_LOAD_VEC, qvec, hd, spec.causal, ldsm, fused, qvec, pipe, is_sparse, window)))
+    })?;
+    let (acc_ptr, acc_len) = match acc {
+        Some(a) => (a, ql / qvec),
+        None => (delta, 1),
+    };
+    let (qv, kv) = (ql / BWD_LOAD_VEC, kl / BWD_LOAD_VEC);
+    let mut a = Args::new();
+    a.array(p.q, qv).array(p.k, kv).array(p.v, kv).array(p.dout, qv).array(p.lse, ll).array(delta, ll);
+    a.array(p.dk, kl).array(p.dv, kl).array(acc_ptr, acc_len).array(p.q, ql).array(p.dout, ql);
+    for x in [t.work, t.tile_off, t.tile_segs, t.segs, t.tq_off, t.tq_list] {
+        a.array(x.0, x.1);
+    }
+    a.f32(spec.scale).f32(spec.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32).u32(d.total_k as u32);
+    for x in sparse.unwrap_or([1, d.heads_kv as u32, 1, 1]) {
+        a.u32(x);
+    }
+    a.u32(win_l).u32(win_r);
+    launch(&f, (n_work as u32, d.heads_kv as u32, 1), &mut a, stream)
+}
+
+/// Enqueues the dQ pass `flash_bwd_dq` (f16/bf16) over `n_work` work items x heads_q. `tables`:
+/// work list, segs, and the block-sparse tile_ref and block ids (any valid address when dense);
+/// `sparse`: (index heads, k_block, key tiles per key block) of the block-sparse variant.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_dq(
+    be: &CudaBackend,
+    spec: &AttnSpec,
+    p: &BwdPtrs,
+    delta: u64,
+    tables: [(u64, usize); 4],
+    sparse: Option<[u32; 3]>,
+    n_work: usize,
+    stream: sys::CUstream,
+) -> Result<()> {
+    let d = &spec.dims;
+    let (hd, dt) = (d.head_dim, spec.dtype);
+    let (ql, kl, ll) = (d.q_len(), d.kv_len(), d.lse_len());
+    let (ldsm, pipe, is_sparse) = (use_ldmatrix(), bwd_pipe(), sparse.is_some());
+    let (win_l, win_r, window) = window_bounds(spec);
+    let key = KernelKey::new(
+        "flash_bwd_dq",
+        dt,
+        &[hd as u32, spec.causal as u32, ldsm as u32, pipe as u32, is_sparse as u32, window as u32],
+    );
+    let f = be.kernels.get(&key, || {
+        by_dtype!(dt, T, codegen_exp2(flash_bwd::flash_bwd_dq::FlashBwdDq::<T, CudaRuntime>::new(
+            settings(32 * BWD_PLANES as u32), be.client().clone(),
+            A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (),
+            BWD_LOAD_VEC, hd, spec.causal, ldsm, pipe, is_sparse, window)))
+    })?;
+    let (qv, kv) = (ql / BWD_LOAD_VEC, kl / BWD_LOAD_VEC);
+    let mut a = Args::new();
+    a.array(p.q, qv).array(p.k, kv).array(p.v, kv).array(p.dout, qv).array(p.lse, ll).array(delta, ll);
+    a.array(p.dq, ql).array(p.k, kl).array(p.v, kl);
+    for x in tables {
+        a.array(x.0, x.1);
+    }
+    a.f32(spec.scale).f32(spec.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32);
+    for x in sparse.unwrap_or([d.heads_q as u32, BWD_BN as u32, 1]) {
+        a.u32(x);
+    }
+    a.u32(win_l).u32(win_r);
+    launch(&f, (n_work as u32, d.heads_q as u32, 1), &mut a, stream)
+}
 
 /// Enqueues the backward of `spec` on `stream` (delta, dK/dV, dQ; plus the zero fill of dQ rows
 /// that no segment covers, or of the f32 accumulator on the fused path). `plan` must be the
@@ -252,26 +394,9 @@ pub(crate) fn launch_backward(
     let (offs, _) = layout(&workspace_parts(spec, fused));
     let delta = p.workspace + offs[0] as u64;
     let acc = p.workspace + offs[1] as u64;
-    let causal = spec.causal as u32;
-    let (win_l, win_r, window) = window_bounds(spec);
-    macro_rules! by_dtype {
-        ($k:ident, $($e:tt)*) => {
-            match dt {
-                DType::F16 => { type $k = f16; $($e)* }
-                DType::BF16 => { type $k = bf16; $($e)* }
-                DType::F32 => { type $k = f32; $($e)* }
-            }
-        };
-    }
+    let (win_l, win_r, _) = window_bounds(spec);
 
-    // ---- delta = rowsum(dO * O) ----
-    let f = be.kernels.get(&KernelKey::new("bwd_delta", dt, &[hd as u32]), || {
-        by_dtype!(T, codegen(flash_bwd::bwd_delta::BwdDelta::<T, CudaRuntime>::new(
-            settings(32 * DELTA_PLANES as u32), client.clone(), A, A, A, (), (), hd)))
-    })?;
-    let mut a = Args::new();
-    a.array(p.out, ql).array(p.dout, ql).array(delta, ll).u32(d.heads_q as u32).u32(d.total_q as u32);
-    launch(&f, grid_2d((d.total_q * d.heads_q).div_ceil(DELTA_PLANES)), &mut a, stream)?;
+    launch_delta(be, spec, p, delta, stream)?;
 
     if dt == DType::F32 {
         let threads = 32 * F32_ROWS_PER_CUBE as u32;
@@ -303,78 +428,36 @@ pub(crate) fn launch_backward(
         return launch(&f, (d.total_q.div_ceil(F32_ROWS_PER_CUBE) as u32, d.heads_q as u32, 1), &mut a, stream);
     }
 
-    let ldsm = use_ldmatrix();
-    let pipe = bwd_pipe();
-    let qvec = atomic_vec();
-    let threads = 32 * BWD_PLANES as u32;
-    let (qv, kv) = (ql / BWD_LOAD_VEC, kl / BWD_LOAD_VEC);
     let n_k_work = plan.host.k_work.len();
     let n_q_work = plan.host.q_work.len() / 2;
-    let fill = |ptr: u64, n: usize, f32_acc: bool| -> Result<()> {
-        let kdt = if f32_acc { DType::F32 } else { dt };
-        let f = be.kernels.get(&KernelKey::new("fill_zero", kdt, &[]), || {
-            match kdt {
-                DType::F16 => codegen(flash_bwd::fill_zero::FillZero::<f16, CudaRuntime>::new(settings(256), client.clone(), A)),
-                DType::BF16 => codegen(flash_bwd::fill_zero::FillZero::<bf16, CudaRuntime>::new(settings(256), client.clone(), A)),
-                DType::F32 => codegen(flash_bwd::fill_zero::FillZero::<f32, CudaRuntime>::new(settings(256), client.clone(), A)),
-            }
-        })?;
-        let mut a = Args::new();
-        a.array(ptr, n);
-        launch(&f, grid_2d(n.div_ceil(256)), &mut a, stream)
-    };
     if fused {
-        fill(acc, ql, true)?;
+        launch_fill_zero(be, DType::F32, acc, ql, stream)?;
     } else if spec.uncovered_rows() > 0 {
-        fill(p.dq, ql, false)?;
+        launch_fill_zero(be, dt, p.dq, ql, stream)?;
     }
     if n_k_work > 0 {
-        let key = KernelKey::new(
-            "flash_bwd_dkdv",
-            dt,
-            &[hd as u32, causal, ldsm as u32, fused as u32, qvec as u32, pipe as u32, window as u32],
-        );
-        let f = be.kernels.get(&key, || {
-            by_dtype!(T, codegen_exp2(flash_bwd::flash_bwd_dkdv::FlashBwdDkdv::<T, CudaRuntime>::new(
-                settings(threads), client.clone(),
-                A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (),
-                BWD_LOAD_VEC, qvec, hd, spec.causal, ldsm, fused, qvec, pipe, window)))
-        })?;
-        let (acc_ptr, acc_len) = if fused { (acc, ql / qvec) } else { (delta, 1) };
-        let mut a = Args::new();
-        a.array(p.q, qv).array(p.k, kv).array(p.v, kv).array(p.dout, qv).array(p.lse, ll).array(delta, ll);
-        a.array(p.dk, kl).array(p.dv, kl).array(acc_ptr, acc_len).array(p.q, ql).array(p.dout, ql);
-        for i in [TBL_K_WORK, TBL_TILE_OFF, TBL_TILE_SEGS, TBL_SEGS] {
-            a.array(t(i).0, t(i).1);
-        }
-        a.f32(spec.scale).f32(spec.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32).u32(d.total_k as u32);
-        a.u32(win_l).u32(win_r);
-        launch(&f, (n_k_work as u32, d.heads_kv as u32, 1), &mut a, stream)?;
+        // the sparse tables are not read by the dense variant: any valid address
+        let none = (t(TBL_SEGS).0, 1);
+        let tables = DkdvTables {
+            work: t(TBL_K_WORK),
+            tile_off: t(TBL_TILE_OFF),
+            tile_segs: t(TBL_TILE_SEGS),
+            segs: t(TBL_SEGS),
+            tq_off: none,
+            tq_list: none,
+        };
+        launch_dkdv(be, spec, p, delta, fused.then_some(acc), &tables, None, n_k_work, stream)?;
     }
     if fused {
         let f = be.kernels.get(&KernelKey::new("dq_convert", dt, &[]), || {
-            by_dtype!(T, codegen(flash_bwd::dq_convert::DqConvert::<T, CudaRuntime>::new(settings(256), client.clone(), A, A, ())))
+            by_dtype!(dt, T, codegen(flash_bwd::dq_convert::DqConvert::<T, CudaRuntime>::new(settings(256), client.clone(), A, A, ())))
         })?;
         let mut a = Args::new();
         a.array(acc, ql).array(p.dq, ql).f32(spec.scale);
         launch(&f, grid_2d(ql.div_ceil(256)), &mut a, stream)?;
     } else if n_q_work > 0 {
-        let key = KernelKey::new("flash_bwd_dq", dt, &[hd as u32, causal, ldsm as u32, pipe as u32, window as u32]);
-        let f = be.kernels.get(&key, || {
-            by_dtype!(T, codegen_exp2(flash_bwd::flash_bwd_dq::FlashBwdDq::<T, CudaRuntime>::new(
-                settings(threads), client.clone(),
-                A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (),
-                BWD_LOAD_VEC, hd, spec.causal, ldsm, pipe, window)))
-        })?;
-        let mut a = Args::new();
-        a.array(p.q, qv).array(p.k, kv).array(p.v, kv).array(p.dout, qv).array(p.lse, ll).array(delta, ll);
-        a.array(p.dq, ql).array(p.k, kl).array(p.v, kl);
-        for i in [TBL_Q_WORK, TBL_SEGS] {
-            a.array(t(i).0, t(i).1);
-        }
-        a.f32(spec.scale).f32(spec.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32);
-        a.u32(win_l).u32(win_r);
-        launch(&f, (n_q_work as u32, d.heads_q as u32, 1), &mut a, stream)?;
+        let none = (t(TBL_SEGS).0, 1);
+        launch_dq(be, spec, p, delta, [t(TBL_Q_WORK), t(TBL_SEGS), none, none], None, n_q_work, stream)?;
     }
     Ok(())
 }

@@ -221,6 +221,37 @@ impl CudaBackend {
         crate::backend::check_buffers(spec, q, k, v)?;
         crate::backend::check_backward_buffers(spec, &g)?;
         check_supported(spec)?;
+        let det = g.deterministic;
+        // SAFETY: `run_backward_host` passes buffers holding the spec's tensors and a workspace of
+        // the bytes asked for, and synchronizes its stream before freeing them.
+        self.run_backward_host(
+            spec,
+            q,
+            k,
+            v,
+            g,
+            poison,
+            |s| unsafe { Ok(self.backward_workspace(spec, det, s)?.max(bwd_workspace(spec, fused_dq(spec, det, path)))) },
+            |p, ws, s| unsafe { self.backward_device_on(spec, p, path, det, ws, s).map(|_| ()) },
+        )
+    }
+
+    /// The host path of a backward-like call on `spec`'s (checked) tensors: uploads q, k, v, out,
+    /// lse, dout on the backend's stream, fills dq/dk/dv with `poison` (zeros without work),
+    /// allocates the workspace `workspace` asks for, enqueues `launch`, downloads the gradients,
+    /// synchronizes.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn run_backward_host(
+        &self,
+        spec: &AttnSpec,
+        q: HostView,
+        k: HostView,
+        v: HostView,
+        g: BackwardInputs,
+        poison: Option<f32>,
+        workspace: impl FnOnce(u64) -> Result<usize>,
+        launch: impl FnOnce(BwdPtrs, usize, u64) -> Result<()>,
+    ) -> Result<Gradients> {
         let d = &spec.dims;
         if !has_work(spec) {
             let z = |n: usize| HostData::from_f32(spec.dtype, &vec![0.0; n]);
@@ -246,10 +277,7 @@ impl CudaBackend {
             Ok(x)
         };
         let (dqb, dkb, dvb) = (grad(d.q_len())?, grad(d.kv_len())?, grad(d.kv_len())?);
-        // SAFETY: as in `forward_host`.
-        let ws_bytes = unsafe { self.backward_workspace(spec, g.deterministic, s as u64)? };
-        let ws_bytes = ws_bytes.max(bwd_workspace(spec, fused_dq(spec, g.deterministic, path)));
-        let ws = DevBuf::alloc(ws_bytes)?;
+        let ws = DevBuf::alloc(workspace(s as u64)?)?;
         let ptrs = BwdPtrs {
             q: qb.ptr,
             k: kb.ptr,
@@ -262,7 +290,7 @@ impl CudaBackend {
             dv: dvb.ptr,
             workspace: ws.ptr,
         };
-        unsafe { self.backward_device_on(spec, ptrs, path, g.deterministic, ws.bytes, s as u64)? };
+        launch(ptrs, ws.bytes, s as u64)?;
         memory_probe();
         let read = |b: &DevBuf, n: usize| -> Result<Vec<u8>> {
             let mut v = vec![0u8; n * es];

@@ -16,6 +16,7 @@ mod plan;
 mod plans;
 mod rewrite;
 mod sparse;
+mod sparse_bwd;
 mod status;
 
 pub use backward::BwdPtrs;
@@ -28,6 +29,8 @@ pub use plan::{forward_workspace_bytes, FwdPlan};
 pub(crate) use plan::{table_bytes, Plan};
 pub use status::status;
 pub(crate) use sparse::check_sparse_supported as sparse_supported;
+pub(crate) use sparse_bwd::check_sparse_bwd_supported as sparse_bwd_supported;
+pub use sparse_bwd::sparse_backward_workspace;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Mutex, OnceLock};
@@ -57,6 +60,7 @@ pub struct CudaBackend {
     fwd_plans: plans::PlanCache<Plan>,
     bwd_plans: plans::PlanCache<backward::BwdPlan>,
     sparse_plans: plans::PlanCache<sparse::SparsePlan>,
+    sparse_bwd_plans: plans::PlanCache<sparse_bwd::SparseBwdPlan>,
     stream: driver::Stream,
     /// Serializes calls on host buffers (they share `stream`).
     host_lock: Mutex<()>,
@@ -141,6 +145,7 @@ impl CudaBackend {
                 fwd_plans: plans::PlanCache::new(ctx),
                 bwd_plans: plans::PlanCache::new(ctx),
                 sparse_plans: plans::PlanCache::new(ctx),
+                sparse_bwd_plans: plans::PlanCache::new(ctx),
                 stream,
                 host_lock: Mutex::new(()),
             })

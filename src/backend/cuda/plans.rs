@@ -150,6 +150,20 @@ impl<P> PlanCache<P> {
         stream: sys::CUstream,
         build: impl FnOnce() -> (P, Vec<Vec<u32>>),
     ) -> Result<Arc<Cached<P>>> {
+        self.get_init(key, stream, build, |_| Ok(()))
+    }
+
+    /// [`PlanCache::get`] with `init`, run once on a miss right after the new plan's tables are
+    /// uploaded (under the cache lock, before anyone else sees the plan): it may enqueue device
+    /// work on `stream` that fills tables in place (the plan's first stream, so a launch on
+    /// another stream waits for it at the switch). An error drops the new plan.
+    pub fn get_init(
+        &self,
+        key: PlanKey,
+        stream: sys::CUstream,
+        build: impl FnOnce() -> (P, Vec<Vec<u32>>),
+        init: impl FnOnce(&Cached<P>) -> Result<()>,
+    ) -> Result<Arc<Cached<P>>> {
         let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let (map, tick) = &mut *g;
         *tick += 1;
@@ -180,6 +194,7 @@ impl<P> PlanCache<P> {
         let (host, tables) = build();
         let refs: Vec<&[u32]> = tables.iter().map(|t| t.as_slice()).collect();
         let plan = Arc::new(Cached { host, tables: Tables::upload(self.ctx, &refs, stream)? });
+        init(&plan)?;
         if map.len() >= CAPACITY {
             let victim = map.iter().filter(|(_, s)| !s.pinned).min_by_key(|(_, s)| s.last).map(|(k, _)| k.clone());
             if let Some(k) = victim {
