@@ -333,12 +333,16 @@ fn windows_wider_than_the_sequence_change_nothing() {
     assert_ne!(a, b, "a window one key narrower must change row 49's output");
 }
 
+/// The CUDA kernels take sliding windows (tests/gpu and tests/python/test_window_gpu.py check the
+/// results on a GPU); what they cannot serve is still refused by its own argument.
 #[cfg(feature = "cuda")]
 #[test]
-fn window_on_cuda_is_not_implemented_naming_window_size() {
+fn window_is_supported_on_cuda_and_unsupported_head_dims_are_still_refused() {
     let spec = with_window(varlen_spec(&[(8, 8)], 2, 2, 64, DType::F16, true), 2, 0);
-    match cubeattn::backend::cuda::check_supported(&spec) {
-        Err(Error::NotImplemented { arg, backend, .. }) => assert_eq!((arg, backend), ("window_size", "cuda")),
+    cubeattn::backend::cuda::check_supported(&spec).expect("a sliding window runs on CUDA");
+    let odd = with_window(varlen_spec(&[(8, 8)], 2, 2, 96, DType::F16, true), 2, 0);
+    match cubeattn::backend::cuda::check_supported(&odd) {
+        Err(Error::Unsupported { backend, msg }) => assert!(backend == "cuda" && msg.contains("head_dim 96"), "{msg}"),
         other => panic!("{other:?}"),
     }
 }
