@@ -2,11 +2,13 @@
 # GPU workflows for cubeattn.
 #
 #   scripts/gpu-test.sh COMMAND [TARGET] [--verbose] [--release] [--iterations N] [--min-vram GB]
-#                       [--log-dir DIR] [--sanitize]
+#                       [--log-dir DIR] [--sanitize] [--stress]
 #
 # COMMAND   validate   GPU, driver, NVRTC, CUDA headers, free VRAM >= --min-vram, CubeCL starts
 #                      (with --sanitize, then the sanitize command)
-#           test       GPU tests of TARGET (Rust test binary + pytest -m 'gpu or torch')
+#           test       GPU tests of TARGET (Rust test binary + pytest -m 'gpu or torch'); with
+#                      --stress and TARGET sparse or all, also the block-sparse checks at seed
+#                      004's larger configurations (bench sparse --test_patterns --stress)
 #           sanitize   compute-sanitizer memcheck, racecheck, synccheck and initcheck over small
 #                      calls of each kernel family (forward, split-K combine, backward with the
 #                      dQ pass and with atomic dQ, grouped; tests/python/sanitize_driver.py):
@@ -40,6 +42,7 @@ ITER=20
 MIN_VRAM=0
 SAN_DIR=
 SANITIZE=0
+STRESS=0
 while [ $# -gt 0 ]; do
   case "$1" in
     flash_attention|grouped|sparse|zigzag|all) TARGET=$1 ;;
@@ -49,6 +52,7 @@ while [ $# -gt 0 ]; do
     --min-vram) MIN_VRAM=${2:?--min-vram needs a number of GB}; shift ;;
     --log-dir) SAN_DIR=${2:?--log-dir needs a directory}; shift ;;
     --sanitize) SANITIZE=1 ;;
+    --stress) STRESS=1 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "error: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -235,6 +239,12 @@ do_test() {
     CUBEATTN_REQUIRE_GPU=1 "$bin" --include-ignored --test-threads=1 $( [ "$VERBOSE" = 1 ] && echo --nocapture ) || status=1
     echo "== pytest -m 'gpu or torch' (torch: autograd on CPU and CUDA tensors)"
     (cd "$ROOT/tests/python" && "$PY" -m pytest -q -p no:cacheprovider -m "gpu or torch") || status=1
+    if [ "$STRESS" = 1 ] && { [ "$TARGET" = sparse ] || [ "$TARGET" = all ]; }; then
+      for c in --causal --no-causal; do
+        echo "== block-sparse stress checks ($c): python -m cubeattn.bench sparse --test_patterns --stress"
+        "$PY" -m cubeattn.bench sparse --device cuda --test_patterns --stress $c || status=1
+      done
+    fi
   done
   exit $status
 }

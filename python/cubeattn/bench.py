@@ -856,11 +856,15 @@ def _sparse_ref(q, k, v, ix, q_block, k_block, causal):
 
 def _sparse_check(args, device, patterns):
     """Seed 004's --test_correctness / --test_patterns: every pattern x kept fraction, causal as
-    asked, small shapes (B <= 2, H <= 4, S <= 1024, d as asked), against the f64 reference."""
+    asked, small shapes (B <= 2, H <= 4, S <= 1024, d as asked), against the f64 reference. With
+    --stress (seed 004's larger configurations): B <= 4, H <= 8, S <= 4096."""
     from . import sparse_patterns as sp
 
-    B, H, d = min(args.batch_size or 2, 2), min(args.num_heads or 4, 4), args.head_dim or 128
-    S = min(max(args.seqlens), 1024)
+    if args.stress:
+        B, H, S = min(args.batch_size or 4, 4), min(args.num_heads or 8, 8), min(max(args.seqlens), 4096)
+    else:
+        B, H, S = min(args.batch_size or 2, 2), min(args.num_heads or 4, 4), min(max(args.seqlens), 1024)
+    d = args.head_dim or 128
     dt = "float32" if device == "cpu" else "float16"
     rng = np.random.default_rng(0)
     rows = []
@@ -948,6 +952,8 @@ def main(argv=None):
                    help="sparse: the correctness check over all four patterns")
     p.add_argument("--benchmark_perf", "--benchmark-perf", action="store_true",
                    help="sparse: time (the default when no test flag is given)")
+    p.add_argument("--stress", action="store_true",
+                   help="sparse: the correctness checks at larger configurations (B <= 4, H <= 8, S <= 4096)")
     p.add_argument("--iterations", type=int, default=None)
     p.add_argument("--causal", dest="causal", action="store_true", default=True)
     p.add_argument("--no-causal", dest="causal", action="store_false")
@@ -1013,6 +1019,10 @@ def main(argv=None):
             json.dump({"env": env, "args": vars(args), "rows": rows}, f, indent=1)
     if args.png:
         maybe_png(rows, args.png)
+    failed = [r for r in rows if r.get("ok") is False]
+    if failed:
+        print(f"# {len(failed)} check(s) failed", file=sys.stderr)
+        return 1
     return 0
 
 

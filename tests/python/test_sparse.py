@@ -504,3 +504,21 @@ def test_bench_cli_seed_004_flags_check_every_pattern(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert {r["pattern"] for r in rows} == {"random", "local", "strided", "block_diagonal"}
     assert all(r["ok"] and r["rel_err"] < 1e-5 for r in rows), rows
+
+
+def test_bench_cli_stress_runs_the_larger_checks_and_fails_loudly(tmp_path, capsys, monkeypatch):
+    """--stress widens the checked shapes; a failing check makes the CLI exit 1 (so
+    `gpu-test.sh test sparse --stress` cannot pass on wrong results)."""
+    from cubeattn import bench
+
+    out = tmp_path / "r.json"
+    args = ["sparse", "--device", "cpu", "--test_correctness", "--stress", "--seq_lens", "300", "--head_dim", "16",
+            "--batch_size", "3", "--num_heads", "6", "--top_k_ratios", "0.5", "--json", str(out)]
+    assert bench.main(args) == 0
+    import json
+
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(r["ok"] and r["S"] == 300 for r in rows), rows
+    monkeypatch.setattr(bench, "_sparse_ref", lambda q, *a: np.zeros(np.shape(q)) + 1.0)
+    assert bench.main(args) == 1
+    capsys.readouterr()
