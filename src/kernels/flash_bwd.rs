@@ -542,18 +542,11 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
         let shift = k_len as i32 - q_len as i32;
         // First row that sees the first overlapping key.
         let first_key = max(key0, k_start) - k_start;
-        let mut r_min = 0i32;
-        let mut r_end = q_len as i32;
-        if window {
-            // rows from the first that sees the tile's first key to the last that sees its last
-            let last_key = min(key0 + BWD_BN as u32, k_start + k_len) - 1u32 - k_start;
-            let (a, _) = key_rows(q_len, k_len, first_key as i32, win_l, win_r);
-            let (_, b) = key_rows(q_len, k_len, last_key as i32, win_l, win_r);
-            r_min = a;
-            r_end = b;
-        } else if causal {
-            r_min = max(first_key as i32 - shift, 0i32);
-        }
+        // rows from the first that sees the tile's first key to the last that sees its last
+        // (causal and sliding window: both in the bounds, `rows`)
+        let last_key = min(key0 + BWD_BN as u32, k_start + k_len) - 1u32 - k_start;
+        let (r_min, _) = key_rows(q_len, k_len, first_key as i32, win_l, win_r);
+        let (_, r_end) = key_rows(q_len, k_len, last_key as i32, win_l, win_r);
         // Window-local index of this plane's first key (may be negative).
         let kw0 = (key0 as i32 + kw_base as i32) - k_start as i32;
         // Window keys of this cube: [.., k_hi) (dense: the window; sparse: the item's keys).
@@ -911,7 +904,6 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     win_l: u32,
     win_r: u32,
     #[comptime] head_dim: usize,
-    #[comptime] causal: bool,
     #[comptime] ldsm: bool,
     #[comptime] pipe: bool,
     #[comptime] sparse: bool,
@@ -975,18 +967,12 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
             }
         }
     } else {
+        // from the first key the tile's first row sees to the last its last row sees
         let rows_here = min(q_len - tile_start, BWD_BM as u32);
-        let mut max_vis = k_len as i32;
-        if window {
-            let (a, _) = row_keys(q_len, k_len, tile_start, win_l, win_r);
-            let (_, b) = row_keys(q_len, k_len, tile_start + rows_here - 1u32, win_l, win_r);
-            klo = a;
-            max_vis = max(b as i32, a as i32);
-        } else if causal {
-            let lim = k_len as i32 - q_len as i32 + (tile_start + rows_here) as i32;
-            max_vis = max(min(lim, k_len as i32), 0i32);
-        }
-        khi = max_vis as u32;
+        let (a, _) = row_keys(q_len, k_len, tile_start, win_l, win_r);
+        let (_, b) = row_keys(q_len, k_len, tile_start + rows_here - 1u32, win_l, win_r);
+        klo = a;
+        khi = max(a, b);
         n_tiles = (khi - klo + BWD_BN as u32 - 1) / BWD_BN as u32;
     }
 
@@ -1037,21 +1023,13 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     let (row_b, _cb) = def.position_of_nth(lane, (ec - 1) as u32, MatrixIdent::Accumulator);
     let rl_a = tile_start + plane * 16 + row_a;
     let rl_b = tile_start + plane * 16 + row_b;
-    let mut lim_a = k_len as i32;
-    let mut lim_b = k_len as i32;
-    let mut lo_a = 0i32;
-    let mut lo_b = 0i32;
-    if window {
-        let (a0, a1) = row_keys(q_len, k_len, rl_a, win_l, win_r);
-        let (b0, b1) = row_keys(q_len, k_len, rl_b, win_l, win_r);
-        lo_a = a0 as i32;
-        lim_a = a1 as i32;
-        lo_b = b0 as i32;
-        lim_b = b1 as i32;
-    } else if causal {
-        lim_a = max(min(k_len as i32 - q_len as i32 + rl_a as i32 + 1, k_len as i32), 0i32);
-        lim_b = max(min(k_len as i32 - q_len as i32 + rl_b as i32 + 1, k_len as i32), 0i32);
-    }
+    // each row's keys [lo, lim) (causal and sliding window: both in the bounds, `rows`)
+    let (a0, a1) = row_keys(q_len, k_len, rl_a, win_l, win_r);
+    let (b0, b1) = row_keys(q_len, k_len, rl_b, win_l, win_r);
+    let lo_a = a0 as i32;
+    let mut lim_a = a1 as i32;
+    let lo_b = b0 as i32;
+    let mut lim_b = b1 as i32;
     let mut lse_a = 0.0f32;
     let mut lse_b = 0.0f32;
     let mut dl_a = 0.0f32;

@@ -244,12 +244,10 @@ pub fn flash_fwd_mma2<E: Float>(
     win_l: u32,
     win_r: u32,
     #[comptime] head_dim: usize,
-    #[comptime] causal: bool,
     #[comptime] mt: usize,
     #[comptime] block_n: usize,
     #[comptime] block_m: usize,
     #[comptime] sparse: bool,
-    #[comptime] window: bool,
 ) {
     let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
     let lane = UNIT_POS_PLANE;
@@ -306,7 +304,7 @@ pub fn flash_fwd_mma2<E: Float>(
     // fill_rows covers rows [0, block_m) with one unit each: with fewer units, loop.
     fill_rows2(
         slices, segs, slice_off, n_slices, hp, head_base, klo, khi, &mut row_tok, &mut row_head, &mut row_lo,
-        &mut row_hi, win_l, win_r, causal, window, threads, block_m,
+        &mut row_hi, win_l, win_r, threads, block_m,
     );
     sync_cube();
 
@@ -706,7 +704,8 @@ pub fn flash_fwd_mma2<E: Float>(
 }
 
 /// `fill_rows` for cubes of `block_m` rows with `threads` units (fewer than rows: each unit fills
-/// several rows).
+/// several rows); each row's keys from `rows::row_keys` with the call's bounds (`win_r` 0 is the
+/// causal diagonal), so causal and sliding-window calls share one kernel.
 #[allow(clippy::too_many_arguments)]
 #[cube]
 fn fill_rows2(
@@ -724,8 +723,6 @@ fn fill_rows2(
     row_hi: &mut SharedMemory<u32>,
     win_l: u32,
     win_r: u32,
-    #[comptime] causal: bool,
-    #[comptime] window: bool,
     #[comptime] threads: usize,
     #[comptime] block_m: usize,
 ) {
@@ -751,16 +748,8 @@ fn fill_rows2(
                     let k_len = segs[seg * 4 + 3];
                     tok = q_start + qr;
                     head = head_base + p % hp;
-                    let mut vis_lo = 0u32;
-                    let mut vis = k_len;
-                    if window {
-                        let (a, b) = row_keys(q_len, k_len, qr, win_l, win_r);
-                        vis_lo = a;
-                        vis = b;
-                    } else if causal {
-                        let lim = k_len as i32 - q_len as i32 + qr as i32 + 1;
-                        vis = max(min(lim, k_len as i32), 0i32) as u32;
-                    }
+                    // causal and sliding window: both in the bounds (`rows`)
+                    let (vis_lo, vis) = row_keys(q_len, k_len, qr, win_l, win_r);
                     lo = max(k_start + vis_lo, klo);
                     hi = min(k_start + vis, khi);
                     if hi < lo {

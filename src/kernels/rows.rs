@@ -1,9 +1,10 @@
 //! Which keys a query row sees, on the device: the kernels' mirror of `AttnSpec::row_keys`
 //! (causal bound, then flash-attn's sliding window, both bottom-right aligned).
 //!
-//! The host passes the window as two `u32` bounds (see `backend::cuda::window_bounds`): `win_l`
-//! keys left of the row's diagonal, `win_r` right of it (0 with causal), [`WIN_NONE`] for an
-//! unbounded side. All arithmetic is `i32`: lengths and bounds stay below 2^30, so no sum here
+//! Every kernel takes a row's keys from here: the host passes two `u32` bounds (see
+//! `backend::cuda::window_bounds`), `win_l` keys left of the row's diagonal and `win_r` right of
+//! it (0 with causal), [`WIN_NONE`] for an unbounded side; a plain causal or full call is the
+//! special case of those bounds. All arithmetic is `i32`: lengths and bounds stay below 2^30, so no sum here
 //! can overflow.
 
 use cubecl::prelude::*;

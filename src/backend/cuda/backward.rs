@@ -351,13 +351,13 @@ pub(crate) fn launch_dq(
     let key = KernelKey::new(
         "flash_bwd_dq",
         dt,
-        &[hd as u32, spec.causal as u32, ldsm as u32, pipe as u32, is_sparse as u32, window as u32],
+        &[hd as u32, ldsm as u32, pipe as u32, is_sparse as u32, window as u32],
     );
     let f = be.kernels.get(&key, || {
         by_dtype!(dt, T, codegen_exp2(flash_bwd::flash_bwd_dq::FlashBwdDq::<T, CudaRuntime>::new(
             settings(32 * BWD_PLANES as u32), be.client().clone(),
             A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (),
-            BWD_LOAD_VEC, hd, spec.causal, ldsm, pipe, is_sparse, window)))
+            BWD_LOAD_VEC, hd, ldsm, pipe, is_sparse, window)))
     })?;
     let (qv, kv) = (ql / BWD_LOAD_VEC, kl / BWD_LOAD_VEC);
     let mut a = Args::new();

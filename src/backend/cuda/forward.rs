@@ -79,18 +79,12 @@ pub(crate) fn flash_fwd_kernel(
     be: &CudaBackend,
     dt: DType,
     hd: usize,
-    causal: bool,
     mt: usize,
     bn: usize,
     block_m: usize,
     sparse: bool,
-    window: bool,
 ) -> Result<super::compile::Func> {
-    let key = KernelKey::new(
-        "flash_fwd_mma2",
-        dt,
-        &[hd as u32, causal as u32, mt as u32, bn as u32, block_m as u32, sparse as u32, window as u32],
-    );
+    let key = KernelKey::new("flash_fwd_mma2", dt, &[hd as u32, mt as u32, bn as u32, block_m as u32, sparse as u32]);
     let threads = (block_m * 2 / mt) as u32;
     let client = be.client();
     be.kernels.get(&key, || {
@@ -101,12 +95,10 @@ pub(crate) fn flash_fwd_kernel(
                     client.clone(),
                     A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (),
                     hd,
-                    causal,
                     mt,
                     bn,
                     block_m,
                     sparse,
-                    window,
                 ))
             };
         }
@@ -128,7 +120,7 @@ pub(crate) fn launch_forward(
     let t = |i| plan.tables.get(i);
     let client = be.client();
     let dt = spec.dtype;
-    let (win_l, win_r, window) = window_bounds(spec);
+    let (win_l, win_r, _) = window_bounds(spec);
     if dt == DType::F32 {
         let key = KernelKey::new("rowwise_fwd_f32", dt, &[hd as u32]);
         let f = be.kernels.get(&key, || {
@@ -176,7 +168,7 @@ pub(crate) fn launch_forward(
     let (part_o, part_lse) = (p.workspace + offs[0] as u64, p.workspace + offs[1] as u64);
     let n_part = po_bytes / (4 * hd);
 
-    let f = flash_fwd_kernel(be, dt, hd, spec.causal, mt, bn, BLOCK_M, false, window)?;
+    let f = flash_fwd_kernel(be, dt, hd, mt, bn, BLOCK_M, false)?;
     let mut a = Args::new();
     a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.out, ql).array(p.lse, ll);
     a.array(part_o, n_part * hd).array(part_lse, n_part);

@@ -192,9 +192,10 @@ impl CudaBackend {
     }
 }
 
-/// The sliding window of `spec` as the kernels take it (`kernels::rows`): key bounds left and
-/// right of each row's diagonal ([`WIN_NONE`] for an unbounded side, right 0 with causal), and
-/// whether the window-aware kernel variants are needed.
+/// Each row's key range as the kernels take it (`kernels::rows`): key bounds left and right of
+/// the row's diagonal, the causal bound included (right 0 with causal, [`WIN_NONE`] for an
+/// unbounded side), and whether a sliding window is set (the dK/dV and dQ kernels then compile
+/// their per-element window masks).
 pub(crate) fn window_bounds(spec: &AttnSpec) -> (u32, u32, bool) {
     let side = |x: Option<usize>| x.map_or(WIN_NONE, |v| v.min(WIN_NONE as usize) as u32);
     let right = if spec.causal { 0 } else { side(spec.window.right) };

@@ -163,7 +163,7 @@ fn launch_sparse_forward(be: &CudaBackend, spec: &SparseSpec, plan: &Cached<Spar
     let d = &spec.attn.dims;
     let (hd, dt) = (d.head_dim, spec.attn.dtype);
     let (ql, kl, ll) = (d.q_len(), d.kv_len().max(1), d.lse_len());
-    let f = super::forward::flash_fwd_kernel(be, dt, hd, spec.attn.causal, 2, BLOCK_N, sp.block_m, true, false)?;
+    let f = super::forward::flash_fwd_kernel(be, dt, hd, 2, BLOCK_N, sp.block_m, true)?;
     let t = |i| plan.tables.get(i);
     let mut a = Args::new();
     a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.out, ql).array(p.lse, ll);
@@ -174,7 +174,8 @@ fn launch_sparse_forward(be: &CudaBackend, spec: &SparseSpec, plan: &Cached<Spar
     }
     a.f32(spec.attn.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32);
     a.u32(sp.hp).u32(0).f32(f32::INFINITY).u32(spec.k_block as u32).u32(sp.tiles_per_block);
-    // no sliding window with a block pattern
-    a.u32(crate::kernels::rows::WIN_NONE).u32(crate::kernels::rows::WIN_NONE);
+    // row bounds: the causal diagonal (a block pattern has no sliding window)
+    let (win_l, win_r, _) = super::window_bounds(&spec.attn);
+    a.u32(win_l).u32(win_r);
     launch(&f, (sp.n_items as u32, sp.ys, 1), &mut a, stream)
 }
