@@ -22,7 +22,7 @@ setup_venv() {
 # tests skip themselves
 setup_torch() {
   if [ "${CUBEATTN_TORCH:-1}" != 0 ]; then
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r "$ROOT/requirements-torch.txt"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir -r "$ROOT/requirements-torch.txt"
   fi
 }
 

@@ -24,7 +24,7 @@ use cubecl::prelude::*;
 use cudarc::driver::sys;
 use half::{bf16, f16};
 
-use super::compile::{codegen, codegen_exp2, settings, KernelKey};
+use super::compile::{codegen, codegen_exp2, settings, Func, KernelKey, Source};
 use super::forward::layout;
 use super::launch::{grid_2d, launch, Args};
 use super::plans::Cached;
@@ -278,6 +278,59 @@ pub(crate) struct DkdvTables {
     pub tq_list: (u64, usize),
 }
 
+/// The dK/dV kernel (`flash_bwd::flash_bwd_dkdv`, f16/bf16) for one set of comptime choices (the
+/// ldmatrix / pipeline / atomic-width switches are read from the options).
+pub(crate) fn dkdv_kernel(
+    be: &CudaBackend,
+    dt: DType,
+    hd: usize,
+    causal: bool,
+    fused: bool,
+    sparse: bool,
+    window: bool,
+) -> Result<Func> {
+    let (ldsm, pipe, qvec) = (use_ldmatrix(), bwd_pipe(), atomic_vec());
+    let key = KernelKey::new(
+        "flash_bwd_dkdv",
+        dt,
+        &[hd as u32, causal as u32, ldsm as u32, fused as u32, qvec as u32, pipe as u32, sparse as u32, window as u32],
+    );
+    be.kernels.get(&key, || dkdv_source(be.client(), dt, hd, causal, fused, sparse, window))
+}
+
+/// CUDA source of [`dkdv_kernel`].
+pub(crate) fn dkdv_source(
+    client: &ComputeClient<CudaRuntime>,
+    dt: DType,
+    hd: usize,
+    causal: bool,
+    fused: bool,
+    sparse: bool,
+    window: bool,
+) -> Result<Source> {
+    let (ldsm, pipe, qvec) = (use_ldmatrix(), bwd_pipe(), atomic_vec());
+    by_dtype!(dt, T, codegen_exp2(flash_bwd::flash_bwd_dkdv::FlashBwdDkdv::<T, CudaRuntime>::new(
+        settings(32 * BWD_PLANES as u32), client.clone(),
+        A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (), (),
+        BWD_LOAD_VEC, qvec, hd, causal, ldsm, fused, qvec, pipe, sparse, window)))
+}
+
+/// The dQ pass kernel (`flash_bwd::flash_bwd_dq`, f16/bf16) for one set of comptime choices.
+pub(crate) fn dq_kernel(be: &CudaBackend, dt: DType, hd: usize, sparse: bool, window: bool) -> Result<Func> {
+    let (ldsm, pipe) = (use_ldmatrix(), bwd_pipe());
+    let key = KernelKey::new("flash_bwd_dq", dt, &[hd as u32, ldsm as u32, pipe as u32, sparse as u32, window as u32]);
+    be.kernels.get(&key, || dq_source(be.client(), dt, hd, sparse, window))
+}
+
+/// CUDA source of [`dq_kernel`].
+pub(crate) fn dq_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: usize, sparse: bool, window: bool) -> Result<Source> {
+    let (ldsm, pipe) = (use_ldmatrix(), bwd_pipe());
+    by_dtype!(dt, T, codegen_exp2(flash_bwd::flash_bwd_dq::FlashBwdDq::<T, CudaRuntime>::new(
+        settings(32 * BWD_PLANES as u32), client.clone(),
+        A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (),
+        BWD_LOAD_VEC, hd, ldsm, pipe, sparse, window)))
+}
+
 /// Enqueues `flash_bwd_dkdv` (f16/bf16) over `n_work` work items x heads_kv. `acc`: the f32 dQ
 /// accumulator of the fused path; `sparse`: (q_block, index heads, key blocks per sequence slot,
 /// query tiles per query block) of the block-sparse variant.
@@ -296,20 +349,9 @@ pub(crate) fn launch_dkdv(
     let d = &spec.dims;
     let (hd, dt) = (d.head_dim, spec.dtype);
     let (ql, kl, ll) = (d.q_len(), d.kv_len(), d.lse_len());
-    let (ldsm, pipe, qvec, fused) = (use_ldmatrix(), bwd_pipe(), atomic_vec(), acc.is_some());
-    let is_sparse = sparse.is_some();
+    let (qvec, fused) = (atomic_vec(), acc.is_some());
     let (win_l, win_r, window) = window_bounds(spec);
-    let key = KernelKey::new(
-        "flash_bwd_dkdv",
-        dt,
-        &[hd as u32, spec.causal as u32, ldsm as u32, fused as u32, qvec as u32, pipe as u32, is_sparse as u32, window as u32],
-    );
-    let f = be.kernels.get(&key, || {
-        by_dtype!(dt, T, codegen_exp2(flash_bwd::flash_bwd_dkdv::FlashBwdDkdv::<T, CudaRuntime>::new(
-            settings(32 * BWD_PLANES as u32), be.client().clone(),
-            A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (), (),
-            BWD_LOAD_VEC, qvec, hd, spec.causal, ldsm, fused, qvec, pipe, is_sparse, window)))
-    })?;
+    let f = dkdv_kernel(be, dt, hd, spec.causal, fused, sparse.is_some(), window)?;
     let (acc_ptr, acc_len) = match acc {
         Some(a) => (a, ql / qvec),
         None => (delta, 1),
@@ -346,19 +388,8 @@ pub(crate) fn launch_dq(
     let d = &spec.dims;
     let (hd, dt) = (d.head_dim, spec.dtype);
     let (ql, kl, ll) = (d.q_len(), d.kv_len(), d.lse_len());
-    let (ldsm, pipe, is_sparse) = (use_ldmatrix(), bwd_pipe(), sparse.is_some());
     let (win_l, win_r, window) = window_bounds(spec);
-    let key = KernelKey::new(
-        "flash_bwd_dq",
-        dt,
-        &[hd as u32, ldsm as u32, pipe as u32, is_sparse as u32, window as u32],
-    );
-    let f = be.kernels.get(&key, || {
-        by_dtype!(dt, T, codegen_exp2(flash_bwd::flash_bwd_dq::FlashBwdDq::<T, CudaRuntime>::new(
-            settings(32 * BWD_PLANES as u32), be.client().clone(),
-            A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (),
-            BWD_LOAD_VEC, hd, ldsm, pipe, is_sparse, window)))
-    })?;
+    let f = dq_kernel(be, dt, hd, sparse.is_some(), window)?;
     let (qv, kv) = (ql / BWD_LOAD_VEC, kl / BWD_LOAD_VEC);
     let mut a = Args::new();
     a.array(p.q, qv).array(p.k, kv).array(p.v, kv).array(p.dout, qv).array(p.lse, ll).array(delta, ll);

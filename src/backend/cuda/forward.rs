@@ -12,7 +12,7 @@ use cubecl::prelude::*;
 use cudarc::driver::sys;
 use half::{bf16, f16};
 
-use super::compile::{codegen, codegen_exp2, settings, KernelKey};
+use super::compile::{codegen, codegen_exp2, settings, KernelKey, Source};
 use super::launch::{launch, Args};
 use super::{fwd_options, window_bounds, CudaBackend, Plan};
 use crate::dtype::DType;
@@ -84,26 +84,44 @@ pub(crate) fn flash_fwd_kernel(
     block_m: usize,
     sparse: bool,
 ) -> Result<super::compile::Func> {
-    let key = KernelKey::new("flash_fwd_mma2", dt, &[hd as u32, mt as u32, bn as u32, block_m as u32, sparse as u32]);
+    let variant = fwd_variant();
+    let key = KernelKey::new("flash_fwd_mma2", dt, &[hd as u32, mt as u32, bn as u32, block_m as u32, sparse as u32, variant]);
+    be.kernels.get(&key, || fwd_source(be.client(), dt, hd, mt, bn, block_m, sparse, variant))
+}
+
+/// Experiment switch (temporary): `CUBEATTN_FWD_VARIANT` bits, see `flash_fwd_mma2`.
+pub(crate) fn fwd_variant() -> u32 {
+    std::env::var("CUBEATTN_FWD_VARIANT").ok().and_then(|v| v.parse().ok()).unwrap_or(0)
+}
+
+/// CUDA source of [`flash_fwd_kernel`].
+pub(crate) fn fwd_source(
+    client: &ComputeClient<CudaRuntime>,
+    dt: DType,
+    hd: usize,
+    mt: usize,
+    bn: usize,
+    block_m: usize,
+    sparse: bool,
+    variant: u32,
+) -> Result<Source> {
     let threads = (block_m * 2 / mt) as u32;
-    let client = be.client();
-    be.kernels.get(&key, || {
-        macro_rules! k {
-            ($t:ty) => {
-                codegen_exp2(flash_fwd::flash_fwd_mma2::FlashFwdMma2::<$t, CudaRuntime>::new(
-                    settings(threads),
-                    client.clone(),
-                    A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (),
-                    hd,
-                    mt,
-                    bn,
-                    block_m,
-                    sparse,
-                ))
-            };
-        }
-        if is_f16(dt) { k!(f16) } else { k!(bf16) }
-    })
+    macro_rules! k {
+        ($t:ty) => {
+            codegen_exp2(flash_fwd::flash_fwd_mma2::FlashFwdMma2::<$t, CudaRuntime>::new(
+                settings(threads),
+                client.clone(),
+                A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (),
+                hd,
+                mt,
+                bn,
+                block_m,
+                sparse,
+                variant,
+            ))
+        };
+    }
+    if is_f16(dt) { k!(f16) } else { k!(bf16) }
 }
 
 /// Enqueues the forward of `spec` on `stream`. `plan` must be the cached plan of `spec`.

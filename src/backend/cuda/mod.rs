@@ -10,6 +10,7 @@ mod compile;
 mod device_io;
 mod driver;
 mod forward;
+mod kernel_dump;
 mod launch;
 mod options;
 mod plan;

@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""Instruction counts of generated kernels, without a GPU: compiles each CUDA source file in DIR
+(written by the `dump_tensor_core_kernels` test) with NVRTC and the options cubeattn uses, dumps the
+SASS with cuobjdump and prints, per kernel, the registers and for each loop (a backward branch) its
+instruction count and mix. The largest loop of a kernel is its main (key-tile or row-tile) loop.
+
+    python3 scripts/sass_count.py DIR [--sass]   (needs CUDA_PATH with lib/libnvrtc.so*, bin/cuobjdump,
+                                                  include/; e.g. the NVIDIA CUDA 13 wheels from PyPI)
+"""
+import collections
+import ctypes
+import glob
+import os
+import re
+import subprocess
+import sys
+
+CUDA = os.environ.get("CUDA_PATH", "/usr/local/cuda")
+
+
+def nvrtc():
+    for cand in sorted(glob.glob(os.path.join(CUDA, "lib*", "libnvrtc.so*"))):
+        if "builtins" not in cand and "alt" not in cand:
+            return ctypes.CDLL(cand)
+    raise SystemExit(f"no libnvrtc under {CUDA}")
+
+
+def compile_cubin(lib, path, arch="sm_90a"):
+    src = open(path).read()
+    inc = os.path.join(CUDA, "include")
+    opts = [f"--gpu-architecture={arch}", f"--include-path={inc}", f"--include-path={inc}/cccl", "-ftz=true"]
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"k.cu", 0, None, None) == 0
+    arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+    if lib.nvrtcCompileProgram(prog, len(opts), arr):
+        n = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
+        log = ctypes.create_string_buffer(n.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        raise SystemExit(f"{path}: NVRTC failed\n{log.value.decode()[-3000:]}")
+    n = ctypes.c_size_t()
+    lib.nvrtcGetCUBINSize(prog, ctypes.byref(n))
+    buf = ctypes.create_string_buffer(n.value)
+    lib.nvrtcGetCUBIN(prog, buf)
+    out = path[:-3] + ".cubin"
+    open(out, "wb").write(buf.raw)
+    return out
+
+
+LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+def sass(cubin):
+    dump = subprocess.run([os.path.join(CUDA, "bin", "cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    res = subprocess.run([os.path.join(CUDA, "bin", "cuobjdump"), "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
+    ins = []
+    for m in LINE.finditer(dump):
+        ins.append((int(m.group(1), 16), m.group(3), m.group(4)))
+    return dump, ins, res
+
+
+def loops(ins):
+    """(start, end) address ranges of backward branches."""
+    out = []
+    for addr, op, args in ins:
+        if op.startswith("BRA"):
+            t = re.search(r"0x([0-9a-f]+)", args)
+            if t and int(t.group(1), 16) <= addr:
+                out.append((int(t.group(1), 16), addr))
+    return out
+
+
+def mix(ins, lo, hi):
+    c = collections.Counter(op.split(".")[0] for a, op, _ in ins if lo <= a <= hi)
+    return sum(c.values()), c
+
+
+def main():
+    d = sys.argv[1]
+    lib = nvrtc()
+    for path in sorted(glob.glob(os.path.join(d, "*.cu"))):
+        cubin = compile_cubin(lib, path)
+        dump, ins, res = sass(cubin)
+        if "--sass" in sys.argv:
+            open(path[:-3] + ".sass", "w").write(dump)
+        regs = re.search(r"REG:(\d+)", res)
+        stack = re.search(r"STACK:(\d+)", res)
+        lmem = re.search(r"LOCAL:(\d+)", res)
+        print(f"== {os.path.basename(path)}: {len(ins)} instructions, REG {regs and regs.group(1)}, "
+              f"STACK {stack and stack.group(1)}, LOCAL {lmem and lmem.group(1)}")
+        big = sorted(loops(ins), key=lambda r: r[0] - r[1])[:3]
+        for lo, hi in big:
+            n, c = mix(ins, lo, hi)
+            keys = ["HMMA", "LDSM", "MUFU", "FFMA", "FMUL", "FADD", "FMNMX", "F2FP", "SHFL", "LDGSTS", "LDS", "STS",
+                    "LDL", "STL", "IMAD", "IADD3", "LEA", "VIADD", "ISETP", "SEL", "FSEL", "MOV", "BAR", "SYNCS"]
+            other = n - sum(c[k] for k in keys)
+            print(f"   loop {lo:#x}-{hi:#x}: {n} instr | " + " ".join(f"{k} {c[k]}" for k in keys if c[k]) + f" | other {other}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+//! Development aid (tests only): writes the CUDA source CubeCL generates for the tensor-core
+//! kernels into `CUBEATTN_DUMP_DIR`, so their SASS can be counted without a GPU run
+//! (bench/NOTES.md "Counting SASS"). Code generation reads the device properties of a CubeCL CUDA
+//! client, so it needs a CUDA driver library; nothing is compiled or launched.
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::super::backward::{dkdv_source, dq_source};
+    use super::super::forward::fwd_source;
+    use super::super::CudaBackend;
+    use crate::dtype::DType;
+
+    /// `CUBEATTN_DUMP_DIR=dir cargo test --release --features cuda --lib dump_tensor_core_kernels
+    /// -- --ignored`: bf16 forward (d128, d64), dK/dV (causal and not) and dQ pass, d128.
+    #[test]
+    #[ignore]
+    fn dump_tensor_core_kernels() {
+        let dir = std::env::var_os("CUBEATTN_DUMP_DIR").expect("set CUBEATTN_DUMP_DIR");
+        std::fs::create_dir_all(&dir).unwrap();
+        let c = CudaBackend::shared().expect("a CUDA driver").client();
+        let dt = DType::BF16;
+        let sources = [
+            ("fwd_d128", fwd_source(c, dt, 128, 2, 64, 128, false, 0)),
+            ("fwd_d128_v1", fwd_source(c, dt, 128, 2, 64, 128, false, 1)),
+            ("fwd_d128_v2", fwd_source(c, dt, 128, 2, 64, 128, false, 2)),
+            ("fwd_d128_v3", fwd_source(c, dt, 128, 2, 64, 128, false, 3)),
+            ("fwd_d64", fwd_source(c, dt, 64, 2, 64, 128, false, 0)),
+            ("dkdv_causal_d128", dkdv_source(c, dt, 128, true, false, false, false)),
+            ("dkdv_full_d128", dkdv_source(c, dt, 128, false, false, false, false)),
+            ("dq_d128", dq_source(c, dt, 128, false, false)),
+        ];
+        for (name, src) in sources {
+            let src = src.unwrap();
+            std::fs::write(Path::new(&dir).join(format!("{name}.cu")), format!("// entry {}\n{}", src.entry, src.cuda)).unwrap();
+        }
+    }
+}
