@@ -13,7 +13,7 @@ mod tests {
     use crate::dtype::DType;
 
     /// `CUBEATTN_DUMP_DIR=dir cargo test --release --features cuda --lib dump_tensor_core_kernels
-    /// -- --ignored`: bf16 forward (d128, d64), dK/dV (causal and not) and dQ pass, d128.
+    /// -- --ignored`: bf16 forward, dK/dV and dQ pass in their main comptime variants.
     #[test]
     #[ignore]
     fn dump_tensor_core_kernels() {
@@ -22,14 +22,18 @@ mod tests {
         let c = CudaBackend::shared().expect("a CUDA driver").client();
         let dt = DType::BF16;
         let sources = [
-            ("fwd_d128", fwd_source(c, dt, 128, 2, 64, 128, false, 0)),
-            ("fwd_d128_v1", fwd_source(c, dt, 128, 2, 64, 128, false, 1)),
-            ("fwd_d128_v2", fwd_source(c, dt, 128, 2, 64, 128, false, 2)),
-            ("fwd_d128_v3", fwd_source(c, dt, 128, 2, 64, 128, false, 3)),
-            ("fwd_d64", fwd_source(c, dt, 64, 2, 64, 128, false, 0)),
+            ("fwd_d128", fwd_source(c, dt, 128, 2, 64, 128, false)),
+            ("fwd_d64", fwd_source(c, dt, 64, 2, 64, 128, false)),
+            ("fwd_sparse_d128", fwd_source(c, dt, 128, 2, 64, 64, true)),
             ("dkdv_causal_d128", dkdv_source(c, dt, 128, true, false, false, false)),
             ("dkdv_full_d128", dkdv_source(c, dt, 128, false, false, false, false)),
+            ("dkdv_window_d128", dkdv_source(c, dt, 128, true, false, false, true)),
+            ("dkdv_sparse_d128", dkdv_source(c, dt, 128, false, false, true, false)),
+            ("dkdv_fused_d128", dkdv_source(c, dt, 128, false, true, false, false)),
             ("dq_d128", dq_source(c, dt, 128, false, false)),
+            ("dq_d64", dq_source(c, dt, 64, false, false)),
+            ("dq_window_d128", dq_source(c, dt, 128, false, true)),
+            ("dq_sparse_d128", dq_source(c, dt, 128, true, false)),
         ];
         for (name, src) in sources {
             let src = src.unwrap();
