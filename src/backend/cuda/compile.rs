@@ -27,6 +27,9 @@ use crate::error::{Error, Result};
 /// CubeCL version the generated-source ABI was checked against (Cargo.toml pins it with `=`).
 pub const CUBECL_VERSION: &str = "0.10.0";
 
+/// First line of a disk-cache entry (a different format is a cache miss).
+const CACHE_FORMAT: &str = "cubeattn-cubin 2";
+
 /// Identifies one compiled kernel: its name, the dtype it is instantiated for and every comptime
 /// choice (block shapes, flags), which together fix the generated source.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
@@ -50,6 +53,37 @@ pub(crate) struct Source {
     pub cuda: String,
     pub smem: u32,
     pub block: [u32; 3],
+    pub abi: Abi,
+}
+
+/// The launch parameters a generated kernel takes (read from its signature and its info struct):
+/// array pointers, then the f32 and u32 scalars (each group padded to an even count by CubeCL). [`super::launch::launch`] refuses arguments
+/// that do not match, so a host/kernel mismatch is an error, never a launch that reads garbage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub(crate) struct Abi {
+    pub arrays: u32,
+    pub f32s: u32,
+    pub u32s: u32,
+}
+
+impl Abi {
+    /// Parses the `__global__` signature (`buffer_N` parameters) and `struct info_st`
+    /// (`float scalars_float[F]; uint32 scalars_uint32[U]; ...`) of CubeCL 0.10's CUDA output.
+    pub fn of_source(entry: &str, cuda: &str) -> Result<Abi> {
+        let bad = |what: &str| Error::Device(format!("generated source of {entry}: {what} not found (CubeCL output changed?)"));
+        let sig_at = cuda.find("__global__").ok_or_else(|| bad("__global__ signature"))?;
+        let sig_end = cuda[sig_at..].find(") {").ok_or_else(|| bad("end of the signature"))? + sig_at;
+        let arrays = cuda[sig_at..sig_end].matches(" buffer_").count() as u32;
+        let count = |field: &str| -> u32 {
+            let Some(i) = cuda.find("struct info_st {") else { return 0 };
+            let body = &cuda[i..i + cuda[i..].find("};").unwrap_or(0)];
+            body.find(field)
+                .and_then(|j| body[j + field.len()..].split(']').next())
+                .and_then(|n| n.trim_start_matches('[').parse().ok())
+                .unwrap_or(0)
+        };
+        Ok(Abi { arrays, f32s: count("scalars_float"), u32s: count("scalars_uint32") })
+    }
 }
 
 /// A loaded kernel function.
@@ -58,6 +92,8 @@ pub(crate) struct Func {
     pub f: sys::CUfunction,
     pub smem: u32,
     pub block: [u32; 3],
+    pub abi: Abi,
+    pub entry: &'static str,
 }
 
 // SAFETY: a CUfunction handle is valid in every thread once its module is loaded in the context.
@@ -96,9 +132,11 @@ pub(crate) fn codegen<K: CubeKernel>(kernel: K) -> Result<Source> {
     let repr = compiler
         .compile(def, &codegen_options(), ExecutionMode::Unchecked, addr)
         .map_err(|e| Error::Device(format!("CubeCL code generation of {entry} failed: {e:?}")))?;
+    let cuda = repr.to_string();
     Ok(Source {
         smem: repr.shared_memory_size() as u32,
-        cuda: repr.to_string(),
+        abi: Abi::of_source(&entry, &cuda)?,
+        cuda,
         entry,
         block: [cube_dim.x, cube_dim.y, cube_dim.z],
     })
@@ -206,9 +244,13 @@ fn nvrtc_cubin(src: &Source, arch: &str, flags: &[String]) -> Result<Vec<u8>> {
     }
 }
 
-/// On-disk entry: a short text header (entry point, shared bytes, block) then the cubin.
+/// On-disk entry: a short text header (entry point, shared bytes, block, launch ABI) then the cubin.
 fn encode(src: &Source, cubin: &[u8]) -> Vec<u8> {
-    let head = format!("cubeattn-cubin 1\n{}\n{}\n{} {} {}\n", src.entry, src.smem, src.block[0], src.block[1], src.block[2]);
+    let (b, a) = (src.block, src.abi);
+    let head = format!(
+        "{CACHE_FORMAT}\n{}\n{}\n{} {} {}\n{} {} {}\n",
+        src.entry, src.smem, b[0], b[1], b[2], a.arrays, a.f32s, a.u32s
+    );
     let mut v = head.into_bytes();
     v.extend_from_slice(cubin);
     v
@@ -220,27 +262,29 @@ fn decode(bytes: &[u8]) -> Option<(Source, Vec<u8>)> {
     for (i, &b) in bytes.iter().enumerate() {
         if b == b'\n' {
             lines += 1;
-            if lines == 4 {
+            if lines == 5 {
                 end = i + 1;
                 break;
             }
         }
     }
-    if lines < 4 {
+    if lines < 5 {
         return None;
     }
     let head = std::str::from_utf8(&bytes[..end]).ok()?;
     let mut it = head.lines();
-    if it.next()? != "cubeattn-cubin 1" {
+    if it.next()? != CACHE_FORMAT {
         return None;
     }
     let entry = it.next()?.to_string();
     let smem = it.next()?.parse().ok()?;
     let b: Vec<u32> = it.next()?.split(' ').filter_map(|x| x.parse().ok()).collect();
-    if b.len() != 3 || bytes.len() <= end {
+    let a: Vec<u32> = it.next()?.split(' ').filter_map(|x| x.parse().ok()).collect();
+    if b.len() != 3 || a.len() != 3 || bytes.len() <= end {
         return None;
     }
-    Some((Source { entry, cuda: String::new(), smem, block: [b[0], b[1], b[2]] }, bytes[end..].to_vec()))
+    let abi = Abi { arrays: a[0], f32s: a[1], u32s: a[2] };
+    Some((Source { entry, cuda: String::new(), smem, block: [b[0], b[1], b[2]], abi }, bytes[end..].to_vec()))
 }
 
 /// Compiled-kernel registry of one device: in memory, backed by the disk cache.
@@ -269,7 +313,7 @@ impl Kernels {
         let k = format!("{key:?}");
         let flags = self.flags.join(" ");
         let h = fnv(&[
-            b"cubeattn-cubin 1",
+            CACHE_FORMAT.as_bytes(),
             env!("CARGO_PKG_VERSION").as_bytes(),
             CUBECL_VERSION.as_bytes(),
             &kernel_sources_hash().to_le_bytes(),
@@ -328,7 +372,8 @@ impl Kernels {
                 src.smem as i32,
             )
             .map_err(|e| nvrtc_err("cuFuncSetAttribute", e))?;
-            Ok(Func { f, smem: src.smem, block: src.block })
+            let entry: &'static str = Box::leak(src.entry.clone().into_boxed_str());
+            Ok(Func { f, smem: src.smem, block: src.block, abi: src.abi, entry })
         }
     }
 }
@@ -351,13 +396,26 @@ mod tests {
 
     #[test]
     fn cache_entries_round_trip() {
-        let src = Source { entry: "k_f16".into(), cuda: String::new(), smem: 12345, block: [128, 1, 1] };
+        let abi = Abi { arrays: 13, f32s: 2, u32s: 8 };
+        let src = Source { entry: "k_f16".into(), cuda: String::new(), smem: 12345, block: [128, 1, 1], abi };
         let cubin: Vec<u8> = (0..=255u8).collect();
         let (s, c) = decode(&encode(&src, &cubin)).unwrap();
-        assert_eq!((s.entry.as_str(), s.smem, s.block), ("k_f16", 12345, [128, 1, 1]));
+        assert_eq!((s.entry.as_str(), s.smem, s.block, s.abi), ("k_f16", 12345, [128, 1, 1], abi));
         assert_eq!(c, cubin);
-        assert!(decode(b"cubeattn-cubin 2\nk\n1\n1 1 1\nxx").is_none());
-        assert!(decode(b"cubeattn-cubin 1\nk\n1\n").is_none());
+        assert!(decode(b"cubeattn-cubin 2\nk\n1\n1 1 1\n1 2\nxx").is_none());
+        // the previous format (no ABI line) is a miss, not a misread
+        assert!(decode(b"cubeattn-cubin 1\nk\n1\n1 1 1\nxxxx").is_none());
+    }
+
+    #[test]
+    fn abi_is_read_from_the_generated_signature() {
+        let cuda = "struct info_st {\n    float scalars_float[2];\nuint32 scalars_uint32[8];uint32 static_meta[26];\n};\n\
+            extern \"C\" __global__ void __launch_bounds__(128)k (\n    const float* __restrict__ buffer_0, \
+            float* buffer_1, const uint32* __restrict__ buffer_2, const __grid_constant__ info_st info\n) {\n}";
+        assert_eq!(Abi::of_source("k", cuda).unwrap(), Abi { arrays: 3, f32s: 2, u32s: 8 });
+        let no_scalars = cuda.replace("    float scalars_float[2];\nuint32 scalars_uint32[8];", "");
+        assert_eq!(Abi::of_source("k", &no_scalars).unwrap(), Abi { arrays: 3, f32s: 0, u32s: 0 });
+        assert!(Abi::of_source("k", "no kernel here").is_err());
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Development aid (tests only): writes the CUDA source CubeCL generates for the tensor-core
 //! kernels into `CUBEATTN_DUMP_DIR`, so their SASS can be counted without a GPU run
-//! (bench/NOTES.md "Counting SASS"). Code generation reads the device properties of a CubeCL CUDA
+//! (`scripts/kernel_code.py`). Code generation reads the device properties of a CubeCL CUDA
 //! client, so it needs a CUDA driver library; nothing is compiled or launched.
 
 #[cfg(test)]

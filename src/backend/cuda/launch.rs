@@ -6,7 +6,8 @@
 //! and the array lengths. The info bytes come from CubeCL's public `InfoBuilder`, fed in
 //! declaration order exactly as its launcher does, so the layout is CubeCL's by construction. The
 //! GPU tests compare every kernel family with the f64 reference through this path, so a change of
-//! the ABI in another CubeCL version fails them loudly.
+//! the ABI in another CubeCL version fails them loudly; and every launch checks the arguments'
+//! counts (arrays, f32 and u32 scalars) against the kernel's generated signature ([`Abi`]).
 
 use std::ffi::c_void;
 
@@ -14,7 +15,7 @@ use cubecl::prelude::AddressType;
 use cubecl::InfoBuilder;
 use cudarc::driver::sys;
 
-use super::compile::Func;
+use super::compile::{Abi, Func};
 use crate::error::{Error, Result};
 
 /// Arguments of one launch, in the kernel's declaration order.
@@ -22,6 +23,8 @@ use crate::error::{Error, Result};
 pub(crate) struct Args {
     ptrs: Vec<u64>,
     info: InfoBuilder,
+    f32s: u32,
+    u32s: u32,
 }
 
 impl Args {
@@ -39,17 +42,33 @@ impl Args {
 
     pub fn u32(&mut self, v: u32) -> &mut Args {
         self.info.scalars.push(v);
+        self.u32s += 1;
         self
     }
 
     pub fn f32(&mut self, v: f32) -> &mut Args {
         self.info.scalars.push(v);
+        self.f32s += 1;
         self
+    }
+
+    /// The kernel's parameters as these arguments fill them. CubeCL pads each scalar group of
+    /// the info struct to 8 bytes (two 4-byte scalars), as its `InfoBuilder` does for the data.
+    fn abi(&self) -> Abi {
+        Abi { arrays: self.ptrs.len() as u32, f32s: self.f32s.div_ceil(2) * 2, u32s: self.u32s.div_ceil(2) * 2 }
     }
 }
 
 /// Enqueues `func` on `stream` over `grid` cubes.
 pub(crate) fn launch(func: &Func, grid: (u32, u32, u32), args: &mut Args, stream: sys::CUstream) -> Result<()> {
+    if args.abi() != func.abi {
+        return Err(Error::Device(format!(
+            "launch of {}: the host passes {:?}, the kernel takes {:?}",
+            func.entry,
+            args.abi(),
+            func.abi
+        )));
+    }
     if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
         return Ok(());
     }

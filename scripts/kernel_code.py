@@ -1,11 +1,18 @@
 #!/usr/bin/env python3
-"""Instruction counts of generated kernels, without a GPU: compiles each CUDA source file in DIR
-(written by the `dump_tensor_core_kernels` test) with NVRTC and the options cubeattn uses, dumps the
-SASS with cuobjdump and prints, per kernel, the registers and for each loop (a backward branch) its
-instruction count and mix. The largest loop of a kernel is its main (key-tile or row-tile) loop.
+"""The generated kernel code, without a GPU. DIR holds the CUDA source CubeCL generates, written by
+the `dump_tensor_core_kernels` test (src/backend/cuda/kernel_dump.rs).
 
-    python3 scripts/sass_count.py DIR [--sass]   (needs CUDA_PATH with lib/libnvrtc.so*, bin/cuobjdump,
-                                                  include/; e.g. the NVIDIA CUDA 13 wheels from PyPI)
+    python3 scripts/kernel_code.py count DIR [--sass]
+        compiles each source with NVRTC and the options cubeattn uses, dumps the SASS with cuobjdump
+        and prints per kernel the registers and, for its largest loops (backward branches), the
+        instruction count and mix: the largest loop is the main key-tile / row-tile loop.
+        Needs CUDA_PATH with lib/libnvrtc.so*, bin/cuobjdump and include/ (the NVIDIA CUDA 13
+        wheels from PyPI have them).
+    python3 scripts/kernel_code.py same DIR_A DIR_B
+        whether two dumps are the same code: CubeCL emits struct definitions, mutable variable
+        declarations and the shared-memory layout in hash order (they differ run to run), so
+        those are compared as sets and everything else line by line. Exit 1 if any differs.
+        A refactor of the #[cube] code that keeps every kernel "same" cannot change its results.
 """
 import collections
 import ctypes
@@ -75,8 +82,42 @@ def mix(ins, lo, hi):
     return sum(c.values()), c
 
 
-def main():
-    d = sys.argv[1]
+def canon(path):
+    """The source with the hash-ordered parts (struct definitions, `T l_mut_N;` declarations,
+    shared-memory placement) taken out and sorted."""
+    lines = open(path).read().split("\n")
+    body, structs, decls = [], [], []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("struct __align__"):
+            j = i
+            while not lines[j].startswith("};"):
+                j += 1
+            structs.append("\n".join(lines[i:j + 1]))
+            i = j + 1
+            continue
+        if "dynamic_shared_mem[" in line or "// Shared array size" in line or line.startswith("// entry"):
+            pass
+        elif re.match(r"^[\w:<>]+ l_mut_\d+;$", line.strip()):
+            decls.append(line.strip())
+        else:
+            body.append(line)
+        i += 1
+    return "\n".join(sorted(structs) + sorted(decls) + body)
+
+
+def same(a, b):
+    bad = 0
+    for path in sorted(glob.glob(os.path.join(a, "*.cu"))):
+        other = os.path.join(b, os.path.basename(path))
+        ok = os.path.exists(other) and canon(path) == canon(other)
+        bad += not ok
+        print(("same " if ok else "DIFF ") + os.path.basename(path))
+    return 1 if bad else 0
+
+
+def count(d):
     lib = nvrtc()
     for path in sorted(glob.glob(os.path.join(d, "*.cu"))):
         cubin = compile_cubin(lib, path)
@@ -98,4 +139,9 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) >= 4 and sys.argv[1] == "same":
+        sys.exit(same(sys.argv[2], sys.argv[3]))
+    if len(sys.argv) >= 3 and sys.argv[1] == "count":
+        count(sys.argv[2])
+    else:
+        sys.exit(__doc__)
