@@ -11,7 +11,8 @@ the `dump_tensor_core_kernels` test (src/backend/cuda/kernel_dump.rs).
     python3 scripts/kernel_code.py same DIR_A DIR_B
         whether two dumps are the same code: CubeCL emits struct definitions, mutable variable
         declarations and the shared-memory layout in hash order (they differ run to run), so
-        those are compared as sets and everything else line by line. Exit 1 if any differs.
+        those are compared as sets, local names are renumbered by first use, and everything
+        else is compared line by line. Exit 1 if any differs.
         A refactor of the #[cube] code that keeps every kernel "same" cannot change its results.
 """
 import collections
@@ -104,6 +105,17 @@ def canon(path):
         else:
             body.append(line)
         i += 1
+    # Local names are numbered by CubeCL in creation order: an edit that creates one value more or
+    # less earlier (a comptime branch removed, say) renumbers everything after it. Renumber by
+    # first use in the body, so only the code itself is compared.
+    names = {}
+
+    def rename(m):
+        return names.setdefault(m.group(0), f"{m.group(1)}#{len(names)}")
+
+    ident = re.compile(r"\b(l_mut_|l_arr_|l_)\d+\b")
+    body = [ident.sub(rename, line) for line in body]
+    decls = [ident.sub(rename, line) for line in decls]
     return "\n".join(sorted(structs) + sorted(decls) + body)
 
 

@@ -60,11 +60,10 @@ pub const SPARSE_QB_MASK: u32 = (1 << SPARSE_QB_BITS) - 1;
 
 
 // ---------------------------------------------------------------------------------------------
-// Fragment helpers. `ldsm` picks `ldmatrix` (fast) or per-element shared-memory reads through
-// `position_of_nth` (slow, kept to cross-check the register layouts).
+// Fragment helpers (`ldmatrix` from padded row-major shared tiles)
 // ---------------------------------------------------------------------------------------------
 
-/// 16x16 A fragment with `A[m][kk] = smem[(row0 + m) * stride + col0 + kk]`.
+/// 16x16 A fragment with `A[m][kk] = smem[(row0 + m) * stride + col0 + kk]` (`ldmatrix` x4).
 #[cube]
 fn frag_a<E: Float, NA: Size>(
     def: &MmaDefinition<E, E, f32>,
@@ -72,34 +71,19 @@ fn frag_a<E: Float, NA: Size>(
     row0: usize,
     col0: usize,
     #[comptime] stride: usize,
-    #[comptime] ldsm: bool,
 ) -> Array<Vector<E, NA>> {
     let lane = UNIT_POS_PLANE;
     let va = def.vectors_per_lane(MatrixIdent::A);
-    let sa = def.vector_size(MatrixIdent::A);
     let mut out = Array::<Vector<E, NA>>::new(va);
-    if ldsm {
-        // Matrices: 0 = rows 0-7 / cols 0-7, 1 = rows 8-15 / cols 0-7, 2 = rows 0-7 / cols 8-15,
-        // 3 = rows 8-15 / cols 8-15 (the a0..a3 registers of m16n8k16).
-        let mi = (lane / 8u32) as usize;
-        let mr = (lane % 8u32) as usize;
-        let start = (row0 + (mi % 2) * 8 + mr) * stride + col0 + (mi / 2) * 8;
-        let m = def.load_matrix::<E, NA>(&smem.slice(start, start + 8), MatrixIdent::A, 4usize, false);
-        #[unroll]
-        for i in 0..va {
-            out[i] = m[i];
-        }
-    } else {
-        #[unroll]
-        for i in 0..va {
-            let mut reg = Vector::<E, NA>::empty();
-            #[unroll]
-            for j in 0..sa {
-                let (row, col) = def.position_of_nth(lane, (i * sa + j) as u32, MatrixIdent::A);
-                reg[j] = smem[(row0 + row as usize) * stride + col0 + col as usize];
-            }
-            out[i] = reg;
-        }
+    // Matrices: 0 = rows 0-7 / cols 0-7, 1 = rows 8-15 / cols 0-7, 2 = rows 0-7 / cols 8-15,
+    // 3 = rows 8-15 / cols 8-15 (the a0..a3 registers of m16n8k16).
+    let mi = (lane / 8u32) as usize;
+    let mr = (lane % 8u32) as usize;
+    let start = (row0 + (mi % 2) * 8 + mr) * stride + col0 + (mi / 2) * 8;
+    let m = def.load_matrix::<E, NA>(&smem.slice(start, start + 8), MatrixIdent::A, 4usize, false);
+    #[unroll]
+    for i in 0..va {
+        out[i] = m[i];
     }
     out
 }
@@ -114,42 +98,24 @@ fn frag_b_t2<E: Float, NB: Size>(
     row0: usize,
     col0: usize,
     #[comptime] stride: usize,
-    #[comptime] ldsm: bool,
 ) -> Array<Vector<E, NB>> {
     let lane = UNIT_POS_PLANE;
     let vb = def.vectors_per_lane(MatrixIdent::B);
-    let sb = def.vector_size(MatrixIdent::B);
     let mut out = Array::<Vector<E, NB>>::new(comptime!(2 * vb));
-    if ldsm {
-        let mi = (lane / 8u32) as usize;
-        let mr = (lane % 8u32) as usize;
-        let start = (row0 + mr) * stride + col0 + mi * 8;
-        let m = def.load_matrix::<E, NB>(&smem.slice(start, start + 8), MatrixIdent::B, 4usize, false);
-        #[unroll]
-        for i in 0..comptime!(2 * vb) {
-            out[i] = m[i];
-        }
-    } else {
-        #[unroll]
-        for h in 0..2usize {
-            #[unroll]
-            for i in 0..vb {
-                let mut reg = Vector::<E, NB>::empty();
-                #[unroll]
-                for j in 0..sb {
-                    let (row, col) = def.position_of_nth(lane, (i * sb + j) as u32, MatrixIdent::B);
-                    reg[j] = smem[(row0 + col as usize) * stride + col0 + h * 16 + row as usize];
-                }
-                out[h * vb + i] = reg;
-            }
-        }
+    let mi = (lane / 8u32) as usize;
+    let mr = (lane % 8u32) as usize;
+    let start = (row0 + mr) * stride + col0 + mi * 8;
+    let m = def.load_matrix::<E, NB>(&smem.slice(start, start + 8), MatrixIdent::B, 4usize, false);
+    #[unroll]
+    for i in 0..comptime!(2 * vb) {
+        out[i] = m[i];
     }
     out
 }
 
 /// Two B fragments (n-blocks `col0..col0+8` in entries [0, 2) and `col0+8..col0+16` in [2, 4))
 /// with `B[kk][n] = smem[(row0 + kk) * stride + col0 + n]`, kk in 0..16 (a row-major operand:
-/// dO, Q or K as the right factor).
+/// dO, Q or K as the right factor; `ldmatrix.trans`).
 #[cube]
 fn frag_b_n2<E: Float, NB: Size>(
     def: &MmaDefinition<E, E, f32>,
@@ -157,35 +123,17 @@ fn frag_b_n2<E: Float, NB: Size>(
     row0: usize,
     col0: usize,
     #[comptime] stride: usize,
-    #[comptime] ldsm: bool,
 ) -> Array<Vector<E, NB>> {
     let lane = UNIT_POS_PLANE;
     let vb = def.vectors_per_lane(MatrixIdent::B);
-    let sb = def.vector_size(MatrixIdent::B);
     let mut out = Array::<Vector<E, NB>>::new(comptime!(2 * vb));
-    if ldsm {
-        let mi = (lane / 8u32) as usize;
-        let mr = (lane % 8u32) as usize;
-        let start = (row0 + (mi % 2) * 8 + mr) * stride + col0 + (mi / 2) * 8;
-        let m = def.load_matrix::<E, NB>(&smem.slice(start, start + 8), MatrixIdent::B, 4usize, true);
-        #[unroll]
-        for i in 0..comptime!(2 * vb) {
-            out[i] = m[i];
-        }
-    } else {
-        #[unroll]
-        for h in 0..2usize {
-            #[unroll]
-            for i in 0..vb {
-                let mut reg = Vector::<E, NB>::empty();
-                #[unroll]
-                for j in 0..sb {
-                    let (row, col) = def.position_of_nth(lane, (i * sb + j) as u32, MatrixIdent::B);
-                    reg[j] = smem[(row0 + row as usize) * stride + col0 + h * 8 + col as usize];
-                }
-                out[h * vb + i] = reg;
-            }
-        }
+    let mi = (lane / 8u32) as usize;
+    let mr = (lane % 8u32) as usize;
+    let start = (row0 + (mi % 2) * 8 + mr) * stride + col0 + (mi / 2) * 8;
+    let m = def.load_matrix::<E, NB>(&smem.slice(start, start + 8), MatrixIdent::B, 4usize, true);
+    #[unroll]
+    for i in 0..comptime!(2 * vb) {
+        out[i] = m[i];
     }
     out
 }
@@ -417,10 +365,8 @@ fn sparse_q_tile(
 #[allow(clippy::too_many_arguments, unused_assignments)]
 #[cube(launch_unchecked)]
 pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
-    q: &Array<Vector<E, NV>>,
     k: &Array<Vector<E, NV>>,
     v: &Array<Vector<E, NV>>,
-    dout: &Array<Vector<E, NV>>,
     lse: &Array<f32>,
     delta: &Array<f32>,
     dk: &mut Array<E>,
@@ -448,10 +394,8 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
     win_r: u32,
     #[comptime] head_dim: usize,
     #[comptime] causal: bool,
-    #[comptime] ldsm: bool,
     #[comptime] fuse_dq: bool,
     #[comptime] qvec: usize,
-    #[comptime] pipe: bool,
     #[comptime] sparse: bool,
     #[comptime] window: bool,
 ) {
@@ -466,9 +410,9 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
     // dS of the current query tile, row-major [row][key] (fused dQ only).
     let mut ds_smem =
         SharedMemory::<E>::new_aligned(comptime!(if fuse_dq { BWD_BM * (BWD_BN + PAD) } else { 8 }), 16usize);
-    // With `pipe`: two stages of the query tile (Q, dO, lse, delta), rows [0, BM) and [BM, 2 BM);
-    // the next tile is copied with cp.async while the current one is computed.
-    let nbuf = comptime!(if pipe { 2usize } else { 1usize });
+    // Two stages of the query tile (Q, dO, lse, delta), rows [0, BM) and [BM, 2 BM): the next
+    // tile is copied with cp.async while the current one is computed.
+    let nbuf = 2usize;
     let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(nbuf * BWD_BM * (head_dim + PAD)), 16usize);
     let mut do_smem = SharedMemory::<E>::new_aligned(comptime!(nbuf * BWD_BM * (head_dim + PAD)), 16usize);
     let mut lse_smem = SharedMemory::<f32>::new(comptime!(nbuf * BWD_BM));
@@ -503,7 +447,7 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
     stage_rows::<E, NV>(v, &mut v_smem, key0, key_lim, key0, heads_kv, hk, BWD_BN, head_dim);
     // Barrier initialisation visible before the first cp.async commit.
     sync_cube();
-    // Query tiles issued so far (pipe): tile g uses stage g % 2 and barrier phase (g / 2) % 2.
+    // Query tiles issued so far: tile g uses stage g % 2 and barrier phase (g / 2) % 2.
     let mut g_tile = 0u32;
 
     let size!(NA) = def.vector_size(MatrixIdent::A);
@@ -572,7 +516,7 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
             }
             n_it = group * n_qt;
         }
-        if pipe && n_it > 0 {
+        if n_it > 0 {
             // First tile of the segment: its stage was last read two tiles ago, before the
             // barrier at the top of the previous iteration.
             let boff = ((g_tile & 1u32) * BWD_BM as u32) as usize;
@@ -629,54 +573,36 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
             }
             let mut qb = 0usize;
             sync_cube();
-            if pipe {
-                let cur = g_tile;
-                qb = ((cur & 1u32) * BWD_BM as u32) as usize;
-                if it + 1 < n_it {
-                    // Every plane has finished tile cur - 1: its stage takes tile cur + 1.
-                    let mut hn = hk * group + hi;
-                    let mut rn = r_min as u32 + ti * BWD_BM as u32;
-                    if sparse {
-                        let (ha, ra, _re) = sparse_q_tile(tq_list, t_lo, ei, ti, hi, hk * group, span, q_block, q_len);
-                        hn = ha;
-                        rn = ra;
-                    }
-                    let nb = (((cur + 1u32) & 1u32) * BWD_BM as u32) as usize;
-                    issue_q_tile::<E>(
-                        q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, nb, rn, q_len,
-                        q_start, hn, heads_q, total_q, head_dim,
-                    );
-                    if (cur & 1u32) == 0 {
-                        bar1.commit_copy_async();
-                        let _t = bar1.arrive();
-                    } else {
-                        bar0.commit_copy_async();
-                        let _t = bar0.arrive();
-                    }
+            let cur = g_tile;
+            qb = ((cur & 1u32) * BWD_BM as u32) as usize;
+            if it + 1 < n_it {
+                // Every plane has finished tile cur - 1: its stage takes tile cur + 1.
+                let mut hn = hk * group + hi;
+                let mut rn = r_min as u32 + ti * BWD_BM as u32;
+                if sparse {
+                    let (ha, ra, _re) = sparse_q_tile(tq_list, t_lo, ei, ti, hi, hk * group, span, q_block, q_len);
+                    hn = ha;
+                    rn = ra;
                 }
+                let nb = (((cur + 1u32) & 1u32) * BWD_BM as u32) as usize;
+                issue_q_tile::<E>(
+                    q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, nb, rn, q_len,
+                    q_start, hn, heads_q, total_q, head_dim,
+                );
                 if (cur & 1u32) == 0 {
-                    bar0.wait_parity((cur >> 1u32) & 1u32);
+                    bar1.commit_copy_async();
+                    let _t = bar1.arrive();
                 } else {
-                    bar1.wait_parity((cur >> 1u32) & 1u32);
+                    bar0.commit_copy_async();
+                    let _t = bar0.arrive();
                 }
-                g_tile = cur + 1u32;
-            } else {
-                stage_rows::<E, NV>(q, &mut q_smem, r0, q_len, q_start + r0, heads_q, h, BWD_BM, head_dim);
-                stage_rows::<E, NV>(dout, &mut do_smem, r0, q_len, q_start + r0, heads_q, h, BWD_BM, head_dim);
-                if UNIT_POS < BWD_BM as u32 {
-                    let row = r0 + UNIT_POS;
-                    let mut l = 0.0f32;
-                    let mut dd = 0.0f32;
-                    if row < q_len {
-                        let li = (h * total_q + q_start + row) as usize;
-                        l = lse[li] * LOG2E;
-                        dd = delta[li];
-                    }
-                    lse_smem[UNIT_POS as usize] = l;
-                    dl_smem[UNIT_POS as usize] = dd;
-                }
-                sync_cube();
             }
+            if (cur & 1u32) == 0 {
+                bar0.wait_parity((cur >> 1u32) & 1u32);
+            } else {
+                bar1.wait_parity((cur >> 1u32) & 1u32);
+            }
+            g_tile = cur + 1u32;
 
                 for sub in 0..comptime!(BWD_BM / BWD_SUB) {
                     let qr0 = sub * BWD_SUB;
@@ -698,11 +624,11 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                     }
                     #[unroll]
                     for kk in 0..comptime!(k_steps / 2) {
-                        let a0 = frag_a::<E, NA>(&def, &k_smem, kw_base, kk * 32, stride, ldsm);
-                        let a1 = frag_a::<E, NA>(&def, &k_smem, kw_base, kk * 32 + 16, stride, ldsm);
+                        let a0 = frag_a::<E, NA>(&def, &k_smem, kw_base, kk * 32, stride);
+                        let a1 = frag_a::<E, NA>(&def, &k_smem, kw_base, kk * 32 + 16, stride);
                         #[unroll]
                         for nb in 0..sn {
-                            let m = frag_b_t2::<E, NB>(&def, &q_smem, qb + qr0 + nb * 8, kk * 32, stride, ldsm);
+                            let m = frag_b_t2::<E, NB>(&def, &q_smem, qb + qr0 + nb * 8, kk * 32, stride);
                             mma_into::<E, NA, NB, NC>(&def, &a0, &m, 0usize, &mut s, nb * ec);
                             mma_into::<E, NA, NB, NC>(&def, &a1, &m, 2usize, &mut s, nb * ec);
                         }
@@ -739,7 +665,7 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                         let a = acc_to_a::<E, NA>(&def, &s, ks);
                         #[unroll]
                         for ob2 in 0..comptime!(o_blocks / 2) {
-                            let m = frag_b_n2::<E, NB>(&def, &do_smem, qb + qr0 + ks * 16, ob2 * 16, stride, ldsm);
+                            let m = frag_b_n2::<E, NB>(&def, &do_smem, qb + qr0 + ks * 16, ob2 * 16, stride);
                             mma_into::<E, NA, NB, NC>(&def, &a, &m, 0usize, &mut dv_acc, (2 * ob2) * ec);
                             mma_into::<E, NA, NB, NC>(&def, &a, &m, 2usize, &mut dv_acc, (2 * ob2 + 1) * ec);
                         }
@@ -748,11 +674,11 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                     // ---- dP^T = V_w dO^T ----
                     #[unroll]
                     for kk in 0..comptime!(k_steps / 2) {
-                        let a0 = frag_a::<E, NA>(&def, &v_smem, kw_base, kk * 32, stride, ldsm);
-                        let a1 = frag_a::<E, NA>(&def, &v_smem, kw_base, kk * 32 + 16, stride, ldsm);
+                        let a0 = frag_a::<E, NA>(&def, &v_smem, kw_base, kk * 32, stride);
+                        let a1 = frag_a::<E, NA>(&def, &v_smem, kw_base, kk * 32 + 16, stride);
                         #[unroll]
                         for nb in 0..sn {
-                            let m = frag_b_t2::<E, NB>(&def, &do_smem, qb + qr0 + nb * 8, kk * 32, stride, ldsm);
+                            let m = frag_b_t2::<E, NB>(&def, &do_smem, qb + qr0 + nb * 8, kk * 32, stride);
                             mma_into::<E, NA, NB, NC>(&def, &a0, &m, 0usize, &mut dp, nb * ec);
                             mma_into::<E, NA, NB, NC>(&def, &a1, &m, 2usize, &mut dp, nb * ec);
                         }
@@ -787,7 +713,7 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                         let a = acc_to_a::<E, NA>(&def, &s, ks);
                         #[unroll]
                         for ob2 in 0..comptime!(o_blocks / 2) {
-                            let m = frag_b_n2::<E, NB>(&def, &q_smem, qb + qr0 + ks * 16, ob2 * 16, stride, ldsm);
+                            let m = frag_b_n2::<E, NB>(&def, &q_smem, qb + qr0 + ks * 16, ob2 * 16, stride);
                             mma_into::<E, NA, NB, NC>(&def, &a, &m, 0usize, &mut dk_acc, (2 * ob2) * ec);
                             mma_into::<E, NA, NB, NC>(&def, &a, &m, 2usize, &mut dk_acc, (2 * ob2 + 1) * ec);
                         }
@@ -813,10 +739,10 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                         }
                         #[unroll]
                         for ks in 0..comptime!(BWD_BN / 16) {
-                            let a = frag_a::<E, NA>(&def, &ds_smem, prow, ks * 16, dstride, ldsm);
+                            let a = frag_a::<E, NA>(&def, &ds_smem, prow, ks * 16, dstride);
                             #[unroll]
                             for ob2 in 0..2usize {
-                                let m = frag_b_n2::<E, NB>(&def, &k_smem, ks * 16, c * 32 + ob2 * 16, stride, ldsm);
+                                let m = frag_b_n2::<E, NB>(&def, &k_smem, ks * 16, c * 32 + ob2 * 16, stride);
                                 mma_into::<E, NA, NB, NC>(&def, &a, &m, 0usize, &mut dqc, (2 * ob2) * ec);
                                 mma_into::<E, NA, NB, NC>(&def, &a, &m, 2usize, &mut dqc, (2 * ob2 + 1) * ec);
                             }
@@ -881,8 +807,6 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
 #[cube(launch_unchecked)]
 pub fn flash_bwd_dq<E: Float, NV: Size>(
     q: &Array<Vector<E, NV>>,
-    k: &Array<Vector<E, NV>>,
-    v: &Array<Vector<E, NV>>,
     dout: &Array<Vector<E, NV>>,
     lse: &Array<f32>,
     delta: &Array<f32>,
@@ -904,8 +828,6 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     win_l: u32,
     win_r: u32,
     #[comptime] head_dim: usize,
-    #[comptime] ldsm: bool,
-    #[comptime] pipe: bool,
     #[comptime] sparse: bool,
     #[comptime] window: bool,
 ) {
@@ -914,9 +836,9 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     let plane = UNIT_POS / 32u32;
     let stride = comptime!(head_dim + PAD);
 
-    // With `pipe`: two stages of K/V rows, [0, BN) and [BN, 2 BN). Key tile kt uses stage
-    // (kt + 1) % 2 and barrier phase (kt / 2) % 2; stage 0 first holds the Q / dO staging.
-    let nbuf = comptime!(if pipe { 2usize } else { 1usize });
+    // Two stages of K/V rows, [0, BN) and [BN, 2 BN). Key tile kt uses stage (kt + 1) % 2 and
+    // barrier phase (kt / 2) % 2; stage 0 first holds the Q / dO staging.
+    let nbuf = 2usize;
     let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(nbuf * BWD_BN * (head_dim + PAD)), 16usize);
     let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(nbuf * BWD_BN * (head_dim + PAD)), 16usize);
     let bar0 = Barrier::shared(comptime!((BWD_PLANES * 32) as u32), UNIT_POS == 0);
@@ -976,18 +898,16 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
         n_tiles = (khi - klo + BWD_BN as u32 - 1) / BWD_BN as u32;
     }
 
-    if pipe {
-        // Barrier initialisation (and the staged list) visible, then key tile 0 into stage 1
-        // while Q / dO are staged.
-        sync_cube();
-        if n_tiles > 0 {
-            let (f0, _f1) = tile_bounds(0u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, BWD_BN, sparse);
-            issue_kv_tile::<E>(
-                k_s, v_s, &mut k_smem, &mut v_smem, BWD_BN, f0, k_len, k_start, head_kv, heads_kv, head_dim,
-            );
-            bar1.commit_copy_async();
-            let _t = bar1.arrive();
-        }
+    // Barrier initialisation (and the staged list) visible, then key tile 0 into stage 1
+    // while Q / dO are staged.
+    sync_cube();
+    if n_tiles > 0 {
+        let (f0, _f1) = tile_bounds(0u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, BWD_BN, sparse);
+        issue_kv_tile::<E>(
+            k_s, v_s, &mut k_smem, &mut v_smem, BWD_BN, f0, k_len, k_start, head_kv, heads_kv, head_dim,
+        );
+        bar1.commit_copy_async();
+        let _t = bar1.arrive();
     }
     // ---- Q and dO tiles through shared memory into A fragments (BM == BN) ----
     stage_rows::<E, NV>(q, &mut k_smem, tile_start, q_len, q_start + tile_start, heads_q, head, BWD_BM, head_dim);
@@ -1009,8 +929,8 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     let mut df = Array::<Vector<E, NA>>::new(comptime!(k_steps * va));
     #[unroll]
     for ks in 0..k_steps {
-        let a = frag_a::<E, NA>(&def, &k_smem, plane as usize * 16, ks * 16, stride, ldsm);
-        let b = frag_a::<E, NA>(&def, &v_smem, plane as usize * 16, ks * 16, stride, ldsm);
+        let a = frag_a::<E, NA>(&def, &k_smem, plane as usize * 16, ks * 16, stride);
+        let b = frag_a::<E, NA>(&def, &v_smem, plane as usize * 16, ks * 16, stride);
         #[unroll]
         for i in 0..va {
             qf[ks * va + i] = a[i];
@@ -1065,37 +985,31 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
         let (kb, kb_end) = tile_bounds(kt, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, BWD_BN, sparse);
         let mut kb_off = 0usize;
         sync_cube();
-        if pipe {
-            kb_off = (((kt + 1u32) & 1u32) * BWD_BN as u32) as usize;
-            if kt + 1 < n_tiles {
-                // Every plane has finished tile kt - 1 (or the Q / dO fragments): its stage
-                // takes tile kt + 1.
-                let nb = ((kt & 1u32) * BWD_BN as u32) as usize;
-                let mut next = kb + BWD_BN as u32;
-                if sparse {
-                    let (n0, _n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, BWD_BN, sparse);
-                    next = n0;
-                }
-                issue_kv_tile::<E>(
-                    k_s, v_s, &mut k_smem, &mut v_smem, nb, next, k_len, k_start, head_kv, heads_kv, head_dim,
-                );
-                if (kt & 1u32) == 0 {
-                    bar0.commit_copy_async();
-                    let _t = bar0.arrive();
-                } else {
-                    bar1.commit_copy_async();
-                    let _t = bar1.arrive();
-                }
+        kb_off = (((kt + 1u32) & 1u32) * BWD_BN as u32) as usize;
+        if kt + 1 < n_tiles {
+            // Every plane has finished tile kt - 1 (or the Q / dO fragments): its stage
+            // takes tile kt + 1.
+            let nb = ((kt & 1u32) * BWD_BN as u32) as usize;
+            let mut next = kb + BWD_BN as u32;
+            if sparse {
+                let (n0, _n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, BWD_BN, sparse);
+                next = n0;
             }
+            issue_kv_tile::<E>(
+                k_s, v_s, &mut k_smem, &mut v_smem, nb, next, k_len, k_start, head_kv, heads_kv, head_dim,
+            );
             if (kt & 1u32) == 0 {
-                bar1.wait_parity((kt >> 1u32) & 1u32);
+                bar0.commit_copy_async();
+                let _t = bar0.arrive();
             } else {
-                bar0.wait_parity((kt >> 1u32) & 1u32);
+                bar1.commit_copy_async();
+                let _t = bar1.arrive();
             }
+        }
+        if (kt & 1u32) == 0 {
+            bar1.wait_parity((kt >> 1u32) & 1u32);
         } else {
-            stage_rows::<E, NV>(k, &mut k_smem, kb, k_len, k_start + kb, heads_kv, head_kv, BWD_BN, head_dim);
-            stage_rows::<E, NV>(v, &mut v_smem, kb, k_len, k_start + kb, heads_kv, head_kv, BWD_BN, head_dim);
-            sync_cube();
+            bar0.wait_parity((kt >> 1u32) & 1u32);
         }
 
         for sub in 0..comptime!(BWD_BN / BWD_SUB) {
@@ -1110,8 +1024,8 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
             for nb in 0..sn {
                 #[unroll]
                 for kk in 0..comptime!(k_steps / 2) {
-                    let mk = frag_b_t2::<E, NB>(&def, &k_smem, kb_off + kc0 + nb * 8, kk * 32, stride, ldsm);
-                    let mv = frag_b_t2::<E, NB>(&def, &v_smem, kb_off + kc0 + nb * 8, kk * 32, stride, ldsm);
+                    let mk = frag_b_t2::<E, NB>(&def, &k_smem, kb_off + kc0 + nb * 8, kk * 32, stride);
+                    let mv = frag_b_t2::<E, NB>(&def, &v_smem, kb_off + kc0 + nb * 8, kk * 32, stride);
                     #[unroll]
                     for h in 0..2usize {
                         let ks = 2 * kk + h;
@@ -1172,7 +1086,7 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
                 let a = acc_to_a::<E, NA>(&def, &s, ks);
                 #[unroll]
                 for ob2 in 0..comptime!(o_blocks / 2) {
-                    let m = frag_b_n2::<E, NB>(&def, &k_smem, kb_off + kc0 + ks * 16, ob2 * 16, stride, ldsm);
+                    let m = frag_b_n2::<E, NB>(&def, &k_smem, kb_off + kc0 + ks * 16, ob2 * 16, stride);
                     mma_into::<E, NA, NB, NC>(&def, &a, &m, 0usize, &mut dq_acc, (2 * ob2) * ec);
                     mma_into::<E, NA, NB, NC>(&def, &a, &m, 2usize, &mut dq_acc, (2 * ob2 + 1) * ec);
                 }

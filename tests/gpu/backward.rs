@@ -386,10 +386,6 @@ fn bench_backward_llama3_8b() {
             causal,
         )
         .unwrap();
-        // Both settings of the cp.async pipeline (`CUBEATTN_BWD_PIPE`, read at each launch).
-        let pipe_env = std::env::var("CUBEATTN_BWD_PIPE").ok();
-        for (pipe, ptag) in [("0", "nopipe"), ("1", "pipe")] {
-        std::env::set_var("CUBEATTN_BWD_PIPE", pipe);
         for (det, path) in [(Some(false), DqPath::Atomic), (Some(true), DqPath::Pass)] {
             for (part, mult, label) in [(BenchPart::ForwardBackward, 3.5, "fwd+bwd"), (BenchPart::Backward, 2.5, "bwd")] {
                 let mut t = bench_backward_with(&spec, 2, iters, part, path).expect("bench failed");
@@ -401,16 +397,11 @@ fn bench_backward_llama3_8b() {
                     Some(false) => "atomic",
                     Some(true) => "pass",
                 };
-                let name = format!("{label} {tag} {ptag} n={n} causal={causal} d={d}");
+                let name = format!("{label} {tag} n={n} causal={causal} d={d}");
                 let line = format!("{:<52} {:>10.3} {:>10.3} {:>10.1}", name, med, t[0], tflops);
                 println!("{line}");
                 table.push(line);
             }
-        }
-        }
-        match &pipe_env {
-            Some(v) => std::env::set_var("CUBEATTN_BWD_PIPE", v),
-            None => std::env::remove_var("CUBEATTN_BWD_PIPE"),
         }
     }
     println!("---- summary ----");

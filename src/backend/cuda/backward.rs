@@ -28,7 +28,7 @@ use super::compile::{codegen, codegen_exp2, settings, Func, KernelKey, Source};
 use super::forward::layout;
 use super::launch::{grid_2d, launch, Args};
 use super::plans::Cached;
-use super::{use_ldmatrix, window_bounds, CudaBackend};
+use super::{window_bounds, CudaBackend};
 use crate::backend::{BackwardInputs, Gradients};
 use crate::dtype::{DType, HostView};
 use crate::error::Result;
@@ -172,21 +172,6 @@ fn atomic_vec() -> usize {
     }
 }
 
-/// Whether the tensor-core backward kernels double-buffer their streamed tiles with `cp.async`
-/// (Q / dO in the dK/dV kernel, K / V in the dQ pass). `CUBEATTN_BWD_PIPE=1|0` overrides the
-/// default ([`BWD_PIPE_DEFAULT`]).
-pub fn bwd_pipe() -> bool {
-    match std::env::var("CUBEATTN_BWD_PIPE").ok().as_deref() {
-        Some("1") => true,
-        Some("0") => false,
-        _ => BWD_PIPE_DEFAULT,
-    }
-}
-
-/// Default of [`bwd_pipe`]: on since it passed every backward test and measured faster on an
-/// H200 (8K causal d128 backward 9.11 -> 8.18 ms, 16K 32.0 -> 28.3 ms, deterministic path).
-pub const BWD_PIPE_DEFAULT: bool = true;
-
 /// How the backward forms dQ.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DqPath {
@@ -279,7 +264,7 @@ pub(crate) struct DkdvTables {
 }
 
 /// The dK/dV kernel (`flash_bwd::flash_bwd_dkdv`, f16/bf16) for one set of comptime choices (the
-/// ldmatrix / pipeline / atomic-width switches are read from the options).
+/// atomic width is read from the options).
 pub(crate) fn dkdv_kernel(
     be: &CudaBackend,
     dt: DType,
@@ -289,12 +274,8 @@ pub(crate) fn dkdv_kernel(
     sparse: bool,
     window: bool,
 ) -> Result<Func> {
-    let (ldsm, pipe, qvec) = (use_ldmatrix(), bwd_pipe(), atomic_vec());
-    let key = KernelKey::new(
-        "flash_bwd_dkdv",
-        dt,
-        &[hd as u32, causal as u32, ldsm as u32, fused as u32, qvec as u32, pipe as u32, sparse as u32, window as u32],
-    );
+    let qvec = atomic_vec();
+    let key = KernelKey::new("flash_bwd_dkdv", dt, &[hd as u32, causal as u32, fused as u32, qvec as u32, sparse as u32, window as u32]);
     be.kernels.get(&key, || dkdv_source(be.client(), dt, hd, causal, fused, sparse, window))
 }
 
@@ -308,27 +289,25 @@ pub(crate) fn dkdv_source(
     sparse: bool,
     window: bool,
 ) -> Result<Source> {
-    let (ldsm, pipe, qvec) = (use_ldmatrix(), bwd_pipe(), atomic_vec());
+    let qvec = atomic_vec();
     by_dtype!(dt, T, codegen_exp2(flash_bwd::flash_bwd_dkdv::FlashBwdDkdv::<T, CudaRuntime>::new(
         settings(32 * BWD_PLANES as u32), client.clone(),
-        A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (), (),
-        BWD_LOAD_VEC, qvec, hd, causal, ldsm, fused, qvec, pipe, sparse, window)))
+        A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (), (),
+        BWD_LOAD_VEC, qvec, hd, causal, fused, qvec, sparse, window)))
 }
 
 /// The dQ pass kernel (`flash_bwd::flash_bwd_dq`, f16/bf16) for one set of comptime choices.
 pub(crate) fn dq_kernel(be: &CudaBackend, dt: DType, hd: usize, sparse: bool, window: bool) -> Result<Func> {
-    let (ldsm, pipe) = (use_ldmatrix(), bwd_pipe());
-    let key = KernelKey::new("flash_bwd_dq", dt, &[hd as u32, ldsm as u32, pipe as u32, sparse as u32, window as u32]);
+    let key = KernelKey::new("flash_bwd_dq", dt, &[hd as u32, sparse as u32, window as u32]);
     be.kernels.get(&key, || dq_source(be.client(), dt, hd, sparse, window))
 }
 
 /// CUDA source of [`dq_kernel`].
 pub(crate) fn dq_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: usize, sparse: bool, window: bool) -> Result<Source> {
-    let (ldsm, pipe) = (use_ldmatrix(), bwd_pipe());
     by_dtype!(dt, T, codegen_exp2(flash_bwd::flash_bwd_dq::FlashBwdDq::<T, CudaRuntime>::new(
         settings(32 * BWD_PLANES as u32), client.clone(),
-        A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (),
-        BWD_LOAD_VEC, hd, ldsm, pipe, sparse, window)))
+        A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (),
+        BWD_LOAD_VEC, hd, sparse, window)))
 }
 
 /// Enqueues `flash_bwd_dkdv` (f16/bf16) over `n_work` work items x heads_kv. `acc`: the f32 dQ
@@ -356,9 +335,9 @@ pub(crate) fn launch_dkdv(
         Some(a) => (a, ql / qvec),
         None => (delta, 1),
     };
-    let (qv, kv) = (ql / BWD_LOAD_VEC, kl / BWD_LOAD_VEC);
+    let kv = kl / BWD_LOAD_VEC;
     let mut a = Args::new();
-    a.array(p.q, qv).array(p.k, kv).array(p.v, kv).array(p.dout, qv).array(p.lse, ll).array(delta, ll);
+    a.array(p.k, kv).array(p.v, kv).array(p.lse, ll).array(delta, ll);
     a.array(p.dk, kl).array(p.dv, kl).array(acc_ptr, acc_len).array(p.q, ql).array(p.dout, ql);
     for x in [t.work, t.tile_off, t.tile_segs, t.segs, t.tq_off, t.tq_list] {
         a.array(x.0, x.1);
@@ -390,9 +369,9 @@ pub(crate) fn launch_dq(
     let (ql, kl, ll) = (d.q_len(), d.kv_len(), d.lse_len());
     let (win_l, win_r, window) = window_bounds(spec);
     let f = dq_kernel(be, dt, hd, sparse.is_some(), window)?;
-    let (qv, kv) = (ql / BWD_LOAD_VEC, kl / BWD_LOAD_VEC);
+    let qv = ql / BWD_LOAD_VEC;
     let mut a = Args::new();
-    a.array(p.q, qv).array(p.k, kv).array(p.v, kv).array(p.dout, qv).array(p.lse, ll).array(delta, ll);
+    a.array(p.q, qv).array(p.dout, qv).array(p.lse, ll).array(delta, ll);
     a.array(p.dq, ql).array(p.k, kl).array(p.v, kl);
     for x in tables {
         a.array(x.0, x.1);

@@ -25,7 +25,6 @@ pub use compile::cache_dir;
 pub use device_io::{bench, memory_probe_min_free, set_memory_probe, BenchPart};
 pub use forward::FwdPtrs;
 pub use options::{fwd_options, set_fwd_options, FwdOptions};
-pub(crate) use options::use_ldmatrix;
 pub use plan::{forward_workspace_bytes, FwdPlan};
 pub(crate) use plan::{table_bytes, Plan};
 pub use status::status;

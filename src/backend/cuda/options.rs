@@ -1,13 +1,9 @@
 //! Tuning switches of the tensor-core forward (environment defaults, test overrides).
 
 /// Tuning switches of the tensor-core kernels (defaults from the environment:
-/// `CUBEATTN_CUDA_LDMATRIX`, `CUBEATTN_CUDA_PACK_HEADS`, `CUBEATTN_CUDA_SPLIT`, each `0` to turn
-/// off). Tests and benchmarks switch them with [`set_fwd_options`].
+/// `CUBEATTN_CUDA_PACK_HEADS`, `CUBEATTN_CUDA_SPLIT`, each `0` to turn off). Tests and benchmarks switch them with [`set_fwd_options`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FwdOptions {
-    /// Backward fragment loads through `ldmatrix` (else per-element shared-memory reads, kept as
-    /// a cross-check of the register layouts; the forward always uses `ldmatrix`).
-    pub ldmatrix: bool,
     /// The q heads of one kv head share a tile (rows = (query, head) pairs).
     pub pack_heads: bool,
     /// Split long tiles over several cubes when the launch has too few cubes to fill the GPU.
@@ -34,7 +30,7 @@ fn env_u32(name: &str, allowed: &[u32], default: u32) -> u32 {
 impl FwdOptions {
     /// The defaults without environment overrides.
     pub fn defaults() -> FwdOptions {
-        FwdOptions { ldmatrix: true, pack_heads: true, split: true, split_waves: 2, plane_rows: 32, block_n: 64 }
+        FwdOptions { pack_heads: true, split: true, split_waves: 2, plane_rows: 32, block_n: 64 }
     }
 }
 
@@ -42,7 +38,6 @@ impl FwdOptions {
 pub fn fwd_options() -> FwdOptions {
     let mut g = FWD_OPTS.lock().unwrap_or_else(|e| e.into_inner());
     *g.get_or_insert_with(|| FwdOptions {
-        ldmatrix: env_on("CUBEATTN_CUDA_LDMATRIX"),
         pack_heads: env_on("CUBEATTN_CUDA_PACK_HEADS"),
         split: env_on("CUBEATTN_CUDA_SPLIT"),
         split_waves: std::env::var("CUBEATTN_CUDA_SPLIT_WAVES").ok().and_then(|v| v.parse().ok()).filter(|&w| w > 0).unwrap_or(2),
@@ -54,10 +49,4 @@ pub fn fwd_options() -> FwdOptions {
 /// Replaces the forward switches (process-wide; for tests and benchmarks).
 pub fn set_fwd_options(o: FwdOptions) {
     *FWD_OPTS.lock().unwrap_or_else(|e| e.into_inner()) = Some(o);
-}
-
-/// Fragment loads through `ldmatrix` (default) or through per-element shared-memory reads
-/// (`CUBEATTN_CUDA_LDMATRIX=0`, kept as a cross-check of the register layouts).
-pub(crate) fn use_ldmatrix() -> bool {
-    fwd_options().ldmatrix
 }
