@@ -3,8 +3,11 @@
 pub mod flash_fwd;
 pub mod math;
 pub mod rows;
+pub mod rowwise_bwd;
 pub mod rowwise_fwd;
 pub mod flash_bwd;
+pub mod fragments;
+pub mod staging;
 pub mod sparse_index;
 
 /// The kernel sources, hashed into the compiled-kernel cache key so that an edited kernel is never
@@ -13,7 +16,10 @@ pub const SOURCES: &[&str] = &[
     include_str!("flash_fwd.rs"),
     include_str!("math.rs"),
     include_str!("rows.rs"),
+    include_str!("rowwise_bwd.rs"),
     include_str!("rowwise_fwd.rs"),
     include_str!("flash_bwd.rs"),
+    include_str!("fragments.rs"),
+    include_str!("staging.rs"),
     include_str!("sparse_index.rs"),
 ];

@@ -33,7 +33,8 @@ use crate::backend::{BackwardInputs, Gradients};
 use crate::dtype::{DType, HostView};
 use crate::error::Result;
 pub use super::device_io::BenchPart;
-use crate::kernels::flash_bwd::{self, BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, DELTA_PLANES, F32_ROWS_PER_CUBE};
+use crate::kernels::flash_bwd::{self, BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, DELTA_PLANES};
+use crate::kernels::rowwise_bwd::{self, F32_ROWS_PER_CUBE};
 use crate::kernels::math::LOG2E;
 use crate::spec::AttnSpec;
 
@@ -411,7 +412,7 @@ pub(crate) fn launch_backward(
     if dt == DType::F32 {
         let threads = 32 * F32_ROWS_PER_CUBE as u32;
         let f = be.kernels.get(&KernelKey::new("rowwise_bwd_dkdv_f32", dt, &[hd as u32]), || {
-            codegen(flash_bwd::rowwise_bwd_dkdv_f32::RowwiseBwdDkdvF32::<CudaRuntime>::new(
+            codegen(rowwise_bwd::rowwise_bwd_dkdv_f32::RowwiseBwdDkdvF32::<CudaRuntime>::new(
                 settings(threads), client.clone(), A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), hd))
         })?;
         let mut a = Args::new();
@@ -425,7 +426,7 @@ pub(crate) fn launch_backward(
         launch(&f, (d.total_k.div_ceil(F32_ROWS_PER_CUBE) as u32, d.heads_kv as u32, 1), &mut a, stream)?;
 
         let f = be.kernels.get(&KernelKey::new("rowwise_bwd_dq_f32", dt, &[hd as u32]), || {
-            codegen(flash_bwd::rowwise_bwd_dq_f32::RowwiseBwdDqF32::<CudaRuntime>::new(
+            codegen(rowwise_bwd::rowwise_bwd_dq_f32::RowwiseBwdDqF32::<CudaRuntime>::new(
                 settings(threads), client.clone(), A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), hd))
         })?;
         let mut a = Args::new();

@@ -1,0 +1,142 @@
+//! Tensor-core fragment helpers of the backward kernels: `ldmatrix` loads of m16n8k16 A and B
+//! fragments from padded row-major shared-memory tiles, one `mma.sync` into an f32 accumulator
+//! array, and an accumulator block re-used as an A operand (P^T, dS^T).
+
+use cubecl::cmma::{MatrixIdent, MmaDefinition};
+use cubecl::prelude::*;
+
+/// 16x16 A fragment with `A[m][kk] = smem[(row0 + m) * stride + col0 + kk]` (`ldmatrix` x4).
+#[cube]
+pub fn frag_a<E: Float, NA: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    smem: &SharedMemory<E>,
+    row0: usize,
+    col0: usize,
+    #[comptime] stride: usize,
+) -> Array<Vector<E, NA>> {
+    let lane = UNIT_POS_PLANE;
+    let va = def.vectors_per_lane(MatrixIdent::A);
+    let mut out = Array::<Vector<E, NA>>::new(va);
+    // Matrices: 0 = rows 0-7 / cols 0-7, 1 = rows 8-15 / cols 0-7, 2 = rows 0-7 / cols 8-15,
+    // 3 = rows 8-15 / cols 8-15 (the a0..a3 registers of m16n8k16).
+    let mi = (lane / 8u32) as usize;
+    let mr = (lane % 8u32) as usize;
+    let start = (row0 + (mi % 2) * 8 + mr) * stride + col0 + (mi / 2) * 8;
+    let m = def.load_matrix::<E, NA>(&smem.slice(start, start + 8), MatrixIdent::A, 4usize, false);
+    #[unroll]
+    for i in 0..va {
+        out[i] = m[i];
+    }
+    out
+}
+
+/// Two B fragments (k-steps `col0..col0+16` in entries [0, 2) and `col0+16..col0+32` in [2, 4))
+/// with `B[kk][n] = smem[(row0 + n) * stride + col0 + kk]`, n in 0..8 (a transposed operand: K^T,
+/// Q^T, dO^T or V^T from row-major tiles).
+#[cube]
+pub fn frag_b_t2<E: Float, NB: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    smem: &SharedMemory<E>,
+    row0: usize,
+    col0: usize,
+    #[comptime] stride: usize,
+) -> Array<Vector<E, NB>> {
+    let lane = UNIT_POS_PLANE;
+    let vb = def.vectors_per_lane(MatrixIdent::B);
+    let mut out = Array::<Vector<E, NB>>::new(comptime!(2 * vb));
+    let mi = (lane / 8u32) as usize;
+    let mr = (lane % 8u32) as usize;
+    let start = (row0 + mr) * stride + col0 + mi * 8;
+    let m = def.load_matrix::<E, NB>(&smem.slice(start, start + 8), MatrixIdent::B, 4usize, false);
+    #[unroll]
+    for i in 0..comptime!(2 * vb) {
+        out[i] = m[i];
+    }
+    out
+}
+
+/// Two B fragments (n-blocks `col0..col0+8` in entries [0, 2) and `col0+8..col0+16` in [2, 4))
+/// with `B[kk][n] = smem[(row0 + kk) * stride + col0 + n]`, kk in 0..16 (a row-major operand:
+/// dO, Q or K as the right factor; `ldmatrix.trans`).
+#[cube]
+pub fn frag_b_n2<E: Float, NB: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    smem: &SharedMemory<E>,
+    row0: usize,
+    col0: usize,
+    #[comptime] stride: usize,
+) -> Array<Vector<E, NB>> {
+    let lane = UNIT_POS_PLANE;
+    let vb = def.vectors_per_lane(MatrixIdent::B);
+    let mut out = Array::<Vector<E, NB>>::new(comptime!(2 * vb));
+    let mi = (lane / 8u32) as usize;
+    let mr = (lane % 8u32) as usize;
+    let start = (row0 + (mi % 2) * 8 + mr) * stride + col0 + (mi / 2) * 8;
+    let m = def.load_matrix::<E, NB>(&smem.slice(start, start + 8), MatrixIdent::B, 4usize, true);
+    #[unroll]
+    for i in 0..comptime!(2 * vb) {
+        out[i] = m[i];
+    }
+    out
+}
+
+/// acc[off..off+ec] += A * B where B is entries `[bi, bi + vb)` of `b`.
+#[cube]
+pub fn mma_into<E: Float, NA: Size, NB: Size, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    a: &Array<Vector<E, NA>>,
+    b: &Array<Vector<E, NB>>,
+    bi: usize,
+    acc: &mut Array<f32>,
+    off: usize,
+) {
+    let vb = def.vectors_per_lane(MatrixIdent::B);
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let sc = def.vector_size(MatrixIdent::Accumulator);
+    let mut bb = Array::<Vector<E, NB>>::new(vb);
+    #[unroll]
+    for i in 0..vb {
+        bb[i] = b[bi + i];
+    }
+    let mut c = Array::<Vector<f32, NC>>::new(vc);
+    #[unroll]
+    for i in 0..vc {
+        let mut reg = Vector::<f32, NC>::empty();
+        #[unroll]
+        for j in 0..sc {
+            reg[j] = acc[off + i * sc + j];
+        }
+        c[i] = reg;
+    }
+    def.execute_inplace(a, &bb, &mut c);
+    #[unroll]
+    for i in 0..vc {
+        #[unroll]
+        for j in 0..sc {
+            acc[off + i * sc + j] = c[i][j];
+        }
+    }
+}
+
+/// The A fragment of k-step `ks` built from accumulator blocks `2ks` and `2ks+1` of `s`
+/// (16 x 8 blocks of `ec` floats per lane), rounded to `E`.
+#[cube]
+pub fn acc_to_a<E: Float, NA: Size>(def: &MmaDefinition<E, E, f32>, s: &Array<f32>, ks: usize) -> Array<Vector<E, NA>> {
+    let va = def.vectors_per_lane(MatrixIdent::A);
+    let sa = def.vector_size(MatrixIdent::A);
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let sc = def.vector_size(MatrixIdent::Accumulator);
+    let ec = comptime!(vc * sc);
+    let mut a = Array::<Vector<E, NA>>::new(va);
+    #[unroll]
+    for i in 0..va {
+        let mut reg = Vector::<E, NA>::empty();
+        #[unroll]
+        for j in 0..sa {
+            let e = i * sa + j;
+            reg[j] = E::cast_from(s[(2 * ks + e / ec) * ec + e % ec]);
+        }
+        a[i] = reg;
+    }
+    a
+}

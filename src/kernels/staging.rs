@@ -1,0 +1,134 @@
+//! Global -> shared memory staging of the backward kernels' tiles: plain vector copies and the
+//! `cp.async` issue of the query (Q, dO, lse, delta) and key (K, V) tiles.
+
+use cubecl::prelude::*;
+use cubecl::prelude::barrier::copy_async;
+
+use super::flash_bwd::{BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, PAD};
+use super::math::LOG2E;
+
+/// Copies `rows` x head_dim elements (rows from `row_at`, zero for `None` rows) into shared memory.
+/// Row `r` of the tile is global row `base_row + r` when `r + first < limit`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn stage_rows<E: Float, NV: Size>(
+    src: &Array<Vector<E, NV>>,
+    smem: &mut SharedMemory<E>,
+    first: u32,
+    limit: u32,
+    base_row: u32,
+    heads: u32,
+    head: u32,
+    #[comptime] rows: usize,
+    #[comptime] head_dim: usize,
+) {
+    let threads = comptime!(BWD_PLANES * 32);
+    let vpr = comptime!(head_dim / BWD_LOAD_VEC);
+    let stride = comptime!(head_dim + PAD);
+    let loads = comptime!(rows * (head_dim / BWD_LOAD_VEC) / (BWD_PLANES * 32));
+    #[unroll]
+    for it in 0..loads {
+        let idx = UNIT_POS as usize + it * threads;
+        let r = idx / vpr;
+        let c = idx % vpr;
+        let mut val = Vector::<E, NV>::new(E::from_int(0));
+        if first + (r as u32) < limit {
+            let g = ((base_row + r as u32) * heads + head) as usize * vpr + c;
+            val = src[g];
+        }
+        let base = r * stride + c * BWD_LOAD_VEC;
+        #[unroll]
+        for e in 0..BWD_LOAD_VEC {
+            smem[base + e] = val[e];
+        }
+    }
+}
+
+/// `cp.async` copy of a query tile of Q and dO (rows `r0..r0+BWD_BM` of the segment, clamped to
+/// its last row: rows past `q_len` are masked by the caller) into rows `boff..boff+BWD_BM` of
+/// `q_smem` / `do_smem`; lse and delta of the rows go to `lse_smem` / `dl_smem[boff..]` with
+/// plain loads and stores (visible after the caller's next `sync_cube`). The caller commits the
+/// copies to a barrier.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn issue_q_tile<E: Float>(
+    q_s: &Array<E>,
+    do_s: &Array<E>,
+    lse: &Array<f32>,
+    delta: &Array<f32>,
+    q_smem: &mut SharedMemory<E>,
+    do_smem: &mut SharedMemory<E>,
+    lse_smem: &mut SharedMemory<f32>,
+    dl_smem: &mut SharedMemory<f32>,
+    boff: usize,
+    r0: u32,
+    q_len: u32,
+    q_start: u32,
+    h: u32,
+    heads_q: u32,
+    total_q: u32,
+    #[comptime] head_dim: usize,
+) {
+    let threads = comptime!(BWD_PLANES * 32);
+    let vpr = comptime!(head_dim / BWD_LOAD_VEC);
+    let stride = comptime!(head_dim + PAD);
+    let loads = comptime!(BWD_BM * (head_dim / BWD_LOAD_VEC) / (BWD_PLANES * 32));
+    #[unroll]
+    for it in 0..loads {
+        let idx = UNIT_POS as usize + it * threads;
+        let r = idx / vpr;
+        let c = idx % vpr;
+        let row = min(r0 + r as u32, q_len - 1);
+        let g = ((q_start + row) * heads_q + h) as usize * head_dim + c * BWD_LOAD_VEC;
+        let base = (boff + r) * stride + c * BWD_LOAD_VEC;
+        copy_async(&q_s.slice(g, g + BWD_LOAD_VEC), &mut q_smem.slice_mut(base, base + BWD_LOAD_VEC), comptime!(BWD_LOAD_VEC as u32));
+        copy_async(&do_s.slice(g, g + BWD_LOAD_VEC), &mut do_smem.slice_mut(base, base + BWD_LOAD_VEC), comptime!(BWD_LOAD_VEC as u32));
+    }
+    if UNIT_POS < BWD_BM as u32 {
+        let row = r0 + UNIT_POS;
+        let mut l = 0.0f32;
+        let mut dd = 0.0f32;
+        if row < q_len {
+            let li = (h * total_q + q_start + row) as usize;
+            l = lse[li] * LOG2E;
+            dd = delta[li];
+        }
+        lse_smem[boff + UNIT_POS as usize] = l;
+        dl_smem[boff + UNIT_POS as usize] = dd;
+    }
+}
+
+/// `cp.async` copy of key tile rows `kb..kb+BWD_BN` of K and V (window-local, clamped to the
+/// window's last key: keys past `k_len` are masked by the caller) into rows `boff..` of
+/// `k_smem` / `v_smem`. The caller commits the copies to a barrier.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn issue_kv_tile<E: Float>(
+    k_s: &Array<E>,
+    v_s: &Array<E>,
+    k_smem: &mut SharedMemory<E>,
+    v_smem: &mut SharedMemory<E>,
+    boff: usize,
+    kb: u32,
+    k_len: u32,
+    k_start: u32,
+    head_kv: u32,
+    heads_kv: u32,
+    #[comptime] head_dim: usize,
+) {
+    let threads = comptime!(BWD_PLANES * 32);
+    let vpr = comptime!(head_dim / BWD_LOAD_VEC);
+    let stride = comptime!(head_dim + PAD);
+    let loads = comptime!(BWD_BN * (head_dim / BWD_LOAD_VEC) / (BWD_PLANES * 32));
+    #[unroll]
+    for it in 0..loads {
+        let idx = UNIT_POS as usize + it * threads;
+        let r = idx / vpr;
+        let c = idx % vpr;
+        let key = min(kb + r as u32, k_len - 1);
+        let g = ((k_start + key) * heads_kv + head_kv) as usize * head_dim + c * BWD_LOAD_VEC;
+        let base = (boff + r) * stride + c * BWD_LOAD_VEC;
+        copy_async(&k_s.slice(g, g + BWD_LOAD_VEC), &mut k_smem.slice_mut(base, base + BWD_LOAD_VEC), comptime!(BWD_LOAD_VEC as u32));
+        copy_async(&v_s.slice(g, g + BWD_LOAD_VEC), &mut v_smem.slice_mut(base, base + BWD_LOAD_VEC), comptime!(BWD_LOAD_VEC as u32));
+    }
+}
