@@ -277,7 +277,7 @@ pub(crate) fn dkdv_kernel(
 ) -> Result<Func> {
     let qvec = atomic_vec();
     let key = KernelKey::new("flash_bwd_dkdv", dt, &[hd as u32, causal as u32, fused as u32, qvec as u32, sparse as u32, window as u32]);
-    be.kernels.get(&key, || dkdv_source(be.client(), dt, hd, causal, fused, sparse, window))
+    be.kernels.get(&key, || dkdv_source(be.client(), dt, hd, causal, fused, qvec, sparse, window))
 }
 
 /// CUDA source of [`dkdv_kernel`].
@@ -287,10 +287,10 @@ pub(crate) fn dkdv_source(
     hd: usize,
     causal: bool,
     fused: bool,
+    qvec: usize,
     sparse: bool,
     window: bool,
 ) -> Result<Source> {
-    let qvec = atomic_vec();
     by_dtype!(dt, T, codegen_exp2(flash_bwd::flash_bwd_dkdv::FlashBwdDkdv::<T, CudaRuntime>::new(
         settings(32 * BWD_PLANES as u32), client.clone(),
         A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (), (),

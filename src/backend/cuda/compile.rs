@@ -93,7 +93,8 @@ pub(crate) struct Func {
     pub smem: u32,
     pub block: [u32; 3],
     pub abi: Abi,
-    pub entry: &'static str,
+    /// The kernel's [`KernelKey::name`] (for errors).
+    pub name: &'static str,
 }
 
 // SAFETY: a CUfunction handle is valid in every thread once its module is loaded in the context.
@@ -349,7 +350,7 @@ impl Kernels {
                 (src, cubin)
             }
         };
-        let f = self.load(&src, &cubin)?;
+        let f = self.load(key.name, &src, &cubin)?;
         self.loaded.lock().unwrap().insert(*key, f);
         if std::env::var("CUBEATTN_TRACE").is_ok_and(|v| v == "1") {
             eprintln!("cubeattn kernel {} ({key:?}): {from}, {:.1} ms", src.entry, t0.elapsed().as_secs_f64() * 1e3);
@@ -357,23 +358,22 @@ impl Kernels {
         Ok(f)
     }
 
-    fn load(&self, src: &Source, cubin: &[u8]) -> Result<Func> {
+    fn load(&self, name: &'static str, src: &Source, cubin: &[u8]) -> Result<Func> {
         use cudarc::driver::result as drv;
-        let name = CString::new(src.entry.as_str()).map_err(|e| nvrtc_err("entry point", e))?;
+        let entry = CString::new(src.entry.as_str()).map_err(|e| nvrtc_err("entry point", e))?;
         // SAFETY: `ctx` is the device's retained primary context; `cubin` is a complete image
         // produced by NVRTC for this device's architecture (or read back byte for byte).
         unsafe {
             drv::ctx::set_current(self.ctx as sys::CUcontext).map_err(|e| nvrtc_err("cuCtxSetCurrent", e))?;
             let module = drv::module::load_data(cubin.as_ptr() as *const c_void).map_err(|e| nvrtc_err("cuModuleLoadData", e))?;
-            let f = drv::module::get_function(module, name).map_err(|e| nvrtc_err("cuModuleGetFunction", e))?;
+            let f = drv::module::get_function(module, entry).map_err(|e| nvrtc_err("cuModuleGetFunction", e))?;
             drv::function::set_function_attribute(
                 f,
                 sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 src.smem as i32,
             )
             .map_err(|e| nvrtc_err("cuFuncSetAttribute", e))?;
-            let entry: &'static str = Box::leak(src.entry.clone().into_boxed_str());
-            Ok(Func { f, smem: src.smem, block: src.block, abi: src.abi, entry })
+            Ok(Func { f, smem: src.smem, block: src.block, abi: src.abi, name })
         }
     }
 }

@@ -64,7 +64,7 @@ pub(crate) fn launch(func: &Func, grid: (u32, u32, u32), args: &mut Args, stream
     if args.abi() != func.abi {
         return Err(Error::Device(format!(
             "launch of {}: the host passes {:?}, the kernel takes {:?}",
-            func.entry,
+            func.name,
             args.abi(),
             func.abi
         )));
