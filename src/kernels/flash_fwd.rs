@@ -248,7 +248,10 @@ pub fn flash_fwd_mma2<E: Float>(
     #[comptime] block_n: usize,
     #[comptime] block_m: usize,
     #[comptime] sparse: bool,
+    #[comptime] variant: u32,
 ) {
+    let skip_rescale = comptime!(variant & 1 != 0);
+    let early_v = comptime!(variant & 2 != 0);
     let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
     let lane = UNIT_POS_PLANE;
     let plane = UNIT_POS / 32u32;
@@ -496,7 +499,30 @@ pub fn flash_fwd_mma2<E: Float>(
             }
         }
 
+        if early_v {
+            bar_v.wait_parity(kt & 1u32);
+            // Every plane has finished S = Q K^T: the K buffer is free for the next tile.
+            sync_cube();
+            if kt + 1 < n_tiles {
+                let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, block_n, sparse);
+                #[unroll]
+                for it in 0..kv_loads {
+                    let idx = UNIT_POS as usize + it * threads;
+                    let r = idx / vecs_per_row;
+                    let c = idx % vecs_per_row;
+                    let key = min(n0 + r as u32, n1 - 1);
+                    let g = key as usize * krow + head_kv as usize * head_dim + c * LOAD_VEC;
+                    let base = r * stride + c * LOAD_VEC;
+                    copy_async(&k_s.slice(g, g + LOAD_VEC), &mut k_smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
+                }
+                bar_k.commit_copy_async();
+                let _tk = bar_k.arrive();
+            }
+        }
+
         // ---- online softmax per row slot ----
+        let mut alpha_r = Array::<f32>::new(slots);
+        let mut all_one = true;
         #[unroll]
         for i in 0..slots {
             let m = i / 2;
@@ -531,32 +557,48 @@ pub fn flash_fwd_mma2<E: Float>(
                 }
             }
             l_r[i] = l_r[i] * alpha + sum;
+            alpha_r[i] = alpha;
+            if alpha != 1.0f32 {
+                all_one = false;
+            }
+        }
+        // Rescale O by alpha; skipped when no row of the plane got a new maximum (alpha is then
+        // exactly 1 for every row: exp2(0)).
+        if !skip_rescale || !plane_all(all_one) {
             #[unroll]
-            for ob in 0..o_blocks {
+            for i in 0..slots {
+                let m = i / 2;
+                let e0 = (i % 2) * (ec / 2);
+                let alpha = alpha_r[i];
                 #[unroll]
-                for e2 in 0..comptime!(ec / 2) {
-                    o_acc[(m * o_blocks + ob) * ec + e0 + e2] *= alpha;
+                for ob in 0..o_blocks {
+                    #[unroll]
+                    for e2 in 0..comptime!(ec / 2) {
+                        o_acc[(m * o_blocks + ob) * ec + e0 + e2] *= alpha;
+                    }
                 }
             }
         }
 
-        bar_v.wait_parity(kt & 1u32);
-        // Every plane has finished S = Q K^T: the K buffer is free for the next tile.
-        sync_cube();
-        if kt + 1 < n_tiles {
-            let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, block_n, sparse);
-            #[unroll]
-            for it in 0..kv_loads {
-                let idx = UNIT_POS as usize + it * threads;
-                let r = idx / vecs_per_row;
-                let c = idx % vecs_per_row;
-                let key = min(n0 + r as u32, n1 - 1);
-                let g = key as usize * krow + head_kv as usize * head_dim + c * LOAD_VEC;
-                let base = r * stride + c * LOAD_VEC;
-                copy_async(&k_s.slice(g, g + LOAD_VEC), &mut k_smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
+        if !early_v {
+            bar_v.wait_parity(kt & 1u32);
+            // Every plane has finished S = Q K^T: the K buffer is free for the next tile.
+            sync_cube();
+            if kt + 1 < n_tiles {
+                let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, block_n, sparse);
+                #[unroll]
+                for it in 0..kv_loads {
+                    let idx = UNIT_POS as usize + it * threads;
+                    let r = idx / vecs_per_row;
+                    let c = idx % vecs_per_row;
+                    let key = min(n0 + r as u32, n1 - 1);
+                    let g = key as usize * krow + head_kv as usize * head_dim + c * LOAD_VEC;
+                    let base = r * stride + c * LOAD_VEC;
+                    copy_async(&k_s.slice(g, g + LOAD_VEC), &mut k_smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
+                }
+                bar_k.commit_copy_async();
+                let _tk = bar_k.arrive();
             }
-            bar_k.commit_copy_async();
-            let _tk = bar_k.arrive();
         }
 
         // ---- O += P V: P from registers as A (per m-tile), V fragments shared by the m-tiles ----

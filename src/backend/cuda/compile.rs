@@ -121,6 +121,8 @@ fn codegen_options() -> CompilationOptions {
 pub(crate) fn codegen_exp2<K: CubeKernel>(kernel: K) -> Result<Source> {
     let mut src = codegen(kernel)?;
     src.cuda = super::rewrite::exp2_calls(&src.entry, &src.cuda)?;
+    let (noinc, spin) = super::rewrite::mbar_mode();
+    src.cuda = super::rewrite::mbarriers(&src.entry, &src.cuda, noinc, spin)?;
     Ok(src)
 }
 
@@ -312,7 +314,8 @@ impl Kernels {
     fn cache_file(&self, key: &KernelKey) -> Option<PathBuf> {
         let dir = cache_dir()?;
         let k = format!("{key:?}");
-        let flags = self.flags.join(" ");
+        let (noinc, spin) = super::rewrite::mbar_mode();
+        let flags = format!("{} mbar:{noinc}:{spin}", self.flags.join(" "));
         let h = fnv(&[
             CACHE_FORMAT.as_bytes(),
             env!("CARGO_PKG_VERSION").as_bytes(),
