@@ -19,8 +19,9 @@
 //! own shared buffer; two 128-thread cubes fit per multiprocessor. Scores, softmax statistics and
 //! the output accumulator stay in registers; P is re-used as the A operand of P.V without a trip
 //! through shared memory. K and V tiles are copied with `cp.async` (16 B per copy, completion
-//! tracked by shared mbarriers) in the FlashAttention-2 order: V(t) loads while S = Q K(t)^T and
-//! the softmax run, K(t+1) loads while O += P V(t) runs.
+//! tracked by shared mbarriers) in the FlashAttention-2 order: V(t) loads while S = Q K(t)^T
+//! runs; then the cube waits for V(t) and issues K(t+1), which loads during the softmax and
+//! O += P V(t). The O rescale is skipped when no row of a plane got a new maximum.
 //!
 //! Causal masking is bottom-right aligned per segment: segment row `r` sees window keys
 //! `j < k_len - q_len + r + 1`. Only tiles that cross a row's range limits pay for the mask.
@@ -248,10 +249,7 @@ pub fn flash_fwd_mma2<E: Float>(
     #[comptime] block_n: usize,
     #[comptime] block_m: usize,
     #[comptime] sparse: bool,
-    #[comptime] variant: u32,
 ) {
-    let skip_rescale = comptime!(variant & 1 != 0);
-    let early_v = comptime!(variant & 2 != 0);
     let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
     let lane = UNIT_POS_PLANE;
     let plane = UNIT_POS / 32u32;
@@ -499,25 +497,25 @@ pub fn flash_fwd_mma2<E: Float>(
             }
         }
 
-        if early_v {
-            bar_v.wait_parity(kt & 1u32);
-            // Every plane has finished S = Q K^T: the K buffer is free for the next tile.
-            sync_cube();
-            if kt + 1 < n_tiles {
-                let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, block_n, sparse);
-                #[unroll]
-                for it in 0..kv_loads {
-                    let idx = UNIT_POS as usize + it * threads;
-                    let r = idx / vecs_per_row;
-                    let c = idx % vecs_per_row;
-                    let key = min(n0 + r as u32, n1 - 1);
-                    let g = key as usize * krow + head_kv as usize * head_dim + c * LOAD_VEC;
-                    let base = r * stride + c * LOAD_VEC;
-                    copy_async(&k_s.slice(g, g + LOAD_VEC), &mut k_smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
-                }
-                bar_k.commit_copy_async();
-                let _tk = bar_k.arrive();
+        // FlashAttention-2's order: wait for V(t) and issue K(t+1) before the softmax, so the
+        // K copy overlaps the softmax and P.V.
+        bar_v.wait_parity(kt & 1u32);
+        // Every plane has finished S = Q K^T: the K buffer is free for the next tile.
+        sync_cube();
+        if kt + 1 < n_tiles {
+            let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, block_n, sparse);
+            #[unroll]
+            for it in 0..kv_loads {
+                let idx = UNIT_POS as usize + it * threads;
+                let r = idx / vecs_per_row;
+                let c = idx % vecs_per_row;
+                let key = min(n0 + r as u32, n1 - 1);
+                let g = key as usize * krow + head_kv as usize * head_dim + c * LOAD_VEC;
+                let base = r * stride + c * LOAD_VEC;
+                copy_async(&k_s.slice(g, g + LOAD_VEC), &mut k_smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
             }
+            bar_k.commit_copy_async();
+            let _tk = bar_k.arrive();
         }
 
         // ---- online softmax per row slot ----
@@ -564,7 +562,7 @@ pub fn flash_fwd_mma2<E: Float>(
         }
         // Rescale O by alpha; skipped when no row of the plane got a new maximum (alpha is then
         // exactly 1 for every row: exp2(0)).
-        if !skip_rescale || !plane_all(all_one) {
+        if !plane_all(all_one) {
             #[unroll]
             for i in 0..slots {
                 let m = i / 2;
@@ -577,27 +575,6 @@ pub fn flash_fwd_mma2<E: Float>(
                         o_acc[(m * o_blocks + ob) * ec + e0 + e2] *= alpha;
                     }
                 }
-            }
-        }
-
-        if !early_v {
-            bar_v.wait_parity(kt & 1u32);
-            // Every plane has finished S = Q K^T: the K buffer is free for the next tile.
-            sync_cube();
-            if kt + 1 < n_tiles {
-                let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, block_n, sparse);
-                #[unroll]
-                for it in 0..kv_loads {
-                    let idx = UNIT_POS as usize + it * threads;
-                    let r = idx / vecs_per_row;
-                    let c = idx % vecs_per_row;
-                    let key = min(n0 + r as u32, n1 - 1);
-                    let g = key as usize * krow + head_kv as usize * head_dim + c * LOAD_VEC;
-                    let base = r * stride + c * LOAD_VEC;
-                    copy_async(&k_s.slice(g, g + LOAD_VEC), &mut k_smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
-                }
-                bar_k.commit_copy_async();
-                let _tk = bar_k.arrive();
             }
         }
 

@@ -294,7 +294,7 @@ pub(crate) fn dkdv_source(
     by_dtype!(dt, T, codegen_exp2(flash_bwd::flash_bwd_dkdv::FlashBwdDkdv::<T, CudaRuntime>::new(
         settings(32 * BWD_PLANES as u32), client.clone(),
         A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (), (),
-        BWD_LOAD_VEC, qvec, hd, causal, fused, qvec, sparse, window)))
+        BWD_LOAD_VEC, qvec, hd, causal, fused, qvec, sparse, window), true))
 }
 
 /// The dQ pass kernel (`flash_bwd::flash_bwd_dq`, f16/bf16) for one set of comptime choices.
@@ -308,7 +308,7 @@ pub(crate) fn dq_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: usiz
     by_dtype!(dt, T, codegen_exp2(flash_bwd::flash_bwd_dq::FlashBwdDq::<T, CudaRuntime>::new(
         settings(32 * BWD_PLANES as u32), client.clone(),
         A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (),
-        BWD_LOAD_VEC, hd, sparse, window)))
+        BWD_LOAD_VEC, hd, sparse, window), true))
 }
 
 /// Enqueues `flash_bwd_dkdv` (f16/bf16) over `n_work` work items x heads_kv. `acc`: the f32 dQ

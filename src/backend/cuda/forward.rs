@@ -84,14 +84,8 @@ pub(crate) fn flash_fwd_kernel(
     block_m: usize,
     sparse: bool,
 ) -> Result<super::compile::Func> {
-    let variant = fwd_variant();
-    let key = KernelKey::new("flash_fwd_mma2", dt, &[hd as u32, mt as u32, bn as u32, block_m as u32, sparse as u32, variant]);
-    be.kernels.get(&key, || fwd_source(be.client(), dt, hd, mt, bn, block_m, sparse, variant))
-}
-
-/// Experiment switch (temporary): `CUBEATTN_FWD_VARIANT` bits, see `flash_fwd_mma2`.
-pub(crate) fn fwd_variant() -> u32 {
-    std::env::var("CUBEATTN_FWD_VARIANT").ok().and_then(|v| v.parse().ok()).unwrap_or(0)
+    let key = KernelKey::new("flash_fwd_mma2", dt, &[hd as u32, mt as u32, bn as u32, block_m as u32, sparse as u32]);
+    be.kernels.get(&key, || fwd_source(be.client(), dt, hd, mt, bn, block_m, sparse))
 }
 
 /// CUDA source of [`flash_fwd_kernel`].
@@ -103,7 +97,6 @@ pub(crate) fn fwd_source(
     bn: usize,
     block_m: usize,
     sparse: bool,
-    variant: u32,
 ) -> Result<Source> {
     let threads = (block_m * 2 / mt) as u32;
     macro_rules! k {
@@ -117,8 +110,7 @@ pub(crate) fn fwd_source(
                 bn,
                 block_m,
                 sparse,
-                variant,
-            ))
+            ), false)
         };
     }
     if is_f16(dt) { k!(f16) } else { k!(bf16) }

@@ -8,7 +8,7 @@ mod tests {
     use std::path::Path;
 
     use super::super::backward::{dkdv_source, dq_source};
-    use super::super::forward::{fwd_source, fwd_variant};
+    use super::super::forward::fwd_source;
     use super::super::CudaBackend;
     use crate::dtype::DType;
 
@@ -22,9 +22,9 @@ mod tests {
         let c = CudaBackend::shared().expect("a CUDA driver").client();
         let dt = DType::BF16;
         let sources = [
-            ("fwd_d128", fwd_source(c, dt, 128, 2, 64, 128, false, fwd_variant())),
-            ("fwd_d64", fwd_source(c, dt, 64, 2, 64, 128, false, fwd_variant())),
-            ("fwd_sparse_d128", fwd_source(c, dt, 128, 2, 64, 64, true, fwd_variant())),
+            ("fwd_d128", fwd_source(c, dt, 128, 2, 64, 128, false)),
+            ("fwd_d64", fwd_source(c, dt, 64, 2, 64, 128, false)),
+            ("fwd_sparse_d128", fwd_source(c, dt, 128, 2, 64, 64, true)),
             ("dkdv_causal_d128", dkdv_source(c, dt, 128, true, false, 2, false, false)),
             ("dkdv_full_d128", dkdv_source(c, dt, 128, false, false, 2, false, false)),
             ("dkdv_window_d128", dkdv_source(c, dt, 128, true, false, 2, false, true)),

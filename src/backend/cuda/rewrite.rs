@@ -12,9 +12,10 @@
 //! emitted as `cp.async.mbarrier.arrive` (which raises the barrier's pending count, then arrives
 //! when the thread's copies land) followed by a second, explicit `barrier.arrive()`, and waited
 //! with libcu++'s `wait_parity` (a `try_wait` loop with a clock-driven back-off). [`mbarriers`]
-//! can rewrite both (experiment, `CUBEATTN_MBAR`): `noinc` makes the copy arrival the thread's
-//! one arrival of the phase (`.noinc`, explicit arrive dropped); `spin` waits with a plain
-//! `mbarrier.try_wait.parity` loop.
+//! rewrites both: `noinc` makes the copy arrival the thread's one arrival of the phase (`.noinc`,
+//! the explicit arrive dropped; compute-sanitizer's synccheck reported "Missing wait" on every
+//! cp.async barrier before, none after); `spin` waits with a plain `mbarrier.try_wait.parity`
+//! loop (used by the backward kernels, see `compile::codegen_exp2`; bench/NOTES.md).
 
 use crate::error::{Error, Result};
 
@@ -91,13 +92,6 @@ __device__ __forceinline__ void __cubeattn_wait_parity(::cuda::barrier<::cuda::t
                :: "r"(a), "r"(parity) : "memory");
 }
 "#;
-
-/// The mbarrier rewrites in force (`CUBEATTN_MBAR`, comma separated: `noinc`, `spin`).
-pub(crate) fn mbar_mode() -> (bool, bool) {
-    let v = std::env::var("CUBEATTN_MBAR").unwrap_or_default();
-    let has = |w: &str| v.split(',').any(|x| x.trim() == w);
-    (has("noinc"), has("spin"))
-}
 
 /// Applies the mbarrier rewrites `(noinc, spin)` to kernel `entry` (a no-op for kernels without
 /// cp.async barriers). Every explicit arrive must directly follow a copy arrival on the same
