@@ -804,15 +804,17 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
                         lim = la;
                         lo = lo_a;
                     }
-                    let mut p = fast_exp2(s[nb * ec + e] * scale_log2 - l);
+                    let p = fast_exp2(s[nb * ec + e] * scale_log2 - l);
+                    let mut ds = p * (dp[nb * ec + e] - dd);
                     if needs_mask {
                         let (_row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
                         let key = (kb + (kc0 + nb * 8) as u32 + col) as i32;
+                        // dS itself, not P: dP of a masked key may be non-finite (a non-finite v)
                         if key >= lim || (window && key < lo) {
-                            p = 0.0f32;
+                            ds = 0.0f32;
                         }
                     }
-                    s[nb * ec + e] = p * (dp[nb * ec + e] - dd);
+                    s[nb * ec + e] = ds;
                 }
             }
             // ---- dQ += dS K ----

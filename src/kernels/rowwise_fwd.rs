@@ -62,8 +62,13 @@ pub fn rowwise_fwd_f32(
                 }
                 let sc = plane_sum(part);
                 let m_new = max(m, sc);
-                let alpha = f32::exp(m - m_new);
-                let p = f32::exp(sc - m_new);
+                // Every score so far -inf (e.g. an Inf in k): weight 0, not exp(-inf + inf) = NaN.
+                let mut use_m = m_new;
+                if m_new == -inf {
+                    use_m = 0.0f32;
+                }
+                let alpha = f32::exp(m - use_m);
+                let p = f32::exp(sc - use_m);
                 l = l * alpha + p;
                 #[unroll]
                 for i in 0..per_lane {
