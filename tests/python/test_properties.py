@@ -5,12 +5,15 @@ groups, GQA 1/2/4, head_dim 1..128, three dtypes, causal, random scales, 1x/10x 
 input contract: every malformed class raises ValueError/TypeError naming the argument, and a
 non-contiguous array gives the same result as a contiguous one.
 
+The bodies take a `Target` (where they run, what the backend there serves); test_properties_gpu.py
+runs the same bodies on CUDA.
+
 Run with `--hypothesis-show-statistics` to see how many cases each property generated."""
 import re
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 import cubeattn
 from conftest import (BWD_TOL, assert_grad_close, DTYPES, FWD_TOL, grouped_segments, np_dtype, rand, ref_attention, ref_backward,
@@ -28,11 +31,95 @@ def seed_of(data):
     return np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1), label="seed"))
 
 
-def draw_common(data, head_dims=HEAD_DIMS):
+def dtype_of(x):
+    """'float32' | 'float16' | 'bfloat16' of a numpy array or torch tensor."""
+    return str(x.dtype).removeprefix("torch.")
+
+
+class Numpy:
+    """Inputs as numpy arrays (outputs come back as numpy arrays)."""
+
+    def put(self, x):
+        return x
+
+    def get(self, x):
+        assert isinstance(x, np.ndarray), type(x)
+        return x
+
+
+NUMPY = Numpy()
+
+
+class Target:
+    """Where the properties run and what the backend there serves: here the CPU, every head_dim
+    and dtype, numpy inputs. test_properties_gpu.py overrides it for CUDA."""
+
+    device = "cpu"  # the calls' `device=`
+    backend = "cpu"  # what cubeattn.last_backend() says after them
+    head_dims = HEAD_DIMS  # forward
+    bwd_head_dims = [1, 8, 33, 64]
+    small_head_dims = [1, 8, 33]  # non-finite and malformed inputs
+    sparse_dtypes = DTYPES  # block-sparse forward
+    bwd_lens = SMALL  # sequence lengths of the backward properties
+    bad_devices = []  # wrong `device` strings besides the syntactically wrong ones
+
+    def draw_io(self, data):
+        """How the arrays go in and come back (numpy here; torch tensors too on CUDA)."""
+        return NUMPY
+
+    def unsupported(self, api, dtype, d):
+        """None where the backend runs `api` ('dense' or 'sparse') for (dtype, head_dim d); else
+        (exception, message regex) that device=self.device raises."""
+        return None
+
+    def kernel(self, api, dtype):
+        """The kernel family a supported call runs (for hypothesis' statistics)."""
+        return self.backend
+
+    def bwd_rounding(self, dtype):
+        """Relative rounding of the terms of each gradient element (conftest.ref_backward's
+        abs_sums): here float32 products (a few units in the last place) and, for 16-bit inputs,
+        the out stored in that dtype (its unit roundoff) in delta = rowsum(dout * out)."""
+        return {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}.get(dtype, 8 * U32)
+
+    def masks_non_finite_exactly(self, dtype):
+        """Whether a non-finite v element masked for a row contributes exactly nothing to it."""
+        return True
+
+    def known_non_finite_deviations(self, out, want, x, dtype, causal, window):
+        """`out` [rows, heads, d] with this backend's known departures from torch SDPA's NaN/Inf
+        pattern `want` (inputs x, one bad element) set to `want`'s values: none here."""
+        return out
+
+    def call(self, api, fn, *args, **kw):
+        """fn(*args, device=self.device, **kw), run by self.backend. Where that backend has no
+        kernel for q's (dtype, head_dim) (args[0]: q, or dout of the same shape), the call must
+        raise its documented exception, and device='auto' must run it on the CPU: that result is
+        returned."""
+        dtype, d = dtype_of(args[0]), args[0].shape[-1]
+        why = self.unsupported(api, dtype, d)
+        if why is None:
+            event(f"{api}: {self.kernel(api, dtype)}")
+            res = fn(*args, device=self.device, **kw)
+            assert cubeattn.last_backend() == self.backend
+            return res
+        exc, pattern = why
+        event(f"{api}: {self.backend} raises {exc.__name__}, auto runs the cpu")
+        with pytest.raises(exc, match=pattern):
+            fn(*args, device=self.device, **kw)
+        res = fn(*args, device="auto", **kw)
+        assert cubeattn.last_backend() == "cpu"
+        return res
+
+
+CPU = Target()
+
+
+def draw_common(data, head_dims=HEAD_DIMS, dtypes=DTYPES):
     hkv = data.draw(st.sampled_from([1, 2]), label="heads_kv")
     hq = hkv * data.draw(st.sampled_from([1, 2, 4]), label="gqa_ratio")
     d = data.draw(st.sampled_from(head_dims), label="head_dim")
-    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    dtype = data.draw(st.sampled_from(dtypes), label="dtype")
     causal = data.draw(st.booleans(), label="causal")
     scale = data.draw(st.one_of(st.none(), st.floats(1e-3, 1.0)), label="softmax_scale")
     return hq, hkv, d, dtype, causal, scale
@@ -52,7 +139,7 @@ def check_fwd(out, lse, ref_out, ref_lse, dtype, amp, scale, d):
     o = np.asarray(out, np.float64)
     assert np.all(np.isfinite(o))
     np.testing.assert_allclose(o, ref_out, rtol=rtol, atol=atol)
-    assert rel_err(o, ref_out) <= rel
+    assert rel_err(o, ref_out, floor=atol * np.sqrt(o.size)) <= rel
     lse = np.asarray(lse)
     assert lse.dtype == np.float32 and lse.shape == ref_lse.shape
     fin = np.isfinite(ref_lse)
@@ -68,46 +155,61 @@ def cu_of(lens):
 
 # ---------------------------------------------------------------- forward against the f64 reference
 
-@settings(max_examples=300, **SETTINGS)
-@given(data=st.data())
-def test_varlen_forward_matches_reference(data):
+def run_varlen_forward(data, t):
     lens = data.draw(st.lists(st.tuples(LENS, LENS), min_size=1, max_size=4), label="lens")
-    hq, hkv, d, dtype, causal, scale = draw_common(data)
+    hq, hkv, d, dtype, causal, scale = draw_common(data, t.head_dims)
     amp = data.draw(st.sampled_from([1.0, 10.0]), label="amp")
     slack = data.draw(st.integers(0, 3), label="max_seqlen_slack")
+    io = t.draw_io(data)
     rng = seed_of(data)
     cu_q, cu_k = cu_of(a for a, _ in lens), cu_of(b for _, b in lens)
     q = rand(rng, (cu_q[-1], hq, d), dtype, amp)
     k, v = rand(rng, (cu_k[-1], hkv, d), dtype, amp), rand(rng, (cu_k[-1], hkv, d), dtype, amp)
     mq, mk = max(a for a, _ in lens) + slack, max(b for _, b in lens) + slack
-    out, lse = cubeattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, softmax_scale=scale, causal=causal,
-                                               return_lse=True, device="cpu")
-    assert cubeattn.last_backend() == "cpu"
+    args = (io.put(q), io.put(k), io.put(v), cu_q, cu_k, mq, mk)
+    out, lse = map(io.get, t.call("dense", cubeattn.flash_attn_varlen_func, *args, softmax_scale=scale,
+                                  causal=causal, return_lse=True))
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (hq, cu_q[-1])
     ref_out, ref_lse = ref_attention(q, k, v, varlen_segments(cu_q, cu_k), causal, scale)
     check_fwd(out, lse, ref_out, ref_lse, dtype, amp, scale, d)
     # return_lse=False gives the same output
-    again = cubeattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, softmax_scale=scale, causal=causal,
-                                            device="cpu")
+    again = io.get(t.call("dense", cubeattn.flash_attn_varlen_func, *args, softmax_scale=scale, causal=causal))
     assert np.array_equal(np.asarray(again, np.float64), np.asarray(out, np.float64))
+
+
+@settings(max_examples=300, **SETTINGS)
+@given(data=st.data())
+def test_varlen_forward_matches_reference(data):
+    run_varlen_forward(data, CPU)
+
+
+def run_batched_forward(data, t):
+    b = data.draw(st.integers(1, 3), label="batch")
+    sq, sk = data.draw(LENS, label="seqlen_q"), data.draw(LENS, label="seqlen_k")
+    hq, hkv, d, dtype, causal, scale = draw_common(data, t.head_dims)
+    amp = data.draw(st.sampled_from([1.0, 10.0]), label="amp")
+    io = t.draw_io(data)
+    rng = seed_of(data)
+    q = rand(rng, (b, sq, hq, d), dtype, amp)
+    k, v = rand(rng, (b, sk, hkv, d), dtype, amp), rand(rng, (b, sk, hkv, d), dtype, amp)
+    args = (io.put(q), io.put(k), io.put(v))
+    out, lse = map(io.get, t.call("dense", cubeattn.flash_attn_func, *args, softmax_scale=scale, causal=causal,
+                                  return_lse=True))
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (b, hq, sq)
+    # without lse, twice (a repeated call of torch CUDA tensors takes the cached fast path): the same
+    for _ in range(2):
+        again = io.get(t.call("dense", cubeattn.flash_attn_func, *args, softmax_scale=scale, causal=causal))
+        assert np.array_equal(np.asarray(again, np.float64), np.asarray(out, np.float64))
+    cu_q, cu_k = np.arange(b + 1) * sq, np.arange(b + 1) * sk
+    ref_out, ref_lse = ref_attention(q.reshape(-1, hq, d), k.reshape(-1, hkv, d), v.reshape(-1, hkv, d),
+                                     varlen_segments(cu_q, cu_k), causal, scale)
+    check_fwd(out.reshape(-1, hq, d), lse.transpose(1, 0, 2).reshape(hq, -1), ref_out, ref_lse, dtype, amp, scale, d)
 
 
 @settings(max_examples=150, **SETTINGS)
 @given(data=st.data())
 def test_batched_forward_matches_reference(data):
-    b = data.draw(st.integers(1, 3), label="batch")
-    sq, sk = data.draw(LENS, label="seqlen_q"), data.draw(LENS, label="seqlen_k")
-    hq, hkv, d, dtype, causal, scale = draw_common(data)
-    amp = data.draw(st.sampled_from([1.0, 10.0]), label="amp")
-    rng = seed_of(data)
-    q = rand(rng, (b, sq, hq, d), dtype, amp)
-    k, v = rand(rng, (b, sk, hkv, d), dtype, amp), rand(rng, (b, sk, hkv, d), dtype, amp)
-    out, lse = cubeattn.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, return_lse=True, device="cpu")
-    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (b, hq, sq)
-    cu_q, cu_k = np.arange(b + 1) * sq, np.arange(b + 1) * sk
-    ref_out, ref_lse = ref_attention(q.reshape(-1, hq, d), k.reshape(-1, hkv, d), v.reshape(-1, hkv, d),
-                                     varlen_segments(cu_q, cu_k), causal, scale)
-    check_fwd(out.reshape(-1, hq, d), lse.transpose(1, 0, 2).reshape(hq, -1), ref_out, ref_lse, dtype, amp, scale, d)
+    run_batched_forward(data, CPU)
 
 
 def draw_groups(data, rng_groups=(1, 24)):
@@ -133,22 +235,27 @@ def draw_groups(data, rng_groups=(1, 24)):
     return q_ranges, kv_ranges, total_q, total_k
 
 
-@settings(max_examples=250, **SETTINGS)
-@given(data=st.data())
-def test_grouped_forward_matches_reference(data):
+def run_grouped_forward(data, t):
     q_ranges, kv_ranges, total_q, total_k = draw_groups(data)
-    hq, hkv, d, dtype, causal, scale = draw_common(data)
+    hq, hkv, d, dtype, causal, scale = draw_common(data, t.head_dims)
     amp = data.draw(st.sampled_from([1.0, 10.0]), label="amp")
+    io = t.draw_io(data)
     rng = seed_of(data)
     q = rand(rng, (total_q, hq, d), dtype, amp)
     k, v = rand(rng, (total_k, hkv, d), dtype, amp), rand(rng, (total_k, hkv, d), dtype, amp)
     as_list = data.draw(st.booleans(), label="ranges_as_lists")
     qr, kr = (q_ranges.tolist(), kv_ranges.tolist()) if as_list else (q_ranges, kv_ranges)
-    out, lse = cubeattn.grouped_flash_attn_func(q, k, v, qr, kr, softmax_scale=scale, causal=causal,
-                                                return_lse=True, device="cpu")
+    out, lse = map(io.get, t.call("dense", cubeattn.grouped_flash_attn_func, io.put(q), io.put(k), io.put(v), qr, kr,
+                                  softmax_scale=scale, causal=causal, return_lse=True))
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (hq, total_q)
     ref_out, ref_lse = ref_attention(q, k, v, grouped_segments(q_ranges, kv_ranges), causal, scale)
     check_fwd(out, lse, ref_out, ref_lse, dtype, amp, scale, d)
+
+
+@settings(max_examples=250, **SETTINGS)
+@given(data=st.data())
+def test_grouped_forward_matches_reference(data):
+    run_grouped_forward(data, CPU)
 
 
 def random_block_index(rng, n_batch, h, qbn, kbns, top_k):
@@ -163,16 +270,15 @@ def random_block_index(rng, n_batch, h, qbn, kbns, top_k):
     return ix
 
 
-@settings(max_examples=200, **SETTINGS)
-@given(data=st.data())
-def test_block_sparse_forward_matches_reference(data):
-    hq, hkv, d, dtype, causal, scale = draw_common(data)
+def run_block_sparse_forward(data, t):
+    hq, hkv, d, dtype, causal, scale = draw_common(data, t.head_dims, t.sparse_dtypes)
     amp = data.draw(st.sampled_from([1.0, 10.0]), label="amp")
     q_block = data.draw(st.sampled_from([1, 3, 16, 64]), label="q_block")
     k_block = data.draw(st.sampled_from([1, 5, 32, 128]), label="k_block")
     top_k = data.draw(st.integers(1, 4), label="top_k")
     h_ix = data.draw(st.sampled_from([hq, hkv]), label="index_heads")
     batched = data.draw(st.booleans(), label="batched")
+    io = t.draw_io(data)
     rng = seed_of(data)
     if batched:
         n_batch = data.draw(st.integers(1, 3), label="batch")
@@ -187,71 +293,94 @@ def test_block_sparse_forward_matches_reference(data):
     ix = random_block_index(rng, n_batch, h_ix, qbn, [-(-x // k_block) for x in lk], top_k)
     q = rand(rng, (cu_q[-1], hq, d), dtype, amp)
     k, v = rand(rng, (cu_k[-1], hkv, d), dtype, amp), rand(rng, (cu_k[-1], hkv, d), dtype, amp)
-    kw = dict(q_block=q_block, k_block=k_block, causal=causal, softmax_scale=scale, return_lse=True, device="cpu")
+    kw = dict(q_block=q_block, k_block=k_block, causal=causal, softmax_scale=scale, return_lse=True)
     if batched:
-        out, lse = cubeattn.block_sparse_attn_func(q.reshape(n_batch, -1, hq, d), k.reshape(n_batch, -1, hkv, d),
-                                                   v.reshape(n_batch, -1, hkv, d), ix, **kw)
+        b4 = (q.reshape(n_batch, -1, hq, d), k.reshape(n_batch, -1, hkv, d), v.reshape(n_batch, -1, hkv, d))
+        out, lse = map(io.get, t.call("sparse", cubeattn.block_sparse_attn_func, *map(io.put, b4), ix, **kw))
         assert out.shape == (n_batch, lq[0], hq, d) and lse.shape == (n_batch, hq, lq[0])
         out, lse = out.reshape(-1, hq, d), lse.transpose(1, 0, 2).reshape(hq, -1)
     else:
-        out, lse = cubeattn.block_sparse_attn_func(q, k, v, ix, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **kw)
+        out, lse = map(io.get, t.call("sparse", cubeattn.block_sparse_attn_func, io.put(q), io.put(k), io.put(v), ix,
+                                      cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **kw))
     assert out.dtype == q.dtype and out.shape == q.shape and lse.shape == (hq, cu_q[-1])
     ref_out, ref_lse = ref_sparse(q, k, v, ix, cu_q, cu_k, q_block, k_block, causal, scale)
     check_fwd(out, lse, ref_out, ref_lse, dtype, amp, scale, d)
 
 
+@settings(max_examples=200, **SETTINGS)
+@given(data=st.data())
+def test_block_sparse_forward_matches_reference(data):
+    run_block_sparse_forward(data, CPU)
+
+
 # ---------------------------------------------------------------- backward against the f64 reference
 
-def check_grads(got, want, shapes, dtype, scale, d):
+def check_grads(got, want, shapes, dtype, scale, d, t=CPU):
     """BWD_TOL, with atol grown in proportion to softmax_scale above the default 1/sqrt(d) (dq, dk
-    grow with it); the relative-norm bound applies where the gradient is above the atol level
-    (below it, the stored out's rounding in delta = rowsum(dout * out) dominates, as in flash-attn,
-    and the elementwise bound is the meaningful one)."""
+    grow with it); both bounds apply to the error beyond t.bwd_rounding(dtype) times each element's
+    sum of |terms| (`want`: ref_backward with abs_sums), the rounding of the products' operands,
+    which no fixed bound covers (a gradient that is small by cancellation of large terms); the
+    relative-norm bound applies where the gradient is above the atol level (below it, the stored
+    out's rounding in delta = rowsum(dout * out) dominates, as in flash-attn, and the elementwise
+    bound is the meaningful one)."""
     tol, rel = BWD_TOL[dtype]
     atol = tol * max(1.0, (1.0 / np.sqrt(d) if scale is None else scale) * np.sqrt(d))
-    for name, g, w, (shape, dt) in zip(("dq", "dk", "dv"), got, want, shapes):
+    u = t.bwd_rounding(dtype)
+    for name, g, w, s, (shape, dt) in zip(("dq", "dk", "dv"), got, want[:3], want[3:], shapes):
         assert g.shape == shape and g.dtype == dt, name
         g = np.asarray(g, np.float64)
         assert np.all(np.isfinite(g)), name
-        assert_grad_close(g, w, tol, rel, atol, name)
+        assert_grad_close(g, w, tol, rel, atol, name, slack=u * s)
 
 
-@settings(max_examples=150, **SETTINGS)
-@given(data=st.data())
-def test_varlen_backward_matches_reference(data):
-    lens = data.draw(st.lists(st.tuples(SMALL, SMALL), min_size=1, max_size=3), label="lens")
-    hq, hkv, d, dtype, causal, scale = draw_common(data, head_dims=[1, 8, 33, 64])
+def run_varlen_backward(data, t):
+    lens = data.draw(st.lists(st.tuples(t.bwd_lens, t.bwd_lens), min_size=1, max_size=3), label="lens")
+    hq, hkv, d, dtype, causal, scale = draw_common(data, t.bwd_head_dims)
     deterministic = data.draw(st.booleans(), label="deterministic")
+    io = t.draw_io(data)
     rng = seed_of(data)
     cu_q, cu_k = cu_of(a for a, _ in lens), cu_of(b for _, b in lens)
     q = rand(rng, (cu_q[-1], hq, d), dtype)
     k, v = rand(rng, (cu_k[-1], hkv, d), dtype), rand(rng, (cu_k[-1], hkv, d), dtype)
     dout = rand(rng, q.shape, dtype)
     mq, mk = max(a for a, _ in lens), max(b for _, b in lens)
-    out, lse = cubeattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, softmax_scale=scale, causal=causal,
-                                               return_lse=True, device="cpu")
-    grads = cubeattn.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, mq, mk, softmax_scale=scale,
-                                                causal=causal, deterministic=deterministic, device="cpu")
-    want = ref_backward(q, k, v, dout, varlen_segments(cu_q, cu_k), causal, scale)
-    check_grads(grads, want, [(x.shape, x.dtype) for x in (q, k, v)], dtype, scale, d)
+    tq, tk, tv = io.put(q), io.put(k), io.put(v)
+    out, lse = t.call("dense", cubeattn.flash_attn_varlen_func, tq, tk, tv, cu_q, cu_k, mq, mk, softmax_scale=scale,
+                      causal=causal, return_lse=True)
+    grads = t.call("dense", cubeattn.flash_attn_varlen_backward, io.put(dout), tq, tk, tv, out, lse, cu_q, cu_k, mq,
+                   mk, softmax_scale=scale, causal=causal, deterministic=deterministic)
+    want = ref_backward(q, k, v, dout, varlen_segments(cu_q, cu_k), causal, scale, abs_sums=True)
+    check_grads([io.get(g) for g in grads], want, [(x.shape, x.dtype) for x in (q, k, v)], dtype, scale, d, t)
+
+
+@settings(max_examples=150, **SETTINGS)
+@given(data=st.data())
+def test_varlen_backward_matches_reference(data):
+    run_varlen_backward(data, CPU)
+
+
+def run_grouped_backward(data, t):
+    q_ranges, kv_ranges, total_q, total_k = draw_groups(data, rng_groups=(1, 10))
+    hq, hkv, d, dtype, causal, scale = draw_common(data, t.bwd_head_dims)
+    deterministic = data.draw(st.booleans(), label="deterministic")
+    io = t.draw_io(data)
+    rng = seed_of(data)
+    q = rand(rng, (total_q, hq, d), dtype)
+    k, v = rand(rng, (total_k, hkv, d), dtype), rand(rng, (total_k, hkv, d), dtype)
+    dout = rand(rng, q.shape, dtype)
+    tq, tk, tv = io.put(q), io.put(k), io.put(v)
+    out, lse = t.call("dense", cubeattn.grouped_flash_attn_func, tq, tk, tv, q_ranges, kv_ranges,
+                      softmax_scale=scale, causal=causal, return_lse=True)
+    grads = t.call("dense", cubeattn.grouped_flash_attn_backward, io.put(dout), tq, tk, tv, out, lse, q_ranges,
+                   kv_ranges, softmax_scale=scale, causal=causal, deterministic=deterministic)
+    want = ref_backward(q, k, v, dout, grouped_segments(q_ranges, kv_ranges), causal, scale, abs_sums=True)
+    check_grads([io.get(g) for g in grads], want, [(x.shape, x.dtype) for x in (q, k, v)], dtype, scale, d, t)
 
 
 @settings(max_examples=120, **SETTINGS)
 @given(data=st.data())
 def test_grouped_backward_matches_reference(data):
-    q_ranges, kv_ranges, total_q, total_k = draw_groups(data, rng_groups=(1, 10))
-    hq, hkv, d, dtype, causal, scale = draw_common(data, head_dims=[1, 8, 33, 64])
-    deterministic = data.draw(st.booleans(), label="deterministic")
-    rng = seed_of(data)
-    q = rand(rng, (total_q, hq, d), dtype)
-    k, v = rand(rng, (total_k, hkv, d), dtype), rand(rng, (total_k, hkv, d), dtype)
-    dout = rand(rng, q.shape, dtype)
-    out, lse = cubeattn.grouped_flash_attn_func(q, k, v, q_ranges, kv_ranges, softmax_scale=scale, causal=causal,
-                                                return_lse=True, device="cpu")
-    grads = cubeattn.grouped_flash_attn_backward(dout, q, k, v, out, lse, q_ranges, kv_ranges, softmax_scale=scale,
-                                                 causal=causal, deterministic=deterministic, device="cpu")
-    want = ref_backward(q, k, v, dout, grouped_segments(q_ranges, kv_ranges), causal, scale)
-    check_grads(grads, want, [(x.shape, x.dtype) for x in (q, k, v)], dtype, scale, d)
+    run_grouped_backward(data, CPU)
 
 
 # ---------------------------------------------------------------- non-contiguous inputs
@@ -326,23 +455,22 @@ VARLEN_BAD = ["q_rank", "k_rank", "v_rank", "k_head_dim", "v_shape", "heads_rati
               "max_q_negative", "max_k_float", "scale_nan", "scale_inf", "scale_str", "device_str", "device_type"]
 
 
-@settings(max_examples=400, **SETTINGS)
-@given(data=st.data())
-def test_varlen_malformed_inputs_raise_naming_the_argument(data):
+def run_varlen_malformed(data, t):
     case = data.draw(st.sampled_from(VARLEN_BAD), label="case")
     lens = data.draw(st.lists(st.tuples(st.integers(1, 9), st.integers(1, 9)), min_size=1, max_size=4), label="lens")
     hkv = data.draw(st.sampled_from([1, 2, 3]), label="heads_kv")
     hq = hkv * data.draw(st.sampled_from([1, 2]), label="ratio")
-    d = data.draw(st.sampled_from([1, 8, 33]), label="head_dim")
+    d = data.draw(st.sampled_from(t.small_head_dims), label="head_dim")
     dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
     backward = data.draw(st.booleans(), label="backward")
+    io = t.draw_io(data)
     rng = seed_of(data)
     cu_q, cu_k = cu_of(a for a, _ in lens), cu_of(b for _, b in lens)
     mq, mk = max(a for a, _ in lens), max(b for _, b in lens)
     a = dict(q=rand(rng, (cu_q[-1], hq, d), dtype), k=rand(rng, (cu_k[-1], hkv, d), dtype),
              v=rand(rng, (cu_k[-1], hkv, d), dtype), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=mq,
              max_seqlen_k=mk)
-    kw = dict(device="cpu")
+    kw = dict(device=t.device)
     other = data.draw(st.sampled_from([x for x in DTYPES if x != dtype]), label="other_dtype")
     pos = data.draw(st.integers(1, len(lens)), label="position")
     if case.endswith("_rank") and case[0] in "qkv":
@@ -442,7 +570,8 @@ def test_varlen_malformed_inputs_raise_naming_the_argument(data):
         exc, arg = TypeError, "softmax_scale"
     elif case == "device_str":
         kw["device"] = data.draw(st.one_of(
-            st.sampled_from(["", "tpu", "CPU", "cpu:0", "cuda:", "cuda:-1", "cuda:x", "cuda:1:2", "cuda:99999999"]),
+            st.sampled_from(["", "tpu", "CPU", "cpu:0", "cuda:", "cuda:-1", "cuda:x", "cuda:1:2", "cuda:99999999"]
+                            + t.bad_devices),
             st.text(max_size=8).filter(lambda s: s not in ("auto", "cpu", "cuda", "gpu")
                                        and not re.fullmatch(r"(auto|cuda|gpu):\d+", s))))
         exc, arg = ValueError, "device"
@@ -453,14 +582,22 @@ def test_varlen_malformed_inputs_raise_naming_the_argument(data):
         raise AssertionError(case)
     arg = f"`{arg}`"
     if not backward:
+        a.update((n, io.put(a[n])) for n in "qkv" if isinstance(a[n], np.ndarray))
         raises_naming(exc, arg, cubeattn.flash_attn_varlen_func, **a, **kw)
     else:
         q = a["q"]
         shape = np.shape(q)
         dout = np.zeros(shape, q.dtype) if isinstance(q, np.ndarray) else q
         lse = np.zeros((shape[1] if len(shape) > 1 else 1, shape[0]), np.float32)
-        raises_naming(exc, arg, cubeattn.flash_attn_varlen_backward, dout, a["q"], a["k"], a["v"], dout, lse,
+        dout, q, k, v, lse = (io.put(x) if isinstance(x, np.ndarray) else x for x in (dout, q, a["k"], a["v"], lse))
+        raises_naming(exc, arg, cubeattn.flash_attn_varlen_backward, dout, q, k, v, dout, lse,
                       a["cu_seqlens_q"], a["cu_seqlens_k"], a["max_seqlen_q"], a["max_seqlen_k"], **kw)
+
+
+@settings(max_examples=400, **SETTINGS)
+@given(data=st.data())
+def test_varlen_malformed_inputs_raise_naming_the_argument(data):
+    run_varlen_malformed(data, CPU)
 
 
 GROUPED_BAD = ["q_end_out", "q_start_negative", "q_reversed", "kv_end_out", "kv_start_negative", "kv_reversed",
@@ -540,21 +677,23 @@ def test_grouped_malformed_ranges_raise_naming_the_argument(data):
 BACKWARD_BAD = ["out_shape", "dout_shape", "out_dtype", "dout_dtype", "lse_length", "out_int"]
 
 
-@settings(max_examples=100, **SETTINGS)
-@given(data=st.data())
-def test_backward_malformed_out_dout_lse_raise_naming_the_argument(data):
+def run_backward_malformed(data, t):
     case = data.draw(st.sampled_from(BACKWARD_BAD), label="case")
     dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
     other = data.draw(st.sampled_from([x for x in DTYPES if x != dtype]), label="other_dtype")
     grouped = data.draw(st.booleans(), label="grouped")
     tq, tk = data.draw(st.integers(1, 20), label="total_q"), data.draw(st.integers(1, 20), label="total_k")
+    d = data.draw(st.sampled_from(t.small_head_dims), label="head_dim")
+    io = t.draw_io(data)
     rng = seed_of(data)
-    q, k, v = rand(rng, (tq, 2, 8), dtype), rand(rng, (tk, 1, 8), dtype), rand(rng, (tk, 1, 8), dtype)
+    q, k, v = rand(rng, (tq, 2, d), dtype), rand(rng, (tk, 1, d), dtype), rand(rng, (tk, 1, d), dtype)
+    q, k, v = map(io.put, (q, k, v))
     cu_q, cu_k = np.array([0, tq], np.int32), np.array([0, tk], np.int32)
     if grouped:
-        out, lse = cubeattn.grouped_flash_attn_func(q, k, v, [[0, tq]], [[0, tk]], return_lse=True, device="cpu")
+        res = t.call("dense", cubeattn.grouped_flash_attn_func, q, k, v, [[0, tq]], [[0, tk]], return_lse=True)
     else:
-        out, lse = cubeattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, tq, tk, return_lse=True, device="cpu")
+        res = t.call("dense", cubeattn.flash_attn_varlen_func, q, k, v, cu_q, cu_k, tq, tk, return_lse=True)
+    out, lse = map(io.get, res)
     dout = rand(rng, q.shape, dtype)
     exc = TypeError if case in ("out_dtype", "dout_dtype", "out_int") else ValueError
     arg = case.split("_")[0]
@@ -570,12 +709,19 @@ def test_backward_malformed_out_dout_lse_raise_naming_the_argument(data):
         lse = lse[:, :-1] if data.draw(st.booleans()) else np.concatenate([lse, lse], 1)
     elif case == "out_int":
         out = out.astype(np.int16)
+    dout, out, lse = map(io.put, (dout, out, lse))
     if grouped:
         raises_naming(exc, f"`{arg}`", cubeattn.grouped_flash_attn_backward, dout, q, k, v, out, lse, [[0, tq]],
-                      [[0, tk]], device="cpu")
+                      [[0, tk]], device=t.device)
     else:
         raises_naming(exc, f"`{arg}`", cubeattn.flash_attn_varlen_backward, dout, q, k, v, out, lse, cu_q, cu_k,
-                      tq, tk, device="cpu")
+                      tq, tk, device=t.device)
+
+
+@settings(max_examples=100, **SETTINGS)
+@given(data=st.data())
+def test_backward_malformed_out_dout_lse_raise_naming_the_argument(data):
+    run_backward_malformed(data, CPU)
 
 
 @settings(max_examples=100, **SETTINGS)
@@ -657,13 +803,19 @@ def test_empty_batches_give_empty_or_zero_outputs(data):
 WINDOWS = [(-1, -1), (-1, -1), (2, 1), (0, 0), (5, -1), (-1, 3)]
 
 
-def draw_non_finite_case(data):
+def draw_non_finite_case(data, t=CPU, exact=False):
+    """One NaN or Inf in q, k or v, the call on t. With `exact` (the property needs masked
+    elements to contribute exactly nothing), where t does not promise that for a masked v element
+    (t.masks_non_finite_exactly), a bad v element comes without a mask (no causal, no window)."""
     lq = data.draw(st.integers(1, 70), label="seqlen_q")
     lk = data.draw(st.integers(1, 70), label="seqlen_k")
-    hq, hkv, d, dtype, causal, _ = draw_common(data, head_dims=[1, 8, 33])
+    hq, hkv, d, dtype, causal, _ = draw_common(data, t.small_head_dims)
     window = data.draw(st.sampled_from(WINDOWS), label="window_size")
     where = data.draw(st.sampled_from(["q", "k", "v"]), label="where")
     value = data.draw(st.sampled_from([np.nan, np.inf, -np.inf]), label="value")
+    if exact and where == "v" and not t.masks_non_finite_exactly(dtype):
+        causal, window = False, (-1, -1)
+    io = t.draw_io(data)
     rng = seed_of(data)
     x = dict(q=rand(rng, (lq, hq, d), dtype), k=rand(rng, (lk, hkv, d), dtype), v=rand(rng, (lk, hkv, d), dtype))
     row = data.draw(st.integers(0, x[where].shape[0] - 1), label="row")
@@ -673,8 +825,9 @@ def draw_non_finite_case(data):
     clean[where][row, head, chan] = 0
     x[where][row, head, chan] = value
     cu_q, cu_k = np.array([0, lq], np.int32), np.array([0, lk], np.int32)
-    out, lse = cubeattn.flash_attn_varlen_func(x["q"], x["k"], x["v"], cu_q, cu_k, lq, lk, causal=causal,
-                                               window_size=window, return_lse=True, device="cpu")
+    out, lse = map(io.get, t.call("dense", cubeattn.flash_attn_varlen_func, io.put(x["q"]), io.put(x["k"]),
+                                  io.put(x["v"]), cu_q, cu_k, lq, lk, causal=causal, window_size=window,
+                                  return_lse=True))
     # which (query row, q head) pairs use the bad element
     g = hq // hkv
     uses = np.zeros((lq, hq), bool)
@@ -687,12 +840,8 @@ def draw_non_finite_case(data):
     return np.asarray(out, np.float64), ref, uses, where, value, dtype, lse, x, causal, window
 
 
-@settings(max_examples=120, **SETTINGS)
-@given(data=st.data())
-def test_non_finite_element_does_not_reach_rows_that_cannot_see_it(data):
-    """A key that a row cannot see (causal mask, sliding window) contributes exactly nothing, even
-    an Inf in v (no 0 * Inf): those rows are finite and equal to the output without the element."""
-    out, ref, uses, _, _, dtype, lse, *_ = draw_non_finite_case(data)
+def run_non_finite_does_not_reach(data, t):
+    out, ref, uses, _, _, dtype, lse, *_ = draw_non_finite_case(data, t, exact=True)
     tol, _ = FWD_TOL[dtype]
     o = out.transpose(1, 0, 2)[~uses.T]
     assert np.all(np.isfinite(o))
@@ -701,16 +850,54 @@ def test_non_finite_element_does_not_reach_rows_that_cannot_see_it(data):
 
 @settings(max_examples=120, **SETTINGS)
 @given(data=st.data())
-def test_nan_propagates_to_the_rows_that_use_it(data):
-    """torch SDPA's policy: a NaN that takes part in a row's softmax makes that row's output (and
-    lse) NaN; an Inf value in v makes the row non-finite."""
-    out, _, uses, where, value, _, lse, *_ = draw_non_finite_case(data)
+def test_non_finite_element_does_not_reach_rows_that_cannot_see_it(data):
+    """A key that a row cannot see (causal mask, sliding window) contributes exactly nothing, even
+    an Inf in v (no 0 * Inf): those rows are finite and equal to the output without the element."""
+    run_non_finite_does_not_reach(data, CPU)
+
+
+def run_nan_propagates(data, t):
+    out, _, uses, where, value, _, lse, *_ = draw_non_finite_case(data, t)
     if not (np.isnan(value) or where == "v"):
         return  # an Inf in q or k may give a -inf score, i.e. a finite row: no claim (see the torch test)
     for r, h in zip(*np.nonzero(uses)):
         assert not np.all(np.isfinite(out[r, h])), f"row {r} head {h} uses a NaN (or an Inf value) but is finite"
         if np.isnan(value) and where != "v":
             assert np.all(np.isnan(out[r, h])) and np.isnan(lse[h, r]), f"row {r} head {h}: NaN score, NaN row"
+
+
+@settings(max_examples=120, **SETTINGS)
+@given(data=st.data())
+def test_nan_propagates_to_the_rows_that_use_it(data):
+    """torch SDPA's policy: a NaN that takes part in a row's softmax makes that row's output (and
+    lse) NaN; an Inf value in v makes the row non-finite."""
+    run_nan_propagates(data, CPU)
+
+
+def run_non_finite_pattern(data, t):
+    torch = pytest.importorskip("torch")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    out, _, _, _, _, dtype, _, x, causal, window = draw_non_finite_case(data, t, exact=True)
+    q, k, v = (torch.from_numpy(np.asarray(x[n], np.float64)) for n in ("q", "k", "v"))
+    lq, hq, d = q.shape
+    g = hq // k.shape[1]
+    mask = visible_mask(lq, k.shape[0], causal, window)
+    want = np.zeros(out.shape)  # rows that see no key: zero (cubeattn's convention)
+    for i in range(lq):
+        keys = np.nonzero(mask[i])[0]
+        if keys.size:
+            kk, vv = (y[keys].repeat_interleave(g, 1).transpose(0, 1) for y in (k, v))  # [hq, keys, d]
+            # the math backend: torch's fused CPU kernel gives 0 instead of NaN for a NaN query
+            # seeing one key (float32), its math backend propagates it
+            with sdpa_kernel(SDPBackend.MATH):
+                o = torch.nn.functional.scaled_dot_product_attention(q[i:i + 1].transpose(0, 1), kk, vv,
+                                                                     scale=1.0 / np.sqrt(d))
+            want[i] = o[:, 0].numpy()
+    out = t.known_non_finite_deviations(out, want, x, dtype, causal, window)
+    for name, f in (("NaN", np.isnan), ("+Inf", np.isposinf), ("-Inf", np.isneginf)):
+        bad = np.argwhere(f(out) != f(want))
+        assert bad.size == 0, f"{name} pattern differs from torch SDPA at (row, head, channel) {bad[:5].tolist()}"
 
 
 @pytest.mark.torch
@@ -722,25 +909,4 @@ def test_non_finite_pattern_is_torch_sdpas(data):
     included (a -inf score weighs 0, a +inf score makes the row NaN, a row of -inf scores is zero).
     Per row, not with SDPA's attn_mask: the mask is additive there, so a masked +inf score would
     still reach the row as NaN, where cubeattn's masked keys contribute nothing."""
-    torch = pytest.importorskip("torch")
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    out, _, _, _, _, dtype, _, x, causal, window = draw_non_finite_case(data)
-    q, k, v = (torch.from_numpy(np.asarray(x[n], np.float64)) for n in ("q", "k", "v"))
-    lq, hq, d = q.shape
-    g = hq // k.shape[1]
-    mask = visible_mask(lq, k.shape[0], causal, window)
-    want = np.zeros(out.shape)  # rows that see no key: zero (cubeattn's convention)
-    for i in range(lq):
-        keys = np.nonzero(mask[i])[0]
-        if keys.size:
-            kk, vv = (t[keys].repeat_interleave(g, 1).transpose(0, 1) for t in (k, v))  # [hq, keys, d]
-            # the math backend: torch's fused CPU kernel gives 0 instead of NaN for a NaN query
-            # seeing one key (float32), its math backend propagates it
-            with sdpa_kernel(SDPBackend.MATH):
-                o = torch.nn.functional.scaled_dot_product_attention(q[i:i + 1].transpose(0, 1), kk, vv,
-                                                                     scale=1.0 / np.sqrt(d))
-            want[i] = o[:, 0].numpy()
-    for name, f in (("NaN", np.isnan), ("+Inf", np.isposinf), ("-Inf", np.isneginf)):
-        bad = np.argwhere(f(out) != f(want))
-        assert bad.size == 0, f"{name} pattern differs from torch SDPA at (row, head, channel) {bad[:5].tolist()}"
+    run_non_finite_pattern(data, CPU)
