@@ -16,9 +16,9 @@ and on torch CUDA tensors (drawn per case where torch sees the GPU):
   element comes without a mask in the two properties that rely on masking. Found here (strict
   xfail tests at the end pin them; the pattern property allows exactly these,
   Cuda.known_non_finite_deviations): on the tensor cores an Inf in v at the last key of a
-  sequence whose length is not a multiple of 64 reads NaN where torch gives Inf; on the row-wise
-  f32 kernels a -inf score at the first key a row visits makes the row NaN (out and lse) where
-  that key should weigh 0 (a row of only -inf scores: zero, lse +inf);
+  sequence whose length is not a multiple of 64 reads NaN where torch gives Inf (open); on the
+  row-wise f32 kernels a -inf score at the first key a row visits made the row NaN (out and lse)
+  where that key should weigh 0 (fixed; its test stays);
 * malformed inputs on device="cuda" (every varlen class, the out/dout/lse classes through the
   device path of torch CUDA tensors, device strings such as one past the last GPU) raise naming
   the argument; torch tensors split between the CPU and the GPU run, on the backend `device`
@@ -47,7 +47,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import cubeattn
-from conftest import cuda_available, np_dtype, rand, visible_mask
+from conftest import cuda_available, np_dtype, rand
 from test_properties import (LENS, NUMPY, Target, cu_of, draw_common, raises_naming, run_backward_malformed,
                              run_batched_forward, run_block_sparse_forward, run_grouped_backward, run_grouped_forward,
                              run_nan_propagates, run_non_finite_does_not_reach, run_non_finite_pattern,
@@ -134,22 +134,13 @@ class Cuda(Target):
         return dtype == "float32"
 
     def known_non_finite_deviations(self, out, want, x, dtype, causal, window):
-        """The two departures these properties found, each pinned by a strict xfail test at the
-        end of this file (a fix fails it: then drop its case here); any other difference fails."""
+        """The departure these properties found that is not fixed yet, pinned by a strict xfail test
+        at the end of this file (a fix fails it: then drop its case here); any other difference
+        fails. (The second one, a -inf first score on the f32 kernels, is fixed.)"""
         q, k, v = (np.asarray(x[n], np.float64) for n in ("q", "k", "v"))
         g = q.shape[1] // k.shape[1]
         allowed = np.zeros(out.shape, bool)
-        if dtype == "float32":
-            # test_minus_inf_score_at_the_first_key_weighs_zero_on_the_f32_kernels: a row whose
-            # first visible key scores -inf reads NaN
-            mask = visible_mask(q.shape[0], k.shape[0], causal, window)
-            for i in range(q.shape[0]):
-                keys = np.nonzero(mask[i])[0]
-                if keys.size:
-                    with np.errstate(invalid="ignore"):
-                        score = np.einsum("hd,hd->h", q[i], np.repeat(k[keys[0]], g, 0))
-                    allowed[i] = (score == -np.inf)[:, None]
-        else:
+        if dtype != "float32":
             # test_inf_in_the_last_value_reads_inf_on_tensor_cores: an Inf in the last key's v
             # reads NaN instead of Inf
             allowed[:] = np.isinf(v[-1]).repeat(g, 0)[None]
@@ -303,8 +294,6 @@ def test_inf_in_the_last_value_reads_inf_on_tensor_cores(dtype, seqlen_k):
     assert np.all(np.isposinf(out[:, 0, 0].astype(np.float32))), out[:, 0, 0]
 
 
-@pytest.mark.xfail(strict=True, reason="row-wise f32 kernel (src/kernels/rowwise_fwd.rs): with the running max and "
-                                       "the score both -inf, exp(m - m_new) is exp(NaN)")
 @pytest.mark.parametrize("where", ["q", "k"])
 def test_minus_inf_score_at_the_first_key_weighs_zero_on_the_f32_kernels(where):
     """Found by test_non_finite_pattern_is_torch_sdpas (shrunk to 1 query, 1 key, an Inf in q): on
