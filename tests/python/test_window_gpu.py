@@ -39,14 +39,16 @@ def run_varlen(rng, lens_q, lens_k, hq, hkv, d, dtype, causal, window, determini
     grads = cubeattn.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, mq, mk, causal=causal,
                                                 window_size=window, deterministic=deterministic, device="cuda")
     tol, rel = BWD_TOL[dtype]
-    # bf16: P and dS enter the dK/dV products rounded to bf16 (as in FlashAttention-2), so an
-    # element summed over many rows with cancellation can sit past 1e-2 absolute; the elementwise
-    # bound is the relative-norm one there (measured: 0.0115 over 79 rows, H200)
-    atol = rel if dtype == "bfloat16" else tol
-    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_backward(q, k, v, dout, segs, causal, window=window)):
+    # P and dS enter the tensor-core products rounded to the dtype (as in FlashAttention-2): an
+    # element summed over many rows with cancellation can sit past a fixed bound (bf16 dv 0.025 off
+    # over 127 rows, H200), so both bounds apply beyond 2 unit roundoffs times each element's sum
+    # of |terms| (conftest.ref_backward's abs_sums; test_properties_gpu.py's rounding model)
+    u = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}.get(dtype, 2.0 ** -21)
+    refs = ref_backward(q, k, v, dout, segs, causal, window=window, abs_sums=True)
+    for name, g, r, sums in zip(("dq", "dk", "dv"), grads, refs[:3], refs[3:]):
         g = np.asarray(g, np.float64)
         assert np.all(np.isfinite(g)), name
-        assert_grad_close(g, r, tol, rel, atol, f"{name} window={window} causal={causal} {dtype} d={d}")
+        assert_grad_close(g, r, tol, rel, tol, f"{name} window={window} causal={causal} {dtype} d={d}", slack=u * sums)
 
 
 @pytest.mark.parametrize("window", WINDOWS)
