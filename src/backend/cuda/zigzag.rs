@@ -27,7 +27,7 @@ use crate::dtype::DType;
 use crate::error::{invalid, Error, Result};
 use crate::kernels::zigzag_copy::{copy_rows, COPY_THREADS, NO_ROW};
 
-/// Layouts kept per process (all devices together).
+/// Layouts kept per device.
 const CAPACITY: usize = 64;
 
 /// Which copy: [`ZigzagCopy::Extract`] reads the gathered buffer (`kv`, `cu_seqlens[-1]` rows)
@@ -160,8 +160,14 @@ fn maps(ctx: usize, cu: &[i32], world_size: usize, max_chunk: usize, stream: sys
         ptr
     };
     let maps = Arc::new(Maps { ptr, n_extract, total, stream: AtomicU64::new(stream as u64), ctx, _host: host });
-    if map.len() >= CAPACITY {
-        let victim = map.iter().filter(|(_, s)| !s.pinned).min_by_key(|(_, s)| s.last).map(|(k, _)| k.clone());
+    // evict on this device only: dropping another device's maps would bind its context (Maps::drop)
+    // under the launch that follows
+    if map.keys().filter(|k| k.ctx == ctx).count() >= CAPACITY {
+        let victim = map
+            .iter()
+            .filter(|(k, s)| k.ctx == ctx && !s.pinned)
+            .min_by_key(|(_, s)| s.last)
+            .map(|(k, _)| k.clone());
         if let Some(k) = victim {
             map.remove(&k);
         }
@@ -255,7 +261,11 @@ impl CudaBackend {
         let width = copy_width(row_bytes, src, out);
         let row_vecs = row_bytes / width;
         let too_big = |rows: usize| (rows as u64).checked_mul(row_vecs as u64).is_none_or(|v| v > u32::MAX as u64);
-        if too_big(src_rows) || too_big(out_rows) {
+        let n_vecs = out_rows * row_vecs;
+        let grid = grid_2d(n_vecs.div_ceil(COPY_THREADS));
+        // the kernel's unit index is a u32 over the whole (padded) grid
+        let units = grid.0 as u64 * grid.1 as u64 * COPY_THREADS as u64;
+        if too_big(src_rows) || too_big(out_rows) || units > 1 << 32 {
             return Err(Error::Unsupported {
                 backend: "cuda",
                 msg: format!(
@@ -266,11 +276,10 @@ impl CudaBackend {
             });
         }
         let f = copy_kernel(self, width)?;
-        let n_vecs = out_rows * row_vecs;
         let mut a = Args::new();
         a.array(src, src_rows * row_vecs).array(map, map_len).array(out, n_vecs);
         a.u32(row_vecs as u32).u32(n_vecs as u32);
-        launch(&f, grid_2d(n_vecs.div_ceil(COPY_THREADS)), &mut a, s)
+        launch(&f, grid, &mut a, s)
     }
 
     /// [`Self::zigzag_copy_device`] on host bytes (`src`: whole rows of `row_bytes` bytes): copies
