@@ -217,6 +217,12 @@ do_test() {
       *) not_built "$t"; [ "$TARGET" = all ] && continue; exit 2 ;;
     esac
     if [ "$t" = zigzag ]; then
+      if [ "$TARGET" = zigzag ]; then
+        # the extract/scatter kernels on one GPU (with `all` the flash_attention suites run them)
+        echo "== zigzag: extract/scatter kernels (Rust gpu::zigzag, pytest test_zigzag_gpu.py)"
+        CUBEATTN_REQUIRE_GPU=1 "$bin" --include-ignored --test-threads=1 gpu::zigzag || status=1
+        (cd "$ROOT/tests/python" && "$PY" -m pytest -q -p no:cacheprovider test_zigzag_gpu.py) || status=1
+      fi
       # context parallelism across GPUs: torchrun, one rank per GPU (NCCL), W = 1..N, bf16 and fp16
       local n; n=$(gpu_count)
       if [ "$n" -lt 2 ]; then echo "zigzag: needs >= 2 GPUs, found $n: skipped"; continue; fi

@@ -774,11 +774,52 @@ fn zigzag_scatter<'py>(py: Python<'py>, src: PyReadonlyArray1<'py, u8>, row_byte
     Ok(PyArray1::from_vec(py, out))
 }
 
+#[cfg(feature = "cuda")]
+/// Zigzag extract (`scatter=false`: `src` is the gathered buffer, `out` gets the prefixes) or
+/// scatter (`src` holds the prefixes, `out` gets every gathered row, zero outside them) on
+/// device-resident buffers (torch CUDA tensors as raw addresses, contiguous rows of `row_bytes`
+/// bytes; `out` has room for `out_rows` of them) of CUDA device `device`, enqueued on `stream`:
+/// returns True at once, or False when no CUDA backend starts on that device (the caller copies
+/// another way).
+#[pyfunction]
+#[pyo3(signature = (cu_seqlens, world_size, max_chunk, src, src_rows, out, out_rows, row_bytes, scatter, stream, device))]
+#[allow(clippy::too_many_arguments)]
+fn zigzag_copy_device(
+    py: Python<'_>,
+    cu_seqlens: PyReadonlyArray1<'_, i32>,
+    world_size: usize,
+    max_chunk: usize,
+    src: u64,
+    src_rows: usize,
+    out: u64,
+    out_rows: usize,
+    row_bytes: usize,
+    scatter: bool,
+    stream: u64,
+    device: usize,
+) -> PyResult<bool> {
+    use crate::backend::cuda::{CudaBackend, ZigzagCopy};
+    let cu = cu_slice(&cu_seqlens)?;
+    let op = if scatter { ZigzagCopy::Scatter } else { ZigzagCopy::Extract };
+    run_detached(py, || match CudaBackend::on(device) {
+        // SAFETY: the Python caller passes contiguous CUDA tensors of this device holding
+        // `src_rows` rows (src) and room for `out_rows` rows (out), and torch's current
+        // stream there; torch's caching allocator keeps them alive until the work enqueued on
+        // that stream has run.
+        Ok(be) => unsafe { be.zigzag_copy_device(op, cu, world_size, max_chunk, src, src_rows, out, out_rows, row_bytes, stream) }
+            .map(|()| true),
+        Err(Error::BackendUnavailable { .. }) => Ok(false),
+        Err(e) => Err(e),
+    })
+}
+
 fn add_zigzag(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(zigzag_local_cu_seqlens, m)?)?;
     m.add_function(wrap_pyfunction!(zigzag_shard_rows, m)?)?;
     m.add_function(wrap_pyfunction!(zigzag_gathered_rows, m)?)?;
     m.add_function(wrap_pyfunction!(zigzag_extract, m)?)?;
     m.add_function(wrap_pyfunction!(zigzag_scatter, m)?)?;
+    #[cfg(feature = "cuda")]
+    m.add_function(wrap_pyfunction!(zigzag_copy_device, m)?)?;
     Ok(())
 }

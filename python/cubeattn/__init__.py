@@ -44,7 +44,8 @@ _last = threading.local()
 
 
 def last_backend() -> str | None:
-    """Which backend ("cpu" or "cuda") ran this thread's last call."""
+    """Which backend ("cpu" or "cuda") ran this thread's last call ("torch" where the zigzag
+    extract/scatter of a CUDA tensor fell back to torch's index ops: no CUDA backend there)."""
     return getattr(_last, "name", None)
 
 

@@ -155,47 +155,118 @@ def zigzag_merge(shards, cu_seqlens, world_size):
     return _take(gathered, _core.zigzag_gathered_rows(cu, w, 2 * w - 1), "shards")
 
 
-def _gathered_index(cu_seqlens, world_size, max_chunk_idx):
+def _layout(cu_seqlens, world_size, max_chunk_idx):
+    """(cu_seqlens int32, W, last chunk) of an extract/scatter call, the ints checked."""
     w = _int(world_size, "world_size", 1)
     cu = _cu(cu_seqlens)
     m = 2 * w - 1 if max_chunk_idx is None else _int(max_chunk_idx, "max_chunk_idx")
-    return cu, w, _core.zigzag_gathered_rows(cu, w, m)
+    return cu, w, m
+
+
+_PREFIX_ROWS = {}  # rows of the extracted prefixes per (cu_seqlens bytes, W, last chunk)
+
+
+def _prefix_rows(cu, w, m):
+    """Rows of the extracted prefixes; the core checks the layout on first sight (its errors name
+    `cu_seqlens`, `world_size` or `max_chunk_idx`)."""
+    key = (cu.tobytes(), w, m)
+    n = _PREFIX_ROWS.get(key)
+    if n is None:
+        n = len(_core.zigzag_gathered_rows(cu, w, m))
+        if len(_PREFIX_ROWS) >= 256:
+            _PREFIX_ROWS.clear()
+        _PREFIX_ROWS[key] = n
+    return n
+
+
+def _row_count(x, name):
+    if len(x.shape) == 0:
+        raise ValueError(f"invalid argument `{name}`: expected [total_tokens, ...], got a 0-d array")
+    return int(x.shape[0])
+
+
+def _copy_on_gpu(x, name, cu, w, m, out_rows, scatter):
+    """Extract (or scatter) of a CUDA tensor by the CubeCL kernel (kernels/zigzag_copy.rs),
+    enqueued on torch's current stream: no host copy, no synchronization. None where this build
+    has no CUDA backend or it cannot start on x's GPU (then torch's index ops copy)."""
+    dtype_name(x, name)
+    if not x.is_contiguous():
+        raise ValueError(f"invalid argument `{name}`: a CUDA tensor must be contiguous (call .contiguous() first)")
+    if not hasattr(_core, "zigzag_copy_device"):
+        return None
+    import torch
+
+    from . import _raw_stream
+
+    gpu = x.device
+    index = gpu.index if gpu.index is not None else torch.cuda.current_device()
+    out = torch.empty((out_rows,) + tuple(x.shape[1:]), dtype=x.dtype, device=gpu)
+    row_bytes = int(np.prod(x.shape[1:], dtype=np.int64)) * x.element_size()
+    if not _core.zigzag_copy_device(cu, w, m, x.data_ptr(), int(x.shape[0]), out.data_ptr(), out_rows, row_bytes,
+                                    scatter, _raw_stream(torch, gpu), index):
+        return None
+    _mark("cuda")
+    return out
+
+
+def _mark(name):
+    from . import _last
+
+    _last.name = name
 
 
 def extract_zigzag_kv_slice(kv, cu_seqlens, world_size, max_chunk_idx=None):
     """Gathered zigzag K or V [total_tokens, heads, d] (the all-gather of every rank's shard, rank
     order) -> for each sequence its chunks 0..max_chunk_idx (default: all 2W) in original order,
     sequences concatenated: [sum_b (max_chunk_idx+1) * C_b, heads, d]. ``cu_seqlens`` are the
-    full sequences'. An exact row copy (any dtype): in the Rust core for numpy arrays and CPU
-    tensors, ``index_select`` with the core's row index for CUDA tensors."""
-    cu, w, rows = _gathered_index(cu_seqlens, world_size, max_chunk_idx)
-    if kv.shape[0] != cu[-1]:
+    full sequences'. An exact row copy (float32, float16, bfloat16: bit for bit): in the Rust core
+    for numpy arrays and CPU tensors; for CUDA tensors (contiguous) a CubeCL kernel enqueued on torch's current stream
+    (torch's ``index_select`` where no CUDA backend runs). The result does not track gradients
+    (``scatter_grad_to_zigzag`` is the backward)."""
+    cu, w, m = _layout(cu_seqlens, world_size, max_chunk_idx)
+    n = _prefix_rows(cu, w, m)
+    if _row_count(kv, "kv") != cu[-1]:
         raise ValueError(f"invalid argument `kv`: has {kv.shape[0]} rows, the gathered buffer of "
                          f"cu_seqlens has {cu[-1]}")
     if _is_torch(kv) and kv.is_cuda:
-        return kv.index_select(0, _rows_tensor(rows, kv))
+        out = _copy_on_gpu(kv, "kv", cu, w, m, n, False)
+        if out is not None:
+            return out
+        _mark("torch")
+        return kv.detach().index_select(0, _rows_tensor(_core.zigzag_gathered_rows(cu, w, m), kv))
+    rows = _core.zigzag_gathered_rows(cu, w, m)
     c = to_core(kv, "kv")
     row_bytes = int(np.prod(c.shape[1:], dtype=np.int64)) * {"float32": 4}.get(c.dtype, 2)
     out = _core.zigzag_extract(c.bytes, row_bytes, rows)
+    _mark("cpu")
     return from_core(_as_core_dtype(out, c.dtype), (len(rows),) + tuple(c.shape[1:]), c.dtype, c)
 
 
 def scatter_grad_to_zigzag(grad, cu_seqlens, world_size, max_chunk_idx=None):
     """Backward of ``extract_zigzag_kv_slice``: the gradient of the extracted prefixes back to
-    the gathered zigzag layout [total_tokens, heads, d]; rows outside the prefixes are zero."""
-    cu, w, rows = _gathered_index(cu_seqlens, world_size, max_chunk_idx)
+    the gathered zigzag layout [total_tokens, heads, d]; rows outside the prefixes are zero.
+    Exact; same paths as ``extract_zigzag_kv_slice`` (on CUDA one kernel writes every row once,
+    the zeros included)."""
+    cu, w, m = _layout(cu_seqlens, world_size, max_chunk_idx)
     total = int(cu[-1])
-    if grad.shape[0] != len(rows):
+    n = _prefix_rows(cu, w, m)
+    if _row_count(grad, "grad") != n:
         raise ValueError(f"invalid argument `grad`: has {grad.shape[0]} rows, the extracted prefixes "
-                         f"have {len(rows)}")
+                         f"have {n}")
     if _is_torch(grad) and grad.is_cuda:
+        out = _copy_on_gpu(grad, "grad", cu, w, m, total, True)
+        if out is not None:
+            return out
         import torch
 
+        _mark("torch")
         out = torch.zeros((total,) + tuple(grad.shape[1:]), dtype=grad.dtype, device=grad.device)
-        return out.index_copy_(0, _rows_tensor(rows, grad), grad)
+        return out.index_copy_(0, _rows_tensor(_core.zigzag_gathered_rows(cu, w, m), grad), grad.detach())
+    rows = _core.zigzag_gathered_rows(cu, w, m)
     c = to_core(grad, "grad")
     row_bytes = int(np.prod(c.shape[1:], dtype=np.int64)) * {"float32": 4}.get(c.dtype, 2)
     out = _core.zigzag_scatter(c.bytes, row_bytes, rows, total)
+    _mark("cpu")
     return from_core(_as_core_dtype(out, c.dtype), (total,) + tuple(c.shape[1:]), c.dtype, c)
 
 

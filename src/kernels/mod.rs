@@ -9,6 +9,7 @@ pub mod flash_bwd;
 pub mod fragments;
 pub mod staging;
 pub mod sparse_index;
+pub mod zigzag_copy;
 
 /// The kernel sources, hashed into the compiled-kernel cache key so that an edited kernel is never
 /// served from a stale cache entry.
@@ -22,4 +23,5 @@ pub const SOURCES: &[&str] = &[
     include_str!("fragments.rs"),
     include_str!("staging.rs"),
     include_str!("sparse_index.rs"),
+    include_str!("zigzag_copy.rs"),
 ];

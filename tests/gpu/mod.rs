@@ -11,6 +11,8 @@ mod memory;
 mod backward;
 #[cfg(feature = "cuda")]
 mod sparse;
+#[cfg(feature = "cuda")]
+mod zigzag;
 
 /// The CUDA backend of device 0, or None (printing why) where it cannot start; a failure instead
 /// under CUBEATTN_REQUIRE_GPU=1 (scripts/gpu-test.sh sets it).

@@ -19,6 +19,7 @@ mod rewrite;
 mod sparse;
 mod sparse_bwd;
 mod status;
+mod zigzag;
 
 pub use backward::BwdPtrs;
 pub use compile::cache_dir;
@@ -28,6 +29,7 @@ pub use options::{fwd_options, set_fwd_options, FwdOptions};
 pub use plan::{forward_workspace_bytes, FwdPlan};
 pub(crate) use plan::{table_bytes, Plan};
 pub use status::status;
+pub use zigzag::ZigzagCopy;
 pub(crate) use sparse::check_sparse_supported as sparse_supported;
 pub(crate) use sparse_bwd::check_sparse_bwd_supported as sparse_bwd_supported;
 pub use sparse_bwd::sparse_backward_workspace;
