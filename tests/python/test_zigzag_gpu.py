@@ -55,7 +55,8 @@ def check_scatter(bits, lens, w, m, dtype, grad=None):
     grad = to_cuda(ref_prefix(bits, lens, w, m), dtype) if grad is None else grad
     out = cubeattn.scatter_grad_to_zigzag(grad, cu_of(lens), w, max_chunk_idx=m)
     assert cubeattn.last_backend() == "cuda"
-    full = np.where(ref_prefix_mask(lens, w, m)[:, None, None], bits, np.zeros_like(bits))
+    keep = ref_prefix_mask(lens, w, m).reshape((-1,) + (1,) * (bits.ndim - 1))  # rows x (1, ...)
+    full = np.where(keep, bits, np.zeros_like(bits))
     same(bits_of(out, dtype), ref_gathered(full, lens, w))
     return out
 
