@@ -219,6 +219,37 @@ pub fn fill_uncovered<E: Float>(out: &mut Array<E>, lse: &mut Array<f32>, inf: f
 /// pipeline and `ldmatrix`. Same work list, slices and partial-output layout as `flash_fwd_mma`
 /// (BLOCK_M = 128 packed rows per cube).
 #[allow(clippy::too_many_arguments)]
+/// Issues the `cp.async` copies of keys `[n0, n1)` of kv head `head_kv` into a padded K or V tile
+/// of `block_n` rows (rows past the range repeat key `n1 - 1`: they are masked); the caller
+/// commits them to its barrier.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn copy_kv_tile<E: Float>(
+    src: &Array<E>,
+    smem: &mut SharedMemory<E>,
+    n0: u32,
+    n1: u32,
+    krow: usize,
+    head_kv: u32,
+    #[comptime] threads: usize,
+    #[comptime] block_n: usize,
+    #[comptime] head_dim: usize,
+) {
+    let stride = comptime!(head_dim + SMEM_PAD);
+    let vecs_per_row = comptime!(head_dim / LOAD_VEC);
+    let kv_loads = comptime!(block_n * (head_dim / LOAD_VEC) / threads);
+    #[unroll]
+    for it in 0..kv_loads {
+        let idx = UNIT_POS as usize + it * threads;
+        let r = idx / vecs_per_row;
+        let c = idx % vecs_per_row;
+        let key = min(n0 + r as u32, n1 - 1);
+        let g = key as usize * krow + head_kv as usize * head_dim + c * LOAD_VEC;
+        let base = r * stride + c * LOAD_VEC;
+        copy_async(&src.slice(g, g + LOAD_VEC), &mut smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
+    }
+}
+
 #[cube(launch_unchecked)]
 pub fn flash_fwd_mma2<E: Float>(
     q_s: &Array<E>,
@@ -325,7 +356,6 @@ pub fn flash_fwd_mma2<E: Float>(
     let o_blocks = comptime!(head_dim / 8);
     let slots = comptime!(2 * mt);
     let krow = heads_kv as usize * head_dim;
-    let kv_loads = comptime!(block_n * (head_dim / LOAD_VEC) / threads);
     let q_loads = comptime!(block_m * (head_dim / LOAD_VEC) / threads);
     let mi = (lane / 8u32) as usize;
     let mr = (lane % 8u32) as usize;
@@ -348,16 +378,7 @@ pub fn flash_fwd_mma2<E: Float>(
             let base = r * stride + c * LOAD_VEC;
             copy_async(&q_s.slice(g, g + LOAD_VEC), &mut q_smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
         }
-        #[unroll]
-        for it in 0..kv_loads {
-            let idx = UNIT_POS as usize + it * threads;
-            let r = idx / vecs_per_row;
-            let c = idx % vecs_per_row;
-            let key = min(f0 + r as u32, f1 - 1);
-            let g = key as usize * krow + head_kv as usize * head_dim + c * LOAD_VEC;
-            let base = r * stride + c * LOAD_VEC;
-            copy_async(&k_s.slice(g, g + LOAD_VEC), &mut k_smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
-        }
+        copy_kv_tile(&k_s, &mut k_smem, f0, f1, krow, head_kv, threads, block_n, head_dim);
         bar_k.commit_copy_async();
         let _tk = bar_k.arrive();
     }
@@ -385,16 +406,7 @@ pub fn flash_fwd_mma2<E: Float>(
         bar_k.wait_parity(kt & 1u32);
         // Every plane has finished P.V of the previous tile: the V buffer is free.
         sync_cube();
-        #[unroll]
-        for it in 0..kv_loads {
-            let idx = UNIT_POS as usize + it * threads;
-            let r = idx / vecs_per_row;
-            let c = idx % vecs_per_row;
-            let key = min(t0 + r as u32, t1 - 1);
-            let g = key as usize * krow + head_kv as usize * head_dim + c * LOAD_VEC;
-            let base = r * stride + c * LOAD_VEC;
-            copy_async(&v_s.slice(g, g + LOAD_VEC), &mut v_smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
-        }
+        copy_kv_tile(&v_s, &mut v_smem, t0, t1, krow, head_kv, threads, block_n, head_dim);
         bar_v.commit_copy_async();
         let _tv = bar_v.arrive();
 
@@ -504,16 +516,7 @@ pub fn flash_fwd_mma2<E: Float>(
         sync_cube();
         if kt + 1 < n_tiles {
             let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, block_n, sparse);
-            #[unroll]
-            for it in 0..kv_loads {
-                let idx = UNIT_POS as usize + it * threads;
-                let r = idx / vecs_per_row;
-                let c = idx % vecs_per_row;
-                let key = min(n0 + r as u32, n1 - 1);
-                let g = key as usize * krow + head_kv as usize * head_dim + c * LOAD_VEC;
-                let base = r * stride + c * LOAD_VEC;
-                copy_async(&k_s.slice(g, g + LOAD_VEC), &mut k_smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
-            }
+            copy_kv_tile(&k_s, &mut k_smem, n0, n1, krow, head_kv, threads, block_n, head_dim);
             bar_k.commit_copy_async();
             let _tk = bar_k.arrive();
         }
