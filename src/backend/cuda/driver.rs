@@ -150,3 +150,28 @@ impl Drop for Timer {
         }
     }
 }
+
+/// A stream-ordered device copy of `host` (`u32` words; one word for an empty slice). The caller
+/// keeps `host` alive until the copy has run (until the memory is freed) and frees the memory with
+/// `free_async` on a stream ordered after its last use. Out of memory is `Error::OutOfMemory`.
+pub(crate) fn upload_u32_async(host: &[u32], stream: sys::CUstream) -> Result<sys::CUdeviceptr> {
+    let bytes = host.len().max(1) * 4;
+    // SAFETY: stream-ordered allocation and copy on a live stream of the current context; the
+    // caller keeps `host` alive until the copy has run.
+    unsafe {
+        let ptr = drv::malloc_async(stream, bytes).map_err(|e| match e.0 {
+            sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Error::OutOfMemory {
+                needed: bytes as u64,
+                free: drv::mem_get_info().map(|(f, _)| f as u64).unwrap_or(0),
+            },
+            _ => err("cuMemAllocAsync", e),
+        })?;
+        if !host.is_empty() {
+            if let Err(e) = sys::cuMemcpyHtoDAsync_v2(ptr, host.as_ptr() as *const _, host.len() * 4, stream).result() {
+                let _ = drv::free_async(ptr, stream);
+                return Err(err("cuMemcpyHtoDAsync", e));
+            }
+        }
+        Ok(ptr)
+    }
+}

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{result as drv, sys};
 
-use super::driver::{capturing, err};
+use super::driver::capturing;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::spec::{AttnSpec, Window};
@@ -89,22 +89,8 @@ impl Tables {
                 host.extend_from_slice(t);
             }
         }
-        let bytes = host.len() * 4;
-        // SAFETY: stream-ordered allocation and copy on a live stream of the current context; the
-        // source `host` is kept in the returned value until the memory is freed.
-        let ptr = unsafe {
-            let ptr = drv::malloc_async(stream, bytes).map_err(|e| match e.0 {
-                sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Error::OutOfMemory {
-                    needed: bytes as u64,
-                    free: drv::mem_get_info().map(|(f, _)| f as u64).unwrap_or(0),
-                },
-                _ => err("cuMemAllocAsync", e),
-            })?;
-            sys::cuMemcpyHtoDAsync_v2(ptr, host.as_ptr() as *const _, bytes, stream)
-                .result()
-                .map_err(|e| err("cuMemcpyHtoDAsync", e))?;
-            ptr
-        };
+        // `host` is kept in the returned value until the memory is freed
+        let ptr = super::driver::upload_u32_async(&host, stream)?;
         let spans = offs.iter().map(|&(o, n)| (ptr + 4 * o as u64, n)).collect();
         Ok(Tables { ptr, spans, stream: AtomicU64::new(stream as u64), ctx, _host: host })
     }

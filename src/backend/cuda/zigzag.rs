@@ -140,25 +140,8 @@ fn maps(ctx: usize, cu: &[i32], world_size: usize, max_chunk: usize, stream: sys
                 .into(),
         });
     }
-    let bytes = host.len().max(1) * 4;
-    // SAFETY: stream-ordered allocation and copy on a live stream of the current context; `host`
-    // is kept in the entry until the memory is freed.
-    let ptr = unsafe {
-        let ptr = drv::malloc_async(stream, bytes).map_err(|e| match e.0 {
-            sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Error::OutOfMemory {
-                needed: bytes as u64,
-                free: drv::mem_get_info().map(|(f, _)| f as u64).unwrap_or(0),
-            },
-            _ => err("cuMemAllocAsync", e),
-        })?;
-        if !host.is_empty() {
-            if let Err(e) = sys::cuMemcpyHtoDAsync_v2(ptr, host.as_ptr() as *const _, host.len() * 4, stream).result() {
-                let _ = drv::free_async(ptr, stream);
-                return Err(err("cuMemcpyHtoDAsync", e));
-            }
-        }
-        ptr
-    };
+    // `host` is kept in the entry until the memory is freed
+    let ptr = super::driver::upload_u32_async(&host, stream)?;
     let maps = Arc::new(Maps { ptr, n_extract, total, stream: AtomicU64::new(stream as u64), ctx, _host: host });
     // evict on this device only: dropping another device's maps would bind its context (Maps::drop)
     // under the launch that follows
