@@ -87,6 +87,157 @@ fn sparse_q_tile(
     (h, b0 + t * BWD_BM as u32, min(b0 + q_block, q_len))
 }
 
+/// One chunk of [`BWD_SUB`] query rows of a dK/dV plane (16 keys): S^T = K_w Q^T, P^T (masked),
+/// dV += P^T dO, dP^T = V_w dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q, and with `fuse_dq` dS
+/// into `ds_smem`. `masked` (comptime) compiles the per-element masks, applied unless `full`
+/// (every (key, row) pair of the block visible); the kernel calls the copy without masks when
+/// `full`, so its common path issues none of the mask instructions.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn dkdv_chunk<E: Float, NA: Size, NB: Size, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    k_smem: &SharedMemory<E>,
+    v_smem: &SharedMemory<E>,
+    q_smem: &SharedMemory<E>,
+    do_smem: &SharedMemory<E>,
+    lse_smem: &SharedMemory<f32>,
+    dl_smem: &SharedMemory<f32>,
+    ds_smem: &mut SharedMemory<E>,
+    s: &mut Array<f32>,
+    dp: &mut Array<f32>,
+    dk_acc: &mut Array<f32>,
+    dv_acc: &mut Array<f32>,
+    kw_base: usize,
+    qb: usize,
+    qr0: usize,
+    kw0: i32,
+    rr0: i32,
+    k_hi: u32,
+    row_end: u32,
+    shift: i32,
+    win_l: u32,
+    win_r: u32,
+    scale_log2: f32,
+    full: bool,
+    #[comptime] head_dim: usize,
+    #[comptime] causal: bool,
+    #[comptime] window: bool,
+    #[comptime] fuse_dq: bool,
+    #[comptime] masked: bool,
+) {
+    let lane = UNIT_POS_PLANE;
+    let stride = comptime!(head_dim + PAD);
+    let dstride = comptime!(BWD_BN + PAD);
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let sc = def.vector_size(MatrixIdent::Accumulator);
+    let ec = comptime!(vc * sc);
+    let o_blocks = comptime!(head_dim / 8);
+    let sn = comptime!(BWD_SUB / 8);
+    let k_steps = comptime!(head_dim / 16);
+    // ---- S^T = K_w Q^T (16 keys x SUB rows) ----
+    #[unroll]
+    for i in 0..comptime!(sn * ec) {
+        s[i] = 0.0f32;
+        dp[i] = 0.0f32;
+    }
+    #[unroll]
+    for kk in 0..comptime!(k_steps / 2) {
+        let a0 = frag_a::<E, NA>(def, k_smem, kw_base, kk * 32, stride);
+        let a1 = frag_a::<E, NA>(def, k_smem, kw_base, kk * 32 + 16, stride);
+        #[unroll]
+        for nb in 0..sn {
+            let m = frag_b_t2::<E, NB>(def, q_smem, qb + qr0 + nb * 8, kk * 32, stride);
+            mma_into::<E, NA, NB, NC>(def, &a0, &m, 0usize, s, nb * ec);
+            mma_into::<E, NA, NB, NC>(def, &a1, &m, 2usize, s, nb * ec);
+        }
+    }
+
+    // ---- P^T = exp(scale * S^T - lse[row]) = 2^(scale_log2 * S^T - lse[row] * log2(e)), masked ----
+    #[unroll]
+    for nb in 0..sn {
+        #[unroll]
+        for e in 0..ec {
+            let (row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
+            let rloc = qr0 + nb * 8 + col as usize;
+            let mut p = fast_exp2(s[nb * ec + e] * scale_log2 - lse_smem[qb + rloc]);
+            if masked && !full {
+                let kwin = kw0 + row as i32;
+                let rr = rr0 + (nb * 8) as i32 + col as i32;
+                let mut ok = kwin >= 0i32 && kwin < k_hi as i32 && rr < row_end as i32;
+                if window {
+                    ok = ok && kwin <= shift + rr + win_r as i32 && kwin >= shift + rr - win_l as i32;
+                } else if causal {
+                    ok = ok && kwin <= shift + rr;
+                }
+                if !ok {
+                    p = 0.0f32;
+                }
+            }
+            s[nb * ec + e] = p;
+        }
+    }
+
+    // ---- dV += P^T dO ----
+    #[unroll]
+    for ks in 0..comptime!(BWD_SUB / 16) {
+        let a = acc_to_a::<E, NA>(def, s, ks);
+        #[unroll]
+        for ob2 in 0..comptime!(o_blocks / 2) {
+            let m = frag_b_n2::<E, NB>(def, do_smem, qb + qr0 + ks * 16, ob2 * 16, stride);
+            mma_into::<E, NA, NB, NC>(def, &a, &m, 0usize, dv_acc, (2 * ob2) * ec);
+            mma_into::<E, NA, NB, NC>(def, &a, &m, 2usize, dv_acc, (2 * ob2 + 1) * ec);
+        }
+    }
+
+    // ---- dP^T = V_w dO^T ----
+    #[unroll]
+    for kk in 0..comptime!(k_steps / 2) {
+        let a0 = frag_a::<E, NA>(def, v_smem, kw_base, kk * 32, stride);
+        let a1 = frag_a::<E, NA>(def, v_smem, kw_base, kk * 32 + 16, stride);
+        #[unroll]
+        for nb in 0..sn {
+            let m = frag_b_t2::<E, NB>(def, do_smem, qb + qr0 + nb * 8, kk * 32, stride);
+            mma_into::<E, NA, NB, NC>(def, &a0, &m, 0usize, dp, nb * ec);
+            mma_into::<E, NA, NB, NC>(def, &a1, &m, 2usize, dp, nb * ec);
+        }
+    }
+
+    // ---- dS^T = P^T (dP^T - delta[row]) ----
+    #[unroll]
+    for nb in 0..sn {
+        #[unroll]
+        for e in 0..ec {
+            let (_row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
+            let rloc = qr0 + nb * 8 + col as usize;
+            s[nb * ec + e] = s[nb * ec + e] * (dp[nb * ec + e] - dl_smem[qb + rloc]);
+        }
+    }
+    if fuse_dq {
+        // dS (row-major, rows x keys) for the dQ product after the chunk loop.
+        #[unroll]
+        for nb in 0..sn {
+            #[unroll]
+            for e in 0..ec {
+                let (row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
+                let at = (qr0 + nb * 8 + col as usize) * dstride + kw_base + row as usize;
+                ds_smem[at] = E::cast_from(s[nb * ec + e]);
+            }
+        }
+    }
+
+    // ---- dK += dS^T Q (scaled at the end) ----
+    #[unroll]
+    for ks in 0..comptime!(BWD_SUB / 16) {
+        let a = acc_to_a::<E, NA>(def, s, ks);
+        #[unroll]
+        for ob2 in 0..comptime!(o_blocks / 2) {
+            let m = frag_b_n2::<E, NB>(def, q_smem, qb + qr0 + ks * 16, ob2 * 16, stride);
+            mma_into::<E, NA, NB, NC>(def, &a, &m, 0usize, dk_acc, (2 * ob2) * ec);
+            mma_into::<E, NA, NB, NC>(def, &a, &m, 2usize, dk_acc, (2 * ob2 + 1) * ec);
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Tensor-core kernels (f16 / bf16)
 // ---------------------------------------------------------------------------------------------
@@ -133,6 +284,8 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
     #[comptime] qvec: usize,
     #[comptime] sparse: bool,
     #[comptime] window: bool,
+    #[comptime] split: bool,
+    #[comptime] unroll_sub: bool,
 ) {
     let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
     let lane = UNIT_POS_PLANE;
@@ -193,7 +346,6 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
     let ec = comptime!(vc * sc);
     let o_blocks = comptime!(head_dim / 8);
     let sn = comptime!(BWD_SUB / 8);
-    let k_steps = comptime!(head_dim / 16);
 
     let mut dk_acc = Array::<f32>::new(comptime!(o_blocks * ec));
     let mut dv_acc = Array::<f32>::new(comptime!(o_blocks * ec));
@@ -339,6 +491,7 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
             }
             g_tile = cur + 1u32;
 
+                #[unroll(unroll_sub)]
                 for sub in 0..comptime!(BWD_BM / BWD_SUB) {
                     let qr0 = sub * BWD_SUB;
                     let rr0 = (r0 as usize + qr0) as i32;
@@ -351,107 +504,26 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                         full = full && kw0 + 15i32 <= shift + rr0;
                     }
 
-                    // ---- S^T = K_w Q^T (16 keys x SUB rows) ----
-                    #[unroll]
-                    for i in 0..comptime!(sn * ec) {
-                        s[i] = 0.0f32;
-                        dp[i] = 0.0f32;
-                    }
-                    #[unroll]
-                    for kk in 0..comptime!(k_steps / 2) {
-                        let a0 = frag_a::<E, NA>(&def, &k_smem, kw_base, kk * 32, stride);
-                        let a1 = frag_a::<E, NA>(&def, &k_smem, kw_base, kk * 32 + 16, stride);
-                        #[unroll]
-                        for nb in 0..sn {
-                            let m = frag_b_t2::<E, NB>(&def, &q_smem, qb + qr0 + nb * 8, kk * 32, stride);
-                            mma_into::<E, NA, NB, NC>(&def, &a0, &m, 0usize, &mut s, nb * ec);
-                            mma_into::<E, NA, NB, NC>(&def, &a1, &m, 2usize, &mut s, nb * ec);
+                    if split {
+                        if full {
+                            dkdv_chunk::<E, NA, NB, NC>(
+                                &def, &k_smem, &v_smem, &q_smem, &do_smem, &lse_smem, &dl_smem, &mut ds_smem, &mut s, &mut dp,
+                                &mut dk_acc, &mut dv_acc, kw_base, qb, qr0, kw0, rr0, k_hi, row_end, shift, win_l, win_r,
+                                scale_log2, full, head_dim, causal, window, fuse_dq, false,
+                            );
+                        } else {
+                            dkdv_chunk::<E, NA, NB, NC>(
+                                &def, &k_smem, &v_smem, &q_smem, &do_smem, &lse_smem, &dl_smem, &mut ds_smem, &mut s, &mut dp,
+                                &mut dk_acc, &mut dv_acc, kw_base, qb, qr0, kw0, rr0, k_hi, row_end, shift, win_l, win_r,
+                                scale_log2, full, head_dim, causal, window, fuse_dq, true,
+                            );
                         }
-                    }
-
-                    // ---- P^T = exp(scale * S^T - lse[row]) = 2^(scale_log2 * S^T - lse[row] * log2(e)), masked ----
-                    #[unroll]
-                    for nb in 0..sn {
-                        #[unroll]
-                        for e in 0..ec {
-                            let (row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
-                            let rloc = qr0 + nb * 8 + col as usize;
-                            let mut p = fast_exp2(s[nb * ec + e] * scale_log2 - lse_smem[qb + rloc]);
-                            if !full {
-                                let kwin = kw0 + row as i32;
-                                let rr = rr0 + (nb * 8) as i32 + col as i32;
-                                let mut ok = kwin >= 0i32 && kwin < k_hi as i32 && rr < row_end as i32;
-                                if window {
-                                    ok = ok && kwin <= shift + rr + win_r as i32 && kwin >= shift + rr - win_l as i32;
-                                } else if causal {
-                                    ok = ok && kwin <= shift + rr;
-                                }
-                                if !ok {
-                                    p = 0.0f32;
-                                }
-                            }
-                            s[nb * ec + e] = p;
-                        }
-                    }
-
-                    // ---- dV += P^T dO ----
-                    #[unroll]
-                    for ks in 0..comptime!(BWD_SUB / 16) {
-                        let a = acc_to_a::<E, NA>(&def, &s, ks);
-                        #[unroll]
-                        for ob2 in 0..comptime!(o_blocks / 2) {
-                            let m = frag_b_n2::<E, NB>(&def, &do_smem, qb + qr0 + ks * 16, ob2 * 16, stride);
-                            mma_into::<E, NA, NB, NC>(&def, &a, &m, 0usize, &mut dv_acc, (2 * ob2) * ec);
-                            mma_into::<E, NA, NB, NC>(&def, &a, &m, 2usize, &mut dv_acc, (2 * ob2 + 1) * ec);
-                        }
-                    }
-
-                    // ---- dP^T = V_w dO^T ----
-                    #[unroll]
-                    for kk in 0..comptime!(k_steps / 2) {
-                        let a0 = frag_a::<E, NA>(&def, &v_smem, kw_base, kk * 32, stride);
-                        let a1 = frag_a::<E, NA>(&def, &v_smem, kw_base, kk * 32 + 16, stride);
-                        #[unroll]
-                        for nb in 0..sn {
-                            let m = frag_b_t2::<E, NB>(&def, &do_smem, qb + qr0 + nb * 8, kk * 32, stride);
-                            mma_into::<E, NA, NB, NC>(&def, &a0, &m, 0usize, &mut dp, nb * ec);
-                            mma_into::<E, NA, NB, NC>(&def, &a1, &m, 2usize, &mut dp, nb * ec);
-                        }
-                    }
-
-                    // ---- dS^T = P^T (dP^T - delta[row]) ----
-                    #[unroll]
-                    for nb in 0..sn {
-                        #[unroll]
-                        for e in 0..ec {
-                            let (_row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
-                            let rloc = qr0 + nb * 8 + col as usize;
-                            s[nb * ec + e] = s[nb * ec + e] * (dp[nb * ec + e] - dl_smem[qb + rloc]);
-                        }
-                    }
-                    if fuse_dq {
-                        // dS (row-major, rows x keys) for the dQ product after the chunk loop.
-                        #[unroll]
-                        for nb in 0..sn {
-                            #[unroll]
-                            for e in 0..ec {
-                                let (row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
-                                let at = (qr0 + nb * 8 + col as usize) * dstride + kw_base + row as usize;
-                                ds_smem[at] = E::cast_from(s[nb * ec + e]);
-                            }
-                        }
-                    }
-
-                    // ---- dK += dS^T Q (scaled at the end) ----
-                    #[unroll]
-                    for ks in 0..comptime!(BWD_SUB / 16) {
-                        let a = acc_to_a::<E, NA>(&def, &s, ks);
-                        #[unroll]
-                        for ob2 in 0..comptime!(o_blocks / 2) {
-                            let m = frag_b_n2::<E, NB>(&def, &q_smem, qb + qr0 + ks * 16, ob2 * 16, stride);
-                            mma_into::<E, NA, NB, NC>(&def, &a, &m, 0usize, &mut dk_acc, (2 * ob2) * ec);
-                            mma_into::<E, NA, NB, NC>(&def, &a, &m, 2usize, &mut dk_acc, (2 * ob2 + 1) * ec);
-                        }
+                    } else {
+                        dkdv_chunk::<E, NA, NB, NC>(
+                            &def, &k_smem, &v_smem, &q_smem, &do_smem, &lse_smem, &dl_smem, &mut ds_smem, &mut s, &mut dp,
+                            &mut dk_acc, &mut dv_acc, kw_base, qb, qr0, kw0, rr0, k_hi, row_end, shift, win_l, win_r,
+                            scale_log2, full, head_dim, causal, window, fuse_dq, true,
+                        );
                     }
                 }
 

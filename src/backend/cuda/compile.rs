@@ -120,10 +120,13 @@ fn codegen_options() -> CompilationOptions {
 /// `.noinc` ([`super::rewrite`]); for the kernels that use `kernels::math::fast_exp2`. `spin`:
 /// barrier waits as a plain `try_wait` loop (the backward kernels: fwd+bwd 8K 9.90 -> 9.82 ms on an
 /// H200; the forward measured 0.3-0.9% slower with it, so it keeps libcu++'s wait).
-pub(crate) fn codegen_exp2<K: CubeKernel>(kernel: K, spin: bool) -> Result<Source> {
+pub(crate) fn codegen_exp2<K: CubeKernel>(kernel: K, spin: bool, smem: bool) -> Result<Source> {
     let mut src = codegen(kernel)?;
     src.cuda = super::rewrite::exp2_calls(&src.entry, &src.cuda)?;
     src.cuda = super::rewrite::mbarriers(&src.entry, &src.cuda, true, spin)?;
+    if smem {
+        src.cuda = super::rewrite::smem_addresses(&src.entry, &src.cuda)?;
+    }
     Ok(src)
 }
 

@@ -14,6 +14,7 @@ use half::{bf16, f16};
 
 use super::compile::{codegen, codegen_exp2, settings, KernelKey, Source};
 use super::launch::{launch, Args};
+use super::options::exp_flags;
 use super::{fwd_options, window_bounds, CudaBackend, Plan};
 use crate::dtype::DType;
 use crate::error::Result;
@@ -84,8 +85,9 @@ pub(crate) fn flash_fwd_kernel(
     block_m: usize,
     sparse: bool,
 ) -> Result<super::compile::Func> {
-    let key = KernelKey::new("flash_fwd_mma2", dt, &[hd as u32, mt as u32, bn as u32, block_m as u32, sparse as u32]);
-    be.kernels.get(&key, || fwd_source(be.client(), dt, hd, mt, bn, block_m, sparse))
+    let x = exp_flags();
+    let key = KernelKey::new("flash_fwd_mma2", dt, &[hd as u32, mt as u32, bn as u32, block_m as u32, sparse as u32, x]);
+    be.kernels.get(&key, || fwd_source(be.client(), dt, hd, mt, bn, block_m, sparse, x))
 }
 
 /// CUDA source of [`flash_fwd_kernel`].
@@ -97,6 +99,7 @@ pub(crate) fn fwd_source(
     bn: usize,
     block_m: usize,
     sparse: bool,
+    x: u32,
 ) -> Result<Source> {
     let threads = (block_m * 2 / mt) as u32;
     macro_rules! k {
@@ -110,7 +113,7 @@ pub(crate) fn fwd_source(
                 bn,
                 block_m,
                 sparse,
-            ), false)
+            ), false, x & 1 != 0)
         };
     }
     if is_f16(dt) { k!(f16) } else { k!(bf16) }

@@ -13,7 +13,8 @@ mod tests {
     use crate::dtype::DType;
 
     /// `CUBEATTN_DUMP_DIR=dir cargo test --release --features cuda --lib dump_tensor_core_kernels
-    /// -- --ignored`: bf16 forward, dK/dV and dQ pass in their main comptime variants.
+    /// -- --ignored`: bf16 forward, dK/dV and dQ pass in their main comptime variants (`CUBEATTN_EXP`
+    /// picks the experiment switches, `options::exp_flags`).
     #[test]
     #[ignore]
     fn dump_tensor_core_kernels() {
@@ -21,19 +22,20 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let c = CudaBackend::shared().expect("a CUDA driver").client();
         let dt = DType::BF16;
+        let x = super::super::options::exp_flags();
         let sources = [
-            ("fwd_d128", fwd_source(c, dt, 128, 2, 64, 128, false)),
-            ("fwd_d64", fwd_source(c, dt, 64, 2, 64, 128, false)),
-            ("fwd_sparse_d128", fwd_source(c, dt, 128, 2, 64, 64, true)),
-            ("dkdv_causal_d128", dkdv_source(c, dt, 128, true, false, 2, false, false)),
-            ("dkdv_full_d128", dkdv_source(c, dt, 128, false, false, 2, false, false)),
-            ("dkdv_window_d128", dkdv_source(c, dt, 128, true, false, 2, false, true)),
-            ("dkdv_sparse_d128", dkdv_source(c, dt, 128, false, false, 2, true, false)),
-            ("dkdv_fused_d128", dkdv_source(c, dt, 128, false, true, 2, false, false)),
-            ("dq_d128", dq_source(c, dt, 128, false, false)),
-            ("dq_d64", dq_source(c, dt, 64, false, false)),
-            ("dq_window_d128", dq_source(c, dt, 128, false, true)),
-            ("dq_sparse_d128", dq_source(c, dt, 128, true, false)),
+            ("fwd_d128", fwd_source(c, dt, 128, 2, 64, 128, false, x)),
+            ("fwd_d64", fwd_source(c, dt, 64, 2, 64, 128, false, x)),
+            ("fwd_sparse_d128", fwd_source(c, dt, 128, 2, 64, 64, true, x)),
+            ("dkdv_causal_d128", dkdv_source(c, dt, 128, true, false, 2, false, false, x)),
+            ("dkdv_full_d128", dkdv_source(c, dt, 128, false, false, 2, false, false, x)),
+            ("dkdv_window_d128", dkdv_source(c, dt, 128, true, false, 2, false, true, x)),
+            ("dkdv_sparse_d128", dkdv_source(c, dt, 128, false, false, 2, true, false, x)),
+            ("dkdv_fused_d128", dkdv_source(c, dt, 128, false, true, 2, false, false, x)),
+            ("dq_d128", dq_source(c, dt, 128, false, false, x)),
+            ("dq_d64", dq_source(c, dt, 64, false, false, x)),
+            ("dq_window_d128", dq_source(c, dt, 128, false, true, x)),
+            ("dq_sparse_d128", dq_source(c, dt, 128, true, false, x)),
         ];
         for (name, src) in sources {
             let src = src.unwrap();
