@@ -22,9 +22,11 @@ mod tests {
         let c = CudaBackend::shared().expect("a CUDA driver").client();
         let dt = DType::BF16;
         let sources = [
-            ("fwd_d128", fwd_source(c, dt, 128, 2, 64, 128, false)),
-            ("fwd_d64", fwd_source(c, dt, 64, 2, 64, 128, false)),
-            ("fwd_sparse_d128", fwd_source(c, dt, 128, 2, 64, 64, true)),
+            ("fwd_d128", fwd_source(c, dt, 128, 2, 64, 128, false, false)),
+            ("fwd_d64", fwd_source(c, dt, 64, 2, 64, 128, false, false)),
+            ("fwd_sparse_d128", fwd_source(c, dt, 128, 2, 64, 64, true, false)),
+            ("fwd_sparse_int8_d128", fwd_source(c, dt, 128, 2, 64, 64, true, true)),
+            ("fwd_sparse_int8_d64", fwd_source(c, dt, 64, 2, 64, 64, true, true)),
             ("dkdv_causal_d128", dkdv_source(c, dt, 128, true, false, 2, false, false)),
             ("dkdv_full_d128", dkdv_source(c, dt, 128, false, false, 2, false, false)),
             ("dkdv_window_d128", dkdv_source(c, dt, 128, true, false, 2, false, true)),
