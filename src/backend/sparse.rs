@@ -69,7 +69,7 @@ pub fn sparse_backward_backend(pref: DevicePref, spec: &SparseSpec) -> Result<Ba
 
 fn check_not_int8(spec: &SparseSpec) -> Result<()> {
     if spec.int8.is_some() {
-        return Err(invalid("qk_int8", "the INT8 QK^T option is forward-only (inference); the backward needs qk_int8=False"));
+        return Err(invalid("quant_gran", "the INT8 QK^T option (qk_int8) is forward-only (inference); the backward needs quant_gran=None"));
     }
     Ok(())
 }

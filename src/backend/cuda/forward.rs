@@ -117,7 +117,11 @@ pub(crate) fn fwd_source(
             ), false)
         };
     }
-    if is_f16(dt) { k!(f16) } else { k!(bf16) }
+    let mut src = if is_f16(dt) { k!(f16) } else { k!(bf16) }?;
+    if int8 {
+        src.cuda = super::rewrite::int8_words(&src.entry, &src.cuda)?;
+    }
+    Ok(src)
 }
 
 /// Enqueues the forward of `spec` on `stream`. `plan` must be the cached plan of `spec`.
