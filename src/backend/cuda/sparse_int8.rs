@@ -96,10 +96,7 @@ pub(crate) fn quantize(be: &CudaBackend, spec: &SparseSpec, opt: Int8Qk, p: &Fwd
     ];
     for (x, xq, sc, total, heads, group, block, max_len, rule, is_k) in runs {
         let smooth = opt.smooth_k;
-        let f = kernel(be, "int8_quantize", dt, &[hd as u32, is_k as u32, smooth as u32], || {
-            let s = settings(QUANT_THREADS as u32);
-            typed!(int8_quantize::Int8Quantize, s, client.clone(), A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), hd, is_k, smooth)
-        })?;
+        let f = kernel(be, "int8_quantize", dt, &[hd as u32, is_k as u32, smooth as u32], || quantize_source(client, dt, hd, is_k, smooth))?;
         let mut a = Args::new();
         a.array(x, (total * heads * hd).max(1)).array(mean, pr[6] / 4).array(xq, (total * heads * hd / 4).max(1));
         a.array(sc, if is_k { tk * hkv } else { 2 * hq * tq }.max(1)).array(amax, pr[4] / 4);
@@ -111,4 +108,14 @@ pub(crate) fn quantize(be: &CudaBackend, spec: &SparseSpec, opt: Int8Qk, p: &Fwd
         launch(&f, grid, &mut a, stream)?;
     }
     Ok(Int8Operands { q8, k8, q_scale: qsc, k_scale: ksc })
+}
+
+/// CUDA source of the quantisation kernel (`int8_qk::int8_quantize`) for Q (`is_k = false`) or K.
+pub(crate) fn quantize_source(client: &cubecl::prelude::ComputeClient<CudaRuntime>, dt: DType, hd: usize, is_k: bool, smooth: bool) -> Result<super::compile::Source> {
+    let s = settings(QUANT_THREADS as u32);
+    if dt == DType::F16 {
+        codegen(int8_qk::int8_quantize::Int8Quantize::<f16, CudaRuntime>::new(s, client.clone(), A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), hd, is_k, smooth))
+    } else {
+        codegen(int8_qk::int8_quantize::Int8Quantize::<bf16, CudaRuntime>::new(s, client.clone(), A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), hd, is_k, smooth))
+    }
 }
