@@ -46,6 +46,21 @@ pub(crate) struct Int8Operands {
     pub k_scale: u64,
 }
 
+/// One quantisation launch: Q or K rows (addresses of the input, the int8 rows and the scales).
+struct Rows {
+    x: u64,
+    xq: u64,
+    sc: u64,
+    total: usize,
+    heads: usize,
+    /// q heads per kv head (Q), 1 (K)
+    group: usize,
+    block: usize,
+    max_len: usize,
+    rule: GroupRule,
+    is_k: bool,
+}
+
 fn kernel(be: &CudaBackend, name: &'static str, dt: DType, p: &[u32], src: impl FnOnce() -> Result<super::compile::Source>) -> Result<Func> {
     be.kernels.get(&KernelKey::new(name, dt, p), src)
 }
@@ -87,14 +102,11 @@ pub(crate) fn quantize(be: &CudaBackend, spec: &SparseSpec, opt: Int8Qk, p: &Fwd
         a.array(sums, pr[5] / 4).array(mean, pr[6] / 4).array(segs.0, segs.1).u32(hkv as u32).u32(chunks as u32);
         launch(&f, (batch as u32, hkv as u32, 1), &mut a, stream)?;
     }
-    // Q then K: (input, int8 out, scales, rows, heads, GQA group, block, rule, is_k)
-    let q_rule = opt.gran.q_rule(spec.q_block);
-    let k_rule = opt.gran.k_rule(spec.k_block);
-    let runs: [(u64, u64, u64, usize, usize, usize, usize, usize, GroupRule, bool); 2] = [
-        (p.q, q8, qsc, tq, hq, hq / hkv, spec.q_block, spec.attn.max_seqlen_q, q_rule, false),
-        (p.k, k8, ksc, tk, hkv, 1, spec.k_block, spec.attn.max_seqlen_k, k_rule, true),
+    let runs = [
+        Rows { x: p.q, xq: q8, sc: qsc, total: tq, heads: hq, group: hq / hkv, block: spec.q_block, max_len: spec.attn.max_seqlen_q, rule: opt.gran.q_rule(spec.q_block), is_k: false },
+        Rows { x: p.k, xq: k8, sc: ksc, total: tk, heads: hkv, group: 1, block: spec.k_block, max_len: spec.attn.max_seqlen_k, rule: opt.gran.k_rule(spec.k_block), is_k: true },
     ];
-    for (x, xq, sc, total, heads, group, block, max_len, rule, is_k) in runs {
+    for Rows { x, xq, sc, total, heads, group, block, max_len, rule, is_k } in runs {
         let smooth = opt.smooth_k;
         let f = kernel(be, "int8_quantize", dt, &[hd as u32, is_k as u32, smooth as u32], || quantize_source(client, dt, hd, is_k, smooth))?;
         let mut a = Args::new();
