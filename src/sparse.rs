@@ -29,23 +29,48 @@ pub const DEFAULT_Q_BLOCK: usize = 64;
 /// Keys per block unless told otherwise (seed 004's CTA_K).
 pub const DEFAULT_K_BLOCK: usize = 128;
 
-/// Scale granularity of the INT8 QK^T option, defined on the tile contract of an mma.sync
-/// m16n8k32 int8 kernel whose CTA holds `q_block` = 64 query rows in 4 warps of 16 rows:
-/// - `PerBlock`: one Q scale per query block (`q_block` rows), one K scale per key block
-///   (`k_block` keys);
-/// - `PerWarp`: one Q scale per 16 query rows (one warp's m16 tile), one K scale per key block;
-/// - `PerThread`: the scales a single thread's mma fragments need: Q rows `r` and `r + 8` of each
-///   16-row tile share a scale (8 per 16 rows: thread `t` holds rows `t/4` and `t/4 + 8`), and
-///   within a key block, keys with the same `(j mod 8) / 2` share a scale (4 per key block: thread
-///   `t` holds columns `2 (t mod 4)` and `2 (t mod 4) + 1` of every n8 tile).
+/// Scale granularity of the INT8 QK^T option, defined on the tile layout of the CUDA kernel
+/// (`flash_fwd_mma2` with `int8`: each warp owns 32 query rows as two m16 blocks, keys come in
+/// tiles of 64 inside a key block, `mma.sync.m16n8k32` fragments). Query rows are counted from
+/// the start of their query block (`q_block` rows), keys from the start of their key block
+/// (`k_block` keys), per head; a group never crosses a block.
+/// - `PerBlock`: one Q scale per query block, one K scale per key block;
+/// - `PerWarp`: one Q scale per 32 rows (what one warp owns when the index is per q head), one K
+///   scale per 64-key tile;
+/// - `PerThread`: what one thread's accumulator registers cover: Q rows `r` and `r + 8` of each
+///   16-row m16 block share a scale (8 per 16 rows: thread `t` holds rows `t / 4` and `t / 4 + 8`),
+///   and inside a 64-key tile the keys with the same `(j mod 8) / 2` share one (4 per tile: thread
+///   `t` holds columns `2 (t mod 4)` and `2 (t mod 4) + 1` of every n8 block).
 ///
-/// Rows and keys are counted from the sequence's start.
+/// Every rule is [`GroupRule`]: a row at offset `o` in its block belongs to chunk `o / chunk`
+/// and, inside the chunk, to class `(o mod chunk mod period) / width`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QuantGran {
     PerBlock,
     PerWarp,
     PerThread,
 }
+
+/// Which rows of a block share a scale: those in the same `chunk`-row chunk whose offsets in the
+/// chunk agree in `(offset mod period) / width`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupRule {
+    pub chunk: usize,
+    pub period: usize,
+    pub width: usize,
+}
+
+impl GroupRule {
+    /// Group id of offset `o` inside its block (unique within the block).
+    pub fn group(self, o: usize) -> usize {
+        (o / self.chunk) * self.period + ((o % self.chunk) % self.period) / self.width
+    }
+}
+
+/// Query rows per warp in the CUDA kernel (two m16 blocks).
+pub const WARP_ROWS: usize = 32;
+/// Keys per key tile in the CUDA kernel.
+pub const TILE_KEYS: usize = 64;
 
 impl QuantGran {
     pub fn parse(s: &str) -> Result<QuantGran> {
@@ -63,20 +88,29 @@ impl QuantGran {
             QuantGran::PerThread => "per_thread",
         }
     }
-    /// Scale group of query row `r` (counted from the sequence start).
-    pub fn q_group(self, r: usize, q_block: usize) -> usize {
+    /// The grouping of the query rows of a `q_block`-row block.
+    pub fn q_rule(self, q_block: usize) -> GroupRule {
         match self {
-            QuantGran::PerBlock => r / q_block,
-            QuantGran::PerWarp => r / 16,
-            QuantGran::PerThread => (r / 16) * 8 + r % 8,
+            QuantGran::PerBlock => GroupRule { chunk: q_block, period: q_block, width: q_block },
+            QuantGran::PerWarp => GroupRule { chunk: WARP_ROWS, period: WARP_ROWS, width: WARP_ROWS },
+            QuantGran::PerThread => GroupRule { chunk: 16, period: 8, width: 1 },
         }
     }
-    /// Scale group of key `j` (counted from the sequence start).
-    pub fn k_group(self, j: usize, k_block: usize) -> usize {
+    /// The grouping of the keys of a `k_block`-key block.
+    pub fn k_rule(self, k_block: usize) -> GroupRule {
         match self {
-            QuantGran::PerBlock | QuantGran::PerWarp => j / k_block,
-            QuantGran::PerThread => (j / k_block) * 4 + (j % 8) / 2,
+            QuantGran::PerBlock => GroupRule { chunk: k_block, period: k_block, width: k_block },
+            QuantGran::PerWarp => GroupRule { chunk: TILE_KEYS, period: TILE_KEYS, width: TILE_KEYS },
+            QuantGran::PerThread => GroupRule { chunk: TILE_KEYS, period: 8, width: 2 },
         }
+    }
+    /// Scale group of query row `r` (counted from the sequence start), unique per sequence.
+    pub fn q_group(self, r: usize, q_block: usize) -> usize {
+        (r / q_block) * q_block.max(16) + self.q_rule(q_block).group(r % q_block)
+    }
+    /// Scale group of key `j` (counted from the sequence start), unique per sequence.
+    pub fn k_group(self, j: usize, k_block: usize) -> usize {
+        (j / k_block) * k_block.max(64) + self.k_rule(k_block).group(j % k_block)
     }
 }
 

@@ -134,20 +134,40 @@ def _layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     return q, k, v, cu_q, cu_k, mq, mk, None
 
 
+def _quant_gran(quant_gran, qk_int8, smooth_k):
+    """The INT8 granularity a call asks for (None: exact QK^T). ``quant_gran`` turns it on;
+    ``qk_int8=True`` alone means "per_warp" (the older spelling); ``qk_int8=False`` with a
+    ``quant_gran`` is a contradiction."""
+    if qk_int8 is not None and not isinstance(qk_int8, (bool, np.bool_)):
+        raise TypeError(f"invalid argument `qk_int8`: expected a bool or None, got {qk_int8!r}")
+    if not isinstance(smooth_k, (bool, np.bool_)):
+        raise TypeError(f"invalid argument `smooth_k`: expected a bool, got {smooth_k!r}")
+    if quant_gran is not None and (not isinstance(quant_gran, str) or quant_gran not in QUANT_GRANS):
+        raise ValueError(f"invalid argument `quant_gran`: must be None or one of {QUANT_GRANS}, got {quant_gran!r}")
+    if qk_int8 is False and quant_gran is not None:
+        raise ValueError(f"invalid argument `quant_gran`: {quant_gran!r} asks for INT8 Q K^T but qk_int8=False")
+    if qk_int8 and quant_gran is None:
+        return "per_warp"
+    return quant_gran
+
+
 def sparse_spec(q_shape, k_shape, dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_index,
                 q_block=DEFAULT_Q_BLOCK, k_block=DEFAULT_K_BLOCK, softmax_scale=None, causal=False, v_shape=None,
-                qk_int8=None, smooth_k=True):
-    """A validated block-sparse spec (varlen layout; shapes only, no data needed)."""
+                quant_gran=None, smooth_k=True, qk_int8=None):
+    """A validated block-sparse spec (varlen layout; shapes only, no data needed). ``quant_gran``
+    (None, "per_block", "per_warp", "per_thread") fixes the INT8 Q K^T option of the calls that use
+    it; ``qk_int8`` is accepted as before (a granularity name, or True for "per_warp")."""
     from . import _scale
 
     ix = _index_array(block_index, "block_index")
-    if qk_int8 is not None and qk_int8 not in QUANT_GRANS:
-        raise ValueError(f"invalid argument `quant_gran`: must be one of {QUANT_GRANS}, got {qk_int8!r}")
+    if isinstance(qk_int8, str):  # the older spelling: the granularity passed as qk_int8
+        quant_gran, qk_int8 = (qk_int8 if quant_gran is None else quant_gran), None
+    quant_gran = _quant_gran(quant_gran, qk_int8, smooth_k)
     return _core.sparse_spec(list(q_shape), list(k_shape), list(k_shape if v_shape is None else v_shape), dtype,
                              int32_vector(cu_seqlens_q, "cu_seqlens_q"), int32_vector(cu_seqlens_k, "cu_seqlens_k"),
                              _int(max_seqlen_q, "max_seqlen_q"), _int(max_seqlen_k, "max_seqlen_k"),
                              _scale(softmax_scale), bool(causal), ix.reshape(-1), list(ix.shape),
-                             _int(q_block, "q_block", 1), _int(k_block, "k_block", 1), qk_int8, bool(smooth_k))
+                             _int(q_block, "q_block", 1), _int(k_block, "k_block", 1), quant_gran, bool(smooth_k))
 
 
 def _check_device(device):
@@ -169,8 +189,11 @@ def _run_forward(spec, cq, ck, cv, device):
         q, k, v = cq.device_tensor, ck.device_tensor, cv.device_tensor
         o = torch.empty(cq.shape, dtype=q.dtype, device=gpu)
         lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=gpu)
+        n = _core.sparse_forward_workspace(spec)  # INT8 Q K^T: the quantised Q, K and their scales
+        ws = torch.empty(n, dtype=torch.uint8, device=gpu) if n else None
         done = _core.sparse_forward_device(spec, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
-                                           lse.data_ptr(), _raw_stream(torch, gpu), dev)
+                                           lse.data_ptr(), ws.data_ptr() if n else 0, n, _raw_stream(torch, gpu),
+                                           dev)
         if done is not None:
             if not done:
                 o.zero_()
@@ -257,14 +280,16 @@ def _lse_flat(lse, b, sq):
 
 def block_sparse_attn_func(q, k, v, block_index=None, q_block=DEFAULT_Q_BLOCK, k_block=DEFAULT_K_BLOCK, causal=False,
                            softmax_scale=None, return_lse=False, device="auto", cu_seqlens_q=None, cu_seqlens_k=None,
-                           max_seqlen_q=None, max_seqlen_k=None, qk_int8=False, quant_gran="per_warp", smooth_k=True,
+                           max_seqlen_q=None, max_seqlen_k=None, qk_int8=None, quant_gran=None, smooth_k=True,
                            block_mask=None, kv_num_blocks=None, kv_indices=None):
     """Block-sparse attention. Batched: q ``[B, Sq, Hq, d]``, k/v ``[B, Sk, Hkv, d]``; varlen (with
     cu_seqlens_q/cu_seqlens_k): q ``[total_q, Hq, d]``, k/v ``[total_k, Hkv, d]``. ``block_index``
     int32 ``[B, H, q_blocks, top_k]`` (see the module docs), or a FlexAttention ``block_mask`` /
     its ``kv_num_blocks`` + ``kv_indices``. Returns out (and lse: ``[B, Hq, Sq]`` batched,
-    ``[Hq, total_q]`` varlen). ``qk_int8=True``: SageAttention-style INT8 Q K^T with
-    ``quant_gran`` scales and K smoothing (``smooth_k``), forward only. ``block_index`` may also be a
+    ``[Hq, total_q]`` varlen). ``quant_gran`` ("per_block", "per_warp", "per_thread"; default None =
+    exact): SageAttention-style INT8 Q K^T with that scale granularity and K smoothing
+    (``smooth_k``), forward only (``qk_int8=True`` alone means "per_warp"); CUDA for
+    float16/bfloat16, the CPU emulates it bit for bit in the quantisation (float32 too). ``block_index`` may also be a
     SparseSpec from ``cubeattn.sparse_spec`` (the index validated once, as a FlexAttention BlockMask
     is built once): the call must match its shapes, sequences and dtype. Forward on CUDA (torch
     CUDA tensors stay on their GPU; numpy inputs are copied) for float16/bfloat16, head_dim 64/128,
@@ -276,8 +301,8 @@ def block_sparse_attn_func(q, k, v, block_index=None, q_block=DEFAULT_Q_BLOCK, k
     fq, fk, fv, cu_q, cu_k, mq, mk, batched = _layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     heads_q = fq.shape[1] if len(fq.shape) == 3 else 0
     if isinstance(block_index, _core.SparseSpec):
-        spec = _prepared(block_index, fq, fk, fv, cq0, cu_q, cu_k, q_block, k_block, causal, softmax_scale, qk_int8,
-                         block_mask, kv_num_blocks, kv_indices)
+        spec = _prepared(block_index, fq, fk, fv, cq0, cu_q, cu_k, q_block, k_block, causal, softmax_scale,
+                         _quant_gran(quant_gran, qk_int8, smooth_k), block_mask, kv_num_blocks, kv_indices)
         cq, ck, cv = to_core(fq, "q"), to_core(fk, "k"), to_core(fv, "v")
         for name, c in (("k", ck), ("v", cv)):
             if c.dtype != cq.dtype:
@@ -285,17 +310,14 @@ def block_sparse_attn_func(q, k, v, block_index=None, q_block=DEFAULT_Q_BLOCK, k
         return _sparse_call(spec, q, fq, fk, fv, cq, ck, cv, batched, return_lse, device, spec.qk_int8 is not None)
     ix, q_block, k_block = _resolve_index(block_index, block_mask, kv_num_blocks, kv_indices, q_block, k_block,
                                           len(cu_q) - 1, heads_q)
-    if not isinstance(qk_int8, (bool, np.bool_)):
-        raise TypeError(f"invalid argument `qk_int8`: expected a bool, got {qk_int8!r}")
-    if qk_int8 and quant_gran not in QUANT_GRANS:
-        raise ValueError(f"invalid argument `quant_gran`: must be one of {QUANT_GRANS}, got {quant_gran!r}")
+    gran = _quant_gran(quant_gran, qk_int8, smooth_k)
     cq, ck, cv = to_core(fq, "q"), to_core(fk, "k"), to_core(fv, "v")
     for name, c in (("k", ck), ("v", cv)):
         if c.dtype != cq.dtype:
             raise TypeError(f"invalid dtype for `{name}`: {c.dtype}; q is {cq.dtype} (they must match)")
     spec = sparse_spec(cq.shape, ck.shape, cq0, cu_q, cu_k, mq, mk, ix, q_block, k_block, softmax_scale, causal,
-                       v_shape=cv.shape, qk_int8=quant_gran if qk_int8 else None, smooth_k=smooth_k)
-    return _sparse_call(spec, q, fq, fk, fv, cq, ck, cv, batched, return_lse, device, qk_int8)
+                       v_shape=cv.shape, quant_gran=gran, smooth_k=smooth_k)
+    return _sparse_call(spec, q, fq, fk, fv, cq, ck, cv, batched, return_lse, device, gran is not None)
 
 
 def _prepared(spec, fq, fk, fv, dtype, cu_q, cu_k, q_block, k_block, causal, softmax_scale, qk_int8, *mask_args):
@@ -311,8 +333,8 @@ def _prepared(spec, fq, fk, fv, dtype, cu_q, cu_k, q_block, k_block, causal, sof
     if softmax_scale is not None and abs(float(softmax_scale) - spec.softmax_scale) > 1e-6 * abs(spec.softmax_scale):
         raise ValueError(f"invalid argument `softmax_scale`: {softmax_scale!r} differs from the prepared SparseSpec's "
                          f"{spec.softmax_scale!r}")
-    if qk_int8:
-        raise ValueError("invalid argument `qk_int8`: a prepared SparseSpec fixes it (build it with qk_int8=...)")
+    if qk_int8 is not None:
+        raise ValueError("invalid argument `quant_gran`: a prepared SparseSpec fixes it (build it with quant_gran=...)")
     dims = (fq.shape[0], fk.shape[0], fq.shape[1], fk.shape[1], fq.shape[2]) if len(fq.shape) == 3 else None
     if dims != tuple(spec.dims) or tuple(fv.shape) != tuple(fk.shape) or dtype != spec.dtype:
         raise ValueError(f"invalid argument `block_index`: the prepared SparseSpec is for dims {tuple(spec.dims)} "
@@ -332,8 +354,8 @@ def _sparse_call(spec, q, fq, fk, fv, cq, ck, cv, batched, return_lse, device, q
 
         if needs_grad(fq, fk, fv):
             if qk_int8:
-                raise ValueError("invalid argument `qk_int8`: the INT8 QK^T option is forward-only; run it under "
-                                 "torch.no_grad() or with inputs that do not require grad")
+                raise ValueError("invalid argument `quant_gran`: the INT8 QK^T option (qk_int8) is forward-only; run "
+                                 "it under torch.no_grad() or with inputs that do not require grad")
             from ._sparse_autograd import attention
 
             out, lse = attention(spec, fq, fk, fv, (cq, ck, cv), device)

@@ -723,19 +723,19 @@ def bench_sparse_cpu(args):
         dense_ms = ms[0]
         rows.append(dict(what="sparse_fwd", impl="cubeattn_cpu_dense", S=s, kept=1.0, pattern="dense", causal=args.causal,
                          ms=ms[0], ms_min=ms[1], ms_max=ms[2], gflops=dense_flops / ms[0] / 1e6))
-        variants = [("cubeattn_cpu_sparse", False)] + ([("cubeattn_cpu_sparse_int8", True)] if args.qk_int8 else [])
+        variants = [("cubeattn_cpu_sparse", None)] + ([("cubeattn_cpu_sparse_int8", args.quant_gran)] if args.quant_gran else [])
         for ratio in args.top_k_ratios:
             top_k = sp.top_k_for(kbn, ratio)
             ix = sp.PATTERNS[args.pattern](1, hq, qbn, kbn, top_k, seed=0)
             spec = cubeattn.sparse_spec((s, hq, d), (s, hkv, d), "float32", [0, s], [0, s], s, s, ix, causal=args.causal)
             for impl, int8 in variants:
                 ms = median_ms(lambda: cubeattn.block_sparse_attn_func(q, k, v, ix, causal=args.causal, device="cpu",
-                                                                       qk_int8=int8, quant_gran=args.quant_gran),
+                                                                       quant_gran=int8),
                                1, args.iterations)
                 rows.append(dict(what="sparse_fwd", impl=impl, S=s, kept=round(top_k / kbn, 4), pattern=args.pattern,
                                  causal=args.causal, ms=ms[0], ms_min=ms[1], ms_max=ms[2],
                                  gflops=spec.forward_flops / ms[0] / 1e6, speedup=dense_ms / ms[0],
-                                 ideal=kbn / top_k, **({"quant_gran": args.quant_gran} if int8 else {})))
+                                 ideal=kbn / top_k, **({"quant_gran": int8} if int8 else {})))
     return rows
 
 
@@ -746,7 +746,8 @@ def _cuda_sparse(args, torch):
     the same BlockMask; bf16, q_block = k_block = 128 (FlexAttention's block), index per head.
     Wall clock of the torch call (median, one sync per call). Rows: {what: "sparse", impl:
     "cubeattn" (the public call with the index: validated per call) | "cubeattn_prepared" (the
-    public call with a SparseSpec built once, as a FlexAttention BlockMask is) | "cubeattn_dense" | "sdpa_flash" | "flex", B, H, S, keep, pattern, causal, ms}.
+    public call with a SparseSpec built once, as a FlexAttention BlockMask is) | "cubeattn_int8" (the same
+    prepared call with INT8 Q K^T, `--quant_gran`; `cosine` against the bf16 sparse output) | "cubeattn_dense" | "sdpa_flash" | "flex", B, H, S, keep, pattern, causal, ms}.
     Then what "sparse_fwdbwd": one autograd step (out = f(q, k, v); out.backward(g), gradients
     accumulating into the leaves) for cubeattn_prepared, cubeattn_dense (deterministic dQ),
     sdpa_flash and flex with the same BlockMask."""
@@ -805,6 +806,17 @@ def _cuda_sparse(args, torch):
                 rows.append(dict(key, impl="cubeattn_prepared", ms=ms[0], ms_min=ms[1]))
                 ms = median_ms(lambda: cubeattn.block_sparse_attn_func(qg, kg, vg, spec).backward(g), 2, it, sync)
                 rows.append(dict(key, what="sparse_fwdbwd", impl="cubeattn_prepared", ms=ms[0], ms_min=ms[1]))
+                if args.quant_gran:
+                    spec8 = cubeattn.sparse_spec((B * s, H, d), (B * s, H, d), "bfloat16",
+                                                 (np.arange(B + 1) * s).astype(np.int32),
+                                                 (np.arange(B + 1) * s).astype(np.int32), s, s, ix, 128, 128,
+                                                 causal=args.causal, quant_gran=args.quant_gran)
+                    ms = median_ms(lambda: cubeattn.block_sparse_attn_func(q, k, v, spec8), 3, it, sync)
+                    a = cubeattn.block_sparse_attn_func(q, k, v, spec8).double().flatten()
+                    b = cubeattn.block_sparse_attn_func(q, k, v, spec).double().flatten()
+                    cos = float(a @ b / (a.norm() * b.norm()))
+                    rows.append(dict(key, impl="cubeattn_int8", quant_gran=args.quant_gran, ms=ms[0], ms_min=ms[1],
+                                     cosine=cos))
             except Exception as e:
                 rows.append(dict(key, impl="cubeattn", error=str(e)[:200]))
             if flex is not None and not args.causal:
@@ -824,7 +836,7 @@ def _cuda_sparse(args, torch):
     dense = {(r["what"], r["S"]): r["ms"] for r in rows if r.get("impl") == "cubeattn_dense" and "ms" in r}
     for r in rows:
         at = (r.get("what"), r.get("S"))
-        if r.get("impl") in ("cubeattn", "cubeattn_prepared") and "ms" in r and at in dense:
+        if r.get("impl") in ("cubeattn", "cubeattn_prepared", "cubeattn_int8") and "ms" in r and at in dense:
             r["speedup"] = dense[at] / r["ms"]
             r["ideal"] = 1.0 / r["keep"]
     return rows
@@ -965,12 +977,15 @@ def main(argv=None):
                    help="sparse: block pattern")
     p.add_argument("--top_k_ratios", "--top-k-ratios", nargs="+", type=float, default=[0.25, 0.5, 0.75, 1.0],
                    help="sparse: kept fractions of the key blocks")
-    p.add_argument("--qk-int8", "--qk_int8", action="store_true", help="sparse: also time the INT8 QK^T option")
-    p.add_argument("--quant_gran", "--quant-gran", default="per_warp", choices=["per_block", "per_warp", "per_thread"])
+    p.add_argument("--qk-int8", "--qk_int8", action="store_true", help="sparse: --quant_gran per_warp")
+    p.add_argument("--quant_gran", "--quant-gran", default=None, choices=["per_block", "per_warp", "per_thread"],
+                   help="sparse: also time the INT8 QK^T option with this scale granularity")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--png", default=None, help="write a plot here (needs matplotlib)")
     args = p.parse_args(argv)
     args.seqlens_given = args.seqlens is not None
+    if args.qk_int8 and args.quant_gran is None:
+        args.quant_gran = "per_warp"
     st = cubeattn.backend_status()
     device = args.device if args.device != "auto" else ("cuda" if st["cuda_available"] else "cpu")
     if device == "cuda" and not st["cuda_available"]:

@@ -1,7 +1,7 @@
 //! Dispatch of block-sparse calls. Forward: the CUDA kernel (`cuda::sparse`: the dense forward
-//! kernel iterating a block list) for f16/bf16, head_dim 64/128, exact QK^T; the CPU for the rest
-//! (f32, INT8 QK^T, other head dims) when the device is `auto`, an `Unsupported` error when it is
-//! `cuda`. Backward: the same rule with the CUDA backward (`cuda::sparse_bwd`: the dense backward
+//! kernel iterating a block list; INT8 Q K^T through `cuda::sparse_int8`) for f16/bf16, head_dim
+//! 64/128; the CPU for the rest (f32, also with INT8 Q K^T, other head dims) when the device is
+//! `auto`, an `Unsupported` error when it is `cuda`. Backward: the same rule with the CUDA backward (`cuda::sparse_bwd`: the dense backward
 //! kernels with their tile iterators reading the block lists and the transposed index built on
 //! the GPU); the INT8 option has no backward anywhere.
 
@@ -69,7 +69,7 @@ pub fn sparse_backward_backend(pref: DevicePref, spec: &SparseSpec) -> Result<Ba
 
 fn check_not_int8(spec: &SparseSpec) -> Result<()> {
     if spec.int8.is_some() {
-        return Err(invalid("qk_int8", "the INT8 QK^T option is forward-only (inference); the backward needs qk_int8=False"));
+        return Err(invalid("quant_gran", "the INT8 QK^T option (qk_int8) is forward-only (inference); the backward needs quant_gran=None"));
     }
     Ok(())
 }

@@ -23,6 +23,14 @@
 //! runs; then the cube waits for V(t) and issues K(t+1), which loads during the softmax and
 //! O += P V(t). The O rescale is skipped when no row of a plane got a new maximum.
 //!
+//! `int8` (block-sparse only, `kernels::int8_qk`): S = Q K^T from int8 operands with
+//! `mma.sync.m16n8k32.s8.s8.s32` (exact i32 dot products), scaled per row and key tile by the
+//! quantisation scales before the unchanged online softmax; P.V stays in f16/bf16 from the
+//! original V. No parameter is added (the f16/bf16 kernels compile to the same code): `q_s` and
+//! `k_s` carry the int8 rows (their bytes, typed as `E`), `part_o` the K scales `[key, kv head]`
+//! and `part_lse` the Q scales `[head, token]` followed by the LSE corrections (the sparse plan
+//! has no split-K partials, so these two arrays are free).
+//!
 //! Causal masking is bottom-right aligned per segment: segment row `r` sees window keys
 //! `j < k_len - q_len + r + 1`. Only tiles that cross a row's range limits pay for the mask.
 
@@ -30,6 +38,7 @@ use cubecl::prelude::*;
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::barrier::{copy_async, Barrier};
 
+use super::int8_qk::{copy_k_tile8, copy_q_rows8, scores_int8, stride8};
 use super::math::{fast_exp2, LN2};
 use super::rows::row_keys;
 
@@ -280,6 +289,7 @@ pub fn flash_fwd_mma2<E: Float>(
     #[comptime] block_n: usize,
     #[comptime] block_m: usize,
     #[comptime] sparse: bool,
+    #[comptime] int8: bool,
 ) {
     let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
     let lane = UNIT_POS_PLANE;
@@ -289,8 +299,10 @@ pub fn flash_fwd_mma2<E: Float>(
 
     let stride = comptime!(head_dim + SMEM_PAD);
     let vecs_per_row = comptime!(head_dim / LOAD_VEC);
-    let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(block_m * (head_dim + SMEM_PAD)), 16usize);
-    let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(block_n * (head_dim + SMEM_PAD)), 16usize);
+    // int8: Q and K tiles hold int8 rows (`int8_qk`, `stride8`), in the same E-typed buffers
+    let qk_row = comptime!(if int8 { stride8(head_dim) } else { head_dim + SMEM_PAD });
+    let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(block_m * qk_row), 16usize);
+    let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(block_n * qk_row), 16usize);
     let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(block_n * (head_dim + SMEM_PAD)), 16usize);
     let mut row_tok = SharedMemory::<u32>::new(block_m);
     let mut row_head = SharedMemory::<u32>::new(block_m);
@@ -365,20 +377,25 @@ pub fn flash_fwd_mma2<E: Float>(
     // valid row): their key range is empty, so every score is masked and nothing is written.
     if n_tiles > 0 {
         let (f0, f1) = tile_bounds(0u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, block_n, sparse);
-        #[unroll]
-        for it in 0..q_loads {
-            let idx = UNIT_POS as usize + it * threads;
-            let r = idx / vecs_per_row;
-            let c = idx % vecs_per_row;
-            let mut tok = row_tok[r];
-            if tok == NONE {
-                tok = 0u32;
+        if int8 {
+            copy_q_rows8(&q_s, &mut q_smem, &row_tok, &row_head, heads_q, NONE, threads, block_m, head_dim);
+            copy_k_tile8(&k_s, &mut k_smem, f0, f1, heads_kv, head_kv, threads, block_n, head_dim);
+        } else {
+            #[unroll]
+            for it in 0..q_loads {
+                let idx = UNIT_POS as usize + it * threads;
+                let r = idx / vecs_per_row;
+                let c = idx % vecs_per_row;
+                let mut tok = row_tok[r];
+                if tok == NONE {
+                    tok = 0u32;
+                }
+                let g = (tok * heads_q + row_head[r]) as usize * head_dim + c * LOAD_VEC;
+                let base = r * stride + c * LOAD_VEC;
+                copy_async(&q_s.slice(g, g + LOAD_VEC), &mut q_smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
             }
-            let g = (tok * heads_q + row_head[r]) as usize * head_dim + c * LOAD_VEC;
-            let base = r * stride + c * LOAD_VEC;
-            copy_async(&q_s.slice(g, g + LOAD_VEC), &mut q_smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
+            copy_kv_tile(&k_s, &mut k_smem, f0, f1, krow, head_kv, threads, block_n, head_dim);
         }
-        copy_kv_tile(&k_s, &mut k_smem, f0, f1, krow, head_kv, threads, block_n, head_dim);
         bar_k.commit_copy_async();
         let _tk = bar_k.arrive();
     }
@@ -390,7 +407,9 @@ pub fn flash_fwd_mma2<E: Float>(
     }
     let mut s = Array::<f32>::new(comptime!(mt * n_blocks * ec));
     let neg_inf = -inf;
-    let mut m_r = Array::<f32>::new(slots);
+    // int8: entries [slots, 2 slots) hold the rows' Q scale times scale_log2, [2 slots, 3 slots)
+    // the current tile's full score factor (times the K scale)
+    let mut m_r = Array::<f32>::new(comptime!(if int8 { 3 * slots } else { slots }));
     let mut l_r = Array::<f32>::new(slots);
     #[unroll]
     for i in 0..slots {
@@ -400,9 +419,36 @@ pub fn flash_fwd_mma2<E: Float>(
     // Row (inside the cube tile) of slot `i`: m-tile i / 2, accumulator half i % 2.
     let (row_a, _ca) = def.position_of_nth(lane, 0u32, MatrixIdent::Accumulator);
     let (row_b, _cb) = def.position_of_nth(lane, (ec - 1) as u32, MatrixIdent::Accumulator);
+    if int8 {
+        // Q scales (`part_lse[head * total_q + token]`), 1 for rows without a token
+        #[unroll]
+        for i in 0..slots {
+            let mut r = row_b;
+            if i % 2 == 0 {
+                r = row_a;
+            }
+            let tr = prow + (i / 2) * 16 + r as usize;
+            let tok = row_tok[tr];
+            let mut qs = 1.0f32;
+            if tok != NONE {
+                qs = part_lse[(row_head[tr] * total_q + tok) as usize];
+            }
+            m_r[slots + i] = qs * scale_log2;
+        }
+    }
 
     for kt in 0..n_tiles {
         let (t0, t1) = tile_bounds(kt, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, block_n, sparse);
+        if int8 {
+            // this lane's K scale (`part_o[key * heads_kv + head]`): one per tile and lane in every
+            // granularity (its columns 2 (lane % 4) + {0, 1} of each n8 block share it)
+            let key = min(t0 + 2u32 * (lane % 4u32), t1 - 1u32);
+            let ks = part_o[(key * heads_kv + head_kv) as usize];
+            #[unroll]
+            for i in 0..slots {
+                m_r[2 * slots + i] = max(m_r[slots + i] * ks, 1.175_494_4e-38f32);
+            }
+        }
         bar_k.wait_parity(kt & 1u32);
         // Every plane has finished P.V of the previous tile: the V buffer is free.
         sync_cube();
@@ -415,55 +461,59 @@ pub fn flash_fwd_mma2<E: Float>(
         for i in 0..comptime!(mt * n_blocks * ec) {
             s[i] = 0.0f32;
         }
-        #[unroll]
-        for kk in 0..comptime!(k_steps / 2) {
-            // A fragments of k-steps 2kk and 2kk+1 for each m-tile: [(m * 2 + h) * va + i].
-            let mut af = Array::<Vector<E, NA>>::new(comptime!(mt * 2 * va));
+        if int8 {
+            scores_int8(&q_smem, &k_smem, &mut s, prow, mt, block_n, head_dim);
+        } else {
             #[unroll]
-            for m in 0..mt {
-                #[unroll]
-                for h in 0..2usize {
-                    let start = (prow + m * 16 + (mi % 2) * 8 + mr) * stride + (2 * kk + h) * 16 + (mi / 2) * 8;
-                    let a = def.load_matrix::<E, NA>(&q_smem.slice(start, start + 8), MatrixIdent::A, 4usize, false);
-                    #[unroll]
-                    for i in 0..va {
-                        af[(m * 2 + h) * va + i] = a[i];
-                    }
-                }
-            }
-            #[unroll]
-            for nb in 0..n_blocks {
-                let start = (nb * 8 + mr) * stride + kk * 32 + mi * 8;
-                let bm = def.load_matrix::<E, NB>(&k_smem.slice(start, start + 8), MatrixIdent::B, 4usize, false);
+            for kk in 0..comptime!(k_steps / 2) {
+                // A fragments of k-steps 2kk and 2kk+1 for each m-tile: [(m * 2 + h) * va + i].
+                let mut af = Array::<Vector<E, NA>>::new(comptime!(mt * 2 * va));
                 #[unroll]
                 for m in 0..mt {
-                    let mut acc = Array::<Vector<f32, NC>>::new(vc);
-                    #[unroll]
-                    for i in 0..vc {
-                        let mut reg = Vector::<f32, NC>::empty();
-                        #[unroll]
-                        for j in 0..sc {
-                            reg[j] = s[(m * n_blocks + nb) * ec + i * sc + j];
-                        }
-                        acc[i] = reg;
-                    }
                     #[unroll]
                     for h in 0..2usize {
-                        let mut a = Array::<Vector<E, NA>>::new(va);
+                        let start = (prow + m * 16 + (mi % 2) * 8 + mr) * stride + (2 * kk + h) * 16 + (mi / 2) * 8;
+                        let a = def.load_matrix::<E, NA>(&q_smem.slice(start, start + 8), MatrixIdent::A, 4usize, false);
                         #[unroll]
                         for i in 0..va {
-                            a[i] = af[(m * 2 + h) * va + i];
+                            af[(m * 2 + h) * va + i] = a[i];
                         }
-                        let mut b = Array::<Vector<E, NB>>::new(2usize);
-                        b[0] = bm[2 * h];
-                        b[1] = bm[2 * h + 1];
-                        def.execute_inplace(&a, &b, &mut acc);
                     }
+                }
+                #[unroll]
+                for nb in 0..n_blocks {
+                    let start = (nb * 8 + mr) * stride + kk * 32 + mi * 8;
+                    let bm = def.load_matrix::<E, NB>(&k_smem.slice(start, start + 8), MatrixIdent::B, 4usize, false);
                     #[unroll]
-                    for i in 0..vc {
+                    for m in 0..mt {
+                        let mut acc = Array::<Vector<f32, NC>>::new(vc);
                         #[unroll]
-                        for j in 0..sc {
-                            s[(m * n_blocks + nb) * ec + i * sc + j] = acc[i][j];
+                        for i in 0..vc {
+                            let mut reg = Vector::<f32, NC>::empty();
+                            #[unroll]
+                            for j in 0..sc {
+                                reg[j] = s[(m * n_blocks + nb) * ec + i * sc + j];
+                            }
+                            acc[i] = reg;
+                        }
+                        #[unroll]
+                        for h in 0..2usize {
+                            let mut a = Array::<Vector<E, NA>>::new(va);
+                            #[unroll]
+                            for i in 0..va {
+                                a[i] = af[(m * 2 + h) * va + i];
+                            }
+                            let mut b = Array::<Vector<E, NB>>::new(2usize);
+                            b[0] = bm[2 * h];
+                            b[1] = bm[2 * h + 1];
+                            def.execute_inplace(&a, &b, &mut acc);
+                        }
+                        #[unroll]
+                        for i in 0..vc {
+                            #[unroll]
+                            for j in 0..sc {
+                                s[(m * n_blocks + nb) * ec + i * sc + j] = acc[i][j];
+                            }
                         }
                     }
                 }
@@ -516,7 +566,11 @@ pub fn flash_fwd_mma2<E: Float>(
         sync_cube();
         if kt + 1 < n_tiles {
             let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, block_n, sparse);
-            copy_kv_tile(&k_s, &mut k_smem, n0, n1, krow, head_kv, threads, block_n, head_dim);
+            if int8 {
+                copy_k_tile8(&k_s, &mut k_smem, n0, n1, heads_kv, head_kv, threads, block_n, head_dim);
+            } else {
+                copy_kv_tile(&k_s, &mut k_smem, n0, n1, krow, head_kv, threads, block_n, head_dim);
+            }
             bar_k.commit_copy_async();
             let _tk = bar_k.arrive();
         }
@@ -528,6 +582,8 @@ pub fn flash_fwd_mma2<E: Float>(
         for i in 0..slots {
             let m = i / 2;
             let e0 = (i % 2) * (ec / 2);
+            // int8: s holds raw i32 dot products; this lane's factor to base-2 scaled scores
+            let sl = if int8 { m_r[2 * slots + i] } else { scale_log2 };
             let mut mx = neg_inf;
             #[unroll]
             for nb in 0..n_blocks {
@@ -536,10 +592,14 @@ pub fn flash_fwd_mma2<E: Float>(
                     mx = max(mx, s[(m * n_blocks + nb) * ec + e0 + e2]);
                 }
             }
+            if int8 {
+                // the lanes of a row may hold different K scales (per_thread): scale first
+                mx *= sl;
+            }
             mx = max(mx, plane_shuffle_xor(mx, 1u32));
             mx = max(mx, plane_shuffle_xor(mx, 2u32));
             let old = m_r[i];
-            let new = max(old, mx * scale_log2);
+            let new = if int8 { max(old, mx) } else { max(old, mx * scale_log2) };
             let mut use_m = new;
             if new == neg_inf {
                 use_m = 0.0f32;
@@ -552,7 +612,7 @@ pub fn flash_fwd_mma2<E: Float>(
                 #[unroll]
                 for e2 in 0..comptime!(ec / 2) {
                     let idx = (m * n_blocks + nb) * ec + e0 + e2;
-                    let p = fast_exp2(s[idx] * scale_log2 - use_m);
+                    let p = fast_exp2(s[idx] * sl - use_m);
                     s[idx] = p;
                     sum += p;
                 }
@@ -687,6 +747,10 @@ pub fn flash_fwd_mma2<E: Float>(
                     let mut val = inf;
                     if l_r[i] != 0.0f32 {
                         val = m_r[i] * LN2 + f32::ln(l_r[i]);
+                        if int8 {
+                            // K smoothing: the LSE correction softmax_scale * q . mean
+                            val += part_lse[(heads_q * total_q + row_head[tr] * total_q + tok) as usize];
+                        }
                     }
                     lse[(row_head[tr] * total_q + tok) as usize] = val;
                 }

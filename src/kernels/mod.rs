@@ -7,6 +7,7 @@ pub mod rowwise_bwd;
 pub mod rowwise_fwd;
 pub mod flash_bwd;
 pub mod fragments;
+pub mod int8_qk;
 pub mod staging;
 pub mod sparse_index;
 pub mod zigzag_copy;
@@ -21,6 +22,7 @@ pub const SOURCES: &[&str] = &[
     include_str!("rowwise_fwd.rs"),
     include_str!("flash_bwd.rs"),
     include_str!("fragments.rs"),
+    include_str!("int8_qk.rs"),
     include_str!("staging.rs"),
     include_str!("sparse_index.rs"),
     include_str!("zigzag_copy.rs"),

@@ -6,7 +6,8 @@
 
 use cubeattn::backend::sparse::{sparse_backward, sparse_forward};
 use cubeattn::backend::BackwardInputs;
-use cubeattn::{AttnSpec, DType, DevicePref, SparseSpec, TensorMeta};
+use cubeattn::sparse::Int8Qk;
+use cubeattn::{AttnSpec, DType, DevicePref, QuantGran, SparseSpec, TensorMeta};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use super::backend;
@@ -50,6 +51,11 @@ fn index(rng: &mut StdRng, batch: usize, heads: usize, q_blocks: usize, k_blocks
 
 /// The spec of case `c` with a fresh random index.
 fn case_spec(c: &Case, causal: bool, rng: &mut StdRng) -> SparseSpec {
+    case_spec_int8(c, causal, rng, None)
+}
+
+/// [`case_spec`] with the INT8 Q K^T option `int8`.
+fn case_spec_int8(c: &Case, causal: bool, rng: &mut StdRng, int8: Option<Int8Qk>) -> SparseSpec {
     let cu_q: Vec<i32> = std::iter::once(0).chain(c.lens.iter().scan(0, |a, &(q, _)| { *a += q as i32; Some(*a) })).collect();
     let cu_k: Vec<i32> = std::iter::once(0).chain(c.lens.iter().scan(0, |a, &(_, k)| { *a += k as i32; Some(*a) })).collect();
     let (tq, tk) = (*cu_q.last().unwrap() as usize, *cu_k.last().unwrap() as usize);
@@ -61,7 +67,7 @@ fn case_spec(c: &Case, causal: bool, rng: &mut StdRng) -> SparseSpec {
     let kbs: Vec<usize> = c.lens.iter().map(|l| l.1.div_ceil(c.k_block)).collect();
     let heads = if c.per_kv_head { c.hkv } else { c.hq };
     let (ix, shape) = index(rng, c.lens.len(), heads, mq.div_ceil(c.q_block), &kbs);
-    SparseSpec::new(attn, &ix, &shape, c.q_block, c.k_block, None).unwrap()
+    SparseSpec::new(attn, &ix, &shape, c.q_block, c.k_block, int8).unwrap()
 }
 
 /// ||a - b|| / ||b|| and the count of NaNs in `a` (unwritten elements).
@@ -139,6 +145,57 @@ fn sparse_forward_matches_cpu_and_writes_every_element() {
             println!("case {ci} causal={causal}: rel_l2 {rel:.2e} unwritten {unwritten} lse mismatches {lse_bad} {}", if ok { "ok" } else { "FAIL" });
             if !ok {
                 failures.push((ci, causal));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "failed: {failures:?}");
+}
+
+/// INT8 Q K^T on CUDA against the CPU's INT8 path (the same quantisation: groups, scale amax / 127,
+/// round half to even, exact i32 dot products; the K mean is summed in f32 chunks on the GPU and
+/// in f64 on the CPU, so a few int8 values may differ by one step), NaN-poisoned outputs: every
+/// element written. Every granularity, with and without K smoothing, K with a channel offset
+/// (where smoothing matters); also against the exact CUDA path (cosine >= 0.99).
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-test.sh test runs it (--include-ignored)"]
+fn sparse_int8_forward_matches_cpu_and_writes_every_element() {
+    let Some(be) = backend() else { return };
+    let mut rng = StdRng::seed_from_u64(13);
+    let mut failures = Vec::new();
+    let grans = [QuantGran::PerBlock, QuantGran::PerWarp, QuantGran::PerThread];
+    for (ci, c) in CASES[..4].iter().enumerate() {
+        for (gi, gran) in grans.iter().enumerate() {
+            let smooth_k = gi != 1 || ci % 2 == 0;
+            let causal = (ci + gi) % 2 == 0;
+            let spec = case_spec_int8(c, causal, &mut rng, Some(Int8Qk { gran: *gran, smooth_k }));
+            let mut exact = spec.clone();
+            exact.int8 = None;
+            let (tq, tk) = (spec.attn.dims.total_q, spec.attn.dims.total_k);
+            let q = random(tq * c.hq * c.d, c.dtype, 1.0, &mut rng);
+            // K with a per-channel offset of 4 sigma
+            let offs: Vec<f32> = (0..c.d).map(|_| rng.random_range(-4.0f32..4.0)).collect();
+            let k0 = random(tk * c.hkv * c.d, DType::F32, 1.0, &mut rng).view().to_f64_vec();
+            let k: Vec<f32> = k0.iter().enumerate().map(|(i, &x)| x as f32 + offs[i % c.d]).collect();
+            let k = cubeattn::HostData::from_f32(c.dtype, &k);
+            let v = random(tk * c.hkv * c.d, c.dtype, 1.0, &mut rng);
+            let got = be.sparse_forward_host(&spec, q.view(), k.view(), v.view(), Some(f32::NAN)).unwrap();
+            let (want, kind) = sparse_forward(DevicePref::Cpu, &spec, q.view(), k.view(), v.view()).unwrap();
+            assert_eq!(kind.name(), "cpu");
+            let ex = be.sparse_forward_host(&exact, q.view(), k.view(), v.view(), None).unwrap();
+            let (g, w, e) = (got.out.view().to_f64_vec(), want.out.view().to_f64_vec(), ex.out.view().to_f64_vec());
+            let (rel, nans) = rel_and_nans(&g, &w);
+            let unwritten = nans + got.lse.iter().filter(|x| x.is_nan()).count();
+            let lse_bad = got.lse.iter().zip(&want.lse).filter(|(a, b)| !(a.is_infinite() && b.is_infinite() || (*a - *b).abs() <= 2e-3 * b.abs().max(1.0))).count();
+            let dot: f64 = g.iter().zip(&e).map(|(a, b)| a * b).sum();
+            let cos = dot / (g.iter().map(|a| a * a).sum::<f64>().sqrt() * e.iter().map(|a| a * a).sum::<f64>().sqrt()).max(1e-300);
+            let ok = unwritten == 0 && rel < 1e-2 && lse_bad == 0 && (cos >= 0.99 || e.iter().all(|&x| x == 0.0));
+            println!(
+                "case {ci} {} smooth_k={smooth_k} causal={causal}: rel_l2 vs cpu int8 {rel:.2e} unwritten {unwritten} lse mismatches {lse_bad} cosine vs exact {cos:.5} {}",
+                gran.name(),
+                if ok { "ok" } else { "FAIL" }
+            );
+            if !ok {
+                failures.push((ci, gran.name()));
             }
         }
     }

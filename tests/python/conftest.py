@@ -236,3 +236,66 @@ def ref_sparse(q, k, v, block_index, cu_q, cu_k, q_block, k_block, causal, scale
     if dout is None:
         return out, lse
     return (out, lse, *grads)
+
+
+# INT8 Q K^T (block-sparse): the documented quantisation in numpy. Rules (chunk, period, width) on
+# a row's offset inside its block: group = (o // chunk) * period + (o % chunk % period) // width.
+INT8_RULES = {
+    "per_block": (lambda qb: (qb, qb, qb), lambda kb: (kb, kb, kb)),
+    "per_warp": (lambda qb: (32, 32, 32), lambda kb: (64, 64, 64)),
+    "per_thread": (lambda qb: (16, 8, 1), lambda kb: (64, 8, 2)),
+}
+
+
+def _quantize_rows(x, block, rule):
+    """x [n, heads, d] f32 rows of one sequence -> (dequantised f64 rows, int8 rows, per-row scale)."""
+    chunk, period, width = rule
+    n = x.shape[0]
+    o = np.arange(n) % block
+    gid = (np.arange(n) // block) * (block + 64) + (o // chunk) * period + (o % chunk % period) // width
+    amax = np.abs(x).max(-1)  # [n, heads]
+    scale = np.ones_like(amax, dtype=np.float32)
+    xq = np.zeros(x.shape, np.int8)
+    for g in np.unique(gid):
+        rows = gid == g
+        a = amax[rows].max(0).astype(np.float32)  # per head
+        s = np.where(a > 0, a / np.float32(127), np.float32(1)).astype(np.float32)
+        inv = np.where(a > 0, np.float32(127) / np.where(a > 0, a, 1), np.float32(0)).astype(np.float32)
+        xq[rows] = np.clip(np.rint(x[rows] * inv[None, :, None]), -127, 127).astype(np.int8)
+        scale[rows] = s[None, :]
+    return xq.astype(np.float64) * scale[..., None].astype(np.float64), xq, scale
+
+
+def int8_operands(q, k, cu_q, cu_k, gran, q_block, k_block, smooth=True, scale=None):
+    """The INT8 option's operands in the varlen layout: (dequantised q, dequantised smoothed k, lse
+    shift [hq, total_q]); f64 attention over them is the INT8 path's exact result."""
+    q = np.asarray(q, np.float32)
+    k = np.asarray(k, np.float32)
+    tq, hq, d = q.shape
+    hkv = k.shape[1]
+    scale = 1.0 / np.sqrt(d) if scale is None else scale
+    qd, kd = np.zeros(q.shape), np.zeros(k.shape)
+    shift = np.zeros((hq, tq))
+    qr, kr = INT8_RULES[gran]
+    for b in range(len(cu_q) - 1):
+        qs, qe, ks, ke = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        kk = k[ks:ke]
+        if smooth and ke > ks:
+            mean = kk.astype(np.float64).mean(0).astype(np.float32)  # [hkv, d]
+            kk = (kk - mean[None]).astype(np.float32)
+            qq = q[qs:qe].astype(np.float64)
+            shift[:, qs:qe] = (scale * np.einsum("qhd,hd->hq", qq, np.repeat(mean, hq // hkv, 0).astype(np.float64)))
+        if qe > qs:
+            qd[qs:qe] = _quantize_rows(q[qs:qe], q_block, qr(q_block))[0]
+        if ke > ks:
+            kd[ks:ke] = _quantize_rows(kk, k_block, kr(k_block))[0]
+    return qd, kd, shift
+
+
+def int8_accuracy(got, want):
+    """(cosine similarity, relative L1, RMSE) of `got` against `want`."""
+    g, w = np.asarray(got, np.float64).ravel(), np.asarray(want, np.float64).ravel()
+    cos = g @ w / max(np.linalg.norm(g) * np.linalg.norm(w), 1e-300)
+    l1 = np.abs(g - w).sum() / max(np.abs(w).sum(), 1e-30)
+    rmse = np.sqrt(np.mean((g - w) ** 2))
+    return cos, l1, rmse

@@ -9,7 +9,7 @@ import pytest
 
 import cubeattn
 from cubeattn import sparse_patterns as sp
-from conftest import BWD_TOL, FWD_TOL, rand, ref_sparse, rel_err
+from conftest import BWD_TOL, FWD_TOL, int8_accuracy, int8_operands, rand, ref_sparse, rel_err
 
 PATTERNS = ["random", "local", "strided", "block_diagonal"]
 KEPT = [0.10, 0.25, 0.50, 0.75, 1.00]
@@ -254,6 +254,10 @@ def test_block_index_dtype_and_other_arguments():
                          (dict(q_block=1.5), ValueError, "q_block"),
                          (dict(qk_int8=True, quant_gran="per_row"), ValueError, "quant_gran"),
                          (dict(qk_int8="yes"), TypeError, "qk_int8"),
+                         (dict(quant_gran="per_row"), ValueError, "quant_gran"),
+                         (dict(quant_gran=2), ValueError, "quant_gran"),
+                         (dict(quant_gran="per_warp", qk_int8=False), ValueError, "quant_gran"),
+                         (dict(quant_gran="per_warp", smooth_k="no"), TypeError, "smooth_k"),
                          (dict(softmax_scale=float("nan")), ValueError, "softmax_scale"),
                          (dict(device="tpu"), ValueError, "device"), (dict(device=1), TypeError, "device")]:
         with pytest.raises(exc, match=arg):
@@ -415,6 +419,110 @@ def test_int8_k_smoothing_keeps_accuracy_and_lse_under_a_channel_offset():
             assert np.abs(lse8 - lse).max() < 0.1
     assert res[True][0] >= 0.99
     assert res[True][2] < res[False][2], "smoothing must reduce the error when K has a channel offset"
+
+
+def fresh_rng(name):
+    """A generator with a fresh seed (printed: a failure can be replayed with it)."""
+    seed = int(np.random.SeedSequence().entropy % 2 ** 32)
+    print(f"{name}: seed {seed}")
+    return np.random.default_rng(seed)
+
+
+@pytest.mark.parametrize("smooth", [True, False])
+@pytest.mark.parametrize("gran", ["per_block", "per_warp", "per_thread"])
+def test_int8_cpu_is_the_documented_quantisation(gran, smooth):
+    """float32 inputs (no P rounding): the CPU INT8 path equals f64 attention over the operands
+    quantised by the documented rule (conftest.int8_operands: groups on the kernel's tile layout,
+    scale amax / 127, round half to even), LSE plus softmax_scale * q . mean(K). Varlen, odd block
+    sizes, GQA, causal, fresh inputs."""
+    rng = fresh_rng(f"int8 rule {gran} smooth={smooth}")
+    lens = [(150, 333), (70, 90)]
+    hq, hkv, d, qb, kb = 4, 2, 32, 48, 80
+    cu_q = np.cumsum([0] + [a for a, _ in lens]).astype(np.int32)
+    cu_k = np.cumsum([0] + [b for _, b in lens]).astype(np.int32)
+    q = rng.standard_normal((cu_q[-1], hq, d)).astype(np.float32)
+    k = (rng.standard_normal((cu_k[-1], hkv, d)) + 3.0 * rng.standard_normal(d)).astype(np.float32)
+    v = rng.standard_normal((cu_k[-1], hkv, d)).astype(np.float32)
+    ix = sp.random(len(lens), hq, -(-150 // qb), -(-333 // kb), 3, seed=int(rng.integers(1 << 30)))
+    ix[1][ix[1] >= -(-90 // kb)] = -1  # sequence 1 has 2 key blocks
+    out, lse = cubeattn.block_sparse_attn_func(q, k, v, ix, q_block=qb, k_block=kb, causal=True, cu_seqlens_q=cu_q,
+                                               cu_seqlens_k=cu_k, quant_gran=gran, smooth_k=smooth, return_lse=True,
+                                               device="cpu")
+    qd, kd, shift = int8_operands(q, k, cu_q, cu_k, gran, qb, kb, smooth)
+    want, wl = ref_sparse(qd, kd, v, ix, cu_q, cu_k, qb, kb, True)
+    wl = wl + shift
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=2e-5, rtol=1e-4)
+    fin = np.isfinite(wl)
+    assert np.array_equal(fin, np.isfinite(lse))
+    np.testing.assert_allclose(lse[fin], wl[fin], atol=2e-4, rtol=1e-5)
+    # the rule matters: another granularity's operands give measurably different output
+    other = {"per_block": "per_thread", "per_warp": "per_block", "per_thread": "per_warp"}[gran]
+    qo, ko, _ = int8_operands(q, k, cu_q, cu_k, other, qb, kb, smooth)
+    assert np.abs(ref_sparse(qo, ko, v, ix, cu_q, cu_k, qb, kb, True)[0] - want).max() > 1e-3
+
+
+@pytest.mark.parametrize("offset", [0.0, 8.0])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_int8_accuracy_against_the_f64_reference(dtype, offset):
+    """Cosine similarity, relative L1 and RMSE of the INT8 path and of the exact f16/bf16 path,
+    both against the f64 reference of the unquantised attention, fresh randn inputs; `offset`: K
+    with a large per-channel offset (K smoothing on). Thresholds: cosine >= 0.99."""
+    rng = fresh_rng(f"int8 accuracy {dtype} offset={offset}")
+    from conftest import np_dtype
+    B, s, hq, hkv, d = 1, 512, 4, 2, 64
+    ix = sp.random(B, hq, 8, 4, 2, seed=int(rng.integers(1 << 30)))
+    q, k, v = (rng.standard_normal((B, s, h, d)).astype(np.float32) for h in (hq, hkv, hkv))
+    k = k + offset * rng.standard_normal(d).astype(np.float32)
+    q, k, v = (x.astype(np_dtype(dtype)) for x in (q, k, v))
+    cu = np.array([0, s], np.int32)
+    flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
+    want, wl = ref_sparse(flat(q), flat(k), flat(v), ix, cu, cu, 64, 128, True)
+    res = {}
+    for gran in (None, "per_block", "per_warp", "per_thread"):
+        out, lse = cubeattn.block_sparse_attn_func(q, k, v, ix, causal=True, return_lse=True, quant_gran=gran)
+        res[gran] = int8_accuracy(flat(out), want)
+        fin = np.isfinite(wl)
+        assert np.array_equal(fin, np.isfinite(lse[0]))
+        lse_err = np.abs(lse[0][fin] - wl[fin]).max()
+        print(f"{dtype} offset {offset} {gran or 'exact'}: cosine {res[gran][0]:.6f}, rel L1 {res[gran][1]:.5f}, "
+              f"RMSE {res[gran][2]:.6f}, max |lse err| {lse_err:.4f}")
+        assert res[gran][0] >= 0.99
+        assert lse_err < 0.05
+    assert res["per_block"][1] > res[None][1], "quantisation must cost accuracy (or the INT8 path did not run)"
+
+
+def test_int8_without_smoothing_loses_accuracy_under_a_channel_offset():
+    rng = fresh_rng("int8 smoothing")
+    B, s, h, d = 1, 512, 2, 64
+    ix = sp.local(B, h, 8, 4, 2)
+    q, k, v = (rng.standard_normal((B, s, h, d)).astype(np.float32) for _ in range(3))
+    k = k + 8.0 * rng.standard_normal(d).astype(np.float32)
+    cu = np.array([0, s], np.int32)
+    flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
+    want, _ = ref_sparse(flat(q), flat(k), flat(v), ix, cu, cu, 64, 128, False)
+    acc = {sm: int8_accuracy(flat(cubeattn.block_sparse_attn_func(q, k, v, ix, quant_gran="per_warp", smooth_k=sm)), want)
+           for sm in (True, False)}
+    print("smooth_k True / False (cosine, rel L1, RMSE):", acc[True], acc[False])
+    assert acc[True][0] >= 0.99 and acc[True][2] < acc[False][2]
+
+
+def test_quant_gran_spellings_and_float32():
+    """quant_gran alone turns INT8 on; qk_int8=True alone is per_warp; float32 is emulated on the
+    CPU (no CUDA kernel takes float32)."""
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((1, 256, 2, 32)).astype(np.float32) for _ in range(3))
+    ix = sp.random(1, 2, 4, 2, 1, seed=0)
+    exact = cubeattn.block_sparse_attn_func(q, k, v, ix)
+    a = cubeattn.block_sparse_attn_func(q, k, v, ix, quant_gran="per_warp")
+    b = cubeattn.block_sparse_attn_func(q, k, v, ix, qk_int8=True)
+    assert cubeattn.last_backend() == "cpu"
+    assert np.array_equal(a, b) and not np.array_equal(a, exact)
+    assert np.array_equal(exact, cubeattn.block_sparse_attn_func(q, k, v, ix, quant_gran=None, qk_int8=False))
+    spec = cubeattn.sparse_spec((256, 2, 32), (256, 2, 32), "float32", [0, 256], [0, 256], 256, 256, ix,
+                                quant_gran="per_thread")
+    assert spec.qk_int8 == "per_thread"
+    with pytest.raises(ValueError, match="quant_gran"):
+        cubeattn.block_sparse_attn_func(q, k, v, spec, quant_gran="per_block")
 
 
 def test_int8_with_autograd_inputs_is_refused():

@@ -9,7 +9,7 @@ import pytest
 
 import cubeattn
 from cubeattn import sparse_patterns as sp
-from conftest import BWD_TOL, FWD_TOL, assert_grad_close, rand, ref_sparse, rel_err
+from conftest import BWD_TOL, FWD_TOL, assert_grad_close, int8_accuracy, int8_operands, rand, ref_sparse, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -150,9 +150,10 @@ def test_unsupported_calls_on_cuda_name_the_reason():
         cubeattn.block_sparse_attn_backward(out, q, k, v, out, lse, ix, device="cuda")
     cubeattn.block_sparse_attn_backward(out, q, k, v, out, lse, ix, device="auto")
     assert cubeattn.last_backend() == "cpu"
-    qh, kh, vh = (x.astype(np.float16) for x in (q, k, v))
-    with pytest.raises(NotImplementedError, match="INT8"):
-        cubeattn.block_sparse_attn_func(qh, kh, vh, ix, device="cuda", qk_int8=True)
+    with pytest.raises(NotImplementedError, match="float32"):
+        cubeattn.block_sparse_attn_func(q, k, v, ix, device="cuda", quant_gran="per_warp")
+    cubeattn.block_sparse_attn_func(q, k, v, ix, device="auto", quant_gran="per_warp")
+    assert cubeattn.last_backend() == "cpu"  # float32 INT8: emulated on the CPU
 
 
 def test_torch_cuda_tensors_stay_on_the_gpu_and_equal_the_numpy_path():
@@ -194,3 +195,73 @@ def test_torch_cuda_tensors_stay_on_the_gpu_and_equal_the_numpy_path():
     want = cubeattn.block_sparse_attn_backward(bf(dout), bf(q), bf(k), bf(v), on, lsen, ix, causal=True, device="cuda")
     for g, w in zip(got, want):
         assert np.array_equal(g.view(torch.int16).numpy(), np.asarray(w).view(np.int16)), "torch path == numpy path, bit for bit"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("gran,smooth,d,q_block,k_block,causal", [
+    ("per_block", True, 128, 64, 128, True),
+    ("per_warp", True, 64, 128, 64, False),
+    ("per_thread", True, 128, 64, 128, False),
+    ("per_warp", False, 128, 48, 80, True),
+    ("per_thread", False, 64, 100, 200, True),
+])
+def test_int8_on_cuda_matches_the_quantisation_rule_and_the_cpu(gran, smooth, d, q_block, k_block, causal, dtype):
+    """CUDA INT8 Q K^T: against f64 attention over the operands quantised by the documented rule
+    (conftest.int8_operands), against the CPU's INT8 path, and against the f64 reference of the
+    unquantised attention (cosine >= 0.99); K with a channel offset; GQA with an index per q head
+    and per kv head; odd block sizes; varlen."""
+    rng = np.random.default_rng(abs(hash((gran, smooth, d, q_block, dtype))) % 2 ** 31)
+    lens = [(300, 700), (1, 1), (130, 257)]
+    hq, hkv = 4, 2
+    cu_q = np.cumsum([0] + [a for a, _ in lens]).astype(np.int32)
+    cu_k = np.cumsum([0] + [b for _, b in lens]).astype(np.int32)
+    q = rand(rng, (cu_q[-1], hq, d), dtype)
+    k = (rng.standard_normal((cu_k[-1], hkv, d)) + 4.0 * rng.standard_normal(d)).astype(q.dtype)
+    v = rand(rng, (cu_k[-1], hkv, d), dtype)
+    for heads in (hq, hkv):
+        kbn = [-(-b // k_block) for _, b in lens]
+        ix = -np.ones((len(lens), heads, -(-300 // q_block), max(kbn)), np.int32)
+        for b in range(len(lens)):
+            for h in range(heads):
+                for qb in range(ix.shape[2]):
+                    keep = rng.permutation(kbn[b])[: max(1, kbn[b] // 2)]
+                    ix[b, h, qb, : len(keep)] = keep
+        kw = dict(q_block=q_block, k_block=k_block, causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                  quant_gran=gran, smooth_k=smooth, return_lse=True)
+        out, lse = cubeattn.block_sparse_attn_func(q, k, v, ix, device="cuda", **kw)
+        assert cubeattn.last_backend() == "cuda"
+        cpu_out, cpu_lse = cubeattn.block_sparse_attn_func(q, k, v, ix, device="cpu", **kw)
+        o = np.asarray(out, np.float64)
+        assert np.all(np.isfinite(o))
+        qd, kd, shift = int8_operands(q.astype(np.float32), k.astype(np.float32), cu_q, cu_k, gran, q_block, k_block, smooth)
+        want, wl = ref_sparse(qd, kd, v, ix, cu_q, cu_k, q_block, k_block, causal)
+        wl = wl + shift
+        tol, rel = FWD_TOL[dtype]
+        assert rel_err(o, want) <= max(rel, 4e-3)
+        assert rel_err(o, np.asarray(cpu_out, np.float64)) <= max(rel, 4e-3)
+        fin = np.isfinite(wl)
+        assert np.array_equal(fin, np.isfinite(lse))
+        np.testing.assert_allclose(lse[fin], wl[fin], atol=2e-3, rtol=1e-3)
+        exact, _ = ref_sparse(q, k, v, ix, cu_q, cu_k, q_block, k_block, causal)
+        cos, l1, rmse = int8_accuracy(o, exact)
+        print(f"cuda int8 {gran} smooth={smooth} d={d} heads={heads} {dtype}: cosine {cos:.6f} rel L1 {l1:.5f} RMSE {rmse:.6f}")
+        assert cos >= 0.99
+
+
+def test_int8_torch_cuda_tensors_stay_on_the_gpu():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    B, s, hq, hkv, d = 2, 256, 8, 2, 128
+    ix = pattern("random", B, hq, 4, 2, 0.5, seed=3)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(B, s, h, d, generator=g).to("cuda", torch.float16) for h in (hq, hkv, hkv))
+    out, lse = cubeattn.block_sparse_attn_func(q, k, v, torch.from_numpy(ix), quant_gran="per_thread", return_lse=True)
+    assert out.is_cuda and lse.is_cuda and cubeattn.last_backend() == "cuda"
+    want, wl = cubeattn.block_sparse_attn_func(*(x.cpu().numpy() for x in (q, k, v)), ix, quant_gran="per_thread",
+                                               return_lse=True, device="cpu")
+    assert rel_err(out.float().cpu().numpy().astype(np.float64), want.astype(np.float64)) < 4e-3
+    np.testing.assert_allclose(lse.cpu().numpy(), wl, atol=2e-3, rtol=1e-3)
+    qg = q.detach().requires_grad_(True)
+    with pytest.raises(ValueError, match="quant_gran"):
+        cubeattn.block_sparse_attn_func(qg, k, v, torch.from_numpy(ix), quant_gran="per_warp")

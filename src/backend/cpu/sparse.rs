@@ -9,7 +9,10 @@
 //!   blocks listing the key block), dQ tasks per (sequence, query block, rows, query head) walk
 //!   the listed key blocks; deterministic by construction (fixed order, no atomics);
 //! - INT8 QK^T (forward only): symmetric int8 Q and (smoothed) K with per-group f32 scales (see
-//!   [`crate::sparse::QuantGran`]), exact i32 dot products, P rounded to the input dtype before P.V.
+//!   [`crate::sparse::QuantGran`]): scale = amax / 127, x -> round-half-to-even(x * (127 / amax))
+//!   (CUDA's `rint`, the same f32 operations as the CUDA quantisation kernel), exact i32 dot
+//!   products, P rounded to the input dtype before P.V. f32 inputs take the same path (emulated:
+//!   no CUDA kernel serves f32).
 
 use rayon::prelude::*;
 
@@ -152,7 +155,7 @@ fn quantize_groups(x: &[f32], rows: usize, d: usize, group_of: impl Fn(usize) ->
         let (scale, inv) = if a > 0.0 { (a / 127.0, 127.0 / a) } else { (1.0, 0.0) };
         s_out[r] = scale;
         for (o, &v) in q_out[r * d..(r + 1) * d].iter_mut().zip(&x[r * d..(r + 1) * d]) {
-            *o = (v * inv).round().clamp(-127.0, 127.0) as i8;
+            *o = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
         }
     }
 }

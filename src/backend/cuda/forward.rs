@@ -74,7 +74,7 @@ fn is_f16(dt: DType) -> bool {
 
 /// The tensor-core forward kernel (`flash_fwd::flash_fwd_mma2`) for one set of comptime choices:
 /// `mt` m16 blocks per plane, `bn` keys per tile, `block_m` rows per cube, dense or sparse key
-/// iteration (`cuda::sparse`). f16 or bf16.
+/// iteration (`cuda::sparse`), exact or INT8 Q K^T (`cuda::sparse_int8`, sparse only). f16 or bf16.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn flash_fwd_kernel(
     be: &CudaBackend,
@@ -84,13 +84,15 @@ pub(crate) fn flash_fwd_kernel(
     bn: usize,
     block_m: usize,
     sparse: bool,
+    int8: bool,
 ) -> Result<super::compile::Func> {
     let x = exp_flags();
-    let key = KernelKey::new("flash_fwd_mma2", dt, &[hd as u32, mt as u32, bn as u32, block_m as u32, sparse as u32, x]);
-    be.kernels.get(&key, || fwd_source(be.client(), dt, hd, mt, bn, block_m, sparse, x))
+    let key = KernelKey::new("flash_fwd_mma2", dt, &[hd as u32, mt as u32, bn as u32, block_m as u32, sparse as u32, int8 as u32, x]);
+    be.kernels.get(&key, || fwd_source(be.client(), dt, hd, mt, bn, block_m, sparse, int8, x))
 }
 
 /// CUDA source of [`flash_fwd_kernel`].
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn fwd_source(
     client: &ComputeClient<CudaRuntime>,
     dt: DType,
@@ -99,6 +101,7 @@ pub(crate) fn fwd_source(
     bn: usize,
     block_m: usize,
     sparse: bool,
+    int8: bool,
     x: u32,
 ) -> Result<Source> {
     let threads = (block_m * 2 / mt) as u32;
@@ -113,10 +116,15 @@ pub(crate) fn fwd_source(
                 bn,
                 block_m,
                 sparse,
+                int8,
             ), false, x & 1 != 0)
         };
     }
-    if is_f16(dt) { k!(f16) } else { k!(bf16) }
+    let mut src = if is_f16(dt) { k!(f16) } else { k!(bf16) }?;
+    if int8 {
+        src.cuda = super::rewrite::int8_words(&src.entry, &src.cuda)?;
+    }
+    Ok(src)
 }
 
 /// Enqueues the forward of `spec` on `stream`. `plan` must be the cached plan of `spec`.
@@ -181,7 +189,7 @@ pub(crate) fn launch_forward(
     let (part_o, part_lse) = (p.workspace + offs[0] as u64, p.workspace + offs[1] as u64);
     let n_part = po_bytes / (4 * hd);
 
-    let f = flash_fwd_kernel(be, dt, hd, mt, bn, BLOCK_M, false)?;
+    let f = flash_fwd_kernel(be, dt, hd, mt, bn, BLOCK_M, false, false)?;
     let mut a = Args::new();
     a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.out, ql).array(p.lse, ll);
     a.array(part_o, n_part * hd).array(part_lse, n_part);

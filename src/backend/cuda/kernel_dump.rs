@@ -24,9 +24,12 @@ mod tests {
         let dt = DType::BF16;
         let x = super::super::options::exp_flags();
         let sources = [
-            ("fwd_d128", fwd_source(c, dt, 128, 2, 64, 128, false, x)),
-            ("fwd_d64", fwd_source(c, dt, 64, 2, 64, 128, false, x)),
-            ("fwd_sparse_d128", fwd_source(c, dt, 128, 2, 64, 64, true, x)),
+            ("fwd_d128", fwd_source(c, dt, 128, 2, 64, 128, false, false, x)),
+            ("fwd_d64", fwd_source(c, dt, 64, 2, 64, 128, false, false, x)),
+            ("fwd_sparse_d128", fwd_source(c, dt, 128, 2, 64, 64, true, false, x)),
+            ("fwd_sparse_int8_d128", fwd_source(c, dt, 128, 2, 64, 64, true, true, x)),
+            ("fwd_sparse_int8_d64", fwd_source(c, dt, 64, 2, 64, 64, true, true, x)),
+            ("int8_quantize_k_d128", super::super::sparse_int8::quantize_source(c, dt, 128, true, true)),
             ("dkdv_causal_d128", dkdv_source(c, dt, 128, true, false, 2, false, false, x)),
             ("dkdv_full_d128", dkdv_source(c, dt, 128, false, false, 2, false, false, x)),
             ("dkdv_window_d128", dkdv_source(c, dt, 128, true, false, 2, false, true, x)),

@@ -18,6 +18,7 @@ mod plans;
 mod rewrite;
 mod sparse;
 mod sparse_bwd;
+mod sparse_int8;
 mod status;
 mod zigzag;
 
@@ -33,6 +34,7 @@ pub use zigzag::ZigzagCopy;
 pub(crate) use sparse::check_sparse_supported as sparse_supported;
 pub(crate) use sparse_bwd::check_sparse_bwd_supported as sparse_bwd_supported;
 pub use sparse_bwd::sparse_backward_workspace;
+pub use sparse_int8::int8_workspace as sparse_forward_workspace;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Mutex, OnceLock};

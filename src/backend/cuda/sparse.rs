@@ -25,6 +25,7 @@ use super::{check_supported, driver, CudaBackend, FwdPtrs};
 use crate::backend::ForwardOutput;
 use crate::dtype::{DType, HostView};
 use crate::error::{invalid, Error, Result};
+use super::sparse_int8::int8_workspace;
 use crate::kernels::flash_fwd::{BLOCK_N, NONE, SLICE_WORDS, WORK_WORDS};
 use crate::kernels::math::LOG2E;
 use crate::sparse::SparseSpec;
@@ -100,12 +101,6 @@ pub(crate) fn check_sparse_supported(spec: &SparseSpec) -> Result<()> {
             msg: "block-sparse attention on CUDA takes float16/bfloat16 (tensor cores); float32 runs on the CPU".into(),
         });
     }
-    if spec.int8.is_some() {
-        return Err(Error::Unsupported {
-            backend: "cuda",
-            msg: "the INT8 QK^T option has no CUDA kernel yet (qk_int8=True runs on the CPU)".into(),
-        });
-    }
     if spec.attn.uncovered_rows() > 0 {
         return Err(invalid("cu_seqlens_q", "the sequences must cover every query row (cu_seqlens_q[-1] == total_q)"));
     }
@@ -121,14 +116,20 @@ impl CudaBackend {
         self.sparse_plans.get(PlanKey::with_extra(&spec.attn, spec.fingerprint()[0], spec.fingerprint()[1]), stream, || SparsePlan::build(spec))
     }
 
-    /// Enqueues the block-sparse forward of `spec` on `stream` (no workspace): reads q, k, v and
-    /// writes out and lse in place; rows that see no key get zeros and lse +inf. `Ok(false)` when
-    /// the call has no query row, key or head (the caller fills the outputs).
+    /// Enqueues the block-sparse forward of `spec` on `stream`: reads q, k, v and writes out and
+    /// lse in place; rows that see no key get zeros and lse +inf. The workspace (`p.workspace`,
+    /// `workspace_bytes` long) must hold [`int8_workspace`] bytes (0 without the INT8 option:
+    /// its address is then not used). `Ok(false)` when the call has no query row, key or head
+    /// (the caller fills the outputs).
     ///
     /// # Safety
-    /// As for [`CudaBackend::forward_device`] (the workspace address is not used).
-    pub unsafe fn sparse_forward_device(&self, spec: &SparseSpec, p: FwdPtrs, stream: u64) -> Result<bool> {
+    /// As for [`CudaBackend::forward_device`].
+    pub unsafe fn sparse_forward_device(&self, spec: &SparseSpec, p: FwdPtrs, workspace_bytes: usize, stream: u64) -> Result<bool> {
         check_sparse_supported(spec)?;
+        let need = int8_workspace(spec);
+        if workspace_bytes < need {
+            return Err(invalid("workspace", format!("needs {need} bytes for this call (sparse_forward_workspace), got {workspace_bytes}")));
+        }
         let d = &spec.attn.dims;
         if d.total_q == 0 || d.total_k == 0 || d.heads_q == 0 {
             return Ok(false);
@@ -149,8 +150,8 @@ impl CudaBackend {
         check_sparse_supported(spec)?;
         // SAFETY: `run_forward_host` passes buffers holding the spec's tensors and synchronizes its
         // stream before freeing them.
-        self.run_forward_host(&spec.attn, q, k, v, poison, |_| Ok(0), |p, _, s| unsafe {
-            self.sparse_forward_device(spec, p, s).map(|_| ())
+        self.run_forward_host(&spec.attn, q, k, v, poison, |_| Ok(int8_workspace(spec)), |p, n, s| unsafe {
+            self.sparse_forward_device(spec, p, n, s).map(|_| ())
         })
     }
 }
@@ -163,12 +164,23 @@ fn launch_sparse_forward(be: &CudaBackend, spec: &SparseSpec, plan: &Cached<Spar
     let d = &spec.attn.dims;
     let (hd, dt) = (d.head_dim, spec.attn.dtype);
     let (ql, kl, ll) = (d.q_len(), d.kv_len().max(1), d.lse_len());
-    let f = super::forward::flash_fwd_kernel(be, dt, hd, 2, BLOCK_N, sp.block_m, true)?;
     let t = |i| plan.tables.get(i);
+    let f = super::forward::flash_fwd_kernel(be, dt, hd, 2, BLOCK_N, sp.block_m, true, spec.int8.is_some())?;
     let mut a = Args::new();
-    a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.out, ql).array(p.lse, ll);
-    // no split-K partial outputs: any valid address
-    a.array(p.out, 1).array(p.lse, 1);
+    match spec.int8 {
+        None => {
+            a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.out, ql).array(p.lse, ll);
+            // no split-K partial outputs: any valid address
+            a.array(p.out, 1).array(p.lse, 1);
+        }
+        Some(opt) => {
+            // int8 rows in place of q and k (their bytes, counted in E); the scales in the
+            // split-K arrays, which the sparse plan does not use (`kernels::flash_fwd` docs)
+            let z = super::sparse_int8::quantize(be, spec, opt, p, t(T_SEGS), stream)?;
+            a.array(z.q8, ql / 2).array(z.k8, kl / 2).array(p.v, kl).array(p.out, ql).array(p.lse, ll);
+            a.array(z.k_scale, d.total_k * d.heads_kv).array(z.q_scale, 2 * ll);
+        }
+    }
     for i in [T_WORK, T_SLICES, T_SEGS, T_REF, T_BLOCKS] {
         a.array(t(i).0, t(i).1);
     }

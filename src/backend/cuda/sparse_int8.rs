@@ -1,0 +1,133 @@
+//! CUDA INT8 Q K^T of the block-sparse forward: the workspace, the quantisation launches
+//! (`kernels::int8_qk`) and the operands they hand to the forward kernel (`int8 = true`).
+//!
+//! All on the caller's stream, in the caller's workspace ([`int8_workspace`] bytes), no host
+//! synchronisation: (with K smoothing) K's chunk sums and mean, then Q and K quantised per block
+//! (int8 rows, scales, Q's LSE correction), then the forward.
+
+use cubecl::cuda::CudaRuntime;
+use cudarc::driver::sys;
+use half::{bf16, f16};
+
+use super::compile::{codegen, settings, Func, KernelKey};
+use super::forward::{layout, FwdPtrs};
+use super::launch::{launch, Args};
+use super::CudaBackend;
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::kernels::int8_qk::{self, MEAN_CHUNK, QUANT_THREADS};
+use crate::sparse::{GroupRule, Int8Qk, SparseSpec};
+
+const A: cubecl::prelude::ArrayCompilationArg = cubecl::prelude::ArrayCompilationArg { inplace: None };
+
+/// Workspace parts, in order: int8 Q, int8 K, Q scales + LSE corrections, K scales, row maxima
+/// (scratch), K chunk sums, K mean.
+fn parts(spec: &SparseSpec) -> [usize; 7] {
+    let d = &spec.attn.dims;
+    let (tq, tk, hq, hkv, hd) = (d.total_q, d.total_k, d.heads_q, d.heads_kv, d.head_dim);
+    let batch = spec.attn.segments.len();
+    let chunks = spec.attn.max_seqlen_k.div_ceil(MEAN_CHUNK).max(1);
+    [tq * hq * hd, tk * hkv * hd, 2 * hq * tq * 4, tk * hkv * 4, (hq * tq).max(hkv * tk) * 4, chunks * batch * hkv * hd * 4, batch * hkv * hd * 4]
+}
+
+/// Workspace bytes of a block-sparse forward of `spec` on CUDA (0 without the INT8 option).
+pub fn int8_workspace(spec: &SparseSpec) -> usize {
+    if spec.int8.is_none() {
+        return 0;
+    }
+    layout(&parts(spec)).1
+}
+
+/// Device addresses of the quantised operands (inside the workspace).
+pub(crate) struct Int8Operands {
+    pub q8: u64,
+    pub k8: u64,
+    pub q_scale: u64,
+    pub k_scale: u64,
+}
+
+/// One quantisation launch: Q or K rows (addresses of the input, the int8 rows and the scales).
+struct Rows {
+    x: u64,
+    xq: u64,
+    sc: u64,
+    total: usize,
+    heads: usize,
+    /// q heads per kv head (Q), 1 (K)
+    group: usize,
+    block: usize,
+    max_len: usize,
+    rule: GroupRule,
+    is_k: bool,
+}
+
+fn kernel(be: &CudaBackend, name: &'static str, dt: DType, p: &[u32], src: impl FnOnce() -> Result<super::compile::Source>) -> Result<Func> {
+    be.kernels.get(&KernelKey::new(name, dt, p), src)
+}
+
+/// Enqueues the quantisation of Q and K of `spec` (option `opt`) into `workspace` on `stream`.
+/// `segs` is the plan's sequence table (device address, u32 words).
+pub(crate) fn quantize(be: &CudaBackend, spec: &SparseSpec, opt: Int8Qk, p: &FwdPtrs, segs: (u64, usize), stream: sys::CUstream) -> Result<Int8Operands> {
+    let d = &spec.attn.dims;
+    let (tq, tk, hq, hkv, hd) = (d.total_q, d.total_k, d.heads_q, d.heads_kv, d.head_dim);
+    let dt = spec.attn.dtype;
+    let client = be.client();
+    let batch = spec.attn.segments.len();
+    let chunks = spec.attn.max_seqlen_k.div_ceil(MEAN_CHUNK).max(1);
+    let pr = parts(spec);
+    let (offs, _) = layout(&pr);
+    let at = |i: usize| p.workspace + offs[i] as u64;
+    let (q8, k8, qsc, ksc, amax, sums, mean) = (at(0), at(1), at(2), at(3), at(4), at(5), at(6));
+    macro_rules! typed {
+        ($m:ident :: $k:ident, $($args:tt)*) => {
+            if dt == DType::F16 {
+                codegen(int8_qk::$m::$k::<f16, CudaRuntime>::new($($args)*))
+            } else {
+                codegen(int8_qk::$m::$k::<bf16, CudaRuntime>::new($($args)*))
+            }
+        };
+    }
+    if opt.smooth_k {
+        let f = kernel(be, "int8_col_sums", dt, &[hd as u32], || {
+            let s = settings(hd as u32);
+            typed!(int8_col_sums::Int8ColSums, s, client.clone(), A, A, A, (), hd)
+        })?;
+        let mut a = Args::new();
+        a.array(p.k, d.kv_len().max(1)).array(sums, pr[5] / 4).array(segs.0, segs.1).u32(hkv as u32);
+        launch(&f, (chunks as u32, batch as u32, hkv as u32), &mut a, stream)?;
+        let f = kernel(be, "int8_k_mean", DType::F32, &[hd as u32], || {
+            codegen(int8_qk::int8_k_mean::Int8KMean::<CudaRuntime>::new(settings(hd as u32), client.clone(), A, A, A, (), (), hd))
+        })?;
+        let mut a = Args::new();
+        a.array(sums, pr[5] / 4).array(mean, pr[6] / 4).array(segs.0, segs.1).u32(hkv as u32).u32(chunks as u32);
+        launch(&f, (batch as u32, hkv as u32, 1), &mut a, stream)?;
+    }
+    let runs = [
+        Rows { x: p.q, xq: q8, sc: qsc, total: tq, heads: hq, group: hq / hkv, block: spec.q_block, max_len: spec.attn.max_seqlen_q, rule: opt.gran.q_rule(spec.q_block), is_k: false },
+        Rows { x: p.k, xq: k8, sc: ksc, total: tk, heads: hkv, group: 1, block: spec.k_block, max_len: spec.attn.max_seqlen_k, rule: opt.gran.k_rule(spec.k_block), is_k: true },
+    ];
+    for Rows { x, xq, sc, total, heads, group, block, max_len, rule, is_k } in runs {
+        let smooth = opt.smooth_k;
+        let f = kernel(be, "int8_quantize", dt, &[hd as u32, is_k as u32, smooth as u32], || quantize_source(client, dt, hd, is_k, smooth))?;
+        let mut a = Args::new();
+        a.array(x, (total * heads * hd).max(1)).array(mean, pr[6] / 4).array(xq, (total * heads * hd / 4).max(1));
+        a.array(sc, if is_k { tk * hkv } else { 2 * hq * tq }.max(1)).array(amax, pr[4] / 4);
+        // the LSE corrections follow the Q scales (K writes none)
+        a.array(qsc + (hq * tq * 4) as u64, (hq * tq).max(1)).array(segs.0, segs.1);
+        a.u32(heads as u32).u32(total as u32).u32(group as u32).u32(block as u32);
+        a.u32(rule.chunk as u32).u32(rule.period as u32).u32(rule.width as u32).f32(spec.attn.scale);
+        let grid = (max_len.div_ceil(block).max(1) as u32, batch as u32, heads as u32);
+        launch(&f, grid, &mut a, stream)?;
+    }
+    Ok(Int8Operands { q8, k8, q_scale: qsc, k_scale: ksc })
+}
+
+/// CUDA source of the quantisation kernel (`int8_qk::int8_quantize`) for Q (`is_k = false`) or K.
+pub(crate) fn quantize_source(client: &cubecl::prelude::ComputeClient<CudaRuntime>, dt: DType, hd: usize, is_k: bool, smooth: bool) -> Result<super::compile::Source> {
+    let s = settings(QUANT_THREADS as u32);
+    if dt == DType::F16 {
+        codegen(int8_qk::int8_quantize::Int8Quantize::<f16, CudaRuntime>::new(s, client.clone(), A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), hd, is_k, smooth))
+    } else {
+        codegen(int8_qk::int8_quantize::Int8Quantize::<bf16, CudaRuntime>::new(s, client.clone(), A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), hd, is_k, smooth))
+    }
+}
