@@ -616,10 +616,11 @@ fn sparse_backward<'py>(
 
 #[cfg(feature = "cuda")]
 /// Block-sparse forward on device-resident buffers (torch CUDA tensors as raw addresses,
-/// contiguous), enqueued on `stream`, no workspace: None when the host path must run (`device`
-/// picks the CPU), False when the call has no row or key (nothing enqueued), True when enqueued.
+/// contiguous), enqueued on `stream`; `workspace` holds at least [`sparse_forward_workspace`]
+/// bytes: None when the host path must run (`device` picks the CPU), False when the call has no
+/// row or key (nothing enqueued), True when enqueued.
 #[pyfunction]
-#[pyo3(signature = (spec, q, k, v, out, lse, stream, device))]
+#[pyo3(signature = (spec, q, k, v, out, lse, workspace, workspace_bytes, stream, device))]
 #[allow(clippy::too_many_arguments)]
 fn sparse_forward_device(
     py: Python<'_>,
@@ -629,16 +630,18 @@ fn sparse_forward_device(
     v: u64,
     out: u64,
     lse: u64,
+    workspace: u64,
+    workspace_bytes: usize,
     stream: u64,
     device: &str,
 ) -> PyResult<Option<bool>> {
     let pref = DevicePref::parse(device).map_err(to_py)?;
     let s = &spec.inner;
     let be = crate::backend::sparse::sparse_cuda(pref, s, false).map_err(sparse_err)?;
-    let p = crate::backend::cuda::FwdPtrs { q, k, v, out, lse, workspace: 0 };
+    let p = crate::backend::cuda::FwdPtrs { q, k, v, out, lse, workspace };
     match be {
         // SAFETY: as in `forward_device`.
-        Some(be) => run_detached(py, || unsafe { be.sparse_forward_device(s, p, stream) }).map(Some),
+        Some(be) => run_detached(py, || unsafe { be.sparse_forward_device(s, p, workspace_bytes, stream) }).map(Some),
         None => Ok(None),
     }
 }
@@ -679,6 +682,13 @@ fn sparse_backward_device(
 }
 
 #[cfg(feature = "cuda")]
+/// Device workspace bytes of a block-sparse forward of `spec` (torch allocates it).
+#[pyfunction]
+fn sparse_forward_workspace(spec: &PySparseSpec) -> usize {
+    crate::backend::cuda::sparse_forward_workspace(&spec.inner)
+}
+
+#[cfg(feature = "cuda")]
 /// Device workspace bytes of a block-sparse backward of `spec` (torch allocates it).
 #[pyfunction]
 fn sparse_backward_workspace(spec: &PySparseSpec) -> usize {
@@ -713,6 +723,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sparse_backward_device, m)?)?;
     #[cfg(feature = "cuda")]
     m.add_function(wrap_pyfunction!(sparse_backward_workspace, m)?)?;
+    #[cfg(feature = "cuda")]
+    m.add_function(wrap_pyfunction!(sparse_forward_workspace, m)?)?;
     m.add("CUDA_COMPILED", cfg!(feature = "cuda"))?;
     add_zigzag(m)?;
     Ok(())

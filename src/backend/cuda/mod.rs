@@ -12,6 +12,7 @@ mod driver;
 mod forward;
 mod kernel_dump;
 mod launch;
+mod nonfinite;
 mod options;
 mod plan;
 mod plans;
@@ -32,6 +33,7 @@ pub use status::status;
 pub use zigzag::ZigzagCopy;
 pub(crate) use sparse::check_sparse_supported as sparse_supported;
 pub(crate) use sparse_bwd::check_sparse_bwd_supported as sparse_bwd_supported;
+pub use sparse::sparse_forward_workspace;
 pub use sparse_bwd::sparse_backward_workspace;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
