@@ -2,7 +2,8 @@
 //! on disk: `compile`) and launched by us (`launch`) on the caller's stream with the caller's
 //! device pointers (`device_io`). One backend per device, created lazily; creation failures,
 //! including CubeCL's panics when the driver is missing, become `Error::BackendUnavailable`.
-//! Supported: forward for f16/bf16 (tensor-core flash kernel) and f32 (plain row-wise kernel),
+//! Supported: forward for f16/bf16 (tensor-core flash kernel; the exact row-wise kernel when v
+//! holds a NaN or Inf, chosen on the device: `nonfinite`) and f32 (plain row-wise kernel),
 //! head_dim 64 and 128. Backward (dQ, dK, dV): see `backward`.
 
 pub mod backward;

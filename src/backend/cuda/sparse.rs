@@ -145,7 +145,7 @@ impl CudaBackend {
         }
         let need = sparse_forward_workspace(spec);
         if workspace_bytes < need || p.workspace == 0 {
-            return Err(invalid("workspace", format!("has {workspace_bytes} bytes, the call needs {need}")));
+            return Err(invalid("workspace", format!("has {workspace_bytes} bytes at {:#x}, the call needs {need}", p.workspace)));
         }
         driver::bind(self.ctx)?;
         let s = stream as sys::CUstream;
