@@ -617,9 +617,8 @@ fn sparse_backward<'py>(
 #[cfg(feature = "cuda")]
 /// Block-sparse forward on device-resident buffers (torch CUDA tensors as raw addresses,
 /// contiguous), enqueued on `stream`; `workspace` holds at least [`sparse_forward_workspace`]
-/// bytes (0 for exact QK^T: the address is then not used). None when the host path must run
-/// (`device` picks the CPU), False when the call has no row or key (nothing enqueued), True when
-/// enqueued.
+/// bytes: None when the host path must run (`device` picks the CPU), False when the call has no
+/// row or key (nothing enqueued), True when enqueued.
 #[pyfunction]
 #[pyo3(signature = (spec, q, k, v, out, lse, workspace, workspace_bytes, stream, device))]
 #[allow(clippy::too_many_arguments)]
@@ -645,13 +644,6 @@ fn sparse_forward_device(
         Some(be) => run_detached(py, || unsafe { be.sparse_forward_device(s, p, workspace_bytes, stream) }).map(Some),
         None => Ok(None),
     }
-}
-
-#[cfg(feature = "cuda")]
-/// Workspace bytes of [`sparse_forward_device`] for `spec` (0 for exact QK^T).
-#[pyfunction]
-fn sparse_forward_workspace(spec: &PySparseSpec) -> usize {
-    crate::backend::cuda::sparse_forward_workspace(&spec.inner)
 }
 
 #[cfg(feature = "cuda")]
@@ -687,6 +679,14 @@ fn sparse_backward_device(
         Some(be) => run_detached(py, || unsafe { be.sparse_backward_device(s, p, workspace_bytes, stream) }).map(Some),
         None => Ok(None),
     }
+}
+
+#[cfg(feature = "cuda")]
+/// Device workspace bytes of a block-sparse forward of `spec` (torch allocates it): the
+/// non-finite-v flag, plus the quantised Q, K and scales with the INT8 option.
+#[pyfunction]
+fn sparse_forward_workspace(spec: &PySparseSpec) -> usize {
+    crate::backend::cuda::sparse_forward_workspace(&spec.inner)
 }
 
 #[cfg(feature = "cuda")]
@@ -726,6 +726,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sparse_backward_device, m)?)?;
     #[cfg(feature = "cuda")]
     m.add_function(wrap_pyfunction!(sparse_backward_workspace, m)?)?;
+    #[cfg(feature = "cuda")]
     m.add("CUDA_COMPILED", cfg!(feature = "cuda"))?;
     add_zigzag(m)?;
     Ok(())

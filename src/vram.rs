@@ -2,7 +2,7 @@
 //! checked against the measured peak (tests/gpu) and used before allocating anything.
 //!
 //! Forward: q, k, v in; out + lse (f32) out; workspace = the per-tile work list and segment
-//! table. Backward adds out, dout and lse in; dq, dk, dv out; workspace = delta (f32 per row and
+//! table, the row-to-segment table, and for f16/bf16 the non-finite-v flag (one u32, in a 256-byte workspace part). Backward adds out, dout and lse in; dq, dk, dv out; workspace = delta (f32 per row and
 //! head) plus the work lists (query tiles, key tiles and the per-key-tile segment lists). The
 //! CUDA backward keeps its dq, dk, dv accumulators in registers: no f32 gradient buffers.
 
@@ -23,6 +23,8 @@ pub struct VramEstimate {
 pub const MIN_TILE_ROWS: usize = 64;
 /// Bytes of one work-list entry and of one segment-table entry.
 const ENTRY_BYTES: u64 = 16;
+/// Bytes of the f16/bf16 forward's non-finite-v flag as the workspace holds it (256-aligned part).
+const FLAG_PART_BYTES: u64 = 256;
 
 /// Estimate for `segments` sequences or groups of the given sizes.
 pub fn estimate(dims: &Dims, dtype: DType, segments: usize, backward: bool) -> VramEstimate {
@@ -43,7 +45,9 @@ pub fn estimate(dims: &Dims, dtype: DType, segments: usize, backward: bool) -> V
             total: 0,
         }
     } else {
-        VramEstimate { inputs: q + 2 * kv, outputs: q, lse, workspace: meta, total: 0 }
+        // the row-to-segment table (one u32 per query row) and, f16/bf16, the flag
+        let flag = if dtype == DType::F32 { 0 } else { FLAG_PART_BYTES };
+        VramEstimate { inputs: q + 2 * kv, outputs: q, lse, workspace: meta + 4 * dims.total_q as u64 + flag, total: 0 }
     };
     VramEstimate { total: est.inputs + est.outputs + est.lse + est.workspace, ..est }
 }

@@ -189,11 +189,10 @@ def _run_forward(spec, cq, ck, cv, device):
         q, k, v = cq.device_tensor, ck.device_tensor, cv.device_tensor
         o = torch.empty(cq.shape, dtype=q.dtype, device=gpu)
         lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=gpu)
-        n = _core.sparse_forward_workspace(spec)  # INT8 Q K^T: the quantised Q, K and their scales
-        ws = torch.empty(n, dtype=torch.uint8, device=gpu) if n else None
+        n = _core.sparse_forward_workspace(spec)  # the non-finite-v flag (+ INT8: quantised Q, K, scales)
+        ws = torch.empty(max(n, 1), dtype=torch.uint8, device=gpu)
         done = _core.sparse_forward_device(spec, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
-                                           lse.data_ptr(), ws.data_ptr() if n else 0, n, _raw_stream(torch, gpu),
-                                           dev)
+                                           lse.data_ptr(), ws.data_ptr(), ws.numel(), _raw_stream(torch, gpu), dev)
         if done is not None:
             if not done:
                 o.zero_()

@@ -136,6 +136,7 @@ pub fn combine_parts<E: Float>(
     comb: &Array<u32>,
     slices: &Array<u32>,
     segs: &Array<u32>,
+    nonfinite: &Array<u32>,
     heads_q: u32,
     total_q: u32,
     hp: u32,
@@ -144,6 +145,10 @@ pub fn combine_parts<E: Float>(
     #[comptime] head_dim: usize,
     #[comptime] causal: bool,
 ) {
+    // v holds a NaN or Inf: no partials were written, the exact row-wise kernel writes this call
+    if nonfinite[0] != 0u32 {
+        terminate!();
+    }
     let mut row_tok = SharedMemory::<u32>::new(BLOCK_M);
     let mut row_head = SharedMemory::<u32>::new(BLOCK_M);
     let mut row_lo = SharedMemory::<u32>::new(BLOCK_M);
@@ -273,6 +278,7 @@ pub fn flash_fwd_mma2<E: Float>(
     segs: &Array<u32>,
     tile_ref: &Array<u32>,
     blocks: &Array<u32>,
+    nonfinite: &Array<u32>,
     scale_log2: f32,
     heads_q: u32,
     heads_kv: u32,
@@ -291,6 +297,10 @@ pub fn flash_fwd_mma2<E: Float>(
     #[comptime] sparse: bool,
     #[comptime] int8: bool,
 ) {
+    // v holds a NaN or Inf (`nonfinite::v_nonfinite`): the exact row-wise kernel writes this call
+    if nonfinite[0] != 0u32 {
+        terminate!();
+    }
     let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
     let lane = UNIT_POS_PLANE;
     let plane = UNIT_POS / 32u32;

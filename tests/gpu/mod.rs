@@ -10,6 +10,8 @@ mod memory;
 #[cfg(feature = "cuda")]
 mod backward;
 #[cfg(feature = "cuda")]
+mod nonfinite;
+#[cfg(feature = "cuda")]
 mod sparse;
 #[cfg(feature = "cuda")]
 mod zigzag;

@@ -1,7 +1,7 @@
 """The NaN/Inf policy on the issue's own examples (CPU, and CUDA: row-wise f32 and tensor-core f16
-kernels): a masked key contributes exactly
-nothing; a NaN that takes part in a row's softmax makes that row (and its lse) NaN, as torch's
-SDPA; an Inf in a value a row uses makes that row non-finite. The backward follows: gradients of
+kernels; a v with a NaN or Inf sends an f16 call to the exact row-wise kernel, decided on the
+device): a masked key contributes exactly nothing, also inside a 64-key tensor-core tile; a NaN
+that takes part in a row's softmax makes that row (and its lse) NaN, as torch's SDPA; an Inf in a value a row uses makes that row non-finite. The backward follows: gradients of
 rows and keys that never meet the bad element stay finite and exact."""
 import numpy as np
 import pytest
@@ -27,22 +27,12 @@ def inputs(target):
     return [rng.uniform(-1, 1, (8, 2, d)).astype(dtype) for _ in range(4)]
 
 
-def tensor_core_leak(request, target):
-    """CUDA's f16/bf16 kernels: a key masked for some rows of a 64-key tile still enters the tile's
-    P.V tensor-core product with weight 0, and 0 x Inf = NaN, so a non-finite value there reaches
-    rows that cannot see it (documented in the README; the f32 row-wise kernels and the CPU are
-    exact). Strict: a fix turns these into failures to remove this marker."""
-    if target[0] == "cuda" and target[1] != np.float32:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="masked non-finite v inside a tensor-core tile"))
-
-
 def tol(target):
     return 1e-5 if target[1] == np.float32 else 2e-3
 
 
 @pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan])
-def test_inf_in_v3_does_not_touch_rows_0_to_2_under_causal(value, target, request):
-    tensor_core_leak(request, target)
+def test_inf_in_v3_does_not_touch_rows_0_to_2_under_causal(value, target):
     dev, t = target[0], tol(target)
     q, k, v, dout = inputs(target)
     v[3, 1, 5] = value
@@ -84,8 +74,7 @@ def test_nan_query_row_gives_nan_not_zeros(target):
     assert np.all(np.isfinite(out[mask]))
 
 
-def test_nan_outside_a_sliding_window_is_invisible(target, request):
-    tensor_core_leak(request, target)
+def test_nan_outside_a_sliding_window_is_invisible(target):
     q, k, v, _ = inputs(target)
     v[0, 0, 0] = np.nan
     out = cubeattn.flash_attn_varlen_func(q, k, v, CU, CU, 8, 8, causal=True, window_size=(2, 0), device=target[0])
@@ -93,8 +82,7 @@ def test_nan_outside_a_sliding_window_is_invisible(target, request):
 
 
 @pytest.mark.torch
-def test_autograd_nan_stays_in_its_rows(target, request):
-    tensor_core_leak(request, target)
+def test_autograd_nan_stays_in_its_rows(target):
     torch = pytest.importorskip("torch")
     dev = "cpu" if target[0] == "cpu" else "cuda"
     q, k, v, dout = (torch.from_numpy(x).to(dev) for x in inputs(target))

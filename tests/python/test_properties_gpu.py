@@ -11,14 +11,13 @@ and on torch CUDA tensors (drawn per case where torch sees the GPU):
   NotImplementedError for block-sparse, which also has no float32 kernel) and device="auto" must
   run it on the CPU, correctly;
 * NaN/Inf: a masked element contributes nothing, a NaN reaches the rows that use it, and the
-  NaN/Inf pattern is torch SDPA's. A masked non-finite v element inside a tensor-core tile is the
-  documented exception (0 x Inf, test_nonfinite.py's strict xfail): on float16/bfloat16 a bad v
-  element comes without a mask in the two properties that rely on masking. Found here (strict
-  xfail tests at the end pin them; the pattern property allows exactly these,
-  Cuda.known_non_finite_deviations): on the tensor cores an Inf in v at the last key of a
-  sequence whose length is not a multiple of 64 reads NaN where torch gives Inf (open); on the
-  row-wise f32 kernels a -inf score at the first key a row visits made the row NaN (out and lse)
-  where that key should weigh 0 (fixed; its test stays);
+  NaN/Inf pattern is torch SDPA's, element by element, on every kernel family (a v with a NaN or
+  Inf runs the exact row-wise kernel on float16/bfloat16 too, picked on the device). Found here
+  (tests at the end pin them): on the tensor cores an Inf in v at the last key of a sequence
+  whose length is not a multiple of 64 read NaN where torch gives Inf, and a masked non-finite v
+  element inside a 64-key tile reached rows that cannot see it (0 x Inf; fixed by that route); on
+  the row-wise f32 kernels a -inf score at the first key a row visits made the row NaN (out and
+  lse) where that key should weigh 0 (fixed);
 * malformed inputs on device="cuda" (every varlen class, the out/dout/lse classes through the
   device path of torch CUDA tensors, device strings such as one past the last GPU) raise naming
   the argument; torch tensors split between the CPU and the GPU run, on the backend `device`
@@ -127,25 +126,6 @@ class Cuda(Target):
         # roundoff (an element summed over 68 (row, head) pairs with P ~ 0.5 was 0.025 off in
         # bfloat16, past the fixed atol; H200); float32: the CPU's
         return 2 * super().bwd_rounding(dtype) if dtype != "float32" else super().bwd_rounding(dtype)
-
-    def masks_non_finite_exactly(self, dtype):
-        # the tensor-core kernels: a masked key of a partly visible 64-key tile enters P.V with
-        # weight 0, and 0 x Inf = NaN (README; test_nonfinite.py); the row-wise f32 ones skip it
-        return dtype == "float32"
-
-    def known_non_finite_deviations(self, out, want, x, dtype, causal, window):
-        """The departure these properties found that is not fixed yet, pinned by a strict xfail test
-        at the end of this file (a fix fails it: then drop its case here); any other difference
-        fails. (The second one, a -inf first score on the f32 kernels, is fixed.)"""
-        q, k, v = (np.asarray(x[n], np.float64) for n in ("q", "k", "v"))
-        g = q.shape[1] // k.shape[1]
-        allowed = np.zeros(out.shape, bool)
-        if dtype != "float32":
-            # test_inf_in_the_last_value_reads_inf_on_tensor_cores: an Inf in the last key's v
-            # reads NaN instead of Inf
-            allowed[:] = np.isinf(v[-1]).repeat(g, 0)[None]
-            allowed &= np.isinf(want)
-        return np.where(allowed & np.isnan(out), want, out)
 
 
 CUDA = Cuda()
@@ -274,17 +254,14 @@ def test_cpu_and_cuda_torch_tensors_mixed(data):
 
 # ---------------------------------------------------------------- found by the properties
 
-@pytest.mark.xfail(strict=True, reason="tensor cores: a sequence's last key tile is padded with copies of its last "
-                                       "key, which enter P.V with weight 0: 0 x Inf = NaN")
 @pytest.mark.parametrize("seqlen_k", [1, 65])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_inf_in_the_last_value_reads_inf_on_tensor_cores(dtype, seqlen_k):
     """Found by test_non_finite_pattern_is_torch_sdpas (shrunk to 1 query, 1 key): an Inf in v at
-    the last key of a sequence whose length is not a multiple of 64 reads NaN in every row that
-    uses it, where torch SDPA (and the CPU, and the f32 kernels) give Inf; at any other key, or at
-    lengths 64 and 128, it reads Inf (measured on an H100). The row is non-finite either way, as
-    the README's policy asks. Strict: a fix makes this fail; then remove the marker and the
-    allowance in Cuda.known_non_finite_deviations."""
+    the last key of a sequence whose length is not a multiple of 64 read NaN in every row that
+    uses it (the tile's padding repeats the last key and enters P.V with weight 0: 0 x Inf), where
+    torch SDPA (and the CPU, and the f32 kernels) give Inf. Such a v now runs the exact row-wise
+    kernel: Inf, as torch."""
     rng = np.random.default_rng(seqlen_k)
     q = rand(rng, (3, 1, 64), dtype)
     k, v = rand(rng, (seqlen_k, 1, 64), dtype), rand(rng, (seqlen_k, 1, 64), dtype)
@@ -297,11 +274,10 @@ def test_inf_in_the_last_value_reads_inf_on_tensor_cores(dtype, seqlen_k):
 @pytest.mark.parametrize("where", ["q", "k"])
 def test_minus_inf_score_at_the_first_key_weighs_zero_on_the_f32_kernels(where):
     """Found by test_non_finite_pattern_is_torch_sdpas (shrunk to 1 query, 1 key, an Inf in q): on
-    the row-wise f32 kernels a -inf score at the first key a row visits makes the row NaN (out and
+    the row-wise f32 kernels a -inf score at the first key a row visits made the row NaN (out and
     lse, and then its gradients reach dk and dv), where the README's policy, the CPU, the
     tensor-core kernels and torch SDPA give that key weight 0 (a row of only -inf scores: zero, lse
-    +inf). Strict: a fix makes this fail; then remove the marker and the allowance in
-    Cuda.known_non_finite_deviations."""
+    +inf). Fixed; the same row-wise code is the exact forward of f16/bf16 calls with a bad v."""
     rng = np.random.default_rng(0)
     q = rng.uniform(0.1, 1, (4, 1, 64)).astype(np.float32)
     k, v = rng.uniform(0.1, 1, (6, 1, 64)).astype(np.float32), rng.uniform(-1, 1, (6, 1, 64)).astype(np.float32)

@@ -96,8 +96,8 @@ impl CudaBackend {
         let s = stream as CUstream;
         let plan = self.fwd_plan(spec, s)?;
         let need = fwd_workspace(spec, &plan.host);
-        if workspace_bytes < need {
-            return Err(invalid("workspace", format!("has {workspace_bytes} bytes, the call needs {need}")));
+        if workspace_bytes < need || (need > 0 && p.workspace == 0) {
+            return Err(invalid("workspace", format!("has {workspace_bytes} bytes at {:#x}, the call needs {need}", p.workspace)));
         }
         launch_forward(self, spec, &plan, &p, s)?;
         Ok(true)

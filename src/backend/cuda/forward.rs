@@ -1,11 +1,15 @@
 //! CUDA forward: host side of the kernels in `kernels::flash_fwd` and `kernels::rowwise_fwd`.
 //!
-//! Launch order on the caller's stream: the zero fill of rows no segment covers (when there are
-//! any), the tensor-core kernel over the cached work list, then the split-K combine (when the plan
-//! split long tiles). f32 inputs run the plain row-wise kernel.
+//! Launch order on the caller's stream (f16/bf16): the non-finite-v flag (zeroed, then
+//! `v_nonfinite`: [`super::nonfinite`]), the zero fill of rows no segment covers (when there are
+//! any), the tensor-core kernel over the cached work list, the split-K combine (when the plan split
+//! long tiles), then the exact row-wise kernel. The flag picks on the device which of the two paths
+//! writes the outputs: the tensor-core kernels return at once when v holds a NaN or Inf, the exact
+//! kernel when it does not. f32 inputs run the plain row-wise kernel (exact already).
 //!
-//! Workspace (caller-provided device memory, [`fwd_workspace`]): the split-K partial outputs
-//! (f32 rows x head_dim) and their LSE. The plan tables live in the backend's plan cache.
+//! Workspace (caller-provided device memory, [`fwd_workspace`]): the flag (one u32), the split-K
+//! partial outputs (f32 rows x head_dim) and their LSE. The plan tables live in the backend's plan
+//! cache.
 
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
@@ -15,6 +19,7 @@ use half::{bf16, f16};
 use super::compile::{codegen, codegen_exp2, settings, KernelKey, Source};
 use super::launch::{launch, Args};
 use super::options::exp_flags;
+use super::nonfinite::{launch_dense_exact, launch_flag, DenseExact, FLAG_BYTES};
 use super::{fwd_options, window_bounds, CudaBackend, Plan};
 use crate::dtype::DType;
 use crate::error::Result;
@@ -51,12 +56,23 @@ fn partial_bytes(spec: &AttnSpec, plan: &Plan) -> [usize; 2] {
     [rows * spec.dims.head_dim * 4, rows * 4]
 }
 
-/// Workspace bytes a forward call of `spec` takes with this plan.
+/// The workspace parts of an f16/bf16 forward: the non-finite-v flag, then the split-K partial
+/// outputs and LSE (empty without split tiles).
+fn workspace_parts(spec: &AttnSpec, plan: &Plan) -> [usize; 3] {
+    let [po, pl] = if plan.fwd.n_slots == 0 { [0, 0] } else { partial_bytes(spec, plan) };
+    [FLAG_BYTES, po, pl]
+}
+
+/// Workspace bytes a forward call of `spec` takes with this plan (f32: none).
 pub(crate) fn fwd_workspace(spec: &AttnSpec, plan: &Plan) -> usize {
-    if spec.dtype == DType::F32 || plan.fwd.n_slots == 0 {
+    if spec.dtype == DType::F32 {
         return 0;
     }
-    layout(&partial_bytes(spec, plan)).1
+    let parts = workspace_parts(spec, plan);
+    if parts[1] == 0 {
+        return layout(&parts[..1]).1;
+    }
+    layout(&parts).1
 }
 
 /// Plan-cache options word of the forward (the switches that change the plan).
@@ -110,7 +126,7 @@ pub(crate) fn fwd_source(
             codegen_exp2(flash_fwd::flash_fwd_mma2::FlashFwdMma2::<$t, CudaRuntime>::new(
                 settings(threads),
                 client.clone(),
-                A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (),
+                A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (),
                 hd,
                 mt,
                 bn,
@@ -180,14 +196,29 @@ pub(crate) fn launch_forward(
     if n_work == 0 {
         return Ok(());
     }
+    // the workspace's first part: the flag, set when v holds a NaN or Inf
+    let flag = p.workspace;
+    launch_flag(be, dt, p.v, d.kv_len(), flag, stream)?;
+    let exact = DenseExact {
+        q: p.q,
+        k: p.k,
+        v: p.v,
+        out: p.out,
+        lse: p.lse,
+        row_seg: t(TBL_ROW_SEG),
+        segs: t(TBL_SEGS),
+        flag,
+    };
     let opts = fwd_options();
     let y = (d.heads_q as u32 / fp.hp).max(1);
     let mt = if opts.plane_rows == 16 { 1usize } else { 2 };
     let bn = opts.block_n as usize;
-    let [po_bytes, pl_bytes] = partial_bytes(spec, &plan.host);
-    let (offs, _) = layout(&[po_bytes, pl_bytes]);
-    let (part_o, part_lse) = (p.workspace + offs[0] as u64, p.workspace + offs[1] as u64);
-    let n_part = po_bytes / (4 * hd);
+    let parts = workspace_parts(spec, &plan.host);
+    let [_, po_bytes, _] = parts;
+    let (offs, _) = layout(&parts);
+    // without split tiles the partial buffers are never touched: any valid address (the flag's)
+    let (part_o, part_lse) = if po_bytes == 0 { (flag, flag) } else { (p.workspace + offs[1] as u64, p.workspace + offs[2] as u64) };
+    let n_part = (po_bytes / (4 * hd)).max(1);
 
     let f = flash_fwd_kernel(be, dt, hd, mt, bn, BLOCK_M, false, false)?;
     let mut a = Args::new();
@@ -197,7 +228,7 @@ pub(crate) fn launch_forward(
         a.array(t(i).0, t(i).1);
     }
     // no block list (the sparse tables): any valid address
-    a.array(t(TBL_SEGS).0, 1).array(t(TBL_SEGS).0, 1);
+    a.array(t(TBL_SEGS).0, 1).array(t(TBL_SEGS).0, 1).array(flag, 1);
     a.f32(spec.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32);
     a.u32(fp.hp).u32(fp.n_slots).f32(f32::INFINITY).u32(0).u32(1).u32(win_l).u32(win_r);
     launch(&f, (n_work, y, 1), &mut a, stream)?;
@@ -210,7 +241,7 @@ pub(crate) fn launch_forward(
                     codegen(flash_fwd::combine_parts::CombineParts::<$t, CudaRuntime>::new(
                         settings(32 * flash_fwd::PLANES as u32),
                         client.clone(),
-                        A, A, A, A, A, A, A, (), (), (), (), (),
+                        A, A, A, A, A, A, A, A, (), (), (), (), (),
                         hd,
                         spec.causal,
                     ))
@@ -223,10 +254,11 @@ pub(crate) fn launch_forward(
         for i in [TBL_FWD_COMB, TBL_FWD_SLICES, TBL_SEGS] {
             a.array(t(i).0, t(i).1);
         }
+        a.array(flag, 1);
         a.u32(d.heads_q as u32).u32(d.total_q as u32).u32(fp.hp).u32(fp.n_slots).f32(f32::INFINITY);
         launch(&f, (fp.n_comb() as u32, y, 1), &mut a, stream)?;
     }
-    Ok(())
+    launch_dense_exact(be, spec, &exact, (win_l, win_r), stream)
 }
 
 /// Table order of a cached forward plan ([`fwd_tables`]).

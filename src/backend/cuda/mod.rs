@@ -2,7 +2,8 @@
 //! on disk: `compile`) and launched by us (`launch`) on the caller's stream with the caller's
 //! device pointers (`device_io`). One backend per device, created lazily; creation failures,
 //! including CubeCL's panics when the driver is missing, become `Error::BackendUnavailable`.
-//! Supported: forward for f16/bf16 (tensor-core flash kernel) and f32 (plain row-wise kernel),
+//! Supported: forward for f16/bf16 (tensor-core flash kernel; the exact row-wise kernel when v
+//! holds a NaN or Inf, chosen on the device: `nonfinite`) and f32 (plain row-wise kernel),
 //! head_dim 64 and 128. Backward (dQ, dK, dV): see `backward`.
 
 pub mod backward;
@@ -12,6 +13,7 @@ mod driver;
 mod forward;
 mod kernel_dump;
 mod launch;
+mod nonfinite;
 mod options;
 mod plan;
 mod plans;
@@ -33,8 +35,8 @@ pub use status::status;
 pub use zigzag::ZigzagCopy;
 pub(crate) use sparse::check_sparse_supported as sparse_supported;
 pub(crate) use sparse_bwd::check_sparse_bwd_supported as sparse_bwd_supported;
+pub use sparse::sparse_forward_workspace;
 pub use sparse_bwd::sparse_backward_workspace;
-pub use sparse_int8::int8_workspace as sparse_forward_workspace;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Mutex, OnceLock};

@@ -21,7 +21,8 @@ pub(crate) fn table_bytes(tables: &[&Vec<u32>]) -> u64 {
 pub(crate) struct Plan {
     /// (q_start, q_len, k_start, k_len) per segment.
     pub segs: Vec<u32>,
-    /// Segment of every query row, u32::MAX when none (row-wise f32 path).
+    /// Segment of every query row, u32::MAX when none (the row-wise kernels: the f32 forward and
+    /// the exact f16/bf16 forward of a v with a NaN or Inf).
     pub row_seg: Vec<u32>,
     /// Packed-row work list of the tensor-core forward kernel (empty for f32).
     pub fwd: FwdPlan,
@@ -33,17 +34,12 @@ impl Plan {
         for s in &spec.segments {
             segs.extend_from_slice(&[s.q_start as u32, s.q_len as u32, s.k_start as u32, s.k_len as u32]);
         }
-        let row_seg = if spec.dtype == DType::F32 {
-            let mut rs = vec![u32::MAX; spec.dims.total_q];
-            for (i, s) in spec.segments.iter().enumerate() {
-                for r in &mut rs[s.q_start..s.q_start + s.q_len] {
-                    *r = i as u32;
-                }
+        let mut row_seg = vec![u32::MAX; spec.dims.total_q];
+        for (i, s) in spec.segments.iter().enumerate() {
+            for r in &mut row_seg[s.q_start..s.q_start + s.q_len] {
+                *r = i as u32;
             }
-            rs
-        } else {
-            Vec::new()
-        };
+        }
         let fwd = if spec.dtype == DType::F32 { FwdPlan::default() } else { FwdPlan::new(spec, &fwd_options()) };
         Plan { segs, row_seg, fwd }
     }

@@ -12,6 +12,9 @@
 //!   `ceil(k_block / BLOCK_N)` tiles.
 //!
 //! Memory of the tables: O(items * heads + kept blocks), never O(S^2).
+//! Workspace (the caller's, [`sparse_forward_workspace`]): the non-finite-v flag; a call whose v
+//! holds a NaN or Inf is written by the exact row-wise kernel over the same plan instead
+//! ([`super::nonfinite`]), decided on the device.
 //! Speed contract (same results for every block size): `k_block` a multiple of 64 and
 //! `q_block * hp` a multiple of 64 run without masked padding.
 
@@ -20,6 +23,7 @@ use std::sync::Arc;
 use cudarc::driver::sys;
 
 use super::launch::{launch, Args};
+use super::nonfinite::{launch_flag, launch_sparse_exact, SparseExact};
 use super::plans::{Cached, PlanKey};
 use super::{check_supported, driver, CudaBackend, FwdPtrs};
 use crate::backend::ForwardOutput;
@@ -111,28 +115,39 @@ pub(crate) fn check_sparse_supported(spec: &SparseSpec) -> Result<()> {
     Ok(())
 }
 
+/// Bytes of the non-finite-v flag part at the start of a block-sparse forward's workspace.
+fn flag_part() -> usize {
+    super::forward::layout(&[super::nonfinite::FLAG_BYTES]).1
+}
+
+/// Device workspace bytes of a block-sparse forward: the non-finite-v flag, then the INT8
+/// option's quantised Q, K and scales ([`int8_workspace`], 0 without it).
+pub fn sparse_forward_workspace(spec: &SparseSpec) -> usize {
+    flag_part() + int8_workspace(spec)
+}
+
 impl CudaBackend {
     fn sparse_plan(&self, spec: &SparseSpec, stream: sys::CUstream) -> Result<Arc<Cached<SparsePlan>>> {
         self.sparse_plans.get(PlanKey::with_extra(&spec.attn, spec.fingerprint()[0], spec.fingerprint()[1]), stream, || SparsePlan::build(spec))
     }
 
     /// Enqueues the block-sparse forward of `spec` on `stream`: reads q, k, v and writes out and
-    /// lse in place; rows that see no key get zeros and lse +inf. The workspace (`p.workspace`,
-    /// `workspace_bytes` long) must hold [`int8_workspace`] bytes (0 without the INT8 option:
-    /// its address is then not used). `Ok(false)` when the call has no query row, key or head
-    /// (the caller fills the outputs).
+    /// lse in place; rows that see no key get zeros and lse +inf. `p.workspace`: at least
+    /// `workspace_bytes` >= [`sparse_forward_workspace`] bytes (the non-finite-v flag, then the
+    /// INT8 option's quantised Q, K and scales). `Ok(false)` when the call has no query row, key
+    /// or head (the caller fills the outputs; nothing is enqueued).
     ///
     /// # Safety
     /// As for [`CudaBackend::forward_device`].
     pub unsafe fn sparse_forward_device(&self, spec: &SparseSpec, p: FwdPtrs, workspace_bytes: usize, stream: u64) -> Result<bool> {
         check_sparse_supported(spec)?;
-        let need = int8_workspace(spec);
-        if workspace_bytes < need {
-            return Err(invalid("workspace", format!("needs {need} bytes for this call (sparse_forward_workspace), got {workspace_bytes}")));
-        }
         let d = &spec.attn.dims;
         if d.total_q == 0 || d.total_k == 0 || d.heads_q == 0 {
             return Ok(false);
+        }
+        let need = sparse_forward_workspace(spec);
+        if workspace_bytes < need || p.workspace == 0 {
+            return Err(invalid("workspace", format!("has {workspace_bytes} bytes at {:#x}, the call needs {need}", p.workspace)));
         }
         driver::bind(self.ctx)?;
         let s = stream as sys::CUstream;
@@ -150,8 +165,8 @@ impl CudaBackend {
         check_sparse_supported(spec)?;
         // SAFETY: `run_forward_host` passes buffers holding the spec's tensors and synchronizes its
         // stream before freeing them.
-        self.run_forward_host(&spec.attn, q, k, v, poison, |_| Ok(int8_workspace(spec)), |p, n, s| unsafe {
-            self.sparse_forward_device(spec, p, n, s).map(|_| ())
+        self.run_forward_host(&spec.attn, q, k, v, poison, |_| Ok(sparse_forward_workspace(spec)), |p, ws, s| unsafe {
+            self.sparse_forward_device(spec, p, ws, s).map(|_| ())
         })
     }
 }
@@ -165,6 +180,9 @@ fn launch_sparse_forward(be: &CudaBackend, spec: &SparseSpec, plan: &Cached<Spar
     let (hd, dt) = (d.head_dim, spec.attn.dtype);
     let (ql, kl, ll) = (d.q_len(), d.kv_len().max(1), d.lse_len());
     let t = |i| plan.tables.get(i);
+    // the workspace's flag, set when v holds a NaN or Inf (then the exact kernel writes the call)
+    let flag = p.workspace;
+    launch_flag(be, dt, p.v, d.kv_len(), flag, stream)?;
     let f = super::forward::flash_fwd_kernel(be, dt, hd, 2, BLOCK_N, sp.block_m, true, spec.int8.is_some())?;
     let mut a = Args::new();
     match spec.int8 {
@@ -176,7 +194,8 @@ fn launch_sparse_forward(be: &CudaBackend, spec: &SparseSpec, plan: &Cached<Spar
         Some(opt) => {
             // int8 rows in place of q and k (their bytes, counted in E); the scales in the
             // split-K arrays, which the sparse plan does not use (`kernels::flash_fwd` docs)
-            let z = super::sparse_int8::quantize(be, spec, opt, p, t(T_SEGS), stream)?;
+            let pq = FwdPtrs { workspace: p.workspace + flag_part() as u64, ..*p };
+            let z = super::sparse_int8::quantize(be, spec, opt, &pq, t(T_SEGS), stream)?;
             a.array(z.q8, ql / 2).array(z.k8, kl / 2).array(p.v, kl).array(p.out, ql).array(p.lse, ll);
             a.array(z.k_scale, d.total_k * d.heads_kv).array(z.q_scale, 2 * ll);
         }
@@ -184,10 +203,24 @@ fn launch_sparse_forward(be: &CudaBackend, spec: &SparseSpec, plan: &Cached<Spar
     for i in [T_WORK, T_SLICES, T_SEGS, T_REF, T_BLOCKS] {
         a.array(t(i).0, t(i).1);
     }
+    a.array(flag, 1);
     a.f32(spec.attn.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32);
     a.u32(sp.hp).u32(0).f32(f32::INFINITY).u32(spec.k_block as u32).u32(sp.tiles_per_block);
     // row bounds: the causal diagonal (a block pattern has no sliding window)
     let (win_l, win_r, _) = super::window_bounds(&spec.attn);
     a.u32(win_l).u32(win_r);
-    launch(&f, (sp.n_items as u32, sp.ys, 1), &mut a, stream)
+    launch(&f, (sp.n_items as u32, sp.ys, 1), &mut a, stream)?;
+    let exact = SparseExact {
+        work: t(T_WORK),
+        slices: t(T_SLICES),
+        segs: t(T_SEGS),
+        tile_ref: t(T_REF),
+        blocks: t(T_BLOCKS),
+        hp: sp.hp,
+        n_items: sp.n_items as u32,
+        n_ys: sp.ys,
+        k_block: spec.k_block as u32,
+        tiles_per_block: sp.tiles_per_block,
+    };
+    launch_sparse_exact(be, &spec.attn, p, flag, &exact, (win_l, win_r), stream)
 }
