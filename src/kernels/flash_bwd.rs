@@ -160,17 +160,19 @@ fn dkdv_chunk<E: Float, NA: Size, NB: Size, NC: Size>(
             let (row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
             let rloc = qr0 + nb * 8 + col as usize;
             let mut p = fast_exp2(s[nb * ec + e] * scale_log2 - lse_smem[qb + rloc]);
-            if masked && !full {
-                let kwin = kw0 + row as i32;
-                let rr = rr0 + (nb * 8) as i32 + col as i32;
-                let mut ok = kwin >= 0i32 && kwin < k_hi as i32 && rr < row_end as i32;
-                if window {
-                    ok = ok && kwin <= shift + rr + win_r as i32 && kwin >= shift + rr - win_l as i32;
-                } else if causal {
-                    ok = ok && kwin <= shift + rr;
-                }
-                if !ok {
-                    p = 0.0f32;
+            if masked {
+                if !full {
+                    let kwin = kw0 + row as i32;
+                    let rr = rr0 + (nb * 8) as i32 + col as i32;
+                    let mut ok = kwin >= 0i32 && kwin < k_hi as i32 && rr < row_end as i32;
+                    if window {
+                        ok = ok && kwin <= shift + rr + win_r as i32 && kwin >= shift + rr - win_l as i32;
+                    } else if causal {
+                        ok = ok && kwin <= shift + rr;
+                    }
+                    if !ok {
+                        p = 0.0f32;
+                    }
                 }
             }
             s[nb * ec + e] = p;
