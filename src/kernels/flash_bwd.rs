@@ -31,7 +31,7 @@ use cubecl::prelude::*;
 use cubecl::prelude::barrier::Barrier;
 
 use super::flash_fwd::{tile_bounds, LIST_SMEM};
-use super::fragments::{acc_to_a, frag_a, frag_b_n2, frag_b_t2, mma_into};
+use super::fragments::{frag_a, frag_b_n2, frag_b_t2, mma_acc_b, mma_into, mma_rows_abt};
 use super::staging::{issue_kv_tile, issue_q_tile, stage_rows};
 use super::math::{fast_exp2, LOG2E};
 use super::rows::{key_rows, row_keys};
@@ -131,26 +131,14 @@ fn dkdv_chunk<E: Float, NA: Size, NB: Size, NC: Size>(
     let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
     let sc = def.vector_size(MatrixIdent::Accumulator);
     let ec = comptime!(vc * sc);
-    let o_blocks = comptime!(head_dim / 8);
     let sn = comptime!(BWD_SUB / 8);
-    let k_steps = comptime!(head_dim / 16);
     // ---- S^T = K_w Q^T (16 keys x SUB rows) ----
     #[unroll]
     for i in 0..comptime!(sn * ec) {
         s[i] = 0.0f32;
         dp[i] = 0.0f32;
     }
-    #[unroll]
-    for kk in 0..comptime!(k_steps / 2) {
-        let a0 = frag_a::<E, NA>(def, k_smem, kw_base, kk * 32, stride);
-        let a1 = frag_a::<E, NA>(def, k_smem, kw_base, kk * 32 + 16, stride);
-        #[unroll]
-        for nb in 0..sn {
-            let m = frag_b_t2::<E, NB>(def, q_smem, qb + qr0 + nb * 8, kk * 32, stride);
-            mma_into::<E, NA, NB, NC>(def, &a0, &m, 0usize, s, nb * ec);
-            mma_into::<E, NA, NB, NC>(def, &a1, &m, 2usize, s, nb * ec);
-        }
-    }
+    mma_rows_abt::<E, NA, NB, NC>(def, k_smem, kw_base, q_smem, qb + qr0, s, sn, head_dim, stride);
 
     // ---- P^T = exp(scale * S^T - lse[row]) = 2^(scale_log2 * S^T - lse[row] * log2(e)), masked ----
     #[unroll]
@@ -180,29 +168,10 @@ fn dkdv_chunk<E: Float, NA: Size, NB: Size, NC: Size>(
     }
 
     // ---- dV += P^T dO ----
-    #[unroll]
-    for ks in 0..comptime!(BWD_SUB / 16) {
-        let a = acc_to_a::<E, NA>(def, s, ks);
-        #[unroll]
-        for ob2 in 0..comptime!(o_blocks / 2) {
-            let m = frag_b_n2::<E, NB>(def, do_smem, qb + qr0 + ks * 16, ob2 * 16, stride);
-            mma_into::<E, NA, NB, NC>(def, &a, &m, 0usize, dv_acc, (2 * ob2) * ec);
-            mma_into::<E, NA, NB, NC>(def, &a, &m, 2usize, dv_acc, (2 * ob2 + 1) * ec);
-        }
-    }
+    mma_acc_b::<E, NA, NB, NC>(def, s, do_smem, qb + qr0, dv_acc, BWD_SUB, head_dim, stride);
 
     // ---- dP^T = V_w dO^T ----
-    #[unroll]
-    for kk in 0..comptime!(k_steps / 2) {
-        let a0 = frag_a::<E, NA>(def, v_smem, kw_base, kk * 32, stride);
-        let a1 = frag_a::<E, NA>(def, v_smem, kw_base, kk * 32 + 16, stride);
-        #[unroll]
-        for nb in 0..sn {
-            let m = frag_b_t2::<E, NB>(def, do_smem, qb + qr0 + nb * 8, kk * 32, stride);
-            mma_into::<E, NA, NB, NC>(def, &a0, &m, 0usize, dp, nb * ec);
-            mma_into::<E, NA, NB, NC>(def, &a1, &m, 2usize, dp, nb * ec);
-        }
-    }
+    mma_rows_abt::<E, NA, NB, NC>(def, v_smem, kw_base, do_smem, qb + qr0, dp, sn, head_dim, stride);
 
     // ---- dS^T = P^T (dP^T - delta[row]) ----
     #[unroll]
@@ -228,16 +197,7 @@ fn dkdv_chunk<E: Float, NA: Size, NB: Size, NC: Size>(
     }
 
     // ---- dK += dS^T Q (scaled at the end) ----
-    #[unroll]
-    for ks in 0..comptime!(BWD_SUB / 16) {
-        let a = acc_to_a::<E, NA>(def, s, ks);
-        #[unroll]
-        for ob2 in 0..comptime!(o_blocks / 2) {
-            let m = frag_b_n2::<E, NB>(def, q_smem, qb + qr0 + ks * 16, ob2 * 16, stride);
-            mma_into::<E, NA, NB, NC>(def, &a, &m, 0usize, dk_acc, (2 * ob2) * ec);
-            mma_into::<E, NA, NB, NC>(def, &a, &m, 2usize, dk_acc, (2 * ob2 + 1) * ec);
-        }
-    }
+    mma_acc_b::<E, NA, NB, NC>(def, s, q_smem, qb + qr0, dk_acc, BWD_SUB, head_dim, stride);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -892,16 +852,7 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
                 }
             }
             // ---- dQ += dS K ----
-            #[unroll]
-            for ks in 0..comptime!(BWD_SUB / 16) {
-                let a = acc_to_a::<E, NA>(&def, &s, ks);
-                #[unroll]
-                for ob2 in 0..comptime!(o_blocks / 2) {
-                    let m = frag_b_n2::<E, NB>(&def, &k_smem, kb_off + kc0 + ks * 16, ob2 * 16, stride);
-                    mma_into::<E, NA, NB, NC>(&def, &a, &m, 0usize, &mut dq_acc, (2 * ob2) * ec);
-                    mma_into::<E, NA, NB, NC>(&def, &a, &m, 2usize, &mut dq_acc, (2 * ob2 + 1) * ec);
-                }
-            }
+            mma_acc_b::<E, NA, NB, NC>(&def, &s, &k_smem, kb_off + kc0, &mut dq_acc, BWD_SUB, head_dim, stride);
         }
     }
 

@@ -140,3 +140,65 @@ pub fn acc_to_a<E: Float, NA: Size>(def: &MmaDefinition<E, E, f32>, s: &Array<f3
     }
     a
 }
+
+/// `acc[nb]` (accumulator blocks `nb < n_blocks` of 16 x 8) += A B^T with A = the 16 rows of
+/// `a_smem` from `a_row0` and B^T = the `8 n_blocks` rows of `b_smem` from `b_row0`, both
+/// `head_dim` wide: S^T = K_w Q^T and dP^T = V_w dO^T of the dK/dV kernel.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn mma_rows_abt<E: Float, NA: Size, NB: Size, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    a_smem: &SharedMemory<E>,
+    a_row0: usize,
+    b_smem: &SharedMemory<E>,
+    b_row0: usize,
+    acc: &mut Array<f32>,
+    #[comptime] n_blocks: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] stride: usize,
+) {
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let sc = def.vector_size(MatrixIdent::Accumulator);
+    let ec = comptime!(vc * sc);
+    #[unroll]
+    for kk in 0..comptime!(head_dim / 32) {
+        let a0 = frag_a::<E, NA>(def, a_smem, a_row0, kk * 32, stride);
+        let a1 = frag_a::<E, NA>(def, a_smem, a_row0, kk * 32 + 16, stride);
+        #[unroll]
+        for nb in 0..n_blocks {
+            let m = frag_b_t2::<E, NB>(def, b_smem, b_row0 + nb * 8, kk * 32, stride);
+            mma_into::<E, NA, NB, NC>(def, &a0, &m, 0usize, acc, nb * ec);
+            mma_into::<E, NA, NB, NC>(def, &a1, &m, 2usize, acc, nb * ec);
+        }
+    }
+}
+
+/// `acc` (16 x `head_dim`, `head_dim / 8` accumulator blocks) += P B, with P the accumulator
+/// blocks of `s` (16 x `k`, rounded to `E` as A fragments) and B the `k` rows of `b_smem` from
+/// `b_row0`: dV += P^T dO, dK += dS^T Q and the dQ pass's dQ += dS K.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn mma_acc_b<E: Float, NA: Size, NB: Size, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    s: &Array<f32>,
+    b_smem: &SharedMemory<E>,
+    b_row0: usize,
+    acc: &mut Array<f32>,
+    #[comptime] k: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] stride: usize,
+) {
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let sc = def.vector_size(MatrixIdent::Accumulator);
+    let ec = comptime!(vc * sc);
+    #[unroll]
+    for ks in 0..comptime!(k / 16) {
+        let a = acc_to_a::<E, NA>(def, s, ks);
+        #[unroll]
+        for ob2 in 0..comptime!(head_dim / 16) {
+            let m = frag_b_n2::<E, NB>(def, b_smem, b_row0 + ks * 16, ob2 * 16, stride);
+            mma_into::<E, NA, NB, NC>(def, &a, &m, 0usize, acc, (2 * ob2) * ec);
+            mma_into::<E, NA, NB, NC>(def, &a, &m, 2usize, acc, (2 * ob2 + 1) * ec);
+        }
+    }
+}
