@@ -38,6 +38,7 @@ use cubecl::prelude::*;
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::barrier::{copy_async, Barrier};
 
+use super::fragments::mma_into;
 use super::int8_qk::{copy_k_tile8, copy_q_rows8, scores_int8, stride8};
 use super::math::{fast_exp2, LN2};
 use super::rows::row_keys;
@@ -687,24 +688,7 @@ pub fn flash_fwd_mma2<E: Float>(
                         for i in 0..va {
                             a[i] = pf[m * va + i];
                         }
-                        let mut acc = Array::<Vector<f32, NC>>::new(vc);
-                        #[unroll]
-                        for i in 0..vc {
-                            let mut reg = Vector::<f32, NC>::empty();
-                            #[unroll]
-                            for j in 0..sc {
-                                reg[j] = o_acc[(m * o_blocks + ob) * ec + i * sc + j];
-                            }
-                            acc[i] = reg;
-                        }
-                        def.execute_inplace(&a, &b, &mut acc);
-                        #[unroll]
-                        for i in 0..vc {
-                            #[unroll]
-                            for j in 0..sc {
-                                o_acc[(m * o_blocks + ob) * ec + i * sc + j] = acc[i][j];
-                            }
-                        }
+                        mma_into::<E, NA, NB, NC>(&def, &a, &b, 0usize, &mut o_acc, (m * o_blocks + ob) * ec);
                     }
                 }
             }
