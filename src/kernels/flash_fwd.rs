@@ -424,11 +424,7 @@ pub fn flash_fwd_mma2<E: Float>(
         // Q scales (`part_lse[head * total_q + token]`), 1 for rows without a token
         #[unroll]
         for i in 0..slots {
-            let mut r = row_b;
-            if i % 2 == 0 {
-                r = row_a;
-            }
-            let tr = prow + (i / 2) * 16 + r as usize;
+            let tr = slot_row(i, prow, row_a, row_b);
             let tok = row_tok[tr];
             let mut qs = 1.0f32;
             if tok != NONE {
@@ -526,11 +522,7 @@ pub fn flash_fwd_mma2<E: Float>(
         let mut needs_mask = false;
         #[unroll]
         for i in 0..slots {
-            let mut r = row_b;
-            if i % 2 == 0 {
-                r = row_a;
-            }
-            let tr = prow + (i / 2) * 16 + r as usize;
+            let tr = slot_row(i, prow, row_a, row_b);
             if t0 < row_lo[tr] || tn > min(row_hi[tr], t1) {
                 needs_mask = true;
             }
@@ -538,11 +530,7 @@ pub fn flash_fwd_mma2<E: Float>(
         if needs_mask {
             #[unroll]
             for i in 0..slots {
-                let mut r = row_b;
-                if i % 2 == 0 {
-                    r = row_a;
-                }
-                let tr = prow + (i / 2) * 16 + r as usize;
+                let tr = slot_row(i, prow, row_a, row_b);
                 let lo = row_lo[tr];
                 let hi = min(row_hi[tr], t1);
                 #[unroll]
@@ -721,11 +709,7 @@ pub fn flash_fwd_mma2<E: Float>(
         if lane % 4 == 0 {
             #[unroll]
             for i in 0..slots {
-                let mut r = row_b;
-                if i % 2 == 0 {
-                    r = row_a;
-                }
-                let tr = prow + (i / 2) * 16 + r as usize;
+                let tr = slot_row(i, prow, row_a, row_b);
                 let tok = row_tok[tr];
                 if tok != NONE {
                     let mut val = inf;
@@ -758,11 +742,7 @@ pub fn flash_fwd_mma2<E: Float>(
         if lane % 4 == 0 {
             #[unroll]
             for i in 0..slots {
-                let mut r = row_b;
-                if i % 2 == 0 {
-                    r = row_a;
-                }
-                let tr = prow + (i / 2) * 16 + r as usize;
+                let tr = slot_row(i, prow, row_a, row_b);
                 let mut val = neg_inf;
                 if l_r[i] != 0.0f32 {
                     val = m_r[i] * LN2 + f32::ln(l_r[i]);
@@ -841,6 +821,17 @@ fn fill_rows2(
 /// keys each, `klo` = the window start, `khi` its end); tile `kt` is part `kt % tiles_per_block`
 /// of block `kt / tiles_per_block`, cut at the block's and the window's end.
 #[allow(clippy::too_many_arguments)]
+/// Row (inside the cube tile) of accumulator slot `i` of a plane whose rows start at `prow`: m-tile
+/// `i / 2`, accumulator half `i % 2` (rows `row_a` / `row_b` of the lane's fragment).
+#[cube]
+fn slot_row(#[comptime] i: usize, prow: usize, row_a: u32, row_b: u32) -> usize {
+    let mut r = row_b;
+    if i % 2 == 0 {
+        r = row_a;
+    }
+    prow + (i / 2) * 16 + r as usize
+}
+
 #[cube]
 pub fn tile_bounds(
     kt: u32,
