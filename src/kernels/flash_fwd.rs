@@ -40,6 +40,7 @@ use cubecl::prelude::barrier::{copy_async, Barrier};
 
 use super::fragments::mma_into;
 use super::int8_qk::{copy_k_tile8, copy_q_rows8, scores_int8, stride8};
+use super::staging::copy_token_rows;
 use super::math::{fast_exp2, LN2};
 use super::rows::row_keys;
 
@@ -299,7 +300,6 @@ pub fn flash_fwd_mma2<E: Float>(
     let plane_rows = comptime!(16 * mt);
 
     let stride = comptime!(head_dim + SMEM_PAD);
-    let vecs_per_row = comptime!(head_dim / LOAD_VEC);
     // int8: Q and K tiles hold int8 rows (`int8_qk`, `stride8`), in the same E-typed buffers
     let qk_row = comptime!(if int8 { stride8(head_dim) } else { head_dim + SMEM_PAD });
     let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(block_m * qk_row), 16usize);
@@ -369,7 +369,6 @@ pub fn flash_fwd_mma2<E: Float>(
     let o_blocks = comptime!(head_dim / 8);
     let slots = comptime!(2 * mt);
     let krow = heads_kv as usize * head_dim;
-    let q_loads = comptime!(block_m * (head_dim / LOAD_VEC) / threads);
     let mi = (lane / 8u32) as usize;
     let mr = (lane % 8u32) as usize;
     let prow = plane as usize * plane_rows;
@@ -382,19 +381,7 @@ pub fn flash_fwd_mma2<E: Float>(
             copy_q_rows8(&q_s, &mut q_smem, &row_tok, &row_head, heads_q, NONE, threads, block_m, head_dim);
             copy_k_tile8(&k_s, &mut k_smem, f0, f1, heads_kv, head_kv, threads, block_n, head_dim);
         } else {
-            #[unroll]
-            for it in 0..q_loads {
-                let idx = UNIT_POS as usize + it * threads;
-                let r = idx / vecs_per_row;
-                let c = idx % vecs_per_row;
-                let mut tok = row_tok[r];
-                if tok == NONE {
-                    tok = 0u32;
-                }
-                let g = (tok * heads_q + row_head[r]) as usize * head_dim + c * LOAD_VEC;
-                let base = r * stride + c * LOAD_VEC;
-                copy_async(&q_s.slice(g, g + LOAD_VEC), &mut q_smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
-            }
+            copy_token_rows(&q_s, &mut q_smem, &row_tok, &row_head, heads_q, NONE, threads, block_m, head_dim, stride, LOAD_VEC);
             copy_kv_tile(&k_s, &mut k_smem, f0, f1, krow, head_kv, threads, block_n, head_dim);
         }
         bar_k.commit_copy_async();
