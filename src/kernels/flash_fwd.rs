@@ -40,6 +40,7 @@ use cubecl::prelude::barrier::{copy_async, Barrier};
 
 use super::fragments::mma_into;
 use super::int8_qk::{copy_k_tile8, copy_q_rows8, scores_int8, stride8};
+use super::staging::copy_token_rows;
 use super::math::{fast_exp2, LN2};
 use super::rows::row_keys;
 
@@ -309,7 +310,6 @@ pub fn flash_fwd_mma2<E: Float>(
     let plane_rows = comptime!(16 * mt);
 
     let stride = comptime!(head_dim + SMEM_PAD);
-    let vecs_per_row = comptime!(head_dim / LOAD_VEC);
     // int8: Q and K tiles hold int8 rows (`int8_qk`, `stride8`), in the same E-typed buffers
     let qk_row = comptime!(if int8 { stride8(head_dim) } else { head_dim + SMEM_PAD });
     let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(block_m * qk_row), 16usize);
@@ -379,7 +379,6 @@ pub fn flash_fwd_mma2<E: Float>(
     let o_blocks = comptime!(head_dim / 8);
     let slots = comptime!(2 * mt);
     let krow = heads_kv as usize * head_dim;
-    let q_loads = comptime!(block_m * (head_dim / LOAD_VEC) / threads);
     let mi = (lane / 8u32) as usize;
     let mr = (lane % 8u32) as usize;
     let prow = plane as usize * plane_rows;
@@ -392,19 +391,7 @@ pub fn flash_fwd_mma2<E: Float>(
             copy_q_rows8(&q_s, &mut q_smem, &row_tok, &row_head, heads_q, NONE, threads, block_m, head_dim);
             copy_k_tile8(&k_s, &mut k_smem, f0, f1, heads_kv, head_kv, threads, block_n, head_dim);
         } else {
-            #[unroll]
-            for it in 0..q_loads {
-                let idx = UNIT_POS as usize + it * threads;
-                let r = idx / vecs_per_row;
-                let c = idx % vecs_per_row;
-                let mut tok = row_tok[r];
-                if tok == NONE {
-                    tok = 0u32;
-                }
-                let g = (tok * heads_q + row_head[r]) as usize * head_dim + c * LOAD_VEC;
-                let base = r * stride + c * LOAD_VEC;
-                copy_async(&q_s.slice(g, g + LOAD_VEC), &mut q_smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
-            }
+            copy_token_rows(&q_s, &mut q_smem, &row_tok, &row_head, heads_q, NONE, threads, block_m, head_dim, stride, LOAD_VEC);
             copy_kv_tile(&k_s, &mut k_smem, f0, f1, krow, head_kv, threads, block_n, head_dim);
         }
         bar_k.commit_copy_async();
@@ -434,11 +421,7 @@ pub fn flash_fwd_mma2<E: Float>(
         // Q scales (`part_lse[head * total_q + token]`), 1 for rows without a token
         #[unroll]
         for i in 0..slots {
-            let mut r = row_b;
-            if i % 2 == 0 {
-                r = row_a;
-            }
-            let tr = prow + (i / 2) * 16 + r as usize;
+            let tr = slot_row(i, prow, row_a, row_b);
             let tok = row_tok[tr];
             let mut qs = 1.0f32;
             if tok != NONE {
@@ -536,11 +519,7 @@ pub fn flash_fwd_mma2<E: Float>(
         let mut needs_mask = false;
         #[unroll]
         for i in 0..slots {
-            let mut r = row_b;
-            if i % 2 == 0 {
-                r = row_a;
-            }
-            let tr = prow + (i / 2) * 16 + r as usize;
+            let tr = slot_row(i, prow, row_a, row_b);
             if t0 < row_lo[tr] || tn > min(row_hi[tr], t1) {
                 needs_mask = true;
             }
@@ -548,11 +527,7 @@ pub fn flash_fwd_mma2<E: Float>(
         if needs_mask {
             #[unroll]
             for i in 0..slots {
-                let mut r = row_b;
-                if i % 2 == 0 {
-                    r = row_a;
-                }
-                let tr = prow + (i / 2) * 16 + r as usize;
+                let tr = slot_row(i, prow, row_a, row_b);
                 let lo = row_lo[tr];
                 let hi = min(row_hi[tr], t1);
                 #[unroll]
@@ -731,11 +706,7 @@ pub fn flash_fwd_mma2<E: Float>(
         if lane % 4 == 0 {
             #[unroll]
             for i in 0..slots {
-                let mut r = row_b;
-                if i % 2 == 0 {
-                    r = row_a;
-                }
-                let tr = prow + (i / 2) * 16 + r as usize;
+                let tr = slot_row(i, prow, row_a, row_b);
                 let tok = row_tok[tr];
                 if tok != NONE {
                     let mut val = inf;
@@ -768,11 +739,7 @@ pub fn flash_fwd_mma2<E: Float>(
         if lane % 4 == 0 {
             #[unroll]
             for i in 0..slots {
-                let mut r = row_b;
-                if i % 2 == 0 {
-                    r = row_a;
-                }
-                let tr = prow + (i / 2) * 16 + r as usize;
+                let tr = slot_row(i, prow, row_a, row_b);
                 let mut val = neg_inf;
                 if l_r[i] != 0.0f32 {
                     val = m_r[i] * LN2 + f32::ln(l_r[i]);
@@ -851,6 +818,17 @@ fn fill_rows2(
 /// keys each, `klo` = the window start, `khi` its end); tile `kt` is part `kt % tiles_per_block`
 /// of block `kt / tiles_per_block`, cut at the block's and the window's end.
 #[allow(clippy::too_many_arguments)]
+/// Row (inside the cube tile) of accumulator slot `i` of a plane whose rows start at `prow`: m-tile
+/// `i / 2`, accumulator half `i % 2` (rows `row_a` / `row_b` of the lane's fragment).
+#[cube]
+fn slot_row(#[comptime] i: usize, prow: usize, row_a: u32, row_b: u32) -> usize {
+    let mut r = row_b;
+    if i % 2 == 0 {
+        r = row_a;
+    }
+    prow + (i / 2) * 16 + r as usize
+}
+
 #[cube]
 pub fn tile_bounds(
     kt: u32,

@@ -24,6 +24,8 @@ use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::barrier::copy_async;
 use cubecl::prelude::*;
 
+use super::staging::copy_token_rows;
+
 /// Keys per partial sum of the K mean.
 pub const MEAN_CHUNK: usize = 64;
 /// Units of a quantisation cube (4 warps, one row per warp at a time).
@@ -224,10 +226,9 @@ pub fn int8_quantize<E: Float>(
     }
 }
 
-/// `cp.async` copies of int8 rows into a padded shared tile: row `r` of the tile is global int8
-/// row `rows_at(r)` (an index into `[total, heads]`), given as `(token, head)` by the caller's
-/// tables (`NONE` tokens copy row 0: their keys or scores are masked). `n_rows` rows, `threads`
-/// units. The caller commits the copies to a barrier.
+/// `cp.async` copies of the int8 query rows into their padded shared tile (`n_rows` rows, `threads`
+/// units; `NONE` tokens copy row 0, their scores are masked): [`copy_token_rows`] over rows of
+/// `head_dim` int8 values (`head_dim / 2` elements of `E`). The caller commits the copies.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn copy_q_rows8<E: Float>(
@@ -241,22 +242,7 @@ pub fn copy_q_rows8<E: Float>(
     #[comptime] n_rows: usize,
     #[comptime] head_dim: usize,
 ) {
-    let stride = comptime!(stride8(head_dim));
-    let row_e = comptime!(head_dim / 2);
-    let vecs = comptime!(head_dim / 2 / VEC);
-    #[unroll]
-    for it in 0..comptime!(n_rows * (head_dim / 2 / VEC) / threads) {
-        let idx = UNIT_POS as usize + it * threads;
-        let r = idx / vecs;
-        let c = idx % vecs;
-        let mut tok = row_tok[r];
-        if tok == none {
-            tok = 0u32;
-        }
-        let g = (tok * heads + row_head[r]) as usize * row_e + c * VEC;
-        let base = r * stride + c * VEC;
-        copy_async(&src.slice(g, g + VEC), &mut smem.slice_mut(base, base + VEC), comptime!(VEC as u32));
-    }
+    copy_token_rows::<E>(src, smem, row_tok, row_head, heads, none, threads, n_rows, comptime!(head_dim / 2), comptime!(stride8(head_dim)), VEC);
 }
 
 /// `cp.async` copies of the int8 keys `[n0, n1)` of kv head `head_kv` into a padded tile of

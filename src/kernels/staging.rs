@@ -132,3 +132,39 @@ pub fn issue_kv_tile<E: Float>(
         copy_async(&v_s.slice(g, g + BWD_LOAD_VEC), &mut v_smem.slice_mut(base, base + BWD_LOAD_VEC), comptime!(BWD_LOAD_VEC as u32));
     }
 }
+
+/// `cp.async` copies of rows gathered by token into a padded shared tile: tile row `r` is global
+/// row `row_tok[r] * heads + row_head[r]` of `row_e` elements (`none` tokens copy row 0: the
+/// caller masks them), `stride` elements apart in `smem`, `vec` elements per copy; `n_rows` rows
+/// over `threads` units. The caller commits the copies to a barrier. The forward's Q tile (f16 /
+/// bf16 rows) and its int8 Q tile (rows of `head_dim` bytes) both use it.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn copy_token_rows<E: Float>(
+    src: &Array<E>,
+    smem: &mut SharedMemory<E>,
+    row_tok: &SharedMemory<u32>,
+    row_head: &SharedMemory<u32>,
+    heads: u32,
+    none: u32,
+    #[comptime] threads: usize,
+    #[comptime] n_rows: usize,
+    #[comptime] row_e: usize,
+    #[comptime] stride: usize,
+    #[comptime] vec: usize,
+) {
+    let vecs = comptime!(row_e / vec);
+    #[unroll]
+    for it in 0..comptime!(n_rows * (row_e / vec) / threads) {
+        let idx = UNIT_POS as usize + it * threads;
+        let r = idx / vecs;
+        let c = idx % vecs;
+        let mut tok = row_tok[r];
+        if tok == none {
+            tok = 0u32;
+        }
+        let g = (tok * heads + row_head[r]) as usize * row_e + c * vec;
+        let base = r * stride + c * vec;
+        copy_async(&src.slice(g, g + vec), &mut smem.slice_mut(base, base + vec), comptime!(vec as u32));
+    }
+}

@@ -84,11 +84,16 @@ pub(crate) fn exp2_calls(entry: &str, src: &str) -> Result<String> {
     Ok(out)
 }
 
-fn changed(entry: &str, what: &str) -> Error {
+/// The error of a rewrite that does not recognise CubeCL's output for kernel `entry`.
+fn mismatch(entry: &str, rewrite: &str, what: &str) -> Error {
     Error::Device(format!(
-        "CubeCL's generated source for {entry} has {what}: the exp2 rewrite (src/backend/cuda/rewrite.rs) does not \
-         match this CubeCL version's output"
+        "CubeCL's generated source for {entry} has {what}: the {rewrite} rewrite (src/backend/cuda/rewrite.rs) does \
+         not match this CubeCL version's output"
     ))
+}
+
+fn changed(entry: &str, what: &str) -> Error {
+    mismatch(entry, "exp2", what)
 }
 
 const CP_ARRIVE_ASM: &str = "cp.async.mbarrier.arrive.shared::cta.b64";
@@ -108,12 +113,7 @@ pub(crate) fn mbarriers(entry: &str, src: &str, noinc: bool, spin: bool) -> Resu
     if !src.contains(CP_ARRIVE_CALL) {
         return Ok(src.to_string());
     }
-    let bad = |what: &str| {
-        Error::Device(format!(
-            "CubeCL's generated source for {entry} has {what}: the mbarrier rewrite (src/backend/cuda/rewrite.rs) \
-             does not match this CubeCL version's output"
-        ))
-    };
+    let bad = |what: &str| mismatch(entry, "mbarrier", what);
     let mut out = src.to_string();
     if noinc {
         if out.matches(CP_ARRIVE_ASM).count() != 1 {
@@ -187,12 +187,7 @@ const LAST_TYPEDEF: &str = "typedef signed long long int int64;\n";
 /// addresses, and their calls to pass `__cubeattn_smem(shared_memory_N, l_i)` (a no-op for
 /// kernels without them). A call whose shared operand is not `shared_memory_N + index` is refused.
 pub(crate) fn smem_addresses(entry: &str, src: &str) -> Result<String> {
-    let bad = |what: &str| {
-        Error::Device(format!(
-            "CubeCL's generated source for {entry} has {what}: the shared-address rewrite \
-             (src/backend/cuda/rewrite.rs) does not match this CubeCL version's output"
-        ))
-    };
+    let bad = |what: &str| mismatch(entry, "shared-address", what);
     let ldsm_defs = src.matches("__device__ void\n__ldmatrix_").count();
     let cp_defs = src.matches("(void const *src_ptr, ").count();
     if ldsm_defs + cp_defs == 0 {
@@ -253,9 +248,7 @@ const INT8_4: &str = "struct __align__(4) int8_4 {\n    int8 i_0;\n    int8 i_1;
 /// a mistake here cannot pass silently.
 pub(crate) fn int8_words(entry: &str, src: &str) -> Result<String> {
     if !src.contains(INT8_4) {
-        return Err(Error::Device(format!(
-            "CubeCL's generated source for {entry} has no `int8_4` struct as rewrite.rs expects (int8_words)"
-        )));
+        return Err(mismatch(entry, "int8 word", "no `int8_4` struct"));
     }
     Ok(src.replacen(INT8_4, "struct __align__(4) int8_4 {\n    uint32 w;\n};", 1))
 }
