@@ -89,9 +89,9 @@ fn sparse_q_tile(
 
 /// One chunk of [`BWD_SUB`] query rows of a dK/dV plane (16 keys): S^T = K_w Q^T, P^T (masked),
 /// dV += P^T dO, dP^T = V_w dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q, and with `fuse_dq` dS
-/// into `ds_smem`. `masked` (comptime) compiles the per-element masks, applied unless `full`
-/// (every (key, row) pair of the block visible); the kernel calls the copy without masks when
-/// `full`, so its common path issues none of the mask instructions.
+/// into `ds_smem`. The per-element masks apply unless `full` (every (key, row) pair of the block
+/// visible). (A second copy compiled without masks for `full` chunks halved the common path's
+/// instructions but not its time: bench/NOTES.md, "Shared addresses and the dK/dV mask split".)
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn dkdv_chunk<E: Float, NA: Size, NB: Size, NC: Size>(
@@ -123,7 +123,6 @@ fn dkdv_chunk<E: Float, NA: Size, NB: Size, NC: Size>(
     #[comptime] causal: bool,
     #[comptime] window: bool,
     #[comptime] fuse_dq: bool,
-    #[comptime] masked: bool,
 ) {
     let lane = UNIT_POS_PLANE;
     let stride = comptime!(head_dim + PAD);
@@ -148,19 +147,17 @@ fn dkdv_chunk<E: Float, NA: Size, NB: Size, NC: Size>(
             let (row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
             let rloc = qr0 + nb * 8 + col as usize;
             let mut p = fast_exp2(s[nb * ec + e] * scale_log2 - lse_smem[qb + rloc]);
-            if masked {
-                if !full {
-                    let kwin = kw0 + row as i32;
-                    let rr = rr0 + (nb * 8) as i32 + col as i32;
-                    let mut ok = kwin >= 0i32 && kwin < k_hi as i32 && rr < row_end as i32;
-                    if window {
-                        ok = ok && kwin <= shift + rr + win_r as i32 && kwin >= shift + rr - win_l as i32;
-                    } else if causal {
-                        ok = ok && kwin <= shift + rr;
-                    }
-                    if !ok {
-                        p = 0.0f32;
-                    }
+            if !full {
+                let kwin = kw0 + row as i32;
+                let rr = rr0 + (nb * 8) as i32 + col as i32;
+                let mut ok = kwin >= 0i32 && kwin < k_hi as i32 && rr < row_end as i32;
+                if window {
+                    ok = ok && kwin <= shift + rr + win_r as i32 && kwin >= shift + rr - win_l as i32;
+                } else if causal {
+                    ok = ok && kwin <= shift + rr;
+                }
+                if !ok {
+                    p = 0.0f32;
                 }
             }
             s[nb * ec + e] = p;
@@ -246,8 +243,6 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
     #[comptime] qvec: usize,
     #[comptime] sparse: bool,
     #[comptime] window: bool,
-    #[comptime] split: bool,
-    #[comptime] unroll_sub: bool,
 ) {
     let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
     let lane = UNIT_POS_PLANE;
@@ -453,7 +448,6 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
             }
             g_tile = cur + 1u32;
 
-                #[unroll(unroll_sub)]
                 for sub in 0..comptime!(BWD_BM / BWD_SUB) {
                     let qr0 = sub * BWD_SUB;
                     let rr0 = (r0 as usize + qr0) as i32;
@@ -466,27 +460,11 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                         full = full && kw0 + 15i32 <= shift + rr0;
                     }
 
-                    if split {
-                        if full {
-                            dkdv_chunk::<E, NA, NB, NC>(
-                                &def, &k_smem, &v_smem, &q_smem, &do_smem, &lse_smem, &dl_smem, &mut ds_smem, &mut s, &mut dp,
-                                &mut dk_acc, &mut dv_acc, kw_base, qb, qr0, kw0, rr0, k_hi, row_end, shift, win_l, win_r,
-                                scale_log2, full, head_dim, causal, window, fuse_dq, false,
-                            );
-                        } else {
-                            dkdv_chunk::<E, NA, NB, NC>(
-                                &def, &k_smem, &v_smem, &q_smem, &do_smem, &lse_smem, &dl_smem, &mut ds_smem, &mut s, &mut dp,
-                                &mut dk_acc, &mut dv_acc, kw_base, qb, qr0, kw0, rr0, k_hi, row_end, shift, win_l, win_r,
-                                scale_log2, full, head_dim, causal, window, fuse_dq, true,
-                            );
-                        }
-                    } else {
-                        dkdv_chunk::<E, NA, NB, NC>(
-                            &def, &k_smem, &v_smem, &q_smem, &do_smem, &lse_smem, &dl_smem, &mut ds_smem, &mut s, &mut dp,
-                            &mut dk_acc, &mut dv_acc, kw_base, qb, qr0, kw0, rr0, k_hi, row_end, shift, win_l, win_r,
-                            scale_log2, full, head_dim, causal, window, fuse_dq, true,
-                        );
-                    }
+                    dkdv_chunk::<E, NA, NB, NC>(
+                        &def, &k_smem, &v_smem, &q_smem, &do_smem, &lse_smem, &dl_smem, &mut ds_smem, &mut s, &mut dp,
+                        &mut dk_acc, &mut dv_acc, kw_base, qb, qr0, kw0, rr0, k_hi, row_end, shift, win_l, win_r,
+                        scale_log2, full, head_dim, causal, window, fuse_dq,
+                    );
                 }
 
                 if fuse_dq {

@@ -27,7 +27,6 @@ use half::{bf16, f16};
 use super::compile::{codegen, codegen_exp2, settings, Func, KernelKey, Source};
 use super::forward::layout;
 use super::launch::{grid_2d, launch, Args};
-use super::options::exp_flags;
 use super::plans::Cached;
 use super::{window_bounds, CudaBackend};
 use crate::backend::{BackwardInputs, Gradients};
@@ -277,9 +276,8 @@ pub(crate) fn dkdv_kernel(
     window: bool,
 ) -> Result<Func> {
     let qvec = atomic_vec();
-    let x = exp_flags();
-    let key = KernelKey::new("flash_bwd_dkdv", dt, &[hd as u32, causal as u32, fused as u32, qvec as u32, sparse as u32, window as u32, x]);
-    be.kernels.get(&key, || dkdv_source(be.client(), dt, hd, causal, fused, qvec, sparse, window, x))
+    let key = KernelKey::new("flash_bwd_dkdv", dt, &[hd as u32, causal as u32, fused as u32, qvec as u32, sparse as u32, window as u32]);
+    be.kernels.get(&key, || dkdv_source(be.client(), dt, hd, causal, fused, qvec, sparse, window))
 }
 
 /// CUDA source of [`dkdv_kernel`].
@@ -292,27 +290,25 @@ pub(crate) fn dkdv_source(
     qvec: usize,
     sparse: bool,
     window: bool,
-    x: u32,
 ) -> Result<Source> {
     by_dtype!(dt, T, codegen_exp2(flash_bwd::flash_bwd_dkdv::FlashBwdDkdv::<T, CudaRuntime>::new(
         settings(32 * BWD_PLANES as u32), client.clone(),
         A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (), (),
-        BWD_LOAD_VEC, qvec, hd, causal, fused, qvec, sparse, window, x & 2 != 0, x & 4 != 0), true, x & 1 != 0))
+        BWD_LOAD_VEC, qvec, hd, causal, fused, qvec, sparse, window), true))
 }
 
 /// The dQ pass kernel (`flash_bwd::flash_bwd_dq`, f16/bf16) for one set of comptime choices.
 pub(crate) fn dq_kernel(be: &CudaBackend, dt: DType, hd: usize, sparse: bool, window: bool) -> Result<Func> {
-    let x = exp_flags();
-    let key = KernelKey::new("flash_bwd_dq", dt, &[hd as u32, sparse as u32, window as u32, x]);
-    be.kernels.get(&key, || dq_source(be.client(), dt, hd, sparse, window, x))
+    let key = KernelKey::new("flash_bwd_dq", dt, &[hd as u32, sparse as u32, window as u32]);
+    be.kernels.get(&key, || dq_source(be.client(), dt, hd, sparse, window))
 }
 
 /// CUDA source of [`dq_kernel`].
-pub(crate) fn dq_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: usize, sparse: bool, window: bool, x: u32) -> Result<Source> {
+pub(crate) fn dq_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: usize, sparse: bool, window: bool) -> Result<Source> {
     by_dtype!(dt, T, codegen_exp2(flash_bwd::flash_bwd_dq::FlashBwdDq::<T, CudaRuntime>::new(
         settings(32 * BWD_PLANES as u32), client.clone(),
         A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (),
-        BWD_LOAD_VEC, hd, sparse, window), true, x & 1 != 0))
+        BWD_LOAD_VEC, hd, sparse, window), true))
 }
 
 /// Enqueues `flash_bwd_dkdv` (f16/bf16) over `n_work` work items x heads_kv. `acc`: the f32 dQ

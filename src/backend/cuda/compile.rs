@@ -116,17 +116,17 @@ fn codegen_options() -> CompilationOptions {
 }
 
 /// CUDA source of a kernel (CubeCL's code generator; no device work).
-/// [`codegen`] with `2^x` rewritten into `exp2f` and the cp.async barriers' copy arrivals made
-/// `.noinc` ([`super::rewrite`]); for the kernels that use `kernels::math::fast_exp2`. `spin`:
-/// barrier waits as a plain `try_wait` loop (the backward kernels: fwd+bwd 8K 9.90 -> 9.82 ms on an
-/// H200; the forward measured 0.3-0.9% slower with it, so it keeps libcu++'s wait).
-pub(crate) fn codegen_exp2<K: CubeKernel>(kernel: K, spin: bool, smem: bool) -> Result<Source> {
+/// [`codegen`] with `2^x` rewritten into `exp2f`, the cp.async barriers' copy arrivals made
+/// `.noinc`, and ldmatrix / cp.async given 32-bit shared addresses ([`super::rewrite`]; the last
+/// took the forward at 8K causal from 1.90 to 1.77 ms on an H200, bench/NOTES.md); for the kernels
+/// that use `kernels::math::fast_exp2`. `spin`: barrier waits as a plain `try_wait` loop (the
+/// backward kernels: fwd+bwd 8K 9.90 -> 9.82 ms on an H200; the forward measured 0.3-0.9% slower
+/// with it, so it keeps libcu++'s wait).
+pub(crate) fn codegen_exp2<K: CubeKernel>(kernel: K, spin: bool) -> Result<Source> {
     let mut src = codegen(kernel)?;
     src.cuda = super::rewrite::exp2_calls(&src.entry, &src.cuda)?;
     src.cuda = super::rewrite::mbarriers(&src.entry, &src.cuda, true, spin)?;
-    if smem {
-        src.cuda = super::rewrite::smem_addresses(&src.entry, &src.cuda)?;
-    }
+    src.cuda = super::rewrite::smem_addresses(&src.entry, &src.cuda)?;
     Ok(src)
 }
 

@@ -18,7 +18,6 @@ use half::{bf16, f16};
 
 use super::compile::{codegen, codegen_exp2, settings, KernelKey, Source};
 use super::launch::{launch, Args};
-use super::options::exp_flags;
 use super::nonfinite::{launch_dense_exact, launch_flag, DenseExact, FLAG_BYTES};
 use super::{fwd_options, window_bounds, CudaBackend, Plan};
 use crate::dtype::DType;
@@ -102,9 +101,8 @@ pub(crate) fn flash_fwd_kernel(
     sparse: bool,
     int8: bool,
 ) -> Result<super::compile::Func> {
-    let x = exp_flags();
-    let key = KernelKey::new("flash_fwd_mma2", dt, &[hd as u32, mt as u32, bn as u32, block_m as u32, sparse as u32, int8 as u32, x]);
-    be.kernels.get(&key, || fwd_source(be.client(), dt, hd, mt, bn, block_m, sparse, int8, x))
+    let key = KernelKey::new("flash_fwd_mma2", dt, &[hd as u32, mt as u32, bn as u32, block_m as u32, sparse as u32, int8 as u32]);
+    be.kernels.get(&key, || fwd_source(be.client(), dt, hd, mt, bn, block_m, sparse, int8))
 }
 
 /// CUDA source of [`flash_fwd_kernel`].
@@ -118,7 +116,6 @@ pub(crate) fn fwd_source(
     block_m: usize,
     sparse: bool,
     int8: bool,
-    x: u32,
 ) -> Result<Source> {
     let threads = (block_m * 2 / mt) as u32;
     macro_rules! k {
@@ -133,7 +130,7 @@ pub(crate) fn fwd_source(
                 block_m,
                 sparse,
                 int8,
-            ), false, x & 1 != 0)
+            ), false)
         };
     }
     let mut src = if is_f16(dt) { k!(f16) } else { k!(bf16) }?;

@@ -13,8 +13,7 @@ mod tests {
     use crate::dtype::DType;
 
     /// `CUBEATTN_DUMP_DIR=dir cargo test --release --features cuda --lib dump_tensor_core_kernels
-    /// -- --ignored`: bf16 forward, dK/dV and dQ pass in their main comptime variants (`CUBEATTN_EXP`
-    /// picks the experiment switches, `options::exp_flags`).
+    /// -- --ignored`: bf16 forward, dK/dV and dQ pass in their main comptime variants.
     #[test]
     #[ignore]
     fn dump_tensor_core_kernels() {
@@ -22,23 +21,22 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let c = CudaBackend::shared().expect("a CUDA driver").client();
         let dt = DType::BF16;
-        let x = super::super::options::exp_flags();
         let sources = [
-            ("fwd_d128", fwd_source(c, dt, 128, 2, 64, 128, false, false, x)),
-            ("fwd_d64", fwd_source(c, dt, 64, 2, 64, 128, false, false, x)),
-            ("fwd_sparse_d128", fwd_source(c, dt, 128, 2, 64, 64, true, false, x)),
-            ("fwd_sparse_int8_d128", fwd_source(c, dt, 128, 2, 64, 64, true, true, x)),
-            ("fwd_sparse_int8_d64", fwd_source(c, dt, 64, 2, 64, 64, true, true, x)),
+            ("fwd_d128", fwd_source(c, dt, 128, 2, 64, 128, false, false)),
+            ("fwd_d64", fwd_source(c, dt, 64, 2, 64, 128, false, false)),
+            ("fwd_sparse_d128", fwd_source(c, dt, 128, 2, 64, 64, true, false)),
+            ("fwd_sparse_int8_d128", fwd_source(c, dt, 128, 2, 64, 64, true, true)),
+            ("fwd_sparse_int8_d64", fwd_source(c, dt, 64, 2, 64, 64, true, true)),
             ("int8_quantize_k_d128", super::super::sparse_int8::quantize_source(c, dt, 128, true, true)),
-            ("dkdv_causal_d128", dkdv_source(c, dt, 128, true, false, 2, false, false, x)),
-            ("dkdv_full_d128", dkdv_source(c, dt, 128, false, false, 2, false, false, x)),
-            ("dkdv_window_d128", dkdv_source(c, dt, 128, true, false, 2, false, true, x)),
-            ("dkdv_sparse_d128", dkdv_source(c, dt, 128, false, false, 2, true, false, x)),
-            ("dkdv_fused_d128", dkdv_source(c, dt, 128, false, true, 2, false, false, x)),
-            ("dq_d128", dq_source(c, dt, 128, false, false, x)),
-            ("dq_d64", dq_source(c, dt, 64, false, false, x)),
-            ("dq_window_d128", dq_source(c, dt, 128, false, true, x)),
-            ("dq_sparse_d128", dq_source(c, dt, 128, true, false, x)),
+            ("dkdv_causal_d128", dkdv_source(c, dt, 128, true, false, 2, false, false)),
+            ("dkdv_full_d128", dkdv_source(c, dt, 128, false, false, 2, false, false)),
+            ("dkdv_window_d128", dkdv_source(c, dt, 128, true, false, 2, false, true)),
+            ("dkdv_sparse_d128", dkdv_source(c, dt, 128, false, false, 2, true, false)),
+            ("dkdv_fused_d128", dkdv_source(c, dt, 128, false, true, 2, false, false)),
+            ("dq_d128", dq_source(c, dt, 128, false, false)),
+            ("dq_d64", dq_source(c, dt, 64, false, false)),
+            ("dq_window_d128", dq_source(c, dt, 128, false, true)),
+            ("dq_sparse_d128", dq_source(c, dt, 128, true, false)),
         ];
         for (name, src) in sources {
             let src = src.unwrap();

@@ -17,16 +17,6 @@ pub struct FwdOptions {
     pub block_n: u32,
 }
 
-/// Experiment switches awaiting a GPU run (`CUBEATTN_EXP`, a bit mask read at every kernel
-/// lookup and part of the kernel keys): 1 = 32-bit shared addresses for ldmatrix and cp.async
-/// (`rewrite::smem_addresses`, every tensor-core kernel), 2 = dK/dV chunks in a masked and an
-/// unmasked copy, 4 = dK/dV's two row chunks unrolled. Default 0: the kernels verified on the
-/// GPU (generated code identical to before the switches). Temporary: after the timing run the
-/// winners become the only code and the switch goes (bench/NOTES.md).
-pub fn exp_flags() -> u32 {
-    std::env::var("CUBEATTN_EXP").ok().and_then(|v| v.parse().ok()).unwrap_or(0) & 7
-}
-
 static FWD_OPTS: std::sync::Mutex<Option<FwdOptions>> = std::sync::Mutex::new(None);
 
 fn env_on(name: &str) -> bool {
