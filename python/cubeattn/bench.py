@@ -807,8 +807,6 @@ def _cuda_sparse(args, torch):
                 ms = median_ms(lambda: cubeattn.block_sparse_attn_func(qg, kg, vg, spec).backward(g), 2, it, sync)
                 rows.append(dict(key, what="sparse_fwdbwd", impl="cubeattn_prepared", ms=ms[0], ms_min=ms[1]))
                 if args.quant_gran:
-                    # the CUDA INT8 kernel is opt-in until a GPU run has verified it (README)
-                    os.environ.setdefault("CUBEATTN_INT8_CUDA", "1")
                     spec8 = cubeattn.sparse_spec((B * s, H, d), (B * s, H, d), "bfloat16",
                                                  (np.arange(B + 1) * s).astype(np.int32),
                                                  (np.arange(B + 1) * s).astype(np.int32), s, s, ix, 128, 128,

@@ -160,8 +160,6 @@ fn sparse_forward_matches_cpu_and_writes_every_element() {
 #[ignore = "needs a CUDA GPU: scripts/gpu-test.sh test runs it (--include-ignored)"]
 fn sparse_int8_forward_matches_cpu_and_writes_every_element() {
     let Some(be) = backend() else { return };
-    // the CUDA INT8 kernel is opt-in until this test has passed on a GPU (check_sparse_supported)
-    std::env::set_var("CUBEATTN_INT8_CUDA", "1");
     let mut rng = StdRng::seed_from_u64(13);
     let mut failures = Vec::new();
     let grans = [QuantGran::PerBlock, QuantGran::PerWarp, QuantGran::PerThread];

@@ -197,26 +197,6 @@ def test_torch_cuda_tensors_stay_on_the_gpu_and_equal_the_numpy_path():
         assert np.array_equal(g.view(torch.int16).numpy(), np.asarray(w).view(np.int16)), "torch path == numpy path, bit for bit"
 
 
-@pytest.fixture
-def unverified_int8_cuda(monkeypatch):
-    """The CUDA INT8 kernel is opt-in until a GPU run has checked it (CUBEATTN_INT8_CUDA=1)."""
-    monkeypatch.setenv("CUBEATTN_INT8_CUDA", "1")
-
-
-def test_int8_on_cuda_is_opt_in_until_verified(monkeypatch):
-    monkeypatch.delenv("CUBEATTN_INT8_CUDA", raising=False)
-    B, s, hq, hkv, d = 1, 128, 4, 2, 64
-    ix = pattern("random", B, hq, 2, 2, 0.5, seed=5)
-    rng = np.random.default_rng(5)
-    q, k, v = (rng.standard_normal((B, s, h, d)).astype(np.float16) for h in (hq, hkv, hkv))
-    with pytest.raises(NotImplementedError, match="quant_gran"):
-        cubeattn.block_sparse_attn_func(q, k, v, ix, device="cuda", quant_gran="per_warp")
-    out = cubeattn.block_sparse_attn_func(q, k, v, ix, device="auto", quant_gran="per_warp")
-    assert cubeattn.last_backend() == "cpu"
-    want = cubeattn.block_sparse_attn_func(q, k, v, ix, device="cpu", quant_gran="per_warp")
-    np.testing.assert_array_equal(out, want)
-
-
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("gran,smooth,d,q_block,k_block,causal", [
     ("per_block", True, 128, 64, 128, True),
@@ -225,7 +205,7 @@ def test_int8_on_cuda_is_opt_in_until_verified(monkeypatch):
     ("per_warp", False, 128, 48, 80, True),
     ("per_thread", False, 64, 100, 200, True),
 ])
-def test_int8_on_cuda_matches_the_quantisation_rule_and_the_cpu(gran, smooth, d, q_block, k_block, causal, dtype, unverified_int8_cuda):
+def test_int8_on_cuda_matches_the_quantisation_rule_and_the_cpu(gran, smooth, d, q_block, k_block, causal, dtype):
     """CUDA INT8 Q K^T: against f64 attention over the operands quantised by the documented rule
     (conftest.int8_operands), against the CPU's INT8 path, and against the f64 reference of the
     unquantised attention (cosine >= 0.99); K with a channel offset; GQA with an index per q head
@@ -268,7 +248,7 @@ def test_int8_on_cuda_matches_the_quantisation_rule_and_the_cpu(gran, smooth, d,
         assert cos >= 0.99
 
 
-def test_int8_torch_cuda_tensors_stay_on_the_gpu(unverified_int8_cuda):
+def test_int8_torch_cuda_tensors_stay_on_the_gpu():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch without CUDA")

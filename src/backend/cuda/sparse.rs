@@ -105,16 +105,6 @@ pub(crate) fn check_sparse_supported(spec: &SparseSpec) -> Result<()> {
             msg: "block-sparse attention on CUDA takes float16/bfloat16 (tensor cores); float32 runs on the CPU".into(),
         });
     }
-    if spec.int8.is_some() && std::env::var("CUBEATTN_INT8_CUDA").as_deref() != Ok("1") {
-        // The INT8 kernel compiles and its launches match their signatures (stub dry run), but it
-        // has not yet run on a GPU: until a GPU run checks it against the CPU path it is opt-in.
-        return Err(Error::Unsupported {
-            backend: "cuda",
-            msg: "quant_gran (INT8 Q K^T) on CUDA: the kernel has not yet been verified on a GPU; run it on the CPU \
-                  (device=\"cpu\" or \"auto\"), or set CUBEATTN_INT8_CUDA=1 to try the unverified kernel"
-                .into(),
-        });
-    }
     if spec.attn.uncovered_rows() > 0 {
         return Err(invalid("cu_seqlens_q", "the sequences must cover every query row (cu_seqlens_q[-1] == total_q)"));
     }
