@@ -69,10 +69,12 @@ def _has_torch():
 
 _TORCH_CPU_PEER = """
 import json, sys, time, torch
-s, hq, hkv, d, causal, iters = json.loads(sys.argv[1])
+s, hq, hkv, d, causal, iters, grad = json.loads(sys.argv[1])
 g = torch.Generator().manual_seed(0)
-q = torch.randn(1, hq, s, d, generator=g); k = torch.randn(1, hkv, s, d, generator=g); v = torch.randn(1, hkv, s, d, generator=g)
-f = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv)
+q, k, v = (torch.randn(1, h, s, d, generator=g, requires_grad=grad) for h in (hq, hkv, hkv))
+do = torch.randn(1, hq, s, d, generator=g)
+sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv)
+f = (lambda: sdpa().backward(do)) if grad else sdpa
 f()
 ts = []
 for _ in range(iters):
@@ -82,9 +84,10 @@ print(json.dumps({"ms": [ts[len(ts) // 2], ts[0], ts[-1]], "threads": torch.get_
 """
 
 
-def _torch_cpu_peer(s, hq, hkv, d, causal, iters):
-    """torch's CPU scaled_dot_product_attention timed in a child process (same shapes)."""
-    r = subprocess.run([sys.executable, "-c", _TORCH_CPU_PEER, json.dumps([s, hq, hkv, d, causal, iters])],
+def _torch_cpu_peer(s, hq, hkv, d, causal, iters, grad=False):
+    """torch's CPU scaled_dot_product_attention (with `grad`: forward + backward) timed in a child
+    process (same shapes)."""
+    r = subprocess.run([sys.executable, "-c", _TORCH_CPU_PEER, json.dumps([s, hq, hkv, d, causal, iters, grad])],
                        capture_output=True, text=True)
     if r.returncode != 0:
         return {"error": r.stderr.strip().splitlines()[-1][:200] if r.stderr.strip() else "failed"}
@@ -134,7 +137,10 @@ def naive_numpy(q, k, v, causal):
 
 def bench_cpu(args):
     """Each implementation runs over all lengths before the next starts: torch's OpenMP threads
-    keep spinning for a while after a call and would otherwise steal cores from the next one."""
+    keep spinning for a while after a call and would otherwise steal cores from the next one.
+    `fwdbwd`: forward + backward (ours: forward with the LSE, then the deterministic backward,
+    numpy arrays; torch: SDPA forward, then `.backward`), what "dense_causal_fwdbwd"."""
+    grad = args.what == "fwdbwd"
     hq, hkv, d = CONFIGS[args.config]
     rng = np.random.default_rng(0)
     inputs = {}
@@ -142,28 +148,40 @@ def bench_cpu(args):
         inputs[s] = tuple(rng.standard_normal((s, h, d), dtype=np.float32) for h in (hq, hkv, hkv))
 
     def flops(s):
-        return 4 * d * hq * (causal_pairs(s, s) if args.causal else s * s)
+        return (3.5 if grad else 1) * 4 * d * hq * (causal_pairs(s, s) if args.causal else s * s)
+
+    what = ("dense_causal_fwdbwd" if args.causal else "dense_fwdbwd") if grad else "dense_fwd"
 
     def row(impl, s, ms, **kw):
-        return dict(what="dense_fwd", impl=impl, S=s, ms=ms[0], ms_min=ms[1], ms_max=ms[2],
+        return dict(what=what, impl=impl, S=s, ms=ms[0], ms_min=ms[1], ms_max=ms[2],
                     gflops=flops(s) / ms[0] / 1e6, **kw)
 
     rows = []
     for s, (q, k, v) in inputs.items():
         cu = np.array([0, s], np.int32)
-        ms = median_ms(lambda: cubeattn.flash_attn_varlen_func(q, k, v, cu, cu, s, s, causal=args.causal,
-                                                               device="cpu"), 1, args.iterations)
+        if grad:
+            dout = rng.standard_normal(q.shape, dtype=np.float32)
+
+            def step():
+                o, lse = cubeattn.flash_attn_varlen_func(q, k, v, cu, cu, s, s, causal=args.causal, return_lse=True,
+                                                         device="cpu")
+                cubeattn.flash_attn_varlen_backward(dout, q, k, v, o, lse, cu, cu, s, s, causal=args.causal,
+                                                    deterministic=True, device="cpu")
+            ms = median_ms(step, 1, args.iterations)
+        else:
+            ms = median_ms(lambda: cubeattn.flash_attn_varlen_func(q, k, v, cu, cu, s, s, causal=args.causal,
+                                                                   device="cpu"), 1, args.iterations)
         rows.append(row("cubeattn_cpu", s, ms))
     if _has_torch():
         # in a child process: a process that has imported torch runs other thread pools slower
         for s in inputs:
-            res = _torch_cpu_peer(s, hq, hkv, d, args.causal, args.iterations)
+            res = _torch_cpu_peer(s, hq, hkv, d, args.causal, args.iterations, grad)
             if "error" in res:
-                rows.append(dict(what="dense_fwd", impl="torch_sdpa_cpu", S=s, error=res["error"]))
+                rows.append(dict(what=what, impl="torch_sdpa_cpu", S=s, error=res["error"]))
             else:
                 rows.append(row("torch_sdpa_cpu", s, res["ms"], threads=res["threads"]))
     for s, (q, k, v) in inputs.items():
-        if s <= args.naive_max:
+        if s <= args.naive_max and not grad:
             ms = median_ms(lambda: naive_numpy(q, k, v, args.causal), 0, max(1, min(3, args.iterations)))
             rows.append(row("naive_numpy", s, ms))
     return rows
@@ -1011,7 +1029,7 @@ def main(argv=None):
         args.config = args.config or "cpu-small"
         args.seqlens = args.seqlens or ([1024, 2048] if args.quick else [2048, 4096])
         args.iterations = args.iterations or (3 if args.quick else 5)
-        if args.what not in ("dense", "sparse"):
+        if args.what not in ("dense", "fwdbwd", "sparse"):
             p.error(f"the {args.what} benchmark compares GPU kernels: run it with a CUDA build on a GPU")
         rows = _sparse(args, device, None) if args.what == "sparse" else bench_cpu(args)
     else:

@@ -1,11 +1,13 @@
-//! CPU backward (FlashAttention-2 style, recomputing P from the LSE), deterministic by
-//! construction: dK/dV are owned by tasks over (kv head, key block) that loop over every segment
-//! and query head seeing those keys (so overlapping groups and GQA heads accumulate in a fixed
-//! order); dQ is owned by tasks over (query head, segment, query block).
+//! CPU backward (FlashAttention-2 style, recomputing P from the LSE once), deterministic by
+//! construction: dK/dV are owned by tasks over (kv head, chunk of key blocks) that loop over every
+//! segment and query head seeing those keys (so overlapping groups and GQA heads accumulate in a
+//! fixed order); each chunk adds its dQ into its own buffer, and the buffers are summed in chunk
+//! order.
 
 use rayon::prelude::*;
 
-use super::forward::{all_finite, pv_rows, query_blocks, row_bounds, BK, BQ};
+use super::forward::{all_finite, pv_rows, row_bounds, BK, BQ};
+use super::pool::Aligned;
 use super::layout::{from_head_major, matmul, to_f32_cow, to_head_major, Mat, SharedMut};
 use super::simd::{dot, exp2_neg, multiversion};
 use crate::backend::{BackwardInputs, Gradients};
@@ -143,6 +145,20 @@ pub(crate) fn prepare(spec: &AttnSpec, q: HostView, k: HostView, v: HostView, g:
     }
 }
 
+/// Key chunks per kv head: the tasks are (kv head, chunk of key blocks), and each chunk's dQ
+/// contribution goes to its own f32 buffer, summed in chunk order at the end. A function of the
+/// shape only (never of the thread count), so the gradients are the same bits on every machine:
+/// at least 32 tasks where the key blocks allow, and at most 256 MiB of dQ buffers.
+fn key_chunks(hkv: usize, tk: usize, q_len: usize) -> usize {
+    let blocks = tk.div_ceil(BKB).max(1);
+    let cap = ((256usize << 20) / (q_len * 4).max(1)).max(1);
+    32usize.div_ceil(hkv.max(1)).min(blocks).min(cap)
+}
+
+/// FlashAttention-2's five products per (query block, key block): S = Q K^T, dV += P^T dO,
+/// dP = dO V^T, dK += dS^T Q and dQ += dS K (P recomputed once from the LSE). One task per (kv
+/// head, chunk of key blocks) owns those keys' dK/dV (every segment and GQA query head that sees
+/// them, in a fixed order) and its chunk's dQ buffer.
 pub(crate) fn backward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView, g: BackwardInputs) -> Gradients {
     let dm = spec.dims;
     let (d, tq, tk, hq, hkv) = (dm.head_dim, dm.total_q, dm.total_k, dm.heads_q, dm.heads_kv);
@@ -154,101 +170,93 @@ pub(crate) fn backward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView, g
     // masked entries dscores_rows overwrites
     let exact = !(all_finite(&p.q) && all_finite(&p.k) && all_finite(&p.dout));
 
-    // dK, dV: one task per (kv head, key block of the global key axis).
+    let chunks = key_chunks(hkv, tk, dm.q_len());
+    let blocks = tk.div_ceil(BKB);
     let mut dk = vec![0.0f32; dm.kv_len()];
     let mut dv = vec![0.0f32; dm.kv_len()];
+    // chunk c's dQ in dq_parts[c * q_len..]; with one chunk it is dQ itself
+    let mut dq_buf = Aligned::take(chunks * dm.q_len());
+    let dq_parts = dq_buf.as_mut_slice();
+    dq_parts.par_chunks_mut(1 << 16).for_each(|c| c.fill(0.0));
     let dk_w = SharedMut::new(&mut dk);
     let dv_w = SharedMut::new(&mut dv);
-    let kv_tasks: Vec<(usize, usize)> = (0..hkv).flat_map(|h| (0..tk).step_by(BKB).map(move |kb| (h, kb))).collect();
-    kv_tasks.par_iter().for_each_init(
+    let dq_w = SharedMut::new(dq_parts);
+    let tasks: Vec<(usize, usize)> = (0..hkv).flat_map(|h| (0..chunks).map(move |ci| (h, ci))).collect();
+    tasks.par_iter().for_each_init(
         || Scratch::new(d),
-        |sc, &(hk, kb)| {
-            let nk = BKB.min(tk - kb);
-            // SAFETY: tasks own disjoint (kv head, key block) ranges.
-            let dk_blk = unsafe { dk_w.slice((hk * tk + kb) * d, nk * d) };
-            let dv_blk = unsafe { dv_w.slice((hk * tk + kb) * d, nk * d) };
-            for seg in &spec.segments {
-                let a = kb.max(seg.k_start);
-                let b = (kb + nk).min(seg.k_start + seg.k_len);
-                if a >= b || seg.q_len == 0 {
-                    continue;
-                }
-                let nb = b - a;
-                let rel = a - seg.k_start;
-                // the rows that see a key of [a, b)
-                let (r_min, r_end) = spec.rows_seeing(seg, rel, rel + nb);
-                let kblk = &p.k[(hk * tk + a) * d..][..nb * d];
-                let vblk = &p.v[(hk * tk + a) * d..][..nb * d];
-                let dk_out = &mut dk_blk[(a - kb) * d..][..nb * d];
-                let dv_out = &mut dv_blk[(a - kb) * d..][..nb * d];
-                for h in hk * gs..(hk + 1) * gs {
-                    for r0 in (r_min..r_end).step_by(BQ) {
-                        let rows = BQ.min(r_end - r0);
-                        let row0 = h * tq + seg.q_start + r0;
-                        let qblk = &p.q[row0 * d..][..rows * d];
-                        let doblk = &p.dout[row0 * d..][..rows * d];
-                        row_bounds(spec, seg, r0, rows, &mut sc.los, &mut sc.lims);
-                        matmul(&mut sc.s, nb, rows, nb, d, Mat::rows(qblk, d), Mat::rows_t(kblk, d), 1.0, false);
-                        probs_rows(&mut sc.s[..rows * nb], nb, &sc.los, &sc.lims, rel, c, &p.lse2[row0..row0 + rows]);
-                        // dV += P^T dO
-                        if exact {
-                            pt_rows(dv_out, d, &sc.s[..rows * nb], nb, doblk, &sc.los, &sc.lims, rel, 1.0);
-                        } else {
-                            matmul(dv_out, d, nb, d, rows, Mat::rows_t(&sc.s, nb), Mat::rows(doblk, d), 1.0, true);
-                        }
-                        // dP = dO V^T, dS = P (dP - delta)
-                        matmul(&mut sc.dp, nb, rows, nb, d, Mat::rows(doblk, d), Mat::rows_t(vblk, d), 1.0, false);
-                        dscores_rows(&sc.s[..rows * nb], &mut sc.dp[..rows * nb], nb, &sc.los, &sc.lims, rel, &p.delta[row0..row0 + rows]);
-                        // dK += scale * dS^T Q
-                        if exact {
-                            pt_rows(dk_out, d, &sc.dp[..rows * nb], nb, qblk, &sc.los, &sc.lims, rel, spec.scale);
-                        } else {
-                            matmul(dk_out, d, nb, d, rows, Mat::rows_t(&sc.dp, nb), Mat::rows(qblk, d), spec.scale, true);
+        |sc, &(hk, ci)| {
+            let (b0, b1) = (ci * blocks / chunks, (ci + 1) * blocks / chunks);
+            for kb in (b0 * BKB..(b1 * BKB).min(tk)).step_by(BKB) {
+                let nk = BKB.min(tk - kb);
+                // SAFETY: tasks own disjoint (kv head, key block) ranges.
+                let dk_blk = unsafe { dk_w.slice((hk * tk + kb) * d, nk * d) };
+                let dv_blk = unsafe { dv_w.slice((hk * tk + kb) * d, nk * d) };
+                for seg in &spec.segments {
+                    let a = kb.max(seg.k_start);
+                    let b = (kb + nk).min(seg.k_start + seg.k_len);
+                    if a >= b || seg.q_len == 0 {
+                        continue;
+                    }
+                    let nb = b - a;
+                    let rel = a - seg.k_start;
+                    // the rows that see a key of [a, b)
+                    let (r_min, r_end) = spec.rows_seeing(seg, rel, rel + nb);
+                    let kblk = &p.k[(hk * tk + a) * d..][..nb * d];
+                    let vblk = &p.v[(hk * tk + a) * d..][..nb * d];
+                    let dk_out = &mut dk_blk[(a - kb) * d..][..nb * d];
+                    let dv_out = &mut dv_blk[(a - kb) * d..][..nb * d];
+                    for h in hk * gs..(hk + 1) * gs {
+                        for r0 in (r_min..r_end).step_by(BQ) {
+                            let rows = BQ.min(r_end - r0);
+                            let row0 = h * tq + seg.q_start + r0;
+                            let qblk = &p.q[row0 * d..][..rows * d];
+                            let doblk = &p.dout[row0 * d..][..rows * d];
+                            // SAFETY: chunk ci's buffer rows of the query heads of kv head hk: this task's alone.
+                            let dq_out = unsafe { dq_w.slice((ci * dm.q_len()) + row0 * d, rows * d) };
+                            row_bounds(spec, seg, r0, rows, &mut sc.los, &mut sc.lims);
+                            matmul(&mut sc.s, nb, rows, nb, d, Mat::rows(qblk, d), Mat::rows_t(kblk, d), 1.0, false);
+                            probs_rows(&mut sc.s[..rows * nb], nb, &sc.los, &sc.lims, rel, c, &p.lse2[row0..row0 + rows]);
+                            // dV += P^T dO
+                            if exact {
+                                pt_rows(dv_out, d, &sc.s[..rows * nb], nb, doblk, &sc.los, &sc.lims, rel, 1.0);
+                            } else {
+                                matmul(dv_out, d, nb, d, rows, Mat::rows_t(&sc.s, nb), Mat::rows(doblk, d), 1.0, true);
+                            }
+                            // dP = dO V^T, dS = P (dP - delta)
+                            matmul(&mut sc.dp, nb, rows, nb, d, Mat::rows(doblk, d), Mat::rows_t(vblk, d), 1.0, false);
+                            dscores_rows(&sc.s[..rows * nb], &mut sc.dp[..rows * nb], nb, &sc.los, &sc.lims, rel, &p.delta[row0..row0 + rows]);
+                            // dK += scale * dS^T Q, dQ += scale * dS K
+                            if exact {
+                                pt_rows(dk_out, d, &sc.dp[..rows * nb], nb, qblk, &sc.los, &sc.lims, rel, spec.scale);
+                                pv_rows(dq_out, d, &sc.dp[..rows * nb], nb, &sc.los, &sc.lims, rel, kblk, d, spec.scale);
+                            } else {
+                                matmul(dk_out, d, nb, d, rows, Mat::rows_t(&sc.dp, nb), Mat::rows(qblk, d), spec.scale, true);
+                                matmul(dq_out, d, rows, d, nb, Mat::rows(&sc.dp, nb), Mat::rows(kblk, d), spec.scale, true);
+                            }
                         }
                     }
                 }
             }
         },
     );
-
-    // dQ: one task per (segment, query block, query head).
-    let mut dq = vec![0.0f32; dm.q_len()];
-    let dq_w = SharedMut::new(&mut dq);
-    let q_tasks: Vec<(usize, usize, usize)> =
-        query_blocks(spec).into_iter().flat_map(|(s, r0)| (0..hq).map(move |h| (s, r0, h))).collect();
-    q_tasks.par_iter().for_each_init(
-        || Scratch::new(d),
-        |sc, &(si, r0, h)| {
-            let seg = &spec.segments[si];
-            let rows = BQ.min(seg.q_len - r0);
-            let hk = h / gs;
-            let row0 = h * tq + seg.q_start + r0;
-            let qblk = &p.q[row0 * d..][..rows * d];
-            let doblk = &p.dout[row0 * d..][..rows * d];
-            let kseg = &p.k[(hk * tk + seg.k_start) * d..][..seg.k_len * d];
-            let vseg = &p.v[(hk * tk + seg.k_start) * d..][..seg.k_len * d];
-            let (k_lo, k_hi) = row_bounds(spec, seg, r0, rows, &mut sc.los, &mut sc.lims);
-            let acc = &mut sc.acc_a[..rows * d];
-            acc.fill(0.0);
-            for kb in (k_lo..k_hi).step_by(BK) {
-                let n = BK.min(k_hi - kb);
-                matmul(&mut sc.s, n, rows, n, d, Mat::rows(qblk, d), Mat::rows_t(&kseg[kb * d..], d), 1.0, false);
-                probs_rows(&mut sc.s[..rows * n], n, &sc.los, &sc.lims, kb, c, &p.lse2[row0..row0 + rows]);
-                matmul(&mut sc.dp, n, rows, n, d, Mat::rows(doblk, d), Mat::rows_t(&vseg[kb * d..], d), 1.0, false);
-                dscores_rows(&sc.s[..rows * n], &mut sc.dp[..rows * n], n, &sc.los, &sc.lims, kb, &p.delta[row0..row0 + rows]);
-                if exact {
-                    pv_rows(acc, d, &sc.dp[..rows * n], n, &sc.los, &sc.lims, kb, &kseg[kb * d..], d, spec.scale);
-                } else {
-                    matmul(acc, d, rows, d, n, Mat::rows(&sc.dp, n), Mat::rows(&kseg[kb * d..], d), spec.scale, true);
+    // dQ = the chunks' buffers summed in chunk order
+    let ql = dm.q_len();
+    let (dq, rest) = dq_parts.split_at_mut(ql);
+    if chunks > 1 {
+        dq.par_chunks_mut(1 << 14).enumerate().for_each(|(i, out)| {
+            let (at, n) = (i << 14, out.len());
+            for part in rest.chunks_exact(ql) {
+                for (o, &x) in out.iter_mut().zip(&part[at..at + n]) {
+                    *o += x;
                 }
             }
-            // SAFETY: (head, row) ranges of tasks are disjoint.
-            unsafe { dq_w.slice(row0 * d, rows * d) }.copy_from_slice(acc);
-        },
-    );
-    Gradients {
-        dq: from_head_major(&dq, tq, hq, d, spec.dtype),
+        });
+    }
+    let grads = Gradients {
+        dq: from_head_major(dq, tq, hq, d, spec.dtype),
         dk: from_head_major(&dk, tk, hkv, d, spec.dtype),
         dv: from_head_major(&dv, tk, hkv, d, spec.dtype),
-    }
+    };
+    dq_buf.give();
+    grads
 }

@@ -5,6 +5,8 @@ use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
 use super::kernel;
+#[cfg(target_arch = "x86_64")]
+use super::pool::Aligned;
 use super::layout::{from_f32_vec, matmul, to_f32_cow, transpose_per_head, Mat, SharedMut};
 use super::simd::{exp2_scaled_sub_sum, exp2_sub_sum, max_of, multiversion, scale_in_place};
 use crate::backend::ForwardOutput;
@@ -186,8 +188,8 @@ struct TileScratch {
     d: usize,
     bq: usize,
     bk: usize,
-    s: kernel::Aligned,
-    o: kernel::Aligned,
+    s: Aligned,
+    o: Aligned,
     m: Vec<f32>,
     l: Vec<f32>,
     lims: Vec<usize>,
@@ -201,8 +203,8 @@ impl TileScratch {
             d,
             bq,
             bk: lds - kernel::L,
-            s: kernel::Aligned::take(bq * lds),
-            o: kernel::Aligned::take(bq * dp),
+            s: Aligned::take(bq * lds),
+            o: Aligned::take(bq * dp),
             m: vec![0.0; bq],
             l: vec![0.0; bq],
             lims: Vec::with_capacity(bq),

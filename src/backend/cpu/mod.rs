@@ -8,6 +8,7 @@ mod forward;
 #[cfg(target_arch = "x86_64")]
 mod kernel;
 mod layout;
+mod pool;
 pub(crate) mod sparse;
 pub(crate) mod simd;
 

@@ -1,0 +1,35 @@
+//! Times the CPU backward on the shapes: fp32, causal, 8 heads, d=128.
+//! `cargo run --release --example cpu_backward -- 2048 4096` (median and min of 7 runs; the
+//! forward runs once per length for the LSE and is not timed).
+use cubeattn::backend::BackwardInputs;
+use cubeattn::{backend_for, AttnSpec, DType, DevicePref, HostData, TensorMeta};
+use std::time::Instant;
+
+fn main() {
+    let lens: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
+    let lens = if lens.is_empty() { vec![2048, 4096] } else { lens };
+    let (h, d) = (8usize, 128usize);
+    let cpu = backend_for(DevicePref::Cpu).unwrap();
+    for s in lens {
+        let m = TensorMeta::new(&[s, h, d], DType::F32);
+        let cu = [0, s as i32];
+        let spec = AttnSpec::varlen(&m, &m, &m, &cu, &cu, s, s, None, true).unwrap();
+        let x: Vec<f32> = (0..s * h * d).map(|i| ((i * 2654435761usize) % 1000) as f32 / 500.0 - 1.0).collect();
+        let g: Vec<f32> = (0..s * h * d).map(|i| ((i * 40503usize) % 997) as f32 / 498.5 - 1.0).collect();
+        let (q, dout) = (HostData::F32(x), HostData::F32(g));
+        let f = cpu.forward(&spec, q.view(), q.view(), q.view()).unwrap();
+        let mut times = Vec::new();
+        for _ in 0..7 {
+            let gin = BackwardInputs { out: f.out.view(), lse: &f.lse, dout: dout.view(), deterministic: true };
+            let t = Instant::now();
+            let r = cpu.backward(&spec, q.view(), q.view(), q.view(), gin).unwrap();
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+            std::hint::black_box(r);
+        }
+        times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        let ms = times[times.len() / 2];
+        // 2.5x the forward's FLOPs: the 5 matmuls of a backward that does not recompute S twice
+        println!("S={s} H={h} d={d} causal fp32 backward: median {ms:.1} ms (min {:.1}), {:.1} GFLOP/s (5-matmul count)",
+                 times[0], 2.5 * spec.forward_flops() / ms / 1e6);
+    }
+}
