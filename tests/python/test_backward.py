@@ -43,3 +43,22 @@ def test_grouped_backward_accumulates_over_overlapping_groups():
     again = cubeattn.grouped_flash_attn_backward(dout, q, k, v, out, lse, q_ranges, kv_ranges, deterministic=True)
     for a, b in zip(grads, again):
         assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+def test_bench_cli_cpu_fwdbwd_rows(tmp_path, capsys):
+    """`python -m cubeattn.bench fwdbwd --device cpu`: our forward + deterministic backward timed,
+    torch's SDPA forward + backward as the peer when torch is installed."""
+    import json
+
+    from cubeattn import bench
+
+    out = tmp_path / "r.json"
+    assert bench.main(["fwdbwd", "--device", "cpu", "--seqlens", "96", "--iterations", "1", "--json", str(out)]) == 0
+    capsys.readouterr()
+    rows = json.loads(out.read_text())["rows"]
+    ours = [r for r in rows if r["impl"] == "cubeattn_cpu"]
+    assert len(ours) == 1 and ours[0]["what"] == "dense_causal_fwdbwd" and ours[0]["S"] == 96 and ours[0]["ms"] > 0
+    assert not any(r["impl"] == "naive_numpy" for r in rows)
+    if bench._has_torch():
+        peer = [r for r in rows if r["impl"] == "torch_sdpa_cpu"]
+        assert len(peer) == 1 and peer[0]["what"] == "dense_causal_fwdbwd" and "error" not in peer[0], peer
