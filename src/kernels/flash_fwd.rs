@@ -39,7 +39,7 @@ use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::barrier::{copy_async, Barrier};
 
 use super::fragments::mma_into;
-use super::int8_qk::{copy_k_tile8, copy_q_rows8, scores_int8, stride8};
+use super::int8_qk::{copy_k_tile8, scores_int8, stride8};
 use super::staging::copy_token_rows;
 use super::math::{fast_exp2, LN2};
 use super::rows::row_keys;
@@ -387,11 +387,12 @@ pub fn flash_fwd_mma2<E: Float>(
     // valid row): their key range is empty, so every score is masked and nothing is written.
     if n_tiles > 0 {
         let (f0, f1) = tile_bounds(0u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, block_n, sparse);
+        // int8 rows: head_dim bytes = head_dim / 2 elements of E
+        copy_token_rows(&q_s, &mut q_smem, &row_tok, &row_head, heads_q, NONE, threads, block_m,
+                        comptime!(if int8 { head_dim / 2 } else { head_dim }), qk_row, LOAD_VEC);
         if int8 {
-            copy_q_rows8(&q_s, &mut q_smem, &row_tok, &row_head, heads_q, NONE, threads, block_m, head_dim);
             copy_k_tile8(&k_s, &mut k_smem, f0, f1, heads_kv, head_kv, threads, block_n, head_dim);
         } else {
-            copy_token_rows(&q_s, &mut q_smem, &row_tok, &row_head, heads_q, NONE, threads, block_m, head_dim, stride, LOAD_VEC);
             copy_kv_tile(&k_s, &mut k_smem, f0, f1, krow, head_kv, threads, block_n, head_dim);
         }
         bar_k.commit_copy_async();

@@ -24,7 +24,6 @@ use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::barrier::copy_async;
 use cubecl::prelude::*;
 
-use super::staging::copy_token_rows;
 
 /// Keys per partial sum of the K mean.
 pub const MEAN_CHUNK: usize = 64;
@@ -224,25 +223,6 @@ pub fn int8_quantize<E: Float>(
             r += planes;
         }
     }
-}
-
-/// `cp.async` copies of the int8 query rows into their padded shared tile (`n_rows` rows, `threads`
-/// units; `NONE` tokens copy row 0, their scores are masked): [`copy_token_rows`] over rows of
-/// `head_dim` int8 values (`head_dim / 2` elements of `E`). The caller commits the copies.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-pub fn copy_q_rows8<E: Float>(
-    src: &Array<E>,
-    smem: &mut SharedMemory<E>,
-    row_tok: &SharedMemory<u32>,
-    row_head: &SharedMemory<u32>,
-    heads: u32,
-    none: u32,
-    #[comptime] threads: usize,
-    #[comptime] n_rows: usize,
-    #[comptime] head_dim: usize,
-) {
-    copy_token_rows::<E>(src, smem, row_tok, row_head, heads, none, threads, n_rows, comptime!(head_dim / 2), comptime!(stride8(head_dim)), VEC);
 }
 
 /// `cp.async` copies of the int8 keys `[n0, n1)` of kv head `head_kv` into a padded tile of

@@ -170,12 +170,13 @@ pub(crate) fn backward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView, g
     // masked entries dscores_rows overwrites
     let exact = !(all_finite(&p.q) && all_finite(&p.k) && all_finite(&p.dout));
 
-    let chunks = key_chunks(hkv, tk, dm.q_len());
+    let ql = dm.q_len();
+    let chunks = key_chunks(hkv, tk, ql);
     let blocks = tk.div_ceil(BKB);
     let mut dk = vec![0.0f32; dm.kv_len()];
     let mut dv = vec![0.0f32; dm.kv_len()];
     // chunk c's dQ in dq_parts[c * q_len..]; with one chunk it is dQ itself
-    let mut dq_buf = Aligned::take(chunks * dm.q_len());
+    let mut dq_buf = Aligned::take(chunks * ql);
     let dq_parts = dq_buf.as_mut_slice();
     dq_parts.par_chunks_mut(1 << 16).for_each(|c| c.fill(0.0));
     let dk_w = SharedMut::new(&mut dk);
@@ -212,7 +213,7 @@ pub(crate) fn backward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView, g
                             let qblk = &p.q[row0 * d..][..rows * d];
                             let doblk = &p.dout[row0 * d..][..rows * d];
                             // SAFETY: chunk ci's buffer rows of the query heads of kv head hk: this task's alone.
-                            let dq_out = unsafe { dq_w.slice((ci * dm.q_len()) + row0 * d, rows * d) };
+                            let dq_out = unsafe { dq_w.slice(ci * ql + row0 * d, rows * d) };
                             row_bounds(spec, seg, r0, rows, &mut sc.los, &mut sc.lims);
                             matmul(&mut sc.s, nb, rows, nb, d, Mat::rows(qblk, d), Mat::rows_t(kblk, d), 1.0, false);
                             probs_rows(&mut sc.s[..rows * nb], nb, &sc.los, &sc.lims, rel, c, &p.lse2[row0..row0 + rows]);
@@ -240,7 +241,6 @@ pub(crate) fn backward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView, g
         },
     );
     // dQ = the chunks' buffers summed in chunk order
-    let ql = dm.q_len();
     let (dq, rest) = dq_parts.split_at_mut(ql);
     if chunks > 1 {
         dq.par_chunks_mut(1 << 14).enumerate().for_each(|(i, out)| {
