@@ -11,7 +11,9 @@
 #                      004's larger configurations (bench sparse --test_patterns --stress)
 #           sanitize   compute-sanitizer memcheck, racecheck, synccheck and initcheck over small
 #                      calls of each kernel family (forward, split-K combine, backward with the
-#                      dQ pass and with atomic dQ, grouped; tests/python/sanitize_driver.py):
+#                      dQ pass and with atomic dQ, grouped, block-sparse forward / backward / INT8,
+#                      sliding window, the non-finite-v flag; tests/python/sanitize_driver.py;
+#                      CUBEATTN_SAN_FAMILIES="a b" runs only those):
 #                      one log per tool and family plus summary.txt in --log-dir DIR (default
 #                      bench/results/sanitize-<UTC time>); exit 1 on any reported error
 #           benchmark  python -m cubeattn.bench for TARGET, JSON + table under bench/results/
@@ -165,7 +167,7 @@ do_validate() {
 }
 
 SAN_TOOLS="memcheck racecheck synccheck initcheck"
-SAN_FAMILIES="forward splitk backward_pass backward_atomic grouped sparse"
+SAN_FAMILIES=${CUBEATTN_SAN_FAMILIES:-"forward splitk backward_pass backward_atomic grouped sparse sparse_backward sparse_int8 window nonfinite"}
 
 do_sanitize() {
   check_gpu >/dev/null

@@ -9,9 +9,9 @@
 //!   overlaps the tile (a host-built CSR list, ascending segment order), over the query heads of
 //!   the kv head (GQA) and over the query tiles of the segment that see the tile's keys (causal
 //!   tiles above the diagonal are never visited). Per 32-row chunk each plane computes
-//!   S^T = K Q^T, P^T, dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q with
-//!   everything but K, V, Q and dO in registers (the accumulator layout of m16n8k16 is re-used as
-//!   the A operand, as in the forward). Overlapping groups therefore add into dK, dV inside one
+//!   S^T = K Q^T and dP^T = V dO^T (interleaved), P^T, dV += P^T dO, dS^T = P^T (dP^T - delta),
+//!   dK += dS^T Q with everything but K, V, Q and dO in registers (the accumulator layout of
+//!   m16n8k16 is re-used as the A operand, as in the forward). Overlapping groups therefore add into dK, dV inside one
 //!   cube, in segment order.
 //! - [`flash_bwd_dq`]: one cube per (query tile of [`BWD_BM`] rows, query head); each plane owns
 //!   16 rows and loops over the key tiles its rows see: S = Q K^T, dP = dO V^T,
@@ -31,7 +31,7 @@ use cubecl::prelude::*;
 use cubecl::prelude::barrier::Barrier;
 
 use super::flash_fwd::{tile_bounds, LIST_SMEM};
-use super::fragments::{frag_a, frag_b_n2, frag_b_t2, mma_acc_b, mma_into, mma_rows_abt};
+use super::fragments::{frag_a, frag_b_n2, frag_b_t2, mma_acc_b, mma_into, mma_rows_abt_pair};
 use super::staging::{issue_kv_tile, issue_q_tile, stage_rows};
 use super::math::{fast_exp2, LOG2E};
 use super::rows::{key_rows, row_keys};
@@ -87,11 +87,12 @@ fn sparse_q_tile(
     (h, b0 + t * BWD_BM as u32, min(b0 + q_block, q_len))
 }
 
-/// One chunk of [`BWD_SUB`] query rows of a dK/dV plane (16 keys): S^T = K_w Q^T, P^T (masked),
-/// dV += P^T dO, dP^T = V_w dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q, and with `fuse_dq` dS
-/// into `ds_smem`. The per-element masks apply unless `full` (every (key, row) pair of the block
-/// visible). (A second copy compiled without masks for `full` chunks halved the common path's
-/// instructions but not its time: bench/NOTES.md, "Shared addresses and the dK/dV mask split".)
+/// One chunk of [`BWD_SUB`] query rows of a dK/dV plane (16 keys): S^T = K_w Q^T and
+/// dP^T = V_w dO^T in one interleaved loop, P^T (masked), dV += P^T dO, dS^T = P^T (dP^T - delta),
+/// dK += dS^T Q, and with `fuse_dq` dS into `ds_smem`. The per-element masks apply unless `full`
+/// (every (key, row) pair of the block visible). (A second copy compiled without masks for `full`
+/// chunks halved the common path's instructions but not its time: bench/NOTES.md, "Shared
+/// addresses and the dK/dV mask split".)
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn dkdv_chunk<E: Float, NA: Size, NB: Size, NC: Size>(
@@ -120,8 +121,6 @@ fn dkdv_chunk<E: Float, NA: Size, NB: Size, NC: Size>(
     scale_log2: f32,
     full: bool,
     #[comptime] head_dim: usize,
-    #[comptime] causal: bool,
-    #[comptime] window: bool,
     #[comptime] fuse_dq: bool,
 ) {
     let lane = UNIT_POS_PLANE;
@@ -131,34 +130,56 @@ fn dkdv_chunk<E: Float, NA: Size, NB: Size, NC: Size>(
     let sc = def.vector_size(MatrixIdent::Accumulator);
     let ec = comptime!(vc * sc);
     let sn = comptime!(BWD_SUB / 8);
-    // ---- S^T = K_w Q^T (16 keys x SUB rows) ----
+    // ---- S^T = K_w Q^T and dP^T = V_w dO^T (16 keys x SUB rows each), interleaved ----
     #[unroll]
     for i in 0..comptime!(sn * ec) {
         s[i] = 0.0f32;
         dp[i] = 0.0f32;
     }
-    mma_rows_abt::<E, NA, NB, NC>(def, k_smem, kw_base, q_smem, qb + qr0, s, sn, head_dim, stride);
+    mma_rows_abt_pair::<E, NA, NB, NC>(
+        def, k_smem, v_smem, kw_base, q_smem, do_smem, qb + qr0, s, dp, sn, head_dim, stride,
+    );
 
     // ---- P^T = exp(scale * S^T - lse[row]) = 2^(scale_log2 * S^T - lse[row] * log2(e)), masked ----
+    // The lane's accumulator rows are two keys (entries e < ec/2: key `lane / 4`, the others key
+    // `lane / 4 + 8`). Key `kwin` is seen by the rows rr in [kwin - shift - win_r, kwin - shift +
+    // win_l] (the `rows` bounds: causal is win_r = 0, an unbounded side WIN_NONE) below
+    // row_end, if it exists (0 <= kwin < k_hi). Bounds relative to this chunk's first row, so an
+    // element's test is two compares of its (compile-time) column.
+    let (row_a, _ca) = def.position_of_nth(lane, 0u32, MatrixIdent::Accumulator);
+    let mut lo_a = 0i32;
+    let mut hi_a = 0i32;
+    let mut lo_b = 0i32;
+    let mut hi_b = 0i32;
+    if !full {
+        let ka = kw0 + row_a as i32;
+        let kb = ka + 8i32;
+        let end = row_end as i32 - rr0;
+        lo_a = ka - shift - win_r as i32 - rr0;
+        lo_b = lo_a + 8i32;
+        hi_a = min(end, ka - shift + win_l as i32 + 1i32 - rr0);
+        hi_b = min(end, kb - shift + win_l as i32 + 1i32 - rr0);
+        if ka < 0i32 || ka >= k_hi as i32 {
+            hi_a = -1i32;
+        }
+        if kb < 0i32 || kb >= k_hi as i32 {
+            hi_b = -1i32;
+        }
+    }
     #[unroll]
     for nb in 0..sn {
         #[unroll]
         for e in 0..ec {
-            let (row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
+            let (_row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
             let rloc = qr0 + nb * 8 + col as usize;
             let mut p = fast_exp2(s[nb * ec + e] * scale_log2 - lse_smem[qb + rloc]);
             if !full {
-                let kwin = kw0 + row as i32;
-                let rr = rr0 + (nb * 8) as i32 + col as i32;
-                let mut ok = kwin >= 0i32 && kwin < k_hi as i32 && rr < row_end as i32;
-                if window {
-                    ok = ok && kwin <= shift + rr + win_r as i32 && kwin >= shift + rr - win_l as i32;
-                } else if causal {
-                    ok = ok && kwin <= shift + rr;
+                let c = (nb * 8) as i32 + col as i32;
+                let mut ok = c >= lo_b && c < hi_b;
+                if e < ec / 2 {
+                    ok = c >= lo_a && c < hi_a;
                 }
-                if !ok {
-                    p = 0.0f32;
-                }
+                p = select(ok, p, 0.0f32);
             }
             s[nb * ec + e] = p;
         }
@@ -166,9 +187,6 @@ fn dkdv_chunk<E: Float, NA: Size, NB: Size, NC: Size>(
 
     // ---- dV += P^T dO ----
     mma_acc_b::<E, NA, NB, NC>(def, s, do_smem, qb + qr0, dv_acc, BWD_SUB, head_dim, stride);
-
-    // ---- dP^T = V_w dO^T ----
-    mma_rows_abt::<E, NA, NB, NC>(def, v_smem, kw_base, do_smem, qb + qr0, dp, sn, head_dim, stride);
 
     // ---- dS^T = P^T (dP^T - delta[row]) ----
     #[unroll]
@@ -463,7 +481,7 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                     dkdv_chunk::<E, NA, NB, NC>(
                         &def, &k_smem, &v_smem, &q_smem, &do_smem, &lse_smem, &dl_smem, &mut ds_smem, &mut s, &mut dp,
                         &mut dk_acc, &mut dv_acc, kw_base, qb, qr0, kw0, rr0, k_hi, row_end, shift, win_l, win_r,
-                        scale_log2, full, head_dim, causal, window, fuse_dq,
+                        scale_log2, full, head_dim, fuse_dq,
                     );
                 }
 
@@ -474,10 +492,15 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                     let prow = plane as usize * 16;
                     let (row_a, col_a) = def.position_of_nth(lane, 0u32, MatrixIdent::Accumulator);
                     let (row_b, _cb) = def.position_of_nth(lane, (ec - 1) as u32, MatrixIdent::Accumulator);
+                    // Rows past the segment's end add 0.0 to a row that exists (the last row of
+                    // the tensor at most): no branch around the atomics, and x + 0.0 == x.
                     let ra = r0 + prow as u32 + row_a;
                     let rb = r0 + prow as u32 + row_b;
-                    let gba = ((q_start + ra) * heads_q + h) as usize * head_dim + col_a as usize;
-                    let gbb = ((q_start + rb) * heads_q + h) as usize * head_dim + col_a as usize;
+                    let ok_a = ra < q_len;
+                    let ok_b = rb < q_len;
+                    let last = total_q - 1u32;
+                    let gba = ((min(q_start + ra, last)) * heads_q + h) as usize * head_dim + col_a as usize;
+                    let gbb = ((min(q_start + rb, last)) * heads_q + h) as usize * head_dim + col_a as usize;
                     let mut dqc = Array::<f32>::new(comptime!(4 * ec));
                     for c in 0..comptime!(head_dim / 32) {
                         #[unroll]
@@ -500,27 +523,27 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                             #[unroll]
                             for e2 in 0..comptime!(ec / 2) {
                                 let e = 2 * e2;
-                                let mut ok = ra < q_len;
+                                let mut ok = ok_a;
                                 let mut g = gba;
                                 if e >= ec / 2 {
-                                    ok = rb < q_len;
+                                    ok = ok_b;
                                     g = gbb;
                                 }
-                                if ok {
-                                    let gi = g + c * 32 + blk * 8;
-                                    if qvec == 2 {
-                                        let mut val = Vector::<f32, NQ>::empty();
-                                        val[0] = dqc[blk * ec + e];
-                                        val[1] = dqc[blk * ec + e + 1];
-                                        dq_acc[gi / 2].fetch_add(val);
-                                    } else {
-                                        let mut v0 = Vector::<f32, NQ>::empty();
-                                        v0[0] = dqc[blk * ec + e];
-                                        dq_acc[gi].fetch_add(v0);
-                                        let mut v1 = Vector::<f32, NQ>::empty();
-                                        v1[0] = dqc[blk * ec + e + 1];
-                                        dq_acc[gi + 1].fetch_add(v1);
-                                    }
+                                let x0 = select(ok, dqc[blk * ec + e], 0.0f32);
+                                let x1 = select(ok, dqc[blk * ec + e + 1], 0.0f32);
+                                let gi = g + c * 32 + blk * 8;
+                                if qvec == 2 {
+                                    let mut val = Vector::<f32, NQ>::empty();
+                                    val[0] = x0;
+                                    val[1] = x1;
+                                    dq_acc[gi / 2].fetch_add(val);
+                                } else {
+                                    let mut v0 = Vector::<f32, NQ>::empty();
+                                    v0[0] = x0;
+                                    dq_acc[gi].fetch_add(v0);
+                                    let mut v1 = Vector::<f32, NQ>::empty();
+                                    v1[0] = x1;
+                                    dq_acc[gi + 1].fetch_add(v1);
                                 }
                             }
                         }

@@ -7,7 +7,10 @@ splitk (few rows over many keys: split-K partials and the combine kernel, uncove
 backward_pass (the deterministic dQ pass), backward_atomic (dQ fused with f32 atomics,
 CUBEATTN_BWD_DQ=atomic), grouped (overlapping groups, an empty group, rows in no group; forward
 and backward), sparse (block-sparse forward: 64- and 128-row cubes, empty rows, odd block
-sizes). head_dim 64 and 128, causal and not. Each result is checked against the CPU
+sizes), sparse_backward (its dQ and dK/dV kernels and the transposed index), sparse_int8 (INT8
+Q K^T: quantisation kernels and the INT8 forward, checked against the exact CPU result), window
+(sliding window, forward and both dQ paths), nonfinite (an Inf or NaN in v: the device-side flag
+and the exact kernels it selects, forward and backward). head_dim 64 and 128, causal and not. Each result is checked against the CPU
 backend, so a run also fails (exit 1) on a wrong answer. numpy inputs only: no torch kernels run
 under the sanitizer. The environment switches each family needs are set here, before cubeattn
 loads (the CUDA options are read once)."""
@@ -21,6 +24,10 @@ FAMILIES = {
     "backward_atomic": {"CUBEATTN_BWD_DQ": "atomic"},
     "grouped": {},
     "sparse": {},
+    "sparse_backward": {},
+    "sparse_int8": {},
+    "window": {},
+    "nonfinite": {},
 }
 
 
@@ -56,21 +63,28 @@ def main(family):
         if not ok:
             failures.append(name)
 
-    def varlen(d, dt, causal, backward, deterministic=True, lens=((100, 100), (37, 150), (1, 1), (129, 64))):
+    def varlen(d, dt, causal, backward, deterministic=True, lens=((100, 100), (37, 150), (1, 1), (129, 64)),
+               window=(-1, -1), bad=None):
         cu_q = np.cumsum([0] + [a for a, _ in lens]).astype(np.int32)
         cu_k = np.cumsum([0] + [b for _, b in lens]).astype(np.int32)
         mq, mk = max(a for a, _ in lens), max(b for _, b in lens)
         q, k, v = rand((cu_q[-1], 4, d), dt), rand((cu_k[-1], 2, d), dt), rand((cu_k[-1], 2, d), dt)
         tag = f"varlen d={d} {np.dtype(dt).name} causal={causal}"
+        if window != (-1, -1):
+            tag += f" window={window}"
+        if bad is not None:
+            # one non-finite element of v (key 120 = sequence 1's key 20, kv head 1)
+            v[120, 1, 3] = bad
+            tag += f" v[120,1,3]={bad}"
         res = {}
         for dev in ("cuda", "cpu"):
-            out, lse = cubeattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=causal, return_lse=True,
-                                                       device=dev)
+            out, lse = cubeattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=causal, window_size=window,
+                                                       return_lse=True, device=dev)
             res[dev] = [out, lse]
             if backward:
                 res[dev] += cubeattn.flash_attn_varlen_backward(q, q, k, v, out, lse, cu_q, cu_k, mq, mk,
-                                                                causal=causal, deterministic=deterministic,
-                                                                device=dev)
+                                                                causal=causal, window_size=window,
+                                                                deterministic=deterministic, device=dev)
         tol = 3e-2
         for i, name in enumerate(["out", "lse", "dq", "dk", "dv"][:len(res["cpu"])]):
             check(f"{tag} {name}", res["cuda"][i], res["cpu"][i], tol)
@@ -91,7 +105,7 @@ def main(family):
         for i, name in enumerate(["out", "lse", "dq", "dk", "dv"][:len(res["cpu"])]):
             check(f"{tag} {name}", res["cuda"][i], res["cpu"][i], 3e-2)
 
-    def sparse(d, dt, causal, per_kv_head, q_block, k_block):
+    def sparse(d, dt, causal, per_kv_head, q_block, k_block, backward=False, quant_gran=None):
         B, sq, sk, hq, hkv = 2, 130, 300, 4, 2
         nq, nk = -(-sq // q_block), -(-sk // k_block)
         ix = np.full((B, hkv if per_kv_head else hq, nq, nk), -1, np.int32)
@@ -102,11 +116,21 @@ def main(family):
                         keep = rng.permutation(nk)[: max(1, nk // 2)]
                         ix[b, h, i, : len(keep)] = keep
         q, k, v = rand((B, sq, hq, d), dt), rand((B, sk, hkv, d), dt), rand((B, sk, hkv, d), dt)
-        res = {dev: cubeattn.block_sparse_attn_func(q, k, v, ix, q_block=q_block, k_block=k_block, causal=causal,
-                                                    return_lse=True, device=dev) for dev in ("cuda", "cpu")}
+        res = {}
+        for dev in ("cuda", "cpu"):
+            # the CPU reference is the exact path (INT8 Q K^T is a CUDA option)
+            qg = quant_gran if dev == "cuda" else None
+            out, lse = cubeattn.block_sparse_attn_func(q, k, v, ix, q_block=q_block, k_block=k_block, causal=causal,
+                                                       return_lse=True, device=dev, quant_gran=qg)
+            res[dev] = [out, lse]
+            if backward:
+                res[dev] += cubeattn.block_sparse_attn_backward(q, q, k, v, out, lse, ix, q_block=q_block,
+                                                                k_block=k_block, causal=causal, device=dev)
         tag = f"sparse d={d} {np.dtype(dt).name} causal={causal} kvhead={per_kv_head} blocks={q_block}/{k_block}"
-        for i, name in enumerate(["out", "lse"]):
-            check(f"{tag} {name}", res["cuda"][i], res["cpu"][i], 3e-2)
+        if quant_gran:
+            tag += f" int8={quant_gran}"
+        for i, name in enumerate(["out", "lse", "dq", "dk", "dv"][:len(res["cpu"])]):
+            check(f"{tag} {name}", res["cuda"][i], res["cpu"][i], 5e-2 if quant_gran else 3e-2)
 
     for d in (64, 128):
         for causal in (False, True):
@@ -114,6 +138,25 @@ def main(family):
                 for dt in dtypes:
                     sparse(d, dt, causal, False, 64, 128)
                     sparse(d, dt, causal, True, 64, 96)
+                continue
+            if family == "sparse_backward":
+                for dt in dtypes:
+                    sparse(d, dt, causal, False, 64, 128, backward=True)
+                    sparse(d, dt, causal, True, 128, 64, backward=True)
+                continue
+            if family == "sparse_int8":
+                for gran in ("per_block", "per_warp", "per_thread"):
+                    sparse(d, dtypes[0], causal, False, 64, 128, quant_gran=gran)
+                continue
+            if family == "window":
+                for dt in dtypes:
+                    for det in (True, False):
+                        varlen(d, dt, causal, backward=True, deterministic=det, window=(40, 0 if causal else 17))
+                continue
+            if family == "nonfinite":
+                for dt in dtypes:
+                    for bad in (np.inf, np.nan):
+                        varlen(d, dt, causal, backward=True, bad=bad)
                 continue
             if family == "forward":
                 for dt in dtypes + [np.float32]:
