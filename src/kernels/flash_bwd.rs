@@ -88,8 +88,8 @@ fn sparse_q_tile(
 }
 
 /// One chunk of [`BWD_SUB`] query rows of a dK/dV plane (16 keys): S^T = K_w Q^T and
-/// dP^T = V_w dO^T in one interleaved loop, P^T (masked), dV += P^T dO, dS^T = P^T (dP^T - delta),
-/// dK += dS^T Q, and with `fuse_dq` dS into `ds_smem`. The per-element masks apply unless `full`
+/// dP^T = V_w dO^T in one interleaved loop, P^T and dS^T = P^T (dP^T - delta) (both masked),
+/// dV += P^T dO, dK += dS^T Q, and with `fuse_dq` dS into `ds_smem`. The per-element masks apply unless `full`
 /// (every (key, row) pair of the block visible). (A second copy compiled without masks for `full`
 /// chunks halved the common path's instructions but not its time: bench/NOTES.md, "Shared
 /// addresses and the dK/dV mask split".)
@@ -140,7 +140,7 @@ fn dkdv_chunk<E: Float, NA: Size, NB: Size, NC: Size>(
         def, k_smem, v_smem, kw_base, q_smem, do_smem, qb + qr0, s, dp, sn, head_dim, stride,
     );
 
-    // ---- P^T = exp(scale * S^T - lse[row]) = 2^(scale_log2 * S^T - lse[row] * log2(e)), masked ----
+    // ---- masks ----
     // The lane's accumulator rows are two keys (entries e < ec/2: key `lane / 4`, the others key
     // `lane / 4 + 8`). Key `kwin` is seen by the rows rr in [kwin - shift - win_r, kwin - shift +
     // win_l] (the `rows` bounds: causal is win_r = 0, an unbounded side WIN_NONE) below
@@ -166,6 +166,11 @@ fn dkdv_chunk<E: Float, NA: Size, NB: Size, NC: Size>(
             hi_b = -1i32;
         }
     }
+    // ---- P^T = exp(scale S^T - lse) = 2^(scale_log2 S^T - lse log2(e)) into `s`, dS^T = P^T
+    // (dP^T - delta[row]) into `dp`, both masked ----
+    // dS itself is masked: a masked pair's P is 0 but dP - delta may be non-finite (a non-finite v gives
+    // a non-finite dP, a row with a non-finite output a non-finite delta), and 0 * inf would
+    // reach dK of a key the row never sees.
     #[unroll]
     for nb in 0..sn {
         #[unroll]
@@ -173,6 +178,7 @@ fn dkdv_chunk<E: Float, NA: Size, NB: Size, NC: Size>(
             let (_row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
             let rloc = qr0 + nb * 8 + col as usize;
             let mut p = fast_exp2(s[nb * ec + e] * scale_log2 - lse_smem[qb + rloc]);
+            let mut ds = p * (dp[nb * ec + e] - dl_smem[qb + rloc]);
             if !full {
                 let c = (nb * 8) as i32 + col as i32;
                 let mut ok = c >= lo_b && c < hi_b;
@@ -180,24 +186,16 @@ fn dkdv_chunk<E: Float, NA: Size, NB: Size, NC: Size>(
                     ok = c >= lo_a && c < hi_a;
                 }
                 p = select(ok, p, 0.0f32);
+                ds = select(ok, ds, 0.0f32);
             }
             s[nb * ec + e] = p;
+            dp[nb * ec + e] = ds;
         }
     }
 
     // ---- dV += P^T dO ----
     mma_acc_b::<E, NA, NB, NC>(def, s, do_smem, qb + qr0, dv_acc, BWD_SUB, head_dim, stride);
 
-    // ---- dS^T = P^T (dP^T - delta[row]) ----
-    #[unroll]
-    for nb in 0..sn {
-        #[unroll]
-        for e in 0..ec {
-            let (_row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
-            let rloc = qr0 + nb * 8 + col as usize;
-            s[nb * ec + e] = s[nb * ec + e] * (dp[nb * ec + e] - dl_smem[qb + rloc]);
-        }
-    }
     if fuse_dq {
         // dS (row-major, rows x keys) for the dQ product after the chunk loop.
         #[unroll]
@@ -206,13 +204,13 @@ fn dkdv_chunk<E: Float, NA: Size, NB: Size, NC: Size>(
             for e in 0..ec {
                 let (row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
                 let at = (qr0 + nb * 8 + col as usize) * dstride + kw_base + row as usize;
-                ds_smem[at] = E::cast_from(s[nb * ec + e]);
+                ds_smem[at] = E::cast_from(dp[nb * ec + e]);
             }
         }
     }
 
     // ---- dK += dS^T Q (scaled at the end) ----
-    mma_acc_b::<E, NA, NB, NC>(def, s, q_smem, qb + qr0, dk_acc, BWD_SUB, head_dim, stride);
+    mma_acc_b::<E, NA, NB, NC>(def, dp, q_smem, qb + qr0, dk_acc, BWD_SUB, head_dim, stride);
 }
 
 // ---------------------------------------------------------------------------------------------
