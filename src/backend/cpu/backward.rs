@@ -37,22 +37,6 @@ multiversion! {
     }
 }
 
-/// [`probs_rows`] for rows that see block columns `< lims[i] - kb`.
-pub(crate) fn probs_block(s: &mut [f32], n: usize, lims: &[usize], kb: usize, c: f32, lse2: &[f32]) {
-    probs_rows(s, n, &[], lims, kb, c, lse2)
-}
-
-multiversion! {
-    /// dS = P * (dP - D) in place in `dp` (rows x n).
-    fn dscores_block(p: &[f32], dp: &mut [f32], n: usize, dvec: &[f32]) {
-        for (i, &di) in dvec.iter().enumerate() {
-            for (x, &pi) in dp[i * n..(i + 1) * n].iter_mut().zip(&p[i * n..(i + 1) * n]) {
-                *x = pi * (*x - di);
-            }
-        }
-    }
-}
-
 multiversion! {
     /// dS = P * (dP - D) in place in `dp` (rows x n) on row i's columns `[los[i] - kb, his[i] - kb)`
     /// and exactly 0 elsewhere: a key a row cannot see contributes nothing to dQ or dK, even when
@@ -92,18 +76,16 @@ fn pt_rows(dst: &mut [f32], d: usize, p: &[f32], n: usize, x: &[f32], los: &[usi
 pub(crate) struct Scratch {
     pub(crate) s: Vec<f32>,
     pub(crate) dp: Vec<f32>,
-    pub(crate) acc_a: Vec<f32>,
     pub(crate) lims: Vec<usize>,
     pub(crate) los: Vec<usize>,
 }
 
 impl Scratch {
-    pub(crate) fn new(d: usize) -> Self {
+    pub(crate) fn new() -> Self {
         let kmax = BK.max(BKB);
         Scratch {
             s: vec![0.0; BQ * kmax],
             dp: vec![0.0; BQ * kmax],
-            acc_a: vec![0.0; kmax.max(BQ) * d],
             lims: Vec::with_capacity(BQ),
             los: Vec::with_capacity(BQ),
         }
@@ -149,10 +131,70 @@ pub(crate) fn prepare(spec: &AttnSpec, q: HostView, k: HostView, v: HostView, g:
 /// contribution goes to its own f32 buffer, summed in chunk order at the end. A function of the
 /// shape only (never of the thread count), so the gradients are the same bits on every machine:
 /// at least 32 tasks where the key blocks allow, and at most 256 MiB of dQ buffers.
-fn key_chunks(hkv: usize, tk: usize, q_len: usize) -> usize {
-    let blocks = tk.div_ceil(BKB).max(1);
+pub(crate) fn key_chunks(hkv: usize, blocks: usize, q_len: usize) -> usize {
     let cap = ((256usize << 20) / (q_len * 4).max(1)).max(1);
-    32usize.div_ceil(hkv.max(1)).min(blocks).min(cap)
+    32usize.div_ceil(hkv.max(1)).min(blocks.max(1)).min(cap)
+}
+
+/// One (query rows, key block) pair of the backward, everything else in `sc`: row i of the
+/// block sees the key columns `[sc.los[i] - rel, sc.lims[i] - rel)` (clamped to `[0, nb)`).
+pub(crate) struct BlockPair<'a> {
+    pub(crate) q: &'a [f32],
+    pub(crate) dout: &'a [f32],
+    pub(crate) k: &'a [f32],
+    pub(crate) v: &'a [f32],
+    /// LSE (base 2) and delta of the rows
+    pub(crate) lse2: &'a [f32],
+    pub(crate) delta: &'a [f32],
+    pub(crate) rows: usize,
+    pub(crate) nb: usize,
+    /// sequence-relative index of the block's first key
+    pub(crate) rel: usize,
+}
+
+/// FlashAttention-2's five products of one block pair: S = Q K^T, P (masked), dV += P^T dO,
+/// dP = dO V^T, dS = P (dP - delta) (masked), dK += scale dS^T Q, dQ += scale dS K. `exact`: the
+/// products that would meet NaN / Inf of q, k or dO through zeros of masked pairs run pair by
+/// pair (a masked pair contributes nothing, not 0 * Inf); V meets only dP, whose masked entries
+/// `dscores_rows` overwrites.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn block_pair(sc: &mut Scratch, b: &BlockPair, dk: &mut [f32], dv: &mut [f32], dq: &mut [f32], d: usize, c: f32, scale: f32, exact: bool) {
+    let (rows, nb, rel) = (b.rows, b.nb, b.rel);
+    matmul(&mut sc.s, nb, rows, nb, d, Mat::rows(b.q, d), Mat::rows_t(b.k, d), 1.0, false);
+    probs_rows(&mut sc.s[..rows * nb], nb, &sc.los, &sc.lims, rel, c, b.lse2);
+    // dV += P^T dO
+    if exact {
+        pt_rows(dv, d, &sc.s[..rows * nb], nb, b.dout, &sc.los, &sc.lims, rel, 1.0);
+    } else {
+        matmul(dv, d, nb, d, rows, Mat::rows_t(&sc.s, nb), Mat::rows(b.dout, d), 1.0, true);
+    }
+    // dP = dO V^T, dS = P (dP - delta)
+    matmul(&mut sc.dp, nb, rows, nb, d, Mat::rows(b.dout, d), Mat::rows_t(b.v, d), 1.0, false);
+    dscores_rows(&sc.s[..rows * nb], &mut sc.dp[..rows * nb], nb, &sc.los, &sc.lims, rel, b.delta);
+    // dK += scale * dS^T Q, dQ += scale * dS K
+    if exact {
+        pt_rows(dk, d, &sc.dp[..rows * nb], nb, b.q, &sc.los, &sc.lims, rel, scale);
+        pv_rows(dq, d, &sc.dp[..rows * nb], nb, &sc.los, &sc.lims, rel, b.k, d, scale);
+    } else {
+        matmul(dk, d, nb, d, rows, Mat::rows_t(&sc.dp, nb), Mat::rows(b.q, d), scale, true);
+        matmul(dq, d, rows, d, nb, Mat::rows(&sc.dp, nb), Mat::rows(b.k, d), scale, true);
+    }
+}
+
+/// dQ = the chunks' buffers (`chunks` consecutive `q_len` parts of `parts`) summed in chunk order,
+/// into the first part.
+pub(crate) fn sum_chunks(parts: &mut [f32], q_len: usize, chunks: usize) {
+    let (dq, rest) = parts.split_at_mut(q_len);
+    if chunks > 1 {
+        dq.par_chunks_mut(1 << 14).enumerate().for_each(|(i, out)| {
+            let (at, n) = (i << 14, out.len());
+            for part in rest[..(chunks - 1) * q_len].chunks_exact(q_len) {
+                for (o, &x) in out.iter_mut().zip(&part[at..at + n]) {
+                    *o += x;
+                }
+            }
+        });
+    }
 }
 
 /// FlashAttention-2's five products per (query block, key block): S = Q K^T, dV += P^T dO,
@@ -171,8 +213,8 @@ pub(crate) fn backward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView, g
     let exact = !(all_finite(&p.q) && all_finite(&p.k) && all_finite(&p.dout));
 
     let ql = dm.q_len();
-    let chunks = key_chunks(hkv, tk, ql);
     let blocks = tk.div_ceil(BKB);
+    let chunks = key_chunks(hkv, blocks, ql);
     let mut dk = vec![0.0f32; dm.kv_len()];
     let mut dv = vec![0.0f32; dm.kv_len()];
     // chunk c's dQ in dq_parts[c * q_len..]; with one chunk it is dQ itself
@@ -184,7 +226,7 @@ pub(crate) fn backward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView, g
     let dq_w = SharedMut::new(dq_parts);
     let tasks: Vec<(usize, usize)> = (0..hkv).flat_map(|h| (0..chunks).map(move |ci| (h, ci))).collect();
     tasks.par_iter().for_each_init(
-        || Scratch::new(d),
+        Scratch::new,
         |sc, &(hk, ci)| {
             let (b0, b1) = (ci * blocks / chunks, (ci + 1) * blocks / chunks);
             for kb in (b0 * BKB..(b1 * BKB).min(tk)).step_by(BKB) {
@@ -215,45 +257,27 @@ pub(crate) fn backward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView, g
                             // SAFETY: chunk ci's buffer rows of the query heads of kv head hk: this task's alone.
                             let dq_out = unsafe { dq_w.slice(ci * ql + row0 * d, rows * d) };
                             row_bounds(spec, seg, r0, rows, &mut sc.los, &mut sc.lims);
-                            matmul(&mut sc.s, nb, rows, nb, d, Mat::rows(qblk, d), Mat::rows_t(kblk, d), 1.0, false);
-                            probs_rows(&mut sc.s[..rows * nb], nb, &sc.los, &sc.lims, rel, c, &p.lse2[row0..row0 + rows]);
-                            // dV += P^T dO
-                            if exact {
-                                pt_rows(dv_out, d, &sc.s[..rows * nb], nb, doblk, &sc.los, &sc.lims, rel, 1.0);
-                            } else {
-                                matmul(dv_out, d, nb, d, rows, Mat::rows_t(&sc.s, nb), Mat::rows(doblk, d), 1.0, true);
-                            }
-                            // dP = dO V^T, dS = P (dP - delta)
-                            matmul(&mut sc.dp, nb, rows, nb, d, Mat::rows(doblk, d), Mat::rows_t(vblk, d), 1.0, false);
-                            dscores_rows(&sc.s[..rows * nb], &mut sc.dp[..rows * nb], nb, &sc.los, &sc.lims, rel, &p.delta[row0..row0 + rows]);
-                            // dK += scale * dS^T Q, dQ += scale * dS K
-                            if exact {
-                                pt_rows(dk_out, d, &sc.dp[..rows * nb], nb, qblk, &sc.los, &sc.lims, rel, spec.scale);
-                                pv_rows(dq_out, d, &sc.dp[..rows * nb], nb, &sc.los, &sc.lims, rel, kblk, d, spec.scale);
-                            } else {
-                                matmul(dk_out, d, nb, d, rows, Mat::rows_t(&sc.dp, nb), Mat::rows(qblk, d), spec.scale, true);
-                                matmul(dq_out, d, rows, d, nb, Mat::rows(&sc.dp, nb), Mat::rows(kblk, d), spec.scale, true);
-                            }
+                            let pair = BlockPair {
+                                q: qblk,
+                                dout: doblk,
+                                k: kblk,
+                                v: vblk,
+                                lse2: &p.lse2[row0..row0 + rows],
+                                delta: &p.delta[row0..row0 + rows],
+                                rows,
+                                nb,
+                                rel,
+                            };
+                            block_pair(sc, &pair, dk_out, dv_out, dq_out, d, c, spec.scale, exact);
                         }
                     }
                 }
             }
         },
     );
-    // dQ = the chunks' buffers summed in chunk order
-    let (dq, rest) = dq_parts.split_at_mut(ql);
-    if chunks > 1 {
-        dq.par_chunks_mut(1 << 14).enumerate().for_each(|(i, out)| {
-            let (at, n) = (i << 14, out.len());
-            for part in rest.chunks_exact(ql) {
-                for (o, &x) in out.iter_mut().zip(&part[at..at + n]) {
-                    *o += x;
-                }
-            }
-        });
-    }
+    sum_chunks(dq_parts, ql, chunks);
     let grads = Gradients {
-        dq: from_head_major(dq, tq, hq, d, spec.dtype),
+        dq: from_head_major(&dq_parts[..ql], tq, hq, d, spec.dtype),
         dk: from_head_major(&dk, tk, hkv, d, spec.dtype),
         dv: from_head_major(&dv, tk, hkv, d, spec.dtype),
     };

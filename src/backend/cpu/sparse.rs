@@ -5,9 +5,11 @@
 //!
 //! - forward: one task per (sequence, query head, query block or run of consecutive query blocks
 //!   with equal lists, <= `BQ` rows);
-//! - backward: dK/dV tasks per (sequence, kv head, key block) walk the transposed index (query
-//!   blocks listing the key block), dQ tasks per (sequence, query block, rows, query head) walk
-//!   the listed key blocks; deterministic by construction (fixed order, no atomics);
+//! - backward: FlashAttention-2's five products per (query rows, key block) pair, as the dense
+//!   backward (`backward::block_pair`): tasks per (kv head, chunk of the (sequence, key block)
+//!   list) walk the transposed index (query blocks listing the key block), own those keys' dK/dV
+//!   and add dQ into the chunk's own buffer; the buffers are summed in chunk order, so the result
+//!   is deterministic (fixed order, no atomics) and independent of the thread count;
 //! - INT8 QK^T (forward only): symmetric int8 Q and (smoothed) K with per-group f32 scales (see
 //!   [`crate::sparse::QuantGran`]): scale = amax / 127, x -> round-half-to-even(x * (127 / amax))
 //!   (CUDA's `rint`, the same f32 operations as the CUDA quantisation kernel), exact i32 dot
@@ -16,8 +18,9 @@
 
 use rayon::prelude::*;
 
-use super::backward::{dscores_block, prepare, probs_block, Scratch as BwdScratch};
-use super::forward::{finish_rows, online_softmax_block, row_limits, Scratch, BK, BQ};
+use super::backward::{block_pair, key_chunks, prepare, sum_chunks, BlockPair, Scratch as BwdScratch};
+use super::pool::Aligned;
+use super::forward::{all_finite, finish_rows, online_softmax_block, row_limits, Scratch, BK, BQ};
 use super::layout::{from_f32_vec, from_head_major, matmul, to_f32_cow, to_head_major, transpose_per_head, Mat, SharedMut};
 use crate::backend::{BackwardInputs, ForwardOutput, Gradients};
 use crate::dtype::{DType, HostView};
@@ -345,117 +348,83 @@ pub(crate) fn backward(spec: &SparseSpec, q: HostView, k: HostView, v: HostView,
     let tr = spec.transposed();
     let c = a.scale * std::f32::consts::LOG2_E;
     let gs = dm.group_size();
-    // index heads a kv head's query heads read (one when the index is per kv head)
-    let index_heads = |hk: usize| -> Vec<(usize, usize)> { (hk * gs..(hk + 1) * gs).map(|h| (h, spec.index_head(h))).collect() };
+    let exact = !(all_finite(&p.q) && all_finite(&p.k) && all_finite(&p.dout));
 
-    // dK, dV: one task per (sequence, kv head, key block)
+    // key blocks (sequence, block) in storage order; a task owns (kv head, chunk of them)
+    let items: Vec<(usize, usize)> = a
+        .segments
+        .iter()
+        .enumerate()
+        .flat_map(|(b, seg)| (0..seg.k_len.div_ceil(spec.k_block)).map(move |kb| (b, kb)))
+        .collect();
+    let ql = dm.q_len();
+    let chunks = key_chunks(hkv, items.len(), ql);
     let mut dk = vec![0.0f32; dm.kv_len()];
     let mut dv = vec![0.0f32; dm.kv_len()];
+    // chunk c's dQ in dq_parts[c * q_len..]; with one chunk it is dQ itself
+    let mut dq_buf = Aligned::take(chunks * ql);
+    let dq_parts = dq_buf.as_mut_slice();
+    dq_parts.par_chunks_mut(1 << 16).for_each(|c| c.fill(0.0));
     let dk_w = SharedMut::new(&mut dk);
     let dv_w = SharedMut::new(&mut dv);
-    let mut kv_tasks: Vec<(usize, usize, usize, usize)> = Vec::new();
-    for (b, seg) in a.segments.iter().enumerate() {
-        for hk in 0..hkv {
-            for kb in 0..seg.k_len.div_ceil(spec.k_block) {
-                let work: usize = index_heads(hk).iter().map(|&(_, hi)| tr.listing(b, hi, kb).len()).sum();
-                kv_tasks.push((b, hk, kb, work));
-            }
-        }
-    }
-    kv_tasks.sort_by_key(|t| std::cmp::Reverse(t.3));
-    kv_tasks.par_iter().for_each_init(
-        || BwdScratch::new(d),
-        |sc, &(b, hk, kb, _)| {
-            let seg = &a.segments[b];
-            let k_lo = kb * spec.k_block;
-            let k_end = ((kb + 1) * spec.k_block).min(seg.k_len);
-            // SAFETY: tasks own disjoint (kv head, key range) slices.
-            let dk_blk = unsafe { dk_w.slice((hk * tk + seg.k_start + k_lo) * d, (k_end - k_lo) * d) };
-            let dv_blk = unsafe { dv_w.slice((hk * tk + seg.k_start + k_lo) * d, (k_end - k_lo) * d) };
-            for (h, hi) in index_heads(hk) {
-                for &qb in tr.listing(b, hi, kb) {
-                    let qb = qb as usize;
-                    let (r_lo, r_hi) = (qb * spec.q_block, ((qb + 1) * spec.q_block).min(seg.q_len));
-                    for r0 in (r_lo..r_hi).step_by(BQ) {
-                        let rows = BQ.min(r_hi - r0);
-                        row_limits(seg, a.causal, r0, rows, &mut sc.lims);
-                        let lim_max = sc.lims.iter().copied().max().unwrap_or(0);
-                        let row0 = h * tq + seg.q_start + r0;
-                        let qblk = &p.q[row0 * d..][..rows * d];
-                        let doblk = &p.dout[row0 * d..][..rows * d];
-                        for rel in (k_lo..k_end.min(lim_max)).step_by(BK) {
-                            let nb = BK.min(k_end.min(lim_max) - rel);
-                            let kabs = hk * tk + seg.k_start + rel;
-                            let kblk = &p.k[kabs * d..][..nb * d];
-                            let vblk = &p.v[kabs * d..][..nb * d];
-                            let dk_out = &mut dk_blk[(rel - k_lo) * d..][..nb * d];
-                            let dv_out = &mut dv_blk[(rel - k_lo) * d..][..nb * d];
-                            matmul(&mut sc.s, nb, rows, nb, d, Mat::rows(qblk, d), Mat::rows_t(kblk, d), 1.0, false);
-                            probs_block(&mut sc.s[..rows * nb], nb, &sc.lims, rel, c, &p.lse2[row0..row0 + rows]);
-                            matmul(dv_out, d, nb, d, rows, Mat::rows_t(&sc.s, nb), Mat::rows(doblk, d), 1.0, true);
-                            matmul(&mut sc.dp, nb, rows, nb, d, Mat::rows(doblk, d), Mat::rows_t(vblk, d), 1.0, false);
-                            dscores_block(&sc.s[..rows * nb], &mut sc.dp[..rows * nb], nb, &p.delta[row0..row0 + rows]);
-                            matmul(dk_out, d, nb, d, rows, Mat::rows_t(&sc.dp, nb), Mat::rows(qblk, d), a.scale, true);
+    let dq_w = SharedMut::new(dq_parts);
+    let tasks: Vec<(usize, usize)> = (0..hkv).flat_map(|h| (0..chunks).map(move |ci| (h, ci))).collect();
+    tasks.par_iter().for_each_init(
+        BwdScratch::new,
+        |sc, &(hk, ci)| {
+            let n_items = items.len();
+            for &(b, kb) in &items[ci * n_items / chunks..(ci + 1) * n_items / chunks] {
+                let seg = &a.segments[b];
+                let k_lo = kb * spec.k_block;
+                let k_end = ((kb + 1) * spec.k_block).min(seg.k_len);
+                // SAFETY: tasks own disjoint (kv head, key range) slices.
+                let dk_blk = unsafe { dk_w.slice((hk * tk + seg.k_start + k_lo) * d, (k_end - k_lo) * d) };
+                let dv_blk = unsafe { dv_w.slice((hk * tk + seg.k_start + k_lo) * d, (k_end - k_lo) * d) };
+                for h in hk * gs..(hk + 1) * gs {
+                    for &qb in tr.listing(b, spec.index_head(h), kb) {
+                        let qb = qb as usize;
+                        let (r_lo, r_hi) = (qb * spec.q_block, ((qb + 1) * spec.q_block).min(seg.q_len));
+                        for r0 in (r_lo..r_hi).step_by(BQ) {
+                            let rows = BQ.min(r_hi - r0);
+                            row_limits(seg, a.causal, r0, rows, &mut sc.lims);
+                            sc.los.clear();
+                            sc.los.resize(rows, 0);
+                            let lim_max = sc.lims.iter().copied().max().unwrap_or(0);
+                            let row0 = h * tq + seg.q_start + r0;
+                            // SAFETY: chunk ci's buffer rows of the query heads of kv head hk: this task's alone.
+                            let dq_out = unsafe { dq_w.slice(ci * ql + row0 * d, rows * d) };
+                            for rel in (k_lo..k_end.min(lim_max)).step_by(BK) {
+                                let nb = BK.min(k_end.min(lim_max) - rel);
+                                let kabs = hk * tk + seg.k_start + rel;
+                                let pair = BlockPair {
+                                    q: &p.q[row0 * d..][..rows * d],
+                                    dout: &p.dout[row0 * d..][..rows * d],
+                                    k: &p.k[kabs * d..][..nb * d],
+                                    v: &p.v[kabs * d..][..nb * d],
+                                    lse2: &p.lse2[row0..row0 + rows],
+                                    delta: &p.delta[row0..row0 + rows],
+                                    rows,
+                                    nb,
+                                    rel,
+                                };
+                                let dk_out = &mut dk_blk[(rel - k_lo) * d..][..nb * d];
+                                let dv_out = &mut dv_blk[(rel - k_lo) * d..][..nb * d];
+                                block_pair(sc, &pair, dk_out, dv_out, dq_out, d, c, a.scale, exact);
+                            }
                         }
                     }
                 }
             }
         },
     );
-
-    // dQ: one task per (sequence, query block rows, query head)
-    let mut dq = vec![0.0f32; dm.q_len()];
-    let dq_w = SharedMut::new(&mut dq);
-    let q_tasks = row_tasks(spec);
-    q_tasks.par_iter().for_each_init(
-        || (BwdScratch::new(d), Gather::new(d)),
-        |(sc, ga), &(b, r0, rows, h)| {
-            let seg = &a.segments[b];
-            let hk = h / gs;
-            let row0 = h * tq + seg.q_start + r0;
-            let qblk = &p.q[row0 * d..][..rows * d];
-            let doblk = &p.dout[row0 * d..][..rows * d];
-            let kseg = &p.k[(hk * tk + seg.k_start) * d..][..seg.k_len * d];
-            let vseg = &p.v[(hk * tk + seg.k_start) * d..][..seg.k_len * d];
-            row_limits(seg, a.causal, r0, rows, &mut sc.lims);
-            let k_hi = sc.lims.iter().copied().max().unwrap_or(0);
-            spans(spec.index.kept(b, spec.index_head(h), r0 / spec.q_block), spec.k_block, k_hi, BK, &mut ga.spans);
-            chunks(&ga.spans, BK, &mut ga.chunks);
-            let acc = &mut sc.acc_a[..rows * d];
-            acc.fill(0.0);
-            for ci in 0..ga.chunks.len() {
-                let (c0, c1) = ga.chunks[ci];
-                let group = &ga.spans[c0..c1];
-                let n: usize = group.iter().map(|&(lo, hi)| hi - lo).sum();
-                // K and V rows (head-major, contiguous per span): in place or gathered
-                let (kb, vb): (&[f32], &[f32]) = if let [(lo, _)] = *group {
-                    (&kseg[lo * d..], &vseg[lo * d..])
-                } else {
-                    let mut off = 0;
-                    for &(lo, hi) in group {
-                        let w = (hi - lo) * d;
-                        ga.k[off..off + w].copy_from_slice(&kseg[lo * d..hi * d]);
-                        ga.v[off..off + w].copy_from_slice(&vseg[lo * d..hi * d]);
-                        off += w;
-                    }
-                    (&ga.k, &ga.v)
-                };
-                gathered_limits(&sc.lims, group, &mut ga.lims);
-                matmul(&mut sc.s, n, rows, n, d, Mat::rows(qblk, d), Mat::rows_t(kb, d), 1.0, false);
-                probs_block(&mut sc.s[..rows * n], n, &ga.lims, 0, c, &p.lse2[row0..row0 + rows]);
-                matmul(&mut sc.dp, n, rows, n, d, Mat::rows(doblk, d), Mat::rows_t(vb, d), 1.0, false);
-                dscores_block(&sc.s[..rows * n], &mut sc.dp[..rows * n], n, &p.delta[row0..row0 + rows]);
-                matmul(acc, d, rows, d, n, Mat::rows(&sc.dp, n), Mat::rows(kb, d), a.scale, true);
-            }
-            // SAFETY: (head, row) ranges of tasks are disjoint.
-            unsafe { dq_w.slice(row0 * d, rows * d) }.copy_from_slice(acc);
-        },
-    );
-    Gradients {
-        dq: from_head_major(&dq, tq, hq, d, a.dtype),
+    sum_chunks(dq_parts, ql, chunks);
+    let grads = Gradients {
+        dq: from_head_major(&dq_parts[..ql], tq, hq, d, a.dtype),
         dk: from_head_major(&dk, tk, hkv, d, a.dtype),
         dv: from_head_major(&dv, tk, hkv, d, a.dtype),
-    }
+    };
+    dq_buf.give();
+    grads
 }
 
 #[cfg(test)]
