@@ -11,8 +11,8 @@ use super::pool::Aligned;
 use super::layout::{from_head_major, matmul, to_f32_cow, to_head_major, Mat, SharedMut};
 use super::simd::{dot, exp2_neg, multiversion};
 use crate::backend::{BackwardInputs, Gradients};
-use crate::dtype::HostView;
-use crate::spec::AttnSpec;
+use crate::dtype::{DType, HostView};
+use crate::spec::{AttnSpec, Dims};
 
 /// Keys per dK/dV task.
 pub(crate) const BKB: usize = 64;
@@ -183,7 +183,7 @@ pub(crate) fn block_pair(sc: &mut Scratch, b: &BlockPair, dk: &mut [f32], dv: &m
 
 /// dQ = the chunks' buffers (`chunks` consecutive `q_len` parts of `parts`) summed in chunk order,
 /// into the first part.
-pub(crate) fn sum_chunks(parts: &mut [f32], q_len: usize, chunks: usize) {
+fn sum_chunks(parts: &mut [f32], q_len: usize, chunks: usize) {
     let (dq, rest) = parts.split_at_mut(q_len);
     if chunks > 1 {
         dq.par_chunks_mut(1 << 14).enumerate().for_each(|(i, out)| {
@@ -197,13 +197,68 @@ pub(crate) fn sum_chunks(parts: &mut [f32], q_len: usize, chunks: usize) {
     }
 }
 
+/// What a backward task writes: dK, dV (head-major, `[heads_kv, total_k, d]`) and its chunk's dQ
+/// buffer (head-major `[heads_q, total_q, d]`).
+pub(crate) struct TaskOutputs {
+    dk: SharedMut<f32>,
+    dv: SharedMut<f32>,
+    dq: SharedMut<f32>,
+    q_len: usize,
+}
+
+impl TaskOutputs {
+    /// dK and dV of the head-major range `[start, start + len)`.
+    /// # Safety
+    /// Tasks take disjoint ranges.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn dk_dv(&self, start: usize, len: usize) -> (&mut [f32], &mut [f32]) {
+        (self.dk.slice(start, len), self.dv.slice(start, len))
+    }
+    /// Chunk `ci`'s dQ buffer over the head-major range `[start, start + len)`.
+    /// # Safety
+    /// Only the task of chunk `ci` and a kv head takes that kv head's query heads' rows.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn dq(&self, ci: usize, start: usize, len: usize) -> &mut [f32] {
+        self.dq.slice(ci * self.q_len + start, len)
+    }
+}
+
+/// The task frame of both backwards (dense and block-sparse): `task(scratch, kv head, chunk,
+/// outputs)` runs for every (kv head, chunk < `chunks`) in parallel over zeroed dK, dV and one
+/// zeroed dQ buffer per chunk; the buffers are then summed in chunk order (the same bits for any
+/// thread count) and the gradients converted to `dtype` in the token-major layout.
+pub(crate) fn run_tasks<F>(dm: &Dims, dtype: DType, chunks: usize, task: F) -> Gradients
+where
+    F: Fn(&mut Scratch, usize, usize, &TaskOutputs) + Sync,
+{
+    let (d, tq, tk, hq, hkv) = (dm.head_dim, dm.total_q, dm.total_k, dm.heads_q, dm.heads_kv);
+    let ql = dm.q_len();
+    let mut dk = vec![0.0f32; dm.kv_len()];
+    let mut dv = vec![0.0f32; dm.kv_len()];
+    // chunk c's dQ in dq_parts[c * q_len..]; with one chunk it is dQ itself
+    let mut dq_buf = Aligned::take(chunks * ql);
+    let dq_parts = dq_buf.as_mut_slice();
+    dq_parts.par_chunks_mut(1 << 16).for_each(|c| c.fill(0.0));
+    let outs = TaskOutputs { dk: SharedMut::new(&mut dk), dv: SharedMut::new(&mut dv), dq: SharedMut::new(dq_parts), q_len: ql };
+    let tasks: Vec<(usize, usize)> = (0..hkv).flat_map(|h| (0..chunks).map(move |ci| (h, ci))).collect();
+    tasks.par_iter().for_each_init(Scratch::new, |sc, &(hk, ci)| task(sc, hk, ci, &outs));
+    sum_chunks(dq_parts, ql, chunks);
+    let grads = Gradients {
+        dq: from_head_major(&dq_parts[..ql], tq, hq, d, dtype),
+        dk: from_head_major(&dk, tk, hkv, d, dtype),
+        dv: from_head_major(&dv, tk, hkv, d, dtype),
+    };
+    dq_buf.give();
+    grads
+}
+
 /// FlashAttention-2's five products per (query block, key block): S = Q K^T, dV += P^T dO,
 /// dP = dO V^T, dK += dS^T Q and dQ += dS K (P recomputed once from the LSE). One task per (kv
 /// head, chunk of key blocks) owns those keys' dK/dV (every segment and GQA query head that sees
 /// them, in a fixed order) and its chunk's dQ buffer.
 pub(crate) fn backward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView, g: BackwardInputs) -> Gradients {
     let dm = spec.dims;
-    let (d, tq, tk, hq, hkv) = (dm.head_dim, dm.total_q, dm.total_k, dm.heads_q, dm.heads_kv);
+    let (d, tq, tk, hkv) = (dm.head_dim, dm.total_q, dm.total_k, dm.heads_kv);
     let p = prepare(spec, q, k, v, &g);
     let c = spec.scale * std::f32::consts::LOG2_E;
     let gs = dm.group_size();
@@ -215,72 +270,50 @@ pub(crate) fn backward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView, g
     let ql = dm.q_len();
     let blocks = tk.div_ceil(BKB);
     let chunks = key_chunks(hkv, blocks, ql);
-    let mut dk = vec![0.0f32; dm.kv_len()];
-    let mut dv = vec![0.0f32; dm.kv_len()];
-    // chunk c's dQ in dq_parts[c * q_len..]; with one chunk it is dQ itself
-    let mut dq_buf = Aligned::take(chunks * ql);
-    let dq_parts = dq_buf.as_mut_slice();
-    dq_parts.par_chunks_mut(1 << 16).for_each(|c| c.fill(0.0));
-    let dk_w = SharedMut::new(&mut dk);
-    let dv_w = SharedMut::new(&mut dv);
-    let dq_w = SharedMut::new(dq_parts);
-    let tasks: Vec<(usize, usize)> = (0..hkv).flat_map(|h| (0..chunks).map(move |ci| (h, ci))).collect();
-    tasks.par_iter().for_each_init(
-        Scratch::new,
-        |sc, &(hk, ci)| {
-            let (b0, b1) = (ci * blocks / chunks, (ci + 1) * blocks / chunks);
-            for kb in (b0 * BKB..(b1 * BKB).min(tk)).step_by(BKB) {
-                let nk = BKB.min(tk - kb);
-                // SAFETY: tasks own disjoint (kv head, key block) ranges.
-                let dk_blk = unsafe { dk_w.slice((hk * tk + kb) * d, nk * d) };
-                let dv_blk = unsafe { dv_w.slice((hk * tk + kb) * d, nk * d) };
-                for seg in &spec.segments {
-                    let a = kb.max(seg.k_start);
-                    let b = (kb + nk).min(seg.k_start + seg.k_len);
-                    if a >= b || seg.q_len == 0 {
-                        continue;
-                    }
-                    let nb = b - a;
-                    let rel = a - seg.k_start;
-                    // the rows that see a key of [a, b)
-                    let (r_min, r_end) = spec.rows_seeing(seg, rel, rel + nb);
-                    let kblk = &p.k[(hk * tk + a) * d..][..nb * d];
-                    let vblk = &p.v[(hk * tk + a) * d..][..nb * d];
-                    let dk_out = &mut dk_blk[(a - kb) * d..][..nb * d];
-                    let dv_out = &mut dv_blk[(a - kb) * d..][..nb * d];
-                    for h in hk * gs..(hk + 1) * gs {
-                        for r0 in (r_min..r_end).step_by(BQ) {
-                            let rows = BQ.min(r_end - r0);
-                            let row0 = h * tq + seg.q_start + r0;
-                            let qblk = &p.q[row0 * d..][..rows * d];
-                            let doblk = &p.dout[row0 * d..][..rows * d];
-                            // SAFETY: chunk ci's buffer rows of the query heads of kv head hk: this task's alone.
-                            let dq_out = unsafe { dq_w.slice(ci * ql + row0 * d, rows * d) };
-                            row_bounds(spec, seg, r0, rows, &mut sc.los, &mut sc.lims);
-                            let pair = BlockPair {
-                                q: qblk,
-                                dout: doblk,
-                                k: kblk,
-                                v: vblk,
-                                lse2: &p.lse2[row0..row0 + rows],
-                                delta: &p.delta[row0..row0 + rows],
-                                rows,
-                                nb,
-                                rel,
-                            };
-                            block_pair(sc, &pair, dk_out, dv_out, dq_out, d, c, spec.scale, exact);
-                        }
+    run_tasks(&dm, spec.dtype, chunks, |sc, hk, ci, outs| {
+        let (b0, b1) = (ci * blocks / chunks, (ci + 1) * blocks / chunks);
+        for kb in (b0 * BKB..(b1 * BKB).min(tk)).step_by(BKB) {
+            let nk = BKB.min(tk - kb);
+            // SAFETY: tasks own disjoint (kv head, key block) ranges.
+            let (dk_blk, dv_blk) = unsafe { outs.dk_dv((hk * tk + kb) * d, nk * d) };
+            for seg in &spec.segments {
+                let a = kb.max(seg.k_start);
+                let b = (kb + nk).min(seg.k_start + seg.k_len);
+                if a >= b || seg.q_len == 0 {
+                    continue;
+                }
+                let nb = b - a;
+                let rel = a - seg.k_start;
+                // the rows that see a key of [a, b)
+                let (r_min, r_end) = spec.rows_seeing(seg, rel, rel + nb);
+                let kblk = &p.k[(hk * tk + a) * d..][..nb * d];
+                let vblk = &p.v[(hk * tk + a) * d..][..nb * d];
+                let dk_out = &mut dk_blk[(a - kb) * d..][..nb * d];
+                let dv_out = &mut dv_blk[(a - kb) * d..][..nb * d];
+                for h in hk * gs..(hk + 1) * gs {
+                    for r0 in (r_min..r_end).step_by(BQ) {
+                        let rows = BQ.min(r_end - r0);
+                        let row0 = h * tq + seg.q_start + r0;
+                        let qblk = &p.q[row0 * d..][..rows * d];
+                        let doblk = &p.dout[row0 * d..][..rows * d];
+                        // SAFETY: chunk ci's buffer rows of the query heads of kv head hk: this task's alone.
+                        let dq_out = unsafe { outs.dq(ci, row0 * d, rows * d) };
+                        row_bounds(spec, seg, r0, rows, &mut sc.los, &mut sc.lims);
+                        let pair = BlockPair {
+                            q: qblk,
+                            dout: doblk,
+                            k: kblk,
+                            v: vblk,
+                            lse2: &p.lse2[row0..row0 + rows],
+                            delta: &p.delta[row0..row0 + rows],
+                            rows,
+                            nb,
+                            rel,
+                        };
+                        block_pair(sc, &pair, dk_out, dv_out, dq_out, d, c, spec.scale, exact);
                     }
                 }
             }
-        },
-    );
-    sum_chunks(dq_parts, ql, chunks);
-    let grads = Gradients {
-        dq: from_head_major(&dq_parts[..ql], tq, hq, d, spec.dtype),
-        dk: from_head_major(&dk, tk, hkv, d, spec.dtype),
-        dv: from_head_major(&dv, tk, hkv, d, spec.dtype),
-    };
-    dq_buf.give();
-    grads
+        }
+    })
 }

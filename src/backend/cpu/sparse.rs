@@ -18,10 +18,9 @@
 
 use rayon::prelude::*;
 
-use super::backward::{block_pair, key_chunks, prepare, sum_chunks, BlockPair, Scratch as BwdScratch};
-use super::pool::Aligned;
+use super::backward::{block_pair, key_chunks, prepare, run_tasks, BlockPair};
 use super::forward::{all_finite, finish_rows, online_softmax_block, row_limits, Scratch, BK, BQ};
-use super::layout::{from_f32_vec, from_head_major, matmul, to_f32_cow, to_head_major, transpose_per_head, Mat, SharedMut};
+use super::layout::{from_f32_vec, matmul, to_f32_cow, to_head_major, transpose_per_head, Mat, SharedMut};
 use crate::backend::{BackwardInputs, ForwardOutput, Gradients};
 use crate::dtype::{DType, HostView};
 use crate::sparse::{Int8Qk, SparseSpec};
@@ -343,7 +342,7 @@ pub(crate) fn forward(spec: &SparseSpec, q: HostView, k: HostView, v: HostView) 
 pub(crate) fn backward(spec: &SparseSpec, q: HostView, k: HostView, v: HostView, g: BackwardInputs) -> Gradients {
     let a = &spec.attn;
     let dm = a.dims;
-    let (d, tq, tk, hq, hkv) = (dm.head_dim, dm.total_q, dm.total_k, dm.heads_q, dm.heads_kv);
+    let (d, tq, tk, hkv) = (dm.head_dim, dm.total_q, dm.total_k, dm.heads_kv);
     let p = prepare(a, q, k, v, &g);
     let tr = spec.transposed();
     let c = a.scale * std::f32::consts::LOG2_E;
@@ -359,72 +358,50 @@ pub(crate) fn backward(spec: &SparseSpec, q: HostView, k: HostView, v: HostView,
         .collect();
     let ql = dm.q_len();
     let chunks = key_chunks(hkv, items.len(), ql);
-    let mut dk = vec![0.0f32; dm.kv_len()];
-    let mut dv = vec![0.0f32; dm.kv_len()];
-    // chunk c's dQ in dq_parts[c * q_len..]; with one chunk it is dQ itself
-    let mut dq_buf = Aligned::take(chunks * ql);
-    let dq_parts = dq_buf.as_mut_slice();
-    dq_parts.par_chunks_mut(1 << 16).for_each(|c| c.fill(0.0));
-    let dk_w = SharedMut::new(&mut dk);
-    let dv_w = SharedMut::new(&mut dv);
-    let dq_w = SharedMut::new(dq_parts);
-    let tasks: Vec<(usize, usize)> = (0..hkv).flat_map(|h| (0..chunks).map(move |ci| (h, ci))).collect();
-    tasks.par_iter().for_each_init(
-        BwdScratch::new,
-        |sc, &(hk, ci)| {
-            let n_items = items.len();
-            for &(b, kb) in &items[ci * n_items / chunks..(ci + 1) * n_items / chunks] {
-                let seg = &a.segments[b];
-                let k_lo = kb * spec.k_block;
-                let k_end = ((kb + 1) * spec.k_block).min(seg.k_len);
-                // SAFETY: tasks own disjoint (kv head, key range) slices.
-                let dk_blk = unsafe { dk_w.slice((hk * tk + seg.k_start + k_lo) * d, (k_end - k_lo) * d) };
-                let dv_blk = unsafe { dv_w.slice((hk * tk + seg.k_start + k_lo) * d, (k_end - k_lo) * d) };
-                for h in hk * gs..(hk + 1) * gs {
-                    for &qb in tr.listing(b, spec.index_head(h), kb) {
-                        let qb = qb as usize;
-                        let (r_lo, r_hi) = (qb * spec.q_block, ((qb + 1) * spec.q_block).min(seg.q_len));
-                        for r0 in (r_lo..r_hi).step_by(BQ) {
-                            let rows = BQ.min(r_hi - r0);
-                            row_limits(seg, a.causal, r0, rows, &mut sc.lims);
-                            sc.los.clear();
-                            sc.los.resize(rows, 0);
-                            let lim_max = sc.lims.iter().copied().max().unwrap_or(0);
-                            let row0 = h * tq + seg.q_start + r0;
-                            // SAFETY: chunk ci's buffer rows of the query heads of kv head hk: this task's alone.
-                            let dq_out = unsafe { dq_w.slice(ci * ql + row0 * d, rows * d) };
-                            for rel in (k_lo..k_end.min(lim_max)).step_by(BK) {
-                                let nb = BK.min(k_end.min(lim_max) - rel);
-                                let kabs = hk * tk + seg.k_start + rel;
-                                let pair = BlockPair {
-                                    q: &p.q[row0 * d..][..rows * d],
-                                    dout: &p.dout[row0 * d..][..rows * d],
-                                    k: &p.k[kabs * d..][..nb * d],
-                                    v: &p.v[kabs * d..][..nb * d],
-                                    lse2: &p.lse2[row0..row0 + rows],
-                                    delta: &p.delta[row0..row0 + rows],
-                                    rows,
-                                    nb,
-                                    rel,
-                                };
-                                let dk_out = &mut dk_blk[(rel - k_lo) * d..][..nb * d];
-                                let dv_out = &mut dv_blk[(rel - k_lo) * d..][..nb * d];
-                                block_pair(sc, &pair, dk_out, dv_out, dq_out, d, c, a.scale, exact);
-                            }
+    run_tasks(&dm, a.dtype, chunks, |sc, hk, ci, outs| {
+        let n_items = items.len();
+        for &(b, kb) in &items[ci * n_items / chunks..(ci + 1) * n_items / chunks] {
+            let seg = &a.segments[b];
+            let k_lo = kb * spec.k_block;
+            let k_end = ((kb + 1) * spec.k_block).min(seg.k_len);
+            // SAFETY: tasks own disjoint (kv head, key range) slices.
+            let (dk_blk, dv_blk) = unsafe { outs.dk_dv((hk * tk + seg.k_start + k_lo) * d, (k_end - k_lo) * d) };
+            for h in hk * gs..(hk + 1) * gs {
+                for &qb in tr.listing(b, spec.index_head(h), kb) {
+                    let qb = qb as usize;
+                    let (r_lo, r_hi) = (qb * spec.q_block, ((qb + 1) * spec.q_block).min(seg.q_len));
+                    for r0 in (r_lo..r_hi).step_by(BQ) {
+                        let rows = BQ.min(r_hi - r0);
+                        row_limits(seg, a.causal, r0, rows, &mut sc.lims);
+                        sc.los.clear();
+                        sc.los.resize(rows, 0);
+                        let lim_max = sc.lims.iter().copied().max().unwrap_or(0);
+                        let row0 = h * tq + seg.q_start + r0;
+                        // SAFETY: chunk ci's buffer rows of the query heads of kv head hk: this task's alone.
+                        let dq_out = unsafe { outs.dq(ci, row0 * d, rows * d) };
+                        for rel in (k_lo..k_end.min(lim_max)).step_by(BK) {
+                            let nb = BK.min(k_end.min(lim_max) - rel);
+                            let kabs = hk * tk + seg.k_start + rel;
+                            let pair = BlockPair {
+                                q: &p.q[row0 * d..][..rows * d],
+                                dout: &p.dout[row0 * d..][..rows * d],
+                                k: &p.k[kabs * d..][..nb * d],
+                                v: &p.v[kabs * d..][..nb * d],
+                                lse2: &p.lse2[row0..row0 + rows],
+                                delta: &p.delta[row0..row0 + rows],
+                                rows,
+                                nb,
+                                rel,
+                            };
+                            let dk_out = &mut dk_blk[(rel - k_lo) * d..][..nb * d];
+                            let dv_out = &mut dv_blk[(rel - k_lo) * d..][..nb * d];
+                            block_pair(sc, &pair, dk_out, dv_out, dq_out, d, c, a.scale, exact);
                         }
                     }
                 }
             }
-        },
-    );
-    sum_chunks(dq_parts, ql, chunks);
-    let grads = Gradients {
-        dq: from_head_major(&dq_parts[..ql], tq, hq, d, a.dtype),
-        dk: from_head_major(&dk, tk, hkv, d, a.dtype),
-        dv: from_head_major(&dv, tk, hkv, d, a.dtype),
-    };
-    dq_buf.give();
-    grads
+        }
+    })
 }
 
 #[cfg(test)]
