@@ -32,7 +32,7 @@ use cubecl::prelude::barrier::Barrier;
 
 use super::flash_fwd::{tile_bounds, LIST_SMEM};
 use super::fragments::{frag_a, frag_b_n2, frag_b_t2, mma_acc_b, mma_into, mma_rows_abt_pair};
-use super::staging::{issue_kv_tile, issue_q_tile, stage_rows};
+use super::staging::{commit_copies, commit_stage, issue_kv_tile, issue_q_tile, stage_rows, wait_stage};
 use super::math::{fast_exp2, LOG2E};
 use super::rows::{key_rows, row_keys};
 
@@ -391,13 +391,7 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                 q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, boff, r00,
                 q_len, q_start, h0, heads_q, total_q, head_dim,
             );
-            if (g_tile & 1u32) == 0 {
-                bar0.commit_copy_async();
-                let _t = bar0.arrive();
-            } else {
-                bar1.commit_copy_async();
-                let _t = bar1.arrive();
-            }
+            commit_stage(&bar0, &bar1, g_tile);
         }
         // The (q head, query tile) pair of iteration `it` as counters (no divisions). Dense: head
         // `hi`, tile `ti`. Sparse: repeat `hi` of the list (q head of an index per kv head),
@@ -449,19 +443,9 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                     q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, nb, rn, q_len,
                     q_start, hn, heads_q, total_q, head_dim,
                 );
-                if (cur & 1u32) == 0 {
-                    bar1.commit_copy_async();
-                    let _t = bar1.arrive();
-                } else {
-                    bar0.commit_copy_async();
-                    let _t = bar0.arrive();
-                }
+                commit_stage(&bar1, &bar0, cur);
             }
-            if (cur & 1u32) == 0 {
-                bar0.wait_parity((cur >> 1u32) & 1u32);
-            } else {
-                bar1.wait_parity((cur >> 1u32) & 1u32);
-            }
+            wait_stage(&bar0, &bar1, cur);
             g_tile = cur + 1u32;
 
                 for sub in 0..comptime!(BWD_BM / BWD_SUB) {
@@ -674,8 +658,7 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
         issue_kv_tile::<E>(
             k_s, v_s, &mut k_smem, &mut v_smem, BWD_BN, f0, k_len, k_start, head_kv, heads_kv, head_dim,
         );
-        bar1.commit_copy_async();
-        let _t = bar1.arrive();
+        commit_copies(&bar1);
     }
     // ---- Q and dO tiles through shared memory into A fragments (BM == BN) ----
     stage_rows::<E, NV>(q, &mut k_smem, tile_start, q_len, q_start + tile_start, heads_q, head, BWD_BM, head_dim);
@@ -766,19 +749,9 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
             issue_kv_tile::<E>(
                 k_s, v_s, &mut k_smem, &mut v_smem, nb, next, k_len, k_start, head_kv, heads_kv, head_dim,
             );
-            if (kt & 1u32) == 0 {
-                bar0.commit_copy_async();
-                let _t = bar0.arrive();
-            } else {
-                bar1.commit_copy_async();
-                let _t = bar1.arrive();
-            }
+            commit_stage(&bar0, &bar1, kt);
         }
-        if (kt & 1u32) == 0 {
-            bar1.wait_parity((kt >> 1u32) & 1u32);
-        } else {
-            bar0.wait_parity((kt >> 1u32) & 1u32);
-        }
+        wait_stage(&bar1, &bar0, kt);
 
         for sub in 0..comptime!(BWD_BN / BWD_SUB) {
             let kc0 = sub * BWD_SUB;

@@ -40,7 +40,7 @@ use cubecl::prelude::barrier::{copy_async, Barrier};
 
 use super::fragments::mma_into;
 use super::int8_qk::{copy_k_tile8, scores_int8, stride8};
-use super::staging::copy_token_rows;
+use super::staging::{commit_copies, copy_token_rows};
 use super::math::{fast_exp2, LN2};
 use super::rows::row_keys;
 
@@ -395,8 +395,7 @@ pub fn flash_fwd_mma2<E: Float>(
         } else {
             copy_kv_tile(&k_s, &mut k_smem, f0, f1, krow, head_kv, threads, block_n, head_dim);
         }
-        bar_k.commit_copy_async();
-        let _tk = bar_k.arrive();
+        commit_copies(&bar_k);
     }
 
     let mut o_acc = Array::<f32>::new(comptime!(mt * o_blocks * ec));
@@ -448,8 +447,7 @@ pub fn flash_fwd_mma2<E: Float>(
         // Every plane has finished P.V of the previous tile: the V buffer is free.
         sync_cube();
         copy_kv_tile(&v_s, &mut v_smem, t0, t1, krow, head_kv, threads, block_n, head_dim);
-        bar_v.commit_copy_async();
-        let _tv = bar_v.arrive();
+        commit_copies(&bar_v);
 
         // ---- S = Q K^T: mt x 16 rows x block_n keys per plane ----
         #[unroll]
@@ -558,8 +556,7 @@ pub fn flash_fwd_mma2<E: Float>(
             } else {
                 copy_kv_tile(&k_s, &mut k_smem, n0, n1, krow, head_kv, threads, block_n, head_dim);
             }
-            bar_k.commit_copy_async();
-            let _tk = bar_k.arrive();
+            commit_copies(&bar_k);
         }
 
         // ---- online softmax per row slot ----

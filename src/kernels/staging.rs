@@ -1,8 +1,9 @@
 //! Global -> shared memory staging of the backward kernels' tiles: plain vector copies and the
-//! `cp.async` issue of the query (Q, dO, lse, delta) and key (K, V) tiles.
+//! `cp.async` issue of the query (Q, dO, lse, delta) and key (K, V) tiles; the mbarrier commit /
+//! wait of the two-stage pipelines (forward and backward).
 
 use cubecl::prelude::*;
-use cubecl::prelude::barrier::copy_async;
+use cubecl::prelude::barrier::{copy_async, Barrier};
 
 use super::flash_bwd::{BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, PAD};
 use super::math::LOG2E;
@@ -166,5 +167,34 @@ pub fn copy_token_rows<E: Float>(
         let g = (tok * heads + row_head[r]) as usize * row_e + c * vec;
         let base = r * stride + c * vec;
         copy_async(&src.slice(g, g + vec), &mut smem.slice_mut(base, base + vec), comptime!(vec as u32));
+    }
+}
+
+/// Closes this thread's `cp.async` copies issued since the last commit into `bar`'s current phase
+/// and arrives (the copies are the thread's arrival: `.noinc`, see `rewrite::mbarriers`).
+#[cube]
+pub fn commit_copies(bar: &Barrier) {
+    bar.commit_copy_async();
+    let _t = bar.arrive();
+}
+
+/// [`commit_copies`] into `even` when `stage` is even, else into `odd` (a two-stage pipeline).
+#[cube]
+pub fn commit_stage(even: &Barrier, odd: &Barrier, stage: u32) {
+    if (stage & 1u32) == 0 {
+        commit_copies(even);
+    } else {
+        commit_copies(odd);
+    }
+}
+
+/// Waits for the copies of `stage` (`even` when it is even, else `odd`): its `stage / 2`-th use of
+/// the barrier, phase parity `(stage >> 1) & 1`.
+#[cube]
+pub fn wait_stage(even: &Barrier, odd: &Barrier, stage: u32) {
+    if (stage & 1u32) == 0 {
+        even.wait_parity((stage >> 1u32) & 1u32);
+    } else {
+        odd.wait_parity((stage >> 1u32) & 1u32);
     }
 }
