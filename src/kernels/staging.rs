@@ -70,21 +70,7 @@ pub fn issue_q_tile<E: Float>(
     total_q: u32,
     #[comptime] head_dim: usize,
 ) {
-    let threads = comptime!(BWD_PLANES * 32);
-    let vpr = comptime!(head_dim / BWD_LOAD_VEC);
-    let stride = comptime!(head_dim + PAD);
-    let loads = comptime!(BWD_BM * (head_dim / BWD_LOAD_VEC) / (BWD_PLANES * 32));
-    #[unroll]
-    for it in 0..loads {
-        let idx = UNIT_POS as usize + it * threads;
-        let r = idx / vpr;
-        let c = idx % vpr;
-        let row = min(r0 + r as u32, q_len - 1);
-        let g = ((q_start + row) * heads_q + h) as usize * head_dim + c * BWD_LOAD_VEC;
-        let base = (boff + r) * stride + c * BWD_LOAD_VEC;
-        copy_async(&q_s.slice(g, g + BWD_LOAD_VEC), &mut q_smem.slice_mut(base, base + BWD_LOAD_VEC), comptime!(BWD_LOAD_VEC as u32));
-        copy_async(&do_s.slice(g, g + BWD_LOAD_VEC), &mut do_smem.slice_mut(base, base + BWD_LOAD_VEC), comptime!(BWD_LOAD_VEC as u32));
-    }
+    issue_row_pair::<E>(q_s, do_s, q_smem, do_smem, boff, r0, q_len, q_start, h, heads_q, BWD_BM, head_dim);
     if UNIT_POS < BWD_BM as u32 {
         let row = r0 + UNIT_POS;
         let mut l = 0.0f32;
@@ -117,20 +103,43 @@ pub fn issue_kv_tile<E: Float>(
     heads_kv: u32,
     #[comptime] head_dim: usize,
 ) {
+    issue_row_pair::<E>(k_s, v_s, k_smem, v_smem, boff, kb, k_len, k_start, head_kv, heads_kv, BWD_BN, head_dim);
+}
+
+/// `cp.async` copies of rows `r0..r0 + rows` (clamped to row `len - 1`: the caller masks rows
+/// past it) of head `h` of two token-major tensors `a` and `b` (`[.., heads, head_dim]`, the rows'
+/// tokens from `start`) into rows `boff..` of `a_smem` / `b_smem` (padded rows), by all
+/// [`BWD_PLANES`] planes.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn issue_row_pair<E: Float>(
+    a: &Array<E>,
+    b: &Array<E>,
+    a_smem: &mut SharedMemory<E>,
+    b_smem: &mut SharedMemory<E>,
+    boff: usize,
+    r0: u32,
+    len: u32,
+    start: u32,
+    h: u32,
+    heads: u32,
+    #[comptime] rows: usize,
+    #[comptime] head_dim: usize,
+) {
     let threads = comptime!(BWD_PLANES * 32);
     let vpr = comptime!(head_dim / BWD_LOAD_VEC);
     let stride = comptime!(head_dim + PAD);
-    let loads = comptime!(BWD_BN * (head_dim / BWD_LOAD_VEC) / (BWD_PLANES * 32));
+    let loads = comptime!(rows * (head_dim / BWD_LOAD_VEC) / (BWD_PLANES * 32));
     #[unroll]
     for it in 0..loads {
         let idx = UNIT_POS as usize + it * threads;
         let r = idx / vpr;
         let c = idx % vpr;
-        let key = min(kb + r as u32, k_len - 1);
-        let g = ((k_start + key) * heads_kv + head_kv) as usize * head_dim + c * BWD_LOAD_VEC;
+        let row = min(r0 + r as u32, len - 1);
+        let g = ((start + row) * heads + h) as usize * head_dim + c * BWD_LOAD_VEC;
         let base = (boff + r) * stride + c * BWD_LOAD_VEC;
-        copy_async(&k_s.slice(g, g + BWD_LOAD_VEC), &mut k_smem.slice_mut(base, base + BWD_LOAD_VEC), comptime!(BWD_LOAD_VEC as u32));
-        copy_async(&v_s.slice(g, g + BWD_LOAD_VEC), &mut v_smem.slice_mut(base, base + BWD_LOAD_VEC), comptime!(BWD_LOAD_VEC as u32));
+        copy_async(&a.slice(g, g + BWD_LOAD_VEC), &mut a_smem.slice_mut(base, base + BWD_LOAD_VEC), comptime!(BWD_LOAD_VEC as u32));
+        copy_async(&b.slice(g, g + BWD_LOAD_VEC), &mut b_smem.slice_mut(base, base + BWD_LOAD_VEC), comptime!(BWD_LOAD_VEC as u32));
     }
 }
 
