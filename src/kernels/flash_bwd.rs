@@ -11,8 +11,8 @@
 //!   tiles above the diagonal are never visited). Per 32-row chunk each plane computes
 //!   S^T = K Q^T and dP^T = V dO^T (interleaved), P^T, dV += P^T dO, dS^T = P^T (dP^T - delta),
 //!   dK += dS^T Q with everything but K, V, Q and dO in registers (the accumulator layout of
-//!   m16n8k16 is re-used as the A operand, as in the forward). Overlapping groups therefore add into dK, dV inside one
-//!   cube, in segment order.
+//!   m16n8k16 is re-used as the A operand, as in the forward). Overlapping groups therefore add
+//!   into dK, dV inside one cube, in segment order.
 //! - [`flash_bwd_dq`]: one cube per (query tile of [`BWD_BM`] rows, query head); each plane owns
 //!   16 rows and loops over the key tiles its rows see: S = Q K^T, dP = dO V^T,
 //!   dS = P (dP - delta), dQ += dS K.
@@ -89,10 +89,10 @@ fn sparse_q_tile(
 
 /// One chunk of [`BWD_SUB`] query rows of a dK/dV plane (16 keys): S^T = K_w Q^T and
 /// dP^T = V_w dO^T in one interleaved loop, P^T and dS^T = P^T (dP^T - delta) (both masked),
-/// dV += P^T dO, dK += dS^T Q, and with `fuse_dq` dS into `ds_smem`. The per-element masks apply unless `full`
-/// (every (key, row) pair of the block visible). (A second copy compiled without masks for `full`
-/// chunks halved the common path's instructions but not its time: bench/NOTES.md, "Shared
-/// addresses and the dK/dV mask split".)
+/// dV += P^T dO, dK += dS^T Q, and with `fuse_dq` dS into `ds_smem`. The per-element masks apply
+/// unless `full` (every (key, row) pair of the block visible). (A second copy compiled without
+/// masks for `full` chunks halved the common path's instructions but not its time:
+/// bench/NOTES.md, "Shared addresses and the dK/dV mask split".)
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn dkdv_chunk<E: Float, NA: Size, NB: Size, NC: Size>(
@@ -168,9 +168,9 @@ fn dkdv_chunk<E: Float, NA: Size, NB: Size, NC: Size>(
     }
     // ---- P^T = exp(scale S^T - lse) = 2^(scale_log2 S^T - lse log2(e)) into `s`, dS^T = P^T
     // (dP^T - delta[row]) into `dp`, both masked ----
-    // dS itself is masked: a masked pair's P is 0 but dP - delta may be non-finite (a non-finite v gives
-    // a non-finite dP, a row with a non-finite output a non-finite delta), and 0 * inf would
-    // reach dK of a key the row never sees.
+    // dS itself is masked: a masked pair's P is 0 but dP - delta may be non-finite (a non-finite v
+    // gives a non-finite dP, a row with a non-finite output a non-finite delta), and 0 * inf
+    // would reach dK of a key the row never sees.
     #[unroll]
     for nb in 0..sn {
         #[unroll]

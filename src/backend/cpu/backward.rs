@@ -19,12 +19,12 @@ pub(crate) const BKB: usize = 64;
 
 multiversion! {
     /// `s` (rows x n, raw q.k) -> P = 2^(c*s - lse2) for row i's columns
-    /// `[los[i] - kb, his[i] - kb)` (clamped to `[0, n)`; an empty `los` means 0), else exactly 0.
+    /// `[los[i] - kb, his[i] - kb)` (clamped to `[0, n)`), else exactly 0.
     fn probs_rows(s: &mut [f32], n: usize, los: &[usize], his: &[usize], kb: usize, c: f32, lse2: &[f32]) {
         for (i, &hi) in his.iter().enumerate() {
             let row = &mut s[i * n..(i + 1) * n];
             let hi = hi.saturating_sub(kb).min(n);
-            let lo = if los.is_empty() { 0 } else { los[i].saturating_sub(kb).min(hi) };
+            let lo = los[i].saturating_sub(kb).min(hi);
             let (head, rest) = row.split_at_mut(lo);
             head.fill(0.0);
             let (live, dead) = rest.split_at_mut(hi - lo);
