@@ -13,7 +13,7 @@
 #                      calls of each kernel family (forward, split-K combine, backward with the
 #                      dQ pass and with atomic dQ, grouped, block-sparse forward / backward / INT8,
 #                      sliding window, the non-finite-v flag; tests/python/sanitize_driver.py;
-#                      CUBEATTN_SAN_FAMILIES="a b" runs only those):
+#                      CUBEATTN_SAN_FAMILIES="a b" / CUBEATTN_SAN_TOOLS="t" run only those):
 #                      one log per tool and family plus summary.txt in --log-dir DIR (default
 #                      bench/results/sanitize-<UTC time>); exit 1 on any reported error
 #           benchmark  python -m cubeattn.bench for TARGET, JSON + table under bench/results/
@@ -166,7 +166,7 @@ do_validate() {
   return 0
 }
 
-SAN_TOOLS="memcheck racecheck synccheck initcheck"
+SAN_TOOLS=${CUBEATTN_SAN_TOOLS:-"memcheck racecheck synccheck initcheck"}
 SAN_FAMILIES=${CUBEATTN_SAN_FAMILIES:-"forward splitk backward_pass backward_atomic grouped sparse sparse_backward sparse_int8 window nonfinite"}
 
 do_sanitize() {
