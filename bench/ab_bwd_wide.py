@@ -20,6 +20,7 @@ is cached per (spec, deterministic)) takes dQ fused into the dK/dV kernel with f
    median over rounds of an event-timed loop of `iters` steps.
 """
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -100,8 +101,8 @@ def check_small(dtype, d, causal, window, lens_q, lens_k, name, seed):
     k = torch.randn(tk, hkv, d, device=DEV, dtype=dtype, requires_grad=True)
     v = torch.randn(tk, hkv, d, device=DEV, dtype=dtype, requires_grad=True)
     g = torch.randn(tq, hq, d, device=DEV, dtype=dtype)
-    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32)
-    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32)
+    cu_q = torch.tensor([0, *itertools.accumulate(lens_q)], dtype=torch.int32)
+    cu_k = torch.tensor([0, *itertools.accumulate(lens_k)], dtype=torch.int32)
     ref = reference(q, k, v, g, lens_q, lens_k, causal, window, d ** -0.5)
     res = {}
     for which, path in VARIANTS:

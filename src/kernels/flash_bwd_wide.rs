@@ -20,6 +20,7 @@
 //!    `ldmatrix.trans` of the row-major tiles), and with `fuse_dq`, dQ[rows] += dS K on a 2 (rows)
 //!    x 4 (columns) grid, added into the f32 accumulator with float2 atomics (rows past the
 //!    segment end add 0.0 to a clamped row: no branch).
+//!
 //! The dK / dV accumulators (32 keys x head_dim / 2 per plane) stay in registers for the cube's
 //! whole life; K and V stay in shared memory. Shared memory (d128): K, V 68 KB + two stages of Q,
 //! dO 68 KB + P, dS 34 KB = 171 KB: one cube (8 planes) per SM.

@@ -42,6 +42,7 @@ mod tests {
             ("dkdv_wide_fused_d128", dkdv_wide_source(c, dt, 128, true, 2)),
             ("dkdv_wide_d64", dkdv_wide_source(c, dt, 64, false, 2)),
             ("dkdv_wide_fused_d64", dkdv_wide_source(c, dt, 64, true, 2)),
+            ("dkdv_wide_fused_d128_f16", dkdv_wide_source(c, DType::F16, 128, true, 2)),
         ];
         for (name, src) in sources {
             let src = src.unwrap();
