@@ -304,8 +304,8 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
         s_end = tile_off[kt as usize + 1];
     }
 
-    stage_rows::<E, NV>(k, &mut k_smem, key0, key_lim, key0, heads_kv, hk, BWD_BN, head_dim);
-    stage_rows::<E, NV>(v, &mut v_smem, key0, key_lim, key0, heads_kv, hk, BWD_BN, head_dim);
+    stage_rows::<E, NV>(k, &mut k_smem, key0, key_lim, key0, heads_kv, hk, BWD_BN, head_dim, comptime!(BWD_PLANES * 32));
+    stage_rows::<E, NV>(v, &mut v_smem, key0, key_lim, key0, heads_kv, hk, BWD_BN, head_dim, comptime!(BWD_PLANES * 32));
     // Barrier initialisation visible before the first cp.async commit.
     sync_cube();
     // Query tiles issued so far: tile g uses stage g % 2 and barrier phase (g / 2) % 2.
@@ -389,7 +389,7 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
             }
             issue_q_tile::<E>(
                 q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, boff, r00,
-                q_len, q_start, h0, heads_q, total_q, head_dim,
+                q_len, q_start, h0, heads_q, total_q, head_dim, comptime!(BWD_PLANES * 32),
             );
             commit_stage(&bar0, &bar1, g_tile);
         }
@@ -441,7 +441,7 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
                 let nb = (((cur + 1u32) & 1u32) * BWD_BM as u32) as usize;
                 issue_q_tile::<E>(
                     q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, nb, rn, q_len,
-                    q_start, hn, heads_q, total_q, head_dim,
+                    q_start, hn, heads_q, total_q, head_dim, comptime!(BWD_PLANES * 32),
                 );
                 commit_stage(&bar1, &bar0, cur);
             }
@@ -661,8 +661,8 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
         commit_copies(&bar1);
     }
     // ---- Q and dO tiles through shared memory into A fragments (BM == BN) ----
-    stage_rows::<E, NV>(q, &mut k_smem, tile_start, q_len, q_start + tile_start, heads_q, head, BWD_BM, head_dim);
-    stage_rows::<E, NV>(dout, &mut v_smem, tile_start, q_len, q_start + tile_start, heads_q, head, BWD_BM, head_dim);
+    stage_rows::<E, NV>(q, &mut k_smem, tile_start, q_len, q_start + tile_start, heads_q, head, BWD_BM, head_dim, comptime!(BWD_PLANES * 32));
+    stage_rows::<E, NV>(dout, &mut v_smem, tile_start, q_len, q_start + tile_start, heads_q, head, BWD_BM, head_dim, comptime!(BWD_PLANES * 32));
     sync_cube();
 
     let size!(NA) = def.vector_size(MatrixIdent::A);

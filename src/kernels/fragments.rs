@@ -213,3 +213,68 @@ pub fn mma_acc_b<E: Float, NA: Size, NB: Size, NC: Size>(
         }
     }
 }
+
+/// 16x16 A fragment of a transposed operand: `A[m][kk] = smem[(row0 + kk) * stride + col0 + m]`
+/// (`ldmatrix.trans` of a row-major tile: P^T and dS^T from the [row][key] P and dS tiles of the
+/// 128-key dK/dV kernel).
+#[cube]
+pub fn frag_a_t<E: Float, NA: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    smem: &SharedMemory<E>,
+    row0: usize,
+    col0: usize,
+    #[comptime] stride: usize,
+) -> Array<Vector<E, NA>> {
+    let lane = UNIT_POS_PLANE;
+    let va = def.vectors_per_lane(MatrixIdent::A);
+    let mut out = Array::<Vector<E, NA>>::new(va);
+    // a0..a3 = A rows 0-7 / 8-15 x k 0-7, then x k 8-15: stored rows (k) +8 for matrices 2, 3,
+    // stored columns (m) +8 for matrices 1, 3.
+    let mi = (lane / 8u32) as usize;
+    let mr = (lane % 8u32) as usize;
+    let start = (row0 + (mi / 2) * 8 + mr) * stride + col0 + (mi % 2) * 8;
+    let m = def.load_matrix::<E, NA>(&smem.slice(start, start + 8), MatrixIdent::A, 4usize, true);
+    #[unroll]
+    for i in 0..va {
+        out[i] = m[i];
+    }
+    out
+}
+
+/// Stores accumulator blocks `off / ec` and `off / ec + 1` of `acc` (a 16 x 16 block: 16 rows,
+/// columns 0-7 then 8-15), rounded to `E`, row-major at `smem[(row0 + r) * stride + col0 + c]`
+/// with one `stmatrix` x4 per lane: the m16n8 accumulator layout (a lane holds columns
+/// `2 (lane % 4), +1` of rows `lane / 4` and `lane / 4 + 8`) is `stmatrix`'s register layout, in
+/// the order of an A fragment ([`acc_to_a`]).
+#[cube]
+pub fn store_acc_16x16<E: Float, NA: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    acc: &Array<f32>,
+    off: usize,
+    smem: &mut SharedMemory<E>,
+    row0: usize,
+    col0: usize,
+    #[comptime] stride: usize,
+) {
+    let lane = UNIT_POS_PLANE;
+    let va = def.vectors_per_lane(MatrixIdent::A);
+    let sa = def.vector_size(MatrixIdent::A);
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let sc = def.vector_size(MatrixIdent::Accumulator);
+    let ec = comptime!(vc * sc);
+    let mut regs = Array::<Vector<E, NA>>::new(va);
+    #[unroll]
+    for i in 0..va {
+        let mut reg = Vector::<E, NA>::empty();
+        #[unroll]
+        for j in 0..sa {
+            let e = i * sa + j;
+            reg[j] = E::cast_from(acc[off + (e / ec) * ec + e % ec]);
+        }
+        regs[i] = reg;
+    }
+    let mi = (lane / 8u32) as usize;
+    let mr = (lane % 8u32) as usize;
+    let start = (row0 + (mi % 2) * 8 + mr) * stride + col0 + (mi / 2) * 8;
+    def.store_matrix::<E, NA>(&mut smem.slice_mut(start, start + 8), &regs, MatrixIdent::A, 4usize, false);
+}

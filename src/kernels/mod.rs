@@ -7,6 +7,7 @@ pub mod rows;
 pub mod rowwise_bwd;
 pub mod rowwise_fwd;
 pub mod flash_bwd;
+pub mod flash_bwd_wide;
 pub mod fragments;
 pub mod int8_qk;
 pub mod staging;
@@ -23,6 +24,7 @@ pub const SOURCES: &[&str] = &[
     include_str!("rowwise_bwd.rs"),
     include_str!("rowwise_fwd.rs"),
     include_str!("flash_bwd.rs"),
+    include_str!("flash_bwd_wide.rs"),
     include_str!("fragments.rs"),
     include_str!("int8_qk.rs"),
     include_str!("staging.rs"),

@@ -9,7 +9,7 @@ use super::flash_bwd::{BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, PAD};
 use super::math::LOG2E;
 
 /// Copies `rows` x head_dim elements (rows from `row_at`, zero for `None` rows) into shared memory.
-/// Row `r` of the tile is global row `base_row + r` when `r + first < limit`.
+/// Row `r` of the tile is global row `base_row + r` when `r + first < limit`. `threads` units copy.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn stage_rows<E: Float, NV: Size>(
@@ -22,11 +22,11 @@ pub fn stage_rows<E: Float, NV: Size>(
     head: u32,
     #[comptime] rows: usize,
     #[comptime] head_dim: usize,
+    #[comptime] threads: usize,
 ) {
-    let threads = comptime!(BWD_PLANES * 32);
     let vpr = comptime!(head_dim / BWD_LOAD_VEC);
     let stride = comptime!(head_dim + PAD);
-    let loads = comptime!(rows * (head_dim / BWD_LOAD_VEC) / (BWD_PLANES * 32));
+    let loads = comptime!(rows * (head_dim / BWD_LOAD_VEC) / threads);
     #[unroll]
     for it in 0..loads {
         let idx = UNIT_POS as usize + it * threads;
@@ -48,8 +48,8 @@ pub fn stage_rows<E: Float, NV: Size>(
 /// `cp.async` copy of a query tile of Q and dO (rows `r0..r0+BWD_BM` of the segment, clamped to
 /// its last row: rows past `q_len` are masked by the caller) into rows `boff..boff+BWD_BM` of
 /// `q_smem` / `do_smem`; lse and delta of the rows go to `lse_smem` / `dl_smem[boff..]` with
-/// plain loads and stores (visible after the caller's next `sync_cube`). The caller commits the
-/// copies to a barrier.
+/// plain loads and stores (visible after the caller's next `sync_cube`), by `threads` units (at
+/// least `BWD_BM`). The caller commits the copies to a barrier.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn issue_q_tile<E: Float>(
@@ -69,8 +69,9 @@ pub fn issue_q_tile<E: Float>(
     heads_q: u32,
     total_q: u32,
     #[comptime] head_dim: usize,
+    #[comptime] threads: usize,
 ) {
-    issue_row_pair::<E>(q_s, do_s, q_smem, do_smem, boff, r0, q_len, q_start, h, heads_q, BWD_BM, head_dim);
+    issue_row_pair::<E>(q_s, do_s, q_smem, do_smem, boff, r0, q_len, q_start, h, heads_q, BWD_BM, head_dim, threads);
     if UNIT_POS < BWD_BM as u32 {
         let row = r0 + UNIT_POS;
         let mut l = 0.0f32;
@@ -103,13 +104,13 @@ pub fn issue_kv_tile<E: Float>(
     heads_kv: u32,
     #[comptime] head_dim: usize,
 ) {
-    issue_row_pair::<E>(k_s, v_s, k_smem, v_smem, boff, kb, k_len, k_start, head_kv, heads_kv, BWD_BN, head_dim);
+    issue_row_pair::<E>(k_s, v_s, k_smem, v_smem, boff, kb, k_len, k_start, head_kv, heads_kv, BWD_BN, head_dim, comptime!(BWD_PLANES * 32));
 }
 
 /// `cp.async` copies of rows `r0..r0 + rows` (clamped to row `len - 1`: the caller masks rows
 /// past it) of head `h` of two token-major tensors `a` and `b` (`[.., heads, head_dim]`, the rows'
-/// tokens from `start`) into rows `boff..` of `a_smem` / `b_smem` (padded rows), by all
-/// [`BWD_PLANES`] planes.
+/// tokens from `start`) into rows `boff..` of `a_smem` / `b_smem` (padded rows), by `threads`
+/// units.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn issue_row_pair<E: Float>(
@@ -125,11 +126,11 @@ fn issue_row_pair<E: Float>(
     heads: u32,
     #[comptime] rows: usize,
     #[comptime] head_dim: usize,
+    #[comptime] threads: usize,
 ) {
-    let threads = comptime!(BWD_PLANES * 32);
     let vpr = comptime!(head_dim / BWD_LOAD_VEC);
     let stride = comptime!(head_dim + PAD);
-    let loads = comptime!(rows * (head_dim / BWD_LOAD_VEC) / (BWD_PLANES * 32));
+    let loads = comptime!(rows * (head_dim / BWD_LOAD_VEC) / threads);
     #[unroll]
     for it in 0..loads {
         let idx = UNIT_POS as usize + it * threads;

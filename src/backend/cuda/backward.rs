@@ -34,6 +34,7 @@ use crate::dtype::{DType, HostView};
 use crate::error::Result;
 pub use super::device_io::BenchPart;
 use crate::kernels::flash_bwd::{self, BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, DELTA_PLANES};
+use crate::kernels::flash_bwd_wide::{self, WIDE_BN, WIDE_PLANES};
 use crate::kernels::rowwise_bwd::{self, F32_ROWS_PER_CUBE};
 use crate::kernels::math::LOG2E;
 use crate::spec::AttnSpec;
@@ -50,6 +51,11 @@ pub(crate) struct BwdPlan {
     /// `tile_segs[tile_off[t]..tile_off[t+1]]`, ascending.
     tile_off: Vec<u32>,
     tile_segs: Vec<u32>,
+    /// The same three tables over [`WIDE_BN`]-key tiles (the 128-key dK/dV kernel,
+    /// `CUBEATTN_BWD_WIDE=1`).
+    pub(crate) k_work_w: Vec<u32>,
+    tile_off_w: Vec<u32>,
+    tile_segs_w: Vec<u32>,
     /// Segment of every query row, u32::MAX when none (f32 path only).
     row_seg: Vec<u32>,
 }
@@ -72,36 +78,8 @@ impl BwdPlan {
         }
         q_items.sort_by_key(|x| std::cmp::Reverse(x.0));
         let q_work = q_items.iter().flat_map(|&(_, s, t)| [s, t]).collect();
-
-        let n_tiles = d.total_k.div_ceil(BWD_BN);
-        let mut per_tile: Vec<Vec<u32>> = vec![Vec::new(); n_tiles];
-        let mut cost = vec![0u64; n_tiles];
-        for (i, s) in spec.segments.iter().enumerate() {
-            if s.q_len == 0 || s.k_len == 0 {
-                continue;
-            }
-            let (a, b) = (s.k_start / BWD_BN, (s.k_start + s.k_len).div_ceil(BWD_BN));
-            for (t, list) in per_tile.iter_mut().enumerate().take(b).skip(a) {
-                // rows that see a key of the overlap, times the keys in it (upper bound)
-                let first = (t * BWD_BN).max(s.k_start) - s.k_start;
-                let end = ((t + 1) * BWD_BN).min(s.k_start + s.k_len) - s.k_start;
-                let (r0, r1) = spec.rows_seeing(s, first, end);
-                if r0 >= r1 {
-                    continue;
-                }
-                list.push(i as u32);
-                cost[t] += (r1 - r0) as u64 * BWD_BN as u64;
-            }
-        }
-        let mut tile_off = Vec::with_capacity(n_tiles + 1);
-        let mut tile_segs = Vec::new();
-        tile_off.push(0u32);
-        for l in &per_tile {
-            tile_segs.extend_from_slice(l);
-            tile_off.push(tile_segs.len() as u32);
-        }
-        let mut order: Vec<u32> = (0..n_tiles as u32).collect();
-        order.sort_by(|&a, &b| cost[b as usize].cmp(&cost[a as usize]));
+        let (order, tile_off, tile_segs) = key_tiles(spec, BWD_BN);
+        let (k_work_w, tile_off_w, tile_segs_w) = key_tiles(spec, WIDE_BN);
 
         let row_seg = if spec.dtype == DType::F32 {
             let mut rs = vec![u32::MAX; d.total_q];
@@ -114,7 +92,7 @@ impl BwdPlan {
         } else {
             Vec::new()
         };
-        BwdPlan { segs, q_work, k_work: order, tile_off, tile_segs, row_seg }
+        BwdPlan { segs, q_work, k_work: order, tile_off, tile_segs, k_work_w, tile_off_w, tile_segs_w, row_seg }
     }
 
     /// The tables in the `TBL_*` order of [`launch_backward`].
@@ -126,8 +104,46 @@ impl BwdPlan {
             self.tile_off.clone(),
             self.tile_segs.clone(),
             self.row_seg.clone(),
+            self.k_work_w.clone(),
+            self.tile_off_w.clone(),
+            self.tile_segs_w.clone(),
         ]
     }
+}
+
+/// The dK/dV work list over `bn`-key tiles of the shared key axis: (tile indices, most (query row,
+/// key) pairs first; CSR offsets; segments overlapping each tile, ascending).
+fn key_tiles(spec: &AttnSpec, bn: usize) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
+    let n_tiles = spec.dims.total_k.div_ceil(bn);
+    let mut per_tile: Vec<Vec<u32>> = vec![Vec::new(); n_tiles];
+    let mut cost = vec![0u64; n_tiles];
+    for (i, s) in spec.segments.iter().enumerate() {
+        if s.q_len == 0 || s.k_len == 0 {
+            continue;
+        }
+        let (a, b) = (s.k_start / bn, (s.k_start + s.k_len).div_ceil(bn));
+        for (t, list) in per_tile.iter_mut().enumerate().take(b).skip(a) {
+            // rows that see a key of the overlap, times the keys in it (upper bound)
+            let first = (t * bn).max(s.k_start) - s.k_start;
+            let end = ((t + 1) * bn).min(s.k_start + s.k_len) - s.k_start;
+            let (r0, r1) = spec.rows_seeing(s, first, end);
+            if r0 >= r1 {
+                continue;
+            }
+            list.push(i as u32);
+            cost[t] += (r1 - r0) as u64 * bn as u64;
+        }
+    }
+    let mut tile_off = Vec::with_capacity(n_tiles + 1);
+    let mut tile_segs = Vec::new();
+    tile_off.push(0u32);
+    for l in &per_tile {
+        tile_segs.extend_from_slice(l);
+        tile_off.push(tile_segs.len() as u32);
+    }
+    let mut order: Vec<u32> = (0..n_tiles as u32).collect();
+    order.sort_by(|&a, &b| cost[b as usize].cmp(&cost[a as usize]));
+    (order, tile_off, tile_segs)
 }
 
 const TBL_SEGS: usize = 0;
@@ -136,6 +152,9 @@ const TBL_K_WORK: usize = 2;
 const TBL_TILE_OFF: usize = 3;
 const TBL_TILE_SEGS: usize = 4;
 const TBL_ROW_SEG: usize = 5;
+const TBL_K_WORK_W: usize = 6;
+const TBL_TILE_OFF_W: usize = 7;
+const TBL_TILE_SEGS_W: usize = 8;
 
 /// Device addresses of one backward call: q, k, v, out, lse, dout in; dq, dk, dv out; workspace.
 #[derive(Debug, Clone, Copy)]
@@ -171,6 +190,14 @@ fn atomic_vec() -> usize {
         Some("1") => 1,
         _ => 2,
     }
+}
+
+/// Whether the dense f16/bf16 dK/dV takes the 128-key kernel `flash_bwd_wide::flash_bwd_dkdv_wide`
+/// (`CUBEATTN_BWD_WIDE=1`; temporary switch for the A/B against the 64-key kernel). Read on every
+/// call (the two kernels have their own cache keys and the plan holds both work lists), so a process
+/// can alternate. Block-sparse calls always take the 64-key kernel.
+pub fn bwd_wide() -> bool {
+    std::env::var("CUBEATTN_BWD_WIDE").is_ok_and(|v| v == "1")
 }
 
 /// How the backward forms dQ.
@@ -295,6 +322,57 @@ pub(crate) fn dkdv_source(
         settings(32 * BWD_PLANES as u32), client.clone(),
         A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (), (),
         BWD_LOAD_VEC, qvec, hd, causal, fused, qvec, sparse, window), true))
+}
+
+/// The 128-key dK/dV kernel (`flash_bwd_wide::flash_bwd_dkdv_wide`, f16/bf16; causal and windows
+/// are runtime bounds there).
+pub(crate) fn dkdv_wide_kernel(be: &CudaBackend, dt: DType, hd: usize, fused: bool) -> Result<Func> {
+    let qvec = atomic_vec();
+    let key = KernelKey::new("flash_bwd_dkdv_wide", dt, &[hd as u32, fused as u32, qvec as u32]);
+    be.kernels.get(&key, || dkdv_wide_source(be.client(), dt, hd, fused, qvec))
+}
+
+/// CUDA source of [`dkdv_wide_kernel`].
+pub(crate) fn dkdv_wide_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: usize, fused: bool, qvec: usize) -> Result<Source> {
+    by_dtype!(dt, T, codegen_exp2(flash_bwd_wide::flash_bwd_dkdv_wide::FlashBwdDkdvWide::<T, CudaRuntime>::new(
+        settings(32 * WIDE_PLANES as u32), client.clone(),
+        A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (),
+        BWD_LOAD_VEC, qvec, hd, fused, qvec), true))
+}
+
+/// Enqueues `flash_bwd_dkdv_wide` over `n_work` 128-key tiles x heads_kv. `acc`: the f32 dQ
+/// accumulator of the fused path; `t`: work list, tile_off, tile_segs (over 128-key tiles), segs.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_dkdv_wide(
+    be: &CudaBackend,
+    spec: &AttnSpec,
+    p: &BwdPtrs,
+    delta: u64,
+    acc: Option<u64>,
+    t: [(u64, usize); 4],
+    n_work: usize,
+    stream: sys::CUstream,
+) -> Result<()> {
+    let d = &spec.dims;
+    let (hd, dt) = (d.head_dim, spec.dtype);
+    let (ql, kl, ll) = (d.q_len(), d.kv_len(), d.lse_len());
+    let (qvec, fused) = (atomic_vec(), acc.is_some());
+    let (win_l, win_r, _) = window_bounds(spec);
+    let f = dkdv_wide_kernel(be, dt, hd, fused)?;
+    let (acc_ptr, acc_len) = match acc {
+        Some(a) => (a, ql / qvec),
+        None => (delta, 1),
+    };
+    let kv = kl / BWD_LOAD_VEC;
+    let mut a = Args::new();
+    a.array(p.k, kv).array(p.v, kv).array(p.lse, ll).array(delta, ll);
+    a.array(p.dk, kl).array(p.dv, kl).array(acc_ptr, acc_len).array(p.q, ql).array(p.dout, ql);
+    for x in t {
+        a.array(x.0, x.1);
+    }
+    a.f32(spec.scale).f32(spec.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32).u32(d.total_k as u32);
+    a.u32(win_l).u32(win_r);
+    launch(&f, (n_work as u32, d.heads_kv as u32, 1), &mut a, stream)
 }
 
 /// The dQ pass kernel (`flash_bwd::flash_bwd_dq`, f16/bf16) for one set of comptime choices.
@@ -446,7 +524,13 @@ pub(crate) fn launch_backward(
     } else if spec.uncovered_rows() > 0 {
         launch_fill_zero(be, dt, p.dq, ql, stream)?;
     }
-    if n_k_work > 0 {
+    if bwd_wide() {
+        let n = plan.host.k_work_w.len();
+        if n > 0 {
+            let w = [t(TBL_K_WORK_W), t(TBL_TILE_OFF_W), t(TBL_TILE_SEGS_W), t(TBL_SEGS)];
+            launch_dkdv_wide(be, spec, p, delta, fused.then_some(acc), w, n, stream)?;
+        }
+    } else if n_k_work > 0 {
         // the sparse tables are not read by the dense variant: any valid address
         let none = (t(TBL_SEGS).0, 1);
         let tables = DkdvTables {

@@ -1,0 +1,456 @@
+//! dK / dV (and, with the comptime `fuse_dq`, dQ through f32 atomics) with 128-key cubes of 8
+//! planes: FlashAttention-2's partition of the backward (its sm80/sm90 d128 traits), on the same
+//! inputs, work list (CSR of the segments overlapping each key tile) and results as the dense
+//! path of [`super::flash_bwd::flash_bwd_dkdv`], which gives each of 4 planes 16 keys and every
+//! query row. Selected by `CUBEATTN_BWD_WIDE=1` (`backend::cuda::backward`); block-sparse calls
+//! keep the 64-key kernel.
+//!
+//! Per 64-row query tile (Q, dO, lse, delta double-buffered with `cp.async` as in the 64-key
+//! kernel):
+//! 1. S = Q K^T and dP = dO V^T on a 2 (rows) x 4 (keys) plane grid, 32 rows x 32 keys per plane
+//!    (every A and B fragment feeds 2 or 4 mma: 0.5 `ldmatrix` per mma);
+//! 2. P = 2^(S scale log2(e) - lse log2(e)) and dS = P (dP - delta) (lse / delta read once per
+//!    lane and row: each lane holds 4 rows), masked only when the plane's 32 x 32 block is not
+//!    `full` (a second copy of this step, compiled with the masks: two compares per element of
+//!    per-row key bounds), rounded to the dtype and stored row-major ([row][key]) with
+//!    `stmatrix` (the m16n8 accumulator layout is `stmatrix`'s register layout: one store per
+//!    16 x 16 block and lane);
+//! 3. after one barrier, dV += P^T dO and dK += dS^T Q on a 4 (keys) x 2 (head_dim) grid, 32 keys x
+//!    head_dim / 2 columns per plane over the tile's 64 rows (P^T / dS^T as A operands through
+//!    `ldmatrix.trans` of the row-major tiles), and with `fuse_dq`, dQ[rows] += dS K on a 2 (rows)
+//!    x 4 (columns) grid, added into the f32 accumulator with float2 atomics (rows past the
+//!    segment end add 0.0 to a clamped row: no branch).
+//!
+//! The dK / dV accumulators (32 keys x head_dim / 2 per plane) stay in registers for the cube's
+//! whole life; K and V stay in shared memory. Shared memory (d128): K, V 68 KB + two stages of Q,
+//! dO 68 KB + P, dS 34 KB = 171 KB: one cube (8 planes) per SM.
+//!
+//! Rows are segment-local and keys window-local for the masks, as in the 64-key kernel: segment
+//! row `r` sees the window keys in `[r + shift - win_l, r + shift + win_r]` (`rows::row_keys`;
+//! causal is `win_r = 0`), `shift = k_len - q_len`.
+
+use cubecl::cmma::{MatrixIdent, MmaDefinition};
+use cubecl::prelude::barrier::Barrier;
+use cubecl::prelude::*;
+
+use super::flash_bwd::{BWD_BM, PAD};
+use super::fragments::{frag_a, frag_a_t, frag_b_n2, frag_b_t2, mma_into, store_acc_16x16};
+use super::math::fast_exp2;
+use super::rows::key_rows;
+use super::staging::{commit_stage, issue_q_tile, stage_rows, wait_stage};
+
+/// Planes (warps) per cube.
+pub const WIDE_PLANES: usize = 8;
+/// Keys per cube (the key tile of the work list).
+pub const WIDE_BN: usize = 128;
+/// Rows and keys of one plane's S / dP block, keys of its dK / dV block.
+const BLK: usize = 32;
+
+/// `acc` (accumulator blocks `[mb (2)][nb (4)][ec]`: 32 rows from `a_row0` x 32 rows of `b_smem`
+/// from `b_row0`) += A B^T over `head_dim` columns: S = Q K^T, dP = dO V^T.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn mma_block_abt<E: Float, NA: Size, NB: Size, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    a_smem: &SharedMemory<E>,
+    a_row0: usize,
+    b_smem: &SharedMemory<E>,
+    b_row0: usize,
+    acc: &mut Array<f32>,
+    #[comptime] head_dim: usize,
+    #[comptime] stride: usize,
+) {
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let sc = def.vector_size(MatrixIdent::Accumulator);
+    let ec = comptime!(vc * sc);
+    #[unroll]
+    for kk in 0..comptime!(head_dim / 32) {
+        let a00 = frag_a::<E, NA>(def, a_smem, a_row0, kk * 32, stride);
+        let a01 = frag_a::<E, NA>(def, a_smem, a_row0, kk * 32 + 16, stride);
+        let a10 = frag_a::<E, NA>(def, a_smem, a_row0 + 16, kk * 32, stride);
+        let a11 = frag_a::<E, NA>(def, a_smem, a_row0 + 16, kk * 32 + 16, stride);
+        #[unroll]
+        for nb in 0..4usize {
+            let m = frag_b_t2::<E, NB>(def, b_smem, b_row0 + nb * 8, kk * 32, stride);
+            mma_into::<E, NA, NB, NC>(def, &a00, &m, 0usize, acc, nb * ec);
+            mma_into::<E, NA, NB, NC>(def, &a10, &m, 0usize, acc, (4 + nb) * ec);
+            mma_into::<E, NA, NB, NC>(def, &a01, &m, 2usize, acc, nb * ec);
+            mma_into::<E, NA, NB, NC>(def, &a11, &m, 2usize, acc, (4 + nb) * ec);
+        }
+    }
+}
+
+/// P and dS of one plane's 32 x 32 block from S (`s`) and dP (`dp`), stored row-major into
+/// `p_smem` / `ds_smem` (rows `row0..`, keys `col0..`). `lse2` / `dl`: the lane's 4 rows
+/// (`[mb][half]`: rows `16 mb + 8 half + lane / 4` of the block), lse in base 2. With `masked`,
+/// element (row i, key column c) is kept iff `lo[i] <= c' < hi[i]` with `c' = 8 nb + (e % 2)`
+/// the compile-time part of the column (the lane's `2 (lane % 4)` is folded into the bounds).
+/// dS is masked too, not only P: a masked pair's dP - delta may be non-finite.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn probs_store<E: Float, NA: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    s: &mut Array<f32>,
+    dp: &mut Array<f32>,
+    lse2: &Array<f32>,
+    dl: &Array<f32>,
+    lo: &Array<i32>,
+    hi: &Array<i32>,
+    scale_log2: f32,
+    p_smem: &mut SharedMemory<E>,
+    ds_smem: &mut SharedMemory<E>,
+    row0: usize,
+    col0: usize,
+    #[comptime] masked: bool,
+    #[comptime] pstride: usize,
+) {
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let sc = def.vector_size(MatrixIdent::Accumulator);
+    let ec = comptime!(vc * sc);
+    #[unroll]
+    for mb in 0..2usize {
+        #[unroll]
+        for nb in 0..4usize {
+            #[unroll]
+            for e in 0..ec {
+                let i = (mb * 4 + nb) * ec + e;
+                let ri = mb * 2 + e / (ec / 2);
+                let mut p = fast_exp2(s[i] * scale_log2 - lse2[ri]);
+                let mut ds = p * (dp[i] - dl[ri]);
+                if masked {
+                    let c = (nb * 8 + e % 2) as i32;
+                    let ok = c >= lo[ri] && c < hi[ri];
+                    p = select(ok, p, 0.0f32);
+                    ds = select(ok, ds, 0.0f32);
+                }
+                s[i] = p;
+                dp[i] = ds;
+            }
+        }
+    }
+    #[unroll]
+    for mb in 0..2usize {
+        #[unroll]
+        for h in 0..2usize {
+            store_acc_16x16::<E, NA>(def, s, (mb * 4 + 2 * h) * ec, p_smem, row0 + mb * 16, col0 + h * 16, pstride);
+            store_acc_16x16::<E, NA>(def, dp, (mb * 4 + 2 * h) * ec, ds_smem, row0 + mb * 16, col0 + h * 16, pstride);
+        }
+    }
+}
+
+/// dK, dV (and with `fuse_dq` the dQ atomics). Grid: (entries of `ktiles`, heads_kv); 32 *
+/// [`WIDE_PLANES`] units. `ktiles`: key-tile indices (tile t = keys `[t*WIDE_BN, t*WIDE_BN+WIDE_BN)`
+/// of the shared key axis), most expensive first; `tile_off` / `tile_segs`: CSR list of the
+/// segments overlapping each tile; `segs`: (q_start, q_len, k_start, k_len) per segment; `lse`,
+/// `delta`: `[heads_q, total_q]`; `q_s` / `do_s`: q and dout as scalars (the `cp.async` sources);
+/// `dq_acc`: the f32 dQ accumulator (fused path; any valid address otherwise).
+#[allow(clippy::too_many_arguments, unused_assignments)]
+#[cube(launch_unchecked)]
+pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
+    k: &Array<Vector<E, NV>>,
+    v: &Array<Vector<E, NV>>,
+    lse: &Array<f32>,
+    delta: &Array<f32>,
+    dk: &mut Array<E>,
+    dv: &mut Array<E>,
+    dq_acc: &mut Array<Atomic<Vector<f32, NQ>>>,
+    q_s: &Array<E>,
+    do_s: &Array<E>,
+    ktiles: &Array<u32>,
+    tile_off: &Array<u32>,
+    tile_segs: &Array<u32>,
+    segs: &Array<u32>,
+    scale: f32,
+    scale_log2: f32,
+    heads_q: u32,
+    heads_kv: u32,
+    total_q: u32,
+    total_k: u32,
+    win_l: u32,
+    win_r: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] fuse_dq: bool,
+    #[comptime] qvec: usize,
+) {
+    let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
+    let lane = UNIT_POS_PLANE;
+    let plane = UNIT_POS / 32u32;
+    let threads = comptime!(WIDE_PLANES * 32);
+    let stride = comptime!(head_dim + PAD);
+    let pstride = comptime!(WIDE_BN + PAD);
+    // Step 1 (S, dP) and the dQ product: rows `rw..rw+32` of the tile; step 1: keys `kw_s..+32`;
+    // step 3: keys `kw_s..+32` (dK / dV rows) and head columns `cb..cb+hn`; dQ: columns
+    // `cq..cq+dqn`.
+    let kq = (plane % 4u32) as usize;
+    let half = (plane / 4u32) as usize;
+    let rw = half * BLK;
+    let kw_s = kq * BLK;
+    let hn = comptime!(head_dim / 2);
+    let cb = half * hn;
+    let dqn = comptime!(head_dim / 4);
+    let cq = kq * dqn;
+
+    let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(WIDE_BN * (head_dim + PAD)), 16usize);
+    let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(WIDE_BN * (head_dim + PAD)), 16usize);
+    // Two stages of the query tile (Q, dO, lse, delta): rows [0, BM) and [BM, 2 BM).
+    let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(2 * BWD_BM * (head_dim + PAD)), 16usize);
+    let mut do_smem = SharedMemory::<E>::new_aligned(comptime!(2 * BWD_BM * (head_dim + PAD)), 16usize);
+    let mut lse_smem = SharedMemory::<f32>::new(comptime!(2 * BWD_BM));
+    let mut dl_smem = SharedMemory::<f32>::new(comptime!(2 * BWD_BM));
+    // P and dS of the current tile, row-major [row][key].
+    let mut p_smem = SharedMemory::<E>::new_aligned(comptime!(BWD_BM * (WIDE_BN + PAD)), 16usize);
+    let mut ds_smem = SharedMemory::<E>::new_aligned(comptime!(BWD_BM * (WIDE_BN + PAD)), 16usize);
+    let bar0 = Barrier::shared(comptime!(threads as u32), UNIT_POS == 0);
+    let bar1 = Barrier::shared(comptime!(threads as u32), UNIT_POS == 0);
+
+    let kt = ktiles[CUBE_POS_X as usize];
+    let hk = CUBE_POS_Y;
+    let group = heads_q / heads_kv;
+    let key0 = kt * WIDE_BN as u32;
+    let s_begin = tile_off[kt as usize];
+    let s_end = tile_off[kt as usize + 1];
+
+    stage_rows::<E, NV>(k, &mut k_smem, key0, total_k, key0, heads_kv, hk, WIDE_BN, head_dim, threads);
+    stage_rows::<E, NV>(v, &mut v_smem, key0, total_k, key0, heads_kv, hk, WIDE_BN, head_dim, threads);
+    // Barrier initialisation visible before the first cp.async commit.
+    sync_cube();
+    // Query tiles issued so far: tile g uses stage g % 2 and barrier phase (g / 2) % 2.
+    let mut g_tile = 0u32;
+
+    let size!(NA) = def.vector_size(MatrixIdent::A);
+    let size!(NB) = def.vector_size(MatrixIdent::B);
+    let size!(NC) = def.vector_size(MatrixIdent::Accumulator);
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let sc = def.vector_size(MatrixIdent::Accumulator);
+    let ec = comptime!(vc * sc);
+    // 8-column blocks of this plane's dK / dV columns, of its dQ columns.
+    let ob_n = comptime!(hn / 8);
+    let oq_n = comptime!(dqn / 8);
+
+    // [mb (2)][ob][ec]: keys kw_s + 16 mb + .., columns cb + 8 ob + ..
+    let mut dk_acc = Array::<f32>::new(comptime!(2 * ob_n * ec));
+    let mut dv_acc = Array::<f32>::new(comptime!(2 * ob_n * ec));
+    #[unroll]
+    for i in 0..comptime!(2 * ob_n * ec) {
+        dk_acc[i] = 0.0f32;
+        dv_acc[i] = 0.0f32;
+    }
+    // [mb (2)][nb (4)][ec]: rows rw + 16 mb + .., keys kw_s + 8 nb + ..
+    let mut s = Array::<f32>::new(comptime!(8 * ec));
+    let mut dp = Array::<f32>::new(comptime!(8 * ec));
+    let mut lse2 = Array::<f32>::new(4usize);
+    let mut dl = Array::<f32>::new(4usize);
+    let mut lo = Array::<i32>::new(4usize);
+    let mut hi = Array::<i32>::new(4usize);
+    let mut dqc = Array::<f32>::new(comptime!(if fuse_dq { 2 * oq_n * ec } else { 1usize }));
+
+    // The lane's accumulator rows: `g` and `g + 8` of each 16-row block; its columns `2 t, 2 t + 1`
+    // of each 8-column block.
+    let (g, t2) = def.position_of_nth(lane, 0u32, MatrixIdent::Accumulator);
+
+    for si in s_begin..s_end {
+        let seg = tile_segs[si as usize] as usize;
+        let q_start = segs[seg * 4];
+        let q_len = segs[seg * 4 + 1];
+        let k_start = segs[seg * 4 + 2];
+        let k_len = segs[seg * 4 + 3];
+        let shift = k_len as i32 - q_len as i32;
+        // rows from the first that sees the tile's first key to the last that sees its last
+        let first_key = max(key0, k_start) - k_start;
+        let last_key = min(key0 + WIDE_BN as u32, k_start + k_len) - 1u32 - k_start;
+        let (r_min, _) = key_rows(q_len, k_len, first_key as i32, win_l, win_r);
+        let (_, r_end) = key_rows(q_len, k_len, last_key as i32, win_l, win_r);
+        // Window-local index of this plane's first step-1 key (may be negative).
+        let kw0 = (key0 as i32 + kw_s as i32) - k_start as i32;
+        let mut n_qt = 0u32;
+        if r_min < r_end {
+            n_qt = (r_end as u32 - r_min as u32 + BWD_BM as u32 - 1) / BWD_BM as u32;
+        }
+        // (q head, query tile) pairs of this segment, q head outer.
+        let n_it = group * n_qt;
+        if n_it > 0 {
+            // First tile of the segment: its stage was last read two tiles ago, before the
+            // barrier at the top of the previous iteration.
+            let boff = ((g_tile & 1u32) * BWD_BM as u32) as usize;
+            issue_q_tile::<E>(
+                q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, boff, r_min as u32,
+                q_len, q_start, hk * group, heads_q, total_q, head_dim, threads,
+            );
+            commit_stage(&bar0, &bar1, g_tile);
+        }
+        let mut hq = 0u32;
+        let mut ti = 0u32;
+        for it in 0..n_it {
+            let h = hk * group + hq;
+            let r0 = r_min as u32 + ti * BWD_BM as u32;
+            ti += 1u32;
+            if ti == n_qt {
+                ti = 0u32;
+                hq += 1u32;
+            }
+            let mut qb = 0usize;
+            // Every plane has finished the previous tile: its stage, P and dS are free.
+            sync_cube();
+            let cur = g_tile;
+            qb = ((cur & 1u32) * BWD_BM as u32) as usize;
+            if it + 1 < n_it {
+                let nb = (((cur + 1u32) & 1u32) * BWD_BM as u32) as usize;
+                issue_q_tile::<E>(
+                    q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, nb,
+                    r_min as u32 + ti * BWD_BM as u32, q_len, q_start, hk * group + hq, heads_q, total_q, head_dim,
+                    threads,
+                );
+                commit_stage(&bar1, &bar0, cur);
+            }
+            wait_stage(&bar0, &bar1, cur);
+            g_tile = cur + 1u32;
+
+            // ---- 1. S = Q K^T, dP = dO V^T (32 rows x 32 keys) ----
+            #[unroll]
+            for i in 0..comptime!(8 * ec) {
+                s[i] = 0.0f32;
+                dp[i] = 0.0f32;
+            }
+            mma_block_abt::<E, NA, NB, NC>(&def, &q_smem, qb + rw, &k_smem, kw_s, &mut s, head_dim, stride);
+            mma_block_abt::<E, NA, NB, NC>(&def, &do_smem, qb + rw, &v_smem, kw_s, &mut dp, head_dim, stride);
+
+            // ---- 2. P, dS (masked unless full) into shared memory ----
+            let rr0 = (r0 as usize + rw) as i32;
+            #[unroll]
+            for ri in 0..4usize {
+                let rl = qb + rw + (ri / 2) * 16 + (ri % 2) * 8 + g as usize;
+                lse2[ri] = lse_smem[rl];
+                dl[ri] = dl_smem[rl];
+            }
+            // Every (row, key) pair of this plane's 32 x 32 block visible?
+            let full = kw0 >= 0i32
+                && kw0 + BLK as i32 <= k_len as i32
+                && rr0 + BLK as i32 <= q_len as i32
+                && kw0 + (BLK as i32 - 1i32) <= shift + rr0 + win_r as i32
+                && kw0 >= shift + rr0 + (BLK as i32 - 1i32) - win_l as i32;
+            if full {
+                probs_store::<E, NA>(
+                    &def, &mut s, &mut dp, &lse2, &dl, &lo, &hi, scale_log2, &mut p_smem, &mut ds_smem, rw, kw_s,
+                    false, pstride,
+                );
+            } else {
+                // Row r (segment-local) sees window keys [max(r + shift - win_l, 0),
+                // min(r + shift + win_r + 1, k_len)), none past the segment's end; relative to
+                // the lane's first column kw0 + 2 t.
+                let base = kw0 + t2 as i32;
+                #[unroll]
+                for ri in 0..4usize {
+                    let r = rr0 + ((ri / 2) * 16 + (ri % 2) * 8) as i32 + g as i32;
+                    let d = r + shift;
+                    lo[ri] = max(d - win_l as i32, 0i32) - base;
+                    let mut h_ = min(d + win_r as i32 + 1i32, k_len as i32) - base;
+                    if r >= q_len as i32 {
+                        h_ = -1i32;
+                    }
+                    hi[ri] = h_;
+                }
+                probs_store::<E, NA>(
+                    &def, &mut s, &mut dp, &lse2, &dl, &lo, &hi, scale_log2, &mut p_smem, &mut ds_smem, rw, kw_s,
+                    true, pstride,
+                );
+            }
+            sync_cube();
+
+            // ---- 3. dV += P^T dO, dK += dS^T Q (32 keys x head_dim / 2, the tile's 64 rows) ----
+            #[unroll]
+            for ks in 0..comptime!(BWD_BM / 16) {
+                let p0 = frag_a_t::<E, NA>(&def, &p_smem, ks * 16, kw_s, pstride);
+                let p1 = frag_a_t::<E, NA>(&def, &p_smem, ks * 16, kw_s + 16, pstride);
+                #[unroll]
+                for ob2 in 0..comptime!(ob_n / 2) {
+                    let m = frag_b_n2::<E, NB>(&def, &do_smem, qb + ks * 16, cb + ob2 * 16, stride);
+                    mma_into::<E, NA, NB, NC>(&def, &p0, &m, 0usize, &mut dv_acc, (2 * ob2) * ec);
+                    mma_into::<E, NA, NB, NC>(&def, &p0, &m, 2usize, &mut dv_acc, (2 * ob2 + 1) * ec);
+                    mma_into::<E, NA, NB, NC>(&def, &p1, &m, 0usize, &mut dv_acc, (ob_n + 2 * ob2) * ec);
+                    mma_into::<E, NA, NB, NC>(&def, &p1, &m, 2usize, &mut dv_acc, (ob_n + 2 * ob2 + 1) * ec);
+                }
+                let d0 = frag_a_t::<E, NA>(&def, &ds_smem, ks * 16, kw_s, pstride);
+                let d1 = frag_a_t::<E, NA>(&def, &ds_smem, ks * 16, kw_s + 16, pstride);
+                #[unroll]
+                for ob2 in 0..comptime!(ob_n / 2) {
+                    let m = frag_b_n2::<E, NB>(&def, &q_smem, qb + ks * 16, cb + ob2 * 16, stride);
+                    mma_into::<E, NA, NB, NC>(&def, &d0, &m, 0usize, &mut dk_acc, (2 * ob2) * ec);
+                    mma_into::<E, NA, NB, NC>(&def, &d0, &m, 2usize, &mut dk_acc, (2 * ob2 + 1) * ec);
+                    mma_into::<E, NA, NB, NC>(&def, &d1, &m, 0usize, &mut dk_acc, (ob_n + 2 * ob2) * ec);
+                    mma_into::<E, NA, NB, NC>(&def, &d1, &m, 2usize, &mut dk_acc, (ob_n + 2 * ob2 + 1) * ec);
+                }
+            }
+
+            if fuse_dq {
+                // ---- dQ[rows rw..rw+32, columns cq..cq+dqn] += dS K, f32 atomics (scaled later) ----
+                #[unroll]
+                for i in 0..comptime!(2 * oq_n * ec) {
+                    dqc[i] = 0.0f32;
+                }
+                #[unroll]
+                for ks in 0..comptime!(WIDE_BN / 16) {
+                    let a0 = frag_a::<E, NA>(&def, &ds_smem, rw, ks * 16, pstride);
+                    let a1 = frag_a::<E, NA>(&def, &ds_smem, rw + 16, ks * 16, pstride);
+                    #[unroll]
+                    for ob2 in 0..comptime!(oq_n / 2) {
+                        let m = frag_b_n2::<E, NB>(&def, &k_smem, ks * 16, cq + ob2 * 16, stride);
+                        mma_into::<E, NA, NB, NC>(&def, &a0, &m, 0usize, &mut dqc, (2 * ob2) * ec);
+                        mma_into::<E, NA, NB, NC>(&def, &a0, &m, 2usize, &mut dqc, (2 * ob2 + 1) * ec);
+                        mma_into::<E, NA, NB, NC>(&def, &a1, &m, 0usize, &mut dqc, (oq_n + 2 * ob2) * ec);
+                        mma_into::<E, NA, NB, NC>(&def, &a1, &m, 2usize, &mut dqc, (oq_n + 2 * ob2 + 1) * ec);
+                    }
+                }
+                // Rows past the segment's end add 0.0 to a row that exists (the last row of the
+                // tensor at most): no branch around the atomics, and x + 0.0 == x.
+                let last = total_q - 1u32;
+                #[unroll]
+                for ri in 0..4usize {
+                    let rl = r0 + (rw + (ri / 2) * 16 + (ri % 2) * 8) as u32 + g;
+                    let ok = rl < q_len;
+                    let gb = ((min(q_start + rl, last)) * heads_q + h) as usize * head_dim + cq + t2 as usize;
+                    #[unroll]
+                    for ob in 0..oq_n {
+                        // accumulator pair (e, e + 1) of row half ri % 2: adjacent columns
+                        let e = (ri % 2) * (ec / 2);
+                        let i = ((ri / 2) * oq_n + ob) * ec + e;
+                        let x0 = select(ok, dqc[i], 0.0f32);
+                        let x1 = select(ok, dqc[i + 1], 0.0f32);
+                        let gi = gb + ob * 8;
+                        if qvec == 2 {
+                            let mut val = Vector::<f32, NQ>::empty();
+                            val[0] = x0;
+                            val[1] = x1;
+                            dq_acc[gi / 2].fetch_add(val);
+                        } else {
+                            let mut v0 = Vector::<f32, NQ>::empty();
+                            v0[0] = x0;
+                            dq_acc[gi].fetch_add(v0);
+                            let mut v1 = Vector::<f32, NQ>::empty();
+                            v1[0] = x1;
+                            dq_acc[gi + 1].fetch_add(v1);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    // ---- write dK, dV (zero for keys no segment sees) ----
+    #[unroll]
+    for mb in 0..2usize {
+        #[unroll]
+        for ob in 0..ob_n {
+            #[unroll]
+            for e in 0..ec {
+                let (row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
+                let key = key0 + (kw_s + mb * 16) as u32 + row;
+                if key < total_k {
+                    let gi = (key * heads_kv + hk) as usize * head_dim + cb + ob * 8 + col as usize;
+                    let i = (mb * ob_n + ob) * ec + e;
+                    dk[gi] = E::cast_from(dk_acc[i] * scale);
+                    dv[gi] = E::cast_from(dv_acc[i]);
+                }
+            }
+        }
+    }
+}
