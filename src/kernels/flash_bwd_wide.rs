@@ -1,9 +1,10 @@
-//! dK / dV (and, with the comptime `fuse_dq`, dQ through f32 atomics) with 128-key cubes of 8
-//! planes: FlashAttention-2's partition of the backward (its sm80/sm90 d128 traits), on the same
-//! inputs, work list (CSR of the segments overlapping each key tile) and results as the dense
-//! path of [`super::flash_bwd::flash_bwd_dkdv`], which gives each of 4 planes 16 keys and every
-//! query row. Selected by `CUBEATTN_BWD_WIDE=1` (`backend::cuda::backward`); block-sparse calls
-//! keep the 64-key kernel.
+//! The dense dK / dV kernel (and, with the comptime `fuse_dq`, dQ through f32 atomics) with
+//! 128-key cubes of 8 planes: FlashAttention-2's partition of the backward (its sm80/sm90 d128
+//! traits). Work list: the CSR of the segments overlapping each key tile (varlen, grouped, GQA,
+//! causal, sliding window). Block-sparse calls take [`super::flash_bwd::flash_bwd_dkdv`] (4 planes
+//! of 16 keys, walking the transposed block index). It replaced a 64-key kernel of that shape for
+//! dense calls: the backward alone 1.03-1.09x faster on the dQ pass, 1.21-1.27x with fused dQ
+//! (H100, bench/NOTES.md).
 //!
 //! Per 64-row query tile (Q, dO, lse, delta double-buffered with `cp.async` as in the 64-key
 //! kernel):

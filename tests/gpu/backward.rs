@@ -260,33 +260,6 @@ fn backward_matches_f64_reference_and_cpu() {
     assert!(failures.is_empty(), "failed cases: {failures:?}");
 }
 
-/// The 128-key dK/dV kernel (`CUBEATTN_BWD_WIDE=1`, read per call by the backward) on every case
-/// of [`backward_matches_f64_reference_and_cpu`], both dQ paths (the pass, and dQ fused into the
-/// kernel with atomics). The variable is set for this test's duration: another test running
-/// concurrently may take the 128-key kernel meanwhile (it must be correct too), never a wrong one.
-#[test]
-#[ignore = "needs a CUDA GPU: scripts/gpu-test.sh test runs it (--include-ignored)"]
-fn backward_wide_matches_f64_reference_and_cpu() {
-    let Some(b) = backend() else { return };
-    let prev = std::env::var("CUBEATTN_BWD_WIDE").ok();
-    std::env::set_var("CUBEATTN_BWD_WIDE", "1");
-    let mut failures = Vec::new();
-    for det in [true, false] {
-        for (i, c) in cases().iter().enumerate().filter(|(_, c)| c.dtype != DType::F32) {
-            let (ok, line) = check_case(b, c, 7000 + i as u64, det);
-            println!("[wide] {line}");
-            if !ok {
-                failures.push(format!("{} (deterministic={det})", c.name));
-            }
-        }
-    }
-    match prev {
-        Some(v) => std::env::set_var("CUBEATTN_BWD_WIDE", v),
-        None => std::env::remove_var("CUBEATTN_BWD_WIDE"),
-    }
-    assert!(failures.is_empty(), "failed cases (128-key dK/dV kernel): {failures:?}");
-}
-
 /// 32K keys: a few query rows (GQA 8/2) attending a 32768-key window, causal bottom-right, plus
 /// a second segment reusing the tail of the same keys (grouped).
 #[test]

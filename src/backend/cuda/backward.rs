@@ -1,16 +1,17 @@
-//! CUDA backward: host side of the kernels in `kernels::flash_bwd`.
+//! CUDA backward: host side of the kernels in `kernels::flash_bwd_wide` (dense dK/dV),
+//! `kernels::flash_bwd` (dQ pass, block-sparse dK/dV, delta) and `kernels::rowwise_bwd` (f32).
 //!
-//! Launch order: delta = rowsum(dO * O) (f32), then dK/dV (one cube per (key tile, kv head),
+//! Launch order: delta = rowsum(dO * O) (f32), then dK/dV (one cube per (128-key tile, kv head),
 //! looping over every segment that overlaps the tile and over the query heads of the kv head),
 //! then dQ, one of two ways:
 //! - `deterministic = true`: a separate dQ pass (one cube per (query tile, query head), looping
 //!   over the key tiles its rows see, S and dP recomputed). Every pass owns its outputs outright:
 //!   no atomics, a fixed summation order, bitwise identical run to run.
-//! - fused (f16/bf16, `deterministic = false` with `CUBEATTN_BWD_DQ=atomic`, see [`DqPath`]):
-//!   the dK/dV kernel also forms dQ += dS K per (query tile, key tile) and adds it into an f32
-//!   accumulator with atomics (FlashAttention-2's way); a small kernel then writes dq = scale *
-//!   acc in the dtype. The summation order of dQ then varies run to run (last-bit differences).
-//!   Not the default: with the Q/dO pipeline the separate pass measured faster on every shape.
+//! - fused (f16/bf16, `deterministic = false`, the default, see [`DqPath`]): the dK/dV kernel also
+//!   forms dQ += dS K per (query tile, key tile) and adds it into an f32 accumulator with atomics
+//!   (FlashAttention-2's way); a small kernel then writes dq = scale * acc in the dtype. The
+//!   summation order of dQ then varies run to run (last-bit differences). Five matmuls per (row,
+//!   key) pair instead of seven: faster on every measured shape (bench/NOTES.md).
 //!
 //! f16/bf16 run on tensor cores (mma.sync, f32 accumulation); f32 runs on plain kernels (always
 //! deterministic). head_dim 64 and 128; anything else is `Error::Unsupported`.
@@ -45,17 +46,13 @@ pub(crate) struct BwdPlan {
     segs: Vec<u32>,
     /// dQ work list: (segment, first row of a `BWD_BM`-row tile), most keys first.
     pub(crate) q_work: Vec<u32>,
-    /// dK/dV work list: key-tile indices, most (query row, key) pairs first.
+    /// dK/dV work list: key-tile indices, most (query row, key) pairs first. Key tiles are
+    /// [`key_tile`] keys: [`WIDE_BN`] for the tensor-core kernel, [`BWD_BN`] for the f32 row-wise one.
     pub(crate) k_work: Vec<u32>,
     /// CSR over key tiles: segments whose key window overlaps tile t are
     /// `tile_segs[tile_off[t]..tile_off[t+1]]`, ascending.
     tile_off: Vec<u32>,
     tile_segs: Vec<u32>,
-    /// The same three tables over [`WIDE_BN`]-key tiles (the 128-key dK/dV kernel,
-    /// `CUBEATTN_BWD_WIDE=1`).
-    pub(crate) k_work_w: Vec<u32>,
-    tile_off_w: Vec<u32>,
-    tile_segs_w: Vec<u32>,
     /// Segment of every query row, u32::MAX when none (f32 path only).
     row_seg: Vec<u32>,
 }
@@ -78,8 +75,7 @@ impl BwdPlan {
         }
         q_items.sort_by_key(|x| std::cmp::Reverse(x.0));
         let q_work = q_items.iter().flat_map(|&(_, s, t)| [s, t]).collect();
-        let (order, tile_off, tile_segs) = key_tiles(spec, BWD_BN);
-        let (k_work_w, tile_off_w, tile_segs_w) = key_tiles(spec, WIDE_BN);
+        let (k_work, tile_off, tile_segs) = key_tiles(spec, key_tile(spec.dtype));
 
         let row_seg = if spec.dtype == DType::F32 {
             let mut rs = vec![u32::MAX; d.total_q];
@@ -92,7 +88,7 @@ impl BwdPlan {
         } else {
             Vec::new()
         };
-        BwdPlan { segs, q_work, k_work: order, tile_off, tile_segs, k_work_w, tile_off_w, tile_segs_w, row_seg }
+        BwdPlan { segs, q_work, k_work, tile_off, tile_segs, row_seg }
     }
 
     /// The tables in the `TBL_*` order of [`launch_backward`].
@@ -104,11 +100,14 @@ impl BwdPlan {
             self.tile_off.clone(),
             self.tile_segs.clone(),
             self.row_seg.clone(),
-            self.k_work_w.clone(),
-            self.tile_off_w.clone(),
-            self.tile_segs_w.clone(),
         ]
     }
+}
+
+/// Keys per dK/dV tile of a backward in `dt`: the 128-key tensor-core kernel for f16 / bf16, the
+/// row-wise kernel's [`BWD_BN`]-key tiles for f32.
+fn key_tile(dt: DType) -> usize {
+    if dt == DType::F32 { BWD_BN } else { WIDE_BN }
 }
 
 /// The dK/dV work list over `bn`-key tiles of the shared key axis: (tile indices, most (query row,
@@ -152,9 +151,6 @@ const TBL_K_WORK: usize = 2;
 const TBL_TILE_OFF: usize = 3;
 const TBL_TILE_SEGS: usize = 4;
 const TBL_ROW_SEG: usize = 5;
-const TBL_K_WORK_W: usize = 6;
-const TBL_TILE_OFF_W: usize = 7;
-const TBL_TILE_SEGS_W: usize = 8;
 
 /// Device addresses of one backward call: q, k, v, out, lse, dout in; dq, dk, dv out; workspace.
 #[derive(Debug, Clone, Copy)]
@@ -192,20 +188,12 @@ fn atomic_vec() -> usize {
     }
 }
 
-/// Whether the dense f16/bf16 dK/dV takes the 128-key kernel `flash_bwd_wide::flash_bwd_dkdv_wide`
-/// (`CUBEATTN_BWD_WIDE=1`; temporary switch for the A/B against the 64-key kernel). Read on every
-/// call (the two kernels have their own cache keys and the plan holds both work lists), so a process
-/// can alternate. Block-sparse calls always take the 64-key kernel.
-pub fn bwd_wide() -> bool {
-    std::env::var("CUBEATTN_BWD_WIDE").is_ok_and(|v| v == "1")
-}
-
 /// How the backward forms dQ.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DqPath {
-    /// The separate (deterministic) pass: with the cp.async Q/dO pipeline it measured faster than
-    /// the fused atomic path on every H200 shape (8K causal bwd 8.18 vs 8.99 ms, 8K full 13.88 vs
-    /// 14.56 ms). `CUBEATTN_BWD_DQ=atomic` selects the fused path for non-deterministic calls.
+    /// The fused atomic path for `deterministic = false` calls (with the 128-key dK/dV kernel it
+    /// measured faster than the pass on every shape, bench/NOTES.md), the pass for deterministic
+    /// ones; `CUBEATTN_BWD_DQ=pass` forces the pass for non-deterministic calls too.
     Auto,
     /// The separate deterministic dQ pass.
     Pass,
@@ -234,11 +222,7 @@ pub(super) fn fused_dq(spec: &AttnSpec, deterministic: bool, path: DqPath) -> bo
         DqPath::Pass => false,
         DqPath::Atomic => true,
         DqPath::Auto if deterministic => false,
-        DqPath::Auto => match std::env::var("CUBEATTN_BWD_DQ").ok().as_deref() {
-            // with the Q/dO pipeline the two-pass dQ measured faster on every shape (bench/NOTES.md)
-            Some("atomic") => true,
-            _ => false,
-        },
+        DqPath::Auto => std::env::var("CUBEATTN_BWD_DQ").ok().as_deref() != Some("pass"),
     }
 }
 
@@ -524,24 +508,9 @@ pub(crate) fn launch_backward(
     } else if spec.uncovered_rows() > 0 {
         launch_fill_zero(be, dt, p.dq, ql, stream)?;
     }
-    if bwd_wide() {
-        let n = plan.host.k_work_w.len();
-        if n > 0 {
-            let w = [t(TBL_K_WORK_W), t(TBL_TILE_OFF_W), t(TBL_TILE_SEGS_W), t(TBL_SEGS)];
-            launch_dkdv_wide(be, spec, p, delta, fused.then_some(acc), w, n, stream)?;
-        }
-    } else if n_k_work > 0 {
-        // the sparse tables are not read by the dense variant: any valid address
-        let none = (t(TBL_SEGS).0, 1);
-        let tables = DkdvTables {
-            work: t(TBL_K_WORK),
-            tile_off: t(TBL_TILE_OFF),
-            tile_segs: t(TBL_TILE_SEGS),
-            segs: t(TBL_SEGS),
-            tq_off: none,
-            tq_list: none,
-        };
-        launch_dkdv(be, spec, p, delta, fused.then_some(acc), &tables, None, n_k_work, stream)?;
+    if n_k_work > 0 {
+        let w = [t(TBL_K_WORK), t(TBL_TILE_OFF), t(TBL_TILE_SEGS), t(TBL_SEGS)];
+        launch_dkdv_wide(be, spec, p, delta, fused.then_some(acc), w, n_k_work, stream)?;
     }
     if fused {
         let f = be.kernels.get(&KernelKey::new("dq_convert", dt, &[]), || {

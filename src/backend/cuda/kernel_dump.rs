@@ -28,16 +28,12 @@ mod tests {
             ("fwd_sparse_int8_d128", fwd_source(c, dt, 128, 2, 64, 64, true, true)),
             ("fwd_sparse_int8_d64", fwd_source(c, dt, 64, 2, 64, 64, true, true)),
             ("int8_quantize_k_d128", super::super::sparse_int8::quantize_source(c, dt, 128, true, true)),
-            ("dkdv_causal_d128", dkdv_source(c, dt, 128, true, false, 2, false, false)),
-            ("dkdv_full_d128", dkdv_source(c, dt, 128, false, false, 2, false, false)),
-            ("dkdv_window_d128", dkdv_source(c, dt, 128, true, false, 2, false, true)),
             ("dkdv_sparse_d128", dkdv_source(c, dt, 128, false, false, 2, true, false)),
-            ("dkdv_fused_d128", dkdv_source(c, dt, 128, false, true, 2, false, false)),
             ("dq_d128", dq_source(c, dt, 128, false, false)),
             ("dq_d64", dq_source(c, dt, 64, false, false)),
             ("dq_window_d128", dq_source(c, dt, 128, false, true)),
             ("dq_sparse_d128", dq_source(c, dt, 128, true, false)),
-            // the 128-key dK/dV kernel (CUBEATTN_BWD_WIDE=1): causal / window are runtime bounds
+            // the dense dK/dV kernel (128 keys): causal / window are runtime bounds
             ("dkdv_wide_d128", dkdv_wide_source(c, dt, 128, false, 2)),
             ("dkdv_wide_fused_d128", dkdv_wide_source(c, dt, 128, true, 2)),
             ("dkdv_wide_d64", dkdv_wide_source(c, dt, 64, false, 2)),
