@@ -550,9 +550,9 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
     }
 }
 
-/// dQ. Grid: (work items, heads_q); 32 * [`BWD_PLANES`] units. `work`: two u32 per cube
-/// (segment id, first row of the tile inside the segment); rows no segment covers are not
-/// written here (see [`fill_zero`]). Sparse: [`SPARSE_QWORK_WORDS`] words per item and
+/// dQ. Grid: work items x heads_q in one dimension, heads fastest; 32 * [`BWD_PLANES`] units.
+/// `work`: two u32 per cube (segment id, first row of the tile inside the segment); rows no
+/// segment covers are not written here (see [`fill_zero`]). Sparse: [`SPARSE_QWORK_WORDS`] words per item and
 /// `tile_ref[(index head * items + item) * 2..]` = (offset into `blocks`, key tiles), as in the
 /// forward.
 #[allow(clippy::too_many_arguments, unused_assignments)]
@@ -596,8 +596,10 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     let bar0 = Barrier::shared(comptime!((BWD_PLANES * 32) as u32), UNIT_POS == 0);
     let bar1 = Barrier::shared(comptime!((BWD_PLANES * 32) as u32), UNIT_POS == 0);
 
-    let tile = CUBE_POS_X as usize;
-    let head = CUBE_POS_Y;
+    // One cube per (work item, q head), heads fastest: the cubes start in the work list's order
+    // (most keys first) over all heads, so the longest ones do not start last.
+    let tile = (CUBE_POS_X / heads_q) as usize;
+    let head = CUBE_POS_X % heads_q;
     let group = heads_q / heads_kv;
     let head_kv = head / group;
 
@@ -629,7 +631,7 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
         if idx_heads != heads_q {
             y = head / group;
         }
-        let r = ((y * CUBE_COUNT_X + CUBE_POS_X) * 2u32) as usize;
+        let r = ((y * (CUBE_COUNT_X / heads_q) + tile as u32) * 2u32) as usize;
         list = tile_ref[r];
         n_tiles = tile_ref[r + 1];
         let lim = min((n_tiles + tiles_per_block - 1) / tiles_per_block, LIST_SMEM as u32);

@@ -139,9 +139,9 @@ fn probs_store<E: Float, NA: Size>(
     }
 }
 
-/// dK, dV (and with `fuse_dq` the dQ atomics). Grid: (entries of `ktiles`, heads_kv); 32 *
-/// [`WIDE_PLANES`] units. `ktiles`: key-tile indices (tile t = keys `[t*WIDE_BN, t*WIDE_BN+WIDE_BN)`
-/// of the shared key axis), most expensive first; `tile_off` / `tile_segs`: CSR list of the
+/// dK, dV (and with `fuse_dq` the dQ atomics). Grid: entries of `ktiles` x heads_kv in one
+/// dimension, heads fastest; 32 * [`WIDE_PLANES`] units. `ktiles`: key-tile indices (tile t =
+/// keys `[t*WIDE_BN, t*WIDE_BN+WIDE_BN)` of the shared key axis), most expensive first; `tile_off` / `tile_segs`: CSR list of the
 /// segments overlapping each tile; `segs`: (q_start, q_len, k_start, k_len) per segment; `lse`,
 /// `delta`: `[heads_q, total_q]`; `q_s` / `do_s`: q and dout as scalars (the `cp.async` sources);
 /// `dq_acc`: the f32 dQ accumulator (fused path; any valid address otherwise).
@@ -204,8 +204,10 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
     let bar0 = Barrier::shared(comptime!(threads as u32), UNIT_POS == 0);
     let bar1 = Barrier::shared(comptime!(threads as u32), UNIT_POS == 0);
 
-    let kt = ktiles[CUBE_POS_X as usize];
-    let hk = CUBE_POS_Y;
+    // One cube per (work item, kv head), heads fastest: the cubes start in the work list's order
+    // (most (row, key) pairs first) over all heads, so the longest ones do not start last.
+    let kt = ktiles[(CUBE_POS_X / heads_kv) as usize];
+    let hk = CUBE_POS_X % heads_kv;
     let group = heads_q / heads_kv;
     let key0 = kt * WIDE_BN as u32;
     let s_begin = tile_off[kt as usize];

@@ -4,9 +4,10 @@
 //! One cube = one work item: a tile of BLOCK_M = 128 *packed rows* and a key range. The rows of a
 //! tile come from a host-built list of slices `(segment, first packed row, row count)`; packed row
 //! `p` of a segment is query `p / hp`, head `head_base + p % hp`, where `hp` (heads packed per row
-//! group) is 1 (one head per cube, `CUBE_POS_Y` = head) or the GQA group size (the q heads that
-//! share one kv head sit in one tile, `CUBE_POS_Y` = kv head). Rows of several segments can share
-//! a tile; each row keeps its own visible key range `[lo, hi)` (absolute key indices), so a K,V
+//! group) is 1 (one head per cube, head slot y = head) or the GQA group size (the q heads that
+//! share one kv head sit in one tile, y = kv head); the grid is work items x y in one dimension,
+//! y fastest (the split-K combine keeps (split tile, y) as its 2-D grid). Rows of several
+//! segments can share a tile; each row keeps its own visible key range `[lo, hi)` (absolute key indices), so a K,V
 //! tile is read once for all of them. Varlen batches, grouped attention and decode-style groups are
 //! the same launch.
 //!
@@ -322,8 +323,13 @@ pub fn flash_fwd_mma2<E: Float>(
     let bar_k = Barrier::shared(comptime!(threads as u32), UNIT_POS == 0);
     let bar_v = Barrier::shared(comptime!(threads as u32), UNIT_POS == 0);
 
-    let item = CUBE_POS_X as usize * WORK_WORDS;
-    let head_base = CUBE_POS_Y * hp;
+    // One cube per (work item, head slot y < heads_q / hp), y fastest: the cubes start in the work
+    // list's order (most expensive first) over all heads, so the longest ones do not start last.
+    let ys = heads_q / hp;
+    let y = CUBE_POS_X % ys;
+    let xi = CUBE_POS_X / ys;
+    let item = xi as usize * WORK_WORDS;
+    let head_base = y * hp;
     let group = heads_q / heads_kv;
     let head_kv = head_base / group;
 
@@ -334,14 +340,14 @@ pub fn flash_fwd_mma2<E: Float>(
     let slot = work[item + 4];
 
     // Key tiles: dense, `[klo, khi)` in block_n steps; sparse, the listed key blocks of this
-    // (item, CUBE_POS_Y), each `tiles_per_block` tiles (see `tile_bounds`). The first LIST_SMEM
+    // (item, y), each `tiles_per_block` tiles (see `tile_bounds`). The first LIST_SMEM
     // blocks of the list are staged in shared memory, so no tile waits on a global load for its
     // address.
     let mut n_tiles = 0u32;
     let mut list = 0u32;
     let mut list_smem = SharedMemory::<u32>::new(comptime!(if sparse { LIST_SMEM } else { 1usize }));
     if sparse {
-        let r = ((CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) * 2u32) as usize;
+        let r = ((y * (CUBE_COUNT_X / ys) + xi) * 2u32) as usize;
         list = tile_ref[r];
         n_tiles = tile_ref[r + 1];
         let lim = min((n_tiles + tiles_per_block - 1) / tiles_per_block, LIST_SMEM as u32);
@@ -720,7 +726,7 @@ pub fn flash_fwd_mma2<E: Float>(
             }
         }
     } else {
-        let pbase = ((CUBE_POS_Y * n_slots + slot) as usize) * block_m;
+        let pbase = ((y * n_slots + slot) as usize) * block_m;
         #[unroll]
         for m in 0..mt {
             #[unroll]

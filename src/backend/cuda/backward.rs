@@ -356,7 +356,7 @@ pub(crate) fn launch_dkdv_wide(
     }
     a.f32(spec.scale).f32(spec.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32).u32(d.total_k as u32);
     a.u32(win_l).u32(win_r);
-    launch(&f, (n_work as u32, d.heads_kv as u32, 1), &mut a, stream)
+    launch(&f, ((n_work * d.heads_kv) as u32, 1, 1), &mut a, stream)
 }
 
 /// The dQ pass kernel (`flash_bwd::flash_bwd_dq`, f16/bf16) for one set of comptime choices.
@@ -444,7 +444,7 @@ pub(crate) fn launch_dq(
         a.u32(x);
     }
     a.u32(win_l).u32(win_r);
-    launch(&f, (n_work as u32, d.heads_q as u32, 1), &mut a, stream)
+    launch(&f, ((n_work * d.heads_q) as u32, 1, 1), &mut a, stream)
 }
 
 /// Enqueues the backward of `spec` on `stream` (delta, dK/dV, dQ; plus the zero fill of dQ rows

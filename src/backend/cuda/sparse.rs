@@ -209,7 +209,7 @@ fn launch_sparse_forward(be: &CudaBackend, spec: &SparseSpec, plan: &Cached<Spar
     // row bounds: the causal diagonal (a block pattern has no sliding window)
     let (win_l, win_r, _) = super::window_bounds(&spec.attn);
     a.u32(win_l).u32(win_r);
-    launch(&f, (sp.n_items as u32, sp.ys, 1), &mut a, stream)?;
+    launch(&f, (sp.n_items as u32 * sp.ys, 1, 1), &mut a, stream)?;
     let exact = SparseExact {
         work: t(T_WORK),
         slices: t(T_SLICES),
