@@ -35,7 +35,6 @@ use super::fragments::{frag_a, frag_b_n2, frag_b_t2, mma_acc_b, mma_into, mma_ro
 use super::staging::{commit_copies, commit_stage, issue_kv_tile, issue_q_tile, stage_rows, wait_stage};
 use super::math::{fast_exp2, LOG2E};
 use super::rows::{key_rows, row_keys};
-use super::order::cube_item;
 
 /// Planes (warps) per cube of the tensor-core kernels.
 pub const BWD_PLANES: usize = 4;
@@ -551,7 +550,7 @@ pub fn flash_bwd_dkdv<E: Float, NV: Size, NQ: Size>(
     }
 }
 
-/// dQ. Grid: work items x heads_q in one dimension (`order::cube_item`); 32 * [`BWD_PLANES`] units.
+/// dQ. Grid: work items x heads_q in one dimension, heads fastest; 32 * [`BWD_PLANES`] units.
 /// `work`: two u32 per cube (segment id, first row of the tile inside the segment); rows no
 /// segment covers are not written here (see [`fill_zero`]). Sparse: [`SPARSE_QWORK_WORDS`] words per item and
 /// `tile_ref[(index head * items + item) * 2..]` = (offset into `blocks`, key tiles), as in the
@@ -580,7 +579,6 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     tiles_per_block: u32,
     win_l: u32,
     win_r: u32,
-    heads_fast: u32,
     #[comptime] head_dim: usize,
     #[comptime] sparse: bool,
     #[comptime] window: bool,
@@ -598,9 +596,10 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     let bar0 = Barrier::shared(comptime!((BWD_PLANES * 32) as u32), UNIT_POS == 0);
     let bar1 = Barrier::shared(comptime!((BWD_PLANES * 32) as u32), UNIT_POS == 0);
 
-    // One cube per (work item, q head), in the order `heads_fast` picks.
-    let (ti, head) = cube_item(heads_q, heads_fast);
-    let tile = ti as usize;
+    // One cube per (work item, q head), heads fastest: the cubes start in the work list's order
+    // (most keys first) over all heads, so the longest ones do not start last.
+    let tile = (CUBE_POS_X / heads_q) as usize;
+    let head = CUBE_POS_X % heads_q;
     let group = heads_q / heads_kv;
     let head_kv = head / group;
 

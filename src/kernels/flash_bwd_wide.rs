@@ -38,7 +38,6 @@ use super::flash_bwd::{BWD_BM, PAD};
 use super::fragments::{frag_a, frag_a_t, frag_b_n2, frag_b_t2, mma_into, store_acc_16x16};
 use super::math::fast_exp2;
 use super::rows::key_rows;
-use super::order::cube_item;
 use super::staging::{commit_stage, issue_q_tile, stage_rows, wait_stage};
 
 /// Planes (warps) per cube.
@@ -141,7 +140,7 @@ fn probs_store<E: Float, NA: Size>(
 }
 
 /// dK, dV (and with `fuse_dq` the dQ atomics). Grid: entries of `ktiles` x heads_kv in one
-/// dimension (`order::cube_item`); 32 * [`WIDE_PLANES`] units. `ktiles`: key-tile indices (tile t =
+/// dimension, heads fastest; 32 * [`WIDE_PLANES`] units. `ktiles`: key-tile indices (tile t =
 /// keys `[t*WIDE_BN, t*WIDE_BN+WIDE_BN)` of the shared key axis), most expensive first; `tile_off` / `tile_segs`: CSR list of the
 /// segments overlapping each tile; `segs`: (q_start, q_len, k_start, k_len) per segment; `lse`,
 /// `delta`: `[heads_q, total_q]`; `q_s` / `do_s`: q and dout as scalars (the `cp.async` sources);
@@ -170,7 +169,6 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
     total_k: u32,
     win_l: u32,
     win_r: u32,
-    heads_fast: u32,
     #[comptime] head_dim: usize,
     #[comptime] fuse_dq: bool,
     #[comptime] qvec: usize,
@@ -206,9 +204,10 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
     let bar0 = Barrier::shared(comptime!(threads as u32), UNIT_POS == 0);
     let bar1 = Barrier::shared(comptime!(threads as u32), UNIT_POS == 0);
 
-    // One cube per (work item, kv head), in the order `heads_fast` picks.
-    let (wi, hk) = cube_item(heads_kv, heads_fast);
-    let kt = ktiles[wi as usize];
+    // One cube per (work item, kv head), heads fastest: the cubes start in the work list's order
+    // (most (row, key) pairs first) over all heads, so the longest ones do not start last.
+    let kt = ktiles[(CUBE_POS_X / heads_kv) as usize];
+    let hk = CUBE_POS_X % heads_kv;
     let group = heads_q / heads_kv;
     let key0 = kt * WIDE_BN as u32;
     let s_begin = tile_off[kt as usize];

@@ -5,8 +5,8 @@
 //! tile come from a host-built list of slices `(segment, first packed row, row count)`; packed row
 //! `p` of a segment is query `p / hp`, head `head_base + p % hp`, where `hp` (heads packed per row
 //! group) is 1 (one head per cube, head slot y = head) or the GQA group size (the q heads that
-//! share one kv head sit in one tile, y = kv head); the grid is work items x y in one dimension
-//! (`order::cube_item`; the split-K combine keeps (split tile, y) as its 2-D grid). Rows of several
+//! share one kv head sit in one tile, y = kv head); the grid is work items x y in one dimension,
+//! y fastest (the split-K combine keeps (split tile, y) as its 2-D grid). Rows of several
 //! segments can share a tile; each row keeps its own visible key range `[lo, hi)` (absolute key indices), so a K,V
 //! tile is read once for all of them. Varlen batches, grouped attention and decode-style groups are
 //! the same launch.
@@ -44,7 +44,6 @@ use super::int8_qk::{copy_k_tile8, scores_int8, stride8};
 use super::staging::{commit_copies, copy_token_rows};
 use super::math::{fast_exp2, LN2};
 use super::rows::row_keys;
-use super::order::cube_item;
 
 /// Packed rows per cube.
 pub const BLOCK_M: usize = 16 * PLANES;
@@ -294,7 +293,6 @@ pub fn flash_fwd_mma2<E: Float>(
     tiles_per_block: u32,
     win_l: u32,
     win_r: u32,
-    heads_fast: u32,
     #[comptime] head_dim: usize,
     #[comptime] mt: usize,
     #[comptime] block_n: usize,
@@ -325,9 +323,11 @@ pub fn flash_fwd_mma2<E: Float>(
     let bar_k = Barrier::shared(comptime!(threads as u32), UNIT_POS == 0);
     let bar_v = Barrier::shared(comptime!(threads as u32), UNIT_POS == 0);
 
-    // One cube per (work item, head slot y < heads_q / hp), in the order `heads_fast` picks.
+    // One cube per (work item, head slot y < heads_q / hp), y fastest: the cubes start in the work
+    // list's order (most expensive first) over all heads, so the longest ones do not start last.
     let ys = heads_q / hp;
-    let (xi, y) = cube_item(ys, heads_fast);
+    let y = CUBE_POS_X % ys;
+    let xi = CUBE_POS_X / ys;
     let item = xi as usize * WORK_WORDS;
     let head_base = y * hp;
     let group = heads_q / heads_kv;

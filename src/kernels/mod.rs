@@ -3,7 +3,6 @@
 pub mod flash_fwd;
 pub mod math;
 pub mod nonfinite;
-pub mod order;
 pub mod rows;
 pub mod rowwise_bwd;
 pub mod rowwise_fwd;
@@ -21,7 +20,6 @@ pub const SOURCES: &[&str] = &[
     include_str!("flash_fwd.rs"),
     include_str!("math.rs"),
     include_str!("nonfinite.rs"),
-    include_str!("order.rs"),
     include_str!("rows.rs"),
     include_str!("rowwise_bwd.rs"),
     include_str!("rowwise_fwd.rs"),

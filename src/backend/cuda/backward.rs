@@ -320,7 +320,7 @@ pub(crate) fn dkdv_wide_kernel(be: &CudaBackend, dt: DType, hd: usize, fused: bo
 pub(crate) fn dkdv_wide_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: usize, fused: bool, qvec: usize) -> Result<Source> {
     by_dtype!(dt, T, codegen_exp2(flash_bwd_wide::flash_bwd_dkdv_wide::FlashBwdDkdvWide::<T, CudaRuntime>::new(
         settings(32 * WIDE_PLANES as u32), client.clone(),
-        A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (),
+        A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (),
         BWD_LOAD_VEC, qvec, hd, fused, qvec), true))
 }
 
@@ -356,7 +356,6 @@ pub(crate) fn launch_dkdv_wide(
     }
     a.f32(spec.scale).f32(spec.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32).u32(d.total_k as u32);
     a.u32(win_l).u32(win_r);
-    a.u32(super::plan::heads_fast(n_work * d.heads_kv, 1, ql * 2 * dt.size()));
     launch(&f, ((n_work * d.heads_kv) as u32, 1, 1), &mut a, stream)
 }
 
@@ -370,7 +369,7 @@ pub(crate) fn dq_kernel(be: &CudaBackend, dt: DType, hd: usize, sparse: bool, wi
 pub(crate) fn dq_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: usize, sparse: bool, window: bool) -> Result<Source> {
     by_dtype!(dt, T, codegen_exp2(flash_bwd::flash_bwd_dq::FlashBwdDq::<T, CudaRuntime>::new(
         settings(32 * BWD_PLANES as u32), client.clone(),
-        A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (),
+        A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (),
         BWD_LOAD_VEC, hd, sparse, window), true))
 }
 
@@ -445,7 +444,6 @@ pub(crate) fn launch_dq(
         a.u32(x);
     }
     a.u32(win_l).u32(win_r);
-    a.u32(super::plan::heads_fast(n_work * d.heads_q, 2, kl * 2 * dt.size()));
     launch(&f, ((n_work * d.heads_q) as u32, 1, 1), &mut a, stream)
 }
 

@@ -123,7 +123,7 @@ pub(crate) fn fwd_source(
             codegen_exp2(flash_fwd::flash_fwd_mma2::FlashFwdMma2::<$t, CudaRuntime>::new(
                 settings(threads),
                 client.clone(),
-                A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (), (),
+                A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (),
                 hd,
                 mt,
                 bn,
@@ -228,7 +228,6 @@ pub(crate) fn launch_forward(
     a.array(t(TBL_SEGS).0, 1).array(t(TBL_SEGS).0, 1).array(flag, 1);
     a.f32(spec.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32);
     a.u32(fp.hp).u32(fp.n_slots).f32(f32::INFINITY).u32(0).u32(1).u32(win_l).u32(win_r);
-    a.u32(super::plan::heads_fast((n_work * y) as usize, 2, kl * 2 * dt.size()));
     launch(&f, (n_work * y, 1, 1), &mut a, stream)?;
 
     if fp.n_comb() > 0 {

@@ -57,45 +57,23 @@ impl Plan {
     }
 }
 
-/// Device 0's value of `attr` (`default` when the query fails or gives 0).
-fn device_attr(attr: cudarc::driver::sys::CUdevice_attribute, default: usize) -> usize {
-    guarded("CUDA device query", || {
-        use cudarc::driver::result as drv;
-        drv::device::get(0)
-            .ok()
-            .and_then(|d| unsafe { drv::device::get_attribute(d, attr) }.ok())
-            .filter(|&n| n > 0)
-            .map(|n| n as usize)
-    })
-    .ok()
-    .flatten()
-    .unwrap_or(default)
-}
-
-/// Multiprocessors of device 0 (132 when unknown), for the split decision and the cube order.
+/// Multiprocessors of device 0 (132 when unknown), for the split decision.
 fn sm_count() -> usize {
     static N: OnceLock<usize> = OnceLock::new();
-    *N.get_or_init(|| device_attr(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, 132))
-}
-
-/// L2 bytes of device 0 (50 MiB when unknown).
-fn l2_bytes() -> usize {
-    static N: OnceLock<usize> = OnceLock::new();
-    *N.get_or_init(|| device_attr(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, 50 << 20))
-}
-
-/// Launches of at most this many waves of resident cubes start heads fastest.
-const ORDER_WAVES: usize = 8;
-
-/// Cube order of a launch of `cubes` (work item, head) cubes, `per_sm` resident per
-/// multiprocessor, whose cubes stream `streamed` bytes over all heads (`kernels::order`): heads
-/// fastest (1) when the launch is short, where the tail matters (at 8K causal the dK/dV kernel's
-/// head-major order left its costliest cubes of the last heads to start last: a makespan 1.24x
-/// the mean), or when the streamed operand of all heads fits in L2; head-major (0) otherwise, so
-/// the cubes running at once share one head's operand in L2 (heads fastest measured 3-4% slower
-/// on the 16K / 32K forward, bench/NOTES.md).
-pub(crate) fn heads_fast(cubes: usize, per_sm: usize, streamed: usize) -> u32 {
-    (cubes <= ORDER_WAVES * per_sm * sm_count() || streamed <= l2_bytes()) as u32
+    *N.get_or_init(|| {
+        guarded("CUDA device query", || {
+            use cudarc::driver::result as drv;
+            use cudarc::driver::sys::CUdevice_attribute as A;
+            drv::device::get(0)
+                .ok()
+                .and_then(|d| unsafe { drv::device::get_attribute(d, A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT) }.ok())
+                .filter(|&n| n > 0)
+                .map(|n| n as usize)
+        })
+        .ok()
+        .flatten()
+        .unwrap_or(132)
+    })
 }
 
 /// Work list of the tensor-core forward kernel: tiles of BLOCK_M packed rows built from slices of

@@ -209,7 +209,6 @@ fn launch_sparse_forward(be: &CudaBackend, spec: &SparseSpec, plan: &Cached<Spar
     // row bounds: the causal diagonal (a block pattern has no sliding window)
     let (win_l, win_r, _) = super::window_bounds(&spec.attn);
     a.u32(win_l).u32(win_r);
-    a.u32(super::plan::heads_fast(sp.n_items * sp.ys as usize, 2, d.kv_len() * 2 * spec.attn.dtype.size()));
     launch(&f, (sp.n_items as u32 * sp.ys, 1, 1), &mut a, stream)?;
     let exact = SparseExact {
         work: t(T_WORK),
