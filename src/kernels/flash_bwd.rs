@@ -3,6 +3,11 @@
 //! its small preprocessing / fill kernels. Fragment loads and mma wrappers live in `fragments`,
 //! the tile staging in `staging`; f32 inputs take `rowwise_bwd`.
 //!
+//! Dense f16 / bf16 calls take `flash_bwd_wide::flash_bwd_dkdv_wide` (128-key cubes) for dK / dV
+//! and, when deterministic, [`flash_bwd_dq`] for dQ. [`flash_bwd_dkdv`] is launched only by
+//! block-sparse calls now (`sparse = true`, no fused dQ); its dense and fused-dQ variants are
+//! no longer launched and go when the block-sparse dK/dV moves to the 128-key kernel.
+//!
 //! Two passes, both deterministic (no atomics, fixed summation order):
 //! - [`flash_bwd_dkdv`]: one cube per (key tile of [`BWD_BN`] keys of the shared key axis, kv
 //!   head). Four planes own 16 keys each. The cube loops over every segment whose key window
