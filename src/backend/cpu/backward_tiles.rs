@@ -11,7 +11,7 @@
 
 use std::arch::x86_64::*;
 
-use super::kernel::{exp2_v, G, L, MR, NV};
+use super::kernel::{exp2_v, Prefetch, G, L, MR, NV};
 use super::pool::Aligned;
 
 /// K^T and V^T of one key block in `G`-key panels `[panel][p][G]` (keys zero-padded to a multiple
@@ -131,14 +131,19 @@ pub(crate) struct Operand {
     pub cs: usize,
 }
 
+/// Register tiles of an `m x n` product.
+pub(crate) fn tiles(m: usize, n: usize) -> usize {
+    m.div_ceil(MR) * n.div_ceil(G)
+}
+
 /// `C[m x n] (+)= A[m x k] B[k x n]` (`n` a multiple of 16), C row i at `c + i * ldc`: G-column
-/// panels outer (one B panel stays in L1), MR-row strips inner.
+/// panels outer (one B panel stays in L1), MR-row strips inner; `pf` steps once per tile.
 ///
 /// # Safety
 /// The CPU has AVX-512F; A, B and C hold the elements the strides address.
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn product(m: usize, n: usize, k: usize, a: Operand, b: Operand, c: *mut f32, ldc: usize, accumulate: bool) {
+pub(crate) unsafe fn product(m: usize, n: usize, k: usize, a: Operand, b: Operand, c: *mut f32, ldc: usize, accumulate: bool, pf: &mut [Prefetch]) {
     debug_assert!(n.is_multiple_of(L));
     let mut c0 = 0;
     while c0 < n {
@@ -147,6 +152,9 @@ pub(crate) unsafe fn product(m: usize, n: usize, k: usize, a: Operand, b: Operan
         let mut r0 = 0;
         while r0 < m {
             let r = (m - r0).min(MR);
+            for p in pf.iter_mut() {
+                p.step();
+            }
             tile_rv(r, v, a.ptr.add(r0 * a.rs), a.rs, a.cs, bp, b.rs, k, c.add(r0 * ldc + c0), ldc, accumulate);
             r0 += MR;
         }
@@ -223,9 +231,9 @@ mod tests {
                 // SAFETY: AVX-512 checked above; every buffer holds the addressed elements.
                 unsafe {
                     match name {
-                        "S = Q K^T" => product(rows, lds, d, rows_of(&q), Operand { ptr: kt, rs: G, cs: G * d }, s.as_mut_slice().as_mut_ptr(), lds, false),
-                        "dK += dS^T Q" => product(nb, d, rows, Operand { ptr: dp.as_slice().as_ptr(), rs: 1, cs: lds }, cols_of(&dout), dk.as_mut_slice().as_mut_ptr(), d, true),
-                        _ => product(rows, d, nb, Operand { ptr: dp.as_slice().as_ptr(), rs: lds, cs: 1 }, cols_of(&k), dq.as_mut_slice().as_mut_ptr(), d, true),
+                        "S = Q K^T" => product(rows, lds, d, rows_of(&q), Operand { ptr: kt, rs: G, cs: G * d }, s.as_mut_slice().as_mut_ptr(), lds, false, &mut []),
+                        "dK += dS^T Q" => product(nb, d, rows, Operand { ptr: dp.as_slice().as_ptr(), rs: 1, cs: lds }, cols_of(&dout), dk.as_mut_slice().as_mut_ptr(), d, true, &mut []),
+                        _ => product(rows, d, nb, Operand { ptr: dp.as_slice().as_ptr(), rs: lds, cs: 1 }, cols_of(&k), dq.as_mut_slice().as_mut_ptr(), d, true, &mut []),
                     }
                 }
             }

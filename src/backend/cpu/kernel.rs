@@ -173,8 +173,8 @@ impl Prefetch {
         Prefetch { ranges, per_tile: lines.div_ceil(tiles.max(1)), next: 0 }
     }
 
-        #[inline(always)]
-    fn step(&mut self) {
+    #[inline(always)]
+    pub(crate) fn step(&mut self) {
         for _ in 0..self.per_tile {
             let mut i = self.next;
             for &(ptr, len) in &self.ranges {

@@ -140,6 +140,10 @@ impl<T> SharedMut<T> {
     pub(crate) fn new(x: &mut [T]) -> Self {
         SharedMut(x.as_mut_ptr(), x.len())
     }
+    /// The address of element `start` (not dereferenced here; for prefetches).
+    pub(crate) fn ptr_at(&self, start: usize) -> *const T {
+        self.0.wrapping_add(start.min(self.1))
+    }
     /// # Safety
     /// No two live slices obtained from one `SharedMut` may overlap.
     #[allow(clippy::mut_from_ref)]

@@ -18,7 +18,7 @@
 
 use rayon::prelude::*;
 
-use super::backward::{block_pair, key_chunks, prepare, run_tasks, BlockPair, Products};
+use super::backward::{block_pair, key_chunks, prepare, run_tasks, BlockPair, Products, NO_NEXT};
 use super::forward::{finish_rows, online_softmax_block, row_limits, Scratch, BK, BQ};
 use super::layout::{from_f32_vec, matmul, to_f32_cow, to_head_major, transpose_per_head, Mat, SharedMut};
 use crate::backend::{BackwardInputs, ForwardOutput, Gradients};
@@ -358,7 +358,15 @@ pub(crate) fn backward(spec: &SparseSpec, q: HostView, k: HostView, v: HostView,
         .collect();
     let ql = dm.q_len();
     let chunks = key_chunks(hkv, items.len(), ql);
-    let grads = run_tasks(&dm, a.dtype, chunks, |sc, hk, ci, outs| {
+    // a chunk's work: its items' listed query blocks (over the index heads)
+    let cost = |ci: usize| {
+        let n_items = items.len();
+        items[ci * n_items / chunks..(ci + 1) * n_items / chunks]
+            .iter()
+            .map(|&(b, kb)| (0..tr.heads).map(|ih| tr.listing(b, ih, kb).len()).sum::<usize>())
+            .sum()
+    };
+    let grads = run_tasks(&dm, a.dtype, chunks, cost, |sc, hk, ci, outs| {
         let n_items = items.len();
         for &(b, kb) in &items[ci * n_items / chunks..(ci + 1) * n_items / chunks] {
             let seg = &a.segments[b];
@@ -392,6 +400,7 @@ pub(crate) fn backward(spec: &SparseSpec, q: HostView, k: HostView, v: HostView,
                                 rows,
                                 nb,
                                 rel,
+                                next: NO_NEXT,
                             };
                             let dk_out = &mut dk_blk[(rel - k_lo) * d..][..nb * d];
                             let dv_out = &mut dv_blk[(rel - k_lo) * d..][..nb * d];
