@@ -364,7 +364,7 @@ fn with_value(x: &HostData, at: usize, value: f32) -> HostData {
 }
 
 /// A NaN or Inf element that a row cannot see (causal mask, sliding window, varlen boundary)
-/// leaves that row bit for bit as without it (forward and dq); a row that uses a NaN gets a NaN
+/// leaves that row as without it up to rounding (forward and dq); a row that uses a NaN gets a NaN
 /// output and lse, as torch's softmax gives.
 #[test]
 fn non_finite_values_reach_only_the_rows_that_see_them() {
@@ -405,10 +405,13 @@ fn non_finite_values_reach_only_the_rows_that_see_them() {
                         }
                     } else if !uses {
                         // the same values (rounding may differ: NaN / Inf inputs take the exact,
-                        // pair-by-pair products)
+                        // pair-by-pair products, and on AVX-512 CPUs finite ones the forward's
+                        // register tiles, whose f32 sums run in another order: the lse moves by
+                        // an ulp or so)
                         let (ft, bt) = (fwd_tol(dt).0, bwd_tol(dt).0);
                         assert_close(&format!("{what}: row {t}"), &o(&bad.0), &o(&clean.0), ft, ft, f64::INFINITY);
-                        assert_eq!(bad.1[t], clean.1[t], "{what}: lse of row {t}");
+                        let (lb, lc) = (bad.1[t], clean.1[t]);
+                        assert!(lb == lc || (lb - lc).abs() <= 1e-6 * (1.0 + lc.abs()), "{what}: lse of row {t}: {lb} vs {lc}");
                         // its dq: the row's own probabilities and keys only (dout: row 3's own dq)
                         if which != "dout" || t != row {
                             assert_close(&format!("{what}: dq of row {t}"), &o(&bad.2[0]), &o(&clean.2[0]), bt, bt, f64::INFINITY);
