@@ -116,6 +116,7 @@ impl Scratch {
 pub(crate) enum Products {
     /// AVX-512 register tiles (`backward_tiles`): x86-64 with AVX-512, head dim a multiple of 16,
     /// finite q, k and dO.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     Tiles,
     /// the gemm crate
     Gemm,
@@ -249,7 +250,8 @@ pub(crate) struct BlockPair<'a> {
     /// sequence-relative index of the block's first key
     pub(crate) rel: usize,
     /// What the next block pair reads first (prefetched into L2 while this one runs): its q, dO
-    /// and dQ rows, as (pointer, floats); null / 0 where unknown.
+    /// and dQ rows, as (pointer, floats); null / 0 where unknown. Only the tiles use it.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) next: [(*const f32, usize); 3],
 }
 
@@ -548,6 +550,7 @@ mod tests {
             (&[(150, 150)], 2, 2, 64, true, Some((20, 5))),
             (&[(70, 90)], 2, 1, 24, false, None),
         ];
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
         let mut paths = vec![Products::Gemm];
         #[cfg(target_arch = "x86_64")]
         if super::super::forward::use_tiles() {
