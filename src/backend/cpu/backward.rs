@@ -4,11 +4,17 @@
 //! fixed order); each chunk adds its dQ into its own buffer, and the buffers are summed in chunk
 //! order.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use rayon::prelude::*;
 
-use super::forward::{all_finite, pv_rows, row_bounds, BK, BQ};
+#[cfg(target_arch = "x86_64")]
+use super::backward_tiles::{self as tiles, KeyPanels, Operand};
+#[cfg(target_arch = "x86_64")]
+use super::kernel::Prefetch;
+use super::forward::{all_finite, pv_rows, row_bounds, BQ};
 use super::pool::Aligned;
-use super::layout::{from_head_major, matmul, to_f32_cow, to_head_major, Mat, SharedMut};
+use super::layout::{from_head_major, matmul, to_f32_cow, to_head_major_into, Mat, SharedMut};
 use super::simd::{dot, exp2_neg, multiversion};
 use crate::backend::{BackwardInputs, Gradients};
 use crate::dtype::{DType, HostView};
@@ -74,57 +80,150 @@ fn pt_rows(dst: &mut [f32], d: usize, p: &[f32], n: usize, x: &[f32], los: &[usi
 }
 
 pub(crate) struct Scratch {
-    pub(crate) s: Vec<f32>,
-    pub(crate) dp: Vec<f32>,
+    /// S / P and dP / dS of one block pair (64-byte aligned; the tile path's rows are a multiple
+    /// of 16 floats apart)
+    s: Aligned,
+    dp: Aligned,
     pub(crate) lims: Vec<usize>,
     pub(crate) los: Vec<usize>,
+    #[cfg(target_arch = "x86_64")]
+    panels: KeyPanels,
 }
 
 impl Scratch {
     pub(crate) fn new() -> Self {
-        let kmax = BK.max(BKB);
         Scratch {
-            s: vec![0.0; BQ * kmax],
-            dp: vec![0.0; BQ * kmax],
+            s: Aligned::fresh(0),
+            dp: Aligned::fresh(0),
             lims: Vec::with_capacity(BQ),
             los: Vec::with_capacity(BQ),
+            #[cfg(target_arch = "x86_64")]
+            panels: KeyPanels::new(),
+        }
+    }
+
+    /// S and dP buffers of at least `len` floats each.
+    fn grow(&mut self, len: usize) {
+        if self.s.as_slice().len() < len {
+            self.s = Aligned::fresh(len);
+            self.dp = Aligned::fresh(len);
         }
     }
 }
 
+/// How a backward runs its block-pair products.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Products {
+    /// AVX-512 register tiles (`backward_tiles`): x86-64 with AVX-512, head dim a multiple of 16,
+    /// finite q, k and dO.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    Tiles,
+    /// the gemm crate
+    Gemm,
+    /// NaN / Inf in q, k or dO: the products that meet them through zeros of masked pairs run pair
+    /// by pair (a masked pair must contribute nothing, not 0 * Inf); V meets only dP, whose masked
+    /// entries are overwritten
+    Exact,
+}
+
+impl Products {
+    pub(crate) fn choose(p: &Prepared, d: usize) -> Self {
+        if !(all_finite(p.q()) && all_finite(p.k()) && all_finite(p.dout())) {
+            return Products::Exact;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if super::forward::use_tiles() && d.is_multiple_of(16) {
+            return Products::Tiles;
+        }
+        let _ = d;
+        Products::Gemm
+    }
+}
+
+/// (query rows per block pair, keys per dK/dV block) of the dense backward:
+/// `CUBEATTN_CPU_BWD_BLOCKS=bq,bk` overrides both for experiments (read once).
+pub(crate) fn blocks() -> (usize, usize) {
+    static B: std::sync::OnceLock<Option<(usize, usize)>> = std::sync::OnceLock::new();
+    let over = *B.get_or_init(|| {
+        let v = std::env::var("CUBEATTN_CPU_BWD_BLOCKS").ok()?;
+        let x: Vec<usize> = v.split(',').filter_map(|t| t.trim().parse().ok()).collect();
+        match x[..] {
+            [bq, bk] if bq > 0 && bk > 0 => Some((bq, bk)),
+            _ => None,
+        }
+    });
+    over.unwrap_or((BQ, BKB))
+}
+
+/// The backward's inputs in head-major f32 (`[heads, tokens, d]`; q and dO `total_q` tokens of
+/// `heads_q` heads, k and v `total_k` of `heads_kv`) in one pooled buffer, with delta and the LSE.
 pub(crate) struct Prepared {
-    pub(crate) q: Vec<f32>,
-    pub(crate) k: Vec<f32>,
-    pub(crate) v: Vec<f32>,
-    pub(crate) dout: Vec<f32>,
+    buf: Aligned,
+    /// q, k, v, dO lengths (consecutive in `buf`)
+    lens: [usize; 4],
     /// rowsum(dO * O), `[heads_q, total_q]`
     pub(crate) delta: Vec<f32>,
     /// LSE in base-2 units, `[heads_q, total_q]`
     pub(crate) lse2: Vec<f32>,
 }
 
+impl Prepared {
+    fn part(&self, i: usize) -> &[f32] {
+        let at: usize = self.lens[..i].iter().sum();
+        &self.buf.as_slice()[at..at + self.lens[i]]
+    }
+    pub(crate) fn q(&self) -> &[f32] {
+        self.part(0)
+    }
+    pub(crate) fn k(&self) -> &[f32] {
+        self.part(1)
+    }
+    pub(crate) fn v(&self) -> &[f32] {
+        self.part(2)
+    }
+    pub(crate) fn dout(&self) -> &[f32] {
+        self.part(3)
+    }
+    /// Returns the buffer to the pool.
+    pub(crate) fn release(self) {
+        self.buf.give();
+    }
+}
+
+multiversion! {
+    /// `delta[i] = dout[i] . o(i)` for the head-major rows `i0..i0 + delta.len()` (`[heads, tq, d]`)
+    /// with `o` token-major (`[tq, heads, d]`).
+    #[allow(clippy::too_many_arguments)]
+    fn delta_rows(delta: &mut [f32], i0: usize, dout: &[f32], o: &[f32], tq: usize, heads: usize, d: usize) {
+        for (j, x) in delta.iter_mut().enumerate() {
+            let i = i0 + j;
+            let (h, t) = (i / tq, i % tq);
+            *x = dot(&dout[i * d..(i + 1) * d], &o[(t * heads + h) * d..][..d]);
+        }
+    }
+}
+
 pub(crate) fn prepare(spec: &AttnSpec, q: HostView, k: HostView, v: HostView, g: &BackwardInputs) -> Prepared {
     let dm = spec.dims;
     let (d, tq, tk) = (dm.head_dim, dm.total_q, dm.total_k);
+    let lens = [dm.q_len(), dm.kv_len(), dm.kv_len(), dm.q_len()];
+    let mut buf = Aligned::take(lens.iter().sum());
+    {
+        let (qh, rest) = buf.as_mut_slice().split_at_mut(lens[0]);
+        let (kh, rest) = rest.split_at_mut(lens[1]);
+        let (vh, doh) = rest.split_at_mut(lens[2]);
+        to_head_major_into(q, tq, dm.heads_q, d, qh);
+        to_head_major_into(k, tk, dm.heads_kv, d, kh);
+        to_head_major_into(v, tk, dm.heads_kv, d, vh);
+        to_head_major_into(g.dout, tq, dm.heads_q, d, doh);
+    }
     // out is read in place (token-major); only delta needs it
     let o = to_f32_cow(g.out);
-    let dout = to_head_major(g.dout, tq, dm.heads_q, d);
     let hq = dm.heads_q;
-    let delta: Vec<f32> = (0..dm.lse_len())
-        .into_par_iter()
-        .map(|i| {
-            let (h, t) = (i / tq, i % tq);
-            dot(&dout[i * d..(i + 1) * d], &o[(t * hq + h) * d..][..d])
-        })
-        .collect();
-    Prepared {
-        q: to_head_major(q, tq, dm.heads_q, d),
-        k: to_head_major(k, tk, dm.heads_kv, d),
-        v: to_head_major(v, tk, dm.heads_kv, d),
-        dout,
-        delta,
-        lse2: g.lse.iter().map(|&x| x * std::f32::consts::LOG2_E).collect(),
-    }
+    let dout = &buf.as_slice()[lens[0] + lens[1] + lens[2]..];
+    let mut delta = vec![0.0f32; dm.lse_len()];
+    delta.par_chunks_mut(1 << 10).enumerate().for_each(|(c, x)| delta_rows(x, c << 10, dout, &o, tq, hq, d));
+    Prepared { buf, lens, delta, lse2: g.lse.iter().map(|&x| x * std::f32::consts::LOG2_E).collect() }
 }
 
 /// Key chunks per kv head: the tasks are (kv head, chunk of key blocks), and each chunk's dQ
@@ -150,34 +249,82 @@ pub(crate) struct BlockPair<'a> {
     pub(crate) nb: usize,
     /// sequence-relative index of the block's first key
     pub(crate) rel: usize,
+    /// What the next block pair reads first (prefetched into L2 while this one runs): its q, dO
+    /// and dQ rows, as (pointer, floats); null / 0 where unknown. Only the tiles use it.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub(crate) next: [(*const f32, usize); 3],
 }
 
+/// No prefetch for the next block pair.
+pub(crate) const NO_NEXT: [(*const f32, usize); 3] = [(std::ptr::null(), 0); 3];
+
 /// FlashAttention-2's five products of one block pair: S = Q K^T, P (masked), dV += P^T dO,
-/// dP = dO V^T, dS = P (dP - delta) (masked), dK += scale dS^T Q, dQ += scale dS K. `exact`: the
-/// products that would meet NaN / Inf of q, k or dO through zeros of masked pairs run pair by
-/// pair (a masked pair contributes nothing, not 0 * Inf); V meets only dP, whose masked entries
-/// `dscores_rows` overwrites.
+/// dP = dO V^T, dS = P (dP - delta) (masked), dK += scale dS^T Q, dQ += scale dS K, run as
+/// `how` says (see [`Products`]).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn block_pair(sc: &mut Scratch, b: &BlockPair, dk: &mut [f32], dv: &mut [f32], dq: &mut [f32], d: usize, c: f32, scale: f32, exact: bool) {
+pub(crate) fn block_pair(sc: &mut Scratch, b: &BlockPair, dk: &mut [f32], dv: &mut [f32], dq: &mut [f32], d: usize, c: f32, scale: f32, how: Products) {
+    #[cfg(target_arch = "x86_64")]
+    if how == Products::Tiles {
+        return block_pair_tiles(sc, b, dk, dv, dq, d, c, scale);
+    }
+    let exact = how == Products::Exact;
     let (rows, nb, rel) = (b.rows, b.nb, b.rel);
-    matmul(&mut sc.s, nb, rows, nb, d, Mat::rows(b.q, d), Mat::rows_t(b.k, d), 1.0, false);
-    probs_rows(&mut sc.s[..rows * nb], nb, &sc.los, &sc.lims, rel, c, b.lse2);
+    sc.grow(rows * nb);
+    let (s, dp) = (sc.s.as_mut_slice(), sc.dp.as_mut_slice());
+    matmul(s, nb, rows, nb, d, Mat::rows(b.q, d), Mat::rows_t(b.k, d), 1.0, false);
+    probs_rows(&mut s[..rows * nb], nb, &sc.los, &sc.lims, rel, c, b.lse2);
     // dV += P^T dO
     if exact {
-        pt_rows(dv, d, &sc.s[..rows * nb], nb, b.dout, &sc.los, &sc.lims, rel, 1.0);
+        pt_rows(dv, d, &s[..rows * nb], nb, b.dout, &sc.los, &sc.lims, rel, 1.0);
     } else {
-        matmul(dv, d, nb, d, rows, Mat::rows_t(&sc.s, nb), Mat::rows(b.dout, d), 1.0, true);
+        matmul(dv, d, nb, d, rows, Mat::rows_t(s, nb), Mat::rows(b.dout, d), 1.0, true);
     }
     // dP = dO V^T, dS = P (dP - delta)
-    matmul(&mut sc.dp, nb, rows, nb, d, Mat::rows(b.dout, d), Mat::rows_t(b.v, d), 1.0, false);
-    dscores_rows(&sc.s[..rows * nb], &mut sc.dp[..rows * nb], nb, &sc.los, &sc.lims, rel, b.delta);
+    matmul(dp, nb, rows, nb, d, Mat::rows(b.dout, d), Mat::rows_t(b.v, d), 1.0, false);
+    dscores_rows(&s[..rows * nb], &mut dp[..rows * nb], nb, &sc.los, &sc.lims, rel, b.delta);
     // dK += scale * dS^T Q, dQ += scale * dS K
     if exact {
-        pt_rows(dk, d, &sc.dp[..rows * nb], nb, b.q, &sc.los, &sc.lims, rel, scale);
-        pv_rows(dq, d, &sc.dp[..rows * nb], nb, &sc.los, &sc.lims, rel, b.k, d, scale);
+        pt_rows(dk, d, &dp[..rows * nb], nb, b.q, &sc.los, &sc.lims, rel, scale);
+        pv_rows(dq, d, &dp[..rows * nb], nb, &sc.los, &sc.lims, rel, b.k, d, scale);
     } else {
-        matmul(dk, d, nb, d, rows, Mat::rows_t(&sc.dp, nb), Mat::rows(b.q, d), scale, true);
-        matmul(dq, d, rows, d, nb, Mat::rows(&sc.dp, nb), Mat::rows(b.k, d), scale, true);
+        matmul(dk, d, nb, d, rows, Mat::rows_t(dp, nb), Mat::rows(b.q, d), scale, true);
+        matmul(dq, d, rows, d, nb, Mat::rows(dp, nb), Mat::rows(b.k, d), scale, true);
+    }
+}
+
+/// [`block_pair`] on the AVX-512 tiles: K^T and V^T packed once per key block (`sc.panels`), S and
+/// dP in rows of `ceil16(nb)` floats, P and dS (scale folded in) in one pass, then dV, dK and dQ
+/// accumulated in place.
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+fn block_pair_tiles(sc: &mut Scratch, b: &BlockPair, dk: &mut [f32], dv: &mut [f32], dq: &mut [f32], d: usize, c: f32, scale: f32) {
+    use super::kernel::G;
+    let (rows, nb, rel) = (b.rows, b.nb, b.rel);
+    let lds = nb.div_ceil(16) * 16;
+    assert!(d.is_multiple_of(16) && b.q.len() >= rows * d && b.dout.len() >= rows * d && b.k.len() >= nb * d && b.v.len() >= nb * d);
+    assert!(dk.len() >= nb * d && dv.len() >= nb * d && dq.len() >= rows * d && b.lse2.len() >= rows && b.delta.len() >= rows);
+    sc.grow(rows * lds);
+    sc.panels.pack(b.k, b.v, nb, d);
+    let (kt, vt) = sc.panels.panels();
+    let (s, dp) = (sc.s.as_mut_slice(), sc.dp.as_mut_slice());
+    // the next pair's q, dO and dQ rows stream into L2 over this pair's tiles
+    let n_tiles = 3 * tiles::tiles(rows, lds) + 2 * tiles::tiles(nb, d) + tiles::tiles(rows, d);
+    let mut pf = [Prefetch::new([b.next[0], b.next[1]], n_tiles), Prefetch::new([b.next[2], (std::ptr::null(), 0)], n_tiles)];
+    let pf = &mut pf[..];
+    let rows_of = |x: &[f32]| Operand { ptr: x.as_ptr(), rs: d, cs: 1 };
+    let panels = |x: *const f32| Operand { ptr: x, rs: G, cs: G * d };
+    // SAFETY: AVX-512 was detected (Products::Tiles); the operands hold rows x d (q, dO), nb x d
+    // (k, v), the packed panels ceil16(nb) keys, s / dp rows x lds floats (asserted / grown above).
+    unsafe {
+        tiles::product(rows, lds, d, rows_of(b.q), panels(kt), s.as_mut_ptr(), lds, false, pf);
+        tiles::product(rows, lds, d, rows_of(b.dout), panels(vt), dp.as_mut_ptr(), lds, false, pf);
+        tiles::probs_dscores(s, dp, lds, nb, &sc.los, &sc.lims, rel, c, b.lse2, b.delta, scale);
+        // dV += P^T dO and dK += dS^T Q: A is read transposed in place (key i, row p)
+        let col_panels = |x: &[f32]| Operand { ptr: x.as_ptr(), rs: d, cs: G };
+        tiles::product(nb, d, rows, Operand { ptr: s.as_ptr(), rs: 1, cs: lds }, col_panels(b.dout), dv.as_mut_ptr(), d, true, pf);
+        tiles::product(nb, d, rows, Operand { ptr: dp.as_ptr(), rs: 1, cs: lds }, col_panels(b.q), dk.as_mut_ptr(), d, true, pf);
+        // dQ += dS K
+        tiles::product(rows, d, nb, Operand { ptr: dp.as_ptr(), rs: lds, cs: 1 }, col_panels(b.k), dq.as_mut_ptr(), d, true, pf);
     }
 }
 
@@ -214,6 +361,10 @@ impl TaskOutputs {
     pub(crate) unsafe fn dk_dv(&self, start: usize, len: usize) -> (&mut [f32], &mut [f32]) {
         (self.dk.slice(start, len), self.dv.slice(start, len))
     }
+    /// Where chunk `ci`'s dQ row at head-major offset `start` lies (for prefetches only).
+    pub(crate) fn dq_at(&self, ci: usize, start: usize) -> *const f32 {
+        self.dq.ptr_at(ci * self.q_len + start)
+    }
     /// Chunk `ci`'s dQ buffer over the head-major range `[start, start + len)`.
     /// # Safety
     /// Only the task of chunk `ci` and a kv head takes that kv head's query heads' rows.
@@ -226,29 +377,42 @@ impl TaskOutputs {
 /// The task frame of both backwards (dense and block-sparse): `task(scratch, kv head, chunk,
 /// outputs)` runs for every (kv head, chunk < `chunks`) in parallel over zeroed dK, dV and one
 /// zeroed dQ buffer per chunk; the buffers are then summed in chunk order (the same bits for any
-/// thread count) and the gradients converted to `dtype` in the token-major layout.
-pub(crate) fn run_tasks<F>(dm: &Dims, dtype: DType, chunks: usize, task: F) -> Gradients
+/// thread count) and the gradients converted to `dtype` in the token-major layout. Tasks start
+/// in decreasing order of `cost(chunk)` (an estimate of a chunk's work), each taken by the next
+/// free thread: causal chunks differ in work several-fold, and the largest ones started last
+/// left one core idle at the end (2 threads: 0-15% of the task time). Who runs a task does not
+/// change its bits.
+pub(crate) fn run_tasks<F, C>(dm: &Dims, dtype: DType, chunks: usize, cost: C, task: F) -> Gradients
 where
     F: Fn(&mut Scratch, usize, usize, &TaskOutputs) + Sync,
+    C: Fn(usize) -> usize,
 {
     let (d, tq, tk, hq, hkv) = (dm.head_dim, dm.total_q, dm.total_k, dm.heads_q, dm.heads_kv);
-    let ql = dm.q_len();
-    let mut dk = vec![0.0f32; dm.kv_len()];
-    let mut dv = vec![0.0f32; dm.kv_len()];
-    // chunk c's dQ in dq_parts[c * q_len..]; with one chunk it is dQ itself
-    let mut dq_buf = Aligned::take(chunks * ql);
-    let dq_parts = dq_buf.as_mut_slice();
-    dq_parts.par_chunks_mut(1 << 16).for_each(|c| c.fill(0.0));
-    let outs = TaskOutputs { dk: SharedMut::new(&mut dk), dv: SharedMut::new(&mut dv), dq: SharedMut::new(dq_parts), q_len: ql };
-    let tasks: Vec<(usize, usize)> = (0..hkv).flat_map(|h| (0..chunks).map(move |ci| (h, ci))).collect();
-    tasks.par_iter().for_each_init(Scratch::new, |sc, &(hk, ci)| task(sc, hk, ci, &outs));
+    let (ql, kl) = (dm.q_len(), dm.kv_len());
+    // dK, dV, then chunk c's dQ at 2 * kl + c * ql (with one chunk it is dQ itself), pooled:
+    // fresh pages would cost a fault each
+    let mut buf = Aligned::take(2 * kl + chunks * ql);
+    buf.as_mut_slice().par_chunks_mut(1 << 16).for_each(|c| c.fill(0.0));
+    let (dk, rest) = buf.as_mut_slice().split_at_mut(kl);
+    let (dv, dq_parts) = rest.split_at_mut(kl);
+    let outs = TaskOutputs { dk: SharedMut::new(dk), dv: SharedMut::new(dv), dq: SharedMut::new(dq_parts), q_len: ql };
+    let costs: Vec<usize> = (0..chunks).map(cost).collect();
+    let mut tasks: Vec<(usize, usize)> = (0..hkv).flat_map(|h| (0..chunks).map(move |ci| (h, ci))).collect();
+    tasks.sort_by_key(|&(h, ci)| (std::cmp::Reverse(costs[ci]), h, ci));
+    let next = AtomicUsize::new(0);
+    (0..rayon::current_num_threads().min(tasks.len())).into_par_iter().for_each(|_| {
+        let mut sc = Scratch::new();
+        while let Some(&(hk, ci)) = tasks.get(next.fetch_add(1, Ordering::Relaxed)) {
+            task(&mut sc, hk, ci, &outs);
+        }
+    });
     sum_chunks(dq_parts, ql, chunks);
     let grads = Gradients {
         dq: from_head_major(&dq_parts[..ql], tq, hq, d, dtype),
-        dk: from_head_major(&dk, tk, hkv, d, dtype),
-        dv: from_head_major(&dv, tk, hkv, d, dtype),
+        dk: from_head_major(dk, tk, hkv, d, dtype),
+        dv: from_head_major(dv, tk, hkv, d, dtype),
     };
-    dq_buf.give();
+    buf.give();
     grads
 }
 
@@ -257,23 +421,46 @@ where
 /// head, chunk of key blocks) owns those keys' dK/dV (every segment and GQA query head that sees
 /// them, in a fixed order) and its chunk's dQ buffer.
 pub(crate) fn backward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView, g: BackwardInputs) -> Gradients {
+    backward_as(spec, q, k, v, g, None)
+}
+
+/// [`backward`] with the products of `force` (tests compare the paths) unless the inputs need
+/// [`Products::Exact`].
+fn backward_as(spec: &AttnSpec, q: HostView, k: HostView, v: HostView, g: BackwardInputs, force: Option<Products>) -> Gradients {
     let dm = spec.dims;
     let (d, tq, tk, hkv) = (dm.head_dim, dm.total_q, dm.total_k, dm.heads_kv);
     let p = prepare(spec, q, k, v, &g);
     let c = spec.scale * std::f32::consts::LOG2_E;
     let gs = dm.group_size();
-    // NaN / Inf in q, k or dout: the products that meet them through zeros of masked pairs run
-    // pair by pair (a masked pair must contribute nothing, not 0 * Inf); V meets only dP, whose
-    // masked entries dscores_rows overwrites
-    let exact = !(all_finite(&p.q) && all_finite(&p.k) && all_finite(&p.dout));
+    let how = match (Products::choose(&p, d), force) {
+        (Products::Exact, _) | (_, None) => Products::choose(&p, d),
+        (_, Some(f)) => f,
+    };
+    let (bq, bkb) = blocks();
 
     let ql = dm.q_len();
-    let blocks = tk.div_ceil(BKB);
+    let blocks = tk.div_ceil(bkb);
     let chunks = key_chunks(hkv, blocks, ql);
-    run_tasks(&dm, spec.dtype, chunks, |sc, hk, ci, outs| {
+    // a chunk's work: the (row, key block) pairs it visits
+    let cost = |ci: usize| {
         let (b0, b1) = (ci * blocks / chunks, (ci + 1) * blocks / chunks);
-        for kb in (b0 * BKB..(b1 * BKB).min(tk)).step_by(BKB) {
-            let nk = BKB.min(tk - kb);
+        let mut pairs = 0;
+        for kb in (b0 * bkb..(b1 * bkb).min(tk)).step_by(bkb) {
+            for seg in &spec.segments {
+                let a = kb.max(seg.k_start);
+                let b = (kb + bkb.min(tk - kb)).min(seg.k_start + seg.k_len);
+                if a < b {
+                    let (r0, r1) = spec.rows_seeing(seg, a - seg.k_start, b - seg.k_start);
+                    pairs += r1 - r0;
+                }
+            }
+        }
+        pairs
+    };
+    let grads = run_tasks(&dm, spec.dtype, chunks, cost, |sc, hk, ci, outs| {
+        let (b0, b1) = (ci * blocks / chunks, (ci + 1) * blocks / chunks);
+        for kb in (b0 * bkb..(b1 * bkb).min(tk)).step_by(bkb) {
+            let nk = bkb.min(tk - kb);
             // SAFETY: tasks own disjoint (kv head, key block) ranges.
             let (dk_blk, dv_blk) = unsafe { outs.dk_dv((hk * tk + kb) * d, nk * d) };
             for seg in &spec.segments {
@@ -286,19 +473,28 @@ pub(crate) fn backward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView, g
                 let rel = a - seg.k_start;
                 // the rows that see a key of [a, b)
                 let (r_min, r_end) = spec.rows_seeing(seg, rel, rel + nb);
-                let kblk = &p.k[(hk * tk + a) * d..][..nb * d];
-                let vblk = &p.v[(hk * tk + a) * d..][..nb * d];
+                let kblk = &p.k()[(hk * tk + a) * d..][..nb * d];
+                let vblk = &p.v()[(hk * tk + a) * d..][..nb * d];
                 let dk_out = &mut dk_blk[(a - kb) * d..][..nb * d];
                 let dv_out = &mut dv_blk[(a - kb) * d..][..nb * d];
                 for h in hk * gs..(hk + 1) * gs {
-                    for r0 in (r_min..r_end).step_by(BQ) {
-                        let rows = BQ.min(r_end - r0);
+                    for r0 in (r_min..r_end).step_by(bq) {
+                        let rows = bq.min(r_end - r0);
                         let row0 = h * tq + seg.q_start + r0;
-                        let qblk = &p.q[row0 * d..][..rows * d];
-                        let doblk = &p.dout[row0 * d..][..rows * d];
+                        let qblk = &p.q()[row0 * d..][..rows * d];
+                        let doblk = &p.dout()[row0 * d..][..rows * d];
                         // SAFETY: chunk ci's buffer rows of the query heads of kv head hk: this task's alone.
                         let dq_out = unsafe { outs.dq(ci, row0 * d, rows * d) };
                         row_bounds(spec, seg, r0, rows, &mut sc.los, &mut sc.lims);
+                        // the next row block of this head (none after the last)
+                        let next_rows = bq.min(r_end.saturating_sub(r0 + bq));
+                        let nrow0 = row0 + rows;
+                        let next = if next_rows == 0 {
+                            NO_NEXT
+                        } else {
+                            let n = next_rows * d;
+                            [(p.q()[nrow0 * d..].as_ptr(), n), (p.dout()[nrow0 * d..].as_ptr(), n), (outs.dq_at(ci, nrow0 * d), n)]
+                        };
                         let pair = BlockPair {
                             q: qblk,
                             dout: doblk,
@@ -309,11 +505,97 @@ pub(crate) fn backward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView, g
                             rows,
                             nb,
                             rel,
+                            next,
                         };
-                        block_pair(sc, &pair, dk_out, dv_out, dq_out, d, c, spec.scale, exact);
+                        block_pair(sc, &pair, dk_out, dv_out, dq_out, d, c, spec.scale, how);
                     }
                 }
             }
         }
-    })
+    });
+    p.release();
+    grads
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::HostData;
+    use crate::reference::backward_f64;
+    use crate::spec::TensorMeta;
+
+    fn lcg(n: usize, seed: u64) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (0..n)
+            .map(|_| {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((x >> 33) as f64 / (1u64 << 31) as f64 * 2.0 - 1.0) as f32
+            })
+            .collect()
+    }
+
+    /// Every product path this CPU can run (the AVX-512 tiles where available, the gemm crate)
+    /// against the f64 reference on random inputs: one token, lengths off the block sizes, varlen
+    /// with bottom-right causal alignment, GQA, d 16 / 64 / 80 / 128 (and 24, which only the gemm
+    /// path takes), a sliding window; and the same bits for 1, 2 and 3 threads.
+    #[test]
+    fn paths_match_f64_reference_and_thread_counts() {
+        // (segments (q_len, k_len), heads_q, heads_kv, head_dim, causal, window)
+        type Case<'a> = (&'a [(usize, usize)], usize, usize, usize, bool, Option<(i64, i64)>);
+        let cases: &[Case] = &[
+            (&[(1, 1)], 1, 1, 16, true, None),
+            (&[(63, 63), (65, 130), (1, 7)], 4, 2, 64, true, None),
+            (&[(200, 200)], 2, 1, 128, false, None),
+            (&[(129, 77), (5, 300)], 3, 3, 80, true, None),
+            (&[(150, 150)], 2, 2, 64, true, Some((20, 5))),
+            (&[(70, 90)], 2, 1, 24, false, None),
+        ];
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+        let mut paths = vec![Products::Gemm];
+        #[cfg(target_arch = "x86_64")]
+        if super::super::forward::use_tiles() {
+            paths.push(Products::Tiles);
+        }
+        for (ci, &(segs, hq, hkv, d, causal, window)) in cases.iter().enumerate() {
+            let (tq, tk): (usize, usize) = (segs.iter().map(|s| s.0).sum(), segs.iter().map(|s| s.1).sum());
+            let (mut cq, mut ck) = (vec![0i32], vec![0i32]);
+            for s in segs {
+                cq.push(cq.last().unwrap() + s.0 as i32);
+                ck.push(ck.last().unwrap() + s.1 as i32);
+            }
+            let (mq, mk) = (segs.iter().map(|s| s.0).max().unwrap(), segs.iter().map(|s| s.1).max().unwrap());
+            let qm = TensorMeta::new(&[tq, hq, d], DType::F32);
+            let km = TensorMeta::new(&[tk, hkv, d], DType::F32);
+            let mut spec = AttnSpec::varlen(&qm, &km, &km, &cq, &ck, mq, mk, None, causal).unwrap();
+            if let Some((l, r)) = window {
+                spec = spec.with_window(l, r).unwrap();
+            }
+            let seed = ci as u64 * 10;
+            let (q, k, v, go) = (lcg(tq * hq * d, seed + 1), lcg(tk * hkv * d, seed + 2), lcg(tk * hkv * d, seed + 3), lcg(tq * hq * d, seed + 4));
+            let f64v = |x: &[f32]| x.iter().map(|&y| y as f64).collect::<Vec<f64>>();
+            let want = backward_f64(&spec, &f64v(&q), &f64v(&k), &f64v(&v), &f64v(&go));
+            let (qd, kd, vd, gd) = (HostData::F32(q), HostData::F32(k), HostData::F32(v), HostData::F32(go));
+            let f = super::super::forward::forward(&spec, qd.view(), kd.view(), vd.view());
+            let gin = BackwardInputs { out: f.out.view(), lse: &f.lse, dout: gd.view(), deterministic: true };
+            for &how in &paths {
+                if how != Products::Gemm && !d.is_multiple_of(16) {
+                    continue;
+                }
+                let run = |threads: usize| {
+                    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+                    pool.install(|| backward_as(&spec, qd.view(), kd.view(), vd.view(), gin, Some(how)))
+                };
+                let got = run(2);
+                for (name, g, w) in [("dq", &got.dq, &want.0), ("dk", &got.dk, &want.1), ("dv", &got.dv, &want.2)] {
+                    for (i, (x, y)) in g.to_f32_vec().iter().zip(w).enumerate() {
+                        assert!((*x as f64 - y).abs() <= 1e-4 * (1.0 + y.abs()), "case {ci} {how:?}: {name}[{i}] {x} vs {y}");
+                    }
+                }
+                for threads in [1, 3] {
+                    let again = run(threads);
+                    assert!(again.dq == got.dq && again.dk == got.dk && again.dv == got.dv, "case {ci} {how:?}: {threads} threads changed the bits");
+                }
+            }
+        }
+    }
 }

@@ -140,7 +140,7 @@ pub(crate) fn forward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) ->
 #[cfg(target_arch = "x86_64")]
 /// The AVX-512 tiles unless the CPU lacks AVX-512 or `CUBEATTN_CPU_KERNEL=gemm` asks for the
 /// gemm-crate path (read once).
-fn use_tiles() -> bool {
+pub(crate) fn use_tiles() -> bool {
     static USE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *USE.get_or_init(|| kernel::available() && std::env::var("CUBEATTN_CPU_KERNEL").map_or(true, |v| v != "gemm"))
 }

@@ -173,8 +173,8 @@ impl Prefetch {
         Prefetch { ranges, per_tile: lines.div_ceil(tiles.max(1)), next: 0 }
     }
 
-        #[inline(always)]
-    fn step(&mut self) {
+    #[inline(always)]
+    pub(crate) fn step(&mut self) {
         for _ in 0..self.per_tile {
             let mut i = self.next;
             for &(ptr, len) in &self.ranges {
@@ -400,7 +400,7 @@ unsafe fn pv_tile<const V: usize>(a: *const f32, lda: usize, b: *const f32, len:
 /// needed); NaN gives NaN.
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn exp2_v(t: __m512) -> __m512 {
+pub(crate) unsafe fn exp2_v(t: __m512) -> __m512 {
     const C: [f32; 7] = [1.0, std::f32::consts::LN_2, 0.240_226_48, 0.055_503_324, 0.009_618_437, 0.001_339_888_5, 0.000_153_535_88];
     // -inf (a -inf score, or one that overflowed) -> 2^-150 = 0 instead of inf - inf = NaN; max
     // returns its second operand when one is NaN, so a NaN stays NaN

@@ -9,10 +9,17 @@ use crate::dtype::{DType, Element, HostData, HostView};
 
 /// `[tokens, heads, d]` in any dtype -> `[heads, tokens, d]` f32.
 pub(crate) fn to_head_major(x: HostView, tokens: usize, heads: usize, d: usize) -> Vec<f32> {
-    fn go<T: Element>(x: &[T], tokens: usize, heads: usize, d: usize) -> Vec<f32> {
-        let mut out = vec![0.0f32; x.len()];
+    let mut out = vec![0.0f32; tokens * heads * d];
+    to_head_major_into(x, tokens, heads, d, &mut out);
+    out
+}
+
+/// [`to_head_major`] into `out` (`tokens * heads * d` floats).
+pub(crate) fn to_head_major_into(x: HostView, tokens: usize, heads: usize, d: usize, out: &mut [f32]) {
+    fn go<T: Element>(x: &[T], tokens: usize, heads: usize, d: usize, out: &mut [f32]) {
+        assert_eq!(out.len(), x.len());
         if out.is_empty() {
-            return out;
+            return;
         }
         out.par_chunks_mut(tokens.max(1) * d).enumerate().for_each(|(h, dst)| {
             for t in 0..tokens {
@@ -22,12 +29,11 @@ pub(crate) fn to_head_major(x: HostView, tokens: usize, heads: usize, d: usize) 
                 }
             }
         });
-        out
     }
     match x {
-        HostView::F32(s) => go(s, tokens, heads, d),
-        HostView::F16(s) => go(s, tokens, heads, d),
-        HostView::BF16(s) => go(s, tokens, heads, d),
+        HostView::F32(s) => go(s, tokens, heads, d, out),
+        HostView::F16(s) => go(s, tokens, heads, d, out),
+        HostView::BF16(s) => go(s, tokens, heads, d, out),
     }
 }
 
@@ -133,6 +139,10 @@ unsafe impl<T: Send> Sync for SharedMut<T> {}
 impl<T> SharedMut<T> {
     pub(crate) fn new(x: &mut [T]) -> Self {
         SharedMut(x.as_mut_ptr(), x.len())
+    }
+    /// The address of element `start` (not dereferenced here; for prefetches).
+    pub(crate) fn ptr_at(&self, start: usize) -> *const T {
+        self.0.wrapping_add(start.min(self.1))
     }
     /// # Safety
     /// No two live slices obtained from one `SharedMut` may overlap.

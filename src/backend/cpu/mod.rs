@@ -4,6 +4,8 @@
 //! f64 reference.
 
 mod backward;
+#[cfg(target_arch = "x86_64")]
+mod backward_tiles;
 mod forward;
 #[cfg(target_arch = "x86_64")]
 mod kernel;

@@ -13,14 +13,14 @@ pub(crate) struct Aligned {
     len: usize,
 }
 
-/// Recycled buffers: the packed operands of one forward and the backward's dQ buffers are tens of
-/// MiB, and fresh pages cost a page fault and a zeroing each (about 8% of a 2K forward; in the
-/// backward, with both threads faulting, a third of the time went to the kernel), so a few
-/// buffers are kept.
+/// Recycled buffers: the packed operands of one forward (three buffers) and the backward's
+/// head-major inputs and dK / dV / dQ accumulators (two) are tens of MiB, and fresh pages cost a
+/// page fault and a zeroing each (about 8% of a 2K forward; in the backward, with both threads
+/// faulting, a third of the time went to the kernel), so a few buffers are kept.
 static POOL: Mutex<Vec<Vec<f32>>> = Mutex::new(Vec::new());
 /// At most this many buffers, holding at most `POOL_MAX_FLOATS` floats together (512 MiB), are
 /// kept between calls; larger buffers are freed when returned.
-const POOL_SLOTS: usize = 4;
+const POOL_SLOTS: usize = 6;
 const POOL_MAX_FLOATS: usize = 1 << 27;
 
 impl Aligned {
@@ -34,6 +34,13 @@ impl Aligned {
             best.map(|i| pool.swap_remove(i))
         };
         let buf = reused.unwrap_or_else(|| vec![0.0f32; need]);
+        let off = buf.as_ptr().align_offset(64).min(ALIGN_FLOATS);
+        Aligned { buf, off, len }
+    }
+    /// A zeroed buffer of `len` floats, not from the pool (for small per-thread scratch, which
+    /// must not take one of the pool's large buffers).
+    pub(crate) fn fresh(len: usize) -> Self {
+        let buf = vec![0.0f32; len + ALIGN_FLOATS];
         let off = buf.as_ptr().align_offset(64).min(ALIGN_FLOATS);
         Aligned { buf, off, len }
     }
