@@ -5,7 +5,44 @@
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
 
-/// 16x16 A fragment with `A[m][kk] = smem[(row0 + m) * stride + col0 + kk]` (`ldmatrix` x4).
+/// `ldmatrix` x4 (`.trans` when `trans`) of four 8x8 matrices of a padded row-major tile into `n`
+/// registers: lane `l` addresses row `l % 8` of matrix `l / 8`, whose first element is at stored
+/// row `row0 + 8 (mi % 2)`, column `col0 + 8 (mi / 2)` for matrix `mi` (`swap`: row `row0 + 8
+/// (mi / 2)`, column `col0 + 8 (mi % 2)`); the registers in the order of the `b_layout` (B,
+/// else A) operand.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn ldsm_x4<E: Float, N: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    smem: &SharedMemory<E>,
+    row0: usize,
+    col0: usize,
+    #[comptime] stride: usize,
+    #[comptime] n: usize,
+    #[comptime] b_layout: bool,
+    #[comptime] swap: bool,
+    #[comptime] trans: bool,
+) -> Array<Vector<E, N>> {
+    let lane = UNIT_POS_PLANE;
+    let mut out = Array::<Vector<E, N>>::new(n);
+    let mi = (lane / 8u32) as usize;
+    let mr = (lane % 8u32) as usize;
+    let start = if swap {
+        (row0 + (mi / 2) * 8 + mr) * stride + col0 + (mi % 2) * 8
+    } else {
+        (row0 + (mi % 2) * 8 + mr) * stride + col0 + (mi / 2) * 8
+    };
+    let ident = comptime!(if b_layout { MatrixIdent::B } else { MatrixIdent::A });
+    let m = def.load_matrix::<E, N>(&smem.slice(start, start + 8), ident, 4usize, trans);
+    #[unroll]
+    for i in 0..n {
+        out[i] = m[i];
+    }
+    out
+}
+
+/// 16x16 A fragment with `A[m][kk] = smem[(row0 + m) * stride + col0 + kk]` (`ldmatrix` x4;
+/// matrices 0-3 = rows 0-7 / 8-15 x cols 0-7, then x cols 8-15: the a0..a3 registers of m16n8k16).
 #[cube]
 pub fn frag_a<E: Float, NA: Size>(
     def: &MmaDefinition<E, E, f32>,
@@ -14,20 +51,8 @@ pub fn frag_a<E: Float, NA: Size>(
     col0: usize,
     #[comptime] stride: usize,
 ) -> Array<Vector<E, NA>> {
-    let lane = UNIT_POS_PLANE;
     let va = def.vectors_per_lane(MatrixIdent::A);
-    let mut out = Array::<Vector<E, NA>>::new(va);
-    // Matrices: 0 = rows 0-7 / cols 0-7, 1 = rows 8-15 / cols 0-7, 2 = rows 0-7 / cols 8-15,
-    // 3 = rows 8-15 / cols 8-15 (the a0..a3 registers of m16n8k16).
-    let mi = (lane / 8u32) as usize;
-    let mr = (lane % 8u32) as usize;
-    let start = (row0 + (mi % 2) * 8 + mr) * stride + col0 + (mi / 2) * 8;
-    let m = def.load_matrix::<E, NA>(&smem.slice(start, start + 8), MatrixIdent::A, 4usize, false);
-    #[unroll]
-    for i in 0..va {
-        out[i] = m[i];
-    }
-    out
+    ldsm_x4::<E, NA>(def, smem, row0, col0, stride, va, false, false, false)
 }
 
 /// Two B fragments (k-steps `col0..col0+16` in entries [0, 2) and `col0+16..col0+32` in [2, 4))
@@ -66,18 +91,8 @@ pub fn frag_b_n2<E: Float, NB: Size>(
     col0: usize,
     #[comptime] stride: usize,
 ) -> Array<Vector<E, NB>> {
-    let lane = UNIT_POS_PLANE;
     let vb = def.vectors_per_lane(MatrixIdent::B);
-    let mut out = Array::<Vector<E, NB>>::new(comptime!(2 * vb));
-    let mi = (lane / 8u32) as usize;
-    let mr = (lane % 8u32) as usize;
-    let start = (row0 + (mi % 2) * 8 + mr) * stride + col0 + (mi / 2) * 8;
-    let m = def.load_matrix::<E, NB>(&smem.slice(start, start + 8), MatrixIdent::B, 4usize, true);
-    #[unroll]
-    for i in 0..comptime!(2 * vb) {
-        out[i] = m[i];
-    }
-    out
+    ldsm_x4::<E, NB>(def, smem, row0, col0, stride, comptime!(2 * vb), true, false, true)
 }
 
 /// acc[off..off+ec] += A * B where B is entries `[bi, bi + vb)` of `b`.
@@ -225,20 +240,10 @@ pub fn frag_a_t<E: Float, NA: Size>(
     col0: usize,
     #[comptime] stride: usize,
 ) -> Array<Vector<E, NA>> {
-    let lane = UNIT_POS_PLANE;
-    let va = def.vectors_per_lane(MatrixIdent::A);
-    let mut out = Array::<Vector<E, NA>>::new(va);
     // a0..a3 = A rows 0-7 / 8-15 x k 0-7, then x k 8-15: stored rows (k) +8 for matrices 2, 3,
     // stored columns (m) +8 for matrices 1, 3.
-    let mi = (lane / 8u32) as usize;
-    let mr = (lane % 8u32) as usize;
-    let start = (row0 + (mi / 2) * 8 + mr) * stride + col0 + (mi % 2) * 8;
-    let m = def.load_matrix::<E, NA>(&smem.slice(start, start + 8), MatrixIdent::A, 4usize, true);
-    #[unroll]
-    for i in 0..va {
-        out[i] = m[i];
-    }
-    out
+    let va = def.vectors_per_lane(MatrixIdent::A);
+    ldsm_x4::<E, NA>(def, smem, row0, col0, stride, va, false, true, true)
 }
 
 /// Stores accumulator blocks `off / ec` and `off / ec + 1` of `acc` (a 16 x 16 block: 16 rows,
