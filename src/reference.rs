@@ -178,3 +178,16 @@ pub fn sparse_backward_f64(s: &crate::sparse::SparseSpec, q: &[f64], k: &[f64], 
     }
     (dq, dk, dv)
 }
+
+/// `n` pseudo-random values in [-1, 1) from `seed` (a 64-bit LCG): test inputs that differ per
+/// seed and are the same on every run.
+#[cfg(test)]
+pub(crate) fn test_values(n: usize, seed: u64) -> Vec<f32> {
+    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((x >> 33) as f64 / (1u64 << 31) as f64 * 2.0 - 1.0) as f32
+        })
+        .collect()
+}

@@ -521,18 +521,8 @@ fn backward_as(spec: &AttnSpec, q: HostView, k: HostView, v: HostView, g: Backwa
 mod tests {
     use super::*;
     use crate::dtype::HostData;
-    use crate::reference::backward_f64;
+    use crate::reference::{backward_f64, test_values};
     use crate::spec::TensorMeta;
-
-    fn lcg(n: usize, seed: u64) -> Vec<f32> {
-        let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (0..n)
-            .map(|_| {
-                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((x >> 33) as f64 / (1u64 << 31) as f64 * 2.0 - 1.0) as f32
-            })
-            .collect()
-    }
 
     /// Every product path this CPU can run (the AVX-512 tiles where available, the gemm crate)
     /// against the f64 reference on random inputs: one token, lengths off the block sizes, varlen
@@ -571,7 +561,7 @@ mod tests {
                 spec = spec.with_window(l, r).unwrap();
             }
             let seed = ci as u64 * 10;
-            let (q, k, v, go) = (lcg(tq * hq * d, seed + 1), lcg(tk * hkv * d, seed + 2), lcg(tk * hkv * d, seed + 3), lcg(tq * hq * d, seed + 4));
+            let (q, k, v, go) = (test_values(tq * hq * d, seed + 1), test_values(tk * hkv * d, seed + 2), test_values(tk * hkv * d, seed + 3), test_values(tq * hq * d, seed + 4));
             let f64v = |x: &[f32]| x.iter().map(|&y| y as f64).collect::<Vec<f64>>();
             let want = backward_f64(&spec, &f64v(&q), &f64v(&k), &f64v(&v), &f64v(&go));
             let (qd, kd, vd, gd) = (HostData::F32(q), HostData::F32(k), HostData::F32(v), HostData::F32(go));

@@ -419,7 +419,7 @@ pub(crate) fn backward(spec: &SparseSpec, q: HostView, k: HostView, v: HostView,
 mod tests {
     use super::*;
     use crate::dtype::HostData;
-    use crate::reference::{sparse_backward_f64, sparse_forward_f64};
+    use crate::reference::{sparse_backward_f64, sparse_forward_f64, test_values};
     use crate::spec::{AttnSpec, TensorMeta};
 
     #[test]
@@ -437,16 +437,6 @@ mod tests {
         let mut lv = Vec::new();
         gathered_limits(&[0, 200, 300, 2000], &[(0, 128), (256, 384)], &mut lv);
         assert_eq!(lv, vec![0, 128, 172, 256]);
-    }
-
-    fn lcg(n: usize, seed: u64) -> Vec<f32> {
-        let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (0..n)
-            .map(|_| {
-                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((x >> 33) as f64 / (1u64 << 31) as f64 * 2.0 - 1.0) as f32
-            })
-            .collect()
     }
 
     /// Forward and backward against the f64 reference on varlen sequences with partial last
@@ -510,7 +500,7 @@ mod tests {
                 if uniform {
                     assert!(row_tasks(&s).iter().any(|t| t.2 > qbs), "some task spans two query blocks");
                 }
-                let (q, k, v, go) = (lcg(tq * hq * d, 1), lcg(tk * hkv * d, 2), lcg(tk * hkv * d, 3), lcg(tq * hq * d, 4));
+                let (q, k, v, go) = (test_values(tq * hq * d, 1), test_values(tk * hkv * d, 2), test_values(tk * hkv * d, 3), test_values(tq * hq * d, 4));
                 let f64v = |x: &[f32]| x.iter().map(|&y| y as f64).collect::<Vec<f64>>();
                 let (ro, rl) = sparse_forward_f64(&s, &f64v(&q), &f64v(&k), &f64v(&v));
                 let (qd, kd, vd) = (HostData::F32(q.clone()), HostData::F32(k.clone()), HostData::F32(v.clone()));
