@@ -324,6 +324,22 @@ pub(crate) fn dkdv_wide_source(client: &ComputeClient<CudaRuntime>, dt: DType, h
         BWD_LOAD_VEC, qvec, hd, fused, qvec), true))
 }
 
+/// The leading arguments of both dK/dV kernels: k, v (vectors), lse, delta, dk, dv, the f32 dQ
+/// accumulator of the fused path (`acc`; without it any valid address), q, dout.
+fn dkdv_arrays(spec: &AttnSpec, p: &BwdPtrs, delta: u64, acc: Option<u64>) -> Args {
+    let d = &spec.dims;
+    let (ql, kl, ll) = (d.q_len(), d.kv_len(), d.lse_len());
+    let (acc_ptr, acc_len) = match acc {
+        Some(a) => (a, ql / atomic_vec()),
+        None => (delta, 1),
+    };
+    let kv = kl / BWD_LOAD_VEC;
+    let mut a = Args::new();
+    a.array(p.k, kv).array(p.v, kv).array(p.lse, ll).array(delta, ll);
+    a.array(p.dk, kl).array(p.dv, kl).array(acc_ptr, acc_len).array(p.q, ql).array(p.dout, ql);
+    a
+}
+
 /// Enqueues `flash_bwd_dkdv_wide` over `n_work` 128-key tiles x heads_kv. `acc`: the f32 dQ
 /// accumulator of the fused path; `t`: work list, tile_off, tile_segs (over 128-key tiles), segs.
 #[allow(clippy::too_many_arguments)]
@@ -338,19 +354,9 @@ pub(crate) fn launch_dkdv_wide(
     stream: sys::CUstream,
 ) -> Result<()> {
     let d = &spec.dims;
-    let (hd, dt) = (d.head_dim, spec.dtype);
-    let (ql, kl, ll) = (d.q_len(), d.kv_len(), d.lse_len());
-    let (qvec, fused) = (atomic_vec(), acc.is_some());
     let (win_l, win_r, _) = window_bounds(spec);
-    let f = dkdv_wide_kernel(be, dt, hd, fused)?;
-    let (acc_ptr, acc_len) = match acc {
-        Some(a) => (a, ql / qvec),
-        None => (delta, 1),
-    };
-    let kv = kl / BWD_LOAD_VEC;
-    let mut a = Args::new();
-    a.array(p.k, kv).array(p.v, kv).array(p.lse, ll).array(delta, ll);
-    a.array(p.dk, kl).array(p.dv, kl).array(acc_ptr, acc_len).array(p.q, ql).array(p.dout, ql);
+    let f = dkdv_wide_kernel(be, spec.dtype, d.head_dim, acc.is_some())?;
+    let mut a = dkdv_arrays(spec, p, delta, acc);
     for x in t {
         a.array(x.0, x.1);
     }
@@ -373,40 +379,30 @@ pub(crate) fn dq_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: usiz
         BWD_LOAD_VEC, hd, sparse, window), true))
 }
 
-/// Enqueues `flash_bwd_dkdv` (f16/bf16) over `n_work` work items x heads_kv. `acc`: the f32 dQ
-/// accumulator of the fused path; `sparse`: (q_block, index heads, key blocks per sequence slot,
-/// query tiles per query block) of the block-sparse variant.
+/// Enqueues the block-sparse `flash_bwd_dkdv` (f16/bf16; its only caller now: dense calls take
+/// [`launch_dkdv_wide`]) over `n_work` work items x heads_kv, with the dQ pass after it (no fused
+/// dQ). `sparse`: (q_block, index heads, key blocks per sequence slot, query tiles per query
+/// block).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch_dkdv(
     be: &CudaBackend,
     spec: &AttnSpec,
     p: &BwdPtrs,
     delta: u64,
-    acc: Option<u64>,
     t: &DkdvTables,
-    sparse: Option<[u32; 4]>,
+    sparse: [u32; 4],
     n_work: usize,
     stream: sys::CUstream,
 ) -> Result<()> {
     let d = &spec.dims;
-    let (hd, dt) = (d.head_dim, spec.dtype);
-    let (ql, kl, ll) = (d.q_len(), d.kv_len(), d.lse_len());
-    let (qvec, fused) = (atomic_vec(), acc.is_some());
     let (win_l, win_r, window) = window_bounds(spec);
-    let f = dkdv_kernel(be, dt, hd, spec.causal, fused, sparse.is_some(), window)?;
-    let (acc_ptr, acc_len) = match acc {
-        Some(a) => (a, ql / qvec),
-        None => (delta, 1),
-    };
-    let kv = kl / BWD_LOAD_VEC;
-    let mut a = Args::new();
-    a.array(p.k, kv).array(p.v, kv).array(p.lse, ll).array(delta, ll);
-    a.array(p.dk, kl).array(p.dv, kl).array(acc_ptr, acc_len).array(p.q, ql).array(p.dout, ql);
+    let f = dkdv_kernel(be, spec.dtype, d.head_dim, spec.causal, false, true, window)?;
+    let mut a = dkdv_arrays(spec, p, delta, None);
     for x in [t.work, t.tile_off, t.tile_segs, t.segs, t.tq_off, t.tq_list] {
         a.array(x.0, x.1);
     }
     a.f32(spec.scale).f32(spec.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32).u32(d.total_k as u32);
-    for x in sparse.unwrap_or([1, d.heads_kv as u32, 1, 1]) {
+    for x in sparse {
         a.u32(x);
     }
     a.u32(win_l).u32(win_r);

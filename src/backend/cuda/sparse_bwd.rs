@@ -206,7 +206,7 @@ fn launch_sparse_backward(be: &CudaBackend, spec: &SparseSpec, plan: &Cached<Spa
         let tables = DkdvTables { work: t(T_KWORK), tile_off: none, tile_segs: none, segs: t(T_SEGS), tq_off: t(T_TOFF), tq_list: t(T_TLIST) };
         let q_tiles = spec.q_block.div_ceil(BWD_BM) as u32;
         let scalars = [spec.q_block as u32, ix.heads as u32, sp.k_blocks as u32, q_tiles];
-        launch_dkdv(be, a, p, delta, None, &tables, Some(scalars), sp.n_k_items, stream)?;
+        launch_dkdv(be, a, p, delta, &tables, scalars, sp.n_k_items, stream)?;
     }
     if sp.n_q_items > 0 {
         let tables = [t(T_QWORK), t(T_SEGS), t(T_QREF), t(T_BLOCKS)];
