@@ -587,7 +587,7 @@ fn sparse_forward<'py>(
 
 /// Block-sparse backward: (dq, dk, dv as float32 or uint16 bits, backend name).
 #[pyfunction]
-#[pyo3(signature = (spec, q, k, v, out, lse, dout, device="auto"))]
+#[pyo3(signature = (spec, q, k, v, out, lse, dout, deterministic=false, device="auto"))]
 #[allow(clippy::too_many_arguments, clippy::type_complexity)]
 fn sparse_backward<'py>(
     py: Python<'py>,
@@ -598,6 +598,7 @@ fn sparse_backward<'py>(
     out: PyReadonlyArray1<'py, u8>,
     lse: PyReadonlyArray1<'py, f32>,
     dout: PyReadonlyArray1<'py, u8>,
+    deterministic: bool,
     device: &str,
 ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>, &'static str)> {
     let pref = DevicePref::parse(device).map_err(to_py)?;
@@ -608,7 +609,7 @@ fn sparse_backward<'py>(
     let (ob, gb) = (Buf::new(&out, dt, "out")?, Buf::new(&dout, dt, "dout")?);
     let lse = lse.as_slice().map_err(|_| PyValueError::new_err("`lse` must be contiguous"))?;
     let (g, kind) = run_detached(py, || {
-        let inputs = BackwardInputs { out: ob.view(dt), lse, dout: gb.view(dt), deterministic: true };
+        let inputs = BackwardInputs { out: ob.view(dt), lse, dout: gb.view(dt), deterministic };
         crate::backend::sparse::sparse_backward(pref, s, qb.view(dt), kb.view(dt), vb.view(dt), inputs)
     })?;
     Ok((data_out(py, g.dq), data_out(py, g.dk), data_out(py, g.dv), kind.name()))
@@ -651,7 +652,7 @@ fn sparse_forward_device(
 /// dk, dv in place; `workspace` holds at least [`sparse_backward_workspace`] bytes. None when the
 /// host path must run, False when the call has no row or key (nothing enqueued), True when enqueued.
 #[pyfunction]
-#[pyo3(signature = (spec, q, k, v, out, lse, dout, dq, dk, dv, workspace, workspace_bytes, stream, device))]
+#[pyo3(signature = (spec, q, k, v, out, lse, dout, dq, dk, dv, workspace, workspace_bytes, stream, deterministic, device))]
 #[allow(clippy::too_many_arguments)]
 fn sparse_backward_device(
     py: Python<'_>,
@@ -668,6 +669,7 @@ fn sparse_backward_device(
     workspace: u64,
     workspace_bytes: usize,
     stream: u64,
+    deterministic: bool,
     device: &str,
 ) -> PyResult<Option<bool>> {
     let pref = DevicePref::parse(device).map_err(to_py)?;
@@ -676,7 +678,7 @@ fn sparse_backward_device(
     let p = crate::backend::cuda::BwdPtrs { q, k, v, out, lse, dout, dq, dk, dv, workspace };
     match be {
         // SAFETY: as in `forward_device`.
-        Some(be) => run_detached(py, || unsafe { be.sparse_backward_device(s, p, workspace_bytes, stream) }).map(Some),
+        Some(be) => run_detached(py, || unsafe { be.sparse_backward_device(s, p, deterministic, workspace_bytes, stream) }).map(Some),
         None => Ok(None),
     }
 }
@@ -690,10 +692,12 @@ fn sparse_forward_workspace(spec: &PySparseSpec) -> usize {
 }
 
 #[cfg(feature = "cuda")]
-/// Device workspace bytes of a block-sparse backward of `spec` (torch allocates it).
+/// Device workspace bytes of a block-sparse backward of `spec` (torch allocates it); the
+/// non-deterministic path adds the f32 dQ accumulator.
 #[pyfunction]
-fn sparse_backward_workspace(spec: &PySparseSpec) -> usize {
-    crate::backend::cuda::sparse_backward_workspace(&spec.inner)
+#[pyo3(signature = (spec, deterministic=false))]
+fn sparse_backward_workspace(spec: &PySparseSpec, deterministic: bool) -> usize {
+    crate::backend::cuda::sparse_backward_workspace(&spec.inner, deterministic)
 }
 
 #[pymodule]

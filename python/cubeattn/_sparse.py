@@ -205,7 +205,7 @@ def _run_forward(spec, cq, ck, cv, device):
     return from_core(out, cq.shape, cq.dtype, cq), from_core(lse, (heads_q, total_q), "float32", cq)
 
 
-def _backward_on_gpu(spec, gpu, dev, conv, lse):
+def _backward_on_gpu(spec, gpu, dev, conv, lse, deterministic):
     """dq, dk, dv computed on device-resident torch tensors, enqueued on torch's current stream (no
     copies, no synchronization), or None where the host path must run."""
     import torch
@@ -218,12 +218,12 @@ def _backward_on_gpu(spec, gpu, dev, conv, lse):
     lt = lse.detach().contiguous()
     if lt.numel() != heads_q * total_q:
         raise ValueError(f"invalid argument `lse`: expected {heads_q * total_q} values, got {lt.numel()}")
-    n = _core.sparse_backward_workspace(spec)
+    n = _core.sparse_backward_workspace(spec, deterministic)
     ws = torch.empty(max(n, 1), dtype=torch.uint8, device=gpu)
     grads = tuple(torch.empty(c.shape, dtype=c.device_tensor.dtype, device=gpu) for c in conv[:3])
     ptrs = [c.device_tensor.data_ptr() for c in conv[:4]] + [lt.data_ptr(), conv[4].device_tensor.data_ptr()]
     done = _core.sparse_backward_device(spec, *ptrs, *(g.data_ptr() for g in grads), ws.data_ptr(), n,
-                                        _raw_stream(torch, gpu), dev)
+                                        _raw_stream(torch, gpu), deterministic, dev)
     if done is None:
         return None
     if not done:
@@ -232,7 +232,7 @@ def _backward_on_gpu(spec, gpu, dev, conv, lse):
     return grads
 
 
-def _run_backward(spec, dout, q, k, v, out, lse, device):
+def _run_backward(spec, dout, q, k, v, out, lse, device, deterministic):
     from . import _device_for, _last, _one_gpu
 
     cq, ck, cv = to_core(q, "q"), to_core(k, "k"), to_core(v, "v")
@@ -246,14 +246,15 @@ def _run_backward(spec, dout, q, k, v, out, lse, device):
     dev = _device_for(_check_device(device), cq, ck, cv)
     gpu = _one_gpu(dev, cq, ck, cv, co, cg) if hasattr(_core, "sparse_backward_device") else None
     if gpu is not None:
-        grads = _backward_on_gpu(spec, gpu, dev, (cq, ck, cv, co, cg), lse)
+        grads = _backward_on_gpu(spec, gpu, dev, (cq, ck, cv, co, cg), lse, deterministic)
         if grads is not None:
             _last.name = "cuda"
             return grads
     if _is_torch(lse):
         lse = lse.detach().cpu().numpy()
     lse_arr = np.ascontiguousarray(np.asarray(lse, dtype=np.float32)).reshape(-1)
-    dq, dk, dv, name = _core.sparse_backward(spec, cq.bytes, ck.bytes, cv.bytes, co.bytes, lse_arr, cg.bytes, dev)
+    dq, dk, dv, name = _core.sparse_backward(spec, cq.bytes, ck.bytes, cv.bytes, co.bytes, lse_arr, cg.bytes,
+                                             deterministic, dev)
     _last.name = name
     return (from_core(dq, cq.shape, cq.dtype, cq), from_core(dk, ck.shape, ck.dtype, ck),
             from_core(dv, cv.shape, cv.dtype, cv))
@@ -280,7 +281,7 @@ def _lse_flat(lse, b, sq):
 def block_sparse_attn_func(q, k, v, block_index=None, q_block=DEFAULT_Q_BLOCK, k_block=DEFAULT_K_BLOCK, causal=False,
                            softmax_scale=None, return_lse=False, device="auto", cu_seqlens_q=None, cu_seqlens_k=None,
                            max_seqlen_q=None, max_seqlen_k=None, qk_int8=None, quant_gran=None, smooth_k=True,
-                           block_mask=None, kv_num_blocks=None, kv_indices=None):
+                           block_mask=None, kv_num_blocks=None, kv_indices=None, deterministic=False):
     """Block-sparse attention. Batched: q ``[B, Sq, Hq, d]``, k/v ``[B, Sk, Hkv, d]``; varlen (with
     cu_seqlens_q/cu_seqlens_k): q ``[total_q, Hq, d]``, k/v ``[total_k, Hkv, d]``. ``block_index``
     int32 ``[B, H, q_blocks, top_k]`` (see the module docs), or a FlexAttention ``block_mask`` /
@@ -294,7 +295,13 @@ def block_sparse_attn_func(q, k, v, block_index=None, q_block=DEFAULT_Q_BLOCK, k
     CUDA tensors stay on their GPU; numpy inputs are copied) for float16/bfloat16, head_dim 64/128,
     exact QK^T; the rest runs on the CPU with ``device="auto"`` and raises NotImplementedError
     with ``device="cuda"``. The backward (torch autograd, or block_sparse_attn_backward) follows
-    the same rule; on torch CUDA tensors it is enqueued on the current stream with no copies."""
+    the same rule; on torch CUDA tensors it is enqueued on the current stream with no copies.
+    ``deterministic`` (autograd's backward; flash-attn's meaning and default): False adds dQ up with
+    float atomics on CUDA (faster; last-bit differences run to run), True gives bitwise-identical
+    gradients; the CPU is deterministic either way."""
+    from . import _flag
+
+    deterministic = _flag(deterministic, "deterministic")
     cq0 = dtype_name(q, "q")
     dtype_name(k, "k"), dtype_name(v, "v")
     fq, fk, fv, cu_q, cu_k, mq, mk, batched = _layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -306,7 +313,8 @@ def block_sparse_attn_func(q, k, v, block_index=None, q_block=DEFAULT_Q_BLOCK, k
         for name, c in (("k", ck), ("v", cv)):
             if c.dtype != cq.dtype:
                 raise TypeError(f"invalid dtype for `{name}`: {c.dtype}; q is {cq.dtype} (they must match)")
-        return _sparse_call(spec, q, fq, fk, fv, cq, ck, cv, batched, return_lse, device, spec.qk_int8 is not None)
+        return _sparse_call(spec, q, fq, fk, fv, cq, ck, cv, batched, return_lse, device, spec.qk_int8 is not None,
+                            deterministic)
     ix, q_block, k_block = _resolve_index(block_index, block_mask, kv_num_blocks, kv_indices, q_block, k_block,
                                           len(cu_q) - 1, heads_q)
     gran = _quant_gran(quant_gran, qk_int8, smooth_k)
@@ -316,7 +324,7 @@ def block_sparse_attn_func(q, k, v, block_index=None, q_block=DEFAULT_Q_BLOCK, k
             raise TypeError(f"invalid dtype for `{name}`: {c.dtype}; q is {cq.dtype} (they must match)")
     spec = sparse_spec(cq.shape, ck.shape, cq0, cu_q, cu_k, mq, mk, ix, q_block, k_block, softmax_scale, causal,
                        v_shape=cv.shape, quant_gran=gran, smooth_k=smooth_k)
-    return _sparse_call(spec, q, fq, fk, fv, cq, ck, cv, batched, return_lse, device, gran is not None)
+    return _sparse_call(spec, q, fq, fk, fv, cq, ck, cv, batched, return_lse, device, gran is not None, deterministic)
 
 
 def _prepared(spec, fq, fk, fv, dtype, cu_q, cu_k, q_block, k_block, causal, softmax_scale, qk_int8, *mask_args):
@@ -346,7 +354,7 @@ def _prepared(spec, fq, fk, fv, dtype, cu_q, cu_k, q_block, k_block, causal, sof
     return spec
 
 
-def _sparse_call(spec, q, fq, fk, fv, cq, ck, cv, batched, return_lse, device, qk_int8):
+def _sparse_call(spec, q, fq, fk, fv, cq, ck, cv, batched, return_lse, device, qk_int8, deterministic):
     _check_device(device)
     if any(_is_torch(x) for x in (fq, fk, fv)):
         from ._sparse_autograd import needs_grad
@@ -357,7 +365,7 @@ def _sparse_call(spec, q, fq, fk, fv, cq, ck, cv, batched, return_lse, device, q
                                  "it under torch.no_grad() or with inputs that do not require grad")
             from ._sparse_autograd import attention
 
-            out, lse = attention(spec, fq, fk, fv, (cq, ck, cv), device)
+            out, lse = attention(spec, fq, fk, fv, (cq, ck, cv), device, deterministic)
         else:
             out, lse = _run_forward(spec, cq, ck, cv, device)
     else:
@@ -371,12 +379,17 @@ def _sparse_call(spec, q, fq, fk, fv, cq, ck, cv, batched, return_lse, device, q
 def block_sparse_attn_backward(dout, q, k, v, out, lse, block_index=None, q_block=DEFAULT_Q_BLOCK,
                                k_block=DEFAULT_K_BLOCK, causal=False, softmax_scale=None, device="auto",
                                cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                               block_mask=None, kv_num_blocks=None, kv_indices=None):
+                               block_mask=None, kv_num_blocks=None, kv_indices=None, deterministic=False):
     """Gradients (dq, dk, dv) of block_sparse_attn_func (exact QK^T) given dout, its out and lse,
     in the layout of the forward call (lse ``[B, Hq, Sq]`` batched, ``[Hq, total_q]`` varlen).
-    Deterministic on every device: the same inputs give bitwise-identical gradients. CUDA for
+    ``deterministic=True`` gives bitwise-identical gradients run to run on every device; False (the
+    default, as in flash-attn) lets the CUDA kernels add dQ up with float atomics (faster; dk and
+    dv stay deterministic, dq may differ in the last bits). CUDA for
     float16/bfloat16, head_dim 64/128 (torch CUDA tensors stay on their GPU); the CPU otherwise
     with ``device="auto"``, NotImplementedError with ``device="cuda"``."""
+    from . import _flag
+
+    deterministic = _flag(deterministic, "deterministic")
     dt = dtype_name(q, "q")
     for name, x in (("k", k), ("v", v), ("out", out), ("dout", dout)):
         dtype_name(x, name)
@@ -392,7 +405,7 @@ def block_sparse_attn_backward(dout, q, k, v, out, lse, block_index=None, q_bloc
                 raise ValueError(f"invalid argument `{name}`: shape {tuple(x.shape)} differs from q's {tuple(q.shape)}")
         dout, out = dout.reshape(fq.shape), out.reshape(fq.shape)
         lse = _lse_flat(lse, *batched)
-    dq, dk, dv = _run_backward(spec, dout, fq, fk, fv, out, lse, device)
+    dq, dk, dv = _run_backward(spec, dout, fq, fk, fv, out, lse, device, deterministic)
     if batched is not None:
         dq, dk, dv = dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
     return dq, dk, dv

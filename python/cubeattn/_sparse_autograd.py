@@ -13,12 +13,12 @@ class _BlockSparseAttention(torch.autograd.Function):
     lse is not differentiable. `conv`: q, k, v already converted for the core."""
 
     @staticmethod
-    def forward(ctx, q, k, v, spec, conv, device):
+    def forward(ctx, q, k, v, spec, conv, device, deterministic):
         from ._sparse import _run_forward
 
         out, lse = _run_forward(spec, *conv, device)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.spec, ctx.device = spec, device
+        ctx.spec, ctx.device, ctx.deterministic = spec, device, deterministic
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -27,8 +27,8 @@ class _BlockSparseAttention(torch.autograd.Function):
         from ._sparse import _run_backward
 
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _run_backward(ctx.spec, dout.contiguous(), q, k, v, out, lse, ctx.device)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = _run_backward(ctx.spec, dout.contiguous(), q, k, v, out, lse, ctx.device, ctx.deterministic)
+        return dq, dk, dv, None, None, None, None
 
 
 def needs_grad(*xs) -> bool:
@@ -36,10 +36,10 @@ def needs_grad(*xs) -> bool:
     return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
 
 
-def attention(spec, q, k, v, conv, device):
+def attention(spec, q, k, v, conv, device, deterministic):
     """The differentiable forward (varlen layout); q, k, v must all be torch tensors."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"invalid argument `{name}`: with torch inputs that require grad, q, k and v must "
                             f"all be torch tensors, got {type(x).__name__}")
-    return _BlockSparseAttention.apply(q, k, v, spec, conv, device)
+    return _BlockSparseAttention.apply(q, k, v, spec, conv, device, deterministic)

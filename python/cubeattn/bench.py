@@ -767,8 +767,9 @@ def _cuda_sparse(args, torch):
     public call with a SparseSpec built once, as a FlexAttention BlockMask is) | "cubeattn_int8" (the same
     prepared call with INT8 Q K^T, `--quant_gran`; `cosine` against the bf16 sparse output) | "cubeattn_dense" | "sdpa_flash" | "flex", B, H, S, keep, pattern, causal, ms}.
     Then what "sparse_fwdbwd": one autograd step (out = f(q, k, v); out.backward(g), gradients
-    accumulating into the leaves) for cubeattn_prepared, cubeattn_dense (deterministic dQ),
-    sdpa_flash and flex with the same BlockMask."""
+    accumulating into the leaves) for cubeattn_prepared and cubeattn_dense (the default
+    deterministic=False: dQ fused with atomics), cubeattn_prepared_det and cubeattn_dense_det
+    (deterministic=True: the dQ pass), sdpa_flash and flex with the same BlockMask."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -805,9 +806,10 @@ def _cuda_sparse(args, torch):
                 o.backward(grad)
         ms = median_ms(sdpa, 3, it, sync)
         rows.append(dict(base, impl="sdpa_flash", keep=1.0, pattern="dense", ms=ms[0], ms_min=ms[1]))
-        ms = median_ms(lambda: cubeattn.flash_attn_func(qg, kg, vg, causal=args.causal, deterministic=True).backward(g),
-                       2, it, sync)
-        rows.append(dict(fb, impl="cubeattn_dense", keep=1.0, pattern="dense", ms=ms[0], ms_min=ms[1]))
+        for det, name in ((False, "cubeattn_dense"), (True, "cubeattn_dense_det")):
+            ms = median_ms(lambda: cubeattn.flash_attn_func(qg, kg, vg, causal=args.causal, deterministic=det).backward(g),
+                           2, it, sync)
+            rows.append(dict(fb, impl=name, keep=1.0, pattern="dense", ms=ms[0], ms_min=ms[1]))
         ms = median_ms(lambda: sdpa((qtg, ktg, vtg), gt), 2, it, sync)
         rows.append(dict(fb, impl="sdpa_flash", keep=1.0, pattern="dense", ms=ms[0], ms_min=ms[1]))
         for ratio in args.top_k_ratios:
@@ -822,8 +824,10 @@ def _cuda_sparse(args, torch):
                                             (np.arange(B + 1) * s).astype(np.int32), s, s, ix, 128, 128, causal=args.causal)
                 ms = median_ms(lambda: cubeattn.block_sparse_attn_func(q, k, v, spec), 3, it, sync)
                 rows.append(dict(key, impl="cubeattn_prepared", ms=ms[0], ms_min=ms[1]))
-                ms = median_ms(lambda: cubeattn.block_sparse_attn_func(qg, kg, vg, spec).backward(g), 2, it, sync)
-                rows.append(dict(key, what="sparse_fwdbwd", impl="cubeattn_prepared", ms=ms[0], ms_min=ms[1]))
+                for det, name in ((False, "cubeattn_prepared"), (True, "cubeattn_prepared_det")):
+                    ms = median_ms(lambda: cubeattn.block_sparse_attn_func(qg, kg, vg, spec, deterministic=det).backward(g),
+                                   2, it, sync)
+                    rows.append(dict(key, what="sparse_fwdbwd", impl=name, ms=ms[0], ms_min=ms[1]))
                 if args.quant_gran:
                     spec8 = cubeattn.sparse_spec((B * s, H, d), (B * s, H, d), "bfloat16",
                                                  (np.arange(B + 1) * s).astype(np.int32),
@@ -851,10 +855,12 @@ def _cuda_sparse(args, torch):
                 except Exception as e:
                     rows.append(dict(key, impl="flex", error=str(e)[:200]))
         del q, k, v, qt, kt, vt, qg, kg, vg, qtg, ktg, vtg, g, gt
-    dense = {(r["what"], r["S"]): r["ms"] for r in rows if r.get("impl") == "cubeattn_dense" and "ms" in r}
+    dense = {(r["what"], r["S"], r["impl"].endswith("_det")): r["ms"] for r in rows
+             if r.get("impl") in ("cubeattn_dense", "cubeattn_dense_det") and "ms" in r}
     for r in rows:
-        at = (r.get("what"), r.get("S"))
-        if r.get("impl") in ("cubeattn", "cubeattn_prepared", "cubeattn_int8") and "ms" in r and at in dense:
+        at = (r.get("what"), r.get("S"), r.get("impl", "").endswith("_det"))
+        if r.get("impl") in ("cubeattn", "cubeattn_prepared", "cubeattn_prepared_det", "cubeattn_int8") and "ms" in r \
+                and at in dense:
             r["speedup"] = dense[at] / r["ms"]
             r["ideal"] = 1.0 / r["keep"]
     return rows

@@ -1,10 +1,14 @@
 //! The dense dK / dV kernel (and, with the comptime `fuse_dq`, dQ through f32 atomics) with
 //! 128-key cubes of 8 planes: FlashAttention-2's partition of the backward (its sm80/sm90 d128
 //! traits). Work list: the CSR of the segments overlapping each key tile (varlen, grouped, GQA,
-//! causal, sliding window). Block-sparse calls take [`super::flash_bwd::flash_bwd_dkdv`] (4 planes
-//! of 16 keys, walking the transposed block index). It replaced a 64-key kernel of that shape for
-//! dense calls: the backward alone 1.03-1.09x faster on the dQ pass, 1.21-1.27x with fused dQ
-//! (H100, bench/NOTES.md).
+//! causal, sliding window). It replaced a 64-key kernel of 4 planes: the backward alone 1.03-1.09x
+//! faster on the dQ pass, 1.21-1.27x with fused dQ (H100, bench/NOTES.md).
+//!
+//! Block-sparse (comptime `sparse`): a cube's keys are a work item of at most [`WIDE_BN`] keys
+//! inside one key block of one sequence, and its query tiles come from the transposed block index
+//! (`kernels::sparse_index`): per index head the query blocks listing the key block, ascending,
+//! each `q_tiles_per_block` tiles of 64 rows, rows past the query block's end masked. Everything
+//! else (the tile steps, masks, fused dQ) is the dense kernel's.
 //!
 //! Per 64-row query tile (Q, dO, lse, delta double-buffered with `cp.async` as in the 64-key
 //! kernel):
@@ -34,7 +38,7 @@ use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
-use super::flash_bwd::{BWD_BM, PAD};
+use super::flash_bwd::{BWD_BM, PAD, SPARSE_KWORK_WORDS, SPARSE_QB_BITS, SPARSE_QB_MASK};
 use super::fragments::{frag_a, frag_a_t, frag_b_n2, frag_b_t2, mma_into, store_acc_16x16};
 use super::math::fast_exp2;
 use super::rows::key_rows;
@@ -139,12 +143,44 @@ fn probs_store<E: Float, NA: Size>(
     }
 }
 
+/// Block-sparse: (q head, first row, end row of the query block) of query tile `t` of entry `e` of
+/// the transposed list at `lo` (entries `query block | index head << SPARSE_QB_BITS`). With an
+/// index per q head (`span` > 1) the entry names the head; with one per kv head, the `ri`-th q
+/// head of the group (`h_base` = its first).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn sparse_q_tile(
+    tq_list: &Array<u32>,
+    lo: u32,
+    e: u32,
+    t: u32,
+    ri: u32,
+    h_base: u32,
+    span: u32,
+    q_block: u32,
+    q_len: u32,
+) -> (u32, u32, u32) {
+    let entry = tq_list[(lo + e) as usize];
+    let qblk = entry & SPARSE_QB_MASK;
+    let mut h = h_base + ri;
+    if span > 1u32 {
+        h = entry >> SPARSE_QB_BITS;
+    }
+    let b0 = qblk * q_block;
+    (h, b0 + t * BWD_BM as u32, min(b0 + q_block, q_len))
+}
+
 /// dK, dV (and with `fuse_dq` the dQ atomics). Grid: entries of `ktiles` x heads_kv in one
 /// dimension, heads fastest; 32 * [`WIDE_PLANES`] units. `ktiles`: key-tile indices (tile t =
 /// keys `[t*WIDE_BN, t*WIDE_BN+WIDE_BN)` of the shared key axis), most expensive first; `tile_off` / `tile_segs`: CSR list of the
 /// segments overlapping each tile; `segs`: (q_start, q_len, k_start, k_len) per segment; `lse`,
 /// `delta`: `[heads_q, total_q]`; `q_s` / `do_s`: q and dout as scalars (the `cp.async` sources);
 /// `dq_acc`: the f32 dQ accumulator (fused path; any valid address otherwise).
+/// Block-sparse (`sparse`): `ktiles` holds [`SPARSE_KWORK_WORDS`] words per work item (sequence,
+/// first window key, keys, key block), `tile_off` / `tile_segs` are not read; `tq_off` / `tq_list`:
+/// the transposed index (cells (sequence, key block, index head)); `q_block`, `idx_heads`,
+/// `k_blocks` (per sequence slot), `q_tiles_per_block` describe it. Dense calls pass any valid
+/// address and value for those.
 #[allow(clippy::too_many_arguments, unused_assignments)]
 #[cube(launch_unchecked)]
 pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
@@ -161,17 +197,24 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
     tile_off: &Array<u32>,
     tile_segs: &Array<u32>,
     segs: &Array<u32>,
+    tq_off: &Array<u32>,
+    tq_list: &Array<u32>,
     scale: f32,
     scale_log2: f32,
     heads_q: u32,
     heads_kv: u32,
     total_q: u32,
     total_k: u32,
+    q_block: u32,
+    idx_heads: u32,
+    k_blocks: u32,
+    q_tiles_per_block: u32,
     win_l: u32,
     win_r: u32,
     #[comptime] head_dim: usize,
     #[comptime] fuse_dq: bool,
     #[comptime] qvec: usize,
+    #[comptime] sparse: bool,
 ) {
     let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
     let lane = UNIT_POS_PLANE;
@@ -206,15 +249,32 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
 
     // One cube per (work item, kv head), heads fastest: the cubes start in the work list's order
     // (most (row, key) pairs first) over all heads, so the longest ones do not start last.
-    let kt = ktiles[(CUBE_POS_X / heads_kv) as usize];
+    let item = CUBE_POS_X / heads_kv;
     let hk = CUBE_POS_X % heads_kv;
     let group = heads_q / heads_kv;
-    let key0 = kt * WIDE_BN as u32;
-    let s_begin = tile_off[kt as usize];
-    let s_end = tile_off[kt as usize + 1];
+    // Dense: key tile `kt` of the shared key axis, its segments from the CSR list. Sparse: work
+    // item (sequence, first window key, keys, key block) inside one key block of one sequence.
+    let mut key0 = 0u32;
+    let mut key_lim = total_k;
+    let mut s_begin = 0u32;
+    let mut s_end = 1u32;
+    let mut sp_seq = 0u32;
+    let mut sp_kblk = 0u32;
+    if sparse {
+        let w = item as usize * SPARSE_KWORK_WORDS;
+        sp_seq = ktiles[w];
+        sp_kblk = ktiles[w + 3];
+        key0 = segs[sp_seq as usize * 4 + 2] + ktiles[w + 1];
+        key_lim = key0 + ktiles[w + 2];
+    } else {
+        let kt = ktiles[item as usize];
+        key0 = kt * WIDE_BN as u32;
+        s_begin = tile_off[kt as usize];
+        s_end = tile_off[kt as usize + 1];
+    }
 
-    stage_rows::<E, NV>(k, &mut k_smem, key0, total_k, key0, heads_kv, hk, WIDE_BN, head_dim, threads);
-    stage_rows::<E, NV>(v, &mut v_smem, key0, total_k, key0, heads_kv, hk, WIDE_BN, head_dim, threads);
+    stage_rows::<E, NV>(k, &mut k_smem, key0, key_lim, key0, heads_kv, hk, WIDE_BN, head_dim, threads);
+    stage_rows::<E, NV>(v, &mut v_smem, key0, key_lim, key0, heads_kv, hk, WIDE_BN, head_dim, threads);
     // Barrier initialisation visible before the first cp.async commit.
     sync_cube();
     // Query tiles issued so far: tile g uses stage g % 2 and barrier phase (g / 2) % 2.
@@ -252,7 +312,10 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
     let (g, t2) = def.position_of_nth(lane, 0u32, MatrixIdent::Accumulator);
 
     for si in s_begin..s_end {
-        let seg = tile_segs[si as usize] as usize;
+        let mut seg = sp_seq as usize;
+        if !sparse {
+            seg = tile_segs[si as usize] as usize;
+        }
         let q_start = segs[seg * 4];
         let q_len = segs[seg * 4 + 1];
         let k_start = segs[seg * 4 + 2];
@@ -265,31 +328,81 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
         let (_, r_end) = key_rows(q_len, k_len, last_key as i32, win_l, win_r);
         // Window-local index of this plane's first step-1 key (may be negative).
         let kw0 = (key0 as i32 + kw_s as i32) - k_start as i32;
+        // Window keys of this cube: [.., k_hi) (dense: the segment's; sparse: the item's).
+        let mut k_hi = k_len;
+        // Does this plane's 32-key block hold a key of the cube? (Not at a segment's edges, nor
+        // past a sparse item shorter than the tile: then S, dP and the dK / dV products are
+        // skipped, P and dS stored as zeros.)
+        let live = kw0 + BLK as i32 > 0i32 && kw0 < k_hi as i32;
+        // (q head, query tile) pairs of this segment. Dense: q head outer, the tiles from the first
+        // row that sees the tile. Sparse: the entries of the transposed index (query blocks
+        // listing the key block, per index head; with an index per kv head every q head of the
+        // group walks the one list) x `q_tiles_per_block` tiles per query block.
         let mut n_qt = 0u32;
-        if r_min < r_end {
-            n_qt = (r_end as u32 - r_min as u32 + BWD_BM as u32 - 1) / BWD_BM as u32;
+        let mut n_it = 0u32;
+        let mut t_lo = 0u32;
+        let mut t_n = 0u32;
+        let span = idx_heads / heads_kv;
+        if sparse {
+            k_hi = key_lim - k_start;
+            let c0 = (sp_seq * k_blocks + sp_kblk) * idx_heads + hk * span;
+            t_lo = tq_off[c0 as usize];
+            t_n = tq_off[(c0 + span) as usize] - t_lo;
+            n_it = (group / span) * t_n * q_tiles_per_block;
+        } else {
+            if r_min < r_end {
+                n_qt = (r_end as u32 - r_min as u32 + BWD_BM as u32 - 1) / BWD_BM as u32;
+            }
+            n_it = group * n_qt;
         }
-        // (q head, query tile) pairs of this segment, q head outer.
-        let n_it = group * n_qt;
         if n_it > 0 {
             // First tile of the segment: its stage was last read two tiles ago, before the
             // barrier at the top of the previous iteration.
             let boff = ((g_tile & 1u32) * BWD_BM as u32) as usize;
+            let mut h0 = hk * group;
+            let mut r00 = r_min as u32;
+            if sparse {
+                let (ha, ra, _re) = sparse_q_tile(tq_list, t_lo, 0u32, 0u32, 0u32, hk * group, span, q_block, q_len);
+                h0 = ha;
+                r00 = ra;
+            }
             issue_q_tile::<E>(
-                q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, boff, r_min as u32,
-                q_len, q_start, hk * group, heads_q, total_q, head_dim, threads,
+                q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, boff, r00,
+                q_len, q_start, h0, heads_q, total_q, head_dim, threads,
             );
             commit_stage(&bar0, &bar1, g_tile);
         }
+        // The (q head, query tile) pair of iteration `it` as counters (no divisions). Dense: head
+        // `hq`, tile `ti`. Sparse: repeat `hq` of the list (q head of an index per kv head),
+        // entry `ei`, tile `ti` of the entry's query block.
         let mut hq = 0u32;
         let mut ti = 0u32;
+        let mut ei = 0u32;
         for it in 0..n_it {
-            let h = hk * group + hq;
-            let r0 = r_min as u32 + ti * BWD_BM as u32;
-            ti += 1u32;
-            if ti == n_qt {
-                ti = 0u32;
-                hq += 1u32;
+            let mut h = hk * group + hq;
+            let mut r0 = r_min as u32 + ti * BWD_BM as u32;
+            // Rows of the tile's query block (dense: the segment).
+            let mut row_end = q_len;
+            if sparse {
+                let (ha, ra, re) = sparse_q_tile(tq_list, t_lo, ei, ti, hq, hk * group, span, q_block, q_len);
+                h = ha;
+                r0 = ra;
+                row_end = re;
+                ti += 1u32;
+                if ti == q_tiles_per_block {
+                    ti = 0u32;
+                    ei += 1u32;
+                    if ei == t_n {
+                        ei = 0u32;
+                        hq += 1u32;
+                    }
+                }
+            } else {
+                ti += 1u32;
+                if ti == n_qt {
+                    ti = 0u32;
+                    hq += 1u32;
+                }
             }
             let mut qb = 0usize;
             // Every plane has finished the previous tile: its stage, P and dS are free.
@@ -297,11 +410,17 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
             let cur = g_tile;
             qb = ((cur & 1u32) * BWD_BM as u32) as usize;
             if it + 1 < n_it {
+                let mut hn = hk * group + hq;
+                let mut rn = r_min as u32 + ti * BWD_BM as u32;
+                if sparse {
+                    let (ha, ra, _re) = sparse_q_tile(tq_list, t_lo, ei, ti, hq, hk * group, span, q_block, q_len);
+                    hn = ha;
+                    rn = ra;
+                }
                 let nb = (((cur + 1u32) & 1u32) * BWD_BM as u32) as usize;
                 issue_q_tile::<E>(
-                    q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, nb,
-                    r_min as u32 + ti * BWD_BM as u32, q_len, q_start, hk * group + hq, heads_q, total_q, head_dim,
-                    threads,
+                    q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, nb, rn, q_len,
+                    q_start, hn, heads_q, total_q, head_dim, threads,
                 );
                 commit_stage(&bar1, &bar0, cur);
             }
@@ -314,8 +433,10 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
                 s[i] = 0.0f32;
                 dp[i] = 0.0f32;
             }
-            mma_block_abt::<E, NA, NB, NC>(&def, &q_smem, qb + rw, &k_smem, kw_s, &mut s, head_dim, stride);
-            mma_block_abt::<E, NA, NB, NC>(&def, &do_smem, qb + rw, &v_smem, kw_s, &mut dp, head_dim, stride);
+            if live {
+                mma_block_abt::<E, NA, NB, NC>(&def, &q_smem, qb + rw, &k_smem, kw_s, &mut s, head_dim, stride);
+                mma_block_abt::<E, NA, NB, NC>(&def, &do_smem, qb + rw, &v_smem, kw_s, &mut dp, head_dim, stride);
+            }
 
             // ---- 2. P, dS (masked unless full) into shared memory ----
             let rr0 = (r0 as usize + rw) as i32;
@@ -327,8 +448,8 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
             }
             // Every (row, key) pair of this plane's 32 x 32 block visible?
             let full = kw0 >= 0i32
-                && kw0 + BLK as i32 <= k_len as i32
-                && rr0 + BLK as i32 <= q_len as i32
+                && kw0 + BLK as i32 <= k_hi as i32
+                && rr0 + BLK as i32 <= row_end as i32
                 && kw0 + (BLK as i32 - 1i32) <= shift + rr0 + win_r as i32
                 && kw0 >= shift + rr0 + (BLK as i32 - 1i32) - win_l as i32;
             if full {
@@ -338,16 +459,16 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
                 );
             } else {
                 // Row r (segment-local) sees window keys [max(r + shift - win_l, 0),
-                // min(r + shift + win_r + 1, k_len)), none past the segment's end; relative to
-                // the lane's first column kw0 + 2 t.
+                // min(r + shift + win_r + 1, k_hi)), none past the segment's (the query
+                // block's) end; relative to the lane's first column kw0 + 2 t.
                 let base = kw0 + t2 as i32;
                 #[unroll]
                 for ri in 0..4usize {
                     let r = rr0 + ((ri / 2) * 16 + (ri % 2) * 8) as i32 + g as i32;
                     let d = r + shift;
                     lo[ri] = max(d - win_l as i32, 0i32) - base;
-                    let mut h_ = min(d + win_r as i32 + 1i32, k_len as i32) - base;
-                    if r >= q_len as i32 {
+                    let mut h_ = min(d + win_r as i32 + 1i32, k_hi as i32) - base;
+                    if r >= row_end as i32 {
                         h_ = -1i32;
                     }
                     hi[ri] = h_;
@@ -360,27 +481,29 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
             sync_cube();
 
             // ---- 3. dV += P^T dO, dK += dS^T Q (32 keys x head_dim / 2, the tile's 64 rows) ----
-            #[unroll]
-            for ks in 0..comptime!(BWD_BM / 16) {
-                let p0 = frag_a_t::<E, NA>(&def, &p_smem, ks * 16, kw_s, pstride);
-                let p1 = frag_a_t::<E, NA>(&def, &p_smem, ks * 16, kw_s + 16, pstride);
+            if live {
                 #[unroll]
-                for ob2 in 0..comptime!(ob_n / 2) {
-                    let m = frag_b_n2::<E, NB>(&def, &do_smem, qb + ks * 16, cb + ob2 * 16, stride);
-                    mma_into::<E, NA, NB, NC>(&def, &p0, &m, 0usize, &mut dv_acc, (2 * ob2) * ec);
-                    mma_into::<E, NA, NB, NC>(&def, &p0, &m, 2usize, &mut dv_acc, (2 * ob2 + 1) * ec);
-                    mma_into::<E, NA, NB, NC>(&def, &p1, &m, 0usize, &mut dv_acc, (ob_n + 2 * ob2) * ec);
-                    mma_into::<E, NA, NB, NC>(&def, &p1, &m, 2usize, &mut dv_acc, (ob_n + 2 * ob2 + 1) * ec);
-                }
-                let d0 = frag_a_t::<E, NA>(&def, &ds_smem, ks * 16, kw_s, pstride);
-                let d1 = frag_a_t::<E, NA>(&def, &ds_smem, ks * 16, kw_s + 16, pstride);
-                #[unroll]
-                for ob2 in 0..comptime!(ob_n / 2) {
-                    let m = frag_b_n2::<E, NB>(&def, &q_smem, qb + ks * 16, cb + ob2 * 16, stride);
-                    mma_into::<E, NA, NB, NC>(&def, &d0, &m, 0usize, &mut dk_acc, (2 * ob2) * ec);
-                    mma_into::<E, NA, NB, NC>(&def, &d0, &m, 2usize, &mut dk_acc, (2 * ob2 + 1) * ec);
-                    mma_into::<E, NA, NB, NC>(&def, &d1, &m, 0usize, &mut dk_acc, (ob_n + 2 * ob2) * ec);
-                    mma_into::<E, NA, NB, NC>(&def, &d1, &m, 2usize, &mut dk_acc, (ob_n + 2 * ob2 + 1) * ec);
+                for ks in 0..comptime!(BWD_BM / 16) {
+                    let p0 = frag_a_t::<E, NA>(&def, &p_smem, ks * 16, kw_s, pstride);
+                    let p1 = frag_a_t::<E, NA>(&def, &p_smem, ks * 16, kw_s + 16, pstride);
+                    #[unroll]
+                    for ob2 in 0..comptime!(ob_n / 2) {
+                        let m = frag_b_n2::<E, NB>(&def, &do_smem, qb + ks * 16, cb + ob2 * 16, stride);
+                        mma_into::<E, NA, NB, NC>(&def, &p0, &m, 0usize, &mut dv_acc, (2 * ob2) * ec);
+                        mma_into::<E, NA, NB, NC>(&def, &p0, &m, 2usize, &mut dv_acc, (2 * ob2 + 1) * ec);
+                        mma_into::<E, NA, NB, NC>(&def, &p1, &m, 0usize, &mut dv_acc, (ob_n + 2 * ob2) * ec);
+                        mma_into::<E, NA, NB, NC>(&def, &p1, &m, 2usize, &mut dv_acc, (ob_n + 2 * ob2 + 1) * ec);
+                    }
+                    let d0 = frag_a_t::<E, NA>(&def, &ds_smem, ks * 16, kw_s, pstride);
+                    let d1 = frag_a_t::<E, NA>(&def, &ds_smem, ks * 16, kw_s + 16, pstride);
+                    #[unroll]
+                    for ob2 in 0..comptime!(ob_n / 2) {
+                        let m = frag_b_n2::<E, NB>(&def, &q_smem, qb + ks * 16, cb + ob2 * 16, stride);
+                        mma_into::<E, NA, NB, NC>(&def, &d0, &m, 0usize, &mut dk_acc, (2 * ob2) * ec);
+                        mma_into::<E, NA, NB, NC>(&def, &d0, &m, 2usize, &mut dk_acc, (2 * ob2 + 1) * ec);
+                        mma_into::<E, NA, NB, NC>(&def, &d1, &m, 0usize, &mut dk_acc, (ob_n + 2 * ob2) * ec);
+                        mma_into::<E, NA, NB, NC>(&def, &d1, &m, 2usize, &mut dk_acc, (ob_n + 2 * ob2 + 1) * ec);
+                    }
                 }
             }
 
@@ -409,7 +532,7 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
                 #[unroll]
                 for ri in 0..4usize {
                     let rl = r0 + (rw + (ri / 2) * 16 + (ri % 2) * 8) as u32 + g;
-                    let ok = rl < q_len;
+                    let ok = rl < row_end;
                     let gb = ((min(q_start + rl, last)) * heads_q + h) as usize * head_dim + cq + t2 as usize;
                     #[unroll]
                     for ob in 0..oq_n {
@@ -438,7 +561,7 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
         }
     }
 
-    // ---- write dK, dV (zero for keys no segment sees) ----
+    // ---- write dK, dV (zero for keys no segment sees; sparse: the item's keys only) ----
     #[unroll]
     for mb in 0..2usize {
         #[unroll]
@@ -447,7 +570,7 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
             for e in 0..ec {
                 let (row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
                 let key = key0 + (kw_s + mb * 16) as u32 + row;
-                if key < total_k {
+                if key < key_lim {
                     let gi = (key * heads_kv + hk) as usize * head_dim + cb + ob * 8 + col as usize;
                     let i = (mb * ob_n + ob) * ec + e;
                     dk[gi] = E::cast_from(dk_acc[i] * scale);

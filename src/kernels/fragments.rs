@@ -156,52 +156,9 @@ pub fn acc_to_a<E: Float, NA: Size>(def: &MmaDefinition<E, E, f32>, s: &Array<f3
     a
 }
 
-/// Two independent products of the dK/dV kernel in one loop: `s[nb]` += A B^T (S^T = K_w Q^T)
-/// and `dp[nb]` += C D^T (dP^T = V_w dO^T), accumulator blocks `nb < n_blocks` of 16 x 8. A / C
-/// are the 16 rows of `a_smem` / `c_smem` from `a_row0`, B^T / D^T the `8 n_blocks` rows of
-/// `b_smem` / `d_smem` from `b_row0`, all `head_dim` wide. Interleaved, the two products give the
-/// tensor pipe `2 n_blocks` independent accumulator chains instead of `n_blocks` (the dQ pass does
-/// the same with S and dP).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-pub fn mma_rows_abt_pair<E: Float, NA: Size, NB: Size, NC: Size>(
-    def: &MmaDefinition<E, E, f32>,
-    a_smem: &SharedMemory<E>,
-    c_smem: &SharedMemory<E>,
-    a_row0: usize,
-    b_smem: &SharedMemory<E>,
-    d_smem: &SharedMemory<E>,
-    b_row0: usize,
-    s: &mut Array<f32>,
-    dp: &mut Array<f32>,
-    #[comptime] n_blocks: usize,
-    #[comptime] head_dim: usize,
-    #[comptime] stride: usize,
-) {
-    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
-    let sc = def.vector_size(MatrixIdent::Accumulator);
-    let ec = comptime!(vc * sc);
-    #[unroll]
-    for kk in 0..comptime!(head_dim / 32) {
-        let a0 = frag_a::<E, NA>(def, a_smem, a_row0, kk * 32, stride);
-        let a1 = frag_a::<E, NA>(def, a_smem, a_row0, kk * 32 + 16, stride);
-        let c0 = frag_a::<E, NA>(def, c_smem, a_row0, kk * 32, stride);
-        let c1 = frag_a::<E, NA>(def, c_smem, a_row0, kk * 32 + 16, stride);
-        #[unroll]
-        for nb in 0..n_blocks {
-            let m = frag_b_t2::<E, NB>(def, b_smem, b_row0 + nb * 8, kk * 32, stride);
-            let n = frag_b_t2::<E, NB>(def, d_smem, b_row0 + nb * 8, kk * 32, stride);
-            mma_into::<E, NA, NB, NC>(def, &a0, &m, 0usize, s, nb * ec);
-            mma_into::<E, NA, NB, NC>(def, &c0, &n, 0usize, dp, nb * ec);
-            mma_into::<E, NA, NB, NC>(def, &a1, &m, 2usize, s, nb * ec);
-            mma_into::<E, NA, NB, NC>(def, &c1, &n, 2usize, dp, nb * ec);
-        }
-    }
-}
-
 /// `acc` (16 x `head_dim`, `head_dim / 8` accumulator blocks) += P B, with P the accumulator
 /// blocks of `s` (16 x `k`, rounded to `E` as A fragments) and B the `k` rows of `b_smem` from
-/// `b_row0`: dV += P^T dO, dK += dS^T Q and the dQ pass's dQ += dS K.
+/// `b_row0`: the dQ pass's dQ += dS K.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn mma_acc_b<E: Float, NA: Size, NB: Size, NC: Size>(

@@ -91,7 +91,8 @@ fn sparse_backward_matches_cpu_writes_every_element_and_is_deterministic() {
     let Some(be) = backend() else { return };
     let mut rng = StdRng::seed_from_u64(12);
     let mut failures = Vec::new();
-    for (ci, c) in CASES.iter().enumerate() {
+    // deterministic: dq, dk, dv bitwise repeatable; fused dQ (f32 atomics): dk, dv repeatable
+    for (ci, c, det) in CASES.iter().enumerate().flat_map(|(i, c)| [(i, c, true), (i, c, false)]) {
         for causal in [false, true] {
             let spec = case_spec(c, causal, &mut rng);
             let (tq, tk) = (spec.attn.dims.total_q, spec.attn.dims.total_k);
@@ -100,23 +101,23 @@ fn sparse_backward_matches_cpu_writes_every_element_and_is_deterministic() {
             let v = random(tk * c.hkv * c.d, c.dtype, 1.0, &mut rng);
             let dout = random(tq * c.hq * c.d, c.dtype, 1.0, &mut rng);
             let (fwd, _) = sparse_forward(DevicePref::Cpu, &spec, q.view(), k.view(), v.view()).unwrap();
-            let inputs = BackwardInputs { out: fwd.out.view(), lse: &fwd.lse, dout: dout.view(), deterministic: true };
+            let inputs = BackwardInputs { out: fwd.out.view(), lse: &fwd.lse, dout: dout.view(), deterministic: det };
             let got = be.sparse_backward_host(&spec, q.view(), k.view(), v.view(), inputs, Some(f32::NAN)).unwrap();
             let again = be.sparse_backward_host(&spec, q.view(), k.view(), v.view(), inputs, Some(f32::NAN)).unwrap();
             let (want, kind) = sparse_backward(DevicePref::Cpu, &spec, q.view(), k.view(), v.view(), inputs).unwrap();
             assert_eq!(kind.name(), "cpu");
             let tol = if c.dtype == DType::BF16 { 2e-2 } else { 1e-2 };
             let mut ok = true;
-            let mut line = format!("case {ci} causal={causal}:");
+            let mut line = format!("case {ci} causal={causal} deterministic={det}:");
             for (name, g, w, a) in [("dq", &got.dq, &want.dq, &again.dq), ("dk", &got.dk, &want.dk, &again.dk), ("dv", &got.dv, &want.dv, &again.dv)] {
                 let (rel, nans) = rel_and_nans(&g.view().to_f64_vec(), &w.view().to_f64_vec());
                 let same = g.view().as_bytes() == a.view().as_bytes();
-                ok &= nans == 0 && rel < tol && same;
+                ok &= nans == 0 && rel < tol && (same || (!det && name == "dq"));
                 line += &format!(" {name} rel_l2 {rel:.2e} unwritten {nans} bitwise-repeatable {same};");
             }
             println!("{line} {}", if ok { "ok" } else { "FAIL" });
             if !ok {
-                failures.push((ci, causal));
+                failures.push((ci, causal, det));
             }
         }
     }

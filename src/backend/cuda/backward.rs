@@ -1,5 +1,5 @@
-//! CUDA backward: host side of the kernels in `kernels::flash_bwd_wide` (dense dK/dV),
-//! `kernels::flash_bwd` (dQ pass, block-sparse dK/dV, delta) and `kernels::rowwise_bwd` (f32).
+//! CUDA backward: host side of the kernels in `kernels::flash_bwd_wide` (dK/dV, dense and
+//! block-sparse), `kernels::flash_bwd` (dQ pass, delta) and `kernels::rowwise_bwd` (f32).
 //!
 //! Launch order: delta = rowsum(dO * O) (f32), then dK/dV (one cube per (128-key tile, kv head),
 //! looping over every segment that overlaps the tile and over the query heads of the kv head),
@@ -169,7 +169,7 @@ pub struct BwdPtrs {
 
 /// Workspace parts of a backward call: delta (f32 per row and head) and, on the fused path, the
 /// f32 dQ accumulator.
-fn workspace_parts(spec: &AttnSpec, fused: bool) -> [usize; 2] {
+pub(crate) fn workspace_parts(spec: &AttnSpec, fused: bool) -> [usize; 2] {
     let d = &spec.dims;
     [d.lse_len() * 4, if fused { d.q_len() * 4 } else { 0 }]
 }
@@ -263,9 +263,9 @@ pub(crate) fn launch_fill_zero(be: &CudaBackend, dt: DType, ptr: u64, n: usize, 
     launch(&f, grid_2d(n.div_ceil(256)), &mut a, stream)
 }
 
-/// Tables of one `flash_bwd_dkdv` launch: work list, tile_off, tile_segs, segs (dense), and the
-/// transposed block index (offsets, entries) of the sparse variant; a table a variant does not
-/// read takes any valid address.
+/// Tables of one `flash_bwd_dkdv_wide` launch: work list, tile_off, tile_segs, segs (dense), and
+/// the transposed block index (offsets, entries) of the block-sparse variant; a table a variant
+/// does not read takes any valid address.
 pub(crate) struct DkdvTables {
     pub work: (u64, usize),
     pub tile_off: (u64, usize),
@@ -275,53 +275,27 @@ pub(crate) struct DkdvTables {
     pub tq_list: (u64, usize),
 }
 
-/// The dK/dV kernel (`flash_bwd::flash_bwd_dkdv`, f16/bf16) for one set of comptime choices (the
-/// atomic width is read from the options).
-pub(crate) fn dkdv_kernel(
-    be: &CudaBackend,
-    dt: DType,
-    hd: usize,
-    causal: bool,
-    fused: bool,
-    sparse: bool,
-    window: bool,
-) -> Result<Func> {
+/// The dK/dV kernel (`flash_bwd_wide::flash_bwd_dkdv_wide`, f16/bf16; causal and windows are
+/// runtime bounds there), dense or block-sparse.
+pub(crate) fn dkdv_wide_kernel(be: &CudaBackend, dt: DType, hd: usize, fused: bool, sparse: bool) -> Result<Func> {
     let qvec = atomic_vec();
-    let key = KernelKey::new("flash_bwd_dkdv", dt, &[hd as u32, causal as u32, fused as u32, qvec as u32, sparse as u32, window as u32]);
-    be.kernels.get(&key, || dkdv_source(be.client(), dt, hd, causal, fused, qvec, sparse, window))
-}
-
-/// CUDA source of [`dkdv_kernel`].
-pub(crate) fn dkdv_source(
-    client: &ComputeClient<CudaRuntime>,
-    dt: DType,
-    hd: usize,
-    causal: bool,
-    fused: bool,
-    qvec: usize,
-    sparse: bool,
-    window: bool,
-) -> Result<Source> {
-    by_dtype!(dt, T, codegen_exp2(flash_bwd::flash_bwd_dkdv::FlashBwdDkdv::<T, CudaRuntime>::new(
-        settings(32 * BWD_PLANES as u32), client.clone(),
-        A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (), (),
-        BWD_LOAD_VEC, qvec, hd, causal, fused, qvec, sparse, window), true))
-}
-
-/// The 128-key dK/dV kernel (`flash_bwd_wide::flash_bwd_dkdv_wide`, f16/bf16; causal and windows
-/// are runtime bounds there).
-pub(crate) fn dkdv_wide_kernel(be: &CudaBackend, dt: DType, hd: usize, fused: bool) -> Result<Func> {
-    let qvec = atomic_vec();
-    let key = KernelKey::new("flash_bwd_dkdv_wide", dt, &[hd as u32, fused as u32, qvec as u32]);
-    be.kernels.get(&key, || dkdv_wide_source(be.client(), dt, hd, fused, qvec))
+    let key = KernelKey::new("flash_bwd_dkdv_wide", dt, &[hd as u32, fused as u32, qvec as u32, sparse as u32]);
+    be.kernels.get(&key, || dkdv_wide_source(be.client(), dt, hd, fused, qvec, sparse))
 }
 
 /// CUDA source of [`dkdv_wide_kernel`].
-pub(crate) fn dkdv_wide_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: usize, fused: bool, qvec: usize) -> Result<Source> {
+pub(crate) fn dkdv_wide_source(
+    client: &ComputeClient<CudaRuntime>,
+    dt: DType,
+    hd: usize,
+    fused: bool,
+    qvec: usize,
+    sparse: bool,
+) -> Result<Source> {
     by_dtype!(dt, T, codegen_exp2(flash_bwd_wide::flash_bwd_dkdv_wide::FlashBwdDkdvWide::<T, CudaRuntime>::new(
         settings(32 * WIDE_PLANES as u32), client.clone(),
-        A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (),
-        BWD_LOAD_VEC, qvec, hd, fused, qvec), true))
+        A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (), (),
+        BWD_LOAD_VEC, qvec, hd, fused, qvec, sparse), true))
 }
 
 /// The leading arguments of both dK/dV kernels: k, v (vectors), lse, delta, dk, dv, the f32 dQ
@@ -340,8 +314,10 @@ fn dkdv_arrays(spec: &AttnSpec, p: &BwdPtrs, delta: u64, acc: Option<u64>) -> Ar
     a
 }
 
-/// Enqueues `flash_bwd_dkdv_wide` over `n_work` 128-key tiles x heads_kv. `acc`: the f32 dQ
-/// accumulator of the fused path; `t`: work list, tile_off, tile_segs (over 128-key tiles), segs.
+/// Enqueues `flash_bwd_dkdv_wide` over `n_work` work items x heads_kv: dense, 128-key tiles of
+/// the shared key axis; block-sparse (`sparse` = (q_block, index heads, key blocks per sequence
+/// slot, query tiles per query block)), items of at most 128 keys of one key block. `acc`: the
+/// f32 dQ accumulator of the fused path.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch_dkdv_wide(
     be: &CudaBackend,
@@ -349,18 +325,22 @@ pub(crate) fn launch_dkdv_wide(
     p: &BwdPtrs,
     delta: u64,
     acc: Option<u64>,
-    t: [(u64, usize); 4],
+    t: &DkdvTables,
+    sparse: Option<[u32; 4]>,
     n_work: usize,
     stream: sys::CUstream,
 ) -> Result<()> {
     let d = &spec.dims;
     let (win_l, win_r, _) = window_bounds(spec);
-    let f = dkdv_wide_kernel(be, spec.dtype, d.head_dim, acc.is_some())?;
+    let f = dkdv_wide_kernel(be, spec.dtype, d.head_dim, acc.is_some(), sparse.is_some())?;
     let mut a = dkdv_arrays(spec, p, delta, acc);
-    for x in t {
+    for x in [t.work, t.tile_off, t.tile_segs, t.segs, t.tq_off, t.tq_list] {
         a.array(x.0, x.1);
     }
     a.f32(spec.scale).f32(spec.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32).u32(d.total_k as u32);
+    for x in sparse.unwrap_or([1, d.heads_kv as u32, 1, 1]) {
+        a.u32(x);
+    }
     a.u32(win_l).u32(win_r);
     launch(&f, ((n_work * d.heads_kv) as u32, 1, 1), &mut a, stream)
 }
@@ -377,36 +357,6 @@ pub(crate) fn dq_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: usiz
         settings(32 * BWD_PLANES as u32), client.clone(),
         A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (),
         BWD_LOAD_VEC, hd, sparse, window), true))
-}
-
-/// Enqueues the block-sparse `flash_bwd_dkdv` (f16/bf16; its only caller now: dense calls take
-/// [`launch_dkdv_wide`]) over `n_work` work items x heads_kv, with the dQ pass after it (no fused
-/// dQ). `sparse`: (q_block, index heads, key blocks per sequence slot, query tiles per query
-/// block).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn launch_dkdv(
-    be: &CudaBackend,
-    spec: &AttnSpec,
-    p: &BwdPtrs,
-    delta: u64,
-    t: &DkdvTables,
-    sparse: [u32; 4],
-    n_work: usize,
-    stream: sys::CUstream,
-) -> Result<()> {
-    let d = &spec.dims;
-    let (win_l, win_r, window) = window_bounds(spec);
-    let f = dkdv_kernel(be, spec.dtype, d.head_dim, spec.causal, false, true, window)?;
-    let mut a = dkdv_arrays(spec, p, delta, None);
-    for x in [t.work, t.tile_off, t.tile_segs, t.segs, t.tq_off, t.tq_list] {
-        a.array(x.0, x.1);
-    }
-    a.f32(spec.scale).f32(spec.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32).u32(d.total_k as u32);
-    for x in sparse {
-        a.u32(x);
-    }
-    a.u32(win_l).u32(win_r);
-    launch(&f, (n_work as u32, d.heads_kv as u32, 1), &mut a, stream)
 }
 
 /// Enqueues the dQ pass `flash_bwd_dq` (f16/bf16) over `n_work` work items x heads_q. `tables`:
@@ -441,6 +391,17 @@ pub(crate) fn launch_dq(
     }
     a.u32(win_l).u32(win_r);
     launch(&f, ((n_work * d.heads_q) as u32, 1, 1), &mut a, stream)
+}
+
+/// The fused path's last step: dq = scale * acc (the f32 accumulator at `acc`) in the dtype.
+pub(crate) fn launch_dq_convert(be: &CudaBackend, spec: &AttnSpec, p: &BwdPtrs, acc: u64, stream: sys::CUstream) -> Result<()> {
+    let (dt, ql) = (spec.dtype, spec.dims.q_len());
+    let f = be.kernels.get(&KernelKey::new("dq_convert", dt, &[]), || {
+        by_dtype!(dt, T, codegen(flash_bwd::dq_convert::DqConvert::<T, CudaRuntime>::new(settings(256), be.client().clone(), A, A, ())))
+    })?;
+    let mut a = Args::new();
+    a.array(acc, ql).array(p.dq, ql).f32(spec.scale);
+    launch(&f, grid_2d(ql.div_ceil(256)), &mut a, stream)
 }
 
 /// Enqueues the backward of `spec` on `stream` (delta, dK/dV, dQ; plus the zero fill of dQ rows
@@ -505,16 +466,20 @@ pub(crate) fn launch_backward(
         launch_fill_zero(be, dt, p.dq, ql, stream)?;
     }
     if n_k_work > 0 {
-        let w = [t(TBL_K_WORK), t(TBL_TILE_OFF), t(TBL_TILE_SEGS), t(TBL_SEGS)];
-        launch_dkdv_wide(be, spec, p, delta, fused.then_some(acc), w, n_k_work, stream)?;
+        // the transposed block index is not read by the dense variant: any valid address
+        let none = (t(TBL_SEGS).0, 1);
+        let w = DkdvTables {
+            work: t(TBL_K_WORK),
+            tile_off: t(TBL_TILE_OFF),
+            tile_segs: t(TBL_TILE_SEGS),
+            segs: t(TBL_SEGS),
+            tq_off: none,
+            tq_list: none,
+        };
+        launch_dkdv_wide(be, spec, p, delta, fused.then_some(acc), &w, None, n_k_work, stream)?;
     }
     if fused {
-        let f = be.kernels.get(&KernelKey::new("dq_convert", dt, &[]), || {
-            by_dtype!(dt, T, codegen(flash_bwd::dq_convert::DqConvert::<T, CudaRuntime>::new(settings(256), client.clone(), A, A, ())))
-        })?;
-        let mut a = Args::new();
-        a.array(acc, ql).array(p.dq, ql).f32(spec.scale);
-        launch(&f, grid_2d(ql.div_ceil(256)), &mut a, stream)?;
+        launch_dq_convert(be, spec, p, acc, stream)?;
     } else if n_q_work > 0 {
         let none = (t(TBL_SEGS).0, 1);
         launch_dq(be, spec, p, delta, [t(TBL_Q_WORK), t(TBL_SEGS), none, none], None, n_q_work, stream)?;

@@ -7,13 +7,13 @@
 mod tests {
     use std::path::Path;
 
-    use super::super::backward::{dkdv_source, dkdv_wide_source, dq_source};
+    use super::super::backward::{dkdv_wide_source, dq_source};
     use super::super::forward::fwd_source;
     use super::super::CudaBackend;
     use crate::dtype::DType;
 
     /// `CUBEATTN_DUMP_DIR=dir cargo test --release --features cuda --lib dump_tensor_core_kernels
-    /// -- --ignored`: bf16 forward, dK/dV (64-key and 128-key) and dQ pass in their main comptime variants.
+    /// -- --ignored`: bf16 forward, dK/dV (dense and block-sparse) and dQ pass in their main comptime variants.
     #[test]
     #[ignore]
     fn dump_tensor_core_kernels() {
@@ -28,17 +28,18 @@ mod tests {
             ("fwd_sparse_int8_d128", fwd_source(c, dt, 128, 2, 64, 64, true, true)),
             ("fwd_sparse_int8_d64", fwd_source(c, dt, 64, 2, 64, 64, true, true)),
             ("int8_quantize_k_d128", super::super::sparse_int8::quantize_source(c, dt, 128, true, true)),
-            ("dkdv_sparse_d128", dkdv_source(c, dt, 128, false, false, 2, true, false)),
             ("dq_d128", dq_source(c, dt, 128, false, false)),
             ("dq_d64", dq_source(c, dt, 64, false, false)),
             ("dq_window_d128", dq_source(c, dt, 128, false, true)),
             ("dq_sparse_d128", dq_source(c, dt, 128, true, false)),
-            // the dense dK/dV kernel (128 keys): causal / window are runtime bounds
-            ("dkdv_wide_d128", dkdv_wide_source(c, dt, 128, false, 2)),
-            ("dkdv_wide_fused_d128", dkdv_wide_source(c, dt, 128, true, 2)),
-            ("dkdv_wide_d64", dkdv_wide_source(c, dt, 64, false, 2)),
-            ("dkdv_wide_fused_d64", dkdv_wide_source(c, dt, 64, true, 2)),
-            ("dkdv_wide_fused_d128_f16", dkdv_wide_source(c, DType::F16, 128, true, 2)),
+            // the dK/dV kernel (128 keys): causal / window are runtime bounds
+            ("dkdv_wide_d128", dkdv_wide_source(c, dt, 128, false, 2, false)),
+            ("dkdv_wide_fused_d128", dkdv_wide_source(c, dt, 128, true, 2, false)),
+            ("dkdv_wide_d64", dkdv_wide_source(c, dt, 64, false, 2, false)),
+            ("dkdv_wide_fused_d64", dkdv_wide_source(c, dt, 64, true, 2, false)),
+            ("dkdv_wide_fused_d128_f16", dkdv_wide_source(c, DType::F16, 128, true, 2, false)),
+            ("dkdv_wide_sparse_d128", dkdv_wide_source(c, dt, 128, false, 2, true)),
+            ("dkdv_wide_sparse_fused_d128", dkdv_wide_source(c, dt, 128, true, 2, true)),
         ];
         for (name, src) in sources {
             let src = src.unwrap();

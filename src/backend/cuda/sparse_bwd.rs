@@ -1,7 +1,7 @@
 //! CUDA block-sparse backward: the dense backward kernels with their tile iterators reading block
 //! lists (`sparse = true`), so unlisted blocks are skipped, not masked. After delta = rowsum(dO O):
-//! - dK/dV (`flash_bwd_dkdv`): one cube per (work item, kv head); a work item is up to `BWD_BN`
-//!   keys of one key block of one sequence. Its query tiles come from the transposed index (per
+//! - dK/dV (`flash_bwd_dkdv_wide`): one cube per (work item, kv head); a work item is up to
+//!   `WIDE_BN` (128) keys of one key block of one sequence. Its query tiles come from the transposed index (per
 //!   (sequence, key block, index head) the query blocks listing the key block, ascending), built
 //!   on the GPU by `kernels::sparse_index` (count, exclusive scan, ordered fill) right after the
 //!   plan's tables are uploaded, once per plan. With an index per q head the cube walks the lists
@@ -13,8 +13,11 @@
 //!   forward's lists: `tile_ref` (offset, key tiles) per (index head, item) into the validated
 //!   index's block ids, cut, when causal, after the last block any row of the item sees.
 //!
-//! Deterministic: every output element is written by one cube in a fixed order (no atomics), so
-//! the gradients are bitwise identical run to run. The plan (tables and transposed index) is
+//! `deterministic = true`: every output element is written by one cube in a fixed order (no
+//! atomics), so the gradients are bitwise identical run to run. `deterministic = false` (the
+//! default, as for dense calls): the dK/dV kernel also forms dQ += dS K per (query tile, key
+//! item) into an f32 accumulator with atomics (five products per pair instead of seven) and the
+//! dQ pass is not run; dQ's summation order then varies run to run. The plan (tables and transposed index) is
 //! cached on the device per (shape, index fingerprint); its memory is O(items x heads + kept
 //! blocks + sequences x key blocks x index heads), never O(S^2).
 
@@ -23,7 +26,11 @@ use std::sync::Arc;
 use cubecl::cuda::CudaRuntime;
 use cudarc::driver::sys;
 
-use super::backward::{bwd_workspace, launch_delta, launch_dkdv, launch_dq, launch_fill_zero, BwdPtrs, DkdvTables, A};
+use super::backward::{
+    bwd_workspace, launch_delta, launch_dkdv_wide, launch_dq, launch_dq_convert, launch_fill_zero, workspace_parts, BwdPtrs,
+    DkdvTables, A,
+};
+use super::forward::layout;
 use super::compile::{codegen, settings, KernelKey};
 use super::driver;
 use super::launch::{grid_2d, launch, Args};
@@ -34,6 +41,7 @@ use crate::backend::{BackwardInputs, Gradients};
 use crate::dtype::{DType, HostView};
 use crate::error::{invalid, Error, Result};
 use crate::kernels::flash_bwd::{BWD_BM, BWD_BN, SPARSE_KWORK_WORDS, SPARSE_QB_BITS, SPARSE_QB_MASK, SPARSE_QWORK_WORDS};
+use crate::kernels::flash_bwd_wide::WIDE_BN;
 use crate::kernels::sparse_index::{self, SCAN_THREADS, TRANSPOSE_THREADS};
 use crate::sparse::SparseSpec;
 
@@ -79,9 +87,9 @@ impl SparseBwdPlan {
             }
             for kb in 0..sg.k_len.div_ceil(spec.k_block) {
                 let (k0, k1) = (kb * spec.k_block, ((kb + 1) * spec.k_block).min(sg.k_len));
-                for kw in (k0..k1).step_by(BWD_BN) {
+                for kw in (k0..k1).step_by(WIDE_BN) {
                     let r_min = if a.causal { (kw + sg.q_len).saturating_sub(sg.k_len) } else { 0 };
-                    k_items.push((r_min, [b as u32, kw as u32, (kw + BWD_BN).min(k1).saturating_sub(kw) as u32, kb as u32]));
+                    k_items.push((r_min, [b as u32, kw as u32, (kw + WIDE_BN).min(k1).saturating_sub(kw) as u32, kb as u32]));
                 }
             }
         }
@@ -150,9 +158,10 @@ pub(crate) fn check_sparse_bwd_supported(spec: &SparseSpec) -> Result<()> {
     Ok(())
 }
 
-/// Device workspace bytes of a block-sparse backward (delta: f32 per query row and head).
-pub fn sparse_backward_workspace(spec: &SparseSpec) -> usize {
-    bwd_workspace(&spec.attn, false)
+/// Device workspace bytes of a block-sparse backward: delta (f32 per query row and head) and,
+/// when not `deterministic`, the f32 dQ accumulator.
+pub fn sparse_backward_workspace(spec: &SparseSpec, deterministic: bool) -> usize {
+    bwd_workspace(&spec.attn, !deterministic)
 }
 
 /// Enqueues the GPU build of the transposed index into the plan's `T_TOFF` / `T_TLIST` tables
@@ -188,13 +197,24 @@ fn build_transposed(be: &CudaBackend, spec: &SparseSpec, plan: &Cached<SparseBwd
     Ok(())
 }
 
-fn launch_sparse_backward(be: &CudaBackend, spec: &SparseSpec, plan: &Cached<SparseBwdPlan>, p: &BwdPtrs, stream: sys::CUstream) -> Result<()> {
+fn launch_sparse_backward(
+    be: &CudaBackend,
+    spec: &SparseSpec,
+    plan: &Cached<SparseBwdPlan>,
+    p: &BwdPtrs,
+    fused: bool,
+    stream: sys::CUstream,
+) -> Result<()> {
     let a = &spec.attn;
     let sp = &plan.host;
     let t = |i| plan.tables.get(i);
-    // delta is the workspace's first (and only) part
-    let delta = p.workspace;
+    let (offs, _) = layout(&workspace_parts(a, fused));
+    let delta = p.workspace + offs[0] as u64;
+    let acc = p.workspace + offs[1] as u64;
     launch_delta(be, a, p, delta, stream)?;
+    if fused {
+        launch_fill_zero(be, DType::F32, acc, a.dims.q_len(), stream)?;
+    }
     if sp.keys_uncovered {
         launch_fill_zero(be, a.dtype, p.dk, a.dims.kv_len(), stream)?;
         launch_fill_zero(be, a.dtype, p.dv, a.dims.kv_len(), stream)?;
@@ -206,9 +226,11 @@ fn launch_sparse_backward(be: &CudaBackend, spec: &SparseSpec, plan: &Cached<Spa
         let tables = DkdvTables { work: t(T_KWORK), tile_off: none, tile_segs: none, segs: t(T_SEGS), tq_off: t(T_TOFF), tq_list: t(T_TLIST) };
         let q_tiles = spec.q_block.div_ceil(BWD_BM) as u32;
         let scalars = [spec.q_block as u32, ix.heads as u32, sp.k_blocks as u32, q_tiles];
-        launch_dkdv(be, a, p, delta, &tables, scalars, sp.n_k_items, stream)?;
+        launch_dkdv_wide(be, a, p, delta, fused.then_some(acc), &tables, Some(scalars), sp.n_k_items, stream)?;
     }
-    if sp.n_q_items > 0 {
+    if fused {
+        launch_dq_convert(be, a, p, acc, stream)?;
+    } else if sp.n_q_items > 0 {
         let tables = [t(T_QWORK), t(T_SEGS), t(T_QREF), t(T_BLOCKS)];
         let scalars = [ix.heads as u32, spec.k_block as u32, spec.k_block.div_ceil(BWD_BN) as u32];
         launch_dq(be, a, p, delta, tables, Some(scalars), sp.n_q_items, stream)?;
@@ -229,30 +251,38 @@ impl CudaBackend {
 
     /// Enqueues the block-sparse backward of `spec` on `stream`: reads q, k, v, out, lse, dout and
     /// writes dq, dk, dv in place (rows and keys that see nothing get zeros). `workspace`: at least
-    /// [`sparse_backward_workspace`] bytes. `Ok(false)` when the call has no query row, key or
+    /// [`sparse_backward_workspace`] bytes (of the same `deterministic`). `Ok(false)` when the call has no query row, key or
     /// head (nothing enqueued; the caller zero-fills the gradients).
     ///
     /// # Safety
     /// As for [`CudaBackend::backward_device`].
-    pub unsafe fn sparse_backward_device(&self, spec: &SparseSpec, p: BwdPtrs, workspace_bytes: usize, stream: u64) -> Result<bool> {
+    pub unsafe fn sparse_backward_device(
+        &self,
+        spec: &SparseSpec,
+        p: BwdPtrs,
+        deterministic: bool,
+        workspace_bytes: usize,
+        stream: u64,
+    ) -> Result<bool> {
         check_sparse_bwd_supported(spec)?;
         let d = &spec.attn.dims;
         if d.total_q == 0 || d.total_k == 0 || d.heads_q == 0 {
             return Ok(false);
         }
-        let need = sparse_backward_workspace(spec);
+        let need = sparse_backward_workspace(spec, deterministic);
         if workspace_bytes < need {
             return Err(invalid("workspace", format!("has {workspace_bytes} bytes, the call needs {need}")));
         }
         driver::bind(self.ctx)?;
         let s = stream as sys::CUstream;
         let plan = self.sparse_bwd_plan(spec, s)?;
-        launch_sparse_backward(self, spec, &plan, &p, s)?;
+        launch_sparse_backward(self, spec, &plan, &p, !deterministic, s)?;
         Ok(true)
     }
 
     /// Block-sparse backward on host buffers (copies in, kernels on the backend's stream, copies
-    /// out); `poison` first fills dq, dk, dv (tests: proves every element is written).
+    /// out; `grad.deterministic` picks the dQ path); `poison` first fills dq, dk, dv (tests:
+    /// proves every element is written).
     pub fn sparse_backward_host(
         &self,
         spec: &SparseSpec,
@@ -267,8 +297,9 @@ impl CudaBackend {
         check_sparse_bwd_supported(spec)?;
         // SAFETY: `run_backward_host` passes buffers holding the spec's tensors and a workspace of
         // the bytes asked for, and synchronizes its stream before freeing them.
-        self.run_backward_host(&spec.attn, q, k, v, grad, poison, |_| Ok(sparse_backward_workspace(spec)), |p, ws, s| unsafe {
-            self.sparse_backward_device(spec, p, ws, s).map(|_| ())
+        let det = grad.deterministic;
+        self.run_backward_host(&spec.attn, q, k, v, grad, poison, |_| Ok(sparse_backward_workspace(spec, det)), |p, ws, s| unsafe {
+            self.sparse_backward_device(spec, p, det, ws, s).map(|_| ())
         })
     }
 }
