@@ -85,6 +85,41 @@ fn mma_block_abt<E: Float, NA: Size, NB: Size, NC: Size>(
     }
 }
 
+/// One 16-row step of `acc` (accumulator blocks `[mb (2)][ob][ec]`: 32 keys x `n` columns) +=
+/// A^T B: A^T the 32 keys from `key0` of rows `row..row+16` of the row-major tile `a_smem`
+/// (`ldmatrix.trans`), B rows `b_row0 + row..` columns `col0..col0+n` of `b_smem`: dV += P^T dO,
+/// dK += dS^T Q.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn mma_block_atb<E: Float, NA: Size, NB: Size, NC: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    a_smem: &SharedMemory<E>,
+    row: usize,
+    key0: usize,
+    b_smem: &SharedMemory<E>,
+    b_row0: usize,
+    col0: usize,
+    acc: &mut Array<f32>,
+    #[comptime] n: usize,
+    #[comptime] stride: usize,
+) {
+    let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
+    let sc = def.vector_size(MatrixIdent::Accumulator);
+    let ec = comptime!(vc * sc);
+    let ob_n = comptime!(n / 8);
+    let pstride = comptime!(WIDE_BN + PAD);
+    let a0 = frag_a_t::<E, NA>(def, a_smem, row, key0, pstride);
+    let a1 = frag_a_t::<E, NA>(def, a_smem, row, key0 + 16, pstride);
+    #[unroll]
+    for ob2 in 0..comptime!(ob_n / 2) {
+        let m = frag_b_n2::<E, NB>(def, b_smem, b_row0 + row, col0 + ob2 * 16, stride);
+        mma_into::<E, NA, NB, NC>(def, &a0, &m, 0usize, acc, (2 * ob2) * ec);
+        mma_into::<E, NA, NB, NC>(def, &a0, &m, 2usize, acc, (2 * ob2 + 1) * ec);
+        mma_into::<E, NA, NB, NC>(def, &a1, &m, 0usize, acc, (ob_n + 2 * ob2) * ec);
+        mma_into::<E, NA, NB, NC>(def, &a1, &m, 2usize, acc, (ob_n + 2 * ob2 + 1) * ec);
+    }
+}
+
 /// P and dS of one plane's 32 x 32 block from S (`s`) and dP (`dp`), stored row-major into
 /// `p_smem` / `ds_smem` (rows `row0..`, keys `col0..`). `lse2` / `dl`: the lane's 4 rows
 /// (`[mb][half]`: rows `16 mb + 8 half + lane / 4` of the block), lse in base 2. With `masked`,
@@ -484,26 +519,8 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
             if live {
                 #[unroll]
                 for ks in 0..comptime!(BWD_BM / 16) {
-                    let p0 = frag_a_t::<E, NA>(&def, &p_smem, ks * 16, kw_s, pstride);
-                    let p1 = frag_a_t::<E, NA>(&def, &p_smem, ks * 16, kw_s + 16, pstride);
-                    #[unroll]
-                    for ob2 in 0..comptime!(ob_n / 2) {
-                        let m = frag_b_n2::<E, NB>(&def, &do_smem, qb + ks * 16, cb + ob2 * 16, stride);
-                        mma_into::<E, NA, NB, NC>(&def, &p0, &m, 0usize, &mut dv_acc, (2 * ob2) * ec);
-                        mma_into::<E, NA, NB, NC>(&def, &p0, &m, 2usize, &mut dv_acc, (2 * ob2 + 1) * ec);
-                        mma_into::<E, NA, NB, NC>(&def, &p1, &m, 0usize, &mut dv_acc, (ob_n + 2 * ob2) * ec);
-                        mma_into::<E, NA, NB, NC>(&def, &p1, &m, 2usize, &mut dv_acc, (ob_n + 2 * ob2 + 1) * ec);
-                    }
-                    let d0 = frag_a_t::<E, NA>(&def, &ds_smem, ks * 16, kw_s, pstride);
-                    let d1 = frag_a_t::<E, NA>(&def, &ds_smem, ks * 16, kw_s + 16, pstride);
-                    #[unroll]
-                    for ob2 in 0..comptime!(ob_n / 2) {
-                        let m = frag_b_n2::<E, NB>(&def, &q_smem, qb + ks * 16, cb + ob2 * 16, stride);
-                        mma_into::<E, NA, NB, NC>(&def, &d0, &m, 0usize, &mut dk_acc, (2 * ob2) * ec);
-                        mma_into::<E, NA, NB, NC>(&def, &d0, &m, 2usize, &mut dk_acc, (2 * ob2 + 1) * ec);
-                        mma_into::<E, NA, NB, NC>(&def, &d1, &m, 0usize, &mut dk_acc, (ob_n + 2 * ob2) * ec);
-                        mma_into::<E, NA, NB, NC>(&def, &d1, &m, 2usize, &mut dk_acc, (ob_n + 2 * ob2 + 1) * ec);
-                    }
+                    mma_block_atb::<E, NA, NB, NC>(&def, &p_smem, ks * 16, kw_s, &do_smem, qb, cb, &mut dv_acc, hn, stride);
+                    mma_block_atb::<E, NA, NB, NC>(&def, &ds_smem, ks * 16, kw_s, &q_smem, qb, cb, &mut dk_acc, hn, stride);
                 }
             }
 
