@@ -39,6 +39,8 @@ pub const BWD_SUB: usize = 32;
 pub const BWD_LOAD_VEC: usize = 8;
 /// Padding (elements) added to each shared-memory row (keeps 16-byte alignment, spreads banks).
 pub(crate) const PAD: usize = 8;
+/// Elements per unit of [`dq_convert`] (every dQ length is a multiple: head_dim is 64 or 128).
+pub const CONVERT_VEC: usize = 4;
 /// Planes per cube of the preprocessing kernel.
 pub const DELTA_PLANES: usize = 8;
 /// u32 words per block-sparse dQ work item: (sequence, first row, end row of its query block).
@@ -57,7 +59,7 @@ pub const SPARSE_QB_MASK: u32 = (1 << SPARSE_QB_BITS) - 1;
 
 /// dQ. Grid: work items x heads_q in one dimension, heads fastest; 32 * [`BWD_PLANES`] units.
 /// `work`: two u32 per cube (segment id, first row of the tile inside the segment); rows no
-/// segment covers are not written here (see [`fill_zero`]). Sparse: [`SPARSE_QWORK_WORDS`] words per item and
+/// segment covers are not written here (the host zero-fills them first). Sparse: [`SPARSE_QWORK_WORDS`] words per item and
 /// `tile_ref[(index head * items + item) * 2..]` = (offset into `blocks`, key tiles), as in the
 /// forward.
 #[allow(clippy::too_many_arguments, unused_assignments)]
@@ -385,21 +387,18 @@ pub fn bwd_delta<E: Float>(
     }
 }
 
-/// dq = scale * acc (the f32 dQ accumulator of the fused path) rounded to `E`
-/// (2-D grid, x fastest, 256 units per cube).
+/// dq = scale * acc (the f32 dQ accumulator of the fused path) rounded to `E`, [`CONVERT_VEC`]
+/// elements per unit (16-byte loads) (2-D grid, x fastest, 256 units per cube).
 #[cube(launch_unchecked)]
-pub fn dq_convert<E: Float>(acc: &Array<f32>, dq: &mut Array<E>, scale: f32) {
+pub fn dq_convert<E: Float, N: Size>(acc: &Array<Vector<f32, N>>, dq: &mut Array<Vector<E, N>>, scale: f32) {
     let idx = ((CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) * 256u32 + UNIT_POS) as usize;
     if idx < dq.len() {
-        dq[idx] = E::cast_from(acc[idx] * scale);
-    }
-}
-
-/// Zeroes `x` (2-D grid, x fastest, 256 units per cube).
-#[cube(launch_unchecked)]
-pub fn fill_zero<E: Float>(x: &mut Array<E>) {
-    let idx = ((CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) * 256u32 + UNIT_POS) as usize;
-    if idx < x.len() {
-        x[idx] = E::from_int(0);
+        let a = acc[idx];
+        let mut o = Vector::<E, N>::empty();
+        #[unroll]
+        for e in 0..CONVERT_VEC {
+            o[e] = E::cast_from(a[e] * scale);
+        }
+        dq[idx] = o;
     }
 }

@@ -22,10 +22,11 @@
 
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
-use cudarc::driver::sys;
+use cudarc::driver::{result as drv, sys};
 use half::{bf16, f16};
 
 use super::compile::{codegen, codegen_exp2, settings, Func, KernelKey, Source};
+use super::driver::err;
 use super::forward::layout;
 use super::launch::{grid_2d, launch, Args};
 use super::plans::Cached;
@@ -34,7 +35,7 @@ use crate::backend::{BackwardInputs, Gradients};
 use crate::dtype::{DType, HostView};
 use crate::error::Result;
 pub use super::device_io::BenchPart;
-use crate::kernels::flash_bwd::{self, BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, DELTA_PLANES};
+use crate::kernels::flash_bwd::{self, BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, CONVERT_VEC, DELTA_PLANES};
 use crate::kernels::flash_bwd_wide::{self, WIDE_BN, WIDE_PLANES};
 use crate::kernels::rowwise_bwd::{self, F32_ROWS_PER_CUBE};
 use crate::kernels::math::LOG2E;
@@ -253,14 +254,12 @@ pub(crate) fn launch_delta(be: &CudaBackend, spec: &AttnSpec, p: &BwdPtrs, delta
     launch(&f, grid_2d((d.total_q * d.heads_q).div_ceil(DELTA_PLANES)), &mut a, stream)
 }
 
-/// Enqueues a zero fill of `n` elements of type `dt` at `ptr`.
-pub(crate) fn launch_fill_zero(be: &CudaBackend, dt: DType, ptr: u64, n: usize, stream: sys::CUstream) -> Result<()> {
-    let f = be.kernels.get(&KernelKey::new("fill_zero", dt, &[]), || {
-        by_dtype!(dt, T, codegen(flash_bwd::fill_zero::FillZero::<T, CudaRuntime>::new(settings(256), be.client().clone(), A)))
-    })?;
-    let mut a = Args::new();
-    a.array(ptr, n);
-    launch(&f, grid_2d(n.div_ceil(256)), &mut a, stream)
+/// Enqueues a zero fill of `n` elements of type `dt` at `ptr` (zero is all-zero bytes in every
+/// dtype: `cuMemsetD8Async`, at copy bandwidth).
+pub(crate) fn launch_fill_zero(dt: DType, ptr: u64, n: usize, stream: sys::CUstream) -> Result<()> {
+    // SAFETY: the callers pass a device buffer of this context holding `n` elements of `dt`,
+    // ordered on `stream` before the kernels that accumulate into it.
+    unsafe { drv::memset_d8_async(ptr, 0, n * dt.size(), stream) }.map_err(|e| err("cuMemsetD8Async", e))
 }
 
 /// Tables of one `flash_bwd_dkdv_wide` launch: work list, tile_off, tile_segs, segs (dense), and
@@ -395,13 +394,14 @@ pub(crate) fn launch_dq(
 
 /// The fused path's last step: dq = scale * acc (the f32 accumulator at `acc`) in the dtype.
 pub(crate) fn launch_dq_convert(be: &CudaBackend, spec: &AttnSpec, p: &BwdPtrs, acc: u64, stream: sys::CUstream) -> Result<()> {
-    let (dt, ql) = (spec.dtype, spec.dims.q_len());
-    let f = be.kernels.get(&KernelKey::new("dq_convert", dt, &[]), || {
-        by_dtype!(dt, T, codegen(flash_bwd::dq_convert::DqConvert::<T, CudaRuntime>::new(settings(256), be.client().clone(), A, A, ())))
+    let (dt, n) = (spec.dtype, spec.dims.q_len() / CONVERT_VEC);
+    let f = be.kernels.get(&KernelKey::new("dq_convert", dt, &[CONVERT_VEC as u32]), || {
+        by_dtype!(dt, T, codegen(flash_bwd::dq_convert::DqConvert::<T, CudaRuntime>::new(
+            settings(256), be.client().clone(), A, A, (), CONVERT_VEC)))
     })?;
     let mut a = Args::new();
-    a.array(acc, ql).array(p.dq, ql).f32(spec.scale);
-    launch(&f, grid_2d(ql.div_ceil(256)), &mut a, stream)
+    a.array(acc, n).array(p.dq, n).f32(spec.scale);
+    launch(&f, grid_2d(n.div_ceil(256)), &mut a, stream)
 }
 
 /// Enqueues the backward of `spec` on `stream` (delta, dK/dV, dQ; plus the zero fill of dQ rows
@@ -461,9 +461,9 @@ pub(crate) fn launch_backward(
     let n_k_work = plan.host.k_work.len();
     let n_q_work = plan.host.q_work.len() / 2;
     if fused {
-        launch_fill_zero(be, DType::F32, acc, ql, stream)?;
+        launch_fill_zero(DType::F32, acc, ql, stream)?;
     } else if spec.uncovered_rows() > 0 {
-        launch_fill_zero(be, dt, p.dq, ql, stream)?;
+        launch_fill_zero(dt, p.dq, ql, stream)?;
     }
     if n_k_work > 0 {
         // the transposed block index is not read by the dense variant: any valid address

@@ -213,11 +213,11 @@ fn launch_sparse_backward(
     let acc = p.workspace + offs[1] as u64;
     launch_delta(be, a, p, delta, stream)?;
     if fused {
-        launch_fill_zero(be, DType::F32, acc, a.dims.q_len(), stream)?;
+        launch_fill_zero(DType::F32, acc, a.dims.q_len(), stream)?;
     }
     if sp.keys_uncovered {
-        launch_fill_zero(be, a.dtype, p.dk, a.dims.kv_len(), stream)?;
-        launch_fill_zero(be, a.dtype, p.dv, a.dims.kv_len(), stream)?;
+        launch_fill_zero(a.dtype, p.dk, a.dims.kv_len(), stream)?;
+        launch_fill_zero(a.dtype, p.dv, a.dims.kv_len(), stream)?;
     }
     let ix = &spec.index;
     if sp.n_k_items > 0 {
