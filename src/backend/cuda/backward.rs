@@ -170,7 +170,7 @@ pub struct BwdPtrs {
 
 /// Workspace parts of a backward call: delta (f32 per row and head) and, on the fused path, the
 /// f32 dQ accumulator.
-pub(crate) fn workspace_parts(spec: &AttnSpec, fused: bool) -> [usize; 2] {
+fn workspace_parts(spec: &AttnSpec, fused: bool) -> [usize; 2] {
     let d = &spec.dims;
     [d.lse_len() * 4, if fused { d.q_len() * 4 } else { 0 }]
 }
@@ -178,6 +178,13 @@ pub(crate) fn workspace_parts(spec: &AttnSpec, fused: bool) -> [usize; 2] {
 /// Workspace bytes of a backward call of `spec` on the chosen dQ path.
 pub(crate) fn bwd_workspace(spec: &AttnSpec, fused: bool) -> usize {
     layout(&workspace_parts(spec, fused)).1
+}
+
+/// Device addresses of the workspace parts at `base`: (delta, f32 dQ accumulator; the latter
+/// only meaningful on the fused path).
+pub(crate) fn workspace_ptrs(spec: &AttnSpec, fused: bool, base: u64) -> (u64, u64) {
+    let (offs, _) = layout(&workspace_parts(spec, fused));
+    (base + offs[0] as u64, base + offs[1] as u64)
 }
 
 /// Vector width of the dQ atomics (float2 `atomicAdd`, sm_90); `CUBEATTN_BWD_ATOMIC_VEC=1` falls
@@ -421,9 +428,7 @@ pub(crate) fn launch_backward(
     let dt = spec.dtype;
     let client = be.client();
     let t = |i| plan.tables.get(i);
-    let (offs, _) = layout(&workspace_parts(spec, fused));
-    let delta = p.workspace + offs[0] as u64;
-    let acc = p.workspace + offs[1] as u64;
+    let (delta, acc) = workspace_ptrs(spec, fused, p.workspace);
     let (win_l, win_r, _) = window_bounds(spec);
 
     launch_delta(be, spec, p, delta, stream)?;

@@ -27,10 +27,9 @@ use cubecl::cuda::CudaRuntime;
 use cudarc::driver::sys;
 
 use super::backward::{
-    bwd_workspace, launch_delta, launch_dkdv_wide, launch_dq, launch_dq_convert, launch_fill_zero, workspace_parts, BwdPtrs,
+    bwd_workspace, launch_delta, launch_dkdv_wide, launch_dq, launch_dq_convert, launch_fill_zero, workspace_ptrs, BwdPtrs,
     DkdvTables, A,
 };
-use super::forward::layout;
 use super::compile::{codegen, settings, KernelKey};
 use super::driver;
 use super::launch::{grid_2d, launch, Args};
@@ -208,9 +207,7 @@ fn launch_sparse_backward(
     let a = &spec.attn;
     let sp = &plan.host;
     let t = |i| plan.tables.get(i);
-    let (offs, _) = layout(&workspace_parts(a, fused));
-    let delta = p.workspace + offs[0] as u64;
-    let acc = p.workspace + offs[1] as u64;
+    let (delta, acc) = workspace_ptrs(a, fused, p.workspace);
     launch_delta(be, a, p, delta, stream)?;
     if fused {
         launch_fill_zero(DType::F32, acc, a.dims.q_len(), stream)?;
