@@ -71,7 +71,10 @@ log() { [ "$VERBOSE" = 1 ] && echo "[gpu-test] $*" >&2; return 0; }
 fail() { echo "error: $*" >&2; exit 1; }
 
 built_targets="flash_attention grouped sparse zigzag"
-export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}   # NVLink multicast off (torchrun targets)
+# NVLink multicast off in NCCL, PyTorch's symmetric memory and NVSHMEM (torchrun targets): on shared
+# multi-GPU hosts a program using it can take the GPUs out of service
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
+export NVSHMEM_DISABLE_NVLS=${NVSHMEM_DISABLE_NVLS:-1}
 
 gpu_count() { nvidia-smi -L 2>/dev/null | grep -c '^GPU'; }
 not_built() { echo "$1: not built yet"; }

@@ -7,7 +7,10 @@
 //! Disk cache: one file per (kernel, comptime choices, dtype, GPU architecture, NVRTC options,
 //! kernel sources, cubeattn and CubeCL versions) under `CUBEATTN_CACHE_DIR`, else
 //! `$XDG_CACHE_HOME/cubeattn`, else `~/.cache/cubeattn`; `CUBEATTN_CACHE_DIR=off` disables it.
-//! A hit skips CubeCL's code generation and NVRTC entirely. `CUBEATTN_DUMP_DIR=dir` writes the
+//! A hit skips CubeCL's code generation and NVRTC's compile; an entry records the NVRTC version
+//! that built it, and a hit from another version than the loadable one is recompiled (NVRTC
+//! releases differ in register allocation and spills: bench/NOTES.md). Without a loadable NVRTC,
+//! cached entries still load. `CUBEATTN_DUMP_DIR=dir` writes the
 //! CUDA source of every kernel compiled (not read from the cache) into `dir`.
 
 use std::collections::HashMap;
@@ -28,7 +31,7 @@ use crate::error::{Error, Result};
 pub const CUBECL_VERSION: &str = "0.10.0";
 
 /// First line of a disk-cache entry (a different format is a cache miss).
-const CACHE_FORMAT: &str = "cubeattn-cubin 3";
+const CACHE_FORMAT: &str = "cubeattn-cubin 4";
 
 /// Identifies one compiled kernel: its name, the dtype it is instantiated for and every comptime
 /// choice (block shapes, flags), which together fix the generated source.
@@ -223,8 +226,37 @@ fn nvrtc_err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Device(format!("{what}: {e:?}"))
 }
 
+/// The version of the NVRTC library that compiles (`"13.0"`), `None` when none can be loaded
+/// (looked up once per process).
+fn nvrtc_version() -> Option<&'static str> {
+    static V: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    V.get_or_init(|| {
+        use cudarc::nvrtc::sys as nsys;
+        // SAFETY: probes whether the shared library opens; nvrtcVersion writes two ints.
+        unsafe {
+            if !nsys::is_culib_present() {
+                return None;
+            }
+            let (mut major, mut minor) = (0, 0);
+            nsys::nvrtcVersion(&mut major, &mut minor).result().ok()?;
+            Some(format!("{major}.{minor}"))
+        }
+    })
+    .as_deref()
+}
+
 /// Compiles CUDA source to a cubin for `arch` (e.g. "sm_90a").
 fn nvrtc_cubin(src: &Source, arch: &str, flags: &[String]) -> Result<Vec<u8>> {
+    if nvrtc_version().is_none() {
+        return Err(Error::BackendUnavailable {
+            backend: "cuda",
+            reason: format!(
+                "NVRTC (libnvrtc.so) was not found to compile kernel {}: install the CUDA toolkit's NVRTC \
+                 or the nvidia-cuda-nvrtc package and put its lib directory on LD_LIBRARY_PATH",
+                src.entry
+            ),
+        });
+    }
     let mut opts = vec![format!("--gpu-architecture={arch}")];
     for inc in include_dirs()? {
         opts.push(format!("--include-path={}", inc.display()));
@@ -251,11 +283,12 @@ fn nvrtc_cubin(src: &Source, arch: &str, flags: &[String]) -> Result<Vec<u8>> {
     }
 }
 
-/// On-disk entry: a short text header (entry point, shared bytes, block, launch ABI) then the cubin.
-fn encode(src: &Source, cubin: &[u8]) -> Vec<u8> {
+/// On-disk entry: a short text header (NVRTC version, entry point, shared bytes, block, launch
+/// ABI) then the cubin.
+fn encode(nvrtc: &str, src: &Source, cubin: &[u8]) -> Vec<u8> {
     let (b, a) = (src.block, src.abi);
     let head = format!(
-        "{CACHE_FORMAT}\n{}\n{}\n{} {} {}\n{} {} {}\n",
+        "{CACHE_FORMAT}\n{nvrtc}\n{}\n{}\n{} {} {}\n{} {} {}\n",
         src.entry, src.smem, b[0], b[1], b[2], a.arrays, a.f32s, a.u32s
     );
     let mut v = head.into_bytes();
@@ -263,19 +296,20 @@ fn encode(src: &Source, cubin: &[u8]) -> Vec<u8> {
     v
 }
 
-fn decode(bytes: &[u8]) -> Option<(Source, Vec<u8>)> {
+/// (NVRTC version, kernel, cubin) of an entry; `None` for another format or a damaged entry.
+fn decode(bytes: &[u8]) -> Option<(String, Source, Vec<u8>)> {
     let mut lines = 0;
     let mut end = 0;
     for (i, &b) in bytes.iter().enumerate() {
         if b == b'\n' {
             lines += 1;
-            if lines == 5 {
+            if lines == 6 {
                 end = i + 1;
                 break;
             }
         }
     }
-    if lines < 5 {
+    if lines < 6 {
         return None;
     }
     let head = std::str::from_utf8(&bytes[..end]).ok()?;
@@ -283,6 +317,7 @@ fn decode(bytes: &[u8]) -> Option<(Source, Vec<u8>)> {
     if it.next()? != CACHE_FORMAT {
         return None;
     }
+    let nvrtc = it.next()?.to_string();
     let entry = it.next()?.to_string();
     let smem = it.next()?.parse().ok()?;
     let b: Vec<u32> = it.next()?.split(' ').filter_map(|x| x.parse().ok()).collect();
@@ -291,7 +326,7 @@ fn decode(bytes: &[u8]) -> Option<(Source, Vec<u8>)> {
         return None;
     }
     let abi = Abi { arrays: a[0], f32s: a[1], u32s: a[2] };
-    Some((Source { entry, cuda: String::new(), smem, block: [b[0], b[1], b[2]], abi }, bytes[end..].to_vec()))
+    Some((nvrtc, Source { entry, cuda: String::new(), smem, block: [b[0], b[1], b[2]], abi }, bytes[end..].to_vec()))
 }
 
 /// Compiled-kernel registry of one device: in memory, backed by the disk cache.
@@ -338,7 +373,13 @@ impl Kernels {
         }
         let t0 = std::time::Instant::now();
         let file = self.cache_file(key);
-        let cached = file.as_ref().and_then(|p| std::fs::read(p).ok()).and_then(|b| decode(&b));
+        // an entry built by another NVRTC than the loadable one is a miss (none loadable: any entry)
+        let cached = file
+            .as_ref()
+            .and_then(|p| std::fs::read(p).ok())
+            .and_then(|b| decode(&b))
+            .filter(|(v, _, _)| nvrtc_version().is_none_or(|cur| cur == v))
+            .map(|(_, src, cubin)| (src, cubin));
         let from = if cached.is_some() { "disk cache" } else { "compiled" };
         let (src, cubin) = match cached {
             Some(x) => x,
@@ -351,7 +392,7 @@ impl Kernels {
                 let cubin = nvrtc_cubin(&src, &self.arch, &self.flags)?;
                 self.compiled.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 if let Some(p) = &file {
-                    store(p, &encode(&src, &cubin));
+                    store(p, &encode(nvrtc_version().unwrap_or("?"), &src, &cubin));
                 }
                 (src, cubin)
             }
@@ -405,10 +446,12 @@ mod tests {
         let abi = Abi { arrays: 13, f32s: 2, u32s: 8 };
         let src = Source { entry: "k_f16".into(), cuda: String::new(), smem: 12345, block: [128, 1, 1], abi };
         let cubin: Vec<u8> = (0..=255u8).collect();
-        let (s, c) = decode(&encode(&src, &cubin)).unwrap();
-        assert_eq!((s.entry.as_str(), s.smem, s.block, s.abi), ("k_f16", 12345, [128, 1, 1], abi));
+        let (v, s, c) = decode(&encode("13.0", &src, &cubin)).unwrap();
+        assert_eq!((v.as_str(), s.entry.as_str(), s.smem, s.block, s.abi), ("13.0", "k_f16", 12345, [128, 1, 1], abi));
         assert_eq!(c, cubin);
-        assert!(decode(b"cubeattn-cubin 3\nk\n1\n1 1 1\n1 2\nxx").is_none());
+        assert!(decode(b"cubeattn-cubin 4\n13.0\nk\n1\n1 1 1\n1 2\nxx").is_none());
+        // entries of format 3 (no NVRTC version) are misses
+        assert!(decode(b"cubeattn-cubin 3\nk\n1\n1 1 1\n1 2 3\nxxxx").is_none());
         // entries of format 2 (compiled without the mbarrier rewrites) are misses
         assert!(decode(b"cubeattn-cubin 2\nk\n1\n1 1 1\n1 2 3\nxxxx").is_none());
         // the previous format (no ABI line) is a miss, not a misread
