@@ -39,7 +39,7 @@ use cubecl::prelude::*;
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::barrier::{copy_async, Barrier};
 
-use super::fragments::mma_into;
+use super::fragments::{frag_a, frag_b_pair, mma_into};
 use super::int8_qk::{copy_k_tile8, scores_int8, stride8};
 use super::staging::{commit_copies, copy_token_rows};
 use super::math::{fast_exp2, LN2};
@@ -463,56 +463,34 @@ pub fn flash_fwd_mma2<E: Float>(
         if int8 {
             scores_int8(&q_smem, &k_smem, &mut s, prow, mt, block_n, head_dim);
         } else {
+            // k-step outer: each of the mt x n_blocks accumulator blocks takes one mma per k-step,
+            // so two mma into one block are mt x n_blocks mma apart (k-step inner put dependent
+            // pairs two mma apart: the tensor pipe waited on the mma latency, ncu's "wait" stall).
+            // Every block still adds its k-steps in order: bit-identical results.
             #[unroll]
-            for kk in 0..comptime!(k_steps / 2) {
-                // A fragments of k-steps 2kk and 2kk+1 for each m-tile: [(m * 2 + h) * va + i].
-                let mut af = Array::<Vector<E, NA>>::new(comptime!(mt * 2 * va));
+            for ks in 0..k_steps {
+                let mut af = Array::<Vector<E, NA>>::new(comptime!(mt * va));
                 #[unroll]
                 for m in 0..mt {
+                    let a = frag_a::<E, NA>(&def, &q_smem, prow + m * 16, ks * 16, stride);
                     #[unroll]
-                    for h in 0..2usize {
-                        let start = (prow + m * 16 + (mi % 2) * 8 + mr) * stride + (2 * kk + h) * 16 + (mi / 2) * 8;
-                        let a = def.load_matrix::<E, NA>(&q_smem.slice(start, start + 8), MatrixIdent::A, 4usize, false);
-                        #[unroll]
-                        for i in 0..va {
-                            af[(m * 2 + h) * va + i] = a[i];
-                        }
+                    for i in 0..va {
+                        af[m * va + i] = a[i];
                     }
                 }
                 #[unroll]
-                for nb in 0..n_blocks {
-                    let start = (nb * 8 + mr) * stride + kk * 32 + mi * 8;
-                    let bm = def.load_matrix::<E, NB>(&k_smem.slice(start, start + 8), MatrixIdent::B, 4usize, false);
+                for np in 0..comptime!(n_blocks / 2) {
+                    let bm = frag_b_pair::<E, NB>(&def, &k_smem, np * 16, ks * 16, stride);
                     #[unroll]
-                    for m in 0..mt {
-                        let mut acc = Array::<Vector<f32, NC>>::new(vc);
+                    for j in 0..2usize {
                         #[unroll]
-                        for i in 0..vc {
-                            let mut reg = Vector::<f32, NC>::empty();
-                            #[unroll]
-                            for j in 0..sc {
-                                reg[j] = s[(m * n_blocks + nb) * ec + i * sc + j];
-                            }
-                            acc[i] = reg;
-                        }
-                        #[unroll]
-                        for h in 0..2usize {
+                        for m in 0..mt {
                             let mut a = Array::<Vector<E, NA>>::new(va);
                             #[unroll]
                             for i in 0..va {
-                                a[i] = af[(m * 2 + h) * va + i];
+                                a[i] = af[m * va + i];
                             }
-                            let mut b = Array::<Vector<E, NB>>::new(2usize);
-                            b[0] = bm[2 * h];
-                            b[1] = bm[2 * h + 1];
-                            def.execute_inplace(&a, &b, &mut acc);
-                        }
-                        #[unroll]
-                        for i in 0..vc {
-                            #[unroll]
-                            for j in 0..sc {
-                                s[(m * n_blocks + nb) * ec + i * sc + j] = acc[i][j];
-                            }
+                            mma_into::<E, NA, NB, NC>(&def, &a, &bm, 2 * j, &mut s, (m * n_blocks + 2 * np + j) * ec);
                         }
                     }
                 }

@@ -1,6 +1,6 @@
-//! Tensor-core fragment helpers of the backward kernels: `ldmatrix` loads of m16n8k16 A and B
-//! fragments from padded row-major shared-memory tiles, one `mma.sync` into an f32 accumulator
-//! array, and an accumulator block re-used as an A operand (P^T, dS^T).
+//! Tensor-core fragment helpers of the forward and backward kernels: `ldmatrix` loads of m16n8k16
+//! A and B fragments from padded row-major shared-memory tiles, one `mma.sync` into an f32
+//! accumulator array, and an accumulator block re-used as an A operand (P^T, dS^T).
 
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
@@ -78,6 +78,23 @@ pub fn frag_b_t2<E: Float, NB: Size>(
         out[i] = m[i];
     }
     out
+}
+
+/// Two B fragments of one k-step (n-blocks `row0..row0+8` in entries [0, 2) and
+/// `row0+8..row0+16` in [2, 4)) with `B[kk][n] = smem[(row0 + n) * stride + col0 + kk]`, kk in
+/// 0..16 (K^T from the row-major K tile): the forward's k-step-outer S = Q K^T, where every
+/// accumulator block takes one mma per k-step. (The backward's S and dP keep [`frag_b_t2`]'s
+/// k-step-inner order: the same reorder there spilled under NVRTC 13.0 and lost, bench/NOTES.md.)
+#[cube]
+pub fn frag_b_pair<E: Float, NB: Size>(
+    def: &MmaDefinition<E, E, f32>,
+    smem: &SharedMemory<E>,
+    row0: usize,
+    col0: usize,
+    #[comptime] stride: usize,
+) -> Array<Vector<E, NB>> {
+    let vb = def.vectors_per_lane(MatrixIdent::B);
+    ldsm_x4::<E, NB>(def, smem, row0, col0, stride, comptime!(2 * vb), true, true, false)
 }
 
 /// Two B fragments (n-blocks `col0..col0+8` in entries [0, 2) and `col0+8..col0+16` in [2, 4))
