@@ -550,7 +550,9 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
                 for ri in 0..4usize {
                     let rl = r0 + (rw + (ri / 2) * 16 + (ri % 2) * 8) as u32 + g;
                     let ok = rl < row_end;
-                    let gb = ((min(q_start + rl, last)) * heads_q + h) as usize * head_dim + cq + t2 as usize;
+                    // in units of qvec floats (a multiple of qvec: t2, cq and head_dim are even), so
+                    // the 8-column steps below are constant offsets of one address per row
+                    let gv = (((min(q_start + rl, last)) * heads_q + h) as usize * head_dim + cq + t2 as usize) / qvec;
                     #[unroll]
                     for ob in 0..oq_n {
                         // accumulator pair (e, e + 1) of row half ri % 2: adjacent columns
@@ -558,12 +560,12 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
                         let i = ((ri / 2) * oq_n + ob) * ec + e;
                         let x0 = select(ok, dqc[i], 0.0f32);
                         let x1 = select(ok, dqc[i + 1], 0.0f32);
-                        let gi = gb + ob * 8;
+                        let gi = gv + ob * comptime!(8 / qvec);
                         if qvec == 2 {
                             let mut val = Vector::<f32, NQ>::empty();
                             val[0] = x0;
                             val[1] = x1;
-                            dq_acc[gi / 2].fetch_add(val);
+                            dq_acc[gi].fetch_add(val);
                         } else {
                             let mut v0 = Vector::<f32, NQ>::empty();
                             v0[0] = x0;
