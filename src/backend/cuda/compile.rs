@@ -283,6 +283,13 @@ fn nvrtc_cubin(src: &Source, arch: &str, flags: &[String]) -> Result<Vec<u8>> {
     }
 }
 
+/// Whether a cache entry built by NVRTC `built` may be loaded when `loadable` is the NVRTC this
+/// process would compile with: only the same version, or any when none can be loaded (the entry
+/// is then the only way to run).
+fn entry_usable(built: &str, loadable: Option<&str>) -> bool {
+    loadable.is_none_or(|cur| cur == built)
+}
+
 /// On-disk entry: a short text header (NVRTC version, entry point, shared bytes, block, launch
 /// ABI) then the cubin.
 fn encode(nvrtc: &str, src: &Source, cubin: &[u8]) -> Vec<u8> {
@@ -373,12 +380,11 @@ impl Kernels {
         }
         let t0 = std::time::Instant::now();
         let file = self.cache_file(key);
-        // an entry built by another NVRTC than the loadable one is a miss (none loadable: any entry)
         let cached = file
             .as_ref()
             .and_then(|p| std::fs::read(p).ok())
             .and_then(|b| decode(&b))
-            .filter(|(v, _, _)| nvrtc_version().is_none_or(|cur| cur == v))
+            .filter(|(v, _, _)| entry_usable(v, nvrtc_version()))
             .map(|(_, src, cubin)| (src, cubin));
         let from = if cached.is_some() { "disk cache" } else { "compiled" };
         let (src, cubin) = match cached {
@@ -456,6 +462,14 @@ mod tests {
         assert!(decode(b"cubeattn-cubin 2\nk\n1\n1 1 1\n1 2 3\nxxxx").is_none());
         // the previous format (no ABI line) is a miss, not a misread
         assert!(decode(b"cubeattn-cubin 1\nk\n1\n1 1 1\nxxxx").is_none());
+    }
+
+    #[test]
+    fn entries_of_another_nvrtc_are_misses_unless_none_loads() {
+        assert!(entry_usable("13.0", Some("13.0")));
+        assert!(!entry_usable("13.0", Some("13.5")));
+        assert!(!entry_usable("?", Some("13.0")));
+        assert!(entry_usable("13.5", None));
     }
 
     #[test]
