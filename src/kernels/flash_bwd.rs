@@ -27,13 +27,13 @@ use super::staging::{commit_copies, commit_stage, issue_kv_tile, stage_rows, wai
 use super::math::{fast_exp2, LOG2E};
 use super::rows::row_keys;
 
-/// Planes (warps) per cube of the tensor-core kernels.
+/// Planes (warps) per cube of the dQ pass.
 pub const BWD_PLANES: usize = 4;
-/// Keys per dK/dV cube (16 per plane) and keys per shared-memory tile of the dQ kernel.
+/// Keys per shared-memory tile of the dQ pass (and of the f32 row-wise backward's key tiles).
 pub const BWD_BN: usize = 16 * BWD_PLANES;
-/// Query rows per dQ cube (16 per plane) and query rows per shared-memory tile of the dK/dV kernel.
+/// Query rows per dQ cube (16 per plane) and per query tile of the dK/dV kernel.
 pub const BWD_BM: usize = 16 * BWD_PLANES;
-/// Rows (dK/dV) or keys (dQ) computed at once from a shared-memory tile (bounds the registers).
+/// Keys of the dQ pass computed at once from a shared-memory tile (bounds the registers).
 pub const BWD_SUB: usize = 32;
 /// Width of the global-memory vector loads (elements): 16 bytes of f16/bf16.
 pub const BWD_LOAD_VEC: usize = 8;
@@ -45,12 +45,6 @@ pub const CONVERT_VEC: usize = 4;
 pub const DELTA_PLANES: usize = 8;
 /// u32 words per block-sparse dQ work item: (sequence, first row, end row of its query block).
 pub const SPARSE_QWORK_WORDS: usize = 3;
-/// u32 words per block-sparse dK/dV work item: (sequence, first window key, keys, key block).
-pub const SPARSE_KWORK_WORDS: usize = 4;
-/// An entry of the transposed block index is `query block | index head << SPARSE_QB_BITS`.
-pub const SPARSE_QB_BITS: u32 = 20;
-/// The query-block bits of a transposed-index entry.
-pub const SPARSE_QB_MASK: u32 = (1 << SPARSE_QB_BITS) - 1;
 
 
 // ---------------------------------------------------------------------------------------------

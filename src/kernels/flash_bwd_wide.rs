@@ -38,7 +38,7 @@ use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
-use super::flash_bwd::{BWD_BM, PAD, SPARSE_KWORK_WORDS, SPARSE_QB_BITS, SPARSE_QB_MASK};
+use super::flash_bwd::{BWD_BM, PAD};
 use super::fragments::{frag_a, frag_a_t, frag_b_n2, frag_b_t2, mma_into, store_acc_16x16};
 use super::math::fast_exp2;
 use super::rows::key_rows;
@@ -50,6 +50,12 @@ pub const WIDE_PLANES: usize = 8;
 pub const WIDE_BN: usize = 128;
 /// Rows and keys of one plane's S / dP block, keys of its dK / dV block.
 const BLK: usize = 32;
+/// u32 words per block-sparse work item: (sequence, first window key, keys, key block).
+pub const SPARSE_KWORK_WORDS: usize = 4;
+/// An entry of the transposed block index is `query block | index head << SPARSE_QB_BITS`.
+pub const SPARSE_QB_BITS: u32 = 20;
+/// The query-block bits of a transposed-index entry.
+pub const SPARSE_QB_MASK: u32 = (1 << SPARSE_QB_BITS) - 1;
 
 /// `acc` (accumulator blocks `[mb (2)][nb (4)][ec]`: 32 rows from `a_row0` x 32 rows of `b_smem`
 /// from `b_row0`) += A B^T over `head_dim` columns: S = Q K^T, dP = dO V^T.

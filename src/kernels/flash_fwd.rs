@@ -373,12 +373,10 @@ pub fn flash_fwd_mma2<E: Float>(
     let size!(NB) = def.vector_size(MatrixIdent::B);
     let size!(NC) = def.vector_size(MatrixIdent::Accumulator);
     let va = def.vectors_per_lane(MatrixIdent::A);
-    let vb = def.vectors_per_lane(MatrixIdent::B);
     let vc = def.vectors_per_lane(MatrixIdent::Accumulator);
     let sa = def.vector_size(MatrixIdent::A);
     let sc = def.vector_size(MatrixIdent::Accumulator);
     let ec = comptime!(vc * sc);
-    let _ = vb;
 
     let k_steps = comptime!(head_dim / 16);
     let n_blocks = comptime!(block_n / 8);

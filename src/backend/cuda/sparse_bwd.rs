@@ -39,8 +39,8 @@ use super::CudaBackend;
 use crate::backend::{BackwardInputs, Gradients};
 use crate::dtype::{DType, HostView};
 use crate::error::{invalid, Error, Result};
-use crate::kernels::flash_bwd::{BWD_BM, BWD_BN, SPARSE_KWORK_WORDS, SPARSE_QB_BITS, SPARSE_QB_MASK, SPARSE_QWORK_WORDS};
-use crate::kernels::flash_bwd_wide::WIDE_BN;
+use crate::kernels::flash_bwd::{BWD_BM, BWD_BN, SPARSE_QWORK_WORDS};
+use crate::kernels::flash_bwd_wide::{SPARSE_KWORK_WORDS, SPARSE_QB_BITS, SPARSE_QB_MASK, WIDE_BN};
 use crate::kernels::sparse_index::{self, SCAN_THREADS, TRANSPOSE_THREADS};
 use crate::sparse::SparseSpec;
 
