@@ -21,6 +21,8 @@
 //! mean of K over the sequence (per kv head and channel), which shifts every score of a row by the
 //! same constant: the softmax is unchanged and the LSE is corrected by `scale * q . mean`.
 
+use rayon::prelude::*;
+
 use crate::error::{invalid, Error, Result};
 use crate::spec::{AttnSpec, Layout};
 
@@ -187,22 +189,80 @@ fn mix(h: &mut u64, x: u64, m: u64) {
     *h = (*h ^ x).wrapping_mul(m);
 }
 
-/// Two independent 64-bit hashes of the block sizes and the index (offsets and block ids).
-fn index_fingerprint(q_block: usize, k_block: usize, ix: &BlockIndex) -> [u64; 2] {
+/// Words per independently hashed chunk of the index (fixed, so the fingerprint does not depend
+/// on the thread count).
+const HASH_CHUNK: usize = 1 << 14;
+/// Rows of `block_index` validated per task.
+const ROW_CHUNK: usize = 1024;
+
+/// Two independent 64-bit hashes of `words`.
+fn hash_words(words: impl Iterator<Item = u64> + Clone) -> [u64; 2] {
     let one = |seed: u64, m: u64| {
         let mut h = seed;
-        for x in [q_block, k_block, ix.batch, ix.heads, ix.q_blocks, ix.blocks.len()] {
-            mix(&mut h, x as u64, m);
-        }
-        for &o in &ix.offsets {
-            mix(&mut h, o as u64, m);
-        }
-        for &b in &ix.blocks {
-            mix(&mut h, b as u64, m);
+        for x in words.clone() {
+            mix(&mut h, x, m);
         }
         h
     };
     [one(0xcbf2_9ce4_8422_2325, 0x0100_0000_01b3), one(0x9e37_79b9_7f4a_7c15, 0xff51_afd7_ed55_8ccd)]
+}
+
+/// Two independent 64-bit hashes of the block sizes and the index (offsets and block ids): the
+/// offsets and blocks are hashed in chunks of [`HASH_CHUNK`] words in parallel, then the chunk
+/// hashes in order with the sizes.
+fn index_fingerprint(q_block: usize, k_block: usize, ix: &BlockIndex) -> [u64; 2] {
+    let mut parts: Vec<[u64; 2]> =
+        ix.offsets.par_chunks(HASH_CHUNK).map(|c| hash_words(c.iter().map(|&o| o as u64))).collect();
+    // block ids two to a word (the count of blocks is hashed below: a trailing odd one is unambiguous)
+    parts.par_extend(ix.blocks.par_chunks(2 * HASH_CHUNK).map(|c| {
+        hash_words(c.chunks(2).map(|p| p[0] as u64 | (*p.get(1).unwrap_or(&u32::MAX) as u64) << 32))
+    }));
+    let head = [q_block, k_block, ix.batch, ix.heads, ix.q_blocks, ix.offsets.len(), ix.blocks.len()].map(|x| x as u64);
+    let words = head.into_iter().chain(parts.iter().flat_map(|p| *p));
+    hash_words(words)
+}
+
+/// Appends the kept key blocks of one `block_index` row (`slots`), ascending, to `out`; false
+/// (with `out` restored) if a slot is negative other than -1, past the last key block `kbn`, or
+/// a duplicate. `seen`: a bitmap of at least `kbn` bits, all clear (and left clear).
+fn compress_row(slots: &[i32], kbn: usize, seen: &mut [u64], out: &mut Vec<u32>) -> bool {
+    let start = out.len();
+    let mut ok = true;
+    for &x in slots {
+        if x == -1 {
+            continue;
+        }
+        if x < 0 || x as usize >= kbn || seen[x as usize / 64] & (1u64 << (x % 64)) != 0 {
+            ok = false;
+            break;
+        }
+        seen[x as usize / 64] |= 1u64 << (x % 64);
+        out.push(x as u32);
+    }
+    let words = kbn.div_ceil(64);
+    if ok && out.len() - start > 1 && !out[start..].is_sorted() {
+        if words <= 2 * slots.len() {
+            // counting sort through the bitmap (clears it)
+            out.truncate(start);
+            for (w, bits) in seen[..words].iter_mut().enumerate() {
+                let mut m = *bits;
+                while m != 0 {
+                    out.push((w * 64) as u32 + m.trailing_zeros());
+                    m &= m - 1;
+                }
+                *bits = 0;
+            }
+            return true;
+        }
+        out[start..].sort_unstable();
+    }
+    for &x in &out[start..] {
+        seen[x as usize / 64] = 0;
+    }
+    if !ok {
+        out.truncate(start);
+    }
+    ok
 }
 
 fn block_count(len: usize, block: usize) -> usize {
@@ -286,34 +346,43 @@ impl SparseSpec {
         if block_index.len() != n {
             return Err(invalid("block_index", format!("has {} elements, its shape {index_shape:?} needs {n}", block_index.len())));
         }
-        let mut offsets = Vec::with_capacity(ib * ih * iq + 1);
+        // rows in chunks of ROW_CHUNK on the thread pool: (kept blocks, per-row counts) or the
+        // first bad row of the chunk
+        let rows = ib * ih * iq;
+        let kbns: Vec<usize> = attn.segments.iter().map(|s| block_count(s.k_len, k_block)).collect();
+        let words = kbns.iter().copied().max().unwrap_or(0).div_ceil(64);
+        let chunks: Vec<std::result::Result<(Vec<u32>, Vec<u32>), usize>> = (0..rows.div_ceil(ROW_CHUNK))
+            .into_par_iter()
+            .map(|c| {
+                let (r0, r1) = (c * ROW_CHUNK, ((c + 1) * ROW_CHUNK).min(rows));
+                let mut seen = vec![0u64; words];
+                let mut blocks = Vec::with_capacity((r1 - r0) * top_k);
+                let mut counts = Vec::with_capacity(r1 - r0);
+                for r in r0..r1 {
+                    let before = blocks.len();
+                    if !compress_row(&block_index[r * top_k..(r + 1) * top_k], kbns[r / (ih * iq)], &mut seen, &mut blocks) {
+                        return Err(r);
+                    }
+                    counts.push((blocks.len() - before) as u32);
+                }
+                Ok((blocks, counts))
+            })
+            .collect();
+        let mut offsets = Vec::with_capacity(rows + 1);
         offsets.push(0);
-        let mut blocks: Vec<u32> = Vec::with_capacity(n);
-        let mut row: Vec<u32> = Vec::with_capacity(top_k);
-        for b in 0..ib {
-            let kbn = block_count(attn.segments[b].k_len, k_block);
-            for h in 0..ih {
-                for qb in 0..iq {
-                    let base = ((b * ih + h) * iq + qb) * top_k;
-                    let slots = &block_index[base..base + top_k];
-                    row.clear();
-                    let mut bad = false;
-                    for &x in slots {
-                        if x == -1 {
-                            continue;
-                        }
-                        bad |= x < 0 || x as usize >= kbn;
-                        row.push(x as u32);
+        let mut blocks: Vec<u32> = Vec::with_capacity(chunks.iter().map(|c| c.as_ref().map_or(0, |c| c.0.len())).sum());
+        for chunk in chunks {
+            match chunk {
+                Ok((kept, counts)) => {
+                    blocks.extend_from_slice(&kept);
+                    for n in counts {
+                        offsets.push(offsets[offsets.len() - 1] + n as usize);
                     }
-                    if !row.is_sorted() {
-                        row.sort_unstable();
-                    }
-                    bad |= row.windows(2).any(|w| w[0] == w[1]);
-                    if bad {
-                        return Err(first_bad_slot(slots, b, h, qb, kbn, attn.segments[b].k_len, k_block));
-                    }
-                    blocks.extend_from_slice(&row);
-                    offsets.push(blocks.len());
+                }
+                Err(r) => {
+                    let (b, h, qb) = (r / (ih * iq), r / iq % ih, r % iq);
+                    let slots = &block_index[r * top_k..(r + 1) * top_k];
+                    return Err(first_bad_slot(slots, b, h, qb, kbns[b], attn.segments[b].k_len, k_block));
                 }
             }
         }
@@ -525,6 +594,61 @@ mod tests {
         assert!(e.contains("heads"), "{e}");
         let e = err_of(SparseSpec::new(a.clone(), &ix, &shape, 0, 128, None));
         assert!(e.starts_with("q_block"), "{e}");
+    }
+
+    /// compress_row against sort + dedup on random rows, through both of its orderings (the
+    /// bitmap pass for few key blocks, the sort for many) and across validation chunks.
+    #[test]
+    fn rows_compress_like_sort_and_dedup() {
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: usize| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % n as u64) as usize
+        };
+        for kbn in [1usize, 5, 64, 65, 200, 5000] {
+            let words = kbn.div_ceil(64);
+            let mut seen = vec![0u64; words];
+            for _ in 0..300 {
+                let top_k = 1 + next(20);
+                let mut pool: Vec<i32> = (0..kbn as i32).collect();
+                let mut slots = Vec::new();
+                for _ in 0..top_k {
+                    if next(4) == 0 || pool.is_empty() {
+                        slots.push(-1);
+                    } else {
+                        slots.push(pool.swap_remove(next(pool.len())));
+                    }
+                }
+                let mut want: Vec<u32> = slots.iter().filter(|&&v| v >= 0).map(|&v| v as u32).collect();
+                want.sort_unstable();
+                let mut out = vec![7u32];
+                assert!(compress_row(&slots, kbn, &mut seen, &mut out), "{slots:?}");
+                assert_eq!(&out[1..], &want[..], "kbn {kbn} slots {slots:?}");
+                assert!(seen.iter().all(|&w| w == 0));
+                // a duplicate, a block past the end, a negative other than -1: rejected, out kept
+                for bad in [slots.iter().copied().find(|&v| v >= 0), Some(kbn as i32), Some(-3)].into_iter().flatten() {
+                    let mut row = slots.clone();
+                    row.insert(next(row.len() + 1), bad);
+                    if bad >= 0 && bad < kbn as i32 && row.iter().filter(|&&v| v == bad).count() < 2 {
+                        continue;
+                    }
+                    let mut out = vec![7u32];
+                    assert!(!compress_row(&row, kbn, &mut seen, &mut out), "{row:?}");
+                    assert_eq!(out, [7]);
+                    assert!(seen.iter().all(|&w| w == 0));
+                }
+            }
+        }
+        // the first bad row is reported when many chunks are validated in parallel
+        let a = spec(&[(64 * 3000, 128 * 4)], 1, 1, false);
+        let mut ix: Vec<i32> = (0..3000).flat_map(|r| [(r % 4) as i32, ((r + 1) % 4) as i32]).collect();
+        assert!(SparseSpec::new(a.clone(), &ix, &[1, 1, 3000, 2], 64, 128, None).is_ok());
+        ix[2 * 2900] = 9;
+        ix[2 * 2500 + 1] = ix[2 * 2500];
+        let e = err_of(SparseSpec::new(a, &ix, &[1, 1, 3000, 2], 64, 128, None));
+        assert!(e.contains("block_index[0, 0, 2500, 1]") && e.contains("duplicates"), "{e}");
     }
 
     #[test]
