@@ -156,18 +156,37 @@ def sparse_spec(q_shape, k_shape, dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_
                 quant_gran=None, smooth_k=True, qk_int8=None):
     """A validated block-sparse spec (varlen layout; shapes only, no data needed). ``quant_gran``
     (None, "per_block", "per_warp", "per_thread") fixes the INT8 Q K^T option of the calls that use
-    it; ``qk_int8`` is accepted as before (a granularity name, or True for "per_warp")."""
+    it; ``qk_int8`` is accepted as before (a granularity name, or True for "per_warp"). A call
+    with the same arguments and an index of the same contents as one of the last few returns that
+    call's spec (compared element by element, so it is exact: the per-call cost of a repeated
+    index is a comparison, not a validation)."""
     from . import _scale
 
     ix = _index_array(block_index, "block_index")
     if isinstance(qk_int8, str):  # the older spelling: the granularity passed as qk_int8
         quant_gran, qk_int8 = (qk_int8 if quant_gran is None else quant_gran), None
     quant_gran = _quant_gran(quant_gran, qk_int8, smooth_k)
-    return _core.sparse_spec(list(q_shape), list(k_shape), list(k_shape if v_shape is None else v_shape), dtype,
-                             int32_vector(cu_seqlens_q, "cu_seqlens_q"), int32_vector(cu_seqlens_k, "cu_seqlens_k"),
-                             _int(max_seqlen_q, "max_seqlen_q"), _int(max_seqlen_k, "max_seqlen_k"),
-                             _scale(softmax_scale), bool(causal), ix.reshape(-1), list(ix.shape),
-                             _int(q_block, "q_block", 1), _int(k_block, "k_block", 1), quant_gran, bool(smooth_k))
+    cu_q, cu_k = int32_vector(cu_seqlens_q, "cu_seqlens_q"), int32_vector(cu_seqlens_k, "cu_seqlens_k")
+    args = (list(q_shape), list(k_shape), list(k_shape if v_shape is None else v_shape), dtype, cu_q, cu_k,
+            _int(max_seqlen_q, "max_seqlen_q"), _int(max_seqlen_k, "max_seqlen_k"), _scale(softmax_scale),
+            bool(causal), ix.reshape(-1), list(ix.shape), _int(q_block, "q_block", 1), _int(k_block, "k_block", 1),
+            quant_gran, bool(smooth_k))
+    key = (*(repr(a) for a in args[:4]), cu_q.tobytes(), cu_k.tobytes(), *args[6:10], *args[11:])
+    for i, (k, cached_ix, spec) in enumerate(_SPECS):
+        if k == key and np.array_equal(cached_ix, ix):
+            _SPECS.insert(0, _SPECS.pop(i))
+            return spec
+    spec = _core.sparse_spec(*args)
+    if ix.nbytes <= _SPEC_CACHE_BYTES:
+        _SPECS.insert(0, (key, ix.copy(), spec))
+        del _SPECS[_SPEC_CACHE_ENTRIES:]
+    return spec
+
+
+# The last few validated specs with their arguments and a copy of their index (most recent first).
+_SPECS: list = []
+_SPEC_CACHE_ENTRIES = 4
+_SPEC_CACHE_BYTES = 64 << 20
 
 
 def _check_device(device):

@@ -600,6 +600,37 @@ def test_prepared_spec_equals_the_index_call_and_mismatches_are_refused():
         cubeattn.block_sparse_attn_func(q, k, v.astype(np.float16), spec)
 
 
+def test_a_repeated_index_reuses_its_spec_and_a_changed_one_is_validated_again():
+    from cubeattn import _sparse
+
+    rng = np.random.default_rng(5)
+    B, s, h, d = 1, 256, 2, 16
+    q, k, v = (rand(rng, (B, s, h, d), "float32") for _ in range(3))
+    cu = np.array([0, s], np.int32)
+    ix = sp.random(B, h, 4, 2, 2, seed=6)
+    args = ((s, h, d), (s, h, d), "float32", cu, cu, s, s)
+    first = cubeattn.sparse_spec(*args, ix)
+    # the same contents in another array (and as int64): the cached spec; other arguments: a new one
+    assert cubeattn.sparse_spec(*args, ix.astype(np.int64).copy()) is first
+    assert cubeattn.sparse_spec(*args, ix, causal=True) is not first
+    assert cubeattn.sparse_spec(*args, ix, softmax_scale=0.5) is not first
+    want = cubeattn.block_sparse_attn_func(q, k, v, ix)
+    # changed in place: validated again (a duplicate is refused), and a valid change gives its own result
+    ix[0, 0, 0, 1] = ix[0, 0, 0, 0]
+    with pytest.raises(ValueError, match=r"block_index\[0, 0, 0, 1\] = .* duplicates"):
+        cubeattn.block_sparse_attn_func(q, k, v, ix)
+    ix[0, 0, 0, 1] = -1
+    got = cubeattn.block_sparse_attn_func(q, k, v, ix)
+    assert not np.array_equal(got, want)
+    want_out, want_lse = ref_sparse(q.reshape(-1, h, d), k.reshape(-1, h, d), v.reshape(-1, h, d), ix, cu, cu, 64, 128,
+                                    False)
+    got, lse = cubeattn.block_sparse_attn_func(q, k, v, ix, return_lse=True)
+    check_fwd(got.reshape(-1, h, d), lse.transpose(1, 0, 2).reshape(h, -1), want_out, want_lse, "float32")
+    for i in range(2 * _sparse._SPEC_CACHE_ENTRIES):  # bounded
+        cubeattn.sparse_spec(*args, ix, softmax_scale=0.1 + i)
+    assert len(_sparse._SPECS) == _sparse._SPEC_CACHE_ENTRIES
+
+
 def test_bench_cli_seed_004_flags_check_every_pattern(tmp_path, capsys):
     from cubeattn import bench
 
