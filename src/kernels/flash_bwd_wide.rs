@@ -40,7 +40,7 @@ use cubecl::prelude::*;
 
 use super::flash_bwd::{BWD_BM, PAD};
 use super::fragments::{frag_a, frag_a_t, frag_b_n2, frag_b_t2, mma_into, store_acc_16x16};
-use super::math::fast_exp2;
+use super::math::{fast_exp2, LOG2E};
 use super::rows::key_rows;
 use super::staging::{commit_stage, issue_q_tile, stage_rows, wait_stage};
 
@@ -484,7 +484,7 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
             #[unroll]
             for ri in 0..4usize {
                 let rl = qb + rw + (ri / 2) * 16 + (ri % 2) * 8 + g as usize;
-                lse2[ri] = lse_smem[rl];
+                lse2[ri] = lse_smem[rl] * LOG2E;
                 dl[ri] = dl_smem[rl];
             }
             // Every (row, key) pair of this plane's 32 x 32 block visible?

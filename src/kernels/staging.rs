@@ -6,7 +6,6 @@ use cubecl::prelude::*;
 use cubecl::prelude::barrier::{copy_async, Barrier};
 
 use super::flash_bwd::{BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, PAD};
-use super::math::LOG2E;
 
 /// Copies `rows` x head_dim elements (rows from `row_at`, zero for `None` rows) into shared memory.
 /// Row `r` of the tile is global row `base_row + r` when `r + first < limit`. `threads` units copy.
@@ -47,9 +46,9 @@ pub fn stage_rows<E: Float, NV: Size>(
 
 /// `cp.async` copy of a query tile of Q and dO (rows `r0..r0+BWD_BM` of the segment, clamped to
 /// its last row: rows past `q_len` are masked by the caller) into rows `boff..boff+BWD_BM` of
-/// `q_smem` / `do_smem`; lse and delta of the rows go to `lse_smem` / `dl_smem[boff..]` with
-/// plain loads and stores (visible after the caller's next `sync_cube`), by `threads` units (at
-/// least `BWD_BM`). The caller commits the copies to a barrier.
+/// `q_smem` / `do_smem`, and lse (natural log, as stored) and delta of the same rows into
+/// `lse_smem` / `dl_smem[boff..]` (4-byte copies: no thread waits on a global load here), by
+/// `threads` units (at least `BWD_BM`). The caller commits the copies to a barrier.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn issue_q_tile<E: Float>(
@@ -73,16 +72,11 @@ pub fn issue_q_tile<E: Float>(
 ) {
     issue_row_pair::<E>(q_s, do_s, q_smem, do_smem, boff, r0, q_len, q_start, h, heads_q, BWD_BM, head_dim, threads);
     if UNIT_POS < BWD_BM as u32 {
-        let row = r0 + UNIT_POS;
-        let mut l = 0.0f32;
-        let mut dd = 0.0f32;
-        if row < q_len {
-            let li = (h * total_q + q_start + row) as usize;
-            l = lse[li] * LOG2E;
-            dd = delta[li];
-        }
-        lse_smem[boff + UNIT_POS as usize] = l;
-        dl_smem[boff + UNIT_POS as usize] = dd;
+        let row = min(r0 + UNIT_POS, q_len - 1);
+        let li = (h * total_q + q_start + row) as usize;
+        let u = boff + UNIT_POS as usize;
+        copy_async(&lse.slice(li, li + 1), &mut lse_smem.slice_mut(u, u + 1), 1u32);
+        copy_async(&delta.slice(li, li + 1), &mut dl_smem.slice_mut(u, u + 1), 1u32);
     }
 }
 
