@@ -20,9 +20,11 @@
 //! own shared buffer; two 128-thread cubes fit per multiprocessor. Scores, softmax statistics and
 //! the output accumulator stay in registers; P is re-used as the A operand of P.V without a trip
 //! through shared memory. K and V tiles are copied with `cp.async` (16 B per copy, completion
-//! tracked by shared mbarriers) in the FlashAttention-2 order: V(t) loads while S = Q K(t)^T
-//! runs; then the cube waits for V(t) and issues K(t+1), which loads during the softmax and
-//! O += P V(t). The O rescale is skipped when no row of a plane got a new maximum.
+//! tracked by shared mbarriers) into two buffers each: at the top of tile t the cube waits for
+//! K(t) and V(t), passes its one barrier of the tile and issues K(t+1) and V(t+1), which load
+//! during the whole of tile t (FlashAttention-2 has one buffer each, waits for V before the
+//! softmax and has two barriers per tile). The O rescale is skipped when no row of a plane got a
+//! new maximum.
 //!
 //! `int8` (block-sparse only, `kernels::int8_qk`): S = Q K^T from int8 operands with
 //! `mma.sync.m16n8k32.s8.s8.s32` (exact i32 dot products), scaled per row and key tile by the
@@ -237,13 +239,14 @@ pub fn fill_uncovered<E: Float>(out: &mut Array<E>, lse: &mut Array<f32>, inf: f
 /// (BLOCK_M = 128 packed rows per cube).
 #[allow(clippy::too_many_arguments)]
 /// Issues the `cp.async` copies of keys `[n0, n1)` of kv head `head_kv` into a padded K or V tile
-/// of `block_n` rows (rows past the range repeat key `n1 - 1`: they are masked); the caller
-/// commits them to its barrier.
+/// of `block_n` rows from shared row `row0` (rows past the range repeat key `n1 - 1`: they are
+/// masked); the caller commits them to its barrier.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn copy_kv_tile<E: Float>(
     src: &Array<E>,
     smem: &mut SharedMemory<E>,
+    row0: usize,
     n0: u32,
     n1: u32,
     krow: usize,
@@ -262,7 +265,7 @@ fn copy_kv_tile<E: Float>(
         let c = idx % vecs_per_row;
         let key = min(n0 + r as u32, n1 - 1);
         let g = key as usize * krow + head_kv as usize * head_dim + c * LOAD_VEC;
-        let base = r * stride + c * LOAD_VEC;
+        let base = (row0 + r) * stride + c * LOAD_VEC;
         copy_async(&src.slice(g, g + LOAD_VEC), &mut smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
     }
 }
@@ -314,8 +317,9 @@ pub fn flash_fwd_mma2<E: Float>(
     // int8: Q and K tiles hold int8 rows (`int8_qk`, `stride8`), in the same E-typed buffers
     let qk_row = comptime!(if int8 { stride8(head_dim) } else { head_dim + SMEM_PAD });
     let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(block_m * qk_row), 16usize);
-    let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(block_n * qk_row), 16usize);
-    let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(block_n * (head_dim + SMEM_PAD)), 16usize);
+    // K and V double-buffered: tile t in rows [(t % 2) block_n, (t % 2 + 1) block_n)
+    let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(2 * block_n * qk_row), 16usize);
+    let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(2 * block_n * (head_dim + SMEM_PAD)), 16usize);
     let mut row_tok = SharedMemory::<u32>::new(block_m);
     let mut row_head = SharedMemory::<u32>::new(block_m);
     let mut row_lo = SharedMemory::<u32>::new(block_m);
@@ -387,19 +391,22 @@ pub fn flash_fwd_mma2<E: Float>(
     let mr = (lane % 8u32) as usize;
     let prow = plane as usize * plane_rows;
 
-    // Q tile and K(0) in one cp.async group on bar_k. Rows without a token copy token 0 (any
-    // valid row): their key range is empty, so every score is masked and nothing is written.
+    // Q tile and K(0) in one cp.async group on bar_k, V(0) on bar_v. Rows without a token copy
+    // token 0 (any valid row): their key range is empty, so every score is masked and nothing
+    // is written.
     if n_tiles > 0 {
         let (f0, f1) = tile_bounds(0u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, block_n, sparse);
         // int8 rows: head_dim bytes = head_dim / 2 elements of E
         copy_token_rows(&q_s, &mut q_smem, &row_tok, &row_head, heads_q, NONE, threads, block_m,
                         comptime!(if int8 { head_dim / 2 } else { head_dim }), qk_row, LOAD_VEC);
         if int8 {
-            copy_k_tile8(&k_s, &mut k_smem, f0, f1, heads_kv, head_kv, threads, block_n, head_dim);
+            copy_k_tile8(&k_s, &mut k_smem, 0usize, f0, f1, heads_kv, head_kv, threads, block_n, head_dim);
         } else {
-            copy_kv_tile(&k_s, &mut k_smem, f0, f1, krow, head_kv, threads, block_n, head_dim);
+            copy_kv_tile(&k_s, &mut k_smem, 0usize, f0, f1, krow, head_kv, threads, block_n, head_dim);
         }
         commit_copies(&bar_k);
+        copy_kv_tile(&v_s, &mut v_smem, 0usize, f0, f1, krow, head_kv, threads, block_n, head_dim);
+        commit_copies(&bar_v);
     }
 
     let mut o_acc = Array::<f32>::new(comptime!(mt * o_blocks * ec));
@@ -447,11 +454,26 @@ pub fn flash_fwd_mma2<E: Float>(
                 m_r[2 * slots + i] = max(m_r[slots + i] * ks, 1.175_494_4e-38f32);
             }
         }
+        // K(t) and V(t) were issued a whole tile ago; the one barrier of the tile then frees the
+        // buffers of tile t - 1 (every plane has finished its S and P.V) for tile t + 1's copies,
+        // which overlap all of tile t. No wait or barrier inside the tile: ptxas schedules S, the
+        // softmax and P.V as one block (a wait right before P.V cost 5-7%, bench/NOTES.md).
         bar_k.wait_parity(kt & 1u32);
-        // Every plane has finished P.V of the previous tile: the V buffer is free.
+        bar_v.wait_parity(kt & 1u32);
         sync_cube();
-        copy_kv_tile(&v_s, &mut v_smem, t0, t1, krow, head_kv, threads, block_n, head_dim);
-        commit_copies(&bar_v);
+        let cur = ((kt & 1u32) * block_n as u32) as usize;
+        if kt + 1 < n_tiles {
+            let nxt = comptime!(block_n) - cur;
+            let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, block_n, sparse);
+            if int8 {
+                copy_k_tile8(&k_s, &mut k_smem, nxt, n0, n1, heads_kv, head_kv, threads, block_n, head_dim);
+            } else {
+                copy_kv_tile(&k_s, &mut k_smem, nxt, n0, n1, krow, head_kv, threads, block_n, head_dim);
+            }
+            commit_copies(&bar_k);
+            copy_kv_tile(&v_s, &mut v_smem, nxt, n0, n1, krow, head_kv, threads, block_n, head_dim);
+            commit_copies(&bar_v);
+        }
 
         // ---- S = Q K^T: mt x 16 rows x block_n keys per plane ----
         #[unroll]
@@ -459,7 +481,7 @@ pub fn flash_fwd_mma2<E: Float>(
             s[i] = 0.0f32;
         }
         if int8 {
-            scores_int8(&q_smem, &k_smem, &mut s, prow, mt, block_n, head_dim);
+            scores_int8(&q_smem, &k_smem, cur, &mut s, prow, mt, block_n, head_dim);
         } else {
             // k-step outer: each of the mt x n_blocks accumulator blocks takes one mma per k-step,
             // so two mma into one block are mt x n_blocks mma apart (k-step inner put dependent
@@ -478,7 +500,7 @@ pub fn flash_fwd_mma2<E: Float>(
                 }
                 #[unroll]
                 for np in 0..comptime!(n_blocks / 2) {
-                    let bm = frag_b_pair::<E, NB>(&def, &k_smem, np * 16, ks * 16, stride);
+                    let bm = frag_b_pair::<E, NB>(&def, &k_smem, cur + np * 16, ks * 16, stride);
                     #[unroll]
                     for j in 0..2usize {
                         #[unroll]
@@ -524,21 +546,6 @@ pub fn flash_fwd_mma2<E: Float>(
                     }
                 }
             }
-        }
-
-        // FlashAttention-2's order: wait for V(t) and issue K(t+1) before the softmax, so the
-        // K copy overlaps the softmax and P.V.
-        bar_v.wait_parity(kt & 1u32);
-        // Every plane has finished S = Q K^T: the K buffer is free for the next tile.
-        sync_cube();
-        if kt + 1 < n_tiles {
-            let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, block_n, sparse);
-            if int8 {
-                copy_k_tile8(&k_s, &mut k_smem, n0, n1, heads_kv, head_kv, threads, block_n, head_dim);
-            } else {
-                copy_kv_tile(&k_s, &mut k_smem, n0, n1, krow, head_kv, threads, block_n, head_dim);
-            }
-            commit_copies(&bar_k);
         }
 
         // ---- online softmax per row slot ----
@@ -627,7 +634,7 @@ pub fn flash_fwd_mma2<E: Float>(
             }
             #[unroll]
             for ob2 in 0..comptime!(o_blocks / 2) {
-                let key = ks * 16 + (mi % 2) * 8 + mr;
+                let key = cur + ks * 16 + (mi % 2) * 8 + mr;
                 let start = key * stride + (2 * ob2 + mi / 2) * 8;
                 let bm = def.load_matrix::<E, NB>(&v_smem.slice(start, start + 8), MatrixIdent::B, 4usize, true);
                 #[unroll]

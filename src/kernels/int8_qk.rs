@@ -226,12 +226,14 @@ pub fn int8_quantize<E: Float>(
 }
 
 /// `cp.async` copies of the int8 keys `[n0, n1)` of kv head `head_kv` into a padded tile of
-/// `block_n` rows (rows past the range repeat key `n1 - 1`: they are masked).
+/// `block_n` rows from shared row `row0` (rows past the range repeat key `n1 - 1`: they are
+/// masked).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn copy_k_tile8<E: Float>(
     src: &Array<E>,
     smem: &mut SharedMemory<E>,
+    row0: usize,
     n0: u32,
     n1: u32,
     heads_kv: u32,
@@ -250,7 +252,7 @@ pub fn copy_k_tile8<E: Float>(
         let c = idx % vecs;
         let key = min(n0 + r as u32, n1 - 1);
         let g = (key * heads_kv + head_kv) as usize * row_e + c * VEC;
-        let base = r * stride + c * VEC;
+        let base = (row0 + r) * stride + c * VEC;
         copy_async(&src.slice(g, g + VEC), &mut smem.slice_mut(base, base + VEC), comptime!(VEC as u32));
     }
 }
@@ -266,13 +268,14 @@ fn frag_words<E: Float>(smem: &SharedMemory<E>, row: usize, ks: usize, t: usize,
 
 /// Raw scores of one key tile: `s[(m * n_blocks + nb) * 4 + e]` = the exact i32 dot product of
 /// int8 Q row and int8 K row (as f32: exact, |dot| < 2^22), in the accumulator layout of the f16
-/// path (`mt` m16 blocks from row `prow`, `block_n / 8` n8 blocks). Q rows and K rows come from
-/// the padded int8 tiles.
+/// path (`mt` m16 blocks from row `prow`, `block_n / 8` n8 blocks). Q rows and K rows (from row
+/// `krow0` of `k_smem`) come from the padded int8 tiles.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn scores_int8<E: Float>(
     q_smem: &SharedMemory<E>,
     k_smem: &SharedMemory<E>,
+    krow0: usize,
     s: &mut Array<f32>,
     prow: usize,
     #[comptime] mt: usize,
@@ -310,7 +313,7 @@ pub fn scores_int8<E: Float>(
         }
         #[unroll]
         for nb in 0..n_blocks {
-            let kw = frag_words(k_smem, nb * 8 + g, ks, t, head_dim);
+            let kw = frag_words(k_smem, krow0 + nb * 8 + g, ks, t, head_dim);
             let mut b = Array::<Vector<i8, NB>>::new(2usize);
             b[0] = Vector::<i8, NB>::reinterpret(kw[0]);
             b[1] = Vector::<i8, NB>::reinterpret(kw[1]);
