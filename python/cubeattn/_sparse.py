@@ -166,17 +166,18 @@ def sparse_spec(q_shape, k_shape, dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     if isinstance(qk_int8, str):  # the older spelling: the granularity passed as qk_int8
         quant_gran, qk_int8 = (qk_int8 if quant_gran is None else quant_gran), None
     quant_gran = _quant_gran(quant_gran, qk_int8, smooth_k)
+    shapes = [list(q_shape), list(k_shape), list(k_shape if v_shape is None else v_shape)]
     cu_q, cu_k = int32_vector(cu_seqlens_q, "cu_seqlens_q"), int32_vector(cu_seqlens_k, "cu_seqlens_k")
-    args = (list(q_shape), list(k_shape), list(k_shape if v_shape is None else v_shape), dtype, cu_q, cu_k,
-            _int(max_seqlen_q, "max_seqlen_q"), _int(max_seqlen_k, "max_seqlen_k"), _scale(softmax_scale),
-            bool(causal), ix.reshape(-1), list(ix.shape), _int(q_block, "q_block", 1), _int(k_block, "k_block", 1),
-            quant_gran, bool(smooth_k))
-    key = (*(repr(a) for a in args[:4]), cu_q.tobytes(), cu_k.tobytes(), *args[6:10], *args[11:])
+    scalars = [_int(max_seqlen_q, "max_seqlen_q"), _int(max_seqlen_k, "max_seqlen_k"), _scale(softmax_scale),
+               bool(causal)]
+    blocks = [_int(q_block, "q_block", 1), _int(k_block, "k_block", 1), quant_gran, bool(smooth_k)]
+    # everything but the index's contents, which are compared element by element
+    key = (repr(shapes), dtype, cu_q.tobytes(), cu_k.tobytes(), *scalars, ix.shape, *blocks)
     for i, (k, cached_ix, spec) in enumerate(_SPECS):
         if k == key and np.array_equal(cached_ix, ix):
             _SPECS.insert(0, _SPECS.pop(i))
             return spec
-    spec = _core.sparse_spec(*args)
+    spec = _core.sparse_spec(*shapes, dtype, cu_q, cu_k, *scalars, ix.reshape(-1), list(ix.shape), *blocks)
     if ix.nbytes <= _SPEC_CACHE_BYTES:
         _SPECS.insert(0, (key, ix.copy(), spec))
         del _SPECS[_SPEC_CACHE_ENTRIES:]

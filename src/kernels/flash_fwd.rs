@@ -228,16 +228,6 @@ pub fn fill_uncovered<E: Float>(out: &mut Array<E>, lse: &mut Array<f32>, inf: f
     }
 }
 
-/// Forward kernel v5: FlashAttention-2's warp shape. Each plane (warp) owns `mt` m16 row blocks
-/// (`mt` = 2: 4 planes x 32 rows = 128 threads), so every K/V B fragment read through `ldmatrix`
-/// feeds `mt` mma instructions (half the shared-memory traffic per FLOP of v4 at `mt` = 2). The Q
-/// tile stays in shared memory (its own buffer, copied with `cp.async` together with the first K
-/// tile) and its A fragments are re-read with `ldmatrix` each key tile, which keeps the register
-/// count under 255 so two 128-thread cubes share a multiprocessor (one cube's barriers and
-/// softmax overlap the other's mma). `block_n` keys per tile (32 or 64); always the cp.async K/V
-/// pipeline and `ldmatrix`. Same work list, slices and partial-output layout as `flash_fwd_mma`
-/// (BLOCK_M = 128 packed rows per cube).
-#[allow(clippy::too_many_arguments)]
 /// Issues the `cp.async` copies of keys `[n0, n1)` of kv head `head_kv` into a padded K or V tile
 /// of `block_n` rows from shared row `row0` (rows past the range repeat key `n1 - 1`: they are
 /// masked); the caller commits them to its barrier.
@@ -270,6 +260,47 @@ fn copy_kv_tile<E: Float>(
     }
 }
 
+/// Issues the copies of keys `[n0, n1)` of K (int8 rows with `int8`) and V into shared rows
+/// `row0..row0 + block_n` of their buffers and commits K's to `bar_k` (with the copies this unit
+/// issued since its last commit: the Q tile for the first tile), V's to `bar_v`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn issue_kv_tiles<E: Float>(
+    k_s: &Array<E>,
+    v_s: &Array<E>,
+    k_smem: &mut SharedMemory<E>,
+    v_smem: &mut SharedMemory<E>,
+    bar_k: &Barrier,
+    bar_v: &Barrier,
+    row0: usize,
+    n0: u32,
+    n1: u32,
+    krow: usize,
+    heads_kv: u32,
+    head_kv: u32,
+    #[comptime] threads: usize,
+    #[comptime] block_n: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] int8: bool,
+) {
+    if int8 {
+        copy_k_tile8(k_s, k_smem, row0, n0, n1, heads_kv, head_kv, threads, block_n, head_dim);
+    } else {
+        copy_kv_tile(k_s, k_smem, row0, n0, n1, krow, head_kv, threads, block_n, head_dim);
+    }
+    commit_copies(bar_k);
+    copy_kv_tile(v_s, v_smem, row0, n0, n1, krow, head_kv, threads, block_n, head_dim);
+    commit_copies(bar_v);
+}
+
+/// The forward kernel: FlashAttention-2's warp shape. Each plane (warp) owns `mt` m16 row blocks
+/// (`mt` = 2: 4 planes x 32 rows = 128 threads), so every K/V B fragment read through `ldmatrix`
+/// feeds `mt` mma instructions. The Q tile stays in shared memory (its own buffer, copied with
+/// `cp.async` together with the first K tile) and its A fragments are re-read with `ldmatrix`
+/// each key tile, which keeps the register count under 255 so two 128-thread cubes share a
+/// multiprocessor (one cube's barriers and softmax overlap the other's mma). `block_n` keys per
+/// tile; K and V double-buffered (module docs). BLOCK_M = 128 packed rows per cube.
+#[allow(clippy::too_many_arguments)]
 #[cube(launch_unchecked)]
 pub fn flash_fwd_mma2<E: Float>(
     q_s: &Array<E>,
@@ -399,14 +430,8 @@ pub fn flash_fwd_mma2<E: Float>(
         // int8 rows: head_dim bytes = head_dim / 2 elements of E
         copy_token_rows(&q_s, &mut q_smem, &row_tok, &row_head, heads_q, NONE, threads, block_m,
                         comptime!(if int8 { head_dim / 2 } else { head_dim }), qk_row, LOAD_VEC);
-        if int8 {
-            copy_k_tile8(&k_s, &mut k_smem, 0usize, f0, f1, heads_kv, head_kv, threads, block_n, head_dim);
-        } else {
-            copy_kv_tile(&k_s, &mut k_smem, 0usize, f0, f1, krow, head_kv, threads, block_n, head_dim);
-        }
-        commit_copies(&bar_k);
-        copy_kv_tile(&v_s, &mut v_smem, 0usize, f0, f1, krow, head_kv, threads, block_n, head_dim);
-        commit_copies(&bar_v);
+        issue_kv_tiles(&k_s, &v_s, &mut k_smem, &mut v_smem, &bar_k, &bar_v, 0usize, f0, f1, krow, heads_kv, head_kv,
+                       threads, block_n, head_dim, int8);
     }
 
     let mut o_acc = Array::<f32>::new(comptime!(mt * o_blocks * ec));
@@ -465,14 +490,8 @@ pub fn flash_fwd_mma2<E: Float>(
         if kt + 1 < n_tiles {
             let nxt = comptime!(block_n) - cur;
             let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, block_n, sparse);
-            if int8 {
-                copy_k_tile8(&k_s, &mut k_smem, nxt, n0, n1, heads_kv, head_kv, threads, block_n, head_dim);
-            } else {
-                copy_kv_tile(&k_s, &mut k_smem, nxt, n0, n1, krow, head_kv, threads, block_n, head_dim);
-            }
-            commit_copies(&bar_k);
-            copy_kv_tile(&v_s, &mut v_smem, nxt, n0, n1, krow, head_kv, threads, block_n, head_dim);
-            commit_copies(&bar_v);
+            issue_kv_tiles(&k_s, &v_s, &mut k_smem, &mut v_smem, &bar_k, &bar_v, nxt, n0, n1, krow, heads_kv, head_kv,
+                           threads, block_n, head_dim, int8);
         }
 
         // ---- S = Q K^T: mt x 16 rows x block_n keys per plane ----
