@@ -436,6 +436,8 @@ def _forward(q, k, v, plan, stride, scale, causal, group):
                                          causal=causal, return_lse=True)
         outs.append(o)
         lses.append(lse)
+    if len(outs) == 1:  # one head slice (heads_k_stride = heads_kv): no concatenation copy
+        return outs[0], lses[0]
     return torch.cat(outs, 1), torch.cat(lses, 0)
 
 
@@ -447,7 +449,8 @@ def _backward(dout, q, k, v, out, lse, plan, stride, scale, causal, deterministi
     g = q.shape[1] // k.shape[1]
     w, tl, d = plan.world_size, plan.total_local, k.shape[2]
     comm = _Comm(q.device)
-    dq = torch.empty_like(q)
+    n_slices = k.shape[1] // stride
+    dq = torch.empty_like(q) if n_slices > 1 else None
     dkv_local = torch.empty((k.shape[1] // stride, 2 * tl, stride, d), dtype=torch.float32, device=k.device)
     k_rows, v_rows = plan.rows(k.device)
     pending = []
@@ -456,7 +459,10 @@ def _backward(dout, q, k, v, out, lse, plan, stride, scale, causal, deterministi
         dqi, dki, dvi = grouped_flash_attn_backward(dout[:, qs], q[:, qs], kk, vv, out[:, qs], lse[qs],
                                                     plan.q_ranges, plan.kv_ranges, softmax_scale=scale,
                                                     causal=causal, deterministic=deterministic)
-        dq[:, qs] = dqi
+        if dq is None:  # one head slice: its dq is the whole dq (no copy)
+            dq = dqi
+        else:
+            dq[:, qs] = dqi
         # back to the gathered (rank-major) layout in float32, then summed onto the owners
         dkv = torch.empty((w * 2 * tl, stride, d), dtype=torch.float32, device=k.device)
         dkv.index_copy_(0, k_rows, dki.float())

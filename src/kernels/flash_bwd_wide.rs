@@ -20,15 +20,21 @@
 //!    per-row key bounds), rounded to the dtype and stored row-major ([row][key]) with
 //!    `stmatrix` (the m16n8 accumulator layout is `stmatrix`'s register layout: one store per
 //!    16 x 16 block and lane);
-//! 3. after one barrier, dV += P^T dO and dK += dS^T Q on a 4 (keys) x 2 (head_dim) grid, 32 keys x
-//!    head_dim / 2 columns per plane over the tile's 64 rows (P^T / dS^T as A operands through
-//!    `ldmatrix.trans` of the row-major tiles), and with `fuse_dq`, dQ[rows] += dS K on a 2 (rows)
-//!    x 4 (columns) grid, added into the f32 accumulator with float2 atomics (rows past the
-//!    segment end add 0.0 to a clamped row: no branch).
+//! 3. after the tile's barrier (P and dS complete; with two P / dS stages the next query tile's
+//!    copies are issued here, into the other stage), dV += P^T dO and dK += dS^T Q on a 4 (keys)
+//!    x 2 (head_dim) grid, 32 keys x head_dim / 2 columns per plane over the tile's 64 rows (P^T
+//!    / dS^T as A operands through `ldmatrix.trans` of the row-major tiles), and with `fuse_dq`,
+//!    dQ[rows] += dS K on a 2 (rows) x 4 (columns) grid, added into the f32 accumulator with
+//!    float2 atomics (rows past the segment end add 0.0 to a clamped row: no branch).
 //!
-//! The dK / dV accumulators (32 keys x head_dim / 2 per plane) stay in registers for the cube's
-//! whole life; K and V stay in shared memory. Shared memory (d128): K, V 68 KB + two stages of Q,
-//! dO 68 KB + P, dS 34 KB = 171 KB: one cube (8 planes) per SM.
+//! Without fused dQ at d128, P and dS have two stages too ([`p_stages_for`]), so that one barrier
+//! per tile suffices: a stage written by tile t was last read by tile t - 2, and every plane
+//! finished that before passing tile t - 1's barrier. Otherwise (one P / dS stage) a second
+//! barrier at the top of the tile waits for the previous tile's readers, and the next query tile
+//! is issued right after it. The dK / dV accumulators (32 keys x head_dim / 2 per plane) stay in
+//! registers for the cube's whole life; K and V stay in shared memory. Shared memory (d128): K, V
+//! 68 KB + two stages of Q, dO 68 KB + P, dS 34 KB (two stages: 68 KB) = 171 KB (206 KB): one
+//! cube (8 planes) per SM; d64 110 KB: two.
 //!
 //! Rows are segment-local and keys window-local for the masks, as in the 64-key kernel: segment
 //! row `r` sees the window keys in `[r + shift - win_l, r + shift + win_r]` (`rows::row_keys`;
@@ -56,6 +62,18 @@ pub const SPARSE_KWORK_WORDS: usize = 4;
 pub const SPARSE_QB_BITS: u32 = 20;
 /// The query-block bits of a transposed-index entry.
 pub const SPARSE_QB_MASK: u32 = (1 << SPARSE_QB_BITS) - 1;
+
+/// Stages of the P / dS tiles. Two (a tile needs one barrier) on the d128 dK / dV kernel without
+/// fused dQ: 206 KB per cube, one cube per SM either way; measured 0.5-1.5% faster there, 0.5-1.5%
+/// slower with fused dQ (bench/NOTES.md). One at d64, where two would cost the second cube per SM
+/// (144 KB against 110 KB).
+pub const fn p_stages_for(head_dim: usize, fuse_dq: bool) -> usize {
+    if head_dim > 64 && !fuse_dq {
+        2
+    } else {
+        1
+    }
+}
 
 /// `acc` (accumulator blocks `[mb (2)][nb (4)][ec]`: 32 rows from `a_row0` x 32 rows of `b_smem`
 /// from `b_row0`) += A B^T over `head_dim` columns: S = Q K^T, dP = dO V^T.
@@ -92,7 +110,7 @@ fn mma_block_abt<E: Float, NA: Size, NB: Size, NC: Size>(
 }
 
 /// One 16-row step of `acc` (accumulator blocks `[mb (2)][ob][ec]`: 32 keys x `n` columns) +=
-/// A^T B: A^T the 32 keys from `key0` of rows `row..row+16` of the row-major tile `a_smem`
+/// A^T B: A^T the 32 keys from `key0` of rows `a_row0 + row..+16` of the row-major tile `a_smem`
 /// (`ldmatrix.trans`), B rows `b_row0 + row..` columns `col0..col0+n` of `b_smem`: dV += P^T dO,
 /// dK += dS^T Q.
 #[cube]
@@ -100,6 +118,7 @@ fn mma_block_abt<E: Float, NA: Size, NB: Size, NC: Size>(
 fn mma_block_atb<E: Float, NA: Size, NB: Size, NC: Size>(
     def: &MmaDefinition<E, E, f32>,
     a_smem: &SharedMemory<E>,
+    a_row0: usize,
     row: usize,
     key0: usize,
     b_smem: &SharedMemory<E>,
@@ -114,8 +133,8 @@ fn mma_block_atb<E: Float, NA: Size, NB: Size, NC: Size>(
     let ec = comptime!(vc * sc);
     let ob_n = comptime!(n / 8);
     let pstride = comptime!(WIDE_BN + PAD);
-    let a0 = frag_a_t::<E, NA>(def, a_smem, row, key0, pstride);
-    let a1 = frag_a_t::<E, NA>(def, a_smem, row, key0 + 16, pstride);
+    let a0 = frag_a_t::<E, NA>(def, a_smem, a_row0 + row, key0, pstride);
+    let a1 = frag_a_t::<E, NA>(def, a_smem, a_row0 + row, key0 + 16, pstride);
     #[unroll]
     for ob2 in 0..comptime!(ob_n / 2) {
         let m = frag_b_n2::<E, NB>(def, b_smem, b_row0 + row, col0 + ob2 * 16, stride);
@@ -211,6 +230,55 @@ fn sparse_q_tile(
     (h, b0 + t * BWD_BM as u32, min(b0 + q_block, q_len))
 }
 
+/// Issues query tile `cur + 1` into the stage `cur` does not use and commits it to that stage's
+/// barrier. The tile is the loop's next (q head, tile) pair: dense, q head `h_base + hq` and rows
+/// from `r_min + ti BM`; sparse, entry `ei` / tile `ti` / repeat `hq` of the transposed list.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn issue_next_q_tile<E: Float>(
+    q_s: &Array<E>,
+    do_s: &Array<E>,
+    lse: &Array<f32>,
+    delta: &Array<f32>,
+    q_smem: &mut SharedMemory<E>,
+    do_smem: &mut SharedMemory<E>,
+    lse_smem: &mut SharedMemory<f32>,
+    dl_smem: &mut SharedMemory<f32>,
+    bar0: &Barrier,
+    bar1: &Barrier,
+    cur: u32,
+    tq_list: &Array<u32>,
+    t_lo: u32,
+    ei: u32,
+    ti: u32,
+    hq: u32,
+    h_base: u32,
+    span: u32,
+    q_block: u32,
+    r_min: u32,
+    q_len: u32,
+    q_start: u32,
+    heads_q: u32,
+    total_q: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] threads: usize,
+    #[comptime] sparse: bool,
+) {
+    let mut h = h_base + hq;
+    let mut r0 = r_min + ti * BWD_BM as u32;
+    if sparse {
+        let (ha, ra, _re) = sparse_q_tile(tq_list, t_lo, ei, ti, hq, h_base, span, q_block, q_len);
+        h = ha;
+        r0 = ra;
+    }
+    let nb = (((cur + 1u32) & 1u32) * BWD_BM as u32) as usize;
+    issue_q_tile::<E>(
+        q_s, do_s, lse, delta, q_smem, do_smem, lse_smem, dl_smem, nb, r0, q_len, q_start, h, heads_q, total_q,
+        head_dim, threads,
+    );
+    commit_stage(bar1, bar0, cur);
+}
+
 /// dK, dV (and with `fuse_dq` the dQ atomics). Grid: entries of `ktiles` x heads_kv in one
 /// dimension, heads fastest; 32 * [`WIDE_PLANES`] units. `ktiles`: key-tile indices (tile t =
 /// keys `[t*WIDE_BN, t*WIDE_BN+WIDE_BN)` of the shared key axis), most expensive first; `tile_off` / `tile_segs`: CSR list of the
@@ -282,9 +350,10 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
     let mut do_smem = SharedMemory::<E>::new_aligned(comptime!(2 * BWD_BM * (head_dim + PAD)), 16usize);
     let mut lse_smem = SharedMemory::<f32>::new(comptime!(2 * BWD_BM));
     let mut dl_smem = SharedMemory::<f32>::new(comptime!(2 * BWD_BM));
-    // P and dS of the current tile, row-major [row][key].
-    let mut p_smem = SharedMemory::<E>::new_aligned(comptime!(BWD_BM * (WIDE_BN + PAD)), 16usize);
-    let mut ds_smem = SharedMemory::<E>::new_aligned(comptime!(BWD_BM * (WIDE_BN + PAD)), 16usize);
+    // P and dS, row-major [row][key]: tile g in rows [(g % p_stages) BM, ..+BM).
+    let p_stages = comptime!(p_stages_for(head_dim, fuse_dq));
+    let mut p_smem = SharedMemory::<E>::new_aligned(comptime!(p_stages * BWD_BM * (WIDE_BN + PAD)), 16usize);
+    let mut ds_smem = SharedMemory::<E>::new_aligned(comptime!(p_stages * BWD_BM * (WIDE_BN + PAD)), 16usize);
     let bar0 = Barrier::shared(comptime!(threads as u32), UNIT_POS == 0);
     let bar1 = Barrier::shared(comptime!(threads as u32), UNIT_POS == 0);
 
@@ -397,8 +466,8 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
             n_it = group * n_qt;
         }
         if n_it > 0 {
-            // First tile of the segment: its stage was last read two tiles ago, before the
-            // barrier at the top of the previous iteration.
+            // First tile of the segment: its stage was last read two tiles ago, by every plane
+            // before the P / dS barrier of the previous tile.
             let boff = ((g_tile & 1u32) * BWD_BM as u32) as usize;
             let mut h0 = hk * group;
             let mut r00 = r_min as u32;
@@ -445,25 +514,25 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
                     hq += 1u32;
                 }
             }
-            let mut qb = 0usize;
-            // Every plane has finished the previous tile: its stage, P and dS are free.
-            sync_cube();
             let cur = g_tile;
-            qb = ((cur & 1u32) * BWD_BM as u32) as usize;
-            if it + 1 < n_it {
-                let mut hn = hk * group + hq;
-                let mut rn = r_min as u32 + ti * BWD_BM as u32;
-                if sparse {
-                    let (ha, ra, _re) = sparse_q_tile(tq_list, t_lo, ei, ti, hq, hk * group, span, q_block, q_len);
-                    hn = ha;
-                    rn = ra;
+            let qb = ((cur & 1u32) * BWD_BM as u32) as usize;
+            // P / dS rows of this tile. With two stages they were last read two tiles ago, by
+            // every plane before the previous tile's P / dS barrier: no barrier here. With one,
+            // every plane must have finished the previous tile's dK / dV and dQ products, and the
+            // next query tile is issued right after that barrier (after the P / dS barrier
+            // instead, it measured slower with fused dQ and its address arithmetic spills at d64).
+            let mut pb = 0usize;
+            if comptime!(p_stages == 2) {
+                pb = ((cur & 1u32) * BWD_BM as u32) as usize;
+            } else {
+                sync_cube();
+                if it + 1 < n_it {
+                    issue_next_q_tile::<E>(
+                        q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, &bar0, &bar1, cur,
+                        tq_list, t_lo, ei, ti, hq, hk * group, span, q_block, r_min as u32, q_len, q_start, heads_q,
+                        total_q, head_dim, threads, sparse,
+                    );
                 }
-                let nb = (((cur + 1u32) & 1u32) * BWD_BM as u32) as usize;
-                issue_q_tile::<E>(
-                    q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, nb, rn, q_len,
-                    q_start, hn, heads_q, total_q, head_dim, threads,
-                );
-                commit_stage(&bar1, &bar0, cur);
             }
             wait_stage(&bar0, &bar1, cur);
             g_tile = cur + 1u32;
@@ -495,7 +564,7 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
                 && kw0 >= shift + rr0 + (BLK as i32 - 1i32) - win_l as i32;
             if full {
                 probs_store::<E, NA>(
-                    &def, &mut s, &mut dp, &lse2, &dl, &lo, &hi, scale_log2, &mut p_smem, &mut ds_smem, rw, kw_s,
+                    &def, &mut s, &mut dp, &lse2, &dl, &lo, &hi, scale_log2, &mut p_smem, &mut ds_smem, pb + rw, kw_s,
                     false, pstride,
                 );
             } else {
@@ -515,18 +584,30 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
                     hi[ri] = h_;
                 }
                 probs_store::<E, NA>(
-                    &def, &mut s, &mut dp, &lse2, &dl, &lo, &hi, scale_log2, &mut p_smem, &mut ds_smem, rw, kw_s,
+                    &def, &mut s, &mut dp, &lse2, &dl, &lo, &hi, scale_log2, &mut p_smem, &mut ds_smem, pb + rw, kw_s,
                     true, pstride,
                 );
             }
+            // P and dS complete; every plane has also finished the previous tile, so the stage it
+            // read is free: with two P / dS stages the next query tile is issued here and loads
+            // during the products below.
             sync_cube();
+            if comptime!(p_stages == 2) {
+                if it + 1 < n_it {
+                    issue_next_q_tile::<E>(
+                        q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, &bar0, &bar1, cur,
+                        tq_list, t_lo, ei, ti, hq, hk * group, span, q_block, r_min as u32, q_len, q_start, heads_q,
+                        total_q, head_dim, threads, sparse,
+                    );
+                }
+            }
 
             // ---- 3. dV += P^T dO, dK += dS^T Q (32 keys x head_dim / 2, the tile's 64 rows) ----
             if live {
                 #[unroll]
                 for ks in 0..comptime!(BWD_BM / 16) {
-                    mma_block_atb::<E, NA, NB, NC>(&def, &p_smem, ks * 16, kw_s, &do_smem, qb, cb, &mut dv_acc, hn, stride);
-                    mma_block_atb::<E, NA, NB, NC>(&def, &ds_smem, ks * 16, kw_s, &q_smem, qb, cb, &mut dk_acc, hn, stride);
+                    mma_block_atb::<E, NA, NB, NC>(&def, &p_smem, pb, ks * 16, kw_s, &do_smem, qb, cb, &mut dv_acc, hn, stride);
+                    mma_block_atb::<E, NA, NB, NC>(&def, &ds_smem, pb, ks * 16, kw_s, &q_smem, qb, cb, &mut dk_acc, hn, stride);
                 }
             }
 
@@ -538,8 +619,8 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
                 }
                 #[unroll]
                 for ks in 0..comptime!(WIDE_BN / 16) {
-                    let a0 = frag_a::<E, NA>(&def, &ds_smem, rw, ks * 16, pstride);
-                    let a1 = frag_a::<E, NA>(&def, &ds_smem, rw + 16, ks * 16, pstride);
+                    let a0 = frag_a::<E, NA>(&def, &ds_smem, pb + rw, ks * 16, pstride);
+                    let a1 = frag_a::<E, NA>(&def, &ds_smem, pb + rw + 16, ks * 16, pstride);
                     #[unroll]
                     for ob2 in 0..comptime!(oq_n / 2) {
                         let m = frag_b_n2::<E, NB>(&def, &k_smem, ks * 16, cq + ob2 * 16, stride);
