@@ -340,6 +340,8 @@ fn decode(bytes: &[u8]) -> Option<(String, Source, Vec<u8>)> {
 pub(crate) struct Kernels {
     ctx: usize,
     arch: String,
+    /// Shared memory one block may use on this device (opt-in limit, bytes; 0: unknown).
+    smem_limit: u32,
     flags: Vec<String>,
     loaded: Mutex<HashMap<KernelKey, Func>>,
     /// Kernels compiled (not read from disk) by this process, for reports and tests.
@@ -347,9 +349,9 @@ pub(crate) struct Kernels {
 }
 
 impl Kernels {
-    pub fn new(ctx: usize, major: i32, minor: i32) -> Kernels {
+    pub fn new(ctx: usize, major: i32, minor: i32, smem_limit: u32) -> Kernels {
         let arch = if major >= 9 { format!("sm_{major}{minor}a") } else { format!("sm_{major}{minor}") };
-        Kernels { ctx, arch, flags: extra_flags(), loaded: Mutex::new(HashMap::new()), compiled: Default::default() }
+        Kernels { ctx, arch, smem_limit, flags: extra_flags(), loaded: Mutex::new(HashMap::new()), compiled: Default::default() }
     }
 
     /// Kernels this process compiled with NVRTC (the rest came from the disk cache).
@@ -413,6 +415,7 @@ impl Kernels {
 
     fn load(&self, name: &'static str, src: &Source, cubin: &[u8]) -> Result<Func> {
         use cudarc::driver::result as drv;
+        smem_fits(&src.entry, src.smem, self.smem_limit)?;
         let entry = CString::new(src.entry.as_str()).map_err(|e| nvrtc_err("entry point", e))?;
         // SAFETY: `ctx` is the device's retained primary context; `cubin` is a complete image
         // produced by NVRTC for this device's architecture (or read back byte for byte).
@@ -431,6 +434,23 @@ impl Kernels {
     }
 }
 
+/// A kernel's shared memory against the device's per-block limit (`limit` 0: unknown, not
+/// checked), as an error that says so instead of the driver's bare `cuFuncSetAttribute` failure.
+fn smem_fits(entry: &str, need: u32, limit: u32) -> Result<()> {
+    if limit == 0 || need <= limit {
+        return Ok(());
+    }
+    Err(Error::Unsupported {
+        backend: "cuda",
+        msg: format!(
+            "kernel {entry} needs {} KiB of shared memory per block and this GPU allows {} KiB (the CUDA \
+             kernels are sized for H100 / H200, 227 KiB); run this call with device=\"cpu\"",
+            need.div_ceil(1024),
+            limit / 1024
+        ),
+    })
+}
+
 /// Writes a cache file atomically (temporary file + rename); failures only cost a recompile.
 fn store(path: &Path, bytes: &[u8]) {
     let Some(dir) = path.parent() else { return };
@@ -446,6 +466,18 @@ fn store(path: &Path, bytes: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shared_memory_beyond_the_device_limit_is_a_clear_error() {
+        assert!(smem_fits("k", 106_496, 232_448).is_ok());
+        assert!(smem_fits("k", 106_496, 0).is_ok(), "an unknown limit is not checked");
+        match smem_fits("flash_fwd_mma2_x", 175_000, 101_376) {
+            Err(Error::Unsupported { msg, .. }) => {
+                assert!(msg.contains("flash_fwd_mma2_x needs 171 KiB") && msg.contains("allows 99 KiB"), "{msg}")
+            }
+            other => panic!("expected Unsupported, got {other:?}"),
+        }
+    }
 
     #[test]
     fn cache_entries_round_trip() {

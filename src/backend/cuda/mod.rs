@@ -133,21 +133,22 @@ impl CudaBackend {
             }
             let client = guarded("CubeCL CUDA runtime", || CudaRuntime::client(&CudaDevice::new(index)))?;
             // SAFETY: `index` is below the driver's device count (checked above).
-            let (ctx, major, minor) = unsafe {
+            let (ctx, major, minor, smem_limit) = unsafe {
                 use cudarc::driver::result as drv;
                 use cudarc::driver::sys::CUdevice_attribute as A;
                 let dev = drv::device::get(index as i32).map_err(|e| format!("cuDeviceGet: {e:?}"))?;
                 let ctx = drv::primary_ctx::retain(dev).map_err(|e| format!("cuDevicePrimaryCtxRetain: {e:?}"))?;
                 let major = drv::device::get_attribute(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR).unwrap_or(0);
                 let minor = drv::device::get_attribute(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR).unwrap_or(0);
-                (ctx as usize, major, minor)
+                let smem = drv::device::get_attribute(dev, A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).unwrap_or(0);
+                (ctx as usize, major, minor, smem.max(0) as u32)
             };
             driver::bind(ctx).map_err(|e| e.to_string())?;
             let stream = driver::Stream::new().map_err(|e| e.to_string())?;
             Ok(CudaBackend {
                 client,
                 ctx,
-                kernels: compile::Kernels::new(ctx, major, minor),
+                kernels: compile::Kernels::new(ctx, major, minor, smem_limit),
                 fwd_plans: plans::PlanCache::new(ctx),
                 bwd_plans: plans::PlanCache::new(ctx),
                 sparse_plans: plans::PlanCache::new(ctx),
