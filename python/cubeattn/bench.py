@@ -243,14 +243,30 @@ def _ours_per_group(bench, key, flops, C, ends, hq, hkv, d, args):
         return dict(key, impl="cubeattn_per_group", error=str(e)[:200])
 
 
+def _compiled_flex(torch):
+    """FlexAttention compiled with static shapes, with room for every shape of a run: past
+    dynamo's recompile limit (8 by default) a call falls back to the unfused implementation, which
+    materialises the score matrix (slow, and out of memory at Llama3-70B heads): not the peer a
+    user runs."""
+    import torch._dynamo
+    from torch.nn.attention.flex_attention import flex_attention
+
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                 "accumulated_cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), 1024))
+    return torch.compile(flex_attention, dynamic=False)
+
+
 def _cuda_grouped(args, torch):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
 
     try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-        flex = torch.compile(flex_attention, dynamic=False)
+        from torch.nn.attention.flex_attention import create_block_mask
+        flex = _compiled_flex(torch)
     except Exception:
         flex = None
     tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
@@ -781,9 +797,9 @@ def _cuda_sparse(args, torch):
     it = args.iterations
     rows = []
     try:
-        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+        from torch.nn.attention.flex_attention import BlockMask
 
-        flex = torch.compile(flex_attention, dynamic=False)
+        flex = _compiled_flex(torch)
     except Exception as e:  # report, keep the others
         flex = None
         rows.append(dict(what="sparse", impl="flex", error=str(e)[:200]))
