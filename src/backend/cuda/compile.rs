@@ -216,9 +216,25 @@ fn fnv(parts: &[&[u8]]) -> u64 {
     h
 }
 
-/// Hash of every kernel source file: a cached cubin is never reused after a kernel edit.
+/// The backend files that decide a kernel's CUDA source besides the kernels themselves: the
+/// code-generation options and source rewrites, and the comptime arguments each launcher passes.
+const CODEGEN_SOURCES: &[&str] = &[
+    include_str!("compile.rs"),
+    include_str!("rewrite.rs"),
+    include_str!("forward.rs"),
+    include_str!("backward.rs"),
+    include_str!("sparse.rs"),
+    include_str!("sparse_bwd.rs"),
+    include_str!("sparse_int8.rs"),
+    include_str!("nonfinite.rs"),
+    include_str!("zigzag.rs"),
+];
+
+/// Hash of every kernel source file and of the backend files that shape the generated source: a
+/// cached cubin is never reused after a kernel edit or a changed rewrite (before, a rewrite
+/// edit kept serving the old cubins from the disk cache).
 fn kernel_sources_hash() -> u64 {
-    let parts: Vec<&[u8]> = crate::kernels::SOURCES.iter().map(|s| s.as_bytes()).collect();
+    let parts: Vec<&[u8]> = crate::kernels::SOURCES.iter().chain(CODEGEN_SOURCES).map(|s| s.as_bytes()).collect();
     fnv(&parts)
 }
 
