@@ -134,6 +134,9 @@ pub(crate) fn fwd_source(
         };
     }
     let mut src = if is_f16(dt) { k!(f16) } else { k!(bf16) }?;
+    if hd == 64 && !int8 && threads == 128 {
+        src.cuda = super::rewrite::min_blocks(&src.entry, &src.cuda, 3)?;
+    }
     if int8 {
         src.cuda = super::rewrite::int8_words(&src.entry, &src.cuda)?;
     }

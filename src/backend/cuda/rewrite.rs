@@ -237,6 +237,26 @@ pub(crate) fn smem_addresses(entry: &str, src: &str) -> Result<String> {
     Ok(out)
 }
 
+/// Asks ptxas for `blocks` resident cubes per multiprocessor: CubeCL prints
+/// `__launch_bounds__(threads)` on every kernel; this adds the minimum-blocks argument, which caps
+/// the registers per thread at 65536 / (blocks x threads) (NVRTC's `-maxrregcount` does not apply
+/// to a kernel that has launch bounds). Used by the d64 forward (three cubes of 128 threads:
+/// 168 registers instead of 214; bench/NOTES.md).
+pub(crate) fn min_blocks(entry: &str, src: &str, blocks: u32) -> Result<String> {
+    let at = src.find("__launch_bounds__(").ok_or_else(|| mismatch(entry, "launch-bounds", "no `__launch_bounds__(`"))?;
+    let rest = &src[at + "__launch_bounds__(".len()..];
+    let close = rest.find(')').ok_or_else(|| mismatch(entry, "launch-bounds", "an unterminated `__launch_bounds__`"))?;
+    let threads = &rest[..close];
+    if threads.is_empty() || !threads.chars().all(|c| c.is_ascii_digit()) || src[at + 1..].contains("__launch_bounds__(") {
+        return Err(mismatch(entry, "launch-bounds", "not one `__launch_bounds__(threads)`"));
+    }
+    let mut out = String::with_capacity(src.len() + 8);
+    out.push_str(&src[..at]);
+    out.push_str(&format!("__launch_bounds__({threads}, {blocks})"));
+    out.push_str(&rest[close + 1..]);
+    Ok(out)
+}
+
 /// CubeCL's 4 x int8 vector (the int8 `mma.sync` fragment register) as it prints it.
 const INT8_4: &str = "struct __align__(4) int8_4 {\n    int8 i_0;\n    int8 i_1;\n    int8 i_2;\n    int8 i_3;\n};";
 
@@ -313,6 +333,17 @@ mod tests {
         assert!(smem_addresses("k", &WRAPPERS.replace("shared_memory_1 + l_1079", "shared_memory_1 + l_1 * 2")).is_err());
         assert!(smem_addresses("k", &WRAPPERS.replace("shared_memory_1 + l_1079", "&shared_memory_1[l_1079]")).is_err());
         assert!(smem_addresses("k", &WRAPPERS.replace("(__cvta_generic_to_shared(row_addr))", "(row_addr)")).is_err());
+    }
+
+    #[test]
+    fn min_blocks_adds_the_second_launch_bound() {
+        let src = "extern \"C\" __global__ void __launch_bounds__(128)k_ (\n int x) {}";
+        assert_eq!(
+            min_blocks("k_", src, 3).unwrap(),
+            "extern \"C\" __global__ void __launch_bounds__(128, 3)k_ (\n int x) {}"
+        );
+        assert!(min_blocks("k_", "__global__ void k_() {}", 3).is_err());
+        assert!(min_blocks("k_", "__launch_bounds__(128, 2)k_", 3).is_err());
     }
 
     #[test]
