@@ -73,7 +73,7 @@ impl SparseBwdPlan {
         let mut segs = Vec::with_capacity(a.segments.len() * 4);
         // dQ items: (cost, (sequence, first row, end row of the query block), query block, last row)
         let mut q_items: Vec<(usize, [u32; SPARSE_QWORK_WORDS], usize, usize)> = Vec::new();
-        // dK/dV items: (first row that sees the first key, then the item's cost; work words)
+        // dK/dV items: (first row that sees the first key, work words)
         let mut k_items: Vec<(usize, [u32; SPARSE_KWORK_WORDS])> = Vec::new();
         for (b, sg) in a.segments.iter().enumerate() {
             segs.extend_from_slice(&[sg.q_start as u32, sg.q_len as u32, sg.k_start as u32, sg.k_len as u32]);
@@ -102,18 +102,9 @@ impl SparseBwdPlan {
         for i in 0..q_items.len() {
             q_items[i].0 = (0..ix.heads).map(|y| tiles(y, &q_items[i]).1).sum();
         }
-        // dK/dV cost of an item: the listings (over index heads) of its key block by query blocks
-        // whose rows can see the item's first key (all of them unless causal)
-        let tr = spec.transposed();
-        for it in k_items.iter_mut() {
-            let (b, kb, qb_min) = (it.1[0] as usize, it.1[3] as usize, it.0 / spec.q_block);
-            it.0 = (0..tr.heads).map(|h| tr.listing(b, h, kb)).map(|l| l.len() - l.partition_point(|&qb| (qb as usize) < qb_min)).sum();
-        }
-        // most key tiles first (dQ), most listed query blocks first (dK/dV): the long cubes start
-        // early and the short ones fill the last wave (a random pattern's key blocks are listed
-        // unevenly)
+        // most key tiles first (dQ), most query rows first (dK/dV): the long cubes start early
         q_items.sort_by_key(|x| std::cmp::Reverse(x.0));
-        k_items.sort_by_key(|x| std::cmp::Reverse(x.0));
+        k_items.sort_by_key(|x| x.0);
         let mut q_ref = vec![0u32; q_items.len() * ix.heads * 2];
         for y in 0..ix.heads {
             for (x, it) in q_items.iter().enumerate() {
@@ -307,37 +298,5 @@ impl CudaBackend {
         self.run_backward_host(&spec.attn, q, k, v, grad, poison, |_| Ok(sparse_backward_workspace(spec, det)), |p, ws, s| unsafe {
             self.sparse_backward_device(spec, p, det, ws, s).map(|_| ())
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::dtype::DType;
-    use crate::spec::{AttnSpec, TensorMeta};
-
-    /// The dK/dV work list starts with the key blocks the most query blocks list (then key order),
-    /// and a causal item counts only the query blocks whose rows can see its first key.
-    #[test]
-    fn dkdv_items_most_listed_first() {
-        let plan_kbs = |causal: bool, ix: &[i32]| {
-            let q = TensorMeta::new(&[512, 1, 64], DType::F16);
-            let k = TensorMeta::new(&[512, 1, 64], DType::F16);
-            let a = AttnSpec::varlen(&q, &k, &k, &[0, 512], &[0, 512], 512, 512, None, causal).unwrap();
-            let s = SparseSpec::new(a, ix, &[1, 1, 4, 4], 128, 128, None).unwrap();
-            let (plan, tables) = SparseBwdPlan::build(&s);
-            assert_eq!(plan.n_k_items, 4);
-            tables[T_KWORK].chunks(SPARSE_KWORK_WORDS).map(|w| w[3]).collect::<Vec<_>>()
-        };
-        // key block 2 listed by 4 query blocks, 0 by 2, 1 by 1, 3 by none
-        let ix = [2, 0, -1, -1, 2, 1, 0, -1, 2, -1, -1, -1, 2, -1, -1, -1];
-        assert_eq!(plan_kbs(false, &ix), vec![2, 0, 1, 3]);
-        // causal: key block 3 seen by query block 3 only, 2 by 2 and 3, 0 and 1 by all 4
-        let all: Vec<i32> = (0..4).flat_map(|qb| (0..4).map(move |kb| if kb <= qb { kb } else { -1 })).collect();
-        assert_eq!(plan_kbs(true, &all), vec![0, 1, 2, 3]);
-        let rev: Vec<i32> = [3, 2, 1, 0, 3, 2, -1, -1, 3, -1, -1, -1, -1, -1, -1, -1].to_vec();
-        // listings: kb 3 by q 0, 1, 2; kb 2 by q 0, 1; kb 1 by q 0; kb 0 by q 0. Causal visibility
-        // from query block kb on: kb 3 -> 0 of them, kb 2 -> 0, kb 1 -> 0, kb 0 -> 1
-        assert_eq!(plan_kbs(true, &rev)[0], 0);
     }
 }
