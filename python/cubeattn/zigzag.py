@@ -451,7 +451,7 @@ def _backward(dout, q, k, v, out, lse, plan, stride, scale, causal, deterministi
     comm = _Comm(q.device)
     n_slices = k.shape[1] // stride
     dq = torch.empty_like(q) if n_slices > 1 else None
-    dkv_local = torch.empty((k.shape[1] // stride, 2 * tl, stride, d), dtype=torch.float32, device=k.device)
+    dkv_local = torch.empty((n_slices, 2 * tl, stride, d), dtype=torch.float32, device=k.device)
     k_rows, v_rows = plan.rows(k.device)
     pending = []
     for i, hs, kk, vv in _gathered_kv(k, v, stride, group, plan, comm):

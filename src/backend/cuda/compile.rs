@@ -230,12 +230,15 @@ const CODEGEN_SOURCES: &[&str] = &[
     include_str!("zigzag.rs"),
 ];
 
-/// Hash of every kernel source file and of the backend files that shape the generated source: a
-/// cached cubin is never reused after a kernel edit or a changed rewrite (before, a rewrite
-/// edit kept serving the old cubins from the disk cache).
+/// Hash of every kernel source file and of the backend files that shape the generated source
+/// (computed once per process): a cached cubin is never reused after a kernel edit or a changed
+/// rewrite (before, a rewrite edit kept serving the old cubins from the disk cache).
 fn kernel_sources_hash() -> u64 {
-    let parts: Vec<&[u8]> = crate::kernels::SOURCES.iter().chain(CODEGEN_SOURCES).map(|s| s.as_bytes()).collect();
-    fnv(&parts)
+    static H: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *H.get_or_init(|| {
+        let parts: Vec<&[u8]> = crate::kernels::SOURCES.iter().chain(CODEGEN_SOURCES).map(|s| s.as_bytes()).collect();
+        fnv(&parts)
+    })
 }
 
 fn nvrtc_err(what: &str, e: impl std::fmt::Debug) -> Error {
