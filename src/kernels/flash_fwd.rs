@@ -45,7 +45,7 @@ use super::fragments::{frag_a, frag_b_pair, mma_into};
 use super::int8_qk::{copy_k_tile8, scores_int8, stride8};
 use super::staging::{commit_copies, copy_token_rows};
 use super::math::{fast_exp2, LN2};
-use super::rows::row_keys;
+use super::rows::{row_keys, WIN_NONE};
 
 /// Packed rows per cube.
 pub const BLOCK_M: usize = 16 * PLANES;
@@ -68,66 +68,6 @@ pub const LIST_SMEM: usize = 256;
 /// Marks "no row" / "no partial slot".
 pub const NONE: u32 = u32::MAX;
 
-/// Per-row metadata of one tile, written to shared memory by the first BLOCK_M units:
-/// token (NONE for an empty row), q head, and the visible absolute key range clipped to
-/// `[klo, khi)` (`lo == hi` when empty).
-#[allow(clippy::too_many_arguments)]
-#[cube]
-pub fn fill_rows(
-    slices: &Array<u32>,
-    segs: &Array<u32>,
-    slice_off: u32,
-    n_slices: u32,
-    hp: u32,
-    head_base: u32,
-    klo: u32,
-    khi: u32,
-    row_tok: &mut SharedMemory<u32>,
-    row_head: &mut SharedMemory<u32>,
-    row_lo: &mut SharedMemory<u32>,
-    row_hi: &mut SharedMemory<u32>,
-    #[comptime] causal: bool,
-) {
-    let r = UNIT_POS;
-    if r < BLOCK_M as u32 {
-        let mut tok = 0xFFFF_FFFFu32;
-        let mut head = 0u32;
-        let mut lo = 0u32;
-        let mut hi = 0u32;
-        let mut off = 0u32;
-        for i in 0..n_slices {
-            let base = ((slice_off + i) * SLICE_WORDS as u32) as usize;
-            let n = slices[base + 2];
-            if r >= off && r < off + n {
-                let seg = slices[base] as usize;
-                let p = slices[base + 1] + (r - off);
-                let qr = p / hp;
-                let q_start = segs[seg * 4];
-                let q_len = segs[seg * 4 + 1];
-                let k_start = segs[seg * 4 + 2];
-                let k_len = segs[seg * 4 + 3];
-                tok = q_start + qr;
-                head = head_base + p % hp;
-                let mut vis = k_len;
-                if causal {
-                    let lim = k_len as i32 - q_len as i32 + qr as i32 + 1;
-                    vis = max(min(lim, k_len as i32), 0i32) as u32;
-                }
-                lo = max(k_start, klo);
-                hi = min(k_start + vis, khi);
-                if hi < lo {
-                    hi = lo;
-                }
-            }
-            off += n;
-        }
-        row_tok[r as usize] = tok;
-        row_head[r as usize] = head;
-        row_lo[r as usize] = lo;
-        row_hi[r as usize] = hi;
-    }
-}
-
 /// Merges the partial results of split tiles. One cube per (split tile, CUBE_POS_Y); `comb`:
 /// COMB_WORDS u32 per entry (slice offset, slice count, first slot, number of parts). Eight planes,
 /// 16 rows each; a row's lanes cover its `head_dim` columns.
@@ -148,7 +88,6 @@ pub fn combine_parts<E: Float>(
     n_slots: u32,
     inf: f32,
     #[comptime] head_dim: usize,
-    #[comptime] causal: bool,
 ) {
     // v holds a NaN or Inf: no partials were written, the exact row-wise kernel writes this call
     if nonfinite[0] != 0u32 {
@@ -162,9 +101,10 @@ pub fn combine_parts<E: Float>(
     let head_base = CUBE_POS_Y * hp;
     let first = comb[e + 2];
     let n_parts = comb[e + 3];
+    // only the rows' tokens and heads are read here (the key bounds are the forward's)
     fill_rows(
         slices, segs, comb[e], comb[e + 1], hp, head_base, 0u32, NONE, &mut row_tok, &mut row_head, &mut row_lo,
-        &mut row_hi, causal,
+        &mut row_hi, WIN_NONE, WIN_NONE, comptime!(PLANES * 32), BLOCK_M,
     );
     sync_cube();
     let lane = UNIT_POS_PLANE as usize;
@@ -397,8 +337,7 @@ pub fn flash_fwd_mma2<E: Float>(
         n_tiles = (khi - klo + block_n as u32 - 1) / block_n as u32;
     }
 
-    // fill_rows covers rows [0, block_m) with one unit each: with fewer units, loop.
-    fill_rows2(
+    fill_rows(
         slices, segs, slice_off, n_slices, hp, head_base, klo, khi, &mut row_tok, &mut row_head, &mut row_lo,
         &mut row_hi, win_l, win_r, threads, block_m,
     );
@@ -756,12 +695,14 @@ pub fn flash_fwd_mma2<E: Float>(
     }
 }
 
-/// `fill_rows` for cubes of `block_m` rows with `threads` units (fewer than rows: each unit fills
-/// several rows); each row's keys from `rows::row_keys` with the call's bounds (`win_r` 0 is the
-/// causal diagonal), so causal and sliding-window calls share one kernel.
+/// Per-row metadata of one tile of `block_m` rows, written to shared memory by `threads` units
+/// (fewer than rows: each unit fills several rows): token (NONE for an empty row), q head, and the
+/// visible absolute key range clipped to `[klo, khi)` (`lo == hi` when empty), from
+/// `rows::row_keys` with the call's bounds (`win_r` 0 is the causal diagonal), so causal and
+/// sliding-window calls share one kernel.
 #[allow(clippy::too_many_arguments)]
 #[cube]
-fn fill_rows2(
+fn fill_rows(
     slices: &Array<u32>,
     segs: &Array<u32>,
     slice_off: u32,

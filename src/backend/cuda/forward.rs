@@ -143,6 +143,21 @@ pub(crate) fn fwd_source(
     Ok(src)
 }
 
+/// CUDA source of the split-K combine ([`flash_fwd::combine_parts`]).
+pub(crate) fn combine_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: usize) -> Result<Source> {
+    macro_rules! k {
+        ($t:ty) => {
+            codegen(flash_fwd::combine_parts::CombineParts::<$t, CudaRuntime>::new(
+                settings(32 * flash_fwd::PLANES as u32),
+                client.clone(),
+                A, A, A, A, A, A, A, A, (), (), (), (), (),
+                hd,
+            ))
+        };
+    }
+    if is_f16(dt) { k!(f16) } else { k!(bf16) }
+}
+
 /// Enqueues the forward of `spec` on `stream`. `plan` must be the cached plan of `spec`.
 pub(crate) fn launch_forward(
     be: &CudaBackend,
@@ -234,21 +249,8 @@ pub(crate) fn launch_forward(
     launch(&f, (n_work * y, 1, 1), &mut a, stream)?;
 
     if fp.n_comb() > 0 {
-        let key = KernelKey::new("combine_parts", dt, &[hd as u32, spec.causal as u32]);
-        let f = be.kernels.get(&key, || {
-            macro_rules! k {
-                ($t:ty) => {
-                    codegen(flash_fwd::combine_parts::CombineParts::<$t, CudaRuntime>::new(
-                        settings(32 * flash_fwd::PLANES as u32),
-                        client.clone(),
-                        A, A, A, A, A, A, A, A, (), (), (), (), (),
-                        hd,
-                        spec.causal,
-                    ))
-                };
-            }
-            if is_f16(dt) { k!(f16) } else { k!(bf16) }
-        })?;
+        let key = KernelKey::new("combine_parts", dt, &[hd as u32]);
+        let f = be.kernels.get(&key, || combine_source(client, dt, hd))?;
         let mut a = Args::new();
         a.array(p.out, ql).array(p.lse, ll).array(part_o, n_part * hd).array(part_lse, n_part);
         for i in [TBL_FWD_COMB, TBL_FWD_SLICES, TBL_SEGS] {

@@ -27,6 +27,7 @@ mod tests {
             ("fwd_sparse_d128", fwd_source(c, dt, 128, 2, 64, 64, true, false)),
             ("fwd_sparse_int8_d128", fwd_source(c, dt, 128, 2, 64, 64, true, true)),
             ("fwd_sparse_int8_d64", fwd_source(c, dt, 64, 2, 64, 64, true, true)),
+            ("combine_d128", super::super::forward::combine_source(c, dt, 128)),
             ("int8_quantize_k_d128", super::super::sparse_int8::quantize_source(c, dt, 128, true, true)),
             ("dq_d128", dq_source(c, dt, 128, false, false)),
             ("dq_d64", dq_source(c, dt, 64, false, false)),
