@@ -523,7 +523,7 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
             // instead, it measured slower with fused dQ and its address arithmetic spills at d64).
             let mut pb = 0usize;
             if comptime!(p_stages == 2) {
-                pb = ((cur & 1u32) * BWD_BM as u32) as usize;
+                pb = qb;
             } else {
                 sync_cube();
                 if it + 1 < n_it {
