@@ -45,6 +45,7 @@ use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
 use super::flash_bwd::{BWD_BM, PAD};
+use super::bulk_reduce::{dq_row_dst, dq_rows_read, dq_tile_stride, issue_dq_row};
 use super::fragments::{frag_a, frag_a_t, frag_b_n2, frag_b_t2, mma_into, store_acc_16x16};
 use super::math::{fast_exp2, LOG2E};
 use super::rows::key_rows;
@@ -300,6 +301,7 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
     dk: &mut Array<E>,
     dv: &mut Array<E>,
     dq_acc: &mut Array<Atomic<Vector<f32, NQ>>>,
+    dq_rows: &mut Array<Vector<f32, NQ>>,
     q_s: &Array<E>,
     do_s: &Array<E>,
     ktiles: &Array<u32>,
@@ -322,6 +324,7 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
     win_r: u32,
     #[comptime] head_dim: usize,
     #[comptime] fuse_dq: bool,
+    #[comptime] dq_bulk: bool,
     #[comptime] qvec: usize,
     #[comptime] sparse: bool,
 ) {
@@ -356,6 +359,11 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
     let mut ds_smem = SharedMemory::<E>::new_aligned(comptime!(p_stages * BWD_BM * (WIDE_BN + PAD)), 16usize);
     let bar0 = Barrier::shared(comptime!(threads as u32), UNIT_POS == 0);
     let bar1 = Barrier::shared(comptime!(threads as u32), UNIT_POS == 0);
+    // Fused dQ by bulk reductions (`bulk_reduce`): the tile's dQ, row-major.
+    let bulk = comptime!(fuse_dq && dq_bulk);
+    let dts = comptime!(dq_tile_stride(head_dim));
+    let mut dq_tile =
+        SharedMemory::<Vector<f32, NQ>>::new_aligned(comptime!(if bulk { BWD_BM * dts / qvec } else { 1usize }), 16usize);
 
     // One cube per (work item, kv head), heads fastest: the cubes start in the work list's order
     // (most (row, key) pairs first) over all heads, so the longest ones do not start last.
@@ -525,7 +533,10 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
             if comptime!(p_stages == 2) {
                 pb = qb;
             } else {
-                sync_cube();
+                // (the bulk dQ path has this barrier at the end of the previous tile instead)
+                if !bulk {
+                    sync_cube();
+                }
                 if it + 1 < n_it {
                     issue_next_q_tile::<E>(
                         q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, &bar0, &bar1, cur,
@@ -590,7 +601,11 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
             }
             // P and dS complete; every plane has also finished the previous tile, so the stage it
             // read is free: with two P / dS stages the next query tile is issued here and loads
-            // during the products below.
+            // during the products below. Bulk dQ: the rows issued above are read before the tile
+            // is stored again.
+            if bulk {
+                dq_rows_read(BWD_BM);
+            }
             sync_cube();
             if comptime!(p_stages == 2) {
                 if it + 1 < n_it {
@@ -630,41 +645,81 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
                         mma_into::<E, NA, NB, NC>(&def, &a1, &m, 2usize, &mut dqc, (oq_n + 2 * ob2 + 1) * ec);
                     }
                 }
-                // Rows past the segment's end add 0.0 to a row that exists (the last row of the
-                // tensor at most): no branch around the atomics, and x + 0.0 == x.
-                let last = total_q - 1u32;
-                #[unroll]
-                for ri in 0..4usize {
-                    let rl = r0 + (rw + (ri / 2) * 16 + (ri % 2) * 8) as u32 + g;
-                    let ok = rl < row_end;
-                    // in units of qvec floats (a multiple of qvec: t2, cq and head_dim are even), so
-                    // the 8-column steps below are constant offsets of one address per row
-                    let gv = (((min(q_start + rl, last)) * heads_q + h) as usize * head_dim + cq + t2 as usize) / qvec;
+                if bulk {
+                    // into the shared tile (in vectors: the lane's first element, then constant
+                    // offsets), added from the end of the tile on, rows before row_end only
+                    let sv = ((rw + g as usize) * dts + cq + t2 as usize) / qvec;
                     #[unroll]
-                    for ob in 0..oq_n {
-                        // accumulator pair (e, e + 1) of row half ri % 2: adjacent columns
-                        let e = (ri % 2) * (ec / 2);
-                        let i = ((ri / 2) * oq_n + ob) * ec + e;
-                        let x0 = select(ok, dqc[i], 0.0f32);
-                        let x1 = select(ok, dqc[i + 1], 0.0f32);
-                        let gi = gv + ob * comptime!(8 / qvec);
-                        if qvec == 2 {
-                            let mut val = Vector::<f32, NQ>::empty();
-                            val[0] = x0;
-                            val[1] = x1;
-                            dq_acc[gi].fetch_add(val);
-                        } else {
-                            let mut v0 = Vector::<f32, NQ>::empty();
-                            v0[0] = x0;
-                            dq_acc[gi].fetch_add(v0);
-                            let mut v1 = Vector::<f32, NQ>::empty();
-                            v1[0] = x1;
-                            dq_acc[gi + 1].fetch_add(v1);
+                    for ri in 0..4usize {
+                        #[unroll]
+                        for ob in 0..oq_n {
+                            let e = (ri % 2) * (ec / 2);
+                            let i = ((ri / 2) * oq_n + ob) * ec + e;
+                            let si = sv + comptime!((((ri / 2) * 16 + (ri % 2) * 8) * dts + ob * 8) / qvec);
+                            if qvec == 2 {
+                                let mut val = Vector::<f32, NQ>::empty();
+                                val[0] = dqc[i];
+                                val[1] = dqc[i + 1];
+                                dq_tile[si] = val;
+                            } else {
+                                let mut v0 = Vector::<f32, NQ>::empty();
+                                v0[0] = dqc[i];
+                                dq_tile[si] = v0;
+                                let mut v1 = Vector::<f32, NQ>::empty();
+                                v1[0] = dqc[i + 1];
+                                dq_tile[si + 1] = v1;
+                            }
+                        }
+                    }
+                    sync_async_proxy_shared();
+                    let n_rows = select(r0 < row_end, min(row_end - r0, BWD_BM as u32), 0u32);
+                    let dst = dq_row_dst(q_start + r0, n_rows, h, heads_q, head_dim, qvec);
+                    // the tile complete (and every plane done with this tile's shared memory: the
+                    // barrier the next tile would start with), then one row per thread
+                    sync_cube();
+                    issue_dq_row::<NQ>(&dq_tile, dq_rows, dst, head_dim, qvec);
+                } else {
+                    // Rows past the segment's end add 0.0 to a row that exists (the last row of the
+                    // tensor at most): no branch around the atomics, and x + 0.0 == x.
+                    let last = total_q - 1u32;
+                    #[unroll]
+                    for ri in 0..4usize {
+                        let rl = r0 + (rw + (ri / 2) * 16 + (ri % 2) * 8) as u32 + g;
+                        let ok = rl < row_end;
+                        // in units of qvec floats (a multiple of qvec: t2, cq and head_dim are even), so
+                        // the 8-column steps below are constant offsets of one address per row
+                        let gv = (((min(q_start + rl, last)) * heads_q + h) as usize * head_dim + cq + t2 as usize) / qvec;
+                        #[unroll]
+                        for ob in 0..oq_n {
+                            // accumulator pair (e, e + 1) of row half ri % 2: adjacent columns
+                            let e = (ri % 2) * (ec / 2);
+                            let i = ((ri / 2) * oq_n + ob) * ec + e;
+                            let x0 = select(ok, dqc[i], 0.0f32);
+                            let x1 = select(ok, dqc[i + 1], 0.0f32);
+                            let gi = gv + ob * comptime!(8 / qvec);
+                            if qvec == 2 {
+                                let mut val = Vector::<f32, NQ>::empty();
+                                val[0] = x0;
+                                val[1] = x1;
+                                dq_acc[gi].fetch_add(val);
+                            } else {
+                                let mut v0 = Vector::<f32, NQ>::empty();
+                                v0[0] = x0;
+                                dq_acc[gi].fetch_add(v0);
+                                let mut v1 = Vector::<f32, NQ>::empty();
+                                v1[0] = x1;
+                                dq_acc[gi + 1].fetch_add(v1);
+                            }
                         }
                     }
                 }
             }
         }
+    }
+
+    if bulk {
+        // the last tile's rows are read before the shared memory is released
+        dq_rows_read(BWD_BM);
     }
 
     // ---- write dK, dV (zero for keys no segment sees; sparse: the item's keys only) ----

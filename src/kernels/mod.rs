@@ -1,5 +1,6 @@
 //! CubeCL kernels (`#[cube]` code only), one file per kernel family. Built with feature `cuda`.
 
+pub mod bulk_reduce;
 pub mod flash_fwd;
 pub mod math;
 pub mod nonfinite;
@@ -17,6 +18,7 @@ pub mod zigzag_copy;
 /// The kernel sources, hashed into the compiled-kernel cache key so that an edited kernel is never
 /// served from a stale cache entry.
 pub const SOURCES: &[&str] = &[
+    include_str!("bulk_reduce.rs"),
     include_str!("flash_fwd.rs"),
     include_str!("math.rs"),
     include_str!("nonfinite.rs"),

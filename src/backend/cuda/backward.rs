@@ -281,12 +281,19 @@ pub(crate) struct DkdvTables {
     pub tq_list: (u64, usize),
 }
 
+/// How the fused dQ of a dK/dV launch reaches the f32 accumulator: by bulk reductions of whole
+/// rows (`kernels::bulk_reduce`: sm_90+, head_dim 128, where its 33 KB tile fits beside the
+/// kernel's 171 KB; the accumulator 16-byte aligned) or by float2 atomics from every thread.
+fn bulk_dq(be: &CudaBackend, hd: usize, acc: u64) -> bool {
+    hd == 128 && be.kernels.has_bulk_copies() && acc % 16 == 0
+}
+
 /// The dK/dV kernel (`flash_bwd_wide::flash_bwd_dkdv_wide`, f16/bf16; causal and windows are
-/// runtime bounds there), dense or block-sparse.
-pub(crate) fn dkdv_wide_kernel(be: &CudaBackend, dt: DType, hd: usize, fused: bool, sparse: bool) -> Result<Func> {
+/// runtime bounds there), dense or block-sparse; `bulk`: fused dQ by bulk reductions.
+pub(crate) fn dkdv_wide_kernel(be: &CudaBackend, dt: DType, hd: usize, fused: bool, bulk: bool, sparse: bool) -> Result<Func> {
     let qvec = atomic_vec();
-    let key = KernelKey::new("flash_bwd_dkdv_wide", dt, &[hd as u32, fused as u32, qvec as u32, sparse as u32]);
-    be.kernels.get(&key, || dkdv_wide_source(be.client(), dt, hd, fused, qvec, sparse))
+    let key = KernelKey::new("flash_bwd_dkdv_wide", dt, &[hd as u32, fused as u32, bulk as u32, qvec as u32, sparse as u32]);
+    be.kernels.get(&key, || dkdv_wide_source(be.client(), dt, hd, fused, bulk, qvec, sparse))
 }
 
 /// CUDA source of [`dkdv_wide_kernel`].
@@ -295,17 +302,23 @@ pub(crate) fn dkdv_wide_source(
     dt: DType,
     hd: usize,
     fused: bool,
+    bulk: bool,
     qvec: usize,
     sparse: bool,
 ) -> Result<Source> {
-    by_dtype!(dt, T, codegen_exp2(flash_bwd_wide::flash_bwd_dkdv_wide::FlashBwdDkdvWide::<T, CudaRuntime>::new(
+    let src = by_dtype!(dt, T, codegen_exp2(flash_bwd_wide::flash_bwd_dkdv_wide::FlashBwdDkdvWide::<T, CudaRuntime>::new(
         settings(32 * WIDE_PLANES as u32), client.clone(),
-        A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (), (),
-        BWD_LOAD_VEC, qvec, hd, fused, qvec, sparse), true))
+        A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (), (),
+        BWD_LOAD_VEC, qvec, hd, fused, bulk, qvec, sparse), true))?;
+    if (fused && bulk) != src.cuda.contains(super::rewrite::BULK_ADD) {
+        return Err(crate::error::Error::Device(format!("{}: bulk dQ reductions expected {}, found the opposite", src.entry, fused && bulk)));
+    }
+    Ok(src)
 }
 
 /// The leading arguments of both dK/dV kernels: k, v (vectors), lse, delta, dk, dv, the f32 dQ
-/// accumulator of the fused path (`acc`; without it any valid address), q, dout.
+/// accumulator of the fused path (`acc`; without it any valid address; as atomics and as the
+/// bulk reductions' rows), q, dout.
 fn dkdv_arrays(spec: &AttnSpec, p: &BwdPtrs, delta: u64, acc: Option<u64>) -> Args {
     let d = &spec.dims;
     let (ql, kl, ll) = (d.q_len(), d.kv_len(), d.lse_len());
@@ -316,7 +329,7 @@ fn dkdv_arrays(spec: &AttnSpec, p: &BwdPtrs, delta: u64, acc: Option<u64>) -> Ar
     let kv = kl / BWD_LOAD_VEC;
     let mut a = Args::new();
     a.array(p.k, kv).array(p.v, kv).array(p.lse, ll).array(delta, ll);
-    a.array(p.dk, kl).array(p.dv, kl).array(acc_ptr, acc_len).array(p.q, ql).array(p.dout, ql);
+    a.array(p.dk, kl).array(p.dv, kl).array(acc_ptr, acc_len).array(acc_ptr, acc_len).array(p.q, ql).array(p.dout, ql);
     a
 }
 
@@ -338,7 +351,8 @@ pub(crate) fn launch_dkdv_wide(
 ) -> Result<()> {
     let d = &spec.dims;
     let (win_l, win_r, _) = window_bounds(spec);
-    let f = dkdv_wide_kernel(be, spec.dtype, d.head_dim, acc.is_some(), sparse.is_some())?;
+    let bulk = acc.is_some_and(|a| bulk_dq(be, d.head_dim, a));
+    let f = dkdv_wide_kernel(be, spec.dtype, d.head_dim, acc.is_some(), bulk, sparse.is_some())?;
     let mut a = dkdv_arrays(spec, p, delta, acc);
     for x in [t.work, t.tile_off, t.tile_segs, t.segs, t.tq_off, t.tq_list] {
         a.array(x.0, x.1);

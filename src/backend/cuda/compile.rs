@@ -129,6 +129,7 @@ pub(crate) fn codegen_exp2<K: CubeKernel>(kernel: K, spin: bool) -> Result<Sourc
     let mut src = codegen(kernel)?;
     src.cuda = super::rewrite::exp2_calls(&src.entry, &src.cuda)?;
     src.cuda = super::rewrite::mbarriers(&src.entry, &src.cuda, true, spin)?;
+    src.cuda = super::rewrite::bulk_adds(&src.entry, &src.cuda)?;
     src.cuda = super::rewrite::smem_addresses(&src.entry, &src.cuda)?;
     Ok(src)
 }
@@ -359,6 +360,8 @@ fn decode(bytes: &[u8]) -> Option<(String, Source, Vec<u8>)> {
 pub(crate) struct Kernels {
     ctx: usize,
     arch: String,
+    /// Compute capability major version.
+    major: i32,
     /// Shared memory one block may use on this device (opt-in limit, bytes; 0: unknown).
     smem_limit: u32,
     flags: Vec<String>,
@@ -370,7 +373,12 @@ pub(crate) struct Kernels {
 impl Kernels {
     pub fn new(ctx: usize, major: i32, minor: i32, smem_limit: u32) -> Kernels {
         let arch = if major >= 9 { format!("sm_{major}{minor}a") } else { format!("sm_{major}{minor}") };
-        Kernels { ctx, arch, smem_limit, flags: extra_flags(), loaded: Mutex::new(HashMap::new()), compiled: Default::default() }
+        Kernels { ctx, arch, major, smem_limit, flags: extra_flags(), loaded: Mutex::new(HashMap::new()), compiled: Default::default() }
+    }
+
+    /// Whether the device has the sm_90 bulk copy engine (`cp.async.bulk`, `cp.reduce.async.bulk`).
+    pub fn has_bulk_copies(&self) -> bool {
+        self.major >= 9
     }
 
     /// Kernels this process compiled with NVRTC (the rest came from the disk cache).

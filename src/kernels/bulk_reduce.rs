@@ -1,0 +1,74 @@
+//! The fused backward's dQ tile added to the f32 accumulator by the copy engine (sm_90+):
+//! `cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32`, one operation per row of the
+//! tile, instead of 16 float2 atomics per thread and tile issued by the planes themselves.
+//!
+//! CubeCL 0.10 has no bulk reduction. The kernels write it as a `copy_async` from shared to global
+//! memory (a direction CubeCL's cp.async never takes), and `backend::cuda::rewrite::bulk_adds`
+//! turns exactly those calls into the reduction (any other reversed copy makes that rewrite, or
+//! the cp.async wrapper's size check, fail at compile time). The bulk-group commit and waits and
+//! the generic-to-async proxy fence are CubeCL's own operations.
+//!
+//! Protocol (per query tile t, planes = warps):
+//! 1. every thread stores its dQ fragment into the row-major tile [`dq_tile_stride`] and fences
+//!    (`fence.proxy.async.shared::cta`: its generic stores visible to the copy engine);
+//! 2. after the next cube-wide barrier, thread `u < rows` issues row `u` ([`issue_dq_row`], to
+//!    the address [`dq_row_dst`] computed with the stores);
+//! 3. before the following barrier (after which the tile is written again) the issuing threads
+//!    wait until the copy engine has read their rows ([`dq_rows_read`]).
+//!
+//! At the kernel's end [`flush_dq_rows`] issues the last tile and waits until it is read.
+
+use cubecl::prelude::barrier::copy_async;
+use cubecl::prelude::*;
+
+/// f32 per row of the shared dQ tile: head_dim + 4, so that a plane's float2 stores of its
+/// accumulator fragments (8 rows x 4 column pairs) hit every bank pair once (two wavefronts, the
+/// minimum) and every row starts 16-byte aligned (the bulk copy's requirement).
+pub const fn dq_tile_stride(head_dim: usize) -> usize {
+    head_dim + 4
+}
+
+/// No row to add (a thread's [`dq_row_dst`] past the tile's rows, or before the first tile).
+pub const NO_ROW: u32 = u32::MAX;
+
+/// Where thread `UNIT_POS` adds its row of the tile just stored: row `UNIT_POS` of the tile is
+/// global row `first_row + UNIT_POS` (rows of `heads` x head_dim f32, head `head`; as an index of
+/// `qv`-f32 vectors), or [`NO_ROW`] from `rows` on. One register carries it to the issue.
+#[cube]
+pub fn dq_row_dst(first_row: u32, rows: u32, head: u32, heads: u32, #[comptime] head_dim: usize, #[comptime] qv: usize) -> u32 {
+    let u = UNIT_POS;
+    let mut dst = u32::new(NO_ROW as i64);
+    if u < rows {
+        dst = ((first_row + u) * heads + head) * comptime!((head_dim / qv) as u32);
+    }
+    dst
+}
+
+/// Thread `UNIT_POS` adds row `UNIT_POS` of `tile` (vectors of `qv` f32, row stride
+/// [`dq_tile_stride`]) to `acc` at vector `dst` ([`dq_row_dst`]; nothing for [`NO_ROW`]) and
+/// commits its bulk group.
+#[cube]
+pub fn issue_dq_row<NQ: Size>(
+    tile: &SharedMemory<Vector<f32, NQ>>,
+    acc: &mut Array<Vector<f32, NQ>>,
+    dst: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] qv: usize,
+) {
+    if dst != NO_ROW {
+        let n = comptime!(head_dim / qv);
+        let s0 = UNIT_POS as usize * comptime!(dq_tile_stride(head_dim) / qv);
+        let d0 = dst as usize;
+        copy_async(&tile.slice(s0, s0 + n), &mut acc.slice_mut(d0, d0 + n), comptime!(head_dim as u32));
+        tma_group_commit();
+    }
+}
+
+/// The issuing threads (`UNIT_POS < bm`) wait until the copy engine has read their rows of the
+/// tile (so that it may be written again after the next barrier).
+#[cube]
+pub fn dq_rows_read(#[comptime] bm: usize) {
+    if UNIT_POS < comptime!(bm as u32) {
+        tma_group_wait_read(0u32);
+    }
+}
