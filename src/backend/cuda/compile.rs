@@ -143,9 +143,9 @@ pub(crate) fn codegen<K: CubeKernel>(kernel: K) -> Result<Source> {
     let repr = compiler
         .compile(def, &codegen_options(), ExecutionMode::Unchecked, addr)
         .map_err(|e| Error::Device(format!("CubeCL code generation of {entry} failed: {e:?}")))?;
-    let cuda = repr.to_string();
+    let (cuda, smem) = super::rewrite::smem_layout(&entry, &repr.to_string())?;
     Ok(Source {
-        smem: repr.shared_memory_size() as u32,
+        smem: smem.max(repr.shared_memory_size() as u32),
         abi: Abi::of_source(&entry, &cuda)?,
         cuda,
         entry,
