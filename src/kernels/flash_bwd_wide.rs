@@ -1,4 +1,4 @@
-//! The dense dK / dV kernel (and, with the comptime `fuse_dq`, dQ through f32 atomics) with
+//! The dense dK / dV kernel (and, with the comptime `fuse_dq`, dQ into an f32 accumulator) with
 //! 128-key cubes of 8 planes: FlashAttention-2's partition of the backward (its sm80/sm90 d128
 //! traits). Work list: the CSR of the segments overlapping each key tile (varlen, grouped, GQA,
 //! causal, sliding window). It replaced a 64-key kernel of 4 planes: the backward alone 1.03-1.09x
@@ -25,7 +25,10 @@
 //!    x 2 (head_dim) grid, 32 keys x head_dim / 2 columns per plane over the tile's 64 rows (P^T
 //!    / dS^T as A operands through `ldmatrix.trans` of the row-major tiles), and with `fuse_dq`,
 //!    dQ[rows] += dS K on a 2 (rows) x 4 (columns) grid, added into the f32 accumulator with
-//!    float2 atomics (rows past the segment end add 0.0 to a clamped row: no branch).
+//!    float2 atomics (rows past the segment end add 0.0 to a clamped row: no branch), or with
+//!    `dq_bulk` (d128 on sm_90+) stored to a shared tile that the copy engine adds row by row
+//!    after the tile's last barrier (`bulk_reduce`; that barrier replaces the one at the top of
+//!    the next tile).
 //!
 //! Without fused dQ at d128, P and dS have two stages too ([`p_stages_for`]), so that one barrier
 //! per tile suffices: a stage written by tile t was last read by tile t - 2, and every plane
@@ -34,7 +37,7 @@
 //! is issued right after it. The dK / dV accumulators (32 keys x head_dim / 2 per plane) stay in
 //! registers for the cube's whole life; K and V stay in shared memory. Shared memory (d128): K, V
 //! 68 KB + two stages of Q, dO 68 KB + P, dS 34 KB (two stages: 68 KB) = 171 KB (206 KB): one
-//! cube (8 planes) per SM; d64 110 KB: two.
+//! cube (8 planes) per SM; d64 110 KB: two. The bulk dQ tile adds 33 KB at d128 (204 KB).
 //!
 //! Rows are segment-local and keys window-local for the masks, as in the 64-key kernel: segment
 //! row `r` sees the window keys in `[r + shift - win_l, r + shift + win_r]` (`rows::row_keys`;

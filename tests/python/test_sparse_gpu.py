@@ -169,6 +169,7 @@ def test_torch_cuda_tensors_stay_on_the_gpu_and_equal_the_numpy_path():
     qn, kn, vn = rand(rng, (B, sq, hq, d), "float32"), rand(rng, (B, sk, hkv, d), "float32"), rand(rng, (B, sk, hkv, d), "float32")
     q, k, v = (torch.from_numpy(x).to("cuda", torch.bfloat16) for x in (qn, kn, vn))
     side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # q, k, v were written on the current stream
     with torch.cuda.stream(side):  # on a side stream, no synchronize before reading back
         out, lse = cubeattn.block_sparse_attn_func(q, k, v, torch.from_numpy(ix), causal=True, return_lse=True)
         assert out.is_cuda and lse.is_cuda and cubeattn.last_backend() == "cuda"
@@ -183,6 +184,9 @@ def test_torch_cuda_tensors_stay_on_the_gpu_and_equal_the_numpy_path():
     runs = {}
     for det in (False, True):
         qg, kg, vg = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+        # the clones (and dout) are written on the current stream: the side stream waits for them
+        # (without it the call below raced the copies and read them half-written under GPU load)
+        side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             o = cubeattn.block_sparse_attn_func(qg, kg, vg, ix, causal=True, deterministic=det)
             o.backward(dout)

@@ -8,8 +8,10 @@
 //!   over the key tiles its rows see, S and dP recomputed). Every pass owns its outputs outright:
 //!   no atomics, a fixed summation order, bitwise identical run to run.
 //! - fused (f16/bf16, `deterministic = false`, the default, see [`DqPath`]): the dK/dV kernel also
-//!   forms dQ += dS K per (query tile, key tile) and adds it into an f32 accumulator with atomics
-//!   (FlashAttention-2's way); a small kernel then writes dq = scale * acc in the dtype. The
+//!   forms dQ += dS K per (query tile, key tile) and adds it into an f32 accumulator, with float2
+//!   atomics (FlashAttention-2's way) or, at d128 on sm_90+, with bulk reductions of whole rows
+//!   (FlashAttention-3's way, [`kernels::bulk_reduce`](crate::kernels::bulk_reduce)); a small
+//!   kernel then writes dq = scale * acc in the dtype. The
 //!   summation order of dQ then varies run to run (last-bit differences). Five matmuls per (row,
 //!   key) pair instead of seven: faster on every measured shape (bench/NOTES.md).
 //!
