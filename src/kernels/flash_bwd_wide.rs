@@ -26,7 +26,7 @@
 //!    / dS^T as A operands through `ldmatrix.trans` of the row-major tiles), and with `fuse_dq`,
 //!    dQ[rows] += dS K on a 2 (rows) x 4 (columns) grid, added into the f32 accumulator with
 //!    float2 atomics (rows past the segment end add 0.0 to a clamped row: no branch), or with
-//!    `dq_bulk` (d128 on sm_90+) stored to a shared tile that the copy engine adds row by row
+//!    `dq_bulk` (sm_90+) stored to a shared tile that the copy engine adds row by row
 //!    after the tile's last barrier (`bulk_reduce`; that barrier replaces the one at the top of
 //!    the next tile).
 //!
@@ -37,7 +37,8 @@
 //! is issued right after it. The dK / dV accumulators (32 keys x head_dim / 2 per plane) stay in
 //! registers for the cube's whole life; K and V stay in shared memory. Shared memory (d128): K, V
 //! 68 KB + two stages of Q, dO 68 KB + P, dS 34 KB (two stages: 68 KB) = 171 KB (206 KB): one
-//! cube (8 planes) per SM; d64 110 KB: two. The bulk dQ tile adds 33 KB at d128 (204 KB).
+//! cube (8 planes) per SM; d64 110 KB, one cube per SM too (248 registers x 256 threads). The
+//! bulk dQ tile adds 33 KB at d128 (204 KB), 17 KB at d64.
 //!
 //! Rows are segment-local and keys window-local for the masks, as in the 64-key kernel: segment
 //! row `r` sees the window keys in `[r + shift - win_l, r + shift + win_r]` (`rows::row_keys`;
@@ -69,8 +70,8 @@ pub const SPARSE_QB_MASK: u32 = (1 << SPARSE_QB_BITS) - 1;
 
 /// Stages of the P / dS tiles. Two (a tile needs one barrier) on the d128 dK / dV kernel without
 /// fused dQ: 206 KB per cube, one cube per SM either way; measured 0.5-1.5% faster there, 0.5-1.5%
-/// slower with fused dQ (bench/NOTES.md). One at d64, where two would cost the second cube per SM
-/// (144 KB against 110 KB).
+/// slower with fused dQ (bench/NOTES.md). One at d64, where the second stage's address
+/// arithmetic spilled (bench/NOTES.md).
 pub const fn p_stages_for(head_dim: usize, fuse_dq: bool) -> usize {
     if head_dim > 64 && !fuse_dq {
         2
