@@ -26,7 +26,7 @@
 //!    / dS^T as A operands through `ldmatrix.trans` of the row-major tiles), and with `fuse_dq`,
 //!    dQ[rows] += dS K on a 2 (rows) x 4 (columns) grid, added into the f32 accumulator with
 //!    float2 atomics (rows past the segment end add 0.0 to a clamped row: no branch), or with
-//!    `dq_bulk` (sm_90+) stored to a shared tile that the copy engine adds row by row
+//!    `dq_bulk` (d128 on sm_90+) stored to a shared tile that the copy engine adds row by row
 //!    after the tile's last barrier (`bulk_reduce`; that barrier replaces the one at the top of
 //!    the next tile).
 //!
@@ -38,7 +38,7 @@
 //! registers for the cube's whole life; K and V stay in shared memory. Shared memory (d128): K, V
 //! 68 KB + two stages of Q, dO 68 KB + P, dS 34 KB (two stages: 68 KB) = 171 KB (206 KB): one
 //! cube (8 planes) per SM; d64 110 KB, one cube per SM too (248 registers x 256 threads). The
-//! bulk dQ tile adds 33 KB at d128 (204 KB), 17 KB at d64.
+//! bulk dQ tile adds 33 KB at d128 (204 KB).
 //!
 //! Rows are segment-local and keys window-local for the masks, as in the 64-key kernel: segment
 //! row `r` sees the window keys in `[r + shift - win_l, r + shift + win_r]` (`rows::row_keys`;

@@ -284,11 +284,12 @@ pub(crate) struct DkdvTables {
 }
 
 /// How the fused dQ of a dK/dV launch reaches the f32 accumulator: by bulk reductions of whole
-/// rows (`kernels::bulk_reduce`: sm_90+; its tile adds 33 KB to the d128 kernel's 171 KB, 17 KB
-/// to d64's 110 KB, one cube per SM either way by registers; the accumulator 16-byte aligned)
-/// or by float2 atomics from every thread.
-fn bulk_dq(be: &CudaBackend, acc: u64) -> bool {
-    be.kernels.has_bulk_copies() && acc % 16 == 0
+/// rows (`kernels::bulk_reduce`: sm_90+, head_dim 128, the accumulator 16-byte aligned; the tile
+/// adds 33 KB to the kernel's 171 KB) or by float2 atomics from every thread. At d64 the bulk
+/// path measured 8% slower fwd+bwd (64 operations of 256 B per tile of half d128's work;
+/// bench/NOTES.md), so d64 keeps the atomics.
+fn bulk_dq(be: &CudaBackend, hd: usize, acc: u64) -> bool {
+    hd == 128 && be.kernels.has_bulk_copies() && acc % 16 == 0
 }
 
 /// The dK/dV kernel (`flash_bwd_wide::flash_bwd_dkdv_wide`, f16/bf16; causal and windows are
@@ -354,7 +355,7 @@ pub(crate) fn launch_dkdv_wide(
 ) -> Result<()> {
     let d = &spec.dims;
     let (win_l, win_r, _) = window_bounds(spec);
-    let bulk = acc.is_some_and(|a| bulk_dq(be, a));
+    let bulk = acc.is_some_and(|a| bulk_dq(be, d.head_dim, a));
     let f = dkdv_wide_kernel(be, spec.dtype, d.head_dim, acc.is_some(), bulk, sparse.is_some())?;
     let mut a = dkdv_arrays(spec, p, delta, acc);
     for x in [t.work, t.tile_off, t.tile_segs, t.segs, t.tq_off, t.tq_list] {
