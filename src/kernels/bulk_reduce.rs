@@ -11,12 +11,12 @@
 //! Protocol (per query tile t, planes = warps):
 //! 1. every thread stores its dQ fragment into the row-major tile [`dq_tile_stride`] and fences
 //!    (`fence.proxy.async.shared::cta`: its generic stores visible to the copy engine);
-//! 2. after the next cube-wide barrier, thread `u < rows` issues row `u` ([`issue_dq_row`], to
-//!    the address [`dq_row_dst`] computed with the stores);
-//! 3. before the following barrier (after which the tile is written again) the issuing threads
-//!    wait until the copy engine has read their rows ([`dq_rows_read`]).
-//!
-//! At the kernel's end [`flush_dq_rows`] issues the last tile and waits until it is read.
+//! 2. after the cube-wide barrier that ends the tile, thread `u < rows` issues row `u`
+//!    ([`issue_dq_row`], to the address [`dq_row_dst`] computed with the stores);
+//! 3. before the next tile's P / dS barrier (after which the tile is written again) the issuing
+//!    threads wait until the copy engine has read their rows ([`dq_rows_read`]); at the kernel's
+//!    end they wait the same way before the shared memory is released (the additions complete
+//!    before the grid does, as a TMA store's writes).
 
 use cubecl::prelude::barrier::copy_async;
 use cubecl::prelude::*;
@@ -28,7 +28,7 @@ pub const fn dq_tile_stride(head_dim: usize) -> usize {
     head_dim + 4
 }
 
-/// No row to add (a thread's [`dq_row_dst`] past the tile's rows, or before the first tile).
+/// No row to add (a thread's [`dq_row_dst`] past the tile's rows).
 pub const NO_ROW: u32 = u32::MAX;
 
 /// Where thread `UNIT_POS` adds its row of the tile just stored: row `UNIT_POS` of the tile is

@@ -605,8 +605,8 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
             }
             // P and dS complete; every plane has also finished the previous tile, so the stage it
             // read is free: with two P / dS stages the next query tile is issued here and loads
-            // during the products below. Bulk dQ: the rows issued above are read before the tile
-            // is stored again.
+            // during the products below. Bulk dQ: the rows the previous tile issued have been read
+            // before this tile's dQ is stored.
             if bulk {
                 dq_rows_read(BWD_BM);
             }
