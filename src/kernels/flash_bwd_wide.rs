@@ -363,7 +363,8 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
     let mut ds_smem = SharedMemory::<E>::new_aligned(comptime!(p_stages * BWD_BM * (WIDE_BN + PAD)), 16usize);
     let bar0 = Barrier::shared(comptime!(threads as u32), UNIT_POS == 0);
     let bar1 = Barrier::shared(comptime!(threads as u32), UNIT_POS == 0);
-    // Fused dQ by bulk reductions (`bulk_reduce`): the tile's dQ, row-major.
+    // Fused dQ by bulk reductions (`bulk_reduce`): the tile's dQ, row-major (one unused vector
+    // in the other variants: CubeCL declares the buffer either way).
     let bulk = comptime!(fuse_dq && dq_bulk);
     let dts = comptime!(dq_tile_stride(head_dim));
     let mut dq_tile =

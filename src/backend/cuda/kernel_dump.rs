@@ -42,7 +42,6 @@ mod tests {
             ("dkdv_wide_fused_d128_f16", dkdv_wide_source(c, DType::F16, 128, true, true, 2, false)),
             ("dkdv_wide_sparse_d128", dkdv_wide_source(c, dt, 128, false, false, 2, true)),
             ("dkdv_wide_sparse_fused_d128", dkdv_wide_source(c, dt, 128, true, true, 2, true)),
-            ("dkdv_wide_sparse_fused_atomic_d128", dkdv_wide_source(c, dt, 128, true, false, 2, true)),
         ];
         for (name, src) in sources {
             let src = src.unwrap();
