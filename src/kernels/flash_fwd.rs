@@ -173,8 +173,9 @@ pub fn fill_uncovered<E: Float>(out: &mut Array<E>, lse: &mut Array<f32>, inf: f
 /// masked); the caller commits them to its barrier. Unit `u` copies the 16 bytes at column
 /// `u % vecs_per_row` of rows `u / vecs_per_row + i * rows_per_pass`: its row and column are
 /// computed once, each copy adds one clamp, one multiply-add and a constant shared offset (the
-/// per-copy division of `u + i * threads` cost ~2x the instructions; bench/NOTES.md). A fast path
-/// for full tiles without the clamp measured 2% faster at d64 but 1-5% slower at d128: not kept.
+/// per-copy division of `u + i * threads` cost ~2x the instructions; bench/NOTES.md). At
+/// head_dim 64 a full tile (every tile but a range's last) skips the clamps: one global offset
+/// plus a constant per pass, measured 2% faster there and 1-5% slower at d128 (bench/NOTES.md).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn copy_kv_tile<E: Float>(
@@ -196,12 +197,22 @@ fn copy_kv_tile<E: Float>(
     let col = (UNIT_POS as usize % vecs_per_row) * LOAD_VEC;
     let g_col = head_kv as usize * head_dim + col;
     let s0 = (row0 + r) * stride + col;
-    #[unroll]
-    for it in 0..comptime!(block_n / rows_per_pass) {
-        let key = min(n0 + (r + it * rows_per_pass) as u32, n1 - 1);
-        let g = key as usize * krow + g_col;
-        let base = s0 + comptime!(it * rows_per_pass * stride);
-        copy_async(&src.slice(g, g + LOAD_VEC), &mut smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
+    if comptime!(head_dim <= 64) && n1 - n0 == block_n as u32 {
+        let g0 = (n0 as usize + r) * krow + g_col;
+        #[unroll]
+        for it in 0..comptime!(block_n / rows_per_pass) {
+            let g = g0 + it * rows_per_pass * krow;
+            let base = s0 + comptime!(it * rows_per_pass * stride);
+            copy_async(&src.slice(g, g + LOAD_VEC), &mut smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
+        }
+    } else {
+        #[unroll]
+        for it in 0..comptime!(block_n / rows_per_pass) {
+            let key = min(n0 + (r + it * rows_per_pass) as u32, n1 - 1);
+            let g = key as usize * krow + g_col;
+            let base = s0 + comptime!(it * rows_per_pass * stride);
+            copy_async(&src.slice(g, g + LOAD_VEC), &mut smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
+        }
     }
 }
 
