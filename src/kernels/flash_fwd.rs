@@ -424,8 +424,9 @@ pub fn flash_fwd_mma2<E: Float>(
 
     // The tightest key range of this unit's rows: a tile needs the mask iff it starts before the
     // latest first key or ends past the earliest end (an empty row, lo == hi, masks every tile).
-    // Read once here instead of from shared memory in every tile.
-    // (rows' ranges are clipped to [klo, khi))
+    // Read once here instead of from shared memory in every tile; starting from [klo, khi) changes
+    // nothing (every tile lies inside it). The branch is taken by the whole plane when any lane
+    // needs it (the mask is exact per element), which keeps ptxas from if-converting it.
     let mut rows_lo = klo;
     let mut rows_hi = khi;
     #[unroll]
