@@ -479,21 +479,14 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
             n_it = group * n_qt;
         }
         if n_it > 0 {
-            // First tile of the segment: its stage was last read two tiles ago, by every plane
+            // First tile of the segment, into stage g_tile (issued as the "next" tile of stage
+            // g_tile - 1, wrapping at 0): its buffer was last read two tiles ago, by every plane
             // before the P / dS barrier of the previous tile.
-            let boff = ((g_tile & 1u32) * BWD_BM as u32) as usize;
-            let mut h0 = hk * group;
-            let mut r00 = r_min as u32;
-            if sparse {
-                let (ha, ra, _re) = sparse_q_tile(tq_list, t_lo, 0u32, 0u32, 0u32, hk * group, span, q_block, q_len);
-                h0 = ha;
-                r00 = ra;
-            }
-            issue_q_tile::<E>(
-                q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, boff, r00,
-                q_len, q_start, h0, heads_q, total_q, head_dim, threads,
+            issue_next_q_tile::<E>(
+                q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, &bar0, &bar1,
+                g_tile - 1u32, tq_list, t_lo, 0u32, 0u32, 0u32, hk * group, span, q_block, r_min as u32, q_len,
+                q_start, heads_q, total_q, head_dim, threads, sparse,
             );
-            commit_stage(&bar0, &bar1, g_tile);
         }
         // The (q head, query tile) pair of iteration `it` as counters (no divisions). Dense: head
         // `hq`, tile `ti`. Sparse: repeat `hq` of the list (q head of an index per kv head),
