@@ -314,11 +314,19 @@ pub fn flash_fwd_mma2<E: Float>(
     let bar_k = Barrier::shared(comptime!(threads as u32), UNIT_POS == 0);
     let bar_v = Barrier::shared(comptime!(threads as u32), UNIT_POS == 0);
 
-    // One cube per (work item, head slot y < heads_q / hp), y fastest: the cubes start in the work
-    // list's order (most expensive first) over all heads, so the longest ones do not start last.
+    // One cube per (work item, head slot y < heads_q / hp). Dense: y fastest, so the cubes start in
+    // the work list's order (most expensive first) over all heads and the longest ones do not
+    // start last. Block-sparse: items fastest, so the cubes running together share a head and
+    // read the same K / V blocks from L2 (a random pattern lists each block for ~1 in 4 query
+    // blocks: with y fastest the cubes of one wave spread over every head and share few blocks).
     let ys = heads_q / hp;
-    let y = CUBE_POS_X % ys;
-    let xi = CUBE_POS_X / ys;
+    let mut y = CUBE_POS_X % ys;
+    let mut xi = CUBE_POS_X / ys;
+    if sparse {
+        let n_items = CUBE_COUNT_X / ys;
+        y = CUBE_POS_X / n_items;
+        xi = CUBE_POS_X % n_items;
+    }
     let item = xi as usize * WORK_WORDS;
     let head_base = y * hp;
     let group = heads_q / heads_kv;
