@@ -6,7 +6,7 @@
 //! `p` of a segment is query `p / hp`, head `head_base + p % hp`, where `hp` (heads packed per row
 //! group) is 1 (one head per cube, head slot y = head) or the GQA group size (the q heads that
 //! share one kv head sit in one tile, y = kv head); the grid is work items x y in one dimension,
-//! y fastest (the split-K combine keeps (split tile, y) as its 2-D grid). Rows of several
+//! y fastest (block-sparse: items fastest; the split-K combine keeps (split tile, y) as its 2-D grid). Rows of several
 //! segments can share a tile; each row keeps its own visible key range `[lo, hi)` (absolute key indices), so a K,V
 //! tile is read once for all of them. Varlen batches, grouped attention and decode-style groups are
 //! the same launch.
