@@ -289,7 +289,7 @@ pub(crate) struct DkdvTables {
 /// path measured 8% slower fwd+bwd (64 operations of 256 B per tile of half d128's work;
 /// bench/NOTES.md), so d64 keeps the atomics.
 fn bulk_dq(be: &CudaBackend, hd: usize, acc: u64) -> bool {
-    hd == 128 && be.kernels.has_bulk_copies() && acc % 16 == 0
+    hd == 128 && be.kernels.has_bulk_copies() && acc.is_multiple_of(16)
 }
 
 /// The dK/dV kernel (`flash_bwd_wide::flash_bwd_dkdv_wide`, f16/bf16; causal and windows are

@@ -143,9 +143,11 @@ pub(crate) fn codegen<K: CubeKernel>(kernel: K) -> Result<Source> {
     let repr = compiler
         .compile(def, &codegen_options(), ExecutionMode::Unchecked, addr)
         .map_err(|e| Error::Device(format!("CubeCL code generation of {entry} failed: {e:?}")))?;
+    // the layout's own size: every buffer padded to the common alignment, never below CubeCL's
+    // count for its own (unpadded last buffer) layout
     let (cuda, smem) = super::rewrite::smem_layout(&entry, &repr.to_string())?;
     Ok(Source {
-        smem: smem.max(repr.shared_memory_size() as u32),
+        smem,
         abi: Abi::of_source(&entry, &cuda)?,
         cuda,
         entry,

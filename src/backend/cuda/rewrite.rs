@@ -333,7 +333,7 @@ pub(crate) const BULK_ADD: &str = "__cubeattn_bulk_add_f32<";
 pub(crate) fn bulk_adds(entry: &str, src: &str) -> Result<String> {
     let bad = |what: &str| mismatch(entry, "bulk-reduction", what);
     const CALL: &str = "__cp_async_shared_global<";
-    let f32_type = |decl: &str| ["float", "float_2", "float_4"].iter().any(|t| decl == *t);
+    let f32_type = |decl: &str| ["float", "float_2", "float_4"].contains(&decl);
     let plain = |x: &str| !x.is_empty() && x.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
     let mut out = String::with_capacity(src.len() + 1024);
     let mut calls = 0usize;
@@ -351,7 +351,7 @@ pub(crate) fn bulk_adds(entry: &str, src: &str) -> Result<String> {
         let Some(((smem, si), (buf, bi))) = parts else {
             return Err(bad(&format!("operands that are not `shared_memory_N + i, buffer_M + j`: `{t}`")));
         };
-        if n == 0 || n % 16 != 0 || ![smem, si, buf, bi].iter().all(|x| plain(x)) || !buf.starts_with("buffer_") {
+        if n == 0 || !n.is_multiple_of(16) || ![smem, si, buf, bi].iter().all(|x| plain(x)) || !buf.starts_with("buffer_") {
             return Err(bad(&format!("operands that are not `shared_memory_N + i, buffer_M + j` of 16-byte multiples: `{t}`")));
         }
         let smem_type = src.split_once(&format!(" *{smem} = reinterpret_cast<")).map(|(pre, _)| pre.rsplit('\n').next().unwrap_or(""));
