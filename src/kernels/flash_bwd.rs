@@ -51,7 +51,7 @@ pub const SPARSE_QWORK_WORDS: usize = 3;
 // Tensor-core kernels (f16 / bf16)
 // ---------------------------------------------------------------------------------------------
 
-/// dQ. Grid: work items x heads_q in one dimension, heads fastest; 32 * [`BWD_PLANES`] units.
+/// dQ. Grid: work items x heads_q in one dimension, heads fastest (block-sparse: items fastest); 32 * [`BWD_PLANES`] units.
 /// `work`: two u32 per cube (segment id, first row of the tile inside the segment); rows no
 /// segment covers are not written here (the host zero-fills them first). Sparse: [`SPARSE_QWORK_WORDS`] words per item and
 /// `tile_ref[(index head * items + item) * 2..]` = (offset into `blocks`, key tiles), as in the
@@ -97,10 +97,16 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     let bar0 = Barrier::shared(comptime!((BWD_PLANES * 32) as u32), UNIT_POS == 0);
     let bar1 = Barrier::shared(comptime!((BWD_PLANES * 32) as u32), UNIT_POS == 0);
 
-    // One cube per (work item, q head), heads fastest: the cubes start in the work list's order
-    // (most keys first) over all heads, so the longest ones do not start last.
-    let tile = (CUBE_POS_X / heads_q) as usize;
-    let head = CUBE_POS_X % heads_q;
+    // One cube per (work item, q head). Dense: heads fastest, so the cubes start in the work
+    // list's order (most keys first) over all heads and the longest ones do not start last.
+    // Block-sparse: items fastest, so the cubes running together share a head's K / V blocks in L2.
+    let mut tile = (CUBE_POS_X / heads_q) as usize;
+    let mut head = CUBE_POS_X % heads_q;
+    if sparse {
+        let n_items = CUBE_COUNT_X / heads_q;
+        tile = (CUBE_POS_X % n_items) as usize;
+        head = CUBE_POS_X / n_items;
+    }
     let group = heads_q / heads_kv;
     let head_kv = head / group;
 

@@ -285,7 +285,7 @@ fn issue_next_q_tile<E: Float>(
 }
 
 /// dK, dV (and with `fuse_dq` the dQ atomics). Grid: entries of `ktiles` x heads_kv in one
-/// dimension, heads fastest; 32 * [`WIDE_PLANES`] units. `ktiles`: key-tile indices (tile t =
+/// dimension, heads fastest (block-sparse: items fastest); 32 * [`WIDE_PLANES`] units. `ktiles`: key-tile indices (tile t =
 /// keys `[t*WIDE_BN, t*WIDE_BN+WIDE_BN)` of the shared key axis), most expensive first; `tile_off` / `tile_segs`: CSR list of the
 /// segments overlapping each tile; `segs`: (q_start, q_len, k_start, k_len) per segment; `lse`,
 /// `delta`: `[heads_q, total_q]`; `q_s` / `do_s`: q and dout as scalars (the `cp.async` sources);
@@ -370,10 +370,17 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
     let mut dq_tile =
         SharedMemory::<Vector<f32, NQ>>::new_aligned(comptime!(if bulk { BWD_BM * dts / qvec } else { 1usize }), 16usize);
 
-    // One cube per (work item, kv head), heads fastest: the cubes start in the work list's order
-    // (most (row, key) pairs first) over all heads, so the longest ones do not start last.
-    let item = CUBE_POS_X / heads_kv;
-    let hk = CUBE_POS_X % heads_kv;
+    // One cube per (work item, kv head). Dense: heads fastest, so the cubes start in the work
+    // list's order (most (row, key) pairs first) over all heads and the longest ones do not start
+    // last. Block-sparse: items fastest, so the cubes running together share a kv head and read
+    // its Q / dO blocks (and add into its dQ) in L2 (as the forward orders its cubes).
+    let mut item = CUBE_POS_X / heads_kv;
+    let mut hk = CUBE_POS_X % heads_kv;
+    if sparse {
+        let n_items = CUBE_COUNT_X / heads_kv;
+        item = CUBE_POS_X % n_items;
+        hk = CUBE_POS_X / n_items;
+    }
     let group = heads_q / heads_kv;
     // Dense: key tile `kt` of the shared key axis, its segments from the CSR list. Sparse: work
     // item (sequence, first window key, keys, key block) inside one key block of one sequence.
