@@ -5,7 +5,10 @@
 //! - one work item per chunk of `block_m` packed rows inside one query block of one sequence
 //!   (`block_m` = 128 when a query block's packed rows are a multiple of 128, else 64: one list
 //!   per cube); packed rows are `hp` heads per query (`hp` = the GQA group when the index is per
-//!   kv head, else 1), as in the dense plan;
+//!   kv head, else 1), as in the dense plan. A 64-row cube at head_dim 128 runs four planes of
+//!   16 rows (`mt` = 1): with two planes of 32 rows, two cubes per SM (their shared memory) leave
+//!   4 warps per SM; measured 8-9% faster (bench/NOTES.md). At head_dim 64 (four cubes per SM)
+//!   and in the int8 kernel the cube keeps two planes of 32 rows (mt = 1 lost 9-17% at d64);
 //! - `tile_ref[(y * n_items + item) * 2 ..]` = (offset into `blocks`, key tiles) of the item's
 //!   list for index head `y`; the list is the query block's kept key blocks (ascending), cut,
 //!   when causal, after the last block any row of the item can see; each block is
@@ -183,7 +186,8 @@ fn launch_sparse_forward(be: &CudaBackend, spec: &SparseSpec, plan: &Cached<Spar
     // the workspace's flag, set when v holds a NaN or Inf (then the exact kernel writes the call)
     let flag = p.workspace;
     launch_flag(be, dt, p.v, d.kv_len(), flag, stream)?;
-    let f = super::forward::flash_fwd_kernel(be, dt, hd, 2, BLOCK_N, sp.block_m, true, spec.int8.is_some())?;
+    let mt = if sp.block_m == 64 && hd == 128 && spec.int8.is_none() { 1 } else { 2 };
+    let f = super::forward::flash_fwd_kernel(be, dt, hd, mt, BLOCK_N, sp.block_m, true, spec.int8.is_some())?;
     let mut a = Args::new();
     match spec.int8 {
         None => {
