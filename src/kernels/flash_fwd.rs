@@ -23,8 +23,8 @@
 //! tracked by shared mbarriers) into two buffers each: at the top of tile t the cube waits for
 //! K(t) and V(t), passes its one barrier of the tile and issues K(t+1) and V(t+1), which load
 //! during the whole of tile t (FlashAttention-2 has one buffer each, waits for V before the
-//! softmax and has two barriers per tile). The O rescale is skipped when no row of a plane got a
-//! new maximum.
+//! softmax and has two barriers per tile). The O rescale is skipped, per slot of 8 rows of a
+//! plane, when none of the slot's rows got a new maximum.
 //!
 //! `int8` (block-sparse only, `kernels::int8_qk`): S = Q K^T from int8 operands with
 //! `mma.sync.m16n8k32.s8.s8.s32` (exact i32 dot products), scaled per row and key tile by the
