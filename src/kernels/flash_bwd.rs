@@ -21,7 +21,7 @@ use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
 use cubecl::prelude::barrier::Barrier;
 
-use super::flash_fwd::{tile_bounds, LIST_SMEM};
+use super::flash_fwd::{tile_bounds, tile_div_magic, LIST_SMEM};
 use super::fragments::{frag_a, frag_b_t2, mma_acc_b, mma_into};
 use super::staging::{commit_copies, commit_stage, issue_kv_tile, stage_rows, wait_stage};
 use super::math::{fast_exp2, LOG2E};
@@ -133,7 +133,9 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     let mut klo = 0u32;
     let mut khi = k_len;
     let mut list_smem = SharedMemory::<u32>::new(comptime!(if sparse { LIST_SMEM } else { 1usize }));
+    let mut tpb_magic = 0u32;
     if sparse {
+        tpb_magic = tile_div_magic(tiles_per_block);
         let mut y = head;
         if idx_heads != heads_q {
             y = head / group;
@@ -163,7 +165,7 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     // while Q / dO are staged.
     sync_cube();
     if n_tiles > 0 {
-        let (f0, _f1) = tile_bounds(0u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, BWD_BN, sparse);
+        let (f0, _f1) = tile_bounds(0u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, BWD_BN, sparse);
         issue_kv_tile::<E>(
             k_s, v_s, &mut k_smem, &mut v_smem, BWD_BN, f0, k_len, k_start, head_kv, heads_kv, head_dim,
         );
@@ -242,7 +244,7 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
 
     for kt in 0..n_tiles {
         // Window keys [kb, kb_end) of tile kt (dense: kb_end is not needed, `lim_*` cut).
-        let (kb, kb_end) = tile_bounds(kt, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, BWD_BN, sparse);
+        let (kb, kb_end) = tile_bounds(kt, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, BWD_BN, sparse);
         let mut kb_off = 0usize;
         sync_cube();
         kb_off = (((kt + 1u32) & 1u32) * BWD_BN as u32) as usize;
@@ -252,7 +254,7 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
             let nb = ((kt & 1u32) * BWD_BN as u32) as usize;
             let mut next = kb + BWD_BN as u32;
             if sparse {
-                let (n0, _n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, BWD_BN, sparse);
+                let (n0, _n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, BWD_BN, sparse);
                 next = n0;
             }
             issue_kv_tile::<E>(

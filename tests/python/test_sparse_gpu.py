@@ -95,7 +95,7 @@ def test_dtypes_head_dims_and_index_heads(dtype, d, per_kv_head, causal):
     run_case(np.random.default_rng(d), B, sq, sk, hq, hkv, d, dtype, causal, ix)
 
 
-@pytest.mark.parametrize("q_block, k_block", [(128, 64), (32, 96), (64, 200), (16, 16), (100, 128), (256, 256)])
+@pytest.mark.parametrize("q_block, k_block", [(128, 64), (32, 96), (64, 200), (16, 16), (100, 128), (256, 256), (64, 192), (48, 320)])
 def test_odd_block_sizes(q_block, k_block):
     B, sq, sk, hq, hkv, d = 2, 257, 519, 2, 1, 64
     ix = pattern("random", B, hq, -(-sq // q_block), -(-sk // k_block), 0.4, seed=q_block + k_block)

@@ -115,6 +115,19 @@ pub(crate) fn check_sparse_supported(spec: &SparseSpec) -> Result<()> {
     if tq.max(tk) + spec.k_block as u64 >= u32::MAX as u64 / 2 {
         return Err(invalid("k_block", "sequence too long for 32-bit key indexing"));
     }
+    // key tile kt (< k_blocks * tiles per block) is divided by the tiles per block with one
+    // mul_hi (`kernels::flash_fwd::tile_div_magic`): exact while kt * tiles per block < 2^32
+    let tpb = spec.k_block.div_ceil(BLOCK_N) as u64;
+    if spec.k_blocks() as u64 * tpb * tpb >= 1u64 << 32 {
+        return Err(Error::Unsupported {
+            backend: "cuda",
+            msg: format!(
+                "block-sparse attention on CUDA: {} key blocks of k_block = {} exceed the kernels' 32-bit tile arithmetic (key blocks * (k_block / 64)^2 must stay below 2^32); it runs on the CPU",
+                spec.k_blocks(),
+                spec.k_block
+            ),
+        });
+    }
     Ok(())
 }
 
