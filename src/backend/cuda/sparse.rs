@@ -241,3 +241,34 @@ fn launch_sparse_forward(be: &CudaBackend, spec: &SparseSpec, plan: &Cached<Spar
     };
     launch_sparse_exact(be, &spec.attn, p, flag, &exact, (win_l, win_r), stream)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::check_sparse_supported;
+    use crate::dtype::DType;
+    use crate::error::Error;
+    use crate::sparse::SparseSpec;
+    use crate::spec::{AttnSpec, TensorMeta};
+
+    /// One sequence of 64 queries and `sk` keys, one head, one listed key block.
+    fn one_block(sk: usize, k_block: usize) -> SparseSpec {
+        let q = TensorMeta::new(&[64, 1, 64], DType::BF16);
+        let k = TensorMeta::new(&[sk, 1, 64], DType::BF16);
+        let a = AttnSpec::varlen(&q, &k, &k, &[0, 64], &[0, sk as i32], 64, sk, None, false).unwrap();
+        SparseSpec::new(a, &[0], &[1, 1, 1, 1], 64, k_block, None).unwrap()
+    }
+
+    #[test]
+    fn tile_index_range_is_checked_before_launch() {
+        // the kernels divide tile indices with one mul_hi: exact while key blocks * (k_block/64)^2 < 2^32
+        assert!(check_sparse_supported(&one_block(1 << 20, 1 << 16)).is_ok()); // 16 * 1024^2 = 2^24
+        match check_sparse_supported(&one_block(1 << 22, 1 << 22)) {
+            // one key block of 65536 tiles: 65536^2 = 2^32
+            Err(Error::Unsupported { backend: "cuda", msg }) => {
+                assert!(msg.contains("1 key blocks of k_block = 4194304"), "{msg}");
+                assert!(msg.contains("runs on the CPU"), "{msg}");
+            }
+            other => panic!("expected Unsupported, got {other:?}"),
+        }
+    }
+}
