@@ -59,7 +59,7 @@ impl SparsePlan {
         let group = d.group_size();
         let hp = if spec.index.heads == d.heads_kv && group > 1 { group } else { 1 };
         let ys = (d.heads_q / hp) as u32;
-        let block_m = if (spec.q_block * hp) % 128 == 0 { 128 } else { 64 };
+        let block_m = if (spec.q_block * hp).is_multiple_of(128) { 128 } else { 64 };
         let tpb = spec.k_block.div_ceil(BLOCK_N);
         let mut segs = Vec::new();
         let mut work = Vec::new();

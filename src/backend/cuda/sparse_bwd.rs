@@ -99,8 +99,8 @@ impl SparseBwdPlan {
             let kept = &ix.blocks[ix.offsets[id]..ix.offsets[id + 1]];
             (ix.offsets[id], kept.iter().take_while(|&&kb| (kb as usize) * spec.k_block < vis).count() * tpb)
         };
-        for i in 0..q_items.len() {
-            q_items[i].0 = (0..ix.heads).map(|y| tiles(y, &q_items[i]).1).sum();
+        for it in q_items.iter_mut() {
+            it.0 = (0..ix.heads).map(|y| tiles(y, it).1).sum();
         }
         // most key tiles first (dQ), most query rows first (dK/dV): the long cubes start early
         q_items.sort_by_key(|x| std::cmp::Reverse(x.0));
