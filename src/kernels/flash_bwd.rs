@@ -23,6 +23,7 @@ use cubecl::prelude::barrier::Barrier;
 
 use super::flash_fwd::{tile_bounds, tile_div_magic, LIST_SMEM};
 use super::fragments::{frag_a, frag_b_t2, mma_acc_b, mma_into};
+use super::grid::cube_item_slot;
 use super::staging::{commit_copies, commit_stage, issue_kv_tile, stage_rows, wait_stage};
 use super::math::{fast_exp2, LOG2E};
 use super::rows::row_keys;
@@ -97,16 +98,9 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     let bar0 = Barrier::shared(comptime!((BWD_PLANES * 32) as u32), UNIT_POS == 0);
     let bar1 = Barrier::shared(comptime!((BWD_PLANES * 32) as u32), UNIT_POS == 0);
 
-    // One cube per (work item, q head). Dense: heads fastest, so the cubes start in the work
-    // list's order (most keys first) over all heads and the longest ones do not start last.
-    // Block-sparse: items fastest, so the cubes running together share a head's K / V blocks in L2.
-    let mut tile = (CUBE_POS_X / heads_q) as usize;
-    let mut head = CUBE_POS_X % heads_q;
-    if sparse {
-        let n_items = CUBE_COUNT_X / heads_q;
-        tile = (CUBE_POS_X % n_items) as usize;
-        head = CUBE_POS_X / n_items;
-    }
+    // One cube per (work item, q head); block-sparse items fastest.
+    let (tile, head) = cube_item_slot(heads_q, sparse);
+    let tile = tile as usize;
     let group = heads_q / heads_kv;
     let head_kv = head / group;
 

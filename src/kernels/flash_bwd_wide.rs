@@ -51,6 +51,7 @@ use cubecl::prelude::*;
 use super::flash_bwd::{BWD_BM, PAD};
 use super::bulk_reduce::{dq_row_dst, dq_rows_read, dq_tile_stride, issue_dq_row};
 use super::fragments::{frag_a, frag_a_t, frag_b_n2, frag_b_t2, mma_into, store_acc_16x16};
+use super::grid::cube_item_slot;
 use super::math::{fast_exp2, LOG2E};
 use super::rows::key_rows;
 use super::staging::{commit_stage, issue_q_tile, stage_rows, wait_stage};
@@ -370,17 +371,8 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
     let mut dq_tile =
         SharedMemory::<Vector<f32, NQ>>::new_aligned(comptime!(if bulk { BWD_BM * dts / qvec } else { 1usize }), 16usize);
 
-    // One cube per (work item, kv head). Dense: heads fastest, so the cubes start in the work
-    // list's order (most (row, key) pairs first) over all heads and the longest ones do not start
-    // last. Block-sparse: items fastest, so the cubes running together share a kv head and read
-    // its Q / dO blocks (and add into its dQ) in L2 (as the forward orders its cubes).
-    let mut item = CUBE_POS_X / heads_kv;
-    let mut hk = CUBE_POS_X % heads_kv;
-    if sparse {
-        let n_items = CUBE_COUNT_X / heads_kv;
-        item = CUBE_POS_X % n_items;
-        hk = CUBE_POS_X / n_items;
-    }
+    // One cube per (work item, kv head); block-sparse items fastest.
+    let (item, hk) = cube_item_slot(heads_kv, sparse);
     let group = heads_q / heads_kv;
     // Dense: key tile `kt` of the shared key axis, its segments from the CSR list. Sparse: work
     // item (sequence, first window key, keys, key block) inside one key block of one sequence.

@@ -42,6 +42,7 @@ use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::barrier::{copy_async, Barrier};
 
 use super::fragments::{frag_a, frag_b_pair, mma_into};
+use super::grid::cube_item_slot;
 use super::int8_qk::{copy_k_tile8, scores_int8, stride8};
 use super::staging::{commit_copies, copy_token_rows};
 use super::math::{fast_exp2, LN2};
@@ -314,19 +315,9 @@ pub fn flash_fwd_mma2<E: Float>(
     let bar_k = Barrier::shared(comptime!(threads as u32), UNIT_POS == 0);
     let bar_v = Barrier::shared(comptime!(threads as u32), UNIT_POS == 0);
 
-    // One cube per (work item, head slot y < heads_q / hp). Dense: y fastest, so the cubes start in
-    // the work list's order (most expensive first) over all heads and the longest ones do not
-    // start last. Block-sparse: items fastest, so the cubes running together share a head and
-    // read the same K / V blocks from L2 (a random pattern lists each block for ~1 in 4 query
-    // blocks: with y fastest the cubes of one wave spread over every head and share few blocks).
+    // One cube per (work item, head slot y < heads_q / hp); block-sparse items fastest.
     let ys = heads_q / hp;
-    let mut y = CUBE_POS_X % ys;
-    let mut xi = CUBE_POS_X / ys;
-    if sparse {
-        let n_items = CUBE_COUNT_X / ys;
-        y = CUBE_POS_X / n_items;
-        xi = CUBE_POS_X % n_items;
-    }
+    let (xi, y) = cube_item_slot(ys, sparse);
     let item = xi as usize * WORK_WORDS;
     let head_base = y * hp;
     let group = heads_q / heads_kv;
@@ -805,12 +796,6 @@ pub fn tile_div_magic(d: u32) -> u32 {
     m
 }
 
-/// Absolute key range `[t0, t1)` of key tile `kt` of a work item. Dense: tile `kt` of `[klo, khi)`.
-/// Sparse: `blocks[list..]` lists the item's key blocks (ascending, window-relative, `k_block`
-/// keys each, `klo` = the window start, `khi` its end); tile `kt` is part `kt % tiles_per_block`
-/// of block `kt / tiles_per_block` (the quotient by `tpb_magic`, [`tile_div_magic`]), cut at the
-/// block's and the window's end.
-#[allow(clippy::too_many_arguments)]
 /// Row (inside the cube tile) of accumulator slot `i` of a plane whose rows start at `prow`: m-tile
 /// `i / 2`, accumulator half `i % 2` (rows `row_a` / `row_b` of the lane's fragment).
 #[cube]
@@ -822,6 +807,12 @@ fn slot_row(#[comptime] i: usize, prow: usize, row_a: u32, row_b: u32) -> usize 
     prow + (i / 2) * 16 + r as usize
 }
 
+/// Absolute key range `[t0, t1)` of key tile `kt` of a work item. Dense: tile `kt` of `[klo, khi)`.
+/// Sparse: `blocks[list..]` lists the item's key blocks (ascending, window-relative, `k_block`
+/// keys each, `klo` = the window start, `khi` its end); tile `kt` is part `kt % tiles_per_block`
+/// of block `kt / tiles_per_block` (the quotient by `tpb_magic`, [`tile_div_magic`]), cut at the
+/// block's and the window's end.
+#[allow(clippy::too_many_arguments)]
 #[cube]
 pub fn tile_bounds(
     kt: u32,

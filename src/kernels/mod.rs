@@ -10,6 +10,7 @@ pub mod rowwise_fwd;
 pub mod flash_bwd;
 pub mod flash_bwd_wide;
 pub mod fragments;
+pub mod grid;
 pub mod int8_qk;
 pub mod staging;
 pub mod sparse_index;
@@ -28,6 +29,7 @@ pub const SOURCES: &[&str] = &[
     include_str!("flash_bwd.rs"),
     include_str!("flash_bwd_wide.rs"),
     include_str!("fragments.rs"),
+    include_str!("grid.rs"),
     include_str!("int8_qk.rs"),
     include_str!("staging.rs"),
     include_str!("sparse_index.rs"),
