@@ -189,7 +189,7 @@ fn ranges(a: &PyReadonlyArray2<'_, i32>, arg: &str) -> PyResult<Vec<[i32; 2]>> {
 }
 
 #[pyfunction]
-#[pyo3(signature = (q_shape, k_shape, v_shape, dtype, q_ranges, kv_ranges, softmax_scale, causal, window_size=(-1, -1)))]
+#[pyo3(signature = (q_shape, k_shape, v_shape, dtype, q_ranges, kv_ranges, softmax_scale, causal, window_size=(-1, -1), kv_block_table=None))]
 #[allow(clippy::too_many_arguments)]
 fn grouped_spec(
     q_shape: Vec<usize>,
@@ -201,12 +201,18 @@ fn grouped_spec(
     softmax_scale: Option<f64>,
     causal: bool,
     window_size: (i64, i64),
+    kv_block_table: Option<PyReadonlyArray1<'_, i32>>,
 ) -> PyResult<PySpec> {
     let [q, k, v] = metas(q_shape, k_shape, v_shape, dtype)?;
     let qr = ranges(&q_ranges, "q_ranges")?;
     let kr = ranges(&kv_ranges, "kv_ranges")?;
+    let table = kv_block_table.as_ref().map(|t| t.as_array().to_vec());
     AttnSpec::grouped(&q, &k, &v, &qr, &kr, softmax_scale, causal)
         .and_then(|s| s.with_window(window_size.0, window_size.1))
+        .and_then(|s| match &table {
+            Some(t) => s.with_kv_block_table(t),
+            None => Ok(s),
+        })
         .map(|inner| PySpec { inner })
         .map_err(to_py)
 }

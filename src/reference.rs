@@ -1,7 +1,7 @@
 //! Naive f64 attention, forward and backward: the yardstick every backend is tested against.
 //! O(rows x keys x head_dim) with no blocking; meant for tests and small checks only.
 //! Buffers use the spec's token-major layouts (`[tokens, heads, d]`, lse `[heads_q, total_q]`).
-//! The `sparse_*` functions take a [`crate::sparse::SparseSpec`] and expand its block mask to a
+//! Paged K,V (`AttnSpec::kv_pages`) are read through `AttnSpec::kv_row`. The `sparse_*` functions take a [`crate::sparse::SparseSpec`] and expand its block mask to a
 //! token mask key by key (no block logic shared with the backends).
 
 use crate::spec::AttnSpec;
@@ -21,7 +21,7 @@ fn row_probs(spec: &AttnSpec, q: &[f64], k: &[f64], t: usize, h: usize, lo: usiz
     let qi = &q[(t * dm.heads_q + h) * d..][..d];
     let s: Vec<f64> = (lo..hi)
         .map(|j| {
-            let kj = &k[(j * dm.heads_kv + hk) * d..][..d];
+            let kj = &k[(spec.kv_row(j) * dm.heads_kv + hk) * d..][..d];
             spec.scale as f64 * qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>()
         })
         .collect();
@@ -47,7 +47,7 @@ pub fn forward_f64(spec: &AttnSpec, q: &[f64], k: &[f64], v: &[f64]) -> (Vec<f64
                     lse[h * dm.total_q + t] = l;
                     let o = &mut out[(t * dm.heads_q + h) * d..][..d];
                     for (j, pj) in (lo..hi).zip(p) {
-                        for (x, vv) in o.iter_mut().zip(&v[(j * dm.heads_kv + hk) * d..][..d]) {
+                        for (x, vv) in o.iter_mut().zip(&v[(spec.kv_row(j) * dm.heads_kv + hk) * d..][..d]) {
                             *x += pj * vv;
                         }
                     }
@@ -74,11 +74,11 @@ pub fn backward_f64(spec: &AttnSpec, q: &[f64], k: &[f64], v: &[f64], dout: &[f6
                 let qo = (t * dm.heads_q + h) * d;
                 let go = &dout[qo..qo + d];
                 let dp: Vec<f64> = (lo..hi)
-                    .map(|j| go.iter().zip(&v[(j * dm.heads_kv + hk) * d..][..d]).map(|(a, b)| a * b).sum())
+                    .map(|j| go.iter().zip(&v[(spec.kv_row(j) * dm.heads_kv + hk) * d..][..d]).map(|(a, b)| a * b).sum())
                     .collect();
                 let delta: f64 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
                 for (idx, j) in (lo..hi).enumerate() {
-                    let ko = (j * dm.heads_kv + hk) * d;
+                    let ko = (spec.kv_row(j) * dm.heads_kv + hk) * d;
                     let ds = p[idx] * (dp[idx] - delta);
                     for x in 0..d {
                         dv[ko + x] += p[idx] * go[x];

@@ -139,7 +139,15 @@ pub struct AttnSpec {
     /// Sliding window (normalised by [`AttnSpec::with_window`]: a side that bounds no row of any
     /// segment is `None`, and so is the right side under `causal`).
     pub window: Window,
+    /// Paged K,V ([`AttnSpec::with_kv_block_table`]): logical key block `g` (keys
+    /// `[KV_PAGE g, KV_PAGE (g + 1))`, the positions of segments and masks) is stored at rows
+    /// `[KV_PAGE t[g], KV_PAGE (t[g] + 1))` of k, v (and dk, dv). `None`: key `j` is row `j`.
+    pub kv_pages: Option<Vec<u32>>,
 }
+
+/// Rows per block of a paged K,V layout ([`AttnSpec::with_kv_block_table`]): the forward's key
+/// tile, so no tile straddles two blocks.
+pub const KV_PAGE: usize = 64;
 
 /// Shape and dtype of one input tensor, as the caller gave it.
 #[derive(Debug, Clone, PartialEq)]
@@ -288,6 +296,7 @@ impl AttnSpec {
             max_seqlen_k: check_max("max_seqlen_k", max_seqlen_k, mk)?,
             segments,
             window: Window::NONE,
+            kv_pages: None,
         })
     }
 
@@ -345,6 +354,7 @@ impl AttnSpec {
             max_seqlen_k: segments.iter().map(|s| s.k_len).max().unwrap_or(0),
             segments,
             window: Window::NONE,
+            kv_pages: None,
         })
     }
 
@@ -354,6 +364,9 @@ impl AttnSpec {
     /// `None`, so `(-1, -1)` and windows wider than every sequence give the plain spec.
     pub fn with_window(mut self, left: i64, right: i64) -> Result<AttnSpec> {
         let mut w = Window::parse(left, right)?;
+        if self.kv_pages.is_some() && !w.is_none() {
+            return Err(invalid("window_size", "is not supported with a kv_block_table (only (-1, -1))"));
+        }
         if w.left.is_some_and(|l| self.segments.iter().all(|s| l.saturating_add(1) >= s.k_len)) {
             w.left = None;
         }
@@ -362,6 +375,60 @@ impl AttnSpec {
         }
         self.window = w;
         Ok(self)
+    }
+
+    /// The spec reading K,V (and writing dK,dV) through a block table: logical key block `g`
+    /// ([`KV_PAGE`] keys; the positions `kv_ranges` / `cu_seqlens_k` and the causal masks speak
+    /// of) is stored at rows `[KV_PAGE table[g], KV_PAGE (table[g] + 1))` of k and v. flash-attn's
+    /// paged `block_table` with one table for the whole key axis; the zigzag layer reads its
+    /// gathered buffer through one. Checked here once (`InvalidArgument` naming
+    /// `kv_block_table`): total_k a multiple of KV_PAGE, the table a permutation of
+    /// `0..total_k / KV_PAGE` (each physical block holds one logical block, so dK,dV have one
+    /// writer per row), every segment's first key a multiple of KV_PAGE, no sliding window.
+    pub fn with_kv_block_table(mut self, table: &[i32]) -> Result<AttnSpec> {
+        const ARG: &str = "kv_block_table";
+        let tk = self.dims.total_k;
+        if tk % KV_PAGE != 0 {
+            return Err(invalid(ARG, format!("needs total_k (k's rows) to be a multiple of {KV_PAGE}, got {tk}")));
+        }
+        let n = tk / KV_PAGE;
+        if table.len() != n {
+            return Err(invalid(ARG, format!("has {} entries; k's {tk} rows are {n} blocks of {KV_PAGE}", table.len())));
+        }
+        let mut seen = vec![usize::MAX; n];
+        for (g, &t) in table.iter().enumerate() {
+            if t < 0 || t as usize >= n {
+                return Err(invalid(ARG, format!("kv_block_table[{g}] = {t} is outside 0..{n}")));
+            }
+            if seen[t as usize] != usize::MAX {
+                return Err(invalid(ARG, format!("kv_block_table[{g}] = {t} repeats kv_block_table[{}] (must be a permutation)", seen[t as usize])));
+            }
+            seen[t as usize] = g;
+        }
+        if let Some((i, s)) = self.segments.iter().enumerate().find(|(_, s)| s.k_len > 0 && s.k_start % KV_PAGE != 0) {
+            let what = match self.layout {
+                Layout::Grouped { .. } => "kv_ranges",
+                _ => "cu_seqlens_k",
+            };
+            return Err(invalid(
+                ARG,
+                format!("needs every key range to start at a multiple of {KV_PAGE}; {what} {i} starts at {}", s.k_start),
+            ));
+        }
+        if !self.window.is_none() {
+            return Err(invalid("window_size", "is not supported with a kv_block_table (only (-1, -1))"));
+        }
+        self.kv_pages = Some(table.iter().map(|&t| t as u32).collect());
+        Ok(self)
+    }
+
+    /// Row of k / v holding logical key `j`.
+    #[inline]
+    pub fn kv_row(&self, j: usize) -> usize {
+        match &self.kv_pages {
+            Some(t) => t[j / KV_PAGE] as usize * KV_PAGE + j % KV_PAGE,
+            None => j,
+        }
     }
 
     /// Keys `[lo, hi)` (relative to the segment's key start) that row `r` of `seg` sees: the

@@ -477,3 +477,80 @@ fn negative_and_zero_scales_match_reference() {
         }
     }
 }
+
+/// A zigzag-like page table over `n` blocks: logical block g at physical (g * 5 + 3) % n when
+/// that is a permutation (gcd(5, n) = 1), else reversed.
+fn scrambled_table(n: usize) -> Vec<i32> {
+    if n % 5 != 0 {
+        (0..n).map(|g| ((g * 5 + 3) % n) as i32).collect()
+    } else {
+        (0..n).rev().map(|g| g as i32).collect()
+    }
+}
+
+/// Rows of a [rows, heads, d] buffer permuted by blocks of 64: logical -> physical layout.
+fn to_physical(x: &HostData, table: &[i32], row_elems: usize) -> HostData {
+    let xs = x.to_f32_vec();
+    let mut out = vec![0f32; xs.len()];
+    let b = 64 * row_elems;
+    for (g, &t) in table.iter().enumerate() {
+        out[t as usize * b..][..b].copy_from_slice(&xs[g * b..][..b]);
+    }
+    HostData::from_f32(x.dtype(), &out)
+}
+
+#[test]
+fn paged_kv_matches_reference_and_the_ordered_call() {
+    // zigzag-like groups: two query chunks over causal prefixes of one sequence of 8 blocks, and a
+    // second sequence; GQA, every dtype, causal and not
+    for (i, &dt) in DTYPES.iter().enumerate() {
+        for causal in [false, true] {
+            let (c, tk) = (128i32, 768usize);
+            let qr = [[0, 64], [64, 128], [128, 192], [192, 192]];
+            let kr = [[0, 2 * c], [0, 4 * c], [4 * c, 6 * c], [0, 64]];
+            let plain = grouped_ranges_spec(&qr, &kr, 192, tk, 4, 2, 64, dt, causal);
+            let table = scrambled_table(tk / 64);
+            let paged = plain.clone().with_kv_block_table(&table).expect("valid table");
+            check_forward(&paged, 300 + i as u64, 1.0);
+            check_backward(&paged, 310 + i as u64);
+            // bitwise: the paged call on the physical layout is the plain call on the logical one
+            let mut r = rng(320 + i as u64);
+            let [(q, _), (k, _), (v, _)] = random_qkv(&mut r, &plain, 1.0);
+            let (dout, _) = random(&mut r, plain.dims.q_len(), dt, 1.0);
+            let row = 2 * 64;
+            let (kp, vp) = (to_physical(&k, &table, row), to_physical(&v, &table, row));
+            let cpu = backend_for(DevicePref::Cpu).unwrap();
+            let a = cpu.forward(&plain, q.view(), k.view(), v.view()).unwrap();
+            let b = cpu.forward(&paged, q.view(), kp.view(), vp.view()).unwrap();
+            assert_eq!(a.out, b.out);
+            assert_eq!(a.lse, b.lse);
+            let g = BackwardInputs { out: a.out.view(), lse: &a.lse, dout: dout.view(), deterministic: true };
+            let ga = cpu.backward(&plain, q.view(), k.view(), v.view(), g).unwrap();
+            let gb = cpu.backward(&paged, q.view(), kp.view(), vp.view(), g).unwrap();
+            assert_eq!(ga.dq, gb.dq);
+            assert_eq!(to_physical(&ga.dk, &table, row), gb.dk);
+            assert_eq!(to_physical(&ga.dv, &table, row), gb.dv);
+        }
+    }
+}
+
+#[test]
+fn kv_block_table_is_validated() {
+    let spec = |tk: usize, kr: [i32; 2]| grouped_ranges_spec(&[[0, 8]], &[kr], 8, tk, 2, 1, 64, DType::F16, true);
+    let msg = |r: Result<AttnSpec, Error>| match r {
+        Err(Error::InvalidArgument { arg, msg }) => format!("{arg}: {msg}"),
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    };
+    assert!(msg(spec(100, [0, 100]).with_kv_block_table(&[0, 1])).contains("multiple of 64, got 100"));
+    assert!(msg(spec(128, [0, 128]).with_kv_block_table(&[0])).contains("has 1 entries; k's 128 rows are 2 blocks"));
+    assert!(msg(spec(128, [0, 128]).with_kv_block_table(&[0, 2])).contains("kv_block_table[1] = 2 is outside 0..2"));
+    assert!(msg(spec(128, [0, 128]).with_kv_block_table(&[0, -1])).contains("kv_block_table[1] = -1"));
+    assert!(msg(spec(128, [0, 128]).with_kv_block_table(&[1, 1])).contains("kv_block_table[1] = 1 repeats kv_block_table[0]"));
+    assert!(msg(spec(128, [32, 128]).with_kv_block_table(&[1, 0])).contains("kv_ranges 0 starts at 32"));
+    let windowed = spec(128, [0, 128]).with_window(16, 0).unwrap();
+    assert!(msg(windowed.with_kv_block_table(&[1, 0])).starts_with("window_size"));
+    let paged = spec(128, [0, 128]).with_kv_block_table(&[1, 0]).unwrap();
+    assert!(msg(paged.clone().with_window(16, 0)).starts_with("window_size"));
+    assert_eq!(paged.kv_row(0), 64);
+    assert_eq!(paged.kv_row(127), 63);
+}

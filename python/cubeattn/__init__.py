@@ -116,14 +116,16 @@ def _varlen_spec(q_shape, k_shape, dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen
 
 
 def grouped_spec(q_shape, k_shape, dtype, q_ranges, kv_ranges, softmax_scale=None, causal=True, v_shape=None,
-                 window_size=(-1, -1)):
-    """A validated spec for grouped attention (shapes only)."""
+                 window_size=(-1, -1), kv_block_table=None):
+    """A validated spec for grouped attention (shapes only). kv_block_table: see
+    grouped_flash_attn_func."""
     causal = _flag(causal, "causal")
     window = _window(window_size)
+    table = None if kv_block_table is None else int32_vector(kv_block_table, "kv_block_table")
     return _core.grouped_spec(_shape(q_shape, "q_shape"), _shape(k_shape, "k_shape"),
                               _shape(k_shape if v_shape is None else v_shape, "v_shape"), dtype,
                               int32_ranges(q_ranges, "q_ranges"), int32_ranges(kv_ranges, "kv_ranges"),
-                              _scale(softmax_scale), causal, window)
+                              _scale(softmax_scale), causal, window, table)
 
 
 def _count(x, name):
@@ -565,18 +567,25 @@ def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
 
 def grouped_flash_attn_func(q, k, v, q_ranges, kv_ranges, dropout_p=0.0, softmax_scale=None, causal=True,
                             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                            return_attn_probs=False, *, return_lse=False, device="auto"):
+                            return_attn_probs=False, *, return_lse=False, kv_block_table=None, device="auto"):
     """Grouped attention in one launch: group g's query rows q_ranges[g] = [start, end) attend to keys
     kv_ranges[g] = [start, end) of the shared k, v (key ranges may overlap). Causal (and a
     window_size) is bottom-right inside each group: the group's last query row sees up to
     kv_ranges[g][1]. Rows in no group get zero output and lse +inf. After the ranges, the options
-    follow flash-attn's order and return convention (see flash_attn_varlen_func)."""
+    follow flash-attn's order and return convention (see flash_attn_varlen_func).
+
+    kv_block_table (int32 [total_k / 64], keyword): a paged k, v. Keys are numbered in logical
+    order (kv_ranges and the causal masks speak of it); logical block g (keys 64 g .. 64 g + 63) is
+    stored at rows 64 * kv_block_table[g] .. + 63 of k and v, and its gradient is written there in
+    dk, dv. The table must be a permutation of range(total_k / 64), total_k a multiple of 64,
+    every key range must start at a multiple of 64, and window_size must be (-1, -1) (ValueError
+    naming the argument otherwise). The zigzag layer reads its all-gathered K,V this way."""
     _unsupported(dropout_p, softcap, alibi_slopes)
     deterministic, probs = _flag(deterministic, "deterministic"), _flag(return_attn_probs, "return_attn_probs")
     want_lse = _flag(return_lse, "return_lse")
     cq, ck, cv = to_core(q, "q"), to_core(k, "k"), to_core(v, "v")
     spec = grouped_spec(cq.shape, ck.shape, cq.dtype, q_ranges, kv_ranges, softmax_scale, causal, v_shape=cv.shape,
-                        window_size=window_size)
+                        window_size=window_size, kv_block_table=kv_block_table)
     res = _forward(spec, q, k, v, cq, ck, cv, want_lse or probs, deterministic, device)
     if not (want_lse or probs):
         return res
@@ -585,13 +594,14 @@ def grouped_flash_attn_func(q, k, v, q_ranges, kv_ranges, dropout_p=0.0, softmax
 
 def grouped_flash_attn_backward(dout, q, k, v, out, lse, q_ranges, kv_ranges, dropout_p=0.0, softmax_scale=None,
                                 causal=True, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                                deterministic=False, *, device="auto"):
-    """Gradients (dq, dk, dv) of grouped_flash_attn_func; dk/dv accumulate over overlapping groups."""
+                                deterministic=False, *, kv_block_table=None, device="auto"):
+    """Gradients (dq, dk, dv) of grouped_flash_attn_func; dk/dv accumulate over overlapping groups
+    (with a kv_block_table: dk, dv in k's paged layout)."""
     _unsupported(dropout_p, softcap, alibi_slopes)
     deterministic = _flag(deterministic, "deterministic")
     dt = dtype_name(q, "q")
     spec = grouped_spec(tuple(q.shape), tuple(k.shape), dt, q_ranges, kv_ranges, softmax_scale, causal,
-                        v_shape=tuple(v.shape), window_size=window_size)
+                        v_shape=tuple(v.shape), window_size=window_size, kv_block_table=kv_block_table)
     return _run_backward(spec, dout, q, k, v, out, lse, deterministic, device)
 
 

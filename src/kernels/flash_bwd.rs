@@ -84,6 +84,7 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     #[comptime] head_dim: usize,
     #[comptime] sparse: bool,
     #[comptime] window: bool,
+    #[comptime] paged: bool,
 ) {
     let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
     let lane = UNIT_POS_PLANE;
@@ -161,13 +162,13 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     if n_tiles > 0 {
         let (f0, _f1) = tile_bounds(0u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, BWD_BN, sparse);
         issue_kv_tile::<E>(
-            k_s, v_s, &mut k_smem, &mut v_smem, BWD_BN, f0, k_len, k_start, head_kv, heads_kv, head_dim,
+            k_s, v_s, &mut k_smem, &mut v_smem, BWD_BN, f0, k_len, k_start, head_kv, heads_kv, blocks, head_dim, paged,
         );
         commit_copies(&bar1);
     }
     // ---- Q and dO tiles through shared memory into A fragments (BM == BN) ----
-    stage_rows::<E, NV>(q, &mut k_smem, tile_start, q_len, q_start + tile_start, heads_q, head, BWD_BM, head_dim, comptime!(BWD_PLANES * 32));
-    stage_rows::<E, NV>(dout, &mut v_smem, tile_start, q_len, q_start + tile_start, heads_q, head, BWD_BM, head_dim, comptime!(BWD_PLANES * 32));
+    stage_rows::<E, NV>(q, &mut k_smem, tile_start, q_len, q_start + tile_start, heads_q, head, segs, BWD_BM, head_dim, comptime!(BWD_PLANES * 32), false);
+    stage_rows::<E, NV>(dout, &mut v_smem, tile_start, q_len, q_start + tile_start, heads_q, head, segs, BWD_BM, head_dim, comptime!(BWD_PLANES * 32), false);
     sync_cube();
 
     let size!(NA) = def.vector_size(MatrixIdent::A);
@@ -252,7 +253,7 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
                 next = n0;
             }
             issue_kv_tile::<E>(
-                k_s, v_s, &mut k_smem, &mut v_smem, nb, next, k_len, k_start, head_kv, heads_kv, head_dim,
+                k_s, v_s, &mut k_smem, &mut v_smem, nb, next, k_len, k_start, head_kv, heads_kv, blocks, head_dim, paged,
             );
             commit_stage(&bar0, &bar1, kt);
         }

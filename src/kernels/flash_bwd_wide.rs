@@ -53,7 +53,7 @@ use super::bulk_reduce::{dq_row_dst, dq_rows_read, dq_tile_stride, issue_dq_row}
 use super::fragments::{frag_a, frag_a_t, frag_b_n2, frag_b_t2, mma_into, store_acc_16x16};
 use super::grid::cube_item_slot;
 use super::math::{fast_exp2, LOG2E};
-use super::rows::key_rows;
+use super::rows::{key_rows, kv_row};
 use super::staging::{commit_stage, issue_q_tile, stage_rows, wait_stage};
 
 /// Planes (warps) per cube.
@@ -332,6 +332,7 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
     #[comptime] dq_bulk: bool,
     #[comptime] qvec: usize,
     #[comptime] sparse: bool,
+    #[comptime] paged: bool,
 ) {
     let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
     let lane = UNIT_POS_PLANE;
@@ -395,8 +396,10 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
         s_end = tile_off[kt as usize + 1];
     }
 
-    stage_rows::<E, NV>(k, &mut k_smem, key0, key_lim, key0, heads_kv, hk, WIDE_BN, head_dim, threads);
-    stage_rows::<E, NV>(v, &mut v_smem, key0, key_lim, key0, heads_kv, hk, WIDE_BN, head_dim, threads);
+    // paged (dense only: `tq_list` holds the page table): K, V read and dK, dV written at the
+    // rows of a paged K,V (`rows::kv_row`)
+    stage_rows::<E, NV>(k, &mut k_smem, key0, key_lim, key0, heads_kv, hk, tq_list, WIDE_BN, head_dim, threads, paged);
+    stage_rows::<E, NV>(v, &mut v_smem, key0, key_lim, key0, heads_kv, hk, tq_list, WIDE_BN, head_dim, threads, paged);
     // Barrier initialisation visible before the first cp.async commit.
     sync_cube();
     // Query tiles issued so far: tile g uses stage g % 2 and barrier phase (g / 2) % 2.
@@ -729,7 +732,7 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
                 let (row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
                 let key = key0 + (kw_s + mb * 16) as u32 + row;
                 if key < key_lim {
-                    let gi = (key * heads_kv + hk) as usize * head_dim + cb + ob * 8 + col as usize;
+                    let gi = (kv_row(key, tq_list, paged) * heads_kv + hk) as usize * head_dim + cb + ob * 8 + col as usize;
                     let i = (mb * ob_n + ob) * ec + e;
                     dk[gi] = E::cast_from(dk_acc[i] * scale);
                     dv[gi] = E::cast_from(dv_acc[i]);

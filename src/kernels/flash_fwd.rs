@@ -46,7 +46,7 @@ use super::grid::cube_item_slot;
 use super::int8_qk::{copy_k_tile8, scores_int8, stride8};
 use super::staging::{commit_copies, copy_token_rows};
 use super::math::{fast_exp2, LN2};
-use super::rows::{row_keys, WIN_NONE};
+use super::rows::{kv_row, row_keys, WIN_NONE};
 
 /// Packed rows per cube.
 pub const BLOCK_M: usize = 16 * PLANES;
@@ -256,7 +256,9 @@ fn issue_kv_tiles<E: Float>(
 /// `cp.async` together with the first K tile) and its A fragments are re-read with `ldmatrix`
 /// each key tile, which keeps the register count under 255 so two 128-thread cubes share a
 /// multiprocessor (one cube's barriers and softmax overlap the other's mma). `block_n` keys per
-/// tile; K and V double-buffered (module docs). BLOCK_M = 128 packed rows per cube.
+/// tile; K and V double-buffered (module docs). BLOCK_M = 128 packed rows per cube. `paged`
+/// (dense only): `blocks` is the page table of a paged K,V (`rows::kv_row`); masks and tiles stay
+/// in logical key positions, only the copies' rows are translated, once per tile.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch_unchecked)]
 pub fn flash_fwd_mma2<E: Float>(
@@ -290,6 +292,7 @@ pub fn flash_fwd_mma2<E: Float>(
     #[comptime] block_m: usize,
     #[comptime] sparse: bool,
     #[comptime] int8: bool,
+    #[comptime] paged: bool,
 ) {
     // v holds a NaN or Inf (`nonfinite::v_nonfinite`): the exact row-wise kernel writes this call
     if nonfinite[0] != 0u32 {
@@ -386,7 +389,9 @@ pub fn flash_fwd_mma2<E: Float>(
         // int8 rows: head_dim bytes = head_dim / 2 elements of E
         copy_token_rows(&q_s, &mut q_smem, &row_tok, &row_head, heads_q, NONE, threads, block_m,
                         comptime!(if int8 { head_dim / 2 } else { head_dim }), qk_row, LOAD_VEC);
-        issue_kv_tiles(&k_s, &v_s, &mut k_smem, &mut v_smem, &bar_k, &bar_v, 0usize, f0, f1, krow, heads_kv, head_kv,
+        // paged (dense only: `blocks` holds the page table): the tile lies inside one block
+        let p0 = kv_row(f0, blocks, paged);
+        issue_kv_tiles(&k_s, &v_s, &mut k_smem, &mut v_smem, &bar_k, &bar_v, 0usize, p0, p0 + (f1 - f0), krow, heads_kv, head_kv,
                        threads, block_n, head_dim, int8);
     }
 
@@ -460,7 +465,8 @@ pub fn flash_fwd_mma2<E: Float>(
         if kt + 1 < n_tiles {
             let nxt = comptime!(block_n) - cur;
             let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
-            issue_kv_tiles(&k_s, &v_s, &mut k_smem, &mut v_smem, &bar_k, &bar_v, nxt, n0, n1, krow, heads_kv, head_kv,
+            let p0 = kv_row(n0, blocks, paged);
+            issue_kv_tiles(&k_s, &v_s, &mut k_smem, &mut v_smem, &bar_k, &bar_v, nxt, p0, p0 + (n1 - n0), krow, heads_kv, head_kv,
                            threads, block_n, head_dim, int8);
         }
 

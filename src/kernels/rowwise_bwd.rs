@@ -1,10 +1,11 @@
 //! Backward for f32 inputs (no tensor cores), the counterpart of `rowwise_fwd`: one plane per
-//! (query row, head) for dQ and per (key, kv head) for dK, dV; P recomputed from the LSE.
+//! (query row, head) for dQ and per (key, kv head) for dK, dV; P recomputed from the LSE. With
+//! `paged`, K,V are read and dK,dV written at the rows of a paged K,V (`rows::kv_row`).
 
 use cubecl::prelude::*;
 
 use super::flash_bwd::BWD_BN;
-use super::rows::{key_rows, row_keys};
+use super::rows::{key_rows, kv_row, row_keys};
 
 /// Rows (or keys) per cube of the f32 kernels (one plane each).
 pub const F32_ROWS_PER_CUBE: usize = 4;
@@ -28,7 +29,9 @@ pub fn rowwise_bwd_dq_f32(
     total_q: u32,
     win_l: u32,
     win_r: u32,
+    pages: &Array<u32>,
     #[comptime] head_dim: usize,
+    #[comptime] paged: bool,
 ) {
     let per_lane = comptime!(head_dim / 32);
     let lane = UNIT_POS_PLANE as usize;
@@ -57,7 +60,7 @@ pub fn rowwise_bwd_dq_f32(
             let l = lse[li];
             let dd = delta[li];
             for j in lo..hi {
-                let kbase = ((k_start + j) * heads_kv + head_kv) as usize * head_dim;
+                let kbase = (kv_row(k_start + j, pages, paged) * heads_kv + head_kv) as usize * head_dim;
                 let mut ps = 0.0f32;
                 let mut pd = 0.0f32;
                 #[unroll]
@@ -105,14 +108,16 @@ pub fn rowwise_bwd_dkdv_f32(
     total_k: u32,
     win_l: u32,
     win_r: u32,
+    pages: &Array<u32>,
     #[comptime] head_dim: usize,
+    #[comptime] paged: bool,
 ) {
     let per_lane = comptime!(head_dim / 32);
     let lane = UNIT_POS_PLANE as usize;
     let key = CUBE_POS_X * F32_ROWS_PER_CUBE as u32 + UNIT_POS / 32u32;
     let hk = CUBE_POS_Y;
     if key < total_k {
-        let kbase = (key * heads_kv + hk) as usize * head_dim;
+        let kbase = (kv_row(key, pages, paged) * heads_kv + hk) as usize * head_dim;
         let mut kv = Array::<f32>::new(per_lane);
         let mut vv = Array::<f32>::new(per_lane);
         let mut dka = Array::<f32>::new(per_lane);

@@ -11,7 +11,7 @@
 use cubecl::prelude::*;
 
 use super::flash_fwd::{SLICE_WORDS, WORK_WORDS};
-use super::rows::row_keys;
+use super::rows::{kv_row, row_keys};
 
 /// Query rows per cube (one plane each).
 pub const ROWS_PER_CUBE: usize = 4;
@@ -21,7 +21,7 @@ pub const EXACT_CUBES: usize = 1024;
 
 /// Online softmax of one (row, head) plane over the absolute keys `[j0, j1)` of kv head
 /// `head_kv`: `qv` this lane's scaled q dimensions, `o` its output accumulator; returns the new
-/// running maximum and sum.
+/// running maximum and sum. `paged`: K,V rows through the page table `pages` (`rows::kv_row`).
 #[allow(clippy::too_many_arguments)]
 #[cube]
 fn visit_keys<E: Float>(
@@ -36,14 +36,16 @@ fn visit_keys<E: Float>(
     heads_kv: u32,
     head_kv: u32,
     inf: f32,
+    pages: &Array<u32>,
     #[comptime] head_dim: usize,
+    #[comptime] paged: bool,
 ) -> (f32, f32) {
     let per_lane = comptime!(head_dim / 32);
     let lane = UNIT_POS_PLANE as usize;
     let mut m = m0;
     let mut l = l0;
     for j in j0..j1 {
-        let kbase = (j * heads_kv + head_kv) as usize * head_dim;
+        let kbase = (kv_row(j, pages, paged) * heads_kv + head_kv) as usize * head_dim;
         let mut part = 0.0f32;
         #[unroll]
         for i in 0..per_lane {
@@ -140,7 +142,9 @@ fn attend_row<E: Float>(
     inf: f32,
     win_l: u32,
     win_r: u32,
+    pages: &Array<u32>,
     #[comptime] head_dim: usize,
+    #[comptime] paged: bool,
 ) {
     let per_lane = comptime!(head_dim / 32);
     let seg = row_seg[row as usize];
@@ -156,7 +160,7 @@ fn attend_row<E: Float>(
         let k_len = segs[seg as usize * 4 + 3];
         let (lo, hi) = row_keys(q_len, k_len, row - q_start, win_l, win_r);
         let head_kv = head / (heads_q / heads_kv);
-        let (m1, l1) = visit_keys::<E>(k, v, &qv, &mut o, m, l, k_start + lo, k_start + hi, heads_kv, head_kv, inf, head_dim);
+        let (m1, l1) = visit_keys::<E>(k, v, &qv, &mut o, m, l, k_start + lo, k_start + hi, heads_kv, head_kv, inf, pages, head_dim, paged);
         m = m1;
         l = l1;
     }
@@ -181,13 +185,15 @@ pub fn rowwise_fwd_f32(
     inf: f32,
     win_l: u32,
     win_r: u32,
+    pages: &Array<u32>,
     #[comptime] head_dim: usize,
+    #[comptime] paged: bool,
 ) {
     let row = CUBE_POS_X * ROWS_PER_CUBE as u32 + UNIT_POS / 32u32;
     if row < total_q {
         attend_row::<f32>(
             q, k, v, out, lse, row_seg, segs, row, CUBE_POS_Y, scale, heads_q, heads_kv, total_q, inf, win_l, win_r,
-            head_dim,
+            pages, head_dim, paged,
         );
     }
 }
@@ -214,7 +220,9 @@ pub fn rowwise_fwd_exact<E: Float>(
     inf: f32,
     win_l: u32,
     win_r: u32,
+    pages: &Array<u32>,
     #[comptime] head_dim: usize,
+    #[comptime] paged: bool,
 ) {
     if nonfinite[0] == 0u32 {
         terminate!();
@@ -225,7 +233,7 @@ pub fn rowwise_fwd_exact<E: Float>(
     while w < pairs {
         let row = w / heads_q;
         let head = w % heads_q;
-        attend_row::<E>(q, k, v, out, lse, row_seg, segs, row, head, scale, heads_q, heads_kv, total_q, inf, win_l, win_r, head_dim);
+        attend_row::<E>(q, k, v, out, lse, row_seg, segs, row, head, scale, heads_q, heads_kv, total_q, inf, win_l, win_r, pages, head_dim, paged);
         w += stride;
     }
 }
@@ -303,7 +311,7 @@ pub fn rowwise_sparse_fwd_exact<E: Float>(
                 let j1 = min(kb * k_block + k_block, hi);
                 if j0 < j1 {
                     let (m1, l1) =
-                        visit_keys::<E>(k, v, &qv, &mut o, m, l, k_start + j0, k_start + j1, heads_kv, head / group, inf, head_dim);
+                        visit_keys::<E>(k, v, &qv, &mut o, m, l, k_start + j0, k_start + j1, heads_kv, head / group, inf, blocks, head_dim, false);
                     m = m1;
                     l = l1;
                 }

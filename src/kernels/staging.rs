@@ -6,9 +6,11 @@ use cubecl::prelude::*;
 use cubecl::prelude::barrier::{copy_async, Barrier};
 
 use super::flash_bwd::{BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, PAD};
+use super::rows::kv_row;
 
 /// Copies `rows` x head_dim elements (rows from `row_at`, zero for `None` rows) into shared memory.
-/// Row `r` of the tile is global row `base_row + r` when `r + first < limit`. `threads` units copy.
+/// Row `r` of the tile is global row `base_row + r` when `r + first < limit`; `paged`: the row
+/// holding key `base_row + r` of a paged K,V (`rows::kv_row` with `pages`). `threads` units copy.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn stage_rows<E: Float, NV: Size>(
@@ -19,9 +21,11 @@ pub fn stage_rows<E: Float, NV: Size>(
     base_row: u32,
     heads: u32,
     head: u32,
+    pages: &Array<u32>,
     #[comptime] rows: usize,
     #[comptime] head_dim: usize,
     #[comptime] threads: usize,
+    #[comptime] paged: bool,
 ) {
     let vpr = comptime!(head_dim / BWD_LOAD_VEC);
     let stride = comptime!(head_dim + PAD);
@@ -33,7 +37,7 @@ pub fn stage_rows<E: Float, NV: Size>(
         let c = idx % vpr;
         let mut val = Vector::<E, NV>::new(E::from_int(0));
         if first + (r as u32) < limit {
-            let g = ((base_row + r as u32) * heads + head) as usize * vpr + c;
+            let g = (kv_row(base_row + r as u32, pages, paged) * heads + head) as usize * vpr + c;
             val = src[g];
         }
         let base = r * stride + c * BWD_LOAD_VEC;
@@ -82,7 +86,8 @@ pub fn issue_q_tile<E: Float>(
 
 /// `cp.async` copy of key tile rows `kb..kb+BWD_BN` of K and V (window-local, clamped to the
 /// window's last key: keys past `k_len` are masked by the caller) into rows `boff..` of
-/// `k_smem` / `v_smem`. The caller commits the copies to a barrier.
+/// `k_smem` / `v_smem`. `paged`: K,V rows through the page table `pages` (`rows::kv_row`; the
+/// tile lies inside one block). The caller commits the copies to a barrier.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn issue_kv_tile<E: Float>(
@@ -96,9 +101,19 @@ pub fn issue_kv_tile<E: Float>(
     k_start: u32,
     head_kv: u32,
     heads_kv: u32,
+    pages: &Array<u32>,
     #[comptime] head_dim: usize,
+    #[comptime] paged: bool,
 ) {
-    issue_row_pair::<E>(k_s, v_s, k_smem, v_smem, boff, kb, k_len, k_start, head_kv, heads_kv, BWD_BN, head_dim, comptime!(BWD_PLANES * 32));
+    let mut start = k_start;
+    let mut r0 = kb;
+    let mut len = k_len;
+    if paged {
+        start = kv_row(k_start + kb, pages, true);
+        r0 = 0u32;
+        len = k_len - kb;
+    }
+    issue_row_pair::<E>(k_s, v_s, k_smem, v_smem, boff, r0, len, start, head_kv, heads_kv, BWD_BN, head_dim, comptime!(BWD_PLANES * 32));
 }
 
 /// `cp.async` copies of rows `r0..r0 + rows` (clamped to row `len - 1`: the caller masks rows

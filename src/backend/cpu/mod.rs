@@ -10,6 +10,7 @@ mod forward;
 #[cfg(target_arch = "x86_64")]
 mod kernel;
 mod layout;
+mod paged;
 mod pool;
 pub(crate) mod sparse;
 pub(crate) mod simd;
@@ -30,12 +31,19 @@ impl Backend for CpuBackend {
 
     fn forward(&self, spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> Result<ForwardOutput> {
         check_buffers(spec, q, k, v)?;
+        if let Some((plain, kl, vl)) = paged::logical(spec, k, v) {
+            return Ok(forward::forward(&plain, q, kl.view(), vl.view()));
+        }
         Ok(forward::forward(spec, q, k, v))
     }
 
     fn backward(&self, spec: &AttnSpec, q: HostView, k: HostView, v: HostView, grad: BackwardInputs) -> Result<Gradients> {
         check_buffers(spec, q, k, v)?;
         check_backward_buffers(spec, &grad)?;
+        if let Some((plain, kl, vl)) = paged::logical(spec, k, v) {
+            let g = backward::backward(&plain, q, kl.view(), vl.view(), grad);
+            return Ok(Gradients { dq: g.dq, dk: paged::physical(spec, g.dk), dv: paged::physical(spec, g.dv) });
+        }
         Ok(backward::backward(spec, q, k, v, grad))
     }
 }

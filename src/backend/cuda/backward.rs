@@ -94,8 +94,9 @@ impl BwdPlan {
         BwdPlan { segs, q_work, k_work, tile_off, tile_segs, row_seg }
     }
 
-    /// The tables in the `TBL_*` order of [`launch_backward`].
-    pub(crate) fn tables(&self) -> Vec<Vec<u32>> {
+    /// The tables in the `TBL_*` order of [`launch_backward`] (the page table of `spec`'s paged
+    /// K,V last; empty without one).
+    pub(crate) fn tables(&self, spec: &AttnSpec) -> Vec<Vec<u32>> {
         vec![
             self.segs.clone(),
             self.q_work.clone(),
@@ -103,6 +104,7 @@ impl BwdPlan {
             self.tile_off.clone(),
             self.tile_segs.clone(),
             self.row_seg.clone(),
+            spec.kv_pages.clone().unwrap_or_default(),
         ]
     }
 }
@@ -154,6 +156,7 @@ const TBL_K_WORK: usize = 2;
 const TBL_TILE_OFF: usize = 3;
 const TBL_TILE_SEGS: usize = 4;
 const TBL_ROW_SEG: usize = 5;
+const TBL_PAGES: usize = 6;
 
 /// Device addresses of one backward call: q, k, v, out, lse, dout in; dq, dk, dv out; workspace.
 #[derive(Debug, Clone, Copy)]
@@ -220,7 +223,7 @@ pub fn backward_workspace_bytes(spec: &AttnSpec, deterministic: bool) -> u64 {
 
 /// Device bytes of the cached plan tables of a backward call of `spec`.
 pub fn backward_plan_bytes(spec: &AttnSpec) -> u64 {
-    super::table_bytes(&BwdPlan::new(spec).tables().iter().collect::<Vec<_>>())
+    super::table_bytes(&BwdPlan::new(spec).tables(spec).iter().collect::<Vec<_>>())
 }
 
 /// Whether the backward of `spec` takes the fused atomic dQ path.
@@ -294,10 +297,15 @@ fn bulk_dq(be: &CudaBackend, hd: usize, acc: u64) -> bool {
 
 /// The dK/dV kernel (`flash_bwd_wide::flash_bwd_dkdv_wide`, f16/bf16; causal and windows are
 /// runtime bounds there), dense or block-sparse; `bulk`: fused dQ by bulk reductions.
-pub(crate) fn dkdv_wide_kernel(be: &CudaBackend, dt: DType, hd: usize, fused: bool, bulk: bool, sparse: bool) -> Result<Func> {
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn dkdv_wide_kernel(be: &CudaBackend, dt: DType, hd: usize, fused: bool, bulk: bool, sparse: bool, paged: bool) -> Result<Func> {
     let qvec = atomic_vec();
-    let key = KernelKey::new("flash_bwd_dkdv_wide", dt, &[hd as u32, fused as u32, bulk as u32, qvec as u32, sparse as u32]);
-    be.kernels.get(&key, || dkdv_wide_source(be.client(), dt, hd, fused, bulk, qvec, sparse))
+    let key = KernelKey::new(
+        "flash_bwd_dkdv_wide",
+        dt,
+        &[hd as u32, fused as u32, bulk as u32, qvec as u32, sparse as u32, paged as u32],
+    );
+    be.kernels.get(&key, || dkdv_wide_source(be.client(), dt, hd, fused, bulk, qvec, sparse, paged))
 }
 
 /// CUDA source of [`dkdv_wide_kernel`].
@@ -309,11 +317,12 @@ pub(crate) fn dkdv_wide_source(
     bulk: bool,
     qvec: usize,
     sparse: bool,
+    paged: bool,
 ) -> Result<Source> {
     let src = by_dtype!(dt, T, codegen_exp2(flash_bwd_wide::flash_bwd_dkdv_wide::FlashBwdDkdvWide::<T, CudaRuntime>::new(
         settings(32 * WIDE_PLANES as u32), client.clone(),
         A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (), (),
-        BWD_LOAD_VEC, qvec, hd, fused, bulk, qvec, sparse), true))?;
+        BWD_LOAD_VEC, qvec, hd, fused, bulk, qvec, sparse, paged), true))?;
     if (fused && bulk) != src.cuda.contains(super::rewrite::BULK_ADD) {
         return Err(crate::error::Error::Device(format!("{}: bulk dQ reductions expected {}, found the opposite", src.entry, fused && bulk)));
     }
@@ -356,7 +365,8 @@ pub(crate) fn launch_dkdv_wide(
     let d = &spec.dims;
     let (win_l, win_r, _) = window_bounds(spec);
     let bulk = acc.is_some_and(|a| bulk_dq(be, d.head_dim, a));
-    let f = dkdv_wide_kernel(be, spec.dtype, d.head_dim, acc.is_some(), bulk, sparse.is_some())?;
+    let paged = spec.kv_pages.is_some() && sparse.is_none();
+    let f = dkdv_wide_kernel(be, spec.dtype, d.head_dim, acc.is_some(), bulk, sparse.is_some(), paged)?;
     let mut a = dkdv_arrays(spec, p, delta, acc);
     for x in [t.work, t.tile_off, t.tile_segs, t.segs, t.tq_off, t.tq_list] {
         a.array(x.0, x.1);
@@ -370,17 +380,17 @@ pub(crate) fn launch_dkdv_wide(
 }
 
 /// The dQ pass kernel (`flash_bwd::flash_bwd_dq`, f16/bf16) for one set of comptime choices.
-pub(crate) fn dq_kernel(be: &CudaBackend, dt: DType, hd: usize, sparse: bool, window: bool) -> Result<Func> {
-    let key = KernelKey::new("flash_bwd_dq", dt, &[hd as u32, sparse as u32, window as u32]);
-    be.kernels.get(&key, || dq_source(be.client(), dt, hd, sparse, window))
+pub(crate) fn dq_kernel(be: &CudaBackend, dt: DType, hd: usize, sparse: bool, window: bool, paged: bool) -> Result<Func> {
+    let key = KernelKey::new("flash_bwd_dq", dt, &[hd as u32, sparse as u32, window as u32, paged as u32]);
+    be.kernels.get(&key, || dq_source(be.client(), dt, hd, sparse, window, paged))
 }
 
 /// CUDA source of [`dq_kernel`].
-pub(crate) fn dq_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: usize, sparse: bool, window: bool) -> Result<Source> {
+pub(crate) fn dq_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: usize, sparse: bool, window: bool, paged: bool) -> Result<Source> {
     by_dtype!(dt, T, codegen_exp2(flash_bwd::flash_bwd_dq::FlashBwdDq::<T, CudaRuntime>::new(
         settings(32 * BWD_PLANES as u32), client.clone(),
         A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (),
-        BWD_LOAD_VEC, hd, sparse, window), true))
+        BWD_LOAD_VEC, hd, sparse, window, paged), true))
 }
 
 /// Enqueues the dQ pass `flash_bwd_dq` (f16/bf16) over `n_work` work items x heads_q. `tables`:
@@ -401,7 +411,8 @@ pub(crate) fn launch_dq(
     let (hd, dt) = (d.head_dim, spec.dtype);
     let (ql, kl, ll) = (d.q_len(), d.kv_len(), d.lse_len());
     let (win_l, win_r, window) = window_bounds(spec);
-    let f = dq_kernel(be, dt, hd, sparse.is_some(), window)?;
+    let paged = spec.kv_pages.is_some() && sparse.is_none();
+    let f = dq_kernel(be, dt, hd, sparse.is_some(), window, paged)?;
     let qv = ql / BWD_LOAD_VEC;
     let mut a = Args::new();
     a.array(p.q, qv).array(p.dout, qv).array(p.lse, ll).array(delta, ll);
@@ -451,11 +462,12 @@ pub(crate) fn launch_backward(
 
     launch_delta(be, spec, p, delta, stream)?;
 
+    let paged = spec.kv_pages.is_some();
     if dt == DType::F32 {
         let threads = 32 * F32_ROWS_PER_CUBE as u32;
-        let f = be.kernels.get(&KernelKey::new("rowwise_bwd_dkdv_f32", dt, &[hd as u32]), || {
+        let f = be.kernels.get(&KernelKey::new("rowwise_bwd_dkdv_f32", dt, &[hd as u32, paged as u32]), || {
             codegen(rowwise_bwd::rowwise_bwd_dkdv_f32::RowwiseBwdDkdvF32::<CudaRuntime>::new(
-                settings(threads), client.clone(), A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), hd))
+                settings(threads), client.clone(), A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), A, hd, paged))
         })?;
         let mut a = Args::new();
         a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.dout, ql).array(p.lse, ll).array(delta, ll);
@@ -464,12 +476,12 @@ pub(crate) fn launch_backward(
             a.array(t(i).0, t(i).1);
         }
         a.f32(spec.scale).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32).u32(d.total_k as u32);
-        a.u32(win_l).u32(win_r);
+        a.u32(win_l).u32(win_r).array(t(TBL_PAGES).0, t(TBL_PAGES).1);
         launch(&f, (d.total_k.div_ceil(F32_ROWS_PER_CUBE) as u32, d.heads_kv as u32, 1), &mut a, stream)?;
 
-        let f = be.kernels.get(&KernelKey::new("rowwise_bwd_dq_f32", dt, &[hd as u32]), || {
+        let f = be.kernels.get(&KernelKey::new("rowwise_bwd_dq_f32", dt, &[hd as u32, paged as u32]), || {
             codegen(rowwise_bwd::rowwise_bwd_dq_f32::RowwiseBwdDqF32::<CudaRuntime>::new(
-                settings(threads), client.clone(), A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), hd))
+                settings(threads), client.clone(), A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), A, hd, paged))
         })?;
         let mut a = Args::new();
         a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.dout, ql).array(p.lse, ll).array(delta, ll);
@@ -478,6 +490,7 @@ pub(crate) fn launch_backward(
             a.array(t(i).0, t(i).1);
         }
         a.f32(spec.scale).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32).u32(win_l).u32(win_r);
+        a.array(t(TBL_PAGES).0, t(TBL_PAGES).1);
         return launch(&f, (d.total_q.div_ceil(F32_ROWS_PER_CUBE) as u32, d.heads_q as u32, 1), &mut a, stream);
     }
 
@@ -489,7 +502,8 @@ pub(crate) fn launch_backward(
         launch_fill_zero(dt, p.dq, ql, stream)?;
     }
     if n_k_work > 0 {
-        // the transposed block index is not read by the dense variant: any valid address
+        // the transposed block index is not read by the dense variant: any valid address; a
+        // paged K,V's page table in `tq_list`
         let none = (t(TBL_SEGS).0, 1);
         let w = DkdvTables {
             work: t(TBL_K_WORK),
@@ -497,15 +511,17 @@ pub(crate) fn launch_backward(
             tile_segs: t(TBL_TILE_SEGS),
             segs: t(TBL_SEGS),
             tq_off: none,
-            tq_list: none,
+            tq_list: if paged { t(TBL_PAGES) } else { none },
         };
         launch_dkdv_wide(be, spec, p, delta, fused.then_some(acc), &w, None, n_k_work, stream)?;
     }
     if fused {
         launch_dq_convert(be, spec, p, acc, stream)?;
     } else if n_q_work > 0 {
+        // no block list: any valid address; a paged K,V's page table as `blocks`
         let none = (t(TBL_SEGS).0, 1);
-        launch_dq(be, spec, p, delta, [t(TBL_Q_WORK), t(TBL_SEGS), none, none], None, n_q_work, stream)?;
+        let blocks = if paged { t(TBL_PAGES) } else { none };
+        launch_dq(be, spec, p, delta, [t(TBL_Q_WORK), t(TBL_SEGS), none, blocks], None, n_q_work, stream)?;
     }
     Ok(())
 }

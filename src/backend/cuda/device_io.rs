@@ -35,7 +35,7 @@ impl CudaBackend {
     fn fwd_plan(&self, spec: &AttnSpec, stream: CUstream) -> Result<Arc<Cached<Plan>>> {
         self.fwd_plans.get(PlanKey::new(spec, plan_opts()), stream, || {
             let p = Plan::new(spec);
-            let t = fwd_tables(&p);
+            let t = fwd_tables(spec, &p);
             (p, t)
         })
     }
@@ -43,7 +43,7 @@ impl CudaBackend {
     fn bwd_plan(&self, spec: &AttnSpec, stream: CUstream) -> Result<Arc<Cached<BwdPlan>>> {
         self.bwd_plans.get(PlanKey::new(spec, 0), stream, || {
             let p = BwdPlan::new(spec);
-            let t = p.tables();
+            let t = p.tables(spec);
             (p, t)
         })
     }

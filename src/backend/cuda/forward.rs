@@ -89,7 +89,8 @@ fn is_f16(dt: DType) -> bool {
 
 /// The tensor-core forward kernel (`flash_fwd::flash_fwd_mma2`) for one set of comptime choices:
 /// `mt` m16 blocks per plane, `bn` keys per tile, `block_m` rows per cube, dense or sparse key
-/// iteration (`cuda::sparse`), exact or INT8 Q K^T (`cuda::sparse_int8`, sparse only). f16 or bf16.
+/// iteration (`cuda::sparse`), exact or INT8 Q K^T (`cuda::sparse_int8`, sparse only), K,V read
+/// through a page table (`paged`, dense only: `AttnSpec::kv_pages`). f16 or bf16.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn flash_fwd_kernel(
     be: &CudaBackend,
@@ -100,9 +101,14 @@ pub(crate) fn flash_fwd_kernel(
     block_m: usize,
     sparse: bool,
     int8: bool,
+    paged: bool,
 ) -> Result<super::compile::Func> {
-    let key = KernelKey::new("flash_fwd_mma2", dt, &[hd as u32, mt as u32, bn as u32, block_m as u32, sparse as u32, int8 as u32]);
-    be.kernels.get(&key, || fwd_source(be.client(), dt, hd, mt, bn, block_m, sparse, int8))
+    let key = KernelKey::new(
+        "flash_fwd_mma2",
+        dt,
+        &[hd as u32, mt as u32, bn as u32, block_m as u32, sparse as u32, int8 as u32, paged as u32],
+    );
+    be.kernels.get(&key, || fwd_source(be.client(), dt, hd, mt, bn, block_m, sparse, int8, paged))
 }
 
 /// CUDA source of [`flash_fwd_kernel`].
@@ -116,6 +122,7 @@ pub(crate) fn fwd_source(
     block_m: usize,
     sparse: bool,
     int8: bool,
+    paged: bool,
 ) -> Result<Source> {
     let threads = (block_m * 2 / mt) as u32;
     macro_rules! k {
@@ -130,6 +137,7 @@ pub(crate) fn fwd_source(
                 block_m,
                 sparse,
                 int8,
+                paged,
             ), false)
         };
     }
@@ -173,21 +181,23 @@ pub(crate) fn launch_forward(
     let client = be.client();
     let dt = spec.dtype;
     let (win_l, win_r, _) = window_bounds(spec);
+    let paged = spec.kv_pages.is_some();
     if dt == DType::F32 {
-        let key = KernelKey::new("rowwise_fwd_f32", dt, &[hd as u32]);
+        let key = KernelKey::new("rowwise_fwd_f32", dt, &[hd as u32, paged as u32]);
         let f = be.kernels.get(&key, || {
             codegen(rowwise_fwd::rowwise_fwd_f32::RowwiseFwdF32::<CudaRuntime>::new(
                 settings(32 * ROWS_PER_CUBE as u32),
                 client.clone(),
-                A, A, A, A, A, A, A, (), (), (), (), (), (), (),
+                A, A, A, A, A, A, A, (), (), (), (), (), (), (), A,
                 hd,
+                paged,
             ))
         })?;
         let mut a = Args::new();
         a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.out, ql).array(p.lse, ll);
         a.array(t(TBL_ROW_SEG).0, t(TBL_ROW_SEG).1).array(t(TBL_SEGS).0, t(TBL_SEGS).1);
         a.f32(spec.scale).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32).f32(f32::INFINITY);
-        a.u32(win_l).u32(win_r);
+        a.u32(win_l).u32(win_r).array(t(TBL_PAGES).0, t(TBL_PAGES).1);
         let cubes = d.total_q.div_ceil(ROWS_PER_CUBE) as u32;
         return launch(&f, (cubes, d.heads_q as u32, 1), &mut a, stream);
     }
@@ -222,6 +232,7 @@ pub(crate) fn launch_forward(
         lse: p.lse,
         row_seg: t(TBL_ROW_SEG),
         segs: t(TBL_SEGS),
+        pages: paged.then(|| t(TBL_PAGES)),
         flag,
     };
     let opts = fwd_options();
@@ -235,15 +246,15 @@ pub(crate) fn launch_forward(
     let (part_o, part_lse) = if po_bytes == 0 { (flag, flag) } else { (p.workspace + offs[1] as u64, p.workspace + offs[2] as u64) };
     let n_part = (po_bytes / (4 * hd)).max(1);
 
-    let f = flash_fwd_kernel(be, dt, hd, mt, bn, BLOCK_M, false, false)?;
+    let f = flash_fwd_kernel(be, dt, hd, mt, bn, BLOCK_M, false, false, paged)?;
     let mut a = Args::new();
     a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.out, ql).array(p.lse, ll);
     a.array(part_o, n_part * hd).array(part_lse, n_part);
     for i in [TBL_FWD_WORK, TBL_FWD_SLICES, TBL_SEGS] {
         a.array(t(i).0, t(i).1);
     }
-    // no block list (the sparse tables): any valid address
-    a.array(t(TBL_SEGS).0, 1).array(t(TBL_SEGS).0, 1).array(flag, 1);
+    // no block list (the sparse tables): any valid address; paged: the page table as `blocks`
+    a.array(t(TBL_SEGS).0, 1).array(t(TBL_PAGES).0, t(TBL_PAGES).1).array(flag, 1);
     a.f32(spec.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32);
     a.u32(fp.hp).u32(fp.n_slots).f32(f32::INFINITY).u32(0).u32(1).u32(win_l).u32(win_r);
     launch(&f, (n_work * y, 1, 1), &mut a, stream)?;
@@ -269,8 +280,17 @@ pub(crate) const TBL_ROW_SEG: usize = 1;
 pub(crate) const TBL_FWD_WORK: usize = 2;
 pub(crate) const TBL_FWD_SLICES: usize = 3;
 pub(crate) const TBL_FWD_COMB: usize = 4;
+pub(crate) const TBL_PAGES: usize = 5;
 
-/// The tables of a forward plan, in the `TBL_*` order.
-pub(crate) fn fwd_tables(plan: &Plan) -> Vec<Vec<u32>> {
-    vec![plan.segs.clone(), plan.row_seg.clone(), plan.fwd.work.clone(), plan.fwd.slices.clone(), plan.fwd.comb.clone()]
+/// The tables of a forward plan of `spec`, in the `TBL_*` order (the page table of a paged K,V
+/// last; empty without one).
+pub(crate) fn fwd_tables(spec: &AttnSpec, plan: &Plan) -> Vec<Vec<u32>> {
+    vec![
+        plan.segs.clone(),
+        plan.row_seg.clone(),
+        plan.fwd.work.clone(),
+        plan.fwd.slices.clone(),
+        plan.fwd.comb.clone(),
+        spec.kv_pages.clone().unwrap_or_default(),
+    ]
 }

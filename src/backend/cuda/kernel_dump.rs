@@ -22,29 +22,29 @@ mod tests {
         let c = CudaBackend::shared().expect("a CUDA driver").client();
         let dt = DType::BF16;
         let sources = [
-            ("fwd_d128", fwd_source(c, dt, 128, 2, 64, 128, false, false)),
-            ("fwd_d64", fwd_source(c, dt, 64, 2, 64, 128, false, false)),
+            ("fwd_d128", fwd_source(c, dt, 128, 2, 64, 128, false, false, false)),
+            ("fwd_d64", fwd_source(c, dt, 64, 2, 64, 128, false, false, false)),
             // block-sparse, 64-row cubes (q_block 64, index per q head): four planes of 16 rows at d128
-            ("fwd_sparse_d128", fwd_source(c, dt, 128, 1, 64, 64, true, false)),
+            ("fwd_sparse_d128", fwd_source(c, dt, 128, 1, 64, 64, true, false, false)),
             // block-sparse, 128-row cubes (q_block 128, or a GQA group packed): two planes of 32 rows
-            ("fwd_sparse_bm128_d128", fwd_source(c, dt, 128, 2, 64, 128, true, false)),
-            ("fwd_sparse_int8_d128", fwd_source(c, dt, 128, 2, 64, 64, true, true)),
-            ("fwd_sparse_int8_d64", fwd_source(c, dt, 64, 2, 64, 64, true, true)),
+            ("fwd_sparse_bm128_d128", fwd_source(c, dt, 128, 2, 64, 128, true, false, false)),
+            ("fwd_sparse_int8_d128", fwd_source(c, dt, 128, 2, 64, 64, true, true, false)),
+            ("fwd_sparse_int8_d64", fwd_source(c, dt, 64, 2, 64, 64, true, true, false)),
             ("combine_d128", super::super::forward::combine_source(c, dt, 128)),
             ("int8_quantize_k_d128", super::super::sparse_int8::quantize_source(c, dt, 128, true, true)),
-            ("dq_d128", dq_source(c, dt, 128, false, false)),
-            ("dq_d64", dq_source(c, dt, 64, false, false)),
-            ("dq_window_d128", dq_source(c, dt, 128, false, true)),
-            ("dq_sparse_d128", dq_source(c, dt, 128, true, false)),
+            ("dq_d128", dq_source(c, dt, 128, false, false, false)),
+            ("dq_d64", dq_source(c, dt, 64, false, false, false)),
+            ("dq_window_d128", dq_source(c, dt, 128, false, true, false)),
+            ("dq_sparse_d128", dq_source(c, dt, 128, true, false, false)),
             // the dK/dV kernel (128 keys): causal / window are runtime bounds
-            ("dkdv_wide_d128", dkdv_wide_source(c, dt, 128, false, false, 2, false)),
-            ("dkdv_wide_fused_d128", dkdv_wide_source(c, dt, 128, true, true, 2, false)),
-            ("dkdv_wide_fused_atomic_d128", dkdv_wide_source(c, dt, 128, true, false, 2, false)),
-            ("dkdv_wide_d64", dkdv_wide_source(c, dt, 64, false, false, 2, false)),
-            ("dkdv_wide_fused_d64", dkdv_wide_source(c, dt, 64, true, false, 2, false)),
-            ("dkdv_wide_fused_d128_f16", dkdv_wide_source(c, DType::F16, 128, true, true, 2, false)),
-            ("dkdv_wide_sparse_d128", dkdv_wide_source(c, dt, 128, false, false, 2, true)),
-            ("dkdv_wide_sparse_fused_d128", dkdv_wide_source(c, dt, 128, true, true, 2, true)),
+            ("dkdv_wide_d128", dkdv_wide_source(c, dt, 128, false, false, 2, false, false)),
+            ("dkdv_wide_fused_d128", dkdv_wide_source(c, dt, 128, true, true, 2, false, false)),
+            ("dkdv_wide_fused_atomic_d128", dkdv_wide_source(c, dt, 128, true, false, 2, false, false)),
+            ("dkdv_wide_d64", dkdv_wide_source(c, dt, 64, false, false, 2, false, false)),
+            ("dkdv_wide_fused_d64", dkdv_wide_source(c, dt, 64, true, false, 2, false, false)),
+            ("dkdv_wide_fused_d128_f16", dkdv_wide_source(c, DType::F16, 128, true, true, 2, false, false)),
+            ("dkdv_wide_sparse_d128", dkdv_wide_source(c, dt, 128, false, false, 2, true, false)),
+            ("dkdv_wide_sparse_fused_d128", dkdv_wide_source(c, dt, 128, true, true, 2, true, false)),
         ];
         for (name, src) in sources {
             let src = src.unwrap();

@@ -25,8 +25,8 @@ use crate::spec::{AttnSpec, Window};
 /// Entries kept per device and direction.
 pub const CAPACITY: usize = 256;
 
-/// What a plan depends on: the call's shape (dims, dtype, causal, sliding window, segments) and the
-/// options that change the plan.
+/// What a plan depends on: the call's shape (dims, dtype, causal, sliding window, segments, the
+/// page table of a paged K,V) and the options that change the plan.
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
 pub(crate) struct PlanKey {
     dtype: DType,
@@ -34,6 +34,8 @@ pub(crate) struct PlanKey {
     causal: bool,
     window: Window,
     segs: Vec<[usize; 4]>,
+    /// The page table of a paged K,V (uploaded with the plan's tables).
+    pages: Option<Vec<u32>>,
     opts: u64,
     extra: u64,
 }
@@ -47,6 +49,7 @@ impl PlanKey {
             causal: spec.causal,
             window: spec.window,
             segs: spec.segments.iter().map(|s| [s.q_start, s.q_len, s.k_start, s.k_len]).collect(),
+            pages: spec.kv_pages.clone(),
             opts,
             extra: 0,
         }
