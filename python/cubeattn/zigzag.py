@@ -8,39 +8,33 @@ pairs together, the same on every rank: the work is balanced.
 
 Forward, per slice of ``heads_k_stride`` kv heads:
 
-1. all-gather the local K,V of the slice (one collective for K and V together). The gathered
-   buffer is rank-major, as ``all_gather_into_tensor`` writes it:
+1. all-gather the local K and V of the slice. The gathered buffers are rank-major, as
+   ``all_gather_into_tensor`` writes them:
    ``[rank 0: seq0 (c0, c2W-1), seq1 (c0, c2W-1), ..., rank 1: seq0 (c1, c2W-2), ...]``;
-2. one ``index_select`` of the gathered rows into original order (``extract_zigzag_kv_slice``
-   with every chunk: the "extract" step; the index comes from the Rust core);
-3. ONE ``grouped_flash_attn_func`` call for all sequences: per (sequence b, local chunk) a group
-   whose queries are the local chunk and whose keys are the causal prefix of sequence b in the
-   ordered buffer: chunk r sees ``[0, (r+1) C_b)``, chunk 2W-1-r sees ``[0, (2W-r) C_b)``, causal
+2. ONE ``grouped_flash_attn_func`` call for all sequences: per (sequence b, local chunk) a group
+   whose queries are the local chunk and whose keys are the causal prefix of sequence b in
+   sequence order: chunk r sees ``[0, (r+1) C_b)``, chunk 2W-1-r sees ``[0, (2W-r) C_b)``, causal
    inside each group measured from the group's end (bottom-right), so the mask is exact.
 
-Why reorder once instead of reading the gathered buffer in place. The prefix of chunk i is chunks
-0..i of the sequence, which in the gathered buffer lie in up to i+1 separate places (pairs of
-chunks owned by one rank are adjacent, but in the order (o, 2W-1-o), and the pairs of different
-ranks are separated by the other sequences). Reading in place therefore needs, per query chunk,
-several key pieces: fully visible pieces (no mask) plus one diagonal piece (causal). The grouped
-API has one causal flag per call, bottom-right inside each group, and each query row in exactly
-one group, so those pieces cannot be one call: it would take two calls (causal and non-causal) and
-an LSE merge of up to W partial results per row (more launches and extra passes over the
-output) to save one copy of K,V: T x heads_kv x d elements moved, against ~T^2 x heads_q x d
-multiply-adds of attention. No layout reachable by
-an all-gather puts every causal prefix in one contiguous range either (rank o contributes chunks o
-and 2W-1-o together). The ordered copy reads and writes the gathered K,V once (an O(T) memory
-pass; the attention itself is O(T^2)), after which both local chunks share one key buffer and the
-grouped kernel reads each key tile once for both groups. An in-place kernel would need per-group
-lists of key pieces with a per-piece causal flag in the spec: a kernel change, left for later.
+In place (every chunk C_b a multiple of 64 keys, the usual case). The grouped call reads the
+gathered K, V where they lie: its ``kv_block_table`` says where each 64-key block of the sequence
+order sits in the gathered buffer (the kernels translate a key tile's rows once per tile; masks and
+ranges stay in sequence order), and the backward writes dK, dV at those rows, which is the layout
+the reduce-scatter takes. No copy of K, V or dK, dV is made (``heads_k_stride < heads_kv`` copies
+the local slice before its all-gather, as any slice of a [tokens, heads, d] tensor must be).
 
-Backward, per head slice: K,V are all-gathered and ordered again (not kept from the forward: that
-would hold W times the local K,V per layer), one ``grouped_flash_attn_backward`` gives dQ (local,
-kept) and dK,dV over the whole ordered buffer; they are scattered back to the gathered layout
-(``scatter_grad_to_zigzag``, the inverse permutation) in float32 and summed onto their owners with
-``reduce_scatter_tensor`` (NCCL). gloo has no reduce-scatter: there an ``all_reduce`` of the float32
-buffer and the own slice give the same sum. dK,dV partial sums of the W ranks are added in float32
-and rounded to the input dtype once.
+Ordered copy (chunks that are not a multiple of 64, or ``CUBEATTN_ZIGZAG_IN_PLACE=0``: the
+baseline the in-place read is measured against). K and V are gathered together and put in sequence
+order by one ``index_select`` each (``extract_zigzag_kv_slice`` with every chunk); the backward
+scatters dK, dV back (``scatter_grad_to_zigzag``, the inverse permutation). These copies are
+O(T) against the O(T^2) attention: about 1% of a step (bench/NOTES.md).
+
+Backward, per head slice: K,V are all-gathered again (not kept from the forward: that would hold W
+times the local K,V per layer), one ``grouped_flash_attn_backward`` gives dQ (local, kept) and dK,dV
+over the whole gathered length; they are cast to float32 in the gathered layout and summed onto
+their owners with ``reduce_scatter_tensor`` (NCCL). gloo has no reduce-scatter: there an
+``all_reduce`` of the float32 buffer and the own slice give the same sum. dK,dV partial sums of the
+W ranks are added in float32 and rounded to the input dtype once.
 
 On CUDA the all-gather of slice i+1 (and in the backward the reduce-scatter of slice i) runs on a
 separate communication stream, double-buffered, ordered against the compute stream with CUDA
@@ -49,6 +43,8 @@ synchronisation), so the collectives of one slice overlap the attention of anoth
 (gloo) everything is synchronous.
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -280,7 +276,7 @@ def _as_core_dtype(buf, dtype):
 class _Plan:
     """Everything about one call that does not depend on the data: group ranges and indices."""
 
-    def __init__(self, local_cu, world_size, rank, total_local, causal):
+    def __init__(self, local_cu, world_size, rank, total_local, causal, in_place=True):
         w, r = world_size, rank
         self.world_size, self.rank, self.total_local = w, r, total_local
         full_cu = local_cu.astype(np.int64) * w
@@ -295,11 +291,19 @@ class _Plan:
                 kr += [[fs, fs + 2 * w * c]] * 2
         self.q_ranges = np.asarray(qr, np.int32).reshape(-1, 2)
         self.kv_ranges = np.asarray(kr, np.int32).reshape(-1, 2)
-        # K and V of a slice are gathered together: each rank contributes [2, total_local, ...],
-        # so the gathered buffer is [W, 2, total_local, ...] and gathered row g of K is at flat row
-        # (g // total_local) * 2 * total_local + g % total_local (V: + total_local).
+        # g[i]: row of the gathered (rank-major) K (or V) holding key i of the ordered sequences
         g = _core.zigzag_gathered_rows(full_cu.astype(np.int32), w, 2 * w - 1)
-        flat_k = (g // total_local) * 2 * total_local + g % total_local
+        # In place (every chunk a multiple of the 64-key block): the kernels read the gathered K, V
+        # through a block table (logical block j at gathered rows 64 t[j]..) and write dK, dV in
+        # the gathered layout, which is what the reduce-scatter takes: no reorder copies.
+        self.kv_block_table = None
+        if in_place and g.size and not (chunk % _PAGE).any():
+            self.kv_block_table = (g[::_PAGE] // _PAGE).astype(np.int32)
+        # Else (the ordered copy): K and V of a slice are gathered together, each rank contributing
+        # [2, total_local, ...], so the gathered buffer is [W, 2, total_local, ...] and gathered row
+        # g of K is at flat row (g // total_local) * 2 * total_local + g % total_local (V: +
+        # total_local); one index_select each puts them in order.
+        flat_k = (g // total_local) * 2 * total_local + g % total_local if total_local else g
         self.k_rows, self.v_rows = flat_k, flat_k + total_local
         self._dev = {}
 
@@ -311,6 +315,9 @@ class _Plan:
         if key not in self._dev:
             self._dev[key] = (torch.from_numpy(self.k_rows).to(device), torch.from_numpy(self.v_rows).to(device))
         return self._dev[key]
+
+
+_PAGE = 64  # keys per block of a paged K,V (the kernels' KV_PAGE)
 
 
 def _backend(group):
@@ -394,32 +401,52 @@ class _Comm:
 
 
 def _gathered_kv(k, v, stride, group, plan, comm):
-    """Yields (slice index, kv-head slice, ordered K, ordered V) for every kv-head slice; the
-    all-gather of slice i+1 is issued before slice i is handed out (double buffer)."""
+    """Yields (kv-head slice, K, V) for every kv-head slice: in place, the gathered (rank-major) K
+    and V themselves (two all-gathers; read through ``plan.kv_block_table``); else K and V in
+    sequence order (one all-gather of both, one index_select each). The all-gather of slice i+1
+    is issued before slice i is handed out (double buffer)."""
     import torch
 
     w, tl = plan.world_size, plan.total_local
     n = k.shape[1] // stride
     d = k.shape[2]
-    bufs = [torch.empty((w * 2 * tl, stride, d), dtype=k.dtype, device=k.device) for _ in range(min(n, 2))]
+    in_place = plan.kv_block_table is not None
+    rows = w * tl if in_place else w * 2 * tl
+    bufs = [[torch.empty((rows, stride, d), dtype=k.dtype, device=k.device) for _ in range(1 + in_place)]
+            for _ in range(min(n, 2))]
     done, free = [None] * n, [None, None]
-    k_rows, v_rows = plan.rows(k.device)
 
     def start(i):
         hs = slice(i * stride, (i + 1) * stride)
-        local = torch.stack([k[:, hs], v[:, hs]]).reshape(2 * tl, stride, d)
         buf = bufs[i % 2]
-        done[i] = comm.run(lambda: _all_gather(buf, local, group), local, buf, after=[free[i % 2]])
+        if in_place:
+            # k, v themselves when one slice holds every kv head (no copy)
+            lk, lv = (k, v) if n == 1 else (k[:, hs].contiguous(), v[:, hs].contiguous())
 
+            def gather():
+                _all_gather(buf[0], lk, group)
+                _all_gather(buf[1], lv, group)
+            done[i] = comm.run(gather, lk, lv, buf[0], buf[1], after=[free[i % 2]])
+        else:
+            local = torch.stack([k[:, hs], v[:, hs]]).reshape(2 * tl, stride, d)
+            done[i] = comm.run(lambda: _all_gather(buf[0], local, group), local, buf[0], after=[free[i % 2]])
+
+    if not in_place:
+        k_rows, v_rows = plan.rows(k.device)
     start(0)
     for i in range(n):
         if i + 1 < n:
             start(i + 1)
         comm.wait(done[i])
         buf = bufs[i % 2]
-        kk, vv = buf.index_select(0, k_rows), buf.index_select(0, v_rows)
-        free[i % 2] = comm.mark()  # the buffer may be overwritten once the two copies are done
-        yield i, slice(i * stride, (i + 1) * stride), kk, vv
+        if in_place:
+            kk, vv = buf
+        else:
+            kk, vv = buf[0].index_select(0, k_rows), buf[0].index_select(0, v_rows)
+            free[i % 2] = comm.mark()  # the buffer may be overwritten once the two copies are done
+        yield slice(i * stride, (i + 1) * stride), kk, vv
+        if in_place:
+            free[i % 2] = comm.mark()  # the attention that read the buffer is enqueued
 
 
 def _forward(q, k, v, plan, stride, scale, causal, group):
@@ -430,10 +457,10 @@ def _forward(q, k, v, plan, stride, scale, causal, group):
     g = q.shape[1] // k.shape[1]
     comm = _Comm(q.device)
     outs, lses = [], []
-    for _, hs, kk, vv in _gathered_kv(k, v, stride, group, plan, comm):
+    for hs, kk, vv in _gathered_kv(k, v, stride, group, plan, comm):
         qi = q[:, hs.start * g:hs.stop * g]
         o, lse = grouped_flash_attn_func(qi, kk, vv, plan.q_ranges, plan.kv_ranges, softmax_scale=scale,
-                                         causal=causal, return_lse=True)
+                                         causal=causal, return_lse=True, kv_block_table=plan.kv_block_table)
         outs.append(o)
         lses.append(lse)
     if len(outs) == 1:  # one head slice (heads_k_stride = heads_kv): no concatenation copy
@@ -452,21 +479,30 @@ def _backward(dout, q, k, v, out, lse, plan, stride, scale, causal, deterministi
     n_slices = k.shape[1] // stride
     dq = torch.empty_like(q) if n_slices > 1 else None
     dkv_local = torch.empty((n_slices, 2 * tl, stride, d), dtype=torch.float32, device=k.device)
-    k_rows, v_rows = plan.rows(k.device)
     pending = []
-    for i, hs, kk, vv in _gathered_kv(k, v, stride, group, plan, comm):
+    for i, (hs, kk, vv) in enumerate(_gathered_kv(k, v, stride, group, plan, comm)):
         qs = slice(hs.start * g, hs.stop * g)
         dqi, dki, dvi = grouped_flash_attn_backward(dout[:, qs], q[:, qs], kk, vv, out[:, qs], lse[qs],
                                                     plan.q_ranges, plan.kv_ranges, softmax_scale=scale,
-                                                    causal=causal, deterministic=deterministic)
+                                                    causal=causal, deterministic=deterministic,
+                                                    kv_block_table=plan.kv_block_table)
         if dq is None:  # one head slice: its dq is the whole dq (no copy)
             dq = dqi
         else:
             dq[:, qs] = dqi
-        # back to the gathered (rank-major) layout in float32, then summed onto the owners
-        dkv = torch.empty((w * 2 * tl, stride, d), dtype=torch.float32, device=k.device)
-        dkv.index_copy_(0, k_rows, dki.float())
-        dkv.index_copy_(0, v_rows, dvi.float())
+        # the gathered (rank-major) layout [W, K then V, tl, ...] in float32, then summed onto the
+        # owners: in place, dK and dV are in that layout already (one cast-copy each); else the
+        # ordered rows are scattered back
+        dkv = torch.empty((w, 2, tl, stride, d), dtype=torch.float32, device=k.device)
+        if plan.kv_block_table is not None:
+            dkv[:, 0].copy_(dki.view(w, tl, stride, d))
+            dkv[:, 1].copy_(dvi.view(w, tl, stride, d))
+            dkv = dkv.view(w * 2 * tl, stride, d)
+        else:
+            k_rows, v_rows = plan.rows(k.device)
+            dkv = dkv.view(w * 2 * tl, stride, d)
+            dkv.index_copy_(0, k_rows, dki.float())
+            dkv.index_copy_(0, v_rows, dvi.float())
         dst = dkv_local[i]
         pending.append(comm.run(lambda dst=dst, dkv=dkv: _reduce_scatter(dst, dkv, group), dkv, dst))
     for ev in pending:
@@ -588,7 +624,8 @@ def zigzag_llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, ma
     w, r = dist.get_world_size(group), dist.get_rank(group)
     if _backend(group) == "nccl" and not q.is_cuda:
         raise ValueError("invalid argument `q`: the process group uses NCCL, which needs CUDA tensors")
-    plan = _Plan(cu_q, w, r, tl, bool(causal))
+    in_place = os.environ.get("CUBEATTN_ZIGZAG_IN_PLACE", "1") != "0"
+    plan = _Plan(cu_q, w, r, tl, bool(causal), in_place)
     scale = None if softmax_scale is None else float(softmax_scale)
     return _function().apply(q, k.contiguous(), v.contiguous(), plan, stride, scale, bool(causal),
                              bool(deterministic), group)

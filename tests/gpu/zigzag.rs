@@ -105,3 +105,128 @@ fn zigzag_copy_errors_name_the_argument() {
     let e = unsafe { b.zigzag_copy_device(ZigzagCopy::Extract, &cu, 2, 1, 0, 16, 0, 7, 4, 0) }.unwrap_err();
     assert_eq!(name(e), "out");
 }
+
+/// Rows of a `[rows, row_elems]` buffer moved by blocks of 64: logical block g to physical block
+/// table[g].
+fn paged_layout(x: &cubeattn::HostData, table: &[i32], row_elems: usize) -> cubeattn::HostData {
+    let xs = x.to_f32_vec();
+    let mut out = vec![0f32; xs.len()];
+    let b = 64 * row_elems;
+    for (g, &t) in table.iter().enumerate() {
+        out[t as usize * b..][..b].copy_from_slice(&xs[g * b..][..b]);
+    }
+    cubeattn::HostData::from_f32(x.dtype(), &out)
+}
+
+/// The zigzag layer's in-place read: a grouped call over a paged K,V (`kv_block_table`, the
+/// gathered buffer's block order) gives bit for bit the outputs, LSE and gradients of the same call
+/// over K,V in logical order (dK, dV in the paged layout), with NaN-poisoned outputs (every element
+/// written): W = 2 and 3 zigzag groups of two sequences, f16 / bf16 / f32, d64 / d128, causal and
+/// not, both dQ paths (the fused path's dQ is summed by atomics in any order: compared to the
+/// pass's within 1e-2 relative), and a v with an Inf (the exact forward kernel).
+#[test]
+#[ignore = "needs a CUDA GPU: scripts/gpu-test.sh test runs it (--include-ignored)"]
+fn paged_kv_is_bitwise_the_ordered_call() {
+    use cubeattn::backend::cuda::backward::DqPath;
+    use cubeattn::backend::BackwardInputs;
+    use cubeattn::{AttnSpec, DType, TensorMeta};
+    let Some(b) = backend() else { return };
+    let mut rng = StdRng::seed_from_u64(12);
+    let mut bad = Vec::new();
+    let mut cases = 0;
+    for (w, lens) in [(2usize, [512usize, 256]), (3, [768, 384])] {
+        // rank 1's groups: chunks 1 and 2W-2 of each sequence over their causal prefixes
+        let (mut qr, mut kr, mut gathered) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut q0, mut k0) = (0i32, 0i32);
+        for &n in &lens {
+            let c = (n / (2 * w)) as i32;
+            qr.push([q0, q0 + c]);
+            kr.push([k0, k0 + 2 * c]);
+            qr.push([q0 + c, q0 + 2 * c]);
+            kr.push([k0, k0 + (2 * w as i32 - 1) * c]);
+            q0 += 2 * c;
+            k0 += n as i32;
+        }
+        let tk = k0 as usize;
+        for r in 0..w {
+            for (s, &n) in lens.iter().enumerate() {
+                let c = n / (2 * w);
+                let start: usize = lens[..s].iter().sum();
+                for chunk in [r, 2 * w - 1 - r] {
+                    gathered.extend((0..c / 64).map(|i| ((start + chunk * c) / 64 + i) as i32));
+                }
+            }
+        }
+        // gathered[p] = logical block at physical block p; the table is its inverse
+        let mut table = vec![0i32; gathered.len()];
+        for (p, &g) in gathered.iter().enumerate() {
+            table[g as usize] = p as i32;
+        }
+        for dt in [DType::BF16, DType::F16, DType::F32] {
+            for d in [64usize, 128] {
+                for causal in [true, false] {
+                    let (hq, hk) = (4, 2);
+                    let tq = q0 as usize;
+                    let m = |t: usize, h: usize| TensorMeta::new(&[t, h, d], dt);
+                    let plain = AttnSpec::grouped(&m(tq, hq), &m(tk, hk), &m(tk, hk), &qr, &kr, None, causal).unwrap();
+                    let paged = plain.clone().with_kv_block_table(&table).unwrap();
+                    let q = super::random(tq * hq * d, dt, 1.0, &mut rng);
+                    let k = super::random(tk * hk * d, dt, 1.0, &mut rng);
+                    let mut v = super::random(tk * hk * d, dt, 1.0, &mut rng);
+                    let dout = super::random(tq * hq * d, dt, 1.0, &mut rng);
+                    for inf in [false, true] {
+                        if inf {
+                            // one Inf in v (logical key 70): the exact forward kernel writes the call
+                            let mut xs = v.to_f32_vec();
+                            xs[(70 * hk + 1) * d + 3] = f32::INFINITY;
+                            v = cubeattn::HostData::from_f32(dt, &xs);
+                        }
+                        let row = hk * d;
+                        let (kp, vp) = (paged_layout(&k, &table, row), paged_layout(&v, &table, row));
+                        let tag = format!("W={w} {dt:?} d={d} causal={causal} inf={inf}");
+                        cases += 1;
+                        let a = b.forward_poisoned(&plain, q.view(), k.view(), v.view(), f32::NAN).unwrap();
+                        let p = b.forward_poisoned(&paged, q.view(), kp.view(), vp.view(), f32::NAN).unwrap();
+                        if a.out != p.out || a.lse.iter().map(|x| x.to_bits()).ne(p.lse.iter().map(|x| x.to_bits())) {
+                            bad.push(format!("forward {tag}"));
+                        }
+                        if inf {
+                            continue;
+                        }
+                        let mut dq_pass = None;
+                        for path in [DqPath::Pass, DqPath::Atomic] {
+                            if dt == DType::F32 && path == DqPath::Atomic {
+                                continue;
+                            }
+                            let gi = BackwardInputs { out: a.out.view(), lse: &a.lse, dout: dout.view(), deterministic: path == DqPath::Pass };
+                            let ga = b.backward_poisoned_on(&plain, q.view(), k.view(), v.view(), gi, f32::NAN, path).unwrap();
+                            let gp = b.backward_poisoned_on(&paged, q.view(), kp.view(), vp.view(), gi, f32::NAN, path).unwrap();
+                            if paged_layout(&ga.dk, &table, row) != gp.dk || paged_layout(&ga.dv, &table, row) != gp.dv {
+                                bad.push(format!("dk/dv {tag} {path:?}"));
+                            }
+                            match path {
+                                DqPath::Pass => {
+                                    if ga.dq != gp.dq {
+                                        bad.push(format!("dq {tag} pass"));
+                                    }
+                                    dq_pass = Some(ga.dq.to_f32_vec());
+                                }
+                                _ => {
+                                    let want = dq_pass.as_ref().unwrap();
+                                    let got = gp.dq.to_f32_vec();
+                                    let num: f64 = got.iter().zip(want).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+                                    let den: f64 = want.iter().map(|y| (*y as f64).powi(2)).sum::<f64>().max(1e-30);
+                                    if !got.iter().all(|x| x.is_finite()) || (num / den).sqrt() > 1e-2 {
+                                        bad.push(format!("dq {tag} fused: rel {:e}", (num / den).sqrt()));
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(bad.is_empty(), "{} of {cases} paged calls differ from the ordered ones: {bad:#?}", bad.len());
+    println!("{cases} paged calls bitwise equal to the ordered ones");
+}

@@ -216,6 +216,74 @@ def test_layer_rejects_bad_input_before_any_collective():
             f(q, k, k, cu, cu, 8, 8, 1)
 
 
+# ---------------------------------------------------------------- the in-place read, every rank emulated
+
+def check_in_place_read(w, lens, dtype, causal, device, stride_heads=(4, 2), d=64, seed=0):
+    """Every rank r of a W-rank zigzag layer, emulated in one process: the grouped call over the
+    gathered K,V read in place (the layer's kv_block_table) against the same call over K,V in
+    sequence order (the ordered copy): out, lse, dq bit for bit (deterministic backward), dk and dv
+    bit for bit in the gathered layout (rank-major, what the reduce-scatter takes)."""
+    import torch
+
+    from cubeattn import zigzag as zz
+
+    hq, hk = stride_heads
+    cu = cu_of(lens)
+    gen = torch.Generator().manual_seed(seed)
+    dt = getattr(torch, dtype)
+    q, k, v, g = (torch.randn(sum(lens), h, d, generator=gen).to(dt).to(device) for h in (hq, hk, hk, hq))
+    local_cu = cubeattn.zigzag_cu_seqlens(cu, w)
+    kg = torch.cat([cubeattn.zigzag_split(k, cu, j, w) for j in range(w)])
+    vg = torch.cat([cubeattn.zigzag_split(v, cu, j, w) for j in range(w)])
+    checked = 0
+    for r in range(w):
+        plan = zz._Plan(local_cu, w, r, int(local_cu[-1]), causal)
+        assert plan.kv_block_table is not None
+        lq, lg = cubeattn.zigzag_split(q, cu, r, w), cubeattn.zigzag_split(g, cu, r, w)
+        args = (plan.q_ranges, plan.kv_ranges)
+        o1, l1 = cubeattn.grouped_flash_attn_func(lq, k, v, *args, causal=causal, return_lse=True)
+        o2, l2 = cubeattn.grouped_flash_attn_func(lq, kg, vg, *args, causal=causal, return_lse=True,
+                                                  kv_block_table=plan.kv_block_table)
+        same(o1.cpu().float().numpy(), o2.cpu().float().numpy())
+        same(l1.cpu().numpy(), l2.cpu().numpy())
+        for det in (True, False):
+            g1 = cubeattn.grouped_flash_attn_backward(lg, lq, k, v, o1, l1, *args, causal=causal, deterministic=det)
+            g2 = cubeattn.grouped_flash_attn_backward(lg, lq, kg, vg, o1, l1, *args, causal=causal,
+                                                      deterministic=det, kv_block_table=plan.kv_block_table)
+            for a, b in ((g1[1], g2[1]), (g1[2], g2[2])):
+                a = torch.cat([cubeattn.zigzag_split(a, cu, j, w) for j in range(w)])
+                same(a.cpu().float().numpy(), b.cpu().float().numpy())
+            if det:
+                same(g1[0].cpu().float().numpy(), g2[0].cpu().float().numpy())
+            else:  # atomics in any order on CUDA
+                a, b = g1[0].double(), g2[0].double()
+                assert ((a - b).norm() / a.norm().clamp_min(1e-30)).item() < 1e-2
+        checked += 1
+    assert checked == w
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("w", [1, 2, 3, 4])
+@pytest.mark.parametrize("causal", [True, False])
+def test_in_place_read_of_every_rank_equals_the_ordered_call_cpu(w, causal):
+    pytest.importorskip("torch")
+    m = 2 * w * 64
+    check_in_place_read(w, [2 * m, 0, m], "float32", causal, "cpu")
+
+
+def test_plan_falls_back_to_the_ordered_copy_off_the_block():
+    """Chunks that are not a multiple of 64 keys (or CUBEATTN_ZIGZAG_IN_PLACE=0) keep the copy."""
+    from cubeattn import zigzag as zz
+
+    local = cubeattn.zigzag_cu_seqlens(cu_of([2 * 2 * 96]), 2)
+    assert zz._Plan(local, 2, 0, int(local[-1]), True).kv_block_table is None
+    local = cubeattn.zigzag_cu_seqlens(cu_of([2 * 2 * 128]), 2)
+    assert zz._Plan(local, 2, 1, int(local[-1]), True, in_place=False).kv_block_table is None
+    table = zz._Plan(local, 2, 1, int(local[-1]), True).kv_block_table
+    # 4 chunks of 128 keys (2 blocks each): rank 0 holds chunks 0, 3, rank 1 chunks 1, 2
+    assert table.tolist() == [0, 1, 4, 5, 6, 7, 2, 3]
+
+
 # ---------------------------------------------------------------- the distributed layer, CPU + gloo
 
 @pytest.mark.torch

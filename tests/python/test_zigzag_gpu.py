@@ -9,7 +9,7 @@ import pytest
 
 import cubeattn
 from conftest import cuda_available
-from test_zigzag import cu_of, ref_gathered, ref_prefix, ref_prefix_mask, same
+from test_zigzag import check_in_place_read, cu_of, ref_gathered, ref_prefix, ref_prefix_mask, same
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.torch,
@@ -167,3 +167,14 @@ def test_cuda_argument_checks_name_the_argument():
         cubeattn.extract_zigzag_kv_slice(x, cu, 3)
     with pytest.raises(ValueError, match="`world_size`"):
         cubeattn.scatter_grad_to_zigzag(x, cu, 0)
+
+
+@pytest.mark.parametrize("w", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_in_place_read_of_every_rank_equals_the_ordered_call(w, dtype, causal):
+    """The zigzag layer's in-place read on CUDA, every rank of W emulated in one process (the
+    collectives are the gloo / NCCL tests' part): bit for bit the ordered call (test_zigzag.py)."""
+    m = 2 * w * 64
+    lens = [3 * m, m, 0] if w < 8 else [m, 2 * m]
+    check_in_place_read(w, lens, dtype, causal, "cuda", stride_heads=(8, 2), d=128 if w % 2 else 64, seed=w)

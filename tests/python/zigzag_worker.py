@@ -25,12 +25,16 @@ TOL = {
 
 def cpu_cases(world_size):
     """Small varlen batches for the gloo test: uneven lengths (multiples of 2W), an empty sequence,
-    GQA 4/2, head_dim 64 and an odd one, one and two kv-head slices, causal and not."""
+    GQA 4/2, head_dim 64 and an odd one, one and two kv-head slices, causal and not; the last two
+    have chunks of 64 keys (the in-place read), the others take the ordered copy."""
     m = 2 * world_size
     return [
         dict(seqlens=[5 * m, 12 * m, 3 * m], hq=4, hkv=2, d=64, stride=1, causal=True),
         dict(seqlens=[7 * m, 0, 2 * m], hq=4, hkv=2, d=40, stride=2, causal=True),
         dict(seqlens=[9 * m], hq=2, hkv=2, d=24, stride=1, causal=False),
+        # chunks of 64 keys: the in-place read of the gathered K,V (kv_block_table)
+        dict(seqlens=[64 * m, 0, 128 * m], hq=4, hkv=2, d=32, stride=1, causal=True),
+        dict(seqlens=[64 * m], hq=2, hkv=2, d=16, stride=2, causal=False),
     ]
 
 
