@@ -59,6 +59,48 @@ def test_grouped_bad_ranges(q_ranges, kv_ranges, arg):
         cubeattn.grouped_flash_attn_func(q, k, v, q_ranges, kv_ranges)
 
 
+@pytest.mark.parametrize("table, kv_ranges, window, exc, match", [
+    ([1, 0, 2], [[0, 128]], (-1, -1), ValueError, r"`kv_block_table`.*3 entries.*2 blocks"),
+    ([0, 0], [[0, 128]], (-1, -1), ValueError, r"`kv_block_table`.*kv_block_table\[1\] = 0 repeats kv_block_table\[0\]"),
+    ([0, 2], [[0, 128]], (-1, -1), ValueError, r"`kv_block_table`.*kv_block_table\[1\] = 2 is outside 0\.\.2"),
+    ([1, -1], [[0, 128]], (-1, -1), ValueError, r"`kv_block_table`.*= -1"),
+    ([1, 0], [[32, 128]], (-1, -1), ValueError, r"`kv_block_table`.*kv_ranges 0 starts at 32"),
+    ([1, 0], [[0, 128]], (16, 0), ValueError, r"`window_size`"),
+    ([[1, 0]], [[0, 128]], (-1, -1), ValueError, r"`kv_block_table`"),
+    ([1.0, 0.0], [[0, 128]], (-1, -1), TypeError, r"`kv_block_table`"),
+])
+def test_grouped_bad_kv_block_table(table, kv_ranges, window, exc, match):
+    q, k, v = qkv(tk=128)
+    with pytest.raises(exc, match=match):
+        cubeattn.grouped_flash_attn_func(q, k, v, [[0, 10]], kv_ranges, window_size=window,
+                                         kv_block_table=np.array(table))
+    with pytest.raises(exc, match=match):
+        cubeattn.grouped_flash_attn_backward(q, q, k, v, q, np.zeros(40, np.float32), [[0, 10]], kv_ranges,
+                                             window_size=window, kv_block_table=np.array(table))
+
+
+def test_grouped_kv_block_table_total_k_off_the_block():
+    q, k, v = qkv(tk=100)
+    with pytest.raises(ValueError, match=r"`kv_block_table`.*multiple of 64, got 100"):
+        cubeattn.grouped_flash_attn_func(q, k, v, [[0, 10]], [[0, 100]], kv_block_table=[0, 1])
+
+
+def test_grouped_kv_block_table_reads_the_paged_rows():
+    """numpy, CPU: the paged call over blocks swapped equals the plain call, dk/dv swapped back."""
+    rng = np.random.default_rng(0)
+    q, k, v, g = (rng.standard_normal(s).astype(np.float32) for s in ((10, 4, 64), (128, 2, 64), (128, 2, 64), (10, 4, 64)))
+    swap = lambda x: np.concatenate([x[64:], x[:64]])
+    o1, l1 = cubeattn.grouped_flash_attn_func(q, k, v, [[0, 10]], [[0, 128]], return_lse=True)
+    o2, l2 = cubeattn.grouped_flash_attn_func(q, swap(k), swap(v), [[0, 10]], [[0, 128]], return_lse=True,
+                                              kv_block_table=[1, 0])
+    assert np.array_equal(o1, o2) and np.array_equal(l1, l2)
+    d1 = cubeattn.grouped_flash_attn_backward(g, q, k, v, o1, l1, [[0, 10]], [[0, 128]])
+    d2 = cubeattn.grouped_flash_attn_backward(g, q, swap(k), swap(v), o1, l1, [[0, 10]], [[0, 128]],
+                                              kv_block_table=[1, 0])
+    assert np.array_equal(d1[0], d2[0])
+    assert np.array_equal(swap(d1[1]), d2[1]) and np.array_equal(swap(d1[2]), d2[2])
+
+
 def test_backward_bad_lse_length():
     q, k, v = qkv()
     out = cubeattn.flash_attn_varlen_func(q, k, v, CU, CU, 10, 10)
