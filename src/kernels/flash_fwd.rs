@@ -217,9 +217,9 @@ fn copy_kv_tile<E: Float>(
     }
 }
 
-/// Issues the copies of keys `[n0, n1)` of K (int8 rows with `int8`) and V into shared rows
-/// `row0..row0 + block_n` of their buffers and commits K's to `bar_k` (with the copies this unit
-/// issued since its last commit: the Q tile for the first tile), V's to `bar_v`.
+/// Issues the copies of keys `[n0, n1)` of K (int8 rows with `int8`) and V (`with_v`) into shared
+/// rows `row0..row0 + block_n` of their buffers and commits K's to `bar_k` (with the copies this
+/// unit issued since its last commit: the Q tile for the first tile), V's to `bar_v`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn issue_kv_tiles<E: Float>(
@@ -239,6 +239,7 @@ fn issue_kv_tiles<E: Float>(
     #[comptime] block_n: usize,
     #[comptime] head_dim: usize,
     #[comptime] int8: bool,
+    #[comptime] with_v: bool,
 ) {
     if int8 {
         copy_k_tile8(k_s, k_smem, row0, n0, n1, heads_kv, head_kv, threads, block_n, head_dim);
@@ -246,8 +247,10 @@ fn issue_kv_tiles<E: Float>(
         copy_kv_tile(k_s, k_smem, row0, n0, n1, krow, head_kv, threads, block_n, head_dim);
     }
     commit_copies(bar_k);
-    copy_kv_tile(v_s, v_smem, row0, n0, n1, krow, head_kv, threads, block_n, head_dim);
-    commit_copies(bar_v);
+    if with_v {
+        copy_kv_tile(v_s, v_smem, row0, n0, n1, krow, head_kv, threads, block_n, head_dim);
+        commit_copies(bar_v);
+    }
 }
 
 /// The forward kernel: FlashAttention-2's warp shape. Each plane (warp) owns `mt` m16 row blocks
@@ -293,6 +296,7 @@ pub fn flash_fwd_mma2<E: Float>(
     #[comptime] sparse: bool,
     #[comptime] int8: bool,
     #[comptime] paged: bool,
+    #[comptime] v_single: bool,
 ) {
     // v holds a NaN or Inf (`nonfinite::v_nonfinite`): the exact row-wise kernel writes this call
     if nonfinite[0] != 0u32 {
@@ -310,7 +314,10 @@ pub fn flash_fwd_mma2<E: Float>(
     let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(block_m * qk_row), 16usize);
     // K and V double-buffered: tile t in rows [(t % 2) block_n, (t % 2 + 1) block_n)
     let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(2 * block_n * qk_row), 16usize);
-    let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(2 * block_n * (head_dim + SMEM_PAD)), 16usize);
+    // `v_single`: one V buffer (V(t) issued at the top of tile t, once every plane is done with
+    // V(t - 1), and waited for right before P V), so that three 64-row cubes fit an SM
+    let v_bufs = comptime!(if v_single { 1usize } else { 2usize });
+    let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(v_bufs * block_n * (head_dim + SMEM_PAD)), 16usize);
     let mut row_tok = SharedMemory::<u32>::new(block_m);
     let mut row_head = SharedMemory::<u32>::new(block_m);
     let mut row_lo = SharedMemory::<u32>::new(block_m);
@@ -392,7 +399,7 @@ pub fn flash_fwd_mma2<E: Float>(
         // paged (dense only: `blocks` holds the page table): the tile lies inside one block
         let p0 = kv_row(f0, blocks, paged);
         issue_kv_tiles(&k_s, &v_s, &mut k_smem, &mut v_smem, &bar_k, &bar_v, 0usize, p0, p0 + (f1 - f0), krow, heads_kv, head_kv,
-                       threads, block_n, head_dim, int8);
+                       threads, block_n, head_dim, int8, true);
     }
 
     let mut o_acc = Array::<f32>::new(comptime!(mt * o_blocks * ec));
@@ -459,15 +466,23 @@ pub fn flash_fwd_mma2<E: Float>(
         // which overlap all of tile t. No wait or barrier inside the tile: ptxas schedules S, the
         // softmax and P.V as one block (a wait right before P.V cost 5-7%, bench/NOTES.md).
         bar_k.wait_parity(kt & 1u32);
-        bar_v.wait_parity(kt & 1u32);
+        if !v_single {
+            bar_v.wait_parity(kt & 1u32);
+        }
         sync_cube();
         let cur = ((kt & 1u32) * block_n as u32) as usize;
+        if v_single && kt > 0 {
+            // every plane is done with V(t - 1): V(t) into the one buffer
+            let p0 = kv_row(t0, blocks, paged);
+            copy_kv_tile(&v_s, &mut v_smem, 0usize, p0, p0 + (t1 - t0), krow, head_kv, threads, block_n, head_dim);
+            commit_copies(&bar_v);
+        }
         if kt + 1 < n_tiles {
             let nxt = comptime!(block_n) - cur;
             let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
             let p0 = kv_row(n0, blocks, paged);
             issue_kv_tiles(&k_s, &v_s, &mut k_smem, &mut v_smem, &bar_k, &bar_v, nxt, p0, p0 + (n1 - n0), krow, heads_kv, head_kv,
-                           threads, block_n, head_dim, int8);
+                           threads, block_n, head_dim, int8, !v_single);
         }
 
         // ---- S = Q K^T: mt x 16 rows x block_n keys per plane ----
@@ -600,6 +615,11 @@ pub fn flash_fwd_mma2<E: Float>(
         }
 
         // ---- O += P V: P from registers as A (per m-tile), V fragments shared by the m-tiles ----
+        let mut vcur = cur;
+        if v_single {
+            bar_v.wait_parity(kt & 1u32);
+            vcur = 0usize;
+        }
         #[unroll]
         for ks in 0..comptime!(block_n / 16) {
             let mut pf = Array::<Vector<E, NA>>::new(comptime!(mt * va));
@@ -619,7 +639,7 @@ pub fn flash_fwd_mma2<E: Float>(
             }
             #[unroll]
             for ob2 in 0..comptime!(o_blocks / 2) {
-                let key = cur + ks * 16 + (mi % 2) * 8 + mr;
+                let key = vcur + ks * 16 + (mi % 2) * 8 + mr;
                 let start = key * stride + (2 * ob2 + mi / 2) * 8;
                 let bm = def.load_matrix::<E, NB>(&v_smem.slice(start, start + 8), MatrixIdent::B, 4usize, true);
                 #[unroll]

@@ -102,13 +102,14 @@ pub(crate) fn flash_fwd_kernel(
     sparse: bool,
     int8: bool,
     paged: bool,
+    v_single: bool,
 ) -> Result<super::compile::Func> {
     let key = KernelKey::new(
         "flash_fwd_mma2",
         dt,
-        &[hd as u32, mt as u32, bn as u32, block_m as u32, sparse as u32, int8 as u32, paged as u32],
+        &[hd as u32, mt as u32, bn as u32, block_m as u32, sparse as u32, int8 as u32, paged as u32, v_single as u32],
     );
-    be.kernels.get(&key, || fwd_source(be.client(), dt, hd, mt, bn, block_m, sparse, int8, paged))
+    be.kernels.get(&key, || fwd_source(be.client(), dt, hd, mt, bn, block_m, sparse, int8, paged, v_single))
 }
 
 /// CUDA source of [`flash_fwd_kernel`].
@@ -123,6 +124,7 @@ pub(crate) fn fwd_source(
     sparse: bool,
     int8: bool,
     paged: bool,
+    v_single: bool,
 ) -> Result<Source> {
     let threads = (block_m * 2 / mt) as u32;
     macro_rules! k {
@@ -138,6 +140,7 @@ pub(crate) fn fwd_source(
                 sparse,
                 int8,
                 paged,
+                v_single,
             ), false)
         };
     }
@@ -246,7 +249,7 @@ pub(crate) fn launch_forward(
     let (part_o, part_lse) = if po_bytes == 0 { (flag, flag) } else { (p.workspace + offs[1] as u64, p.workspace + offs[2] as u64) };
     let n_part = (po_bytes / (4 * hd)).max(1);
 
-    let f = flash_fwd_kernel(be, dt, hd, mt, bn, BLOCK_M, false, false, paged)?;
+    let f = flash_fwd_kernel(be, dt, hd, mt, bn, BLOCK_M, false, false, paged, false)?;
     let mut a = Args::new();
     a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.out, ql).array(p.lse, ll);
     a.array(part_o, n_part * hd).array(part_lse, n_part);

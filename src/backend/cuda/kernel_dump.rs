@@ -22,14 +22,14 @@ mod tests {
         let c = CudaBackend::shared().expect("a CUDA driver").client();
         let dt = DType::BF16;
         let sources = [
-            ("fwd_d128", fwd_source(c, dt, 128, 2, 64, 128, false, false, false)),
-            ("fwd_d64", fwd_source(c, dt, 64, 2, 64, 128, false, false, false)),
+            ("fwd_d128", fwd_source(c, dt, 128, 2, 64, 128, false, false, false, false)),
+            ("fwd_d64", fwd_source(c, dt, 64, 2, 64, 128, false, false, false, false)),
             // block-sparse, 64-row cubes (q_block 64, index per q head): four planes of 16 rows at d128
-            ("fwd_sparse_d128", fwd_source(c, dt, 128, 1, 64, 64, true, false, false)),
+            ("fwd_sparse_d128", fwd_source(c, dt, 128, 1, 64, 64, true, false, false, true)),
             // block-sparse, 128-row cubes (q_block 128, or a GQA group packed): two planes of 32 rows
-            ("fwd_sparse_bm128_d128", fwd_source(c, dt, 128, 2, 64, 128, true, false, false)),
-            ("fwd_sparse_int8_d128", fwd_source(c, dt, 128, 2, 64, 64, true, true, false)),
-            ("fwd_sparse_int8_d64", fwd_source(c, dt, 64, 2, 64, 64, true, true, false)),
+            ("fwd_sparse_bm128_d128", fwd_source(c, dt, 128, 2, 64, 128, true, false, false, false)),
+            ("fwd_sparse_int8_d128", fwd_source(c, dt, 128, 2, 64, 64, true, true, false, false)),
+            ("fwd_sparse_int8_d64", fwd_source(c, dt, 64, 2, 64, 64, true, true, false, false)),
             ("combine_d128", super::super::forward::combine_source(c, dt, 128)),
             ("int8_quantize_k_d128", super::super::sparse_int8::quantize_source(c, dt, 128, true, true)),
             ("dq_d128", dq_source(c, dt, 128, false, false, false)),
