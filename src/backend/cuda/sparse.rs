@@ -7,8 +7,11 @@
 //!   per cube); packed rows are `hp` heads per query (`hp` = the GQA group when the index is per
 //!   kv head, else 1), as in the dense plan. A 64-row cube at head_dim 128 runs four planes of
 //!   16 rows (`mt` = 1): with two planes of 32 rows, two cubes per SM (their shared memory) leave
-//!   4 warps per SM; measured 8-9% faster (bench/NOTES.md). At head_dim 64 (four cubes per SM)
-//!   and in the int8 kernel the cube keeps two planes of 32 rows (mt = 1 lost 9-17% at d64);
+//!   4 warps per SM; measured 8-9% faster (bench/NOTES.md). Its V tile has one buffer
+//!   (`v_single`: V(t) issued at the top of tile t, waited for before P V), 70 KB instead of
+//!   87 KB, so three cubes (12 warps) share an SM: 16-22% faster again. At head_dim 64 (four
+//!   cubes per SM) and in the int8 kernel the cube keeps two planes of 32 rows (mt = 1 lost 9-17%
+//!   at d64);
 //! - `tile_ref[(y * n_items + item) * 2 ..]` = (offset into `blocks`, key tiles) of the item's
 //!   list for index head `y`; the list is the query block's kept key blocks (ascending), cut,
 //!   when causal, after the last block any row of the item can see; each block is
