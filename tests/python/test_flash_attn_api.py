@@ -56,10 +56,11 @@ def test_signatures_are_flash_attns():
     assert positional(cubeattn.grouped_flash_attn_backward) == tensors + ranges + grouped
     assert positional(cubeattn.grouped_flash_attn_func) == FA_FUNC[:3] + ranges + grouped + [("return_attn_probs", False)]
     # our extras are keyword-only, so a flash-attn positional call can never reach them
-    for fn in (cubeattn.flash_attn_func, cubeattn.flash_attn_varlen_func, cubeattn.grouped_flash_attn_func):
+    for fn in (cubeattn.flash_attn_func, cubeattn.flash_attn_varlen_func):
         assert keyword_only(fn) == ["return_lse", "device"]
-    for fn in (cubeattn.flash_attn_varlen_backward, cubeattn.grouped_flash_attn_backward):
-        assert keyword_only(fn) == ["device"]
+    assert keyword_only(cubeattn.grouped_flash_attn_func) == ["return_lse", "kv_block_table", "device"]
+    assert keyword_only(cubeattn.flash_attn_varlen_backward) == ["device"]
+    assert keyword_only(cubeattn.grouped_flash_attn_backward) == ["kv_block_table", "device"]
 
 
 def case(seed=0, lq=37, lk=53, hq=4, hkv=2, d=16):
