@@ -228,9 +228,15 @@ do_test() {
         CUBEATTN_REQUIRE_GPU=1 "$bin" --include-ignored --test-threads=1 gpu::zigzag || status=1
         (cd "$ROOT/tests/python" && "$PY" -m pytest -q -p no:cacheprovider test_zigzag_gpu.py) || status=1
       fi
+      # the whole layer on CUDA tensors with W = 1..4 on one GPU: four ranks, gloo collectives
+      for dt in bfloat16 float16; do
+        echo "== zigzag: torchrun --nproc_per_node 4 zigzag_worker.py --backend gloo --device cuda --dtype $dt (one GPU)"
+        "$PY" -m torch.distributed.run --standalone --nproc_per_node 4 "$ROOT/tests/python/zigzag_worker.py" \
+          --backend gloo --device cuda --dtype "$dt" || status=1
+      done
       # context parallelism across GPUs: torchrun, one rank per GPU (NCCL), W = 1..N, bf16 and fp16
       local n; n=$(gpu_count)
-      if [ "$n" -lt 2 ]; then echo "zigzag: needs >= 2 GPUs, found $n: skipped"; continue; fi
+      if [ "$n" -lt 2 ]; then echo "zigzag: NCCL across GPUs needs >= 2 GPUs, found $n: skipped"; continue; fi
       for dt in bfloat16 float16; do
         echo "== zigzag: torchrun --nproc_per_node $n tests/python/zigzag_worker.py --dtype $dt"
         "$PY" -m torch.distributed.run --standalone --nproc_per_node "$n" "$ROOT/tests/python/zigzag_worker.py" --dtype "$dt" || status=1

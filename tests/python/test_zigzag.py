@@ -342,3 +342,19 @@ def test_zigzag_layer_nccl_torchrun(dtype, tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
     assert out.exists() and "0 failed checks" in r.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_zigzag_layer_gloo_cuda_ranks_share_one_gpu(dtype, tmp_path):
+    """The whole layer on CUDA tensors (kernels, comm stream, the in-place read) with W = 1..4
+    (W = 3 a subgroup) on a single GPU: four torchrun processes, gloo collectives."""
+    if _gpus() < 1:
+        pytest.skip("needs a CUDA GPU visible to torch")
+    out = tmp_path / "zigzag.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+           os.path.join(HERE, "zigzag_worker.py"), "--backend", "gloo", "--device", "cuda", "--dtype", dtype,
+           "--json", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
+    assert out.exists() and "40 (rank, W, case) runs, 0 failed checks" in r.stdout

@@ -190,19 +190,24 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="bfloat16", choices=sorted(TOL))
     p.add_argument("--backend", default=None, help="nccl (default with GPUs) or gloo")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                   help="tensors on CUDA (auto: with GPUs, unless --backend gloo) or the CPU; "
+                        "--backend gloo --device cuda runs every rank's kernels on CUDA with gloo "
+                        "collectives, more ranks than GPUs sharing them (one GPU can host W = 1..4)")
     p.add_argument("--json", default=None, help="rank 0 writes all ranks' results here")
     args = p.parse_args(argv)
     import torch
     import torch.distributed as dist
 
-    cuda = torch.cuda.is_available() and args.backend != "gloo"
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available() and args.backend != "gloo")
     backend = args.backend or ("nccl" if cuda else "gloo")
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0))
+    gpu = local % max(torch.cuda.device_count(), 1)
     if cuda:
-        torch.cuda.set_device(local)
+        torch.cuda.set_device(gpu)
     dist.init_process_group(backend)
     w = dist.get_world_size()
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    device = torch.device("cuda", gpu) if cuda else torch.device("cpu")
     dtype = args.dtype if cuda else "float32"
     cases_for = gpu_cases if cuda else cpu_cases
     # W = 1..world: a subgroup of the first n ranks (W = 3 on four GPUs); every rank joins new_group
