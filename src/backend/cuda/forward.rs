@@ -148,6 +148,9 @@ pub(crate) fn fwd_source(
     if hd == 64 && !int8 && threads == 128 {
         src.cuda = super::rewrite::min_blocks(&src.entry, &src.cuda, 3)?;
     }
+    if hd == 64 && !int8 && threads == 64 && v_single {
+        src.cuda = super::rewrite::min_blocks(&src.entry, &src.cuda, 5)?;
+    }
     if int8 {
         src.cuda = super::rewrite::int8_words(&src.entry, &src.cuda)?;
     }

@@ -204,7 +204,7 @@ fn launch_sparse_forward(be: &CudaBackend, spec: &SparseSpec, plan: &Cached<Spar
     launch_flag(be, dt, p.v, d.kv_len(), flag, stream)?;
     let mt = if sp.block_m == 64 && hd == 128 && spec.int8.is_none() { 1 } else { 2 };
     // 64-row cubes at d128: one V buffer, three cubes per SM (two with both buffers)
-    let v_single = mt == 1;
+    let v_single = mt == 1 || (hd == 64 && sp.block_m == 64 && spec.int8.is_none());
     let f = super::forward::flash_fwd_kernel(be, dt, hd, mt, BLOCK_N, sp.block_m, true, spec.int8.is_some(), false, v_single)?;
     let mut a = Args::new();
     match spec.int8 {
