@@ -9,9 +9,10 @@
 //!   16 rows (`mt` = 1): with two planes of 32 rows, two cubes per SM (their shared memory) leave
 //!   4 warps per SM; measured 8-9% faster (bench/NOTES.md). Its V tile has one buffer
 //!   (`v_single`: V(t) issued at the top of tile t, waited for before P V), 70 KB instead of
-//!   87 KB, so three cubes (12 warps) share an SM: 16-22% faster again. At head_dim 64 (four
-//!   cubes per SM) and in the int8 kernel the cube keeps two planes of 32 rows (mt = 1 lost 9-17%
-//!   at d64);
+//!   87 KB, so three cubes (12 warps) share an SM: 16-22% faster again. At head_dim 64 and in
+//!   the int8 kernel the cube keeps two planes of 32 rows (mt = 1 lost 9-17% at d64); the d64
+//!   cube has one V buffer too, with launch bounds of five cubes per SM (168 registers, 37 KB:
+//!   six fit, 12 warps, where two V buffers and 212 registers allowed four): 6-12% faster;
 //! - `tile_ref[(y * n_items + item) * 2 ..]` = (offset into `blocks`, key tiles) of the item's
 //!   list for index head `y`; the list is the query block's kept key blocks (ascending), cut,
 //!   when causal, after the last block any row of the item can see; each block is
