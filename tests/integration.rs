@@ -488,17 +488,6 @@ fn scrambled_table(n: usize) -> Vec<i32> {
     }
 }
 
-/// Rows of a [rows, heads, d] buffer permuted by blocks of 64: logical -> physical layout.
-fn to_physical(x: &HostData, table: &[i32], row_elems: usize) -> HostData {
-    let xs = x.to_f32_vec();
-    let mut out = vec![0f32; xs.len()];
-    let b = 64 * row_elems;
-    for (g, &t) in table.iter().enumerate() {
-        out[t as usize * b..][..b].copy_from_slice(&xs[g * b..][..b]);
-    }
-    HostData::from_f32(x.dtype(), &out)
-}
-
 #[test]
 fn paged_kv_matches_reference_and_the_ordered_call() {
     // zigzag-like groups: two query chunks over causal prefixes of one sequence of 8 blocks, and a
@@ -518,7 +507,7 @@ fn paged_kv_matches_reference_and_the_ordered_call() {
             let [(q, _), (k, _), (v, _)] = random_qkv(&mut r, &plain, 1.0);
             let (dout, _) = random(&mut r, plain.dims.q_len(), dt, 1.0);
             let row = 2 * 64;
-            let (kp, vp) = (to_physical(&k, &table, row), to_physical(&v, &table, row));
+            let (kp, vp) = (paged_layout(&k, &table, row), paged_layout(&v, &table, row));
             let cpu = backend_for(DevicePref::Cpu).unwrap();
             let a = cpu.forward(&plain, q.view(), k.view(), v.view()).unwrap();
             let b = cpu.forward(&paged, q.view(), kp.view(), vp.view()).unwrap();
@@ -528,8 +517,8 @@ fn paged_kv_matches_reference_and_the_ordered_call() {
             let ga = cpu.backward(&plain, q.view(), k.view(), v.view(), g).unwrap();
             let gb = cpu.backward(&paged, q.view(), kp.view(), vp.view(), g).unwrap();
             assert_eq!(ga.dq, gb.dq);
-            assert_eq!(to_physical(&ga.dk, &table, row), gb.dk);
-            assert_eq!(to_physical(&ga.dv, &table, row), gb.dv);
+            assert_eq!(paged_layout(&ga.dk, &table, row), gb.dk);
+            assert_eq!(paged_layout(&ga.dv, &table, row), gb.dv);
         }
     }
 }

@@ -106,18 +106,6 @@ fn zigzag_copy_errors_name_the_argument() {
     assert_eq!(name(e), "out");
 }
 
-/// Rows of a `[rows, row_elems]` buffer moved by blocks of 64: logical block g to physical block
-/// table[g].
-fn paged_layout(x: &cubeattn::HostData, table: &[i32], row_elems: usize) -> cubeattn::HostData {
-    let xs = x.to_f32_vec();
-    let mut out = vec![0f32; xs.len()];
-    let b = 64 * row_elems;
-    for (g, &t) in table.iter().enumerate() {
-        out[t as usize * b..][..b].copy_from_slice(&xs[g * b..][..b]);
-    }
-    cubeattn::HostData::from_f32(x.dtype(), &out)
-}
-
 /// The zigzag layer's in-place read: a grouped call over a paged K,V (`kv_block_table`, the
 /// gathered buffer's block order) gives bit for bit the outputs, LSE and gradients of the same call
 /// over K,V in logical order (dK, dV in the paged layout), with NaN-poisoned outputs (every element
@@ -182,7 +170,7 @@ fn paged_kv_is_bitwise_the_ordered_call() {
                             v = cubeattn::HostData::from_f32(dt, &xs);
                         }
                         let row = hk * d;
-                        let (kp, vp) = (paged_layout(&k, &table, row), paged_layout(&v, &table, row));
+                        let (kp, vp) = (crate::common::paged_layout(&k, &table, row), crate::common::paged_layout(&v, &table, row));
                         let tag = format!("W={w} {dt:?} d={d} causal={causal} inf={inf}");
                         cases += 1;
                         let a = b.forward_poisoned(&plain, q.view(), k.view(), v.view(), f32::NAN).unwrap();
@@ -201,7 +189,7 @@ fn paged_kv_is_bitwise_the_ordered_call() {
                             let gi = BackwardInputs { out: a.out.view(), lse: &a.lse, dout: dout.view(), deterministic: path == DqPath::Pass };
                             let ga = b.backward_poisoned_on(&plain, q.view(), k.view(), v.view(), gi, f32::NAN, path).unwrap();
                             let gp = b.backward_poisoned_on(&paged, q.view(), kp.view(), vp.view(), gi, f32::NAN, path).unwrap();
-                            if paged_layout(&ga.dk, &table, row) != gp.dk || paged_layout(&ga.dv, &table, row) != gp.dv {
+                            if crate::common::paged_layout(&ga.dk, &table, row) != gp.dk || crate::common::paged_layout(&ga.dv, &table, row) != gp.dv {
                                 bad.push(format!("dk/dv {tag} {path:?}"));
                             }
                             match path {
