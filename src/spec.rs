@@ -388,7 +388,7 @@ impl AttnSpec {
     pub fn with_kv_block_table(mut self, table: &[i32]) -> Result<AttnSpec> {
         const ARG: &str = "kv_block_table";
         let tk = self.dims.total_k;
-        if tk % KV_PAGE != 0 {
+        if !tk.is_multiple_of(KV_PAGE) {
             return Err(invalid(ARG, format!("needs total_k (k's rows) to be a multiple of {KV_PAGE}, got {tk}")));
         }
         let n = tk / KV_PAGE;

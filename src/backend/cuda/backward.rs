@@ -309,6 +309,7 @@ pub(crate) fn dkdv_wide_kernel(be: &CudaBackend, dt: DType, hd: usize, fused: bo
 }
 
 /// CUDA source of [`dkdv_wide_kernel`].
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn dkdv_wide_source(
     client: &ComputeClient<CudaRuntime>,
     dt: DType,
