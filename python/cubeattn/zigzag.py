@@ -303,18 +303,36 @@ class _Plan:
         # [2, total_local, ...], so the gathered buffer is [W, 2, total_local, ...] and gathered row
         # g of K is at flat row (g // total_local) * 2 * total_local + g % total_local (V: +
         # total_local); one index_select each puts them in order.
-        flat_k = (g // total_local) * 2 * total_local + g % total_local if total_local else g
-        self.k_rows, self.v_rows = flat_k, flat_k + total_local
+        self.k_rows = self.v_rows = None
+        if self.kv_block_table is None:
+            flat_k = (g // total_local) * 2 * total_local + g % total_local if total_local else g
+            self.k_rows, self.v_rows = flat_k, flat_k + total_local
         self._dev = {}
 
     def rows(self, device):
-        """(k_rows, v_rows) as int64 tensors on `device` (made once per device)."""
+        """(k_rows, v_rows) of the ordered copy as int64 tensors on `device` (made once per device)."""
         import torch
 
         key = str(device)
         if key not in self._dev:
             self._dev[key] = (torch.from_numpy(self.k_rows).to(device), torch.from_numpy(self.v_rows).to(device))
         return self._dev[key]
+
+
+_PLANS = {}  # _Plan per (local cu_seqlens bytes, W, rank, total_local, causal, in place)
+
+
+def _plan_for(local_cu, world_size, rank, total_local, causal, in_place):
+    """The cached _Plan of a call shape: its ranges, block table and (ordered copy) the row
+    indices on the device are made once, not on every call."""
+    key = (local_cu.tobytes(), world_size, rank, total_local, causal, in_place)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _Plan(local_cu, world_size, rank, total_local, causal, in_place)
+        if len(_PLANS) >= 64:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
 
 
 _PAGE = 64  # keys per block of a paged K,V (the kernels' KV_PAGE)
@@ -625,7 +643,7 @@ def zigzag_llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, ma
     if _backend(group) == "nccl" and not q.is_cuda:
         raise ValueError("invalid argument `q`: the process group uses NCCL, which needs CUDA tensors")
     in_place = os.environ.get("CUBEATTN_ZIGZAG_IN_PLACE", "1") != "0"
-    plan = _Plan(cu_q, w, r, tl, bool(causal), in_place)
+    plan = _plan_for(cu_q, w, r, tl, bool(causal), in_place)
     scale = None if softmax_scale is None else float(softmax_scale)
     return _function().apply(q, k.contiguous(), v.contiguous(), plan, stride, scale, bool(causal),
                              bool(deterministic), group)

@@ -503,26 +503,24 @@ pub(crate) fn launch_backward(
         launch_fill_zero(dt, p.dq, ql, stream)?;
     }
     if n_k_work > 0 {
-        // the transposed block index is not read by the dense variant: any valid address; a
-        // paged K,V's page table in `tq_list`
-        let none = (t(TBL_SEGS).0, 1);
+        // the transposed block index is not read by the dense variant: any valid address for
+        // `tq_off`; `tq_list` carries the page table (read only by the paged variant)
         let w = DkdvTables {
             work: t(TBL_K_WORK),
             tile_off: t(TBL_TILE_OFF),
             tile_segs: t(TBL_TILE_SEGS),
             segs: t(TBL_SEGS),
-            tq_off: none,
-            tq_list: if paged { t(TBL_PAGES) } else { none },
+            tq_off: (t(TBL_SEGS).0, 1),
+            tq_list: t(TBL_PAGES),
         };
         launch_dkdv_wide(be, spec, p, delta, fused.then_some(acc), &w, None, n_k_work, stream)?;
     }
     if fused {
         launch_dq_convert(be, spec, p, acc, stream)?;
     } else if n_q_work > 0 {
-        // no block list: any valid address; a paged K,V's page table as `blocks`
+        // no tile list: any valid address; `blocks` carries the page table (read only when paged)
         let none = (t(TBL_SEGS).0, 1);
-        let blocks = if paged { t(TBL_PAGES) } else { none };
-        launch_dq(be, spec, p, delta, [t(TBL_Q_WORK), t(TBL_SEGS), none, blocks], None, n_q_work, stream)?;
+        launch_dq(be, spec, p, delta, [t(TBL_Q_WORK), t(TBL_SEGS), none, t(TBL_PAGES)], None, n_q_work, stream)?;
     }
     Ok(())
 }

@@ -238,7 +238,7 @@ pub(crate) fn launch_forward(
         lse: p.lse,
         row_seg: t(TBL_ROW_SEG),
         segs: t(TBL_SEGS),
-        pages: paged.then(|| t(TBL_PAGES)),
+        pages: t(TBL_PAGES),
         flag,
     };
     let opts = fwd_options();
@@ -259,7 +259,8 @@ pub(crate) fn launch_forward(
     for i in [TBL_FWD_WORK, TBL_FWD_SLICES, TBL_SEGS] {
         a.array(t(i).0, t(i).1);
     }
-    // no block list (the sparse tables): any valid address; paged: the page table as `blocks`
+    // no tile list (a sparse table): any valid address; `blocks` carries the page table (read
+    // only by the paged variant)
     a.array(t(TBL_SEGS).0, 1).array(t(TBL_PAGES).0, t(TBL_PAGES).1).array(flag, 1);
     a.f32(spec.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32);
     a.u32(fp.hp).u32(fp.n_slots).f32(f32::INFINITY).u32(0).u32(1).u32(win_l).u32(win_r);

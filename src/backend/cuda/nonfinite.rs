@@ -78,8 +78,8 @@ pub(crate) struct DenseExact {
     /// (address, u32 words) of the row-to-segment and segment tables.
     pub row_seg: (u64, usize),
     pub segs: (u64, usize),
-    /// The page table of a paged K,V (`AttnSpec::kv_pages`).
-    pub pages: Option<(u64, usize)>,
+    /// The plan's page table (`AttnSpec::kv_pages`; read only when the spec has one).
+    pub pages: (u64, usize),
     pub flag: u64,
 }
 
@@ -93,7 +93,7 @@ pub(crate) fn launch_dense_exact(
 ) -> Result<()> {
     let d = &spec.dims;
     let (hd, dt) = (d.head_dim, spec.dtype);
-    let paged = p.pages.is_some();
+    let paged = spec.kv_pages.is_some();
     let key = KernelKey::new("rowwise_fwd_exact", dt, &[hd as u32, paged as u32]);
     let f = be.kernels.get(&key, || {
         macro_rules! k {
@@ -114,10 +114,7 @@ pub(crate) fn launch_dense_exact(
     a.array(p.out, d.q_len()).array(p.lse, d.lse_len());
     a.array(p.row_seg.0, p.row_seg.1).array(p.segs.0, p.segs.1).array(p.flag, 1);
     a.f32(spec.scale).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32).f32(f32::INFINITY);
-    a.u32(win.0).u32(win.1);
-    // without a page table any valid address
-    let pages = p.pages.unwrap_or((p.segs.0, 1));
-    a.array(pages.0, pages.1);
+    a.u32(win.0).u32(win.1).array(p.pages.0, p.pages.1);
     launch(&f, (exact_cubes(d.total_q * d.heads_q), 1, 1), &mut a, stream)
 }
 

@@ -203,9 +203,10 @@ fn launch_sparse_forward(be: &CudaBackend, spec: &SparseSpec, plan: &Cached<Spar
     // the workspace's flag, set when v holds a NaN or Inf (then the exact kernel writes the call)
     let flag = p.workspace;
     launch_flag(be, dt, p.v, d.kv_len(), flag, stream)?;
-    let mt = if sp.block_m == 64 && hd == 128 && spec.int8.is_none() { 1 } else { 2 };
-    // 64-row cubes at d128: one V buffer, three cubes per SM (two with both buffers)
-    let v_single = mt == 1 || (hd == 64 && sp.block_m == 64 && spec.int8.is_none());
+    // 64-row cubes (not int8): one V buffer, so that more cubes share an SM (module docs); at d128
+    // four planes of 16 rows
+    let v_single = sp.block_m == 64 && spec.int8.is_none();
+    let mt = if v_single && hd == 128 { 1 } else { 2 };
     let f = super::forward::flash_fwd_kernel(be, dt, hd, mt, BLOCK_N, sp.block_m, true, spec.int8.is_some(), false, v_single)?;
     let mut a = Args::new();
     match spec.int8 {
