@@ -309,6 +309,10 @@ impl SparseSpec {
                 return Err(invalid("block_index", "block-sparse attention takes the batched or varlen layout, not groups"))
             }
         };
+        if attn.kv_pages.is_some() {
+            // the block-sparse kernels read K,V by logical key: a paged spec would be read unpaged
+            return Err(invalid("kv_block_table", "block-sparse attention does not take a paged K,V"));
+        }
         if q_block == 0 {
             return Err(invalid("q_block", "must be at least 1, got 0"));
         }

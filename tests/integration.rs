@@ -540,6 +540,14 @@ fn kv_block_table_is_validated() {
     assert!(msg(windowed.with_kv_block_table(&[1, 0])).starts_with("window_size"));
     let paged = spec(128, [0, 128]).with_kv_block_table(&[1, 0]).unwrap();
     assert!(msg(paged.clone().with_window(16, 0)).starts_with("window_size"));
+    // block-sparse calls read K,V by logical key: a paged spec is refused, not read unpaged
+    let m = meta(128, 1, 64, DType::F16);
+    let varlen = AttnSpec::varlen(&meta(64, 2, 64, DType::F16), &m, &m, &[0, 64], &[0, 128], 64, 128, None, false)
+        .unwrap()
+        .with_kv_block_table(&[1, 0])
+        .unwrap();
+    let sparse = cubeattn::sparse::SparseSpec::new(varlen, &[0, 1, 0, 1], &[1, 2, 1, 2], 64, 64, None);
+    assert!(msg(sparse.map(|s| s.attn)).starts_with("kv_block_table: block-sparse"));
     assert_eq!(paged.kv_row(0), 64);
     assert_eq!(paged.kv_row(127), 63);
 }
