@@ -23,8 +23,9 @@
 //! tracked by shared mbarriers) into two buffers each: at the top of tile t the cube waits for
 //! K(t) and V(t), passes its one barrier of the tile and issues K(t+1) and V(t+1), which load
 //! during the whole of tile t (FlashAttention-2 has one buffer each, waits for V before the
-//! softmax and has two barriers per tile). The O rescale is skipped, per slot of 8 rows of a
-//! plane, when none of the slot's rows got a new maximum.
+//! softmax and has two barriers per tile). A row's reference maximum moves only when a score
+//! exceeds it by more than `RESCALE_SLACK` (FlashAttention-4's conditional rescale); a plane
+//! rescales O and its row sums only on tiles where one of its rows moved it.
 //!
 //! `int8` (block-sparse only, `kernels::int8_qk`): S = Q K^T from int8 operands with
 //! `mma.sync.m16n8k32.s8.s8.s32` (exact i32 dot products), scaled per row and key tile by the
@@ -68,6 +69,15 @@ pub const COMB_WORDS: usize = 4;
 pub const LIST_SMEM: usize = 256;
 /// Marks "no row" / "no partial slot".
 pub const NONE: u32 = u32::MAX;
+/// How far (base 2) a row's scores may exceed the maximum its P and O are referred to before that
+/// reference moves and O is rescaled (FlashAttention-4's conditional rescale). The result is the
+/// same softmax (O and the row sum share the reference; LSE = reference + log(sum)); P <= 2^8
+/// keeps f16 P and the f32 sums far from overflow (sum <= keys * 256).
+pub const RESCALE_SLACK: f32 = 8.0;
+/// A row's reference maximum before it has seen a finite score: finite (-f32::MAX), so that a
+/// tile of only masked scores gives P = 2^(-inf - M_INIT) = 0 without a per-element guard, and
+/// the first finite score moves it (alpha = 2^(M_INIT - m) = 0).
+pub const M_INIT: f32 = -f32::MAX;
 
 /// Merges the partial results of split tiles. One cube per (split tile, CUBE_POS_Y); `comb`:
 /// COMB_WORDS u32 per entry (slice offset, slice count, first slot, number of parts). Eight planes,
@@ -415,7 +425,7 @@ pub fn flash_fwd_mma2<E: Float>(
     let mut l_r = Array::<f32>::new(slots);
     #[unroll]
     for i in 0..slots {
-        m_r[i] = neg_inf;
+        m_r[i] = M_INIT;
         l_r[i] = 0.0f32;
     }
     // Row (inside the cube tile) of slot `i`: m-tile i / 2, accumulator half i % 2.
@@ -551,13 +561,16 @@ pub fn flash_fwd_mma2<E: Float>(
         }
 
         // ---- online softmax per row slot ----
-        let mut alpha_r = Array::<f32>::new(slots);
+        // This tile's row maxima (base 2: scaled). A row's reference maximum m_r moves only when
+        // one exceeds it by more than RESCALE_SLACK; the plane takes that branch (new references,
+        // O and the row sums rescaled) when any of its rows needs it, which after a range's first
+        // tiles is rare. Rows that keep theirs get alpha = 2^0 = 1 there: exact.
+        let mut top = Array::<f32>::new(slots);
+        let mut moved = false;
         #[unroll]
         for i in 0..slots {
             let m = i / 2;
             let e0 = (i % 2) * (ec / 2);
-            // int8: s holds raw i32 dot products; this lane's factor to base-2 scaled scores
-            let sl = if int8 { m_r[2 * slots + i] } else { scale_log2 };
             let mut mx = neg_inf;
             #[unroll]
             for nb in 0..n_blocks {
@@ -567,43 +580,31 @@ pub fn flash_fwd_mma2<E: Float>(
                 }
             }
             if int8 {
-                // the lanes of a row may hold different K scales (per_thread): scale first
-                mx *= sl;
+                // s holds raw i32 dot products and the lanes of a row may hold different K
+                // scales (per_thread): this lane's factor to base-2 scores first
+                mx *= m_r[2 * slots + i];
             }
             mx = max(mx, plane_shuffle_xor(mx, 1u32));
             mx = max(mx, plane_shuffle_xor(mx, 2u32));
-            let old = m_r[i];
-            let new = if int8 { max(old, mx) } else { max(old, mx * scale_log2) };
-            let mut use_m = new;
-            if new == neg_inf {
-                use_m = 0.0f32;
+            if !int8 {
+                mx *= scale_log2;
             }
-            let alpha = fast_exp2(old - use_m);
-            m_r[i] = new;
-            let mut sum = 0.0f32;
-            #[unroll]
-            for nb in 0..n_blocks {
-                #[unroll]
-                for e2 in 0..comptime!(ec / 2) {
-                    let idx = (m * n_blocks + nb) * ec + e0 + e2;
-                    let p = fast_exp2(s[idx] * sl - use_m);
-                    s[idx] = p;
-                    sum += p;
-                }
-            }
-            l_r[i] = l_r[i] * alpha + sum;
-            alpha_r[i] = alpha;
+            top[i] = mx;
+            moved = moved || mx > m_r[i] + RESCALE_SLACK;
         }
-        // Rescale O by alpha, per row slot (the plane's 8 rows `16 m + 8 (i % 2) + lane / 4`);
-        // skipped when none of those rows got a new maximum (alpha is then exactly 1: exp2(0)).
-        // A branch per slot, not per plane: with i.i.d. scores a plane's 32 rows see a new maximum
-        // on most of a short range's tiles, 8 rows far less often.
-        #[unroll]
-        for i in 0..slots {
-            if !plane_all(alpha_r[i] == 1.0f32) {
+        if plane_any(moved) {
+            #[unroll]
+            for i in 0..slots {
+                let old = m_r[i];
+                let mut new = old;
+                if top[i] > old + RESCALE_SLACK {
+                    new = top[i];
+                }
+                let alpha = fast_exp2(old - new);
+                m_r[i] = new;
+                l_r[i] *= alpha;
                 let m = i / 2;
                 let e0 = (i % 2) * (ec / 2);
-                let alpha = alpha_r[i];
                 #[unroll]
                 for ob in 0..o_blocks {
                     #[unroll]
@@ -612,6 +613,27 @@ pub fn flash_fwd_mma2<E: Float>(
                     }
                 }
             }
+        }
+        // P = 2^(s - m_r) <= 2^RESCALE_SLACK; a row still at M_INIT has only masked (-inf) scores
+        // so far, whose P is 2^-inf = 0
+        #[unroll]
+        for i in 0..slots {
+            let m = i / 2;
+            let e0 = (i % 2) * (ec / 2);
+            let sl = if int8 { m_r[2 * slots + i] } else { scale_log2 };
+            let ref_m = m_r[i];
+            let mut sum = 0.0f32;
+            #[unroll]
+            for nb in 0..n_blocks {
+                #[unroll]
+                for e2 in 0..comptime!(ec / 2) {
+                    let idx = (m * n_blocks + nb) * ec + e0 + e2;
+                    let p = fast_exp2(s[idx] * sl - ref_m);
+                    s[idx] = p;
+                    sum += p;
+                }
+            }
+            l_r[i] += sum;
         }
 
         // ---- O += P V: P from registers as A (per m-tile), V fragments shared by the m-tiles ----
