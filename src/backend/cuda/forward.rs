@@ -145,8 +145,10 @@ pub(crate) fn fwd_source(
         };
     }
     let mut src = if is_f16(dt) { k!(f16) } else { k!(bf16) }?;
+    // d64 cubes of 128 threads: three per SM (168 registers) with 64-key tiles, two (255) with
+    // 128-key tiles, whose scores take twice the registers
     if hd == 64 && !int8 && threads == 128 {
-        src.cuda = super::rewrite::min_blocks(&src.entry, &src.cuda, 3)?;
+        src.cuda = super::rewrite::min_blocks(&src.entry, &src.cuda, if bn == 128 { 2 } else { 3 })?;
     }
     if hd == 64 && !int8 && threads == 64 && v_single {
         src.cuda = super::rewrite::min_blocks(&src.entry, &src.cuda, 5)?;
@@ -244,7 +246,7 @@ pub(crate) fn launch_forward(
     let opts = fwd_options();
     let y = (d.heads_q as u32 / fp.hp).max(1);
     let mt = if opts.plane_rows == 16 { 1usize } else { 2 };
-    let bn = opts.block_n as usize;
+    let bn = opts.block_n_for(hd);
     let parts = workspace_parts(spec, &plan.host);
     let [_, po_bytes, _] = parts;
     let (offs, _) = layout(&parts);

@@ -23,7 +23,7 @@ mod tests {
         let dt = DType::BF16;
         let sources = [
             ("fwd_d128", fwd_source(c, dt, 128, 2, 64, 128, false, false, false, false)),
-            ("fwd_d64", fwd_source(c, dt, 64, 2, 64, 128, false, false, false, false)),
+            ("fwd_d64", fwd_source(c, dt, 64, 2, 128, 128, false, false, false, false)),
             // block-sparse, 64-row cubes (q_block 64, index per q head): four planes of 16 rows at d128
             ("fwd_sparse_d128", fwd_source(c, dt, 128, 1, 64, 64, true, false, false, true)),
             // block-sparse, 128-row cubes (q_block 128, or a GQA group packed): two planes of 32 rows

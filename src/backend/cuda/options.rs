@@ -13,7 +13,8 @@ pub struct FwdOptions {
     pub split_waves: u32,
     /// Forward rows per plane: 32 (4 planes, 128 threads) or 16 (8 planes) (`CUBEATTN_CUDA_PLANE_ROWS`).
     pub plane_rows: u32,
-    /// Forward keys per shared-memory tile: 64 or 32 (`CUBEATTN_CUDA_BLOCK_N`).
+    /// Forward keys per shared-memory tile: 32, 64 or 128, or 0 (the default) for the head_dim's
+    /// own ([`FwdOptions::block_n_for`]) (`CUBEATTN_CUDA_BLOCK_N`).
     pub block_n: u32,
 }
 
@@ -30,7 +31,18 @@ fn env_u32(name: &str, allowed: &[u32], default: u32) -> u32 {
 impl FwdOptions {
     /// The defaults without environment overrides.
     pub fn defaults() -> FwdOptions {
-        FwdOptions { pack_heads: true, split: true, split_waves: 2, plane_rows: 32, block_n: 64 }
+        FwdOptions { pack_heads: true, split: true, split_waves: 2, plane_rows: 32, block_n: 0 }
+    }
+
+    /// Keys per tile at `head_dim`: `block_n` when set, else 128 at head_dim 64 (FlashAttention-2's
+    /// d64 tile: 255 registers, two cubes per SM, 5-9% faster than 64-key tiles at three per SM,
+    /// bench/NOTES.md) and 64 above (a 128-key tile's S and O do not fit the registers).
+    pub fn block_n_for(&self, head_dim: usize) -> usize {
+        match self.block_n {
+            0 if head_dim <= 64 => 128,
+            0 => 64,
+            n => n as usize,
+        }
     }
 }
 
@@ -42,7 +54,7 @@ pub fn fwd_options() -> FwdOptions {
         split: env_on("CUBEATTN_CUDA_SPLIT"),
         split_waves: std::env::var("CUBEATTN_CUDA_SPLIT_WAVES").ok().and_then(|v| v.parse().ok()).filter(|&w| w > 0).unwrap_or(2),
         plane_rows: env_u32("CUBEATTN_CUDA_PLANE_ROWS", &[16, 32], 32),
-        block_n: env_u32("CUBEATTN_CUDA_BLOCK_N", &[32, 64], 64),
+        block_n: env_u32("CUBEATTN_CUDA_BLOCK_N", &[32, 64, 128], 0),
     })
 }
 
