@@ -48,6 +48,7 @@ use super::int8_qk::{copy_k_tile8, scores_int8, stride8};
 use super::staging::{commit_copies, copy_token_rows};
 use super::math::{fast_exp2, LN2};
 use super::rows::{kv_row, row_keys, WIN_NONE};
+use crate::spec::KV_PAGE;
 
 /// Packed rows per cube.
 pub const BLOCK_M: usize = 16 * PLANES;
@@ -195,15 +196,19 @@ fn copy_kv_tile<E: Float>(
     row0: usize,
     n0: u32,
     n1: u32,
+    n0b: u32,
     krow: usize,
     head_kv: u32,
     #[comptime] threads: usize,
     #[comptime] block_n: usize,
     #[comptime] head_dim: usize,
+    #[comptime] paged: bool,
 ) {
     let stride = comptime!(head_dim + SMEM_PAD);
     let vecs_per_row = comptime!(head_dim / LOAD_VEC);
     let rows_per_pass = comptime!(threads / vecs_per_row);
+    // a paged tile longer than a page: its rows from KV_PAGE on start at n0b (`tile_rows`)
+    let split = comptime!(paged && block_n > KV_PAGE);
     let r = UNIT_POS as usize / vecs_per_row;
     let col = (UNIT_POS as usize % vecs_per_row) * LOAD_VEC;
     let g_col = head_kv as usize * head_dim + col;
@@ -212,14 +217,21 @@ fn copy_kv_tile<E: Float>(
         let g0 = (n0 as usize + r) * krow + g_col;
         #[unroll]
         for it in 0..comptime!(block_n / rows_per_pass) {
-            let g = g0 + it * rows_per_pass * krow;
+            let mut g = g0 + it * rows_per_pass * krow;
+            if comptime!(split && it * rows_per_pass >= KV_PAGE) {
+                g = (n0b as usize + r + comptime!(it * rows_per_pass - KV_PAGE)) * krow + g_col;
+            }
             let base = s0 + comptime!(it * rows_per_pass * stride);
             copy_async(&src.slice(g, g + LOAD_VEC), &mut smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
         }
     } else {
         #[unroll]
         for it in 0..comptime!(block_n / rows_per_pass) {
-            let key = min(n0 + (r + it * rows_per_pass) as u32, n1 - 1);
+            let mut key = min(n0 + (r + it * rows_per_pass) as u32, n1 - 1);
+            if comptime!(split && it * rows_per_pass >= KV_PAGE) {
+                // n0b is n0 + KV_PAGE when the tile ends inside its first page
+                key = n0b + min((r + it * rows_per_pass) as u32, n1 - n0 - 1u32) - KV_PAGE as u32;
+            }
             let g = key as usize * krow + g_col;
             let base = s0 + comptime!(it * rows_per_pass * stride);
             copy_async(&src.slice(g, g + LOAD_VEC), &mut smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
@@ -242,6 +254,7 @@ fn issue_kv_tiles<E: Float>(
     row0: usize,
     n0: u32,
     n1: u32,
+    n0b: u32,
     krow: usize,
     heads_kv: u32,
     head_kv: u32,
@@ -250,17 +263,33 @@ fn issue_kv_tiles<E: Float>(
     #[comptime] head_dim: usize,
     #[comptime] int8: bool,
     #[comptime] with_v: bool,
+    #[comptime] paged: bool,
 ) {
     if int8 {
         copy_k_tile8(k_s, k_smem, row0, n0, n1, heads_kv, head_kv, threads, block_n, head_dim);
     } else {
-        copy_kv_tile(k_s, k_smem, row0, n0, n1, krow, head_kv, threads, block_n, head_dim);
+        copy_kv_tile(k_s, k_smem, row0, n0, n1, n0b, krow, head_kv, threads, block_n, head_dim, paged);
     }
     commit_copies(bar_k);
     if with_v {
-        copy_kv_tile(v_s, v_smem, row0, n0, n1, krow, head_kv, threads, block_n, head_dim);
+        copy_kv_tile(v_s, v_smem, row0, n0, n1, n0b, krow, head_kv, threads, block_n, head_dim, paged);
         commit_copies(bar_v);
     }
+}
+
+/// Physical rows of the logical key tile `[t0, t1)`: where its first key is, and where its key
+/// `t0 + KV_PAGE` is when the tile is paged and longer than a page (else `first + KV_PAGE`, so a
+/// copy's row is `n0b + i - KV_PAGE` for tile row i >= KV_PAGE either way).
+#[cube]
+fn tile_rows(t0: u32, t1: u32, pages: &Array<u32>, #[comptime] paged: bool, #[comptime] block_n: usize) -> (u32, u32) {
+    let p0 = kv_row(t0, pages, paged);
+    let mut pb = p0 + KV_PAGE as u32;
+    if comptime!(paged && block_n > KV_PAGE) {
+        if t1 - t0 > KV_PAGE as u32 {
+            pb = kv_row(t0 + KV_PAGE as u32, pages, paged);
+        }
+    }
+    (p0, pb)
 }
 
 /// The forward kernel: FlashAttention-2's warp shape. Each plane (warp) owns `mt` m16 row blocks
@@ -271,7 +300,7 @@ fn issue_kv_tiles<E: Float>(
 /// multiprocessor (one cube's barriers and softmax overlap the other's mma). `block_n` keys per
 /// tile; K and V double-buffered (module docs). BLOCK_M = 128 packed rows per cube. `paged`
 /// (dense only): `blocks` is the page table of a paged K,V (`rows::kv_row`); masks and tiles stay
-/// in logical key positions, only the copies' rows are translated, once per tile.
+/// in logical key positions, only the copies' rows are translated, once per tile and page.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch_unchecked)]
 pub fn flash_fwd_mma2<E: Float>(
@@ -406,10 +435,10 @@ pub fn flash_fwd_mma2<E: Float>(
         // int8 rows: head_dim bytes = head_dim / 2 elements of E
         copy_token_rows(&q_s, &mut q_smem, &row_tok, &row_head, heads_q, NONE, threads, block_m,
                         comptime!(if int8 { head_dim / 2 } else { head_dim }), qk_row, LOAD_VEC);
-        // paged (dense only: `blocks` holds the page table): the tile lies inside one block
-        let p0 = kv_row(f0, blocks, paged);
-        issue_kv_tiles(&k_s, &v_s, &mut k_smem, &mut v_smem, &bar_k, &bar_v, 0usize, p0, p0 + (f1 - f0), krow, heads_kv, head_kv,
-                       threads, block_n, head_dim, int8, true);
+        // paged (dense only: `blocks` holds the page table): a tile spans at most two pages
+        let (p0, pb) = tile_rows(f0, f1, blocks, paged, block_n);
+        issue_kv_tiles(&k_s, &v_s, &mut k_smem, &mut v_smem, &bar_k, &bar_v, 0usize, p0, p0 + (f1 - f0), pb, krow, heads_kv, head_kv,
+                       threads, block_n, head_dim, int8, true, paged);
     }
 
     let mut o_acc = Array::<f32>::new(comptime!(mt * o_blocks * ec));
@@ -483,16 +512,16 @@ pub fn flash_fwd_mma2<E: Float>(
         let cur = ((kt & 1u32) * block_n as u32) as usize;
         if v_single && kt > 0 {
             // every plane is done with V(t - 1): V(t) into the one buffer
-            let p0 = kv_row(t0, blocks, paged);
-            copy_kv_tile(&v_s, &mut v_smem, 0usize, p0, p0 + (t1 - t0), krow, head_kv, threads, block_n, head_dim);
+            let (p0, pb) = tile_rows(t0, t1, blocks, paged, block_n);
+            copy_kv_tile(&v_s, &mut v_smem, 0usize, p0, p0 + (t1 - t0), pb, krow, head_kv, threads, block_n, head_dim, paged);
             commit_copies(&bar_v);
         }
         if kt + 1 < n_tiles {
             let nxt = comptime!(block_n) - cur;
             let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
-            let p0 = kv_row(n0, blocks, paged);
-            issue_kv_tiles(&k_s, &v_s, &mut k_smem, &mut v_smem, &bar_k, &bar_v, nxt, p0, p0 + (n1 - n0), krow, heads_kv, head_kv,
-                           threads, block_n, head_dim, int8, !v_single);
+            let (p0, pb) = tile_rows(n0, n1, blocks, paged, block_n);
+            issue_kv_tiles(&k_s, &v_s, &mut k_smem, &mut v_smem, &bar_k, &bar_v, nxt, p0, p0 + (n1 - n0), pb, krow, heads_kv, head_kv,
+                           threads, block_n, head_dim, int8, !v_single, paged);
         }
 
         // ---- S = Q K^T: mt x 16 rows x block_n keys per plane ----
