@@ -10,7 +10,8 @@ and backward), sparse (block-sparse forward: 64- and 128-row cubes, empty rows, 
 sizes), sparse_backward (its dK/dV kernel, both dQ paths, the transposed index), sparse_int8 (INT8
 Q K^T: quantisation kernels and the INT8 forward, checked against the exact CPU result), window
 (sliding window, forward and both dQ paths), nonfinite (an Inf or NaN in v: the device-side flag
-and the exact kernels it selects, forward and backward). head_dim 64 and 128, causal and not. Each result is checked against the CPU
+and the exact kernels it selects, forward and backward), paged (grouped calls over a paged K,V:
+kv_block_table, tiles across two pages, both dQ paths). head_dim 64 and 128, causal and not. Each result is checked against the CPU
 backend, so a run also fails (exit 1) on a wrong answer. numpy inputs only: no torch kernels run
 under the sanitizer. The environment switches each family needs are set here, before cubeattn
 loads (the CUDA options are read once)."""
@@ -28,6 +29,7 @@ FAMILIES = {
     "sparse_int8": {},
     "window": {},
     "nonfinite": {},
+    "paged": {},
 }
 
 
@@ -105,6 +107,25 @@ def main(family):
         for i, name in enumerate(["out", "lse", "dq", "dk", "dv"][:len(res["cpu"])]):
             check(f"{tag} {name}", res["cuda"][i], res["cpu"][i], 3e-2)
 
+    def paged(d, dt, causal, deterministic):
+        # a permuted page table over 10 pages; key ranges of 10, 3 (a 128-key tile and a 64-key
+        # one) and 8.4 pages, and a group whose causal rows end inside a page
+        tk, q_len = 640, 90
+        qr, kr = ((0, 30), (30, 45), (45, 90)), ((0, 640), (128, 320), (64, 600))
+        table = rng.permutation(tk // 64).astype(np.int32)
+        q, k, v = rand((q_len, 2, d), dt), rand((tk, 1, d), dt), rand((tk, 1, d), dt)
+        tag = f"paged d={d} {np.dtype(dt).name} causal={causal} det={deterministic}"
+        res = {}
+        for dev in ("cuda", "cpu"):
+            out, lse = cubeattn.grouped_flash_attn_func(q, k, v, [list(x) for x in qr], [list(x) for x in kr],
+                                                        causal=causal, return_lse=True, kv_block_table=table,
+                                                        device=dev)
+            res[dev] = [out, lse] + list(cubeattn.grouped_flash_attn_backward(
+                q, q, k, v, out, lse, [list(x) for x in qr], [list(x) for x in kr], causal=causal,
+                deterministic=deterministic, kv_block_table=table, device=dev))
+        for i, name in enumerate(["out", "lse", "dq", "dk", "dv"]):
+            check(f"{tag} {name}", res["cuda"][i], res["cpu"][i], 3e-2)
+
     def sparse(d, dt, causal, per_kv_head, q_block, k_block, backward=False, quant_gran=None, deterministic=True):
         B, sq, sk, hq, hkv = 2, 130, 300, 4, 2
         nq, nk = -(-sq // q_block), -(-sk // k_block)
@@ -153,6 +174,11 @@ def main(family):
                 for dt in dtypes:
                     for det in (True, False):
                         varlen(d, dt, causal, backward=True, deterministic=det, window=(40, 0 if causal else 17))
+                continue
+            if family == "paged":
+                for dt in dtypes:
+                    for det in (True, False):
+                        paged(d, dt, causal, det)
                 continue
             if family == "nonfinite":
                 for dt in dtypes:
