@@ -16,8 +16,7 @@
 //! - `tile_ref[(y * n_items + item) * 2 ..]` = (offset into `blocks`, key tiles) of the item's
 //!   list for index head `y`; the list is the query block's kept key blocks (ascending), cut,
 //!   when causal, after the last block any row of the item can see; each block is
-//!   `ceil(k_block / block_n)` tiles (`block_n` 64, or 128 for 128-row cubes at head_dim 64 when
-//!   `k_block` is a multiple of 128: the dense d64 tile, [`sparse_block_n`]).
+//!   `ceil(k_block / BLOCK_N)` tiles.
 //!
 //! Memory of the tables: O(items * heads + kept blocks), never O(S^2).
 //! Workspace (the caller's, [`sparse_forward_workspace`]): the non-finite-v flag; a call whose v
@@ -48,20 +47,7 @@ pub(crate) struct SparsePlan {
     block_m: usize,
     n_items: usize,
     ys: u32,
-    block_n: usize,
     tiles_per_block: u32,
-}
-
-/// Keys per tile of a block-sparse cube: 128 for 128-row cubes at head_dim 64 (the dense d64 tile,
-/// two cubes per SM) when key blocks hold whole 128-key tiles, else `BLOCK_N` (64). The int8
-/// kernel and 64-row cubes keep 64.
-fn sparse_block_n(spec: &SparseSpec, block_m: usize) -> usize {
-    let d64 = spec.attn.dims.head_dim <= 64;
-    if d64 && block_m == 128 && spec.int8.is_none() && spec.k_block.is_multiple_of(128) {
-        128
-    } else {
-        BLOCK_N
-    }
 }
 
 /// Table order of a sparse plan.
@@ -78,8 +64,7 @@ impl SparsePlan {
         let hp = if spec.index.heads == d.heads_kv && group > 1 { group } else { 1 };
         let ys = (d.heads_q / hp) as u32;
         let block_m = if (spec.q_block * hp).is_multiple_of(128) { 128 } else { 64 };
-        let block_n = sparse_block_n(spec, block_m);
-        let tpb = spec.k_block.div_ceil(block_n);
+        let tpb = spec.k_block.div_ceil(BLOCK_N);
         let mut segs = Vec::new();
         let mut work = Vec::new();
         let mut slices = Vec::new();
@@ -113,7 +98,7 @@ impl SparsePlan {
             }
         }
         debug_assert_eq!(work.len(), items.len() * WORK_WORDS);
-        let plan = SparsePlan { hp: hp as u32, block_m, n_items: items.len(), ys, block_n, tiles_per_block: tpb as u32 };
+        let plan = SparsePlan { hp: hp as u32, block_m, n_items: items.len(), ys, tiles_per_block: tpb as u32 };
         (plan, vec![segs, work, slices, refs, ix.blocks.clone()])
     }
 }
@@ -136,7 +121,6 @@ pub(crate) fn check_sparse_supported(spec: &SparseSpec) -> Result<()> {
     }
     // key tile kt (< k_blocks * tiles per block) is divided by the tiles per block with one
     // mul_hi (`kernels::flash_fwd::tile_div_magic`): exact while kt * tiles per block < 2^32
-    // (checked for 64-key tiles, the most tiles per block)
     let tpb = spec.k_block.div_ceil(BLOCK_N) as u64;
     if spec.k_blocks() as u64 * tpb * tpb >= 1u64 << 32 {
         return Err(Error::Unsupported {
@@ -223,7 +207,7 @@ fn launch_sparse_forward(be: &CudaBackend, spec: &SparseSpec, plan: &Cached<Spar
     // four planes of 16 rows
     let v_single = sp.block_m == 64 && spec.int8.is_none();
     let mt = if v_single && hd == 128 { 1 } else { 2 };
-    let f = super::forward::flash_fwd_kernel(be, dt, hd, mt, sp.block_n, sp.block_m, true, spec.int8.is_some(), false, v_single)?;
+    let f = super::forward::flash_fwd_kernel(be, dt, hd, mt, BLOCK_N, sp.block_m, true, spec.int8.is_some(), false, v_single)?;
     let mut a = Args::new();
     match spec.int8 {
         None => {
