@@ -708,6 +708,8 @@ fn sparse_backward_workspace(spec: &PySparseSpec, deterministic: bool) -> usize 
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // keys per block of a paged K,V (`kv_block_table`)
+    m.add("KV_PAGE", crate::spec::KV_PAGE)?;
     m.add_class::<PySpec>()?;
     m.add_function(wrap_pyfunction!(varlen_spec, m)?)?;
     m.add_function(wrap_pyfunction!(grouped_spec, m)?)?;

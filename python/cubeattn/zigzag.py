@@ -297,8 +297,9 @@ class _Plan:
         # through a block table (logical block j at gathered rows 64 t[j]..) and write dK, dV in
         # the gathered layout, which is what the reduce-scatter takes: no reorder copies.
         self.kv_block_table = None
-        if in_place and g.size and not (chunk % _PAGE).any():
-            self.kv_block_table = (g[::_PAGE] // _PAGE).astype(np.int32)
+        page = _core.KV_PAGE
+        if in_place and g.size and not (chunk % page).any():
+            self.kv_block_table = (g[::page] // page).astype(np.int32)
         # Else (the ordered copy): K and V of a slice are gathered together, each rank contributing
         # [2, total_local, ...], so the gathered buffer is [W, 2, total_local, ...] and gathered row
         # g of K is at flat row (g // total_local) * 2 * total_local + g % total_local (V: +
@@ -333,9 +334,6 @@ def _plan_for(local_cu, world_size, rank, total_local, causal, in_place):
             _PLANS.clear()
         _PLANS[key] = plan
     return plan
-
-
-_PAGE = 64  # keys per block of a paged K,V (the kernels' KV_PAGE)
 
 
 def _backend(group):

@@ -277,11 +277,12 @@ fn issue_kv_tiles<E: Float>(
     }
 }
 
-/// Physical rows of the logical key tile `[t0, t1)`: where its first key is, and where its key
-/// `t0 + KV_PAGE` is when the tile is paged and longer than a page (else `first + KV_PAGE`, so a
-/// copy's row is `n0b + i - KV_PAGE` for tile row i >= KV_PAGE either way).
+/// Physical rows `(n0, n1, n0b)` of the logical key tile `[t0, t1)`: its first row, the end of
+/// its rows as if contiguous (`n0 + t1 - t0`), and where its key `t0 + KV_PAGE` is when the tile
+/// is paged and longer than a page (else `n0 + KV_PAGE`, so a copy's row is `n0b + i - KV_PAGE`
+/// for tile row i >= KV_PAGE either way).
 #[cube]
-fn tile_rows(t0: u32, t1: u32, pages: &Array<u32>, #[comptime] paged: bool, #[comptime] block_n: usize) -> (u32, u32) {
+fn tile_rows(t0: u32, t1: u32, pages: &Array<u32>, #[comptime] paged: bool, #[comptime] block_n: usize) -> (u32, u32, u32) {
     let p0 = kv_row(t0, pages, paged);
     let mut pb = p0 + KV_PAGE as u32;
     if comptime!(paged && block_n > KV_PAGE) {
@@ -289,7 +290,7 @@ fn tile_rows(t0: u32, t1: u32, pages: &Array<u32>, #[comptime] paged: bool, #[co
             pb = kv_row(t0 + KV_PAGE as u32, pages, paged);
         }
     }
-    (p0, pb)
+    (p0, p0 + (t1 - t0), pb)
 }
 
 /// The forward kernel: FlashAttention-2's warp shape. Each plane (warp) owns `mt` m16 row blocks
@@ -436,8 +437,8 @@ pub fn flash_fwd_mma2<E: Float>(
         copy_token_rows(&q_s, &mut q_smem, &row_tok, &row_head, heads_q, NONE, threads, block_m,
                         comptime!(if int8 { head_dim / 2 } else { head_dim }), qk_row, LOAD_VEC);
         // paged (dense only: `blocks` holds the page table): a tile spans at most two pages
-        let (p0, pb) = tile_rows(f0, f1, blocks, paged, block_n);
-        issue_kv_tiles(&k_s, &v_s, &mut k_smem, &mut v_smem, &bar_k, &bar_v, 0usize, p0, p0 + (f1 - f0), pb, krow, heads_kv, head_kv,
+        let (p0, p1, pb) = tile_rows(f0, f1, blocks, paged, block_n);
+        issue_kv_tiles(&k_s, &v_s, &mut k_smem, &mut v_smem, &bar_k, &bar_v, 0usize, p0, p1, pb, krow, heads_kv, head_kv,
                        threads, block_n, head_dim, int8, true, paged);
     }
 
@@ -512,15 +513,15 @@ pub fn flash_fwd_mma2<E: Float>(
         let cur = ((kt & 1u32) * block_n as u32) as usize;
         if v_single && kt > 0 {
             // every plane is done with V(t - 1): V(t) into the one buffer
-            let (p0, pb) = tile_rows(t0, t1, blocks, paged, block_n);
-            copy_kv_tile(&v_s, &mut v_smem, 0usize, p0, p0 + (t1 - t0), pb, krow, head_kv, threads, block_n, head_dim, paged);
+            let (p0, p1, pb) = tile_rows(t0, t1, blocks, paged, block_n);
+            copy_kv_tile(&v_s, &mut v_smem, 0usize, p0, p1, pb, krow, head_kv, threads, block_n, head_dim, paged);
             commit_copies(&bar_v);
         }
         if kt + 1 < n_tiles {
             let nxt = comptime!(block_n) - cur;
             let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
-            let (p0, pb) = tile_rows(n0, n1, blocks, paged, block_n);
-            issue_kv_tiles(&k_s, &v_s, &mut k_smem, &mut v_smem, &bar_k, &bar_v, nxt, p0, p0 + (n1 - n0), pb, krow, heads_kv, head_kv,
+            let (p0, p1, pb) = tile_rows(n0, n1, blocks, paged, block_n);
+            issue_kv_tiles(&k_s, &v_s, &mut k_smem, &mut v_smem, &bar_k, &bar_v, nxt, p0, p1, pb, krow, heads_kv, head_kv,
                            threads, block_n, head_dim, int8, !v_single, paged);
         }
 

@@ -114,12 +114,12 @@ pub fn random_qkv(rng: &mut StdRng, spec: &AttnSpec, amp: f32) -> [(HostData, Ve
     [random(rng, d.q_len(), spec.dtype, amp), random(rng, d.kv_len(), spec.dtype, amp), random(rng, d.kv_len(), spec.dtype, amp)]
 }
 
-/// Rows of a `[rows, row_elems]` buffer moved by blocks of 64 (a paged K,V's layout): logical
-/// block g to physical block `table[g]`.
+/// Rows of a `[rows, row_elems]` buffer moved by blocks of `KV_PAGE` (a paged K,V's layout):
+/// logical block g to physical block `table[g]`.
 pub fn paged_layout(x: &HostData, table: &[i32], row_elems: usize) -> HostData {
     let xs = x.to_f32_vec();
     let mut out = vec![0f32; xs.len()];
-    let b = 64 * row_elems;
+    let b = cubeattn::spec::KV_PAGE * row_elems;
     for (g, &t) in table.iter().enumerate() {
         out[t as usize * b..][..b].copy_from_slice(&xs[g * b..][..b]);
     }
