@@ -21,11 +21,13 @@
 use cubecl::prelude::barrier::copy_async;
 use cubecl::prelude::*;
 
-/// f32 per row of the shared dQ tile: head_dim + 4, so that a plane's float2 stores of its
-/// accumulator fragments (8 rows x 4 column pairs) hit every bank pair once (two wavefronts, the
-/// minimum) and every row starts 16-byte aligned (the bulk copy's requirement).
+/// f32 per row of the shared dQ tile: head_dim + 8, so that a plane's float2 stores of its
+/// accumulator fragments are conflict-free: a half-warp's 16 lanes (4 rows x 4 column pairs) start
+/// 8 banks apart per row and cover the 32 banks once (two wavefronts per store, the minimum; with
+/// + 4 rows overlapped by half, four), and every row starts 16-byte aligned (the bulk copy's
+/// requirement).
 pub const fn dq_tile_stride(head_dim: usize) -> usize {
-    head_dim + 4
+    head_dim + 8
 }
 
 /// No row to add (a thread's [`dq_row_dst`] past the tile's rows).

@@ -38,7 +38,7 @@
 //! registers for the cube's whole life; K and V stay in shared memory. Shared memory (d128): K, V
 //! 68 KB + two stages of Q, dO 68 KB + P, dS 34 KB (two stages: 68 KB) = 171 KB (206 KB): one
 //! cube (8 planes) per SM; d64 110 KB, one cube per SM too (248 registers x 256 threads). The
-//! bulk dQ tile adds 33 KB at d128 (204 KB).
+//! bulk dQ tile adds 34 KB at d128 (205 KB).
 //!
 //! Rows are segment-local and keys window-local for the masks, as in the 64-key kernel: segment
 //! row `r` sees the window keys in `[r + shift - win_l, r + shift + win_r]` (`rows::row_keys`;

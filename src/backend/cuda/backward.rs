@@ -288,7 +288,7 @@ pub(crate) struct DkdvTables {
 
 /// How the fused dQ of a dK/dV launch reaches the f32 accumulator: by bulk reductions of whole
 /// rows (`kernels::bulk_reduce`: sm_90+, head_dim 128, the accumulator 16-byte aligned; the tile
-/// adds 33 KB to the kernel's 171 KB) or by float2 atomics from every thread. At d64 the bulk
+/// adds 34 KB to the kernel's 171 KB) or by float2 atomics from every thread. At d64 the bulk
 /// path measured 8% slower fwd+bwd (64 operations of 256 B per tile of half d128's work;
 /// bench/NOTES.md), so d64 keeps the atomics.
 fn bulk_dq(be: &CudaBackend, hd: usize, acc: u64) -> bool {
