@@ -17,7 +17,7 @@ import threading
 import numpy as np
 
 from . import _core
-from ._arrays import _is_torch, dtype_name, from_core, int32_ranges, int32_vector, to_core
+from ._arrays import _is_torch, dense_cuda, dtype_name, from_core, int32_ranges, int32_vector, to_core
 
 __all__ = [
     "flash_attn_func",
@@ -419,7 +419,7 @@ def _fast_forward(key, q, k, v):
     dtypes, devices and options; contiguous; no autograd): enqueued with the cached spec, without
     the layers of the general path. None where the general path must run."""
     hit = _FAST.get(key)
-    if hit is None or not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+    if hit is None or not all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (q, k, v)):
         return None
     import torch
 
@@ -489,7 +489,7 @@ def _backward_on_gpu(spec, gpu, conv, lse, deterministic, dev):
         if c.shape != cq.shape:
             raise ValueError(f"invalid argument `{name}`: shape {c.shape} differs from q's {cq.shape}")
     total_q, _, heads_q, _, _ = spec.dims
-    lt = lse.detach().contiguous()
+    lt = dense_cuda(lse.detach())
     if lt.numel() != heads_q * total_q:
         raise ValueError(f"invalid argument `lse`: expected {heads_q * total_q} values, got {lt.numel()}")
     w = _workspace(spec, gpu, dev, True, bool(deterministic))
@@ -514,7 +514,7 @@ def _backward_device_fast(spec, gpu, dev, q, k, v, out, lse, dout, deterministic
     if not (isinstance(dout, torch.Tensor) and dout.device == gpu and dout.dtype == out.dtype
             and dout.shape == out.shape):
         return None
-    d = dout if dout.is_contiguous() else dout.contiguous()
+    d = dense_cuda(dout)
     w = _workspace(spec, gpu, dev, True, bool(deterministic))
     if w is None:
         return None

@@ -68,6 +68,17 @@ def dtype_name(x, name: str) -> str:
     return dt
 
 
+def dense_cuda(t):
+    """A CUDA tensor as the kernels read it: contiguous and 16-byte aligned (their copies move
+    16-byte words; a contiguous view at an odd element offset is not). `t` itself when it is,
+    else a copy (same values, a fresh allocation)."""
+    import torch
+
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def to_core(x, name: str) -> Converted:
     """numpy array or torch tensor -> contiguous flat uint8 view (no copy when already contiguous)."""
     dt = dtype_name(x, name)
@@ -76,7 +87,7 @@ def to_core(x, name: str) -> Converted:
 
         t = x.detach()
         if t.is_cuda:
-            return Converted(None, tuple(t.shape), dt, x, t.contiguous())
+            return Converted(None, tuple(t.shape), dt, x, dense_cuda(t))
         t = t.contiguous()
         flat = t.reshape(-1).view(torch.uint8).numpy()
         return Converted(flat, tuple(t.shape), dt, x)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _core
-from ._arrays import _is_torch, dtype_name, from_core, int32_vector, to_core
+from ._arrays import _is_torch, dense_cuda, dtype_name, from_core, int32_vector, to_core
 
 DEFAULT_Q_BLOCK = 64
 DEFAULT_K_BLOCK = 128
@@ -235,7 +235,7 @@ def _backward_on_gpu(spec, gpu, dev, conv, lse, deterministic):
     if not (_is_torch(lse) and lse.is_cuda and lse.device == gpu and lse.dtype == torch.float32):
         return None
     total_q, _, heads_q, _, _ = spec.dims
-    lt = lse.detach().contiguous()
+    lt = dense_cuda(lse.detach())
     if lt.numel() != heads_q * total_q:
         raise ValueError(f"invalid argument `lse`: expected {heads_q * total_q} values, got {lt.numel()}")
     n = _core.sparse_backward_workspace(spec, deterministic)

@@ -197,3 +197,52 @@ def test_cuda_backward_checks_out_and_dout_shapes():
         cubeattn.flash_attn_varlen_backward(bad, q, k, v, out, lse, cu, cu, 64, 64)
     with pytest.raises(TypeError, match="`out`"):
         cubeattn.flash_attn_varlen_backward(out, q, k, v, out.float(), lse, cu, cu, 64, 64)
+
+
+def _shifted_copy(t, off):
+    """A contiguous CUDA tensor with t's values whose address is `off` elements past an
+    allocation's start (not 16-byte aligned for an odd `off`)."""
+    flat = torch.empty(t.numel() + off, dtype=t.dtype, device=t.device)
+    out = flat[off:].view(t.shape)
+    out.copy_(t)
+    return out
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs torch with CUDA and the CUDA backend")
+@pytest.mark.parametrize("which", ["q", "k", "v", "dout"])
+def test_cuda_inputs_off_16_byte_alignment_give_the_aligned_results(which):
+    """A contiguous view at an odd element offset (its address off 16 bytes) used to fault inside
+    the kernels' 16-byte copies and kill the CUDA context; it must give exactly what the same
+    values at an aligned address give: dense (autograd, then a repeat without grad: the cached
+    fast path) and block-sparse."""
+    gen = torch.Generator().manual_seed(11)
+    n, d = 200, 128
+    base = {nm: (torch.rand((n, h, d), generator=gen) * 2 - 1).to(torch.bfloat16).cuda() for nm, h in
+            (("q", 4), ("k", 2), ("v", 2), ("dout", 4))}
+    cu = np.array([0, n], np.int32)
+
+    def dense(x):
+        q, k, v = (x[nm].detach().requires_grad_(True) for nm in ("q", "k", "v"))
+        out = cubeattn.flash_attn_varlen_func(q, k, v, cu, cu, n, n, causal=True, deterministic=True)
+        out.backward(x["dout"])
+        with torch.no_grad():
+            again = cubeattn.flash_attn_varlen_func(x["q"], x["k"], x["v"], cu, cu, n, n, causal=True)
+        return [out, again, q.grad, k.grad, v.grad]
+
+    def sparse(x):
+        q, k, v = (x[nm].detach().requires_grad_(True) for nm in ("q", "k", "v"))
+        ix = np.zeros((1, 4, 4, 2), np.int32)  # key block 0 and the diagonal block of each query block
+        ix[..., 1] = np.where(np.arange(4) > 0, np.arange(4), -1)[None, None, :]
+        out = cubeattn.block_sparse_attn_func(q, k, v, ix, 64, 64, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                              max_seqlen_q=n, max_seqlen_k=n, deterministic=True)
+        out.backward(x["dout"])
+        return [out, q.grad, k.grad, v.grad]
+
+    for off in (1, 3):
+        moved = dict(base)
+        moved[which] = _shifted_copy(base[which], off)
+        assert moved[which].is_contiguous() and moved[which].data_ptr() % 16 != 0
+        for f in (dense, sparse):
+            for got, want in zip(f(moved), f(base)):
+                assert torch.equal(got, want), (which, off, f.__name__)
+    torch.cuda.synchronize()

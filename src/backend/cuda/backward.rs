@@ -29,7 +29,7 @@ use half::{bf16, f16};
 
 use super::compile::{codegen, codegen_exp2, settings, Func, KernelKey, Source};
 use super::driver::err;
-use super::forward::layout;
+use super::forward::{aligned, layout};
 use super::launch::{grid_2d, launch, Args};
 use super::plans::Cached;
 use super::{window_bounds, CudaBackend};
@@ -171,6 +171,25 @@ pub struct BwdPtrs {
     pub dk: u64,
     pub dv: u64,
     pub workspace: u64,
+}
+
+impl BwdPtrs {
+    /// `Err` naming the first buffer whose address the kernels cannot read or write
+    /// (`forward::aligned`).
+    pub(crate) fn check_aligned(&self) -> Result<()> {
+        aligned(&[
+            ("q", self.q),
+            ("k", self.k),
+            ("v", self.v),
+            ("out", self.out),
+            ("lse", self.lse),
+            ("dout", self.dout),
+            ("dq", self.dq),
+            ("dk", self.dk),
+            ("dv", self.dv),
+            ("workspace", self.workspace),
+        ])
+    }
 }
 
 /// Workspace parts of a backward call: delta (f32 per row and head) and, on the fused path, the

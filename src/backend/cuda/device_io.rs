@@ -89,6 +89,7 @@ impl CudaBackend {
     /// and untouched by other streams until the enqueued work completes.
     pub unsafe fn forward_device(&self, spec: &AttnSpec, p: FwdPtrs, workspace_bytes: usize, stream: u64) -> Result<bool> {
         check_supported(spec)?;
+        p.check_aligned()?;
         if !has_work(spec) {
             return Ok(false);
         }
@@ -130,6 +131,7 @@ impl CudaBackend {
         stream: u64,
     ) -> Result<bool> {
         check_supported(spec)?;
+        p.check_aligned()?;
         if !has_work(spec) {
             return Ok(false);
         }

@@ -21,7 +21,7 @@ use super::launch::{launch, Args};
 use super::nonfinite::{launch_dense_exact, launch_flag, DenseExact, FLAG_BYTES};
 use super::{fwd_options, window_bounds, CudaBackend, Plan};
 use crate::dtype::DType;
-use crate::error::Result;
+use crate::error::{invalid, Result};
 use crate::kernels::flash_fwd::{self, BLOCK_M};
 use crate::kernels::math::LOG2E;
 use crate::kernels::rowwise_fwd::{self, ROWS_PER_CUBE};
@@ -36,6 +36,23 @@ pub struct FwdPtrs {
     pub out: u64,
     pub lse: u64,
     pub workspace: u64,
+}
+
+impl FwdPtrs {
+    /// `Err` naming the first buffer whose address the kernels cannot read: they copy 16-byte
+    /// words of q, k, v (cp.async) and write out the same way. A contiguous view at an odd
+    /// element offset would otherwise fault on the device and take the context with it.
+    pub(crate) fn check_aligned(&self) -> Result<()> {
+        aligned(&[("q", self.q), ("k", self.k), ("v", self.v), ("out", self.out), ("lse", self.lse), ("workspace", self.workspace)])
+    }
+}
+
+/// `Err` naming the first of `bufs` whose device address is not 16-byte aligned.
+pub(crate) fn aligned(bufs: &[(&'static str, u64)]) -> Result<()> {
+    match bufs.iter().find(|(_, p)| !p.is_multiple_of(16)) {
+        Some(&(name, p)) => Err(invalid(name, format!("device address {p:#x} is not 16-byte aligned (the kernels copy 16-byte words)"))),
+        None => Ok(()),
+    }
 }
 
 /// Byte offsets of the workspace parts, each 256-byte aligned.
@@ -302,4 +319,16 @@ pub(crate) fn fwd_tables(spec: &AttnSpec, plan: &Plan) -> Vec<Vec<u32>> {
         plan.fwd.comb.clone(),
         spec.kv_pages.clone().unwrap_or_default(),
     ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::aligned;
+
+    #[test]
+    fn an_address_off_16_bytes_is_refused_by_name() {
+        assert!(aligned(&[("q", 0x7f00_0000_0100), ("workspace", 0)]).is_ok());
+        let e = aligned(&[("q", 0x7f00_0000_0100), ("k", 0x7f00_0000_0102)]).unwrap_err().to_string();
+        assert!(e.contains("`k`") && e.contains("16-byte"), "{e}");
+    }
 }

@@ -161,6 +161,7 @@ impl CudaBackend {
     /// As for [`CudaBackend::forward_device`].
     pub unsafe fn sparse_forward_device(&self, spec: &SparseSpec, p: FwdPtrs, workspace_bytes: usize, stream: u64) -> Result<bool> {
         check_sparse_supported(spec)?;
+        p.check_aligned()?;
         let d = &spec.attn.dims;
         if d.total_q == 0 || d.total_k == 0 || d.heads_q == 0 {
             return Ok(false);

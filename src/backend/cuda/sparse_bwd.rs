@@ -262,6 +262,7 @@ impl CudaBackend {
         stream: u64,
     ) -> Result<bool> {
         check_sparse_bwd_supported(spec)?;
+        p.check_aligned()?;
         let d = &spec.attn.dims;
         if d.total_q == 0 || d.total_k == 0 || d.heads_q == 0 {
             return Ok(false);
