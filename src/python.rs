@@ -706,6 +706,32 @@ fn sparse_backward_workspace(spec: &PySparseSpec, deterministic: bool) -> usize 
     crate::backend::cuda::sparse_backward_workspace(&spec.inner, deterministic)
 }
 
+/// Why the CUDA backend does not serve `spec` (a dense or block-sparse spec; `backward`: its
+/// backward), or None when it does. The Python layer names it when `device="auto"` runs CUDA
+/// tensors on the CPU backend.
+#[pyfunction]
+#[pyo3(signature = (spec, backward=false))]
+fn cuda_refusal(spec: &Bound<'_, PyAny>, backward: bool) -> Option<String> {
+    #[cfg(feature = "cuda")]
+    {
+        use crate::backend::cuda;
+        let why = if let Ok(s) = spec.cast::<PySparseSpec>() {
+            let s = &s.get().inner;
+            if backward { cuda::sparse_bwd_supported(s) } else { cuda::sparse_supported(s) }
+        } else if let Ok(s) = spec.cast::<PySpec>() {
+            cuda::check_supported(&s.get().inner)
+        } else {
+            Ok(())
+        };
+        why.err().map(|e| e.to_string())
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (spec, backward);
+        Some("this build of cubeattn has no `cuda` feature".into())
+    }
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // keys per block of a paged K,V (`kv_block_table`)
@@ -722,6 +748,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     #[cfg(feature = "cuda")]
     m.add_function(wrap_pyfunction!(backward_device, m)?)?;
     m.add_function(wrap_pyfunction!(backend_status, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_refusal, m)?)?;
     m.add_function(wrap_pyfunction!(estimate_vram, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_bench_forward, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_bench_forward_backward, m)?)?;

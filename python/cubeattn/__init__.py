@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 
 import numpy as np
 
@@ -234,6 +235,17 @@ def _device_for(device, *conv):
     return device
 
 
+def _note_cpu_run(dev, name, spec, backward=False):
+    """`device="auto"` with CUDA inputs (`dev` "auto:N") whose call the core ran on the CPU backend
+    (`name`): a RuntimeWarning naming why CUDA refused it (head_dim, dtype, size), shown once per
+    reason and call site, so that a slow host run is never silent."""
+    if name == "cpu" and dev.startswith("auto:"):
+        why = _core.cuda_refusal(spec, backward)
+        if why:
+            warnings.warn(f"cubeattn ran CUDA tensors on the CPU backend: {why} (device='cuda' raises instead)",
+                          RuntimeWarning, stacklevel=4)
+
+
 def _needs_grad(q, k, v) -> bool:
     if not any(_is_torch(x) for x in (q, k, v)):
         return False
@@ -341,6 +353,7 @@ def _run_forward(spec, cq, ck, cv, return_lse, device):
             return res
     out, lse, name = _core.forward(spec, cq.bytes, ck.bytes, cv.bytes, dev)
     _last.name = name
+    _note_cpu_run(dev, name, spec)
     o = from_core(out, cq.shape, cq.dtype, cq)
     if not return_lse:
         return o
@@ -546,6 +559,7 @@ def _run_backward(spec, dout, q, k, v, out, lse, deterministic, device):
     dq, dk, dv, name = _core.backward(spec, cq.bytes, ck.bytes, cv.bytes, co.bytes, lse_arr, cg.bytes,
                                       bool(deterministic), dev)
     _last.name = name
+    _note_cpu_run(dev, name, spec, backward=True)
     return (from_core(dq, cq.shape, cq.dtype, cq), from_core(dk, ck.shape, ck.dtype, ck),
             from_core(dv, cv.shape, cv.dtype, cv))
 

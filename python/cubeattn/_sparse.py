@@ -197,7 +197,7 @@ def _check_device(device):
 
 
 def _run_forward(spec, cq, ck, cv, device):
-    from . import _device_for, _last, _one_gpu, _raw_stream
+    from . import _device_for, _last, _note_cpu_run, _one_gpu, _raw_stream
 
     dev = _device_for(_check_device(device), cq, ck, cv)
     total_q, _, heads_q, _, _ = spec.dims
@@ -221,6 +221,7 @@ def _run_forward(spec, cq, ck, cv, device):
             return o, lse
     out, lse, name = _core.sparse_forward(spec, cq.bytes, ck.bytes, cv.bytes, dev)
     _last.name = name
+    _note_cpu_run(dev, name, spec)
     total_q, _, heads_q, _, _ = spec.dims
     return from_core(out, cq.shape, cq.dtype, cq), from_core(lse, (heads_q, total_q), "float32", cq)
 
@@ -253,7 +254,7 @@ def _backward_on_gpu(spec, gpu, dev, conv, lse, deterministic):
 
 
 def _run_backward(spec, dout, q, k, v, out, lse, device, deterministic):
-    from . import _device_for, _last, _one_gpu
+    from . import _device_for, _last, _note_cpu_run, _one_gpu
 
     cq, ck, cv = to_core(q, "q"), to_core(k, "k"), to_core(v, "v")
     co, cg = to_core(out, "out"), to_core(dout, "dout")
@@ -276,6 +277,7 @@ def _run_backward(spec, dout, q, k, v, out, lse, device, deterministic):
     dq, dk, dv, name = _core.sparse_backward(spec, cq.bytes, ck.bytes, cv.bytes, co.bytes, lse_arr, cg.bytes,
                                              deterministic, dev)
     _last.name = name
+    _note_cpu_run(dev, name, spec, backward=True)
     return (from_core(dq, cq.shape, cq.dtype, cq), from_core(dk, ck.shape, ck.dtype, ck),
             from_core(dv, cv.shape, cv.dtype, cv))
 

@@ -246,3 +246,29 @@ def test_cuda_inputs_off_16_byte_alignment_give_the_aligned_results(which):
             for got, want in zip(f(moved), f(base)):
                 assert torch.equal(got, want), (which, off, f.__name__)
     torch.cuda.synchronize()
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs torch with CUDA and the CUDA backend")
+def test_cuda_tensors_the_cuda_backend_refuses_run_on_the_cpu_with_a_warning():
+    """head_dim 96 has no CUDA kernel: device="auto" computes it on the CPU backend (correct
+    results, on the inputs' device) and says so with a RuntimeWarning naming the reason, forward
+    and backward; device="cuda" raises instead. A supported call warns nothing."""
+    import warnings
+
+    gen = torch.Generator().manual_seed(5)
+    n = 70
+    q, k, v = (rand_t(gen, (n, h, 96), "bfloat16", "cuda") for h in (4, 2, 2))
+    cu = np.array([0, n], np.int32)
+    with pytest.warns(RuntimeWarning, match="CPU backend: .*head_dim 96") as rec:
+        out = cubeattn.flash_attn_varlen_func(q, k, v, cu, cu, n, n, causal=True)
+        out.backward(torch.ones_like(out))
+    assert len(rec) >= 2  # forward and backward
+    assert out.device.type == "cuda" and q.grad is not None and q.grad.device.type == "cuda"
+    ref, _ = ref_attention(f64(q), f64(k), f64(v), varlen_segments(cu, cu), True)
+    assert rel_err(f64(out), ref) <= max(FWD_TOL["bfloat16"][1], 2e-3)
+    with pytest.raises(ValueError, match="head_dim 96"):
+        cubeattn.flash_attn_varlen_func(q, k, v, cu, cu, n, n, causal=True, device="cuda")
+    q2, k2, v2 = (rand_t(gen, (n, h, 128), "bfloat16", "cuda") for h in (4, 2, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cubeattn.flash_attn_varlen_func(q2, k2, v2, cu, cu, n, n, causal=True).backward(torch.ones(n, 4, 128, device="cuda"))
