@@ -18,7 +18,7 @@ import warnings
 import numpy as np
 
 from . import _core
-from ._arrays import _is_torch, dense_cuda, dtype_name, from_core, int32_ranges, int32_vector, to_core
+from ._arrays import _is_torch, dense_cuda, dtype_name, is_dense_cuda, from_core, int32_ranges, int32_vector, to_core
 
 __all__ = [
     "flash_attn_func",
@@ -432,7 +432,7 @@ def _fast_forward(key, q, k, v):
     dtypes, devices and options; contiguous; no autograd): enqueued with the cached spec, without
     the layers of the general path. None where the general path must run."""
     hit = _FAST.get(key)
-    if hit is None or not all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (q, k, v)):
+    if hit is None or not all(is_dense_cuda(x) for x in (q, k, v)):
         return None
     import torch
 

@@ -68,15 +68,18 @@ def dtype_name(x, name: str) -> str:
     return dt
 
 
+def is_dense_cuda(t) -> bool:
+    """Whether the kernels can read the CUDA tensor `t` in place: contiguous and 16-byte aligned
+    (their copies move 16-byte words; a contiguous view at an odd element offset is not)."""
+    return t.is_contiguous() and t.data_ptr() % 16 == 0
+
+
 def dense_cuda(t):
-    """A CUDA tensor as the kernels read it: contiguous and 16-byte aligned (their copies move
-    16-byte words; a contiguous view at an odd element offset is not). `t` itself when it is,
-    else a copy (same values, a fresh allocation)."""
+    """The CUDA tensor `t` as the kernels read it ([`is_dense_cuda`]): `t` itself when it is, else
+    a copy (same values, a fresh allocation)."""
     import torch
 
-    if t.is_contiguous() and t.data_ptr() % 16 == 0:
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
+    return t if is_dense_cuda(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 def to_core(x, name: str) -> Converted:

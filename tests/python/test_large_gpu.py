@@ -1,4 +1,4 @@
-"""Calls near the CUDA kernels' 32-bit indexing bound (`backend::cuda::max_elements`: rows x heads x
+"""Calls near the CUDA kernels' 32-bit indexing bound (`backend::cuda::check_size`: rows x heads x
 head_dim below 2^31; the bound was 2^30 before): causal forward and backward, fused and
 deterministic dQ, d128 and d64, 1.93e9 elements of q and dq, against SDPA flash on the same
 tensors. An index that wrapped would corrupt a whole region of the outputs (relative errors of

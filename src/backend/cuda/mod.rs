@@ -218,29 +218,26 @@ pub fn check_supported(spec: &AttnSpec) -> Result<()> {
             msg: format!("head_dim {hd} has no CUDA kernel (supported: 64, 128); use the CPU backend"),
         });
     }
+    check_size(spec, spec.kv_pages.is_some())
+}
+
+/// Err(Unsupported) when the tensors of `spec` reach the CUDA kernels' indexing bound: elements
+/// (rows x heads x head_dim of the largest of q, k, v, their gradients and the f32 dQ
+/// accumulator) below 2^31, since their indexes are u32 (`AddressType::U32`) and every product
+/// of row, head and column is such an element index. Dense calls were checked on an H200 up to
+/// 1.9e9 elements (`tests/python/test_large_gpu.py`); `paged_or_sparse` calls (paged K,V; the
+/// block-sparse `sparse_supported`) keep the earlier bound of 2^30.
+pub(crate) fn check_size(spec: &AttnSpec, paged_or_sparse: bool) -> Result<()> {
     let d = &spec.dims;
-    let (rows, heads) = (d.total_q.max(d.total_k) as u64, d.heads_q.max(d.heads_kv) as u64);
-    let elems = rows * heads * hd as u64;
-    if elems >= max_elements(spec.kv_pages.is_some()) {
+    let (rows, heads, hd) = (d.total_q.max(d.total_k) as u64, d.heads_q.max(d.heads_kv) as u64, d.head_dim as u64);
+    let bound: u64 = if paged_or_sparse { 1 << 30 } else { 1 << 31 };
+    if rows * heads * hd >= bound {
         return Err(Error::Unsupported {
             backend: "cuda",
             msg: format!("tensors too large for 32-bit indexing ({rows} rows x {heads} heads x head_dim {hd} elements)"),
         });
     }
     Ok(())
-}
-
-/// Elements (rows x heads x head_dim of the largest of q, k, v, their gradients and the f32 dQ
-/// accumulator) below which the CUDA kernels serve a call: their indexes are u32
-/// (`AddressType::U32`), every product of row, head and column stays below 2^31. Dense calls
-/// were checked on an H200 up to 1.9e9 elements (`tests/python/test_large_gpu.py`); paged K,V and
-/// block-sparse calls (`sparse_supported`) keep the tested bound of 2^30.
-pub(crate) const fn max_elements(paged_or_sparse: bool) -> u64 {
-    if paged_or_sparse {
-        1 << 30
-    } else {
-        1 << 31
-    }
 }
 
 impl Backend for CudaBackend {

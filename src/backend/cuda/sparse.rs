@@ -106,14 +106,7 @@ impl SparsePlan {
 /// Err(Unsupported) for the block-sparse calls no CUDA kernel serves.
 pub(crate) fn check_sparse_supported(spec: &SparseSpec) -> Result<()> {
     check_supported(&spec.attn)?;
-    let d = &spec.attn.dims;
-    let elems = (d.total_q.max(d.total_k) * d.heads_q.max(d.heads_kv) * d.head_dim) as u64;
-    if elems >= super::max_elements(true) {
-        return Err(Error::Unsupported {
-            backend: "cuda",
-            msg: format!("block-sparse tensors too large for 32-bit indexing ({elems} elements)"),
-        });
-    }
+    super::check_size(&spec.attn, true)?;
     if spec.attn.dtype == DType::F32 {
         return Err(Error::Unsupported {
             backend: "cuda",
