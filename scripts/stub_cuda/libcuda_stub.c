@@ -57,6 +57,7 @@ CUresult cuMemsetD8_v2(uint64_t d,unsigned char v,size_t n){return 0;}
 CUresult cuMemsetD32Async(uint64_t d,unsigned v,size_t n,CUstream s){return 0;}
 CUresult cuStreamSynchronize(CUstream s){return 0;}
 CUresult cuCtxSynchronize(void){return 0;}
+CUresult cuTensorMapEncodeTiled(void*m,int ty,unsigned rank,void*a,const uint64_t*dims,const uint64_t*strides,const unsigned*box,const unsigned*es,int il,int sw,int l2,int oob){memset(m,0,128);return 0;}
 CUresult cuLaunchKernel(void*f,unsigned gx,unsigned gy,unsigned gz,unsigned bx,unsigned by,unsigned bz,unsigned sm,CUstream s,void**p,void**e){return 0;}
 static char evbuf[64];
 CUresult cuEventCreate(void**e,unsigned f){*e=evbuf;return 0;}

@@ -54,7 +54,7 @@ use super::fragments::{frag_a, frag_a_t, frag_b_n2, frag_b_t2, mma_into, store_a
 use super::grid::cube_item_slot;
 use super::math::{fast_exp2, LOG2E};
 use super::rows::{key_rows, kv_row};
-use super::staging::{commit_stage, issue_q_tile, stage_rows, wait_stage};
+use super::staging::{commit_stage, issue_lse_delta, issue_q_tile, stage_rows, wait_stage};
 
 /// Planes (warps) per cube.
 pub const WIDE_PLANES: usize = 8;
@@ -68,6 +68,14 @@ pub const SPARSE_KWORK_WORDS: usize = 4;
 pub const SPARSE_QB_BITS: u32 = 20;
 /// The query-block bits of a transposed-index entry.
 pub const SPARSE_QB_MASK: u32 = (1 << SPARSE_QB_BITS) - 1;
+
+/// Box (columns, rows) of the tensor-map copies of a query tile (sm_90+): `BWD_BM` rows of
+/// `head_dim + PAD` columns, so that the dense box lands in shared memory in the padded row layout
+/// of the cp.async path (the `PAD` extra columns are the next head's, or zeros past the row's
+/// end, and are never read).
+pub const fn q_map_box(head_dim: usize) -> (u32, u32) {
+    ((head_dim + PAD) as u32, BWD_BM as u32)
+}
 
 /// Stages of the P / dS tiles. Two (a tile needs one barrier) on the d128 dK / dV kernel without
 /// fused dQ: 206 KB per cube, one cube per SM either way; measured 0.5-1.5% faster there, 0.5-1.5%
@@ -242,6 +250,8 @@ fn sparse_q_tile(
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn issue_next_q_tile<E: Float>(
+    q_map: &TensorMap<E, Tiled>,
+    do_map: &TensorMap<E, Tiled>,
     q_s: &Array<E>,
     do_s: &Array<E>,
     lse: &Array<f32>,
@@ -269,6 +279,7 @@ fn issue_next_q_tile<E: Float>(
     #[comptime] head_dim: usize,
     #[comptime] threads: usize,
     #[comptime] sparse: bool,
+    #[comptime] tma: bool,
 ) {
     let mut h = h_base + hq;
     let mut r0 = r_min + ti * BWD_BM as u32;
@@ -278,10 +289,33 @@ fn issue_next_q_tile<E: Float>(
         r0 = ra;
     }
     let nb = (((cur + 1u32) & 1u32) * BWD_BM as u32) as usize;
-    issue_q_tile::<E>(
-        q_s, do_s, lse, delta, q_smem, do_smem, lse_smem, dl_smem, nb, r0, q_len, q_start, h, heads_q, total_q,
-        head_dim, threads,
-    );
+    if tma && r0 + BWD_BM as u32 <= q_len {
+        // every row inside the segment: Q and dO as one tensor-map copy each (`q_map_box`),
+        // lse and delta by cp.async as below
+        if UNIT_POS == 0 {
+            let y = (q_start + r0) as i32;
+            let x = (h * head_dim as u32) as i32;
+            let tile = comptime!(BWD_BM * (head_dim + PAD));
+            let a = nb * comptime!(head_dim + PAD);
+            let ts = E::type_size();
+            let bytes = comptime!((2 * BWD_BM * (head_dim + PAD) * ts) as u32);
+            if (cur & 1u32) == 0 {
+                bar1.expect_tx(bytes);
+                bar1.tma_load_2d(q_map, &mut q_smem.slice_mut(a, a + tile), y, x);
+                bar1.tma_load_2d(do_map, &mut do_smem.slice_mut(a, a + tile), y, x);
+            } else {
+                bar0.expect_tx(bytes);
+                bar0.tma_load_2d(q_map, &mut q_smem.slice_mut(a, a + tile), y, x);
+                bar0.tma_load_2d(do_map, &mut do_smem.slice_mut(a, a + tile), y, x);
+            }
+        }
+        issue_lse_delta(lse, delta, lse_smem, dl_smem, nb, r0, q_len, q_start, h, total_q);
+    } else {
+        issue_q_tile::<E>(
+            q_s, do_s, lse, delta, q_smem, do_smem, lse_smem, dl_smem, nb, r0, q_len, q_start, h, heads_q, total_q,
+            head_dim, threads,
+        );
+    }
     commit_stage(bar1, bar0, cur);
 }
 
@@ -290,7 +324,11 @@ fn issue_next_q_tile<E: Float>(
 /// keys `[t*WIDE_BN, t*WIDE_BN+WIDE_BN)` of the shared key axis), most expensive first; `tile_off` / `tile_segs`: CSR list of the
 /// segments overlapping each tile; `segs`: (q_start, q_len, k_start, k_len) per segment; `lse`,
 /// `delta`: `[heads_q, total_q]`; `q_s` / `do_s`: q and dout as scalars (the `cp.async` sources);
-/// `dq_acc`: the f32 dQ accumulator (fused path; any valid address otherwise).
+/// `dq_acc`: the f32 dQ accumulator (fused path; any valid address otherwise). With `tma` (sm_90+)
+/// a query tile whose rows all lie inside the segment is copied by one tensor-map copy of Q
+/// (`q_map`) and one of dO (`do_map`, both [`q_map_box`] boxes over `[total_q, heads_q * head_dim]`)
+/// issued by one thread, instead of 8 `cp.async` per thread; a tile past the segment's end keeps
+/// the `cp.async` path (its rows clamped to the segment). Without `tma` the maps are not read.
 /// Block-sparse (`sparse`): `ktiles` holds [`SPARSE_KWORK_WORDS`] words per work item (sequence,
 /// first window key, keys, key block), `tile_off` / `tile_segs` are not read; `tq_off` / `tq_list`:
 /// the transposed index (cells (sequence, key block, index head)); `q_block`, `idx_heads`,
@@ -299,6 +337,8 @@ fn issue_next_q_tile<E: Float>(
 #[allow(clippy::too_many_arguments, unused_assignments)]
 #[cube(launch_unchecked)]
 pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
+    q_map: &TensorMap<E, Tiled>,
+    do_map: &TensorMap<E, Tiled>,
     k: &Array<Vector<E, NV>>,
     v: &Array<Vector<E, NV>>,
     lse: &Array<f32>,
@@ -333,6 +373,7 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
     #[comptime] qvec: usize,
     #[comptime] sparse: bool,
     #[comptime] paged: bool,
+    #[comptime] tma: bool,
 ) {
     let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
     let lane = UNIT_POS_PLANE;
@@ -355,8 +396,8 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
     let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(WIDE_BN * (head_dim + PAD)), 16usize);
     let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(WIDE_BN * (head_dim + PAD)), 16usize);
     // Two stages of the query tile (Q, dO, lse, delta): rows [0, BM) and [BM, 2 BM).
-    let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(2 * BWD_BM * (head_dim + PAD)), 16usize);
-    let mut do_smem = SharedMemory::<E>::new_aligned(comptime!(2 * BWD_BM * (head_dim + PAD)), 16usize);
+    let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(2 * BWD_BM * (head_dim + PAD)), 128usize);
+    let mut do_smem = SharedMemory::<E>::new_aligned(comptime!(2 * BWD_BM * (head_dim + PAD)), 128usize);
     let mut lse_smem = SharedMemory::<f32>::new(comptime!(2 * BWD_BM));
     let mut dl_smem = SharedMemory::<f32>::new(comptime!(2 * BWD_BM));
     // P and dS, row-major [row][key]: tile g in rows [(g % p_stages) BM, ..+BM).
@@ -485,9 +526,9 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
             // g_tile - 1, wrapping at 0): its buffer was last read two tiles ago, by every plane
             // before the P / dS barrier of the previous tile.
             issue_next_q_tile::<E>(
-                q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, &bar0, &bar1,
+                q_map, do_map, q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, &bar0, &bar1,
                 g_tile - 1u32, tq_list, t_lo, 0u32, 0u32, 0u32, hk * group, span, q_block, r_min as u32, q_len,
-                q_start, heads_q, total_q, head_dim, threads, sparse,
+                q_start, heads_q, total_q, head_dim, threads, sparse, tma,
             );
         }
         // The (q head, query tile) pair of iteration `it` as counters (no divisions). Dense: head
@@ -539,9 +580,9 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
                 }
                 if it + 1 < n_it {
                     issue_next_q_tile::<E>(
-                        q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, &bar0, &bar1, cur,
+                        q_map, do_map, q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, &bar0, &bar1, cur,
                         tq_list, t_lo, ei, ti, hq, hk * group, span, q_block, r_min as u32, q_len, q_start, heads_q,
-                        total_q, head_dim, threads, sparse,
+                        total_q, head_dim, threads, sparse, tma,
                     );
                 }
             }
@@ -610,9 +651,9 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
             if comptime!(p_stages == 2) {
                 if it + 1 < n_it {
                     issue_next_q_tile::<E>(
-                        q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, &bar0, &bar1, cur,
+                        q_map, do_map, q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, &bar0, &bar1, cur,
                         tq_list, t_lo, ei, ti, hq, hk * group, span, q_block, r_min as u32, q_len, q_start, heads_q,
-                        total_q, head_dim, threads, sparse,
+                        total_q, head_dim, threads, sparse, tma,
                     );
                 }
             }

@@ -28,7 +28,7 @@ use cudarc::driver::{result as drv, sys};
 use half::{bf16, f16};
 
 use super::compile::{codegen, codegen_exp2, settings, Func, KernelKey, Source};
-use super::driver::err;
+use super::driver::{err, tile_map_2d};
 use super::forward::{aligned, layout};
 use super::launch::{grid_2d, launch, Args};
 use super::plans::Cached;
@@ -317,14 +317,14 @@ fn bulk_dq(be: &CudaBackend, hd: usize, acc: u64) -> bool {
 /// The dK/dV kernel (`flash_bwd_wide::flash_bwd_dkdv_wide`, f16/bf16; causal and windows are
 /// runtime bounds there), dense or block-sparse; `bulk`: fused dQ by bulk reductions.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn dkdv_wide_kernel(be: &CudaBackend, dt: DType, hd: usize, fused: bool, bulk: bool, sparse: bool, paged: bool) -> Result<Func> {
+pub(crate) fn dkdv_wide_kernel(be: &CudaBackend, dt: DType, hd: usize, fused: bool, bulk: bool, sparse: bool, paged: bool, tma: bool) -> Result<Func> {
     let qvec = atomic_vec();
     let key = KernelKey::new(
         "flash_bwd_dkdv_wide",
         dt,
-        &[hd as u32, fused as u32, bulk as u32, qvec as u32, sparse as u32, paged as u32],
+        &[hd as u32, fused as u32, bulk as u32, qvec as u32, sparse as u32, paged as u32, tma as u32],
     );
-    be.kernels.get(&key, || dkdv_wide_source(be.client(), dt, hd, fused, bulk, qvec, sparse, paged))
+    be.kernels.get(&key, || dkdv_wide_source(be.client(), dt, hd, fused, bulk, qvec, sparse, paged, tma))
 }
 
 /// CUDA source of [`dkdv_wide_kernel`].
@@ -338,21 +338,41 @@ pub(crate) fn dkdv_wide_source(
     qvec: usize,
     sparse: bool,
     paged: bool,
+    tma: bool,
 ) -> Result<Source> {
     let src = by_dtype!(dt, T, codegen_exp2(flash_bwd_wide::flash_bwd_dkdv_wide::FlashBwdDkdvWide::<T, CudaRuntime>::new(
         settings(32 * WIDE_PLANES as u32), client.clone(),
-        A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (), (),
-        BWD_LOAD_VEC, qvec, hd, fused, bulk, qvec, sparse, paged), true))?;
+        (), (), A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (), (),
+        BWD_LOAD_VEC, qvec, hd, fused, bulk, qvec, sparse, paged, tma), true))?;
     if (fused && bulk) != src.cuda.contains(super::rewrite::BULK_ADD) {
         return Err(crate::error::Error::Device(format!("{}: bulk dQ reductions expected {}, found the opposite", src.entry, fused && bulk)));
     }
     Ok(src)
 }
 
-/// The leading arguments of both dK/dV kernels: k, v (vectors), lse, delta, dk, dv, the f32 dQ
-/// accumulator of the fused path (`acc`; without it any valid address; as atomics and as the
-/// bulk reductions' rows), q, dout.
-fn dkdv_arrays(spec: &AttnSpec, p: &BwdPtrs, delta: u64, acc: Option<u64>) -> Args {
+/// Whether the dK/dV kernel copies full query tiles by tensor maps (sm_90+; the pointers are
+/// 16-byte aligned: `BwdPtrs::check_aligned`).
+fn q_tile_maps(be: &CudaBackend) -> bool {
+    be.kernels.has_bulk_copies()
+}
+
+/// The tensor maps of Q and dO (`flash_bwd_wide::q_map_box` boxes); zeroed (never read) when
+/// `tma` is false.
+fn q_maps(spec: &AttnSpec, p: &BwdPtrs, tma: bool) -> Result<[sys::CUtensorMap; 2]> {
+    let d = &spec.dims;
+    if !tma {
+        return Ok([sys::CUtensorMap { opaque: [0; 16] }; 2]);
+    }
+    let (bc, br) = flash_bwd_wide::q_map_box(d.head_dim);
+    let cols = d.heads_q * d.head_dim;
+    let map = |ptr| tile_map_2d(spec.dtype, ptr, cols, d.total_q, cols * spec.dtype.size(), bc, br);
+    Ok([map(p.q)?, map(p.dout)?])
+}
+
+/// The leading arguments of the dK/dV kernel: the tensor maps of q and dout (`maps`), k, v
+/// (vectors), lse, delta, dk, dv, the f32 dQ accumulator of the fused path (`acc`; without it
+/// any valid address; as atomics and as the bulk reductions' rows), q, dout.
+fn dkdv_arrays(spec: &AttnSpec, p: &BwdPtrs, maps: [sys::CUtensorMap; 2], delta: u64, acc: Option<u64>) -> Args {
     let d = &spec.dims;
     let (ql, kl, ll) = (d.q_len(), d.kv_len(), d.lse_len());
     let (acc_ptr, acc_len) = match acc {
@@ -361,6 +381,8 @@ fn dkdv_arrays(spec: &AttnSpec, p: &BwdPtrs, delta: u64, acc: Option<u64>) -> Ar
     };
     let kv = kl / BWD_LOAD_VEC;
     let mut a = Args::new();
+    let (rows, cols) = (d.total_q, d.heads_q * d.head_dim);
+    a.tensor_map(maps[0], p.q, rows, cols).tensor_map(maps[1], p.dout, rows, cols);
     a.array(p.k, kv).array(p.v, kv).array(p.lse, ll).array(delta, ll);
     a.array(p.dk, kl).array(p.dv, kl).array(acc_ptr, acc_len).array(acc_ptr, acc_len).array(p.q, ql).array(p.dout, ql);
     a
@@ -386,8 +408,9 @@ pub(crate) fn launch_dkdv_wide(
     let (win_l, win_r, _) = window_bounds(spec);
     let bulk = acc.is_some_and(|a| bulk_dq(be, d.head_dim, a));
     let paged = spec.kv_pages.is_some() && sparse.is_none();
-    let f = dkdv_wide_kernel(be, spec.dtype, d.head_dim, acc.is_some(), bulk, sparse.is_some(), paged)?;
-    let mut a = dkdv_arrays(spec, p, delta, acc);
+    let tma = q_tile_maps(be);
+    let f = dkdv_wide_kernel(be, spec.dtype, d.head_dim, acc.is_some(), bulk, sparse.is_some(), paged, tma)?;
+    let mut a = dkdv_arrays(spec, p, q_maps(spec, p, tma)?, delta, acc);
     for x in [t.work, t.tile_off, t.tile_segs, t.segs, t.tq_off, t.tq_list] {
         a.array(x.0, x.1);
     }

@@ -31,7 +31,7 @@ use crate::error::{Error, Result};
 pub const CUBECL_VERSION: &str = "0.10.0";
 
 /// First line of a disk-cache entry (a different format is a cache miss).
-const CACHE_FORMAT: &str = "cubeattn-cubin 4";
+const CACHE_FORMAT: &str = "cubeattn-cubin 5";
 
 /// Identifies one compiled kernel: its name, the dtype it is instantiated for and every comptime
 /// choice (block shapes, flags), which together fix the generated source.
@@ -60,13 +60,19 @@ pub(crate) struct Source {
 }
 
 /// The launch parameters a generated kernel takes (read from its signature and its info struct):
-/// array pointers, then the f32 and u32 scalars (each group padded to an even count by CubeCL). [`super::launch::launch`] refuses arguments
+/// tensor maps (by value), array pointers (a tensor map's buffer among them), then the f32 and
+/// u32 scalars (each group padded to an even count by CubeCL). [`super::launch::launch`] refuses arguments
 /// that do not match, so a host/kernel mismatch is an error, never a launch that reads garbage.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub(crate) struct Abi {
+    pub maps: u32,
+    /// The `dynamic_meta` pointer CubeCL adds after the arrays (with tensor maps).
+    pub dynamic_meta: bool,
     pub arrays: u32,
     pub f32s: u32,
     pub u32s: u32,
+    /// u32 words of static metadata (array lengths; tensor ranks and offsets).
+    pub meta: u32,
 }
 
 impl Abi {
@@ -77,6 +83,8 @@ impl Abi {
         let sig_at = cuda.find("__global__").ok_or_else(|| bad("__global__ signature"))?;
         let sig_end = cuda[sig_at..].find(") {").ok_or_else(|| bad("end of the signature"))? + sig_at;
         let arrays = cuda[sig_at..sig_end].matches(" buffer_").count() as u32;
+        let maps = cuda[sig_at..sig_end].matches("CUtensorMap tensor_map_").count() as u32;
+        let dynamic_meta = cuda[sig_at..sig_end].contains(" dynamic_meta");
         let count = |field: &str| -> u32 {
             let Some(i) = cuda.find("struct info_st {") else { return 0 };
             let body = &cuda[i..i + cuda[i..].find("};").unwrap_or(0)];
@@ -85,7 +93,7 @@ impl Abi {
                 .and_then(|n| n.trim_start_matches('[').parse().ok())
                 .unwrap_or(0)
         };
-        Ok(Abi { arrays, f32s: count("scalars_float"), u32s: count("scalars_uint32") })
+        Ok(Abi { maps, dynamic_meta, arrays, f32s: count("scalars_float"), u32s: count("scalars_uint32"), meta: count("static_meta") })
     }
 }
 
@@ -317,8 +325,8 @@ fn entry_usable(built: &str, loadable: Option<&str>) -> bool {
 fn encode(nvrtc: &str, src: &Source, cubin: &[u8]) -> Vec<u8> {
     let (b, a) = (src.block, src.abi);
     let head = format!(
-        "{CACHE_FORMAT}\n{nvrtc}\n{}\n{}\n{} {} {}\n{} {} {}\n",
-        src.entry, src.smem, b[0], b[1], b[2], a.arrays, a.f32s, a.u32s
+        "{CACHE_FORMAT}\n{nvrtc}\n{}\n{}\n{} {} {}\n{} {} {} {} {} {}\n",
+        src.entry, src.smem, b[0], b[1], b[2], a.maps, a.dynamic_meta as u32, a.arrays, a.f32s, a.u32s, a.meta
     );
     let mut v = head.into_bytes();
     v.extend_from_slice(cubin);
@@ -351,10 +359,10 @@ fn decode(bytes: &[u8]) -> Option<(String, Source, Vec<u8>)> {
     let smem = it.next()?.parse().ok()?;
     let b: Vec<u32> = it.next()?.split(' ').filter_map(|x| x.parse().ok()).collect();
     let a: Vec<u32> = it.next()?.split(' ').filter_map(|x| x.parse().ok()).collect();
-    if b.len() != 3 || a.len() != 3 || bytes.len() <= end {
+    if b.len() != 3 || a.len() != 6 || bytes.len() <= end {
         return None;
     }
-    let abi = Abi { arrays: a[0], f32s: a[1], u32s: a[2] };
+    let abi = Abi { maps: a[0], dynamic_meta: a[1] != 0, arrays: a[2], f32s: a[3], u32s: a[4], meta: a[5] };
     Some((nvrtc, Source { entry, cuda: String::new(), smem, block: [b[0], b[1], b[2]], abi }, bytes[end..].to_vec()))
 }
 
@@ -510,13 +518,15 @@ mod tests {
 
     #[test]
     fn cache_entries_round_trip() {
-        let abi = Abi { arrays: 13, f32s: 2, u32s: 8 };
+        let abi = Abi { maps: 2, dynamic_meta: true, arrays: 13, f32s: 2, u32s: 8, meta: 32 };
         let src = Source { entry: "k_f16".into(), cuda: String::new(), smem: 12345, block: [128, 1, 1], abi };
         let cubin: Vec<u8> = (0..=255u8).collect();
         let (v, s, c) = decode(&encode("13.0", &src, &cubin)).unwrap();
         assert_eq!((v.as_str(), s.entry.as_str(), s.smem, s.block, s.abi), ("13.0", "k_f16", 12345, [128, 1, 1], abi));
         assert_eq!(c, cubin);
-        assert!(decode(b"cubeattn-cubin 4\n13.0\nk\n1\n1 1 1\n1 2\nxx").is_none());
+        assert!(decode(b"cubeattn-cubin 5\n13.0\nk\n1\n1 1 1\n1 2\nxx").is_none());
+        // entries of format 4 (no tensor-map count) are misses
+        assert!(decode(b"cubeattn-cubin 4\n13.0\nk\n1\n1 1 1\n1 2 3\nxxxx").is_none());
         // entries of format 3 (no NVRTC version) are misses
         assert!(decode(b"cubeattn-cubin 3\nk\n1\n1 1 1\n1 2 3\nxxxx").is_none());
         // entries of format 2 (compiled without the mbarrier rewrites) are misses
@@ -538,9 +548,13 @@ mod tests {
         let cuda = "struct info_st {\n    float scalars_float[2];\nuint32 scalars_uint32[8];uint32 static_meta[26];\n};\n\
             extern \"C\" __global__ void __launch_bounds__(128)k (\n    const float* __restrict__ buffer_0, \
             float* buffer_1, const uint32* __restrict__ buffer_2, const __grid_constant__ info_st info\n) {\n}";
-        assert_eq!(Abi::of_source("k", cuda).unwrap(), Abi { arrays: 3, f32s: 2, u32s: 8 });
+        assert_eq!(Abi::of_source("k", cuda).unwrap(), Abi { maps: 0, dynamic_meta: false, arrays: 3, f32s: 2, u32s: 8, meta: 26 });
         let no_scalars = cuda.replace("    float scalars_float[2];\nuint32 scalars_uint32[8];", "");
-        assert_eq!(Abi::of_source("k", &no_scalars).unwrap(), Abi { arrays: 3, f32s: 0, u32s: 0 });
+        assert_eq!(Abi::of_source("k", &no_scalars).unwrap(), Abi { maps: 0, dynamic_meta: false, arrays: 3, f32s: 0, u32s: 0, meta: 26 });
+        let with_map = cuda
+            .replace("    const float* __restrict__ buffer_0", "    const __grid_constant__ CUtensorMap tensor_map_0, float* buffer_0")
+            .replace("buffer_2, const __grid", "buffer_2, const uint32* __restrict__ dynamic_meta, const __grid");
+        assert_eq!(Abi::of_source("k", &with_map).unwrap(), Abi { maps: 1, dynamic_meta: true, arrays: 3, f32s: 2, u32s: 8, meta: 26 });
         assert!(Abi::of_source("k", "no kernel here").is_err());
     }
 

@@ -175,3 +175,51 @@ pub(crate) fn upload_u32_async(host: &[u32], stream: sys::CUstream) -> Result<sy
         Ok(ptr)
     }
 }
+
+/// A tensor map of a row-major 2-D tensor of `dt` (f16 / bf16: `rows` rows of `cols` elements,
+/// `row_bytes` apart, at `ptr`) whose copies are boxes of `box_rows` rows x `box_cols` columns,
+/// laid out densely in shared memory; elements past the tensor's edges read as zero. Needs `ptr`
+/// and `row_bytes` multiples of 16 and `box_cols` x 2 bytes a multiple of 16 (the driver refuses
+/// the rest, as an `Err`).
+pub(crate) fn tile_map_2d(
+    dt: crate::dtype::DType,
+    ptr: u64,
+    cols: usize,
+    rows: usize,
+    row_bytes: usize,
+    box_cols: u32,
+    box_rows: u32,
+) -> Result<sys::CUtensorMap> {
+    use crate::dtype::DType;
+    let ty = match dt {
+        DType::F16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        DType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        DType::F32 => return Err(Error::Device("tile_map_2d: f32 tensors take no tile map".into())),
+    };
+    let dims = [cols as u64, rows.max(1) as u64];
+    let strides = [row_bytes as u64];
+    let boxes = [box_cols, box_rows];
+    let elem = [1u32, 1];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    // SAFETY: every array holds the rank's (2) entries (strides: rank - 1), `map` is written by
+    // the call; the address is only recorded in the map (the kernel reads through it).
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            ty,
+            2,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+        .result()
+        .map_err(|e| err("cuTensorMapEncodeTiled", e))?;
+        Ok(map.assume_init())
+    }
+}

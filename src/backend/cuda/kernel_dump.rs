@@ -38,14 +38,15 @@ mod tests {
             ("dq_window_d128", dq_source(c, dt, 128, false, true, false)),
             ("dq_sparse_d128", dq_source(c, dt, 128, true, false, false)),
             // the dK/dV kernel (128 keys): causal / window are runtime bounds
-            ("dkdv_wide_d128", dkdv_wide_source(c, dt, 128, false, false, 2, false, false)),
-            ("dkdv_wide_fused_d128", dkdv_wide_source(c, dt, 128, true, true, 2, false, false)),
-            ("dkdv_wide_fused_atomic_d128", dkdv_wide_source(c, dt, 128, true, false, 2, false, false)),
-            ("dkdv_wide_d64", dkdv_wide_source(c, dt, 64, false, false, 2, false, false)),
-            ("dkdv_wide_fused_d64", dkdv_wide_source(c, dt, 64, true, false, 2, false, false)),
-            ("dkdv_wide_fused_d128_f16", dkdv_wide_source(c, DType::F16, 128, true, true, 2, false, false)),
-            ("dkdv_wide_sparse_d128", dkdv_wide_source(c, dt, 128, false, false, 2, true, false)),
-            ("dkdv_wide_sparse_fused_d128", dkdv_wide_source(c, dt, 128, true, true, 2, true, false)),
+            ("dkdv_wide_d128", dkdv_wide_source(c, dt, 128, false, false, 2, false, false, false)),
+            ("dkdv_wide_fused_d128", dkdv_wide_source(c, dt, 128, true, true, 2, false, false, false)),
+            ("dkdv_wide_fused_tma_d128", dkdv_wide_source(c, dt, 128, true, true, 2, false, false, true)),
+            ("dkdv_wide_fused_atomic_d128", dkdv_wide_source(c, dt, 128, true, false, 2, false, false, false)),
+            ("dkdv_wide_d64", dkdv_wide_source(c, dt, 64, false, false, 2, false, false, false)),
+            ("dkdv_wide_fused_d64", dkdv_wide_source(c, dt, 64, true, false, 2, false, false, false)),
+            ("dkdv_wide_fused_d128_f16", dkdv_wide_source(c, DType::F16, 128, true, true, 2, false, false, false)),
+            ("dkdv_wide_sparse_d128", dkdv_wide_source(c, dt, 128, false, false, 2, true, false, false)),
+            ("dkdv_wide_sparse_fused_d128", dkdv_wide_source(c, dt, 128, true, true, 2, true, false, false)),
         ];
         for (name, src) in sources {
             let src = src.unwrap();

@@ -1,9 +1,10 @@
 //! Launching a compiled kernel ([`super::compile`]) on a stream with raw device pointers.
 //!
 //! Parameter layout of CubeCL 0.10's generated CUDA kernels with grid constants (what CubeCL's
-//! own CUDA runtime passes, cubecl-cuda `compute/context.rs`): one pointer per array argument in
-//! declaration order, then one by-value info struct holding the scalar arguments grouped by type
-//! and the array lengths. The info bytes come from CubeCL's public `InfoBuilder`, fed in
+//! own CUDA runtime passes, cubecl-cuda `compute/context.rs`): the tensor maps by value, then one
+//! pointer per array argument in declaration order (a tensor map's buffer first), with tensor
+//! maps a pointer to the dynamic metadata (shapes and strides), then one by-value info struct
+//! holding the scalar arguments grouped by type and the array (and tensor) metadata. The info bytes come from CubeCL's public `InfoBuilder`, fed in
 //! declaration order exactly as its launcher does, so the layout is CubeCL's by construction. The
 //! GPU tests compare every kernel family with the f64 reference through this path, so a change of
 //! the ABI in another CubeCL version fails them loudly; and every launch checks the arguments'
@@ -12,6 +13,7 @@
 use std::ffi::c_void;
 
 use cubecl::prelude::AddressType;
+use cubecl::zspace::{Shape, Strides};
 use cubecl::InfoBuilder;
 use cudarc::driver::sys;
 
@@ -21,6 +23,7 @@ use crate::error::{Error, Result};
 /// Arguments of one launch, in the kernel's declaration order.
 #[derive(Default)]
 pub(crate) struct Args {
+    maps: Vec<sys::CUtensorMap>,
     ptrs: Vec<u64>,
     info: InfoBuilder,
     f32s: u32,
@@ -40,6 +43,17 @@ impl Args {
         self
     }
 
+    /// A tensor-map argument (declared before the arrays): the map, and the buffer it describes
+    /// as a row-major `rows` x `cols` tensor (its metadata as CubeCL's launcher registers it).
+    pub fn tensor_map(&mut self, map: sys::CUtensorMap, ptr: u64, rows: usize, cols: usize) -> &mut Args {
+        self.maps.push(map);
+        self.ptrs.push(ptr);
+        let len = (rows * cols) as u64;
+        let (shape, strides) = (Shape::new([rows, cols]), Strides::new(&[cols, 1]));
+        self.info.metadata.register_tensor(2, len, len, shape, strides, AddressType::U32);
+        self
+    }
+
     pub fn u32(&mut self, v: u32) -> &mut Args {
         self.info.scalars.push(v);
         self.u32s += 1;
@@ -55,7 +69,7 @@ impl Args {
     /// The kernel's parameters as these arguments fill them. CubeCL pads each scalar group of
     /// the info struct to 8 bytes (two 4-byte scalars), as its `InfoBuilder` does for the data.
     fn abi(&self) -> Abi {
-        Abi { arrays: self.ptrs.len() as u32, f32s: self.f32s.div_ceil(2) * 2, u32s: self.u32s.div_ceil(2) * 2 }
+        Abi { maps: self.maps.len() as u32, dynamic_meta: !self.maps.is_empty(), arrays: self.ptrs.len() as u32, f32s: self.f32s.div_ceil(2) * 2, u32s: self.u32s.div_ceil(2) * 2, meta: self.info.metadata.static_len(AddressType::U32) as u32 }
     }
 }
 
@@ -73,10 +87,16 @@ pub(crate) fn launch(func: &Func, grid: (u32, u32, u32), args: &mut Args, stream
         return Ok(());
     }
     let info = args.info.finish(AddressType::U32);
-    let mut params: Vec<*mut c_void> = args.ptrs.iter().map(|p| p as *const u64 as *mut c_void).collect();
+    let mut params: Vec<*mut c_void> = args.maps.iter().map(|m| m as *const sys::CUtensorMap as *mut c_void).collect();
+    params.extend(args.ptrs.iter().map(|p| p as *const u64 as *mut c_void));
+    // The kernels read no tensor-map shape or stride, so the dynamic metadata pointer CubeCL
+    // declares with tensor maps is never dereferenced: the first map's buffer stands in.
+    if func.abi.dynamic_meta {
+        params.push(&args.ptrs[0] as *const u64 as *mut c_void);
+    }
     params.push(info.data.as_ptr() as *mut c_void);
-    // SAFETY: `func` is a loaded function whose parameters are the arrays pushed here in order
-    // followed by the info struct (see the module doc); the caller guarantees that every address
+    // SAFETY: `func` is a loaded function whose parameters are the tensor maps and arrays pushed
+    // here in order followed by the info struct (see the module doc); the caller guarantees that every address
     // is a live device allocation of at least the given length on this context, and `params`,
     // `args` and `info` outlive the call (the driver copies the parameter values at launch).
     unsafe {
