@@ -289,25 +289,17 @@ fn issue_next_q_tile<E: Float>(
         r0 = ra;
     }
     let nb = (((cur + 1u32) & 1u32) * BWD_BM as u32) as usize;
-    if tma && r0 + BWD_BM as u32 <= q_len {
+    // (`tma` alone decides at compile time: without it no tensor-map code is generated, which
+    // GPUs below sm_90 could not compile)
+    let mut by_map = false;
+    if comptime!(tma) {
+        by_map = r0 + BWD_BM as u32 <= q_len;
+    }
+    if by_map {
         // every row inside the segment: Q and dO as one tensor-map copy each (`q_map_box`),
         // lse and delta by cp.async as below
-        if UNIT_POS == 0 {
-            let y = (q_start + r0) as i32;
-            let x = (h * head_dim as u32) as i32;
-            let tile = comptime!(BWD_BM * (head_dim + PAD));
-            let a = nb * comptime!(head_dim + PAD);
-            let ts = E::type_size();
-            let bytes = comptime!((2 * BWD_BM * (head_dim + PAD) * ts) as u32);
-            if (cur & 1u32) == 0 {
-                bar1.expect_tx(bytes);
-                bar1.tma_load_2d(q_map, &mut q_smem.slice_mut(a, a + tile), y, x);
-                bar1.tma_load_2d(do_map, &mut do_smem.slice_mut(a, a + tile), y, x);
-            } else {
-                bar0.expect_tx(bytes);
-                bar0.tma_load_2d(q_map, &mut q_smem.slice_mut(a, a + tile), y, x);
-                bar0.tma_load_2d(do_map, &mut do_smem.slice_mut(a, a + tile), y, x);
-            }
+        if comptime!(tma) {
+            issue_q_tile_maps(q_map, do_map, q_smem, do_smem, bar0, bar1, cur, nb, q_start + r0, h, head_dim);
         }
         issue_lse_delta(lse, delta, lse_smem, dl_smem, nb, r0, q_len, q_start, h, total_q);
     } else {
@@ -317,6 +309,42 @@ fn issue_next_q_tile<E: Float>(
         );
     }
     commit_stage(bar1, bar0, cur);
+}
+
+/// Unit 0 raises the expected bytes of query tile `cur + 1`'s barrier and issues its Q and dO rows
+/// `row..row + BWD_BM` (head `h`) as one tensor-map copy each into rows `nb..` of the stage.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn issue_q_tile_maps<E: Float>(
+    q_map: &TensorMap<E, Tiled>,
+    do_map: &TensorMap<E, Tiled>,
+    q_smem: &mut SharedMemory<E>,
+    do_smem: &mut SharedMemory<E>,
+    bar0: &Barrier,
+    bar1: &Barrier,
+    cur: u32,
+    nb: usize,
+    row: u32,
+    h: u32,
+    #[comptime] head_dim: usize,
+) {
+    if UNIT_POS == 0 {
+        let y = row as i32;
+        let x = (h * head_dim as u32) as i32;
+        let tile = comptime!(BWD_BM * (head_dim + PAD));
+        let a = nb * comptime!(head_dim + PAD);
+        let ts = E::type_size();
+        let bytes = comptime!((2 * BWD_BM * (head_dim + PAD) * ts) as u32);
+        if (cur & 1u32) == 0 {
+            bar1.expect_tx(bytes);
+            bar1.tma_load_2d(q_map, &mut q_smem.slice_mut(a, a + tile), y, x);
+            bar1.tma_load_2d(do_map, &mut do_smem.slice_mut(a, a + tile), y, x);
+        } else {
+            bar0.expect_tx(bytes);
+            bar0.tma_load_2d(q_map, &mut q_smem.slice_mut(a, a + tile), y, x);
+            bar0.tma_load_2d(do_map, &mut do_smem.slice_mut(a, a + tile), y, x);
+        }
+    }
 }
 
 /// dK, dV (and with `fuse_dq` the dQ atomics). Grid: entries of `ktiles` x heads_kv in one
