@@ -211,11 +211,12 @@ pub(crate) fn workspace_ptrs(spec: &AttnSpec, fused: bool, base: u64) -> (u64, u
     (base + offs[0] as u64, base + offs[1] as u64)
 }
 
-/// Vector width of the dQ atomics (float2 `atomicAdd`, sm_90); `CUBEATTN_BWD_ATOMIC_VEC=1` falls
-/// back to scalar atomics.
-fn atomic_vec() -> usize {
+/// Vector width of the dQ atomics: float2 `atomicAdd` on sm_90+ (where it exists), scalar below;
+/// `CUBEATTN_BWD_ATOMIC_VEC=1` takes scalar atomics everywhere.
+fn atomic_vec(be: &CudaBackend) -> usize {
     match std::env::var("CUBEATTN_BWD_ATOMIC_VEC").ok().as_deref() {
         Some("1") => 1,
+        _ if !be.kernels.has_bulk_copies() => 1,
         _ => 2,
     }
 }
@@ -318,7 +319,7 @@ fn bulk_dq(be: &CudaBackend, hd: usize, acc: u64) -> bool {
 /// runtime bounds there), dense or block-sparse; `bulk`: fused dQ by bulk reductions.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn dkdv_wide_kernel(be: &CudaBackend, dt: DType, hd: usize, fused: bool, bulk: bool, sparse: bool, paged: bool, tma: bool) -> Result<Func> {
-    let qvec = atomic_vec();
+    let qvec = atomic_vec(be);
     let key = KernelKey::new(
         "flash_bwd_dkdv_wide",
         dt,
@@ -371,12 +372,12 @@ fn q_maps(spec: &AttnSpec, p: &BwdPtrs, tma: bool) -> Result<[sys::CUtensorMap; 
 
 /// The leading arguments of the dK/dV kernel: the tensor maps of q and dout (`maps`), k, v
 /// (vectors), lse, delta, dk, dv, the f32 dQ accumulator of the fused path (`acc`; without it
-/// any valid address; as atomics and as the bulk reductions' rows), q, dout.
-fn dkdv_arrays(spec: &AttnSpec, p: &BwdPtrs, maps: [sys::CUtensorMap; 2], delta: u64, acc: Option<u64>) -> Args {
+/// any valid address; as atomics of `qvec` floats and as the bulk reductions' rows), q, dout.
+fn dkdv_arrays(spec: &AttnSpec, p: &BwdPtrs, maps: [sys::CUtensorMap; 2], delta: u64, acc: Option<u64>, qvec: usize) -> Args {
     let d = &spec.dims;
     let (ql, kl, ll) = (d.q_len(), d.kv_len(), d.lse_len());
     let (acc_ptr, acc_len) = match acc {
-        Some(a) => (a, ql / atomic_vec()),
+        Some(a) => (a, ql / qvec),
         None => (delta, 1),
     };
     let kv = kl / BWD_LOAD_VEC;
@@ -410,7 +411,7 @@ pub(crate) fn launch_dkdv_wide(
     let paged = spec.kv_pages.is_some() && sparse.is_none();
     let tma = q_tile_maps(be);
     let f = dkdv_wide_kernel(be, spec.dtype, d.head_dim, acc.is_some(), bulk, sparse.is_some(), paged, tma)?;
-    let mut a = dkdv_arrays(spec, p, q_maps(spec, p, tma)?, delta, acc);
+    let mut a = dkdv_arrays(spec, p, q_maps(spec, p, tma)?, delta, acc, atomic_vec(be));
     for x in [t.work, t.tile_off, t.tile_segs, t.segs, t.tq_off, t.tq_list] {
         a.array(x.0, x.1);
     }
