@@ -15,7 +15,8 @@
 //! rewrites both: `noinc` makes the copy arrival the thread's one arrival of the phase (`.noinc`,
 //! the explicit arrive dropped; compute-sanitizer's synccheck reported "Missing wait" on every
 //! cp.async barrier before, none after); `spin` waits with a plain `mbarrier.try_wait.parity`
-//! loop (used by the backward kernels, see `compile::codegen_exp2`; bench/NOTES.md).
+//! loop (`test_wait` below sm_90, where `try_wait` does not exist; used by the backward kernels,
+//! see `compile::codegen_exp2`; bench/NOTES.md).
 //!
 //! Shared-memory addresses of `ldmatrix` and `cp.async`: CubeCL passes `shared_memory_N + l_i`
 //! (a generic pointer plus a u32 element index) and its wrappers convert that pointer with
@@ -115,8 +116,13 @@ const CP_ARRIVE_CALL: &str = "__cp_async_arrive(";
 const SPIN_WAIT: &str = r#"
 __device__ __forceinline__ void __cubeattn_wait_parity(::cuda::barrier<::cuda::thread_scope_block> &bar, uint32 parity) {
   uint32 a = static_cast<uint32>(__cvta_generic_to_shared(::cuda::device::barrier_native_handle(bar)));
+#if __CUDA_ARCH__ >= 900
   asm volatile("{\n.reg .pred p;\nW%=:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra W%=;\n}\n"
                :: "r"(a), "r"(parity) : "memory");
+#else
+  asm volatile("{\n.reg .pred p;\nW%=:\nmbarrier.test_wait.parity.shared.b64 p, [%0], %1;\n@!p bra W%=;\n}\n"
+               :: "r"(a), "r"(parity) : "memory");
+#endif
 }
 "#;
 
