@@ -316,10 +316,10 @@ fn bulk_dq(be: &CudaBackend, hd: usize, acc: u64) -> bool {
 }
 
 /// The dK/dV kernel (`flash_bwd_wide::flash_bwd_dkdv_wide`, f16/bf16; causal and windows are
-/// runtime bounds there), dense or block-sparse; `bulk`: fused dQ by bulk reductions.
+/// runtime bounds there), dense or block-sparse; `bulk`: fused dQ by bulk reductions; `qvec`:
+/// floats per dQ atomic ([`atomic_vec`]); `tma`: query tiles by tensor maps (sm_90+).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn dkdv_wide_kernel(be: &CudaBackend, dt: DType, hd: usize, fused: bool, bulk: bool, sparse: bool, paged: bool, tma: bool) -> Result<Func> {
-    let qvec = atomic_vec(be);
+pub(crate) fn dkdv_wide_kernel(be: &CudaBackend, dt: DType, hd: usize, fused: bool, bulk: bool, qvec: usize, sparse: bool, paged: bool, tma: bool) -> Result<Func> {
     let key = KernelKey::new(
         "flash_bwd_dkdv_wide",
         dt,
@@ -349,12 +349,6 @@ pub(crate) fn dkdv_wide_source(
         return Err(crate::error::Error::Device(format!("{}: bulk dQ reductions expected {}, found the opposite", src.entry, fused && bulk)));
     }
     Ok(src)
-}
-
-/// Whether the dK/dV kernel copies full query tiles by tensor maps (sm_90+; the pointers are
-/// 16-byte aligned: `BwdPtrs::check_aligned`).
-fn q_tile_maps(be: &CudaBackend) -> bool {
-    be.kernels.has_bulk_copies()
 }
 
 /// The tensor maps of Q and dO (`flash_bwd_wide::q_map_box` boxes); zeroed (never read) when
@@ -409,9 +403,12 @@ pub(crate) fn launch_dkdv_wide(
     let (win_l, win_r, _) = window_bounds(spec);
     let bulk = acc.is_some_and(|a| bulk_dq(be, d.head_dim, a));
     let paged = spec.kv_pages.is_some() && sparse.is_none();
-    let tma = q_tile_maps(be);
-    let f = dkdv_wide_kernel(be, spec.dtype, d.head_dim, acc.is_some(), bulk, sparse.is_some(), paged, tma)?;
-    let mut a = dkdv_arrays(spec, p, q_maps(spec, p, tma)?, delta, acc, atomic_vec(be));
+    // full query tiles by tensor maps on sm_90+ (the pointers are 16-byte aligned:
+    // `BwdPtrs::check_aligned`)
+    let tma = be.kernels.has_bulk_copies();
+    let qvec = atomic_vec(be);
+    let f = dkdv_wide_kernel(be, spec.dtype, d.head_dim, acc.is_some(), bulk, qvec, sparse.is_some(), paged, tma)?;
+    let mut a = dkdv_arrays(spec, p, q_maps(spec, p, tma)?, delta, acc, qvec);
     for x in [t.work, t.tile_off, t.tile_segs, t.segs, t.tq_off, t.tq_list] {
         a.array(x.0, x.1);
     }

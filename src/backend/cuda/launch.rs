@@ -4,8 +4,9 @@
 //! own CUDA runtime passes, cubecl-cuda `compute/context.rs`): the tensor maps by value, then one
 //! pointer per array argument in declaration order (a tensor map's buffer first), with tensor
 //! maps a pointer to the dynamic metadata (shapes and strides), then one by-value info struct
-//! holding the scalar arguments grouped by type and the array (and tensor) metadata. The info bytes come from CubeCL's public `InfoBuilder`, fed in
-//! declaration order exactly as its launcher does, so the layout is CubeCL's by construction. The
+//! holding the scalar arguments grouped by type and the array (and tensor) metadata. The info
+//! bytes come from CubeCL's public `InfoBuilder`, fed in declaration order exactly as its
+//! launcher does, so the layout is CubeCL's by construction. The
 //! GPU tests compare every kernel family with the f64 reference through this path, so a change of
 //! the ABI in another CubeCL version fails them loudly; and every launch checks the arguments'
 //! counts (arrays, f32 and u32 scalars) against the kernel's generated signature ([`Abi`]).
@@ -96,8 +97,8 @@ pub(crate) fn launch(func: &Func, grid: (u32, u32, u32), args: &mut Args, stream
     }
     params.push(info.data.as_ptr() as *mut c_void);
     // SAFETY: `func` is a loaded function whose parameters are the tensor maps and arrays pushed
-    // here in order followed by the info struct (see the module doc); the caller guarantees that every address
-    // is a live device allocation of at least the given length on this context, and `params`,
+    // here in order followed by the info struct (see the module doc); the caller guarantees that
+    // every address is a live device allocation of at least the given length on this context, and `params`,
     // `args` and `info` outlive the call (the driver copies the parameter values at launch).
     unsafe {
         cudarc::driver::result::launch_kernel(
