@@ -239,12 +239,68 @@ fn copy_kv_tile<E: Float>(
     }
 }
 
+/// Box (columns, rows) of the tensor-map copies of a `block_n`-key tile (sm_90+): `head_dim +
+/// SMEM_PAD` columns of the `[rows, heads_kv * head_dim]` view of K or V, so that the dense box
+/// lands as the padded rows of the cp.async path (the extra columns, the next head's elements or
+/// zeros past the row's end, are never read), and `min(block_n, KV_PAGE)` rows: a tile is
+/// `block_n / rows` boxes, none across a page when paged.
+pub const fn kv_map_box(head_dim: usize, block_n: usize) -> (u32, u32) {
+    ((head_dim + SMEM_PAD) as u32, if block_n < KV_PAGE { block_n as u32 } else { KV_PAGE as u32 })
+}
+
+/// Keys `[n0, n1)` of `src` (K or V) into shared rows `row0..row0 + block_n` of `smem`: with `tma`
+/// and a full tile, [`kv_map_box`] tensor-map copies issued by unit 0 on `bar` (its expected
+/// bytes raised first); else `cp.async` by every unit ([`copy_kv_tile`]). The caller commits.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_kv_tile<E: Float>(
+    map: &TensorMap<E, Tiled>,
+    src: &Array<E>,
+    smem: &mut SharedMemory<E>,
+    bar: &Barrier,
+    row0: usize,
+    n0: u32,
+    n1: u32,
+    n0b: u32,
+    krow: usize,
+    head_kv: u32,
+    #[comptime] threads: usize,
+    #[comptime] block_n: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] paged: bool,
+    #[comptime] tma: bool,
+) {
+    if tma && n1 - n0 == block_n as u32 {
+        if UNIT_POS == 0 {
+            let stride = comptime!(head_dim + SMEM_PAD);
+            let ts = E::type_size();
+            bar.expect_tx(comptime!((block_n * (head_dim + SMEM_PAD) * ts) as u32));
+            let x = (head_kv * head_dim as u32) as i32;
+            let rows = comptime!(kv_map_box(head_dim, block_n).1 as usize);
+            #[unroll]
+            for b in 0..comptime!(block_n / rows) {
+                // rows from KV_PAGE on start at n0b (`tile_rows`: n0 + KV_PAGE unless paged)
+                let mut y = n0 + comptime!(b * rows) as u32;
+                if comptime!(b * rows >= KV_PAGE) {
+                    y = n0b + comptime!(b * rows - KV_PAGE) as u32;
+                }
+                let a = (row0 + comptime!(b * rows)) * stride;
+                bar.tma_load_2d(map, &mut smem.slice_mut(a, a + comptime!(rows * (head_dim + SMEM_PAD))), y as i32, x);
+            }
+        }
+    } else {
+        copy_kv_tile(src, smem, row0, n0, n1, n0b, krow, head_kv, threads, block_n, head_dim, paged);
+    }
+}
+
 /// Issues the copies of keys `[n0, n1)` of K (int8 rows with `int8`) and V (`with_v`) into shared
 /// rows `row0..row0 + block_n` of their buffers and commits K's to `bar_k` (with the copies this
 /// unit issued since its last commit: the Q tile for the first tile), V's to `bar_v`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn issue_kv_tiles<E: Float>(
+    k_map: &TensorMap<E, Tiled>,
+    v_map: &TensorMap<E, Tiled>,
     k_s: &Array<E>,
     v_s: &Array<E>,
     k_smem: &mut SharedMemory<E>,
@@ -264,15 +320,16 @@ fn issue_kv_tiles<E: Float>(
     #[comptime] int8: bool,
     #[comptime] with_v: bool,
     #[comptime] paged: bool,
+    #[comptime] tma: bool,
 ) {
     if int8 {
         copy_k_tile8(k_s, k_smem, row0, n0, n1, heads_kv, head_kv, threads, block_n, head_dim);
     } else {
-        copy_kv_tile(k_s, k_smem, row0, n0, n1, n0b, krow, head_kv, threads, block_n, head_dim, paged);
+        load_kv_tile(k_map, k_s, k_smem, bar_k, row0, n0, n1, n0b, krow, head_kv, threads, block_n, head_dim, paged, tma);
     }
     commit_copies(bar_k);
     if with_v {
-        copy_kv_tile(v_s, v_smem, row0, n0, n1, n0b, krow, head_kv, threads, block_n, head_dim, paged);
+        load_kv_tile(v_map, v_s, v_smem, bar_v, row0, n0, n1, n0b, krow, head_kv, threads, block_n, head_dim, paged, tma);
         commit_copies(bar_v);
     }
 }
@@ -305,6 +362,8 @@ fn tile_rows(t0: u32, t1: u32, pages: &Array<u32>, #[comptime] paged: bool, #[co
 #[allow(clippy::too_many_arguments)]
 #[cube(launch_unchecked)]
 pub fn flash_fwd_mma2<E: Float>(
+    k_map: &TensorMap<E, Tiled>,
+    v_map: &TensorMap<E, Tiled>,
     q_s: &Array<E>,
     k_s: &Array<E>,
     v_s: &Array<E>,
@@ -337,6 +396,7 @@ pub fn flash_fwd_mma2<E: Float>(
     #[comptime] int8: bool,
     #[comptime] paged: bool,
     #[comptime] v_single: bool,
+    #[comptime] tma: bool,
 ) {
     // v holds a NaN or Inf (`nonfinite::v_nonfinite`): the exact row-wise kernel writes this call
     if nonfinite[0] != 0u32 {
@@ -353,11 +413,11 @@ pub fn flash_fwd_mma2<E: Float>(
     let qk_row = comptime!(if int8 { stride8(head_dim) } else { head_dim + SMEM_PAD });
     let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(block_m * qk_row), 16usize);
     // K and V double-buffered: tile t in rows [(t % 2) block_n, (t % 2 + 1) block_n)
-    let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(2 * block_n * qk_row), 16usize);
+    let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(2 * block_n * qk_row), 128usize);
     // `v_single`: one V buffer (V(t) issued at the top of tile t, once every plane is done with
     // V(t - 1), and waited for right before P V), so that three 64-row cubes fit an SM
     let v_bufs = comptime!(if v_single { 1usize } else { 2usize });
-    let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(v_bufs * block_n * (head_dim + SMEM_PAD)), 16usize);
+    let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(v_bufs * block_n * (head_dim + SMEM_PAD)), 128usize);
     let mut row_tok = SharedMemory::<u32>::new(block_m);
     let mut row_head = SharedMemory::<u32>::new(block_m);
     let mut row_lo = SharedMemory::<u32>::new(block_m);
@@ -438,8 +498,8 @@ pub fn flash_fwd_mma2<E: Float>(
                         comptime!(if int8 { head_dim / 2 } else { head_dim }), qk_row, LOAD_VEC);
         // paged (dense only: `blocks` holds the page table): a tile spans at most two pages
         let (p0, p1, pb) = tile_rows(f0, f1, blocks, paged, block_n);
-        issue_kv_tiles(&k_s, &v_s, &mut k_smem, &mut v_smem, &bar_k, &bar_v, 0usize, p0, p1, pb, krow, heads_kv, head_kv,
-                       threads, block_n, head_dim, int8, true, paged);
+        issue_kv_tiles(k_map, v_map, &k_s, &v_s, &mut k_smem, &mut v_smem, &bar_k, &bar_v, 0usize, p0, p1, pb, krow, heads_kv, head_kv,
+                       threads, block_n, head_dim, int8, true, paged, tma);
     }
 
     let mut o_acc = Array::<f32>::new(comptime!(mt * o_blocks * ec));
@@ -514,15 +574,15 @@ pub fn flash_fwd_mma2<E: Float>(
         if v_single && kt > 0 {
             // every plane is done with V(t - 1): V(t) into the one buffer
             let (p0, p1, pb) = tile_rows(t0, t1, blocks, paged, block_n);
-            copy_kv_tile(&v_s, &mut v_smem, 0usize, p0, p1, pb, krow, head_kv, threads, block_n, head_dim, paged);
+            load_kv_tile(v_map, &v_s, &mut v_smem, &bar_v, 0usize, p0, p1, pb, krow, head_kv, threads, block_n, head_dim, paged, tma);
             commit_copies(&bar_v);
         }
         if kt + 1 < n_tiles {
             let nxt = comptime!(block_n) - cur;
             let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
             let (p0, p1, pb) = tile_rows(n0, n1, blocks, paged, block_n);
-            issue_kv_tiles(&k_s, &v_s, &mut k_smem, &mut v_smem, &bar_k, &bar_v, nxt, p0, p1, pb, krow, heads_kv, head_kv,
-                           threads, block_n, head_dim, int8, !v_single, paged);
+            issue_kv_tiles(k_map, v_map, &k_s, &v_s, &mut k_smem, &mut v_smem, &bar_k, &bar_v, nxt, p0, p1, pb, krow, heads_kv, head_kv,
+                           threads, block_n, head_dim, int8, !v_single, paged, tma);
         }
 
         // ---- S = Q K^T: mt x 16 rows x block_n keys per plane ----

@@ -39,12 +39,16 @@ const CACHE_FORMAT: &str = "cubeattn-cubin 5";
 pub(crate) struct KernelKey {
     pub name: &'static str,
     pub dtype: DType,
-    pub params: [u32; 8],
+    pub params: [u32; KEY_PARAMS],
 }
+
+/// Comptime choices a [`KernelKey`] holds (the forward kernel has 9).
+const KEY_PARAMS: usize = 12;
 
 impl KernelKey {
     pub fn new(name: &'static str, dtype: DType, p: &[u32]) -> KernelKey {
-        let mut params = [0u32; 8];
+        assert!(p.len() <= KEY_PARAMS, "KernelKey of {name}: {} comptime choices, room for {KEY_PARAMS}", p.len());
+        let mut params = [0u32; KEY_PARAMS];
         params[..p.len()].copy_from_slice(p);
         KernelKey { name, dtype, params }
     }

@@ -17,6 +17,7 @@ use cudarc::driver::sys;
 use half::{bf16, f16};
 
 use super::compile::{codegen, codegen_exp2, settings, KernelKey, Source};
+use super::driver::tile_map_2d;
 use super::launch::{launch, Args};
 use super::nonfinite::{launch_dense_exact, launch_flag, DenseExact, FLAG_BYTES};
 use super::{fwd_options, window_bounds, CudaBackend, Plan};
@@ -121,12 +122,37 @@ pub(crate) fn flash_fwd_kernel(
     paged: bool,
     v_single: bool,
 ) -> Result<super::compile::Func> {
+    let tma = kv_tile_maps(be);
     let key = KernelKey::new(
         "flash_fwd_mma2",
         dt,
-        &[hd as u32, mt as u32, bn as u32, block_m as u32, sparse as u32, int8 as u32, paged as u32, v_single as u32],
+        &[hd as u32, mt as u32, bn as u32, block_m as u32, sparse as u32, int8 as u32, paged as u32, v_single as u32, tma as u32],
     );
-    be.kernels.get(&key, || fwd_source(be.client(), dt, hd, mt, bn, block_m, sparse, int8, paged, v_single))
+    be.kernels.get(&key, || fwd_source(be.client(), dt, hd, mt, bn, block_m, sparse, int8, paged, v_single, tma))
+}
+
+/// Whether the forward kernel copies full key tiles by tensor maps (sm_90+; the pointers are
+/// 16-byte aligned: `FwdPtrs::check_aligned`).
+fn kv_tile_maps(be: &CudaBackend) -> bool {
+    be.kernels.has_bulk_copies()
+}
+
+/// The leading arguments of the forward kernel with `block_n`-key tiles: the tensor maps of K
+/// (not read by the INT8 variant: zeroed) and V over their buffers `k`, `v`
+/// (`flash_fwd::kv_map_box` boxes; zeroed, never read, below sm_90).
+pub(crate) fn kv_map_args(be: &CudaBackend, spec: &AttnSpec, k: u64, v: u64, block_n: usize, int8: bool) -> Result<Args> {
+    let d = &spec.dims;
+    let cols = d.heads_kv * d.head_dim;
+    let rows = d.kv_len() / cols.max(1);
+    let (bc, br) = flash_fwd::kv_map_box(d.head_dim, block_n);
+    let zero = sys::CUtensorMap { opaque: [0; 16] };
+    let map = |ptr, on: bool| -> Result<sys::CUtensorMap> {
+        if on { tile_map_2d(spec.dtype, ptr, cols, rows, cols * spec.dtype.size(), bc, br) } else { Ok(zero) }
+    };
+    let tma = kv_tile_maps(be);
+    let mut a = Args::new();
+    a.tensor_map(map(k, tma && !int8)?, k, rows, cols).tensor_map(map(v, tma)?, v, rows, cols);
+    Ok(a)
 }
 
 /// CUDA source of [`flash_fwd_kernel`].
@@ -142,6 +168,7 @@ pub(crate) fn fwd_source(
     int8: bool,
     paged: bool,
     v_single: bool,
+    tma: bool,
 ) -> Result<Source> {
     let threads = (block_m * 2 / mt) as u32;
     macro_rules! k {
@@ -149,7 +176,7 @@ pub(crate) fn fwd_source(
             codegen_exp2(flash_fwd::flash_fwd_mma2::FlashFwdMma2::<$t, CudaRuntime>::new(
                 settings(threads),
                 client.clone(),
-                A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (),
+                (), (), A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (),
                 hd,
                 mt,
                 bn,
@@ -158,6 +185,7 @@ pub(crate) fn fwd_source(
                 int8,
                 paged,
                 v_single,
+                tma,
             ), false)
         };
     }
@@ -272,7 +300,7 @@ pub(crate) fn launch_forward(
     let n_part = (po_bytes / (4 * hd)).max(1);
 
     let f = flash_fwd_kernel(be, dt, hd, mt, bn, BLOCK_M, false, false, paged, false)?;
-    let mut a = Args::new();
+    let mut a = kv_map_args(be, spec, p.k, p.v, bn, false)?;
     a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.out, ql).array(p.lse, ll);
     a.array(part_o, n_part * hd).array(part_lse, n_part);
     for i in [TBL_FWD_WORK, TBL_FWD_SLICES, TBL_SEGS] {

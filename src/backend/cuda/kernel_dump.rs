@@ -13,7 +13,8 @@ mod tests {
     use crate::dtype::DType;
 
     /// `CUBEATTN_DUMP_DIR=dir cargo test --release --features cuda --lib dump_tensor_core_kernels
-    /// -- --ignored`: bf16 forward, dK/dV (dense and block-sparse) and dQ pass in their main comptime variants.
+    /// -- --ignored`: bf16 forward, dK/dV (dense and block-sparse) and dQ pass in their main comptime
+    /// variants, as built for sm_90+ (tensor-map tile copies).
     #[test]
     #[ignore]
     fn dump_tensor_core_kernels() {
@@ -22,15 +23,15 @@ mod tests {
         let c = CudaBackend::shared().expect("a CUDA driver").client();
         let dt = DType::BF16;
         let sources = [
-            ("fwd_d128", fwd_source(c, dt, 128, 2, 64, 128, false, false, false, false)),
-            ("fwd_d64", fwd_source(c, dt, 64, 2, 128, 128, false, false, false, false)),
+            ("fwd_d128", fwd_source(c, dt, 128, 2, 64, 128, false, false, false, false, true)),
+            ("fwd_d64", fwd_source(c, dt, 64, 2, 128, 128, false, false, false, false, true)),
             // block-sparse, 64-row cubes (q_block 64, index per q head): four planes of 16 rows at d128
-            ("fwd_sparse_d128", fwd_source(c, dt, 128, 1, 64, 64, true, false, false, true)),
+            ("fwd_sparse_d128", fwd_source(c, dt, 128, 1, 64, 64, true, false, false, true, true)),
             // block-sparse, 128-row cubes (q_block 128, or a GQA group packed): two planes of 32 rows
-            ("fwd_sparse_bm128_d128", fwd_source(c, dt, 128, 2, 64, 128, true, false, false, false)),
-            ("fwd_sparse_d64", fwd_source(c, dt, 64, 2, 64, 64, true, false, false, true)),
-            ("fwd_sparse_int8_d128", fwd_source(c, dt, 128, 2, 64, 64, true, true, false, false)),
-            ("fwd_sparse_int8_d64", fwd_source(c, dt, 64, 2, 64, 64, true, true, false, false)),
+            ("fwd_sparse_bm128_d128", fwd_source(c, dt, 128, 2, 64, 128, true, false, false, false, true)),
+            ("fwd_sparse_d64", fwd_source(c, dt, 64, 2, 64, 64, true, false, false, true, true)),
+            ("fwd_sparse_int8_d128", fwd_source(c, dt, 128, 2, 64, 64, true, true, false, false, true)),
+            ("fwd_sparse_int8_d64", fwd_source(c, dt, 64, 2, 64, 64, true, true, false, false, true)),
             ("combine_d128", super::super::forward::combine_source(c, dt, 128)),
             ("int8_quantize_k_d128", super::super::sparse_int8::quantize_source(c, dt, 128, true, true)),
             ("dq_d128", dq_source(c, dt, 128, false, false, false)),
@@ -38,15 +39,14 @@ mod tests {
             ("dq_window_d128", dq_source(c, dt, 128, false, true, false)),
             ("dq_sparse_d128", dq_source(c, dt, 128, true, false, false)),
             // the dK/dV kernel (128 keys): causal / window are runtime bounds
-            ("dkdv_wide_d128", dkdv_wide_source(c, dt, 128, false, false, 2, false, false, false)),
-            ("dkdv_wide_fused_d128", dkdv_wide_source(c, dt, 128, true, true, 2, false, false, false)),
-            ("dkdv_wide_fused_tma_d128", dkdv_wide_source(c, dt, 128, true, true, 2, false, false, true)),
-            ("dkdv_wide_fused_atomic_d128", dkdv_wide_source(c, dt, 128, true, false, 2, false, false, false)),
-            ("dkdv_wide_d64", dkdv_wide_source(c, dt, 64, false, false, 2, false, false, false)),
-            ("dkdv_wide_fused_d64", dkdv_wide_source(c, dt, 64, true, false, 2, false, false, false)),
-            ("dkdv_wide_fused_d128_f16", dkdv_wide_source(c, DType::F16, 128, true, true, 2, false, false, false)),
-            ("dkdv_wide_sparse_d128", dkdv_wide_source(c, dt, 128, false, false, 2, true, false, false)),
-            ("dkdv_wide_sparse_fused_d128", dkdv_wide_source(c, dt, 128, true, true, 2, true, false, false)),
+            ("dkdv_wide_d128", dkdv_wide_source(c, dt, 128, false, false, 2, false, false, true)),
+            ("dkdv_wide_fused_d128", dkdv_wide_source(c, dt, 128, true, true, 2, false, false, true)),
+            ("dkdv_wide_fused_atomic_d128", dkdv_wide_source(c, dt, 128, true, false, 2, false, false, true)),
+            ("dkdv_wide_d64", dkdv_wide_source(c, dt, 64, false, false, 2, false, false, true)),
+            ("dkdv_wide_fused_d64", dkdv_wide_source(c, dt, 64, true, false, 2, false, false, true)),
+            ("dkdv_wide_fused_d128_f16", dkdv_wide_source(c, DType::F16, 128, true, true, 2, false, false, true)),
+            ("dkdv_wide_sparse_d128", dkdv_wide_source(c, dt, 128, false, false, 2, true, false, true)),
+            ("dkdv_wide_sparse_fused_d128", dkdv_wide_source(c, dt, 128, true, true, 2, true, false, true)),
         ];
         for (name, src) in sources {
             let src = src.unwrap();

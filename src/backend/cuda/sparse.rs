@@ -29,7 +29,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys;
 
-use super::launch::{launch, Args};
+use super::launch::launch;
 use super::nonfinite::{launch_flag, launch_sparse_exact, SparseExact};
 use super::plans::{Cached, PlanKey};
 use super::{check_supported, driver, CudaBackend, FwdPtrs};
@@ -210,7 +210,7 @@ fn launch_sparse_forward(be: &CudaBackend, spec: &SparseSpec, plan: &Cached<Spar
     let v_single = sp.block_m == 64 && spec.int8.is_none();
     let mt = if v_single && hd == 128 { 1 } else { 2 };
     let f = super::forward::flash_fwd_kernel(be, dt, hd, mt, BLOCK_N, sp.block_m, true, spec.int8.is_some(), false, v_single)?;
-    let mut a = Args::new();
+    let mut a = super::forward::kv_map_args(be, &spec.attn, p.k, p.v, BLOCK_N, spec.int8.is_some())?;
     match spec.int8 {
         None => {
             a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.out, ql).array(p.lse, ll);
