@@ -270,26 +270,52 @@ fn load_kv_tile<E: Float>(
     #[comptime] paged: bool,
     #[comptime] tma: bool,
 ) {
-    if tma && n1 - n0 == block_n as u32 {
-        if UNIT_POS == 0 {
-            let stride = comptime!(head_dim + SMEM_PAD);
-            let ts = E::type_size();
-            bar.expect_tx(comptime!((block_n * (head_dim + SMEM_PAD) * ts) as u32));
-            let x = (head_kv * head_dim as u32) as i32;
-            let rows = comptime!(kv_map_box(head_dim, block_n).1 as usize);
-            #[unroll]
-            for b in 0..comptime!(block_n / rows) {
-                // rows from KV_PAGE on start at n0b (`tile_rows`: n0 + KV_PAGE unless paged)
-                let mut y = n0 + comptime!(b * rows) as u32;
-                if comptime!(b * rows >= KV_PAGE) {
-                    y = n0b + comptime!(b * rows - KV_PAGE) as u32;
-                }
-                let a = (row0 + comptime!(b * rows)) * stride;
-                bar.tma_load_2d(map, &mut smem.slice_mut(a, a + comptime!(rows * (head_dim + SMEM_PAD))), y as i32, x);
-            }
+    // (`tma` alone decides at compile time: without it no tensor-map code is generated, which
+    // GPUs below sm_90 could not compile)
+    let mut by_map = false;
+    if comptime!(tma) {
+        by_map = n1 - n0 == block_n as u32;
+    }
+    if by_map {
+        if comptime!(tma) {
+            issue_kv_tile_maps(map, smem, bar, row0, n0, n0b, head_kv, block_n, head_dim);
         }
     } else {
         copy_kv_tile(src, smem, row0, n0, n1, n0b, krow, head_kv, threads, block_n, head_dim, paged);
+    }
+}
+
+/// Unit 0 raises `bar`'s expected bytes by a `block_n`-key tile and issues its [`kv_map_box`]
+/// copies (rows from `n0`, from `n0b` past the first page) into shared rows `row0..`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn issue_kv_tile_maps<E: Float>(
+    map: &TensorMap<E, Tiled>,
+    smem: &mut SharedMemory<E>,
+    bar: &Barrier,
+    row0: usize,
+    n0: u32,
+    n0b: u32,
+    head_kv: u32,
+    #[comptime] block_n: usize,
+    #[comptime] head_dim: usize,
+) {
+    if UNIT_POS == 0 {
+        let stride = comptime!(head_dim + SMEM_PAD);
+        let ts = E::type_size();
+        bar.expect_tx(comptime!((block_n * (head_dim + SMEM_PAD) * ts) as u32));
+        let x = (head_kv * head_dim as u32) as i32;
+        let rows = comptime!(kv_map_box(head_dim, block_n).1 as usize);
+        #[unroll]
+        for b in 0..comptime!(block_n / rows) {
+            // rows from KV_PAGE on start at n0b (`tile_rows`: n0 + KV_PAGE unless paged)
+            let mut y = n0 + comptime!(b * rows) as u32;
+            if comptime!(b * rows >= KV_PAGE) {
+                y = n0b + comptime!(b * rows - KV_PAGE) as u32;
+            }
+            let a = (row0 + comptime!(b * rows)) * stride;
+            bar.tma_load_2d(map, &mut smem.slice_mut(a, a + comptime!(rows * (head_dim + SMEM_PAD))), y as i32, x);
+        }
     }
 }
 
