@@ -21,12 +21,12 @@ use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
 use cubecl::prelude::barrier::Barrier;
 
-use super::flash_fwd::{tile_bounds, tile_div_magic, LIST_SMEM};
+use super::flash_fwd::{issue_kv_tile_maps, tile_bounds, tile_div_magic, LIST_SMEM};
 use super::fragments::{frag_a, frag_b_t2, mma_acc_b, mma_into};
 use super::grid::cube_item_slot;
 use super::staging::{commit_copies, commit_stage, issue_kv_tile, stage_rows, wait_stage};
 use super::math::{fast_exp2, LOG2E};
-use super::rows::row_keys;
+use super::rows::{kv_row, row_keys};
 
 /// Planes (warps) per cube of the dQ pass.
 pub const BWD_PLANES: usize = 4;
@@ -60,6 +60,8 @@ pub const SPARSE_QWORK_WORDS: usize = 3;
 #[allow(clippy::too_many_arguments, unused_assignments)]
 #[cube(launch_unchecked)]
 pub fn flash_bwd_dq<E: Float, NV: Size>(
+    k_map: &TensorMap<E, Tiled>,
+    v_map: &TensorMap<E, Tiled>,
     q: &Array<Vector<E, NV>>,
     dout: &Array<Vector<E, NV>>,
     lse: &Array<f32>,
@@ -85,6 +87,7 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     #[comptime] sparse: bool,
     #[comptime] window: bool,
     #[comptime] paged: bool,
+    #[comptime] tma: bool,
 ) {
     let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
     let lane = UNIT_POS_PLANE;
@@ -161,8 +164,9 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     sync_cube();
     if n_tiles > 0 {
         let (f0, _f1) = tile_bounds(0u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, BWD_BN, sparse);
-        issue_kv_tile::<E>(
-            k_s, v_s, &mut k_smem, &mut v_smem, BWD_BN, f0, k_len, k_start, head_kv, heads_kv, blocks, head_dim, paged,
+        load_kv_stage::<E>(
+            k_map, v_map, k_s, v_s, &mut k_smem, &mut v_smem, &bar0, &bar1, 1u32, BWD_BN, f0, k_len, k_start, head_kv,
+            heads_kv, blocks, head_dim, paged, tma,
         );
         commit_copies(&bar1);
     }
@@ -252,8 +256,9 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
                 let (n0, _n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, BWD_BN, sparse);
                 next = n0;
             }
-            issue_kv_tile::<E>(
-                k_s, v_s, &mut k_smem, &mut v_smem, nb, next, k_len, k_start, head_kv, heads_kv, blocks, head_dim, paged,
+            load_kv_stage::<E>(
+                k_map, v_map, k_s, v_s, &mut k_smem, &mut v_smem, &bar0, &bar1, kt, nb, next, k_len, k_start, head_kv,
+                heads_kv, blocks, head_dim, paged, tma,
             );
             commit_stage(&bar0, &bar1, kt);
         }
@@ -345,6 +350,57 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
                 dq[g] = E::cast_from(dq_acc[ob * ec + e] * scale);
             }
         }
+    }
+}
+
+/// Window keys `kb..kb + BWD_BN` of K and V into rows `boff..` of their stage buffers, for the
+/// barrier [`commit_stage`] picks for `stage` (`even` / `odd`): with `tma` (sm_90+) and every key
+/// inside the segment, one [`kv_map_box`](super::flash_fwd::kv_map_box) tensor-map copy of K and
+/// one of V issued by unit 0 (the barrier's expected bytes raised first); else `cp.async` by every
+/// unit ([`issue_kv_tile`], rows clamped to the segment). The caller commits.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_kv_stage<E: Float>(
+    k_map: &TensorMap<E, Tiled>,
+    v_map: &TensorMap<E, Tiled>,
+    k_s: &Array<E>,
+    v_s: &Array<E>,
+    k_smem: &mut SharedMemory<E>,
+    v_smem: &mut SharedMemory<E>,
+    even: &Barrier,
+    odd: &Barrier,
+    stage: u32,
+    boff: usize,
+    kb: u32,
+    k_len: u32,
+    k_start: u32,
+    head_kv: u32,
+    heads_kv: u32,
+    pages: &Array<u32>,
+    #[comptime] head_dim: usize,
+    #[comptime] paged: bool,
+    #[comptime] tma: bool,
+) {
+    // (`tma` alone decides at compile time: without it no tensor-map code is generated, which
+    // GPUs below sm_90 could not compile)
+    let mut by_map = false;
+    if comptime!(tma) {
+        by_map = kb + BWD_BN as u32 <= k_len;
+    }
+    if by_map {
+        if comptime!(tma) {
+            // the tile's first row in the buffer (paged: a tile lies in one page, as `issue_kv_tile`)
+            let y = kv_row(k_start + kb, pages, paged);
+            if (stage & 1u32) == 0 {
+                issue_kv_tile_maps(k_map, k_smem, even, boff, y, y, head_kv, BWD_BN, head_dim);
+                issue_kv_tile_maps(v_map, v_smem, even, boff, y, y, head_kv, BWD_BN, head_dim);
+            } else {
+                issue_kv_tile_maps(k_map, k_smem, odd, boff, y, y, head_kv, BWD_BN, head_dim);
+                issue_kv_tile_maps(v_map, v_smem, odd, boff, y, y, head_kv, BWD_BN, head_dim);
+            }
+        }
+    } else {
+        issue_kv_tile::<E>(k_s, v_s, k_smem, v_smem, boff, kb, k_len, k_start, head_kv, heads_kv, pages, head_dim, paged);
     }
 }
 

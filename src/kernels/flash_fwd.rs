@@ -289,7 +289,7 @@ fn load_kv_tile<E: Float>(
 /// copies (rows from `n0`, from `n0b` past the first page) into shared rows `row0..`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn issue_kv_tile_maps<E: Float>(
+pub(crate) fn issue_kv_tile_maps<E: Float>(
     map: &TensorMap<E, Tiled>,
     smem: &mut SharedMemory<E>,
     bar: &Barrier,

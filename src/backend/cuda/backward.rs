@@ -29,7 +29,7 @@ use half::{bf16, f16};
 
 use super::compile::{codegen, codegen_exp2, settings, Func, KernelKey, Source};
 use super::driver::{err, tile_map_2d};
-use super::forward::{aligned, layout};
+use super::forward::{aligned, kv_map_args, kv_tile_maps, layout};
 use super::launch::{grid_2d, launch, Args};
 use super::plans::Cached;
 use super::{window_bounds, CudaBackend};
@@ -420,18 +420,28 @@ pub(crate) fn launch_dkdv_wide(
     launch(&f, ((n_work * d.heads_kv) as u32, 1, 1), &mut a, stream)
 }
 
-/// The dQ pass kernel (`flash_bwd::flash_bwd_dq`, f16/bf16) for one set of comptime choices.
-pub(crate) fn dq_kernel(be: &CudaBackend, dt: DType, hd: usize, sparse: bool, window: bool, paged: bool) -> Result<Func> {
-    let key = KernelKey::new("flash_bwd_dq", dt, &[hd as u32, sparse as u32, window as u32, paged as u32]);
-    be.kernels.get(&key, || dq_source(be.client(), dt, hd, sparse, window, paged))
+/// The dQ pass kernel (`flash_bwd::flash_bwd_dq`, f16/bf16) for one set of comptime choices
+/// (`tma`: full key tiles by tensor maps, sm_90+).
+pub(crate) fn dq_kernel(be: &CudaBackend, dt: DType, hd: usize, sparse: bool, window: bool, paged: bool, tma: bool) -> Result<Func> {
+    let key = KernelKey::new("flash_bwd_dq", dt, &[hd as u32, sparse as u32, window as u32, paged as u32, tma as u32]);
+    be.kernels.get(&key, || dq_source(be.client(), dt, hd, sparse, window, paged, tma))
 }
 
 /// CUDA source of [`dq_kernel`].
-pub(crate) fn dq_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: usize, sparse: bool, window: bool, paged: bool) -> Result<Source> {
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn dq_source(
+    client: &ComputeClient<CudaRuntime>,
+    dt: DType,
+    hd: usize,
+    sparse: bool,
+    window: bool,
+    paged: bool,
+    tma: bool,
+) -> Result<Source> {
     by_dtype!(dt, T, codegen_exp2(flash_bwd::flash_bwd_dq::FlashBwdDq::<T, CudaRuntime>::new(
         settings(32 * BWD_PLANES as u32), client.clone(),
-        A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (),
-        BWD_LOAD_VEC, hd, sparse, window, paged), true))
+        (), (), A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (),
+        BWD_LOAD_VEC, hd, sparse, window, paged, tma), true))
 }
 
 /// Enqueues the dQ pass `flash_bwd_dq` (f16/bf16) over `n_work` work items x heads_q. `tables`:
@@ -453,9 +463,9 @@ pub(crate) fn launch_dq(
     let (ql, kl, ll) = (d.q_len(), d.kv_len(), d.lse_len());
     let (win_l, win_r, window) = window_bounds(spec);
     let paged = spec.kv_pages.is_some() && sparse.is_none();
-    let f = dq_kernel(be, dt, hd, sparse.is_some(), window, paged)?;
+    let f = dq_kernel(be, dt, hd, sparse.is_some(), window, paged, kv_tile_maps(be))?;
     let qv = ql / BWD_LOAD_VEC;
-    let mut a = Args::new();
+    let mut a = kv_map_args(be, spec, p.k, p.v, BWD_BN, false)?;
     a.array(p.q, qv).array(p.dout, qv).array(p.lse, ll).array(delta, ll);
     a.array(p.dq, ql).array(p.k, kl).array(p.v, kl);
     for x in tables {

@@ -131,13 +131,13 @@ pub(crate) fn flash_fwd_kernel(
     be.kernels.get(&key, || fwd_source(be.client(), dt, hd, mt, bn, block_m, sparse, int8, paged, v_single, tma))
 }
 
-/// Whether the forward kernel copies full key tiles by tensor maps (sm_90+; the pointers are
-/// 16-byte aligned: `FwdPtrs::check_aligned`).
-fn kv_tile_maps(be: &CudaBackend) -> bool {
+/// Whether the forward and dQ-pass kernels copy full key tiles by tensor maps (sm_90+; the
+/// pointers are 16-byte aligned: `FwdPtrs::check_aligned`, `BwdPtrs::check_aligned`).
+pub(crate) fn kv_tile_maps(be: &CudaBackend) -> bool {
     be.kernels.has_bulk_copies()
 }
 
-/// The leading arguments of the forward kernel with `block_n`-key tiles: the tensor maps of K
+/// The leading arguments of the forward kernel (and of the dQ pass) with `block_n`-key tiles: the tensor maps of K
 /// (not read by the INT8 variant: zeroed) and V over their buffers `k`, `v`
 /// (`flash_fwd::kv_map_box` boxes; zeroed, never read, below sm_90).
 pub(crate) fn kv_map_args(be: &CudaBackend, spec: &AttnSpec, k: u64, v: u64, block_n: usize, int8: bool) -> Result<Args> {
