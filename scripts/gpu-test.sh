@@ -2,7 +2,7 @@
 # GPU workflows for cubeattn.
 #
 #   scripts/gpu-test.sh COMMAND [TARGET] [--verbose] [--release] [--iterations N] [--min-vram GB]
-#                       [--log-dir DIR] [--sanitize] [--stress]
+#                       [--log-dir DIR] [--sanitize] [--stress] [--portable]
 #
 # COMMAND   validate   GPU, driver, NVRTC, CUDA headers, free VRAM >= --min-vram, CubeCL starts
 #                      (with --sanitize, then the sanitize command)
@@ -21,6 +21,8 @@
 #                      shared memory, duration, achieved TFLOP/s; falls back to nsys
 #           clean      remove build outputs, wheels and logs
 # TARGET    flash_attention | grouped | sparse | zigzag | all   (default: all)
+# --portable  the kernels as built for GPUs below sm_90 (CUBEATTN_CUDA_PORTABLE=1: no tensor maps,
+#             bulk copies, float2 atomics, try_wait or stmatrix): their code paths on a Hopper GPU
 #
 # Two ways to run:
 #  * on a GPU box with cargo: builds the test binary (cargo test --features cuda --no-run) and the
@@ -55,6 +57,7 @@ while [ $# -gt 0 ]; do
     --log-dir) SAN_DIR=${2:?--log-dir needs a directory}; shift ;;
     --sanitize) SANITIZE=1 ;;
     --stress) STRESS=1 ;;
+    --portable) export CUBEATTN_CUDA_PORTABLE=1 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "error: unknown argument '$1' (see --help)" >&2; exit 2 ;;
   esac

@@ -143,6 +143,7 @@ pub(crate) fn codegen_exp2<K: CubeKernel>(kernel: K, spin: bool) -> Result<Sourc
     src.cuda = super::rewrite::mbarriers(&src.entry, &src.cuda, true, spin)?;
     src.cuda = super::rewrite::bulk_adds(&src.entry, &src.cuda)?;
     src.cuda = super::rewrite::smem_addresses(&src.entry, &src.cuda)?;
+    src.cuda = super::rewrite::stmatrix_fallback(&src.entry, &src.cuda)?;
     Ok(src)
 }
 
@@ -189,6 +190,15 @@ pub fn cache_dir() -> Option<PathBuf> {
 /// NVRTC options besides the architecture and include paths. `-ftz=true` lets `exp`/`pow` use the
 /// flush-to-zero approximations (no denormal path; FlashAttention-2 builds with --use_fast_math).
 /// `CUBEATTN_NVRTC_FLAGS` replaces them (space separated), for experiments.
+/// `CUBEATTN_CUDA_PORTABLE=1` builds every kernel as for GPUs below sm_90, on any GPU: no tensor
+/// maps, bulk copies or float2 atomics (`has_bulk_copies` false), and `CUBEATTN_PORTABLE` defined
+/// for NVRTC, which selects the `test_wait` spin and the `stmatrix`-free P / dS stores
+/// (`rewrite`). How the pre-Hopper code paths are run and tested on a Hopper GPU; read once per
+/// device, part of the disk cache key through the flags.
+fn portable() -> bool {
+    std::env::var("CUBEATTN_CUDA_PORTABLE").is_ok_and(|v| v == "1")
+}
+
 fn extra_flags() -> Vec<String> {
     match std::env::var("CUBEATTN_NVRTC_FLAGS") {
         Ok(v) => v.split_whitespace().map(String::from).collect(),
@@ -376,6 +386,8 @@ pub(crate) struct Kernels {
     arch: String,
     /// Compute capability major version.
     major: i32,
+    /// `CUBEATTN_CUDA_PORTABLE=1`: the kernels as built for GPUs below sm_90 ([`portable`]).
+    portable: bool,
     /// Shared memory one block may use on this device (opt-in limit, bytes; 0: unknown).
     smem_limit: u32,
     flags: Vec<String>,
@@ -387,12 +399,18 @@ pub(crate) struct Kernels {
 impl Kernels {
     pub fn new(ctx: usize, major: i32, minor: i32, smem_limit: u32) -> Kernels {
         let arch = if major >= 9 { format!("sm_{major}{minor}a") } else { format!("sm_{major}{minor}") };
-        Kernels { ctx, arch, major, smem_limit, flags: extra_flags(), loaded: Mutex::new(HashMap::new()), compiled: Default::default() }
+        let portable = portable();
+        let mut flags = extra_flags();
+        if portable {
+            flags.push("-DCUBEATTN_PORTABLE".into());
+        }
+        Kernels { ctx, arch, major, portable, smem_limit, flags, loaded: Mutex::new(HashMap::new()), compiled: Default::default() }
     }
 
-    /// Whether the device has the sm_90 bulk copy engine (`cp.async.bulk`, `cp.reduce.async.bulk`).
+    /// Whether the kernels use the sm_90 copy engine (tensor maps, `cp.async.bulk`,
+    /// `cp.reduce.async.bulk`) and float2 atomics: sm_90+ unless [`portable`].
     pub fn has_bulk_copies(&self) -> bool {
-        self.major >= 9
+        self.major >= 9 && !self.portable
     }
 
     /// Kernels this process compiled with NVRTC (the rest came from the disk cache).

@@ -14,7 +14,9 @@ mod tests {
 
     /// `CUBEATTN_DUMP_DIR=dir cargo test --release --features cuda --lib dump_tensor_core_kernels
     /// -- --ignored`: bf16 forward, dK/dV (dense and block-sparse) and dQ pass in their main comptime
-    /// variants, as built for sm_90+ (tensor-map tile copies).
+    /// variants, as built for sm_90+ (tensor-map tile copies), and `*_pre90` as built below sm_90 (or
+    /// with `CUBEATTN_CUDA_PORTABLE=1`: no tensor maps or bulk dQ, scalar dQ atomics; compile them
+    /// for sm_80, or for sm_90a with `CUBEATTN_PORTABLE` defined).
     #[test]
     #[ignore]
     fn dump_tensor_core_kernels() {
@@ -47,6 +49,13 @@ mod tests {
             ("dkdv_wide_fused_d128_f16", dkdv_wide_source(c, DType::F16, 128, true, true, 2, false, false, true)),
             ("dkdv_wide_sparse_d128", dkdv_wide_source(c, dt, 128, false, false, 2, true, false, true)),
             ("dkdv_wide_sparse_fused_d128", dkdv_wide_source(c, dt, 128, true, true, 2, true, false, true)),
+            ("fwd_d128_pre90", fwd_source(c, dt, 128, 2, 64, 128, false, false, false, false, false)),
+            ("fwd_d64_pre90", fwd_source(c, dt, 64, 2, 128, 128, false, false, false, false, false)),
+            ("dq_d128_pre90", dq_source(c, dt, 128, false, false, false, false)),
+            ("dkdv_wide_d128_pre90", dkdv_wide_source(c, dt, 128, false, false, 1, false, false, false)),
+            ("dkdv_wide_fused_d128_pre90", dkdv_wide_source(c, dt, 128, true, false, 1, false, false, false)),
+            ("dkdv_wide_fused_d64_pre90", dkdv_wide_source(c, dt, 64, true, false, 1, false, false, false)),
+            ("dkdv_wide_sparse_fused_d128_pre90", dkdv_wide_source(c, dt, 128, true, false, 1, true, false, false)),
         ];
         for (name, src) in sources {
             let src = src.unwrap();
