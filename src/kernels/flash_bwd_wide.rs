@@ -40,6 +40,11 @@
 //! cube (8 planes) per SM; d64 110 KB, one cube per SM too (248 registers x 256 threads). The
 //! bulk dQ tile adds 34 KB at d128 (205 KB).
 //!
+//! GPUs whose per-block limit is smaller (an A100: 163 KB) get one query-tile stage (comptime
+//! `q_stages` 1, host `backward::q_stages`): Q, dO, lse, delta and P / dS once, 137 KB at d128;
+//! each tile is issued after the barrier that starts it, so its copies no longer overlap the
+//! previous tile's products.
+//!
 //! Rows are segment-local and keys window-local for the masks, as in the 64-key kernel: segment
 //! row `r` sees the window keys in `[r + shift - win_l, r + shift + win_r]` (`rows::row_keys`;
 //! causal is `win_r = 0`), `shift = k_len - q_len`.
@@ -80,9 +85,9 @@ pub const fn q_map_box(head_dim: usize) -> (u32, u32) {
 /// Stages of the P / dS tiles. Two (a tile needs one barrier) on the d128 dK / dV kernel without
 /// fused dQ: 206 KB per cube, one cube per SM either way; measured 0.5-1.5% faster there, 0.5-1.5%
 /// slower with fused dQ (bench/NOTES.md). One at d64, where the second stage's address
-/// arithmetic spilled (bench/NOTES.md).
-pub const fn p_stages_for(head_dim: usize, fuse_dq: bool) -> usize {
-    if head_dim > 64 && !fuse_dq {
+/// arithmetic spilled (bench/NOTES.md), and with one query-tile stage (`q_stages`).
+pub const fn p_stages_for(head_dim: usize, fuse_dq: bool, q_stages: usize) -> usize {
+    if head_dim > 64 && !fuse_dq && q_stages == 2 {
         2
     } else {
         1
@@ -244,8 +249,8 @@ fn sparse_q_tile(
     (h, b0 + t * BWD_BM as u32, min(b0 + q_block, q_len))
 }
 
-/// Issues query tile `cur + 1` into the stage `cur` does not use and commits it to that stage's
-/// barrier. The tile is the loop's next (q head, tile) pair: dense, q head `h_base + hq` and rows
+/// Issues query tile `cur + 1` into the stage `cur` does not use (with one stage: the stage) and
+/// commits it to barrier `(cur + 1) % 2`. The tile is the loop's next (q head, tile) pair: dense, q head `h_base + hq` and rows
 /// from `r_min + ti BM`; sparse, entry `ei` / tile `ti` / repeat `hq` of the transposed list.
 #[cube]
 #[allow(clippy::too_many_arguments)]
@@ -280,6 +285,7 @@ fn issue_next_q_tile<E: Float>(
     #[comptime] threads: usize,
     #[comptime] sparse: bool,
     #[comptime] tma: bool,
+    #[comptime] q_stages: usize,
 ) {
     let mut h = h_base + hq;
     let mut r0 = r_min + ti * BWD_BM as u32;
@@ -288,7 +294,10 @@ fn issue_next_q_tile<E: Float>(
         h = ha;
         r0 = ra;
     }
-    let nb = (((cur + 1u32) & 1u32) * BWD_BM as u32) as usize;
+    let mut nb = 0usize;
+    if comptime!(q_stages == 2) {
+        nb = (((cur + 1u32) & 1u32) * BWD_BM as u32) as usize;
+    }
     // (`tma` alone decides at compile time: without it no tensor-map code is generated, which
     // GPUs below sm_90 could not compile)
     let mut by_map = false;
@@ -402,6 +411,7 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
     #[comptime] sparse: bool,
     #[comptime] paged: bool,
     #[comptime] tma: bool,
+    #[comptime] q_stages: usize,
 ) {
     let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
     let lane = UNIT_POS_PLANE;
@@ -423,13 +433,14 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
 
     let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(WIDE_BN * (head_dim + PAD)), 16usize);
     let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(WIDE_BN * (head_dim + PAD)), 16usize);
-    // Two stages of the query tile (Q, dO, lse, delta): rows [0, BM) and [BM, 2 BM).
-    let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(2 * BWD_BM * (head_dim + PAD)), 128usize);
-    let mut do_smem = SharedMemory::<E>::new_aligned(comptime!(2 * BWD_BM * (head_dim + PAD)), 128usize);
-    let mut lse_smem = SharedMemory::<f32>::new(comptime!(2 * BWD_BM));
-    let mut dl_smem = SharedMemory::<f32>::new(comptime!(2 * BWD_BM));
+    // `q_stages` (2, or 1 on GPUs with less shared memory) stages of the query tile (Q, dO, lse,
+    // delta): rows [0, BM) and [BM, 2 BM).
+    let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(q_stages * BWD_BM * (head_dim + PAD)), 128usize);
+    let mut do_smem = SharedMemory::<E>::new_aligned(comptime!(q_stages * BWD_BM * (head_dim + PAD)), 128usize);
+    let mut lse_smem = SharedMemory::<f32>::new(comptime!(q_stages * BWD_BM));
+    let mut dl_smem = SharedMemory::<f32>::new(comptime!(q_stages * BWD_BM));
     // P and dS, row-major [row][key]: tile g in rows [(g % p_stages) BM, ..+BM).
-    let p_stages = comptime!(p_stages_for(head_dim, fuse_dq));
+    let p_stages = comptime!(p_stages_for(head_dim, fuse_dq, q_stages));
     let mut p_smem = SharedMemory::<E>::new_aligned(comptime!(p_stages * BWD_BM * (WIDE_BN + PAD)), 16usize);
     let mut ds_smem = SharedMemory::<E>::new_aligned(comptime!(p_stages * BWD_BM * (WIDE_BN + PAD)), 16usize);
     let bar0 = Barrier::shared(comptime!(threads as u32), UNIT_POS == 0);
@@ -549,15 +560,18 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
             }
             n_it = group * n_qt;
         }
-        if n_it > 0 {
-            // First tile of the segment, into stage g_tile (issued as the "next" tile of stage
-            // g_tile - 1, wrapping at 0): its buffer was last read two tiles ago, by every plane
-            // before the P / dS barrier of the previous tile.
-            issue_next_q_tile::<E>(
-                q_map, do_map, q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, &bar0, &bar1,
-                g_tile - 1u32, tq_list, t_lo, 0u32, 0u32, 0u32, hk * group, span, q_block, r_min as u32, q_len,
-                q_start, heads_q, total_q, head_dim, threads, sparse, tma,
-            );
+        // (with one stage each tile is issued in the loop, after the barrier that frees the stage)
+        if comptime!(q_stages == 2) {
+            if n_it > 0 {
+                // First tile of the segment, into stage g_tile (issued as the "next" tile of stage
+                // g_tile - 1, wrapping at 0): its buffer was last read two tiles ago, by every plane
+                // before the P / dS barrier of the previous tile.
+                issue_next_q_tile::<E>(
+                    q_map, do_map, q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, &bar0, &bar1,
+                    g_tile - 1u32, tq_list, t_lo, 0u32, 0u32, 0u32, hk * group, span, q_block, r_min as u32, q_len,
+                    q_start, heads_q, total_q, head_dim, threads, sparse, tma, q_stages,
+                );
+            }
         }
         // The (q head, query tile) pair of iteration `it` as counters (no divisions). Dense: head
         // `hq`, tile `ti`. Sparse: repeat `hq` of the list (q head of an index per kv head),
@@ -566,6 +580,10 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
         let mut ti = 0u32;
         let mut ei = 0u32;
         for it in 0..n_it {
+            // this tile's counters (the one-stage pipeline issues the tile itself, below)
+            let hq_now = hq;
+            let ti_now = ti;
+            let ei_now = ei;
             let mut h = hk * group + hq;
             let mut r0 = r_min as u32 + ti * BWD_BM as u32;
             // Rows of the tile's query block (dense: the segment).
@@ -592,7 +610,10 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
                 }
             }
             let cur = g_tile;
-            let qb = ((cur & 1u32) * BWD_BM as u32) as usize;
+            let mut qb = 0usize;
+            if comptime!(q_stages == 2) {
+                qb = ((cur & 1u32) * BWD_BM as u32) as usize;
+            }
             // P / dS rows of this tile. With two stages they were last read two tiles ago, by
             // every plane before the previous tile's P / dS barrier: no barrier here. With one,
             // every plane must have finished the previous tile's dK / dV and dQ products, and the
@@ -606,11 +627,19 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
                 if !bulk {
                     sync_cube();
                 }
-                if it + 1 < n_it {
+                if comptime!(q_stages == 1) {
+                    // one stage: every plane is done with the previous tile, so this tile goes
+                    // into it now (no copy overlaps the products)
+                    issue_next_q_tile::<E>(
+                        q_map, do_map, q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, &bar0, &bar1,
+                        cur - 1u32, tq_list, t_lo, ei_now, ti_now, hq_now, hk * group, span, q_block, r_min as u32, q_len,
+                        q_start, heads_q, total_q, head_dim, threads, sparse, tma, q_stages,
+                    );
+                } else if it + 1 < n_it {
                     issue_next_q_tile::<E>(
                         q_map, do_map, q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, &bar0, &bar1, cur,
                         tq_list, t_lo, ei, ti, hq, hk * group, span, q_block, r_min as u32, q_len, q_start, heads_q,
-                        total_q, head_dim, threads, sparse, tma,
+                        total_q, head_dim, threads, sparse, tma, q_stages,
                     );
                 }
             }
@@ -681,7 +710,7 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
                     issue_next_q_tile::<E>(
                         q_map, do_map, q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, &bar0, &bar1, cur,
                         tq_list, t_lo, ei, ti, hq, hk * group, span, q_block, r_min as u32, q_len, q_start, heads_q,
-                        total_q, head_dim, threads, sparse, tma,
+                        total_q, head_dim, threads, sparse, tma, q_stages,
                     );
                 }
             }

@@ -1,6 +1,7 @@
 """The kernels as built for GPUs below sm_90 (`CUBEATTN_CUDA_PORTABLE=1`: cp.async in place of
 tensor maps and bulk copies, scalar dQ atomics, the `test_wait` spin, P / dS stores without
-`stmatrix`), run on whatever GPU is present (marked `gpu`). The switch is read once per process, so
+`stmatrix`; with `CUBEATTN_BWD_Q_STAGES=1` also the one-stage dK/dV kernel of GPUs with less shared
+memory), run on whatever GPU is present (marked `gpu`). The switch is read once per process, so
 each case runs in a child process; its results are checked here against the f64 reference."""
 import os
 import subprocess
@@ -32,10 +33,18 @@ np.savez(path, **{n: x.astype(np.float32) for n, x in (("out", out), ("dq", dq),
 """
 
 
-def run_portable(tmp_path, arrays, causal, det):
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    # one kernel cache for the module's children (the portable kernels have their own cache keys)
+    return str(tmp_path_factory.mktemp("portable-cache"))
+
+
+def run_portable(tmp_path, cache, arrays, causal, det, one_stage):
     path = str(tmp_path / "io.npz")
     np.savez(path, **arrays)
-    env = dict(os.environ, CUBEATTN_CUDA_PORTABLE="1", CUBEATTN_CACHE_DIR=str(tmp_path / "cache"))
+    env = dict(os.environ, CUBEATTN_CUDA_PORTABLE="1", CUBEATTN_CACHE_DIR=cache)
+    if one_stage:
+        env["CUBEATTN_BWD_Q_STAGES"] = "1"
     r = subprocess.run([sys.executable, "-c", CHILD, path, str(int(causal)), str(int(det))], env=env, cwd=HERE,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -45,10 +54,13 @@ def run_portable(tmp_path, arrays, causal, det):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("det", [False, True])
-def test_pre_sm90_kernels_match_the_f64_reference(tmp_path, d, causal, det):
+@pytest.mark.parametrize("one_stage", [False, True])
+def test_pre_sm90_kernels_match_the_f64_reference(tmp_path, cache_dir, d, causal, det, one_stage):
+    """`one_stage`: the dK/dV kernel with one query-tile stage, what GPUs with less shared memory
+    per block get (an A100 at d128)."""
     # full 64-row tiles, ragged ends, a one-token sequence; GQA 4 / 2; more than one 128-key tile
     dtype = "bfloat16"
-    rng = np.random.default_rng(40 + d + 2 * causal + det)
+    rng = np.random.default_rng(40 + d + 2 * causal + det + 4 * one_stage)
     lens = [(1, 1), (130, 300), (64, 64), (257, 190)]
     cu_q = np.cumsum([0] + [a for a, _ in lens]).astype(np.int32)
     cu_k = np.cumsum([0] + [b for _, b in lens]).astype(np.int32)
@@ -58,7 +70,7 @@ def test_pre_sm90_kernels_match_the_f64_reference(tmp_path, d, causal, det):
     # float32 copies of the bf16 values (exact); the child rounds them back to bf16
     arrays = dict(q=q.astype(np.float32), k=k.astype(np.float32), v=v.astype(np.float32),
                   dout=dout.astype(np.float32), cu_q=cu_q, cu_k=cu_k, mq=257, mk=300)
-    got = run_portable(tmp_path, arrays, causal, det)
+    got = run_portable(tmp_path, cache_dir, arrays, causal, det, one_stage)
     segs = varlen_segments(cu_q, cu_k)
     ref_out, _ = ref_attention(q, k, v, segs, causal)
     assert rel_err(got["out"].astype(np.float64), ref_out) <= max(FWD_TOL[dtype][1], 2e-3)

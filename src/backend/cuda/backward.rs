@@ -37,7 +37,8 @@ use crate::backend::{BackwardInputs, Gradients};
 use crate::dtype::{DType, HostView};
 use crate::error::Result;
 pub use super::device_io::BenchPart;
-use crate::kernels::flash_bwd::{self, BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, CONVERT_VEC, DELTA_PLANES};
+use crate::kernels::bulk_reduce::dq_tile_stride;
+use crate::kernels::flash_bwd::{self, BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, CONVERT_VEC, DELTA_PLANES, PAD};
 use crate::kernels::flash_bwd_wide::{self, WIDE_BN, WIDE_PLANES};
 use crate::kernels::rowwise_bwd::{self, F32_ROWS_PER_CUBE};
 use crate::kernels::math::LOG2E;
@@ -315,17 +316,52 @@ fn bulk_dq(be: &CudaBackend, hd: usize, acc: u64) -> bool {
     hd == 128 && be.kernels.has_bulk_copies() && acc.is_multiple_of(16)
 }
 
+/// Stages of the dK/dV kernel's query tile: 2 (the next tile loads during this one's products)
+/// where that kernel's shared memory fits the GPU's per-block limit, else 1 (no copy overlaps
+/// the products; e.g. an A100, 163 KiB, at d128: 137 against 206 KiB). `CUBEATTN_BWD_Q_STAGES=1`
+/// forces one stage (tests of that variant on any GPU).
+fn q_stages(be: &CudaBackend, hd: usize, fused: bool, bulk: bool) -> usize {
+    let limit = be.kernels.smem_limit() as usize;
+    let forced = std::env::var("CUBEATTN_BWD_Q_STAGES").is_ok_and(|v| v == "1");
+    if forced || (limit > 0 && dkdv_smem(hd, fused, bulk, 2) > limit) {
+        1
+    } else {
+        2
+    }
+}
+
+/// Shared memory (bytes, f16/bf16) of the dK/dV kernel with `qs` query-tile stages, as it lays out
+/// its buffers (`flash_bwd_wide`), plus 1 KiB for barriers and alignment.
+pub(crate) fn dkdv_smem(hd: usize, fused: bool, bulk: bool, qs: usize) -> usize {
+    let row = (hd + PAD) * 2;
+    let ps = flash_bwd_wide::p_stages_for(hd, fused, qs);
+    let bulk_tile = if fused && bulk { BWD_BM * dq_tile_stride(hd) * 4 } else { 0 };
+    2 * WIDE_BN * row + qs * BWD_BM * (2 * row + 8) + 2 * ps * BWD_BM * (WIDE_BN + PAD) * 2 + bulk_tile + 1024
+}
+
 /// The dK/dV kernel (`flash_bwd_wide::flash_bwd_dkdv_wide`, f16/bf16; causal and windows are
 /// runtime bounds there), dense or block-sparse; `bulk`: fused dQ by bulk reductions; `qvec`:
-/// floats per dQ atomic ([`atomic_vec`]); `tma`: query tiles by tensor maps (sm_90+).
+/// floats per dQ atomic ([`atomic_vec`]); `tma`: query tiles by tensor maps (sm_90+); `qs`: query
+/// tile stages ([`q_stages`]).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn dkdv_wide_kernel(be: &CudaBackend, dt: DType, hd: usize, fused: bool, bulk: bool, qvec: usize, sparse: bool, paged: bool, tma: bool) -> Result<Func> {
+pub(crate) fn dkdv_wide_kernel(
+    be: &CudaBackend,
+    dt: DType,
+    hd: usize,
+    fused: bool,
+    bulk: bool,
+    qvec: usize,
+    sparse: bool,
+    paged: bool,
+    tma: bool,
+    qs: usize,
+) -> Result<Func> {
     let key = KernelKey::new(
         "flash_bwd_dkdv_wide",
         dt,
-        &[hd as u32, fused as u32, bulk as u32, qvec as u32, sparse as u32, paged as u32, tma as u32],
+        &[hd as u32, fused as u32, bulk as u32, qvec as u32, sparse as u32, paged as u32, tma as u32, qs as u32],
     );
-    be.kernels.get(&key, || dkdv_wide_source(be.client(), dt, hd, fused, bulk, qvec, sparse, paged, tma))
+    be.kernels.get(&key, || dkdv_wide_source(be.client(), dt, hd, fused, bulk, qvec, sparse, paged, tma, qs))
 }
 
 /// CUDA source of [`dkdv_wide_kernel`].
@@ -340,11 +376,12 @@ pub(crate) fn dkdv_wide_source(
     sparse: bool,
     paged: bool,
     tma: bool,
+    qs: usize,
 ) -> Result<Source> {
     let src = by_dtype!(dt, T, codegen_exp2(flash_bwd_wide::flash_bwd_dkdv_wide::FlashBwdDkdvWide::<T, CudaRuntime>::new(
         settings(32 * WIDE_PLANES as u32), client.clone(),
         (), (), A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (), (),
-        BWD_LOAD_VEC, qvec, hd, fused, bulk, qvec, sparse, paged, tma), true))?;
+        BWD_LOAD_VEC, qvec, hd, fused, bulk, qvec, sparse, paged, tma, qs), true))?;
     if (fused && bulk) != src.cuda.contains(super::rewrite::BULK_ADD) {
         return Err(crate::error::Error::Device(format!("{}: bulk dQ reductions expected {}, found the opposite", src.entry, fused && bulk)));
     }
@@ -407,7 +444,8 @@ pub(crate) fn launch_dkdv_wide(
     // `BwdPtrs::check_aligned`)
     let tma = be.kernels.has_bulk_copies();
     let qvec = atomic_vec(be);
-    let f = dkdv_wide_kernel(be, spec.dtype, d.head_dim, acc.is_some(), bulk, qvec, sparse.is_some(), paged, tma)?;
+    let qs = q_stages(be, d.head_dim, acc.is_some(), bulk);
+    let f = dkdv_wide_kernel(be, spec.dtype, d.head_dim, acc.is_some(), bulk, qvec, sparse.is_some(), paged, tma, qs)?;
     let mut a = dkdv_arrays(spec, p, q_maps(spec, p, tma)?, delta, acc, qvec);
     for x in [t.work, t.tile_off, t.tile_segs, t.segs, t.tq_off, t.tq_list] {
         a.array(x.0, x.1);

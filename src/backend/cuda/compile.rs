@@ -407,6 +407,11 @@ impl Kernels {
         Kernels { ctx, arch, major, portable, smem_limit, flags, loaded: Mutex::new(HashMap::new()), compiled: Default::default() }
     }
 
+    /// Shared memory one block may use on this device (bytes; 0: unknown).
+    pub fn smem_limit(&self) -> u32 {
+        self.smem_limit
+    }
+
     /// Whether the kernels use the sm_90 copy engine (tensor maps, `cp.async.bulk`,
     /// `cp.reduce.async.bulk`) and float2 atomics: sm_90+ unless [`portable`].
     pub fn has_bulk_copies(&self) -> bool {

@@ -7,7 +7,7 @@
 mod tests {
     use std::path::Path;
 
-    use super::super::backward::{dkdv_wide_source, dq_source};
+    use super::super::backward::{dkdv_smem, dkdv_wide_source, dq_source};
     use super::super::forward::fwd_source;
     use super::super::CudaBackend;
     use crate::dtype::DType;
@@ -41,22 +41,29 @@ mod tests {
             ("dq_window_d128", dq_source(c, dt, 128, false, true, false, true)),
             ("dq_sparse_d128", dq_source(c, dt, 128, true, false, false, true)),
             // the dK/dV kernel (128 keys): causal / window are runtime bounds
-            ("dkdv_wide_d128", dkdv_wide_source(c, dt, 128, false, false, 2, false, false, true)),
-            ("dkdv_wide_fused_d128", dkdv_wide_source(c, dt, 128, true, true, 2, false, false, true)),
-            ("dkdv_wide_fused_atomic_d128", dkdv_wide_source(c, dt, 128, true, false, 2, false, false, true)),
-            ("dkdv_wide_d64", dkdv_wide_source(c, dt, 64, false, false, 2, false, false, true)),
-            ("dkdv_wide_fused_d64", dkdv_wide_source(c, dt, 64, true, false, 2, false, false, true)),
-            ("dkdv_wide_fused_d128_f16", dkdv_wide_source(c, DType::F16, 128, true, true, 2, false, false, true)),
-            ("dkdv_wide_sparse_d128", dkdv_wide_source(c, dt, 128, false, false, 2, true, false, true)),
-            ("dkdv_wide_sparse_fused_d128", dkdv_wide_source(c, dt, 128, true, true, 2, true, false, true)),
+            ("dkdv_wide_d128", dkdv_wide_source(c, dt, 128, false, false, 2, false, false, true, 2)),
+            ("dkdv_wide_fused_d128", dkdv_wide_source(c, dt, 128, true, true, 2, false, false, true, 2)),
+            ("dkdv_wide_fused_atomic_d128", dkdv_wide_source(c, dt, 128, true, false, 2, false, false, true, 2)),
+            ("dkdv_wide_d64", dkdv_wide_source(c, dt, 64, false, false, 2, false, false, true, 2)),
+            ("dkdv_wide_fused_d64", dkdv_wide_source(c, dt, 64, true, false, 2, false, false, true, 2)),
+            ("dkdv_wide_fused_d128_f16", dkdv_wide_source(c, DType::F16, 128, true, true, 2, false, false, true, 2)),
+            ("dkdv_wide_sparse_d128", dkdv_wide_source(c, dt, 128, false, false, 2, true, false, true, 2)),
+            ("dkdv_wide_sparse_fused_d128", dkdv_wide_source(c, dt, 128, true, true, 2, true, false, true, 2)),
             ("fwd_d128_pre90", fwd_source(c, dt, 128, 2, 64, 128, false, false, false, false, false)),
             ("fwd_d64_pre90", fwd_source(c, dt, 64, 2, 128, 128, false, false, false, false, false)),
             ("dq_d128_pre90", dq_source(c, dt, 128, false, false, false, false)),
-            ("dkdv_wide_d128_pre90", dkdv_wide_source(c, dt, 128, false, false, 1, false, false, false)),
-            ("dkdv_wide_fused_d128_pre90", dkdv_wide_source(c, dt, 128, true, false, 1, false, false, false)),
-            ("dkdv_wide_fused_d64_pre90", dkdv_wide_source(c, dt, 64, true, false, 1, false, false, false)),
-            ("dkdv_wide_sparse_fused_d128_pre90", dkdv_wide_source(c, dt, 128, true, false, 1, true, false, false)),
+            ("dkdv_wide_d128_pre90", dkdv_wide_source(c, dt, 128, false, false, 1, false, false, false, 1)),
+            ("dkdv_wide_fused_d128_pre90", dkdv_wide_source(c, dt, 128, true, false, 1, false, false, false, 1)),
+            ("dkdv_wide_fused_d64_pre90", dkdv_wide_source(c, dt, 64, true, false, 1, false, false, false, 2)),
+            ("dkdv_wide_sparse_fused_d128_pre90", dkdv_wide_source(c, dt, 128, true, false, 1, true, false, false, 1)),
         ];
+        // the host's shared-memory estimate of the dK/dV kernel (which picks its query stages) is
+        // the generated layout's size, rounded up by at most its 1 KiB allowance
+        for (hd, fused, bulk, qs) in [(128, true, true, 2), (128, false, false, 2), (128, true, false, 1), (64, true, false, 2), (64, true, false, 1)] {
+            let src = dkdv_wide_source(c, dt, hd, fused, bulk, 2, false, false, true, qs).unwrap();
+            let est = dkdv_smem(hd, fused, bulk, qs);
+            assert!(est >= src.smem as usize && est - (src.smem as usize) <= 1024, "d{hd} fused {fused} bulk {bulk} qs {qs}: {est} vs {}", src.smem);
+        }
         for (name, src) in sources {
             let src = src.unwrap();
             std::fs::write(Path::new(&dir).join(format!("{name}.cu")), format!("// entry {}\n{}", src.entry, src.cuda)).unwrap();
