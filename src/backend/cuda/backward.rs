@@ -29,7 +29,7 @@ use half::{bf16, f16};
 
 use super::compile::{codegen, codegen_exp2, settings, Func, KernelKey, Source};
 use super::driver::{err, tile_map_2d};
-use super::forward::{aligned, kv_map_args, kv_tile_maps, layout};
+use super::forward::{aligned, kv_map_args, layout};
 use super::launch::{grid_2d, launch, Args};
 use super::plans::Cached;
 use super::{window_bounds, CudaBackend};
@@ -501,7 +501,8 @@ pub(crate) fn launch_dq(
     let (ql, kl, ll) = (d.q_len(), d.kv_len(), d.lse_len());
     let (win_l, win_r, window) = window_bounds(spec);
     let paged = spec.kv_pages.is_some() && sparse.is_none();
-    let f = dq_kernel(be, dt, hd, sparse.is_some(), window, paged, kv_tile_maps(be))?;
+    // full key tiles by tensor maps on sm_90+ (`BwdPtrs::check_aligned`)
+    let f = dq_kernel(be, dt, hd, sparse.is_some(), window, paged, be.kernels.has_bulk_copies())?;
     let qv = ql / BWD_LOAD_VEC;
     let mut a = kv_map_args(be, spec, p.k, p.v, BWD_BN, false)?;
     a.array(p.q, qv).array(p.dout, qv).array(p.lse, ll).array(delta, ll);

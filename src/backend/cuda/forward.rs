@@ -122,19 +122,15 @@ pub(crate) fn flash_fwd_kernel(
     paged: bool,
     v_single: bool,
 ) -> Result<super::compile::Func> {
-    let tma = kv_tile_maps(be);
+    // full key tiles by tensor maps on sm_90+ (the pointers are 16-byte aligned:
+    // `FwdPtrs::check_aligned`)
+    let tma = be.kernels.has_bulk_copies();
     let key = KernelKey::new(
         "flash_fwd_mma2",
         dt,
         &[hd as u32, mt as u32, bn as u32, block_m as u32, sparse as u32, int8 as u32, paged as u32, v_single as u32, tma as u32],
     );
     be.kernels.get(&key, || fwd_source(be.client(), dt, hd, mt, bn, block_m, sparse, int8, paged, v_single, tma))
-}
-
-/// Whether the forward and dQ-pass kernels copy full key tiles by tensor maps (sm_90+; the
-/// pointers are 16-byte aligned: `FwdPtrs::check_aligned`, `BwdPtrs::check_aligned`).
-pub(crate) fn kv_tile_maps(be: &CudaBackend) -> bool {
-    be.kernels.has_bulk_copies()
 }
 
 /// The leading arguments of the forward kernel (and of the dQ pass) with `block_n`-key tiles: the tensor maps of K
@@ -149,7 +145,7 @@ pub(crate) fn kv_map_args(be: &CudaBackend, spec: &AttnSpec, k: u64, v: u64, blo
     let map = |ptr, on: bool| -> Result<sys::CUtensorMap> {
         if on { tile_map_2d(spec.dtype, ptr, cols, rows, cols * spec.dtype.size(), bc, br) } else { Ok(zero) }
     };
-    let tma = kv_tile_maps(be);
+    let tma = be.kernels.has_bulk_copies();
     let mut a = Args::new();
     a.tensor_map(map(k, tma && !int8)?, k, rows, cols).tensor_map(map(v, tma)?, v, rows, cols);
     Ok(a)

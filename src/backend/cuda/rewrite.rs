@@ -120,18 +120,29 @@ fn changed(entry: &str, what: &str) -> Error {
 
 const CP_ARRIVE_ASM: &str = "cp.async.mbarrier.arrive.shared::cta.b64";
 const CP_ARRIVE_CALL: &str = "__cp_async_arrive(";
-const SPIN_WAIT: &str = r#"
+/// The preprocessor condition of the sm_90-only instructions the rewrites emit (`try_wait`,
+/// `stmatrix`): an sm_90+ target, and not the portable build (`compile::portable`).
+macro_rules! if_sm90 {
+    () => {
+        "#if __CUDA_ARCH__ >= 900 && !defined(CUBEATTN_PORTABLE)\n"
+    };
+}
+
+const SPIN_WAIT: &str = concat!(
+    r#"
 __device__ __forceinline__ void __cubeattn_wait_parity(::cuda::barrier<::cuda::thread_scope_block> &bar, uint32 parity) {
   uint32 a = static_cast<uint32>(__cvta_generic_to_shared(::cuda::device::barrier_native_handle(bar)));
-#if __CUDA_ARCH__ >= 900 && !defined(CUBEATTN_PORTABLE)
-  asm volatile("{\n.reg .pred p;\nW%=:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra W%=;\n}\n"
+"#,
+    if_sm90!(),
+    r#"  asm volatile("{\n.reg .pred p;\nW%=:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@!p bra W%=;\n}\n"
                :: "r"(a), "r"(parity) : "memory");
 #else
   asm volatile("{\n.reg .pred p;\nW%=:\nmbarrier.test_wait.parity.shared.b64 p, [%0], %1;\n@!p bra W%=;\n}\n"
                :: "r"(a), "r"(parity) : "memory");
 #endif
 }
-"#;
+"#
+);
 
 /// Applies the mbarrier rewrites `(noinc, spin)` to kernel `entry` (a no-op for kernels without
 /// cp.async barriers). Every explicit arrive must directly follow a copy arrival on the same
@@ -290,7 +301,7 @@ pub(crate) fn stmatrix_fallback(entry: &str, src: &str) -> Result<String> {
     if src.matches(STMATRIX_X4).count() != all {
         return Err(mismatch(entry, "stmatrix", "a stmatrix that is not the non-transposed x4 store this rewrite knows"));
     }
-    let guarded = format!("#if __CUDA_ARCH__ >= 900 && !defined(CUBEATTN_PORTABLE)\n{STMATRIX_X4}{STMATRIX_BY_LANES}");
+    let guarded = format!("{}{STMATRIX_X4}{STMATRIX_BY_LANES}", if_sm90!());
     Ok(src.replace(STMATRIX_X4, &guarded))
 }
 
