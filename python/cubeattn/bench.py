@@ -598,10 +598,20 @@ def _dist_setup(torch, device):
 
 
 class _NoComm:
-    """Replaces the collectives of cubeattn.zigzag (and the baseline's) by no-ops while active: the
-    same step without communication, to measure how much of it is exposed."""
+    """Replaces the collectives of cubeattn.zigzag (and the baseline's) by local stand-ins while
+    active: the same step without communication, to measure how much of it is exposed. The
+    all-gather's stand-in copies the local slice into every rank's place (`fill`): left unwritten,
+    the gathered K,V would be whatever memory the allocator handed out (zeros, or NaN patterns
+    that send the forward to its exact non-finite kernel: 3.9 s instead of 98 ms once), so the
+    kernels would not see the data of a real step. The copy is local HBM traffic, so the exposed
+    figure is understated by at most its time (the gathered bytes at copy bandwidth)."""
 
     active = False
+
+    @staticmethod
+    def fill(out, inp):
+        w = out.shape[0] // inp.shape[0]
+        out.view((w,) + tuple(inp.shape)).copy_(inp.unsqueeze(0).expand((w,) + tuple(inp.shape)))
 
 
 def _allgather_kv(torch, dist):
@@ -613,7 +623,9 @@ def _allgather_kv(torch, dist):
         def forward(ctx, x):
             w = dist.get_world_size()
             out = torch.empty((w * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-            if not _NoComm.active:
+            if _NoComm.active:
+                _NoComm.fill(out, x.contiguous())
+            else:
                 if dist.get_backend() == "nccl":
                     dist.all_gather_into_tensor(out, x.contiguous())
                 else:
@@ -659,7 +671,9 @@ def _cp_zigzag(args, torch, device):
     real_gather, real_rs = zz._all_gather, zz._reduce_scatter
 
     def gather(out, inp, group):
-        if not _NoComm.active:
+        if _NoComm.active:
+            _NoComm.fill(out, inp)
+        else:
             real_gather(out, inp, group)
 
     def rs(out, inp, group):
@@ -684,7 +698,8 @@ def _cp_zigzag(args, torch, device):
             nat = torch.from_numpy(zz._core.zigzag_gathered_rows(cu, w, 2 * w - 1)).to(dev)
 
             def ours(backward):
-                o = zz.zigzag_llama3_flash_attn_varlen_func(q, k, v, lcu, lcu, tg, tg, stride, causal=True)
+                o = zz.zigzag_llama3_flash_attn_varlen_func(q, k, v, lcu, lcu, tg, tg, stride, causal=True,
+                                                            keep_gathered_kv=args.keep_gathered_kv)
                 if backward:
                     o.backward(go)
 
@@ -704,7 +719,8 @@ def _cp_zigzag(args, torch, device):
 
             for impl, fn in (("cubeattn", ours), ("allgather_sdpa_flash", baseline)):
                 row = dict(what="cp_zigzag", impl=impl, W=w, T=T, T_per_gpu=tg, config=args.config,
-                           dtype=str(tdt).replace("torch.", ""), heads_k_stride=stride if impl == "cubeattn" else None)
+                           dtype=str(tdt).replace("torch.", ""), heads_k_stride=stride if impl == "cubeattn" else None,
+                           keep_gathered_kv=args.keep_gathered_kv if impl == "cubeattn" else None)
                 try:
                     for key, backward in (("fwd", False), ("fwdbwd", True)):
                         for nocomm in (False, True):
@@ -1013,6 +1029,8 @@ def main(argv=None):
     p.add_argument("--naive-max", type=int, default=4096, help="longest S for the naive numpy peer")
     p.add_argument("--heads-k-stride", type=int, default=None,
                    help="zigzag: kv heads all-gathered per step (default: all of them)")
+    p.add_argument("--keep-gathered-kv", action="store_true",
+                   help="zigzag: the backward reuses the forward's gathered K,V (keep_gathered_kv=True)")
     p.add_argument("--pattern", default="random", choices=["random", "local", "strided", "block_diagonal"],
                    help="sparse: block pattern")
     p.add_argument("--top_k_ratios", "--top-k-ratios", nargs="+", type=float, default=[0.25, 0.5, 0.75, 1.0],

@@ -416,11 +416,12 @@ class _Comm:
             torch.cuda.current_stream().wait_event(ev)
 
 
-def _gathered_kv(k, v, stride, group, plan, comm):
+def _gathered_kv(k, v, stride, group, plan, comm, keep=False):
     """Yields (kv-head slice, K, V) for every kv-head slice: in place, the gathered (rank-major) K
     and V themselves (two all-gathers; read through ``plan.kv_block_table``); else K and V in
     sequence order (one all-gather of both, one index_select each). The all-gather of slice i+1
-    is issued before slice i is handed out (double buffer)."""
+    is issued before slice i is handed out (double buffer; with `keep`, one buffer per slice, so
+    that every yielded K, V stays valid after the loop)."""
     import torch
 
     w, tl = plan.world_size, plan.total_local
@@ -428,13 +429,14 @@ def _gathered_kv(k, v, stride, group, plan, comm):
     d = k.shape[2]
     in_place = plan.kv_block_table is not None
     rows = w * tl if in_place else w * 2 * tl
+    nbuf = n if keep and in_place else min(n, 2)
     bufs = [[torch.empty((rows, stride, d), dtype=k.dtype, device=k.device) for _ in range(1 + in_place)]
-            for _ in range(min(n, 2))]
-    done, free = [None] * n, [None, None]
+            for _ in range(nbuf)]
+    done, free = [None] * n, [None] * nbuf
 
     def start(i):
         hs = slice(i * stride, (i + 1) * stride)
-        buf = bufs[i % 2]
+        buf = bufs[i % nbuf]
         if in_place:
             # k, v themselves when one slice holds every kv head (no copy)
             lk, lv = (k, v) if n == 1 else (k[:, hs].contiguous(), v[:, hs].contiguous())
@@ -442,10 +444,10 @@ def _gathered_kv(k, v, stride, group, plan, comm):
             def gather():
                 _all_gather(buf[0], lk, group)
                 _all_gather(buf[1], lv, group)
-            done[i] = comm.run(gather, lk, lv, buf[0], buf[1], after=[free[i % 2]])
+            done[i] = comm.run(gather, lk, lv, buf[0], buf[1], after=[free[i % nbuf]])
         else:
             local = torch.stack([k[:, hs], v[:, hs]]).reshape(2 * tl, stride, d)
-            done[i] = comm.run(lambda: _all_gather(buf[0], local, group), local, buf[0], after=[free[i % 2]])
+            done[i] = comm.run(lambda: _all_gather(buf[0], local, group), local, buf[0], after=[free[i % nbuf]])
 
     if not in_place:
         k_rows, v_rows = plan.rows(k.device)
@@ -454,37 +456,41 @@ def _gathered_kv(k, v, stride, group, plan, comm):
         if i + 1 < n:
             start(i + 1)
         comm.wait(done[i])
-        buf = bufs[i % 2]
+        buf = bufs[i % nbuf]
         if in_place:
             kk, vv = buf
         else:
             kk, vv = buf[0].index_select(0, k_rows), buf[0].index_select(0, v_rows)
-            free[i % 2] = comm.mark()  # the buffer may be overwritten once the two copies are done
+            free[i % nbuf] = comm.mark()  # the buffer may be overwritten once the two copies are done
         yield slice(i * stride, (i + 1) * stride), kk, vv
         if in_place:
-            free[i % 2] = comm.mark()  # the attention that read the buffer is enqueued
+            free[i % nbuf] = comm.mark()  # the attention that read the buffer is enqueued
 
 
-def _forward(q, k, v, plan, stride, scale, causal, group):
+def _forward(q, k, v, plan, stride, scale, causal, group, keep):
+    """out, lse and, with `keep`, the gathered K, V of every head slice (k0, v0, k1, v1, ...) for
+    the backward."""
     import torch
 
     from . import grouped_flash_attn_func
 
     g = q.shape[1] // k.shape[1]
     comm = _Comm(q.device)
-    outs, lses = [], []
-    for hs, kk, vv in _gathered_kv(k, v, stride, group, plan, comm):
+    outs, lses, kept = [], [], []
+    for hs, kk, vv in _gathered_kv(k, v, stride, group, plan, comm, keep):
+        if keep:
+            kept += [kk, vv]
         qi = q[:, hs.start * g:hs.stop * g]
         o, lse = grouped_flash_attn_func(qi, kk, vv, plan.q_ranges, plan.kv_ranges, softmax_scale=scale,
                                          causal=causal, return_lse=True, kv_block_table=plan.kv_block_table)
         outs.append(o)
         lses.append(lse)
     if len(outs) == 1:  # one head slice (heads_k_stride = heads_kv): no concatenation copy
-        return outs[0], lses[0]
-    return torch.cat(outs, 1), torch.cat(lses, 0)
+        return outs[0], lses[0], kept
+    return torch.cat(outs, 1), torch.cat(lses, 0), kept
 
 
-def _backward(dout, q, k, v, out, lse, plan, stride, scale, causal, deterministic, group):
+def _backward(dout, q, k, v, out, lse, plan, stride, scale, causal, deterministic, group, kept=()):
     import torch
 
     from . import grouped_flash_attn_backward
@@ -496,7 +502,11 @@ def _backward(dout, q, k, v, out, lse, plan, stride, scale, causal, deterministi
     dq = torch.empty_like(q) if n_slices > 1 else None
     dkv_local = torch.empty((n_slices, 2 * tl, stride, d), dtype=torch.float32, device=k.device)
     pending = []
-    for i, (hs, kk, vv) in enumerate(_gathered_kv(k, v, stride, group, plan, comm)):
+    if kept:  # the forward's gathered K, V (keep_gathered_kv): no second all-gather
+        slices = [(slice(i * stride, (i + 1) * stride), kept[2 * i], kept[2 * i + 1]) for i in range(n_slices)]
+    else:
+        slices = _gathered_kv(k, v, stride, group, plan, comm)
+    for i, (hs, kk, vv) in enumerate(slices):
         qs = slice(hs.start * g, hs.stop * g)
         dqi, dki, dvi = grouped_flash_attn_backward(dout[:, qs], q[:, qs], kk, vv, out[:, qs], lse[qs],
                                                     plan.q_ranges, plan.kv_ranges, softmax_scale=scale,
@@ -542,19 +552,19 @@ def _function():
 
     class ZigzagLlama3Attention(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, k, v, plan, stride, scale, causal, deterministic, group):
-            out, lse = _forward(q, k, v, plan, stride, scale, causal, group)
-            ctx.save_for_backward(q, k, v, out, lse)
+        def forward(ctx, q, k, v, plan, stride, scale, causal, deterministic, group, keep):
+            out, lse, kept = _forward(q, k, v, plan, stride, scale, causal, group, keep)
+            ctx.save_for_backward(q, k, v, out, lse, *kept)
             ctx.args = (plan, stride, scale, causal, deterministic, group)
             return out
 
         @staticmethod
         def backward(ctx, dout):
-            q, k, v, out, lse = ctx.saved_tensors
+            q, k, v, out, lse, *kept = ctx.saved_tensors
             plan, stride, scale, causal, deterministic, group = ctx.args
             dq, dk, dv = _backward(dout.contiguous(), q, k, v, out, lse, plan, stride, scale, causal,
-                                   deterministic, group)
-            return dq, dk, dv, None, None, None, None, None, None
+                                   deterministic, group, kept)
+            return dq, dk, dv, None, None, None, None, None, None, None
 
     _FN = ZigzagLlama3Attention
     return _FN
@@ -563,7 +573,7 @@ def _function():
 def zigzag_llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                          heads_k_stride, local_k_slice=None, dropout_p=0.0, softmax_scale=None,
                                          causal=True, window_size=(-1, -1), alibi_slopes=None, deterministic=False,
-                                         return_attn_probs=False, group=None):
+                                         return_attn_probs=False, group=None, *, keep_gathered_kv=False):
     """Attention of this rank's zigzag shard over the whole sequences of a process group.
 
     q [total_local, heads_q, d], k/v [total_local, heads_kv, d]: torch tensors of this rank's
@@ -575,7 +585,13 @@ def zigzag_llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, ma
     ring-flash-attention's order (dropout_p, softmax_scale, causal, window_size, alibi_slopes,
     deterministic, return_attn_probs, group); dropout_p, window_size, alibi_slopes and
     return_attn_probs must keep their defaults (NotImplementedError otherwise). Returns out like q;
-    with autograd (dq local, dk/dv reduce-scattered to their owners)."""
+    with autograd (dq local, dk/dv reduce-scattered to their owners).
+
+    keep_gathered_kv (keyword only, default False): the backward all-gathers K,V again, as
+    ring-flash-attention does, so a layer holds only its local K,V between forward and backward.
+    True keeps the forward's gathered K,V for the backward instead (world_size times the local
+    K,V per layer until its backward, as an all-gather + flash-attention baseline under autograd
+    holds) and skips the backward's all-gather."""
     import torch
     import torch.distributed as dist
 
@@ -587,6 +603,7 @@ def zigzag_llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, ma
     if _flag(return_attn_probs, "return_attn_probs"):
         raise NotImplementedError("`return_attn_probs` is not implemented by the zigzag layer (only False)")
     causal, deterministic = _flag(causal, "causal"), _flag(deterministic, "deterministic")
+    keep = _flag(keep_gathered_kv, "keep_gathered_kv")
 
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
@@ -644,4 +661,5 @@ def zigzag_llama3_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, ma
     plan = _plan_for(cu_q, w, r, tl, bool(causal), in_place)
     scale = None if softmax_scale is None else float(softmax_scale)
     return _function().apply(q, k.contiguous(), v.contiguous(), plan, stride, scale, bool(causal),
-                             bool(deterministic), group)
+                             bool(deterministic), group,
+                             keep and torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)))

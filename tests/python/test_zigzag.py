@@ -209,6 +209,8 @@ def test_layer_rejects_bad_input_before_any_collective():
         f(q, k.double(), k, cu, cu, 8, 8, 1)
     with pytest.raises(ValueError, match="`k`"):
         f(q, torch.randn(8, 3, 16), torch.randn(8, 3, 16), cu, cu, 8, 8, 1)
+    with pytest.raises(TypeError, match="`keep_gathered_kv`"):
+        f(q, k, k, cu, cu, 8, 8, 1, keep_gathered_kv="yes")
     import torch.distributed as dist
 
     if not dist.is_initialized():

@@ -26,25 +26,27 @@ TOL = {
 def cpu_cases(world_size):
     """Small varlen batches for the gloo test: uneven lengths (multiples of 2W), an empty sequence,
     GQA 4/2, head_dim 64 and an odd one, one and two kv-head slices, causal and not; the last two
-    have chunks of 64 keys (the in-place read), the others take the ordered copy."""
+    have chunks of 64 keys (the in-place read), the others take the ordered copy; `keep`: the
+    backward reuses the forward's gathered K,V (keep_gathered_kv) on both paths."""
     m = 2 * world_size
     return [
         dict(seqlens=[5 * m, 12 * m, 3 * m], hq=4, hkv=2, d=64, stride=1, causal=True),
-        dict(seqlens=[7 * m, 0, 2 * m], hq=4, hkv=2, d=40, stride=2, causal=True),
+        dict(seqlens=[7 * m, 0, 2 * m], hq=4, hkv=2, d=40, stride=2, causal=True, keep=True),
         dict(seqlens=[9 * m], hq=2, hkv=2, d=24, stride=1, causal=False),
         # chunks of 64 keys: the in-place read of the gathered K,V (kv_block_table)
-        dict(seqlens=[64 * m, 0, 128 * m], hq=4, hkv=2, d=32, stride=1, causal=True),
+        dict(seqlens=[64 * m, 0, 128 * m], hq=4, hkv=2, d=32, stride=1, causal=True, keep=True),
         dict(seqlens=[64 * m], hq=2, hkv=2, d=16, stride=2, causal=False),
     ]
 
 
 def gpu_cases(world_size):
-    """Seed 000's shapes: Llama3-8B heads at 4K and 8K tokens, varlen uneven, GQA 32/8 and 64/8."""
+    """Seed 000's shapes: Llama3-8B heads at 4K, 8K and 16K tokens, varlen uneven, GQA 32/8 and 64/8."""
     m = 2 * world_size * 64
     return [
         dict(seqlens=[4096 // m * m], hq=32, hkv=8, d=128, stride=8, causal=True),
         dict(seqlens=[8192 // m * m], hq=32, hkv=8, d=128, stride=4, causal=True),
-        dict(seqlens=[3 * m, 17 * m, 5 * m], hq=64, hkv=8, d=128, stride=2, causal=True),
+        dict(seqlens=[16384 // m * m], hq=32, hkv=8, d=128, stride=8, causal=True, keep=True),
+        dict(seqlens=[3 * m, 17 * m, 5 * m], hq=64, hkv=8, d=128, stride=2, causal=True, keep=True),
         dict(seqlens=[7 * m, 2 * m], hq=8, hkv=2, d=64, stride=1, causal=True),
     ]
 
@@ -106,7 +108,8 @@ def run_case(case, dtype_name, device, group=None, seed=0):
     ldout = cubeattn.zigzag_split(dout, cu, r, w)
     lmax = int(np.diff(local_cu).max())
     out = cubeattn.zigzag_llama3_flash_attn_varlen_func(lq, lk, lv, local_cu, local_cu, lmax, lmax,
-                                                        case["stride"], causal=case["causal"], group=group)
+                                                        case["stride"], causal=case["causal"], group=group,
+                                                        keep_gathered_kv=case.get("keep", False))
     out.backward(ldout)
 
     res = {}
