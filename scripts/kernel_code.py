@@ -47,6 +47,14 @@ def compile_cubin(lib, path, arch="sm_90a"):
         lib.nvrtcGetProgramLog(prog, log)
         raise SystemExit(f"{path}: NVRTC failed\n{log.value.decode()[-3000:]}")
     n = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
+    log = ctypes.create_string_buffer(n.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    # ptxas warnings (C7515: serialised wgmma; C7508: setmaxnreg dropped) are the ones that matter
+    for line in log.value.decode(errors="replace").splitlines():
+        if "warning" in line.lower():
+            print(f"   {os.path.basename(path)}: {line.strip()}")
+    n = ctypes.c_size_t()
     lib.nvrtcGetCUBINSize(prog, ctypes.byref(n))
     buf = ctypes.create_string_buffer(n.value)
     lib.nvrtcGetCUBIN(prog, buf)
@@ -144,7 +152,7 @@ def count(d):
         big = sorted(loops(ins), key=lambda r: r[0] - r[1])[:3]
         for lo, hi in big:
             n, c = mix(ins, lo, hi)
-            keys = ["HMMA", "LDSM", "MUFU", "FFMA", "FMUL", "FADD", "FMNMX", "F2FP", "SHFL", "LDGSTS", "LDS", "STS",
+            keys = ["HMMA", "HGMMA", "WARPGROUP", "LDSM", "MUFU", "FFMA", "FMUL", "FADD", "FMNMX", "F2FP", "SHFL", "LDGSTS", "LDS", "STS",
                     "LDL", "STL", "IMAD", "IADD3", "LEA", "VIADD", "ISETP", "SEL", "FSEL", "MOV", "BAR", "SYNCS"]
             other = n - sum(c[k] for k in keys)
             print(f"   loop {lo:#x}-{hi:#x}: {n} instr | " + " ".join(f"{k} {c[k]}" for k in keys if c[k]) + f" | other {other}")

@@ -365,7 +365,7 @@ fn issue_kv_tiles<E: Float>(
 /// is paged and longer than a page (else `n0 + KV_PAGE`, so a copy's row is `n0b + i - KV_PAGE`
 /// for tile row i >= KV_PAGE either way).
 #[cube]
-fn tile_rows(t0: u32, t1: u32, pages: &Array<u32>, #[comptime] paged: bool, #[comptime] block_n: usize) -> (u32, u32, u32) {
+pub(crate) fn tile_rows(t0: u32, t1: u32, pages: &Array<u32>, #[comptime] paged: bool, #[comptime] block_n: usize) -> (u32, u32, u32) {
     let p0 = kv_row(t0, pages, paged);
     let mut pb = p0 + KV_PAGE as u32;
     if comptime!(paged && block_n > KV_PAGE) {
@@ -887,7 +887,7 @@ pub fn flash_fwd_mma2<E: Float>(
 /// sliding-window calls share one kernel.
 #[allow(clippy::too_many_arguments)]
 #[cube]
-fn fill_rows(
+pub(crate) fn fill_rows(
     slices: &Array<u32>,
     segs: &Array<u32>,
     slice_off: u32,

@@ -2,11 +2,13 @@
 
 pub mod bulk_reduce;
 pub mod flash_fwd;
+pub mod flash_fwd_sm90;
 pub mod math;
 pub mod nonfinite;
 pub mod rows;
 pub mod rowwise_bwd;
 pub mod rowwise_fwd;
+pub mod sm90;
 pub mod flash_bwd;
 pub mod flash_bwd_wide;
 pub mod fragments;
@@ -21,6 +23,8 @@ pub mod zigzag_copy;
 pub const SOURCES: &[&str] = &[
     include_str!("bulk_reduce.rs"),
     include_str!("flash_fwd.rs"),
+    include_str!("flash_fwd_sm90.rs"),
+    include_str!("sm90.rs"),
     include_str!("math.rs"),
     include_str!("nonfinite.rs"),
     include_str!("rows.rs"),

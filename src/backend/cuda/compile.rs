@@ -245,7 +245,8 @@ fn fnv(parts: &[&[u8]]) -> u64 {
 /// code-generation options and source rewrites, and the comptime arguments each launcher passes.
 const CODEGEN_SOURCES: &[&str] = &[
     include_str!("compile.rs"),
-    include_str!("rewrite.rs"),
+    include_str!("rewrite/mod.rs"),
+    include_str!("rewrite/sm90.rs"),
     include_str!("forward.rs"),
     include_str!("backward.rs"),
     include_str!("sparse.rs"),

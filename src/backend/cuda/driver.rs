@@ -190,6 +190,35 @@ pub(crate) fn tile_map_2d(
     box_cols: u32,
     box_rows: u32,
 ) -> Result<sys::CUtensorMap> {
+    encode_tile_map(dt, ptr, cols, rows, row_bytes, box_cols, box_rows, sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE)
+}
+
+/// [`tile_map_2d`] whose boxes land 128-byte swizzled (`box_cols` x 2 bytes must be 128: one
+/// swizzle row; the shared destination 1024-byte aligned), the operand layout of the Hopper MMAs
+/// (`kernels::sm90`).
+pub(crate) fn tile_map_2d_sw128(
+    dt: crate::dtype::DType,
+    ptr: u64,
+    cols: usize,
+    rows: usize,
+    row_bytes: usize,
+    box_cols: u32,
+    box_rows: u32,
+) -> Result<sys::CUtensorMap> {
+    encode_tile_map(dt, ptr, cols, rows, row_bytes, box_cols, box_rows, sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn encode_tile_map(
+    dt: crate::dtype::DType,
+    ptr: u64,
+    cols: usize,
+    rows: usize,
+    row_bytes: usize,
+    box_cols: u32,
+    box_rows: u32,
+    swizzle: sys::CUtensorMapSwizzle,
+) -> Result<sys::CUtensorMap> {
     use crate::dtype::DType;
     let ty = match dt {
         DType::F16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
@@ -214,7 +243,7 @@ pub(crate) fn tile_map_2d(
             boxes.as_ptr(),
             elem.as_ptr(),
             sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
+            swizzle,
             sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
             sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )

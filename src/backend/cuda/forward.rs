@@ -17,13 +17,15 @@ use cudarc::driver::sys;
 use half::{bf16, f16};
 
 use super::compile::{codegen, codegen_exp2, settings, KernelKey, Source};
-use super::driver::tile_map_2d;
+use super::driver::{tile_map_2d, tile_map_2d_sw128};
 use super::launch::{launch, Args};
 use super::nonfinite::{launch_dense_exact, launch_flag, DenseExact, FLAG_BYTES};
 use super::{fwd_options, window_bounds, CudaBackend, Plan};
 use crate::dtype::DType;
 use crate::error::{invalid, Result};
 use crate::kernels::flash_fwd::{self, BLOCK_M};
+use crate::kernels::flash_fwd_sm90::{self, sm90_box_rows, SM90_THREADS};
+use crate::kernels::sm90::SW_COLS;
 use crate::kernels::math::LOG2E;
 use crate::kernels::rowwise_fwd::{self, ROWS_PER_CUBE};
 use crate::spec::AttnSpec;
@@ -148,6 +150,63 @@ pub(crate) fn kv_map_args(be: &CudaBackend, spec: &AttnSpec, k: u64, v: u64, blo
     let tma = be.kernels.has_bulk_copies();
     let mut a = Args::new();
     a.tensor_map(map(k, tma && !int8)?, k, rows, cols).tensor_map(map(v, tma)?, v, rows, cols);
+    Ok(a)
+}
+
+/// Keys per tile of the Hopper forward.
+pub(crate) const SM90_BLOCK_N: usize = 128;
+
+/// Whether the forward of `spec` runs the Hopper kernel (`flash_fwd_sm90`): an sm_90+ GPU (not the
+/// portable build), f16/bf16, head_dim 64 or 128, the switch on.
+pub(crate) fn sm90_forward(be: &CudaBackend, spec: &AttnSpec) -> bool {
+    let hd = spec.dims.head_dim;
+    fwd_options().sm90 && be.kernels.has_bulk_copies() && spec.dtype != DType::F32 && (hd == 64 || hd == 128)
+}
+
+/// The Hopper forward kernel (`flash_fwd_sm90`) for one set of comptime choices.
+pub(crate) fn flash_fwd_sm90_kernel(be: &CudaBackend, dt: DType, hd: usize, bn: usize, sparse: bool, paged: bool) -> Result<super::compile::Func> {
+    let key = KernelKey::new("flash_fwd_sm90", dt, &[hd as u32, bn as u32, sparse as u32, paged as u32]);
+    be.kernels.get(&key, || fwd_sm90_source(be.client(), dt, hd, bn, sparse, paged))
+}
+
+/// CUDA source of [`flash_fwd_sm90_kernel`]: the `kernels::sm90` markers lowered, and one cube per
+/// SM declared (`__launch_bounds__(256, 1)`: up to 255 registers a thread).
+pub(crate) fn fwd_sm90_source(
+    client: &ComputeClient<CudaRuntime>,
+    dt: DType,
+    hd: usize,
+    bn: usize,
+    sparse: bool,
+    paged: bool,
+) -> Result<Source> {
+    macro_rules! k {
+        ($t:ty) => {
+            codegen_exp2(flash_fwd_sm90::flash_fwd_sm90::FlashFwdSm90::<$t, CudaRuntime>::new(
+                settings(SM90_THREADS as u32),
+                client.clone(),
+                (), (), A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (),
+                hd,
+                bn,
+                sparse,
+                paged,
+            ), false)
+        };
+    }
+    let mut src = if is_f16(dt) { k!(f16) } else { k!(bf16) }?;
+    src.cuda = super::rewrite::sm90::lower(&src.entry, &src.cuda)?;
+    src.cuda = super::rewrite::min_blocks(&src.entry, &src.cuda, 1)?;
+    Ok(src)
+}
+
+/// The tensor maps of K and V for the Hopper forward: 128-byte swizzled, 64-column x
+/// `sm90_box_rows(block_n)`-row boxes.
+pub(crate) fn kv_map_args_sw128(spec: &AttnSpec, k: u64, v: u64, block_n: usize) -> Result<Args> {
+    let d = &spec.dims;
+    let cols = d.heads_kv * d.head_dim;
+    let rows = d.kv_len() / cols.max(1);
+    let map = |ptr| tile_map_2d_sw128(spec.dtype, ptr, cols, rows, cols * spec.dtype.size(), SW_COLS as u32, sm90_box_rows(block_n) as u32);
+    let mut a = Args::new();
+    a.tensor_map(map(k)?, k, rows, cols).tensor_map(map(v)?, v, rows, cols);
     Ok(a)
 }
 
@@ -295,8 +354,11 @@ pub(crate) fn launch_forward(
     let (part_o, part_lse) = if po_bytes == 0 { (flag, flag) } else { (p.workspace + offs[1] as u64, p.workspace + offs[2] as u64) };
     let n_part = (po_bytes / (4 * hd)).max(1);
 
-    let f = flash_fwd_kernel(be, dt, hd, mt, bn, BLOCK_M, false, false, paged, false)?;
-    let mut a = kv_map_args(be, spec, p.k, p.v, bn, false)?;
+    let (f, mut a) = if sm90_forward(be, spec) {
+        (flash_fwd_sm90_kernel(be, dt, hd, SM90_BLOCK_N, false, paged)?, kv_map_args_sw128(spec, p.k, p.v, SM90_BLOCK_N)?)
+    } else {
+        (flash_fwd_kernel(be, dt, hd, mt, bn, BLOCK_M, false, false, paged, false)?, kv_map_args(be, spec, p.k, p.v, bn, false)?)
+    };
     a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.out, ql).array(p.lse, ll);
     a.array(part_o, n_part * hd).array(part_lse, n_part);
     for i in [TBL_FWD_WORK, TBL_FWD_SLICES, TBL_SEGS] {

@@ -16,6 +16,9 @@ pub struct FwdOptions {
     /// Forward keys per shared-memory tile: 32, 64 or 128, or 0 (the default) for the head_dim's
     /// own ([`FwdOptions::block_n_for`]) (`CUBEATTN_CUDA_BLOCK_N`).
     pub block_n: u32,
+    /// The Hopper forward (`kernels::flash_fwd_sm90`) on sm_90+ GPUs (`CUBEATTN_CUDA_SM90`, `0`
+    /// keeps the mma.sync kernel there: how the two are compared on one GPU).
+    pub sm90: bool,
 }
 
 static FWD_OPTS: std::sync::Mutex<Option<FwdOptions>> = std::sync::Mutex::new(None);
@@ -31,7 +34,7 @@ fn env_u32(name: &str, allowed: &[u32], default: u32) -> u32 {
 impl FwdOptions {
     /// The defaults without environment overrides.
     pub fn defaults() -> FwdOptions {
-        FwdOptions { pack_heads: true, split: true, split_waves: 2, plane_rows: 32, block_n: 0 }
+        FwdOptions { pack_heads: true, split: true, split_waves: 2, plane_rows: 32, block_n: 0, sm90: true }
     }
 
     /// Keys per tile at `head_dim`: `block_n` when set, else 128 at head_dim 64 (FlashAttention-2's
@@ -55,6 +58,7 @@ pub fn fwd_options() -> FwdOptions {
         split_waves: std::env::var("CUBEATTN_CUDA_SPLIT_WAVES").ok().and_then(|v| v.parse().ok()).filter(|&w| w > 0).unwrap_or(2),
         plane_rows: env_u32("CUBEATTN_CUDA_PLANE_ROWS", &[16, 32], 32),
         block_n: env_u32("CUBEATTN_CUDA_BLOCK_N", &[32, 64, 128], 0),
+        sm90: env_on("CUBEATTN_CUDA_SM90"),
     })
 }
 

@@ -49,6 +49,8 @@
 
 use crate::error::{Error, Result};
 
+pub(crate) mod sm90;
+
 /// Whether `arg` (the first argument of a `__powf` call, as CubeCL prints it) is the constant 2.
 fn is_two(arg: &str) -> bool {
     let mut a: String = arg.chars().filter(|c| !c.is_whitespace()).collect();

@@ -1,0 +1,251 @@
+//! Lowering of the Hopper intrinsics of `kernels::sm90`: every marker statement
+//! `printf("<MARK><name> <params>", args);` becomes a call of an inline-PTX helper generated for
+//! exactly those parameters, defined once before the kernel. A marker this module does not know,
+//! a malformed one, or a kernel built with [`lower`] that holds no marker at all is refused with an
+//! error naming the kernel: a CubeCL that prints the markers differently fails at the first
+//! compile, never as a kernel that silently prints instead of multiplying.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+
+use super::mismatch;
+use crate::error::Result;
+use crate::kernels::sm90::MARK;
+
+/// Bytes between two 8-row groups of a 128-byte-swizzled tile (the descriptors' stride offset).
+const SBO: u32 = 1024;
+
+/// Common helpers: the 32-bit shared address of a generic pointer into shared memory, and the
+/// 64-bit matrix descriptor of a 128-byte-swizzled operand.
+const PRELUDE: &str = r#"
+__device__ __forceinline__ unsigned __cubeattn_smem(const void* p, unsigned byte_off) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p)) + byte_off;
+}
+__device__ __forceinline__ unsigned long long __cubeattn_desc(unsigned addr, unsigned lbo, unsigned sbo) {
+  return static_cast<unsigned long long>((addr & 0x3FFFFu) >> 4)
+       | (static_cast<unsigned long long>((lbo >> 4) & 0x3FFFu) << 16)
+       | (static_cast<unsigned long long>((sbo >> 4) & 0x3FFFu) << 32)
+       | (1ull << 62);
+}
+"#;
+
+/// One parsed marker: the helper it becomes (name and definition) and its call arguments.
+struct Lowered {
+    helper: String,
+    definition: String,
+}
+
+fn elem_bytes(t: &str) -> Option<u32> {
+    matches!(t, "bf16" | "f16").then_some(2)
+}
+
+/// The accumulator operands `{%0, ..., %(regs-1)}` and their `"+f"(d[i])` constraints.
+fn acc_operands(regs: usize) -> (String, String) {
+    let list = (0..regs).map(|i| format!("%{i}")).collect::<Vec<_>>().join(", ");
+    let cons = (0..regs).map(|i| format!("\"+f\"(d[{i}])")).collect::<Vec<_>>().join(", ");
+    (list, cons)
+}
+
+/// Parses the parameters of a `wgmma_ss` / `wgmma_rs` marker.
+fn parse_nums(words: &[&str]) -> Option<Vec<u32>> {
+    words.iter().map(|w| w.parse::<u32>().ok()).collect()
+}
+
+fn lower_marker(text: &str) -> Option<Lowered> {
+    let words: Vec<&str> = text.split(' ').collect();
+    match words.as_slice() {
+        ["fence"] => Some(simple("fence", "wgmma.fence.sync.aligned;")),
+        ["commit"] => Some(simple("commit", "wgmma.commit_group.sync.aligned;")),
+        ["proxy_fence"] => Some(simple("proxy_fence", "fence.proxy.async.shared::cta;")),
+        ["wait", n] => {
+            let n: u32 = n.parse().ok().filter(|&n| n <= 7)?;
+            Some(simple(&format!("wait_{n}"), &format!("wgmma.wait_group.sync.aligned {n};")))
+        }
+        ["wgmma_ss", t, rest @ ..] => {
+            let eb = elem_bytes(t)?;
+            let [n, acc0, b_mn, b_lbo, accum] = parse_nums(rest)?.try_into().ok()?;
+            check_mma(n, b_mn, accum)?;
+            let regs = (n / 2) as usize;
+            let (list, cons) = acc_operands(regs);
+            let helper = format!("__cubeattn_wgmma_ss_{t}_{n}_{acc0}_{b_mn}_{b_lbo}_{accum}");
+            let b_lbo = if b_mn == 1 { b_lbo } else { 16 };
+            let definition = format!(
+                r#"__device__ __forceinline__ void {helper}(float* acc, const void* a, unsigned a_off, const void* b, unsigned b_off) {{
+  float* d = acc + {acc0};
+  const unsigned long long da = __cubeattn_desc(__cubeattn_smem(a, a_off * {eb}u), 16u, {SBO}u);
+  const unsigned long long db = __cubeattn_desc(__cubeattn_smem(b, b_off * {eb}u), {b_lbo}u, {SBO}u);
+  asm volatile("{{\n.reg .pred p;\nsetp.ne.b32 p, %{r2}, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t} {{{list}}}, %{r0}, %{r1}, p, 1, 1, 0, {b_mn};\n}}\n"
+               : {cons} : "l"(da), "l"(db), "r"({accum}));
+}}
+"#,
+                r0 = regs,
+                r1 = regs + 1,
+                r2 = regs + 2,
+            );
+            Some(Lowered { helper, definition })
+        }
+        ["wgmma_rs", t, rest @ ..] => {
+            let eb = elem_bytes(t)?;
+            let [n, acc0, a0, b_mn, b_lbo, accum] = parse_nums(rest)?.try_into().ok()?;
+            check_mma(n, b_mn, accum)?;
+            let regs = (n / 2) as usize;
+            let (list, cons) = acc_operands(regs);
+            let helper = format!("__cubeattn_wgmma_rs_{t}_{n}_{acc0}_{a0}_{b_mn}_{b_lbo}_{accum}");
+            let b_lbo = if b_mn == 1 { b_lbo } else { 16 };
+            let definition = format!(
+                r#"__device__ __forceinline__ void {helper}(float* acc, const void* a_regs, const void* b, unsigned b_off) {{
+  float* d = acc + {acc0};
+  const unsigned* a = reinterpret_cast<const unsigned*>(a_regs) + {a0};
+  const unsigned long long db = __cubeattn_desc(__cubeattn_smem(b, b_off * {eb}u), {b_lbo}u, {SBO}u);
+  asm volatile("{{\n.reg .pred p;\nsetp.ne.b32 p, %{r5}, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t} {{{list}}}, {{%{r0}, %{r1}, %{r2}, %{r3}}}, %{r4}, p, 1, 1, {b_mn};\n}}\n"
+               : {cons} : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"({accum}));
+}}
+"#,
+                r0 = regs,
+                r1 = regs + 1,
+                r2 = regs + 2,
+                r3 = regs + 3,
+                r4 = regs + 4,
+                r5 = regs + 5,
+            );
+            Some(Lowered { helper, definition })
+        }
+        _ => None,
+    }
+}
+
+/// N a multiple of 8 in 8..=256 (f16/bf16 wgmma), flags 0 or 1.
+fn check_mma(n: u32, b_mn: u32, accum: u32) -> Option<()> {
+    (n % 8 == 0 && (8..=256).contains(&n) && b_mn <= 1 && accum <= 1).then_some(())
+}
+
+fn simple(name: &str, ptx: &str) -> Lowered {
+    let helper = format!("__cubeattn_{name}");
+    let definition = format!(
+        "__device__ __forceinline__ void {helper}() {{\n  asm volatile(\"{ptx}\\n\" ::: \"memory\");\n}}\n"
+    );
+    Lowered { helper, definition }
+}
+
+/// Splits the text after a marker's format string (`, a,b,c)`) into its arguments.
+fn call_args(rest: &str) -> Option<Vec<String>> {
+    let rest = rest.trim_start();
+    let inner = rest.strip_suffix(')')?;
+    if inner.trim().is_empty() {
+        return Some(Vec::new());
+    }
+    let inner = inner.trim_start().strip_prefix(',')?;
+    let mut args = Vec::new();
+    let mut depth = 0i32;
+    let mut cur = String::new();
+    for c in inner.chars() {
+        match c {
+            '(' | '[' => depth += 1,
+            ')' | ']' => depth -= 1,
+            ',' if depth == 0 => {
+                args.push(cur.trim().to_string());
+                cur.clear();
+                continue;
+            }
+            _ => {}
+        }
+        cur.push(c);
+    }
+    args.push(cur.trim().to_string());
+    Some(args)
+}
+
+/// Lowers every `kernels::sm90` marker of kernel `entry`. Refuses a kernel without one.
+pub(crate) fn lower(entry: &str, src: &str) -> Result<String> {
+    let open = format!("printf(\"{MARK}");
+    let mut helpers: BTreeMap<String, String> = BTreeMap::new();
+    let mut body = String::with_capacity(src.len());
+    let mut found = 0usize;
+    for line in src.split_inclusive('\n') {
+        let Some(at) = line.find(&open) else {
+            if line.contains("printf(") {
+                return Err(mismatch(entry, "sm90", "a `printf` that is not an sm90 marker"));
+            }
+            body.push_str(line);
+            continue;
+        };
+        let after = &line[at + open.len()..];
+        let bad = || mismatch(entry, "sm90", &format!("a marker it cannot read: `{}`", line.trim()));
+        let close = after.find('"').ok_or_else(bad)?;
+        let text = &after[..close];
+        let stmt = after[close + 1..].trim_end();
+        let stmt = stmt.strip_suffix(';').ok_or_else(bad)?;
+        let args = call_args(stmt).ok_or_else(bad)?;
+        let low = lower_marker(text).ok_or_else(bad)?;
+        let want = if text.starts_with("wgmma_ss") { 5 } else if text.starts_with("wgmma_rs") { 4 } else { 0 };
+        if args.len() != want {
+            return Err(bad());
+        }
+        body.push_str(&line[..at]);
+        write!(body, "{}({});", low.helper, args.join(", ")).expect("write to a String");
+        body.push('\n');
+        helpers.entry(low.helper).or_insert(low.definition);
+        found += 1;
+    }
+    if found == 0 {
+        return Err(mismatch(entry, "sm90", "no sm90 marker (the kernel's wgmma calls are not emitted as expected)"));
+    }
+    // the helpers go before the kernel's entry point (after CubeCL's includes and structs)
+    let at = body.find("extern \"C\" __global__").ok_or_else(|| mismatch(entry, "sm90", "no `extern \"C\" __global__` entry"))?;
+    let mut out = String::with_capacity(body.len() + 4096);
+    out.push_str(&body[..at]);
+    out.push_str(PRELUDE);
+    for def in helpers.values() {
+        out.push_str(def);
+    }
+    out.push_str(&body[at..]);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kernel(body: &str) -> String {
+        format!("#include <x.h>\nextern \"C\" __global__ void __launch_bounds__(256) k_(float* b) {{\n{body}}}\n")
+    }
+
+    #[test]
+    fn markers_become_inline_ptx_helpers() {
+        let src = kernel(&format!(
+            "printf(\"{MARK}fence\");\nprintf(\"{MARK}wgmma_ss bf16 128 0 0 0 0\", l_arr_3,shared_memory_0,l_5,shared_memory_1,uint32(64));\n\
+             printf(\"{MARK}wgmma_rs f16 64 0 4 1 8192 1\", l_arr_4,l_arr_6,shared_memory_2,l_7);\nprintf(\"{MARK}commit\");\nprintf(\"{MARK}wait 0\");\n"
+        ));
+        let out = lower("k_", &src).unwrap();
+        assert!(!out.contains("printf"), "{out}");
+        assert!(out.contains("__cubeattn_wgmma_ss_bf16_128_0_0_0_0(l_arr_3, shared_memory_0, l_5, shared_memory_1, uint32(64));"));
+        assert!(out.contains("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, "));
+        assert!(out.contains("%63}, %64, %65, p, 1, 1, 0, 0;"), "{out}");
+        assert!(out.contains("setp.ne.b32 p, %66, 0;"), "{out}");
+        assert!(out.contains("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, "));
+        assert!(out.contains("%31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;"), "{out}");
+        assert!(out.contains("\"l\"(db), \"r\"(1));"), "{out}");
+        assert!(out.contains("__cubeattn_desc(__cubeattn_smem(b, b_off * 2u), 8192u, 1024u)"));
+        assert!(out.contains("wgmma.wait_group.sync.aligned 0;"));
+        // helpers sit before the entry point, each once
+        let entry = out.find("extern \"C\"").unwrap();
+        assert!(out.find("void __cubeattn_fence()").unwrap() < entry);
+        assert_eq!(out.matches("void __cubeattn_fence()").count(), 1);
+    }
+
+    #[test]
+    fn refuses_what_it_does_not_know() {
+        let unknown = kernel(&format!("printf(\"{MARK}wgmma_xx bf16 128\", a);\n"));
+        let e = lower("flash_fwd_sm90", &unknown).unwrap_err().to_string();
+        assert!(e.contains("flash_fwd_sm90") && e.contains("sm90"), "{e}");
+        // wrong operand count, bad N, f32 operands
+        for m in ["wgmma_ss bf16 128 0 0 0 0\", a,b", "wgmma_ss bf16 100 0 0 0 0\", a,b,c,d,e", "wgmma_ss f32 128 0 0 0 0\", a,b,c,d,e"] {
+            assert!(lower("k", &kernel(&format!("printf(\"{MARK}{m});\n"))).is_err(), "{m}");
+        }
+        // a kernel without markers, and a stray printf
+        assert!(lower("k", &kernel("int x = 1;\n")).is_err());
+        assert!(lower("k", &kernel(&format!("printf(\"{MARK}fence\");\nprintf(\"%d\", x);\n"))).is_err());
+    }
+}

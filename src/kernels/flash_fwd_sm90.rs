@@ -1,0 +1,444 @@
+//! Flash-attention forward on Hopper (sm_90a): warpgroup MMAs (`kernels::sm90`) over
+//! 128-byte-swizzled shared tiles that tensor-map copies fill.
+//!
+//! The work list, slices, row bounds, key tiles (dense, paged, block-sparse), the conditional
+//! rescale, the LSE and the split-K partials are those of `kernels::flash_fwd` (same host plan,
+//! same launch arguments); only the mainloop differs. One cube = 128 packed rows = two warpgroups
+//! of 64 rows (256 threads). Per key tile of `block_n` keys, each warpgroup computes
+//! S = Q K^T (`head_dim / 16` MMAs m64 x block_n x k16, both operands in shared memory), masks and
+//! exponentiates it in registers, and adds P V (`block_n / 16` MMAs m64 x head_dim x k16, P from
+//! registers: the f32 S accumulator packed to pairs is the A operand, V the MN-major B operand read
+//! in place). K and V are double-buffered: the tiles of t + 1 are issued (tensor-map copies, one
+//! thread) at the top of tile t, after the cube's one barrier of the tile, and land during it.
+//! The Q tile (rows gathered by token and head) is copied by every thread with `cp.async` into the
+//! same swizzled layout.
+
+use cubecl::prelude::*;
+use cubecl::prelude::barrier::{copy_async, Barrier};
+
+use super::flash_fwd::{fill_rows, tile_bounds, tile_div_magic, tile_rows, LIST_SMEM, M_INIT, NONE, RESCALE_SLACK, WORK_WORDS};
+use super::grid::cube_item_slot;
+use super::math::{fast_exp2, LN2};
+use super::sm90::{fence_proxy_async, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait, SW_COLS, SW_ROW};
+use super::staging::commit_copies;
+use crate::spec::KV_PAGE;
+
+/// Packed rows per cube: two warpgroups of 64.
+pub const SM90_BLOCK_M: usize = 128;
+// the host plan's work items are `flash_fwd::BLOCK_M` rows
+const _: () = assert!(SM90_BLOCK_M == super::flash_fwd::BLOCK_M);
+/// Threads per cube.
+pub const SM90_THREADS: usize = 256;
+
+/// Rows of one tensor-map box of a K or V tile: at most a page, so that no box crosses one.
+pub const fn sm90_box_rows(block_n: usize) -> usize {
+    if block_n < KV_PAGE { block_n } else { KV_PAGE }
+}
+
+/// Row `(row, col)` inside the m16n8 accumulator block of lane `lane`'s element `e` (0..4).
+#[cube]
+fn acc_row(lane: u32, #[comptime] e: usize) -> u32 {
+    lane / 4u32 + comptime!((e / 2) as u32 * 8)
+}
+
+#[cube]
+fn acc_col(lane: u32, #[comptime] e: usize) -> u32 {
+    (lane % 4u32) * 2u32 + comptime!((e % 2) as u32)
+}
+
+/// `row_a` for accumulator half 0 (elements 0, 1), `row_b` for half 1.
+#[cube]
+fn pick_row(#[comptime] i: usize, row_a: usize, row_b: usize) -> usize {
+    let mut r = row_b;
+    if i == 0 {
+        r = row_a;
+    }
+    r
+}
+
+/// Unit 0 raises `bar`'s expected bytes by a K or V tile of `block_n` keys and issues its copies:
+/// `head_dim / 64` column chunks x `block_n / box_rows` row boxes of the `[rows, heads_kv *
+/// head_dim]` view (rows from `n0`, from `n0b` past the first page), into the tile at element
+/// `base` of `smem` (chunk `c` at `base + c * block_n * 64`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn issue_tile_sw128<E: Float>(
+    map: &TensorMap<E, Tiled>,
+    smem: &mut SharedMemory<E>,
+    bar: &Barrier,
+    base: usize,
+    n0: u32,
+    n0b: u32,
+    head_kv: u32,
+    #[comptime] block_n: usize,
+    #[comptime] head_dim: usize,
+) {
+    if UNIT_POS == 0 {
+        let ts = E::type_size();
+        bar.expect_tx(comptime!((block_n * head_dim * ts) as u32));
+        let rows = comptime!(sm90_box_rows(block_n));
+        #[unroll]
+        for c in 0..comptime!(head_dim / SW_COLS) {
+            let x = (head_kv * head_dim as u32) as i32 + comptime!((c * SW_COLS) as i32);
+            #[unroll]
+            for b in 0..comptime!(block_n / rows) {
+                let mut y = n0 + comptime!(b * rows) as u32;
+                if comptime!(b * rows >= KV_PAGE) {
+                    y = n0b + comptime!(b * rows - KV_PAGE) as u32;
+                }
+                let a = base + comptime!(c * block_n * SW_COLS + b * rows * SW_COLS);
+                bar.tma_load_2d(map, &mut smem.slice_mut(a, a + comptime!(rows * SW_COLS)), y as i32, x);
+            }
+        }
+    }
+}
+
+/// The Hopper forward kernel; arguments as `flash_fwd::flash_fwd_mma2` (one launch card for both;
+/// the INT8 variant is not served here, and `k_s` / `v_s` are read only through the maps).
+/// `k_map` / `v_map`: 128-byte-swizzled maps with 64-column x `sm90_box_rows` boxes.
+#[allow(clippy::too_many_arguments, unused_variables)]
+#[cube(launch_unchecked)]
+pub fn flash_fwd_sm90<E: Float>(
+    k_map: &TensorMap<E, Tiled>,
+    v_map: &TensorMap<E, Tiled>,
+    q_s: &Array<E>,
+    k_s: &Array<E>,
+    v_s: &Array<E>,
+    out: &mut Array<E>,
+    lse: &mut Array<f32>,
+    part_o: &mut Array<f32>,
+    part_lse: &mut Array<f32>,
+    work: &Array<u32>,
+    slices: &Array<u32>,
+    segs: &Array<u32>,
+    tile_ref: &Array<u32>,
+    blocks: &Array<u32>,
+    nonfinite: &Array<u32>,
+    scale_log2: f32,
+    heads_q: u32,
+    heads_kv: u32,
+    total_q: u32,
+    hp: u32,
+    n_slots: u32,
+    inf: f32,
+    k_block: u32,
+    tiles_per_block: u32,
+    win_l: u32,
+    win_r: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] block_n: usize,
+    #[comptime] sparse: bool,
+    #[comptime] paged: bool,
+) {
+    // v holds a NaN or Inf (`nonfinite::v_nonfinite`): the exact row-wise kernel writes this call
+    if nonfinite[0] != 0u32 {
+        terminate!();
+    }
+    let threads = comptime!(SM90_THREADS);
+    let block_m = comptime!(SM90_BLOCK_M);
+    let lane = UNIT_POS_PLANE;
+    let warp = UNIT_POS / 32u32;
+    let wg = (warp / 4u32) as usize;
+    // first row (inside the cube tile) of this thread's warp
+    let prow = wg * 64 + ((warp % 4u32) * 16u32) as usize;
+
+    let tile_e = comptime!(block_n * head_dim);
+    let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(block_m * head_dim), 1024usize);
+    let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(2 * block_n * head_dim), 1024usize);
+    let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(2 * block_n * head_dim), 1024usize);
+    let mut row_tok = SharedMemory::<u32>::new(block_m);
+    let mut row_head = SharedMemory::<u32>::new(block_m);
+    let mut row_lo = SharedMemory::<u32>::new(block_m);
+    let mut row_hi = SharedMemory::<u32>::new(block_m);
+    let bar_k = Barrier::shared(comptime!(threads as u32), UNIT_POS == 0);
+    let bar_v = Barrier::shared(comptime!(threads as u32), UNIT_POS == 0);
+
+    let ys = heads_q / hp;
+    let (xi, y) = cube_item_slot(ys, sparse);
+    let item = xi as usize * WORK_WORDS;
+    let head_base = y * hp;
+    let group = heads_q / heads_kv;
+    let head_kv = head_base / group;
+
+    let slice_off = work[item];
+    let n_slices = work[item + 1];
+    let klo = work[item + 2];
+    let khi = work[item + 3];
+    let slot = work[item + 4];
+
+    let mut n_tiles = 0u32;
+    let mut list = 0u32;
+    let mut list_smem = SharedMemory::<u32>::new(comptime!(if sparse { LIST_SMEM } else { 1usize }));
+    let mut tpb_magic = 0u32;
+    if sparse {
+        tpb_magic = tile_div_magic(tiles_per_block);
+        let r = ((y * (CUBE_COUNT_X / ys) + xi) * 2u32) as usize;
+        list = tile_ref[r];
+        n_tiles = tile_ref[r + 1];
+        let lim = min((n_tiles + tiles_per_block - 1) / tiles_per_block, LIST_SMEM as u32);
+        #[unroll]
+        for pass in 0..comptime!(LIST_SMEM.div_ceil(threads)) {
+            let i = UNIT_POS + (pass * threads) as u32;
+            if i < lim {
+                list_smem[i as usize] = blocks[(list + i) as usize];
+            }
+        }
+    } else if khi > klo {
+        n_tiles = (khi - klo + block_n as u32 - 1) / block_n as u32;
+    }
+
+    fill_rows(
+        slices, segs, slice_off, n_slices, hp, head_base, klo, khi, &mut row_tok, &mut row_head, &mut row_lo,
+        &mut row_hi, win_l, win_r, threads, block_m,
+    );
+    sync_cube();
+
+    // Q tile (swizzled, 16-byte cp.async per unit; rows without a token copy token 0: their key
+    // range is empty) and K(0) on bar_k, V(0) on bar_v
+    if n_tiles > 0 {
+        let (f0, f1) = tile_bounds(0u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
+        let vecs = comptime!(head_dim / 8);
+        #[unroll]
+        for it in 0..comptime!(block_m * (head_dim / 8) / threads) {
+            let idx = UNIT_POS as usize + it * threads;
+            let r = idx / vecs;
+            let c = (idx % vecs) * 8;
+            let mut tok = row_tok[r];
+            if tok == NONE {
+                tok = 0u32;
+            }
+            let g = (tok * heads_q + row_head[r]) as usize * head_dim + c;
+            let s = swizzle_128b(r, c, block_m);
+            copy_async(&q_s.slice(g, g + 8), &mut q_smem.slice_mut(s, s + 8), comptime!(8u32));
+        }
+        let (p0, _p1, pb) = tile_rows(f0, f1, blocks, paged, block_n);
+        issue_tile_sw128(k_map, &mut k_smem, &bar_k, 0usize, p0, pb, head_kv, block_n, head_dim);
+        commit_copies(&bar_k);
+        issue_tile_sw128(v_map, &mut v_smem, &bar_v, 0usize, p0, pb, head_kv, block_n, head_dim);
+        commit_copies(&bar_v);
+    }
+
+    let o_n = comptime!(head_dim / 2);
+    let s_n = comptime!(block_n / 2);
+    let n_blocks = comptime!(block_n / 8);
+    let o_blocks = comptime!(head_dim / 8);
+    let mut o_acc = Array::<f32>::new(o_n);
+    #[unroll]
+    for i in 0..o_n {
+        o_acc[i] = 0.0f32;
+    }
+    let mut s = Array::<f32>::new(s_n);
+    let mut p = Array::<Vector<E, Const<2>>>::new(comptime!(block_n / 4));
+    let neg_inf = -inf;
+    let mut m_r = Array::<f32>::new(2usize);
+    let mut l_r = Array::<f32>::new(2usize);
+    #[unroll]
+    for i in 0..2usize {
+        m_r[i] = M_INIT;
+        l_r[i] = 0.0f32;
+    }
+    let row_a = prow + (lane / 4u32) as usize;
+    let row_b = row_a + 8;
+    let rows_lo = max(klo, max(row_lo[row_a], row_lo[row_b]));
+    let rows_hi = min(khi, min(row_hi[row_a], row_hi[row_b]));
+    // element offsets of this warpgroup's Q rows in each chunk, and of a tile's chunks
+    let q_wg = wg * comptime!(64 * SW_COLS);
+    let v_lbo = comptime!((block_n * SW_ROW) as u32);
+
+    for kt in 0..n_tiles {
+        let (t0, t1) = tile_bounds(kt, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
+        bar_k.wait_parity(kt & 1u32);
+        if kt == 0 {
+            // the Q tile came by cp.async (generic proxy); wgmma reads it through the async proxy
+            fence_proxy_async();
+        }
+        // every warpgroup is done with tile t - 1 (its MMAs were waited for): its buffers take
+        // tile t + 1
+        sync_cube();
+        let cur = ((kt & 1u32) as usize) * tile_e;
+        if kt + 1 < n_tiles {
+            let nxt = tile_e - cur;
+            let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
+            let (p0, _p1, pb) = tile_rows(n0, n1, blocks, paged, block_n);
+            issue_tile_sw128(k_map, &mut k_smem, &bar_k, nxt, p0, pb, head_kv, block_n, head_dim);
+            commit_copies(&bar_k);
+            issue_tile_sw128(v_map, &mut v_smem, &bar_v, nxt, p0, pb, head_kv, block_n, head_dim);
+            commit_copies(&bar_v);
+        }
+
+        // ---- S = Q K^T ----
+        wgmma_fence();
+        #[unroll]
+        for kk in 0..comptime!(head_dim / 16) {
+            let chunk = comptime!(kk / 4);
+            let within = comptime!((kk % 4) * 16);
+            let a_off = q_wg + comptime!(chunk * SM90_BLOCK_M * SW_COLS + within);
+            let b_off = cur + comptime!(chunk * block_n * SW_COLS + within);
+            wgmma_ss::<E>(&mut s, &q_smem, a_off as u32, &k_smem, b_off as u32, 0usize, block_n, false, 0u32, comptime!(kk > 0));
+        }
+        wgmma_commit();
+        wgmma_wait(0u32);
+
+        // ---- mask (only tiles that cross a row's key range) ----
+        let tn = t0 + block_n as u32;
+        if plane_any(t0 < rows_lo || tn > min(rows_hi, t1)) {
+            #[unroll]
+            for i in 0..2usize {
+                let tr = pick_row(i, row_a, row_b);
+                let lo = row_lo[tr];
+                let hi = min(row_hi[tr], t1);
+                #[unroll]
+                for nb in 0..n_blocks {
+                    #[unroll]
+                    for e2 in 0..2usize {
+                        let e = i * 2 + e2;
+                        let key = t0 + nb as u32 * 8 + acc_col(lane, e);
+                        if key < lo || key >= hi {
+                            s[nb * 4 + e] = neg_inf;
+                        }
+                    }
+                }
+            }
+        }
+
+        // ---- online softmax (base 2, conditional rescale: `flash_fwd` module docs) ----
+        let mut top = Array::<f32>::new(2usize);
+        let mut moved = false;
+        #[unroll]
+        for i in 0..2usize {
+            let mut mx = neg_inf;
+            #[unroll]
+            for nb in 0..n_blocks {
+                #[unroll]
+                for e2 in 0..2usize {
+                    mx = max(mx, s[nb * 4 + i * 2 + e2]);
+                }
+            }
+            mx = max(mx, plane_shuffle_xor(mx, 1u32));
+            mx = max(mx, plane_shuffle_xor(mx, 2u32));
+            mx *= scale_log2;
+            top[i] = mx;
+            moved = moved || mx > m_r[i] + RESCALE_SLACK;
+        }
+        if plane_any(moved) {
+            #[unroll]
+            for i in 0..2usize {
+                let old = m_r[i];
+                let mut new = old;
+                if top[i] > old + RESCALE_SLACK {
+                    new = top[i];
+                }
+                let alpha = fast_exp2(old - new);
+                m_r[i] = new;
+                l_r[i] *= alpha;
+                #[unroll]
+                for ob in 0..o_blocks {
+                    #[unroll]
+                    for e2 in 0..2usize {
+                        o_acc[ob * 4 + i * 2 + e2] *= alpha;
+                    }
+                }
+            }
+        }
+        #[unroll]
+        for i in 0..2usize {
+            let ref_m = m_r[i];
+            let mut sum = 0.0f32;
+            #[unroll]
+            for nb in 0..n_blocks {
+                #[unroll]
+                for e2 in 0..2usize {
+                    let idx = nb * 4 + i * 2 + e2;
+                    let pv = fast_exp2(s[idx] * scale_log2 - ref_m);
+                    s[idx] = pv;
+                    sum += pv;
+                }
+            }
+            l_r[i] += sum;
+        }
+        // P packed to pairs: the A fragments of the P V steps (pair j = scores 2j, 2j + 1)
+        #[unroll]
+        for j in 0..comptime!(block_n / 4) {
+            let mut pr = Vector::<E, Const<2>>::empty();
+            pr[0] = E::cast_from(s[2 * j]);
+            pr[1] = E::cast_from(s[2 * j + 1]);
+            p[j] = pr;
+        }
+
+        // ---- O += P V ----
+        bar_v.wait_parity(kt & 1u32);
+        wgmma_fence();
+        #[unroll]
+        for ks in 0..comptime!(block_n / 16) {
+            let b_off = cur + comptime!(ks * 16 * SW_COLS);
+            wgmma_rs::<E>(&mut o_acc, &p, &v_smem, b_off as u32, 0usize, comptime!(4 * ks), head_dim, true, v_lbo, true);
+        }
+        wgmma_commit();
+        wgmma_wait(0u32);
+    }
+
+    // ---- finish: reduce l over the 4 lanes of a row, normalise, write ----
+    let mut inv_r = Array::<f32>::new(2usize);
+    #[unroll]
+    for i in 0..2usize {
+        let mut l = l_r[i];
+        l += plane_shuffle_xor(l, 1u32);
+        l += plane_shuffle_xor(l, 2u32);
+        l_r[i] = l;
+        let mut inv = 0.0f32;
+        if l > 0.0f32 {
+            inv = 1.0f32 / l;
+        }
+        inv_r[i] = inv;
+    }
+
+    if slot == NONE {
+        #[unroll]
+        for ob in 0..o_blocks {
+            #[unroll]
+            for e in 0..4usize {
+                let tr = prow + acc_row(lane, e) as usize;
+                let tok = row_tok[tr];
+                if tok != NONE {
+                    let g = (tok * heads_q + row_head[tr]) as usize * head_dim + ob * 8 + acc_col(lane, e) as usize;
+                    out[g] = E::cast_from(o_acc[ob * 4 + e] * inv_r[e / 2]);
+                }
+            }
+        }
+        if lane % 4 == 0 {
+            #[unroll]
+            for i in 0..2usize {
+                let tr = pick_row(i, row_a, row_b);
+                let tok = row_tok[tr];
+                if tok != NONE {
+                    let mut val = inf;
+                    if l_r[i] != 0.0f32 {
+                        val = m_r[i] * LN2 + f32::ln(l_r[i]);
+                    }
+                    lse[(row_head[tr] * total_q + tok) as usize] = val;
+                }
+            }
+        }
+    } else {
+        let pbase = ((y * n_slots + slot) as usize) * block_m;
+        #[unroll]
+        for ob in 0..o_blocks {
+            #[unroll]
+            for e in 0..4usize {
+                let tr = prow + acc_row(lane, e) as usize;
+                part_o[(pbase + tr) * head_dim + ob * 8 + acc_col(lane, e) as usize] = o_acc[ob * 4 + e] * inv_r[e / 2];
+            }
+        }
+        if lane % 4 == 0 {
+            #[unroll]
+            for i in 0..2usize {
+                let tr = pick_row(i, row_a, row_b);
+                let mut val = neg_inf;
+                if l_r[i] != 0.0f32 {
+                    val = m_r[i] * LN2 + f32::ln(l_r[i]);
+                }
+                part_lse[pbase + tr] = val;
+            }
+        }
+    }
+}

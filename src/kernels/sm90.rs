@@ -1,0 +1,142 @@
+//! Hopper (sm_90a) instructions that CubeCL 0.10 cannot express, as named intrinsics of `#[cube]`
+//! code: the warpgroup MMA (`wgmma.mma_async` with shared-memory operands or a register A operand,
+//! its fence / commit / wait) and the generic-to-async proxy fence.
+//!
+//! Each intrinsic registers one marker in the kernel's IR: a `printf` whose format string is
+//! [`MARK`] followed by the instruction's name and its compile-time parameters, and whose
+//! arguments are the operands (local arrays, shared buffers, element offsets). CubeCL's CUDA
+//! generator prints it as one statement, `printf("<MARK><name>", a,b,...);`, in program order, and
+//! does not otherwise optimise the kernel (its CUDA path runs only the shared-memory analysis), so
+//! a local array passed here is the very array the kernel reads afterwards. The one place that
+//! lowers the markers to inline PTX is `backend::cuda::rewrite::sm90`; it refuses a kernel with a
+//! marker it does not know, and a kernel built with it must contain no `printf` left over.
+//!
+//! Shared operands are 128-byte-swizzled tiles (what a tensor-map copy with
+//! `CU_TENSOR_MAP_SWIZZLE_128B` writes, and what [`swizzle_128b`] computes for thread copies):
+//! 64-element (128-byte) column chunks, each a run of rows 128 bytes apart, chunks `chunk_bytes`
+//! apart, every buffer 1024-byte aligned. The accumulator of an `m64nN` MMA is `N / 2` f32 per
+//! thread of the warpgroup in the `mma.sync` m16n8 C layout repeated `N / 8` times (warp `w` of the
+//! group owns rows `16 w ..`), so mask and softmax code written for the m16n8 layout serves both.
+
+use cubecl::prelude::*;
+
+/// Prefix of every marker's format string.
+pub const MARK: &str = "__cubeattn_sm90:";
+
+/// Bytes of one swizzled row of a chunk (64 f16/bf16 elements).
+pub const SW_ROW: usize = 128;
+/// Elements of one chunk row.
+pub const SW_COLS: usize = 64;
+
+fn marker(scope: &mut Scope, text: String, args: Vec<cubecl::ir::Variable>) {
+    cubecl::frontend::printf_expand(scope, format!("{MARK}{text}"), args);
+}
+
+fn elem_name<E: CubePrimitive>(scope: &Scope) -> &'static str {
+    let ty = format!("{:?}", E::as_type(scope)).to_lowercase();
+    if ty.contains("bf16") {
+        "bf16"
+    } else if ty.contains("f16") {
+        "f16"
+    } else {
+        panic!("wgmma: f16 or bf16 operands only, not {ty}")
+    }
+}
+
+/// `wgmma.fence`: orders this thread's earlier register writes (accumulators, register A operands)
+/// before the warpgroup MMAs issued after it.
+#[cube]
+pub fn wgmma_fence() {
+    intrinsic!(|scope| marker(scope, "fence".into(), vec![]))
+}
+
+/// `wgmma.commit_group`: closes the MMAs issued since the last commit into one group.
+#[cube]
+pub fn wgmma_commit() {
+    intrinsic!(|scope| marker(scope, "commit".into(), vec![]))
+}
+
+/// `wgmma.wait_group pending`: waits until at most `pending` committed groups are in flight.
+#[cube]
+#[allow(unused_variables)]
+pub fn wgmma_wait(#[comptime] pending: u32) {
+    intrinsic!(|scope| marker(scope, format!("wait {pending}"), vec![]))
+}
+
+/// `fence.proxy.async.shared::cta`: makes this thread's generic-proxy shared-memory writes
+/// (st.shared, cp.async) visible to the async proxy (wgmma operands, bulk copies).
+#[cube]
+pub fn fence_proxy_async() {
+    intrinsic!(|scope| marker(scope, "proxy_fence".into(), vec![]))
+}
+
+/// `acc[acc0 .. acc0 + n / 2] (+)= A B` for one m64 x n x k16 step, both operands in shared memory
+/// (128-byte swizzle): A is 64 rows, K-major, its first row at element `a_off` of `a`; B is `n`
+/// rows of K (K-major, `b_mn` false: B^T stored row-major, as K for S = Q K^T) or `n` columns
+/// (`b_mn`: MN-major, rows of B stored 128 bytes apart per 64 columns, column chunks `b_lbo`
+/// bytes apart, as V for O = P V), its first element at `b_off` of `b`. `accumulate` false
+/// overwrites the accumulator (the scale-d predicate), else adds to it.
+#[cube]
+#[allow(clippy::too_many_arguments, unused_variables)]
+pub fn wgmma_ss<E: Float>(
+    acc: &mut Array<f32>,
+    a: &SharedMemory<E>,
+    a_off: u32,
+    b: &SharedMemory<E>,
+    b_off: u32,
+    #[comptime] acc0: usize,
+    #[comptime] n: usize,
+    #[comptime] b_mn: bool,
+    #[comptime] b_lbo: u32,
+    #[comptime] accumulate: bool,
+) {
+    intrinsic!(|scope| {
+        let t = elem_name::<E>(scope);
+        let args = vec![*acc.expand, *a.expand, *a_off.expand, *b.expand, *b_off.expand];
+        marker(
+            scope,
+            format!("wgmma_ss {t} {n} {acc0} {} {b_lbo} {}", b_mn as u32, accumulate as u32),
+            args,
+        )
+    })
+}
+
+/// `acc[acc0 .. acc0 + n / 2] (+)= A B` for one m64 x n x k16 step with A from registers: the
+/// four packed pairs `a_regs[a0 .. a0 + 4]` (the m16n8k16 A fragment of this thread's warp, which
+/// is the f32 accumulator layout of two n8 blocks packed to pairs); B in shared memory as for
+/// [`wgmma_ss`].
+#[cube]
+#[allow(clippy::too_many_arguments, unused_variables)]
+pub fn wgmma_rs<E: Float>(
+    acc: &mut Array<f32>,
+    a_regs: &Array<Vector<E, Const<2>>>,
+    b: &SharedMemory<E>,
+    b_off: u32,
+    #[comptime] acc0: usize,
+    #[comptime] a0: usize,
+    #[comptime] n: usize,
+    #[comptime] b_mn: bool,
+    #[comptime] b_lbo: u32,
+    #[comptime] accumulate: bool,
+) {
+    intrinsic!(|scope| {
+        let t = elem_name::<E>(scope);
+        let args = vec![*acc.expand, *a_regs.expand, *b.expand, *b_off.expand];
+        marker(
+            scope,
+            format!("wgmma_rs {t} {n} {acc0} {a0} {} {b_lbo} {}", b_mn as u32, accumulate as u32),
+            args,
+        )
+    })
+}
+
+/// Element offset, inside a 128-byte-swizzled tile of `rows` rows per 64-column chunk, of element
+/// `col` (a multiple of 8: one 16-byte unit) of row `row`: chunk `col / 64`, then the row's 16-byte
+/// units permuted by `unit ^ (row % 8)` (the pattern a tensor-map copy with 128-byte swizzle writes
+/// into a 1024-byte-aligned buffer).
+#[cube]
+pub fn swizzle_128b(row: usize, col: usize, #[comptime] rows: usize) -> usize {
+    let chunk = col / SW_COLS;
+    let unit = (col % SW_COLS) / 8;
+    chunk * comptime!(rows * SW_COLS) + row * SW_COLS + ((unit ^ (row % 8)) * 8)
+}
