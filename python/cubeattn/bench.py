@@ -190,6 +190,9 @@ def bench_cpu(args):
 # ---------------------------------------------------------------- CUDA
 
 def _cuda_dense(args, torch):
+    """Forward at one config over args.seqlens: cubeattn through the torch call path
+    (`flash_attn_func` on [1, S, H, D] CUDA tensors, what a user calls: `impl: cubeattn`), its
+    kernels alone (`cubeattn_kernel`), and SDPA's flash and cuDNN backends on the same tensors."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -199,28 +202,35 @@ def _cuda_dense(args, torch):
     sync = torch.cuda.synchronize
     for s in args.seqlens:
         flops = 4 * d * hq * (causal_pairs(s, s) if args.causal else s * s)
-        key = dict(what="dense_fwd", config=args.config, causal=args.causal, dtype=args.dtype, S=s)
+        key = dict(what="dense_fwd", config=args.config, causal=args.causal, dtype=args.dtype, S=s, D=d)
+
+        def row(impl, ms):
+            rows.append(dict(key, impl=impl, ms=ms[0], ms_min=ms[1], ms_max=ms[2], tflops=flops / ms[0] / 1e9))
+
         spec = cubeattn.varlen_spec((s, hq, d), (s, hkv, d), args.dtype, [0, s], [0, s], s, s, causal=args.causal)
+        q = torch.randn(1, s, hq, d, device="cuda", dtype=tdt)
+        k = torch.randn(1, s, hkv, d, device="cuda", dtype=tdt)
+        v = torch.randn_like(k)
+        try:
+            row("cubeattn", median_ms(lambda: cubeattn.flash_attn_func(q, k, v, causal=args.causal), 3,
+                                      args.iterations, sync))
+        except Exception as e:  # report, keep the peers
+            rows.append(dict(key, impl="cubeattn", error=str(e)[:200]))
         try:
             ts = sorted(cubeattn._core.cuda_bench_forward(spec, 3, args.iterations))
-            rows.append(dict(key, impl="cubeattn_cuda", ms=ts[len(ts) // 2], ms_min=ts[0],
-                             ms_max=ts[-1], tflops=flops / ts[len(ts) // 2] / 1e9))
-        except Exception as e:  # report, keep the peers
-            rows.append(dict(key, impl="cubeattn_cuda", error=str(e)[:200]))
-        q = torch.randn(1, hq, s, d, device="cuda", dtype=tdt)
-        k = torch.randn(1, hkv, s, d, device="cuda", dtype=tdt)
-        v = torch.randn_like(k)
+            row("cubeattn_kernel", (ts[len(ts) // 2], ts[0], ts[-1]))
+        except Exception as e:
+            rows.append(dict(key, impl="cubeattn_kernel", error=str(e)[:200]))
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
         for name, be in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
             try:
                 def run():
                     with sdpa_kernel(be):
-                        F.scaled_dot_product_attention(q, k, v, is_causal=args.causal, enable_gqa=True)
-                ms = median_ms(run, 3, args.iterations, sync)
-                rows.append(dict(key, impl=name, ms=ms[0], ms_min=ms[1], ms_max=ms[2],
-                                 tflops=flops / ms[0] / 1e9))
+                        F.scaled_dot_product_attention(qt, kt, vt, is_causal=args.causal, enable_gqa=True)
+                row(name, median_ms(run, 3, args.iterations, sync))
             except Exception as e:
                 rows.append(dict(key, impl=name, error=str(e)[:200]))
-        del q, k, v
+        del q, k, v, qt, kt, vt
     return rows
 
 

@@ -8,8 +8,10 @@
 //! S = Q K^T (`head_dim / 16` MMAs m64 x block_n x k16, both operands in shared memory), masks and
 //! exponentiates it in registers, and adds P V (`block_n / 16` MMAs m64 x head_dim x k16, P from
 //! registers: the f32 S accumulator packed to pairs is the A operand, V the MN-major B operand read
-//! in place). K and V are double-buffered: the tiles of t + 1 are issued (tensor-map copies, one
-//! thread) at the top of tile t, after the cube's one barrier of the tile, and land during it.
+//! in place). K and V are double-buffered: K(t + 1) is issued (tensor-map copies, one thread) at
+//! the top of tile t, after the cube's one barrier of the tile, V(t + 1) once V(t) has landed (a
+//! thread's arrival for a barrier's next phase must follow its wait for the current one); both
+//! land during tile t.
 //! The Q tile (rows gathered by token and head) is copied by every thread with `cp.async` into the
 //! same swizzled layout.
 
@@ -262,8 +264,6 @@ pub fn flash_fwd_sm90<E: Float>(
             let (p0, _p1, pb) = tile_rows(n0, n1, blocks, paged, block_n);
             issue_tile_sw128(k_map, &mut k_smem, &bar_k, nxt, p0, pb, head_kv, block_n, head_dim);
             commit_copies(&bar_k);
-            issue_tile_sw128(v_map, &mut v_smem, &bar_v, nxt, p0, pb, head_kv, block_n, head_dim);
-            commit_copies(&bar_v);
         }
 
         // ---- S = Q K^T ----
@@ -366,7 +366,15 @@ pub fn flash_fwd_sm90<E: Float>(
         }
 
         // ---- O += P V ----
+        // V(t + 1) is issued only after this thread saw V(t) land: an arrival before that would
+        // count towards V(t)'s phase of the barrier
         bar_v.wait_parity(kt & 1u32);
+        if kt + 1 < n_tiles {
+            let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
+            let (p0, _p1, pb) = tile_rows(n0, n1, blocks, paged, block_n);
+            issue_tile_sw128(v_map, &mut v_smem, &bar_v, tile_e - cur, p0, pb, head_kv, block_n, head_dim);
+            commit_copies(&bar_v);
+        }
         wgmma_fence();
         #[unroll]
         for ks in 0..comptime!(block_n / 16) {

@@ -227,8 +227,10 @@ fn variants() -> Vec<(&'static str, FwdOptions)> {
         ("default", all),
         ("no-pack", FwdOptions { pack_heads: false, ..all }),
         ("no-split", FwdOptions { split: false, ..all }),
-        ("bn32", FwdOptions { block_n: 32, ..all }),
-        ("rows16", FwdOptions { plane_rows: 16, ..all }),
+        // the mma.sync kernel (the path below sm_90) on a Hopper GPU, and its tile variants
+        ("mma-sync", FwdOptions { sm90: false, ..all }),
+        ("bn32", FwdOptions { block_n: 32, sm90: false, ..all }),
+        ("rows16", FwdOptions { plane_rows: 16, sm90: false, ..all }),
     ]
 }
 

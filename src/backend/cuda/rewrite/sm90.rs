@@ -74,9 +74,11 @@ fn lower_marker(text: &str) -> Option<Lowered> {
   float* d = acc + {acc0};
   const unsigned long long da = __cubeattn_desc(__cubeattn_smem(a, a_off * {eb}u), 16u, {SBO}u);
   const unsigned long long db = __cubeattn_desc(__cubeattn_smem(b, b_off * {eb}u), {b_lbo}u, {SBO}u);
+#ifndef CUBEATTN_SM90_NO_MMA
   asm volatile("{{\n.reg .pred p;\nsetp.ne.b32 p, %{r2}, 0;\n"
                "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t} {{{list}}}, %{r0}, %{r1}, p, 1, 1, 0, {b_mn};\n}}\n"
                : {cons} : "l"(da), "l"(db), "r"({accum}));
+#endif
 }}
 "#,
                 r0 = regs,
@@ -98,9 +100,11 @@ fn lower_marker(text: &str) -> Option<Lowered> {
   float* d = acc + {acc0};
   const unsigned* a = reinterpret_cast<const unsigned*>(a_regs) + {a0};
   const unsigned long long db = __cubeattn_desc(__cubeattn_smem(b, b_off * {eb}u), {b_lbo}u, {SBO}u);
+#ifndef CUBEATTN_SM90_NO_MMA
   asm volatile("{{\n.reg .pred p;\nsetp.ne.b32 p, %{r5}, 0;\n"
                "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t} {{{list}}}, {{%{r0}, %{r1}, %{r2}, %{r3}}}, %{r4}, p, 1, 1, {b_mn};\n}}\n"
                : {cons} : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"({accum}));
+#endif
 }}
 "#,
                 r0 = regs,
