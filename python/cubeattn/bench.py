@@ -1,5 +1,8 @@
 """Benchmarks: ``python -m cubeattn.bench [dense|grouped|fwdbwd|autograd|callpath|zigzag|sparse] [options]``.
 
+``python -m cubeattn.bench figure --from <json files> -o out.png`` draws recorded rows instead
+(cubeattn beside the peers of the same run; needs matplotlib; ``figure --help``).
+
 ``zigzag`` runs under torchrun (one rank per GPU): ``torchrun --nproc_per_node 2 -m cubeattn.bench
 zigzag --json cp.json`` (on the CPU with gloo too, with small shapes: ``--device cpu``).
 
@@ -1012,6 +1015,11 @@ def maybe_png(rows, path):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["figure"]:
+        from .perf_figure import main as figure
+
+        return figure(argv[1:])
     p = argparse.ArgumentParser(prog="python -m cubeattn.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", nargs="?", default="dense",

@@ -27,7 +27,7 @@ Ordered copy (chunks that are not a multiple of 64, or ``CUBEATTN_ZIGZAG_IN_PLAC
 baseline the in-place read is measured against). K and V are gathered together and put in sequence
 order by one ``index_select`` each (``extract_zigzag_kv_slice`` with every chunk); the backward
 scatters dK, dV back (``scatter_grad_to_zigzag``, the inverse permutation). These copies are
-O(T) against the O(T^2) attention: about 1% of a step (bench/NOTES.md).
+O(T) against the O(T^2) attention: about 1% of a step (docs/context-parallel.md).
 
 Backward, per head slice: K,V are all-gathered again (not kept from the forward: that would hold W
 times the local K,V per layer), one ``grouped_flash_attn_backward`` gives dQ (local, kept) and dK,dV

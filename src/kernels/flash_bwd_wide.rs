@@ -2,7 +2,7 @@
 //! 128-key cubes of 8 planes: FlashAttention-2's partition of the backward (its sm80/sm90 d128
 //! traits). Work list: the CSR of the segments overlapping each key tile (varlen, grouped, GQA,
 //! causal, sliding window). It replaced a 64-key kernel of 4 planes: the backward alone 1.03-1.09x
-//! faster on the dQ pass, 1.21-1.27x with fused dQ (H100, bench/NOTES.md).
+//! faster on the dQ pass, 1.21-1.27x with fused dQ (H100, docs/backward.md).
 //!
 //! Block-sparse (comptime `sparse`): a cube's keys are a work item of at most [`WIDE_BN`] keys
 //! inside one key block of one sequence, and its query tiles come from the transposed block index
@@ -84,8 +84,9 @@ pub const fn q_map_box(head_dim: usize) -> (u32, u32) {
 
 /// Stages of the P / dS tiles. Two (a tile needs one barrier) on the d128 dK / dV kernel without
 /// fused dQ: 206 KB per cube, one cube per SM either way; measured 0.5-1.5% faster there, 0.5-1.5%
-/// slower with fused dQ (bench/NOTES.md). One at d64, where the second stage's address
-/// arithmetic spilled (bench/NOTES.md), and with one query-tile stage (`q_stages`).
+/// slower with fused dQ (docs/backward.md). One at d64, where the second stage's address
+/// arithmetic spilled (32 B of stack, 5-7 local loads per tile), and with one query-tile stage
+/// (`q_stages`).
 pub const fn p_stages_for(head_dim: usize, fuse_dq: bool, q_stages: usize) -> usize {
     if head_dim > 64 && !fuse_dq && q_stages == 2 {
         2

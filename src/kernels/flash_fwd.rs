@@ -185,9 +185,9 @@ pub fn fill_uncovered<E: Float>(out: &mut Array<E>, lse: &mut Array<f32>, inf: f
 /// masked); the caller commits them to its barrier. Unit `u` copies the 16 bytes at column
 /// `u % vecs_per_row` of rows `u / vecs_per_row + i * rows_per_pass`: its row and column are
 /// computed once, each copy adds one clamp, one multiply-add and a constant shared offset (the
-/// per-copy division of `u + i * threads` cost ~2x the instructions; bench/NOTES.md). At
+/// per-copy division of `u + i * threads` cost ~2x the instructions; docs/forward.md). At
 /// head_dim 64 a full tile (every tile but a range's last) skips the clamps: one global offset
-/// plus a constant per pass, measured 2% faster there and 1-5% slower at d128 (bench/NOTES.md).
+/// plus a constant per pass, measured 2% faster there and 1-5% slower at d128 (docs/forward.md).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn copy_kv_tile<E: Float>(
@@ -590,7 +590,7 @@ pub fn flash_fwd_mma2<E: Float>(
         // K(t) and V(t) were issued a whole tile ago; the one barrier of the tile then frees the
         // buffers of tile t - 1 (every plane has finished its S and P.V) for tile t + 1's copies,
         // which overlap all of tile t. No wait or barrier inside the tile: ptxas schedules S, the
-        // softmax and P.V as one block (a wait right before P.V cost 5-7%, bench/NOTES.md).
+        // softmax and P.V as one block (a wait right before P.V cost 5-7%, docs/measured-and-lost.md).
         bar_k.wait_parity(kt & 1u32);
         if !v_single {
             bar_v.wait_parity(kt & 1u32);

@@ -84,7 +84,8 @@ pub fn frag_b_t2<E: Float, NB: Size>(
 /// `row0+8..row0+16` in [2, 4)) with `B[kk][n] = smem[(row0 + n) * stride + col0 + kk]`, kk in
 /// 0..16 (K^T from the row-major K tile): the forward's k-step-outer S = Q K^T, where every
 /// accumulator block takes one mma per k-step. (The backward's S and dP keep [`frag_b_t2`]'s
-/// k-step-inner order: the same reorder there spilled under NVRTC 13.0 and lost, bench/NOTES.md.)
+/// k-step-inner order: the same reorder there spilled under NVRTC 13.0 and lost 0.5-2.5%,
+/// docs/forward.md.)
 #[cube]
 pub fn frag_b_pair<E: Float, NB: Size>(
     def: &MmaDefinition<E, E, f32>,

@@ -7,7 +7,7 @@ use cubecl::prelude::*;
 /// order (most expensive first) over all heads, so the longest ones do not start last. With
 /// `items_fastest` (block-sparse) the items of one slot run together and share its K / V (forward,
 /// dQ pass) or Q / dO and dQ rows (dK/dV) in L2: a random pattern lists each block for few query
-/// blocks, and slots fastest spreads one wave over every head (1-9% measured, bench/NOTES.md).
+/// blocks, and slots fastest spreads one wave over every head (1-9% measured, docs/sparse.md).
 #[cube]
 pub fn cube_item_slot(slots: u32, #[comptime] items_fastest: bool) -> (u32, u32) {
     let mut item = CUBE_POS_X / slots;

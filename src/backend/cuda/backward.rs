@@ -13,7 +13,8 @@
 //!   (FlashAttention-3's way, [`kernels::bulk_reduce`](crate::kernels::bulk_reduce)); a small
 //!   kernel then writes dq = scale * acc in the dtype. The
 //!   summation order of dQ then varies run to run (last-bit differences). Five matmuls per (row,
-//!   key) pair instead of seven: faster on every measured shape (bench/NOTES.md).
+//!   key) pair instead of seven: faster on every measured shape (1.17-1.25x fwd+bwd with the
+//!   128-key kernel on an H100; docs/backward.md).
 //!
 //! f16/bf16 run on tensor cores (mma.sync, f32 accumulation); f32 runs on plain kernels (always
 //! deterministic). head_dim 64 and 128; anything else is `Error::Unsupported`.
@@ -226,7 +227,7 @@ fn atomic_vec(be: &CudaBackend) -> usize {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DqPath {
     /// The fused atomic path for `deterministic = false` calls (with the 128-key dK/dV kernel it
-    /// measured faster than the pass on every shape, bench/NOTES.md), the pass for deterministic
+    /// measured faster than the pass on every shape, docs/backward.md), the pass for deterministic
     /// ones; `CUBEATTN_BWD_DQ=pass` forces the pass for non-deterministic calls too.
     Auto,
     /// The separate deterministic dQ pass.
@@ -311,7 +312,7 @@ pub(crate) struct DkdvTables {
 /// rows (`kernels::bulk_reduce`: sm_90+, head_dim 128, the accumulator 16-byte aligned; the tile
 /// adds 34 KB to the kernel's 171 KB) or by float2 atomics from every thread. At d64 the bulk
 /// path measured 8% slower fwd+bwd (64 operations of 256 B per tile of half d128's work;
-/// bench/NOTES.md), so d64 keeps the atomics.
+/// docs/measured-and-lost.md), so d64 keeps the atomics.
 fn bulk_dq(be: &CudaBackend, hd: usize, acc: u64) -> bool {
     hd == 128 && be.kernels.has_bulk_copies() && acc.is_multiple_of(16)
 }

@@ -2,14 +2,15 @@
 //! `CubeKernel::define` + `Compiler::compile`), NVRTC compiles it to a cubin with our options, the
 //! cubin is cached on disk, and the function is loaded into the device's primary context. The
 //! launches themselves are ours too ([`super::launch`]), on the caller's stream with the caller's
-//! pointers. Why this route and not CubeCL's own launch: bench/NOTES.md "Call path".
+//! pointers. Why this route and not CubeCL's own launch (CubeCL 0.10 owns its streams and
+//! buffers: a call through it needs staging copies and three synchronisations): docs/design.md.
 //!
 //! Disk cache: one file per (kernel, comptime choices, dtype, GPU architecture, NVRTC options,
 //! kernel sources, cubeattn and CubeCL versions) under `CUBEATTN_CACHE_DIR`, else
 //! `$XDG_CACHE_HOME/cubeattn`, else `~/.cache/cubeattn`; `CUBEATTN_CACHE_DIR=off` disables it.
 //! A hit skips CubeCL's code generation and NVRTC's compile; an entry records the NVRTC version
 //! that built it, and a hit from another version than the loadable one is recompiled (NVRTC
-//! releases differ in register allocation and spills: bench/NOTES.md). Without a loadable NVRTC,
+//! releases differ in register allocation and spills: docs/cuda-build.md). Without a loadable NVRTC,
 //! cached entries still load. `CUBEATTN_DUMP_DIR=dir` writes the
 //! CUDA source of every kernel compiled (not read from the cache) into `dir`.
 
@@ -133,7 +134,7 @@ fn codegen_options() -> CompilationOptions {
 /// CUDA source of a kernel (CubeCL's code generator; no device work).
 /// [`codegen`] with `2^x` rewritten into `exp2f`, the cp.async barriers' copy arrivals made
 /// `.noinc`, and ldmatrix / cp.async given 32-bit shared addresses ([`super::rewrite`]; the last
-/// took the forward at 8K causal from 1.90 to 1.77 ms on an H200, bench/NOTES.md); for the kernels
+/// took the forward at 8K causal from 1.90 to 1.77 ms on an H200, docs/cuda-build.md); for the kernels
 /// that use `kernels::math::fast_exp2`. `spin`: barrier waits as a plain `try_wait` loop (the
 /// backward kernels: fwd+bwd 8K 9.90 -> 9.82 ms on an H200; the forward measured 0.3-0.9% slower
 /// with it, so it keeps libcu++'s wait).

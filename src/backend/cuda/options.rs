@@ -39,7 +39,7 @@ impl FwdOptions {
 
     /// Keys per tile at `head_dim`: `block_n` when set, else 128 at head_dim 64 (FlashAttention-2's
     /// d64 tile: 255 registers, two cubes per SM, 5-9% faster than 64-key tiles at three per SM,
-    /// bench/NOTES.md) and 64 above (a 128-key tile's S and O do not fit the registers).
+    /// docs/forward.md) and 64 above (a 128-key tile's S and O do not fit the registers).
     pub fn block_n_for(&self, head_dim: usize) -> usize {
         match self.block_n {
             0 if head_dim <= 64 => 128,

@@ -7,7 +7,7 @@
 //!   per cube); packed rows are `hp` heads per query (`hp` = the GQA group when the index is per
 //!   kv head, else 1), as in the dense plan. A 64-row cube at head_dim 128 runs four planes of
 //!   16 rows (`mt` = 1): with two planes of 32 rows, two cubes per SM (their shared memory) leave
-//!   4 warps per SM; measured 8-9% faster (bench/NOTES.md). Its V tile has one buffer
+//!   4 warps per SM; measured 7-9% faster (docs/sparse.md). Its V tile has one buffer
 //!   (`v_single`: V(t) issued at the top of tile t, waited for before P V), 70 KB instead of
 //!   87 KB, so three cubes (12 warps) share an SM: 16-22% faster again. At head_dim 64 and in
 //!   the int8 kernel the cube keeps two planes of 32 rows (mt = 1 lost 9-17% at d64); the d64

@@ -16,7 +16,7 @@
 //! the explicit arrive dropped; compute-sanitizer's synccheck reported "Missing wait" on every
 //! cp.async barrier before, none after); `spin` waits with a plain `mbarrier.try_wait.parity`
 //! loop (`test_wait` below sm_90, where `try_wait` does not exist, and with `CUBEATTN_PORTABLE`; used by the backward kernels,
-//! see `compile::codegen_exp2`; bench/NOTES.md).
+//! see `compile::codegen_exp2`; measured in docs/forward.md, "Forward order, O rescale, mbarrier protocol").
 //!
 //! `stmatrix` (the backward's P / dS stores, `kernels::fragments::store_acc_16x16`) is sm_90+.
 //! [`stmatrix_fallback`] keeps it on sm_90+ and, below (or with `CUBEATTN_PORTABLE` defined:
@@ -433,7 +433,7 @@ pub(crate) fn bulk_adds(entry: &str, src: &str) -> Result<String> {
 /// `__launch_bounds__(threads)` on every kernel; this adds the minimum-blocks argument, which caps
 /// the registers per thread at 65536 / (blocks x threads) (NVRTC's `-maxrregcount` does not apply
 /// to a kernel that has launch bounds). Used by the d64 forward (three cubes of 128 threads:
-/// 168 registers instead of 214; bench/NOTES.md).
+/// 168 registers instead of 214, 3-8% faster; docs/forward.md).
 pub(crate) fn min_blocks(entry: &str, src: &str, blocks: u32) -> Result<String> {
     let at = src.find("__launch_bounds__(").ok_or_else(|| mismatch(entry, "launch-bounds", "no `__launch_bounds__(`"))?;
     let rest = &src[at + "__launch_bounds__(".len()..];
