@@ -254,6 +254,17 @@ def _needs_grad(q, k, v) -> bool:
     return needs_grad(q, k, v)
 
 
+def _traced(x) -> bool:
+    """Whether `x` is a torch tensor under tracing (torch.compile's Dynamo, fake or functional
+    tensors of AOTAutograd / export): such calls go through the custom ops of `_ops`, whose fake
+    implementations give the output shapes. Plain eager tensors take the direct path."""
+    if not _is_torch(x):
+        return False
+    import torch
+
+    return torch.compiler.is_compiling() or type(x) is not torch.Tensor
+
+
 def _check_like_q(cq, named, shapes=()):
     """dtype of each (name, Converted) must be q's (TypeError), and the shapes of those named in
     `shapes` q's shape (ValueError): the core sees bytes only, so a float16 / bfloat16 mix or a
@@ -371,6 +382,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     otherwise). Returns out; (out, softmax_lse, None) with return_attn_probs (no S_dmask is ever
     built); (out, lse) with the keyword-only return_lse. `deterministic` applies to the autograd
     backward of torch inputs that require grad."""
+    if _traced(q):
+        from . import _ops
+
+        return _ops.call_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                           softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                           return_attn_probs, block_table, return_lse, device)
     _unsupported(dropout_p, softcap, alibi_slopes, block_table)
     deterministic, return_attn_probs = _flag(deterministic, "deterministic"), _flag(return_attn_probs, "return_attn_probs")
     return_lse = _flag(return_lse, "return_lse")
@@ -396,14 +413,20 @@ def _cu(b, s):
     return a
 
 
-def _batched_to_varlen(q, k, v):
+def _batched_dims(q, k, v):
+    """(batch, seqlen_q, seqlen_k) of the batched layout, checked (rank 4, one batch size)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if len(x.shape) != 4:
             raise ValueError(f"invalid argument `{name}`: expected rank 4 [batch, seqlen, heads, head_dim], got shape {tuple(x.shape)}")
-    b, sq = q.shape[0], q.shape[1]
-    sk = k.shape[1]
-    if k.shape[0] != b or v.shape[0] != b:
-        raise ValueError(f"invalid argument `k`: batch {k.shape[0]} differs from q's batch {b}")
+    b = q.shape[0]
+    for name, x in (("k", k), ("v", v)):
+        if x.shape[0] != b:
+            raise ValueError(f"invalid argument `{name}`: batch {x.shape[0]} differs from q's batch {b}")
+    return b, q.shape[1], k.shape[1]
+
+
+def _batched_to_varlen(q, k, v):
+    b, sq, sk = _batched_dims(q, k, v)
     flat = [x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]) for x in (q, k, v)]
     return flat, _cu(b, sq), _cu(b, sk), b, sq, sk
 
@@ -463,6 +486,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     flash-attn 2's signature and argument order (see flash_attn_varlen_func). Returns out
     [batch, seqlen_q, heads_q, d]; with return_lse (out, lse [batch, heads_q, seqlen_q]); with
     return_attn_probs (out, lse, None)."""
+    if _traced(q):
+        from . import _ops
+
+        return _ops.call_dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                    deterministic, return_attn_probs, return_lse, device)
     key = _fast_key(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                     return_attn_probs, return_lse, device)
     if key is not None:
@@ -570,6 +598,12 @@ def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
     """Gradients (dq, dk, dv) of flash_attn_varlen_func given dout, its out and lse. After the
     tensors, the options follow flash-attn's order (dropout_p, softmax_scale, causal, window_size,
     softcap, alibi_slopes, deterministic); they must be those of the forward."""
+    if _traced(q):
+        from . import _ops
+
+        return _ops.call_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                         max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                                         alibi_slopes, deterministic, device)
     _unsupported(dropout_p, softcap, alibi_slopes)
     deterministic = _flag(deterministic, "deterministic")
     dt = dtype_name(q, "q")
@@ -594,6 +628,12 @@ def grouped_flash_attn_func(q, k, v, q_ranges, kv_ranges, dropout_p=0.0, softmax
     dk, dv. The table must be a permutation of range(total_k / 64), total_k a multiple of 64,
     every key range must start at a multiple of 64, and window_size must be (-1, -1) (ValueError
     naming the argument otherwise). The zigzag layer reads its all-gathered K,V this way."""
+    if _traced(q):
+        from . import _ops
+
+        return _ops.call_grouped(q, k, v, q_ranges, kv_ranges, dropout_p, softmax_scale, causal, window_size,
+                                            softcap, alibi_slopes, deterministic, return_attn_probs, return_lse,
+                                            kv_block_table, device)
     _unsupported(dropout_p, softcap, alibi_slopes)
     deterministic, probs = _flag(deterministic, "deterministic"), _flag(return_attn_probs, "return_attn_probs")
     want_lse = _flag(return_lse, "return_lse")
@@ -611,6 +651,12 @@ def grouped_flash_attn_backward(dout, q, k, v, out, lse, q_ranges, kv_ranges, dr
                                 deterministic=False, *, kv_block_table=None, device="auto"):
     """Gradients (dq, dk, dv) of grouped_flash_attn_func; dk/dv accumulate over overlapping groups
     (with a kv_block_table: dk, dv in k's paged layout)."""
+    if _traced(q):
+        from . import _ops
+
+        return _ops.call_grouped_backward(dout, q, k, v, out, lse, q_ranges, kv_ranges, dropout_p, softmax_scale,
+                                          causal, window_size, softcap, alibi_slopes, deterministic, kv_block_table,
+                                          device)
     _unsupported(dropout_p, softcap, alibi_slopes)
     deterministic = _flag(deterministic, "deterministic")
     dt = dtype_name(q, "q")
