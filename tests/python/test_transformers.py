@@ -134,7 +134,9 @@ def test_packed_position_ids_match_separate_sequences():
         by_cu = model(packed, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lens),
                       max_length_k=max(lens)).logits
         model.set_attn_implementation("eager")
-        unpacked_eager = model(packed, position_ids=pos).logits  # eager attends across the packing
+        # eager with the default use_cache=True reads no packing from position_ids (transformers'
+        # masks look for it only without a cache): it attends across the sequences
+        unpacked_eager = model(packed, position_ids=pos).logits
     np.testing.assert_allclose(by_pos.numpy(), alone.numpy(), rtol=LOGIT_TOL, atol=LOGIT_TOL)
     np.testing.assert_allclose(by_cu.numpy(), alone.numpy(), rtol=LOGIT_TOL, atol=LOGIT_TOL)
     assert not torch.allclose(unpacked_eager[:, lens[0]:], alone[:, lens[0]:], atol=1e-3)

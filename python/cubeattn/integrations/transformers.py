@@ -11,7 +11,9 @@ flash-style padding mask (`[batch, kv_len]` bool, or None where nothing is padde
 - packed sequences, given as `cu_seq_lens_q / cu_seq_lens_k / max_length_q / max_length_k`
   kwargs (DataCollatorWithFlattening(return_flash_attn_kwargs=True)) or found in `position_ids`
   (a sequence starts at each row's first token and wherever the position id falls back to its
-  minimum): the varlen call over the flattened tokens;
+  minimum; as in transformers' flash path, with or without a cache, whereas its sdpa / eager
+  masks read position_ids only when no cache is used, e.g. use_cache=False): the varlen call over
+  the flattened tokens;
 - a padding mask: the valid tokens are gathered, the varlen call runs on them, and padded query
   rows get zero output (left padding for queries shorter than keys, as transformers assumes).
 Sliding windows follow transformers' masks: key j is visible to query i when i - j < window
