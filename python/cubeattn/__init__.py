@@ -24,6 +24,7 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_varlen_func",
     "flash_attn_varlen_backward",
+    "flash_attn_with_kvcache",
     "grouped_flash_attn_func",
     "grouped_flash_attn_backward",
     "devices",
@@ -182,19 +183,16 @@ def _zero_option(x, name):
         raise NotImplementedError(f"`{name}`={x!r} is not implemented by cubeattn (only {name}=0.0)")
 
 
-def _unsupported(dropout_p=0.0, softcap=0.0, alibi_slopes=None, block_table=None):
+def _unsupported(dropout_p=0.0, softcap=0.0, alibi_slopes=None):
     """flash-attn options cubeattn has no kernel for: their defaults pass, anything else raises
     NotImplementedError naming the argument."""
-    if dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None and block_table is None \
+    if dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None \
             and type(dropout_p) in (float, int) and type(softcap) in (float, int):
         return
     _zero_option(dropout_p, "dropout_p")
     _zero_option(softcap, "softcap")
     if alibi_slopes is not None:
         raise NotImplementedError("`alibi_slopes` is not implemented by cubeattn (only alibi_slopes=None)")
-    if block_table is not None:
-        raise NotImplementedError("`block_table` (paged KV cache) is not implemented by cubeattn "
-                                  "(only block_table=None)")
 
 
 def _results(out, lse, return_lse, return_attn_probs):
@@ -378,9 +376,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """Attention over a packed batch: sequence b has queries cu_seqlens_q[b]:cu_seqlens_q[b+1] and
     keys cu_seqlens_k[b]:cu_seqlens_k[b+1]. flash-attn 2's signature and argument order; causal is
     bottom-right aligned; window_size=(left, right) is sliding-window attention (-1 = unbounded).
-    dropout_p, softcap, alibi_slopes and block_table must keep their defaults (NotImplementedError
-    otherwise). Returns out; (out, softmax_lse, None) with return_attn_probs (no S_dmask is ever
-    built); (out, lse) with the keyword-only return_lse. `deterministic` applies to the autograd
+    dropout_p, softcap and alibi_slopes must keep their defaults (NotImplementedError otherwise).
+    block_table ([batch, max_blocks_per_seq] int32) reads a paged k, v [num_blocks,
+    page_block_size, heads_kv, head_dim] as flash-attn does: sequence b's keys 0 ..
+    cu_seqlens_k[b+1] - cu_seqlens_k[b] lie in the blocks block_table[b] lists (see _kvcache.py).
+    Returns out; (out, softmax_lse, None) with return_attn_probs (no S_dmask is ever built);
+    (out, lse) with the keyword-only return_lse. `deterministic` applies to the autograd
     backward of torch inputs that require grad."""
     if _traced(q):
         from . import _ops
@@ -388,13 +389,19 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         return _ops.call_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                            softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                                            return_attn_probs, block_table, return_lse, device)
-    _unsupported(dropout_p, softcap, alibi_slopes, block_table)
+    _unsupported(dropout_p, softcap, alibi_slopes)
     deterministic, return_attn_probs = _flag(deterministic, "deterministic"), _flag(return_attn_probs, "return_attn_probs")
     return_lse = _flag(return_lse, "return_lse")
-    cq, ck, cv = to_core(q, "q"), to_core(k, "k"), to_core(v, "v")
-    spec = varlen_spec(cq.shape, ck.shape, cq.dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                       softmax_scale, causal, v_shape=cv.shape, window_size=window_size)
-    res = _forward(spec, q, k, v, cq, ck, cv, return_lse or return_attn_probs, deterministic, device)
+    if block_table is not None:
+        from ._kvcache import paged_varlen
+
+        res = paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, softmax_scale,
+                           causal, window_size, return_lse or return_attn_probs, deterministic, device)
+    else:
+        cq, ck, cv = to_core(q, "q"), to_core(k, "k"), to_core(v, "v")
+        spec = varlen_spec(cq.shape, ck.shape, cq.dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           softmax_scale, causal, v_shape=cv.shape, window_size=window_size)
+        res = _forward(spec, q, k, v, cq, ck, cv, return_lse or return_attn_probs, deterministic, device)
     if not (return_lse or return_attn_probs):
         return res
     return _results(res[0], res[1], return_lse, return_attn_probs)
@@ -716,6 +723,9 @@ def warmup(head_dims=(64, 128), dtypes=("bfloat16", "float16"), causal=(True, Fa
             grouped_flash_attn_backward(q, q, k, v, out, lse, qr, kr, causal=bool(c), device=device)
     return len(todo)
 
+
+# flash-attn's inference surface: a KV cache appended in place, paged caches (python/cubeattn/_kvcache.py)
+from ._kvcache import flash_attn_with_kvcache  # noqa: E402
 
 # zigzag llama3 context parallelism (torch.distributed; torch is imported on first use only)
 from .zigzag import (extract_zigzag_kv_slice, scatter_grad_to_zigzag, zigzag_cu_seqlens,  # noqa: E402

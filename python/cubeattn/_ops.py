@@ -173,7 +173,9 @@ def call_dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
 def call_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                            causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table,
                            return_lse, device):
-    _unsupported(block_table=block_table)
+    if block_table is not None:
+        raise NotImplementedError("`block_table` (paged k, v) under torch.compile is not implemented by cubeattn; "
+                                  "call it outside the compiled region (torch.compiler.disable)")
     scale, causal, left, right, det, device = _options(dropout_p, softmax_scale, causal, window_size, softcap,
                                                        alibi_slopes, deterministic, device)
     want_lse, probs = _flag(return_lse, "return_lse"), _flag(return_attn_probs, "return_attn_probs")
