@@ -68,30 +68,31 @@ def paged_keys(block_table, page, starts, ends, num_pages, paged_ok):
     buffer). `paged_ok`: the caller allows the in-place read (no window)."""
     batch, max_blocks = block_table.shape
     need = -(-ends // page)
-    for b in range(batch):
-        if need[b] > max_blocks:
-            raise ValueError(f"invalid argument `block_table`: row {b} holds {max_blocks} blocks of {page} keys; "
-                             f"its {ends[b]} keys need {need[b]}")
-        used = block_table[b, :need[b]]
-        if used.size and (used.min() < 0 or used.max() >= num_pages):
-            raise ValueError(f"invalid argument `block_table`: row {b} names a block outside 0..{num_pages}")
-    pages = [block_table[b, :need[b]] for b in range(batch)]
-    used = np.concatenate(pages) if batch else np.zeros(0, np.int64)
+    short = np.nonzero(need > max_blocks)[0]
+    if short.size:
+        b = short[0]
+        raise ValueError(f"invalid argument `block_table`: row {b} holds {max_blocks} blocks of {page} keys; "
+                         f"its {ends[b]} keys need {need[b]}")
+    visited = np.arange(max_blocks)[None, :] < need[:, None]
+    bad = np.nonzero(visited & ((block_table < 0) | (block_table >= num_pages)))[0]
+    if bad.size:
+        raise ValueError(f"invalid argument `block_table`: row {bad[0]} names a block outside 0..{num_pages}")
+    used = block_table[visited]  # row by row, in logical order
     in_place = (paged_ok and page % PAGE == 0 and np.all(starts % PAGE == 0)
                 and np.unique(used).size == used.size)
     if in_place:
         sub = page // PAGE
         logical = (used[:, None] * sub + np.arange(sub)).reshape(-1)
         rest = np.setdiff1d(np.arange(num_pages * sub), logical, assume_unique=True)
-        first = np.concatenate([[0], np.cumsum(need)[:-1]]) * page
+        first = (np.cumsum(need) - need) * page
         ranges = np.stack([first + starts, first + ends], axis=1)
         return ranges.astype(np.int32), np.concatenate([logical, rest]).astype(np.int32), None
-    rows = [pages[b][t // page] * page + t % page for b, t in
-            ((b, np.arange(starts[b], ends[b])) for b in range(batch))]
     lens = ends - starts
-    first = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    first = np.cumsum(lens) - lens
+    row = np.repeat(np.arange(batch), lens)
+    t = np.arange(lens.sum()) - np.repeat(first, lens) + np.repeat(starts, lens)  # position in its row
     ranges = np.stack([first, first + lens], axis=1)
-    return ranges.astype(np.int32), None, (np.concatenate(rows) if batch else np.zeros(0, np.int64))
+    return ranges.astype(np.int32), None, block_table[row, t // page] * page + t % page
 
 
 def _grouped(q_flat, k_flat, v_flat, q_ranges, kv_ranges, table, rows, softmax_scale, causal, window_size, lse,
@@ -246,14 +247,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if np.any(starts > seqlens):
         raise ValueError("invalid argument `cache_leftpad`: larger than cache_seqlens")
     paged = block_table is not None
-    if n_new:
-        _append(k_cache, v_cache, k, v, lead, seqlens[:, None] + np.arange(n_new), width if paged else None)
     q_ranges = np.stack([np.arange(batch) * sq, np.arange(1, batch + 1) * sq], axis=1).astype(np.int32)
-    if paged:
+    if paged:  # (checks the table before anything is written through it)
         kv_ranges, kv_table, rows = paged_keys(lead, width, starts, ends, rows_cache, window == (-1, -1))
     else:
         kv_ranges, kv_table, rows = np.stack([lead * width + starts, lead * width + ends], axis=1).astype(np.int32), \
             None, None
+    if n_new:
+        _append(k_cache, v_cache, k, v, lead, seqlens[:, None] + np.arange(n_new), width if paged else None)
     if _is_torch(q):  # inference only, as flash-attn's: no autograd graph through the cache
         q, k_cache, v_cache = q.detach(), k_cache.detach(), v_cache.detach()
     res = _grouped(_flat(q), _flat(k_cache), _flat(v_cache), q_ranges, kv_ranges, kv_table, rows, softmax_scale,

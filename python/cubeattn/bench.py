@@ -568,6 +568,9 @@ def _cuda_callpath(args, torch):
         tiny = what.startswith("host_overhead")
         calls = 200 if tiny else 20
         rows.append(dict(key, impl="cubeattn", ms=_wall_ms(ours, torch, calls)))
+        if what == "decode_fwd":  # the same step through flash-attn's decoding call (no append)
+            rows.append(dict(key, impl="cubeattn_kvcache", ms=_wall_ms(
+                lambda: cubeattn.flash_attn_with_kvcache(q, k, v, cache_seqlens=sk), torch, calls)))
         if tiny:
             # SDPA flash on the same tiny shape: the peer's own per-call cost
             rows.append(dict(key, impl="sdpa_flash", ms=_wall_ms(sdpa(SDPBackend.FLASH_ATTENTION), torch, calls)))

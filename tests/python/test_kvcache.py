@@ -209,8 +209,10 @@ def test_kvcache_bad_arguments_name_them():
     pool = rand(rng, (4, 64, 2, 16), "float32")
     with pytest.raises(ValueError, match="block_table"):  # 100 keys need two blocks, the table has one
         call(q, pool, pool.copy(), cache_seqlens=np.array([100, 3], np.int32), block_table=np.array([[0], [1]], np.int32))
-    with pytest.raises(ValueError, match="block_table"):
-        call(q, pool, pool.copy(), cache_seqlens=3, block_table=np.array([[0], [9]], np.int32))
+    before = pool.copy()
+    with pytest.raises(ValueError, match="block_table"):  # checked before the new key is written through it
+        call(q, pool, pool.copy(), kn, kn.copy(), cache_seqlens=3, block_table=np.array([[0], [9]], np.int32))
+    assert np.array_equal(pool, before)
     with pytest.raises(ValueError, match="cache_batch_idx"):
         call(q, pool, pool.copy(), cache_seqlens=3, block_table=np.array([[0], [1]], np.int32),
              cache_batch_idx=np.array([0, 1], np.int32))
