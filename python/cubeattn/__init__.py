@@ -24,6 +24,7 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_varlen_func",
     "flash_attn_varlen_backward",
+    "flash_attn_with_kvcache",
     "grouped_flash_attn_func",
     "grouped_flash_attn_backward",
     "devices",
@@ -182,19 +183,16 @@ def _zero_option(x, name):
         raise NotImplementedError(f"`{name}`={x!r} is not implemented by cubeattn (only {name}=0.0)")
 
 
-def _unsupported(dropout_p=0.0, softcap=0.0, alibi_slopes=None, block_table=None):
+def _unsupported(dropout_p=0.0, softcap=0.0, alibi_slopes=None):
     """flash-attn options cubeattn has no kernel for: their defaults pass, anything else raises
     NotImplementedError naming the argument."""
-    if dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None and block_table is None \
+    if dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None \
             and type(dropout_p) in (float, int) and type(softcap) in (float, int):
         return
     _zero_option(dropout_p, "dropout_p")
     _zero_option(softcap, "softcap")
     if alibi_slopes is not None:
         raise NotImplementedError("`alibi_slopes` is not implemented by cubeattn (only alibi_slopes=None)")
-    if block_table is not None:
-        raise NotImplementedError("`block_table` (paged KV cache) is not implemented by cubeattn "
-                                  "(only block_table=None)")
 
 
 def _results(out, lse, return_lse, return_attn_probs):
@@ -252,6 +250,17 @@ def _needs_grad(q, k, v) -> bool:
     from ._autograd import needs_grad
 
     return needs_grad(q, k, v)
+
+
+def _traced(x) -> bool:
+    """Whether `x` is a torch tensor under tracing (torch.compile's Dynamo, fake or functional
+    tensors of AOTAutograd / export): such calls go through the custom ops of `_ops`, whose fake
+    implementations give the output shapes. Plain eager tensors take the direct path."""
+    if not _is_torch(x):
+        return False
+    import torch
+
+    return torch.compiler.is_compiling() or type(x) is not torch.Tensor
 
 
 def _check_like_q(cq, named, shapes=()):
@@ -367,17 +376,32 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """Attention over a packed batch: sequence b has queries cu_seqlens_q[b]:cu_seqlens_q[b+1] and
     keys cu_seqlens_k[b]:cu_seqlens_k[b+1]. flash-attn 2's signature and argument order; causal is
     bottom-right aligned; window_size=(left, right) is sliding-window attention (-1 = unbounded).
-    dropout_p, softcap, alibi_slopes and block_table must keep their defaults (NotImplementedError
-    otherwise). Returns out; (out, softmax_lse, None) with return_attn_probs (no S_dmask is ever
-    built); (out, lse) with the keyword-only return_lse. `deterministic` applies to the autograd
+    dropout_p, softcap and alibi_slopes must keep their defaults (NotImplementedError otherwise).
+    block_table ([batch, max_blocks_per_seq] int32) reads a paged k, v [num_blocks,
+    page_block_size, heads_kv, head_dim] as flash-attn does: sequence b's keys 0 ..
+    cu_seqlens_k[b+1] - cu_seqlens_k[b] lie in the blocks block_table[b] lists (see _kvcache.py).
+    Returns out; (out, softmax_lse, None) with return_attn_probs (no S_dmask is ever built);
+    (out, lse) with the keyword-only return_lse. `deterministic` applies to the autograd
     backward of torch inputs that require grad."""
-    _unsupported(dropout_p, softcap, alibi_slopes, block_table)
+    if _traced(q):
+        from . import _ops
+
+        return _ops.call_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                           softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                           return_attn_probs, block_table, return_lse, device)
+    _unsupported(dropout_p, softcap, alibi_slopes)
     deterministic, return_attn_probs = _flag(deterministic, "deterministic"), _flag(return_attn_probs, "return_attn_probs")
     return_lse = _flag(return_lse, "return_lse")
-    cq, ck, cv = to_core(q, "q"), to_core(k, "k"), to_core(v, "v")
-    spec = varlen_spec(cq.shape, ck.shape, cq.dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                       softmax_scale, causal, v_shape=cv.shape, window_size=window_size)
-    res = _forward(spec, q, k, v, cq, ck, cv, return_lse or return_attn_probs, deterministic, device)
+    if block_table is not None:
+        from ._kvcache import paged_varlen
+
+        res = paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, softmax_scale,
+                           causal, window_size, return_lse or return_attn_probs, deterministic, device)
+    else:
+        cq, ck, cv = to_core(q, "q"), to_core(k, "k"), to_core(v, "v")
+        spec = varlen_spec(cq.shape, ck.shape, cq.dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           softmax_scale, causal, v_shape=cv.shape, window_size=window_size)
+        res = _forward(spec, q, k, v, cq, ck, cv, return_lse or return_attn_probs, deterministic, device)
     if not (return_lse or return_attn_probs):
         return res
     return _results(res[0], res[1], return_lse, return_attn_probs)
@@ -396,14 +420,20 @@ def _cu(b, s):
     return a
 
 
-def _batched_to_varlen(q, k, v):
+def _batched_dims(q, k, v):
+    """(batch, seqlen_q, seqlen_k) of the batched layout, checked (rank 4, one batch size)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if len(x.shape) != 4:
             raise ValueError(f"invalid argument `{name}`: expected rank 4 [batch, seqlen, heads, head_dim], got shape {tuple(x.shape)}")
-    b, sq = q.shape[0], q.shape[1]
-    sk = k.shape[1]
-    if k.shape[0] != b or v.shape[0] != b:
-        raise ValueError(f"invalid argument `k`: batch {k.shape[0]} differs from q's batch {b}")
+    b = q.shape[0]
+    for name, x in (("k", k), ("v", v)):
+        if x.shape[0] != b:
+            raise ValueError(f"invalid argument `{name}`: batch {x.shape[0]} differs from q's batch {b}")
+    return b, q.shape[1], k.shape[1]
+
+
+def _batched_to_varlen(q, k, v):
+    b, sq, sk = _batched_dims(q, k, v)
     flat = [x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]) for x in (q, k, v)]
     return flat, _cu(b, sq), _cu(b, sk), b, sq, sk
 
@@ -463,6 +493,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     flash-attn 2's signature and argument order (see flash_attn_varlen_func). Returns out
     [batch, seqlen_q, heads_q, d]; with return_lse (out, lse [batch, heads_q, seqlen_q]); with
     return_attn_probs (out, lse, None)."""
+    if _traced(q):
+        from . import _ops
+
+        return _ops.call_dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                    deterministic, return_attn_probs, return_lse, device)
     key = _fast_key(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                     return_attn_probs, return_lse, device)
     if key is not None:
@@ -570,6 +605,12 @@ def flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens
     """Gradients (dq, dk, dv) of flash_attn_varlen_func given dout, its out and lse. After the
     tensors, the options follow flash-attn's order (dropout_p, softmax_scale, causal, window_size,
     softcap, alibi_slopes, deterministic); they must be those of the forward."""
+    if _traced(q):
+        from . import _ops
+
+        return _ops.call_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                         max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                                         alibi_slopes, deterministic, device)
     _unsupported(dropout_p, softcap, alibi_slopes)
     deterministic = _flag(deterministic, "deterministic")
     dt = dtype_name(q, "q")
@@ -594,6 +635,12 @@ def grouped_flash_attn_func(q, k, v, q_ranges, kv_ranges, dropout_p=0.0, softmax
     dk, dv. The table must be a permutation of range(total_k / 64), total_k a multiple of 64,
     every key range must start at a multiple of 64, and window_size must be (-1, -1) (ValueError
     naming the argument otherwise). The zigzag layer reads its all-gathered K,V this way."""
+    if _traced(q):
+        from . import _ops
+
+        return _ops.call_grouped(q, k, v, q_ranges, kv_ranges, dropout_p, softmax_scale, causal, window_size,
+                                            softcap, alibi_slopes, deterministic, return_attn_probs, return_lse,
+                                            kv_block_table, device)
     _unsupported(dropout_p, softcap, alibi_slopes)
     deterministic, probs = _flag(deterministic, "deterministic"), _flag(return_attn_probs, "return_attn_probs")
     want_lse = _flag(return_lse, "return_lse")
@@ -611,6 +658,12 @@ def grouped_flash_attn_backward(dout, q, k, v, out, lse, q_ranges, kv_ranges, dr
                                 deterministic=False, *, kv_block_table=None, device="auto"):
     """Gradients (dq, dk, dv) of grouped_flash_attn_func; dk/dv accumulate over overlapping groups
     (with a kv_block_table: dk, dv in k's paged layout)."""
+    if _traced(q):
+        from . import _ops
+
+        return _ops.call_grouped_backward(dout, q, k, v, out, lse, q_ranges, kv_ranges, dropout_p, softmax_scale,
+                                          causal, window_size, softcap, alibi_slopes, deterministic, kv_block_table,
+                                          device)
     _unsupported(dropout_p, softcap, alibi_slopes)
     deterministic = _flag(deterministic, "deterministic")
     dt = dtype_name(q, "q")
@@ -670,6 +723,9 @@ def warmup(head_dims=(64, 128), dtypes=("bfloat16", "float16"), causal=(True, Fa
             grouped_flash_attn_backward(q, q, k, v, out, lse, qr, kr, causal=bool(c), device=device)
     return len(todo)
 
+
+# flash-attn's inference surface: a KV cache appended in place, paged caches (python/cubeattn/_kvcache.py)
+from ._kvcache import flash_attn_with_kvcache  # noqa: E402
 
 # zigzag llama3 context parallelism (torch.distributed; torch is imported on first use only)
 from .zigzag import (extract_zigzag_kv_slice, scatter_grad_to_zigzag, zigzag_cu_seqlens,  # noqa: E402

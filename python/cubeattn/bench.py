@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m cubeattn.bench [dense|grouped|fwdbwd|autograd|callpath|zigzag|sparse] [options]``.
+"""Benchmarks: ``python -m cubeattn.bench [dense|grouped|fwdbwd|autograd|callpath|zigzag|sparse|hf_train] [options]``.
 
 ``python -m cubeattn.bench figure --from <json files> -o out.png`` draws recorded rows instead
 (cubeattn beside the peers of the same run; needs matplotlib; ``figure --help``).
@@ -13,6 +13,7 @@ Times cubeattn beside the peers a user would otherwise pick, in the same run, on
     per-group calls that people make today.
 ``sparse`` times block-sparse attention at several kept fractions beside our dense path on the same
 inputs (CUDA: forward and forward+backward, with SDPA flash and FlexAttention with the same BlockMask).
+``hf_train`` trains a transformers Llama a few steps with cubeattn beside sdpa (see bench_hf.py).
 Our CUDA kernel is timed on device-resident inputs (no host<->device copies) after warm-up.
 Prints a table, writes JSON (``--json``), and a PNG plot when matplotlib is importable (``--png``).
 """
@@ -540,9 +541,10 @@ def _first_call(torch):
 
 
 def _cuda_callpath(args, torch):
-    """The torch call path as a user feels it (bf16, heads of --config, causal): wall clock over 20
-    calls with one sync at the end, beside the kernels' own GPU time (CUDA events) and SDPA flash /
-    cuDNN in the same process; the per-call host overhead on a tiny shape; the first call in a
+    """The torch call path as a user feels it (bf16, heads of --config): wall clock over 20 calls
+    with one sync at the end, beside the kernels' own GPU time (CUDA events) and SDPA flash /
+    cuDNN in the same process: a small causal forward (B=4, S=1K), a decode step (B=8, one query
+    over 4K keys), long forwards; the per-call host overhead on a tiny shape; the first call in a
     fresh process with a cold and a warm kernel cache."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -550,38 +552,45 @@ def _cuda_callpath(args, torch):
     tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     hq, hkv, d = CONFIGS[args.config]
     rows = []
-    for what, b, s in (("forward", 4, 1024), ("forward", 1, 8192), ("fwdbwd", 1, 8192), ("host_overhead", 1, 128),
-                       ("host_overhead_fwdbwd", 1, 128)):
+    # (what, B, Sq, Sk, causal); a single query sees every key, so decode is non-causal for both
+    for what, b, sq, sk, causal in (("small_causal_fwd", 4, 1024, 1024, True), ("decode_fwd", 8, 1, 4096, False),
+                                    ("forward", 1, 8192, 8192, True), ("fwdbwd", 1, 8192, 8192, True),
+                                    ("host_overhead", 1, 128, 128, True), ("host_overhead_fwdbwd", 1, 128, 128, True)):
         grad = what in ("fwdbwd", "host_overhead_fwdbwd")
-        q = torch.randn(b, s, hq, d, device="cuda", dtype=tdt, requires_grad=grad)
-        k = torch.randn(b, s, hkv, d, device="cuda", dtype=tdt, requires_grad=grad)
-        v = torch.randn(b, s, hkv, d, device="cuda", dtype=tdt, requires_grad=grad)
-        g = torch.randn(b, s, hq, d, device="cuda", dtype=tdt)
-        key = dict(what=what, config=args.config, B=b, S=s)
+        q = torch.randn(b, sq, hq, d, device="cuda", dtype=tdt, requires_grad=grad)
+        k = torch.randn(b, sk, hkv, d, device="cuda", dtype=tdt, requires_grad=grad)
+        v = torch.randn(b, sk, hkv, d, device="cuda", dtype=tdt, requires_grad=grad)
+        g = torch.randn(b, sq, hq, d, device="cuda", dtype=tdt)
+        key = dict(what=what, config=args.config, B=b, S=sq) if sq == sk else \
+            dict(what=what, config=args.config, B=b, Sq=sq, Sk=sk)
         qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_(grad) for x in (q, k, v))
         gt = g.transpose(1, 2).contiguous()
 
         def ours():
-            o = cubeattn.flash_attn_func(q, k, v, causal=True)
+            o = cubeattn.flash_attn_func(q, k, v, causal=causal)
             if grad:
                 o.backward(g)
 
         def sdpa(backend):
             def f():
                 with sdpa_kernel(backend):
-                    o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+                    o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=True)
                     if grad:
                         o.backward(gt)
             return f
         tiny = what.startswith("host_overhead")
         calls = 200 if tiny else 20
         rows.append(dict(key, impl="cubeattn", ms=_wall_ms(ours, torch, calls)))
+        if what == "decode_fwd":  # the same step through flash-attn's decoding call (no append)
+            rows.append(dict(key, impl="cubeattn_kvcache", ms=_wall_ms(
+                lambda: cubeattn.flash_attn_with_kvcache(q, k, v, cache_seqlens=sk), torch, calls)))
         if tiny:
             # SDPA flash on the same tiny shape: the peer's own per-call cost
             rows.append(dict(key, impl="sdpa_flash", ms=_wall_ms(sdpa(SDPBackend.FLASH_ATTENTION), torch, calls)))
         else:
-            cu = np.arange(b + 1, dtype=np.int32) * s
-            spec = cubeattn.varlen_spec((b * s, hq, d), (b * s, hkv, d), args.dtype, cu, cu, s, s, None, True)
+            cu_q, cu_k = (np.arange(b + 1, dtype=np.int32) * n for n in (sq, sk))
+            spec = cubeattn.varlen_spec((b * sq, hq, d), (b * sk, hkv, d), args.dtype, cu_q, cu_k, sq, sk, None,
+                                        causal)
             bench = cubeattn._core.cuda_bench_forward_backward if grad else cubeattn._core.cuda_bench_forward
             ts = sorted(bench(spec, 3, 20))
             rows.append(dict(key, impl="cubeattn_kernels", ms=ts[len(ts) // 2]))
@@ -982,6 +991,12 @@ def _sparse(args, device, torch):
 
 # ---------------------------------------------------------------- output
 
+def _hf_train(args, torch):
+    from .bench_hf import hf_train
+
+    return hf_train(args, torch)
+
+
 def print_table(rows):
     cols = [c for c in ("what", "config", "causal", "impl", "cache", "part", "B", "S", "T", "W", "rank", "P", "G", "pattern",
                         "kept", "keep", "ms", "gflops", "tflops", "speedup", "ideal", "fwd_ms", "fwd_tflops", "fwdbwd_ms",
@@ -1023,7 +1038,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m cubeattn.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", nargs="?", default="dense",
-                   choices=["dense", "grouped", "fwdbwd", "autograd", "callpath", "zigzag", "sparse"])
+                   choices=["dense", "grouped", "fwdbwd", "autograd", "callpath", "zigzag", "sparse", "hf_train"])
     p.add_argument("--quick", action="store_true", help="small shapes, few iterations")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--config", default=None, choices=sorted(CONFIGS))
@@ -1095,12 +1110,13 @@ def main(argv=None):
         if torch is None or not torch.cuda.is_available():
             p.error("the CUDA benchmark needs torch with CUDA for the peers")
         args.config = args.config or "llama3-8b"
-        args.seqlens = args.seqlens or ([8192] if args.what == "sparse" else [4096, 8192] if args.quick
-                                        else [4096, 8192, 16384, 32768])
-        args.iterations = args.iterations or (5 if args.quick else 20)
+        args.seqlens = args.seqlens or ([8192] if args.what == "sparse" else [4096] if args.what == "hf_train"
+                                        else [4096, 8192] if args.quick else [4096, 8192, 16384, 32768])
+        if args.what != "hf_train":  # hf_train: --iterations = training steps (default 25)
+            args.iterations = args.iterations or (5 if args.quick else 20)
         rows = {"dense": _cuda_dense, "grouped": _cuda_grouped, "fwdbwd": _cuda_fwdbwd,
                 "autograd": _cuda_autograd, "callpath": _cuda_callpath,
-                "sparse": lambda a, t: _sparse(a, device, t)}[args.what](args, torch)
+                "sparse": lambda a, t: _sparse(a, device, t), "hf_train": _hf_train}[args.what](args, torch)
     env = environment(device)
     print(f"# cubeattn bench {args.what} on {device}: {env.get('gpu_name', platform.processor() or 'cpu')}, "
           f"{env['date']}, commit {env['commit']}")

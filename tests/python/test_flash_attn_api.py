@@ -156,9 +156,11 @@ def test_options_without_a_kernel_raise_not_implemented_naming_them(option, valu
         call(**{option: 0 if option != "alibi_slopes" else None})
 
 
-def test_block_table_raises_not_implemented():
+def test_block_table_with_an_unpaged_k_names_the_argument():
+    """block_table takes a paged k [num_blocks, page_block_size, heads_kv, d] (test_kvcache.py):
+    the rank-3 varlen k beside one is an error naming k."""
     q, k, v, cu_q, cu_k = case(4, lq=5, lk=5)
-    with pytest.raises(NotImplementedError, match="`block_table`"):
+    with pytest.raises(ValueError, match="`k`"):
         cubeattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 5, block_table=np.zeros((1, 1), np.int32))
 
 

@@ -1,0 +1,267 @@
+"""flash-attn's inference surface on top of the grouped call: `flash_attn_with_kvcache` (a KV cache
+appended in place, cache_batch_idx, cache_leftpad, paged caches through block_table) and the
+paged `block_table` of `flash_attn_varlen_func`. Each batch row becomes one group of the grouped
+call (its query rows against its key range of the cache, bottom-right causal inside the group).
+
+Paged K,V: when the pages hold a multiple of 64 keys, the used pages are distinct, every key range
+starts at a page boundary and no window is set, the cache is read in place through the grouped
+call's `kv_block_table` (64-key blocks: the logical order lists each row's blocks, then the unused
+ones); otherwise the keys of each row are gathered into a contiguous buffer first (exact, one
+copy of the visited keys). The host reads cache_seqlens, block_table, cache_batch_idx and
+cache_leftpad to build the call (a device sync when they are CUDA tensors). No maths here.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._arrays import _asarray, _is_torch, dtype_name, int32_vector
+
+PAGE = 64  # keys per block of the grouped call's kv_block_table (the core's KV_PAGE)
+
+
+def _per_row(x, batch, name, default):
+    """An int or a 1-D integer array of `batch` non-negative values, as int64 numpy."""
+    if x is None:
+        return np.full(batch, default, np.int64)
+    if isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)):
+        a = np.full(batch, int(x), np.int64)
+    else:
+        a = int32_vector(x, name).astype(np.int64)
+        if a.shape[0] != batch:
+            raise ValueError(f"invalid argument `{name}`: expected {batch} values (one per batch row), got {a.shape[0]}")
+    if a.size and a.min() < 0:
+        raise ValueError(f"invalid argument `{name}`: values must be non-negative, got {a.min()}")
+    return a
+
+
+def _table(block_table, batch):
+    t = _asarray(block_table, "block_table")
+    if t.ndim != 2 or t.shape[0] != batch:
+        raise ValueError(f"invalid argument `block_table`: expected shape [{batch}, max_blocks_per_seq], got {t.shape}")
+    if t.dtype.kind not in "iu":
+        raise TypeError(f"invalid dtype for `block_table`: {t.dtype}; expected int32")
+    return t.astype(np.int64)
+
+
+def _rank4(x, name):
+    if len(x.shape) != 4:
+        raise ValueError(f"invalid argument `{name}`: expected rank 4, got shape {tuple(x.shape)}")
+
+
+def _index(x, idx):
+    """`idx` (numpy ints) as an index for `x` (a torch tensor on x's device, or numpy)."""
+    if _is_torch(x):
+        import torch
+
+        return torch.as_tensor(idx, device=x.device)
+    return idx
+
+
+def _flat(x):
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def paged_keys(block_table, page, starts, ends, num_pages, paged_ok):
+    """Where each row's keys [starts[b], ends[b]) of a paged cache (pages of `page` keys, `num_pages`
+    of them) lie: (kv_ranges, kv_block_table, None) for the in-place read, or (kv_ranges, None,
+    rows) where `rows` are the flat cache rows to gather (kv_ranges then index the gathered
+    buffer). `paged_ok`: the caller allows the in-place read (no window)."""
+    batch, max_blocks = block_table.shape
+    need = -(-ends // page)
+    short = np.nonzero(need > max_blocks)[0]
+    if short.size:
+        b = short[0]
+        raise ValueError(f"invalid argument `block_table`: row {b} holds {max_blocks} blocks of {page} keys; "
+                         f"its {ends[b]} keys need {need[b]}")
+    visited = np.arange(max_blocks)[None, :] < need[:, None]
+    bad = np.nonzero(visited & ((block_table < 0) | (block_table >= num_pages)))[0]
+    if bad.size:
+        raise ValueError(f"invalid argument `block_table`: row {bad[0]} names a block outside 0..{num_pages}")
+    used = block_table[visited]  # row by row, in logical order
+    in_place = (paged_ok and page % PAGE == 0 and np.all(starts % PAGE == 0)
+                and np.unique(used).size == used.size)
+    if in_place:
+        sub = page // PAGE
+        logical = (used[:, None] * sub + np.arange(sub)).reshape(-1)
+        rest = np.setdiff1d(np.arange(num_pages * sub), logical, assume_unique=True)
+        first = (np.cumsum(need) - need) * page
+        ranges = np.stack([first + starts, first + ends], axis=1)
+        return ranges.astype(np.int32), np.concatenate([logical, rest]).astype(np.int32), None
+    lens = ends - starts
+    first = np.cumsum(lens) - lens
+    row = np.repeat(np.arange(batch), lens)
+    t = np.arange(lens.sum()) - np.repeat(first, lens) + np.repeat(starts, lens)  # position in its row
+    ranges = np.stack([first, first + lens], axis=1)
+    return ranges.astype(np.int32), None, block_table[row, t // page] * page + t % page
+
+
+def _grouped(q_flat, k_flat, v_flat, q_ranges, kv_ranges, table, rows, softmax_scale, causal, window_size, lse,
+             deterministic, device):
+    from . import grouped_flash_attn_func
+
+    if rows is not None:
+        idx = _index(k_flat, rows)
+        k_flat, v_flat = k_flat[idx], v_flat[idx]
+    return grouped_flash_attn_func(q_flat, k_flat, v_flat, q_ranges, kv_ranges, 0.0, softmax_scale, causal,
+                                   window_size, deterministic=deterministic, return_lse=lse, kv_block_table=table,
+                                   device=device)
+
+
+def paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, softmax_scale, causal,
+                 window_size, return_lse, deterministic, device):
+    """flash_attn_varlen_func with a paged k, v [num_blocks, page_block_size, heads_kv, d]: sequence
+    b's keys 0 .. cu_seqlens_k[b+1] - cu_seqlens_k[b] are read through block_table[b]. Returns
+    out, or (out, lse [heads_q, total_q]); differentiable as the grouped call is (dk, dv in the
+    paged layout)."""
+    from . import _count, _window
+
+    for name, x in (("k", k), ("v", v)):
+        if len(x.shape) != 4:
+            raise ValueError(f"invalid argument `{name}`: with a block_table, expected [num_blocks, page_block_size, "
+                             f"heads_kv, head_dim], got shape {tuple(x.shape)}")
+    cq, ck = int32_vector(cu_seqlens_q, "cu_seqlens_q"), int32_vector(cu_seqlens_k, "cu_seqlens_k")
+    if cq.shape != ck.shape or cq.size < 1:
+        raise ValueError(f"invalid argument `cu_seqlens_k`: {ck.size} entries, cu_seqlens_q has {cq.size}")
+    lens_k = np.diff(ck.astype(np.int64))
+    if lens_k.size and (lens_k.min() < 0 or ck[0] != 0):
+        raise ValueError("invalid argument `cu_seqlens_k`: must start at 0 and not decrease")
+    batch = cq.size - 1
+    if _count(max_seqlen_k, "max_seqlen_k") < (lens_k.max() if batch else 0):
+        raise ValueError(f"invalid argument `max_seqlen_k`: smaller than the longest sequence ({lens_k.max()})")
+    _count(max_seqlen_q, "max_seqlen_q")  # the grouped spec checks the query ranges themselves
+    table = _table(block_table, batch)
+    paged_ok = _window(window_size) == (-1, -1)
+    ranges, kv_table, rows = paged_keys(table, k.shape[1], np.zeros(batch, np.int64), lens_k, k.shape[0], paged_ok)
+    q_ranges = np.stack([cq[:-1], cq[1:]], axis=1)
+    return _grouped(q, _flat(k), _flat(v), q_ranges, ranges, kv_table, rows, softmax_scale, causal, window_size,
+                    return_lse, deterministic, device)
+
+
+def _append(k_cache, v_cache, k, v, lead, positions, page):
+    """Writes new keys/values k, v [batch, seqlen_new, heads_kv, d] into the caches in place: row b's
+    token i at cache position positions[b, i] of cache row lead[b] (non-paged, page None), or of
+    the paged cache through lead = block_table (page = page_block_size)."""
+    n = k.shape[1]
+    if page is None:
+        i0 = np.repeat(lead, n)
+        i1 = positions.reshape(-1)
+    else:
+        t = positions
+        i0 = np.take_along_axis(lead, t // page, axis=1).reshape(-1)
+        i1 = (t % page).reshape(-1)
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        idx = (_index(cache, i0), _index(cache, i1))
+        vals = _flat(new)
+        if _is_torch(cache):
+            import torch
+
+            with torch.no_grad():
+                cache[idx] = vals.to(cache.device)
+        else:
+            cache[idx] = vals
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                            cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, device="auto"):
+    """flash-attn's decoding call. q [batch, seqlen_q, heads_q, d]; k_cache, v_cache [batch_cache,
+    seqlen_cache, heads_kv, d], or with block_table ([batch, max_blocks_per_seq] int32) a paged
+    cache [num_blocks, page_block_size, heads_kv, d]. cache_seqlens (an int or [batch]): keys
+    already in each row's cache; k, v [batch, seqlen_new, heads_kv, d], when given, are written
+    into the caches in place at cache_seqlens .. + seqlen_new, and attention then runs over the
+    updated cache. Row b attends to cache positions cache_leftpad[b] .. cache_seqlens[b] +
+    seqlen_new of cache row cache_batch_idx[b] (default b); causal and window_size are
+    bottom-right aligned on those keys. Returns out [batch, seqlen_q, heads_q, d]; with
+    return_softmax_lse (out, lse [batch, heads_q, seqlen_q]). Inference only (no autograd, as
+    flash-attn). rotary_cos / rotary_sin, softcap and alibi_slopes raise NotImplementedError;
+    num_splits is a hint flash-attn's kernel takes and ours plans for itself (accepted, unused)."""
+    from . import _flag, _traced, _unsupported, _window
+
+    if _traced(q):  # in-place cache writes and host-built calls: run eagerly (a graph break)
+        import torch
+
+        return torch.compiler.disable(flash_attn_with_kvcache)(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+            return_softmax_lse, device=device)
+    _unsupported(0.0, softcap, alibi_slopes)
+    for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if x is not None:
+            raise NotImplementedError(f"`{name}` (rotary embedding inside the call) is not implemented by cubeattn: "
+                                      f"rotate q and k before the call")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) or num_splits < 0:
+        raise ValueError(f"invalid argument `num_splits`: expected an int >= 0, got {num_splits!r}")
+    want_lse = _flag(return_softmax_lse, "return_softmax_lse")
+    causal = _flag(causal, "causal")
+    window = _window(window_size)
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _rank4(x, name)
+    if tuple(k_cache.shape) != tuple(v_cache.shape):
+        raise ValueError(f"invalid argument `v_cache`: shape {tuple(v_cache.shape)} differs from k_cache's "
+                         f"{tuple(k_cache.shape)}")
+    if (k is None) != (v is None):
+        raise ValueError("invalid argument `v`: k and v are given together (both or neither)")
+    batch, sq = q.shape[0], q.shape[1]
+    n_new = 0
+    if k is not None:
+        for name, x in (("k", k), ("v", v)):
+            _rank4(x, name)
+            if x.shape[0] != batch or tuple(x.shape[2:]) != tuple(k_cache.shape[2:]):
+                raise ValueError(f"invalid argument `{name}`: expected [{batch}, seqlen_new, "
+                                 f"{', '.join(map(str, k_cache.shape[2:]))}], got {tuple(x.shape)}")
+            if dtype_name(x, name) != dtype_name(k_cache, "k_cache"):
+                raise TypeError(f"invalid dtype for `{name}`: {x.dtype}; k_cache is {k_cache.dtype}")
+        if k.shape[1] != v.shape[1]:
+            raise ValueError(f"invalid argument `v`: seqlen_new {v.shape[1]} differs from k's {k.shape[1]}")
+        if cache_seqlens is None:
+            raise ValueError("invalid argument `cache_seqlens`: needed to append k, v (where each row's cache ends)")
+        n_new = k.shape[1]
+    # paged: [num_blocks, page_block_size, ...]; else [batch_cache, seqlen_cache, ...]
+    rows_cache, width = k_cache.shape[0], k_cache.shape[1]
+    if block_table is not None:
+        if cache_batch_idx is not None:
+            raise ValueError("invalid argument `cache_batch_idx`: not supported with a paged cache (block_table)")
+        if cache_seqlens is None:
+            raise ValueError("invalid argument `cache_seqlens`: needed with a paged cache (block_table)")
+        lead = _table(block_table, batch)
+        capacity = lead.shape[1] * width
+    else:
+        capacity = width
+        if cache_batch_idx is None:
+            lead = np.arange(batch, dtype=np.int64)
+        else:
+            lead = _per_row(cache_batch_idx, batch, "cache_batch_idx", 0)
+            if lead.size and lead.max() >= rows_cache:
+                raise ValueError(f"invalid argument `cache_batch_idx`: {lead.max()} is outside the cache's "
+                                 f"{rows_cache} rows")
+    seqlens = _per_row(cache_seqlens, batch, "cache_seqlens", capacity)
+    starts = _per_row(cache_leftpad, batch, "cache_leftpad", 0)
+    ends = seqlens + n_new
+    if ends.size and ends.max() > capacity:
+        b = int(np.argmax(ends))
+        room = f"the {capacity} keys block_table's rows of {lead.shape[1]} blocks of {width} hold" \
+            if block_table is not None else f"the cache's {capacity}"
+        raise ValueError(f"invalid argument `cache_seqlens`: row {b} holds {seqlens[b]} keys plus {n_new} new, more "
+                         f"than {room}")
+    if np.any(starts > seqlens):
+        raise ValueError("invalid argument `cache_leftpad`: larger than cache_seqlens")
+    paged = block_table is not None
+    q_ranges = np.stack([np.arange(batch) * sq, np.arange(1, batch + 1) * sq], axis=1).astype(np.int32)
+    if paged:  # (checks the table before anything is written through it)
+        kv_ranges, kv_table, rows = paged_keys(lead, width, starts, ends, rows_cache, window == (-1, -1))
+    else:
+        kv_ranges, kv_table, rows = np.stack([lead * width + starts, lead * width + ends], axis=1).astype(np.int32), \
+            None, None
+    if n_new:
+        _append(k_cache, v_cache, k, v, lead, seqlens[:, None] + np.arange(n_new), width if paged else None)
+    if _is_torch(q):  # inference only, as flash-attn's: no autograd graph through the cache
+        q, k_cache, v_cache = q.detach(), k_cache.detach(), v_cache.detach()
+    res = _grouped(_flat(q), _flat(k_cache), _flat(v_cache), q_ranges, kv_ranges, kv_table, rows, softmax_scale,
+                   causal, window, want_lse, False, device)
+    if not want_lse:
+        return res.reshape(q.shape)
+    out, lse = res
+    lse = lse.reshape(q.shape[2], batch, sq)
+    lse = lse.permute(1, 0, 2) if hasattr(lse, "permute") else lse.transpose(1, 0, 2)
+    return out.reshape(q.shape), lse
