@@ -163,8 +163,10 @@ def test_cuda_argument_checks_name_the_argument():
         cubeattn.scatter_grad_to_zigzag(x[:8, :, ::2], cu, 2, max_chunk_idx=1)
     with pytest.raises(ValueError, match="`max_chunk_idx`"):
         cubeattn.extract_zigzag_kv_slice(x, cu, 2, max_chunk_idx=4)
-    with pytest.raises(ValueError, match=r"sequence 0 .* multiple of 2 \* world_size = 6"):
-        cubeattn.extract_zigzag_kv_slice(x, cu, 3)
+    with pytest.raises(ValueError, match="`cu_seqlens`.*non-decreasing"):
+        cubeattn.extract_zigzag_kv_slice(x, np.array([0, 8, 4], np.int32), 2)
+    with pytest.raises(ValueError, match="`kv`: has 16 rows, the gathered buffer of cu_seqlens has 18"):
+        cubeattn.extract_zigzag_kv_slice(x, cu, 3)  # 16 tokens over 3 ranks: shards of 5, 5, 6 rows
     with pytest.raises(ValueError, match="`world_size`"):
         cubeattn.scatter_grad_to_zigzag(x, cu, 0)
 
