@@ -553,6 +553,8 @@ def _gathered_kv(k, v, stride, group, plan, comm, keep=False):
     def start(i):
         hs = slice(i * stride, (i + 1) * stride)
         buf = bufs[i % nbuf]
+        if m == 0:  # no token in the whole batch (every rank knows): nothing to gather
+            return
         if in_place:
             # k, v themselves when one slice holds every kv head (no copy)
             lk, lv = (k, v) if n == 1 else (k[:, hs].contiguous(), v[:, hs].contiguous())
@@ -682,11 +684,12 @@ def _backward(dout, q, k, v, out, lse, plan, stride, scale, causal, deterministi
             dkv.index_copy_(0, k_rows, dki.float())
             dkv.index_copy_(0, v_rows, dvi.float())
         dst = dkv_local[i]
-        pending.append(comm.run(lambda dst=dst, dkv=dkv: _reduce_scatter(dst, dkv, group), dkv, dst))
+        if m:  # (no token in the whole batch: nothing to sum)
+            pending.append(comm.run(lambda dst=dst, dkv=dkv: _reduce_scatter(dst, dkv, group), dkv, dst))
     for ev in pending:
         comm.wait(ev)
     # dkv_local[i] is [2, block, stride, d] (K then V of slice i; this shard's rows first)
-    dkv_local = dkv_local.view(-1, 2, m, stride, d)[:, :, :tl]
+    dkv_local = dkv_local.view(n_slices, 2, m, stride, d)[:, :, :tl]
     dk = dkv_local[:, 0].permute(1, 0, 2, 3).reshape(tl, n_slices * stride, d).to(k.dtype)
     dv = dkv_local[:, 1].permute(1, 0, 2, 3).reshape(tl, n_slices * stride, d).to(v.dtype)
     return dq, dk, dv

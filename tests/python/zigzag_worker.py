@@ -28,7 +28,8 @@ def cpu_cases(world_size):
     among them), GQA 4/2 and 4/1, head_dim 64 and odd ones, one and two kv-head slices, causal and
     not; chunks of 64 keys (the in-place read of the gathered K,V) or not (the ordered copy);
     `keep`: the backward reuses the forward's gathered K,V (keep_gathered_kv). Then any lengths
-    (1-token sequences, 7, 13, 1000, fewer tokens than ranks, ranks without a token) and sliding
+    (1-token sequences, 7, 13, 1000, fewer tokens than ranks, ranks without a token, no token at
+    all) and sliding
     windows (causal; without causal both sides, one side, (0, 2)), given the full cu_seqlens
     (`full`)."""
     m = 2 * world_size
@@ -43,6 +44,7 @@ def cpu_cases(world_size):
         dict(seqlens=[1, 7, 13, 1000, 2], hq=4, hkv=2, d=32, stride=1, causal=True, full=True),
         dict(seqlens=[13, 1, 0, 6, 1], hq=4, hkv=1, d=24, stride=1, causal=False, full=True, keep=True),
         dict(seqlens=[1, 1, 1], hq=2, hkv=1, d=16, stride=1, causal=True, full=True),
+        dict(seqlens=[0, 0], hq=2, hkv=1, d=16, stride=1, causal=True, full=True),
         # sliding windows (the last: chunks of 64 keys, read through the ordered copy)
         dict(seqlens=[100, 7, 333], hq=4, hkv=2, d=32, stride=2, causal=True, window=(37, 0), full=True),
         dict(seqlens=[77, 1, 250], hq=4, hkv=2, d=16, stride=1, causal=False, window=(20, 9), full=True, keep=True),
@@ -55,8 +57,8 @@ def cpu_cases(world_size):
 
 def gpu_cases(world_size):
     """Seed 000's shapes: Llama3-8B heads at 4K, 8K and 16K tokens, varlen uneven, GQA 32/8 and 64/8;
-    then any lengths (packed documents of arbitrary lengths, 1-token ones, fewer tokens than ranks)
-    and sliding windows (causal 4096 on 16K tokens, Mistral's; non-causal both sides)."""
+    then any lengths (packed documents of arbitrary lengths, 1-token ones, fewer tokens than ranks, none)
+    and sliding windows (causal 4096 (Mistral's) on 8K tokens; non-causal both sides, one side)."""
     m = 2 * world_size * 64
     return [
         dict(seqlens=[4096 // m * m], hq=32, hkv=8, d=128, stride=8, causal=True),
@@ -68,9 +70,10 @@ def gpu_cases(world_size):
         dict(seqlens=[1, 7, 13, 1000, 4093, 1, 2500], hq=32, hkv=8, d=128, stride=8, causal=True, full=True),
         dict(seqlens=[8191, 3, 77], hq=32, hkv=8, d=128, stride=4, causal=True, full=True, keep=True),
         dict(seqlens=[1, 2, 3], hq=8, hkv=2, d=64, stride=1, causal=True, full=True),
+        dict(seqlens=[0, 0], hq=8, hkv=2, d=64, stride=2, causal=True, full=True),
         dict(seqlens=[999, 1, 1500], hq=8, hkv=2, d=64, stride=2, causal=False, full=True),
         # sliding windows
-        dict(seqlens=[16384 // m * m], hq=32, hkv=8, d=128, stride=8, causal=True, window=(4095, 0)),
+        dict(seqlens=[8192 // m * m], hq=32, hkv=8, d=128, stride=8, causal=True, window=(4095, 0)),
         dict(seqlens=[5000, 3, 1234], hq=32, hkv=8, d=128, stride=4, causal=True, window=(511, -1), full=True,
              keep=True),
         dict(seqlens=[3001, 700], hq=8, hkv=2, d=64, stride=1, causal=False, window=(256, 128), full=True),
@@ -112,6 +115,8 @@ def _reference(q, k, v, cu, causal, window, dtype):
                 ok &= rel <= (0 if causal else right)
             o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=ok)
         outs.append(o[0].transpose(0, 1))
+    if not outs:  # no token: still a function of q, k, v (zero gradients)
+        return q.new_zeros((0,) + tuple(q.shape[1:]), dtype=dtype) * (q.sum() + k.sum() + v.sum())
     return torch.cat(outs, 0)
 
 
