@@ -662,7 +662,9 @@ def _cp_zigzag(args, torch, device):
     step without collectives. ``tflops_per_gpu``: the fwd+bwd step's attention FLOPs (3.5x the
     forward's, causal pairs only) per GPU per second; ``fwd_tflops_per_gpu`` the forward's.
     ``rel_err_vs_cubeattn`` (baselines): the largest relative difference of out, dq, dk, dv from
-    cubeattn's over the ranks, from one fwd+bwd step before the timing."""
+    cubeattn's over the ranks, from one fwd+bwd step before the timing. ``--window L`` adds
+    cubeattn with the causal sliding window (L, 0) (``impl: cubeattn_window``, its FLOPs those of
+    the window's pairs)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
@@ -711,6 +713,9 @@ def _cp_zigzag(args, torch, device):
                 raise SystemExit(f"--seqlens: tokens per GPU must be even, got {tg}")
             ends = [(rank + 1) * C, (2 * w - rank) * C]
             fwd_flops = 4 * d * hq * sum(causal_pairs(C, e) for e in ends)
+            # the pairs of the causal window (L, 0): position p sees min(p + 1, L + 1) keys
+            win_flops = 4 * d * hq * sum(int(np.minimum(np.arange(e - C, e) + 1, args.window + 1).sum())
+                                         for e in ends) if args.window is not None else None
             gen = torch.Generator().manual_seed(rank)
             q, k, v, go = (torch.randn(tg, h, d, generator=gen).to(tdt).to(dev) for h in (hq, hkv, hkv, hq))
             q, k, v = (x.requires_grad_() for x in (q, k, v))
@@ -718,12 +723,15 @@ def _cp_zigzag(args, torch, device):
             lcu = zz.zigzag_cu_seqlens(cu, w)
             nat = torch.from_numpy(zz._core.zigzag_gathered_rows(cu, w, 2 * w - 1)).to(dev)
 
-            def ours(backward):
-                o = zz.zigzag_llama3_flash_attn_varlen_func(q, k, v, lcu, lcu, tg, tg, stride, causal=True,
-                                                            keep_gathered_kv=args.keep_gathered_kv)
-                if backward:
-                    o.backward(go)
-                return o
+            def layer(window):
+                def step(backward):
+                    o = zz.zigzag_llama3_flash_attn_varlen_func(q, k, v, lcu, lcu, tg, tg, stride, causal=True,
+                                                                window_size=window,
+                                                                keep_gathered_kv=args.keep_gathered_kv)
+                    if backward:
+                        o.backward(go)
+                    return o
+                return step
 
             def allgather(attend):
                 """All-gather K,V (in original order), `attend` each local chunk over its causal prefix."""
@@ -738,22 +746,29 @@ def _cp_zigzag(args, torch, device):
                     return o
                 return step
 
-            impls = [("cubeattn", ours),
-                     ("allgather_cudnn" if device == "cuda" else "allgather_lse_split_cpu", allgather(lse_split)),
-                     ("allgather_sdpa_flash", allgather(sdpa_flash))]
+            # (impl, step, forward FLOPs, window)
+            impls = [("cubeattn", layer((-1, -1)), fwd_flops, None),
+                     ("allgather_cudnn" if device == "cuda" else "allgather_lse_split_cpu", allgather(lse_split),
+                      fwd_flops, None),
+                     ("allgather_sdpa_flash", allgather(sdpa_flash), fwd_flops, None)]
+            if args.window is not None:
+                impls.append(("cubeattn_window", layer((args.window, 0)), win_flops, args.window))
             base = None
-            for impl, fn in impls:
+            for impl, fn, flops, window in impls:
+                ours = impl.startswith("cubeattn")
                 row = dict(what="cp_zigzag", impl=impl, W=w, T=T, T_per_gpu=tg, config=args.config,
-                           dtype=str(tdt).replace("torch.", ""), heads_k_stride=stride if impl == "cubeattn" else None,
-                           keep_gathered_kv=args.keep_gathered_kv if impl == "cubeattn" else None)
+                           dtype=str(tdt).replace("torch.", ""), heads_k_stride=stride if ours else None,
+                           keep_gathered_kv=args.keep_gathered_kv if ours else None)
+                if window is not None:
+                    row["window"] = [window, 0]
                 try:
-                    # one checked step: out and the gradients against cubeattn's
+                    # one checked step: out and the gradients against cubeattn's (no peer has a window)
                     got = [fn(True).detach()] + [x.grad for x in (q, k, v)]
                     for x in (q, k, v):
                         x.grad = None
                     if base is None:
                         base = got
-                    else:
+                    elif window is None:
                         err = max(((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
                                   for a, b in zip(got, base))
                         t = torch.tensor([err], dtype=torch.float64, device=dev)
@@ -779,8 +794,8 @@ def _cp_zigzag(args, torch, device):
                         row[f"exposed_comm_{key}_ms"] = row[f"{key}_ms"] - row[f"{key}_ms_nocomm"]
                         for x in (q, k, v):
                             x.grad = None
-                    row["fwd_tflops_per_gpu"] = fwd_flops / row["fwd_ms"] / 1e9
-                    row["tflops_per_gpu"] = 3.5 * fwd_flops / row["fwdbwd_ms"] / 1e9
+                    row["fwd_tflops_per_gpu"] = flops / row["fwd_ms"] / 1e9
+                    row["tflops_per_gpu"] = 3.5 * flops / row["fwdbwd_ms"] / 1e9
                 except Exception as e:
                     _NoComm.active = False
                     row["error"] = str(e)[:200]
@@ -1008,7 +1023,8 @@ def _sparse(args, device, torch):
 # ---------------------------------------------------------------- output
 
 def print_table(rows):
-    cols = [c for c in ("what", "config", "causal", "impl", "cache", "part", "B", "S", "T", "W", "rank", "P", "G", "pattern",
+    cols = [c for c in ("what", "config", "causal", "impl", "cache", "part", "B", "S", "T", "W", "window", "rank", "P", "G",
+                        "pattern",
                         "kept", "keep", "ms", "gflops", "tflops", "speedup", "ideal", "fwd_ms", "fwd_tflops_per_gpu", "fwdbwd_ms",
                         "tflops_per_gpu", "exposed_comm_fwd_ms", "exposed_comm_fwdbwd_ms", "rel_err",
                         "rel_err_vs_cubeattn", "ok", "error")
@@ -1070,6 +1086,9 @@ def main(argv=None):
                    help="zigzag: kv heads all-gathered per step (default: all of them)")
     p.add_argument("--keep-gathered-kv", action="store_true",
                    help="zigzag: the backward reuses the forward's gathered K,V (keep_gathered_kv=True)")
+    p.add_argument("--window", type=int, default=None,
+                   help="zigzag: also time cubeattn with the causal sliding window (WINDOW, 0) (row impl "
+                        "cubeattn_window; no peer has one)")
     p.add_argument("--pattern", default="random", choices=["random", "local", "strided", "block_diagonal"],
                    help="sparse: block pattern")
     p.add_argument("--top_k_ratios", "--top-k-ratios", nargs="+", type=float, default=[0.25, 0.5, 0.75, 1.0],

@@ -504,18 +504,19 @@ def test_zigzag_layer_gloo_cuda_ranks_share_one_gpu(dtype, tmp_path):
 def test_bench_zigzag_cpu_rows(tmp_path):
     """`python -m cubeattn.bench zigzag` on two CPU processes (gloo, tiny shapes): a row per impl
     (cubeattn, the all-gather + LSE-split baseline that runs on cuDNN on GPUs, the all-gather +
-    SDPA one) with the keys cp.json promises, and the baselines' out and gradients equal to
-    cubeattn's."""
+    SDPA one, cubeattn with a sliding window) with the keys cp.json promises, and the baselines' out
+    and gradients equal to cubeattn's."""
     pytest.importorskip("torch")
     out = tmp_path / "cp.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "cubeattn.bench",
-           "zigzag", "--device", "cpu", "--seqlens", "128", "--iterations", "1", "--json", str(out)]
+           "zigzag", "--device", "cpu", "--seqlens", "128", "--iterations", "1", "--window", "20", "--json", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     import json
 
     rows = json.loads(out.read_text())["rows"]
-    assert [x["impl"] for x in rows] == ["cubeattn", "allgather_lse_split_cpu", "allgather_sdpa_flash"]
+    assert [x["impl"] for x in rows] == ["cubeattn", "allgather_lse_split_cpu", "allgather_sdpa_flash", "cubeattn_window"]
+    assert rows[-1]["window"] == [20, 0]
     for x in rows:
         assert "error" not in x, x
         assert x["what"] == "cp_zigzag" and x["W"] == 2 and x["T"] == 256
@@ -523,5 +524,5 @@ def test_bench_zigzag_cpu_rows(tmp_path):
                     "exposed_comm_fwdbwd_ms"):
             assert np.isfinite(x[key]), (key, x)
         assert x["fwd_ms"] > 0 and x["tflops_per_gpu"] > 0
-    for x in rows[1:]:
+    for x in rows[1:3]:
         assert x["rel_err_vs_cubeattn"] < 1e-4, x
