@@ -279,8 +279,9 @@ def extract_zigzag_kv_slice(kv, cu_seqlens, world_size, max_chunk_idx=None):
     """Gathered zigzag K or V [W * longest shard, heads, d] (the all-gather of every rank's shard,
     rank order, each padded at its end to the longest shard: [total_tokens, heads, d] where every
     length is a multiple of 2W) -> for each sequence its chunks 0..max_chunk_idx (default: all 2W)
-    in original order, sequences concatenated. ``cu_seqlens`` are the full sequences'. An exact row copy (float32, float16, bfloat16: bit for bit): in the Rust core
-    for numpy arrays and CPU tensors; for CUDA tensors (contiguous) a CubeCL kernel enqueued on torch's current stream
+    in original order, sequences concatenated. ``cu_seqlens`` are the full sequences'. An exact
+    row copy (float32, float16, bfloat16: bit for bit): in the Rust core for numpy arrays and CPU
+    tensors; for CUDA tensors (contiguous) a CubeCL kernel enqueued on torch's current stream
     (torch's ``index_select`` where no CUDA backend runs). The result does not track gradients
     (``scatter_grad_to_zigzag`` is the backward)."""
     cu, w, m = _layout(cu_seqlens, world_size, max_chunk_idx)
