@@ -71,10 +71,12 @@ class CudnnOp:
 
     def __init__(self):
         self.repeat = False
+        self.fwd_op = torch.ops.aten._scaled_dot_product_cudnn_attention
+        self.bwd_op = torch.ops.aten._scaled_dot_product_cudnn_attention_backward
 
     def forward(self, q, k, v, causal, scale):
         h = k.shape[1]
-        call = torch.ops.aten._scaled_dot_product_cudnn_attention
+        call = self.fwd_op
         if h != q.shape[1] and not self.repeat:
             try:
                 r = call(q, k, v, None, True, 0.0, causal, False, scale=scale)
@@ -85,16 +87,19 @@ class CudnnOp:
                      scale=scale)
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset = r[:8]
         b, hq, sq = q.shape[:3]
-        # aux: what the backward op takes from the forward, and the shape lse came in
-        return out, lse.reshape(b, hq, sq).float(), (h, tuple(lse.shape), cum_q, cum_k, max_q, max_k, seed, offset)
+        # aux: what the backward op takes from the forward, and the layout lse came in
+        layout = (tuple(lse.shape), lse.stride(), lse.dtype)
+        return out, lse.reshape(b, hq, sq).float(), (h, layout, cum_q, cum_k, max_q, max_k, seed, offset)
 
     def backward(self, dout, q, k, v, out, lse, causal, scale, aux):
-        h, lse_shape, cum_q, cum_k, max_q, max_k, seed, offset = aux
-        dout, lse = dout.contiguous(), lse.reshape(lse_shape).contiguous()
+        h, (shape, stride, dtype), cum_q, cum_k, max_q, max_k, seed, offset = aux
+        # dout in out's layout, the (merged) lse in the layout the forward gave it
+        dout = torch.empty_like(out).copy_(dout)
+        lse = torch.empty_strided(shape, stride, dtype=dtype, device=out.device).copy_(lse.reshape(shape))
 
         def call(kk, vv):
-            return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-                dout, q, kk, vv, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, causal, scale=scale)
+            return self.bwd_op(dout, q, kk, vv, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, causal,
+                               scale=scale)
         if h != q.shape[1] and not self.repeat:
             try:
                 return call(k, v)

@@ -79,6 +79,54 @@ def test_more_queries_than_keys_is_refused():
         _lse_split.lower_right_causal(q, k, k, _lse_split.CpuFlashOp())
 
 
+class FakeCudnn:
+    """The cuDNN op's contract on the CPU (torch's CPU flash op inside): a 9-tuple forward with the
+    lse as [B, H, S, 1] in a transposed layout, a backward that checks it gets that layout back,
+    dout in out's layout and the forward's philox / cum_seq / max values, and (`gqa=False`) refuses
+    K,V with fewer heads than q, as a cuDNN build without GQA does."""
+
+    def __init__(self, gqa):
+        self.gqa, self.calls = gqa, {"fwd": 0, "bwd": 0}
+
+    def forward(self, q, k, v, bias, lse_wanted, p, causal, debug, scale=None):
+        assert bias is None and lse_wanted and p == 0.0 and not debug
+        if k.shape[1] != q.shape[1] and not self.gqa:
+            raise RuntimeError("GQA is not supported")
+        g = q.shape[1] // k.shape[1]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), 0.0, causal, scale=scale)
+        b, h, s = lse.shape
+        lse = lse.transpose(1, 2).contiguous().transpose(1, 2).unsqueeze(-1)  # [B, H, S, 1], strides of [B, S, H]
+        self.calls["fwd"] += 1
+        return (out, lse, torch.tensor(7), torch.tensor(8), s, k.shape[2], torch.tensor(1), torch.tensor(2), None)
+
+    def backward(self, dout, q, k, v, out, lse, seed, offset, bias, cum_q, cum_k, max_q, max_k, p, causal,
+                 scale=None):
+        assert dout.stride() == out.stride() and lse.shape[-1] == 1 and lse.stride()[1] == 1
+        assert (seed.item(), offset.item(), cum_q.item(), cum_k.item()) == (1, 2, 7, 8)
+        assert (max_q, max_k, bias, p) == (q.shape[2], k.shape[2], None, 0.0)
+        if k.shape[1] != q.shape[1] and not self.gqa:
+            raise RuntimeError("GQA is not supported")
+        g = q.shape[1] // k.shape[1]
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), out, lse.squeeze(-1), 0.0, causal,
+            scale=scale)
+        b, h, s, d = dk.shape
+        self.calls["bwd"] += 1
+        return dq, dk.view(b, h // g, g, s, d).sum(2), dv.view(b, h // g, g, s, d).sum(2)
+
+
+@pytest.mark.parametrize("gqa", [True, False])
+def test_cudnn_op_plumbing_cpu(gqa):
+    """CudnnOp's calls (argument order, the forward's values handed to the backward, the lse and
+    dout layouts, the GQA fallback) with the cuDNN op replaced by FakeCudnn."""
+    op = _lse_split.CudnnOp()
+    fake = FakeCudnn(gqa)
+    op.fwd_op, op.bwd_op = fake.forward, fake.backward
+    check(op, "cpu", torch.float32, 24, 90, 4, 2, 16)
+    assert op.repeat == (not gqa) and fake.calls["fwd"] >= 2 and fake.calls["bwd"] >= 2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs torch with CUDA")
 @pytest.mark.parametrize("c,e,hq,hkv", [(512, 512, 8, 8), (512, 2048, 32, 8), (1000, 3000, 8, 2), (64, 4096, 4, 1)])
