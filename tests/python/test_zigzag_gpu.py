@@ -1,9 +1,9 @@
 """Zigzag extract / scatter of CUDA tensors (the CubeCL row-copy kernel, kernels/zigzag_copy.rs)
 against plain slicing on the host, bit for bit: random bit patterns (NaN payloads, infinities,
 -0.0, denormals included) in float16, bfloat16 and float32, W = 1, 2, 3, 4, one and several
-sequences (lengths that are not multiples of 2W too), early and late chunks, odd head counts, head_dim 64 and 128, rows and addresses that
-take each copy width, a non-default stream, a launch grid taller than one row of cubes, and the
-argument checks. Same references as the CPU tests in test_zigzag.py."""
+sequences (lengths that are not multiples of 2W too), early and late chunks, odd head counts,
+head_dim 64 and 128, rows and addresses that take each copy width, a non-default stream, a launch
+grid taller than one row of cubes, and the argument checks. Same references as the CPU tests in test_zigzag.py."""
 import numpy as np
 import pytest
 
