@@ -227,9 +227,9 @@ do_test() {
     if [ "$t" = zigzag ]; then
       if [ "$TARGET" = zigzag ]; then
         # the extract/scatter kernels on one GPU (with `all` the flash_attention suites run them)
-        echo "== zigzag: extract/scatter kernels (Rust gpu::zigzag, pytest test_zigzag_gpu.py)"
+        echo "== zigzag: extract/scatter kernels (Rust gpu::zigzag, pytest test_zigzag_gpu.py), the cuDNN baseline (test_lse_split.py)"
         CUBEATTN_REQUIRE_GPU=1 "$bin" --include-ignored --test-threads=1 gpu::zigzag || status=1
-        (cd "$ROOT/tests/python" && "$PY" -m pytest -q -p no:cacheprovider test_zigzag_gpu.py) || status=1
+        (cd "$ROOT/tests/python" && "$PY" -m pytest -q -p no:cacheprovider test_zigzag_gpu.py test_lse_split.py) || status=1
       fi
       # the whole layer on CUDA tensors with W = 1..4 on one GPU: four ranks, gloo collectives
       for dt in bfloat16 float16; do

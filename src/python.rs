@@ -788,11 +788,19 @@ fn index_out(py: Python<'_>, rows: Vec<usize>) -> Bound<'_, PyArray1<i64>> {
     PyArray1::from_vec(py, rows.into_iter().map(|r| r as i64).collect())
 }
 
-/// Local shard cu_seqlens (every sequence split 2W ways, two chunks per rank).
+/// Local shard cu_seqlens of `rank` (every sequence split 2W ways, two chunks per rank); without
+/// a rank every length must be a multiple of 2W (the same local cu_seqlens on every rank).
 #[pyfunction]
-fn zigzag_local_cu_seqlens<'py>(py: Python<'py>, cu_seqlens: PyReadonlyArray1<'py, i32>, world_size: usize) -> PyResult<Bound<'py, PyArray1<i32>>> {
-    let v = crate::zigzag::local_cu_seqlens(cu_slice(&cu_seqlens)?, world_size).map_err(to_py)?;
+#[pyo3(signature = (cu_seqlens, world_size, rank=None))]
+fn zigzag_local_cu_seqlens<'py>(py: Python<'py>, cu_seqlens: PyReadonlyArray1<'py, i32>, world_size: usize, rank: Option<usize>) -> PyResult<Bound<'py, PyArray1<i32>>> {
+    let v = crate::zigzag::local_cu_seqlens(cu_slice(&cu_seqlens)?, world_size, rank).map_err(to_py)?;
     Ok(PyArray1::from_vec(py, v))
+}
+
+/// Rows of one rank's block in the gathered zigzag buffer (the longest local shard).
+#[pyfunction]
+fn zigzag_rank_rows(cu_seqlens: PyReadonlyArray1<'_, i32>, world_size: usize) -> PyResult<usize> {
+    crate::zigzag::rank_rows(cu_slice(&cu_seqlens)?, world_size).map_err(to_py)
 }
 
 /// Full-batch row of each row of `rank`'s zigzag shard.
@@ -870,6 +878,7 @@ fn add_zigzag(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(zigzag_local_cu_seqlens, m)?)?;
     m.add_function(wrap_pyfunction!(zigzag_shard_rows, m)?)?;
     m.add_function(wrap_pyfunction!(zigzag_gathered_rows, m)?)?;
+    m.add_function(wrap_pyfunction!(zigzag_rank_rows, m)?)?;
     m.add_function(wrap_pyfunction!(zigzag_extract, m)?)?;
     m.add_function(wrap_pyfunction!(zigzag_scatter, m)?)?;
     #[cfg(feature = "cuda")]

@@ -674,13 +674,24 @@ def _allgather_kv(torch, dist):
 
 def _cp_zigzag(args, torch, device):
     """Per-GPU step times of zigzag context parallelism (one sequence of W x T tokens; each rank
-    holds T): cubeattn's layer beside all-gather K,V + two SDPA (flash) calls + reduce-scatter.
-    Every time is the max over ranks of the per-rank median; `*_nocomm` repeats the step with the
-    collectives replaced by no-ops, and exposed communication = step - step without collectives."""
+    holds T): cubeattn's layer beside two all-gather baselines in the same processes, all-gather
+    K,V + per local chunk one SDPA flash call with the bottom-right causal mask
+    (``allgather_sdpa_flash``), or the causal square + the non-causal prefix on cuDNN merged by
+    log-sum-exp (``allgather_cudnn``; cuDNN has no bottom-right mask for Sq != Sk; on the CPU the
+    same split runs on torch's CPU flash op: ``allgather_lse_split_cpu``), + reduce-scatter of dK,
+    dV in the backward. Every time is the max over ranks of the per-rank median; `*_nocomm` repeats
+    the step with the collectives replaced by local stand-ins, and exposed communication = step -
+    step without collectives. ``tflops_per_gpu``: the fwd+bwd step's attention FLOPs (3.5x the
+    forward's, causal pairs only) per GPU per second; ``fwd_tflops_per_gpu`` the forward's.
+    ``rel_err_vs_cubeattn`` (baselines): the largest relative difference of out, dq, dk, dv from
+    cubeattn's over the ranks, from one fwd+bwd step before the timing. ``--window L`` adds
+    cubeattn with the causal sliding window (L, 0) (``impl: cubeattn_window``, its FLOPs those of
+    the window's pairs)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
 
+    from . import _lse_split
     from . import zigzag as zz
 
     dist = _dist_setup(torch, device)
@@ -703,6 +714,18 @@ def _cp_zigzag(args, torch, device):
             real_rs(out, inp, group)
     zz._all_gather, zz._reduce_scatter = gather, rs
     ag = _allgather_kv(torch, dist)
+
+    def sdpa_flash(qc, kc, vc):
+        ctx = sdpa_kernel(SDPBackend.FLASH_ATTENTION) if device == "cuda" else sdpa_kernel(SDPBackend.MATH)
+        with ctx:
+            return F.scaled_dot_product_attention(qc, kc, vc, attn_mask=causal_lower_right(qc.shape[2], kc.shape[2]),
+                                                  enable_gqa=True)
+
+    split_op = _lse_split.CudnnOp() if device == "cuda" else _lse_split.CpuFlashOp()
+
+    def lse_split(qc, kc, vc):
+        return _lse_split.lower_right_causal(qc, kc, vc, split_op)
+
     rows = []
     try:
         for tg in args.seqlens:
@@ -712,6 +735,9 @@ def _cp_zigzag(args, torch, device):
                 raise SystemExit(f"--seqlens: tokens per GPU must be even, got {tg}")
             ends = [(rank + 1) * C, (2 * w - rank) * C]
             fwd_flops = 4 * d * hq * sum(causal_pairs(C, e) for e in ends)
+            # the pairs of the causal window (L, 0): position p sees min(p + 1, L + 1) keys
+            win_flops = 4 * d * hq * sum(int(np.minimum(np.arange(e - C, e) + 1, args.window + 1).sum())
+                                         for e in ends) if args.window is not None else None
             gen = torch.Generator().manual_seed(rank)
             q, k, v, go = (torch.randn(tg, h, d, generator=gen).to(tdt).to(dev) for h in (hq, hkv, hkv, hq))
             q, k, v = (x.requires_grad_() for x in (q, k, v))
@@ -719,31 +745,58 @@ def _cp_zigzag(args, torch, device):
             lcu = zz.zigzag_cu_seqlens(cu, w)
             nat = torch.from_numpy(zz._core.zigzag_gathered_rows(cu, w, 2 * w - 1)).to(dev)
 
-            def ours(backward):
-                o = zz.zigzag_llama3_flash_attn_varlen_func(q, k, v, lcu, lcu, tg, tg, stride, causal=True,
-                                                            keep_gathered_kv=args.keep_gathered_kv)
-                if backward:
-                    o.backward(go)
+            def layer(window):
+                def step(backward):
+                    o = zz.zigzag_llama3_flash_attn_varlen_func(q, k, v, lcu, lcu, tg, tg, stride, causal=True,
+                                                                window_size=window,
+                                                                keep_gathered_kv=args.keep_gathered_kv)
+                    if backward:
+                        o.backward(go)
+                    return o
+                return step
 
-            def baseline(backward):
-                kg, vg = (ag(x).index_select(0, nat) for x in (k, v))  # gathered, in original order
-                k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (kg, vg))
-                q4 = q.transpose(0, 1).unsqueeze(0)
-                outs = []
-                for i, e in enumerate(ends):
-                    ctx = sdpa_kernel(SDPBackend.FLASH_ATTENTION) if device == "cuda" else sdpa_kernel(SDPBackend.MATH)
-                    with ctx:
-                        outs.append(F.scaled_dot_product_attention(q4[:, :, i * C:(i + 1) * C], k4[:, :, :e], v4[:, :, :e],
-                                                                   attn_mask=causal_lower_right(C, e), enable_gqa=True))
-                o = torch.cat(outs, 2)[0].transpose(0, 1)
-                if backward:
-                    o.backward(go)
+            def allgather(attend):
+                """All-gather K,V (in original order), `attend` each local chunk over its causal prefix."""
+                def step(backward):
+                    kg, vg = (ag(x).index_select(0, nat) for x in (k, v))
+                    k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (kg, vg))
+                    q4 = q.transpose(0, 1).unsqueeze(0)
+                    outs = [attend(q4[:, :, i * C:(i + 1) * C], k4[:, :, :e], v4[:, :, :e]) for i, e in enumerate(ends)]
+                    o = torch.cat(outs, 2)[0].transpose(0, 1)
+                    if backward:
+                        o.backward(go)
+                    return o
+                return step
 
-            for impl, fn in (("cubeattn", ours), ("allgather_sdpa_flash", baseline)):
+            # (impl, step, forward FLOPs, window)
+            impls = [("cubeattn", layer((-1, -1)), fwd_flops, None),
+                     ("allgather_cudnn" if device == "cuda" else "allgather_lse_split_cpu", allgather(lse_split),
+                      fwd_flops, None),
+                     ("allgather_sdpa_flash", allgather(sdpa_flash), fwd_flops, None)]
+            if args.window is not None:
+                impls.append(("cubeattn_window", layer((args.window, 0)), win_flops, args.window))
+            base = None
+            for impl, fn, flops, window in impls:
+                ours = impl.startswith("cubeattn")
                 row = dict(what="cp_zigzag", impl=impl, W=w, T=T, T_per_gpu=tg, config=args.config,
-                           dtype=str(tdt).replace("torch.", ""), heads_k_stride=stride if impl == "cubeattn" else None,
-                           keep_gathered_kv=args.keep_gathered_kv if impl == "cubeattn" else None)
+                           dtype=str(tdt).replace("torch.", ""), heads_k_stride=stride if ours else None,
+                           keep_gathered_kv=args.keep_gathered_kv if ours else None)
+                if window is not None:
+                    row["window"] = [window, 0]
                 try:
+                    # one checked step: out and the gradients against cubeattn's (no peer has a window)
+                    got = [fn(True).detach()] + [x.grad for x in (q, k, v)]
+                    for x in (q, k, v):
+                        x.grad = None
+                    if base is None:
+                        base = got
+                    elif window is None:
+                        err = max(((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+                                  for a, b in zip(got, base))
+                        t = torch.tensor([err], dtype=torch.float64, device=dev)
+                        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                        row["rel_err_vs_cubeattn"] = t.item()
+                    del got
                     for key, backward in (("fwd", False), ("fwdbwd", True)):
                         for nocomm in (False, True):
                             _NoComm.active = nocomm
@@ -761,15 +814,15 @@ def _cp_zigzag(args, torch, device):
                             row[f"{key}_ms" + ("_nocomm" if nocomm else "")] = t.item()
                         _NoComm.active = False
                         row[f"exposed_comm_{key}_ms"] = row[f"{key}_ms"] - row[f"{key}_ms_nocomm"]
-                        flops = fwd_flops * (3.5 if backward else 1.0)
-                        row[f"{key}_tflops"] = flops / row[f"{key}_ms"] / 1e9
                         for x in (q, k, v):
                             x.grad = None
+                    row["fwd_tflops_per_gpu"] = flops / row["fwd_ms"] / 1e9
+                    row["tflops_per_gpu"] = 3.5 * flops / row["fwdbwd_ms"] / 1e9
                 except Exception as e:
                     _NoComm.active = False
                     row["error"] = str(e)[:200]
                 rows.append(row)
-            del q, k, v, go
+            del q, k, v, go, base
     finally:
         _NoComm.active = False
         zz._all_gather, zz._reduce_scatter = real_gather, real_rs
@@ -998,9 +1051,11 @@ def _hf_train(args, torch):
 
 
 def print_table(rows):
-    cols = [c for c in ("what", "config", "causal", "impl", "cache", "part", "B", "S", "T", "W", "rank", "P", "G", "pattern",
-                        "kept", "keep", "ms", "gflops", "tflops", "speedup", "ideal", "fwd_ms", "fwd_tflops", "fwdbwd_ms",
-                        "fwdbwd_tflops", "exposed_comm_fwd_ms", "exposed_comm_fwdbwd_ms", "rel_err", "ok", "error")
+    cols = [c for c in ("what", "config", "causal", "impl", "cache", "part", "B", "S", "T", "W", "window", "rank", "P", "G",
+                        "pattern",
+                        "kept", "keep", "ms", "gflops", "tflops", "speedup", "ideal", "fwd_ms", "fwd_tflops_per_gpu", "fwdbwd_ms",
+                        "tflops_per_gpu", "exposed_comm_fwd_ms", "exposed_comm_fwdbwd_ms", "rel_err",
+                        "rel_err_vs_cubeattn", "ok", "error")
             if any(c in r for r in rows)]
     fmt = lambda v: (f"{v:.3f}" if v == 0 or abs(v) >= 0.01 else f"{v:.2e}") if isinstance(v, float) else str(v)
     table = [[fmt(r.get(c, "")) for c in cols] for r in rows]
@@ -1064,6 +1119,9 @@ def main(argv=None):
                    help="zigzag: kv heads all-gathered per step (default: all of them)")
     p.add_argument("--keep-gathered-kv", action="store_true",
                    help="zigzag: the backward reuses the forward's gathered K,V (keep_gathered_kv=True)")
+    p.add_argument("--window", type=int, default=None,
+                   help="zigzag: also time cubeattn with the causal sliding window (WINDOW, 0) (row impl "
+                        "cubeattn_window; no peer has one)")
     p.add_argument("--pattern", default="random", choices=["random", "local", "strided", "block_diagonal"],
                    help="sparse: block pattern")
     p.add_argument("--top_k_ratios", "--top-k-ratios", nargs="+", type=float, default=[0.25, 0.5, 0.75, 1.0],

@@ -1,12 +1,13 @@
 //! Zigzag extract / scatter on CUDA (`kernels::zigzag_copy`) against the CPU row copies
 //! (`cubeattn::zigzag::{extract, scatter}`, themselves checked against plain slicing in
 //! tests/python/test_zigzag.py): byte for byte, on random bytes (every bit pattern, NaN payloads
-//! included), for W = 1..4, one and several sequences (one of them empty), every chunk prefix, and
+//! included), for W = 1..4, one and several sequences (one of them empty; lengths that are not
+//! multiples of 2W: uneven chunks, padded shards), every chunk prefix, and
 //! row lengths that take each copy width (16, 8, 4, 2, 1 bytes). The host path fills the device
 //! output with 0xFF bytes first, so a row the kernel does not write is a mismatch.
 
 use cubeattn::backend::cuda::ZigzagCopy;
-use cubeattn::zigzag::{extract, gathered_rows, scatter};
+use cubeattn::zigzag::{extract, gathered_len, gathered_rows, scatter};
 use cubeattn::Error;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -38,11 +39,12 @@ fn zigzag_extract_and_scatter_match_the_cpu_copies_bit_for_bit() {
     let mut cases = 0;
     let mut bad = Vec::new();
     for w in 1..=4usize {
-        let base: [&[usize]; 2] = [&[1536], &[512, 0, 1024, 768]];
-        for lens in base {
-            let lens: Vec<usize> = lens.iter().map(|n| n - n % (2 * w)).collect();
+        // multiples of 2W, and lengths of any size (the gathered buffer pads the shorter shards)
+        let base: [&[usize]; 3] = [&[1536], &[512, 0, 1024, 768], &[13, 1, 7, 0, 1000]];
+        for (i, lens) in base.into_iter().enumerate() {
+            let lens: Vec<usize> = lens.iter().map(|n| if i < 2 { n - n % (2 * w) } else { *n }).collect();
             let cu = cu_of(&lens);
-            let total = cu[cu.len() - 1] as usize;
+            let total = gathered_len(&cu, w).unwrap();
             for &rb in &row_sizes {
                 let g = bytes(&mut rng, total * rb);
                 let mut chunks = vec![0, w - 1, w, 2 * w - 1];
@@ -93,7 +95,7 @@ fn zigzag_copy_errors_name_the_argument() {
     assert_eq!(name(e), "kv");
     let e = b.zigzag_copy_host(ZigzagCopy::Scatter, &cu, 2, 1, &[0u8; 5 * 4], 4).unwrap_err();
     assert_eq!(name(e), "grad");
-    let e = b.zigzag_copy_host(ZigzagCopy::Extract, &cu_of(&[18]), 2, 3, &[0u8; 18 * 4], 4).unwrap_err();
+    let e = b.zigzag_copy_host(ZigzagCopy::Extract, &[0, 8, 4], 2, 3, &[0u8; 8 * 4], 4).unwrap_err();
     assert_eq!(name(e), "cu_seqlens");
     let e = b.zigzag_copy_host(ZigzagCopy::Extract, &cu, 2, 4, &[0u8; 16 * 4], 4).unwrap_err();
     assert_eq!(name(e), "max_chunk_idx");

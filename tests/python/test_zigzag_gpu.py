@@ -1,9 +1,9 @@
 """Zigzag extract / scatter of CUDA tensors (the CubeCL row-copy kernel, kernels/zigzag_copy.rs)
 against plain slicing on the host, bit for bit: random bit patterns (NaN payloads, infinities,
 -0.0, denormals included) in float16, bfloat16 and float32, W = 1, 2, 3, 4, one and several
-sequences, early and late chunks, odd head counts, head_dim 64 and 128, rows and addresses that
-take each copy width, a non-default stream, a launch grid taller than one row of cubes, and the
-argument checks. Same references as the CPU tests in test_zigzag.py."""
+sequences (lengths that are not multiples of 2W too), early and late chunks, odd head counts,
+head_dim 64 and 128, rows and addresses that take each copy width, a non-default stream, a launch
+grid taller than one row of cubes, and the argument checks. Same references as the CPU tests in test_zigzag.py."""
 import numpy as np
 import pytest
 
@@ -19,12 +19,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.torch,
 # torch dtype and the integer type of the same width (its bits are the comparison)
 DTYPES = {"float16": (torch.float16, np.int16), "bfloat16": (torch.bfloat16, np.int16),
           "float32": (torch.float32, np.int32)}
-BASE = {"single": [1536], "multiple": [512, 1024, 768]}
+BASE = {"single": [1536], "multiple": [512, 1024, 768], "any": [13, 1, 7, 0, 1000]}
 
 
 def lens_for(name, w):
-    """The base lengths rounded down to a multiple of 2W (W = 3 needs multiples of 6)."""
-    return [n - n % (2 * w) for n in BASE[name]]
+    """The base lengths rounded down to a multiple of 2W (W = 3 needs multiples of 6); "any" as
+    they are (uneven chunks, shards padded in the gathered buffer)."""
+    return BASE[name] if name == "any" else [n - n % (2 * w) for n in BASE[name]]
 
 
 def random_bits(shape, dtype, seed):
@@ -63,7 +64,7 @@ def check_scatter(bits, lens, w, m, dtype, grad=None):
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("heads", [1, 3, 5])
-@pytest.mark.parametrize("lens", ["single", "multiple"])
+@pytest.mark.parametrize("lens", ["single", "multiple", "any"])
 @pytest.mark.parametrize("w", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_extract_and_scatter_on_cuda_are_exact(dtype, w, lens, heads, d):
@@ -163,8 +164,10 @@ def test_cuda_argument_checks_name_the_argument():
         cubeattn.scatter_grad_to_zigzag(x[:8, :, ::2], cu, 2, max_chunk_idx=1)
     with pytest.raises(ValueError, match="`max_chunk_idx`"):
         cubeattn.extract_zigzag_kv_slice(x, cu, 2, max_chunk_idx=4)
-    with pytest.raises(ValueError, match=r"sequence 0 .* multiple of 2 \* world_size = 6"):
-        cubeattn.extract_zigzag_kv_slice(x, cu, 3)
+    with pytest.raises(ValueError, match="`cu_seqlens`.*non-decreasing"):
+        cubeattn.extract_zigzag_kv_slice(x, np.array([0, 8, 4], np.int32), 2)
+    with pytest.raises(ValueError, match="`kv`: has 16 rows, the gathered buffer of cu_seqlens has 18"):
+        cubeattn.extract_zigzag_kv_slice(x, cu, 3)  # 16 tokens over 3 ranks: shards of 5, 5, 6 rows
     with pytest.raises(ValueError, match="`world_size`"):
         cubeattn.scatter_grad_to_zigzag(x, cu, 0)
 

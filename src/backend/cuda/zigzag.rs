@@ -30,7 +30,7 @@ use crate::kernels::zigzag_copy::{copy_rows, COPY_THREADS, NO_ROW};
 /// Layouts kept per device.
 const CAPACITY: usize = 64;
 
-/// Which copy: [`ZigzagCopy::Extract`] reads the gathered buffer (`kv`, `cu_seqlens[-1]` rows)
+/// Which copy: [`ZigzagCopy::Extract`] reads the gathered buffer (`kv`, `zigzag::gathered_len` rows)
 /// and writes the prefixes; [`ZigzagCopy::Scatter`] reads the prefixes' gradient (`grad`) and
 /// writes the whole gathered layout.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -53,7 +53,7 @@ impl ZigzagCopy {
 /// entries: the extracted row feeding each gathered row, or [`NO_ROW`]).
 pub(crate) fn build_maps(cu_seqlens: &[i32], world_size: usize, max_chunk: usize) -> Result<(Vec<u32>, usize, usize)> {
     let rows = crate::zigzag::gathered_rows(cu_seqlens, world_size, max_chunk)?;
-    let total = cu_seqlens[cu_seqlens.len() - 1] as usize;
+    let total = crate::zigzag::gathered_len(cu_seqlens, world_size)?;
     let n = rows.len();
     let at = n.next_multiple_of(4);
     let mut host = vec![NO_ROW; at + total];
@@ -195,8 +195,8 @@ fn copy_kernel(be: &CudaBackend, width: usize) -> Result<Func> {
 
 impl CudaBackend {
     /// Enqueues a zigzag row copy on `stream`: extract (`src` is the gathered buffer,
-    /// `cu_seqlens[-1]` rows; `out` gets the prefixes of chunks `0..=max_chunk`) or scatter (`src`
-    /// holds the prefixes; `out` gets all `cu_seqlens[-1]` gathered rows, zero outside the
+    /// `zigzag::gathered_len` rows; `out` gets the prefixes of chunks `0..=max_chunk`) or scatter (`src`
+    /// holds the prefixes; `out` gets all gathered rows, zero outside the
     /// prefixes). Rows of `row_bytes` bytes, any dtype. A layout error names `cu_seqlens`,
     /// `world_size` or `max_chunk_idx`; a wrong row count names `kv` (extract) or `grad`
     /// (scatter) for the input, `out` for the output.
@@ -220,7 +220,7 @@ impl CudaBackend {
         stream: u64,
     ) -> Result<()> {
         // the layout's own checks first (cheap, and they name the layout arguments)
-        crate::zigzag::chunk_lengths(cu_seqlens, world_size)?;
+        crate::zigzag::seq_lengths(cu_seqlens, world_size)?;
         bind(self.ctx)?;
         let s = stream as sys::CUstream;
         let m = maps(self.ctx, cu_seqlens, world_size, max_chunk, s)?;
@@ -285,8 +285,8 @@ impl CudaBackend {
         if !src.len().is_multiple_of(row_bytes) {
             return Err(invalid(op.input(), format!("has {} bytes, not a multiple of the row size {row_bytes}", src.len())));
         }
-        crate::zigzag::chunk_lengths(cu_seqlens, world_size)?;
-        let total = cu_seqlens[cu_seqlens.len() - 1] as usize;
+        crate::zigzag::seq_lengths(cu_seqlens, world_size)?;
+        let total = crate::zigzag::gathered_len(cu_seqlens, world_size)?;
         let out_rows = match op {
             ZigzagCopy::Extract => crate::zigzag::gathered_rows(cu_seqlens, world_size, max_chunk)?.len(),
             ZigzagCopy::Scatter => total,
@@ -336,7 +336,10 @@ mod tests {
                 assert_eq!(fed, n, "W={w} m={m}: every prefix row feeds one gathered row");
             }
         }
-        assert!(build_maps(&[0, 10], 2, 0).is_err());
+        // uneven lengths: the gathered buffer has every rank's shard padded to the longest
+        let (_, n, total) = build_maps(&[0, 13, 14], 2, 3).unwrap();
+        assert_eq!((n, total), (14, 16));
+        assert!(build_maps(&[0, 10, 4], 2, 0).is_err());
         assert!(build_maps(&[0, 8], 2, 4).is_err());
     }
 
