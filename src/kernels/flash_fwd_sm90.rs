@@ -95,6 +95,26 @@ fn issue_tile_sw128<E: Float>(
     }
 }
 
+/// `O += P V` over one key tile: `block_n / 16` MMAs m64 x head_dim x k16, P from the packed A
+/// registers `p`, V the MN-major tile at element `base` of `v_smem` (column chunks `block_n` rows
+/// apart). The caller fences before and commits after.
+#[cube]
+fn pv_steps<E: Float>(
+    o_acc: &mut Array<f32>,
+    p: &Array<Vector<E, Const<2>>>,
+    v_smem: &SharedMemory<E>,
+    base: usize,
+    #[comptime] block_n: usize,
+    #[comptime] head_dim: usize,
+) {
+    let v_lbo = comptime!((block_n * SW_ROW) as u32);
+    #[unroll]
+    for ks in 0..comptime!(block_n / 16) {
+        let b_off = base + comptime!(ks * 16 * SW_COLS);
+        wgmma_rs::<E>(o_acc, p, v_smem, b_off as u32, 0usize, comptime!(4 * ks), head_dim, true, v_lbo, true);
+    }
+}
+
 /// The Hopper forward kernel; arguments as `flash_fwd::flash_fwd_mma2` (one launch card for both;
 /// the INT8 variant is not served here, and `k_s` / `v_s` are read only through the maps).
 /// `k_map` / `v_map`: 128-byte-swizzled maps with 64-column x `sm90_box_rows` boxes.
@@ -245,28 +265,38 @@ pub fn flash_fwd_sm90<E: Float>(
     let rows_hi = min(khi, min(row_hi[row_a], row_hi[row_b]));
     // element offsets of this warpgroup's Q rows in each chunk, and of a tile's chunks
     let q_wg = wg * comptime!(64 * SW_COLS);
-    let v_lbo = comptime!((block_n * SW_ROW) as u32);
-
+    // Tile t: S(t) = Q K(t) and O += P(t - 1) V(t - 1) are issued back to back; the softmax of
+    // S(t) runs while P V is in flight, and O is rescaled once P V has landed (FlashAttention-3's
+    // intra-warpgroup overlap). P(t - 1) keeps its own registers (`p`) until then.
+    let mut alpha = Array::<f32>::new(2usize);
     for kt in 0..n_tiles {
         let (t0, t1) = tile_bounds(kt, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
         bar_k.wait_parity(kt & 1u32);
         if kt == 0 {
             // the Q tile came by cp.async (generic proxy); wgmma reads it through the async proxy
             fence_proxy_async();
+        } else {
+            bar_v.wait_parity((kt - 1u32) & 1u32);
         }
-        // every warpgroup is done with tile t - 1 (its MMAs were waited for): its buffers take
-        // tile t + 1
+        // every warpgroup is done with tile t - 1 (its MMAs were waited for): the buffers of
+        // K(t - 1) and V(t - 2) take K(t + 1) and V(t) (a thread's arrival for a barrier's next
+        // phase follows its wait for the current one)
         sync_cube();
         let cur = ((kt & 1u32) as usize) * tile_e;
+        let prev = tile_e - cur;
         if kt + 1 < n_tiles {
-            let nxt = tile_e - cur;
             let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
             let (p0, _p1, pb) = tile_rows(n0, n1, blocks, paged, block_n);
-            issue_tile_sw128(k_map, &mut k_smem, &bar_k, nxt, p0, pb, head_kv, block_n, head_dim);
+            issue_tile_sw128(k_map, &mut k_smem, &bar_k, prev, p0, pb, head_kv, block_n, head_dim);
             commit_copies(&bar_k);
         }
+        if kt > 0 {
+            let (p0, _p1, pb) = tile_rows(t0, t1, blocks, paged, block_n);
+            issue_tile_sw128(v_map, &mut v_smem, &bar_v, cur, p0, pb, head_kv, block_n, head_dim);
+            commit_copies(&bar_v);
+        }
 
-        // ---- S = Q K^T ----
+        // ---- S(t) = Q K(t), then O += P(t - 1) V(t - 1) ----
         wgmma_fence();
         #[unroll]
         for kk in 0..comptime!(head_dim / 16) {
@@ -277,7 +307,11 @@ pub fn flash_fwd_sm90<E: Float>(
             wgmma_ss::<E>(&mut s, &q_smem, a_off as u32, &k_smem, b_off as u32, 0usize, block_n, false, 0u32, comptime!(kk > 0));
         }
         wgmma_commit();
-        wgmma_wait(0u32);
+        if kt > 0 {
+            pv_steps::<E>(&mut o_acc, &p, &v_smem, prev, block_n, head_dim);
+        }
+        wgmma_commit();
+        wgmma_wait(1u32);
 
         // ---- mask (only tiles that cross a row's key range) ----
         let tn = t0 + block_n as u32;
@@ -302,7 +336,6 @@ pub fn flash_fwd_sm90<E: Float>(
         }
 
         // ---- online softmax (base 2, conditional rescale: `flash_fwd` module docs) ----
-        let mut top = Array::<f32>::new(2usize);
         let mut moved = false;
         #[unroll]
         for i in 0..2usize {
@@ -317,29 +350,16 @@ pub fn flash_fwd_sm90<E: Float>(
             mx = max(mx, plane_shuffle_xor(mx, 1u32));
             mx = max(mx, plane_shuffle_xor(mx, 2u32));
             mx *= scale_log2;
-            top[i] = mx;
-            moved = moved || mx > m_r[i] + RESCALE_SLACK;
-        }
-        if plane_any(moved) {
-            #[unroll]
-            for i in 0..2usize {
-                let old = m_r[i];
-                let mut new = old;
-                if top[i] > old + RESCALE_SLACK {
-                    new = top[i];
-                }
-                let alpha = fast_exp2(old - new);
-                m_r[i] = new;
-                l_r[i] *= alpha;
-                #[unroll]
-                for ob in 0..o_blocks {
-                    #[unroll]
-                    for e2 in 0..2usize {
-                        o_acc[ob * 4 + i * 2 + e2] *= alpha;
-                    }
-                }
+            let old = m_r[i];
+            let mut new = old;
+            if mx > old + RESCALE_SLACK {
+                new = mx;
+                moved = true;
             }
+            alpha[i] = fast_exp2(old - new);
+            m_r[i] = new;
         }
+        moved = plane_any(moved);
         #[unroll]
         for i in 0..2usize {
             let ref_m = m_r[i];
@@ -354,9 +374,23 @@ pub fn flash_fwd_sm90<E: Float>(
                     sum += pv;
                 }
             }
-            l_r[i] += sum;
+            l_r[i] = l_r[i] * alpha[i] + sum;
         }
-        // P packed to pairs: the A fragments of the P V steps (pair j = scores 2j, 2j + 1)
+
+        // ---- P(t - 1) V(t - 1) has landed: rescale O, P(t) into the A registers ----
+        wgmma_wait(0u32);
+        if moved {
+            #[unroll]
+            for i in 0..2usize {
+                #[unroll]
+                for ob in 0..o_blocks {
+                    #[unroll]
+                    for e2 in 0..2usize {
+                        o_acc[ob * 4 + i * 2 + e2] *= alpha[i];
+                    }
+                }
+            }
+        }
         #[unroll]
         for j in 0..comptime!(block_n / 4) {
             let mut pr = Vector::<E, Const<2>>::empty();
@@ -364,23 +398,12 @@ pub fn flash_fwd_sm90<E: Float>(
             pr[1] = E::cast_from(s[2 * j + 1]);
             p[j] = pr;
         }
-
-        // ---- O += P V ----
-        // V(t + 1) is issued only after this thread saw V(t) land: an arrival before that would
-        // count towards V(t)'s phase of the barrier
-        bar_v.wait_parity(kt & 1u32);
-        if kt + 1 < n_tiles {
-            let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
-            let (p0, _p1, pb) = tile_rows(n0, n1, blocks, paged, block_n);
-            issue_tile_sw128(v_map, &mut v_smem, &bar_v, tile_e - cur, p0, pb, head_kv, block_n, head_dim);
-            commit_copies(&bar_v);
-        }
+    }
+    // the last tile's P V
+    if n_tiles > 0 {
+        bar_v.wait_parity((n_tiles - 1u32) & 1u32);
         wgmma_fence();
-        #[unroll]
-        for ks in 0..comptime!(block_n / 16) {
-            let b_off = cur + comptime!(ks * 16 * SW_COLS);
-            wgmma_rs::<E>(&mut o_acc, &p, &v_smem, b_off as u32, 0usize, comptime!(4 * ks), head_dim, true, v_lbo, true);
-        }
+        pv_steps::<E>(&mut o_acc, &p, &v_smem, (((n_tiles - 1u32) & 1u32) as usize) * tile_e, block_n, head_dim);
         wgmma_commit();
         wgmma_wait(0u32);
     }
