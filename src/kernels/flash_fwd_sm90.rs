@@ -4,7 +4,8 @@
 //! The work list, slices, row bounds, key tiles (dense, paged, block-sparse), the conditional
 //! rescale, the LSE and the split-K partials are those of `kernels::flash_fwd` (same host plan,
 //! same launch arguments); only the mainloop differs. One cube = 128 packed rows = two warpgroups
-//! of 64 rows (256 threads). Per key tile of `block_n` keys, each warpgroup computes
+//! of 64 rows (256 threads), two cubes per SM. Per key tile of `block_n` keys (128 at d64, 64 at
+//! d128: what lets two cubes share an SM's shared memory and registers), each warpgroup computes
 //! S = Q K^T (`head_dim / 16` MMAs m64 x block_n x k16, both operands in shared memory), masks and
 //! exponentiates it in registers, and adds P V (`block_n / 16` MMAs m64 x head_dim x k16, P from
 //! registers: the f32 S accumulator packed to pairs is the A operand, V the MN-major B operand read
@@ -299,7 +300,6 @@ pub fn flash_fwd_sm90<E: Float>(
     #[comptime] block_n: usize,
     #[comptime] sparse: bool,
     #[comptime] paged: bool,
-    #[comptime] overlap: bool,
 ) {
     // v holds a NaN or Inf (`nonfinite::v_nonfinite`): the exact row-wise kernel writes this call
     if nonfinite[0] != 0u32 {
@@ -414,102 +414,47 @@ pub fn flash_fwd_sm90<E: Float>(
     // element offsets of this warpgroup's Q rows in each chunk, and of a tile's chunks
     let q_wg = wg * comptime!(64 * SW_COLS);
     let mut alpha = Array::<f32>::new(2usize);
-    if comptime!(overlap) {
-        // Tile t: S(t) = Q K(t) and O += P(t - 1) V(t - 1) are issued back to back; the softmax
-        // of S(t) runs while P V is in flight, and O is rescaled once P V has landed
-        // (FlashAttention-3's intra-warpgroup overlap). P(t - 1) keeps its own registers (`p`).
-        for kt in 0..n_tiles {
-            let (t0, t1) = tile_bounds(kt, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
-            bar_k.wait_parity(kt & 1u32);
-            if kt == 0 {
-                // the Q tile came by cp.async (generic proxy); wgmma reads it through the async proxy
-                fence_proxy_async();
-            } else {
-                bar_v.wait_parity((kt - 1u32) & 1u32);
-            }
-            // every warpgroup is done with tile t - 1 (its MMAs were waited for): the buffers of
-            // K(t - 1) and V(t - 2) take K(t + 1) and V(t) (a thread's arrival for a barrier's
-            // next phase follows its wait for the current one)
-            sync_cube();
-            let cur = ((kt & 1u32) as usize) * tile_e;
-            let prev = tile_e - cur;
-            if kt + 1 < n_tiles {
-                let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
-                let (p0, _p1, pb) = tile_rows(n0, n1, blocks, paged, block_n);
-                issue_tile_sw128(k_map, &mut k_smem, &bar_k, prev, p0, pb, head_kv, block_n, head_dim);
-                commit_copies(&bar_k);
-            }
-            if kt > 0 {
-                let (p0, _p1, pb) = tile_rows(t0, t1, blocks, paged, block_n);
-                issue_tile_sw128(v_map, &mut v_smem, &bar_v, cur, p0, pb, head_kv, block_n, head_dim);
-                commit_copies(&bar_v);
-            }
-            wgmma_fence();
-            s_steps::<E>(&mut s, &q_smem, q_wg, &k_smem, cur, block_n, head_dim);
-            wgmma_commit();
-            if kt > 0 {
-                pv_steps::<E>(&mut o_acc, &p, &v_smem, prev, block_n, head_dim);
-            }
-            wgmma_commit();
-            wgmma_wait(1u32);
-            mask_scores(&mut s, &row_lo, &row_hi, row_a, row_b, t0, t1, rows_lo, rows_hi, lane, neg_inf, block_n);
-            let moved = softmax_scores(&mut s, &mut m_r, &mut l_r, &mut alpha, scale_log2, neg_inf, block_n);
-            // P(t - 1) V(t - 1) has landed: rescale O, P(t) into the A registers
-            wgmma_wait(0u32);
-            if moved {
-                rescale_o(&mut o_acc, &alpha, head_dim);
-            }
-            pack_p::<E>(&s, &mut p, block_n);
+    // Tile t: S(t), its softmax, then P(t) V(t), each MMA group waited for at once; two cubes per
+    // SM (the host's launch bounds) overlap one's softmax with the other's MMAs. (FlashAttention-3's
+    // in-cube overlap of S(t) with P(t - 1) V(t - 1) needs the registers of a second S: one cube
+    // per SM, or spills at two; measured slower at both head dims, docs/forward.md.)
+    for kt in 0..n_tiles {
+        let (t0, t1) = tile_bounds(kt, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
+        bar_k.wait_parity(kt & 1u32);
+        if kt == 0 {
+            fence_proxy_async();
         }
-        // the last tile's P V
-        if n_tiles > 0 {
-            bar_v.wait_parity((n_tiles - 1u32) & 1u32);
-            wgmma_fence();
-            pv_steps::<E>(&mut o_acc, &p, &v_smem, (((n_tiles - 1u32) & 1u32) as usize) * tile_e, block_n, head_dim);
-            wgmma_commit();
-            wgmma_wait(0u32);
+        // every warpgroup is done with tile t - 1: its K buffer takes K(t + 1)
+        sync_cube();
+        let cur = ((kt & 1u32) as usize) * tile_e;
+        if kt + 1 < n_tiles {
+            let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
+            let (p0, _p1, pb) = tile_rows(n0, n1, blocks, paged, block_n);
+            issue_tile_sw128(k_map, &mut k_smem, &bar_k, tile_e - cur, p0, pb, head_kv, block_n, head_dim);
+            commit_copies(&bar_k);
         }
-    } else {
-        // Tile t: S(t), its softmax, then P(t) V(t), each MMA group waited for at once; two cubes
-        // per SM (the host's launch bounds) overlap one's softmax with the other's MMAs
-        for kt in 0..n_tiles {
-            let (t0, t1) = tile_bounds(kt, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
-            bar_k.wait_parity(kt & 1u32);
-            if kt == 0 {
-                fence_proxy_async();
-            }
-            // every warpgroup is done with tile t - 1: its K buffer takes K(t + 1)
-            sync_cube();
-            let cur = ((kt & 1u32) as usize) * tile_e;
-            if kt + 1 < n_tiles {
-                let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
-                let (p0, _p1, pb) = tile_rows(n0, n1, blocks, paged, block_n);
-                issue_tile_sw128(k_map, &mut k_smem, &bar_k, tile_e - cur, p0, pb, head_kv, block_n, head_dim);
-                commit_copies(&bar_k);
-            }
-            wgmma_fence();
-            s_steps::<E>(&mut s, &q_smem, q_wg, &k_smem, cur, block_n, head_dim);
-            wgmma_commit();
-            wgmma_wait(0u32);
-            mask_scores(&mut s, &row_lo, &row_hi, row_a, row_b, t0, t1, rows_lo, rows_hi, lane, neg_inf, block_n);
-            let moved = softmax_scores(&mut s, &mut m_r, &mut l_r, &mut alpha, scale_log2, neg_inf, block_n);
-            if moved {
-                rescale_o(&mut o_acc, &alpha, head_dim);
-            }
-            pack_p::<E>(&s, &mut p, block_n);
-            // V(t + 1) is issued only after this thread saw V(t) land
-            bar_v.wait_parity(kt & 1u32);
-            if kt + 1 < n_tiles {
-                let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
-                let (p0, _p1, pb) = tile_rows(n0, n1, blocks, paged, block_n);
-                issue_tile_sw128(v_map, &mut v_smem, &bar_v, tile_e - cur, p0, pb, head_kv, block_n, head_dim);
-                commit_copies(&bar_v);
-            }
-            wgmma_fence();
-            pv_steps::<E>(&mut o_acc, &p, &v_smem, cur, block_n, head_dim);
-            wgmma_commit();
-            wgmma_wait(0u32);
+        wgmma_fence();
+        s_steps::<E>(&mut s, &q_smem, q_wg, &k_smem, cur, block_n, head_dim);
+        wgmma_commit();
+        wgmma_wait(0u32);
+        mask_scores(&mut s, &row_lo, &row_hi, row_a, row_b, t0, t1, rows_lo, rows_hi, lane, neg_inf, block_n);
+        let moved = softmax_scores(&mut s, &mut m_r, &mut l_r, &mut alpha, scale_log2, neg_inf, block_n);
+        if moved {
+            rescale_o(&mut o_acc, &alpha, head_dim);
         }
+        pack_p::<E>(&s, &mut p, block_n);
+        // V(t + 1) is issued only after this thread saw V(t) land
+        bar_v.wait_parity(kt & 1u32);
+        if kt + 1 < n_tiles {
+            let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
+            let (p0, _p1, pb) = tile_rows(n0, n1, blocks, paged, block_n);
+            issue_tile_sw128(v_map, &mut v_smem, &bar_v, tile_e - cur, p0, pb, head_kv, block_n, head_dim);
+            commit_copies(&bar_v);
+        }
+        wgmma_fence();
+        pv_steps::<E>(&mut o_acc, &p, &v_smem, cur, block_n, head_dim);
+        wgmma_commit();
+        wgmma_wait(0u32);
     }
 
     // ---- finish: reduce l over the 4 lanes of a row, normalise, write ----

@@ -163,9 +163,9 @@ pub(crate) fn sm90_forward(be: &CudaBackend, spec: &AttnSpec) -> bool {
 /// The Hopper forward kernel (`flash_fwd_sm90`) for one set of comptime choices, and its keys per
 /// tile (`FwdOptions::sm90_tile_for`).
 pub(crate) fn flash_fwd_sm90_kernel(be: &CudaBackend, dt: DType, hd: usize, sparse: bool, paged: bool) -> Result<(super::compile::Func, usize)> {
-    let (bn, overlap, cubes) = fwd_options().sm90_tile_for(hd);
-    let key = KernelKey::new("flash_fwd_sm90", dt, &[hd as u32, bn as u32, sparse as u32, paged as u32, overlap as u32, cubes]);
-    let f = be.kernels.get(&key, || fwd_sm90_source(be.client(), dt, hd, bn, sparse, paged, overlap, cubes))?;
+    let (bn, cubes) = fwd_options().sm90_tile_for(hd);
+    let key = KernelKey::new("flash_fwd_sm90", dt, &[hd as u32, bn as u32, sparse as u32, paged as u32, cubes]);
+    let f = be.kernels.get(&key, || fwd_sm90_source(be.client(), dt, hd, bn, sparse, paged, cubes))?;
     Ok((f, bn))
 }
 
@@ -179,7 +179,6 @@ pub(crate) fn fwd_sm90_source(
     bn: usize,
     sparse: bool,
     paged: bool,
-    overlap: bool,
     cubes: u32,
 ) -> Result<Source> {
     macro_rules! k {
@@ -192,7 +191,6 @@ pub(crate) fn fwd_sm90_source(
                 bn,
                 sparse,
                 paged,
-                overlap,
             ), false)
         };
     }

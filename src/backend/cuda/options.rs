@@ -19,10 +19,10 @@ pub struct FwdOptions {
     /// The Hopper forward (`kernels::flash_fwd_sm90`) on sm_90+ GPUs (`CUBEATTN_CUDA_SM90`, `0`
     /// keeps the mma.sync kernel there: how the two are compared on one GPU).
     pub sm90: bool,
-    /// The Hopper forward's tile choice at each head_dim as `block_n:overlap:cubes_per_sm`
-    /// (`CUBEATTN_CUDA_SM90_TILE`, e.g. `64:0:2`; unset: [`FwdOptions::sm90_tile_for`]'s
-    /// defaults). How the choices were measured against each other on one GPU.
-    pub sm90_tile: Option<(u32, bool, u32)>,
+    /// The Hopper forward's tile choice at every head_dim as `block_n:cubes_per_sm`
+    /// (`CUBEATTN_CUDA_SM90_TILE`, e.g. `128:1`; unset: [`FwdOptions::sm90_tile_for`]'s
+    /// defaults). How the choices are measured against each other on one GPU.
+    pub sm90_tile: Option<(u32, u32)>,
 }
 
 static FWD_OPTS: std::sync::Mutex<Option<FwdOptions>> = std::sync::Mutex::new(None);
@@ -44,18 +44,15 @@ impl FwdOptions {
     /// Keys per tile at `head_dim`: `block_n` when set, else 128 at head_dim 64 (FlashAttention-2's
     /// d64 tile: 255 registers, two cubes per SM, 5-9% faster than 64-key tiles at three per SM,
     /// docs/forward.md) and 64 above (a 128-key tile's S and O do not fit the registers).
-    /// The Hopper forward's `(block_n, overlap, cubes per SM)` at `head_dim`.
-    pub fn sm90_tile_for(&self, head_dim: usize) -> (usize, bool, u32) {
-        if let Some((bn, ov, cubes)) = self.sm90_tile {
-            return (bn as usize, ov, cubes);
+    /// The Hopper forward's `(block_n, cubes per SM)` at `head_dim`: two cubes per SM, whose
+    /// MMAs and softmax interleave, with the key tile that fits them (H100, 8K causal, SDPA cuDNN
+    /// in the same run: d64 128 keys 0.617 ms vs cuDNN 0.704; d128 64 keys 0.957 vs 0.934, where
+    /// 128 keys at one cube per SM took 1.062: h100-2026-11-27-ab-sm90-tiles).
+    pub fn sm90_tile_for(&self, head_dim: usize) -> (usize, u32) {
+        if let Some((bn, cubes)) = self.sm90_tile {
+            return (bn as usize, cubes);
         }
-        match head_dim {
-            // two cubes per SM (80 KiB of shared memory, 127 registers each) interleave their
-            // MMAs and softmax: 0.62 ms at 8K causal against 0.84 ms for one cube with the
-            // in-cube overlap (H100, h100-2026-11-27-overlap)
-            0..=64 => (128, false, 2),
-            _ => (128, true, 1),
-        }
+        if head_dim <= 64 { (128, 2) } else { (64, 2) }
     }
 
     pub fn block_n_for(&self, head_dim: usize) -> usize {
@@ -67,11 +64,11 @@ impl FwdOptions {
     }
 }
 
-/// `block_n:overlap:cubes` with block_n 64 or 128, overlap 0 or 1, 1 or 2 cubes per SM.
-fn parse_tile(v: &str) -> Option<(u32, bool, u32)> {
+/// `block_n:cubes` with block_n 64 or 128 and 1 or 2 cubes per SM.
+fn parse_tile(v: &str) -> Option<(u32, u32)> {
     let f: Vec<u32> = v.split(':').map(|x| x.trim().parse().ok()).collect::<Option<Vec<u32>>>()?;
     match f.as_slice() {
-        &[bn @ (64 | 128), ov @ (0 | 1), cubes @ (1 | 2)] => Some((bn, ov == 1, cubes)),
+        &[bn @ (64 | 128), cubes @ (1 | 2)] => Some((bn, cubes)),
         _ => None,
     }
 }
