@@ -452,43 +452,11 @@ pub fn flash_fwd_mma2<E: Float>(
     let bar_v = Barrier::shared(comptime!(threads as u32), UNIT_POS == 0);
 
     // One cube per (work item, head slot y < heads_q / hp); block-sparse items fastest.
-    let ys = heads_q / hp;
-    let (xi, y) = cube_item_slot(ys, sparse);
-    let item = xi as usize * WORK_WORDS;
-    let head_base = y * hp;
-    let group = heads_q / heads_kv;
-    let head_kv = head_base / group;
-
-    let slice_off = work[item];
-    let n_slices = work[item + 1];
-    let klo = work[item + 2];
-    let khi = work[item + 3];
-    let slot = work[item + 4];
-
-    // Key tiles: dense, `[klo, khi)` in block_n steps; sparse, the listed key blocks of this
-    // (item, y), each `tiles_per_block` tiles (see `tile_bounds`). The first LIST_SMEM
-    // blocks of the list are staged in shared memory, so no tile waits on a global load for its
-    // address.
-    let mut n_tiles = 0u32;
-    let mut list = 0u32;
     let mut list_smem = SharedMemory::<u32>::new(comptime!(if sparse { LIST_SMEM } else { 1usize }));
-    let mut tpb_magic = 0u32;
-    if sparse {
-        tpb_magic = tile_div_magic(tiles_per_block);
-        let r = ((y * (CUBE_COUNT_X / ys) + xi) * 2u32) as usize;
-        list = tile_ref[r];
-        n_tiles = tile_ref[r + 1];
-        let lim = min((n_tiles + tiles_per_block - 1) / tiles_per_block, LIST_SMEM as u32);
-        #[unroll]
-        for pass in 0..comptime!(LIST_SMEM.div_ceil(threads)) {
-            let i = UNIT_POS + (pass * threads) as u32;
-            if i < lim {
-                list_smem[i as usize] = blocks[(list + i) as usize];
-            }
-        }
-    } else if khi > klo {
-        n_tiles = (khi - klo + block_n as u32 - 1) / block_n as u32;
-    }
+    let wi = work_item(work, tile_ref, blocks, &mut list_smem, heads_q, heads_kv, hp, tiles_per_block, threads, block_n, sparse);
+    let (y, head_base, head_kv) = (wi.y, wi.head_base, wi.head_kv);
+    let (slice_off, n_slices, klo, khi, slot) = (wi.slice_off, wi.n_slices, wi.klo, wi.khi, wi.slot);
+    let (n_tiles, list, tpb_magic) = (wi.n_tiles, wi.list, wi.tpb_magic);
 
     fill_rows(
         slices, segs, slice_off, n_slices, hp, head_base, klo, khi, &mut row_tok, &mut row_head, &mut row_lo,
@@ -878,6 +846,78 @@ pub fn flash_fwd_mma2<E: Float>(
             }
         }
     }
+}
+
+/// One forward cube's work: its slices `[slice_off, + n_slices)`, absolute key range `[klo, khi)`,
+/// split-K slot (`NONE`: none), head slot `y` (q heads `head_base..head_base + hp`, kv head
+/// `head_kv`) and key tiles (`n_tiles`; block-sparse: the list at `list` with its tile divisor).
+#[derive(CubeType, Clone, Copy)]
+pub struct WorkItem {
+    pub slice_off: u32,
+    pub n_slices: u32,
+    pub klo: u32,
+    pub khi: u32,
+    pub slot: u32,
+    pub y: u32,
+    pub head_base: u32,
+    pub head_kv: u32,
+    pub n_tiles: u32,
+    pub list: u32,
+    pub tpb_magic: u32,
+}
+
+/// This cube's [`WorkItem`] (`grid::cube_item_slot`, block-sparse items fastest). Key tiles: dense,
+/// `[klo, khi)` in `block_n` steps; sparse, the listed key blocks of this (item, y), each
+/// `tiles_per_block` tiles (see `tile_bounds`), whose first LIST_SMEM entries are staged in
+/// `list_smem` by the cube's `threads` units, so no tile waits on a global load for its address.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn work_item(
+    work: &Array<u32>,
+    tile_ref: &Array<u32>,
+    blocks: &Array<u32>,
+    list_smem: &mut SharedMemory<u32>,
+    heads_q: u32,
+    heads_kv: u32,
+    hp: u32,
+    tiles_per_block: u32,
+    #[comptime] threads: usize,
+    #[comptime] block_n: usize,
+    #[comptime] sparse: bool,
+) -> WorkItem {
+    let ys = heads_q / hp;
+    let (xi, y) = cube_item_slot(ys, sparse);
+    let item = xi as usize * WORK_WORDS;
+    let head_base = y * hp;
+    let group = heads_q / heads_kv;
+    let head_kv = head_base / group;
+
+    let slice_off = work[item];
+    let n_slices = work[item + 1];
+    let klo = work[item + 2];
+    let khi = work[item + 3];
+    let slot = work[item + 4];
+
+    let mut n_tiles = 0u32;
+    let mut list = 0u32;
+    let mut tpb_magic = 0u32;
+    if sparse {
+        tpb_magic = tile_div_magic(tiles_per_block);
+        let r = ((y * (CUBE_COUNT_X / ys) + xi) * 2u32) as usize;
+        list = tile_ref[r];
+        n_tiles = tile_ref[r + 1];
+        let lim = min((n_tiles + tiles_per_block - 1) / tiles_per_block, LIST_SMEM as u32);
+        #[unroll]
+        for pass in 0..comptime!(LIST_SMEM.div_ceil(threads)) {
+            let i = UNIT_POS + (pass * threads) as u32;
+            if i < lim {
+                list_smem[i as usize] = blocks[(list + i) as usize];
+            }
+        }
+    } else if khi > klo {
+        n_tiles = (khi - klo + block_n as u32 - 1) / block_n as u32;
+    }
+    WorkItem { slice_off, n_slices, klo, khi, slot, y, head_base, head_kv, n_tiles, list, tpb_magic }
 }
 
 /// Per-row metadata of one tile of `block_m` rows, written to shared memory by `threads` units

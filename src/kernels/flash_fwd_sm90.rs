@@ -19,8 +19,7 @@
 use cubecl::prelude::*;
 use cubecl::prelude::barrier::{copy_async, Barrier};
 
-use super::flash_fwd::{fill_rows, tile_bounds, tile_div_magic, tile_rows, LIST_SMEM, M_INIT, NONE, RESCALE_SLACK, WORK_WORDS};
-use super::grid::cube_item_slot;
+use super::flash_fwd::{fill_rows, tile_bounds, tile_rows, work_item, LIST_SMEM, M_INIT, NONE, RESCALE_SLACK};
 use super::math::{fast_exp2, LN2};
 use super::sm90::{fence_proxy_async, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait, SW_COLS, SW_ROW};
 use super::staging::commit_copies;
@@ -324,39 +323,11 @@ pub fn flash_fwd_sm90<E: Float>(
     let bar_k = Barrier::shared(comptime!(threads as u32), UNIT_POS == 0);
     let bar_v = Barrier::shared(comptime!(threads as u32), UNIT_POS == 0);
 
-    let ys = heads_q / hp;
-    let (xi, y) = cube_item_slot(ys, sparse);
-    let item = xi as usize * WORK_WORDS;
-    let head_base = y * hp;
-    let group = heads_q / heads_kv;
-    let head_kv = head_base / group;
-
-    let slice_off = work[item];
-    let n_slices = work[item + 1];
-    let klo = work[item + 2];
-    let khi = work[item + 3];
-    let slot = work[item + 4];
-
-    let mut n_tiles = 0u32;
-    let mut list = 0u32;
     let mut list_smem = SharedMemory::<u32>::new(comptime!(if sparse { LIST_SMEM } else { 1usize }));
-    let mut tpb_magic = 0u32;
-    if sparse {
-        tpb_magic = tile_div_magic(tiles_per_block);
-        let r = ((y * (CUBE_COUNT_X / ys) + xi) * 2u32) as usize;
-        list = tile_ref[r];
-        n_tiles = tile_ref[r + 1];
-        let lim = min((n_tiles + tiles_per_block - 1) / tiles_per_block, LIST_SMEM as u32);
-        #[unroll]
-        for pass in 0..comptime!(LIST_SMEM.div_ceil(threads)) {
-            let i = UNIT_POS + (pass * threads) as u32;
-            if i < lim {
-                list_smem[i as usize] = blocks[(list + i) as usize];
-            }
-        }
-    } else if khi > klo {
-        n_tiles = (khi - klo + block_n as u32 - 1) / block_n as u32;
-    }
+    let wi = work_item(work, tile_ref, blocks, &mut list_smem, heads_q, heads_kv, hp, tiles_per_block, threads, block_n, sparse);
+    let (y, head_base, head_kv) = (wi.y, wi.head_base, wi.head_kv);
+    let (slice_off, n_slices, klo, khi, slot) = (wi.slice_off, wi.n_slices, wi.klo, wi.khi, wi.slot);
+    let (n_tiles, list, tpb_magic) = (wi.n_tiles, wi.list, wi.tpb_magic);
 
     fill_rows(
         slices, segs, slice_off, n_slices, hp, head_base, klo, khi, &mut row_tok, &mut row_head, &mut row_lo,
@@ -427,9 +398,10 @@ pub fn flash_fwd_sm90<E: Float>(
         // every warpgroup is done with tile t - 1: its K buffer takes K(t + 1)
         sync_cube();
         let cur = ((kt & 1u32) as usize) * tile_e;
-        if kt + 1 < n_tiles {
-            let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
-            let (p0, _p1, pb) = tile_rows(n0, n1, blocks, paged, block_n);
+        let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
+        let (p0, _p1, pb) = tile_rows(n0, n1, blocks, paged, block_n);
+        let has_next = kt + 1 < n_tiles;
+        if has_next {
             issue_tile_sw128(k_map, &mut k_smem, &bar_k, tile_e - cur, p0, pb, head_kv, block_n, head_dim);
             commit_copies(&bar_k);
         }
@@ -445,9 +417,7 @@ pub fn flash_fwd_sm90<E: Float>(
         pack_p::<E>(&s, &mut p, block_n);
         // V(t + 1) is issued only after this thread saw V(t) land
         bar_v.wait_parity(kt & 1u32);
-        if kt + 1 < n_tiles {
-            let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
-            let (p0, _p1, pb) = tile_rows(n0, n1, blocks, paged, block_n);
+        if has_next {
             issue_tile_sw128(v_map, &mut v_smem, &bar_v, tile_e - cur, p0, pb, head_kv, block_n, head_dim);
             commit_copies(&bar_v);
         }
