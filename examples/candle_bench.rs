@@ -12,8 +12,11 @@ use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 
+#[path = "common/bench_io.rs"]
+mod bench_io;
 #[path = "common/naive_attention.rs"]
 mod naive_attention;
+use bench_io::{arg_after, field};
 use naive_attention::{causal_mask, naive_attention as naive};
 
 const HEADS: usize = 8;
@@ -60,18 +63,6 @@ fn one(which: &str, s: usize, iters: usize) -> candle_core::Result<String> {
         sorted[0],
         runs.join(", ")
     ))
-}
-
-fn arg_after(args: &[String], flag: &str) -> Option<String> {
-    args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1).cloned())
-}
-
-fn field<'a>(json: &'a str, key: &str) -> &'a str {
-    let pat = format!("\"{key}\": ");
-    let at = json.find(&pat).map(|i| i + pat.len()).unwrap_or(json.len());
-    let rest = &json[at..];
-    let end = rest.find([',', '}']).unwrap_or(rest.len());
-    rest[..end].trim_matches('"')
 }
 
 fn loadavg() -> String {

@@ -17,8 +17,11 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, Var};
 
+#[path = "common/bench_io.rs"]
+mod bench_io;
 #[path = "common/naive_attention.rs"]
 mod naive_attention;
+use bench_io::{arg_after, field};
 use naive_attention::{causal_mask, naive_attention};
 
 struct Cfg {
@@ -28,10 +31,6 @@ struct Cfg {
     dtype: DType,
     iters: usize,
     warmup: usize,
-}
-
-fn arg_after(args: &[String], flag: &str) -> Option<String> {
-    args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1).cloned())
 }
 
 fn num(args: &[String], flag: &str, default: usize) -> Result<usize, String> {
@@ -123,14 +122,6 @@ fn measure(dev: &Device, cfg: &Cfg, s: usize) -> Vec<String> {
     rows
 }
 
-fn field<'a>(json: &'a str, key: &str) -> &'a str {
-    let pat = format!("\"{key}\": ");
-    let at = json.find(&pat).map(|i| i + pat.len()).unwrap_or(json.len());
-    let rest = &json[at..];
-    let end = rest.find([',', '}']).unwrap_or(rest.len());
-    rest[..end].trim_matches('"')
-}
-
 fn env_json(dev: &Device, cfg: &Cfg) -> String {
     let sh = |cmd: &str, args: &[&str]| {
         Command::new(cmd).args(args).output().ok().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default()
@@ -171,7 +162,7 @@ fn main_() -> Result<(), String> {
         iters: num(&args, "--iters", 20)?.max(1),
         warmup: num(&args, "--warmup", 3)?,
     };
-    let dev = Device::new_cuda(0).map_err(|e| format!("this benchmark needs a CUDA GPU: {e}"))?;
+    let dev = Device::new_cuda(0).map_err(|e| format!("this benchmark needs a CUDA GPU: {}", e.to_string().lines().next().unwrap_or_default()))?;
     let env = env_json(&dev, &cfg);
     let mut rows = Vec::new();
     let mut table = format!(

@@ -119,7 +119,7 @@ fn main() -> candle_core::Result<()> {
     let dev = match Device::new_cuda(0) {
         Ok(d) => d,
         Err(e) => {
-            eprintln!("this example needs a CUDA GPU: {e}");
+            eprintln!("this example needs a CUDA GPU: {}", e.to_string().lines().next().unwrap_or_default());
             std::process::exit(2);
         }
     };
@@ -142,7 +142,7 @@ fn main() -> candle_core::Result<()> {
         let (a, n) = (g.get(w).expect("grad"), g_naive.get(w).expect("grad"));
         let e = rel_diff(a, n)?;
         println!("  d{name}: relative difference to candle's attention {e:.2e}");
-        failed |= !(e < 3e-2);
+        failed |= !(e < 5e-2);
     }
 
     // 2. a few gradient steps, each moving every weight by 1% of its norm downhill: the loss goes down

@@ -12,9 +12,10 @@
 mod common;
 
 use candle_core::{DType as CDType, Device, Tensor, Var};
+use common::candle::{expect_err, f64s, our_dtype, rand_t};
 use cubeattn::reference::{backward_f64, forward_f64};
-use cubeattn::{AttnSpec, DType, TensorMeta};
-use rand::{rngs::StdRng, Rng, SeedableRng};
+use cubeattn::{AttnSpec, TensorMeta};
+use rand::{rngs::StdRng, SeedableRng};
 
 type R<T> = candle_core::Result<T>;
 
@@ -24,29 +25,12 @@ fn gpu() -> Option<Device> {
     match Device::new_cuda(0) {
         Ok(d) => Some(d),
         Err(e) => {
+            let e = e.to_string();
+            let e = e.lines().next().unwrap_or_default();
             assert!(std::env::var_os("CUBEATTN_REQUIRE_GPU").is_none(), "no CUDA device for candle: {e}");
             println!("SKIP: no CUDA device for candle: {e}");
             None
         }
-    }
-}
-
-/// Uniform(-1, 1) values rounded into `dtype`, on the CPU.
-fn rand_t(rng: &mut StdRng, shape: &[usize], dtype: CDType) -> Tensor {
-    let n: usize = shape.iter().product();
-    let xs: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
-    Tensor::from_vec(xs, shape, &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
-}
-
-fn f64s(t: &Tensor) -> Vec<f64> {
-    t.to_dtype(CDType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap()
-}
-
-fn our_dtype(d: CDType) -> DType {
-    match d {
-        CDType::F32 => DType::F32,
-        CDType::F16 => DType::F16,
-        _ => DType::BF16,
     }
 }
 
@@ -90,18 +74,18 @@ fn check(what: &str, gpu: &Device, rng: &mut StdRng, q_shape: &[usize], kv_shape
     let (ro, rl) = forward_f64(spec, &f64s(&q), &f64s(&k), &f64s(&v));
     let (rq, rk, rv) = backward_f64(spec, &f64s(&q), &f64s(&k), &f64s(&v), &f64s(&wgt));
     let (tf, tb) = tol(dt);
-    for (i, (name, want, t)) in [("out", &ro, tf), ("dq", &rq, tb), ("dk", &rk, tb), ("dv", &rv, tb)].into_iter().enumerate() {
-        let i = if i == 0 { 0 } else { i + 1 };
+    // indexes into run()'s [out, lse, dq, dk, dv]
+    for (i, name, want, t) in [(0, "out", &ro, tf), (2, "dq", &rq, tb), (3, "dk", &rk, tb), (4, "dv", &rv, tb)] {
         let (g, c) = (f64s(&cuda[i]), f64s(&cpu[i]));
         let (e_ref, e_cpu) = (common::rel_err(&g, want), common::rel_err(&g, &c));
         eprintln!("{what}: {name} rel err vs f64 {e_ref:.2e}, vs cpu {e_cpu:.2e}");
         assert!(e_ref <= t, "{what}: {name} relative error vs the f64 reference {e_ref:e} > {t:e}");
         assert!(e_cpu <= t, "{what}: {name} relative error vs the CPU backend {e_cpu:e} > {t:e}");
     }
+    // lse: +inf exactly where a row sees no key, else within 1e-3 * (1 + |lse|)
     let lse: Vec<f32> = cuda[1].flatten_all().unwrap().to_vec1().unwrap();
-    common::assert_lse(&lse, &rl, 1e-4);
-    let lse_cpu: Vec<f64> = f64s(&cpu[1]);
-    common::assert_lse(&lse, &lse_cpu, 1e-4);
+    common::assert_lse(&lse, &rl, 1e-3);
+    common::assert_lse(&lse, &f64s(&cpu[1]), 1e-3);
 }
 
 /// Spec of a packed call with cumulative lengths (the reference's view of every call here).
@@ -215,7 +199,8 @@ fn strided_and_misaligned_views_equal_contiguous_copies() {
     let (qt, kt, vt) = (q.transpose(1, 2).unwrap(), k.transpose(1, 2).unwrap(), v.transpose(1, 2).unwrap());
     assert!(!qt.is_contiguous());
     let a = cubeattn::candle::flash_attn(&qt, &kt, &vt, 0.125, true).unwrap();
-    let c = |t: &Tensor| t.contiguous().unwrap();
+    // a fresh contiguous buffer holding the same values
+    let c = |t: &Tensor| t.copy().unwrap().contiguous().unwrap();
     let want = cubeattn::candle::flash_attn(&c(&qt), &c(&kt), &c(&vt), 0.125, true).unwrap();
     assert_eq!(f64s(&a), f64s(&want), "transposed views");
     // contiguous views at an element offset that is not 16-byte aligned (1 element in) and one that is
@@ -240,13 +225,6 @@ fn strided_and_misaligned_views_equal_contiguous_copies() {
     let e = common::rel_err(&f64s(dq), &f64s(&want));
     assert!(e <= tol(dt).1, "dq through a transposed view: relative error {e:e}");
     assert!(f64s(dq).iter().any(|x| *x != 0.0));
-}
-
-/// The error's message, which must name `arg` (as cubeattn writes it: `arg`).
-fn expect_err<T: std::fmt::Debug>(r: R<T>, arg: &str) {
-    let e = r.expect_err(&format!("expected an error naming `{arg}`"));
-    let msg = e.to_string();
-    assert!(msg.contains(&format!("`{arg}`")), "error should name `{arg}`: {msg}");
 }
 
 #[test]
