@@ -37,6 +37,9 @@
 //! copies, and no device copies of contiguous inputs. CUDA tensors take f16, bf16 (tensor cores)
 //! or f32 and head_dim 64 or 128; another head_dim is an error naming `q`. The backward on CUDA
 //! is the CUDA backend's default (dQ accumulated with atomics: last-bit differences run to run).
+//! candle's CUDA device runs on the per-thread default stream, one handle for every thread, while
+//! cubeattn's cached launch plans order work across streams by handle: drive one device's calls
+//! from one thread (as candle models do).
 //! `candle-cuda` links the CUDA libraries at build time (candle-core turns on cudarc's
 //! `dynamic-linking`), so it needs them where it is built: scripts/build-candle-cuda.sh builds it
 //! on a machine without the CUDA toolkit. Without the feature, a CUDA tensor (possible when another
