@@ -10,7 +10,14 @@
 use std::process::Command;
 use std::time::Instant;
 
-use candle_core::{Device, Tensor, D};
+use candle_core::{Device, Tensor};
+
+#[path = "common/bench_io.rs"]
+mod bench_io;
+#[path = "common/naive_attention.rs"]
+mod naive_attention;
+use bench_io::{arg_after, field};
+use naive_attention::{causal_mask, naive_attention as naive};
 
 const HEADS: usize = 8;
 const HEAD_DIM: usize = 128;
@@ -21,31 +28,6 @@ fn status_kib(key: &str) -> Option<f64> {
     line.split_whitespace().nth(1)?.parse().ok()
 }
 
-/// candle's attention as model code writes it with candle-core ops: scores = q k^T * scale, the
-/// causal mask applied with `where_cond` (-inf above the diagonal), softmax as exp(x - max) / sum
-/// over the last axis, then p v. `mask` is built once per length, as models cache it. Each S x S
-/// intermediate is dropped as soon as the next one exists (at most two live at once), so the
-/// peak is the least this formulation needs.
-fn naive(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor, scale: f64) -> candle_core::Result<Tensor> {
-    let q = q.transpose(1, 2)?.contiguous()?; // [b, h, s, d]
-    let k = k.transpose(1, 2)?.contiguous()?;
-    let v = v.transpose(1, 2)?.contiguous()?;
-    let masked = {
-        let att = (q.matmul(&k.t()?)? * scale)?; // [b, h, s, s]
-        let neg = Tensor::new(f32::NEG_INFINITY, att.device())?.broadcast_as(att.shape())?;
-        mask.broadcast_as(att.shape())?.where_cond(&neg, &att)?
-    };
-    let e = {
-        let max = masked.max_keepdim(D::Minus1)?;
-        let x = masked.broadcast_sub(&max)?;
-        drop(masked);
-        x.exp()?
-    };
-    let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
-    drop(e);
-    p.matmul(&v)?.transpose(1, 2)?.contiguous() // [b, s, h, d]
-}
-
 fn one(which: &str, s: usize, iters: usize) -> candle_core::Result<String> {
     let dev = Device::Cpu;
     let shape = (1, s, HEADS, HEAD_DIM);
@@ -53,8 +35,7 @@ fn one(which: &str, s: usize, iters: usize) -> candle_core::Result<String> {
     let k = Tensor::randn(0f32, 1.0, shape, &dev)?;
     let v = Tensor::randn(0f32, 1.0, shape, &dev)?;
     let scale = 1.0 / (HEAD_DIM as f64).sqrt();
-    let mask: Vec<u8> = (0..s * s).map(|i| u8::from(i % s > i / s)).collect();
-    let mask = Tensor::from_vec(mask, (s, s), &dev)?;
+    let mask = causal_mask(s, &dev)?;
     let rss_before = status_kib("VmRSS:").unwrap_or(f64::NAN) / 1024.0;
     let run = || -> candle_core::Result<Tensor> {
         match which {
@@ -82,18 +63,6 @@ fn one(which: &str, s: usize, iters: usize) -> candle_core::Result<String> {
         sorted[0],
         runs.join(", ")
     ))
-}
-
-fn arg_after(args: &[String], flag: &str) -> Option<String> {
-    args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1).cloned())
-}
-
-fn field<'a>(json: &'a str, key: &str) -> &'a str {
-    let pat = format!("\"{key}\": ");
-    let at = json.find(&pat).map(|i| i + pat.len()).unwrap_or(json.len());
-    let rest = &json[at..];
-    let end = rest.find([',', '}']).unwrap_or(rest.len());
-    rest[..end].trim_matches('"')
 }
 
 fn loadavg() -> String {

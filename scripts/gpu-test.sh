@@ -20,7 +20,12 @@
 #           profile    ncu (--clock-control none) on one kernel launch of TARGET: registers,
 #                      shared memory, duration, achieved TFLOP/s; falls back to nsys
 #           clean      remove build outputs, wheels and logs
-# TARGET    flash_attention | grouped | sparse | zigzag | all   (default: all)
+# TARGET    flash_attention | grouped | sparse | zigzag | candle | all   (default: all; `all` leaves
+#           out candle: cubeattn's candle ops on candle CUDA tensors, feature candle-cuda, run from
+#           the binaries scripts/build-candle-cuda.sh makes: CUBEATTN_CANDLE_DIR=DIR (default
+#           .carry/candle) holds them; with cargo and no DIR, that script builds them. `test candle`
+#           runs tests/candle_gpu.rs and examples/candle_cuda_block.rs, `benchmark candle`
+#           examples/candle_cuda_bench.rs: JSON + table under bench/results/candle-cuda-<time>/)
 # --portable  the kernels as built for GPUs below sm_90 (CUBEATTN_CUDA_PORTABLE=1: no tensor maps,
 #             bulk copies, float2 atomics, try_wait or stmatrix): their code paths on a Hopper GPU
 #
@@ -49,7 +54,7 @@ SANITIZE=0
 STRESS=0
 while [ $# -gt 0 ]; do
   case "$1" in
-    flash_attention|grouped|sparse|zigzag|all) TARGET=$1 ;;
+    flash_attention|grouped|sparse|zigzag|candle|all) TARGET=$1 ;;
     --verbose|-v) VERBOSE=1 ;;
     --release) PROFILE=release ;;
     --iterations) ITER=${2:?--iterations needs a number}; shift ;;
@@ -160,6 +165,42 @@ sys.exit(0 if st["cuda_available"] else 1)
 PY
 }
 
+# The directory with the candle-cuda binaries (scripts/build-candle-cuda.sh), built here if
+# missing and cargo is there; fails when a library they link is not found.
+candle_dir() {
+  local dir=${CUBEATTN_CANDLE_DIR:-$ROOT/.carry/candle}
+  if [ ! -x "$dir/candle_gpu" ]; then
+    command -v cargo >/dev/null 2>&1 || fail "no candle-cuda binaries in $dir and no cargo: build them elsewhere with scripts/build-candle-cuda.sh DIR and set CUBEATTN_CANDLE_DIR=DIR"
+    log "building the candle-cuda binaries into $dir"
+    bash "$ROOT/scripts/build-candle-cuda.sh" "$dir" >&2 || fail "scripts/build-candle-cuda.sh failed"
+  fi
+  local f missing
+  candle_libs
+  for f in candle_gpu candle_cuda_block candle_cuda_bench; do
+    [ -x "$dir/$f" ] || fail "$dir/$f is missing: rebuild with scripts/build-candle-cuda.sh $dir"
+    missing=$(ldd "$dir/$f" 2>/dev/null | grep 'not found' || true)
+    [ -z "$missing" ] || fail "$f links libraries not found (put their directory on LD_LIBRARY_PATH):
+$missing"
+  done
+  echo "$dir"
+}
+
+# The candle-cuda binaries are linked against the CUDA libraries: the toolkit's lib64 first (set
+# only for them: torch finds its own CUDA libraries).
+candle_libs() { export LD_LIBRARY_PATH=$CUDA_PATH/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}; }
+
+do_test_candle() {
+  local dir status=0
+  dir=$(candle_dir) || exit 1
+  candle_libs
+  [ -f "$dir/COMMIT" ] && echo "candle-cuda binaries of commit $(cat "$dir/COMMIT")"
+  echo "== candle on CUDA: tests/candle_gpu.rs ($dir/candle_gpu)"
+  CUBEATTN_REQUIRE_GPU=1 "$dir/candle_gpu" --include-ignored --test-threads=1 $( [ "$VERBOSE" = 1 ] && echo --nocapture ) || status=1
+  echo "== candle on CUDA: examples/candle_cuda_block.rs"
+  "$dir/candle_cuda_block" || status=1
+  exit $status
+}
+
 # ---------------------------------------------------------------- commands
 
 do_validate() {
@@ -216,6 +257,7 @@ do_sanitize() {
 
 do_test() {
   check_gpu >/dev/null
+  [ "$TARGET" = candle ] && do_test_candle
   local bin status=0 ran=0
   bin=$(test_bin) || exit 1
   ensure_wheel
@@ -271,10 +313,17 @@ do_test() {
 
 do_benchmark() {
   check_gpu >/dev/null
-  ensure_wheel
-  mkdir -p "$LOG_DIR"
   local stamp status=0
   stamp=$(date -u +%Y%m%dT%H%M%SZ)
+  if [ "$TARGET" = candle ]; then
+    local dir; dir=$(candle_dir) || exit 1
+    candle_libs
+    CUBEATTN_COMMIT=${CUBEATTN_COMMIT:-$(cat "$dir/COMMIT" 2>/dev/null || true)} \
+      "$dir/candle_cuda_bench" --iters "$ITER" --out "$LOG_DIR/candle-cuda-$stamp"
+    exit $?
+  fi
+  ensure_wheel
+  mkdir -p "$LOG_DIR"
   for t in $(targets); do
     case "$t" in
       flash_attention)

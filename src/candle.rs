@@ -13,7 +13,7 @@
 //!
 //! Each has a `*_with_lse` variant returning `(out, lse)`, lse f32: `[batch, heads_q, seqlen_q]`
 //! for [`flash_attn_with_lse`], `[heads_q, total_q]` for the varlen and grouped ones (flash-attn's
-//! layouts). The lse is a plain (detached) tensor: gradients flow through `out` only.
+//! layouts), on q's device. The lse is a plain (detached) tensor: gradients flow through `out` only.
 //!
 //! Conventions are cubeattn's (and flash-attn's): f32, f16 and bf16 (math in f32); causal is
 //! bottom-right aligned when seqlen_q != seqlen_k; GQA needs heads_q % heads_kv == 0 and query head
@@ -30,22 +30,26 @@
 //! gradient) is gathered into one contiguous buffer once per call; call `.contiguous()` yourself
 //! to reuse that copy across calls.
 //!
-//! **Devices.** CPU tensors only for now; a CUDA or Metal tensor gives an error saying it is not
-//! supported yet, never a panic. candle-core is built without its `cuda` feature, because:
-//! * one cudarc: candle-core 0.11.x needs cudarc ^0.19.10 while cubeattn's `cuda` feature pins
-//!   =0.19.6, so Cargo cannot resolve both. candle-core 0.10.x (cudarc ^0.19.4) would resolve to
-//!   0.19.6, but candle turns on cudarc's `dynamic-linking`, which feature unification would impose
-//!   on cubeattn's `cuda` build too (CUDA libraries needed at link time instead of loaded at run
-//!   time).
-//! * nvcc: Debian's main archive has no CUDA compiler; PyPI's `nvidia-cuda-nvcc-cu12` 12.9 wheel
-//!   ships no `nvcc` binary, while `nvidia-cuda-nvcc` 13.5 does and (with the 13.5 runtime, crt
-//!   and cccl header wheels, `CUDARC_CUDA_VERSION=13000`) compiles candle-kernels' PTX modules, so
-//!   a build is possible but slow (tens of minutes on 2 cores) and untested at link and run time.
-//!
-//! The device path for candle's CUDA tensors is left for when these line up.
+//! **Devices.** CPU tensors always. CUDA tensors with the `candle-cuda` feature (candle-core's
+//! `cuda` feature plus cubeattn's CUDA backend): the ops then launch cubeattn's CUDA kernels on the
+//! tensors' device and on candle's stream, reading candle's buffers in place and writing the
+//! outputs (and the lse, kept on the device for the backward) into fresh candle buffers: no host
+//! copies, and no device copies of contiguous inputs. CUDA tensors take f16, bf16 (tensor cores)
+//! or f32 and head_dim 64 or 128; another head_dim is an error naming `q`. The backward on CUDA
+//! is the CUDA backend's default (dQ accumulated with atomics: last-bit differences run to run).
+//! candle's CUDA device runs on the per-thread default stream, one handle for every thread, while
+//! cubeattn's cached launch plans order work across streams by handle: drive one device's calls
+//! from one thread (as candle models do).
+//! `candle-cuda` links the CUDA libraries at build time (candle-core turns on cudarc's
+//! `dynamic-linking`), so it needs them where it is built: scripts/build-candle-cuda.sh builds it
+//! on a machine without the CUDA toolkit. Without the feature, a CUDA tensor (possible when another
+//! crate turns on candle-core's `cuda`) and a Metal tensor give an error, never a panic.
 
 use std::borrow::Cow;
 use std::sync::{Arc, Mutex};
+
+#[cfg(feature = "candle-cuda")]
+mod cuda;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CudaStorage, CustomOp3, Device, Layout, MetalStorage, Shape, Tensor};
@@ -83,13 +87,11 @@ fn rename_varlen(e: Error) -> Error {
 }
 
 fn unsupported_device(dev: &str) -> candle_core::Error {
-    to_candle(Error::Unsupported {
-        backend: "candle",
-        msg: format!(
-            "{dev} tensors are not supported yet by cubeattn's candle ops; move q, k, v to the CPU \
-             (this build uses candle-core without its `cuda` feature: see the cubeattn::candle docs)"
-        ),
-    })
+    let how = match dev {
+        "CUDA" => "build cubeattn with its `candle-cuda` feature for CUDA tensors, or move q, k, v to the CPU",
+        _ => "move q, k, v to the CPU",
+    };
+    to_candle(Error::Unsupported { backend: "candle", msg: format!("{dev} tensors are not served by this build: {how}") })
 }
 
 fn dtype_of(arg: &'static str, t: &Tensor) -> CResult<DType> {
@@ -235,10 +237,17 @@ fn with_host<R>(arg: &'static str, t: &Tensor, f: impl FnOnce(HostView<'_>) -> C
 // ---------------------------------------------------------------------------------------------
 // The custom ops.
 
+/// Where the forward leaves its lse: f32 `[heads_q, total_q]` on the inputs' device.
+type LseSlot = Arc<Mutex<Option<Tensor>>>;
+
+fn lock(slot: &LseSlot) -> std::sync::MutexGuard<'_, Option<Tensor>> {
+    slot.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// Forward op: (q, k, v) -> out; the lse is kept for the backward (and for `*_with_lse`).
 struct AttnFwd {
     spec: AttnSpec,
-    lse: Arc<Mutex<Option<Arc<Vec<f32>>>>>,
+    lse: LseSlot,
 }
 
 impl CustomOp3 for AttnFwd {
@@ -257,10 +266,27 @@ impl CustomOp3 for AttnFwd {
     ) -> CResult<(CpuStorage, Shape)> {
         let (q, k, v) = (HostIn::new("q", s1, l1)?, HostIn::new("k", s2, l2)?, HostIn::new("v", s3, l3)?);
         let res = CpuBackend.forward(&self.spec, q.view(), k.view(), v.view()).map_err(to_candle)?;
-        *self.lse.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(res.lse));
+        let d = &self.spec.dims;
+        *lock(&self.lse) = Some(Tensor::from_vec(res.lse, (d.heads_q, d.total_q), &Device::Cpu)?);
         Ok((storage_of(res.out), l1.shape().clone()))
     }
 
+    #[cfg(feature = "candle-cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> CResult<(CudaStorage, Shape)> {
+        let (out, lse) = cuda::forward(&self.spec, (s1, l1), (s2, l2), (s3, l3))?;
+        *lock(&self.lse) = Some(lse);
+        Ok((out, l1.shape().clone()))
+    }
+
+    #[cfg(not(feature = "candle-cuda"))]
     fn cuda_fwd(
         &self,
         _: &CudaStorage,
@@ -293,10 +319,7 @@ impl CustomOp3 for AttnFwd {
         out: &Tensor,
         dout: &Tensor,
     ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let lse = self
-            .lse
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+        let lse = lock(&self.lse)
             .clone()
             .ok_or_else(|| candle_core::Error::msg("cubeattn: backward called before the forward ran"))?;
         let op = AttnBwd { spec: self.spec.clone(), out: out.clone(), dout: dout.clone(), lse };
@@ -315,7 +338,7 @@ struct AttnBwd {
     spec: AttnSpec,
     out: Tensor,
     dout: Tensor,
-    lse: Arc<Vec<f32>>,
+    lse: Tensor,
 }
 
 fn concat3<T: Copy>(a: Vec<T>, b: &[T], c: &[T]) -> Vec<T> {
@@ -343,8 +366,13 @@ impl CustomOp3 for AttnBwd {
         let (q, k, v) = (HostIn::new("q", s1, l1)?, HostIn::new("k", s2, l2)?, HostIn::new("v", s3, l3)?);
         let g = with_host("out", &self.out, |out| {
             with_host("dout", &self.dout, |dout| {
-                let inputs = BackwardInputs { out, lse: &self.lse, dout, deterministic: true };
-                CpuBackend.backward(&self.spec, q.view(), k.view(), v.view(), inputs).map_err(to_candle)
+                with_host("lse", &self.lse, |lse| {
+                    let HostView::F32(lse) = lse else {
+                        return Err(to_candle(Error::InvalidDtype { arg: "lse", msg: format!("expected f32, got {}", lse.dtype().name()) }));
+                    };
+                    let inputs = BackwardInputs { out, lse, dout, deterministic: true };
+                    CpuBackend.backward(&self.spec, q.view(), k.view(), v.view(), inputs).map_err(to_candle)
+                })
             })
         })?;
         let packed = match (g.dq, g.dk, g.dv) {
@@ -357,6 +385,21 @@ impl CustomOp3 for AttnBwd {
         Ok((packed, Shape::from(n)))
     }
 
+    #[cfg(feature = "candle-cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &CudaStorage,
+        l1: &Layout,
+        s2: &CudaStorage,
+        l2: &Layout,
+        s3: &CudaStorage,
+        l3: &Layout,
+    ) -> CResult<(CudaStorage, Shape)> {
+        let packed = cuda::backward(&self.spec, (s1, l1), (s2, l2), (s3, l3), &self.out, &self.dout, &self.lse)?;
+        Ok((packed, Shape::from(self.spec.dims.q_len() + 2 * self.spec.dims.kv_len())))
+    }
+
+    #[cfg(not(feature = "candle-cuda"))]
     fn cuda_fwd(
         &self,
         _: &CudaStorage,
@@ -382,21 +425,14 @@ impl CustomOp3 for AttnBwd {
     }
 }
 
-/// Runs the forward op (tracked by candle's autograd) and returns out and the `[heads_q, total_q]` lse.
-fn run(spec: AttnSpec, q: &Tensor, k: &Tensor, v: &Tensor) -> CResult<(Tensor, Arc<Vec<f32>>)> {
-    let slot = Arc::new(Mutex::new(None));
+/// Runs the forward op (tracked by candle's autograd) and returns out and the f32
+/// `[heads_q, total_q]` lse (a plain tensor on q's device).
+fn run(spec: AttnSpec, q: &Tensor, k: &Tensor, v: &Tensor) -> CResult<(Tensor, Tensor)> {
+    let slot: LseSlot = Arc::new(Mutex::new(None));
     let op: Arc<Box<dyn CustomOp3 + Send + Sync>> = Arc::new(Box::new(AttnFwd { spec, lse: slot.clone() }));
     let out = q.apply_op3_arc(k, v, op)?;
-    let lse = slot
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .clone()
-        .ok_or_else(|| candle_core::Error::msg("cubeattn: the forward op did not run"))?;
+    let lse = lock(&slot).clone().ok_or_else(|| candle_core::Error::msg("cubeattn: the forward op did not run"))?;
     Ok((out, lse))
-}
-
-fn lse_tensor(lse: &[f32], shape: &[usize]) -> CResult<Tensor> {
-    Tensor::from_slice(lse, shape, &Device::Cpu)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -442,14 +478,7 @@ pub fn flash_attn_with_lse(q: &Tensor, k: &Tensor, v: &Tensor, softmax_scale: f3
     let (spec, [b, hq, sq]) = batch_spec(q, k, v, softmax_scale, causal)?;
     let (out, lse) = run(spec, q, k, v)?;
     // cubeattn's lse is [heads_q, batch * seqlen_q]; flash-attn's batch layout is [batch, heads_q, seqlen_q].
-    let mut re = Vec::with_capacity(lse.len());
-    for bi in 0..b {
-        for h in 0..hq {
-            let row = h * b * sq + bi * sq;
-            re.extend_from_slice(&lse[row..row + sq]);
-        }
-    }
-    Ok((out, lse_tensor(&re, &[b, hq, sq])?))
+    Ok((out, lse.reshape((hq, b, sq))?.transpose(0, 1)?.contiguous()?))
 }
 
 fn cu_seqlens(arg: &'static str, t: &Tensor) -> CResult<Vec<i32>> {
@@ -497,8 +526,9 @@ fn varlen_spec(
 /// Flash attention over a packed batch of variable-length sequences (candle-flash-attn's
 /// `flash_attn_varlen`): sequence b has queries `seqlens_q[b]..seqlens_q[b+1]` of q
 /// `[total_q, heads_q, head_dim]` and keys `seqlens_k[b]..seqlens_k[b+1]` of k, v
-/// `[total_k, heads_kv, head_dim]`. `seqlens_*` are 1-D CPU tensors (u32, i32 or i64) with
-/// `batch + 1` entries starting at 0; `max_seqlen_*` must be at least the longest sequence.
+/// `[total_k, heads_kv, head_dim]`. `seqlens_*` are 1-D tensors (u32, i32 or i64) with
+/// `batch + 1` entries starting at 0, read on the host (the call's plan is built there: on a CUDA
+/// device that is one small copy each); `max_seqlen_*` must be at least the longest sequence.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_varlen(
     q: &Tensor,
@@ -529,9 +559,7 @@ pub fn flash_attn_varlen_with_lse(
     causal: bool,
 ) -> CResult<(Tensor, Tensor)> {
     let spec = varlen_spec(q, k, v, seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)?;
-    let shape = [spec.dims.heads_q, spec.dims.total_q];
-    let (out, lse) = run(spec, q, k, v)?;
-    Ok((out, lse_tensor(&lse, &shape)?))
+    run(spec, q, k, v)
 }
 
 fn ranges_i32(arg: &'static str, r: &[[usize; 2]]) -> CResult<Vec<[i32; 2]>> {
@@ -591,9 +619,7 @@ pub fn grouped_flash_attn_with_lse(
     causal: bool,
 ) -> CResult<(Tensor, Tensor)> {
     let spec = grouped_spec(q, k, v, q_ranges, kv_ranges, softmax_scale, causal)?;
-    let shape = [spec.dims.heads_q, spec.dims.total_q];
-    let (out, lse) = run(spec, q, k, v)?;
-    Ok((out, lse_tensor(&lse, &shape)?))
+    run(spec, q, k, v)
 }
 
 #[cfg(test)]

@@ -3,25 +3,18 @@
 //! gradients through candle's `backward()`; plus argument errors.
 #![cfg(feature = "candle")]
 
+#[allow(dead_code)]
+mod common;
+
 use candle_core::{DType as CDType, Device, Tensor, Var, D};
+use common::candle::{expect_err, f64s, our_dtype, rand_t};
 use cubeattn::backend::BackwardInputs;
-use cubeattn::{backend_for, AttnSpec, DType, DevicePref, HostData, TensorMeta};
-use rand::{rngs::StdRng, Rng, SeedableRng};
+use cubeattn::{backend_for, AttnSpec, DevicePref, HostData, TensorMeta};
+use rand::{rngs::StdRng, SeedableRng};
 
 type R<T> = candle_core::Result<T>;
 
 const DTYPES: [CDType; 3] = [CDType::F32, CDType::F16, CDType::BF16];
-
-/// Uniform(-1, 1) values, rounded into `dtype`.
-fn rand_t(rng: &mut StdRng, shape: &[usize], dtype: CDType) -> Tensor {
-    let n: usize = shape.iter().product();
-    let xs: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
-    Tensor::from_vec(xs, shape, &Device::Cpu).unwrap().to_dtype(dtype).unwrap()
-}
-
-fn f64s(t: &Tensor) -> Vec<f64> {
-    t.to_dtype(CDType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap()
-}
 
 /// ||a - b|| / ||b||, with the denominator kept away from 0: below an RMS of 1e-2 (inputs are
 /// O(1)) the error is measured against that floor, so an exactly-zero reference (dq of a row with
@@ -43,14 +36,6 @@ fn host(t: &Tensor) -> HostData {
         CDType::F16 => HostData::F16(t.to_vec1().unwrap()),
         CDType::BF16 => HostData::BF16(t.to_vec1().unwrap()),
         d => panic!("test helper: unexpected dtype {d:?}"),
-    }
-}
-
-fn our_dtype(d: CDType) -> DType {
-    match d {
-        CDType::F32 => DType::F32,
-        CDType::F16 => DType::F16,
-        _ => DType::BF16,
     }
 }
 
@@ -393,13 +378,6 @@ fn grouped_matches_reference_with_gradients() {
             }
         }
     }
-}
-
-/// The error's message, which must name `arg` (as cubeattn writes it: `arg`).
-fn expect_err<T: std::fmt::Debug>(r: R<T>, arg: &str) {
-    let e = r.expect_err(&format!("expected an error naming `{arg}`"));
-    let msg = e.to_string();
-    assert!(msg.contains(&format!("`{arg}`")), "error should name `{arg}`: {msg}");
 }
 
 #[test]

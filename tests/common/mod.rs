@@ -4,6 +4,9 @@
 use cubeattn::{AttnSpec, DType, HostData, TensorMeta};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
+#[cfg(feature = "candle")]
+pub mod candle;
+
 pub fn rng(seed: u64) -> StdRng {
     StdRng::seed_from_u64(seed)
 }

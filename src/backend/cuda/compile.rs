@@ -278,11 +278,11 @@ fn nvrtc_version() -> Option<&'static str> {
     static V: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
     V.get_or_init(|| {
         use cudarc::nvrtc::sys as nsys;
-        // SAFETY: probes whether the shared library opens; nvrtcVersion writes two ints.
+        if !super::driver::nvrtc_lib_present() {
+            return None;
+        }
+        // SAFETY: nvrtcVersion writes two ints.
         unsafe {
-            if !nsys::is_culib_present() {
-                return None;
-            }
             let (mut major, mut minor) = (0, 0);
             nsys::nvrtcVersion(&mut major, &mut minor).result().ok()?;
             Some(format!("{major}.{minor}"))

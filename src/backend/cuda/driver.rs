@@ -9,6 +9,26 @@ pub(crate) fn err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Device(format!("{what}: {e:?}"))
 }
 
+/// Whether the CUDA driver library (libcuda) can be loaded. cudarc loads it at run time, on first
+/// use, except with `candle-cuda`: candle-core turns on cudarc's `dynamic-linking`, so the program
+/// is linked against it and cannot start without it.
+pub(crate) fn driver_lib_present() -> bool {
+    #[cfg(not(feature = "candle-cuda"))]
+    // SAFETY: only probes whether the shared library can be opened.
+    return unsafe { cudarc::driver::sys::is_culib_present() };
+    #[cfg(feature = "candle-cuda")]
+    true
+}
+
+/// Whether NVRTC (libnvrtc) can be loaded; linked like the driver with `candle-cuda`.
+pub(crate) fn nvrtc_lib_present() -> bool {
+    #[cfg(not(feature = "candle-cuda"))]
+    // SAFETY: only probes whether the shared library can be opened.
+    return unsafe { cudarc::nvrtc::sys::is_culib_present() };
+    #[cfg(feature = "candle-cuda")]
+    true
+}
+
 /// Makes the primary context `ctx` current on this thread.
 pub(crate) fn bind(ctx: usize) -> Result<()> {
     // SAFETY: `ctx` was returned by cuDevicePrimaryCtxRetain and is never released.

@@ -96,8 +96,7 @@ fn guarded<T>(what: &str, f: impl FnOnce() -> T) -> std::result::Result<T, Strin
 }
 
 fn driver_check() -> std::result::Result<i32, String> {
-    // SAFETY: only probes whether the shared library can be opened.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+    if !driver::driver_lib_present() {
         return Err("the CUDA driver library (libcuda) was not found".into());
     }
     let r = guarded("CUDA driver", || -> std::result::Result<i32, String> {
