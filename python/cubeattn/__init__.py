@@ -525,10 +525,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             _remember_fast(key, spec, conv, device)
         return res.reshape(q.shape)
     o, lse = res
-    h = q.shape[2]
-    lse = lse.reshape(h, b, sq)
-    lse = lse.permute(1, 0, 2) if hasattr(lse, "permute") else lse.transpose(1, 0, 2)
-    return _results(o.reshape(q.shape), lse, want_lse, probs)
+    return _results(o.reshape(q.shape), _lse_batched(lse, b, sq), want_lse, probs)
+
+
+def _lse_batched(lse, b, sq):
+    """lse of the varlen layout [heads, b * sq] -> the batched layout's [b, heads, sq] (numpy or torch)."""
+    lse = lse.reshape(lse.shape[0], b, sq)
+    return lse.permute(1, 0, 2) if hasattr(lse, "permute") else lse.transpose(1, 0, 2)
 
 
 def _backward_on_gpu(spec, gpu, conv, lse, deterministic, dev):

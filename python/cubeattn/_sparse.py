@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _core, _flag, _forward, _run_backward, _scale
+from . import _batched_to_varlen, _core, _flag, _forward, _lse_batched, _run_backward, _scale
 from ._arrays import _is_torch, dtype_name, int32_vector, to_core
 
 DEFAULT_Q_BLOCK = 64
@@ -115,17 +115,8 @@ def _resolve_index(block_index, block_mask, kv_num_blocks, kv_indices, q_block, 
 def _layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     """-> (flat q, k, v, cu_q, cu_k, max_q, max_k, batched (B, Sq) or None)."""
     if cu_seqlens_q is None and cu_seqlens_k is None:
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            if len(x.shape) != 4:
-                raise ValueError(f"invalid argument `{name}`: expected rank 4 [batch, seqlen, heads, head_dim] "
-                                 f"(or rank 3 with cu_seqlens_q/cu_seqlens_k), got shape {tuple(x.shape)}")
-        b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
-        if k.shape[0] != b or v.shape[0] != b:
-            raise ValueError(f"invalid argument `k`: batch {k.shape[0]} differs from q's batch {b}")
-        cu_q = np.arange(b + 1, dtype=np.int32) * sq
-        cu_k = np.arange(b + 1, dtype=np.int32) * sk
-        flat = [x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]) for x in (q, k, v)]
-        return (*flat, cu_q, cu_k, sq, sk, (b, sq))
+        (fq, fk, fv), cu_q, cu_k, b, sq, sk = _batched_to_varlen(q, k, v)
+        return fq, fk, fv, cu_q, cu_k, sq, sk, (b, sq)
     if cu_seqlens_q is None or cu_seqlens_k is None:
         raise ValueError("invalid argument `cu_seqlens_k`: cu_seqlens_q and cu_seqlens_k go together")
     cu_q, cu_k = int32_vector(cu_seqlens_q, "cu_seqlens_q"), int32_vector(cu_seqlens_k, "cu_seqlens_k")
@@ -188,13 +179,6 @@ def sparse_spec(q_shape, k_shape, dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_
 _SPECS: list = []
 _SPEC_CACHE_ENTRIES = 4
 _SPEC_CACHE_BYTES = 64 << 20
-
-
-def _lse_batched(lse, b, sq):
-    """[heads, b * sq] -> [b, heads, sq] (numpy or torch)."""
-    h = lse.shape[0]
-    lse = lse.reshape(h, b, sq)
-    return lse.permute(1, 0, 2) if hasattr(lse, "permute") else lse.transpose(1, 0, 2)
 
 
 def _lse_flat(lse, b, sq):
