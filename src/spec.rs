@@ -412,7 +412,8 @@ impl AttnSpec {
     /// The spec with flash-attn's `window_size = (left, right)` (`-1` = unbounded side), checked
     /// here once (`InvalidArgument` naming `window_size`). A side that cannot narrow any row (left
     /// >= k_len - 1, right >= q_len - 1 in every segment; the right side under `causal`) becomes
-    /// `None`, so `(-1, -1)` and windows wider than every sequence give the plain spec.
+    /// `None`, so `(-1, -1)` and windows wider than every sequence give the plain spec. Paged
+    /// and block-sparse key sets take no window.
     pub fn with_window(mut self, left: i64, right: i64) -> Result<AttnSpec> {
         let mut w = Window::parse(left, right)?;
         if w.left.is_some_and(|l| self.segments.iter().all(|s| l.saturating_add(1) >= s.k_len)) {
@@ -433,7 +434,8 @@ impl AttnSpec {
     /// gathered buffer through one. Checked here once (`InvalidArgument` naming
     /// `kv_block_table`): total_k a multiple of KV_PAGE, the table a permutation of
     /// `0..total_k / KV_PAGE` (each physical block holds one logical block, so dK,dV have one
-    /// writer per row), every segment's first key a multiple of KV_PAGE, no sliding window.
+    /// writer per row), every segment's first key a multiple of KV_PAGE, no sliding window, no
+    /// block index (`kv_block_table` then; the key sets exclude each other).
     pub fn with_kv_block_table(mut self, table: &[i32]) -> Result<AttnSpec> {
         const ARG: &str = "kv_block_table";
         let tk = self.dims.total_k;

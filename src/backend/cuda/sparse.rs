@@ -172,7 +172,7 @@ pub(super) fn launch_sparse_forward(be: &CudaBackend, spec: SparseView, plan: &C
     let v_single = sp.block_m == 64 && spec.int8.is_none();
     let mt = if v_single && hd == 128 { 1 } else { 2 };
     let f = super::forward::flash_fwd_kernel(be, dt, hd, mt, BLOCK_N, sp.block_m, true, spec.int8.is_some(), false, v_single)?;
-    let mut a = super::forward::kv_map_args(be, &spec.attn, p.k, p.v, BLOCK_N, spec.int8.is_some())?;
+    let mut a = super::forward::kv_map_args(be, spec.attn, p.k, p.v, BLOCK_N, spec.int8.is_some())?;
     match spec.int8 {
         None => {
             a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.out, ql).array(p.lse, ll);
@@ -195,7 +195,7 @@ pub(super) fn launch_sparse_forward(be: &CudaBackend, spec: SparseView, plan: &C
     a.f32(spec.attn.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32);
     a.u32(sp.hp).u32(0).f32(f32::INFINITY).u32(spec.k_block as u32).u32(sp.tiles_per_block);
     // row bounds: the causal diagonal (a block pattern has no sliding window)
-    let (win_l, win_r, _) = super::window_bounds(&spec.attn);
+    let (win_l, win_r, _) = super::window_bounds(spec.attn);
     a.u32(win_l).u32(win_r);
     launch(&f, (sp.n_items as u32 * sp.ys, 1, 1), &mut a, stream)?;
     let exact = SparseExact {
@@ -210,7 +210,7 @@ pub(super) fn launch_sparse_forward(be: &CudaBackend, spec: SparseView, plan: &C
         k_block: spec.k_block as u32,
         tiles_per_block: sp.tiles_per_block,
     };
-    launch_sparse_exact(be, &spec.attn, p, flag, &exact, (win_l, win_r), stream)
+    launch_sparse_exact(be, spec.attn, p, flag, &exact, (win_l, win_r), stream)
 }
 
 #[cfg(test)]
