@@ -4,7 +4,8 @@
 //! The work list, slices, row bounds, key tiles (dense, paged, block-sparse), the conditional
 //! rescale, the LSE and the split-K partials are those of `kernels::flash_fwd` (same host plan,
 //! same launch arguments); only the mainloop differs. One cube = 128 packed rows = two warpgroups
-//! of 64 rows (256 threads). Per key tile of `block_n` keys, each warpgroup computes
+//! of 64 rows (256 threads), two cubes per SM. Per key tile of `block_n` keys (128 at d64, 64 at
+//! d128: what lets two cubes share an SM's shared memory and registers), each warpgroup computes
 //! S = Q K^T (`head_dim / 16` MMAs m64 x block_n x k16, both operands in shared memory), masks and
 //! exponentiates it in registers, and adds P V (`block_n / 16` MMAs m64 x head_dim x k16, P from
 //! registers: the f32 S accumulator packed to pairs is the A operand, V the MN-major B operand read
@@ -92,6 +93,174 @@ fn issue_tile_sw128<E: Float>(
                 bar.tma_load_2d(map, &mut smem.slice_mut(a, a + comptime!(rows * SW_COLS)), y as i32, x);
             }
         }
+    }
+}
+
+/// `S = Q K^T` over one key tile: `head_dim / 16` MMAs m64 x block_n x k16, Q (this warpgroup's
+/// rows from element `q_wg`) and K (the tile at element `base`) K-major in shared memory. The
+/// caller fences before and commits after.
+#[cube]
+fn s_steps<E: Float>(
+    s: &mut Array<f32>,
+    q_smem: &SharedMemory<E>,
+    q_wg: usize,
+    k_smem: &SharedMemory<E>,
+    base: usize,
+    #[comptime] block_n: usize,
+    #[comptime] head_dim: usize,
+) {
+    #[unroll]
+    for kk in 0..comptime!(head_dim / 16) {
+        let chunk = comptime!(kk / 4);
+        let within = comptime!((kk % 4) * 16);
+        let a_off = q_wg + comptime!(chunk * SM90_BLOCK_M * SW_COLS + within);
+        let b_off = base + comptime!(chunk * block_n * SW_COLS + within);
+        wgmma_ss::<E>(s, q_smem, a_off as u32, k_smem, b_off as u32, 0usize, block_n, false, 0u32, comptime!(kk > 0));
+    }
+}
+
+/// Sets the scores of keys outside each row's range `[row_lo, min(row_hi, t1))` to `neg_inf`;
+/// only tiles that cross some row's range limits of this warp pay for it (`rows_lo`, `rows_hi`:
+/// the tightest bounds of the lane's two rows, `t0` the tile's first key).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn mask_scores(
+    s: &mut Array<f32>,
+    row_lo: &SharedMemory<u32>,
+    row_hi: &SharedMemory<u32>,
+    row_a: usize,
+    row_b: usize,
+    t0: u32,
+    t1: u32,
+    rows_lo: u32,
+    rows_hi: u32,
+    lane: u32,
+    neg_inf: f32,
+    #[comptime] block_n: usize,
+) {
+    let tn = t0 + block_n as u32;
+    if plane_any(t0 < rows_lo || tn > min(rows_hi, t1)) {
+        #[unroll]
+        for i in 0..2usize {
+            let tr = pick_row(i, row_a, row_b);
+            let lo = row_lo[tr];
+            let hi = min(row_hi[tr], t1);
+            #[unroll]
+            for nb in 0..comptime!(block_n / 8) {
+                #[unroll]
+                for e2 in 0..2usize {
+                    let e = i * 2 + e2;
+                    let key = t0 + nb as u32 * 8 + acc_col(lane, e);
+                    if key < lo || key >= hi {
+                        s[nb * 4 + e] = neg_inf;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Online softmax of one tile's scores (base 2, conditional rescale: `flash_fwd` module docs):
+/// the rows' reference maxima `m_r` move only past `RESCALE_SLACK`, `alpha` gets each row's
+/// factor for O (1 where it stayed), `s` becomes P, `l_r` the rescaled row sums plus this tile's.
+/// Returns whether any row of the warp moved (O must then be rescaled by `alpha`).
+#[cube]
+fn softmax_scores(
+    s: &mut Array<f32>,
+    m_r: &mut Array<f32>,
+    l_r: &mut Array<f32>,
+    alpha: &mut Array<f32>,
+    scale_log2: f32,
+    neg_inf: f32,
+    #[comptime] block_n: usize,
+) -> bool {
+    let n_blocks = comptime!(block_n / 8);
+    let mut moved = false;
+    #[unroll]
+    for i in 0..2usize {
+        let mut mx = neg_inf;
+        #[unroll]
+        for nb in 0..n_blocks {
+            #[unroll]
+            for e2 in 0..2usize {
+                mx = max(mx, s[nb * 4 + i * 2 + e2]);
+            }
+        }
+        mx = max(mx, plane_shuffle_xor(mx, 1u32));
+        mx = max(mx, plane_shuffle_xor(mx, 2u32));
+        mx *= scale_log2;
+        let old = m_r[i];
+        let mut new = old;
+        if mx > old + RESCALE_SLACK {
+            new = mx;
+            moved = true;
+        }
+        alpha[i] = fast_exp2(old - new);
+        m_r[i] = new;
+    }
+    #[unroll]
+    for i in 0..2usize {
+        let ref_m = m_r[i];
+        let mut sum = 0.0f32;
+        #[unroll]
+        for nb in 0..n_blocks {
+            #[unroll]
+            for e2 in 0..2usize {
+                let idx = nb * 4 + i * 2 + e2;
+                let pv = fast_exp2(s[idx] * scale_log2 - ref_m);
+                s[idx] = pv;
+                sum += pv;
+            }
+        }
+        l_r[i] = l_r[i] * alpha[i] + sum;
+    }
+    plane_any(moved)
+}
+
+/// O's two rows of this lane times their `alpha`.
+#[cube]
+fn rescale_o(o_acc: &mut Array<f32>, alpha: &Array<f32>, #[comptime] head_dim: usize) {
+    #[unroll]
+    for i in 0..2usize {
+        #[unroll]
+        for ob in 0..comptime!(head_dim / 8) {
+            #[unroll]
+            for e2 in 0..2usize {
+                o_acc[ob * 4 + i * 2 + e2] *= alpha[i];
+            }
+        }
+    }
+}
+
+/// P packed to pairs: the A fragments of the P V steps (pair j = scores 2j, 2j + 1).
+#[cube]
+fn pack_p<E: Float>(s: &Array<f32>, p: &mut Array<Vector<E, Const<2>>>, #[comptime] block_n: usize) {
+    #[unroll]
+    for j in 0..comptime!(block_n / 4) {
+        let mut pr = Vector::<E, Const<2>>::empty();
+        pr[0] = E::cast_from(s[2 * j]);
+        pr[1] = E::cast_from(s[2 * j + 1]);
+        p[j] = pr;
+    }
+}
+
+/// `O += P V` over one key tile: `block_n / 16` MMAs m64 x head_dim x k16, P from the packed A
+/// registers `p`, V the MN-major tile at element `base` of `v_smem` (column chunks `block_n` rows
+/// apart). The caller fences before and commits after.
+#[cube]
+fn pv_steps<E: Float>(
+    o_acc: &mut Array<f32>,
+    p: &Array<Vector<E, Const<2>>>,
+    v_smem: &SharedMemory<E>,
+    base: usize,
+    #[comptime] block_n: usize,
+    #[comptime] head_dim: usize,
+) {
+    let v_lbo = comptime!((block_n * SW_ROW) as u32);
+    #[unroll]
+    for ks in 0..comptime!(block_n / 16) {
+        let b_off = base + comptime!(ks * 16 * SW_COLS);
+        wgmma_rs::<E>(o_acc, p, v_smem, b_off as u32, 0usize, comptime!(4 * ks), head_dim, true, v_lbo, true);
     }
 }
 
@@ -222,7 +391,6 @@ pub fn flash_fwd_sm90<E: Float>(
 
     let o_n = comptime!(head_dim / 2);
     let s_n = comptime!(block_n / 2);
-    let n_blocks = comptime!(block_n / 8);
     let o_blocks = comptime!(head_dim / 8);
     let mut o_acc = Array::<f32>::new(o_n);
     #[unroll]
@@ -245,129 +413,37 @@ pub fn flash_fwd_sm90<E: Float>(
     let rows_hi = min(khi, min(row_hi[row_a], row_hi[row_b]));
     // element offsets of this warpgroup's Q rows in each chunk, and of a tile's chunks
     let q_wg = wg * comptime!(64 * SW_COLS);
-    let v_lbo = comptime!((block_n * SW_ROW) as u32);
-
+    let mut alpha = Array::<f32>::new(2usize);
+    // Tile t: S(t), its softmax, then P(t) V(t), each MMA group waited for at once; two cubes per
+    // SM (the host's launch bounds) overlap one's softmax with the other's MMAs. (FlashAttention-3's
+    // in-cube overlap of S(t) with P(t - 1) V(t - 1) needs the registers of a second S: one cube
+    // per SM, or spills at two; measured slower at both head dims, docs/forward.md.)
     for kt in 0..n_tiles {
         let (t0, t1) = tile_bounds(kt, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
         bar_k.wait_parity(kt & 1u32);
         if kt == 0 {
-            // the Q tile came by cp.async (generic proxy); wgmma reads it through the async proxy
             fence_proxy_async();
         }
-        // every warpgroup is done with tile t - 1 (its MMAs were waited for): its buffers take
-        // tile t + 1
+        // every warpgroup is done with tile t - 1: its K buffer takes K(t + 1)
         sync_cube();
         let cur = ((kt & 1u32) as usize) * tile_e;
         if kt + 1 < n_tiles {
-            let nxt = tile_e - cur;
             let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
             let (p0, _p1, pb) = tile_rows(n0, n1, blocks, paged, block_n);
-            issue_tile_sw128(k_map, &mut k_smem, &bar_k, nxt, p0, pb, head_kv, block_n, head_dim);
+            issue_tile_sw128(k_map, &mut k_smem, &bar_k, tile_e - cur, p0, pb, head_kv, block_n, head_dim);
             commit_copies(&bar_k);
         }
-
-        // ---- S = Q K^T ----
         wgmma_fence();
-        #[unroll]
-        for kk in 0..comptime!(head_dim / 16) {
-            let chunk = comptime!(kk / 4);
-            let within = comptime!((kk % 4) * 16);
-            let a_off = q_wg + comptime!(chunk * SM90_BLOCK_M * SW_COLS + within);
-            let b_off = cur + comptime!(chunk * block_n * SW_COLS + within);
-            wgmma_ss::<E>(&mut s, &q_smem, a_off as u32, &k_smem, b_off as u32, 0usize, block_n, false, 0u32, comptime!(kk > 0));
-        }
+        s_steps::<E>(&mut s, &q_smem, q_wg, &k_smem, cur, block_n, head_dim);
         wgmma_commit();
         wgmma_wait(0u32);
-
-        // ---- mask (only tiles that cross a row's key range) ----
-        let tn = t0 + block_n as u32;
-        if plane_any(t0 < rows_lo || tn > min(rows_hi, t1)) {
-            #[unroll]
-            for i in 0..2usize {
-                let tr = pick_row(i, row_a, row_b);
-                let lo = row_lo[tr];
-                let hi = min(row_hi[tr], t1);
-                #[unroll]
-                for nb in 0..n_blocks {
-                    #[unroll]
-                    for e2 in 0..2usize {
-                        let e = i * 2 + e2;
-                        let key = t0 + nb as u32 * 8 + acc_col(lane, e);
-                        if key < lo || key >= hi {
-                            s[nb * 4 + e] = neg_inf;
-                        }
-                    }
-                }
-            }
+        mask_scores(&mut s, &row_lo, &row_hi, row_a, row_b, t0, t1, rows_lo, rows_hi, lane, neg_inf, block_n);
+        let moved = softmax_scores(&mut s, &mut m_r, &mut l_r, &mut alpha, scale_log2, neg_inf, block_n);
+        if moved {
+            rescale_o(&mut o_acc, &alpha, head_dim);
         }
-
-        // ---- online softmax (base 2, conditional rescale: `flash_fwd` module docs) ----
-        let mut top = Array::<f32>::new(2usize);
-        let mut moved = false;
-        #[unroll]
-        for i in 0..2usize {
-            let mut mx = neg_inf;
-            #[unroll]
-            for nb in 0..n_blocks {
-                #[unroll]
-                for e2 in 0..2usize {
-                    mx = max(mx, s[nb * 4 + i * 2 + e2]);
-                }
-            }
-            mx = max(mx, plane_shuffle_xor(mx, 1u32));
-            mx = max(mx, plane_shuffle_xor(mx, 2u32));
-            mx *= scale_log2;
-            top[i] = mx;
-            moved = moved || mx > m_r[i] + RESCALE_SLACK;
-        }
-        if plane_any(moved) {
-            #[unroll]
-            for i in 0..2usize {
-                let old = m_r[i];
-                let mut new = old;
-                if top[i] > old + RESCALE_SLACK {
-                    new = top[i];
-                }
-                let alpha = fast_exp2(old - new);
-                m_r[i] = new;
-                l_r[i] *= alpha;
-                #[unroll]
-                for ob in 0..o_blocks {
-                    #[unroll]
-                    for e2 in 0..2usize {
-                        o_acc[ob * 4 + i * 2 + e2] *= alpha;
-                    }
-                }
-            }
-        }
-        #[unroll]
-        for i in 0..2usize {
-            let ref_m = m_r[i];
-            let mut sum = 0.0f32;
-            #[unroll]
-            for nb in 0..n_blocks {
-                #[unroll]
-                for e2 in 0..2usize {
-                    let idx = nb * 4 + i * 2 + e2;
-                    let pv = fast_exp2(s[idx] * scale_log2 - ref_m);
-                    s[idx] = pv;
-                    sum += pv;
-                }
-            }
-            l_r[i] += sum;
-        }
-        // P packed to pairs: the A fragments of the P V steps (pair j = scores 2j, 2j + 1)
-        #[unroll]
-        for j in 0..comptime!(block_n / 4) {
-            let mut pr = Vector::<E, Const<2>>::empty();
-            pr[0] = E::cast_from(s[2 * j]);
-            pr[1] = E::cast_from(s[2 * j + 1]);
-            p[j] = pr;
-        }
-
-        // ---- O += P V ----
-        // V(t + 1) is issued only after this thread saw V(t) land: an arrival before that would
-        // count towards V(t)'s phase of the barrier
+        pack_p::<E>(&s, &mut p, block_n);
+        // V(t + 1) is issued only after this thread saw V(t) land
         bar_v.wait_parity(kt & 1u32);
         if kt + 1 < n_tiles {
             let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
@@ -376,11 +452,7 @@ pub fn flash_fwd_sm90<E: Float>(
             commit_copies(&bar_v);
         }
         wgmma_fence();
-        #[unroll]
-        for ks in 0..comptime!(block_n / 16) {
-            let b_off = cur + comptime!(ks * 16 * SW_COLS);
-            wgmma_rs::<E>(&mut o_acc, &p, &v_smem, b_off as u32, 0usize, comptime!(4 * ks), head_dim, true, v_lbo, true);
-        }
+        pv_steps::<E>(&mut o_acc, &p, &v_smem, cur, block_n, head_dim);
         wgmma_commit();
         wgmma_wait(0u32);
     }

@@ -153,9 +153,6 @@ pub(crate) fn kv_map_args(be: &CudaBackend, spec: &AttnSpec, k: u64, v: u64, blo
     Ok(a)
 }
 
-/// Keys per tile of the Hopper forward.
-pub(crate) const SM90_BLOCK_N: usize = 128;
-
 /// Whether the forward of `spec` runs the Hopper kernel (`flash_fwd_sm90`): an sm_90+ GPU (not the
 /// portable build), f16/bf16, head_dim 64 or 128, the switch on.
 pub(crate) fn sm90_forward(be: &CudaBackend, spec: &AttnSpec) -> bool {
@@ -163,14 +160,18 @@ pub(crate) fn sm90_forward(be: &CudaBackend, spec: &AttnSpec) -> bool {
     fwd_options().sm90 && be.kernels.has_bulk_copies() && spec.dtype != DType::F32 && (hd == 64 || hd == 128)
 }
 
-/// The Hopper forward kernel (`flash_fwd_sm90`) for one set of comptime choices.
-pub(crate) fn flash_fwd_sm90_kernel(be: &CudaBackend, dt: DType, hd: usize, bn: usize, sparse: bool, paged: bool) -> Result<super::compile::Func> {
-    let key = KernelKey::new("flash_fwd_sm90", dt, &[hd as u32, bn as u32, sparse as u32, paged as u32]);
-    be.kernels.get(&key, || fwd_sm90_source(be.client(), dt, hd, bn, sparse, paged))
+/// The Hopper forward kernel (`flash_fwd_sm90`) for one set of comptime choices, and its keys per
+/// tile (`FwdOptions::sm90_tile_for`).
+pub(crate) fn flash_fwd_sm90_kernel(be: &CudaBackend, dt: DType, hd: usize, sparse: bool, paged: bool) -> Result<(super::compile::Func, usize)> {
+    let (bn, cubes) = fwd_options().sm90_tile_for(hd);
+    let key = KernelKey::new("flash_fwd_sm90", dt, &[hd as u32, bn as u32, sparse as u32, paged as u32, cubes]);
+    let f = be.kernels.get(&key, || fwd_sm90_source(be.client(), dt, hd, bn, sparse, paged, cubes))?;
+    Ok((f, bn))
 }
 
-/// CUDA source of [`flash_fwd_sm90_kernel`]: the `kernels::sm90` markers lowered, and one cube per
-/// SM declared (`__launch_bounds__(256, 1)`: up to 255 registers a thread).
+/// CUDA source of [`flash_fwd_sm90_kernel`]: the `kernels::sm90` markers lowered, and `cubes` cubes
+/// per SM declared (`__launch_bounds__(256, cubes)`: up to 255 or 128 registers a thread).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn fwd_sm90_source(
     client: &ComputeClient<CudaRuntime>,
     dt: DType,
@@ -178,6 +179,7 @@ pub(crate) fn fwd_sm90_source(
     bn: usize,
     sparse: bool,
     paged: bool,
+    cubes: u32,
 ) -> Result<Source> {
     macro_rules! k {
         ($t:ty) => {
@@ -194,7 +196,7 @@ pub(crate) fn fwd_sm90_source(
     }
     let mut src = if is_f16(dt) { k!(f16) } else { k!(bf16) }?;
     src.cuda = super::rewrite::sm90::lower(&src.entry, &src.cuda)?;
-    src.cuda = super::rewrite::min_blocks(&src.entry, &src.cuda, 1)?;
+    src.cuda = super::rewrite::min_blocks(&src.entry, &src.cuda, cubes)?;
     Ok(src)
 }
 
@@ -355,7 +357,8 @@ pub(crate) fn launch_forward(
     let n_part = (po_bytes / (4 * hd)).max(1);
 
     let (f, mut a) = if sm90_forward(be, spec) {
-        (flash_fwd_sm90_kernel(be, dt, hd, SM90_BLOCK_N, false, paged)?, kv_map_args_sw128(spec, p.k, p.v, SM90_BLOCK_N)?)
+        let (f, bn) = flash_fwd_sm90_kernel(be, dt, hd, false, paged)?;
+        (f, kv_map_args_sw128(spec, p.k, p.v, bn)?)
     } else {
         (flash_fwd_kernel(be, dt, hd, mt, bn, BLOCK_M, false, false, paged, false)?, kv_map_args(be, spec, p.k, p.v, bn, false)?)
     };

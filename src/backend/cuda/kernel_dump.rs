@@ -27,9 +27,9 @@ mod tests {
         let sources = [
             ("fwd_d128", fwd_source(c, dt, 128, 2, 64, 128, false, false, false, false, true)),
             ("fwd_d64", fwd_source(c, dt, 64, 2, 128, 128, false, false, false, false, true)),
-            ("fwd_sm90_d128", super::super::forward::fwd_sm90_source(c, dt, 128, 128, false, false)),
-            ("fwd_sm90_d64", super::super::forward::fwd_sm90_source(c, dt, 64, 128, false, false)),
-            ("fwd_sm90_paged_d128_f16", super::super::forward::fwd_sm90_source(c, DType::F16, 128, 128, false, true)),
+            ("fwd_sm90_d128", super::super::forward::fwd_sm90_source(c, dt, 128, 64, false, false, 2)),
+            ("fwd_sm90_d64", super::super::forward::fwd_sm90_source(c, dt, 64, 128, false, false, 2)),
+            ("fwd_sm90_paged_d128_f16", super::super::forward::fwd_sm90_source(c, DType::F16, 128, 64, false, true, 2)),
             // block-sparse, 64-row cubes (q_block 64, index per q head): four planes of 16 rows at d128
             ("fwd_sparse_d128", fwd_source(c, dt, 128, 1, 64, 64, true, false, false, true, true)),
             // block-sparse, 128-row cubes (q_block 128, or a GQA group packed): two planes of 32 rows
