@@ -3,7 +3,7 @@
 //! (median and min of 11 runs; the backward's inputs come from one untimed forward).
 //! `CUBEATTN_CPU_KERNEL=gemm` times the gemm-crate path instead of the AVX-512 tiles.
 use cubeattn::backend::BackwardInputs;
-use cubeattn::{backend_for, AttnSpec, DType, DevicePref, HostData, TensorMeta};
+use cubeattn::{backend_for, AttnSpec, DType, DevicePref, HostData, Pass, TensorMeta};
 use std::time::Instant;
 
 fn main() {
@@ -11,11 +11,11 @@ fn main() {
     let lens: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
     let lens = if lens.is_empty() { vec![2048, 4096] } else { lens };
     let (h, d) = (8usize, 128usize);
-    let cpu = backend_for(DevicePref::Cpu).unwrap();
     for s in lens {
         let m = TensorMeta::new(&[s, h, d], DType::F32);
         let cu = [0, s as i32];
         let spec = AttnSpec::varlen(&m, &m, &m, &cu, &cu, s, s, None, true).unwrap();
+        let cpu = backend_for(DevicePref::Cpu, &spec, Pass::Forward).unwrap();
         let x: Vec<f32> = (0..s * h * d).map(|i| ((i * 2654435761usize) % 1000) as f32 / 500.0 - 1.0).collect();
         let g: Vec<f32> = (0..s * h * d).map(|i| ((i * 40503usize) % 997) as f32 / 498.5 - 1.0).collect();
         let (q, dout) = (HostData::F32(x), HostData::F32(g));

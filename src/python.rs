@@ -12,9 +12,10 @@ use pyo3::exceptions::{PyMemoryError, PyRuntimeError, PyTypeError, PyValueError}
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::backend::{backend_for_spec, BackwardInputs, DevicePref};
+use crate::backend::{backend_for, BackwardInputs, DevicePref, Pass};
 use crate::dtype::{DType, HostData, HostView};
 use crate::error::Error;
+use crate::sparse::{Int8Qk, QuantGran, DEFAULT_K_BLOCK, DEFAULT_Q_BLOCK};
 use crate::spec::{AttnSpec, TensorMeta};
 
 fn to_py(e: Error) -> PyErr {
@@ -27,12 +28,26 @@ fn to_py(e: Error) -> PyErr {
     }
 }
 
+/// `e` raised by a call of `spec`: `Unsupported` is NotImplementedError for a block-sparse spec
+/// (no CUDA kernel for that call) and ValueError for the others, as each API has always raised.
+fn call_err(spec: &AttnSpec, e: Error) -> PyErr {
+    match e {
+        Error::Unsupported { .. } if spec.block_sparse().is_some() => pyo3::exceptions::PyNotImplementedError::new_err(e.to_string()),
+        e => to_py(e),
+    }
+}
+
 /// Runs `f` without the GIL and turns a panic into RuntimeError.
 fn run_detached<T: Send>(py: Python<'_>, f: impl FnOnce() -> crate::Result<T> + Send) -> PyResult<T> {
+    run_detached_as(py, f, to_py)
+}
+
+/// [`run_detached`] with `err` making the exception of an `Err`.
+fn run_detached_as<T: Send>(py: Python<'_>, f: impl FnOnce() -> crate::Result<T> + Send, err: impl FnOnce(Error) -> PyErr) -> PyResult<T> {
     let r = py.detach(|| catch_unwind(AssertUnwindSafe(f)));
     match r {
         Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(to_py(e)),
+        Ok(Err(e)) => Err(err(e)),
         Err(p) => {
             let msg = p
                 .downcast_ref::<String>()
@@ -100,7 +115,8 @@ fn data_out(py: Python<'_>, data: HostData) -> Bound<'_, PyAny> {
     }
 }
 
-/// A validated attention call (shapes, dtype, scale, causal, segments).
+/// A validated attention call (shapes, dtype, scale, causal, segments, key set: dense, paged or
+/// block-sparse).
 #[pyclass(name = "Spec", module = "cubeattn._core", frozen)]
 struct PySpec {
     inner: AttnSpec,
@@ -131,7 +147,7 @@ impl PySpec {
         let d = self.inner.dims;
         (d.total_q, d.total_k, d.heads_q, d.heads_kv, d.head_dim)
     }
-    /// Matmul FLOPs of the forward pass.
+    /// Matmul FLOPs of the forward pass (over the visible pairs of a block-sparse spec).
     #[getter]
     fn forward_flops(&self) -> f64 {
         self.inner.forward_flops()
@@ -140,12 +156,59 @@ impl PySpec {
     fn num_segments(&self) -> usize {
         self.inner.segments.len()
     }
+    /// (q_start, q_len, k_start, k_len) per sequence or group.
+    #[getter]
+    fn segments(&self) -> Vec<(usize, usize, usize, usize)> {
+        self.inner.segments.iter().map(|s| (s.q_start, s.q_len, s.k_start, s.k_len)).collect()
+    }
+    /// "dense", "paged" or "block_sparse".
+    #[getter]
+    fn key_set(&self) -> &'static str {
+        self.inner.keys.name()
+    }
+    /// Query rows per block of a block-sparse spec (None otherwise).
+    #[getter]
+    fn q_block(&self) -> Option<usize> {
+        self.inner.block_sparse().map(|s| s.q_block)
+    }
+    /// Keys per block of a block-sparse spec (None otherwise).
+    #[getter]
+    fn k_block(&self) -> Option<usize> {
+        self.inner.block_sparse().map(|s| s.k_block)
+    }
+    /// Kept (query block, key block) pairs over all sequences and index heads (block-sparse).
+    #[getter]
+    fn kept_blocks(&self) -> Option<usize> {
+        self.inner.block_sparse().map(|s| s.index.kept_total())
+    }
+    /// Visible (query, key) pairs summed over query heads, block mask and causal together
+    /// (block-sparse).
+    #[getter]
+    fn visible_pairs(&self) -> Option<u64> {
+        self.inner.block_sparse().map(|s| s.visible_pairs())
+    }
+    /// "per_block" | "per_warp" | "per_thread" for the INT8 QK^T option of a block-sparse spec,
+    /// None for exact QK^T.
+    #[getter]
+    fn qk_int8(&self) -> Option<&'static str> {
+        self.inner.block_sparse().and_then(|s| s.int8).map(|o| o.gran.name())
+    }
     fn __repr__(&self) -> String {
         let d = self.inner.dims;
+        let keys = match self.inner.block_sparse() {
+            Some(s) => {
+                let ix = &s.index;
+                format!(
+                    "block_sparse(q_block={}, k_block={}, index=[{}, {}, {}, {}], kept={}, qk_int8={:?})",
+                    s.q_block, s.k_block, ix.batch, ix.heads, ix.q_blocks, ix.top_k, ix.kept_total(), self.qk_int8()
+                )
+            }
+            None => self.inner.keys.name().to_string(),
+        };
         format!(
-            "Spec({:?}, total_q={}, total_k={}, heads={}/{}, head_dim={}, dtype={}, causal={}, scale={}, window_size={:?})",
+            "Spec({:?}, total_q={}, total_k={}, heads={}/{}, head_dim={}, dtype={}, causal={}, scale={}, window_size={:?}, keys={})",
             self.inner.layout, d.total_q, d.total_k, d.heads_q, d.heads_kv, d.head_dim, self.inner.dtype.name(), self.inner.causal, self.inner.scale,
-            self.inner.window.as_pair()
+            self.inner.window.as_pair(), keys
         )
     }
 }
@@ -155,8 +218,14 @@ fn metas(q_shape: Vec<usize>, k_shape: Vec<usize>, v_shape: Vec<usize>, dtype: &
     Ok([TensorMeta::new(&q_shape, dt), TensorMeta::new(&k_shape, dt), TensorMeta::new(&v_shape, dt)])
 }
 
+fn flat_i32<'a>(a: &'a PyReadonlyArray1<'_, i32>, arg: &str) -> PyResult<&'a [i32]> {
+    a.as_slice().map_err(|_| PyValueError::new_err(format!("`{arg}` must be contiguous")))
+}
+
+/// The varlen layout; with `block_index` (flat int32, shape `index_shape`) block-sparse
+/// (`AttnSpec::with_block_index`), `qk_int8` its INT8 QK^T granularity.
 #[pyfunction]
-#[pyo3(signature = (q_shape, k_shape, v_shape, dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size=(-1, -1)))]
+#[pyo3(signature = (q_shape, k_shape, v_shape, dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size=(-1, -1), block_index=None, index_shape=Vec::new(), q_block=DEFAULT_Q_BLOCK, k_block=DEFAULT_K_BLOCK, qk_int8=None, smooth_k=true))]
 #[allow(clippy::too_many_arguments)]
 fn varlen_spec(
     q_shape: Vec<usize>,
@@ -170,12 +239,24 @@ fn varlen_spec(
     softmax_scale: Option<f64>,
     causal: bool,
     window_size: (i64, i64),
+    block_index: Option<PyReadonlyArray1<'_, i32>>,
+    index_shape: Vec<usize>,
+    q_block: usize,
+    k_block: usize,
+    qk_int8: Option<&str>,
+    smooth_k: bool,
 ) -> PyResult<PySpec> {
     let [q, k, v] = metas(q_shape, k_shape, v_shape, dtype)?;
-    let cq = cu_seqlens_q.as_slice().map_err(|_| PyValueError::new_err("`cu_seqlens_q` must be contiguous"))?;
-    let ck = cu_seqlens_k.as_slice().map_err(|_| PyValueError::new_err("`cu_seqlens_k` must be contiguous"))?;
+    let cq = flat_i32(&cu_seqlens_q, "cu_seqlens_q")?;
+    let ck = flat_i32(&cu_seqlens_k, "cu_seqlens_k")?;
+    let ix = block_index.as_ref().map(|b| flat_i32(b, "block_index")).transpose()?;
+    let int8 = qk_int8.map(|g| QuantGran::parse(g).map(|gran| Int8Qk { gran, smooth_k })).transpose().map_err(to_py)?;
     AttnSpec::varlen(&q, &k, &v, cq, ck, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
         .and_then(|s| s.with_window(window_size.0, window_size.1))
+        .and_then(|s| match ix {
+            Some(ix) => s.with_block_index(ix, &index_shape, q_block, k_block, int8),
+            None => Ok(s),
+        })
         .map(|inner| PySpec { inner })
         .map_err(to_py)
 }
@@ -217,7 +298,8 @@ fn grouped_spec(
         .map_err(to_py)
 }
 
-/// Forward: returns (out as float32 or uint16 bits, lse f32 [heads_q * total_q], backend name).
+/// Forward on host buffers, on the backend `device` picks: (out as float32 or uint16 bits, lse
+/// f32 [heads_q * total_q], backend name).
 #[pyfunction]
 #[pyo3(signature = (spec, q, k, v, device="auto"))]
 fn forward<'py>(
@@ -229,17 +311,22 @@ fn forward<'py>(
     device: &str,
 ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyArray1<f32>>, &'static str)> {
     let pref = DevicePref::parse(device).map_err(to_py)?;
-    let dt = spec.inner.dtype;
-    let (qb, kb, vb) = (Buf::new(&q, dt, "q")?, Buf::new(&k, dt, "k")?, Buf::new(&v, dt, "v")?);
     let s = &spec.inner;
-    let (res, kind) = run_detached(py, || {
-        let be = backend_for_spec(pref, s)?;
-        Ok((be.forward(s, qb.view(dt), kb.view(dt), vb.view(dt))?, be.kind().name()))
-    })?;
+    let dt = s.dtype;
+    let (qb, kb, vb) = (Buf::new(&q, dt, "q")?, Buf::new(&k, dt, "k")?, Buf::new(&v, dt, "v")?);
+    let (res, kind) = run_detached_as(
+        py,
+        || {
+            let be = backend_for(pref, s, Pass::Forward)?;
+            Ok((be.forward(s, qb.view(dt), kb.view(dt), vb.view(dt))?, be.kind().name()))
+        },
+        |e| call_err(s, e),
+    )?;
     Ok((data_out(py, res.out), PyArray1::from_vec(py, res.lse), kind))
 }
 
-/// Backward: returns (dq, dk, dv as float32 or uint16 bits, backend name).
+/// Backward on host buffers, on the backend `device` picks: (dq, dk, dv as float32 or uint16
+/// bits, backend name).
 #[pyfunction]
 #[pyo3(signature = (spec, q, k, v, out, lse, dout, deterministic=false, device="auto"))]
 #[allow(clippy::too_many_arguments, clippy::type_complexity)]
@@ -256,16 +343,20 @@ fn backward<'py>(
     device: &str,
 ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>, &'static str)> {
     let pref = DevicePref::parse(device).map_err(to_py)?;
-    let dt = spec.inner.dtype;
+    let s = &spec.inner;
+    let dt = s.dtype;
     let (qb, kb, vb) = (Buf::new(&q, dt, "q")?, Buf::new(&k, dt, "k")?, Buf::new(&v, dt, "v")?);
     let (ob, gb) = (Buf::new(&out, dt, "out")?, Buf::new(&dout, dt, "dout")?);
     let lse = lse.as_slice().map_err(|_| PyValueError::new_err("`lse` must be contiguous"))?;
-    let s = &spec.inner;
-    let (g, kind) = run_detached(py, || {
-        let be = backend_for_spec(pref, s)?;
-        let inputs = BackwardInputs { out: ob.view(dt), lse, dout: gb.view(dt), deterministic };
-        Ok((be.backward(s, qb.view(dt), kb.view(dt), vb.view(dt), inputs)?, be.kind().name()))
-    })?;
+    let (g, kind) = run_detached_as(
+        py,
+        || {
+            let be = backend_for(pref, s, Pass::Backward { deterministic })?;
+            let inputs = BackwardInputs { out: ob.view(dt), lse, dout: gb.view(dt), deterministic };
+            Ok((be.backward(s, qb.view(dt), kb.view(dt), vb.view(dt), inputs)?, be.kind().name()))
+        },
+        |e| call_err(s, e),
+    )?;
     Ok((data_out(py, g.dq), data_out(py, g.dk), data_out(py, g.dv), kind))
 }
 
@@ -338,26 +429,33 @@ fn cuda_bench(_s: &AttnSpec, _warmup: usize, _iters: usize, _backward: bool) -> 
     Err(Error::BackendUnavailable { backend: "cuda", reason: "this build of cubeattn has no `cuda` feature".into() })
 }
 
+/// `backward` (with `deterministic`) or the forward.
 #[cfg(feature = "cuda")]
-/// Workspace bytes of a device-resident call on `stream` (the launch plan of the shape is built
+fn pass(backward: bool, deterministic: bool) -> Pass {
+    if backward {
+        Pass::Backward { deterministic }
+    } else {
+        Pass::Forward
+    }
+}
+
+#[cfg(feature = "cuda")]
+/// Workspace bytes of a device-resident call on `stream` (the launch plan of the call is built
 /// and uploaded on `stream` if new), or None when the host path must run (`device` picks the CPU).
 #[pyfunction]
 #[pyo3(signature = (spec, device, stream, backward=false, deterministic=false))]
 fn device_workspace(py: Python<'_>, spec: &PySpec, device: &str, stream: u64, backward: bool, deterministic: bool) -> PyResult<Option<usize>> {
     let pref = DevicePref::parse(device).map_err(to_py)?;
     let s = &spec.inner;
-    run_detached(py, || match crate::backend::cuda_for_spec(pref, s)? {
-        // SAFETY: `stream` is torch's current stream of this device (the Python caller's contract).
-        Some(be) if backward => unsafe { be.backward_workspace(s, deterministic, stream) }.map(Some),
-        Some(be) => unsafe { be.forward_workspace(s, stream) }.map(Some),
-        None => Ok(None),
-    })
+    let pass = pass(backward, deterministic);
+    // SAFETY: `stream` is torch's current stream of this device (the Python caller's contract).
+    run_detached_as(py, || unsafe { backend_for(pref, s, pass)?.device_workspace(s, pass, stream) }, |e| call_err(s, e))
 }
 
 #[cfg(feature = "cuda")]
 /// Forward on device-resident buffers (torch CUDA tensors as raw addresses, contiguous), enqueued
-/// on `stream`: writes out and lse in place, returns at once. False when the host path must run
-/// instead (`device` picks the CPU) or the call has no row or key (nothing was enqueued).
+/// on `stream`; `workspace` holds at least [`device_workspace`] bytes: writes out and lse in
+/// place, returns at once. False when the call has no row or key (nothing was enqueued).
 #[pyfunction]
 #[pyo3(signature = (spec, q, k, v, out, lse, workspace, workspace_bytes, stream, device))]
 #[allow(clippy::too_many_arguments)]
@@ -376,13 +474,11 @@ fn forward_device(
 ) -> PyResult<bool> {
     let pref = DevicePref::parse(device).map_err(to_py)?;
     let s = &spec.inner;
-    let p = crate::backend::cuda::FwdPtrs { q, k, v, out, lse, workspace };
-    run_detached(py, || device_call(pref, s, |be| {
-        // SAFETY: the Python caller passes contiguous CUDA tensors of the spec's shapes and dtype
-        // on this device and torch's current stream there; torch's caching allocator keeps the
-        // tensors alive until the work enqueued on that stream has run.
-        unsafe { be.forward_device(s, p, workspace_bytes, stream) }
-    }))
+    let p = crate::backend::FwdPtrs { q, k, v, out, lse, workspace };
+    // SAFETY: the Python caller passes contiguous CUDA tensors of the spec's shapes and dtype on
+    // this device and torch's current stream there; torch's caching allocator keeps the tensors
+    // alive until the work enqueued on that stream has run.
+    run_detached_as(py, || unsafe { backend_for(pref, s, Pass::Forward)?.forward_device(s, p, workspace_bytes, stream) }, |e| call_err(s, e))
 }
 
 #[cfg(feature = "cuda")]
@@ -410,139 +506,26 @@ fn backward_device(
 ) -> PyResult<bool> {
     let pref = DevicePref::parse(device).map_err(to_py)?;
     let s = &spec.inner;
-    let p = crate::backend::cuda::BwdPtrs { q, k, v, out, lse, dout, dq, dk, dv, workspace };
+    let p = crate::backend::BwdPtrs { q, k, v, out, lse, dout, dq, dk, dv, workspace };
+    let pass = Pass::Backward { deterministic };
     // SAFETY: as in `forward_device`.
-    run_detached(py, || device_call(pref, s, |be| unsafe { be.backward_device(s, p, deterministic, workspace_bytes, stream) }))
+    run_detached_as(py, || unsafe { backend_for(pref, s, pass)?.backward_device(s, p, deterministic, workspace_bytes, stream) }, |e| call_err(s, e))
 }
 
-#[cfg(feature = "cuda")]
-/// Runs `f` on the CUDA backend `pref` picks for `s`; `Ok(false)` where the host path must run
-/// instead (the CPU is picked).
-fn device_call(
-    pref: DevicePref,
-    s: &AttnSpec,
-    f: impl FnOnce(&crate::backend::cuda::CudaBackend) -> crate::Result<bool>,
-) -> crate::Result<bool> {
-    match crate::backend::cuda_for_spec(pref, s)? {
-        Some(be) => f(be),
-        None => Ok(false),
-    }
-}
-
-// ---------------------------------------------------------------- block-sparse attention
-
-/// A validated block-sparse call: the dense spec plus the block index (see `crate::sparse`).
-#[pyclass(name = "SparseSpec", module = "cubeattn._core", frozen)]
-struct PySparseSpec {
-    inner: crate::sparse::SparseSpec,
-}
-
-#[pymethods]
-impl PySparseSpec {
-    /// (total_q, total_k, heads_q, heads_kv, head_dim)
-    #[getter]
-    fn dims(&self) -> (usize, usize, usize, usize, usize) {
-        let d = self.inner.attn.dims;
-        (d.total_q, d.total_k, d.heads_q, d.heads_kv, d.head_dim)
-    }
-    #[getter]
-    fn softmax_scale(&self) -> f32 {
-        self.inner.attn.scale
-    }
-    #[getter]
-    fn causal(&self) -> bool {
-        self.inner.attn.causal
-    }
-    #[getter]
-    fn dtype(&self) -> &'static str {
-        self.inner.attn.dtype.name()
-    }
-    #[getter]
-    fn q_block(&self) -> usize {
-        self.inner.q_block
-    }
-    #[getter]
-    fn k_block(&self) -> usize {
-        self.inner.k_block
-    }
-    /// (q_start, q_len, k_start, k_len) per sequence.
-    #[getter]
-    fn segments(&self) -> Vec<(usize, usize, usize, usize)> {
-        self.inner.attn.segments.iter().map(|s| (s.q_start, s.q_len, s.k_start, s.k_len)).collect()
-    }
-    /// Kept (query block, key block) pairs over all sequences and index heads.
-    #[getter]
-    fn kept_blocks(&self) -> usize {
-        self.inner.index.kept_total()
-    }
-    /// Visible (query, key) pairs summed over query heads (block mask and causal together).
-    #[getter]
-    fn visible_pairs(&self) -> u64 {
-        self.inner.visible_pairs()
-    }
-    #[getter]
-    fn forward_flops(&self) -> f64 {
-        self.inner.forward_flops()
-    }
-    /// "per_block" | "per_warp" | "per_thread", or None for exact QK^T.
-    #[getter]
-    fn qk_int8(&self) -> Option<&'static str> {
-        self.inner.int8.map(|o| o.gran.name())
-    }
-    fn __repr__(&self) -> String {
-        let d = self.inner.attn.dims;
-        let ix = &self.inner.index;
-        format!(
-            "SparseSpec(batch={}, total_q={}, total_k={}, heads={}/{}, head_dim={}, dtype={}, causal={}, q_block={}, k_block={}, index=[{}, {}, {}, {}], kept={}, qk_int8={:?})",
-            ix.batch, d.total_q, d.total_k, d.heads_q, d.heads_kv, d.head_dim, self.inner.attn.dtype.name(), self.inner.attn.causal,
-            self.inner.q_block, self.inner.k_block, ix.batch, ix.heads, ix.q_blocks, ix.top_k, ix.kept_total(), self.qk_int8()
-        )
-    }
-}
-
-/// `Unsupported` (no CUDA kernel for block-sparse yet) as NotImplementedError; the rest as usual.
-fn sparse_err(e: Error) -> PyErr {
-    match e {
-        Error::Unsupported { .. } => pyo3::exceptions::PyNotImplementedError::new_err(e.to_string()),
-        e => to_py(e),
-    }
-}
-
-fn flat_i32<'a>(a: &'a PyReadonlyArray1<'_, i32>, arg: &str) -> PyResult<&'a [i32]> {
-    a.as_slice().map_err(|_| PyValueError::new_err(format!("`{arg}` must be contiguous")))
-}
-
+/// Why the CUDA backend does not serve `spec` (`backward`: its backward), or None when it does.
+/// The Python layer names it when `device="auto"` runs CUDA tensors on the CPU backend.
 #[pyfunction]
-#[pyo3(signature = (q_shape, k_shape, v_shape, dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, block_index, index_shape, q_block, k_block, qk_int8=None, smooth_k=true))]
-#[allow(clippy::too_many_arguments)]
-fn sparse_spec(
-    q_shape: Vec<usize>,
-    k_shape: Vec<usize>,
-    v_shape: Vec<usize>,
-    dtype: &str,
-    cu_seqlens_q: PyReadonlyArray1<'_, i32>,
-    cu_seqlens_k: PyReadonlyArray1<'_, i32>,
-    max_seqlen_q: usize,
-    max_seqlen_k: usize,
-    softmax_scale: Option<f64>,
-    causal: bool,
-    block_index: PyReadonlyArray1<'_, i32>,
-    index_shape: Vec<usize>,
-    q_block: usize,
-    k_block: usize,
-    qk_int8: Option<&str>,
-    smooth_k: bool,
-) -> PyResult<PySparseSpec> {
-    let [q, k, v] = metas(q_shape, k_shape, v_shape, dtype)?;
-    let cq = flat_i32(&cu_seqlens_q, "cu_seqlens_q")?;
-    let ck = flat_i32(&cu_seqlens_k, "cu_seqlens_k")?;
-    let attn = AttnSpec::varlen(&q, &k, &v, cq, ck, max_seqlen_q, max_seqlen_k, softmax_scale, causal).map_err(to_py)?;
-    let int8 = match qk_int8 {
-        Some(g) => Some(crate::sparse::Int8Qk { gran: crate::sparse::QuantGran::parse(g).map_err(to_py)?, smooth_k }),
-        None => None,
-    };
-    let ix = flat_i32(&block_index, "block_index")?;
-    crate::sparse::SparseSpec::new(attn, ix, &index_shape, q_block, k_block, int8).map(|inner| PySparseSpec { inner }).map_err(to_py)
+#[pyo3(signature = (spec, backward=false))]
+fn cuda_refusal(spec: &PySpec, backward: bool) -> Option<String> {
+    #[cfg(feature = "cuda")]
+    {
+        crate::backend::cuda::check_supported(&spec.inner, pass(backward, false)).err().map(|e| e.to_string())
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (spec, backward);
+        Some("this build of cubeattn has no `cuda` feature".into())
+    }
 }
 
 /// FlexAttention BlockMask fields -> (flat block_index int32, its shape).
@@ -571,167 +554,6 @@ fn flex_block_index<'py>(
     Ok((PyArray1::from_vec(py, out), shape))
 }
 
-/// Block-sparse forward: (out as float32 or uint16 bits, lse f32 [heads_q * total_q], backend name).
-#[pyfunction]
-#[pyo3(signature = (spec, q, k, v, device="auto"))]
-fn sparse_forward<'py>(
-    py: Python<'py>,
-    spec: &PySparseSpec,
-    q: PyReadonlyArray1<'py, u8>,
-    k: PyReadonlyArray1<'py, u8>,
-    v: PyReadonlyArray1<'py, u8>,
-    device: &str,
-) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyArray1<f32>>, &'static str)> {
-    let pref = DevicePref::parse(device).map_err(to_py)?;
-    let s = &spec.inner;
-    crate::backend::sparse::sparse_forward_backend(pref, s).map_err(sparse_err)?;
-    let dt = s.attn.dtype;
-    let (qb, kb, vb) = (Buf::new(&q, dt, "q")?, Buf::new(&k, dt, "k")?, Buf::new(&v, dt, "v")?);
-    let (res, kind) = run_detached(py, || crate::backend::sparse::sparse_forward(pref, s, qb.view(dt), kb.view(dt), vb.view(dt)))?;
-    Ok((data_out(py, res.out), PyArray1::from_vec(py, res.lse), kind.name()))
-}
-
-/// Block-sparse backward: (dq, dk, dv as float32 or uint16 bits, backend name).
-#[pyfunction]
-#[pyo3(signature = (spec, q, k, v, out, lse, dout, deterministic=false, device="auto"))]
-#[allow(clippy::too_many_arguments, clippy::type_complexity)]
-fn sparse_backward<'py>(
-    py: Python<'py>,
-    spec: &PySparseSpec,
-    q: PyReadonlyArray1<'py, u8>,
-    k: PyReadonlyArray1<'py, u8>,
-    v: PyReadonlyArray1<'py, u8>,
-    out: PyReadonlyArray1<'py, u8>,
-    lse: PyReadonlyArray1<'py, f32>,
-    dout: PyReadonlyArray1<'py, u8>,
-    deterministic: bool,
-    device: &str,
-) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>, &'static str)> {
-    let pref = DevicePref::parse(device).map_err(to_py)?;
-    let s = &spec.inner;
-    crate::backend::sparse::sparse_backward_backend(pref, s).map_err(sparse_err)?;
-    let dt = s.attn.dtype;
-    let (qb, kb, vb) = (Buf::new(&q, dt, "q")?, Buf::new(&k, dt, "k")?, Buf::new(&v, dt, "v")?);
-    let (ob, gb) = (Buf::new(&out, dt, "out")?, Buf::new(&dout, dt, "dout")?);
-    let lse = lse.as_slice().map_err(|_| PyValueError::new_err("`lse` must be contiguous"))?;
-    let (g, kind) = run_detached(py, || {
-        let inputs = BackwardInputs { out: ob.view(dt), lse, dout: gb.view(dt), deterministic };
-        crate::backend::sparse::sparse_backward(pref, s, qb.view(dt), kb.view(dt), vb.view(dt), inputs)
-    })?;
-    Ok((data_out(py, g.dq), data_out(py, g.dk), data_out(py, g.dv), kind.name()))
-}
-
-#[cfg(feature = "cuda")]
-/// Block-sparse forward on device-resident buffers (torch CUDA tensors as raw addresses,
-/// contiguous), enqueued on `stream`; `workspace` holds at least [`sparse_forward_workspace`]
-/// bytes: None when the host path must run (`device` picks the CPU), False when the call has no
-/// row or key (nothing enqueued), True when enqueued.
-#[pyfunction]
-#[pyo3(signature = (spec, q, k, v, out, lse, workspace, workspace_bytes, stream, device))]
-#[allow(clippy::too_many_arguments)]
-fn sparse_forward_device(
-    py: Python<'_>,
-    spec: &PySparseSpec,
-    q: u64,
-    k: u64,
-    v: u64,
-    out: u64,
-    lse: u64,
-    workspace: u64,
-    workspace_bytes: usize,
-    stream: u64,
-    device: &str,
-) -> PyResult<Option<bool>> {
-    let pref = DevicePref::parse(device).map_err(to_py)?;
-    let s = &spec.inner;
-    let be = crate::backend::sparse::sparse_cuda(pref, s, false).map_err(sparse_err)?;
-    let p = crate::backend::cuda::FwdPtrs { q, k, v, out, lse, workspace };
-    match be {
-        // SAFETY: as in `forward_device`.
-        Some(be) => run_detached(py, || unsafe { be.sparse_forward_device(s, p, workspace_bytes, stream) }).map(Some),
-        None => Ok(None),
-    }
-}
-
-#[cfg(feature = "cuda")]
-/// Block-sparse backward on device-resident buffers (see [`sparse_forward_device`]): writes dq,
-/// dk, dv in place; `workspace` holds at least [`sparse_backward_workspace`] bytes. None when the
-/// host path must run, False when the call has no row or key (nothing enqueued), True when enqueued.
-#[pyfunction]
-#[pyo3(signature = (spec, q, k, v, out, lse, dout, dq, dk, dv, workspace, workspace_bytes, stream, deterministic, device))]
-#[allow(clippy::too_many_arguments)]
-fn sparse_backward_device(
-    py: Python<'_>,
-    spec: &PySparseSpec,
-    q: u64,
-    k: u64,
-    v: u64,
-    out: u64,
-    lse: u64,
-    dout: u64,
-    dq: u64,
-    dk: u64,
-    dv: u64,
-    workspace: u64,
-    workspace_bytes: usize,
-    stream: u64,
-    deterministic: bool,
-    device: &str,
-) -> PyResult<Option<bool>> {
-    let pref = DevicePref::parse(device).map_err(to_py)?;
-    let s = &spec.inner;
-    let be = crate::backend::sparse::sparse_cuda(pref, s, true).map_err(sparse_err)?;
-    let p = crate::backend::cuda::BwdPtrs { q, k, v, out, lse, dout, dq, dk, dv, workspace };
-    match be {
-        // SAFETY: as in `forward_device`.
-        Some(be) => run_detached(py, || unsafe { be.sparse_backward_device(s, p, deterministic, workspace_bytes, stream) }).map(Some),
-        None => Ok(None),
-    }
-}
-
-#[cfg(feature = "cuda")]
-/// Device workspace bytes of a block-sparse forward of `spec` (torch allocates it): the
-/// non-finite-v flag, plus the quantised Q, K and scales with the INT8 option.
-#[pyfunction]
-fn sparse_forward_workspace(spec: &PySparseSpec) -> usize {
-    crate::backend::cuda::sparse_forward_workspace(&spec.inner)
-}
-
-#[cfg(feature = "cuda")]
-/// Device workspace bytes of a block-sparse backward of `spec` (torch allocates it); the
-/// non-deterministic path adds the f32 dQ accumulator.
-#[pyfunction]
-#[pyo3(signature = (spec, deterministic=false))]
-fn sparse_backward_workspace(spec: &PySparseSpec, deterministic: bool) -> usize {
-    crate::backend::cuda::sparse_backward_workspace(&spec.inner, deterministic)
-}
-
-/// Why the CUDA backend does not serve `spec` (a dense or block-sparse spec; `backward`: its
-/// backward), or None when it does. The Python layer names it when `device="auto"` runs CUDA
-/// tensors on the CPU backend.
-#[pyfunction]
-#[pyo3(signature = (spec, backward=false))]
-fn cuda_refusal(spec: &Bound<'_, PyAny>, backward: bool) -> Option<String> {
-    #[cfg(feature = "cuda")]
-    {
-        use crate::backend::cuda;
-        let why = if let Ok(s) = spec.cast::<PySparseSpec>() {
-            let s = &s.get().inner;
-            if backward { cuda::sparse_bwd_supported(s) } else { cuda::sparse_supported(s) }
-        } else if let Ok(s) = spec.cast::<PySpec>() {
-            cuda::check_supported(&s.get().inner)
-        } else {
-            Ok(())
-        };
-        why.err().map(|e| e.to_string())
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (spec, backward);
-        Some("this build of cubeattn has no `cuda` feature".into())
-    }
-}
-
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // keys per block of a paged K,V (`kv_block_table`)
@@ -739,6 +561,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySpec>()?;
     m.add_function(wrap_pyfunction!(varlen_spec, m)?)?;
     m.add_function(wrap_pyfunction!(grouped_spec, m)?)?;
+    m.add_function(wrap_pyfunction!(flex_block_index, m)?)?;
     m.add_function(wrap_pyfunction!(forward, m)?)?;
     m.add_function(wrap_pyfunction!(backward, m)?)?;
     #[cfg(feature = "cuda")]
@@ -752,19 +575,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(estimate_vram, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_bench_forward, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_bench_forward_backward, m)?)?;
-    m.add_class::<PySparseSpec>()?;
-    m.add_function(wrap_pyfunction!(sparse_spec, m)?)?;
-    m.add_function(wrap_pyfunction!(flex_block_index, m)?)?;
-    m.add_function(wrap_pyfunction!(sparse_forward, m)?)?;
-    #[cfg(feature = "cuda")]
-    m.add_function(wrap_pyfunction!(sparse_forward_device, m)?)?;
-    #[cfg(feature = "cuda")]
-    m.add_function(wrap_pyfunction!(sparse_forward_workspace, m)?)?;
-    m.add_function(wrap_pyfunction!(sparse_backward, m)?)?;
-    #[cfg(feature = "cuda")]
-    m.add_function(wrap_pyfunction!(sparse_backward_device, m)?)?;
-    #[cfg(feature = "cuda")]
-    m.add_function(wrap_pyfunction!(sparse_backward_workspace, m)?)?;
     #[cfg(feature = "cuda")]
     m.add("CUDA_COMPILED", cfg!(feature = "cuda"))?;
     add_zigzag(m)?;

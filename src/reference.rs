@@ -1,99 +1,34 @@
 //! Naive f64 attention, forward and backward: the yardstick every backend is tested against.
 //! O(rows x keys x head_dim) with no blocking; meant for tests and small checks only.
 //! Buffers use the spec's token-major layouts (`[tokens, heads, d]`, lse `[heads_q, total_q]`).
-//! Paged K,V (`AttnSpec::kv_pages`) are read through `AttnSpec::kv_row`. The `sparse_*` functions take a [`crate::sparse::SparseSpec`] and expand its block mask to a
-//! token mask key by key (no block logic shared with the backends).
+//! Every key set is read key by key: paged K,V through `AttnSpec::kv_row`, a block-sparse
+//! spec's block mask expanded to a token mask (`SparseView::visible`; no block logic shared with
+//! the backends).
 
 use crate::spec::AttnSpec;
 
 /// f64 gradients `(dq, dk, dv)`.
 pub type GradsF64 = (Vec<f64>, Vec<f64>, Vec<f64>);
 
-/// Softmax probabilities of one (row, head): `(first key, probabilities, lse)`; `None` when the
-/// row sees no key.
-fn row_probs(spec: &AttnSpec, q: &[f64], k: &[f64], t: usize, h: usize, lo: usize, hi: usize) -> Option<(Vec<f64>, f64)> {
-    let dm = spec.dims;
-    let d = dm.head_dim;
-    if hi <= lo {
-        return None;
+/// Logical keys (absolute) that row `r` of segment `si` sees for query head `h`: the row's key
+/// range, thinned to the listed blocks' keys when the spec is block-sparse.
+fn row_keys(spec: &AttnSpec, si: usize, r: usize, h: usize) -> Vec<usize> {
+    let seg = &spec.segments[si];
+    let (lo, hi) = spec.row_key_range(seg, r);
+    match spec.block_sparse() {
+        Some(s) => (lo..hi).filter(|&j| s.visible(si, h, r, j - seg.k_start)).collect(),
+        None => (lo..hi).collect(),
     }
-    let hk = h / dm.group_size();
-    let qi = &q[(t * dm.heads_q + h) * d..][..d];
-    let s: Vec<f64> = (lo..hi)
-        .map(|j| {
-            let kj = &k[(spec.kv_row(j) * dm.heads_kv + hk) * d..][..d];
-            spec.scale as f64 * qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>()
-        })
-        .collect();
-    let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-    let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
-    let l: f64 = e.iter().sum();
-    Some((e.into_iter().map(|x| x / l).collect(), m + l.ln()))
 }
 
-/// Forward: `(out, lse)`; rows that see no key give out 0 and lse +inf.
-pub fn forward_f64(spec: &AttnSpec, q: &[f64], k: &[f64], v: &[f64]) -> (Vec<f64>, Vec<f64>) {
-    let dm = spec.dims;
-    let d = dm.head_dim;
-    let mut out = vec![0.0; dm.q_len()];
-    let mut lse = vec![f64::INFINITY; dm.lse_len()];
-    for seg in &spec.segments {
-        for r in 0..seg.q_len {
-            let t = seg.q_start + r;
-            let (lo, hi) = spec.row_key_range(seg, r);
-            for h in 0..dm.heads_q {
-                let hk = h / dm.group_size();
-                if let Some((p, l)) = row_probs(spec, q, k, t, h, lo, hi) {
-                    lse[h * dm.total_q + t] = l;
-                    let o = &mut out[(t * dm.heads_q + h) * d..][..d];
-                    for (j, pj) in (lo..hi).zip(p) {
-                        for (x, vv) in o.iter_mut().zip(&v[(spec.kv_row(j) * dm.heads_kv + hk) * d..][..d]) {
-                            *x += pj * vv;
-                        }
-                    }
-                }
-            }
-        }
-    }
-    (out, lse)
+/// Offset of logical key `j`, kv head `hk` in k / v.
+fn kv_at(spec: &AttnSpec, j: usize, hk: usize) -> usize {
+    (spec.kv_row(j) * spec.dims.heads_kv + hk) * spec.dims.head_dim
 }
 
-/// Backward from `dout`: `(dq, dk, dv)` with exact f64 softmax.
-pub fn backward_f64(spec: &AttnSpec, q: &[f64], k: &[f64], v: &[f64], dout: &[f64]) -> GradsF64 {
-    let dm = spec.dims;
-    let d = dm.head_dim;
-    let (mut dq, mut dk, mut dv) = (vec![0.0; dm.q_len()], vec![0.0; dm.kv_len()], vec![0.0; dm.kv_len()]);
-    let sc = spec.scale as f64;
-    for seg in &spec.segments {
-        for r in 0..seg.q_len {
-            let t = seg.q_start + r;
-            let (lo, hi) = spec.row_key_range(seg, r);
-            for h in 0..dm.heads_q {
-                let hk = h / dm.group_size();
-                let Some((p, _)) = row_probs(spec, q, k, t, h, lo, hi) else { continue };
-                let qo = (t * dm.heads_q + h) * d;
-                let go = &dout[qo..qo + d];
-                let dp: Vec<f64> = (lo..hi)
-                    .map(|j| go.iter().zip(&v[(spec.kv_row(j) * dm.heads_kv + hk) * d..][..d]).map(|(a, b)| a * b).sum())
-                    .collect();
-                let delta: f64 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
-                for (idx, j) in (lo..hi).enumerate() {
-                    let ko = (spec.kv_row(j) * dm.heads_kv + hk) * d;
-                    let ds = p[idx] * (dp[idx] - delta);
-                    for x in 0..d {
-                        dv[ko + x] += p[idx] * go[x];
-                        dq[qo + x] += sc * ds * k[ko + x];
-                        dk[ko + x] += sc * ds * q[qo + x];
-                    }
-                }
-            }
-        }
-    }
-    (dq, dk, dv)
-}
-
-/// Softmax of one (row, head) over an explicit key list: `(probabilities, lse)`; `None` when empty.
-fn row_probs_keys(spec: &AttnSpec, q: &[f64], k: &[f64], t: usize, h: usize, keys: &[usize]) -> Option<(Vec<f64>, f64)> {
+/// Softmax of one (row, head) over `keys`: `(probabilities, lse)`; `None` when the row sees no
+/// key.
+fn row_probs(spec: &AttnSpec, q: &[f64], k: &[f64], t: usize, h: usize, keys: &[usize]) -> Option<(Vec<f64>, f64)> {
     let dm = spec.dims;
     let d = dm.head_dim;
     if keys.is_empty() {
@@ -103,7 +38,7 @@ fn row_probs_keys(spec: &AttnSpec, q: &[f64], k: &[f64], t: usize, h: usize, key
     let qi = &q[(t * dm.heads_q + h) * d..][..d];
     let s: Vec<f64> = keys
         .iter()
-        .map(|&j| spec.scale as f64 * qi.iter().zip(&k[(j * dm.heads_kv + hk) * d..][..d]).map(|(a, b)| a * b).sum::<f64>())
+        .map(|&j| spec.scale as f64 * qi.iter().zip(&k[kv_at(spec, j, hk)..][..d]).map(|(a, b)| a * b).sum::<f64>())
         .collect();
     let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
     let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
@@ -111,71 +46,62 @@ fn row_probs_keys(spec: &AttnSpec, q: &[f64], k: &[f64], t: usize, h: usize, key
     Some((e.into_iter().map(|x| x / l).collect(), m + l.ln()))
 }
 
-/// Absolute keys row `r` of sequence `b`, query head `h`, sees under the block mask: the dense
-/// token mask expanded from the block index (brute force over every key).
-fn sparse_keys(s: &crate::sparse::SparseSpec, b: usize, h: usize, r: usize) -> Vec<usize> {
-    let seg = &s.attn.segments[b];
-    (0..seg.k_len).filter(|&j| s.visible(b, h, r, j)).map(|j| seg.k_start + j).collect()
+/// Calls `f(row, head, keys)` for every query row of every segment and every query head, with
+/// the logical keys the row sees for that head.
+fn for_each_row(spec: &AttnSpec, mut f: impl FnMut(usize, usize, &[usize])) {
+    for (si, seg) in spec.segments.iter().enumerate() {
+        for r in 0..seg.q_len {
+            for h in 0..spec.dims.heads_q {
+                f(seg.q_start + r, h, &row_keys(spec, si, r, h));
+            }
+        }
+    }
 }
 
-/// Block-sparse forward: dense f64 attention under the token mask expanded from the block mask.
-pub fn sparse_forward_f64(s: &crate::sparse::SparseSpec, q: &[f64], k: &[f64], v: &[f64]) -> (Vec<f64>, Vec<f64>) {
-    let spec = &s.attn;
+/// Forward: `(out, lse)`; rows that see no key give out 0 and lse +inf.
+pub fn forward_f64(spec: &AttnSpec, q: &[f64], k: &[f64], v: &[f64]) -> (Vec<f64>, Vec<f64>) {
     let dm = spec.dims;
     let d = dm.head_dim;
     let mut out = vec![0.0; dm.q_len()];
     let mut lse = vec![f64::INFINITY; dm.lse_len()];
-    for (b, seg) in spec.segments.iter().enumerate() {
-        for r in 0..seg.q_len {
-            let t = seg.q_start + r;
-            for h in 0..dm.heads_q {
-                let hk = h / dm.group_size();
-                let keys = sparse_keys(s, b, h, r);
-                if let Some((p, l)) = row_probs_keys(spec, q, k, t, h, &keys) {
-                    lse[h * dm.total_q + t] = l;
-                    let o = &mut out[(t * dm.heads_q + h) * d..][..d];
-                    for (&j, pj) in keys.iter().zip(p) {
-                        for (x, vv) in o.iter_mut().zip(&v[(j * dm.heads_kv + hk) * d..][..d]) {
-                            *x += pj * vv;
-                        }
-                    }
+    for_each_row(spec, |t, h, keys| {
+        let hk = h / dm.group_size();
+        if let Some((p, l)) = row_probs(spec, q, k, t, h, keys) {
+            lse[h * dm.total_q + t] = l;
+            let o = &mut out[(t * dm.heads_q + h) * d..][..d];
+            for (&j, pj) in keys.iter().zip(p) {
+                for (x, vv) in o.iter_mut().zip(&v[kv_at(spec, j, hk)..][..d]) {
+                    *x += pj * vv;
                 }
             }
         }
-    }
+    });
     (out, lse)
 }
 
-/// Block-sparse backward from `dout` under the expanded token mask: `(dq, dk, dv)` in f64.
-pub fn sparse_backward_f64(s: &crate::sparse::SparseSpec, q: &[f64], k: &[f64], v: &[f64], dout: &[f64]) -> GradsF64 {
-    let spec = &s.attn;
+/// Backward from `dout`: `(dq, dk, dv)` with exact f64 softmax.
+pub fn backward_f64(spec: &AttnSpec, q: &[f64], k: &[f64], v: &[f64], dout: &[f64]) -> GradsF64 {
     let dm = spec.dims;
     let d = dm.head_dim;
     let (mut dq, mut dk, mut dv) = (vec![0.0; dm.q_len()], vec![0.0; dm.kv_len()], vec![0.0; dm.kv_len()]);
     let sc = spec.scale as f64;
-    for (b, seg) in spec.segments.iter().enumerate() {
-        for r in 0..seg.q_len {
-            let t = seg.q_start + r;
-            for h in 0..dm.heads_q {
-                let hk = h / dm.group_size();
-                let keys = sparse_keys(s, b, h, r);
-                let Some((p, _)) = row_probs_keys(spec, q, k, t, h, &keys) else { continue };
-                let qo = (t * dm.heads_q + h) * d;
-                let go = &dout[qo..qo + d];
-                let dp: Vec<f64> = keys.iter().map(|&j| go.iter().zip(&v[(j * dm.heads_kv + hk) * d..][..d]).map(|(a, b)| a * b).sum()).collect();
-                let delta: f64 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
-                for (idx, &j) in keys.iter().enumerate() {
-                    let ko = (j * dm.heads_kv + hk) * d;
-                    let ds = p[idx] * (dp[idx] - delta);
-                    for x in 0..d {
-                        dv[ko + x] += p[idx] * go[x];
-                        dq[qo + x] += sc * ds * k[ko + x];
-                        dk[ko + x] += sc * ds * q[qo + x];
-                    }
-                }
+    for_each_row(spec, |t, h, keys| {
+        let hk = h / dm.group_size();
+        let Some((p, _)) = row_probs(spec, q, k, t, h, keys) else { return };
+        let qo = (t * dm.heads_q + h) * d;
+        let go = &dout[qo..qo + d];
+        let dp: Vec<f64> = keys.iter().map(|&j| go.iter().zip(&v[kv_at(spec, j, hk)..][..d]).map(|(a, b)| a * b).sum()).collect();
+        let delta: f64 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
+        for (idx, &j) in keys.iter().enumerate() {
+            let ko = kv_at(spec, j, hk);
+            let ds = p[idx] * (dp[idx] - delta);
+            for x in 0..d {
+                dv[ko + x] += p[idx] * go[x];
+                dq[qo + x] += sc * ds * k[ko + x];
+                dk[ko + x] += sc * ds * q[qo + x];
             }
         }
-    }
+    });
     (dq, dk, dv)
 }
 

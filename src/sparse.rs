@@ -1,5 +1,8 @@
-//! Block-sparse attention: a validated [`AttnSpec`] (varlen layout) plus a block index saying, per
-//! (sequence, head, query block), which key blocks are attended. Everything else is skipped.
+//! Block-sparse attention's key set: a block index saying, per (sequence, head, query block),
+//! which key blocks are attended; everything else is skipped. A spec takes one through
+//! [`crate::spec::AttnSpec::with_block_index`] (its key set becomes
+//! [`crate::spec::KeySet::BlockSparse`]); the block-sparse backends read it through
+//! [`crate::spec::SparseView`]. This module knows the index alone, not the spec.
 //!
 //! # Block-size contract
 //! Sequence `b`'s query rows are cut into blocks of `q_block` rows and its keys into blocks of
@@ -24,7 +27,6 @@
 use rayon::prelude::*;
 
 use crate::error::{invalid, Error, Result};
-use crate::spec::{AttnSpec, Layout};
 
 /// Query rows per block unless told otherwise (seed 004's CTA_Q).
 pub const DEFAULT_Q_BLOCK: usize = 64;
@@ -150,6 +152,43 @@ impl BlockIndex {
     pub fn kept_total(&self) -> usize {
         self.blocks.len()
     }
+
+    /// The transposed index (per key block of `k_blocks` per sequence slot, the query blocks
+    /// listing it), built once on the host in O(kept blocks).
+    pub fn transposed(&self, k_blocks: usize) -> TransposedIndex {
+        let ix = self;
+        let kbn = k_blocks;
+        let cells = ix.batch * ix.heads * kbn;
+        let mut counts = vec![0usize; cells + 1];
+        for b in 0..ix.batch {
+            for h in 0..ix.heads {
+                for qb in 0..ix.q_blocks {
+                    for &kb in ix.kept(b, h, qb) {
+                        counts[(b * ix.heads + h) * kbn + kb as usize + 1] += 1;
+                    }
+                }
+            }
+        }
+        for i in 0..cells {
+            counts[i + 1] += counts[i];
+        }
+        let offsets = counts.clone();
+        let mut fill = counts;
+        let mut q_blocks = vec![0u32; ix.kept_total()];
+        // query blocks visited in ascending order, so every list comes out ascending
+        for b in 0..ix.batch {
+            for h in 0..ix.heads {
+                for qb in 0..ix.q_blocks {
+                    for &kb in ix.kept(b, h, qb) {
+                        let c = (b * ix.heads + h) * kbn + kb as usize;
+                        q_blocks[fill[c]] = qb as u32;
+                        fill[c] += 1;
+                    }
+                }
+            }
+        }
+        TransposedIndex { k_blocks: kbn, heads: ix.heads, offsets, q_blocks }
+    }
 }
 
 /// Per `(b, h, key block)` the query blocks listing it, ascending (the backward's view).
@@ -170,18 +209,26 @@ impl TransposedIndex {
     }
 }
 
-/// A validated block-sparse attention call.
+/// A validated block index with its block sizes and options: the block-sparse key set of a spec.
 #[derive(Debug, Clone, PartialEq)]
-pub struct SparseSpec {
-    /// The dense call (varlen layout: one segment per sequence).
-    pub attn: AttnSpec,
+pub struct BlockSparse {
     pub q_block: usize,
     pub k_block: usize,
     pub index: BlockIndex,
     /// INT8 QK^T (forward only); `None` = exact.
     pub int8: Option<Int8Qk>,
-    /// 128-bit hash of the block sizes and the index as validated ([`SparseSpec::fingerprint`]).
+    /// 128-bit hash of the block sizes and the index as validated ([`BlockSparse::fingerprint`]).
     fingerprint: [u64; 2],
+}
+
+/// What a block index is validated against: the call's heads, its longest query sequence and
+/// the key count of each sequence (one per sequence: the index's batch).
+#[derive(Debug, Clone, Copy)]
+pub struct IndexBounds<'a> {
+    pub heads_q: usize,
+    pub heads_kv: usize,
+    pub max_seqlen_q: usize,
+    pub k_lens: &'a [usize],
 }
 
 /// Mixes one word into `h` (FNV-1a style over words with odd multiplier `m`).
@@ -265,7 +312,8 @@ fn compress_row(slots: &[i32], kbn: usize, seen: &mut [u64], out: &mut Vec<u32>)
     ok
 }
 
-fn block_count(len: usize, block: usize) -> usize {
+/// Blocks of `block` covering `len` (the last one may be partial).
+pub fn block_count(len: usize, block: usize) -> usize {
     len.div_ceil(block)
 }
 
@@ -292,35 +340,25 @@ fn first_bad_slot(slots: &[i32], b: usize, h: usize, qb: usize, kbn: usize, k_le
     invalid("block_index", format!("row [{b}, {h}, {qb}] is invalid"))
 }
 
-impl SparseSpec {
-    /// Validates `block_index` (flat, C order, shape `index_shape`) against the dense spec `attn`
-    /// (varlen layout; batched calls are varlen with equal lengths).
+impl BlockSparse {
+    /// Validates `block_index` (flat, C order, shape `index_shape`) against `bounds` (the
+    /// sequences and heads of a varlen call; batched calls are varlen with equal lengths).
     pub fn new(
-        attn: AttnSpec,
         block_index: &[i32],
         index_shape: &[usize],
         q_block: usize,
         k_block: usize,
         int8: Option<Int8Qk>,
-    ) -> Result<SparseSpec> {
-        let batch = match attn.layout {
-            Layout::Varlen { batch } => batch,
-            Layout::Grouped { .. } => {
-                return Err(invalid("block_index", "block-sparse attention takes the batched or varlen layout, not groups"))
-            }
-        };
-        if attn.kv_pages.is_some() {
-            // the block-sparse kernels read K,V by logical key: a paged spec would be read unpaged
-            return Err(invalid("kv_block_table", "block-sparse attention does not take a paged K,V"));
-        }
+        bounds: IndexBounds,
+    ) -> Result<BlockSparse> {
+        let batch = bounds.k_lens.len();
         if q_block == 0 {
             return Err(invalid("q_block", "must be at least 1, got 0"));
         }
         if k_block == 0 {
             return Err(invalid("k_block", "must be at least 1, got 0"));
         }
-        let dm = attn.dims;
-        let q_blocks = block_count(attn.max_seqlen_q, q_block);
+        let q_blocks = block_count(bounds.max_seqlen_q, q_block);
         if index_shape.len() != 4 {
             return Err(invalid(
                 "block_index",
@@ -331,10 +369,10 @@ impl SparseSpec {
         if ib != batch {
             return Err(invalid("block_index", format!("has batch {ib} (shape {index_shape:?}) but the call has {batch} sequences")));
         }
-        if ih != dm.heads_q && ih != dm.heads_kv {
+        if ih != bounds.heads_q && ih != bounds.heads_kv {
             return Err(invalid(
                 "block_index",
-                format!("has {ih} heads (shape {index_shape:?}); expected heads_q ({}) or heads_kv ({})", dm.heads_q, dm.heads_kv),
+                format!("has {ih} heads (shape {index_shape:?}); expected heads_q ({}) or heads_kv ({})", bounds.heads_q, bounds.heads_kv),
             ));
         }
         if iq != q_blocks {
@@ -342,7 +380,7 @@ impl SparseSpec {
                 "block_index",
                 format!(
                     "has {iq} query blocks (shape {index_shape:?}); max_seqlen_q {} in blocks of q_block {q_block} gives {q_blocks}",
-                    attn.max_seqlen_q
+                    bounds.max_seqlen_q
                 ),
             ));
         }
@@ -353,7 +391,7 @@ impl SparseSpec {
         // rows in chunks of ROW_CHUNK on the thread pool: (kept blocks, per-row counts) or the
         // first bad row of the chunk
         let rows = ib * ih * iq;
-        let kbns: Vec<usize> = attn.segments.iter().map(|s| block_count(s.k_len, k_block)).collect();
+        let kbns: Vec<usize> = bounds.k_lens.iter().map(|&n| block_count(n, k_block)).collect();
         let words = kbns.iter().copied().max().unwrap_or(0).div_ceil(64);
         let chunks: Vec<std::result::Result<(Vec<u32>, Vec<u32>), usize>> = (0..rows.div_ceil(ROW_CHUNK))
             .into_par_iter()
@@ -386,13 +424,13 @@ impl SparseSpec {
                 Err(r) => {
                     let (b, h, qb) = (r / (ih * iq), r / iq % ih, r % iq);
                     let slots = &block_index[r * top_k..(r + 1) * top_k];
-                    return Err(first_bad_slot(slots, b, h, qb, kbns[b], attn.segments[b].k_len, k_block));
+                    return Err(first_bad_slot(slots, b, h, qb, kbns[b], bounds.k_lens[b], k_block));
                 }
             }
         }
         let index = BlockIndex { batch: ib, heads: ih, q_blocks: iq, top_k, offsets, blocks };
         let fingerprint = index_fingerprint(q_block, k_block, &index);
-        Ok(SparseSpec { attn, q_block, k_block, index, int8, fingerprint })
+        Ok(BlockSparse { q_block, k_block, index, int8, fingerprint })
     }
 
     /// 128-bit hash of the block sizes and the index, computed once at validation: what a
@@ -400,98 +438,13 @@ impl SparseSpec {
     pub fn fingerprint(&self) -> [u64; 2] {
         self.fingerprint
     }
-
-    /// The index head that query head `h` reads.
-    #[inline]
-    pub fn index_head(&self, h: usize) -> usize {
-        if self.index.heads == self.attn.dims.heads_q {
-            h
-        } else {
-            h / self.attn.dims.group_size()
-        }
-    }
-
-    /// Key blocks (of the longest sequence).
-    pub fn k_blocks(&self) -> usize {
-        block_count(self.attn.max_seqlen_k, self.k_block)
-    }
-
-    /// Whether row `r` (inside sequence `b`) of query head `h` sees key `j` (inside the sequence).
-    pub fn visible(&self, b: usize, h: usize, r: usize, j: usize) -> bool {
-        let seg = &self.attn.segments[b];
-        if r >= seg.q_len || j >= seg.visible_len(r, self.attn.causal) {
-            return false;
-        }
-        self.index.kept(b, self.index_head(h), r / self.q_block).binary_search(&((j / self.k_block) as u32)).is_ok()
-    }
-
-    /// The transposed index (per key block, the query blocks listing it), built once on the host
-    /// in O(kept blocks).
-    pub fn transposed(&self) -> TransposedIndex {
-        let ix = &self.index;
-        let kbn = self.k_blocks();
-        let cells = ix.batch * ix.heads * kbn;
-        let mut counts = vec![0usize; cells + 1];
-        for b in 0..ix.batch {
-            for h in 0..ix.heads {
-                for qb in 0..ix.q_blocks {
-                    for &kb in ix.kept(b, h, qb) {
-                        counts[(b * ix.heads + h) * kbn + kb as usize + 1] += 1;
-                    }
-                }
-            }
-        }
-        for i in 0..cells {
-            counts[i + 1] += counts[i];
-        }
-        let offsets = counts.clone();
-        let mut fill = counts;
-        let mut q_blocks = vec![0u32; ix.kept_total()];
-        // query blocks visited in ascending order, so every list comes out ascending
-        for b in 0..ix.batch {
-            for h in 0..ix.heads {
-                for qb in 0..ix.q_blocks {
-                    for &kb in ix.kept(b, h, qb) {
-                        let c = (b * ix.heads + h) * kbn + kb as usize;
-                        q_blocks[fill[c]] = qb as u32;
-                        fill[c] += 1;
-                    }
-                }
-            }
-        }
-        TransposedIndex { k_blocks: kbn, heads: ix.heads, offsets, q_blocks }
-    }
-
-    /// Visible (query, key) pairs summed over query heads.
-    pub fn visible_pairs(&self) -> u64 {
-        let dm = self.attn.dims;
-        let mut total = 0u64;
-        for (b, seg) in self.attn.segments.iter().enumerate() {
-            for h in 0..dm.heads_q {
-                let hi = self.index_head(h);
-                for r in 0..seg.q_len {
-                    let lim = seg.visible_len(r, self.attn.causal);
-                    for &kb in self.index.kept(b, hi, r / self.q_block) {
-                        let lo = kb as usize * self.k_block;
-                        total += (lim.min(lo + self.k_block).min(seg.k_len)).saturating_sub(lo) as u64;
-                    }
-                }
-            }
-        }
-        total
-    }
-
-    /// Matmul FLOPs of the forward pass over the visible pairs.
-    pub fn forward_flops(&self) -> f64 {
-        4.0 * self.visible_pairs() as f64 * self.attn.dims.head_dim as f64
-    }
 }
 
 /// FlexAttention's `BlockMask` fields -> a `block_index` (flat, `[B, H, q_blocks, top_k]` with
 /// `top_k` = the total slots, -1 padded): row `(b, h, qb)` keeps `kv_indices[b, h, qb, :kv_num_blocks[b, h, qb]]`
 /// plus, when given, `full_kv_indices[b, h, qb, :full_kv_num_blocks[b, h, qb]]` (FlexAttention
 /// splits kept blocks into partial and full ones; both are attended in full here). Returns the
-/// flat index and its shape. Value checks (range, duplicates) happen in [`SparseSpec::new`].
+/// flat index and its shape. Value checks (range, duplicates) happen in [`BlockSparse::new`].
 pub fn block_index_from_flex(
     kv_num_blocks: &[i32],
     num_shape: &[usize],
@@ -550,25 +503,16 @@ pub fn block_index_from_flex(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dtype::DType;
-    use crate::spec::TensorMeta;
 
-    fn spec(lens: &[(usize, usize)], hq: usize, hkv: usize, causal: bool) -> AttnSpec {
-        let (tq, tk): (usize, usize) = (lens.iter().map(|l| l.0).sum(), lens.iter().map(|l| l.1).sum());
-        let mut cq = vec![0i32];
-        let mut ck = vec![0i32];
-        for l in lens {
-            cq.push(cq.last().unwrap() + l.0 as i32);
-            ck.push(ck.last().unwrap() + l.1 as i32);
-        }
-        let q = TensorMeta::new(&[tq, hq, 16], DType::F32);
-        let k = TensorMeta::new(&[tk, hkv, 16], DType::F32);
-        let mq = lens.iter().map(|l| l.0).max().unwrap();
-        let mk = lens.iter().map(|l| l.1).max().unwrap();
-        AttnSpec::varlen(&q, &k, &k, &cq, &ck, mq, mk, None, causal).unwrap()
+    /// Validates `ix` (shape `shape`) for sequences of (query, key) lengths `lens` and `hq` /
+    /// `hkv` heads.
+    fn check(lens: &[(usize, usize)], hq: usize, hkv: usize, ix: &[i32], shape: &[usize], q_block: usize, k_block: usize) -> Result<BlockSparse> {
+        let k_lens: Vec<usize> = lens.iter().map(|l| l.1).collect();
+        let max_seqlen_q = lens.iter().map(|l| l.0).max().unwrap();
+        BlockSparse::new(ix, shape, q_block, k_block, None, IndexBounds { heads_q: hq, heads_kv: hkv, max_seqlen_q, k_lens: &k_lens })
     }
 
-    fn err_of(r: Result<SparseSpec>) -> String {
+    fn err_of(r: Result<BlockSparse>) -> String {
         match r {
             Err(crate::Error::InvalidArgument { arg, msg }) => format!("{arg}: {msg}"),
             other => panic!("expected InvalidArgument, got {other:?}"),
@@ -578,25 +522,25 @@ mod tests {
     #[test]
     fn validation_names_the_first_bad_position() {
         // 1 sequence, 130 queries (3 blocks of 64), 300 keys (3 blocks of 128)
-        let a = spec(&[(130, 300)], 2, 1, false);
+        let a = [(130, 300)];
         let shape = [1, 2, 3, 2];
         let mut ix = vec![0, 1, 2, -1, 1, 0, 0, 2, -1, -1, 2, 1];
-        assert!(SparseSpec::new(a.clone(), &ix, &shape, 64, 128, None).is_ok());
+        assert!(check(&a, 2, 1, &ix, &shape, 64, 128).is_ok());
         ix[5] = 3;
-        let e = err_of(SparseSpec::new(a.clone(), &ix, &shape, 64, 128, None));
+        let e = err_of(check(&a, 2, 1, &ix, &shape, 64, 128));
         assert!(e.contains("block_index[0, 0, 2, 1] = 3 but there are 3 key blocks"), "{e}");
         ix[5] = -2;
-        let e = err_of(SparseSpec::new(a.clone(), &ix, &shape, 64, 128, None));
+        let e = err_of(check(&a, 2, 1, &ix, &shape, 64, 128));
         assert!(e.contains("block_index[0, 0, 2, 1] = -2 is negative"), "{e}");
         ix[5] = 0;
         ix[11] = 2;
-        let e = err_of(SparseSpec::new(a.clone(), &ix, &shape, 64, 128, None));
+        let e = err_of(check(&a, 2, 1, &ix, &shape, 64, 128));
         assert!(e.contains("block_index[0, 1, 2, 1] = 2 duplicates block_index[0, 1, 2, 0]"), "{e}");
-        let e = err_of(SparseSpec::new(a.clone(), &ix[..8], &[1, 2, 2, 2], 64, 128, None));
+        let e = err_of(check(&a, 2, 1, &ix[..8], &[1, 2, 2, 2], 64, 128));
         assert!(e.starts_with("block_index") && e.contains("query blocks"), "{e}");
-        let e = err_of(SparseSpec::new(a.clone(), &ix, &[1, 3, 2, 2], 64, 128, None));
+        let e = err_of(check(&a, 2, 1, &ix, &[1, 3, 2, 2], 64, 128));
         assert!(e.contains("heads"), "{e}");
-        let e = err_of(SparseSpec::new(a.clone(), &ix, &shape, 0, 128, None));
+        let e = err_of(check(&a, 2, 1, &ix, &shape, 0, 128));
         assert!(e.starts_with("q_block"), "{e}");
     }
 
@@ -646,31 +590,29 @@ mod tests {
             }
         }
         // the first bad row is reported when many chunks are validated in parallel
-        let a = spec(&[(64 * 3000, 128 * 4)], 1, 1, false);
+        let a = [(64 * 3000, 128 * 4)];
         let mut ix: Vec<i32> = (0..3000).flat_map(|r| [(r % 4) as i32, ((r + 1) % 4) as i32]).collect();
-        assert!(SparseSpec::new(a.clone(), &ix, &[1, 1, 3000, 2], 64, 128, None).is_ok());
+        assert!(check(&a, 1, 1, &ix, &[1, 1, 3000, 2], 64, 128).is_ok());
         ix[2 * 2900] = 9;
         ix[2 * 2500 + 1] = ix[2 * 2500];
-        let e = err_of(SparseSpec::new(a, &ix, &[1, 1, 3000, 2], 64, 128, None));
+        let e = err_of(check(&a, 1, 1, &ix, &[1, 1, 3000, 2], 64, 128));
         assert!(e.contains("block_index[0, 0, 2500, 1]") && e.contains("duplicates"), "{e}");
     }
 
     #[test]
     fn index_is_sorted_and_transposed() {
-        let a = spec(&[(128, 256), (64, 100)], 1, 1, false);
         // batch 2, 1 head, 2 query blocks, top_k 2; sequence 1 has 1 key block
         let ix = vec![1, 0, -1, 1, 0, -1, -1, -1];
-        let s = SparseSpec::new(a, &ix, &[2, 1, 2, 2], 64, 128, None).unwrap();
+        let s = check(&[(128, 256), (64, 100)], 1, 1, &ix, &[2, 1, 2, 2], 64, 128).unwrap();
         assert_eq!(s.index.kept(0, 0, 0), &[0, 1]);
         assert_eq!(s.index.kept(0, 0, 1), &[1]);
         assert_eq!(s.index.kept(1, 0, 0), &[0]);
         assert!(s.index.kept(1, 0, 1).is_empty());
-        let t = s.transposed();
+        let t = s.index.transposed(2);
         assert_eq!(t.listing(0, 0, 0), &[0]);
         assert_eq!(t.listing(0, 0, 1), &[0, 1]);
         assert_eq!(t.listing(1, 0, 0), &[0]);
         assert!(t.listing(1, 0, 1).is_empty());
-        assert!(s.visible(0, 0, 70, 200) && !s.visible(0, 0, 70, 10) && !s.visible(1, 0, 0, 100));
     }
 
     #[test]

@@ -8,12 +8,17 @@
 //! output and an LSE of +inf (also flash-attn's convention), and so do rows outside every group.
 //! A sliding window ([`Window`], flash-attn's `window_size`) narrows each row's keys further, with
 //! the same bottom-right alignment; [`AttnSpec::row_keys`] is the one definition of a row's keys.
+//! The spec's [`KeySet`] says how those keys are read or thinned: every one (`Dense`), through a
+//! page table (`Paged`), or only those of the key blocks a block index lists for the row's query
+//! block (`BlockSparse`, seen whole through [`SparseView`]). Each is validated once, by the
+//! builder that sets it.
 //!
 //! Layout (flash-attn varlen): q `[total_q, heads_q, head_dim]`, k and v
 //! `[total_k, heads_kv, head_dim]`, all contiguous; out like q; lse `[heads_q, total_q]` f32.
 
 use crate::dtype::DType;
 use crate::error::{bad_dtype, invalid, Result};
+use crate::sparse::{block_count, BlockSparse, IndexBounds, Int8Qk, TransposedIndex};
 
 /// Largest head_dim any backend accepts (the CUDA backend supports fewer: see its docs).
 pub const MAX_HEAD_DIM: usize = 256;
@@ -137,12 +142,58 @@ pub struct AttnSpec {
     pub max_seqlen_q: usize,
     pub max_seqlen_k: usize,
     /// Sliding window (normalised by [`AttnSpec::with_window`]: a side that bounds no row of any
-    /// segment is `None`, and so is the right side under `causal`).
+    /// segment is `None`, and so is the right side under `causal`). Dense key sets only.
     pub window: Window,
+    /// How the keys are read or thinned.
+    pub keys: KeySet,
+}
+
+/// The keys a row reads, besides its segment's window, the causal bound and the sliding window.
+#[derive(Debug, Clone, PartialEq)]
+pub enum KeySet {
+    /// Every key; key `j` is row `j` of k, v.
+    Dense,
     /// Paged K,V ([`AttnSpec::with_kv_block_table`]): logical key block `g` (keys
     /// `[KV_PAGE g, KV_PAGE (g + 1))`, the positions of segments and masks) is stored at rows
-    /// `[KV_PAGE t[g], KV_PAGE (t[g] + 1))` of k, v (and dk, dv). `None`: key `j` is row `j`.
-    pub kv_pages: Option<Vec<u32>>,
+    /// `[KV_PAGE t[g], KV_PAGE (t[g] + 1))` of k, v (and dk, dv).
+    Paged(Vec<u32>),
+    /// Block-sparse ([`AttnSpec::with_block_index`]): a row sees only the keys of the key blocks
+    /// listed for its query block; K,V read by logical key.
+    BlockSparse(Box<BlockSparse>),
+}
+
+/// A block index on a paged spec, or a page table on a block-sparse one.
+fn paged_and_sparse() -> crate::error::Error {
+    // the block-sparse kernels read K,V by logical key: a paged spec would be read unpaged
+    invalid("kv_block_table", "block-sparse attention does not take a paged K,V")
+}
+
+impl KeySet {
+    /// The argument that sets this key set (`None` for dense).
+    fn arg(&self) -> Option<&'static str> {
+        match self {
+            KeySet::Dense => None,
+            KeySet::Paged(_) => Some("kv_block_table"),
+            KeySet::BlockSparse(_) => Some("block_index"),
+        }
+    }
+
+    /// `"dense"`, `"paged"` or `"block_sparse"`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            KeySet::Dense => "dense",
+            KeySet::Paged(_) => "paged",
+            KeySet::BlockSparse(_) => "block_sparse",
+        }
+    }
+}
+
+/// Which pass of a call (backends may serve one and not the other).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pass {
+    Forward,
+    /// `deterministic`: bitwise-identical gradients run to run.
+    Backward { deterministic: bool },
 }
 
 /// Rows per block of a paged K,V layout ([`AttnSpec::with_kv_block_table`]): the forward's key
@@ -296,7 +347,7 @@ impl AttnSpec {
             max_seqlen_k: check_max("max_seqlen_k", max_seqlen_k, mk)?,
             segments,
             window: Window::NONE,
-            kv_pages: None,
+            keys: KeySet::Dense,
         })
     }
 
@@ -354,19 +405,17 @@ impl AttnSpec {
             max_seqlen_k: segments.iter().map(|s| s.k_len).max().unwrap_or(0),
             segments,
             window: Window::NONE,
-            kv_pages: None,
+            keys: KeySet::Dense,
         })
     }
 
     /// The spec with flash-attn's `window_size = (left, right)` (`-1` = unbounded side), checked
     /// here once (`InvalidArgument` naming `window_size`). A side that cannot narrow any row (left
     /// >= k_len - 1, right >= q_len - 1 in every segment; the right side under `causal`) becomes
-    /// `None`, so `(-1, -1)` and windows wider than every sequence give the plain spec.
+    /// `None`, so `(-1, -1)` and windows wider than every sequence give the plain spec. Paged
+    /// and block-sparse key sets take no window.
     pub fn with_window(mut self, left: i64, right: i64) -> Result<AttnSpec> {
         let mut w = Window::parse(left, right)?;
-        if self.kv_pages.is_some() && !w.is_none() {
-            return Err(invalid("window_size", "is not supported with a kv_block_table (only (-1, -1))"));
-        }
         if w.left.is_some_and(|l| self.segments.iter().all(|s| l.saturating_add(1) >= s.k_len)) {
             w.left = None;
         }
@@ -374,6 +423,7 @@ impl AttnSpec {
             w.right = None;
         }
         self.window = w;
+        self.check_window_keys()?;
         Ok(self)
     }
 
@@ -384,7 +434,8 @@ impl AttnSpec {
     /// gathered buffer through one. Checked here once (`InvalidArgument` naming
     /// `kv_block_table`): total_k a multiple of KV_PAGE, the table a permutation of
     /// `0..total_k / KV_PAGE` (each physical block holds one logical block, so dK,dV have one
-    /// writer per row), every segment's first key a multiple of KV_PAGE, no sliding window.
+    /// writer per row), every segment's first key a multiple of KV_PAGE, no sliding window, no
+    /// block index (`kv_block_table` then; the key sets exclude each other).
     pub fn with_kv_block_table(mut self, table: &[i32]) -> Result<AttnSpec> {
         const ARG: &str = "kv_block_table";
         let tk = self.dims.total_k;
@@ -415,19 +466,87 @@ impl AttnSpec {
                 format!("needs every key range to start at a multiple of {KV_PAGE}; {what} {i} starts at {}", s.k_start),
             ));
         }
-        if !self.window.is_none() {
-            return Err(invalid("window_size", "is not supported with a kv_block_table (only (-1, -1))"));
+        if let KeySet::BlockSparse(_) = self.keys {
+            return Err(paged_and_sparse());
         }
-        self.kv_pages = Some(table.iter().map(|&t| t as u32).collect());
+        self.keys = KeySet::Paged(table.iter().map(|&t| t as u32).collect());
+        self.check_window_keys()?;
         Ok(self)
+    }
+
+    /// The spec attending, per (sequence, head, query block), only the key blocks `block_index`
+    /// lists (block-sparse attention; see [`crate::sparse`] for the block-size contract):
+    /// `block_index` is int32 `[batch, heads, q_blocks, top_k]` (flat, C order, shape
+    /// `index_shape`), query rows in blocks of `q_block`, keys in blocks of `k_block`, both counted
+    /// from each sequence's start; `int8`: the INT8 QK^T option (forward only). Checked here once
+    /// (`InvalidArgument` naming the argument): the varlen layout (batched calls are varlen with
+    /// equal lengths), no page table, no sliding window, every index entry.
+    pub fn with_block_index(
+        mut self,
+        block_index: &[i32],
+        index_shape: &[usize],
+        q_block: usize,
+        k_block: usize,
+        int8: Option<Int8Qk>,
+    ) -> Result<AttnSpec> {
+        if let Layout::Grouped { .. } = self.layout {
+            return Err(invalid("block_index", "block-sparse attention takes the batched or varlen layout, not groups"));
+        }
+        if let KeySet::Paged(_) = self.keys {
+            return Err(paged_and_sparse());
+        }
+        let k_lens: Vec<usize> = self.segments.iter().map(|s| s.k_len).collect();
+        let d = self.dims;
+        let bounds = IndexBounds { heads_q: d.heads_q, heads_kv: d.heads_kv, max_seqlen_q: self.max_seqlen_q, k_lens: &k_lens };
+        let sparse = BlockSparse::new(block_index, index_shape, q_block, k_block, int8, bounds)?;
+        self.keys = KeySet::BlockSparse(Box::new(sparse));
+        self.check_window_keys()?;
+        Ok(self)
+    }
+
+    /// `Err` naming `window_size` where a sliding window meets a paged or block-sparse key set:
+    /// their kernels take no window.
+    fn check_window_keys(&self) -> Result<()> {
+        match self.keys.arg() {
+            Some(arg) if !self.window.is_none() => Err(invalid("window_size", format!("is not supported with a {arg} (only (-1, -1))"))),
+            _ => Ok(()),
+        }
+    }
+
+    /// `Err` where `pass` cannot take an option of the spec, on any backend: the INT8 QK^T option
+    /// of a block-sparse spec is forward-only.
+    pub fn check_pass(&self, pass: Pass) -> Result<()> {
+        match (pass, self.block_sparse()) {
+            (Pass::Backward { .. }, Some(s)) if s.int8.is_some() => Err(invalid(
+                "quant_gran",
+                "the INT8 QK^T option (qk_int8) is forward-only (inference); the backward needs quant_gran=None",
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// The page table of a paged K,V ([`KeySet::Paged`]).
+    pub fn kv_pages(&self) -> Option<&[u32]> {
+        match &self.keys {
+            KeySet::Paged(t) => Some(t),
+            _ => None,
+        }
+    }
+
+    /// The spec seen as a block-sparse call ([`KeySet::BlockSparse`]).
+    pub fn block_sparse(&self) -> Option<SparseView<'_>> {
+        match &self.keys {
+            KeySet::BlockSparse(s) => Some(SparseView { attn: self, sparse: s }),
+            _ => None,
+        }
     }
 
     /// Row of k / v holding logical key `j`.
     #[inline]
     pub fn kv_row(&self, j: usize) -> usize {
-        match &self.kv_pages {
-            Some(t) => t[j / KV_PAGE] as usize * KV_PAGE + j % KV_PAGE,
-            None => j,
+        match &self.keys {
+            KeySet::Paged(t) => t[j / KV_PAGE] as usize * KV_PAGE + j % KV_PAGE,
+            _ => j,
         }
     }
 
@@ -495,13 +614,82 @@ impl AttnSpec {
 
     /// Matmul FLOPs of the forward pass (4 * head_dim per visible (query, key) pair and head).
     pub fn forward_flops(&self) -> f64 {
-        let pairs: u64 = self.segments.iter().map(|s| self.segment_pairs(s)).sum();
-        4.0 * pairs as f64 * self.dims.heads_q as f64 * self.dims.head_dim as f64
+        let pairs = match self.block_sparse() {
+            Some(s) => s.visible_pairs(),
+            None => self.segments.iter().map(|s| self.segment_pairs(s)).sum::<u64>() * self.dims.heads_q as u64,
+        };
+        4.0 * pairs as f64 * self.dims.head_dim as f64
     }
 
     /// Rows of q that no segment covers (their output is zero, their LSE +inf).
     pub fn uncovered_rows(&self) -> usize {
         self.dims.total_q - self.segments.iter().map(|s| s.q_len).sum::<usize>()
+    }
+}
+
+/// A block-sparse spec seen whole ([`AttnSpec::block_sparse`]): the call and its block index,
+/// whose fields ([`BlockSparse`]) it shows through `Deref`. What the block-sparse backends take.
+#[derive(Debug, Clone, Copy)]
+pub struct SparseView<'a> {
+    pub attn: &'a AttnSpec,
+    sparse: &'a BlockSparse,
+}
+
+impl std::ops::Deref for SparseView<'_> {
+    type Target = BlockSparse;
+    fn deref(&self) -> &BlockSparse {
+        self.sparse
+    }
+}
+
+impl SparseView<'_> {
+    /// The index head that query head `h` reads.
+    #[inline]
+    pub fn index_head(&self, h: usize) -> usize {
+        if self.index.heads == self.attn.dims.heads_q {
+            h
+        } else {
+            h / self.attn.dims.group_size()
+        }
+    }
+
+    /// Key blocks (of the longest sequence).
+    pub fn k_blocks(&self) -> usize {
+        block_count(self.attn.max_seqlen_k, self.k_block)
+    }
+
+    /// Whether row `r` (inside sequence `b`) of query head `h` sees key `j` (inside the sequence).
+    pub fn visible(&self, b: usize, h: usize, r: usize, j: usize) -> bool {
+        let seg = &self.attn.segments[b];
+        if r >= seg.q_len || j >= seg.visible_len(r, self.attn.causal) {
+            return false;
+        }
+        self.index.kept(b, self.index_head(h), r / self.q_block).binary_search(&((j / self.k_block) as u32)).is_ok()
+    }
+
+    /// The transposed index (per key block, the query blocks listing it), built on the host in
+    /// O(kept blocks).
+    pub fn transposed(&self) -> TransposedIndex {
+        self.index.transposed(self.k_blocks())
+    }
+
+    /// Visible (query, key) pairs summed over query heads.
+    pub fn visible_pairs(&self) -> u64 {
+        let dm = self.attn.dims;
+        let mut total = 0u64;
+        for (b, seg) in self.attn.segments.iter().enumerate() {
+            for h in 0..dm.heads_q {
+                let hi = self.index_head(h);
+                for r in 0..seg.q_len {
+                    let lim = seg.visible_len(r, self.attn.causal);
+                    for &kb in self.index.kept(b, hi, r / self.q_block) {
+                        let lo = kb as usize * self.k_block;
+                        total += (lim.min(lo + self.k_block).min(seg.k_len)).saturating_sub(lo) as u64;
+                    }
+                }
+            }
+        }
+        total
     }
 }
 
@@ -563,6 +751,63 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// The block index is the spec's key set: validated once by `with_block_index`, exclusive
+    /// with a page table, a sliding window and the grouped layout; its visibility and FLOPs are
+    /// the token mask's.
+    #[test]
+    fn block_index_is_a_key_set_of_the_spec() {
+        let arg_of = |r: Result<AttnSpec>| match r {
+            Err(Error::InvalidArgument { arg, .. }) => arg,
+            other => panic!("expected InvalidArgument, got {other:?}"),
+        };
+        // sequences (128 queries, 256 keys) and (64, 100): q_block 64, k_block 128
+        let m = |n: usize| TensorMeta::new(&[n, 2, 8], DType::F32);
+        let base = |causal| AttnSpec::varlen(&m(192), &m(356), &m(356), &[0, 128, 192], &[0, 256, 356], 128, 256, None, causal).unwrap();
+        // [batch 2, heads 2, q_blocks 2, top_k 2]
+        let ix = [1, 0, -1, 1, 0, -1, 1, -1, 0, -1, -1, -1, -1, -1, 0, -1];
+        for causal in [false, true] {
+            let s = base(causal).with_block_index(&ix, &[2, 2, 2, 2], 64, 128, None).unwrap();
+            assert_eq!(s.keys.name(), "block_sparse");
+            let v = s.block_sparse().unwrap();
+            assert_eq!(v.index.kept(0, 0, 0), &[0, 1]);
+            // brute force over the token mask: visible pairs and FLOPs
+            let mut pairs = 0u64;
+            for (b, seg) in s.segments.iter().enumerate() {
+                for h in 0..2 {
+                    for r in 0..seg.q_len {
+                        for j in 0..seg.k_len {
+                            let listed = ix[((b * 2 + h) * 2 + r / 64) * 2..][..2].contains(&((j / 128) as i32));
+                            let want = listed && (!causal || j + seg.q_len <= r + seg.k_len);
+                            assert_eq!(v.visible(b, h, r, j), want, "b={b} h={h} r={r} j={j} causal={causal}");
+                            pairs += want as u64;
+                        }
+                    }
+                }
+            }
+            assert_eq!(v.visible_pairs(), pairs);
+            assert_eq!(s.forward_flops(), 4.0 * pairs as f64 * 8.0);
+            // the INT8 option is forward-only on every backend
+            let int8 = Some(Int8Qk { gran: crate::sparse::QuantGran::PerWarp, smooth_k: true });
+            let q8 = base(causal).with_block_index(&ix, &[2, 2, 2, 2], 64, 128, int8).unwrap();
+            assert!(q8.check_pass(Pass::Forward).is_ok() && s.check_pass(Pass::Backward { deterministic: true }).is_ok());
+            assert!(matches!(q8.check_pass(Pass::Backward { deterministic: true }), Err(Error::InvalidArgument { arg: "quant_gran", .. })));
+        }
+        // exclusive with a sliding window (either order) and the grouped layout
+        let sparse = base(false).with_block_index(&ix, &[2, 2, 2, 2], 64, 128, None).unwrap();
+        assert_eq!(arg_of(sparse.clone().with_window(8, 0)), "window_size");
+        assert_eq!(arg_of(base(false).with_window(8, 0).unwrap().with_block_index(&ix, &[2, 2, 2, 2], 64, 128, None)), "window_size");
+        assert_eq!(sparse.clone().with_window(-1, -1).unwrap(), sparse);
+        let g = AttnSpec::grouped(&m(192), &m(356), &m(356), &[[0, 128]], &[[0, 256]], None, false).unwrap();
+        assert_eq!(arg_of(g.with_block_index(&ix[..8], &[1, 2, 2, 2], 64, 128, None)), "block_index");
+        // a bad entry is named by its position
+        let mut bad = ix;
+        bad[5] = 2;
+        match base(false).with_block_index(&bad, &[2, 2, 2, 2], 64, 128, None) {
+            Err(Error::InvalidArgument { arg: "block_index", msg }) => assert!(msg.contains("block_index[0, 1, 0, 1] = 2"), "{msg}"),
+            other => panic!("{other:?}"),
         }
     }
 

@@ -9,7 +9,8 @@ mod common;
 use candle_core::{DType as CDType, Device, Tensor, Var, D};
 use common::candle::{expect_err, f64s, our_dtype, rand_t};
 use cubeattn::backend::BackwardInputs;
-use cubeattn::{backend_for, AttnSpec, DevicePref, HostData, TensorMeta};
+use cubeattn::backend::cpu::CpuBackend;
+use cubeattn::{AttnSpec, Backend, HostData, TensorMeta};
 use rand::{rngs::StdRng, SeedableRng};
 
 type R<T> = candle_core::Result<T>;
@@ -143,7 +144,7 @@ fn own_forward(c: &Case, dt: CDType, q: &Tensor, k: &Tensor, v: &Tensor) -> (Att
     let ck: Vec<i32> = (0..=c.b).map(|i| (i * c.sk) as i32).collect();
     let spec = AttnSpec::varlen(&mq, &mk, &mk, &cq, &ck, c.sq, c.sk, Some(scale_of(c) as f64), c.causal).unwrap();
     let (hq, hk, hv) = (host(q), host(k), host(v));
-    let r = backend_for(DevicePref::Cpu).unwrap().forward(&spec, hq.view(), hk.view(), hv.view()).unwrap();
+    let r = CpuBackend.forward(&spec, hq.view(), hk.view(), hv.view()).unwrap();
     (spec, r.out, r.lse)
 }
 
@@ -200,7 +201,7 @@ fn flash_attn_gradients_match_reference_and_own_backward() {
             let (spec, own_out, own_lse) = own_forward(&c, dt, &q, &k, &v);
             let (hq_, hk_, hv_, hw) = (host(&q), host(&k), host(&v), host(&wgt));
             let inputs = BackwardInputs { out: own_out.view(), lse: &own_lse, dout: hw.view(), deterministic: true };
-            let own = backend_for(DevicePref::Cpu).unwrap().backward(&spec, hq_.view(), hk_.view(), hv_.view(), inputs).unwrap();
+            let own = CpuBackend.backward(&spec, hq_.view(), hk_.view(), hv_.view(), inputs).unwrap();
             assert_eq!(host(gq), own.dq, "{what}: dq vs cubeattn backward");
             assert_eq!(host(gk), own.dk, "{what}: dk vs cubeattn backward");
             assert_eq!(host(gv), own.dv, "{what}: dv vs cubeattn backward");

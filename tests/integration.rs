@@ -6,7 +6,8 @@ mod common;
 use common::*;
 use cubeattn::backend::BackwardInputs;
 use cubeattn::reference::{backward_f64, forward_f64};
-use cubeattn::{backend_for, AttnSpec, DType, DevicePref, Error, HostData, TensorMeta};
+use cubeattn::backend::cpu::CpuBackend;
+use cubeattn::{backend_for, AttnSpec, Backend, DType, DevicePref, Error, HostData, Pass, TensorMeta};
 
 const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 
@@ -32,7 +33,7 @@ fn bwd_tol(dt: DType) -> (f64, f64) {
 fn check_forward(spec: &AttnSpec, seed: u64, amp: f32) -> (HostData, Vec<f32>) {
     let mut r = rng(seed);
     let [(q, qf), (k, kf), (v, vf)] = random_qkv(&mut r, spec, amp);
-    let cpu = backend_for(DevicePref::Cpu).unwrap();
+    let cpu = CpuBackend;
     let res = cpu.forward(spec, q.view(), k.view(), v.view()).unwrap();
     let (out_ref, lse_ref) = forward_f64(spec, &qf, &kf, &vf);
     let (tol, rel) = fwd_tol(spec.dtype);
@@ -45,7 +46,7 @@ fn check_backward(spec: &AttnSpec, seed: u64) {
     let mut r = rng(seed);
     let [(q, qf), (k, kf), (v, vf)] = random_qkv(&mut r, spec, 1.0);
     let (dout, dof) = random(&mut r, spec.dims.q_len(), spec.dtype, 1.0);
-    let cpu = backend_for(DevicePref::Cpu).unwrap();
+    let cpu = CpuBackend;
     let fwd = cpu.forward(spec, q.view(), k.view(), v.view()).unwrap();
     let g = BackwardInputs { out: fwd.out.view(), lse: &fwd.lse, dout: dout.view(), deterministic: true };
     let grads = cpu.backward(spec, q.view(), k.view(), v.view(), g).unwrap();
@@ -148,7 +149,7 @@ fn single_group_equals_plain_attention() {
     let grouped = grouped_spec(&[200], &[(0, 300)], 300, 8, 2, 64, DType::F16, true);
     let plain = varlen_spec(&[(200, 300)], 8, 2, 64, DType::F16, true);
     let [(q, _), (k, _), (v, _)] = random_qkv(&mut r, &plain, 1.0);
-    let cpu = backend_for(DevicePref::Cpu).unwrap();
+    let cpu = CpuBackend;
     let a = cpu.forward(&grouped, q.view(), k.view(), v.view()).unwrap();
     let b = cpu.forward(&plain, q.view(), k.view(), v.view()).unwrap();
     assert_eq!(a.out, b.out);
@@ -217,7 +218,7 @@ fn invalid_inputs_name_the_argument() {
 #[test]
 fn buffers_must_match_the_spec() {
     let spec = varlen_spec(&[(8, 8)], 2, 2, 64, DType::F32, false);
-    let cpu = backend_for(DevicePref::Cpu).unwrap();
+    let cpu = CpuBackend;
     let good = HostData::F32(vec![0.5; 8 * 2 * 64]);
     let short = HostData::F32(vec![0.5; 10]);
     let half = HostData::from_f32(DType::F16, &vec![0.5; 8 * 2 * 64]);
@@ -253,10 +254,17 @@ fn device_listing_never_panics() {
     let st = cubeattn::device::backend_status();
     assert!(!st.reason.is_empty());
     if !st.cuda_available {
-        assert!(backend_for(DevicePref::Cuda(0)).is_err());
-        assert!(backend_for(DevicePref::Cuda(5)).is_err());
-        assert_eq!(backend_for(DevicePref::Auto(0)).unwrap().kind(), cubeattn::BackendKind::Cpu);
-        assert_eq!(backend_for(DevicePref::Auto(3)).unwrap().kind(), cubeattn::BackendKind::Cpu);
+        let m = TensorMeta::new(&[8, 2, 64], DType::F16);
+        let spec = AttnSpec::varlen(&m, &m, &m, &[0, 8], &[0, 8], 8, 8, None, false).unwrap();
+        let sparse = spec.clone().with_block_index(&[0, 0], &[1, 2, 1, 1], 64, 128, None).unwrap();
+        for s in [&spec, &sparse] {
+            for pass in [Pass::Forward, Pass::Backward { deterministic: true }] {
+                assert!(backend_for(DevicePref::Cuda(0), s, pass).is_err());
+                assert!(backend_for(DevicePref::Cuda(5), s, pass).is_err());
+                assert_eq!(backend_for(DevicePref::Auto(0), s, pass).unwrap().kind(), cubeattn::BackendKind::Cpu);
+                assert_eq!(backend_for(DevicePref::Auto(3), s, pass).unwrap().kind(), cubeattn::BackendKind::Cpu);
+            }
+        }
     }
 }
 
@@ -339,9 +347,9 @@ fn windows_wider_than_the_sequence_change_nothing() {
 #[test]
 fn window_is_supported_on_cuda_and_unsupported_head_dims_are_still_refused() {
     let spec = with_window(varlen_spec(&[(8, 8)], 2, 2, 64, DType::F16, true), 2, 0);
-    cubeattn::backend::cuda::check_supported(&spec).expect("a sliding window runs on CUDA");
+    cubeattn::backend::cuda::check_supported(&spec, Pass::Forward).expect("a sliding window runs on CUDA");
     let odd = with_window(varlen_spec(&[(8, 8)], 2, 2, 96, DType::F16, true), 2, 0);
-    match cubeattn::backend::cuda::check_supported(&odd) {
+    match cubeattn::backend::cuda::check_supported(&odd, Pass::Backward { deterministic: false }) {
         Err(Error::Unsupported { backend, msg }) => assert!(backend == "cuda" && msg.contains("head_dim 96"), "{msg}"),
         other => panic!("{other:?}"),
     }
@@ -350,7 +358,7 @@ fn window_is_supported_on_cuda_and_unsupported_head_dims_are_still_refused() {
 // ---------------------------------------------------------------- NaN / Inf policy
 
 fn run(spec: &AttnSpec, q: &HostData, k: &HostData, v: &HostData, dout: &HostData) -> (Vec<f64>, Vec<f32>, [Vec<f64>; 3]) {
-    let cpu = backend_for(DevicePref::Cpu).unwrap();
+    let cpu = CpuBackend;
     let f = cpu.forward(spec, q.view(), k.view(), v.view()).unwrap();
     let g = BackwardInputs { out: f.out.view(), lse: &f.lse, dout: dout.view(), deterministic: true };
     let gr = cpu.backward(spec, q.view(), k.view(), v.view(), g).unwrap();
@@ -508,7 +516,7 @@ fn paged_kv_matches_reference_and_the_ordered_call() {
             let (dout, _) = random(&mut r, plain.dims.q_len(), dt, 1.0);
             let row = 2 * 64;
             let (kp, vp) = (paged_layout(&k, &table, row), paged_layout(&v, &table, row));
-            let cpu = backend_for(DevicePref::Cpu).unwrap();
+            let cpu = CpuBackend;
             let a = cpu.forward(&plain, q.view(), k.view(), v.view()).unwrap();
             let b = cpu.forward(&paged, q.view(), kp.view(), vp.view()).unwrap();
             assert_eq!(a.out, b.out);
@@ -546,8 +554,7 @@ fn kv_block_table_is_validated() {
         .unwrap()
         .with_kv_block_table(&[1, 0])
         .unwrap();
-    let sparse = cubeattn::sparse::SparseSpec::new(varlen, &[0, 1, 0, 1], &[1, 2, 1, 2], 64, 64, None);
-    assert!(msg(sparse.map(|s| s.attn)).starts_with("kv_block_table: block-sparse"));
+    assert!(msg(varlen.clone().with_block_index(&[0, 1, 0, 1], &[1, 2, 1, 2], 64, 64, None)).starts_with("kv_block_table: block-sparse"));
     assert_eq!(paged.kv_row(0), 64);
     assert_eq!(paged.kv_row(127), 63);
 }

@@ -1,4 +1,6 @@
-"""cubeattn: flash, grouped (shared K,V, overlapping key ranges) and varlen attention.
+"""cubeattn: flash, grouped (shared K,V, overlapping key ranges), varlen, paged and block-sparse
+attention, all through one validated spec (its key set: dense, paged or block-sparse) and one call
+path (`_forward` / `_run_backward`, `_autograd`).
 
 CubeCL CUDA kernels when the wheel was built with the ``cuda`` feature and a GPU is present; an
 exact multi-threaded CPU backend otherwise, with the same API. Names and argument order follow
@@ -275,10 +277,15 @@ def _check_like_q(cq, named, shapes=()):
 
 
 def _forward(spec, q, k, v, cq, ck, cv, return_lse, deterministic, device):
-    """The forward of a validated spec: through autograd when a torch input requires grad."""
+    """The forward of a validated spec (any key set: dense, paged, block-sparse): through autograd
+    when a torch input requires grad."""
     _check_like_q(cq, (("k", ck), ("v", cv)))
     if _needs_grad(q, k, v):
         from ._autograd import attention
+
+        if spec.qk_int8 is not None:
+            raise ValueError("invalid argument `quant_gran`: the INT8 QK^T option (qk_int8) is forward-only; run it "
+                             "under torch.no_grad() or with inputs that do not require grad")
 
         return attention(spec, q, k, v, (cq, ck, cv), return_lse, deterministic, device)
     return _run_forward(spec, cq, ck, cv, return_lse, device)
@@ -518,10 +525,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             _remember_fast(key, spec, conv, device)
         return res.reshape(q.shape)
     o, lse = res
-    h = q.shape[2]
-    lse = lse.reshape(h, b, sq)
-    lse = lse.permute(1, 0, 2) if hasattr(lse, "permute") else lse.transpose(1, 0, 2)
-    return _results(o.reshape(q.shape), lse, want_lse, probs)
+    return _results(o.reshape(q.shape), _lse_batched(lse, b, sq), want_lse, probs)
+
+
+def _lse_batched(lse, b, sq):
+    """lse of the varlen layout [heads, b * sq] -> the batched layout's [b, heads, sq] (numpy or torch)."""
+    lse = lse.reshape(lse.shape[0], b, sq)
+    return lse.permute(1, 0, 2) if hasattr(lse, "permute") else lse.transpose(1, 0, 2)
 
 
 def _backward_on_gpu(spec, gpu, conv, lse, deterministic, dev):

@@ -1,6 +1,8 @@
 """Block-sparse attention: per (sequence, head, query block) a list of key blocks to attend;
-everything else is skipped. Validation and maths live in the native core (`src/sparse.rs`,
-`src/backend/cpu/sparse.rs`); this file converts arrays and shapes. No maths here.
+everything else is skipped. A block index is one more key set of the one spec (`varlen_spec`'s
+``block_index``; validated once in the native core, `src/spec.rs` / `src/sparse.rs`), and the
+calls run through the package's one call path (`_forward` / `_run_backward`, autograd included).
+This file converts block indices, FlexAttention masks, layouts and shapes. No maths here.
 
 Block-size contract: query rows in blocks of ``q_block`` (default 64), keys in blocks of
 ``k_block`` (default 128), both counted from each sequence's start; the last block may be
@@ -15,8 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _core
-from ._arrays import _is_torch, dense_cuda, dtype_name, from_core, int32_vector, to_core
+from . import _batched_to_varlen, _core, _flag, _forward, _lse_batched, _run_backward, _scale
+from ._arrays import _is_torch, dtype_name, int32_vector, to_core
 
 DEFAULT_Q_BLOCK = 64
 DEFAULT_K_BLOCK = 128
@@ -113,17 +115,8 @@ def _resolve_index(block_index, block_mask, kv_num_blocks, kv_indices, q_block, 
 def _layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     """-> (flat q, k, v, cu_q, cu_k, max_q, max_k, batched (B, Sq) or None)."""
     if cu_seqlens_q is None and cu_seqlens_k is None:
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            if len(x.shape) != 4:
-                raise ValueError(f"invalid argument `{name}`: expected rank 4 [batch, seqlen, heads, head_dim] "
-                                 f"(or rank 3 with cu_seqlens_q/cu_seqlens_k), got shape {tuple(x.shape)}")
-        b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
-        if k.shape[0] != b or v.shape[0] != b:
-            raise ValueError(f"invalid argument `k`: batch {k.shape[0]} differs from q's batch {b}")
-        cu_q = np.arange(b + 1, dtype=np.int32) * sq
-        cu_k = np.arange(b + 1, dtype=np.int32) * sk
-        flat = [x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]) for x in (q, k, v)]
-        return (*flat, cu_q, cu_k, sq, sk, (b, sq))
+        (fq, fk, fv), cu_q, cu_k, b, sq, sk = _batched_to_varlen(q, k, v)
+        return fq, fk, fv, cu_q, cu_k, sq, sk, (b, sq)
     if cu_seqlens_q is None or cu_seqlens_k is None:
         raise ValueError("invalid argument `cu_seqlens_k`: cu_seqlens_q and cu_seqlens_k go together")
     cu_q, cu_k = int32_vector(cu_seqlens_q, "cu_seqlens_q"), int32_vector(cu_seqlens_k, "cu_seqlens_k")
@@ -160,8 +153,6 @@ def sparse_spec(q_shape, k_shape, dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     with the same arguments and an index of the same contents as one of the last few returns that
     call's spec (compared element by element, so it is exact: the per-call cost of a repeated
     index is a comparison, not a validation)."""
-    from . import _scale
-
     ix = _index_array(block_index, "block_index")
     if isinstance(qk_int8, str):  # the older spelling: the granularity passed as qk_int8
         quant_gran, qk_int8 = (qk_int8 if quant_gran is None else quant_gran), None
@@ -177,7 +168,7 @@ def sparse_spec(q_shape, k_shape, dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_
         if k == key and np.array_equal(cached_ix, ix):
             _SPECS.insert(0, _SPECS.pop(i))
             return spec
-    spec = _core.sparse_spec(*shapes, dtype, cu_q, cu_k, *scalars, ix.reshape(-1), list(ix.shape), *blocks)
+    spec = _core.varlen_spec(*shapes, dtype, cu_q, cu_k, *scalars, (-1, -1), ix.reshape(-1), list(ix.shape), *blocks)
     if ix.nbytes <= _SPEC_CACHE_BYTES:
         _SPECS.insert(0, (key, ix.copy(), spec))
         del _SPECS[_SPEC_CACHE_ENTRIES:]
@@ -188,105 +179,6 @@ def sparse_spec(q_shape, k_shape, dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_
 _SPECS: list = []
 _SPEC_CACHE_ENTRIES = 4
 _SPEC_CACHE_BYTES = 64 << 20
-
-
-def _check_device(device):
-    if not isinstance(device, str):
-        raise TypeError(f"invalid argument `device`: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
-    return device
-
-
-def _run_forward(spec, cq, ck, cv, device):
-    from . import _device_for, _last, _note_cpu_run, _one_gpu, _raw_stream
-
-    dev = _device_for(_check_device(device), cq, ck, cv)
-    total_q, _, heads_q, _, _ = spec.dims
-    gpu = _one_gpu(dev, cq, ck, cv) if hasattr(_core, "sparse_forward_device") else None
-    if gpu is not None:
-        # device-resident: enqueued on torch's current stream, no copies, no synchronization
-        import torch
-
-        q, k, v = cq.device_tensor, ck.device_tensor, cv.device_tensor
-        o = torch.empty(cq.shape, dtype=q.dtype, device=gpu)
-        lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=gpu)
-        n = _core.sparse_forward_workspace(spec)  # the non-finite-v flag (+ INT8: quantised Q, K, scales)
-        ws = torch.empty(max(n, 1), dtype=torch.uint8, device=gpu)
-        done = _core.sparse_forward_device(spec, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
-                                           lse.data_ptr(), ws.data_ptr(), ws.numel(), _raw_stream(torch, gpu), dev)
-        if done is not None:
-            if not done:
-                o.zero_()
-                lse.fill_(float("inf"))
-            _last.name = "cuda"
-            return o, lse
-    out, lse, name = _core.sparse_forward(spec, cq.bytes, ck.bytes, cv.bytes, dev)
-    _last.name = name
-    _note_cpu_run(dev, name, spec)
-    total_q, _, heads_q, _, _ = spec.dims
-    return from_core(out, cq.shape, cq.dtype, cq), from_core(lse, (heads_q, total_q), "float32", cq)
-
-
-def _backward_on_gpu(spec, gpu, dev, conv, lse, deterministic):
-    """dq, dk, dv computed on device-resident torch tensors, enqueued on torch's current stream (no
-    copies, no synchronization), or None where the host path must run."""
-    import torch
-
-    from . import _raw_stream
-
-    if not (_is_torch(lse) and lse.is_cuda and lse.device == gpu and lse.dtype == torch.float32):
-        return None
-    total_q, _, heads_q, _, _ = spec.dims
-    lt = dense_cuda(lse.detach())
-    if lt.numel() != heads_q * total_q:
-        raise ValueError(f"invalid argument `lse`: expected {heads_q * total_q} values, got {lt.numel()}")
-    n = _core.sparse_backward_workspace(spec, deterministic)
-    ws = torch.empty(max(n, 1), dtype=torch.uint8, device=gpu)
-    grads = tuple(torch.empty(c.shape, dtype=c.device_tensor.dtype, device=gpu) for c in conv[:3])
-    ptrs = [c.device_tensor.data_ptr() for c in conv[:4]] + [lt.data_ptr(), conv[4].device_tensor.data_ptr()]
-    done = _core.sparse_backward_device(spec, *ptrs, *(g.data_ptr() for g in grads), ws.data_ptr(), n,
-                                        _raw_stream(torch, gpu), deterministic, dev)
-    if done is None:
-        return None
-    if not done:
-        for g in grads:
-            g.zero_()
-    return grads
-
-
-def _run_backward(spec, dout, q, k, v, out, lse, device, deterministic):
-    from . import _device_for, _last, _note_cpu_run, _one_gpu
-
-    cq, ck, cv = to_core(q, "q"), to_core(k, "k"), to_core(v, "v")
-    co, cg = to_core(out, "out"), to_core(dout, "dout")
-    for name, c in (("k", ck), ("v", cv), ("out", co), ("dout", cg)):
-        if c.dtype != cq.dtype:
-            raise TypeError(f"invalid dtype for `{name}`: {c.dtype}; q is {cq.dtype}")
-    for name, c in (("out", co), ("dout", cg)):
-        if c.shape != cq.shape:
-            raise ValueError(f"invalid argument `{name}`: shape {c.shape} differs from q's {cq.shape}")
-    dev = _device_for(_check_device(device), cq, ck, cv)
-    gpu = _one_gpu(dev, cq, ck, cv, co, cg) if hasattr(_core, "sparse_backward_device") else None
-    if gpu is not None:
-        grads = _backward_on_gpu(spec, gpu, dev, (cq, ck, cv, co, cg), lse, deterministic)
-        if grads is not None:
-            _last.name = "cuda"
-            return grads
-    if _is_torch(lse):
-        lse = lse.detach().cpu().numpy()
-    lse_arr = np.ascontiguousarray(np.asarray(lse, dtype=np.float32)).reshape(-1)
-    dq, dk, dv, name = _core.sparse_backward(spec, cq.bytes, ck.bytes, cv.bytes, co.bytes, lse_arr, cg.bytes,
-                                             deterministic, dev)
-    _last.name = name
-    _note_cpu_run(dev, name, spec, backward=True)
-    return (from_core(dq, cq.shape, cq.dtype, cq), from_core(dk, ck.shape, ck.dtype, ck),
-            from_core(dv, cv.shape, cv.dtype, cv))
-
-
-def _lse_batched(lse, b, sq):
-    """[heads, b * sq] -> [b, heads, sq] (numpy or torch)."""
-    h = lse.shape[0]
-    lse = lse.reshape(h, b, sq)
-    return lse.permute(1, 0, 2) if hasattr(lse, "permute") else lse.transpose(1, 0, 2)
 
 
 def _lse_flat(lse, b, sq):
@@ -321,37 +213,35 @@ def block_sparse_attn_func(q, k, v, block_index=None, q_block=DEFAULT_Q_BLOCK, k
     ``deterministic`` (autograd's backward; flash-attn's meaning and default): False adds dQ up with
     float atomics on CUDA (faster; last-bit differences run to run), True gives bitwise-identical
     gradients; the CPU is deterministic either way."""
-    from . import _flag
-
     deterministic = _flag(deterministic, "deterministic")
     cq0 = dtype_name(q, "q")
     dtype_name(k, "k"), dtype_name(v, "v")
     fq, fk, fv, cu_q, cu_k, mq, mk, batched = _layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     heads_q = fq.shape[1] if len(fq.shape) == 3 else 0
-    if isinstance(block_index, _core.SparseSpec):
+    if isinstance(block_index, _core.Spec):
         spec = _prepared(block_index, fq, fk, fv, cq0, cu_q, cu_k, q_block, k_block, causal, softmax_scale,
                          _quant_gran(quant_gran, qk_int8, smooth_k), block_mask, kv_num_blocks, kv_indices)
         cq, ck, cv = to_core(fq, "q"), to_core(fk, "k"), to_core(fv, "v")
-        for name, c in (("k", ck), ("v", cv)):
-            if c.dtype != cq.dtype:
-                raise TypeError(f"invalid dtype for `{name}`: {c.dtype}; q is {cq.dtype} (they must match)")
-        return _sparse_call(spec, q, fq, fk, fv, cq, ck, cv, batched, return_lse, device, spec.qk_int8 is not None,
-                            deterministic)
-    ix, q_block, k_block = _resolve_index(block_index, block_mask, kv_num_blocks, kv_indices, q_block, k_block,
-                                          len(cu_q) - 1, heads_q)
-    gran = _quant_gran(quant_gran, qk_int8, smooth_k)
-    cq, ck, cv = to_core(fq, "q"), to_core(fk, "k"), to_core(fv, "v")
-    for name, c in (("k", ck), ("v", cv)):
-        if c.dtype != cq.dtype:
-            raise TypeError(f"invalid dtype for `{name}`: {c.dtype}; q is {cq.dtype} (they must match)")
-    spec = sparse_spec(cq.shape, ck.shape, cq0, cu_q, cu_k, mq, mk, ix, q_block, k_block, softmax_scale, causal,
-                       v_shape=cv.shape, quant_gran=gran, smooth_k=smooth_k)
-    return _sparse_call(spec, q, fq, fk, fv, cq, ck, cv, batched, return_lse, device, gran is not None, deterministic)
+    else:
+        ix, q_block, k_block = _resolve_index(block_index, block_mask, kv_num_blocks, kv_indices, q_block, k_block,
+                                              len(cu_q) - 1, heads_q)
+        gran = _quant_gran(quant_gran, qk_int8, smooth_k)
+        cq, ck, cv = to_core(fq, "q"), to_core(fk, "k"), to_core(fv, "v")
+        spec = sparse_spec(cq.shape, ck.shape, cq0, cu_q, cu_k, mq, mk, ix, q_block, k_block, softmax_scale, causal,
+                           v_shape=cv.shape, quant_gran=gran, smooth_k=smooth_k)
+    out, lse = _forward(spec, fq, fk, fv, cq, ck, cv, True, deterministic, device)
+    if batched is not None:
+        out = out.reshape(q.shape)
+        lse = _lse_batched(lse, *batched)
+    return (out, lse) if return_lse else out
 
 
 def _prepared(spec, fq, fk, fv, dtype, cu_q, cu_k, q_block, k_block, causal, softmax_scale, qk_int8, *mask_args):
     """A SparseSpec passed as `block_index` (built once with `cubeattn.sparse_spec`): the call must
     match it; the arguments it fixes must be left at their defaults or agree with it."""
+    if spec.key_set != "block_sparse":
+        raise ValueError(f"invalid argument `block_index`: a spec of key set {spec.key_set!r}; give a block index or "
+                         "a SparseSpec from cubeattn.sparse_spec")
     if any(a is not None for a in mask_args):
         raise ValueError("invalid argument `block_mask`: give a prepared SparseSpec or a block mask, not both")
     for name, got, default, want in (("q_block", q_block, DEFAULT_Q_BLOCK, spec.q_block),
@@ -376,28 +266,6 @@ def _prepared(spec, fq, fk, fv, dtype, cu_q, cu_k, q_block, k_block, causal, sof
     return spec
 
 
-def _sparse_call(spec, q, fq, fk, fv, cq, ck, cv, batched, return_lse, device, qk_int8, deterministic):
-    _check_device(device)
-    if any(_is_torch(x) for x in (fq, fk, fv)):
-        from ._sparse_autograd import needs_grad
-
-        if needs_grad(fq, fk, fv):
-            if qk_int8:
-                raise ValueError("invalid argument `quant_gran`: the INT8 QK^T option (qk_int8) is forward-only; run "
-                                 "it under torch.no_grad() or with inputs that do not require grad")
-            from ._sparse_autograd import attention
-
-            out, lse = attention(spec, fq, fk, fv, (cq, ck, cv), device, deterministic)
-        else:
-            out, lse = _run_forward(spec, cq, ck, cv, device)
-    else:
-        out, lse = _run_forward(spec, cq, ck, cv, device)
-    if batched is not None:
-        out = out.reshape(q.shape)
-        lse = _lse_batched(lse, *batched)
-    return (out, lse) if return_lse else out
-
-
 def block_sparse_attn_backward(dout, q, k, v, out, lse, block_index=None, q_block=DEFAULT_Q_BLOCK,
                                k_block=DEFAULT_K_BLOCK, causal=False, softmax_scale=None, device="auto",
                                cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
@@ -409,8 +277,6 @@ def block_sparse_attn_backward(dout, q, k, v, out, lse, block_index=None, q_bloc
     dv stay deterministic, dq may differ in the last bits). CUDA for
     float16/bfloat16, head_dim 64/128 (torch CUDA tensors stay on their GPU); the CPU otherwise
     with ``device="auto"``, NotImplementedError with ``device="cuda"``."""
-    from . import _flag
-
     deterministic = _flag(deterministic, "deterministic")
     dt = dtype_name(q, "q")
     for name, x in (("k", k), ("v", v), ("out", out), ("dout", dout)):
@@ -427,7 +293,7 @@ def block_sparse_attn_backward(dout, q, k, v, out, lse, block_index=None, q_bloc
                 raise ValueError(f"invalid argument `{name}`: shape {tuple(x.shape)} differs from q's {tuple(q.shape)}")
         dout, out = dout.reshape(fq.shape), out.reshape(fq.shape)
         lse = _lse_flat(lse, *batched)
-    dq, dk, dv = _run_backward(spec, dout, fq, fk, fv, out, lse, device, deterministic)
+    dq, dk, dv = _run_backward(spec, dout, fq, fk, fv, out, lse, deterministic, device)
     if batched is not None:
         dq, dk, dv = dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape)
     return dq, dk, dv

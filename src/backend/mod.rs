@@ -1,15 +1,19 @@
-//! Backends implement one trait over a validated [`AttnSpec`]; dispatch picks one and says which.
+//! Backends implement one trait over a validated [`AttnSpec`] of any key set (dense, paged,
+//! block-sparse), on host buffers and, for the CUDA backend, on device-resident ones;
+//! [`backend_for`] is the one place a call's device is chosen.
 
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-pub mod sparse;
 
 use crate::dtype::{HostData, HostView};
-use crate::error::{invalid, Result};
 #[cfg(not(feature = "cuda"))]
 use crate::error::Error;
+use crate::error::{invalid, Result};
+pub use crate::spec::Pass;
 use crate::spec::AttnSpec;
+#[cfg(feature = "cuda")]
+pub use cuda::{BwdPtrs, FwdPtrs};
 
 /// Which backend ran a call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,18 +92,49 @@ pub struct BackwardInputs<'a> {
     pub deterministic: bool,
 }
 
-/// One implementation of attention over host buffers.
+/// One implementation of attention: every key set, host buffers, and (feature `cuda`) buffers
+/// already on the device, enqueued on the caller's stream.
 pub trait Backend: Send + Sync {
     fn kind(&self) -> BackendKind;
+
+    /// `Err(Unsupported)` saying why this backend has no kernel for `pass` of `spec`.
+    fn supports(&self, spec: &AttnSpec, pass: Pass) -> Result<()>;
+
+    /// Forward on host buffers: `out` in the input dtype, `lse` f32 `[heads_q, total_q]`.
     fn forward(&self, spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> Result<ForwardOutput>;
-    fn backward(
-        &self,
-        spec: &AttnSpec,
-        q: HostView,
-        k: HostView,
-        v: HostView,
-        grad: BackwardInputs,
-    ) -> Result<Gradients>;
+
+    /// Backward on host buffers: dq, dk, dv in the input dtype and shape.
+    fn backward(&self, spec: &AttnSpec, q: HostView, k: HostView, v: HostView, grad: BackwardInputs) -> Result<Gradients>;
+
+    /// Workspace bytes a device-resident `pass` of `spec` needs (the launch plan is built and
+    /// uploaded on `stream` where it is new), or `None` where this backend reads host buffers only
+    /// (the caller runs the host path).
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this backend's device (0: the legacy stream).
+    #[cfg(feature = "cuda")]
+    unsafe fn device_workspace(&self, spec: &AttnSpec, pass: Pass, stream: u64) -> Result<Option<usize>>;
+
+    /// Enqueues the forward of `spec` on `stream`: reads q, k, v and writes out and lse in place.
+    /// `Ok(false)` without touching anything when the call has no query row, key or head (the
+    /// caller fills the outputs: zeros and lse +inf).
+    ///
+    /// # Safety
+    /// Every address must point to a live allocation of this backend's device holding (inputs)
+    /// or able to hold (outputs) the contiguous tensor of the spec's shape and dtype (lse: f32
+    /// `[heads_q, total_q]`), `workspace` at least `workspace_bytes` bytes, at least
+    /// [`Backend::device_workspace`]; `stream` a live stream of the device; the buffers stay alive
+    /// and untouched by other streams until the enqueued work completes.
+    #[cfg(feature = "cuda")]
+    unsafe fn forward_device(&self, spec: &AttnSpec, p: FwdPtrs, workspace_bytes: usize, stream: u64) -> Result<bool>;
+
+    /// Enqueues the backward of `spec` on `stream`: reads q, k, v, out, lse, dout and writes dq,
+    /// dk, dv in place. `Ok(false)` as for [`Backend::forward_device`] (the gradients are zero).
+    ///
+    /// # Safety
+    /// As for [`Backend::forward_device`], with the backward's buffers and workspace.
+    #[cfg(feature = "cuda")]
+    unsafe fn backward_device(&self, spec: &AttnSpec, p: BwdPtrs, deterministic: bool, workspace_bytes: usize, stream: u64) -> Result<bool>;
 }
 
 /// Checks that buffers match the spec (lengths and dtype); called once at the API boundary.
@@ -138,40 +173,22 @@ pub fn check_backward_buffers(spec: &AttnSpec, g: &BackwardInputs) -> Result<()>
     Ok(())
 }
 
-/// The backend for a preference: CPU always works; CUDA needs the `cuda` feature and a GPU.
-pub fn backend_for(pref: DevicePref) -> Result<&'static dyn Backend> {
+/// The backend that runs `pass` of `spec` for the caller's preference: the one place a call's
+/// device is chosen. `cpu`: the CPU. `cuda` / `cuda:N`: CUDA device N, an error where it cannot
+/// start or has no kernel for the call (`Unsupported`, saying why). `auto` / `auto:N`: CUDA
+/// device N where it starts and serves the call, else the CPU. Options no backend serves (the
+/// INT8 QK^T backward) are refused first.
+pub fn backend_for(pref: DevicePref, spec: &AttnSpec, pass: Pass) -> Result<&'static dyn Backend> {
+    spec.check_pass(pass)?;
+    let cpu: &'static dyn Backend = &cpu::CpuBackend;
     match pref {
-        DevicePref::Cpu => Ok(&cpu::CpuBackend),
-        DevicePref::Cuda(i) => cuda_backend(i),
-        DevicePref::Auto(i) => Ok(cuda_backend(i).unwrap_or(&cpu::CpuBackend)),
-    }
-}
-
-/// The backend for a preference and a call: like [`backend_for`], but `auto` also falls back to
-/// the CPU when the CUDA backend cannot serve this spec (e.g. a head_dim without a kernel).
-pub fn backend_for_spec(pref: DevicePref, spec: &AttnSpec) -> Result<&'static dyn Backend> {
-    #[cfg(feature = "cuda")]
-    {
-        Ok(match cuda_for_spec(pref, spec)? {
-            Some(be) => be,
-            None => &cpu::CpuBackend,
-        })
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = spec;
-        backend_for(pref)
-    }
-}
-
-/// The CUDA backend a preference picks for this call, `None` where the CPU runs it: `cpu`, or
-/// `auto` when CUDA cannot start or serve the spec. `cuda` / `cuda:N` that cannot start is an error.
-#[cfg(feature = "cuda")]
-pub fn cuda_for_spec(pref: DevicePref, spec: &AttnSpec) -> Result<Option<&'static cuda::CudaBackend>> {
-    match pref {
-        DevicePref::Cpu => Ok(None),
-        DevicePref::Cuda(i) => cuda::CudaBackend::on(i).map(Some),
-        DevicePref::Auto(i) => Ok(cuda::CudaBackend::on(i).ok().filter(|_| cuda::check_supported(spec).is_ok())),
+        DevicePref::Cpu => Ok(cpu),
+        DevicePref::Cuda(i) => {
+            let be = cuda_backend(i)?;
+            be.supports(spec, pass)?;
+            Ok(be)
+        }
+        DevicePref::Auto(i) => Ok(cuda_backend(i).ok().filter(|be| be.supports(spec, pass).is_ok()).unwrap_or(cpu)),
     }
 }
 

@@ -6,8 +6,8 @@
 //! unwritten element fails (a NaN poison would pass where the reference is NaN).
 
 use cubeattn::backend::cuda::{fwd_options, FwdPlan};
-use cubeattn::reference::{forward_f64, sparse_forward_f64};
-use cubeattn::{AttnSpec, DType, HostData, SparseSpec, TensorMeta};
+use cubeattn::reference::forward_f64;
+use cubeattn::{AttnSpec, DType, HostData, TensorMeta};
 use rand::{rngs::StdRng, SeedableRng};
 
 use super::{backend, random};
@@ -170,8 +170,8 @@ fn block_sparse_lists_and_causal_diagonal() {
                 }
             }
         }
-        let spec = SparseSpec::new(attn, &ix, &[lens.len(), heads, q_blocks, 2], 64, 64, None).expect("sparse spec");
-        let a = &spec.attn;
+        let spec = attn.with_block_index(&ix, &[lens.len(), heads, q_blocks, 2], 64, 64, None).expect("sparse spec");
+        let a = &spec;
         let mut rng = StdRng::seed_from_u64(6);
         let q = random(a.dims.q_len(), dt, 1.0, &mut rng);
         let k = random(a.dims.kv_len(), dt, 1.0, &mut rng);
@@ -182,8 +182,8 @@ fn block_sparse_lists_and_causal_diagonal() {
         let bad = [(1, 0, 1, f32::INFINITY), (130, 1, 2, f32::NAN), (289, 1, 3, f32::INFINITY), (100, 0, 4, f32::NAN)];
         let v = poisoned_v(a, &random(a.dims.kv_len(), dt, 1.0, &mut rng), &bad);
         let f = |h: &HostData| h.view().to_f64_vec();
-        let (ro, rl) = sparse_forward_f64(&spec, &f(&q), &f(&k), &f(&v));
-        let got = b.sparse_forward_host(&spec, q.view(), k.view(), v.view(), Some(POISON)).expect("sparse forward");
+        let (ro, rl) = forward_f64(&spec, &f(&q), &f(&k), &f(&v));
+        let got = b.forward_poisoned(&spec, q.view(), k.view(), v.view(), POISON).expect("sparse forward");
         check(&format!("{dt:?} d{d} block-sparse"), dt, &got.out, &got.lse, &ro, &rl);
     }
 }

@@ -4,10 +4,9 @@
 //! and not, per-q-head and per-kv-head indices, odd lengths and block sizes, varlen with 1-token
 //! sequences.
 
-use cubeattn::backend::sparse::{sparse_backward, sparse_forward};
+use cubeattn::backend::cpu::CpuBackend;
 use cubeattn::backend::BackwardInputs;
-use cubeattn::sparse::Int8Qk;
-use cubeattn::{AttnSpec, DType, DevicePref, QuantGran, SparseSpec, TensorMeta};
+use cubeattn::{AttnSpec, Backend, DType, Int8Qk, KeySet, QuantGran, TensorMeta};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use super::backend;
@@ -50,12 +49,12 @@ fn index(rng: &mut StdRng, batch: usize, heads: usize, q_blocks: usize, k_blocks
 }
 
 /// The spec of case `c` with a fresh random index.
-fn case_spec(c: &Case, causal: bool, rng: &mut StdRng) -> SparseSpec {
+fn case_spec(c: &Case, causal: bool, rng: &mut StdRng) -> AttnSpec {
     case_spec_int8(c, causal, rng, None)
 }
 
 /// [`case_spec`] with the INT8 Q K^T option `int8`.
-fn case_spec_int8(c: &Case, causal: bool, rng: &mut StdRng, int8: Option<Int8Qk>) -> SparseSpec {
+fn case_spec_int8(c: &Case, causal: bool, rng: &mut StdRng, int8: Option<Int8Qk>) -> AttnSpec {
     let cu_q: Vec<i32> = std::iter::once(0).chain(c.lens.iter().scan(0, |a, &(q, _)| { *a += q as i32; Some(*a) })).collect();
     let cu_k: Vec<i32> = std::iter::once(0).chain(c.lens.iter().scan(0, |a, &(_, k)| { *a += k as i32; Some(*a) })).collect();
     let (tq, tk) = (*cu_q.last().unwrap() as usize, *cu_k.last().unwrap() as usize);
@@ -67,7 +66,7 @@ fn case_spec_int8(c: &Case, causal: bool, rng: &mut StdRng, int8: Option<Int8Qk>
     let kbs: Vec<usize> = c.lens.iter().map(|l| l.1.div_ceil(c.k_block)).collect();
     let heads = if c.per_kv_head { c.hkv } else { c.hq };
     let (ix, shape) = index(rng, c.lens.len(), heads, mq.div_ceil(c.q_block), &kbs);
-    SparseSpec::new(attn, &ix, &shape, c.q_block, c.k_block, int8).unwrap()
+    attn.with_block_index(&ix, &shape, c.q_block, c.k_block, int8).unwrap()
 }
 
 /// ||a - b|| / ||b|| and the count of NaNs in `a` (unwritten elements).
@@ -95,17 +94,16 @@ fn sparse_backward_matches_cpu_writes_every_element_and_is_deterministic() {
     for (ci, c, det) in CASES.iter().enumerate().flat_map(|(i, c)| [(i, c, true), (i, c, false)]) {
         for causal in [false, true] {
             let spec = case_spec(c, causal, &mut rng);
-            let (tq, tk) = (spec.attn.dims.total_q, spec.attn.dims.total_k);
+            let (tq, tk) = (spec.dims.total_q, spec.dims.total_k);
             let q = random(tq * c.hq * c.d, c.dtype, 1.0, &mut rng);
             let k = random(tk * c.hkv * c.d, c.dtype, 1.0, &mut rng);
             let v = random(tk * c.hkv * c.d, c.dtype, 1.0, &mut rng);
             let dout = random(tq * c.hq * c.d, c.dtype, 1.0, &mut rng);
-            let (fwd, _) = sparse_forward(DevicePref::Cpu, &spec, q.view(), k.view(), v.view()).unwrap();
+            let fwd = CpuBackend.forward(&spec, q.view(), k.view(), v.view()).unwrap();
             let inputs = BackwardInputs { out: fwd.out.view(), lse: &fwd.lse, dout: dout.view(), deterministic: det };
-            let got = be.sparse_backward_host(&spec, q.view(), k.view(), v.view(), inputs, Some(f32::NAN)).unwrap();
-            let again = be.sparse_backward_host(&spec, q.view(), k.view(), v.view(), inputs, Some(f32::NAN)).unwrap();
-            let (want, kind) = sparse_backward(DevicePref::Cpu, &spec, q.view(), k.view(), v.view(), inputs).unwrap();
-            assert_eq!(kind.name(), "cpu");
+            let got = be.backward_poisoned(&spec, q.view(), k.view(), v.view(), inputs, f32::NAN).unwrap();
+            let again = be.backward_poisoned(&spec, q.view(), k.view(), v.view(), inputs, f32::NAN).unwrap();
+            let want = CpuBackend.backward(&spec, q.view(), k.view(), v.view(), inputs).unwrap();
             let tol = if c.dtype == DType::BF16 { 2e-2 } else { 1e-2 };
             let mut ok = true;
             let mut line = format!("case {ci} causal={causal} deterministic={det}:");
@@ -133,12 +131,12 @@ fn sparse_forward_matches_cpu_and_writes_every_element() {
     for (ci, c) in CASES[..4].iter().enumerate() {
         for causal in [false, true] {
             let spec = case_spec(c, causal, &mut rng);
-            let (tq, tk) = (spec.attn.dims.total_q, spec.attn.dims.total_k);
+            let (tq, tk) = (spec.dims.total_q, spec.dims.total_k);
             let q = random(tq * c.hq * c.d, c.dtype, 1.0, &mut rng);
             let k = random(tk * c.hkv * c.d, c.dtype, 1.0, &mut rng);
             let v = random(tk * c.hkv * c.d, c.dtype, 1.0, &mut rng);
-            let got = be.sparse_forward_host(&spec, q.view(), k.view(), v.view(), Some(f32::NAN)).unwrap();
-            let (want, _) = sparse_forward(DevicePref::Cpu, &spec, q.view(), k.view(), v.view()).unwrap();
+            let got = be.forward_poisoned(&spec, q.view(), k.view(), v.view(), f32::NAN).unwrap();
+            let want = CpuBackend.forward(&spec, q.view(), k.view(), v.view()).unwrap();
             let (rel, nans) = rel_and_nans(&got.out.view().to_f64_vec(), &want.out.view().to_f64_vec());
             let unwritten = nans + got.lse.iter().filter(|x| x.is_nan()).count();
             let lse_bad = got.lse.iter().zip(&want.lse).filter(|(a, b)| !(a.is_infinite() && b.is_infinite() || (*a - *b).abs() <= 1e-3 * b.abs().max(1.0))).count();
@@ -170,8 +168,10 @@ fn sparse_int8_forward_matches_cpu_and_writes_every_element() {
             let causal = (ci + gi) % 2 == 0;
             let spec = case_spec_int8(c, causal, &mut rng, Some(Int8Qk { gran: *gran, smooth_k }));
             let mut exact = spec.clone();
-            exact.int8 = None;
-            let (tq, tk) = (spec.attn.dims.total_q, spec.attn.dims.total_k);
+            if let KeySet::BlockSparse(s) = &mut exact.keys {
+                s.int8 = None;
+            }
+            let (tq, tk) = (spec.dims.total_q, spec.dims.total_k);
             let q = random(tq * c.hq * c.d, c.dtype, 1.0, &mut rng);
             // K with a per-channel offset of 4 sigma
             let offs: Vec<f32> = (0..c.d).map(|_| rng.random_range(-4.0f32..4.0)).collect();
@@ -179,10 +179,9 @@ fn sparse_int8_forward_matches_cpu_and_writes_every_element() {
             let k: Vec<f32> = k0.iter().enumerate().map(|(i, &x)| x as f32 + offs[i % c.d]).collect();
             let k = cubeattn::HostData::from_f32(c.dtype, &k);
             let v = random(tk * c.hkv * c.d, c.dtype, 1.0, &mut rng);
-            let got = be.sparse_forward_host(&spec, q.view(), k.view(), v.view(), Some(f32::NAN)).unwrap();
-            let (want, kind) = sparse_forward(DevicePref::Cpu, &spec, q.view(), k.view(), v.view()).unwrap();
-            assert_eq!(kind.name(), "cpu");
-            let ex = be.sparse_forward_host(&exact, q.view(), k.view(), v.view(), None).unwrap();
+            let got = be.forward_poisoned(&spec, q.view(), k.view(), v.view(), f32::NAN).unwrap();
+            let want = CpuBackend.forward(&spec, q.view(), k.view(), v.view()).unwrap();
+            let ex = be.forward(&exact, q.view(), k.view(), v.view()).unwrap();
             let (g, w, e) = (got.out.view().to_f64_vec(), want.out.view().to_f64_vec(), ex.out.view().to_f64_vec());
             let (rel, nans) = rel_and_nans(&g, &w);
             let unwritten = nans + got.lse.iter().filter(|x| x.is_nan()).count();

@@ -275,7 +275,7 @@ def test_block_index_dtype_and_other_arguments():
         cubeattn.block_sparse_attn_backward(out, q, k, v, out, lse[:, :, :3], ok)
     with pytest.raises(ValueError, match="qk_int8"):
         spec = cubeattn.sparse_spec((64, 2, 8), (8192, 1, 8), "float32", [0, 64], [0, 8192], 64, 8192, ok, qk_int8="per_warp")
-        cubeattn._core.sparse_backward(spec, *(x.reshape(-1).view(np.uint8) for x in (q, k, v, out)), lse.reshape(-1), out.reshape(-1).view(np.uint8))
+        cubeattn._core.backward(spec, *(x.reshape(-1).view(np.uint8) for x in (q, k, v, out)), lse.reshape(-1), out.reshape(-1).view(np.uint8))
 
 
 def test_cuda_without_a_kernel_for_the_call_is_refused_and_auto_runs_on_the_cpu():

@@ -3,7 +3,7 @@
 //! blocks. The copies are O(total_k) against the O(total_q x total_k) attention.
 
 use crate::dtype::{HostData, HostView};
-use crate::spec::{AttnSpec, KV_PAGE};
+use crate::spec::{AttnSpec, KeySet, KV_PAGE};
 
 /// Block-row permutation of `x` (`[total_k, heads_kv, head_dim]`): with `to_logical`, logical
 /// block g <- physical block table[g]; else physical block table[g] <- logical block g.
@@ -21,14 +21,14 @@ fn permute(spec: &AttnSpec, table: &[u32], x: HostView, to_logical: bool) -> Hos
 
 /// (the spec without its table, K and V in logical order) for a paged spec; None otherwise.
 pub(super) fn logical(spec: &AttnSpec, k: HostView, v: HostView) -> Option<(AttnSpec, HostData, HostData)> {
-    let table = spec.kv_pages.as_deref()?;
-    let plain = AttnSpec { kv_pages: None, ..spec.clone() };
+    let table = spec.kv_pages()?;
+    let plain = AttnSpec { keys: KeySet::Dense, ..spec.clone() };
     Some((plain, permute(spec, table, k, true), permute(spec, table, v, true)))
 }
 
 /// dK or dV of the logical order back to the physical blocks of `spec`'s table.
 pub(super) fn physical(spec: &AttnSpec, x: HostData) -> HostData {
-    match spec.kv_pages.as_deref() {
+    match spec.kv_pages() {
         Some(table) => permute(spec, table, x.view(), false),
         None => x,
     }

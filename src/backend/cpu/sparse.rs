@@ -23,7 +23,8 @@ use super::forward::{finish_rows, online_softmax_block, row_limits, Scratch, BK,
 use super::layout::{from_f32_vec, matmul, to_f32_cow, to_head_major, transpose_per_head, Mat, SharedMut};
 use crate::backend::{BackwardInputs, ForwardOutput, Gradients};
 use crate::dtype::{DType, HostView};
-use crate::sparse::{Int8Qk, SparseSpec};
+use crate::sparse::Int8Qk;
+use crate::spec::SparseView;
 
 /// Key spans `[lo, hi)` (inside the sequence) of the kept blocks `kept` (ascending), clipped to
 /// `hi_limit`, with consecutive blocks merged and every span at most `max_len` long.
@@ -105,7 +106,7 @@ impl Gather {
 /// Row tasks (sequence, first row, rows, query head) of the forward and dQ: at most `BQ` rows
 /// whose query blocks list the same key blocks (consecutive query blocks with equal lists share a
 /// task, so 64-row blocks still make 128-row products where the pattern allows); most work first.
-fn row_tasks(spec: &SparseSpec) -> Vec<(usize, usize, usize, usize)> {
+fn row_tasks(spec: SparseView) -> Vec<(usize, usize, usize, usize)> {
     let mut t: Vec<(usize, usize, usize, usize, usize)> = Vec::new();
     let hq = spec.attn.dims.heads_q;
     for (b, seg) in spec.attn.segments.iter().enumerate() {
@@ -162,7 +163,7 @@ fn quantize_groups(x: &[f32], rows: usize, d: usize, group_of: impl Fn(usize) ->
     }
 }
 
-fn quantize(spec: &SparseSpec, opt: Int8Qk, q: HostView, k: HostView) -> Quantized {
+fn quantize(spec: SparseView, opt: Int8Qk, q: HostView, k: HostView) -> Quantized {
     let a = &spec.attn;
     let dm = a.dims;
     let (d, tq, tk, hq, hkv) = (dm.head_dim, dm.total_q, dm.total_k, dm.heads_q, dm.heads_kv);
@@ -252,7 +253,7 @@ fn round_to(dtype: DType, x: &mut [f32]) {
     }
 }
 
-pub(crate) fn forward(spec: &SparseSpec, q: HostView, k: HostView, v: HostView) -> ForwardOutput {
+pub(super) fn forward(spec: SparseView, q: HostView, k: HostView, v: HostView) -> ForwardOutput {
     let a = &spec.attn;
     let dm = a.dims;
     let (d, tq, tk, hq, hkv) = (dm.head_dim, dm.total_q, dm.total_k, dm.heads_q, dm.heads_kv);
@@ -339,7 +340,7 @@ pub(crate) fn forward(spec: &SparseSpec, q: HostView, k: HostView, v: HostView) 
     ForwardOutput { out: from_f32_vec(out, a.dtype), lse }
 }
 
-pub(crate) fn backward(spec: &SparseSpec, q: HostView, k: HostView, v: HostView, g: BackwardInputs) -> Gradients {
+pub(super) fn backward(spec: SparseView, q: HostView, k: HostView, v: HostView, g: BackwardInputs) -> Gradients {
     let a = &spec.attn;
     let dm = a.dims;
     let (d, tq, tk, hkv) = (dm.head_dim, dm.total_q, dm.total_k, dm.heads_kv);
@@ -419,7 +420,7 @@ pub(crate) fn backward(spec: &SparseSpec, q: HostView, k: HostView, v: HostView,
 mod tests {
     use super::*;
     use crate::dtype::HostData;
-    use crate::reference::{sparse_backward_f64, sparse_forward_f64, test_values};
+    use crate::reference::{backward_f64, forward_f64, test_values};
     use crate::spec::{AttnSpec, TensorMeta};
 
     #[test]
@@ -496,15 +497,16 @@ mod tests {
                         }
                     }
                 }
-                let s = SparseSpec::new(attn, &ix, &[lens.len(), index_heads, qbn, top_k], qbs, kbs, None).unwrap();
+                let spec = attn.with_block_index(&ix, &[lens.len(), index_heads, qbn, top_k], qbs, kbs, None).unwrap();
+                let s = spec.block_sparse().unwrap();
                 if uniform {
-                    assert!(row_tasks(&s).iter().any(|t| t.2 > qbs), "some task spans two query blocks");
+                    assert!(row_tasks(s).iter().any(|t| t.2 > qbs), "some task spans two query blocks");
                 }
                 let (q, k, v, go) = (test_values(tq * hq * d, 1), test_values(tk * hkv * d, 2), test_values(tk * hkv * d, 3), test_values(tq * hq * d, 4));
                 let f64v = |x: &[f32]| x.iter().map(|&y| y as f64).collect::<Vec<f64>>();
-                let (ro, rl) = sparse_forward_f64(&s, &f64v(&q), &f64v(&k), &f64v(&v));
+                let (ro, rl) = forward_f64(&spec, &f64v(&q), &f64v(&k), &f64v(&v));
                 let (qd, kd, vd) = (HostData::F32(q.clone()), HostData::F32(k.clone()), HostData::F32(v.clone()));
-                let f = forward(&s, qd.view(), kd.view(), vd.view());
+                let f = forward(s, qd.view(), kd.view(), vd.view());
                 let o = f.out.to_f32_vec();
                 for (i, (x, y)) in o.iter().zip(&ro).enumerate() {
                     assert!((*x as f64 - y).abs() < 1e-5, "causal={causal} uniform={uniform} ih={index_heads} out[{i}] {x} vs {y}");
@@ -516,8 +518,8 @@ mod tests {
                 assert!(f.lse[48].is_infinite() && o[48 * hq * d..48 * hq * d + d].iter().all(|&x| x == 0.0));
                 let gd = HostData::F32(go.clone());
                 let gin = BackwardInputs { out: f.out.view(), lse: &f.lse, dout: gd.view(), deterministic: true };
-                let gr = backward(&s, qd.view(), kd.view(), vd.view(), gin);
-                let (rq, rk, rv) = sparse_backward_f64(&s, &f64v(&q), &f64v(&k), &f64v(&v), &f64v(&go));
+                let gr = backward(s, qd.view(), kd.view(), vd.view(), gin);
+                let (rq, rk, rv) = backward_f64(&spec, &f64v(&q), &f64v(&k), &f64v(&v), &f64v(&go));
                 for (name, got, want) in [("dq", gr.dq, rq), ("dk", gr.dk, rk), ("dv", gr.dv, rv)] {
                     for (i, (x, y)) in got.to_f32_vec().iter().zip(&want).enumerate() {
                         assert!((*x as f64 - y).abs() < 1e-4 * (1.0 + y.abs()), "causal={causal} ih={index_heads} {name}[{i}] {x} vs {y}");

@@ -106,7 +106,7 @@ impl BwdPlan {
             self.tile_off.clone(),
             self.tile_segs.clone(),
             self.row_seg.clone(),
-            spec.kv_pages.clone().unwrap_or_default(),
+            spec.kv_pages().unwrap_or_default().to_vec(),
         ]
     }
 }
@@ -440,7 +440,7 @@ pub(crate) fn launch_dkdv_wide(
     let d = &spec.dims;
     let (win_l, win_r, _) = window_bounds(spec);
     let bulk = acc.is_some_and(|a| bulk_dq(be, d.head_dim, a));
-    let paged = spec.kv_pages.is_some() && sparse.is_none();
+    let paged = spec.kv_pages().is_some() && sparse.is_none();
     // full query tiles by tensor maps on sm_90+ (the pointers are 16-byte aligned:
     // `BwdPtrs::check_aligned`)
     let tma = be.kernels.has_bulk_copies();
@@ -501,7 +501,7 @@ pub(crate) fn launch_dq(
     let (hd, dt) = (d.head_dim, spec.dtype);
     let (ql, kl, ll) = (d.q_len(), d.kv_len(), d.lse_len());
     let (win_l, win_r, window) = window_bounds(spec);
-    let paged = spec.kv_pages.is_some() && sparse.is_none();
+    let paged = spec.kv_pages().is_some() && sparse.is_none();
     // full key tiles by tensor maps on sm_90+ (`BwdPtrs::check_aligned`)
     let f = dq_kernel(be, dt, hd, sparse.is_some(), window, paged, be.kernels.has_bulk_copies())?;
     let qv = ql / BWD_LOAD_VEC;
@@ -553,7 +553,7 @@ pub(crate) fn launch_backward(
 
     launch_delta(be, spec, p, delta, stream)?;
 
-    let paged = spec.kv_pages.is_some();
+    let paged = spec.kv_pages().is_some();
     if dt == DType::F32 {
         let threads = 32 * F32_ROWS_PER_CUBE as u32;
         let f = be.kernels.get(&KernelKey::new("rowwise_bwd_dkdv_f32", dt, &[hd as u32, paged as u32]), || {

@@ -1,10 +1,12 @@
-//! The calls of the CUDA backend.
+//! The calls of the CUDA backend: its [`Backend`] implementation, for every key set (dense,
+//! paged, block-sparse: the entry points check the call once and dispatch on the key set).
 //!
-//! Device-resident ([`CudaBackend::forward_device`], [`CudaBackend::backward_device`]): the
-//! kernels read the caller's buffers in place and write the outputs in place, enqueued on the
-//! caller's stream (torch's current stream), with a caller-provided workspace; the call returns
-//! once the kernels are enqueued. No copies, no synchronization. The launch plan comes from the
-//! backend's plan cache (uploaded on the caller's stream the first time a shape is seen).
+//! Device-resident ([`Backend::forward_device`], [`Backend::backward_device`]): the kernels read
+//! the caller's buffers in place and write the outputs in place, enqueued on the caller's stream
+//! (torch's current stream), with a caller-provided workspace; the call returns once the
+//! kernels are enqueued. No copies, no synchronization. The launch plan comes from the backend's
+//! plan caches (uploaded on the caller's stream the first time a shape, or a block index, is
+//! seen).
 //!
 //! Host buffers ([`Backend::forward`] / [`Backend::backward`]): device memory is allocated for the
 //! inputs, outputs and workspace, the inputs are copied in, the same device-resident call runs on
@@ -16,8 +18,8 @@ use super::backward::{bwd_workspace, fused_dq, launch_backward, BwdPlan, BwdPtrs
 use super::driver::{bind, DevBuf, Timer};
 use super::forward::{fwd_tables, fwd_workspace, launch_forward, plan_opts, FwdPtrs};
 use super::plans::{Cached, PlanKey};
-use super::{check_supported, CudaBackend, Plan};
-use crate::backend::{BackwardInputs, ForwardOutput, Gradients};
+use super::{check_supported, sparse, sparse_bwd, CudaBackend, Plan};
+use crate::backend::{Backend, BackendKind, BackwardInputs, ForwardOutput, Gradients, Pass};
 use crate::dtype::{DType, HostData, HostView};
 use crate::error::{invalid, Error, Result};
 use crate::spec::AttnSpec;
@@ -29,6 +31,14 @@ use std::sync::Arc;
 fn has_work(spec: &AttnSpec) -> bool {
     let d = &spec.dims;
     d.total_q > 0 && d.total_k > 0 && d.heads_q > 0
+}
+
+/// `Err` naming `workspace` where the caller's (`bytes` at `ptr`) is smaller than `need`.
+fn check_workspace(need: usize, ptr: u64, bytes: usize) -> Result<()> {
+    if bytes < need || (need > 0 && ptr == 0) {
+        return Err(invalid("workspace", format!("has {bytes} bytes at {ptr:#x}, the call needs {need}")));
+    }
+    Ok(())
 }
 
 impl CudaBackend {
@@ -54,13 +64,19 @@ impl CudaBackend {
     /// # Safety
     /// `stream` must be a live stream of this device's primary context (0: the legacy stream).
     pub unsafe fn forward_workspace(&self, spec: &AttnSpec, stream: u64) -> Result<usize> {
-        check_supported(spec)?;
+        check_supported(spec, Pass::Forward)?;
         if !has_work(spec) {
             return Ok(0);
         }
         bind(self.ctx)?;
-        let plan = self.fwd_plan(spec, stream as CUstream)?;
-        Ok(fwd_workspace(spec, &plan.host))
+        let s = stream as CUstream;
+        Ok(match spec.block_sparse() {
+            Some(sp) => {
+                self.sparse_plan(sp, s)?;
+                sparse::forward_workspace(sp)
+            }
+            None => fwd_workspace(spec, &self.fwd_plan(spec, s)?.host),
+        })
     }
 
     /// Workspace bytes a device-resident backward of `spec` needs (see [`Self::forward_workspace`]).
@@ -68,57 +84,17 @@ impl CudaBackend {
     /// # Safety
     /// As for [`Self::forward_workspace`].
     pub unsafe fn backward_workspace(&self, spec: &AttnSpec, deterministic: bool, stream: u64) -> Result<usize> {
-        check_supported(spec)?;
+        check_supported(spec, Pass::Backward { deterministic })?;
         if !has_work(spec) {
             return Ok(0);
         }
         bind(self.ctx)?;
-        self.bwd_plan(spec, stream as CUstream)?;
-        Ok(bwd_workspace(spec, fused_dq(spec, deterministic, DqPath::Auto)))
-    }
-
-    /// Enqueues the forward of `spec` on `stream`: reads q, k, v and writes out and lse in place.
-    /// Returns `Ok(false)` without touching anything when the call has no query row, key or
-    /// head (the caller fills the outputs: zeros and lse +inf).
-    ///
-    /// # Safety
-    /// Every address must point to a live allocation of this backend's device holding (inputs)
-    /// or able to hold (outputs) the contiguous tensor of the spec's shape and dtype (lse: f32
-    /// `[heads_q, total_q]`), `workspace` at least `workspace_bytes` bytes, at least
-    /// [`Self::forward_workspace`]; `stream` a live stream of the device; the buffers stay alive
-    /// and untouched by other streams until the enqueued work completes.
-    pub unsafe fn forward_device(&self, spec: &AttnSpec, p: FwdPtrs, workspace_bytes: usize, stream: u64) -> Result<bool> {
-        check_supported(spec)?;
-        p.check_aligned()?;
-        if !has_work(spec) {
-            return Ok(false);
-        }
-        bind(self.ctx)?;
         let s = stream as CUstream;
-        let plan = self.fwd_plan(spec, s)?;
-        let need = fwd_workspace(spec, &plan.host);
-        if workspace_bytes < need || (need > 0 && p.workspace == 0) {
-            return Err(invalid("workspace", format!("has {workspace_bytes} bytes at {:#x}, the call needs {need}", p.workspace)));
+        match spec.block_sparse() {
+            Some(sp) => self.sparse_bwd_plan(sp, s).map(drop)?,
+            None => self.bwd_plan(spec, s).map(drop)?,
         }
-        launch_forward(self, spec, &plan, &p, s)?;
-        Ok(true)
-    }
-
-    /// Enqueues the backward of `spec` on `stream`: reads q, k, v, out, lse, dout and writes dq,
-    /// dk, dv in place. `Ok(false)` as for [`Self::forward_device`] (gradients are then zero).
-    ///
-    /// # Safety
-    /// As for [`Self::forward_device`], with the backward's buffers and
-    /// [`Self::backward_workspace`].
-    pub unsafe fn backward_device(
-        &self,
-        spec: &AttnSpec,
-        p: BwdPtrs,
-        deterministic: bool,
-        workspace_bytes: usize,
-        stream: u64,
-    ) -> Result<bool> {
-        self.backward_device_on(spec, p, DqPath::Auto, deterministic, workspace_bytes, stream)
+        Ok(bwd_workspace(spec, fused_dq(spec, deterministic, DqPath::Auto)))
     }
 
     unsafe fn backward_device_on(
@@ -130,48 +106,28 @@ impl CudaBackend {
         workspace_bytes: usize,
         stream: u64,
     ) -> Result<bool> {
-        check_supported(spec)?;
+        check_supported(spec, Pass::Backward { deterministic })?;
         p.check_aligned()?;
         if !has_work(spec) {
             return Ok(false);
         }
         bind(self.ctx)?;
         let s = stream as CUstream;
-        let plan = self.bwd_plan(spec, s)?;
         let fused = fused_dq(spec, deterministic, path);
-        let need = bwd_workspace(spec, fused);
-        if workspace_bytes < need {
-            return Err(invalid("workspace", format!("has {workspace_bytes} bytes, the call needs {need}")));
+        check_workspace(bwd_workspace(spec, fused), p.workspace, workspace_bytes)?;
+        match spec.block_sparse() {
+            Some(sp) => sparse_bwd::launch_sparse_backward(self, sp, &*self.sparse_bwd_plan(sp, s)?, &p, fused, s)?,
+            None => launch_backward(self, spec, &*self.bwd_plan(spec, s)?, &p, fused, s)?,
         }
-        launch_backward(self, spec, &plan, &p, fused, s)?;
         Ok(true)
     }
 
-    /// Forward on host buffers; `poison` first fills out and lse (tests pass NaN to prove that
-    /// every element is written).
+    /// Forward on host buffers: uploads q, k, v on the backend's stream, fills out/lse with
+    /// `poison` (tests pass NaN to prove that every element is written; zeros / lse +inf when
+    /// there is no key), runs the device-resident forward, downloads out and lse, synchronizes.
     pub(crate) fn forward_host(&self, spec: &AttnSpec, q: HostView, k: HostView, v: HostView, poison: Option<f32>) -> Result<ForwardOutput> {
         crate::backend::check_buffers(spec, q, k, v)?;
-        check_supported(spec)?;
-        // SAFETY: `run_forward_host` passes buffers holding the spec's tensors and a workspace of
-        // the bytes asked for, and synchronizes its stream before freeing them.
-        self.run_forward_host(spec, q, k, v, poison, |s| unsafe { self.forward_workspace(spec, s) }, |p, ws, s| unsafe {
-            self.forward_device(spec, p, ws, s).map(|_| ())
-        })
-    }
-
-    /// The host path of a forward-like call on `spec`'s (checked) tensors: uploads q, k, v on the backend's
-    /// stream, fills out/lse with `poison` (or zeros / lse +inf when there is no key), allocates
-    /// the workspace `workspace` asks for, enqueues `launch`, downloads out and lse, synchronizes.
-    pub(crate) fn run_forward_host(
-        &self,
-        spec: &AttnSpec,
-        q: HostView,
-        k: HostView,
-        v: HostView,
-        poison: Option<f32>,
-        workspace: impl FnOnce(u64) -> Result<usize>,
-        launch: impl FnOnce(FwdPtrs, usize, u64) -> Result<()>,
-    ) -> Result<ForwardOutput> {
+        check_supported(spec, Pass::Forward)?;
         let d = &spec.dims;
         if d.total_q == 0 || d.heads_q == 0 {
             return Ok(ForwardOutput { out: HostData::from_f32(spec.dtype, &[]), lse: Vec::new() });
@@ -196,9 +152,11 @@ impl CudaBackend {
             ob.upload(out0.view().as_bytes(), s)?;
             lb.upload(bytemuck::cast_slice(&lse0), s)?;
         }
-        let ws = DevBuf::alloc(workspace(s as u64)?)?;
+        // SAFETY: the buffers hold the spec's tensors and the workspace the bytes asked for; the
+        // stream is synchronized below, before they are freed.
+        let ws = DevBuf::alloc(unsafe { self.forward_workspace(spec, s as u64) }?)?;
         let ptrs = FwdPtrs { q: qb.ptr, k: kb.ptr, v: vb.ptr, out: ob.ptr, lse: lb.ptr, workspace: ws.ptr };
-        launch(ptrs, ws.bytes, s as u64)?;
+        unsafe { self.forward_device(spec, ptrs, ws.bytes, s as u64) }?;
         memory_probe();
         let mut out = vec![0u8; d.q_len() * es];
         let mut lse = vec![0f32; d.lse_len()];
@@ -208,7 +166,9 @@ impl CudaBackend {
         Ok(ForwardOutput { out: HostData::from_bytes(spec.dtype, &out), lse })
     }
 
-    /// Backward on host buffers; `poison` first fills dq, dk, dv.
+    /// Backward on host buffers, on dQ path `path`: uploads q, k, v, out, lse, dout on the
+    /// backend's stream, fills dq/dk/dv with `poison` (zeros without work), runs the
+    /// device-resident backward, downloads the gradients, synchronizes.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn backward_host(
         &self,
@@ -220,40 +180,10 @@ impl CudaBackend {
         poison: Option<f32>,
         path: DqPath,
     ) -> Result<Gradients> {
+        let det = g.deterministic;
         crate::backend::check_buffers(spec, q, k, v)?;
         crate::backend::check_backward_buffers(spec, &g)?;
-        check_supported(spec)?;
-        let det = g.deterministic;
-        // SAFETY: `run_backward_host` passes buffers holding the spec's tensors and a workspace of
-        // the bytes asked for, and synchronizes its stream before freeing them.
-        self.run_backward_host(
-            spec,
-            q,
-            k,
-            v,
-            g,
-            poison,
-            |s| unsafe { Ok(self.backward_workspace(spec, det, s)?.max(bwd_workspace(spec, fused_dq(spec, det, path)))) },
-            |p, ws, s| unsafe { self.backward_device_on(spec, p, path, det, ws, s).map(|_| ()) },
-        )
-    }
-
-    /// The host path of a backward-like call on `spec`'s (checked) tensors: uploads q, k, v, out,
-    /// lse, dout on the backend's stream, fills dq/dk/dv with `poison` (zeros without work),
-    /// allocates the workspace `workspace` asks for, enqueues `launch`, downloads the gradients,
-    /// synchronizes.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn run_backward_host(
-        &self,
-        spec: &AttnSpec,
-        q: HostView,
-        k: HostView,
-        v: HostView,
-        g: BackwardInputs,
-        poison: Option<f32>,
-        workspace: impl FnOnce(u64) -> Result<usize>,
-        launch: impl FnOnce(BwdPtrs, usize, u64) -> Result<()>,
-    ) -> Result<Gradients> {
+        check_supported(spec, Pass::Backward { deterministic: det })?;
         let d = &spec.dims;
         if !has_work(spec) {
             let z = |n: usize| HostData::from_f32(spec.dtype, &vec![0.0; n]);
@@ -279,7 +209,9 @@ impl CudaBackend {
             Ok(x)
         };
         let (dqb, dkb, dvb) = (grad(d.q_len())?, grad(d.kv_len())?, grad(d.kv_len())?);
-        let ws = DevBuf::alloc(workspace(s as u64)?)?;
+        // SAFETY: as in `forward_host`
+        let need = unsafe { self.backward_workspace(spec, det, s as u64) }?.max(bwd_workspace(spec, fused_dq(spec, det, path)));
+        let ws = DevBuf::alloc(need)?;
         let ptrs = BwdPtrs {
             q: qb.ptr,
             k: kb.ptr,
@@ -292,7 +224,7 @@ impl CudaBackend {
             dv: dvb.ptr,
             workspace: ws.ptr,
         };
-        launch(ptrs, ws.bytes, s as u64)?;
+        unsafe { self.backward_device_on(spec, ptrs, path, det, ws.bytes, s as u64) }?;
         memory_probe();
         let read = |b: &DevBuf, n: usize| -> Result<Vec<u8>> {
             let mut v = vec![0u8; n * es];
@@ -303,6 +235,58 @@ impl CudaBackend {
         self.stream.sync().map_err(|e| Error::Device(format!("backward kernels failed: {e}")))?;
         let h = |b: &[u8]| HostData::from_bytes(spec.dtype, b);
         Ok(Gradients { dq: h(&dq), dk: h(&dk), dv: h(&dv) })
+    }
+}
+
+impl Backend for CudaBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Cuda
+    }
+
+    fn supports(&self, spec: &AttnSpec, pass: Pass) -> Result<()> {
+        check_supported(spec, pass)
+    }
+
+    fn forward(&self, spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> Result<ForwardOutput> {
+        self.forward_host(spec, q, k, v, None)
+    }
+
+    fn backward(&self, spec: &AttnSpec, q: HostView, k: HostView, v: HostView, grad: BackwardInputs) -> Result<Gradients> {
+        self.backward_host(spec, q, k, v, grad, None, DqPath::Auto)
+    }
+
+    unsafe fn device_workspace(&self, spec: &AttnSpec, pass: Pass, stream: u64) -> Result<Option<usize>> {
+        match pass {
+            Pass::Forward => self.forward_workspace(spec, stream),
+            Pass::Backward { deterministic } => self.backward_workspace(spec, deterministic, stream),
+        }
+        .map(Some)
+    }
+
+    unsafe fn forward_device(&self, spec: &AttnSpec, p: FwdPtrs, workspace_bytes: usize, stream: u64) -> Result<bool> {
+        check_supported(spec, Pass::Forward)?;
+        p.check_aligned()?;
+        if !has_work(spec) {
+            return Ok(false);
+        }
+        bind(self.ctx)?;
+        let s = stream as CUstream;
+        match spec.block_sparse() {
+            Some(sp) => {
+                check_workspace(sparse::forward_workspace(sp), p.workspace, workspace_bytes)?;
+                sparse::launch_sparse_forward(self, sp, &*self.sparse_plan(sp, s)?, &p, s)?;
+            }
+            None => {
+                let plan = self.fwd_plan(spec, s)?;
+                check_workspace(fwd_workspace(spec, &plan.host), p.workspace, workspace_bytes)?;
+                launch_forward(self, spec, &plan, &p, s)?;
+            }
+        }
+        Ok(true)
+    }
+
+    unsafe fn backward_device(&self, spec: &AttnSpec, p: BwdPtrs, deterministic: bool, workspace_bytes: usize, stream: u64) -> Result<bool> {
+        self.backward_device_on(spec, p, DqPath::Auto, deterministic, workspace_bytes, stream)
     }
 }
 
@@ -362,7 +346,7 @@ pub enum BenchPart {
 /// `spec.forward_flops()`.
 pub fn bench(spec: &AttnSpec, warmup: usize, iters: usize, part: BenchPart, path: DqPath) -> Result<Vec<f64>> {
     let be = CudaBackend::shared()?;
-    check_supported(spec)?;
+    check_supported(spec, Pass::Forward)?;
     if !has_work(spec) {
         return Err(invalid("spec", "benchmark needs at least one query, key and head"));
     }

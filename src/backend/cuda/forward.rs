@@ -110,7 +110,7 @@ fn is_f16(dt: DType) -> bool {
 /// The tensor-core forward kernel (`flash_fwd::flash_fwd_mma2`) for one set of comptime choices:
 /// `mt` m16 blocks per plane, `bn` keys per tile, `block_m` rows per cube, dense or sparse key
 /// iteration (`cuda::sparse`), exact or INT8 Q K^T (`cuda::sparse_int8`, sparse only), K,V read
-/// through a page table (`paged`, dense only: `AttnSpec::kv_pages`). f16 or bf16.
+/// through a page table (`paged`, dense only: `AttnSpec::kv_pages()`). f16 or bf16.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn flash_fwd_kernel(
     be: &CudaBackend,
@@ -291,7 +291,7 @@ pub(crate) fn launch_forward(
     let client = be.client();
     let dt = spec.dtype;
     let (win_l, win_r, _) = window_bounds(spec);
-    let paged = spec.kv_pages.is_some();
+    let paged = spec.kv_pages().is_some();
     if dt == DType::F32 {
         let key = KernelKey::new("rowwise_fwd_f32", dt, &[hd as u32, paged as u32]);
         let f = be.kernels.get(&key, || {
@@ -406,7 +406,7 @@ pub(crate) fn fwd_tables(spec: &AttnSpec, plan: &Plan) -> Vec<Vec<u32>> {
         plan.fwd.work.clone(),
         plan.fwd.slices.clone(),
         plan.fwd.comb.clone(),
-        spec.kv_pages.clone().unwrap_or_default(),
+        spec.kv_pages().unwrap_or_default().to_vec(),
     ]
 }
 

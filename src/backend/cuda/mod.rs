@@ -4,7 +4,9 @@
 //! including CubeCL's panics when the driver is missing, become `Error::BackendUnavailable`.
 //! Supported: forward for f16/bf16 (tensor-core flash kernel; the exact row-wise kernel when v
 //! holds a NaN or Inf, chosen on the device: `nonfinite`) and f32 (plain row-wise kernel),
-//! head_dim 64 and 128. Backward (dQ, dK, dV): see `backward`.
+//! head_dim 64 and 128. Backward (dQ, dK, dV): see `backward`. Block-sparse key sets: `sparse`,
+//! `sparse_bwd` (f16/bf16). Every call, of every key set, enters through the `Backend` methods
+//! (`device_io`), which dispatch on the spec's key set.
 
 pub mod backward;
 mod compile;
@@ -33,10 +35,6 @@ pub use plan::{forward_workspace_bytes, FwdPlan};
 pub(crate) use plan::{table_bytes, Plan};
 pub use status::status;
 pub use zigzag::ZigzagCopy;
-pub(crate) use sparse::check_sparse_supported as sparse_supported;
-pub(crate) use sparse_bwd::check_sparse_bwd_supported as sparse_bwd_supported;
-pub use sparse::sparse_forward_workspace;
-pub use sparse_bwd::sparse_backward_workspace;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Mutex, OnceLock};
@@ -44,13 +42,13 @@ use std::sync::{Mutex, OnceLock};
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::prelude::*;
 
-use crate::backend::{Backend, BackendKind, BackwardInputs, ForwardOutput, Gradients};
+use crate::backend::{ForwardOutput, Pass};
 use crate::device::{BackendStatus, DeviceInfo};
 use crate::dtype::HostView;
 use crate::error::{Error, Result};
 use crate::kernels::flash_fwd::{BLOCK_M, BLOCK_N, COMB_WORDS, NONE, SLICE_WORDS, WORK_WORDS};
 use crate::kernels::rows::WIN_NONE;
-use crate::spec::AttnSpec;
+use crate::spec::{AttnSpec, KeySet};
 
 /// head_dims with a CUDA kernel.
 pub const SUPPORTED_HEAD_DIMS: [usize; 2] = [64, 128];
@@ -208,8 +206,10 @@ pub(crate) fn window_bounds(spec: &AttnSpec) -> (u32, u32, bool) {
     (side(spec.window.left), right, !spec.window.is_none())
 }
 
-/// Err(Unsupported) for what no CUDA kernel serves.
-pub fn check_supported(spec: &AttnSpec) -> Result<()> {
+/// Err(Unsupported) for what no CUDA kernel serves: `pass` of `spec`, of any key set (the
+/// block-sparse conditions: `sparse::check_supported`, `sparse_bwd::check_supported`).
+pub fn check_supported(spec: &AttnSpec, pass: Pass) -> Result<()> {
+    spec.check_pass(pass)?;
     let hd = spec.dims.head_dim;
     if !SUPPORTED_HEAD_DIMS.contains(&hd) {
         return Err(Error::Unsupported {
@@ -217,16 +217,21 @@ pub fn check_supported(spec: &AttnSpec) -> Result<()> {
             msg: format!("head_dim {hd} has no CUDA kernel (supported: 64, 128); use the CPU backend"),
         });
     }
-    check_size(spec, spec.kv_pages.is_some())
+    check_size(spec, spec.keys != KeySet::Dense)?;
+    match (spec.block_sparse(), pass) {
+        (Some(s), Pass::Forward) => sparse::check_supported(s),
+        (Some(s), Pass::Backward { .. }) => sparse_bwd::check_supported(s),
+        (None, _) => Ok(()),
+    }
 }
 
 /// Err(Unsupported) when the tensors of `spec` reach the CUDA kernels' indexing bound: elements
 /// (rows x heads x head_dim of the largest of q, k, v, their gradients and the f32 dQ
 /// accumulator) below 2^31, since their indexes are u32 (`AddressType::U32`) and every product
 /// of row, head and column is such an element index. Dense calls were checked on an H200 up to
-/// 1.9e9 elements (`tests/python/test_large_gpu.py`); `paged_or_sparse` calls (paged K,V; the
-/// block-sparse `sparse_supported`) keep the earlier bound of 2^30.
-pub(crate) fn check_size(spec: &AttnSpec, paged_or_sparse: bool) -> Result<()> {
+/// 1.9e9 elements (`tests/python/test_large_gpu.py`); `paged_or_sparse` calls (paged K,V,
+/// block-sparse) keep the earlier bound of 2^30.
+fn check_size(spec: &AttnSpec, paged_or_sparse: bool) -> Result<()> {
     let d = &spec.dims;
     let (rows, heads, hd) = (d.total_q.max(d.total_k) as u64, d.heads_q.max(d.heads_kv) as u64, d.head_dim as u64);
     let bound: u64 = if paged_or_sparse { 1 << 30 } else { 1 << 31 };
@@ -238,25 +243,3 @@ pub(crate) fn check_size(spec: &AttnSpec, paged_or_sparse: bool) -> Result<()> {
     }
     Ok(())
 }
-
-impl Backend for CudaBackend {
-    fn kind(&self) -> BackendKind {
-        BackendKind::Cuda
-    }
-
-    fn forward(&self, spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> Result<ForwardOutput> {
-        self.forward_host(spec, q, k, v, None)
-    }
-
-    fn backward(
-        &self,
-        spec: &AttnSpec,
-        q: HostView,
-        k: HostView,
-        v: HostView,
-        grad: BackwardInputs,
-    ) -> Result<Gradients> {
-        self.backward_host(spec, q, k, v, grad, None, backward::DqPath::Auto)
-    }
-}
-

@@ -78,7 +78,7 @@ pub(crate) struct DenseExact {
     /// (address, u32 words) of the row-to-segment and segment tables.
     pub row_seg: (u64, usize),
     pub segs: (u64, usize),
-    /// The plan's page table (`AttnSpec::kv_pages`; read only when the spec has one).
+    /// The plan's page table (`AttnSpec::kv_pages()`; read only when the spec has one).
     pub pages: (u64, usize),
     pub flag: u64,
 }
@@ -93,7 +93,7 @@ pub(crate) fn launch_dense_exact(
 ) -> Result<()> {
     let d = &spec.dims;
     let (hd, dt) = (d.head_dim, spec.dtype);
-    let paged = spec.kv_pages.is_some();
+    let paged = spec.kv_pages().is_some();
     let key = KernelKey::new("rowwise_fwd_exact", dt, &[hd as u32, paged as u32]);
     let f = be.kernels.get(&key, || {
         macro_rules! k {

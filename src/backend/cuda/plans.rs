@@ -49,7 +49,7 @@ impl PlanKey {
             causal: spec.causal,
             window: spec.window,
             segs: spec.segments.iter().map(|s| [s.q_start, s.q_len, s.k_start, s.k_len]).collect(),
-            pages: spec.kv_pages.clone(),
+            pages: spec.kv_pages().map(<[u32]>::to_vec),
             opts,
             extra: 0,
         }

@@ -19,7 +19,7 @@
 //!   `ceil(k_block / BLOCK_N)` tiles.
 //!
 //! Memory of the tables: O(items * heads + kept blocks), never O(S^2).
-//! Workspace (the caller's, [`sparse_forward_workspace`]): the non-finite-v flag; a call whose v
+//! Workspace (the caller's, [`forward_workspace`]): the non-finite-v flag; a call whose v
 //! holds a NaN or Inf is written by the exact row-wise kernel over the same plan instead
 //! ([`super::nonfinite`]), decided on the device.
 //! Speed contract (same results for every block size): `k_block` a multiple of 64 and
@@ -32,14 +32,13 @@ use cudarc::driver::sys;
 use super::launch::launch;
 use super::nonfinite::{launch_flag, launch_sparse_exact, SparseExact};
 use super::plans::{Cached, PlanKey};
-use super::{check_supported, driver, CudaBackend, FwdPtrs};
-use crate::backend::ForwardOutput;
-use crate::dtype::{DType, HostView};
+use super::{CudaBackend, FwdPtrs};
+use crate::dtype::DType;
 use crate::error::{invalid, Error, Result};
 use super::sparse_int8::int8_workspace;
 use crate::kernels::flash_fwd::{BLOCK_N, NONE, SLICE_WORDS, WORK_WORDS};
 use crate::kernels::math::LOG2E;
-use crate::sparse::SparseSpec;
+use crate::spec::SparseView;
 
 /// Host part of a cached block-sparse plan.
 pub(crate) struct SparsePlan {
@@ -58,7 +57,7 @@ const T_REF: usize = 3;
 const T_BLOCKS: usize = 4;
 
 impl SparsePlan {
-    fn build(spec: &SparseSpec) -> (SparsePlan, Vec<Vec<u32>>) {
+    fn build(spec: SparseView) -> (SparsePlan, Vec<Vec<u32>>) {
         let d = &spec.attn.dims;
         let group = d.group_size();
         let hp = if spec.index.heads == d.heads_kv && group > 1 { group } else { 1 };
@@ -103,10 +102,9 @@ impl SparsePlan {
     }
 }
 
-/// Err(Unsupported) for the block-sparse calls no CUDA kernel serves.
-pub(crate) fn check_sparse_supported(spec: &SparseSpec) -> Result<()> {
-    check_supported(&spec.attn)?;
-    super::check_size(&spec.attn, true)?;
+/// Err(Unsupported) for the block-sparse calls no CUDA kernel serves (besides the conditions of
+/// every call, `super::check_supported`).
+pub(super) fn check_supported(spec: SparseView) -> Result<()> {
     if spec.attn.dtype == DType::F32 {
         return Err(Error::Unsupported {
             backend: "cuda",
@@ -143,57 +141,21 @@ fn flag_part() -> usize {
 
 /// Device workspace bytes of a block-sparse forward: the non-finite-v flag, then the INT8
 /// option's quantised Q, K and scales ([`int8_workspace`], 0 without it).
-pub fn sparse_forward_workspace(spec: &SparseSpec) -> usize {
+pub(super) fn forward_workspace(spec: SparseView) -> usize {
     flag_part() + int8_workspace(spec)
 }
 
 impl CudaBackend {
-    fn sparse_plan(&self, spec: &SparseSpec, stream: sys::CUstream) -> Result<Arc<Cached<SparsePlan>>> {
-        self.sparse_plans.get(PlanKey::with_extra(&spec.attn, spec.fingerprint()[0], spec.fingerprint()[1]), stream, || SparsePlan::build(spec))
-    }
-
-    /// Enqueues the block-sparse forward of `spec` on `stream`: reads q, k, v and writes out and
-    /// lse in place; rows that see no key get zeros and lse +inf. `p.workspace`: at least
-    /// `workspace_bytes` >= [`sparse_forward_workspace`] bytes (the non-finite-v flag, then the
-    /// INT8 option's quantised Q, K and scales). `Ok(false)` when the call has no query row, key
-    /// or head (the caller fills the outputs; nothing is enqueued).
-    ///
-    /// # Safety
-    /// As for [`CudaBackend::forward_device`].
-    pub unsafe fn sparse_forward_device(&self, spec: &SparseSpec, p: FwdPtrs, workspace_bytes: usize, stream: u64) -> Result<bool> {
-        check_sparse_supported(spec)?;
-        p.check_aligned()?;
-        let d = &spec.attn.dims;
-        if d.total_q == 0 || d.total_k == 0 || d.heads_q == 0 {
-            return Ok(false);
-        }
-        let need = sparse_forward_workspace(spec);
-        if workspace_bytes < need || p.workspace == 0 {
-            return Err(invalid("workspace", format!("has {workspace_bytes} bytes at {:#x}, the call needs {need}", p.workspace)));
-        }
-        driver::bind(self.ctx)?;
-        let s = stream as sys::CUstream;
-        let plan = self.sparse_plan(spec, s)?;
-        launch_sparse_forward(self, spec, &plan, &p, s)?;
-        Ok(true)
+    pub(super) fn sparse_plan(&self, spec: SparseView, stream: sys::CUstream) -> Result<Arc<Cached<SparsePlan>>> {
+        let [h0, h1] = spec.fingerprint();
+        self.sparse_plans.get(PlanKey::with_extra(spec.attn, h0, h1), stream, || SparsePlan::build(spec))
     }
 }
 
-impl CudaBackend {
-    /// Block-sparse forward on host buffers (copies in, kernels on the backend's stream, copies
-    /// out); `poison` first fills out and lse (tests: proves every element is written).
-    pub fn sparse_forward_host(&self, spec: &SparseSpec, q: HostView, k: HostView, v: HostView, poison: Option<f32>) -> Result<ForwardOutput> {
-        crate::backend::check_buffers(&spec.attn, q, k, v)?;
-        check_sparse_supported(spec)?;
-        // SAFETY: `run_forward_host` passes buffers holding the spec's tensors and synchronizes its
-        // stream before freeing them.
-        self.run_forward_host(&spec.attn, q, k, v, poison, |_| Ok(sparse_forward_workspace(spec)), |p, ws, s| unsafe {
-            self.sparse_forward_device(spec, p, ws, s).map(|_| ())
-        })
-    }
-}
-
-fn launch_sparse_forward(be: &CudaBackend, spec: &SparseSpec, plan: &Cached<SparsePlan>, p: &FwdPtrs, stream: sys::CUstream) -> Result<()> {
+/// Enqueues the block-sparse forward of `spec` on `stream` (its plan `plan`): reads q, k, v and
+/// writes out and lse in place; rows that see no key get zeros and lse +inf. `p.workspace`: at
+/// least [`forward_workspace`] bytes.
+pub(super) fn launch_sparse_forward(be: &CudaBackend, spec: SparseView, plan: &Cached<SparsePlan>, p: &FwdPtrs, stream: sys::CUstream) -> Result<()> {
     let sp = &plan.host;
     if sp.n_items == 0 {
         return Ok(());
@@ -210,7 +172,7 @@ fn launch_sparse_forward(be: &CudaBackend, spec: &SparseSpec, plan: &Cached<Spar
     let v_single = sp.block_m == 64 && spec.int8.is_none();
     let mt = if v_single && hd == 128 { 1 } else { 2 };
     let f = super::forward::flash_fwd_kernel(be, dt, hd, mt, BLOCK_N, sp.block_m, true, spec.int8.is_some(), false, v_single)?;
-    let mut a = super::forward::kv_map_args(be, &spec.attn, p.k, p.v, BLOCK_N, spec.int8.is_some())?;
+    let mut a = super::forward::kv_map_args(be, spec.attn, p.k, p.v, BLOCK_N, spec.int8.is_some())?;
     match spec.int8 {
         None => {
             a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.out, ql).array(p.lse, ll);
@@ -233,7 +195,7 @@ fn launch_sparse_forward(be: &CudaBackend, spec: &SparseSpec, plan: &Cached<Spar
     a.f32(spec.attn.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32);
     a.u32(sp.hp).u32(0).f32(f32::INFINITY).u32(spec.k_block as u32).u32(sp.tiles_per_block);
     // row bounds: the causal diagonal (a block pattern has no sliding window)
-    let (win_l, win_r, _) = super::window_bounds(&spec.attn);
+    let (win_l, win_r, _) = super::window_bounds(spec.attn);
     a.u32(win_l).u32(win_r);
     launch(&f, (sp.n_items as u32 * sp.ys, 1, 1), &mut a, stream)?;
     let exact = SparseExact {
@@ -248,30 +210,30 @@ fn launch_sparse_forward(be: &CudaBackend, spec: &SparseSpec, plan: &Cached<Spar
         k_block: spec.k_block as u32,
         tiles_per_block: sp.tiles_per_block,
     };
-    launch_sparse_exact(be, &spec.attn, p, flag, &exact, (win_l, win_r), stream)
+    launch_sparse_exact(be, spec.attn, p, flag, &exact, (win_l, win_r), stream)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::check_sparse_supported;
+    use crate::backend::Pass;
     use crate::dtype::DType;
     use crate::error::Error;
-    use crate::sparse::SparseSpec;
     use crate::spec::{AttnSpec, TensorMeta};
 
     /// One sequence of 64 queries and `sk` keys, one head, one listed key block.
-    fn one_block(sk: usize, k_block: usize) -> SparseSpec {
+    fn one_block(sk: usize, k_block: usize) -> AttnSpec {
         let q = TensorMeta::new(&[64, 1, 64], DType::BF16);
         let k = TensorMeta::new(&[sk, 1, 64], DType::BF16);
         let a = AttnSpec::varlen(&q, &k, &k, &[0, 64], &[0, sk as i32], 64, sk, None, false).unwrap();
-        SparseSpec::new(a, &[0], &[1, 1, 1, 1], 64, k_block, None).unwrap()
+        a.with_block_index(&[0], &[1, 1, 1, 1], 64, k_block, None).unwrap()
     }
 
     #[test]
     fn tile_index_range_is_checked_before_launch() {
+        let check = |s: &AttnSpec| super::super::check_supported(s, Pass::Forward);
         // the kernels divide tile indices with one mul_hi: exact while key blocks * (k_block/64)^2 < 2^32
-        assert!(check_sparse_supported(&one_block(1 << 20, 1 << 16)).is_ok()); // 16 * 1024^2 = 2^24
-        match check_sparse_supported(&one_block(1 << 22, 1 << 22)) {
+        assert!(check(&one_block(1 << 20, 1 << 16)).is_ok()); // 16 * 1024^2 = 2^24
+        match check(&one_block(1 << 22, 1 << 22)) {
             // one key block of 65536 tiles: 65536^2 = 2^32
             Err(Error::Unsupported { backend: "cuda", msg }) => {
                 assert!(msg.contains("1 key blocks of k_block = 4194304"), "{msg}");

@@ -15,9 +15,9 @@
 //!
 //! `deterministic = true`: every output element is written by one cube in a fixed order (no
 //! atomics), so the gradients are bitwise identical run to run. `deterministic = false` (the
-//! default, as for dense calls): the dK/dV kernel also forms dQ += dS K per (query tile, key
-//! item) into an f32 accumulator with atomics (five products per pair instead of seven) and the
-//! dQ pass is not run; dQ's summation order then varies run to run. The plan (tables and transposed index) is
+//! default; the dense calls' dQ rule, `backward::fused_dq`): the dK/dV kernel also forms
+//! dQ += dS K per (query tile, key item) into an f32 accumulator with atomics (five products per
+//! pair instead of seven) and the dQ pass is not run; dQ's summation order then varies run to run. The plan (tables and transposed index) is
 //! cached on the device per (shape, index fingerprint); its memory is O(items x heads + kept
 //! blocks + sequences x key blocks x index heads), never O(S^2).
 
@@ -27,22 +27,19 @@ use cubecl::cuda::CudaRuntime;
 use cudarc::driver::sys;
 
 use super::backward::{
-    bwd_workspace, launch_delta, launch_dkdv_wide, launch_dq, launch_dq_convert, launch_fill_zero, workspace_ptrs, BwdPtrs,
+    launch_delta, launch_dkdv_wide, launch_dq, launch_dq_convert, launch_fill_zero, workspace_ptrs, BwdPtrs,
     DkdvTables, A,
 };
 use super::compile::{codegen, settings, KernelKey};
-use super::driver;
 use super::launch::{grid_2d, launch, Args};
 use super::plans::{Cached, PlanKey};
-use super::sparse::check_sparse_supported;
 use super::CudaBackend;
-use crate::backend::{BackwardInputs, Gradients};
-use crate::dtype::{DType, HostView};
-use crate::error::{invalid, Error, Result};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
 use crate::kernels::flash_bwd::{BWD_BM, BWD_BN, SPARSE_QWORK_WORDS};
 use crate::kernels::flash_bwd_wide::{SPARSE_KWORK_WORDS, SPARSE_QB_BITS, SPARSE_QB_MASK, WIDE_BN};
 use crate::kernels::sparse_index::{self, SCAN_THREADS, TRANSPOSE_THREADS};
-use crate::sparse::SparseSpec;
+use crate::spec::SparseView;
 
 /// Host part of a cached block-sparse backward plan.
 pub(crate) struct SparseBwdPlan {
@@ -66,7 +63,7 @@ const T_TOFF: usize = 6;
 const T_TLIST: usize = 7;
 
 impl SparseBwdPlan {
-    fn build(spec: &SparseSpec) -> (SparseBwdPlan, Vec<Vec<u32>>) {
+    fn build(spec: SparseView) -> (SparseBwdPlan, Vec<Vec<u32>>) {
         let a = &spec.attn;
         let ix = &spec.index;
         let tpb = spec.k_block.div_ceil(BWD_BN);
@@ -140,8 +137,8 @@ impl SparseBwdPlan {
 
 /// Err(Unsupported) for the block-sparse backward calls no CUDA kernel serves (those of the
 /// forward, and indices too large for the transposed index's 32-bit entries).
-pub(crate) fn check_sparse_bwd_supported(spec: &SparseSpec) -> Result<()> {
-    check_sparse_supported(spec)?;
+pub(super) fn check_supported(spec: SparseView) -> Result<()> {
+    super::sparse::check_supported(spec)?;
     let ix = &spec.index;
     let too_large = |what: String| Error::Unsupported { backend: "cuda", msg: format!("the block-sparse backward on CUDA: {what}; it runs on the CPU") };
     if ix.q_blocks > SPARSE_QB_MASK as usize + 1 {
@@ -157,15 +154,9 @@ pub(crate) fn check_sparse_bwd_supported(spec: &SparseSpec) -> Result<()> {
     Ok(())
 }
 
-/// Device workspace bytes of a block-sparse backward: delta (f32 per query row and head) and,
-/// when not `deterministic`, the f32 dQ accumulator.
-pub fn sparse_backward_workspace(spec: &SparseSpec, deterministic: bool) -> usize {
-    bwd_workspace(&spec.attn, !deterministic)
-}
-
 /// Enqueues the GPU build of the transposed index into the plan's `T_TOFF` / `T_TLIST` tables
 /// (count, exclusive scan, ordered fill; see `kernels::sparse_index`).
-fn build_transposed(be: &CudaBackend, spec: &SparseSpec, plan: &Cached<SparseBwdPlan>, stream: sys::CUstream) -> Result<()> {
+fn build_transposed(be: &CudaBackend, spec: SparseView, plan: &Cached<SparseBwdPlan>, stream: sys::CUstream) -> Result<()> {
     let sp = &plan.host;
     let t = |i| plan.tables.get(i);
     let n = sp.n_cells;
@@ -196,9 +187,12 @@ fn build_transposed(be: &CudaBackend, spec: &SparseSpec, plan: &Cached<SparseBwd
     Ok(())
 }
 
-fn launch_sparse_backward(
+/// Enqueues the block-sparse backward of `spec` on `stream` (its plan `plan`): reads q, k, v,
+/// out, lse, dout and writes dq, dk, dv in place (rows and keys that see nothing get zeros);
+/// `fused`: dQ through the f32 accumulator (`deterministic = false`), else the dQ pass.
+pub(super) fn launch_sparse_backward(
     be: &CudaBackend,
-    spec: &SparseSpec,
+    spec: SparseView,
     plan: &Cached<SparseBwdPlan>,
     p: &BwdPtrs,
     fused: bool,
@@ -236,68 +230,15 @@ fn launch_sparse_backward(
 }
 
 impl CudaBackend {
-    fn sparse_bwd_plan(&self, spec: &SparseSpec, stream: sys::CUstream) -> Result<Arc<Cached<SparseBwdPlan>>> {
+    /// The cached backward plan of `spec`, its transposed index built on the GPU (on `stream`)
+    /// when new.
+    pub(super) fn sparse_bwd_plan(&self, spec: SparseView, stream: sys::CUstream) -> Result<Arc<Cached<SparseBwdPlan>>> {
         let [h0, h1] = spec.fingerprint();
         self.sparse_bwd_plans.get_init(
-            PlanKey::with_extra(&spec.attn, h0, h1),
+            PlanKey::with_extra(spec.attn, h0, h1),
             stream,
             || SparseBwdPlan::build(spec),
             |plan| build_transposed(self, spec, plan, stream),
         )
-    }
-
-    /// Enqueues the block-sparse backward of `spec` on `stream`: reads q, k, v, out, lse, dout and
-    /// writes dq, dk, dv in place (rows and keys that see nothing get zeros). `workspace`: at least
-    /// [`sparse_backward_workspace`] bytes (of the same `deterministic`). `Ok(false)` when the call has no query row, key or
-    /// head (nothing enqueued; the caller zero-fills the gradients).
-    ///
-    /// # Safety
-    /// As for [`CudaBackend::backward_device`].
-    pub unsafe fn sparse_backward_device(
-        &self,
-        spec: &SparseSpec,
-        p: BwdPtrs,
-        deterministic: bool,
-        workspace_bytes: usize,
-        stream: u64,
-    ) -> Result<bool> {
-        check_sparse_bwd_supported(spec)?;
-        p.check_aligned()?;
-        let d = &spec.attn.dims;
-        if d.total_q == 0 || d.total_k == 0 || d.heads_q == 0 {
-            return Ok(false);
-        }
-        let need = sparse_backward_workspace(spec, deterministic);
-        if workspace_bytes < need {
-            return Err(invalid("workspace", format!("has {workspace_bytes} bytes, the call needs {need}")));
-        }
-        driver::bind(self.ctx)?;
-        let s = stream as sys::CUstream;
-        let plan = self.sparse_bwd_plan(spec, s)?;
-        launch_sparse_backward(self, spec, &plan, &p, !deterministic, s)?;
-        Ok(true)
-    }
-
-    /// Block-sparse backward on host buffers (copies in, kernels on the backend's stream, copies
-    /// out; `grad.deterministic` picks the dQ path); `poison` first fills dq, dk, dv (tests:
-    /// proves every element is written).
-    pub fn sparse_backward_host(
-        &self,
-        spec: &SparseSpec,
-        q: HostView,
-        k: HostView,
-        v: HostView,
-        grad: BackwardInputs,
-        poison: Option<f32>,
-    ) -> Result<Gradients> {
-        crate::backend::check_buffers(&spec.attn, q, k, v)?;
-        crate::backend::check_backward_buffers(&spec.attn, &grad)?;
-        check_sparse_bwd_supported(spec)?;
-        // SAFETY: `run_backward_host` passes buffers holding the spec's tensors and a workspace of
-        // the bytes asked for, and synchronizes its stream before freeing them.
-        let det = grad.deterministic;
-        self.run_backward_host(&spec.attn, q, k, v, grad, poison, |_| Ok(sparse_backward_workspace(spec, det)), |p, ws, s| unsafe {
-            self.sparse_backward_device(spec, p, det, ws, s).map(|_| ())
-        })
     }
 }

@@ -16,13 +16,14 @@ use super::CudaBackend;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::kernels::int8_qk::{self, MEAN_CHUNK, QUANT_THREADS};
-use crate::sparse::{GroupRule, Int8Qk, SparseSpec};
+use crate::sparse::{GroupRule, Int8Qk};
+use crate::spec::SparseView;
 
 const A: cubecl::prelude::ArrayCompilationArg = cubecl::prelude::ArrayCompilationArg { inplace: None };
 
 /// Workspace parts, in order: int8 Q, int8 K, Q scales + LSE corrections, K scales, row maxima
 /// (scratch), K chunk sums, K mean.
-fn parts(spec: &SparseSpec) -> [usize; 7] {
+fn parts(spec: SparseView) -> [usize; 7] {
     let d = &spec.attn.dims;
     let (tq, tk, hq, hkv, hd) = (d.total_q, d.total_k, d.heads_q, d.heads_kv, d.head_dim);
     let batch = spec.attn.segments.len();
@@ -31,7 +32,7 @@ fn parts(spec: &SparseSpec) -> [usize; 7] {
 }
 
 /// Workspace bytes of a block-sparse forward of `spec` on CUDA (0 without the INT8 option).
-pub fn int8_workspace(spec: &SparseSpec) -> usize {
+pub fn int8_workspace(spec: SparseView) -> usize {
     if spec.int8.is_none() {
         return 0;
     }
@@ -67,7 +68,7 @@ fn kernel(be: &CudaBackend, name: &'static str, dt: DType, p: &[u32], src: impl 
 
 /// Enqueues the quantisation of Q and K of `spec` (option `opt`) into `workspace` on `stream`.
 /// `segs` is the plan's sequence table (device address, u32 words).
-pub(crate) fn quantize(be: &CudaBackend, spec: &SparseSpec, opt: Int8Qk, p: &FwdPtrs, segs: (u64, usize), stream: sys::CUstream) -> Result<Int8Operands> {
+pub(crate) fn quantize(be: &CudaBackend, spec: SparseView, opt: Int8Qk, p: &FwdPtrs, segs: (u64, usize), stream: sys::CUstream) -> Result<Int8Operands> {
     let d = &spec.attn.dims;
     let (tq, tk, hq, hkv, hd) = (d.total_q, d.total_k, d.heads_q, d.heads_kv, d.head_dim);
     let dt = spec.attn.dtype;
