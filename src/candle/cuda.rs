@@ -22,6 +22,7 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 
 use super::{invalid, to_candle, CResult};
 use crate::backend::cuda::{BwdPtrs, CudaBackend, FwdPtrs, SUPPORTED_HEAD_DIMS};
+use crate::backend::Backend;
 use crate::error::Error;
 use crate::spec::AttnSpec;
 
