@@ -21,14 +21,22 @@ pub fn random(rng: &mut StdRng, n: usize, dtype: DType, amp: f32) -> (HostData, 
 
 /// ||a - b|| / ||b|| (finite entries of b only; NaN in `a` gives infinity).
 pub fn rel_err(a: &[f64], b: &[f64]) -> f64 {
+    rel_err_of(a, b, b)
+}
+
+/// ||a - b|| / ||scale||, or ||a - b|| where `scale` is all zero: two computed results compared
+/// relative to the exact one (rows that see one key have dq = 0 exactly, where both computed
+/// results hold rounding noise whose ratio means nothing).
+pub fn rel_err_of(a: &[f64], b: &[f64], scale: &[f64]) -> f64 {
     assert_eq!(a.len(), b.len());
+    assert_eq!(a.len(), scale.len());
     let (mut num, mut den) = (0.0f64, 0.0f64);
-    for (x, y) in a.iter().zip(b) {
+    for ((x, y), z) in a.iter().zip(b).zip(scale) {
         if !x.is_finite() {
             return f64::INFINITY;
         }
         num += (x - y) * (x - y);
-        den += y * y;
+        den += z * z;
     }
     if den == 0.0 {
         num.sqrt()
