@@ -213,14 +213,9 @@ pub(crate) fn workspace_ptrs(spec: &AttnSpec, fused: bool, base: u64) -> (u64, u
     (base + offs[0] as u64, base + offs[1] as u64)
 }
 
-/// Vector width of the dQ atomics: float2 `atomicAdd` on sm_90+ (where it exists), scalar below;
-/// `CUBEATTN_BWD_ATOMIC_VEC=1` takes scalar atomics everywhere.
+/// Vector width of the dQ atomics: float2 `atomicAdd` on sm_90+ (where it exists), scalar below.
 fn atomic_vec(be: &CudaBackend) -> usize {
-    match std::env::var("CUBEATTN_BWD_ATOMIC_VEC").ok().as_deref() {
-        Some("1") => 1,
-        _ if !be.kernels.has_bulk_copies() => 1,
-        _ => 2,
-    }
+    if be.kernels.has_bulk_copies() { 2 } else { 1 }
 }
 
 /// How the backward forms dQ.
@@ -228,7 +223,7 @@ fn atomic_vec(be: &CudaBackend) -> usize {
 pub enum DqPath {
     /// The fused atomic path for `deterministic = false` calls (with the 128-key dK/dV kernel it
     /// measured faster than the pass on every shape, docs/backward.md), the pass for deterministic
-    /// ones; `CUBEATTN_BWD_DQ=pass` forces the pass for non-deterministic calls too.
+    /// ones; `CUBEATTN_BWD_DQ=pass` forces the pass for non-deterministic calls too (`crate::config`).
     Auto,
     /// The separate deterministic dQ pass.
     Pass,
@@ -257,7 +252,7 @@ pub(super) fn fused_dq(spec: &AttnSpec, deterministic: bool, path: DqPath) -> bo
         DqPath::Pass => false,
         DqPath::Atomic => true,
         DqPath::Auto if deterministic => false,
-        DqPath::Auto => std::env::var("CUBEATTN_BWD_DQ").ok().as_deref() != Some("pass"),
+        DqPath::Auto => !crate::config::get().bwd_dq_pass,
     }
 }
 
@@ -323,7 +318,7 @@ fn bulk_dq(be: &CudaBackend, hd: usize, acc: u64) -> bool {
 /// forces one stage (tests of that variant on any GPU).
 fn q_stages(be: &CudaBackend, hd: usize, fused: bool, bulk: bool) -> usize {
     let limit = be.kernels.smem_limit() as usize;
-    let forced = std::env::var("CUBEATTN_BWD_Q_STAGES").is_ok_and(|v| v == "1");
+    let forced = crate::config::get().bwd_one_q_stage;
     if forced || (limit > 0 && dkdv_smem(hd, fused, bulk, 2) > limit) {
         1
     } else {

@@ -174,37 +174,9 @@ pub(crate) fn settings(threads: u32) -> KernelSettings {
     KernelSettings::default().cube_dim(CubeDim::new_1d(threads)).address_type(AddressType::U32)
 }
 
-/// Directory of the disk cache, `None` when disabled.
+/// Directory of the disk cache, `None` when disabled (`CUBEATTN_CACHE_DIR`, `crate::config`).
 pub fn cache_dir() -> Option<PathBuf> {
-    match std::env::var("CUBEATTN_CACHE_DIR") {
-        Ok(v) if matches!(v.as_str(), "" | "0" | "off" | "none") => None,
-        Ok(v) => Some(PathBuf::from(v)),
-        Err(_) => {
-            let base = std::env::var_os("XDG_CACHE_HOME")
-                .map(PathBuf::from)
-                .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache")))?;
-            Some(base.join("cubeattn"))
-        }
-    }
-}
-
-/// NVRTC options besides the architecture and include paths. `-ftz=true` lets `exp`/`pow` use the
-/// flush-to-zero approximations (no denormal path; FlashAttention-2 builds with --use_fast_math).
-/// `CUBEATTN_NVRTC_FLAGS` replaces them (space separated), for experiments.
-/// `CUBEATTN_CUDA_PORTABLE=1` builds every kernel as for GPUs below sm_90, on any GPU: no tensor
-/// maps, bulk copies or float2 atomics (`has_bulk_copies` false), and `CUBEATTN_PORTABLE` defined
-/// for NVRTC, which selects the `test_wait` spin and the `stmatrix`-free P / dS stores
-/// (`rewrite`). How the pre-Hopper code paths are run and tested on a Hopper GPU; read once per
-/// device, part of the disk cache key through the flags.
-fn portable() -> bool {
-    std::env::var("CUBEATTN_CUDA_PORTABLE").is_ok_and(|v| v == "1")
-}
-
-fn extra_flags() -> Vec<String> {
-    match std::env::var("CUBEATTN_NVRTC_FLAGS") {
-        Ok(v) => v.split_whitespace().map(String::from).collect(),
-        Err(_) => vec!["-ftz=true".into()],
-    }
+    crate::config::get().cache_dir.clone()
 }
 
 /// CUDA headers NVRTC needs (CubeCL's generated source includes cuda_fp16/bf16, mma, pipeline).
@@ -388,7 +360,7 @@ pub(crate) struct Kernels {
     arch: String,
     /// Compute capability major version.
     major: i32,
-    /// `CUBEATTN_CUDA_PORTABLE=1`: the kernels as built for GPUs below sm_90 ([`portable`]).
+    /// `CUBEATTN_CUDA_PORTABLE=1`: the kernels as built for GPUs below sm_90 (`crate::config`).
     portable: bool,
     /// Shared memory one block may use on this device (opt-in limit, bytes; 0: unknown).
     smem_limit: u32,
@@ -401,8 +373,8 @@ pub(crate) struct Kernels {
 impl Kernels {
     pub fn new(ctx: usize, major: i32, minor: i32, smem_limit: u32) -> Kernels {
         let arch = if major >= 9 { format!("sm_{major}{minor}a") } else { format!("sm_{major}{minor}") };
-        let portable = portable();
-        let mut flags = extra_flags();
+        let portable = crate::config::get().portable;
+        let mut flags = crate::config::get().nvrtc_flags.clone();
         if portable {
             flags.push("-DCUBEATTN_PORTABLE".into());
         }
@@ -415,7 +387,7 @@ impl Kernels {
     }
 
     /// Whether the kernels use the sm_90 copy engine (tensor maps, `cp.async.bulk`,
-    /// `cp.reduce.async.bulk`) and float2 atomics: sm_90+ unless [`portable`].
+    /// `cp.reduce.async.bulk`) and float2 atomics: sm_90+ unless `CUBEATTN_CUDA_PORTABLE=1`.
     pub fn has_bulk_copies(&self) -> bool {
         self.major >= 9 && !self.portable
     }
@@ -459,9 +431,9 @@ impl Kernels {
             Some(x) => x,
             None => {
                 let src = build()?;
-                if let Some(dir) = std::env::var_os("CUBEATTN_DUMP_DIR") {
-                    let _ = std::fs::create_dir_all(&dir);
-                    let _ = std::fs::write(Path::new(&dir).join(format!("{}.cu", src.entry)), &src.cuda);
+                if let Some(dir) = &crate::config::get().dump_dir {
+                    let _ = std::fs::create_dir_all(dir);
+                    let _ = std::fs::write(dir.join(format!("{}.cu", src.entry)), &src.cuda);
                 }
                 let cubin = nvrtc_cubin(&src, &self.arch, &self.flags)?;
                 self.compiled.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -473,7 +445,7 @@ impl Kernels {
         };
         let f = self.load(key.name, &src, &cubin)?;
         self.loaded.lock().unwrap().insert(*key, f);
-        if std::env::var("CUBEATTN_TRACE").is_ok_and(|v| v == "1") {
+        if crate::config::get().trace {
             eprintln!("cubeattn kernel {} ({key:?}): {from}, {:.1} ms", src.entry, t0.elapsed().as_secs_f64() * 1e3);
         }
         Ok(f)
