@@ -215,7 +215,7 @@ pub(crate) fn workspace_ptrs(spec: &AttnSpec, fused: bool, base: u64) -> (u64, u
 
 /// Vector width of the dQ atomics: float2 `atomicAdd` on sm_90+ (where it exists), scalar below.
 fn atomic_vec(be: &CudaBackend) -> usize {
-    if be.kernels.has_bulk_copies() { 2 } else { 1 }
+    if be.target.float2_atomics { 2 } else { 1 }
 }
 
 /// How the backward forms dQ.
@@ -309,7 +309,7 @@ pub(crate) struct DkdvTables {
 /// path measured 8% slower fwd+bwd (64 operations of 256 B per tile of half d128's work;
 /// docs/measured-and-lost.md), so d64 keeps the atomics.
 fn bulk_dq(be: &CudaBackend, hd: usize, acc: u64) -> bool {
-    hd == 128 && be.kernels.has_bulk_copies() && acc.is_multiple_of(16)
+    hd == 128 && be.target.bulk_reduce && acc.is_multiple_of(16)
 }
 
 /// Stages of the dK/dV kernel's query tile: 2 (the next tile loads during this one's products)
@@ -317,7 +317,7 @@ fn bulk_dq(be: &CudaBackend, hd: usize, acc: u64) -> bool {
 /// the products; e.g. an A100, 163 KiB, at d128: 137 against 206 KiB). `CUBEATTN_BWD_Q_STAGES=1`
 /// forces one stage (tests of that variant on any GPU).
 fn q_stages(be: &CudaBackend, hd: usize, fused: bool, bulk: bool) -> usize {
-    let limit = be.kernels.smem_limit() as usize;
+    let limit = be.target.smem_limit as usize;
     let forced = crate::config::get().bwd_one_q_stage;
     if forced || (limit > 0 && dkdv_smem(hd, fused, bulk, 2) > limit) {
         1
@@ -438,7 +438,7 @@ pub(crate) fn launch_dkdv_wide(
     let paged = spec.kv_pages().is_some() && sparse.is_none();
     // full query tiles by tensor maps on sm_90+ (the pointers are 16-byte aligned:
     // `BwdPtrs::check_aligned`)
-    let tma = be.kernels.has_bulk_copies();
+    let tma = be.target.tma;
     let qvec = atomic_vec(be);
     let qs = q_stages(be, d.head_dim, acc.is_some(), bulk);
     let f = dkdv_wide_kernel(be, spec.dtype, d.head_dim, acc.is_some(), bulk, qvec, sparse.is_some(), paged, tma, qs)?;
@@ -498,7 +498,7 @@ pub(crate) fn launch_dq(
     let (win_l, win_r, window) = window_bounds(spec);
     let paged = spec.kv_pages().is_some() && sparse.is_none();
     // full key tiles by tensor maps on sm_90+ (`BwdPtrs::check_aligned`)
-    let f = dq_kernel(be, dt, hd, sparse.is_some(), window, paged, be.kernels.has_bulk_copies())?;
+    let f = dq_kernel(be, dt, hd, sparse.is_some(), window, paged, be.target.tma)?;
     let qv = ql / BWD_LOAD_VEC;
     let mut a = kv_map_args(be, spec, p.k, p.v, BWD_BN, false)?;
     a.array(p.q, qv).array(p.dout, qv).array(p.lse, ll).array(delta, ll);

@@ -25,6 +25,7 @@ use cubecl::Compiler;
 use cubecl_cpp::shared::{CompilationOptions, CppSupportedFeatures};
 use cudarc::driver::sys;
 
+use super::target::Target;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
@@ -357,13 +358,9 @@ fn decode(bytes: &[u8]) -> Option<(String, Source, Vec<u8>)> {
 /// Compiled-kernel registry of one device: in memory, backed by the disk cache.
 pub(crate) struct Kernels {
     ctx: usize,
+    /// The device's target: its NVRTC architecture, defines and shared-memory limit.
+    target: Target,
     arch: String,
-    /// Compute capability major version.
-    major: i32,
-    /// `CUBEATTN_CUDA_PORTABLE=1`: the kernels as built for GPUs below sm_90 (`crate::config`).
-    portable: bool,
-    /// Shared memory one block may use on this device (opt-in limit, bytes; 0: unknown).
-    smem_limit: u32,
     flags: Vec<String>,
     loaded: Mutex<HashMap<KernelKey, Func>>,
     /// Kernels compiled (not read from disk) by this process, for reports and tests.
@@ -371,25 +368,10 @@ pub(crate) struct Kernels {
 }
 
 impl Kernels {
-    pub fn new(ctx: usize, major: i32, minor: i32, smem_limit: u32) -> Kernels {
-        let arch = if major >= 9 { format!("sm_{major}{minor}a") } else { format!("sm_{major}{minor}") };
-        let portable = crate::config::get().portable;
+    pub fn new(ctx: usize, target: Target) -> Kernels {
         let mut flags = crate::config::get().nvrtc_flags.clone();
-        if portable {
-            flags.push("-DCUBEATTN_PORTABLE".into());
-        }
-        Kernels { ctx, arch, major, portable, smem_limit, flags, loaded: Mutex::new(HashMap::new()), compiled: Default::default() }
-    }
-
-    /// Shared memory one block may use on this device (bytes; 0: unknown).
-    pub fn smem_limit(&self) -> u32 {
-        self.smem_limit
-    }
-
-    /// Whether the kernels use the sm_90 copy engine (tensor maps, `cp.async.bulk`,
-    /// `cp.reduce.async.bulk`) and float2 atomics: sm_90+ unless `CUBEATTN_CUDA_PORTABLE=1`.
-    pub fn has_bulk_copies(&self) -> bool {
-        self.major >= 9 && !self.portable
+        flags.extend(target.nvrtc_defines());
+        Kernels { ctx, target, arch: target.arch(), flags, loaded: Mutex::new(HashMap::new()), compiled: Default::default() }
     }
 
     /// Kernels this process compiled with NVRTC (the rest came from the disk cache).
@@ -453,7 +435,7 @@ impl Kernels {
 
     fn load(&self, name: &'static str, src: &Source, cubin: &[u8]) -> Result<Func> {
         use cudarc::driver::result as drv;
-        smem_fits(&src.entry, src.smem, self.smem_limit)?;
+        smem_fits(&src.entry, src.smem, self.target.smem_limit)?;
         let entry = CString::new(src.entry.as_str()).map_err(|e| nvrtc_err("entry point", e))?;
         // SAFETY: `ctx` is the device's retained primary context; `cubin` is a complete image
         // produced by NVRTC for this device's architecture (or read back byte for byte).
