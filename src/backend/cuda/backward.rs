@@ -37,7 +37,6 @@ use super::{window_bounds, CudaBackend};
 use crate::backend::{BackwardInputs, Gradients};
 use crate::dtype::{DType, HostView};
 use crate::error::Result;
-pub use super::device_io::BenchPart;
 use crate::kernels::bulk_reduce::dq_tile_stride;
 use crate::kernels::flash_bwd::{self, BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, CONVERT_VEC, DELTA_PLANES, PAD};
 use crate::kernels::flash_bwd_wide::{self, WIDE_BN, WIDE_PLANES};
@@ -654,13 +653,6 @@ impl CudaBackend {
     }
 }
 
-/// GPU time (ms per iteration, CUDA events) of forward + backward on device-resident random
-/// inputs, default path (`deterministic = false`). FLOPs to quote: 3.5 x `spec.forward_flops()`.
-pub fn bench_backward(spec: &AttnSpec, warmup: usize, iters: usize) -> Result<Vec<f64>> {
-    bench_backward_with(spec, warmup, iters, BenchPart::ForwardBackward, DqPath::Auto)
-}
-
-/// [`bench_backward`] with the choice of what is timed and of the dQ path.
-pub fn bench_backward_with(spec: &AttnSpec, warmup: usize, iters: usize, part: BenchPart, path: DqPath) -> Result<Vec<f64>> {
-    super::device_io::bench(spec, warmup, iters, part, path)
-}
+/// The benchmark of forward + backward, where the Python binding (`cuda_bench_forward_backward`)
+/// calls it; it lives in [`super::bench`].
+pub use super::bench::bench_backward;

@@ -9,6 +9,7 @@
 //! (`device_io`), which dispatch on the spec's key set.
 
 pub mod backward;
+mod bench;
 mod compile;
 mod device_io;
 mod driver;
@@ -28,7 +29,8 @@ mod zigzag;
 
 pub use backward::BwdPtrs;
 pub use compile::cache_dir;
-pub use device_io::{bench, memory_probe_min_free, set_memory_probe, BenchPart};
+pub use bench::{bench, bench_backward, BenchPart};
+pub use device_io::{memory_probe_min_free, set_memory_probe};
 pub use forward::FwdPtrs;
 pub use crate::config::{fwd_options, set_fwd_options, FwdOptions};
 pub use plan::{forward_workspace_bytes, FwdPlan};
