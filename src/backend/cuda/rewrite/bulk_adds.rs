@@ -6,7 +6,7 @@
 //! the reduction; an operand of another form or type is refused, and a reversed call left
 //! unrewritten would fail the wrapper's size check at compile time.
 
-use super::{mismatch, LAST_TYPEDEF};
+use super::{add_helper, mismatch};
 use crate::error::Result;
 
 /// The helper [`bulk_adds`] calls: `BYTES` of f32 at shared `src` added into global `dst` by the
@@ -64,8 +64,7 @@ pub(crate) fn bulk_adds(entry: &str, src: &str) -> Result<String> {
     if !src.ends_with('\n') {
         out.pop();
     }
-    let at = out.find(LAST_TYPEDEF).ok_or_else(|| bad("no int64 typedef to place the reduction helper after"))?;
-    out.insert_str(at + LAST_TYPEDEF.len(), BULK_AT);
+    add_helper(entry, "bulk_adds", &mut out, BULK_AT)?;
     Ok(out)
 }
 

@@ -20,7 +20,7 @@
 //! - [`min_blocks`]: a minimum-blocks launch bound (a register cap);
 //! - [`int8_words`]: CubeCL's 4 x int8 struct as one 32-bit word.
 
-use crate::error::Error;
+use crate::error::{Error, Result};
 
 /// The preprocessor condition of the sm_90-only instructions the rewrites emit (`try_wait`,
 /// `stmatrix`): an sm_90+ target, and not the portable build (`Target::stmatrix` on the host;
@@ -52,6 +52,14 @@ pub(crate) use stmatrix::stmatrix_fallback;
 
 /// The last of the typedefs CubeCL prints before the kernel: helpers the rewrites add go after it.
 const LAST_TYPEDEF: &str = "typedef signed long long int int64;\n";
+
+/// Places `helper` (device code a rewrite calls) after CubeCL's typedefs in `src`, the source of
+/// kernel `entry` as rewrite `rewrite` made it.
+fn add_helper(entry: &str, rewrite: &str, src: &mut String, helper: &str) -> Result<()> {
+    let at = src.find(LAST_TYPEDEF).ok_or_else(|| mismatch(entry, rewrite, "no int64 typedef to place its helper after"))?;
+    src.insert_str(at + LAST_TYPEDEF.len(), helper);
+    Ok(())
+}
 
 /// The error of rewrite `rewrite` (its file name under `rewrite/`) that does not recognise
 /// CubeCL's output for kernel `entry`.
