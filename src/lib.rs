@@ -8,6 +8,7 @@
 //! With feature `candle`, [`candle`] exposes the same calls as candle custom ops (with autograd).
 
 pub mod backend;
+mod config;
 pub mod device;
 pub mod dtype;
 pub mod error;

@@ -13,8 +13,9 @@ pub const LOG2E: f32 = core::f32::consts::LOG2_E;
 
 /// `2^x` through the hardware approximation. CubeCL 0.10 has no exp2 operation: this is written
 /// as `powf(2, x)` under fast-math flags, which CubeCL emits as `__powf(2, x)`; cubeattn's
-/// compile step rewrites that call into `exp2f(x)` (`src/backend/cuda/rewrite.rs`, the one place
-/// that edits generated source), which NVRTC with `-ftz=true` turns into a single `MUFU.EX2`.
+/// compile step rewrites that call into `exp2f(x)` (`src/backend/cuda/rewrite/exp2.rs`; `rewrite/`
+/// is the one place that edits generated source), which NVRTC with `-ftz=true` turns into a single
+/// `MUFU.EX2`.
 #[cube(fast_math = FastMath::ReducedPrecision | FastMath::NotNaN | FastMath::NotInf)]
 pub fn fast_exp2(x: f32) -> f32 {
     f32::powf(2.0f32, x)

@@ -7,7 +7,8 @@
 //! Set `CUBEATTN_GPU_BENCH=1` to also time forward+backward for the Llama3-8B shapes.
 
 use cubeattn::backend::cpu::CpuBackend;
-use cubeattn::backend::cuda::backward::{bench_backward_with, BenchPart, DqPath};
+use cubeattn::backend::cuda::backward::DqPath;
+use cubeattn::backend::cuda::{bench, BenchPart};
 use cubeattn::backend::cuda::CudaBackend;
 use cubeattn::backend::BackwardInputs;
 use cubeattn::reference::backward_f64;
@@ -388,7 +389,7 @@ fn bench_backward_llama3_8b() {
         .unwrap();
         for (det, path) in [(Some(false), DqPath::Atomic), (Some(true), DqPath::Pass)] {
             for (part, mult, label) in [(BenchPart::ForwardBackward, 3.5, "fwd+bwd"), (BenchPart::Backward, 2.5, "bwd")] {
-                let mut t = bench_backward_with(&spec, 2, iters, part, path).expect("bench failed");
+                let mut t = bench(&spec, 2, iters, part, path).expect("bench failed");
                 t.sort_by(|a, b| a.partial_cmp(b).unwrap());
                 let med = t[t.len() / 2];
                 let tflops = mult * spec.forward_flops() / (med * 1e-3) / 1e12;

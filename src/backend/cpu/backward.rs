@@ -140,21 +140,6 @@ impl Products {
     }
 }
 
-/// (query rows per block pair, keys per dK/dV block) of the dense backward:
-/// `CUBEATTN_CPU_BWD_BLOCKS=bq,bk` overrides both for experiments (read once).
-pub(crate) fn blocks() -> (usize, usize) {
-    static B: std::sync::OnceLock<Option<(usize, usize)>> = std::sync::OnceLock::new();
-    let over = *B.get_or_init(|| {
-        let v = std::env::var("CUBEATTN_CPU_BWD_BLOCKS").ok()?;
-        let x: Vec<usize> = v.split(',').filter_map(|t| t.trim().parse().ok()).collect();
-        match x[..] {
-            [bq, bk] if bq > 0 && bk > 0 => Some((bq, bk)),
-            _ => None,
-        }
-    });
-    over.unwrap_or((BQ, BKB))
-}
-
 /// The backward's inputs in head-major f32 (`[heads, tokens, d]`; q and dO `total_q` tokens of
 /// `heads_q` heads, k and v `total_k` of `heads_kv`) in one pooled buffer, with delta and the LSE.
 pub(crate) struct Prepared {
@@ -436,7 +421,8 @@ fn backward_as(spec: &AttnSpec, q: HostView, k: HostView, v: HostView, g: Backwa
         (Products::Exact, _) | (_, None) => Products::choose(&p, d),
         (_, Some(f)) => f,
     };
-    let (bq, bkb) = blocks();
+    // query rows per block pair, keys per dK/dV block
+    let (bq, bkb) = (BQ, BKB);
 
     let ql = dm.q_len();
     let blocks = tk.div_ceil(bkb);

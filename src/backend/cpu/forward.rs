@@ -139,10 +139,10 @@ pub(crate) fn forward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) ->
 
 #[cfg(target_arch = "x86_64")]
 /// The AVX-512 tiles unless the CPU lacks AVX-512 or `CUBEATTN_CPU_KERNEL=gemm` asks for the
-/// gemm-crate path (read once).
+/// gemm-crate path (`crate::config`).
 pub(crate) fn use_tiles() -> bool {
     static USE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *USE.get_or_init(|| kernel::available() && std::env::var("CUBEATTN_CPU_KERNEL").map_or(true, |v| v != "gemm"))
+    *USE.get_or_init(|| kernel::available() && !crate::config::get().cpu_gemm)
 }
 
 /// Writes rows `0..rows` of the normalised output (`o` has leading dimension `ldo`) and their
@@ -168,19 +168,8 @@ pub(crate) fn finish_rows(o: &[f32], ldo: usize, m: &[f32], l: &[f32], rows: usi
 /// Query rows per task and keys per block of the tile path. 378 x 256 measured ~3% faster than
 /// 126 x 512 and 252 x 256 at d = 128 (each K/V byte streamed from L3 serves more rows); its
 /// ~1.7 MiB working set at d = 128 is why larger heads fall back to 126 x 512.
-/// `CUBEATTN_CPU_BLOCKS=bq,bk` overrides both for experiments (bq a multiple of the tile
-/// height, bk of the panel width).
 fn tile_blocks(d: usize) -> (usize, usize) {
-    static B: std::sync::OnceLock<Option<(usize, usize)>> = std::sync::OnceLock::new();
-    let over = *B.get_or_init(|| {
-        let v = std::env::var("CUBEATTN_CPU_BLOCKS").ok()?;
-        let x: Vec<usize> = v.split(',').filter_map(|t| t.trim().parse().ok()).collect();
-        match x[..] {
-            [bq, bk] if bq > 0 && bk > 0 && bq % kernel::MR == 0 && bk % kernel::G == 0 => Some((bq, bk)),
-            _ => None,
-        }
-    });
-    over.unwrap_or(if d <= 128 { (kernel::MR * 63, 256) } else { (kernel::MR * 21, 512) })
+    if d <= 128 { (kernel::MR * 63, 256) } else { (kernel::MR * 21, 512) }
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -37,7 +37,6 @@ use super::{window_bounds, CudaBackend};
 use crate::backend::{BackwardInputs, Gradients};
 use crate::dtype::{DType, HostView};
 use crate::error::Result;
-pub use super::device_io::BenchPart;
 use crate::kernels::bulk_reduce::dq_tile_stride;
 use crate::kernels::flash_bwd::{self, BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, CONVERT_VEC, DELTA_PLANES, PAD};
 use crate::kernels::flash_bwd_wide::{self, WIDE_BN, WIDE_PLANES};
@@ -213,14 +212,9 @@ pub(crate) fn workspace_ptrs(spec: &AttnSpec, fused: bool, base: u64) -> (u64, u
     (base + offs[0] as u64, base + offs[1] as u64)
 }
 
-/// Vector width of the dQ atomics: float2 `atomicAdd` on sm_90+ (where it exists), scalar below;
-/// `CUBEATTN_BWD_ATOMIC_VEC=1` takes scalar atomics everywhere.
+/// Vector width of the dQ atomics: float2 `atomicAdd` on sm_90+ (where it exists), scalar below.
 fn atomic_vec(be: &CudaBackend) -> usize {
-    match std::env::var("CUBEATTN_BWD_ATOMIC_VEC").ok().as_deref() {
-        Some("1") => 1,
-        _ if !be.kernels.has_bulk_copies() => 1,
-        _ => 2,
-    }
+    if be.target.float2_atomics { 2 } else { 1 }
 }
 
 /// How the backward forms dQ.
@@ -228,7 +222,7 @@ fn atomic_vec(be: &CudaBackend) -> usize {
 pub enum DqPath {
     /// The fused atomic path for `deterministic = false` calls (with the 128-key dK/dV kernel it
     /// measured faster than the pass on every shape, docs/backward.md), the pass for deterministic
-    /// ones; `CUBEATTN_BWD_DQ=pass` forces the pass for non-deterministic calls too.
+    /// ones; `CUBEATTN_BWD_DQ=pass` forces the pass for non-deterministic calls too (`crate::config`).
     Auto,
     /// The separate deterministic dQ pass.
     Pass,
@@ -257,7 +251,7 @@ pub(super) fn fused_dq(spec: &AttnSpec, deterministic: bool, path: DqPath) -> bo
         DqPath::Pass => false,
         DqPath::Atomic => true,
         DqPath::Auto if deterministic => false,
-        DqPath::Auto => std::env::var("CUBEATTN_BWD_DQ").ok().as_deref() != Some("pass"),
+        DqPath::Auto => !crate::config::get().bwd_dq_pass,
     }
 }
 
@@ -314,7 +308,7 @@ pub(crate) struct DkdvTables {
 /// path measured 8% slower fwd+bwd (64 operations of 256 B per tile of half d128's work;
 /// docs/measured-and-lost.md), so d64 keeps the atomics.
 fn bulk_dq(be: &CudaBackend, hd: usize, acc: u64) -> bool {
-    hd == 128 && be.kernels.has_bulk_copies() && acc.is_multiple_of(16)
+    hd == 128 && be.target.bulk_reduce && acc.is_multiple_of(16)
 }
 
 /// Stages of the dK/dV kernel's query tile: 2 (the next tile loads during this one's products)
@@ -322,8 +316,8 @@ fn bulk_dq(be: &CudaBackend, hd: usize, acc: u64) -> bool {
 /// the products; e.g. an A100, 163 KiB, at d128: 137 against 206 KiB). `CUBEATTN_BWD_Q_STAGES=1`
 /// forces one stage (tests of that variant on any GPU).
 fn q_stages(be: &CudaBackend, hd: usize, fused: bool, bulk: bool) -> usize {
-    let limit = be.kernels.smem_limit() as usize;
-    let forced = std::env::var("CUBEATTN_BWD_Q_STAGES").is_ok_and(|v| v == "1");
+    let limit = be.target.smem_limit as usize;
+    let forced = crate::config::get().bwd_one_q_stage;
     if forced || (limit > 0 && dkdv_smem(hd, fused, bulk, 2) > limit) {
         1
     } else {
@@ -443,7 +437,7 @@ pub(crate) fn launch_dkdv_wide(
     let paged = spec.kv_pages().is_some() && sparse.is_none();
     // full query tiles by tensor maps on sm_90+ (the pointers are 16-byte aligned:
     // `BwdPtrs::check_aligned`)
-    let tma = be.kernels.has_bulk_copies();
+    let tma = be.target.tma;
     let qvec = atomic_vec(be);
     let qs = q_stages(be, d.head_dim, acc.is_some(), bulk);
     let f = dkdv_wide_kernel(be, spec.dtype, d.head_dim, acc.is_some(), bulk, qvec, sparse.is_some(), paged, tma, qs)?;
@@ -503,7 +497,7 @@ pub(crate) fn launch_dq(
     let (win_l, win_r, window) = window_bounds(spec);
     let paged = spec.kv_pages().is_some() && sparse.is_none();
     // full key tiles by tensor maps on sm_90+ (`BwdPtrs::check_aligned`)
-    let f = dq_kernel(be, dt, hd, sparse.is_some(), window, paged, be.kernels.has_bulk_copies())?;
+    let f = dq_kernel(be, dt, hd, sparse.is_some(), window, paged, be.target.tma)?;
     let qv = ql / BWD_LOAD_VEC;
     let mut a = kv_map_args(be, spec, p.k, p.v, BWD_BN, false)?;
     a.array(p.q, qv).array(p.dout, qv).array(p.lse, ll).array(delta, ll);
@@ -659,13 +653,6 @@ impl CudaBackend {
     }
 }
 
-/// GPU time (ms per iteration, CUDA events) of forward + backward on device-resident random
-/// inputs, default path (`deterministic = false`). FLOPs to quote: 3.5 x `spec.forward_flops()`.
-pub fn bench_backward(spec: &AttnSpec, warmup: usize, iters: usize) -> Result<Vec<f64>> {
-    bench_backward_with(spec, warmup, iters, BenchPart::ForwardBackward, DqPath::Auto)
-}
-
-/// [`bench_backward`] with the choice of what is timed and of the dQ path.
-pub fn bench_backward_with(spec: &AttnSpec, warmup: usize, iters: usize, part: BenchPart, path: DqPath) -> Result<Vec<f64>> {
-    super::device_io::bench(spec, warmup, iters, part, path)
-}
+/// The benchmark of forward + backward, where the Python binding (`cuda_bench_forward_backward`)
+/// calls it; it lives in [`super::bench`].
+pub use super::bench::bench_backward;

@@ -25,6 +25,7 @@ use cubecl::Compiler;
 use cubecl_cpp::shared::{CompilationOptions, CppSupportedFeatures};
 use cudarc::driver::sys;
 
+use super::target::Target;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
@@ -174,37 +175,9 @@ pub(crate) fn settings(threads: u32) -> KernelSettings {
     KernelSettings::default().cube_dim(CubeDim::new_1d(threads)).address_type(AddressType::U32)
 }
 
-/// Directory of the disk cache, `None` when disabled.
+/// Directory of the disk cache, `None` when disabled (`CUBEATTN_CACHE_DIR`, `crate::config`).
 pub fn cache_dir() -> Option<PathBuf> {
-    match std::env::var("CUBEATTN_CACHE_DIR") {
-        Ok(v) if matches!(v.as_str(), "" | "0" | "off" | "none") => None,
-        Ok(v) => Some(PathBuf::from(v)),
-        Err(_) => {
-            let base = std::env::var_os("XDG_CACHE_HOME")
-                .map(PathBuf::from)
-                .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache")))?;
-            Some(base.join("cubeattn"))
-        }
-    }
-}
-
-/// NVRTC options besides the architecture and include paths. `-ftz=true` lets `exp`/`pow` use the
-/// flush-to-zero approximations (no denormal path; FlashAttention-2 builds with --use_fast_math).
-/// `CUBEATTN_NVRTC_FLAGS` replaces them (space separated), for experiments.
-/// `CUBEATTN_CUDA_PORTABLE=1` builds every kernel as for GPUs below sm_90, on any GPU: no tensor
-/// maps, bulk copies or float2 atomics (`has_bulk_copies` false), and `CUBEATTN_PORTABLE` defined
-/// for NVRTC, which selects the `test_wait` spin and the `stmatrix`-free P / dS stores
-/// (`rewrite`). How the pre-Hopper code paths are run and tested on a Hopper GPU; read once per
-/// device, part of the disk cache key through the flags.
-fn portable() -> bool {
-    std::env::var("CUBEATTN_CUDA_PORTABLE").is_ok_and(|v| v == "1")
-}
-
-fn extra_flags() -> Vec<String> {
-    match std::env::var("CUBEATTN_NVRTC_FLAGS") {
-        Ok(v) => v.split_whitespace().map(String::from).collect(),
-        Err(_) => vec!["-ftz=true".into()],
-    }
+    crate::config::get().cache_dir.clone()
 }
 
 /// CUDA headers NVRTC needs (CubeCL's generated source includes cuda_fp16/bf16, mma, pipeline).
@@ -247,7 +220,15 @@ fn fnv(parts: &[&[u8]]) -> u64 {
 const CODEGEN_SOURCES: &[&str] = &[
     include_str!("compile.rs"),
     include_str!("rewrite/mod.rs"),
+    include_str!("rewrite/bulk_adds.rs"),
+    include_str!("rewrite/exp2.rs"),
+    include_str!("rewrite/int8_words.rs"),
+    include_str!("rewrite/mbarriers.rs"),
+    include_str!("rewrite/min_blocks.rs"),
     include_str!("rewrite/sm90.rs"),
+    include_str!("rewrite/smem_addresses.rs"),
+    include_str!("rewrite/smem_layout.rs"),
+    include_str!("rewrite/stmatrix.rs"),
     include_str!("forward.rs"),
     include_str!("backward.rs"),
     include_str!("sparse.rs"),
@@ -385,13 +366,9 @@ fn decode(bytes: &[u8]) -> Option<(String, Source, Vec<u8>)> {
 /// Compiled-kernel registry of one device: in memory, backed by the disk cache.
 pub(crate) struct Kernels {
     ctx: usize,
+    /// The device's target: its NVRTC architecture, defines and shared-memory limit.
+    target: Target,
     arch: String,
-    /// Compute capability major version.
-    major: i32,
-    /// `CUBEATTN_CUDA_PORTABLE=1`: the kernels as built for GPUs below sm_90 ([`portable`]).
-    portable: bool,
-    /// Shared memory one block may use on this device (opt-in limit, bytes; 0: unknown).
-    smem_limit: u32,
     flags: Vec<String>,
     loaded: Mutex<HashMap<KernelKey, Func>>,
     /// Kernels compiled (not read from disk) by this process, for reports and tests.
@@ -399,25 +376,10 @@ pub(crate) struct Kernels {
 }
 
 impl Kernels {
-    pub fn new(ctx: usize, major: i32, minor: i32, smem_limit: u32) -> Kernels {
-        let arch = if major >= 9 { format!("sm_{major}{minor}a") } else { format!("sm_{major}{minor}") };
-        let portable = portable();
-        let mut flags = extra_flags();
-        if portable {
-            flags.push("-DCUBEATTN_PORTABLE".into());
-        }
-        Kernels { ctx, arch, major, portable, smem_limit, flags, loaded: Mutex::new(HashMap::new()), compiled: Default::default() }
-    }
-
-    /// Shared memory one block may use on this device (bytes; 0: unknown).
-    pub fn smem_limit(&self) -> u32 {
-        self.smem_limit
-    }
-
-    /// Whether the kernels use the sm_90 copy engine (tensor maps, `cp.async.bulk`,
-    /// `cp.reduce.async.bulk`) and float2 atomics: sm_90+ unless [`portable`].
-    pub fn has_bulk_copies(&self) -> bool {
-        self.major >= 9 && !self.portable
+    pub fn new(ctx: usize, target: Target) -> Kernels {
+        let mut flags = crate::config::get().nvrtc_flags.clone();
+        flags.extend(target.nvrtc_defines());
+        Kernels { ctx, target, arch: target.arch(), flags, loaded: Mutex::new(HashMap::new()), compiled: Default::default() }
     }
 
     /// Kernels this process compiled with NVRTC (the rest came from the disk cache).
@@ -459,9 +421,9 @@ impl Kernels {
             Some(x) => x,
             None => {
                 let src = build()?;
-                if let Some(dir) = std::env::var_os("CUBEATTN_DUMP_DIR") {
-                    let _ = std::fs::create_dir_all(&dir);
-                    let _ = std::fs::write(Path::new(&dir).join(format!("{}.cu", src.entry)), &src.cuda);
+                if let Some(dir) = &crate::config::get().dump_dir {
+                    let _ = std::fs::create_dir_all(dir);
+                    let _ = std::fs::write(dir.join(format!("{}.cu", src.entry)), &src.cuda);
                 }
                 let cubin = nvrtc_cubin(&src, &self.arch, &self.flags)?;
                 self.compiled.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -473,7 +435,7 @@ impl Kernels {
         };
         let f = self.load(key.name, &src, &cubin)?;
         self.loaded.lock().unwrap().insert(*key, f);
-        if std::env::var("CUBEATTN_TRACE").is_ok_and(|v| v == "1") {
+        if crate::config::get().trace {
             eprintln!("cubeattn kernel {} ({key:?}): {from}, {:.1} ms", src.entry, t0.elapsed().as_secs_f64() * 1e3);
         }
         Ok(f)
@@ -481,7 +443,7 @@ impl Kernels {
 
     fn load(&self, name: &'static str, src: &Source, cubin: &[u8]) -> Result<Func> {
         use cudarc::driver::result as drv;
-        smem_fits(&src.entry, src.smem, self.smem_limit)?;
+        smem_fits(&src.entry, src.smem, self.target.smem_limit)?;
         let entry = CString::new(src.entry.as_str()).map_err(|e| nvrtc_err("entry point", e))?;
         // SAFETY: `ctx` is the device's retained primary context; `cubin` is a complete image
         // produced by NVRTC for this device's architecture (or read back byte for byte).

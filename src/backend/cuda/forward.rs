@@ -126,7 +126,7 @@ pub(crate) fn flash_fwd_kernel(
 ) -> Result<super::compile::Func> {
     // full key tiles by tensor maps on sm_90+ (the pointers are 16-byte aligned:
     // `FwdPtrs::check_aligned`)
-    let tma = be.kernels.has_bulk_copies();
+    let tma = be.target.tma;
     let key = KernelKey::new(
         "flash_fwd_mma2",
         dt,
@@ -147,17 +147,17 @@ pub(crate) fn kv_map_args(be: &CudaBackend, spec: &AttnSpec, k: u64, v: u64, blo
     let map = |ptr, on: bool| -> Result<sys::CUtensorMap> {
         if on { tile_map_2d(spec.dtype, ptr, cols, rows, cols * spec.dtype.size(), bc, br) } else { Ok(zero) }
     };
-    let tma = be.kernels.has_bulk_copies();
+    let tma = be.target.tma;
     let mut a = Args::new();
     a.tensor_map(map(k, tma && !int8)?, k, rows, cols).tensor_map(map(v, tma)?, v, rows, cols);
     Ok(a)
 }
 
-/// Whether the forward of `spec` runs the Hopper kernel (`flash_fwd_sm90`): an sm_90+ GPU (not the
-/// portable build), f16/bf16, head_dim 64 or 128, the switch on.
+/// Whether the forward of `spec` runs the Hopper kernel (`flash_fwd_sm90`): a GPU with wgmma (sm_90,
+/// not the portable build: `Target::wgmma`), f16/bf16, head_dim 64 or 128, the switch on.
 pub(crate) fn sm90_forward(be: &CudaBackend, spec: &AttnSpec) -> bool {
     let hd = spec.dims.head_dim;
-    fwd_options().sm90 && be.kernels.has_bulk_copies() && spec.dtype != DType::F32 && (hd == 64 || hd == 128)
+    fwd_options().sm90 && be.target.wgmma && spec.dtype != DType::F32 && (hd == 64 || hd == 128)
 }
 
 /// The Hopper forward kernel (`flash_fwd_sm90`) for one set of comptime choices, and its keys per

@@ -20,7 +20,7 @@ mod tests {
     #[test]
     #[ignore]
     fn dump_tensor_core_kernels() {
-        let dir = std::env::var_os("CUBEATTN_DUMP_DIR").expect("set CUBEATTN_DUMP_DIR");
+        let dir = crate::config::get().dump_dir.clone().expect("set CUBEATTN_DUMP_DIR");
         std::fs::create_dir_all(&dir).unwrap();
         let c = CudaBackend::shared().expect("a CUDA driver").client();
         let dt = DType::BF16;

@@ -9,6 +9,7 @@
 //! (`device_io`), which dispatch on the spec's key set.
 
 pub mod backward;
+mod bench;
 mod compile;
 mod device_io;
 mod driver;
@@ -16,7 +17,6 @@ mod forward;
 mod kernel_dump;
 mod launch;
 mod nonfinite;
-mod options;
 mod plan;
 mod plans;
 mod rewrite;
@@ -24,16 +24,19 @@ mod sparse;
 mod sparse_bwd;
 mod sparse_int8;
 mod status;
+mod target;
 mod zigzag;
 
 pub use backward::BwdPtrs;
 pub use compile::cache_dir;
-pub use device_io::{bench, memory_probe_min_free, set_memory_probe, BenchPart};
+pub use bench::{bench, bench_backward, BenchPart};
+pub use device_io::{memory_probe_min_free, set_memory_probe};
 pub use forward::FwdPtrs;
-pub use options::{fwd_options, set_fwd_options, FwdOptions};
+pub use crate::config::{fwd_options, set_fwd_options, FwdOptions};
 pub use plan::{forward_workspace_bytes, FwdPlan};
 pub(crate) use plan::{table_bytes, Plan};
 pub use status::status;
+pub use target::Target;
 pub use zigzag::ZigzagCopy;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -60,6 +63,8 @@ pub struct CudaBackend {
     client: ComputeClient<CudaRuntime>,
     /// The device's primary context (the one torch uses too), as an address.
     ctx: usize,
+    /// What the kernels may use on this device (decided once, here).
+    pub(crate) target: Target,
     pub(crate) kernels: compile::Kernels,
     fwd_plans: plans::PlanCache<Plan>,
     bwd_plans: plans::PlanCache<backward::BwdPlan>,
@@ -130,22 +135,19 @@ impl CudaBackend {
             }
             let client = guarded("CubeCL CUDA runtime", || CudaRuntime::client(&CudaDevice::new(index)))?;
             // SAFETY: `index` is below the driver's device count (checked above).
-            let (ctx, major, minor, smem_limit) = unsafe {
+            let (ctx, target) = unsafe {
                 use cudarc::driver::result as drv;
-                use cudarc::driver::sys::CUdevice_attribute as A;
                 let dev = drv::device::get(index as i32).map_err(|e| format!("cuDeviceGet: {e:?}"))?;
                 let ctx = drv::primary_ctx::retain(dev).map_err(|e| format!("cuDevicePrimaryCtxRetain: {e:?}"))?;
-                let major = drv::device::get_attribute(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR).unwrap_or(0);
-                let minor = drv::device::get_attribute(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR).unwrap_or(0);
-                let smem = drv::device::get_attribute(dev, A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).unwrap_or(0);
-                (ctx as usize, major, minor, smem.max(0) as u32)
+                (ctx as usize, Target::of_device(dev))
             };
             driver::bind(ctx).map_err(|e| e.to_string())?;
             let stream = driver::Stream::new().map_err(|e| e.to_string())?;
             Ok(CudaBackend {
                 client,
                 ctx,
-                kernels: compile::Kernels::new(ctx, major, minor, smem_limit),
+                target,
+                kernels: compile::Kernels::new(ctx, target),
                 fwd_plans: plans::PlanCache::new(ctx),
                 bwd_plans: plans::PlanCache::new(ctx),
                 sparse_plans: plans::PlanCache::new(ctx),
@@ -159,6 +161,11 @@ impl CudaBackend {
             Err(e) if e.starts_with("no CUDA device") => Err(crate::error::invalid("device", e.clone())),
             Err(e) => Err(unavailable(e.clone())),
         }
+    }
+
+    /// What the kernels may use on this device ([`Target`]).
+    pub fn target(&self) -> Target {
+        self.target
     }
 
     /// The CubeCL client (code generation reads the device properties from it).

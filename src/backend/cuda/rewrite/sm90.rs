@@ -122,7 +122,7 @@ fn lower_marker(text: &str) -> Option<Lowered> {
 
 /// N a multiple of 8 in 8..=256 (f16/bf16 wgmma), flags 0 or 1.
 fn check_mma(n: u32, b_mn: u32, accum: u32) -> Option<()> {
-    (n % 8 == 0 && (8..=256).contains(&n) && b_mn <= 1 && accum <= 1).then_some(())
+    (n.is_multiple_of(8) && (8..=256).contains(&n) && b_mn <= 1 && accum <= 1).then_some(())
 }
 
 fn simple(name: &str, ptx: &str) -> Lowered {

@@ -1,0 +1,258 @@
+//! Every `CUBEATTN_*` environment variable the library reads, read once per process ([`get`]);
+//! nothing else in `src/` calls `std::env::var` for them. (Test programs, scripts and the Python
+//! package read their own: `CUBEATTN_GPU_BENCH`, `CUBEATTN_REQUIRE_GPU`, `CUBEATTN_TORCH_HOST_COPY`...)
+//!
+//! | variable | effect | used by |
+//! |---|---|---|
+//! | `CUBEATTN_CACHE_DIR` | directory of the compiled-kernel disk cache; `off` (or `0`, `none`, empty) disables it; default `$XDG_CACHE_HOME/cubeattn`, else `~/.cache/cubeattn` | users, scripts, tests |
+//! | `CUBEATTN_DUMP_DIR` | writes the CUDA source of every kernel compiled (not read from the cache) into this directory | `scripts/dry-run.sh`, `scripts/kernel_code.py`, the `dump_tensor_core_kernels` test |
+//! | `CUBEATTN_TRACE=1` | reports on stderr where each kernel came from (disk cache or NVRTC) and how long it took | users, `cubeattn.bench` first-call |
+//! | `CUBEATTN_NVRTC_FLAGS` | replaces the NVRTC options besides the architecture and include paths (space separated; default `-ftz=true`) | experiments |
+//! | `CUBEATTN_CUDA_PORTABLE=1` | builds every kernel as for GPUs below sm_90, on any GPU ([`crate::backend::cuda::Target`]) | `tests/python/test_portable_gpu.py`, `scripts/gpu-test.sh --portable` |
+//! | `CUBEATTN_CUDA_SM90=0` | keeps the mma.sync forward on sm_90 GPUs (default: the wgmma forward) | comparisons of the two forwards on one GPU |
+//! | `CUBEATTN_CUDA_SM90_TILE=bn:cubes` | the wgmma forward's tile and cubes per SM (`FwdOptions::sm90_tile`) at every head_dim | A/B runs of its tile choices on one GPU |
+//! | `CUBEATTN_CUDA_SPLIT=0` | no split-K of long forward tiles | the sanitizer families (`tests/python/sanitize_driver.py`) |
+//! | `CUBEATTN_BWD_DQ=pass` | the separate dQ pass for `deterministic = false` backward calls too (`atomic`, the default, fuses dQ) | sanitizer families, comparisons |
+//! | `CUBEATTN_BWD_Q_STAGES=1` | the dK/dV kernel with one query-tile stage (what GPUs with less shared memory get) on any GPU | `tests/python/test_portable_gpu.py` |
+//! | `CUBEATTN_CPU_KERNEL=gemm` | the CPU backend's gemm-crate path instead of its AVX-512 tiles | `examples/cpu_forward.rs`, docs/cpu.md |
+//!
+//! Deleted (experiments whose alternative lost, docs/measured-and-lost.md; no test, script or
+//! benchmark set them): `CUBEATTN_CUDA_PACK_HEADS`, `CUBEATTN_CUDA_SPLIT_WAVES`,
+//! `CUBEATTN_CUDA_PLANE_ROWS`, `CUBEATTN_CUDA_BLOCK_N` (the GPU tests and benchmarks switch those
+//! forward variants with [`set_fwd_options`]), `CUBEATTN_BWD_ATOMIC_VEC` (scalar dQ atomics on
+//! sm_90+; the portable build still runs them), `CUBEATTN_CPU_BLOCKS` and
+//! `CUBEATTN_CPU_BWD_BLOCKS` (CPU tile sizes).
+
+#[cfg(feature = "cuda")]
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+/// The environment switches of this process.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Config {
+    /// `CUBEATTN_CPU_KERNEL=gemm`: the CPU backend skips its AVX-512 tiles.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub cpu_gemm: bool,
+    /// `CUBEATTN_CACHE_DIR`, resolved: the disk cache's directory, `None` when disabled.
+    #[cfg(feature = "cuda")]
+    pub cache_dir: Option<PathBuf>,
+    /// `CUBEATTN_DUMP_DIR`.
+    #[cfg(feature = "cuda")]
+    pub dump_dir: Option<PathBuf>,
+    /// `CUBEATTN_TRACE=1`.
+    #[cfg(feature = "cuda")]
+    pub trace: bool,
+    /// `CUBEATTN_NVRTC_FLAGS`, split, or the default `-ftz=true` (`exp` / `pow` use the
+    /// flush-to-zero approximations, no denormal path; FlashAttention-2 builds with --use_fast_math).
+    #[cfg(feature = "cuda")]
+    pub nvrtc_flags: Vec<String>,
+    /// `CUBEATTN_CUDA_PORTABLE=1`.
+    #[cfg(feature = "cuda")]
+    pub portable: bool,
+    /// `CUBEATTN_BWD_DQ=pass`.
+    #[cfg(feature = "cuda")]
+    pub bwd_dq_pass: bool,
+    /// `CUBEATTN_BWD_Q_STAGES=1`.
+    #[cfg(feature = "cuda")]
+    pub bwd_one_q_stage: bool,
+    /// The forward switches before any [`set_fwd_options`]: `CUBEATTN_CUDA_SPLIT`,
+    /// `CUBEATTN_CUDA_SM90` (each `0` to turn off), `CUBEATTN_CUDA_SM90_TILE`, the rest at their
+    /// defaults.
+    #[cfg(feature = "cuda")]
+    pub fwd: FwdOptions,
+}
+
+/// `name` unset or not `0`.
+#[cfg(feature = "cuda")]
+fn on_unless_zero(var: &Option<String>) -> bool {
+    var.as_deref() != Some("0")
+}
+
+impl Config {
+    /// The switches from `var` (the environment, or a test's table).
+    fn from(var: impl Fn(&str) -> Option<String>) -> Config {
+        #[cfg(feature = "cuda")]
+        let is = |name: &str, value: &str| var(name).as_deref() == Some(value);
+        Config {
+            cpu_gemm: var("CUBEATTN_CPU_KERNEL").as_deref() == Some("gemm"),
+            #[cfg(feature = "cuda")]
+            cache_dir: match var("CUBEATTN_CACHE_DIR") {
+                Some(v) if matches!(v.as_str(), "" | "0" | "off" | "none") => None,
+                Some(v) => Some(PathBuf::from(v)),
+                None => var("XDG_CACHE_HOME")
+                    .map(PathBuf::from)
+                    .or_else(|| var("HOME").map(|h| PathBuf::from(h).join(".cache")))
+                    .map(|base| base.join("cubeattn")),
+            },
+            #[cfg(feature = "cuda")]
+            dump_dir: var("CUBEATTN_DUMP_DIR").map(PathBuf::from),
+            #[cfg(feature = "cuda")]
+            trace: is("CUBEATTN_TRACE", "1"),
+            #[cfg(feature = "cuda")]
+            nvrtc_flags: match var("CUBEATTN_NVRTC_FLAGS") {
+                Some(v) => v.split_whitespace().map(String::from).collect(),
+                None => vec!["-ftz=true".into()],
+            },
+            #[cfg(feature = "cuda")]
+            portable: is("CUBEATTN_CUDA_PORTABLE", "1"),
+            #[cfg(feature = "cuda")]
+            bwd_dq_pass: is("CUBEATTN_BWD_DQ", "pass"),
+            #[cfg(feature = "cuda")]
+            bwd_one_q_stage: is("CUBEATTN_BWD_Q_STAGES", "1"),
+            #[cfg(feature = "cuda")]
+            fwd: FwdOptions {
+                split: on_unless_zero(&var("CUBEATTN_CUDA_SPLIT")),
+                sm90: on_unless_zero(&var("CUBEATTN_CUDA_SM90")),
+                sm90_tile: var("CUBEATTN_CUDA_SM90_TILE").and_then(|v| parse_tile(&v)),
+                ..FwdOptions::defaults()
+            },
+        }
+    }
+}
+
+/// The switches of this process, read from the environment on first use.
+pub(crate) fn get() -> &'static Config {
+    static C: OnceLock<Config> = OnceLock::new();
+    // a variable that is not valid unicode counts as unset (as `std::env::var` errs on it)
+    C.get_or_init(|| Config::from(|name| std::env::var(name).ok()))
+}
+
+/// Tuning switches of the tensor-core forward. Defaults: [`FwdOptions::defaults`], with `split`
+/// and `sm90` from the environment ([`Config::fwd`]). The GPU tests and benchmarks run the other
+/// variants (head packing off, no split, other split targets, 32-key tiles, 16-row planes, the
+/// mma.sync forward on sm_90) by replacing them with [`set_fwd_options`].
+#[cfg(feature = "cuda")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FwdOptions {
+    /// The q heads of one kv head share a tile (rows = (query, head) pairs).
+    pub pack_heads: bool,
+    /// Split long tiles over several cubes when the launch has too few cubes to fill the GPU
+    /// (`CUBEATTN_CUDA_SPLIT`).
+    pub split: bool,
+    /// Split target: about this many cubes per multiprocessor (2: measured best of 2/4/8/16 on
+    /// the shared-prefix shape).
+    pub split_waves: u32,
+    /// Forward rows per plane: 32 (4 planes, 128 threads) or 16 (8 planes).
+    pub plane_rows: u32,
+    /// Forward keys per shared-memory tile: 32, 64 or 128, or 0 (the default) for the head_dim's
+    /// own ([`FwdOptions::block_n_for`]).
+    pub block_n: u32,
+    /// The Hopper forward (`kernels::flash_fwd_sm90`) on GPUs with wgmma (`CUBEATTN_CUDA_SM90`, `0`
+    /// keeps the mma.sync kernel there: how the two are compared on one GPU).
+    pub sm90: bool,
+    /// The Hopper forward's tile choice at every head_dim as `block_n:cubes_per_sm`
+    /// (`CUBEATTN_CUDA_SM90_TILE`, e.g. `128:1`; unset: [`FwdOptions::sm90_tile_for`]'s
+    /// defaults). How the choices are measured against each other on one GPU.
+    pub sm90_tile: Option<(u32, u32)>,
+}
+
+#[cfg(feature = "cuda")]
+impl FwdOptions {
+    /// The defaults without environment overrides.
+    pub fn defaults() -> FwdOptions {
+        FwdOptions { pack_heads: true, split: true, split_waves: 2, plane_rows: 32, block_n: 0, sm90: true, sm90_tile: None }
+    }
+
+    /// The Hopper forward's `(block_n, cubes per SM)` at `head_dim`: two cubes per SM, whose
+    /// MMAs and softmax interleave, with the key tile that fits them (H100, 8K causal, SDPA cuDNN
+    /// in the same run: d64 128 keys 0.617 ms vs cuDNN 0.704; d128 64 keys 0.957 vs 0.934, where
+    /// 128 keys at one cube per SM took 1.062: h100-2026-11-27-ab-sm90-tiles).
+    pub fn sm90_tile_for(&self, head_dim: usize) -> (usize, u32) {
+        if let Some((bn, cubes)) = self.sm90_tile {
+            return (bn as usize, cubes);
+        }
+        if head_dim <= 64 { (128, 2) } else { (64, 2) }
+    }
+
+    /// Keys per tile at `head_dim`: `block_n` when set, else 128 at head_dim 64 (FlashAttention-2's
+    /// d64 tile: 255 registers, two cubes per SM, 5-9% faster than 64-key tiles at three per SM,
+    /// docs/forward.md) and 64 above (a 128-key tile's S and O do not fit the registers).
+    pub fn block_n_for(&self, head_dim: usize) -> usize {
+        match self.block_n {
+            0 if head_dim <= 64 => 128,
+            0 => 64,
+            n => n as usize,
+        }
+    }
+}
+
+/// `block_n:cubes` with block_n 64 or 128 and 1 or 2 cubes per SM.
+#[cfg(feature = "cuda")]
+fn parse_tile(v: &str) -> Option<(u32, u32)> {
+    let f: Vec<u32> = v.split(':').map(|x| x.trim().parse().ok()).collect::<Option<Vec<u32>>>()?;
+    match f.as_slice() {
+        &[bn @ (64 | 128), cubes @ (1 | 2)] => Some((bn, cubes)),
+        _ => None,
+    }
+}
+
+/// The override of the forward switches ([`set_fwd_options`]), `None` until one is set.
+#[cfg(feature = "cuda")]
+static FWD_OVERRIDE: std::sync::Mutex<Option<FwdOptions>> = std::sync::Mutex::new(None);
+
+/// The forward switches in force.
+#[cfg(feature = "cuda")]
+pub fn fwd_options() -> FwdOptions {
+    FWD_OVERRIDE.lock().unwrap_or_else(|e| e.into_inner()).unwrap_or(get().fwd)
+}
+
+/// Replaces the forward switches (process-wide; for tests and benchmarks).
+#[cfg(feature = "cuda")]
+pub fn set_fwd_options(o: FwdOptions) {
+    *FWD_OVERRIDE.lock().unwrap_or_else(|e| e.into_inner()) = Some(o);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(vars: &[(&str, &str)]) -> Config {
+        let vars: Vec<(String, String)> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        Config::from(move |name| vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone()))
+    }
+
+    #[test]
+    fn unset_variables_give_the_defaults() {
+        let c = with(&[]);
+        assert!(!c.cpu_gemm);
+        #[cfg(feature = "cuda")]
+        {
+            assert_eq!(c.cache_dir, None, "no CUBEATTN_CACHE_DIR, XDG_CACHE_HOME or HOME");
+            assert_eq!((c.dump_dir.clone(), c.trace, c.portable, c.bwd_dq_pass, c.bwd_one_q_stage), (None, false, false, false, false));
+            assert_eq!(c.nvrtc_flags, vec!["-ftz=true".to_string()]);
+            assert_eq!(c.fwd, FwdOptions::defaults());
+        }
+    }
+
+    #[test]
+    fn each_variable_sets_its_switch() {
+        assert!(with(&[("CUBEATTN_CPU_KERNEL", "gemm")]).cpu_gemm);
+        assert!(!with(&[("CUBEATTN_CPU_KERNEL", "tiles")]).cpu_gemm);
+        #[cfg(feature = "cuda")]
+        {
+            let home = with(&[("HOME", "/h")]);
+            assert_eq!(home.cache_dir, Some(PathBuf::from("/h/.cache/cubeattn")));
+            let xdg = with(&[("HOME", "/h"), ("XDG_CACHE_HOME", "/x")]);
+            assert_eq!(xdg.cache_dir, Some(PathBuf::from("/x/cubeattn")));
+            assert_eq!(with(&[("HOME", "/h"), ("CUBEATTN_CACHE_DIR", "/c")]).cache_dir, Some(PathBuf::from("/c")));
+            for off in ["", "0", "off", "none"] {
+                assert_eq!(with(&[("HOME", "/h"), ("CUBEATTN_CACHE_DIR", off)]).cache_dir, None, "{off:?}");
+            }
+            assert_eq!(with(&[("CUBEATTN_DUMP_DIR", "/d")]).dump_dir, Some(PathBuf::from("/d")));
+            assert!(with(&[("CUBEATTN_TRACE", "1")]).trace);
+            assert_eq!(with(&[("CUBEATTN_NVRTC_FLAGS", " -G  -lineinfo ")]).nvrtc_flags, vec!["-G", "-lineinfo"]);
+            assert!(with(&[("CUBEATTN_CUDA_PORTABLE", "1")]).portable);
+            assert!(!with(&[("CUBEATTN_CUDA_PORTABLE", "yes")]).portable);
+            assert!(with(&[("CUBEATTN_BWD_DQ", "pass")]).bwd_dq_pass);
+            assert!(!with(&[("CUBEATTN_BWD_DQ", "atomic")]).bwd_dq_pass);
+            assert!(with(&[("CUBEATTN_BWD_Q_STAGES", "1")]).bwd_one_q_stage);
+            let off = with(&[("CUBEATTN_CUDA_SPLIT", "0"), ("CUBEATTN_CUDA_SM90", "0")]).fwd;
+            assert_eq!(off, FwdOptions { split: false, sm90: false, ..FwdOptions::defaults() });
+            assert_eq!(with(&[("CUBEATTN_CUDA_SPLIT", "1")]).fwd, FwdOptions::defaults());
+            assert_eq!(with(&[("CUBEATTN_CUDA_SM90_TILE", "128:1")]).fwd.sm90_tile, Some((128, 1)));
+            for bad in ["32:2", "64:3", "64:0:2", "64", "x"] {
+                assert_eq!(with(&[("CUBEATTN_CUDA_SM90_TILE", bad)]).fwd.sm90_tile, None, "{bad}");
+            }
+        }
+    }
+}
