@@ -392,7 +392,7 @@ fn q_maps(spec: &AttnSpec, p: &BwdPtrs, tma: bool) -> Result<[sys::CUtensorMap; 
     }
     let (bc, br) = flash_bwd_wide::q_map_box(d.head_dim);
     let cols = d.heads_q * d.head_dim;
-    let map = |ptr| tile_map_2d(spec.dtype, ptr, cols, d.total_q, cols * spec.dtype.size(), bc, br);
+    let map = |ptr| tile_map_2d(spec.dtype, ptr, cols, d.total_q, cols * spec.dtype.size(), bc, br, false);
     Ok([map(p.q)?, map(p.dout)?])
 }
 

@@ -198,9 +198,12 @@ pub(crate) fn upload_u32_async(host: &[u32], stream: sys::CUstream) -> Result<sy
 
 /// A tensor map of a row-major 2-D tensor of `dt` (f16 / bf16: `rows` rows of `cols` elements,
 /// `row_bytes` apart, at `ptr`) whose copies are boxes of `box_rows` rows x `box_cols` columns,
-/// laid out densely in shared memory; elements past the tensor's edges read as zero. Needs `ptr`
-/// and `row_bytes` multiples of 16 and `box_cols` x 2 bytes a multiple of 16 (the driver refuses
-/// the rest, as an `Err`).
+/// laid out densely in shared memory (`sw128`: 128-byte swizzled, the operand layout of the Hopper
+/// MMAs, `kernels::sm90`: `box_cols` x 2 bytes must then be 128 and the shared destination
+/// 1024-byte aligned); elements past the tensor's edges read as zero. Needs `ptr` and `row_bytes`
+/// multiples of 16 and `box_cols` x 2 bytes a multiple of 16 (the driver refuses the rest, as an
+/// `Err`).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn tile_map_2d(
     dt: crate::dtype::DType,
     ptr: u64,
@@ -209,35 +212,7 @@ pub(crate) fn tile_map_2d(
     row_bytes: usize,
     box_cols: u32,
     box_rows: u32,
-) -> Result<sys::CUtensorMap> {
-    encode_tile_map(dt, ptr, cols, rows, row_bytes, box_cols, box_rows, sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE)
-}
-
-/// [`tile_map_2d`] whose boxes land 128-byte swizzled (`box_cols` x 2 bytes must be 128: one
-/// swizzle row; the shared destination 1024-byte aligned), the operand layout of the Hopper MMAs
-/// (`kernels::sm90`).
-pub(crate) fn tile_map_2d_sw128(
-    dt: crate::dtype::DType,
-    ptr: u64,
-    cols: usize,
-    rows: usize,
-    row_bytes: usize,
-    box_cols: u32,
-    box_rows: u32,
-) -> Result<sys::CUtensorMap> {
-    encode_tile_map(dt, ptr, cols, rows, row_bytes, box_cols, box_rows, sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn encode_tile_map(
-    dt: crate::dtype::DType,
-    ptr: u64,
-    cols: usize,
-    rows: usize,
-    row_bytes: usize,
-    box_cols: u32,
-    box_rows: u32,
-    swizzle: sys::CUtensorMapSwizzle,
+    sw128: bool,
 ) -> Result<sys::CUtensorMap> {
     use crate::dtype::DType;
     let ty = match dt {
@@ -263,7 +238,7 @@ fn encode_tile_map(
             boxes.as_ptr(),
             elem.as_ptr(),
             sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            swizzle,
+            if sw128 { sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B } else { sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE },
             sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
             sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )

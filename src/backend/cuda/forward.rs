@@ -17,7 +17,7 @@ use cudarc::driver::sys;
 use half::{bf16, f16};
 
 use super::compile::{codegen, codegen_exp2, settings, KernelKey, Source};
-use super::driver::{tile_map_2d, tile_map_2d_sw128};
+use super::driver::tile_map_2d;
 use super::launch::{launch, Args};
 use super::nonfinite::{launch_dense_exact, launch_flag, DenseExact, FLAG_BYTES};
 use super::{fwd_options, window_bounds, CudaBackend, Plan};
@@ -145,7 +145,7 @@ pub(crate) fn kv_map_args(be: &CudaBackend, spec: &AttnSpec, k: u64, v: u64, blo
     let (bc, br) = flash_fwd::kv_map_box(d.head_dim, block_n);
     let zero = sys::CUtensorMap { opaque: [0; 16] };
     let map = |ptr, on: bool| -> Result<sys::CUtensorMap> {
-        if on { tile_map_2d(spec.dtype, ptr, cols, rows, cols * spec.dtype.size(), bc, br) } else { Ok(zero) }
+        if on { tile_map_2d(spec.dtype, ptr, cols, rows, cols * spec.dtype.size(), bc, br, false) } else { Ok(zero) }
     };
     let tma = be.target.tma;
     let mut a = Args::new();
@@ -206,7 +206,7 @@ pub(crate) fn kv_map_args_sw128(spec: &AttnSpec, k: u64, v: u64, block_n: usize)
     let d = &spec.dims;
     let cols = d.heads_kv * d.head_dim;
     let rows = d.kv_len() / cols.max(1);
-    let map = |ptr| tile_map_2d_sw128(spec.dtype, ptr, cols, rows, cols * spec.dtype.size(), SW_COLS as u32, sm90_box_rows(block_n) as u32);
+    let map = |ptr| tile_map_2d(spec.dtype, ptr, cols, rows, cols * spec.dtype.size(), SW_COLS as u32, sm90_box_rows(block_n) as u32, true);
     let mut a = Args::new();
     a.tensor_map(map(k)?, k, rows, cols).tensor_map(map(v)?, v, rows, cols);
     Ok(a)
