@@ -229,7 +229,7 @@ fn probs_store<E: Float, NA: Size>(
 /// head of the group (`h_base` = its first).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn sparse_q_tile(
+pub(crate) fn sparse_q_tile(
     tq_list: &Array<u32>,
     lo: u32,
     e: u32,

@@ -114,7 +114,7 @@ fn s_steps<E: Float>(
         let within = comptime!((kk % 4) * 16);
         let a_off = q_wg + comptime!(chunk * SM90_BLOCK_M * SW_COLS + within);
         let b_off = base + comptime!(chunk * block_n * SW_COLS + within);
-        wgmma_ss::<E>(s, q_smem, a_off as u32, k_smem, b_off as u32, 0usize, block_n, false, 0u32, comptime!(kk > 0));
+        wgmma_ss::<E>(s, q_smem, a_off as u32, k_smem, b_off as u32, 0usize, block_n, false, 0u32, false, 0u32, comptime!(kk > 0));
     }
 }
 

@@ -11,6 +11,7 @@ pub mod rowwise_fwd;
 pub mod sm90;
 pub mod flash_bwd;
 pub mod flash_bwd_wide;
+pub mod flash_bwd_sm90;
 pub mod fragments;
 pub mod grid;
 pub mod int8_qk;
@@ -32,6 +33,7 @@ pub const SOURCES: &[&str] = &[
     include_str!("rowwise_fwd.rs"),
     include_str!("flash_bwd.rs"),
     include_str!("flash_bwd_wide.rs"),
+    include_str!("flash_bwd_sm90.rs"),
     include_str!("fragments.rs"),
     include_str!("grid.rs"),
     include_str!("int8_qk.rs"),

@@ -71,7 +71,10 @@ pub fn fence_proxy_async() {
 }
 
 /// `acc[acc0 .. acc0 + n / 2] (+)= A B` for one m64 x n x k16 step, both operands in shared memory
-/// (128-byte swizzle): A is 64 rows, K-major, its first row at element `a_off` of `a`; B is `n`
+/// (128-byte swizzle): A is 64 rows, K-major (`a_mn` false: rows 128 bytes apart per 64 columns of
+/// K), or MN-major (`a_mn`: the 64 rows contiguous, K rows 128 bytes apart, as dS^T stored
+/// key-major for dQ = dS K; `a_lbo` the bytes between 64-row chunks), its first element at
+/// `a_off` of `a`; B is `n`
 /// rows of K (K-major, `b_mn` false: B^T stored row-major, as K for S = Q K^T) or `n` columns
 /// (`b_mn`: MN-major, rows of B stored 128 bytes apart per 64 columns, column chunks `b_lbo`
 /// bytes apart, as V for O = P V), its first element at `b_off` of `b`. `accumulate` false
@@ -86,6 +89,8 @@ pub fn wgmma_ss<E: Float>(
     b_off: u32,
     #[comptime] acc0: usize,
     #[comptime] n: usize,
+    #[comptime] a_mn: bool,
+    #[comptime] a_lbo: u32,
     #[comptime] b_mn: bool,
     #[comptime] b_lbo: u32,
     #[comptime] accumulate: bool,
@@ -95,7 +100,7 @@ pub fn wgmma_ss<E: Float>(
         let args = vec![*acc.expand, *a.expand, *a_off.expand, *b.expand, *b_off.expand];
         marker(
             scope,
-            format!("wgmma_ss {t} {n} {acc0} {} {b_lbo} {}", b_mn as u32, accumulate as u32),
+            format!("wgmma_ss {t} {n} {acc0} {} {a_lbo} {} {b_lbo} {}", a_mn as u32, b_mn as u32, accumulate as u32),
             args,
         )
     })

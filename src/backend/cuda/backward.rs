@@ -39,7 +39,9 @@ use crate::dtype::{DType, HostView};
 use crate::error::Result;
 use crate::kernels::bulk_reduce::dq_tile_stride;
 use crate::kernels::flash_bwd::{self, BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, CONVERT_VEC, DELTA_PLANES, PAD};
+use crate::kernels::flash_bwd_sm90::{self, SM90_BWD_THREADS};
 use crate::kernels::flash_bwd_wide::{self, WIDE_BN, WIDE_PLANES};
+use crate::kernels::sm90::SW_COLS;
 use crate::kernels::rowwise_bwd::{self, F32_ROWS_PER_CUBE};
 use crate::kernels::math::LOG2E;
 use crate::spec::AttnSpec;
@@ -415,10 +417,56 @@ fn dkdv_arrays(spec: &AttnSpec, p: &BwdPtrs, maps: [sys::CUtensorMap; 2], delta:
     a
 }
 
-/// Enqueues `flash_bwd_dkdv_wide` over `n_work` work items x heads_kv: dense, 128-key tiles of
-/// the shared key axis; block-sparse (`sparse` = (q_block, index heads, key blocks per sequence
-/// slot, query tiles per query block)), items of at most 128 keys of one key block. `acc`: the
-/// f32 dQ accumulator of the fused path.
+/// Whether the dK/dV kernel of `spec` is the Hopper one (`flash_bwd_sm90`): a GPU with wgmma
+/// (`Target::wgmma`), f16/bf16, head_dim 64 or 128, the forward's switch on (`CUBEATTN_CUDA_SM90=0`
+/// keeps the mma.sync kernels for both passes), and on the fused path an accumulator the bulk
+/// reductions can address (16-byte aligned).
+pub(crate) fn sm90_backward(be: &CudaBackend, spec: &AttnSpec, acc: Option<u64>) -> bool {
+    super::forward::sm90_forward(be, spec) && acc.is_none_or(|a| a.is_multiple_of(16) && be.target.bulk_reduce)
+}
+
+/// The Hopper dK/dV kernel (`flash_bwd_sm90::flash_bwd_sm90`) for one set of comptime choices.
+pub(crate) fn dkdv_sm90_kernel(be: &CudaBackend, dt: DType, hd: usize, fused: bool, qvec: usize, sparse: bool, paged: bool) -> Result<Func> {
+    let key = KernelKey::new("flash_bwd_sm90", dt, &[hd as u32, fused as u32, qvec as u32, sparse as u32, paged as u32]);
+    be.kernels.get(&key, || dkdv_sm90_source(be.client(), dt, hd, fused, qvec, sparse, paged))
+}
+
+/// CUDA source of [`dkdv_sm90_kernel`]: the `kernels::sm90` markers lowered, one cube per SM.
+pub(crate) fn dkdv_sm90_source(
+    client: &ComputeClient<CudaRuntime>,
+    dt: DType,
+    hd: usize,
+    fused: bool,
+    qvec: usize,
+    sparse: bool,
+    paged: bool,
+) -> Result<Source> {
+    let mut src = by_dtype!(dt, T, codegen_exp2(flash_bwd_sm90::flash_bwd_sm90::FlashBwdSm90::<T, CudaRuntime>::new(
+        settings(SM90_BWD_THREADS as u32), client.clone(),
+        (), (), A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (), (),
+        BWD_LOAD_VEC, qvec, hd, fused, qvec, sparse, paged), true))?;
+    if fused != src.cuda.contains(super::rewrite::BULK_ADD) {
+        return Err(crate::error::Error::Device(format!("{}: bulk dQ reductions expected {fused}, found the opposite", src.entry)));
+    }
+    src.cuda = super::rewrite::sm90::lower(&src.entry, &src.cuda)?;
+    src.cuda = super::rewrite::min_blocks(&src.entry, &src.cuda, 1)?;
+    Ok(src)
+}
+
+/// The tensor maps of Q and dO for the Hopper dK/dV kernel: 128-byte swizzled, 64 x 64 boxes.
+fn q_maps_sw128(spec: &AttnSpec, p: &BwdPtrs) -> Result<[sys::CUtensorMap; 2]> {
+    let d = &spec.dims;
+    let cols = d.heads_q * d.head_dim;
+    let (bc, br) = (SW_COLS as u32, BWD_BM as u32);
+    let map = |ptr| tile_map_2d(spec.dtype, ptr, cols, d.total_q, cols * spec.dtype.size(), bc, br, true);
+    Ok([map(p.q)?, map(p.dout)?])
+}
+
+/// Enqueues the dK/dV kernel over `n_work` work items x heads_kv: dense, 128-key tiles of the
+/// shared key axis; block-sparse (`sparse` = (q_block, index heads, key blocks per sequence slot,
+/// query tiles per query block)), items of at most 128 keys of one key block. `acc`: the f32 dQ
+/// accumulator of the fused path. On sm_90 the Hopper kernel ([`sm90_backward`]), else
+/// `flash_bwd_dkdv_wide`; both take the same arguments.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch_dkdv_wide(
     be: &CudaBackend,
@@ -433,15 +481,20 @@ pub(crate) fn launch_dkdv_wide(
 ) -> Result<()> {
     let d = &spec.dims;
     let (win_l, win_r, _) = window_bounds(spec);
-    let bulk = acc.is_some_and(|a| bulk_dq(be, d.head_dim, a));
     let paged = spec.kv_pages().is_some() && sparse.is_none();
-    // full query tiles by tensor maps on sm_90+ (the pointers are 16-byte aligned:
-    // `BwdPtrs::check_aligned`)
-    let tma = be.target.tma;
     let qvec = atomic_vec(be);
-    let qs = q_stages(be, d.head_dim, acc.is_some(), bulk);
-    let f = dkdv_wide_kernel(be, spec.dtype, d.head_dim, acc.is_some(), bulk, qvec, sparse.is_some(), paged, tma, qs)?;
-    let mut a = dkdv_arrays(spec, p, q_maps(spec, p, tma)?, delta, acc, qvec);
+    let (f, mut a) = if sm90_backward(be, spec, acc) {
+        let f = dkdv_sm90_kernel(be, spec.dtype, d.head_dim, acc.is_some(), qvec, sparse.is_some(), paged)?;
+        (f, dkdv_arrays(spec, p, q_maps_sw128(spec, p)?, delta, acc, qvec))
+    } else {
+        let bulk = acc.is_some_and(|a| bulk_dq(be, d.head_dim, a));
+        // full query tiles by tensor maps on sm_90+ (the pointers are 16-byte aligned:
+        // `BwdPtrs::check_aligned`)
+        let tma = be.target.tma;
+        let qs = q_stages(be, d.head_dim, acc.is_some(), bulk);
+        let f = dkdv_wide_kernel(be, spec.dtype, d.head_dim, acc.is_some(), bulk, qvec, sparse.is_some(), paged, tma, qs)?;
+        (f, dkdv_arrays(spec, p, q_maps(spec, p, tma)?, delta, acc, qvec))
+    };
     for x in [t.work, t.tile_off, t.tile_segs, t.segs, t.tq_off, t.tq_list] {
         a.array(x.0, x.1);
     }

@@ -7,7 +7,7 @@
 mod tests {
     use std::path::Path;
 
-    use super::super::backward::{dkdv_smem, dkdv_wide_source, dq_source};
+    use super::super::backward::{dkdv_sm90_source, dkdv_smem, dkdv_wide_source, dq_source};
     use super::super::forward::fwd_source;
     use super::super::CudaBackend;
     use crate::dtype::DType;
@@ -52,6 +52,12 @@ mod tests {
             ("dkdv_wide_fused_d128_f16", dkdv_wide_source(c, DType::F16, 128, true, true, 2, false, false, true, 2)),
             ("dkdv_wide_sparse_d128", dkdv_wide_source(c, dt, 128, false, false, 2, true, false, true, 2)),
             ("dkdv_wide_sparse_fused_d128", dkdv_wide_source(c, dt, 128, true, true, 2, true, false, true, 2)),
+            // the Hopper dK/dV kernel: fused dQ (bulk), without (deterministic), block-sparse, paged
+            ("bwd_sm90_fused_d128", dkdv_sm90_source(c, dt, 128, true, 2, false, false)),
+            ("bwd_sm90_d128", dkdv_sm90_source(c, dt, 128, false, 2, false, false)),
+            ("bwd_sm90_fused_d64", dkdv_sm90_source(c, dt, 64, true, 2, false, false)),
+            ("bwd_sm90_sparse_fused_d128", dkdv_sm90_source(c, dt, 128, true, 2, true, false)),
+            ("bwd_sm90_paged_fused_d128_f16", dkdv_sm90_source(c, DType::F16, 128, true, 2, false, true)),
             ("fwd_d128_pre90", fwd_source(c, dt, 128, 2, 64, 128, false, false, false, false, false)),
             ("fwd_d64_pre90", fwd_source(c, dt, 64, 2, 128, 128, false, false, false, false, false)),
             ("dq_d128_pre90", dq_source(c, dt, 128, false, false, false, false)),

@@ -63,20 +63,22 @@ fn lower_marker(text: &str) -> Option<Lowered> {
         }
         ["wgmma_ss", t, rest @ ..] => {
             let eb = elem_bytes(t)?;
-            let [n, acc0, b_mn, b_lbo, accum] = parse_nums(rest)?.try_into().ok()?;
+            let [n, acc0, a_mn, a_lbo, b_mn, b_lbo, accum] = parse_nums(rest)?.try_into().ok()?;
             check_mma(n, b_mn, accum)?;
+            (a_mn <= 1).then_some(())?;
             let regs = (n / 2) as usize;
             let (list, cons) = acc_operands(regs);
-            let helper = format!("__cubeattn_wgmma_ss_{t}_{n}_{acc0}_{b_mn}_{b_lbo}_{accum}");
+            let helper = format!("__cubeattn_wgmma_ss_{t}_{n}_{acc0}_{a_mn}_{a_lbo}_{b_mn}_{b_lbo}_{accum}");
+            let a_lbo = if a_mn == 1 { a_lbo } else { 16 };
             let b_lbo = if b_mn == 1 { b_lbo } else { 16 };
             let definition = format!(
                 r#"__device__ __forceinline__ void {helper}(float* acc, const void* a, unsigned a_off, const void* b, unsigned b_off) {{
   float* d = acc + {acc0};
-  const unsigned long long da = __cubeattn_desc(__cubeattn_smem(a, a_off * {eb}u), 16u, {SBO}u);
+  const unsigned long long da = __cubeattn_desc(__cubeattn_smem(a, a_off * {eb}u), {a_lbo}u, {SBO}u);
   const unsigned long long db = __cubeattn_desc(__cubeattn_smem(b, b_off * {eb}u), {b_lbo}u, {SBO}u);
 #ifndef CUBEATTN_SM90_NO_MMA
   asm volatile("{{\n.reg .pred p;\nsetp.ne.b32 p, %{r2}, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t} {{{list}}}, %{r0}, %{r1}, p, 1, 1, 0, {b_mn};\n}}\n"
+               "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t} {{{list}}}, %{r0}, %{r1}, p, 1, 1, {a_mn}, {b_mn};\n}}\n"
                : {cons} : "l"(da), "l"(db), "r"({accum}));
 #endif
 }}
@@ -219,12 +221,12 @@ mod tests {
     #[test]
     fn markers_become_inline_ptx_helpers() {
         let src = kernel(&format!(
-            "printf(\"{MARK}fence\");\nprintf(\"{MARK}wgmma_ss bf16 128 0 0 0 0\", l_arr_3,shared_memory_0,l_5,shared_memory_1,uint32(64));\n\
+            "printf(\"{MARK}fence\");\nprintf(\"{MARK}wgmma_ss bf16 128 0 0 0 0 0 0\", l_arr_3,shared_memory_0,l_5,shared_memory_1,uint32(64));\n\
              printf(\"{MARK}wgmma_rs f16 64 0 4 1 8192 1\", l_arr_4,l_arr_6,shared_memory_2,l_7);\nprintf(\"{MARK}commit\");\nprintf(\"{MARK}wait 0\");\n"
         ));
         let out = lower("k_", &src).unwrap();
         assert!(!out.contains("printf"), "{out}");
-        assert!(out.contains("__cubeattn_wgmma_ss_bf16_128_0_0_0_0(l_arr_3, shared_memory_0, l_5, shared_memory_1, uint32(64));"));
+        assert!(out.contains("__cubeattn_wgmma_ss_bf16_128_0_0_0_0_0_0(l_arr_3, shared_memory_0, l_5, shared_memory_1, uint32(64));"));
         assert!(out.contains("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, "));
         assert!(out.contains("%63}, %64, %65, p, 1, 1, 0, 0;"), "{out}");
         assert!(out.contains("setp.ne.b32 p, %66, 0;"), "{out}");
@@ -233,6 +235,10 @@ mod tests {
         assert!(out.contains("\"l\"(db), \"r\"(1));"), "{out}");
         assert!(out.contains("__cubeattn_desc(__cubeattn_smem(b, b_off * 2u), 8192u, 1024u)"));
         assert!(out.contains("wgmma.wait_group.sync.aligned 0;"));
+        // an MN-major A operand (dQ = dS K with dS^T stored key-major): the transpose flag and its LBO
+        let mn = lower("k_", &kernel(&format!("printf(\"{MARK}wgmma_ss bf16 64 0 1 16384 1 16384 1\", x,a,o,b,p);\n"))).unwrap();
+        assert!(mn.contains("p, 1, 1, 1, 1;"), "{mn}");
+        assert!(mn.contains("__cubeattn_desc(__cubeattn_smem(a, a_off * 2u), 16384u, 1024u)"), "{mn}");
         // helpers sit before the entry point, each once
         let entry = out.find("extern \"C\"").unwrap();
         assert!(out.find("void __cubeattn_fence()").unwrap() < entry);
@@ -245,7 +251,13 @@ mod tests {
         let e = lower("flash_fwd_sm90", &unknown).unwrap_err().to_string();
         assert!(e.contains("flash_fwd_sm90") && e.contains("sm90"), "{e}");
         // wrong operand count, bad N, f32 operands
-        for m in ["wgmma_ss bf16 128 0 0 0 0\", a,b", "wgmma_ss bf16 100 0 0 0 0\", a,b,c,d,e", "wgmma_ss f32 128 0 0 0 0\", a,b,c,d,e"] {
+        for m in [
+            "wgmma_ss bf16 128 0 0 0 0 0 0\", a,b",
+            "wgmma_ss bf16 100 0 0 0 0 0 0\", a,b,c,d,e",
+            "wgmma_ss f32 128 0 0 0 0 0 0\", a,b,c,d,e",
+            "wgmma_ss bf16 128 0 2 0 0 0 0\", a,b,c,d,e",
+            "wgmma_ss bf16 128 0 0 0 0\", a,b,c,d,e",
+        ] {
             assert!(lower("k", &kernel(&format!("printf(\"{MARK}{m});\n"))).is_err(), "{m}");
         }
         // a kernel without markers, and a stray printf

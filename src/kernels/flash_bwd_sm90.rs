@@ -1,0 +1,573 @@
+//! dK / dV (and with the comptime `fuse_dq`, dQ into the f32 accumulator) on Hopper (sm_90a):
+//! warpgroup MMAs (`kernels::sm90`) over 128-byte-swizzled shared tiles.
+//!
+//! The work list, segments, query-tile walk (dense, varlen, GQA, grouped windows, paged K/V,
+//! block-sparse through the transposed index), the lse / delta copies and the fused dQ's bulk
+//! reductions are those of `flash_bwd_wide` (same host plan, same launch arguments): only the
+//! mainloop differs. One cube = 128 keys = two warpgroups of 64 keys (256 threads), K and V staged
+//! once (swizzled), dK and dV (64 keys x head_dim per warpgroup) in registers for the cube's life.
+//! Per query tile of 64 rows (Q, dO by tensor-map copies into two swizzled stages, lse / delta by
+//! `cp.async`), each warpgroup:
+//! 1. S^T = K Q^T and dP^T = V dO^T: `head_dim / 16` MMAs m64 x 64 x k16 each,
+//!    both operands K-major in shared memory (the keys are the M side, so that the transposed
+//!    products come out in the layout of the next step's A operand);
+//! 2. P^T = 2^(S^T scale log2 e - lse log2 e), dS^T = P^T (dP^T - delta), masked only where the
+//!    warpgroup's 64 x 64 block is not fully visible; packed to f16/bf16 pairs in registers;
+//! 3. dV += P^T dO and dK += dS^T Q: 4 MMAs m64 x head_dim x k16 each, A from those registers,
+//!    B (dO, Q: rows x head_dim) the MN-major operand read in place;
+//! 4. (`fuse_dq`) dS^T stored key-major to shared memory; after the cube's barrier each warpgroup
+//!    forms half of dQ's columns, dQ = dS K (8 MMAs m64 x head_dim / 2 x k16, A = dS^T MN-major,
+//!    B = K MN-major), stores them to the f32 row tile, and after a second barrier the copy engine
+//!    adds the tile's rows into the accumulator (`bulk_reduce`).
+//!
+//! The next query tile is issued (one thread, tensor maps; a tile past the segment's end by
+//! `cp.async`, rows clamped) at the top of a tile into the stage the previous tile used, after the
+//! barrier that ended it.
+
+use cubecl::prelude::barrier::{copy_async, Barrier};
+use cubecl::prelude::*;
+
+use super::bulk_reduce::{dq_row_dst, dq_rows_read, dq_tile_stride, issue_dq_row};
+use super::flash_bwd::{BWD_BM, BWD_LOAD_VEC};
+use super::flash_bwd_wide::{sparse_q_tile, SPARSE_KWORK_WORDS, WIDE_BN};
+use super::grid::cube_item_slot;
+use super::math::{fast_exp2, LOG2E};
+use super::rows::{key_rows, kv_row};
+use super::sm90::{fence_proxy_async, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait, SW_COLS, SW_ROW};
+use super::staging::{commit_stage, issue_lse_delta, wait_stage};
+
+/// Threads per cube: two warpgroups.
+pub const SM90_BWD_THREADS: usize = 256;
+/// Keys per warpgroup.
+const WG_KEYS: usize = 64;
+const BN: usize = WIDE_BN;
+const BM: usize = BWD_BM;
+const _: () = assert!(BN == 2 * WG_KEYS && BM == 64);
+
+/// Shared memory (bytes, f16/bf16) of the kernel at `head_dim`, as it lays its buffers out, plus
+/// 2 KiB for barriers, alignment and the lse / delta stages.
+pub const fn sm90_bwd_smem(head_dim: usize, fuse_dq: bool) -> usize {
+    let kv = 2 * BN * head_dim * 2;
+    let q = 2 * 2 * BM * head_dim * 2;
+    let dq = if fuse_dq { BN * BM * 2 + BM * dq_tile_stride(head_dim) * 4 } else { 0 };
+    kv + q + dq + 2048
+}
+
+/// K or V rows `key0..key0 + BN` (zero from `limit` on; `paged`: through the page table) of kv
+/// head `head` into the swizzled tile `smem` (plain loads: once per cube).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_kv<E: Float, NV: Size>(
+    src: &Array<Vector<E, NV>>,
+    smem: &mut SharedMemory<E>,
+    key0: u32,
+    limit: u32,
+    heads: u32,
+    head: u32,
+    pages: &Array<u32>,
+    #[comptime] head_dim: usize,
+    #[comptime] paged: bool,
+) {
+    let vpr = comptime!(head_dim / BWD_LOAD_VEC);
+    #[unroll]
+    for it in 0..comptime!(BN * (head_dim / BWD_LOAD_VEC) / SM90_BWD_THREADS) {
+        let idx = UNIT_POS as usize + it * SM90_BWD_THREADS;
+        let r = idx / vpr;
+        let c = idx % vpr;
+        let mut val = Vector::<E, NV>::new(E::from_int(0));
+        let key = key0 + r as u32;
+        if key < limit {
+            val = src[(kv_row(key, pages, paged) * heads + head) as usize * vpr + c];
+        }
+        let base = swizzle_128b(r, c * BWD_LOAD_VEC, BN);
+        #[unroll]
+        for e in 0..BWD_LOAD_VEC {
+            smem[base + e] = val[e];
+        }
+    }
+}
+
+/// Issues query tile `g` (head `h`, segment rows `r0..r0 + BM`) into stage `g % 2` of the swizzled
+/// Q / dO tiles and of lse / delta, committed to `bar0` (even `g`) or `bar1`: by tensor-map copies
+/// (one thread; 64-column x 64-row boxes) when every row lies inside the segment, else by `cp.async`
+/// of every thread with rows clamped to the segment's last (the caller masks them).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn issue_q_tile<E: Float>(
+    q_map: &TensorMap<E, Tiled>,
+    do_map: &TensorMap<E, Tiled>,
+    q_s: &Array<E>,
+    do_s: &Array<E>,
+    lse: &Array<f32>,
+    delta: &Array<f32>,
+    q_smem: &mut SharedMemory<E>,
+    do_smem: &mut SharedMemory<E>,
+    lse_smem: &mut SharedMemory<f32>,
+    dl_smem: &mut SharedMemory<f32>,
+    bar0: &Barrier,
+    bar1: &Barrier,
+    g: u32,
+    h: u32,
+    r0: u32,
+    q_len: u32,
+    q_start: u32,
+    heads_q: u32,
+    total_q: u32,
+    #[comptime] head_dim: usize,
+) {
+    let stage = (g & 1u32) as usize;
+    let base = stage * comptime!(BM * head_dim);
+    if r0 + BM as u32 <= q_len {
+        if UNIT_POS == 0 {
+            let bytes = comptime!((2 * BM * head_dim * 2) as u32);
+            let y = (q_start + r0) as i32;
+            if stage == 0 {
+                bar0.expect_tx(bytes);
+            } else {
+                bar1.expect_tx(bytes);
+            }
+            #[unroll]
+            for c in 0..comptime!(head_dim / SW_COLS) {
+                let x = (h * head_dim as u32) as i32 + comptime!((c * SW_COLS) as i32);
+                let a = base + comptime!(c * BM * SW_COLS);
+                if stage == 0 {
+                    bar0.tma_load_2d(q_map, &mut q_smem.slice_mut(a, a + comptime!(BM * SW_COLS)), y, x);
+                    bar0.tma_load_2d(do_map, &mut do_smem.slice_mut(a, a + comptime!(BM * SW_COLS)), y, x);
+                } else {
+                    bar1.tma_load_2d(q_map, &mut q_smem.slice_mut(a, a + comptime!(BM * SW_COLS)), y, x);
+                    bar1.tma_load_2d(do_map, &mut do_smem.slice_mut(a, a + comptime!(BM * SW_COLS)), y, x);
+                }
+            }
+        }
+    } else {
+        let vecs = comptime!(head_dim / 8);
+        #[unroll]
+        for it in 0..comptime!(BM * (head_dim / 8) / SM90_BWD_THREADS) {
+            let idx = UNIT_POS as usize + it * SM90_BWD_THREADS;
+            let r = idx / vecs;
+            let c = (idx % vecs) * 8;
+            let row = min(r0 + r as u32, q_len - 1u32);
+            let src = ((q_start + row) * heads_q + h) as usize * head_dim + c;
+            let dst = base + swizzle_128b(r, c, BM);
+            copy_async(&q_s.slice(src, src + 8), &mut q_smem.slice_mut(dst, dst + 8), 8u32);
+            copy_async(&do_s.slice(src, src + 8), &mut do_smem.slice_mut(dst, dst + 8), 8u32);
+        }
+    }
+    issue_lse_delta(lse, delta, lse_smem, dl_smem, stage * BM, r0, q_len, q_start, h, total_q);
+    commit_stage(bar0, bar1, g);
+}
+
+/// `acc = A B^T` over `head_dim` for the warpgroup's 64 keys (A: rows `a_row0..` of the swizzled
+/// key tile `a`, `BN` rows per chunk) against the 64 rows of the query stage at element `b0` of
+/// `b` (`BM` rows per chunk): S^T = K Q^T, dP^T = V dO^T. The caller fences before and commits
+/// after.
+#[cube]
+fn key_by_row_steps<E: Float>(
+    acc: &mut Array<f32>,
+    a: &SharedMemory<E>,
+    a_row0: usize,
+    b: &SharedMemory<E>,
+    b0: usize,
+    #[comptime] head_dim: usize,
+) {
+    #[unroll]
+    for kk in 0..comptime!(head_dim / 16) {
+        let chunk = comptime!(kk / 4);
+        let within = comptime!((kk % 4) * 16);
+        let a_off = a_row0 * SW_COLS + comptime!(chunk * BN * SW_COLS + within);
+        let b_off = b0 + comptime!(chunk * BM * SW_COLS + within);
+        wgmma_ss::<E>(acc, a, a_off as u32, b, b_off as u32, 0usize, BM, false, 0u32, false, 0u32, comptime!(kk > 0));
+    }
+}
+
+/// `acc += A B` with A the packed pairs `a_regs` (64 keys x the tile's 64 rows) and B the query
+/// stage at element `b0` of `b` (rows x head_dim, MN-major): dV += P^T dO, dK += dS^T Q. The
+/// caller fences before and commits after.
+#[cube]
+fn key_by_dim_steps<E: Float>(
+    acc: &mut Array<f32>,
+    a_regs: &Array<Vector<E, Const<2>>>,
+    b: &SharedMemory<E>,
+    b0: usize,
+    #[comptime] head_dim: usize,
+) {
+    let lbo = comptime!((BM * SW_ROW) as u32);
+    #[unroll]
+    for ks in 0..comptime!(BM / 16) {
+        let b_off = b0 + comptime!(ks * 16 * SW_COLS);
+        wgmma_rs::<E>(acc, a_regs, b, b_off as u32, 0usize, comptime!(4 * ks), head_dim, true, lbo, true);
+    }
+}
+
+/// f32 pairs `x[2 j], x[2 j + 1]` packed to the element type: the A fragments of
+/// [`key_by_dim_steps`].
+#[cube]
+fn pack_pairs<E: Float>(x: &Array<f32>, out: &mut Array<Vector<E, Const<2>>>) {
+    #[unroll]
+    for j in 0..comptime!(BM / 4) {
+        let mut pr = Vector::<E, Const<2>>::empty();
+        pr[0] = E::cast_from(x[2 * j]);
+        pr[1] = E::cast_from(x[2 * j + 1]);
+        out[j] = pr;
+    }
+}
+
+/// The Hopper dK / dV kernel; arguments as `flash_bwd_wide::flash_bwd_dkdv_wide` (one launch card
+/// for both). `q_map` / `do_map`: 128-byte-swizzled maps with 64-column x 64-row boxes; `dq_acc`
+/// is not read (the fused dQ goes through `dq_rows` by bulk reductions).
+#[allow(clippy::too_many_arguments, unused_variables, unused_assignments)]
+#[cube(launch_unchecked)]
+pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
+    q_map: &TensorMap<E, Tiled>,
+    do_map: &TensorMap<E, Tiled>,
+    k: &Array<Vector<E, NV>>,
+    v: &Array<Vector<E, NV>>,
+    lse: &Array<f32>,
+    delta: &Array<f32>,
+    dk: &mut Array<E>,
+    dv: &mut Array<E>,
+    dq_acc: &mut Array<Atomic<Vector<f32, NQ>>>,
+    dq_rows: &mut Array<Vector<f32, NQ>>,
+    q_s: &Array<E>,
+    do_s: &Array<E>,
+    ktiles: &Array<u32>,
+    tile_off: &Array<u32>,
+    tile_segs: &Array<u32>,
+    segs: &Array<u32>,
+    tq_off: &Array<u32>,
+    tq_list: &Array<u32>,
+    scale: f32,
+    scale_log2: f32,
+    heads_q: u32,
+    heads_kv: u32,
+    total_q: u32,
+    total_k: u32,
+    q_block: u32,
+    idx_heads: u32,
+    k_blocks: u32,
+    q_tiles_per_block: u32,
+    win_l: u32,
+    win_r: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] fuse_dq: bool,
+    #[comptime] qvec: usize,
+    #[comptime] sparse: bool,
+    #[comptime] paged: bool,
+) {
+    let lane = UNIT_POS_PLANE;
+    let warp = UNIT_POS / 32u32;
+    let wg = (warp / 4u32) as usize;
+    // this lane's first accumulator row (a key of the cube; + 8 for the second)
+    let key_a = wg * WG_KEYS + ((warp % 4u32) * 16u32 + lane / 4u32) as usize;
+    // this lane's first accumulator column pair (a row of the query tile)
+    let col_a = ((lane % 4u32) * 2u32) as usize;
+
+    let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(BN * head_dim), 1024usize);
+    let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(BN * head_dim), 1024usize);
+    let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(2 * BM * head_dim), 1024usize);
+    let mut do_smem = SharedMemory::<E>::new_aligned(comptime!(2 * BM * head_dim), 1024usize);
+    // dS^T, key-major ([key][row]: one 64-column chunk of BN rows), the A operand of dQ = dS K
+    let mut ds_smem = SharedMemory::<E>::new_aligned(comptime!(if fuse_dq { BN * BM } else { SW_COLS * 8 }), 1024usize);
+    let dts = comptime!(dq_tile_stride(head_dim));
+    let mut dq_tile = SharedMemory::<Vector<f32, NQ>>::new_aligned(comptime!(if fuse_dq { BM * dts / qvec } else { 1usize }), 16usize);
+    let mut lse_smem = SharedMemory::<f32>::new(comptime!(2 * BM));
+    let mut dl_smem = SharedMemory::<f32>::new(comptime!(2 * BM));
+    let bar0 = Barrier::shared(comptime!(SM90_BWD_THREADS as u32), UNIT_POS == 0);
+    let bar1 = Barrier::shared(comptime!(SM90_BWD_THREADS as u32), UNIT_POS == 0);
+
+    let (item, hk) = cube_item_slot(heads_kv, sparse);
+    let group = heads_q / heads_kv;
+    let mut key0 = 0u32;
+    let mut key_lim = total_k;
+    let mut s_begin = 0u32;
+    let mut s_end = 1u32;
+    let mut sp_seq = 0u32;
+    let mut sp_kblk = 0u32;
+    if sparse {
+        let w = item as usize * SPARSE_KWORK_WORDS;
+        sp_seq = ktiles[w];
+        sp_kblk = ktiles[w + 3];
+        key0 = segs[sp_seq as usize * 4 + 2] + ktiles[w + 1];
+        key_lim = key0 + ktiles[w + 2];
+    } else {
+        let kt = ktiles[item as usize];
+        key0 = kt * BN as u32;
+        s_begin = tile_off[kt as usize];
+        s_end = tile_off[kt as usize + 1];
+    }
+
+    stage_kv::<E, NV>(k, &mut k_smem, key0, key_lim, heads_kv, hk, tq_list, head_dim, paged);
+    stage_kv::<E, NV>(v, &mut v_smem, key0, key_lim, heads_kv, hk, tq_list, head_dim, paged);
+    // K, V visible to the async proxy (the MMAs), barrier initialisation before the first commit
+    fence_proxy_async();
+    sync_cube();
+    let mut g_tile = 0u32;
+
+    let acc_n = comptime!(head_dim / 2);
+    let mut dk_acc = Array::<f32>::new(acc_n);
+    let mut dv_acc = Array::<f32>::new(acc_n);
+    #[unroll]
+    for i in 0..acc_n {
+        dk_acc[i] = 0.0f32;
+        dv_acc[i] = 0.0f32;
+    }
+    let mut s = Array::<f32>::new(comptime!(BM / 2));
+    let mut dp = Array::<f32>::new(comptime!(BM / 2));
+    let mut p_regs = Array::<Vector<E, Const<2>>>::new(comptime!(BM / 4));
+    let mut ds_regs = Array::<Vector<E, Const<2>>>::new(comptime!(BM / 4));
+    let dq_n = comptime!(if fuse_dq { head_dim / 4 } else { 1usize });
+    let mut dq = Array::<f32>::new(dq_n);
+    // dQ columns of this warpgroup: [dq_col0, dq_col0 + head_dim / 2), as an element offset in K
+    let dq_col0 = wg * comptime!(head_dim / 2);
+    let k_dq = (dq_col0 / SW_COLS) * comptime!(BN * SW_COLS) + dq_col0 % SW_COLS;
+
+    for si in s_begin..s_end {
+        let mut seg = sp_seq as usize;
+        if !sparse {
+            seg = tile_segs[si as usize] as usize;
+        }
+        let q_start = segs[seg * 4];
+        let q_len = segs[seg * 4 + 1];
+        let k_start = segs[seg * 4 + 2];
+        let k_len = segs[seg * 4 + 3];
+        let shift = k_len as i32 - q_len as i32;
+        let first_key = max(key0, k_start) - k_start;
+        let last_key = min(key0 + BN as u32, k_start + k_len) - 1u32 - k_start;
+        let (r_min, _) = key_rows(q_len, k_len, first_key as i32, win_l, win_r);
+        let (_, r_end) = key_rows(q_len, k_len, last_key as i32, win_l, win_r);
+        // window-local index of this warpgroup's first key (may be negative)
+        let kw0 = (key0 as i32 + (wg * WG_KEYS) as i32) - k_start as i32;
+        let mut k_hi = k_len;
+        let mut n_qt = 0u32;
+        let mut n_it = 0u32;
+        let mut t_lo = 0u32;
+        let mut t_n = 0u32;
+        let span = idx_heads / heads_kv;
+        if sparse {
+            k_hi = key_lim - k_start;
+            let c0 = (sp_seq * k_blocks + sp_kblk) * idx_heads + hk * span;
+            t_lo = tq_off[c0 as usize];
+            t_n = tq_off[(c0 + span) as usize] - t_lo;
+            n_it = (group / span) * t_n * q_tiles_per_block;
+        } else {
+            if r_min < r_end {
+                n_qt = (r_end as u32 - r_min as u32 + BM as u32 - 1) / BM as u32;
+            }
+            n_it = group * n_qt;
+        }
+        // (head, first row, end row) of the (head, tile) pair at counters (hq, ei, ti)
+        let mut h = hk * group;
+        let mut r0 = r_min as u32;
+        let mut row_end = q_len;
+        if sparse && n_it > 0 {
+            let (ha, ra, re) = sparse_q_tile(tq_list, t_lo, 0u32, 0u32, 0u32, hk * group, span, q_block, q_len);
+            h = ha;
+            r0 = ra;
+            row_end = re;
+        }
+        if n_it > 0 {
+            issue_q_tile::<E>(
+                q_map, do_map, q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, &bar0, &bar1, g_tile,
+                h, r0, q_len, q_start, heads_q, total_q, head_dim,
+            );
+        }
+        let mut hq = 0u32;
+        let mut ti = 0u32;
+        let mut ei = 0u32;
+        for it in 0..n_it {
+            let cur = g_tile;
+            let (h_now, r0_now, row_end_now) = (h, r0, row_end);
+            // advance to the next pair and issue it into the other stage (its last reader, tile
+            // cur - 1, finished before the barrier that ended it)
+            if sparse {
+                ti += 1u32;
+                if ti == q_tiles_per_block {
+                    ti = 0u32;
+                    ei += 1u32;
+                    if ei == t_n {
+                        ei = 0u32;
+                        hq += 1u32;
+                    }
+                }
+                let (ha, ra, re) = sparse_q_tile(tq_list, t_lo, ei, ti, hq, hk * group, span, q_block, q_len);
+                h = ha;
+                r0 = ra;
+                row_end = re;
+            } else {
+                ti += 1u32;
+                if ti == n_qt {
+                    ti = 0u32;
+                    hq += 1u32;
+                }
+                h = hk * group + hq;
+                r0 = r_min as u32 + ti * BM as u32;
+            }
+            g_tile = cur + 1u32;
+            if it + 1 < n_it {
+                issue_q_tile::<E>(
+                    q_map, do_map, q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, &bar0, &bar1,
+                    g_tile, h, r0, q_len, q_start, heads_q, total_q, head_dim,
+                );
+            }
+            wait_stage(&bar0, &bar1, cur);
+            let qb = ((cur & 1u32) as usize) * comptime!(BM * head_dim);
+            let lb = ((cur & 1u32) as usize) * BM;
+
+            // ---- 1. S^T = K Q^T, dP^T = V dO^T (64 keys x 64 rows per warpgroup) ----
+            wgmma_fence();
+            key_by_row_steps::<E>(&mut s, &k_smem, wg * WG_KEYS, &q_smem, qb, head_dim);
+            wgmma_commit();
+            key_by_row_steps::<E>(&mut dp, &v_smem, wg * WG_KEYS, &do_smem, qb, head_dim);
+            wgmma_commit();
+            wgmma_wait(1u32);
+
+            // ---- 2. P^T (while dP^T is formed), then dS^T; masked unless the block is full ----
+            let rr0 = r0_now as i32;
+            let full = kw0 >= 0i32
+                && kw0 + WG_KEYS as i32 <= k_hi as i32
+                && rr0 + BM as i32 <= row_end_now as i32
+                && kw0 + (WG_KEYS as i32 - 1i32) <= shift + rr0 + win_r as i32
+                && kw0 >= shift + rr0 + (BM as i32 - 1i32) - win_l as i32;
+            #[unroll]
+            for nb in 0..comptime!(BM / 8) {
+                #[unroll]
+                for e2 in 0..2usize {
+                    let l2 = lse_smem[lb + nb * 8 + col_a + e2] * LOG2E;
+                    #[unroll]
+                    for hh in 0..2usize {
+                        let i = nb * 4 + hh * 2 + e2;
+                        s[i] = fast_exp2(s[i] * scale_log2 - l2);
+                    }
+                }
+            }
+            if !full {
+                #[unroll]
+                for nb in 0..comptime!(BM / 8) {
+                    #[unroll]
+                    for e2 in 0..2usize {
+                        let r = rr0 + (nb * 8 + e2) as i32 + col_a as i32;
+                        let dg = r + shift;
+                        let lo = max(dg - win_l as i32, 0i32);
+                        let mut hi = min(dg + win_r as i32 + 1i32, k_hi as i32);
+                        if r >= row_end_now as i32 {
+                            hi = -1i32;
+                        }
+                        #[unroll]
+                        for hh in 0..2usize {
+                            let kk = kw0 + (key_a - wg * WG_KEYS + hh * 8) as i32;
+                            let i = nb * 4 + hh * 2 + e2;
+                            s[i] = select(kk >= lo && kk < hi, s[i], 0.0f32);
+                        }
+                    }
+                }
+            }
+            wgmma_wait(0u32);
+            #[unroll]
+            for nb in 0..comptime!(BM / 8) {
+                #[unroll]
+                for e2 in 0..2usize {
+                    let dl = dl_smem[lb + nb * 8 + col_a + e2];
+                    #[unroll]
+                    for hh in 0..2usize {
+                        let i = nb * 4 + hh * 2 + e2;
+                        // P = 0 (masked) keeps dS = 0 even where dP - delta is not finite
+                        dp[i] = select(s[i] == 0.0f32, 0.0f32, s[i] * (dp[i] - dl));
+                    }
+                }
+            }
+            pack_pairs::<E>(&s, &mut p_regs);
+            pack_pairs::<E>(&dp, &mut ds_regs);
+            if fuse_dq {
+                // dS^T key-major for dQ (the rows of a pair are adjacent)
+                #[unroll]
+                for nb in 0..comptime!(BM / 8) {
+                    #[unroll]
+                    for hh in 0..2usize {
+                        let at = swizzle_128b(key_a + hh * 8, nb * 8, BN) + col_a;
+                        let pr = ds_regs[nb * 2 + hh];
+                        ds_smem[at] = pr[0];
+                        ds_smem[at + 1] = pr[1];
+                    }
+                }
+                fence_proxy_async();
+            }
+
+            // ---- 3. dV += P^T dO, dK += dS^T Q ----
+            wgmma_fence();
+            key_by_dim_steps::<E>(&mut dv_acc, &p_regs, &do_smem, qb, head_dim);
+            key_by_dim_steps::<E>(&mut dk_acc, &ds_regs, &q_smem, qb, head_dim);
+            wgmma_commit();
+
+            if fuse_dq {
+                // ---- 4. dQ[:, dq_col0..] = dS K, through the f32 tile, added by the copy engine ----
+                // the previous tile's rows have been read from the tile; dS^T complete
+                dq_rows_read(BM);
+                sync_cube();
+                wgmma_fence();
+                #[unroll]
+                for ks in 0..comptime!(BN / 16) {
+                    let a_off = comptime!(ks * 16 * SW_COLS);
+                    let b_off = k_dq + comptime!(ks * 16 * SW_COLS);
+                    wgmma_ss::<E>(
+                        &mut dq, &ds_smem, a_off as u32, &k_smem, b_off as u32, 0usize, comptime!(head_dim / 2), true,
+                        comptime!((BN * SW_ROW) as u32), true, comptime!((BN * SW_ROW) as u32), comptime!(ks > 0),
+                    );
+                }
+                wgmma_commit();
+                wgmma_wait(0u32);
+                // rows 16 w + lane / 4 (+ 8) of the tile, columns dq_col0 + 8 nb + col_a (+ 1)
+                let row_a = key_a - wg * WG_KEYS;
+                #[unroll]
+                for nb in 0..comptime!(head_dim / 16) {
+                    #[unroll]
+                    for hh in 0..2usize {
+                        let i = nb * 4 + hh * 2;
+                        let at = (row_a + hh * 8) * dts + dq_col0 + nb * 8 + col_a;
+                        if qvec == 2 {
+                            let mut val = Vector::<f32, NQ>::empty();
+                            val[0] = dq[i];
+                            val[1] = dq[i + 1];
+                            dq_tile[at / 2] = val;
+                        } else {
+                            let mut v0 = Vector::<f32, NQ>::empty();
+                            v0[0] = dq[i];
+                            dq_tile[at] = v0;
+                            let mut v1 = Vector::<f32, NQ>::empty();
+                            v1[0] = dq[i + 1];
+                            dq_tile[at + 1] = v1;
+                        }
+                    }
+                }
+                sync_async_proxy_shared();
+                let n_rows = select(r0_now < row_end_now, min(row_end_now - r0_now, BM as u32), 0u32);
+                let dst = dq_row_dst(q_start + r0_now, n_rows, h_now, heads_q, head_dim, qvec);
+                // the tile complete, every warpgroup done with this tile's stage and dS^T
+                sync_cube();
+                issue_dq_row::<NQ>(&dq_tile, dq_rows, dst, head_dim, qvec);
+            } else {
+                wgmma_wait(0u32);
+                // every warpgroup done with this tile's stage
+                sync_cube();
+            }
+        }
+    }
+
+    if fuse_dq {
+        dq_rows_read(BM);
+    }
+
+    // ---- dK, dV (zero for keys no segment sees; sparse: the item's keys only) ----
+    #[unroll]
+    for nb in 0..comptime!(head_dim / 8) {
+        #[unroll]
+        for e in 0..4usize {
+            let key = key0 + (key_a + (e / 2) * 8) as u32;
+            if key < key_lim {
+                let col = nb * 8 + col_a + e % 2;
+                let gi = (kv_row(key, tq_list, paged) * heads_kv + hk) as usize * head_dim + col;
+                dk[gi] = E::cast_from(dk_acc[nb * 4 + e] * scale);
+                dv[gi] = E::cast_from(dv_acc[nb * 4 + e]);
+            }
+        }
+    }
+}
