@@ -370,45 +370,65 @@ def _cuda_grouped(args, torch):
 
 
 def _cuda_fwdbwd(args, torch):
-    """Forward + backward (training step) timings; FLOPs = 3.5 x the forward matmul FLOPs."""
+    """Forward + backward (a training step) through torch autograd, peers in the same process:
+    rows `dense_fwdbwd` (keys config, S, D, causal; impl cubeattn = `flash_attn_func(...)
+    .backward(g)`, cubeattn_deterministic the same with deterministic=True, cubeattn_kernel the
+    kernels alone with device-resident inputs, sdpa_cudnn, sdpa_flash) for `--config` (default:
+    llama3-8b and gqa-d64), causal and not (`--no-causal`: only not), then the grouped zigzag rows.
+    FLOPs = 3.5 x the forward matmul FLOPs."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.attention.bias import causal_lower_right
 
     tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     sync = torch.cuda.synchronize
-    hq, hkv, d = CONFIGS[args.config]
     rows = []
-    for s in (args.seqlens if args.seqlens_given else ([8192] if args.quick else [8192, 16384])):
-        flops = 3.5 * 4 * d * hq * causal_pairs(s, s)
-        key = dict(what="dense_causal_fwdbwd", config=args.config, S=s)
-        spec = cubeattn.varlen_spec((s, hq, d), (s, hkv, d), args.dtype, [0, s], [0, s], s, s, causal=True)
-        try:
-            ts = sorted(cubeattn._core.cuda_bench_forward_backward(spec, 3, args.iterations))
-            rows.append(dict(key, impl="cubeattn_cuda", ms=ts[len(ts) // 2], tflops=flops / ts[len(ts) // 2] / 1e9))
-        except Exception as e:
-            rows.append(dict(key, impl="cubeattn_cuda", error=str(e)[:200]))
-        q = torch.randn(1, hq, s, d, device="cuda", dtype=tdt, requires_grad=True)
-        k = torch.randn(1, hkv, s, d, device="cuda", dtype=tdt, requires_grad=True)
-        v = torch.randn(1, hkv, s, d, device="cuda", dtype=tdt, requires_grad=True)
-        go = torch.randn(1, hq, s, d, device="cuda", dtype=tdt)
-        for name, be in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
-            try:
-                def step():
-                    with sdpa_kernel(be):
-                        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-                    o.backward(go)
-                ms = median_ms(step, 3, args.iterations, sync)
-                rows.append(dict(key, impl=name, ms=ms[0], tflops=flops / ms[0] / 1e9))
-            except Exception as e:
-                rows.append(dict(key, impl=name, error=str(e)[:200]))
-        del q, k, v, go
-    for T, W in zigzag_cases(args.quick):
+    configs = [args.config] if args.config else ["llama3-8b", "gqa-d64"]
+    seqlens = args.seqlens if args.seqlens_given else ([8192] if args.quick else [4096, 8192, 16384, 32768])
+    for config in configs:
+        hq, hkv, d = CONFIGS[config]
+        for causal in ([True, False] if args.causal else [False]):
+            for s in seqlens:
+                pairs = causal_pairs(s, s) if causal else s * s
+                flops = 3.5 * 4 * d * hq * pairs
+                key = dict(what="dense_fwdbwd", config=config, S=s, D=d, causal=causal)
+                spec = cubeattn.varlen_spec((s, hq, d), (s, hkv, d), args.dtype, [0, s], [0, s], s, s, causal=causal)
+                try:
+                    ts = sorted(cubeattn._core.cuda_bench_forward_backward(spec, 3, args.iterations))
+                    rows.append(dict(key, impl="cubeattn_kernel", ms=ts[len(ts) // 2], tflops=flops / ts[len(ts) // 2] / 1e9))
+                except Exception as e:
+                    rows.append(dict(key, impl="cubeattn_kernel", error=str(e)[:200]))
+                q = torch.randn(1, s, hq, d, device="cuda", dtype=tdt, requires_grad=True)
+                k = torch.randn(1, s, hkv, d, device="cuda", dtype=tdt, requires_grad=True)
+                v = torch.randn(1, s, hkv, d, device="cuda", dtype=tdt, requires_grad=True)
+                go = torch.randn(1, s, hq, d, device="cuda", dtype=tdt)
+                for impl, det in (("cubeattn", False), ("cubeattn_deterministic", True)):
+                    try:
+                        def ours():
+                            cubeattn.flash_attn_func(q, k, v, causal=causal, deterministic=det).backward(go)
+                        ms = median_ms(ours, 3, args.iterations, sync)
+                        rows.append(dict(key, impl=impl, ms=ms[0], tflops=flops / ms[0] / 1e9))
+                    except Exception as e:
+                        rows.append(dict(key, impl=impl, error=str(e)[:200]))
+                q4, k4, v4 = (x.detach().transpose(1, 2).contiguous().requires_grad_(True) for x in (q, k, v))
+                go4 = go.transpose(1, 2).contiguous()
+                for name, be in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+                    try:
+                        def step():
+                            with sdpa_kernel(be):
+                                o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=causal, enable_gqa=True)
+                            o.backward(go4)
+                        ms = median_ms(step, 3, args.iterations, sync)
+                        rows.append(dict(key, impl=name, ms=ms[0], tflops=flops / ms[0] / 1e9))
+                    except Exception as e:
+                        rows.append(dict(key, impl=name, error=str(e)[:200]))
+                del q, k, v, go, q4, k4, v4, go4
+    hq, hkv, d = CONFIGS[configs[0]]
+    for T, W in ([] if args.dense_only else zigzag_cases(args.quick)):
         C = T // (2 * W)
         for r in (0, W - 1):
             ends = [(r + 1) * C, (2 * W - r) * C]
             flops = 3.5 * 4 * d * hq * sum(causal_pairs(C, e) for e in ends)
-            key = dict(what="grouped_zigzag_fwdbwd", config=args.config, T=T, W=W, rank=r)
+            key = dict(what="grouped_zigzag_fwdbwd", config=configs[0], T=T, W=W, rank=r)
             spec = cubeattn.grouped_spec((2 * C, hq, d), (T, hkv, d), args.dtype, [[0, C], [C, 2 * C]],
                                          [[0, ends[0]], [0, ends[1]]], causal=True)
             try:
@@ -1129,6 +1149,7 @@ def main(argv=None):
     p.add_argument("--qk-int8", "--qk_int8", action="store_true", help="sparse: --quant_gran per_warp")
     p.add_argument("--quant_gran", "--quant-gran", default=None, choices=["per_block", "per_warp", "per_thread"],
                    help="sparse: also time the INT8 QK^T option with this scale granularity")
+    p.add_argument("--dense-only", action="store_true", help="fwdbwd: the dense rows only (no grouped zigzag)")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--png", default=None, help="write a plot here (needs matplotlib)")
     args = p.parse_args(argv)

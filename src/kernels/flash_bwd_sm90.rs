@@ -374,9 +374,13 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
         let mut hq = 0u32;
         let mut ti = 0u32;
         let mut ei = 0u32;
+        // the next pair's (head, first row, end row); `h`, `r0`, `row_end` take them at the end of
+        // the iteration (a `let` of a mutable variable would name the same variable, not a copy)
+        let mut h_next = h;
+        let mut r0_next = r0;
+        let mut row_end_next = row_end;
         for it in 0..n_it {
             let cur = g_tile;
-            let (h_now, r0_now, row_end_now) = (h, r0, row_end);
             // advance to the next pair and issue it into the other stage (its last reader, tile
             // cur - 1, finished before the barrier that ended it)
             if sparse {
@@ -390,23 +394,23 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
                     }
                 }
                 let (ha, ra, re) = sparse_q_tile(tq_list, t_lo, ei, ti, hq, hk * group, span, q_block, q_len);
-                h = ha;
-                r0 = ra;
-                row_end = re;
+                h_next = ha;
+                r0_next = ra;
+                row_end_next = re;
             } else {
                 ti += 1u32;
                 if ti == n_qt {
                     ti = 0u32;
                     hq += 1u32;
                 }
-                h = hk * group + hq;
-                r0 = r_min as u32 + ti * BM as u32;
+                h_next = hk * group + hq;
+                r0_next = r_min as u32 + ti * BM as u32;
             }
             g_tile = cur + 1u32;
             if it + 1 < n_it {
                 issue_q_tile::<E>(
                     q_map, do_map, q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, &bar0, &bar1,
-                    g_tile, h, r0, q_len, q_start, heads_q, total_q, head_dim,
+                    g_tile, h_next, r0_next, q_len, q_start, heads_q, total_q, head_dim,
                 );
             }
             wait_stage(&bar0, &bar1, cur);
@@ -422,10 +426,10 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
             wgmma_wait(1u32);
 
             // ---- 2. P^T (while dP^T is formed), then dS^T; masked unless the block is full ----
-            let rr0 = r0_now as i32;
+            let rr0 = r0 as i32;
             let full = kw0 >= 0i32
                 && kw0 + WG_KEYS as i32 <= k_hi as i32
-                && rr0 + BM as i32 <= row_end_now as i32
+                && rr0 + BM as i32 <= row_end as i32
                 && kw0 + (WG_KEYS as i32 - 1i32) <= shift + rr0 + win_r as i32
                 && kw0 >= shift + rr0 + (BM as i32 - 1i32) - win_l as i32;
             #[unroll]
@@ -449,7 +453,7 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
                         let dg = r + shift;
                         let lo = max(dg - win_l as i32, 0i32);
                         let mut hi = min(dg + win_r as i32 + 1i32, k_hi as i32);
-                        if r >= row_end_now as i32 {
+                        if r >= row_end as i32 {
                             hi = -1i32;
                         }
                         #[unroll]
@@ -539,8 +543,8 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
                     }
                 }
                 sync_async_proxy_shared();
-                let n_rows = select(r0_now < row_end_now, min(row_end_now - r0_now, BM as u32), 0u32);
-                let dst = dq_row_dst(q_start + r0_now, n_rows, h_now, heads_q, head_dim, qvec);
+                let n_rows = select(r0 < row_end, min(row_end - r0, BM as u32), 0u32);
+                let dst = dq_row_dst(q_start + r0, n_rows, h, heads_q, head_dim, qvec);
                 // the tile complete, every warpgroup done with this tile's stage and dS^T
                 sync_cube();
                 issue_dq_row::<NQ>(&dq_tile, dq_rows, dst, head_dim, qvec);
@@ -549,6 +553,9 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
                 // every warpgroup done with this tile's stage
                 sync_cube();
             }
+            h = h_next;
+            r0 = r0_next;
+            row_end = row_end_next;
         }
     }
 
