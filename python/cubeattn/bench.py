@@ -1188,7 +1188,8 @@ def main(argv=None):
         torch = _torch()
         if torch is None or not torch.cuda.is_available():
             p.error("the CUDA benchmark needs torch with CUDA for the peers")
-        args.config = args.config or "llama3-8b"
+        if args.what != "fwdbwd":  # fwdbwd: every dense config unless --config names one
+            args.config = args.config or "llama3-8b"
         args.seqlens = args.seqlens or ([8192] if args.what == "sparse" else [4096] if args.what == "hf_train"
                                         else [4096, 8192] if args.quick else [4096, 8192, 16384, 32768])
         if args.what != "hf_train":  # hf_train: --iterations = training steps (default 25)

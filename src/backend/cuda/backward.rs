@@ -1,5 +1,7 @@
-//! CUDA backward: host side of the kernels in `kernels::flash_bwd_wide` (dK/dV, dense and
-//! block-sparse), `kernels::flash_bwd` (dQ pass, delta) and `kernels::rowwise_bwd` (f32).
+//! CUDA backward: host side of the kernels in `kernels::flash_bwd_sm90` (dK/dV on sm_90 by wgmma,
+//! [`sm90_backward`]), `kernels::flash_bwd_wide` (dK/dV by mma.sync, dense and block-sparse; both
+//! take the same plan and arguments), `kernels::flash_bwd` (dQ pass, delta) and
+//! `kernels::rowwise_bwd` (f32).
 //!
 //! Launch order: delta = rowsum(dO * O) (f32), then dK/dV (one cube per (128-key tile, kv head),
 //! looping over every segment that overlaps the tile and over the query heads of the kv head),
