@@ -171,8 +171,8 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
         commit_copies(&bar1);
     }
     // ---- Q and dO tiles through shared memory into A fragments (BM == BN) ----
-    stage_rows::<E, NV>(q, &mut k_smem, tile_start, q_len, q_start + tile_start, heads_q, head, segs, BWD_BM, head_dim, comptime!(BWD_PLANES * 32), false);
-    stage_rows::<E, NV>(dout, &mut v_smem, tile_start, q_len, q_start + tile_start, heads_q, head, segs, BWD_BM, head_dim, comptime!(BWD_PLANES * 32), false);
+    stage_rows::<E, NV>(q, &mut k_smem, tile_start, q_len, q_start + tile_start, heads_q, head, segs, BWD_BM, head_dim, comptime!(BWD_PLANES * 32), false, false);
+    stage_rows::<E, NV>(dout, &mut v_smem, tile_start, q_len, q_start + tile_start, heads_q, head, segs, BWD_BM, head_dim, comptime!(BWD_PLANES * 32), false, false);
     sync_cube();
 
     let size!(NA) = def.vector_size(MatrixIdent::A);

@@ -28,13 +28,14 @@ use cubecl::prelude::barrier::{copy_async, Barrier};
 use cubecl::prelude::*;
 
 use super::bulk_reduce::{dq_row_dst, dq_rows_read, dq_tile_stride, issue_dq_row};
-use super::flash_bwd::{BWD_BM, BWD_LOAD_VEC};
-use super::flash_bwd_wide::{sparse_q_tile, SPARSE_KWORK_WORDS, WIDE_BN};
+use super::flash_bwd::BWD_BM;
+use super::bwd_walk::{key_item, seg_walk, sparse_q_tile};
+use super::flash_bwd_wide::WIDE_BN;
 use super::grid::cube_item_slot;
 use super::math::{fast_exp2, LOG2E};
-use super::rows::{key_rows, kv_row};
-use super::sm90::{fence_proxy_async, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait, SW_COLS, SW_ROW};
-use super::staging::{commit_stage, issue_lse_delta, wait_stage};
+use super::rows::kv_row;
+use super::sm90::{fence_proxy_async, pack_a_pairs, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait, SW_COLS, SW_ROW};
+use super::staging::{commit_stage, issue_lse_delta, stage_rows, wait_stage};
 
 /// Threads per cube: two warpgroups.
 pub const SM90_BWD_THREADS: usize = 256;
@@ -51,40 +52,6 @@ pub const fn sm90_bwd_smem(head_dim: usize, fuse_dq: bool) -> usize {
     let q = 2 * 2 * BM * head_dim * 2;
     let dq = if fuse_dq { BN * BM * 2 + BM * dq_tile_stride(head_dim) * 4 } else { 0 };
     kv + q + dq + 2048
-}
-
-/// K or V rows `key0..key0 + BN` (zero from `limit` on; `paged`: through the page table) of kv
-/// head `head` into the swizzled tile `smem` (plain loads: once per cube).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn stage_kv<E: Float, NV: Size>(
-    src: &Array<Vector<E, NV>>,
-    smem: &mut SharedMemory<E>,
-    key0: u32,
-    limit: u32,
-    heads: u32,
-    head: u32,
-    pages: &Array<u32>,
-    #[comptime] head_dim: usize,
-    #[comptime] paged: bool,
-) {
-    let vpr = comptime!(head_dim / BWD_LOAD_VEC);
-    #[unroll]
-    for it in 0..comptime!(BN * (head_dim / BWD_LOAD_VEC) / SM90_BWD_THREADS) {
-        let idx = UNIT_POS as usize + it * SM90_BWD_THREADS;
-        let r = idx / vpr;
-        let c = idx % vpr;
-        let mut val = Vector::<E, NV>::new(E::from_int(0));
-        let key = key0 + r as u32;
-        if key < limit {
-            val = src[(kv_row(key, pages, paged) * heads + head) as usize * vpr + c];
-        }
-        let base = swizzle_128b(r, c * BWD_LOAD_VEC, BN);
-        #[unroll]
-        for e in 0..BWD_LOAD_VEC {
-            smem[base + e] = val[e];
-        }
-    }
 }
 
 /// Issues query tile `g` (head `h`, segment rows `r0..r0 + BM`) into stage `g % 2` of the swizzled
@@ -199,19 +166,6 @@ fn key_by_dim_steps<E: Float>(
     }
 }
 
-/// f32 pairs `x[2 j], x[2 j + 1]` packed to the element type: the A fragments of
-/// [`key_by_dim_steps`].
-#[cube]
-fn pack_pairs<E: Float>(x: &Array<f32>, out: &mut Array<Vector<E, Const<2>>>) {
-    #[unroll]
-    for j in 0..comptime!(BM / 4) {
-        let mut pr = Vector::<E, Const<2>>::empty();
-        pr[0] = E::cast_from(x[2 * j]);
-        pr[1] = E::cast_from(x[2 * j + 1]);
-        out[j] = pr;
-    }
-}
-
 /// The Hopper dK / dV kernel; arguments as `flash_bwd_wide::flash_bwd_dkdv_wide` (one launch card
 /// for both). `q_map` / `do_map`: 128-byte-swizzled maps with 64-column x 64-row boxes; `dq_acc`
 /// is not read (the fused dQ goes through `dq_rows` by bulk reductions).
@@ -277,27 +231,11 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
 
     let (item, hk) = cube_item_slot(heads_kv, sparse);
     let group = heads_q / heads_kv;
-    let mut key0 = 0u32;
-    let mut key_lim = total_k;
-    let mut s_begin = 0u32;
-    let mut s_end = 1u32;
-    let mut sp_seq = 0u32;
-    let mut sp_kblk = 0u32;
-    if sparse {
-        let w = item as usize * SPARSE_KWORK_WORDS;
-        sp_seq = ktiles[w];
-        sp_kblk = ktiles[w + 3];
-        key0 = segs[sp_seq as usize * 4 + 2] + ktiles[w + 1];
-        key_lim = key0 + ktiles[w + 2];
-    } else {
-        let kt = ktiles[item as usize];
-        key0 = kt * BN as u32;
-        s_begin = tile_off[kt as usize];
-        s_end = tile_off[kt as usize + 1];
-    }
+    let ki = key_item(ktiles, tile_off, segs, item, 0u32, total_k, sparse);
+    let (key0, key_lim) = (ki.key0, ki.key_lim);
 
-    stage_kv::<E, NV>(k, &mut k_smem, key0, key_lim, heads_kv, hk, tq_list, head_dim, paged);
-    stage_kv::<E, NV>(v, &mut v_smem, key0, key_lim, heads_kv, hk, tq_list, head_dim, paged);
+    stage_rows::<E, NV>(k, &mut k_smem, key0, key_lim, key0, heads_kv, hk, tq_list, BN, head_dim, SM90_BWD_THREADS, paged, true);
+    stage_rows::<E, NV>(v, &mut v_smem, key0, key_lim, key0, heads_kv, hk, tq_list, BN, head_dim, SM90_BWD_THREADS, paged, true);
     // K, V visible to the async proxy (the MMAs), barrier initialisation before the first commit
     fence_proxy_async();
     sync_cube();
@@ -321,40 +259,15 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
     let dq_col0 = wg * comptime!(head_dim / 2);
     let k_dq = (dq_col0 / SW_COLS) * comptime!(BN * SW_COLS) + dq_col0 % SW_COLS;
 
-    for si in s_begin..s_end {
-        let mut seg = sp_seq as usize;
-        if !sparse {
-            seg = tile_segs[si as usize] as usize;
-        }
-        let q_start = segs[seg * 4];
-        let q_len = segs[seg * 4 + 1];
-        let k_start = segs[seg * 4 + 2];
-        let k_len = segs[seg * 4 + 3];
-        let shift = k_len as i32 - q_len as i32;
-        let first_key = max(key0, k_start) - k_start;
-        let last_key = min(key0 + BN as u32, k_start + k_len) - 1u32 - k_start;
-        let (r_min, _) = key_rows(q_len, k_len, first_key as i32, win_l, win_r);
-        let (_, r_end) = key_rows(q_len, k_len, last_key as i32, win_l, win_r);
+    for si in ki.s_begin..ki.s_end {
+        let sw = seg_walk(
+            segs, tile_segs, tq_off, &ki, si, BN as u32, hk, heads_kv, group, idx_heads, k_blocks, q_tiles_per_block, win_l,
+            win_r, sparse,
+        );
+        let (q_start, q_len, k_start, shift, r_min) = (sw.q_start, sw.q_len, sw.k_start, sw.shift, sw.r_min);
+        let (k_hi, n_qt, n_it, t_lo, t_n, span) = (sw.k_hi, sw.n_qt, sw.n_it, sw.t_lo, sw.t_n, sw.span);
         // window-local index of this warpgroup's first key (may be negative)
         let kw0 = (key0 as i32 + (wg * WG_KEYS) as i32) - k_start as i32;
-        let mut k_hi = k_len;
-        let mut n_qt = 0u32;
-        let mut n_it = 0u32;
-        let mut t_lo = 0u32;
-        let mut t_n = 0u32;
-        let span = idx_heads / heads_kv;
-        if sparse {
-            k_hi = key_lim - k_start;
-            let c0 = (sp_seq * k_blocks + sp_kblk) * idx_heads + hk * span;
-            t_lo = tq_off[c0 as usize];
-            t_n = tq_off[(c0 + span) as usize] - t_lo;
-            n_it = (group / span) * t_n * q_tiles_per_block;
-        } else {
-            if r_min < r_end {
-                n_qt = (r_end as u32 - r_min as u32 + BM as u32 - 1) / BM as u32;
-            }
-            n_it = group * n_qt;
-        }
         // (head, first row, end row) of the (head, tile) pair at counters (hq, ei, ti)
         let mut h = hk * group;
         let mut r0 = r_min as u32;
@@ -479,8 +392,8 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
                     }
                 }
             }
-            pack_pairs::<E>(&s, &mut p_regs);
-            pack_pairs::<E>(&dp, &mut ds_regs);
+            pack_a_pairs::<E>(&s, &mut p_regs, comptime!(BM / 4));
+            pack_a_pairs::<E>(&dp, &mut ds_regs, comptime!(BM / 4));
             if fuse_dq {
                 // dS^T key-major for dQ (the rows of a pair are adjacent)
                 #[unroll]

@@ -58,7 +58,8 @@ use super::bulk_reduce::{dq_row_dst, dq_rows_read, dq_tile_stride, issue_dq_row}
 use super::fragments::{frag_a, frag_a_t, frag_b_n2, frag_b_t2, mma_into, store_acc_16x16};
 use super::grid::cube_item_slot;
 use super::math::{fast_exp2, LOG2E};
-use super::rows::{key_rows, kv_row};
+use super::bwd_walk::{key_item, seg_walk, sparse_q_tile};
+use super::rows::kv_row;
 use super::staging::{commit_stage, issue_lse_delta, issue_q_tile, stage_rows, wait_stage};
 
 /// Planes (warps) per cube.
@@ -221,33 +222,6 @@ fn probs_store<E: Float, NA: Size>(
             store_acc_16x16::<E, NA>(def, dp, (mb * 4 + 2 * h) * ec, ds_smem, row0 + mb * 16, col0 + h * 16, pstride);
         }
     }
-}
-
-/// Block-sparse: (q head, first row, end row of the query block) of query tile `t` of entry `e` of
-/// the transposed list at `lo` (entries `query block | index head << SPARSE_QB_BITS`). With an
-/// index per q head (`span` > 1) the entry names the head; with one per kv head, the `ri`-th q
-/// head of the group (`h_base` = its first).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn sparse_q_tile(
-    tq_list: &Array<u32>,
-    lo: u32,
-    e: u32,
-    t: u32,
-    ri: u32,
-    h_base: u32,
-    span: u32,
-    q_block: u32,
-    q_len: u32,
-) -> (u32, u32, u32) {
-    let entry = tq_list[(lo + e) as usize];
-    let qblk = entry & SPARSE_QB_MASK;
-    let mut h = h_base + ri;
-    if span > 1u32 {
-        h = entry >> SPARSE_QB_BITS;
-    }
-    let b0 = qblk * q_block;
-    (h, b0 + t * BWD_BM as u32, min(b0 + q_block, q_len))
 }
 
 /// Issues query tile `cur + 1` into the stage `cur` does not use (with one stage: the stage) and
@@ -458,29 +432,13 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
     let group = heads_q / heads_kv;
     // Dense: key tile `kt` of the shared key axis, its segments from the CSR list. Sparse: work
     // item (sequence, first window key, keys, key block) inside one key block of one sequence.
-    let mut key0 = 0u32;
-    let mut key_lim = total_k;
-    let mut s_begin = 0u32;
-    let mut s_end = 1u32;
-    let mut sp_seq = 0u32;
-    let mut sp_kblk = 0u32;
-    if sparse {
-        let w = item as usize * SPARSE_KWORK_WORDS;
-        sp_seq = ktiles[w];
-        sp_kblk = ktiles[w + 3];
-        key0 = segs[sp_seq as usize * 4 + 2] + ktiles[w + 1];
-        key_lim = key0 + ktiles[w + 2];
-    } else {
-        let kt = ktiles[item as usize];
-        key0 = kt * WIDE_BN as u32;
-        s_begin = tile_off[kt as usize];
-        s_end = tile_off[kt as usize + 1];
-    }
+    let ki = key_item(ktiles, tile_off, segs, item, 0u32, total_k, sparse);
+    let (key0, key_lim) = (ki.key0, ki.key_lim);
 
     // paged (dense only: `tq_list` holds the page table): K, V read and dK, dV written at the
     // rows of a paged K,V (`rows::kv_row`)
-    stage_rows::<E, NV>(k, &mut k_smem, key0, key_lim, key0, heads_kv, hk, tq_list, WIDE_BN, head_dim, threads, paged);
-    stage_rows::<E, NV>(v, &mut v_smem, key0, key_lim, key0, heads_kv, hk, tq_list, WIDE_BN, head_dim, threads, paged);
+    stage_rows::<E, NV>(k, &mut k_smem, key0, key_lim, key0, heads_kv, hk, tq_list, WIDE_BN, head_dim, threads, paged, false);
+    stage_rows::<E, NV>(v, &mut v_smem, key0, key_lim, key0, heads_kv, hk, tq_list, WIDE_BN, head_dim, threads, paged, false);
     // Barrier initialisation visible before the first cp.async commit.
     sync_cube();
     // Query tiles issued so far: tile g uses stage g % 2 and barrier phase (g / 2) % 2.
@@ -517,50 +475,18 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
     // of each 8-column block.
     let (g, t2) = def.position_of_nth(lane, 0u32, MatrixIdent::Accumulator);
 
-    for si in s_begin..s_end {
-        let mut seg = sp_seq as usize;
-        if !sparse {
-            seg = tile_segs[si as usize] as usize;
-        }
-        let q_start = segs[seg * 4];
-        let q_len = segs[seg * 4 + 1];
-        let k_start = segs[seg * 4 + 2];
-        let k_len = segs[seg * 4 + 3];
-        let shift = k_len as i32 - q_len as i32;
-        // rows from the first that sees the tile's first key to the last that sees its last
-        let first_key = max(key0, k_start) - k_start;
-        let last_key = min(key0 + WIDE_BN as u32, k_start + k_len) - 1u32 - k_start;
-        let (r_min, _) = key_rows(q_len, k_len, first_key as i32, win_l, win_r);
-        let (_, r_end) = key_rows(q_len, k_len, last_key as i32, win_l, win_r);
+    for si in ki.s_begin..ki.s_end {
+        let sw = seg_walk(
+            segs, tile_segs, tq_off, &ki, si, WIDE_BN as u32, hk, heads_kv, group, idx_heads, k_blocks, q_tiles_per_block,
+            win_l, win_r, sparse,
+        );
+        let (q_start, q_len, k_start, shift, r_min) = (sw.q_start, sw.q_len, sw.k_start, sw.shift, sw.r_min);
+        let (k_hi, n_qt, n_it, t_lo, t_n, span) = (sw.k_hi, sw.n_qt, sw.n_it, sw.t_lo, sw.t_n, sw.span);
         // Window-local index of this plane's first step-1 key (may be negative).
         let kw0 = (key0 as i32 + kw_s as i32) - k_start as i32;
-        // Window keys of this cube: [.., k_hi) (dense: the segment's; sparse: the item's).
-        let mut k_hi = k_len;
-        // Does this plane's 32-key block hold a key of the cube? (Not at a segment's edges, nor
-        // past a sparse item shorter than the tile: then S, dP and the dK / dV products are
-        // skipped, P and dS stored as zeros.)
-        let live = kw0 + BLK as i32 > 0i32 && kw0 < k_hi as i32;
-        // (q head, query tile) pairs of this segment. Dense: q head outer, the tiles from the first
-        // row that sees the tile. Sparse: the entries of the transposed index (query blocks
-        // listing the key block, per index head; with an index per kv head every q head of the
-        // group walks the one list) x `q_tiles_per_block` tiles per query block.
-        let mut n_qt = 0u32;
-        let mut n_it = 0u32;
-        let mut t_lo = 0u32;
-        let mut t_n = 0u32;
-        let span = idx_heads / heads_kv;
-        if sparse {
-            k_hi = key_lim - k_start;
-            let c0 = (sp_seq * k_blocks + sp_kblk) * idx_heads + hk * span;
-            t_lo = tq_off[c0 as usize];
-            t_n = tq_off[(c0 + span) as usize] - t_lo;
-            n_it = (group / span) * t_n * q_tiles_per_block;
-        } else {
-            if r_min < r_end {
-                n_qt = (r_end as u32 - r_min as u32 + BWD_BM as u32 - 1) / BWD_BM as u32;
-            }
-            n_it = group * n_qt;
-        }
+        // Does this plane's 32-key block hold a key of the segment? (Not at a segment's edges:
+        // then S, dP and the dK / dV products are skipped, P and dS stored as zeros.)
+        let live = kw0 + BLK as i32 > 0i32 && kw0 < sw.k_len as i32;
         // (with one stage each tile is issued in the loop, after the barrier that frees the stage)
         if comptime!(q_stages == 2) {
             if n_it > 0 {

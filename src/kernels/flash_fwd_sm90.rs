@@ -21,7 +21,7 @@ use cubecl::prelude::barrier::{copy_async, Barrier};
 
 use super::flash_fwd::{fill_rows, tile_bounds, tile_rows, work_item, LIST_SMEM, M_INIT, NONE, RESCALE_SLACK};
 use super::math::{fast_exp2, LN2};
-use super::sm90::{fence_proxy_async, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait, SW_COLS, SW_ROW};
+use super::sm90::{fence_proxy_async, pack_a_pairs, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait, SW_COLS, SW_ROW};
 use super::staging::commit_copies;
 use crate::spec::KV_PAGE;
 
@@ -231,18 +231,6 @@ fn rescale_o(o_acc: &mut Array<f32>, alpha: &Array<f32>, #[comptime] head_dim: u
     }
 }
 
-/// P packed to pairs: the A fragments of the P V steps (pair j = scores 2j, 2j + 1).
-#[cube]
-fn pack_p<E: Float>(s: &Array<f32>, p: &mut Array<Vector<E, Const<2>>>, #[comptime] block_n: usize) {
-    #[unroll]
-    for j in 0..comptime!(block_n / 4) {
-        let mut pr = Vector::<E, Const<2>>::empty();
-        pr[0] = E::cast_from(s[2 * j]);
-        pr[1] = E::cast_from(s[2 * j + 1]);
-        p[j] = pr;
-    }
-}
-
 /// `O += P V` over one key tile: `block_n / 16` MMAs m64 x head_dim x k16, P from the packed A
 /// registers `p`, V the MN-major tile at element `base` of `v_smem` (column chunks `block_n` rows
 /// apart). The caller fences before and commits after.
@@ -414,7 +402,7 @@ pub fn flash_fwd_sm90<E: Float>(
         if moved {
             rescale_o(&mut o_acc, &alpha, head_dim);
         }
-        pack_p::<E>(&s, &mut p, block_n);
+        pack_a_pairs::<E>(&s, &mut p, comptime!(block_n / 4));
         // V(t + 1) is issued only after this thread saw V(t) land
         bar_v.wait_parity(kt & 1u32);
         if has_next {

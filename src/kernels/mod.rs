@@ -1,6 +1,7 @@
 //! CubeCL kernels (`#[cube]` code only), one file per kernel family. Built with feature `cuda`.
 
 pub mod bulk_reduce;
+pub mod bwd_walk;
 pub mod flash_fwd;
 pub mod flash_fwd_sm90;
 pub mod math;
@@ -23,6 +24,7 @@ pub mod zigzag_copy;
 /// served from a stale cache entry.
 pub const SOURCES: &[&str] = &[
     include_str!("bulk_reduce.rs"),
+    include_str!("bwd_walk.rs"),
     include_str!("flash_fwd.rs"),
     include_str!("flash_fwd_sm90.rs"),
     include_str!("sm90.rs"),

@@ -135,6 +135,19 @@ pub fn wgmma_rs<E: Float>(
     })
 }
 
+/// `pairs` f32 pairs `x[2 j], x[2 j + 1]` packed to the element type: an f32 accumulator (m16n8
+/// layout) as the A fragments of [`wgmma_rs`] (pair `4 k .. 4 k + 4` is step `k`'s operand).
+#[cube]
+pub fn pack_a_pairs<E: Float>(x: &Array<f32>, out: &mut Array<Vector<E, Const<2>>>, #[comptime] pairs: usize) {
+    #[unroll]
+    for j in 0..pairs {
+        let mut pr = Vector::<E, Const<2>>::empty();
+        pr[0] = E::cast_from(x[2 * j]);
+        pr[1] = E::cast_from(x[2 * j + 1]);
+        out[j] = pr;
+    }
+}
+
 /// Element offset, inside a 128-byte-swizzled tile of `rows` rows per 64-column chunk, of element
 /// `col` (a multiple of 8: one 16-byte unit) of row `row`: chunk `col / 64`, then the row's 16-byte
 /// units permuted by `unit ^ (row % 8)` (the pattern a tensor-map copy with 128-byte swizzle writes

@@ -7,10 +7,13 @@ use cubecl::prelude::barrier::{copy_async, Barrier};
 
 use super::flash_bwd::{BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, PAD};
 use super::rows::kv_row;
+use super::sm90::swizzle_128b;
 
 /// Copies `rows` x head_dim elements (rows from `row_at`, zero for `None` rows) into shared memory.
 /// Row `r` of the tile is global row `base_row + r` when `r + first < limit`; `paged`: the row
 /// holding key `base_row + r` of a paged K,V (`rows::kv_row` with `pages`). `threads` units copy.
+/// The tile's rows are `head_dim + PAD` elements apart, or (`sw128`) 128-byte swizzled
+/// (`sm90::swizzle_128b`, `rows` rows per 64-column chunk: the wgmma kernels' operand layout).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn stage_rows<E: Float, NV: Size>(
@@ -26,6 +29,7 @@ pub fn stage_rows<E: Float, NV: Size>(
     #[comptime] head_dim: usize,
     #[comptime] threads: usize,
     #[comptime] paged: bool,
+    #[comptime] sw128: bool,
 ) {
     let vpr = comptime!(head_dim / BWD_LOAD_VEC);
     let stride = comptime!(head_dim + PAD);
@@ -40,7 +44,7 @@ pub fn stage_rows<E: Float, NV: Size>(
             let g = (kv_row(base_row + r as u32, pages, paged) * heads + head) as usize * vpr + c;
             val = src[g];
         }
-        let base = r * stride + c * BWD_LOAD_VEC;
+        let base = if sw128 { swizzle_128b(r, c * BWD_LOAD_VEC, rows) } else { r * stride + c * BWD_LOAD_VEC };
         #[unroll]
         for e in 0..BWD_LOAD_VEC {
             smem[base + e] = val[e];
