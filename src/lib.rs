@@ -12,6 +12,7 @@ mod config;
 pub mod device;
 pub mod dtype;
 pub mod error;
+pub mod format;
 pub mod reference;
 pub mod spec;
 pub mod sparse;

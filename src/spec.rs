@@ -196,9 +196,7 @@ pub enum Pass {
     Backward { deterministic: bool },
 }
 
-/// Rows per block of a paged K,V layout ([`AttnSpec::with_kv_block_table`]): the forward's key
-/// tile, so no tile straddles two blocks.
-pub const KV_PAGE: usize = 64;
+pub use crate::format::KV_PAGE;
 
 /// Shape and dtype of one input tensor, as the caller gave it.
 #[derive(Debug, Clone, PartialEq)]

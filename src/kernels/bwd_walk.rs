@@ -7,9 +7,8 @@
 
 use cubecl::prelude::*;
 
-use super::flash_bwd::BWD_BM;
-use super::flash_bwd_wide::{SPARSE_KWORK_WORDS, SPARSE_QB_BITS, SPARSE_QB_MASK, WIDE_BN};
 use super::rows::key_rows;
+use super::tiles::{BWD_BM, SPARSE_KWORK_WORDS, SPARSE_QB_BITS, SPARSE_QB_MASK, WIDE_BN};
 
 /// A cube's keys `[key0, key_lim)` (absolute; dense: `key_lim` is `total_k`, the segments bound
 /// them) and where its segments are: dense, `tile_segs[s_begin..s_end]`; sparse, the one

@@ -27,25 +27,8 @@ use super::grid::cube_item_slot;
 use super::staging::{commit_copies, commit_stage, issue_kv_tile, stage_rows, wait_stage};
 use super::math::{fast_exp2, LOG2E};
 use super::rows::{kv_row, row_keys};
+use super::tiles::{BWD_BM, BWD_BN, BWD_PLANES, BWD_SUB, CONVERT_VEC, DELTA_PLANES, PAD, SPARSE_QWORK_WORDS};
 
-/// Planes (warps) per cube of the dQ pass.
-pub const BWD_PLANES: usize = 4;
-/// Keys per shared-memory tile of the dQ pass (and of the f32 row-wise backward's key tiles).
-pub const BWD_BN: usize = 16 * BWD_PLANES;
-/// Query rows per dQ cube (16 per plane) and per query tile of the dK/dV kernel.
-pub const BWD_BM: usize = 16 * BWD_PLANES;
-/// Keys of the dQ pass computed at once from a shared-memory tile (bounds the registers).
-pub const BWD_SUB: usize = 32;
-/// Width of the global-memory vector loads (elements): 16 bytes of f16/bf16.
-pub const BWD_LOAD_VEC: usize = 8;
-/// Padding (elements) added to each shared-memory row (keeps 16-byte alignment, spreads banks).
-pub(crate) const PAD: usize = 8;
-/// Elements per unit of [`dq_convert`] (every dQ length is a multiple: head_dim is 64 or 128).
-pub const CONVERT_VEC: usize = 4;
-/// Planes per cube of the preprocessing kernel.
-pub const DELTA_PLANES: usize = 8;
-/// u32 words per block-sparse dQ work item: (sequence, first row, end row of its query block).
-pub const SPARSE_QWORK_WORDS: usize = 3;
 
 
 // ---------------------------------------------------------------------------------------------

@@ -28,13 +28,12 @@ use cubecl::prelude::barrier::{copy_async, Barrier};
 use cubecl::prelude::*;
 
 use super::bulk_reduce::{dq_row_dst, dq_rows_read, dq_tile_stride, issue_dq_row};
-use super::flash_bwd::BWD_BM;
 use super::bwd_walk::{key_item, seg_walk, sparse_q_tile};
-use super::flash_bwd_wide::WIDE_BN;
 use super::grid::cube_item_slot;
 use super::math::{fast_exp2, LOG2E};
 use super::rows::kv_row;
 use super::sm90::{fence_proxy_async, pack_a_pairs, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait, SW_COLS, SW_ROW};
+use super::tiles::{BWD_BM, WIDE_BN};
 use super::staging::{commit_stage, issue_lse_delta, stage_rows, wait_stage};
 
 /// Threads per cube: two warpgroups.

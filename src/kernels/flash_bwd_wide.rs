@@ -53,7 +53,7 @@ use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
-use super::flash_bwd::{BWD_BM, PAD};
+use super::tiles::{BWD_BM, PAD, WIDE_BN, WIDE_PLANES};
 use super::bulk_reduce::{dq_row_dst, dq_rows_read, dq_tile_stride, issue_dq_row};
 use super::fragments::{frag_a, frag_a_t, frag_b_n2, frag_b_t2, mma_into, store_acc_16x16};
 use super::grid::cube_item_slot;
@@ -62,18 +62,8 @@ use super::bwd_walk::{key_item, seg_walk, sparse_q_tile};
 use super::rows::kv_row;
 use super::staging::{commit_stage, issue_lse_delta, issue_q_tile, stage_rows, wait_stage};
 
-/// Planes (warps) per cube.
-pub const WIDE_PLANES: usize = 8;
-/// Keys per cube (the key tile of the work list).
-pub const WIDE_BN: usize = 128;
 /// Rows and keys of one plane's S / dP block, keys of its dK / dV block.
 const BLK: usize = 32;
-/// u32 words per block-sparse work item: (sequence, first window key, keys, key block).
-pub const SPARSE_KWORK_WORDS: usize = 4;
-/// An entry of the transposed block index is `query block | index head << SPARSE_QB_BITS`.
-pub const SPARSE_QB_BITS: u32 = 20;
-/// The query-block bits of a transposed-index entry.
-pub const SPARSE_QB_MASK: u32 = (1 << SPARSE_QB_BITS) - 1;
 
 /// Box (columns, rows) of the tensor-map copies of a query tile (sm_90+): `BWD_BM` rows of
 /// `head_dim + PAD` columns, so that the dense box lands in shared memory in the padded row layout

@@ -48,7 +48,7 @@ use super::int8_qk::{copy_k_tile8, scores_int8, stride8};
 use super::staging::{commit_copies, copy_token_rows};
 use super::math::{fast_exp2, LN2};
 use super::rows::{kv_row, row_keys, WIN_NONE};
-use crate::spec::KV_PAGE;
+use crate::format::KV_PAGE;
 
 /// Packed rows per cube.
 pub const BLOCK_M: usize = 16 * PLANES;

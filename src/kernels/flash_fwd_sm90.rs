@@ -23,7 +23,7 @@ use super::flash_fwd::{fill_rows, tile_bounds, tile_rows, work_item, LIST_SMEM, 
 use super::math::{fast_exp2, LN2};
 use super::sm90::{fence_proxy_async, pack_a_pairs, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait, SW_COLS, SW_ROW};
 use super::staging::commit_copies;
-use crate::spec::KV_PAGE;
+use crate::format::KV_PAGE;
 
 /// Packed rows per cube: two warpgroups of 64.
 pub const SM90_BLOCK_M: usize = 128;

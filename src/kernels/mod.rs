@@ -18,6 +18,7 @@ pub mod grid;
 pub mod int8_qk;
 pub mod staging;
 pub mod sparse_index;
+pub mod tiles;
 pub mod zigzag_copy;
 
 /// The kernel sources, hashed into the compiled-kernel cache key so that an edited kernel is never
@@ -41,5 +42,6 @@ pub const SOURCES: &[&str] = &[
     include_str!("int8_qk.rs"),
     include_str!("staging.rs"),
     include_str!("sparse_index.rs"),
+    include_str!("tiles.rs"),
     include_str!("zigzag_copy.rs"),
 ];

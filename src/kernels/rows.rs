@@ -10,7 +10,7 @@
 
 use cubecl::prelude::*;
 
-use crate::spec::KV_PAGE;
+use crate::format::KV_PAGE;
 
 /// The bound of an unbounded window side: wider than any sequence, small enough for `i32` sums.
 pub const WIN_NONE: u32 = 1 << 30;

@@ -4,7 +4,7 @@
 
 use cubecl::prelude::*;
 
-use super::flash_bwd::BWD_BN;
+use super::tiles::BWD_BN;
 use super::rows::{key_rows, kv_row, row_keys};
 
 /// Rows (or keys) per cube of the f32 kernels (one plane each).

@@ -16,7 +16,7 @@
 
 use cubecl::prelude::*;
 
-use super::flash_bwd_wide::SPARSE_QB_BITS;
+use super::tiles::SPARSE_QB_BITS;
 
 /// Units per cube of [`sparse_transpose`] (one cell each).
 pub const TRANSPOSE_THREADS: usize = 256;

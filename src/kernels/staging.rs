@@ -5,7 +5,7 @@
 use cubecl::prelude::*;
 use cubecl::prelude::barrier::{copy_async, Barrier};
 
-use super::flash_bwd::{BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, PAD};
+use super::tiles::{BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, PAD};
 use super::rows::kv_row;
 use super::sm90::swizzle_128b;
 

@@ -36,8 +36,7 @@ use super::plans::{Cached, PlanKey};
 use super::CudaBackend;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::kernels::flash_bwd::{BWD_BM, BWD_BN, SPARSE_QWORK_WORDS};
-use crate::kernels::flash_bwd_wide::{SPARSE_KWORK_WORDS, SPARSE_QB_BITS, SPARSE_QB_MASK, WIDE_BN};
+use crate::kernels::tiles::{BWD_BM, BWD_BN, SPARSE_KWORK_WORDS, SPARSE_QB_BITS, SPARSE_QB_MASK, SPARSE_QWORK_WORDS, WIDE_BN};
 use crate::kernels::sparse_index::{self, SCAN_THREADS, TRANSPOSE_THREADS};
 use crate::spec::SparseView;
 

@@ -1,0 +1,34 @@
+//! Tile shapes and work-list formats of the backward kernels, shared by the kernels and by the
+//! host plans that feed them (`backend::cuda::backward`, `sparse_bwd`). No kernel code: every
+//! kernel file may import it, so the kernel files need not import each other for a constant.
+
+/// Planes (warps) per cube of the dQ pass.
+pub const BWD_PLANES: usize = 4;
+/// Keys per shared-memory tile of the dQ pass (and of the f32 row-wise backward's key tiles).
+pub const BWD_BN: usize = 16 * BWD_PLANES;
+/// Query rows per dQ cube (16 per plane) and per query tile of the dK/dV kernels.
+pub const BWD_BM: usize = 16 * BWD_PLANES;
+/// Keys of the dQ pass computed at once from a shared-memory tile (bounds the registers).
+pub const BWD_SUB: usize = 32;
+/// Width of the global-memory vector loads (elements): 16 bytes of f16/bf16.
+pub const BWD_LOAD_VEC: usize = 8;
+/// Padding (elements) added to each shared-memory row (keeps 16-byte alignment, spreads banks).
+pub(crate) const PAD: usize = 8;
+/// Elements per unit of `flash_bwd::dq_convert` (every dQ length is a multiple: head_dim is 64 or
+/// 128).
+pub const CONVERT_VEC: usize = 4;
+/// Planes per cube of the preprocessing kernel.
+pub const DELTA_PLANES: usize = 8;
+/// u32 words per block-sparse dQ work item: (sequence, first row, end row of its query block).
+pub const SPARSE_QWORK_WORDS: usize = 3;
+
+/// Planes (warps) per cube of the mma.sync dK/dV kernel.
+pub const WIDE_PLANES: usize = 8;
+/// Keys per dK/dV work item (the key tile of the work list; a cube of either dK/dV kernel).
+pub const WIDE_BN: usize = 128;
+/// u32 words per block-sparse dK/dV work item: (sequence, first window key, keys, key block).
+pub const SPARSE_KWORK_WORDS: usize = 4;
+/// An entry of the transposed block index is `query block | index head << SPARSE_QB_BITS`.
+pub const SPARSE_QB_BITS: u32 = 20;
+/// The query-block bits of a transposed-index entry.
+pub const SPARSE_QB_MASK: u32 = (1 << SPARSE_QB_BITS) - 1;
