@@ -21,10 +21,11 @@ use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
 use cubecl::prelude::barrier::Barrier;
 
-use super::flash_fwd::{issue_kv_tile_maps, tile_bounds, tile_div_magic, LIST_SMEM};
+use super::flash_fwd::{tile_bounds, tile_div_magic, LIST_SMEM};
+use super::kv_tiles::{issue_kv_tile, issue_kv_tile_maps};
 use super::fragments::{frag_a, frag_b_t2, mma_acc_b, mma_into};
 use super::grid::cube_item_slot;
-use super::staging::{commit_copies, commit_stage, issue_kv_tile, stage_rows, wait_stage};
+use super::staging::{commit_copies, commit_stage, stage_rows, wait_stage};
 use super::math::{fast_exp2, LOG2E};
 use super::rows::{kv_row, row_keys};
 use super::tiles::{BWD_BM, BWD_BN, BWD_PLANES, BWD_SUB, CONVERT_VEC, DELTA_PLANES, PAD, SPARSE_QWORK_WORDS};
@@ -338,7 +339,7 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
 
 /// Window keys `kb..kb + BWD_BN` of K and V into rows `boff..` of their stage buffers, for the
 /// barrier [`commit_stage`] picks for `stage` (`even` / `odd`): with `tma` (sm_90+) and every key
-/// inside the segment, one [`kv_map_box`](super::flash_fwd::kv_map_box) tensor-map copy of K and
+/// inside the segment, one [`kv_map_box`](super::kv_tiles::kv_map_box) tensor-map copy of K and
 /// one of V issued by unit 0 (the barrier's expected bytes raised first); else `cp.async` by every
 /// unit ([`issue_kv_tile`], rows clamped to the segment). The caller commits.
 #[cube]

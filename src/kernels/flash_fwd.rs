@@ -40,15 +40,16 @@
 
 use cubecl::prelude::*;
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
-use cubecl::prelude::barrier::{copy_async, Barrier};
+use cubecl::prelude::barrier::Barrier;
 
 use super::fragments::{frag_a, frag_b_pair, mma_into};
 use super::grid::cube_item_slot;
-use super::int8_qk::{copy_k_tile8, scores_int8, stride8};
+use super::int8_qk::{scores_int8, stride8};
+use super::kv_tiles::{issue_kv_tiles, load_kv_tile, tile_rows};
 use super::staging::{commit_copies, copy_token_rows};
+use super::tiles::{LOAD_VEC, SMEM_PAD};
 use super::math::{fast_exp2, LN2};
-use super::rows::{kv_row, row_keys, WIN_NONE};
-use crate::format::KV_PAGE;
+use super::rows::{row_keys, WIN_NONE};
 
 /// Packed rows per cube.
 pub const BLOCK_M: usize = 16 * PLANES;
@@ -56,10 +57,6 @@ pub const BLOCK_M: usize = 16 * PLANES;
 pub const BLOCK_N: usize = 64;
 /// Planes (warps) per cube.
 pub const PLANES: usize = 8;
-/// Width of the global-memory vector loads (elements): 16 bytes of f16/bf16.
-pub const LOAD_VEC: usize = 8;
-/// Padding (elements) added to each shared-memory row to spread banks.
-pub const SMEM_PAD: usize = 8;
 /// u32 words per slice in the slice table.
 pub const SLICE_WORDS: usize = 3;
 /// u32 words per work item.
@@ -178,202 +175,6 @@ pub fn fill_uncovered<E: Float>(out: &mut Array<E>, lse: &mut Array<f32>, inf: f
     if idx < lse.len() {
         lse[idx] = inf;
     }
-}
-
-/// Issues the `cp.async` copies of keys `[n0, n1)` of kv head `head_kv` into a padded K or V tile
-/// of `block_n` rows from shared row `row0` (rows past the range repeat key `n1 - 1`: they are
-/// masked); the caller commits them to its barrier. Unit `u` copies the 16 bytes at column
-/// `u % vecs_per_row` of rows `u / vecs_per_row + i * rows_per_pass`: its row and column are
-/// computed once, each copy adds one clamp, one multiply-add and a constant shared offset (the
-/// per-copy division of `u + i * threads` cost ~2x the instructions; docs/forward.md). At
-/// head_dim 64 a full tile (every tile but a range's last) skips the clamps: one global offset
-/// plus a constant per pass, measured 2% faster there and 1-5% slower at d128 (docs/forward.md).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn copy_kv_tile<E: Float>(
-    src: &Array<E>,
-    smem: &mut SharedMemory<E>,
-    row0: usize,
-    n0: u32,
-    n1: u32,
-    n0b: u32,
-    krow: usize,
-    head_kv: u32,
-    #[comptime] threads: usize,
-    #[comptime] block_n: usize,
-    #[comptime] head_dim: usize,
-    #[comptime] paged: bool,
-) {
-    let stride = comptime!(head_dim + SMEM_PAD);
-    let vecs_per_row = comptime!(head_dim / LOAD_VEC);
-    let rows_per_pass = comptime!(threads / vecs_per_row);
-    // a paged tile longer than a page: its rows from KV_PAGE on start at n0b (`tile_rows`)
-    let split = comptime!(paged && block_n > KV_PAGE);
-    let r = UNIT_POS as usize / vecs_per_row;
-    let col = (UNIT_POS as usize % vecs_per_row) * LOAD_VEC;
-    let g_col = head_kv as usize * head_dim + col;
-    let s0 = (row0 + r) * stride + col;
-    if comptime!(head_dim <= 64) && n1 - n0 == block_n as u32 {
-        let g0 = (n0 as usize + r) * krow + g_col;
-        #[unroll]
-        for it in 0..comptime!(block_n / rows_per_pass) {
-            let mut g = g0 + it * rows_per_pass * krow;
-            if comptime!(split && it * rows_per_pass >= KV_PAGE) {
-                g = (n0b as usize + r + comptime!(it * rows_per_pass - KV_PAGE)) * krow + g_col;
-            }
-            let base = s0 + comptime!(it * rows_per_pass * stride);
-            copy_async(&src.slice(g, g + LOAD_VEC), &mut smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
-        }
-    } else {
-        #[unroll]
-        for it in 0..comptime!(block_n / rows_per_pass) {
-            let mut key = min(n0 + (r + it * rows_per_pass) as u32, n1 - 1);
-            if comptime!(split && it * rows_per_pass >= KV_PAGE) {
-                // n0b is n0 + KV_PAGE when the tile ends inside its first page
-                key = n0b + min((r + it * rows_per_pass) as u32, n1 - n0 - 1u32) - KV_PAGE as u32;
-            }
-            let g = key as usize * krow + g_col;
-            let base = s0 + comptime!(it * rows_per_pass * stride);
-            copy_async(&src.slice(g, g + LOAD_VEC), &mut smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
-        }
-    }
-}
-
-/// Box (columns, rows) of the tensor-map copies of a `block_n`-key tile (sm_90+): `head_dim +
-/// SMEM_PAD` columns of the `[rows, heads_kv * head_dim]` view of K or V, so that the dense box
-/// lands as the padded rows of the cp.async path (the extra columns, the next head's elements or
-/// zeros past the row's end, are never read), and `min(block_n, KV_PAGE)` rows: a tile is
-/// `block_n / rows` boxes, none across a page when paged.
-pub const fn kv_map_box(head_dim: usize, block_n: usize) -> (u32, u32) {
-    ((head_dim + SMEM_PAD) as u32, if block_n < KV_PAGE { block_n as u32 } else { KV_PAGE as u32 })
-}
-
-/// Keys `[n0, n1)` of `src` (K or V) into shared rows `row0..row0 + block_n` of `smem`: with `tma`
-/// and a full tile, [`kv_map_box`] tensor-map copies issued by unit 0 on `bar` (its expected
-/// bytes raised first); else `cp.async` by every unit ([`copy_kv_tile`]). The caller commits.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn load_kv_tile<E: Float>(
-    map: &TensorMap<E, Tiled>,
-    src: &Array<E>,
-    smem: &mut SharedMemory<E>,
-    bar: &Barrier,
-    row0: usize,
-    n0: u32,
-    n1: u32,
-    n0b: u32,
-    krow: usize,
-    head_kv: u32,
-    #[comptime] threads: usize,
-    #[comptime] block_n: usize,
-    #[comptime] head_dim: usize,
-    #[comptime] paged: bool,
-    #[comptime] tma: bool,
-) {
-    // (`tma` alone decides at compile time: without it no tensor-map code is generated, which
-    // GPUs below sm_90 could not compile)
-    let mut by_map = false;
-    if comptime!(tma) {
-        by_map = n1 - n0 == block_n as u32;
-    }
-    if by_map {
-        if comptime!(tma) {
-            issue_kv_tile_maps(map, smem, bar, row0, n0, n0b, head_kv, block_n, head_dim);
-        }
-    } else {
-        copy_kv_tile(src, smem, row0, n0, n1, n0b, krow, head_kv, threads, block_n, head_dim, paged);
-    }
-}
-
-/// Unit 0 raises `bar`'s expected bytes by a `block_n`-key tile and issues its [`kv_map_box`]
-/// copies (rows from `n0`, from `n0b` past the first page) into shared rows `row0..`.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn issue_kv_tile_maps<E: Float>(
-    map: &TensorMap<E, Tiled>,
-    smem: &mut SharedMemory<E>,
-    bar: &Barrier,
-    row0: usize,
-    n0: u32,
-    n0b: u32,
-    head_kv: u32,
-    #[comptime] block_n: usize,
-    #[comptime] head_dim: usize,
-) {
-    if UNIT_POS == 0 {
-        let stride = comptime!(head_dim + SMEM_PAD);
-        let ts = E::type_size();
-        bar.expect_tx(comptime!((block_n * (head_dim + SMEM_PAD) * ts) as u32));
-        let x = (head_kv * head_dim as u32) as i32;
-        let rows = comptime!(kv_map_box(head_dim, block_n).1 as usize);
-        #[unroll]
-        for b in 0..comptime!(block_n / rows) {
-            // rows from KV_PAGE on start at n0b (`tile_rows`: n0 + KV_PAGE unless paged)
-            let mut y = n0 + comptime!(b * rows) as u32;
-            if comptime!(b * rows >= KV_PAGE) {
-                y = n0b + comptime!(b * rows - KV_PAGE) as u32;
-            }
-            let a = (row0 + comptime!(b * rows)) * stride;
-            bar.tma_load_2d(map, &mut smem.slice_mut(a, a + comptime!(rows * (head_dim + SMEM_PAD))), y as i32, x);
-        }
-    }
-}
-
-/// Issues the copies of keys `[n0, n1)` of K (int8 rows with `int8`) and V (`with_v`) into shared
-/// rows `row0..row0 + block_n` of their buffers and commits K's to `bar_k` (with the copies this
-/// unit issued since its last commit: the Q tile for the first tile), V's to `bar_v`.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn issue_kv_tiles<E: Float>(
-    k_map: &TensorMap<E, Tiled>,
-    v_map: &TensorMap<E, Tiled>,
-    k_s: &Array<E>,
-    v_s: &Array<E>,
-    k_smem: &mut SharedMemory<E>,
-    v_smem: &mut SharedMemory<E>,
-    bar_k: &Barrier,
-    bar_v: &Barrier,
-    row0: usize,
-    n0: u32,
-    n1: u32,
-    n0b: u32,
-    krow: usize,
-    heads_kv: u32,
-    head_kv: u32,
-    #[comptime] threads: usize,
-    #[comptime] block_n: usize,
-    #[comptime] head_dim: usize,
-    #[comptime] int8: bool,
-    #[comptime] with_v: bool,
-    #[comptime] paged: bool,
-    #[comptime] tma: bool,
-) {
-    if int8 {
-        copy_k_tile8(k_s, k_smem, row0, n0, n1, heads_kv, head_kv, threads, block_n, head_dim);
-    } else {
-        load_kv_tile(k_map, k_s, k_smem, bar_k, row0, n0, n1, n0b, krow, head_kv, threads, block_n, head_dim, paged, tma);
-    }
-    commit_copies(bar_k);
-    if with_v {
-        load_kv_tile(v_map, v_s, v_smem, bar_v, row0, n0, n1, n0b, krow, head_kv, threads, block_n, head_dim, paged, tma);
-        commit_copies(bar_v);
-    }
-}
-
-/// Physical rows `(n0, n1, n0b)` of the logical key tile `[t0, t1)`: its first row, the end of
-/// its rows as if contiguous (`n0 + t1 - t0`), and where its key `t0 + KV_PAGE` is when the tile
-/// is paged and longer than a page (else `n0 + KV_PAGE`, so a copy's row is `n0b + i - KV_PAGE`
-/// for tile row i >= KV_PAGE either way).
-#[cube]
-pub(crate) fn tile_rows(t0: u32, t1: u32, pages: &Array<u32>, #[comptime] paged: bool, #[comptime] block_n: usize) -> (u32, u32, u32) {
-    let p0 = kv_row(t0, pages, paged);
-    let mut pb = p0 + KV_PAGE as u32;
-    if comptime!(paged && block_n > KV_PAGE) {
-        if t1 - t0 > KV_PAGE as u32 {
-            pb = kv_row(t0 + KV_PAGE as u32, pages, paged);
-        }
-    }
-    (p0, p0 + (t1 - t0), pb)
 }
 
 /// The forward kernel: FlashAttention-2's warp shape. Each plane (warp) owns `mt` m16 row blocks

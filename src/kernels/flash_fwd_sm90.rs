@@ -19,11 +19,11 @@
 use cubecl::prelude::*;
 use cubecl::prelude::barrier::{copy_async, Barrier};
 
-use super::flash_fwd::{fill_rows, tile_bounds, tile_rows, work_item, LIST_SMEM, M_INIT, NONE, RESCALE_SLACK};
+use super::flash_fwd::{fill_rows, tile_bounds, work_item, LIST_SMEM, M_INIT, NONE, RESCALE_SLACK};
+use super::kv_tiles::{issue_tile_sw128, tile_rows};
 use super::math::{fast_exp2, LN2};
 use super::sm90::{fence_proxy_async, pack_a_pairs, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait, SW_COLS, SW_ROW};
 use super::staging::commit_copies;
-use crate::format::KV_PAGE;
 
 /// Packed rows per cube: two warpgroups of 64.
 pub const SM90_BLOCK_M: usize = 128;
@@ -31,11 +31,6 @@ pub const SM90_BLOCK_M: usize = 128;
 const _: () = assert!(SM90_BLOCK_M == super::flash_fwd::BLOCK_M);
 /// Threads per cube.
 pub const SM90_THREADS: usize = 256;
-
-/// Rows of one tensor-map box of a K or V tile: at most a page, so that no box crosses one.
-pub const fn sm90_box_rows(block_n: usize) -> usize {
-    if block_n < KV_PAGE { block_n } else { KV_PAGE }
-}
 
 /// Row `(row, col)` inside the m16n8 accumulator block of lane `lane`'s element `e` (0..4).
 #[cube]
@@ -56,43 +51,6 @@ fn pick_row(#[comptime] i: usize, row_a: usize, row_b: usize) -> usize {
         r = row_a;
     }
     r
-}
-
-/// Unit 0 raises `bar`'s expected bytes by a K or V tile of `block_n` keys and issues its copies:
-/// `head_dim / 64` column chunks x `block_n / box_rows` row boxes of the `[rows, heads_kv *
-/// head_dim]` view (rows from `n0`, from `n0b` past the first page), into the tile at element
-/// `base` of `smem` (chunk `c` at `base + c * block_n * 64`).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn issue_tile_sw128<E: Float>(
-    map: &TensorMap<E, Tiled>,
-    smem: &mut SharedMemory<E>,
-    bar: &Barrier,
-    base: usize,
-    n0: u32,
-    n0b: u32,
-    head_kv: u32,
-    #[comptime] block_n: usize,
-    #[comptime] head_dim: usize,
-) {
-    if UNIT_POS == 0 {
-        let ts = E::type_size();
-        bar.expect_tx(comptime!((block_n * head_dim * ts) as u32));
-        let rows = comptime!(sm90_box_rows(block_n));
-        #[unroll]
-        for c in 0..comptime!(head_dim / SW_COLS) {
-            let x = (head_kv * head_dim as u32) as i32 + comptime!((c * SW_COLS) as i32);
-            #[unroll]
-            for b in 0..comptime!(block_n / rows) {
-                let mut y = n0 + comptime!(b * rows) as u32;
-                if comptime!(b * rows >= KV_PAGE) {
-                    y = n0b + comptime!(b * rows - KV_PAGE) as u32;
-                }
-                let a = base + comptime!(c * block_n * SW_COLS + b * rows * SW_COLS);
-                bar.tma_load_2d(map, &mut smem.slice_mut(a, a + comptime!(rows * SW_COLS)), y as i32, x);
-            }
-        }
-    }
 }
 
 /// `S = Q K^T` over one key tile: `head_dim / 16` MMAs m64 x block_n x k16, Q (this warpgroup's

@@ -5,7 +5,7 @@
 use cubecl::prelude::*;
 use cubecl::prelude::barrier::{copy_async, Barrier};
 
-use super::tiles::{BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, PAD};
+use super::tiles::{BWD_BM, BWD_LOAD_VEC, PAD};
 use super::rows::kv_row;
 use super::sm90::swizzle_128b;
 
@@ -107,45 +107,13 @@ pub fn issue_lse_delta(
     }
 }
 
-/// `cp.async` copy of key tile rows `kb..kb+BWD_BN` of K and V (window-local, clamped to the
-/// window's last key: keys past `k_len` are masked by the caller) into rows `boff..` of
-/// `k_smem` / `v_smem`. `paged`: K,V rows through the page table `pages` (`rows::kv_row`; the
-/// tile lies inside one block). The caller commits the copies to a barrier.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-pub fn issue_kv_tile<E: Float>(
-    k_s: &Array<E>,
-    v_s: &Array<E>,
-    k_smem: &mut SharedMemory<E>,
-    v_smem: &mut SharedMemory<E>,
-    boff: usize,
-    kb: u32,
-    k_len: u32,
-    k_start: u32,
-    head_kv: u32,
-    heads_kv: u32,
-    pages: &Array<u32>,
-    #[comptime] head_dim: usize,
-    #[comptime] paged: bool,
-) {
-    let mut start = k_start;
-    let mut r0 = kb;
-    let mut len = k_len;
-    if paged {
-        start = kv_row(k_start + kb, pages, true);
-        r0 = 0u32;
-        len = k_len - kb;
-    }
-    issue_row_pair::<E>(k_s, v_s, k_smem, v_smem, boff, r0, len, start, head_kv, heads_kv, BWD_BN, head_dim, comptime!(BWD_PLANES * 32));
-}
-
 /// `cp.async` copies of rows `r0..r0 + rows` (clamped to row `len - 1`: the caller masks rows
 /// past it) of head `h` of two token-major tensors `a` and `b` (`[.., heads, head_dim]`, the rows'
 /// tokens from `start`) into rows `boff..` of `a_smem` / `b_smem` (padded rows), by `threads`
 /// units.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn issue_row_pair<E: Float>(
+pub(crate) fn issue_row_pair<E: Float>(
     a: &Array<E>,
     b: &Array<E>,
     a_smem: &mut SharedMemory<E>,

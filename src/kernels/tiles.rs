@@ -1,6 +1,11 @@
-//! Tile shapes and work-list formats of the backward kernels, shared by the kernels and by the
-//! host plans that feed them (`backend::cuda::backward`, `sparse_bwd`). No kernel code: every
-//! kernel file may import it, so the kernel files need not import each other for a constant.
+//! Tile shapes and work-list formats shared by the kernels and by the host plans that feed them
+//! (`backend::cuda`). No kernel code: every kernel file may import it, so the kernel files need not
+//! import each other for a constant.
+
+/// Width of the forward's global-memory vector loads (elements): 16 bytes of f16/bf16.
+pub const LOAD_VEC: usize = 8;
+/// Padding (elements) added to each of the forward's shared-memory rows to spread banks.
+pub const SMEM_PAD: usize = 8;
 
 /// Planes (warps) per cube of the dQ pass.
 pub const BWD_PLANES: usize = 4;

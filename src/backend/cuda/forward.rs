@@ -24,7 +24,8 @@ use super::{fwd_options, window_bounds, CudaBackend, Plan};
 use crate::dtype::DType;
 use crate::error::{invalid, Result};
 use crate::kernels::flash_fwd::{self, BLOCK_M};
-use crate::kernels::flash_fwd_sm90::{self, sm90_box_rows, SM90_THREADS};
+use crate::kernels::flash_fwd_sm90::{self, SM90_THREADS};
+use crate::kernels::kv_tiles::{kv_map_box, sm90_box_rows};
 use crate::kernels::sm90::SW_COLS;
 use crate::kernels::math::LOG2E;
 use crate::kernels::rowwise_fwd::{self, ROWS_PER_CUBE};
@@ -137,12 +138,12 @@ pub(crate) fn flash_fwd_kernel(
 
 /// The leading arguments of the forward kernel (and of the dQ pass) with `block_n`-key tiles: the tensor maps of K
 /// (not read by the INT8 variant: zeroed) and V over their buffers `k`, `v`
-/// (`flash_fwd::kv_map_box` boxes; zeroed, never read, below sm_90).
+/// (`kv_tiles::kv_map_box` boxes; zeroed, never read, below sm_90).
 pub(crate) fn kv_map_args(be: &CudaBackend, spec: &AttnSpec, k: u64, v: u64, block_n: usize, int8: bool) -> Result<Args> {
     let d = &spec.dims;
     let cols = d.heads_kv * d.head_dim;
     let rows = d.kv_len() / cols.max(1);
-    let (bc, br) = flash_fwd::kv_map_box(d.head_dim, block_n);
+    let (bc, br) = kv_map_box(d.head_dim, block_n);
     let zero = sys::CUtensorMap { opaque: [0; 16] };
     let map = |ptr, on: bool| -> Result<sys::CUtensorMap> {
         if on { tile_map_2d(spec.dtype, ptr, cols, rows, cols * spec.dtype.size(), bc, br, false) } else { Ok(zero) }
