@@ -211,7 +211,7 @@ fn pv_steps<E: Float>(
 
 /// The Hopper forward kernel; arguments as `flash_fwd::flash_fwd_mma2` (one launch card for both;
 /// the INT8 variant is not served here, and `k_s` / `v_s` are read only through the maps).
-/// `k_map` / `v_map`: 128-byte-swizzled maps with 64-column x `sm90_box_rows` boxes.
+/// `k_map` / `v_map`: 128-byte-swizzled maps with 64-column x `kv_tiles::box_rows` boxes.
 #[allow(clippy::too_many_arguments, unused_variables)]
 #[cube(launch_unchecked)]
 pub fn flash_fwd_sm90<E: Float>(

@@ -72,13 +72,19 @@ fn copy_kv_tile<E: Float>(
     }
 }
 
+/// Rows of one tensor-map box of a K or V tile of `block_n` keys: at most a page, so that no box
+/// crosses one.
+pub const fn box_rows(block_n: usize) -> usize {
+    if block_n < KV_PAGE { block_n } else { KV_PAGE }
+}
+
 /// Box (columns, rows) of the tensor-map copies of a `block_n`-key tile (sm_90+): `head_dim +
 /// SMEM_PAD` columns of the `[rows, heads_kv * head_dim]` view of K or V, so that the dense box
 /// lands as the padded rows of the cp.async path (the extra columns, the next head's elements or
 /// zeros past the row's end, are never read), and `min(block_n, KV_PAGE)` rows: a tile is
 /// `block_n / rows` boxes, none across a page when paged.
 pub const fn kv_map_box(head_dim: usize, block_n: usize) -> (u32, u32) {
-    ((head_dim + SMEM_PAD) as u32, if block_n < KV_PAGE { block_n as u32 } else { KV_PAGE as u32 })
+    ((head_dim + SMEM_PAD) as u32, box_rows(block_n) as u32)
 }
 
 /// Keys `[n0, n1)` of `src` (K or V) into shared rows `row0..row0 + block_n` of `smem`: with `tma`
@@ -209,11 +215,6 @@ pub(crate) fn tile_rows(t0: u32, t1: u32, pages: &Array<u32>, #[comptime] paged:
     (p0, p0 + (t1 - t0), pb)
 }
 
-/// Rows of one tensor-map box of a K or V tile: at most a page, so that no box crosses one.
-pub const fn sm90_box_rows(block_n: usize) -> usize {
-    if block_n < KV_PAGE { block_n } else { KV_PAGE }
-}
-
 
 /// Unit 0 raises `bar`'s expected bytes by a K or V tile of `block_n` keys and issues its copies:
 /// `head_dim / 64` column chunks x `block_n / box_rows` row boxes of the `[rows, heads_kv *
@@ -235,7 +236,7 @@ pub(crate) fn issue_tile_sw128<E: Float>(
     if UNIT_POS == 0 {
         let ts = E::type_size();
         bar.expect_tx(comptime!((block_n * head_dim * ts) as u32));
-        let rows = comptime!(sm90_box_rows(block_n));
+        let rows = comptime!(box_rows(block_n));
         #[unroll]
         for c in 0..comptime!(head_dim / SW_COLS) {
             let x = (head_kv * head_dim as u32) as i32 + comptime!((c * SW_COLS) as i32);

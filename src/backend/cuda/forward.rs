@@ -25,7 +25,7 @@ use crate::dtype::DType;
 use crate::error::{invalid, Result};
 use crate::kernels::flash_fwd::{self, BLOCK_M};
 use crate::kernels::flash_fwd_sm90::{self, SM90_THREADS};
-use crate::kernels::kv_tiles::{kv_map_box, sm90_box_rows};
+use crate::kernels::kv_tiles::{box_rows, kv_map_box};
 use crate::kernels::sm90::SW_COLS;
 use crate::kernels::math::LOG2E;
 use crate::kernels::rowwise_fwd::{self, ROWS_PER_CUBE};
@@ -202,12 +202,12 @@ pub(crate) fn fwd_sm90_source(
 }
 
 /// The tensor maps of K and V for the Hopper forward: 128-byte swizzled, 64-column x
-/// `sm90_box_rows(block_n)`-row boxes.
+/// `box_rows(block_n)`-row boxes.
 pub(crate) fn kv_map_args_sw128(spec: &AttnSpec, k: u64, v: u64, block_n: usize) -> Result<Args> {
     let d = &spec.dims;
     let cols = d.heads_kv * d.head_dim;
     let rows = d.kv_len() / cols.max(1);
-    let map = |ptr| tile_map_2d(spec.dtype, ptr, cols, rows, cols * spec.dtype.size(), SW_COLS as u32, sm90_box_rows(block_n) as u32, true);
+    let map = |ptr| tile_map_2d(spec.dtype, ptr, cols, rows, cols * spec.dtype.size(), SW_COLS as u32, box_rows(block_n) as u32, true);
     let mut a = Args::new();
     a.tensor_map(map(k)?, k, rows, cols).tensor_map(map(v)?, v, rows, cols);
     Ok(a)
