@@ -21,7 +21,9 @@
 //! `CUBEATTN_CUDA_PLANE_ROWS`, `CUBEATTN_CUDA_BLOCK_N` (the GPU tests and benchmarks switch those
 //! forward variants with [`set_fwd_options`]), `CUBEATTN_BWD_ATOMIC_VEC` (scalar dQ atomics on
 //! sm_90+; the portable build still runs them), `CUBEATTN_CPU_BLOCKS` and
-//! `CUBEATTN_CPU_BWD_BLOCKS` (CPU tile sizes).
+//! `CUBEATTN_CPU_BWD_BLOCKS` (CPU tile sizes), `CUBEATTN_BWD_SM90_EARLY_DV` and
+//! `CUBEATTN_BWD_SM90_WGS` (the wgmma backward's early dV product and one-warpgroup cubes,
+//! docs/backward.md).
 
 #[cfg(feature = "cuda")]
 use std::path::PathBuf;
