@@ -44,15 +44,6 @@ const BN: usize = WIDE_BN;
 const BM: usize = BWD_BM;
 const _: () = assert!(BN == 2 * WG_KEYS && BM == 64);
 
-/// Shared memory (bytes, f16/bf16) of the kernel at `head_dim`, as it lays its buffers out, plus
-/// 2 KiB for barriers, alignment and the lse / delta stages.
-pub const fn sm90_bwd_smem(head_dim: usize, fuse_dq: bool) -> usize {
-    let kv = 2 * BN * head_dim * 2;
-    let q = 2 * 2 * BM * head_dim * 2;
-    let dq = if fuse_dq { BN * BM * 2 + BM * dq_tile_stride(head_dim) * 4 } else { 0 };
-    kv + q + dq + 2048
-}
-
 /// Issues query tile `g` (head `h`, segment rows `r0..r0 + BM`) into stage `g % 2` of the swizzled
 /// Q / dO tiles and of lse / delta, committed to `bar0` (even `g`) or `bar1`: by tensor-map copies
 /// (one thread; 64-column x 64-row boxes) when every row lies inside the segment, else by `cp.async`
@@ -85,7 +76,8 @@ fn issue_q_tile<E: Float>(
     let base = stage * comptime!(BM * head_dim);
     if r0 + BM as u32 <= q_len {
         if UNIT_POS == 0 {
-            let bytes = comptime!((2 * BM * head_dim * 2) as u32);
+            let ts = E::type_size();
+            let bytes = comptime!((2 * BM * head_dim * ts) as u32);
             let y = (q_start + r0) as i32;
             if stage == 0 {
                 bar0.expect_tx(bytes);

@@ -388,16 +388,17 @@ pub(crate) fn dkdv_wide_source(
     Ok(src)
 }
 
-/// The tensor maps of Q and dO (`flash_bwd_wide::q_map_box` boxes); zeroed (never read) when
-/// `tma` is false.
-fn q_maps(spec: &AttnSpec, p: &BwdPtrs, tma: bool) -> Result<[sys::CUtensorMap; 2]> {
+/// The tensor maps of Q and dO over `[total_q, heads_q * head_dim]` with boxes of `(columns,
+/// rows, 128-byte swizzle)`: `flash_bwd_wide::q_map_box` padded boxes for the mma.sync kernel,
+/// 64 x `BWD_BM` swizzled ones for the Hopper kernel; zeroed (never read) for `None` (no tensor
+/// maps below sm_90).
+fn q_maps(spec: &AttnSpec, p: &BwdPtrs, boxes: Option<(u32, u32, bool)>) -> Result<[sys::CUtensorMap; 2]> {
     let d = &spec.dims;
-    if !tma {
+    let Some((bc, br, sw128)) = boxes else {
         return Ok([sys::CUtensorMap { opaque: [0; 16] }; 2]);
-    }
-    let (bc, br) = flash_bwd_wide::q_map_box(d.head_dim);
+    };
     let cols = d.heads_q * d.head_dim;
-    let map = |ptr| tile_map_2d(spec.dtype, ptr, cols, d.total_q, cols * spec.dtype.size(), bc, br, false);
+    let map = |ptr| tile_map_2d(spec.dtype, ptr, cols, d.total_q, cols * spec.dtype.size(), bc, br, sw128);
     Ok([map(p.q)?, map(p.dout)?])
 }
 
@@ -456,15 +457,6 @@ pub(crate) fn dkdv_sm90_source(
     Ok(src)
 }
 
-/// The tensor maps of Q and dO for the Hopper dK/dV kernel: 128-byte swizzled, 64 x 64 boxes.
-fn q_maps_sw128(spec: &AttnSpec, p: &BwdPtrs) -> Result<[sys::CUtensorMap; 2]> {
-    let d = &spec.dims;
-    let cols = d.heads_q * d.head_dim;
-    let (bc, br) = (SW_COLS as u32, BWD_BM as u32);
-    let map = |ptr| tile_map_2d(spec.dtype, ptr, cols, d.total_q, cols * spec.dtype.size(), bc, br, true);
-    Ok([map(p.q)?, map(p.dout)?])
-}
-
 /// Enqueues the dK/dV kernel over `n_work` work items x heads_kv: dense, 128-key tiles of the
 /// shared key axis; block-sparse (`sparse` = (q_block, index heads, key blocks per sequence slot,
 /// query tiles per query block)), items of at most 128 keys of one key block. `acc`: the f32 dQ
@@ -488,7 +480,7 @@ pub(crate) fn launch_dkdv_wide(
     let qvec = atomic_vec(be);
     let (f, mut a) = if sm90_backward(be, spec, acc) {
         let f = dkdv_sm90_kernel(be, spec.dtype, d.head_dim, acc.is_some(), qvec, sparse.is_some(), paged)?;
-        (f, dkdv_arrays(spec, p, q_maps_sw128(spec, p)?, delta, acc, qvec))
+        (f, dkdv_arrays(spec, p, q_maps(spec, p, Some((SW_COLS as u32, BWD_BM as u32, true)))?, delta, acc, qvec))
     } else {
         let bulk = acc.is_some_and(|a| bulk_dq(be, d.head_dim, a));
         // full query tiles by tensor maps on sm_90+ (the pointers are 16-byte aligned:
@@ -496,7 +488,8 @@ pub(crate) fn launch_dkdv_wide(
         let tma = be.target.tma;
         let qs = q_stages(be, d.head_dim, acc.is_some(), bulk);
         let f = dkdv_wide_kernel(be, spec.dtype, d.head_dim, acc.is_some(), bulk, qvec, sparse.is_some(), paged, tma, qs)?;
-        (f, dkdv_arrays(spec, p, q_maps(spec, p, tma)?, delta, acc, qvec))
+        let (bc, br) = flash_bwd_wide::q_map_box(d.head_dim);
+        (f, dkdv_arrays(spec, p, q_maps(spec, p, tma.then_some((bc, br, false)))?, delta, acc, qvec))
     };
     for x in [t.work, t.tile_off, t.tile_segs, t.segs, t.tq_off, t.tq_list] {
         a.array(x.0, x.1);
