@@ -200,7 +200,9 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
     #[comptime] paged: bool,
 ) {
     let lane = UNIT_POS_PLANE;
-    let warp = UNIT_POS / 32u32;
+    // the warp and warpgroup index broadcast from lane 0: values the compiler knows are uniform
+    // across the warp, so the MMA descriptors built from them stay in uniform registers
+    let warp = plane_broadcast(UNIT_POS / 32u32, 0u32);
     let wg = (warp / 4u32) as usize;
     // this lane's first accumulator row (a key of the cube; + 8 for the second)
     let key_a = wg * WG_KEYS + ((warp % 4u32) * 16u32 + lane / 4u32) as usize;

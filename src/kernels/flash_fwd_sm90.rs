@@ -253,7 +253,9 @@ pub fn flash_fwd_sm90<E: Float>(
     let threads = comptime!(SM90_THREADS);
     let block_m = comptime!(SM90_BLOCK_M);
     let lane = UNIT_POS_PLANE;
-    let warp = UNIT_POS / 32u32;
+    // the warp and warpgroup index broadcast from lane 0: values the compiler knows are uniform
+    // across the warp, so the MMA descriptors built from them stay in uniform registers
+    let warp = plane_broadcast(UNIT_POS / 32u32, 0u32);
     let wg = (warp / 4u32) as usize;
     // first row (inside the cube tile) of this thread's warp
     let prow = wg * 64 + ((warp % 4u32) * 16u32) as usize;

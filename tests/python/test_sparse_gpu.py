@@ -103,6 +103,16 @@ def test_odd_block_sizes(q_block, k_block):
         run_case(np.random.default_rng(k_block), B, sq, sk, hq, hkv, d, "float16", causal, ix, q_block, k_block)
 
 
+@pytest.mark.parametrize("d, k_block", [(128, 64), (128, 192), (64, 128), (64, 256)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_128_row_query_blocks(d, k_block, causal):
+    # q_block 128 per q head: 128-row cubes, k_block a multiple of the Hopper kernel's key tile
+    # (64 at d128, 128 at d64): on sm_90 the wgmma forward runs these; Sq, Sk off the blocks
+    B, sq, sk, hq, hkv = 2, 389, 901, 4, 2
+    ix = pattern("local" if causal else "random", B, hq, -(-sq // 128), -(-sk // k_block), 0.5, seed=d + k_block)
+    run_case(np.random.default_rng(d + k_block), B, sq, sk, hq, hkv, d, "bfloat16", causal, ix, 128, k_block)
+
+
 @pytest.mark.parametrize("per_kv_head", [False, True])
 def test_varlen_and_single_token_sequences(per_kv_head):
     rng = np.random.default_rng(5)

@@ -37,7 +37,7 @@ pub(crate) struct PlanKey {
     /// The page table of a paged K,V (uploaded with the plan's tables).
     pages: Option<Vec<u32>>,
     opts: u64,
-    extra: u64,
+    extra: [u64; 2],
 }
 
 impl PlanKey {
@@ -51,12 +51,12 @@ impl PlanKey {
             segs: spec.segments.iter().map(|s| [s.q_start, s.q_len, s.k_start, s.k_len]).collect(),
             pages: spec.kv_pages().map(<[u32]>::to_vec),
             opts,
-            extra: 0,
+            extra: [0; 2],
         }
     }
 
     /// A key with two more words of what the plan depends on (the block-sparse index hashes).
-    pub fn with_extra(spec: &AttnSpec, opts: u64, extra: u64) -> PlanKey {
+    pub fn with_extra(spec: &AttnSpec, opts: u64, extra: [u64; 2]) -> PlanKey {
         PlanKey { extra, ..PlanKey::new(spec, opts) }
     }
 }

@@ -22,6 +22,10 @@
 //! Workspace (the caller's, [`forward_workspace`]): the non-finite-v flag; a call whose v
 //! holds a NaN or Inf is written by the exact row-wise kernel over the same plan instead
 //! ([`super::nonfinite`]), decided on the device.
+//! On Hopper (`forward::sm90_forward`) a d128 plan whose cubes are 128 rows and whose `k_block`
+//! is a multiple of the Hopper kernel's key tile (64) runs `flash_fwd_sm90` with
+//! the same tables (its key tiles are that kernel's `block_n`); INT8 calls and the rest run
+//! `flash_fwd_mma2` ([`SparseFrame`]).
 //! Speed contract (same results for every block size): `k_block` a multiple of 64 and
 //! `q_block * hp` a multiple of 64 run without masked padding.
 
@@ -47,6 +51,49 @@ pub(crate) struct SparsePlan {
     n_items: usize,
     ys: u32,
     tiles_per_block: u32,
+    frame: SparseFrame,
+}
+
+/// Which forward kernel runs a block-sparse call, and so the keys per tile its plan counts.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum SparseFrame {
+    /// `flash_fwd_mma2` (every GPU; the INT8 Q K^T variant), `BLOCK_N`-key tiles.
+    Mma2,
+    /// `flash_fwd_sm90` with its `block_n`-key tiles.
+    Sm90 { block_n: usize },
+}
+
+impl SparseFrame {
+    fn block_n(self) -> usize {
+        match self {
+            SparseFrame::Mma2 => BLOCK_N,
+            SparseFrame::Sm90 { block_n } => block_n,
+        }
+    }
+
+    /// The frame of `spec` on `be` (module docs).
+    fn of(be: &CudaBackend, spec: SparseView) -> SparseFrame {
+        // d64: the Hopper kernel's sparse variant spills at its two-cubes-per-SM register cap (80
+        // bytes of stack; ptxas, 128 registers), where the mma.sync kernel runs five cubes per SM
+        if spec.int8.is_some() || spec.attn.dims.head_dim != 128 || !super::forward::sm90_forward(be, spec.attn) || plan_block_m(spec) != 128 {
+            return SparseFrame::Mma2;
+        }
+        let (block_n, _) = crate::config::fwd_options().sm90_tile_for(spec.attn.dims.head_dim);
+        if spec.k_block.is_multiple_of(block_n) { SparseFrame::Sm90 { block_n } } else { SparseFrame::Mma2 }
+    }
+}
+
+/// Packed rows per query-block row (`hp`, the GQA group when the index is per kv head, else 1)
+/// and the cube's rows: 128 when a query block's packed rows are a multiple of 128, else 64.
+fn plan_rows(spec: SparseView) -> (usize, usize) {
+    let d = &spec.attn.dims;
+    let group = d.group_size();
+    let hp = if spec.index.heads == d.heads_kv && group > 1 { group } else { 1 };
+    (hp, if (spec.q_block * hp).is_multiple_of(128) { 128 } else { 64 })
+}
+
+fn plan_block_m(spec: SparseView) -> usize {
+    plan_rows(spec).1
 }
 
 /// Table order of a sparse plan.
@@ -57,13 +104,11 @@ const T_REF: usize = 3;
 const T_BLOCKS: usize = 4;
 
 impl SparsePlan {
-    fn build(spec: SparseView) -> (SparsePlan, Vec<Vec<u32>>) {
+    fn build(spec: SparseView, frame: SparseFrame) -> (SparsePlan, Vec<Vec<u32>>) {
         let d = &spec.attn.dims;
-        let group = d.group_size();
-        let hp = if spec.index.heads == d.heads_kv && group > 1 { group } else { 1 };
+        let (hp, block_m) = plan_rows(spec);
         let ys = (d.heads_q / hp) as u32;
-        let block_m = if (spec.q_block * hp).is_multiple_of(128) { 128 } else { 64 };
-        let tpb = spec.k_block.div_ceil(BLOCK_N);
+        let tpb = spec.k_block.div_ceil(frame.block_n());
         let mut segs = Vec::new();
         let mut work = Vec::new();
         let mut slices = Vec::new();
@@ -97,7 +142,7 @@ impl SparsePlan {
             }
         }
         debug_assert_eq!(work.len(), items.len() * WORK_WORDS);
-        let plan = SparsePlan { hp: hp as u32, block_m, n_items: items.len(), ys, tiles_per_block: tpb as u32 };
+        let plan = SparsePlan { hp: hp as u32, block_m, n_items: items.len(), ys, tiles_per_block: tpb as u32, frame };
         (plan, vec![segs, work, slices, refs, ix.blocks.clone()])
     }
 }
@@ -147,8 +192,10 @@ pub(super) fn forward_workspace(spec: SparseView) -> usize {
 
 impl CudaBackend {
     pub(super) fn sparse_plan(&self, spec: SparseView, stream: sys::CUstream) -> Result<Arc<Cached<SparsePlan>>> {
-        let [h0, h1] = spec.fingerprint();
-        self.sparse_plans.get(PlanKey::with_extra(spec.attn, h0, h1), stream, || SparsePlan::build(spec))
+        // the frame is a function of the spec on this backend; in the key for clarity
+        let frame = SparseFrame::of(self, spec);
+        let opts = frame.block_n() as u64;
+        self.sparse_plans.get(PlanKey::with_extra(spec.attn, opts, spec.fingerprint()), stream, || SparsePlan::build(spec, frame))
     }
 }
 
@@ -167,12 +214,21 @@ pub(super) fn launch_sparse_forward(be: &CudaBackend, spec: SparseView, plan: &C
     // the workspace's flag, set when v holds a NaN or Inf (then the exact kernel writes the call)
     let flag = p.workspace;
     launch_flag(be, dt, p.v, d.kv_len(), flag, stream)?;
-    // 64-row cubes (not int8): one V buffer, so that more cubes share an SM (module docs); at d128
-    // four planes of 16 rows
-    let v_single = sp.block_m == 64 && spec.int8.is_none();
-    let mt = if v_single && hd == 128 { 1 } else { 2 };
-    let f = super::forward::flash_fwd_kernel(be, dt, hd, mt, BLOCK_N, sp.block_m, true, spec.int8.is_some(), false, v_single)?;
-    let mut a = super::forward::kv_map_args(be, spec.attn, p.k, p.v, BLOCK_N, spec.int8.is_some())?;
+    let (f, mut a) = match sp.frame {
+        SparseFrame::Sm90 { block_n } => {
+            let (f, bn) = super::forward::flash_fwd_sm90_kernel(be, dt, hd, true, false)?;
+            debug_assert_eq!(bn, block_n);
+            (f, super::forward::kv_map_args_sw128(spec.attn, p.k, p.v, block_n)?)
+        }
+        SparseFrame::Mma2 => {
+            // 64-row cubes (not int8): one V buffer, so that more cubes share an SM (module
+            // docs); at d128 four planes of 16 rows
+            let v_single = sp.block_m == 64 && spec.int8.is_none();
+            let mt = if v_single && hd == 128 { 1 } else { 2 };
+            let f = super::forward::flash_fwd_kernel(be, dt, hd, mt, BLOCK_N, sp.block_m, true, spec.int8.is_some(), false, v_single)?;
+            (f, super::forward::kv_map_args(be, spec.attn, p.k, p.v, BLOCK_N, spec.int8.is_some())?)
+        }
+    };
     match spec.int8 {
         None => {
             a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.out, ql).array(p.lse, ll);

@@ -232,9 +232,8 @@ impl CudaBackend {
     /// The cached backward plan of `spec`, its transposed index built on the GPU (on `stream`)
     /// when new.
     pub(super) fn sparse_bwd_plan(&self, spec: SparseView, stream: sys::CUstream) -> Result<Arc<Cached<SparseBwdPlan>>> {
-        let [h0, h1] = spec.fingerprint();
         self.sparse_bwd_plans.get_init(
-            PlanKey::with_extra(spec.attn, h0, h1),
+            PlanKey::with_extra(spec.attn, 0, spec.fingerprint()),
             stream,
             || SparseBwdPlan::build(spec),
             |plan| build_transposed(self, spec, plan, stream),

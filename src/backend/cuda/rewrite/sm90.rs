@@ -15,17 +15,16 @@ use crate::kernels::sm90::MARK;
 /// Bytes between two 8-row groups of a 128-byte-swizzled tile (the descriptors' stride offset).
 const SBO: u32 = 1024;
 
-/// Common helpers: the 32-bit shared address of a generic pointer into shared memory, and the
-/// 64-bit matrix descriptor of a 128-byte-swizzled operand.
+/// Common helpers: the 64-bit matrix descriptor of a 128-byte-swizzled operand at `byte_off`
+/// bytes (a multiple of 16) into the shared buffer `p`. Its low word is the start address >> 4
+/// (bits 0-13; shared addresses stay below 2^18) with the leading-byte offset >> 4 above it, so
+/// the offset is one 32-bit add to a base the compiler computes once per buffer (no carry can
+/// leave the address field), instead of a descriptor rebuilt per MMA.
 const PRELUDE: &str = r#"
-__device__ __forceinline__ unsigned __cubeattn_smem(const void* p, unsigned byte_off) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p)) + byte_off;
-}
-__device__ __forceinline__ unsigned long long __cubeattn_desc(unsigned addr, unsigned lbo, unsigned sbo) {
-  return static_cast<unsigned long long>((addr & 0x3FFFFu) >> 4)
-       | (static_cast<unsigned long long>((lbo >> 4) & 0x3FFFu) << 16)
-       | (static_cast<unsigned long long>((sbo >> 4) & 0x3FFFu) << 32)
-       | (1ull << 62);
+__device__ __forceinline__ unsigned long long __cubeattn_desc(const void* p, unsigned byte_off, unsigned lbo, unsigned sbo) {
+  const unsigned lo = ((static_cast<unsigned>(__cvta_generic_to_shared(p)) >> 4) | (((lbo >> 4) & 0x3FFFu) << 16)) + (byte_off >> 4);
+  const unsigned hi = ((sbo >> 4) & 0x3FFFu) | (1u << 30);
+  return (static_cast<unsigned long long>(hi) << 32) | lo;
 }
 "#;
 
@@ -74,8 +73,8 @@ fn lower_marker(text: &str) -> Option<Lowered> {
             let definition = format!(
                 r#"__device__ __forceinline__ void {helper}(float* acc, const void* a, unsigned a_off, const void* b, unsigned b_off) {{
   float* d = acc + {acc0};
-  const unsigned long long da = __cubeattn_desc(__cubeattn_smem(a, a_off * {eb}u), {a_lbo}u, {SBO}u);
-  const unsigned long long db = __cubeattn_desc(__cubeattn_smem(b, b_off * {eb}u), {b_lbo}u, {SBO}u);
+  const unsigned long long da = __cubeattn_desc(a, a_off * {eb}u, {a_lbo}u, {SBO}u);
+  const unsigned long long db = __cubeattn_desc(b, b_off * {eb}u, {b_lbo}u, {SBO}u);
 #ifndef CUBEATTN_SM90_NO_MMA
   asm volatile("{{\n.reg .pred p;\nsetp.ne.b32 p, %{r2}, 0;\n"
                "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t} {{{list}}}, %{r0}, %{r1}, p, 1, 1, {a_mn}, {b_mn};\n}}\n"
@@ -101,7 +100,7 @@ fn lower_marker(text: &str) -> Option<Lowered> {
                 r#"__device__ __forceinline__ void {helper}(float* acc, const void* a_regs, const void* b, unsigned b_off) {{
   float* d = acc + {acc0};
   const unsigned* a = reinterpret_cast<const unsigned*>(a_regs) + {a0};
-  const unsigned long long db = __cubeattn_desc(__cubeattn_smem(b, b_off * {eb}u), {b_lbo}u, {SBO}u);
+  const unsigned long long db = __cubeattn_desc(b, b_off * {eb}u, {b_lbo}u, {SBO}u);
 #ifndef CUBEATTN_SM90_NO_MMA
   asm volatile("{{\n.reg .pred p;\nsetp.ne.b32 p, %{r5}, 0;\n"
                "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t} {{{list}}}, {{%{r0}, %{r1}, %{r2}, %{r3}}}, %{r4}, p, 1, 1, {b_mn};\n}}\n"
@@ -233,12 +232,12 @@ mod tests {
         assert!(out.contains("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, "));
         assert!(out.contains("%31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;"), "{out}");
         assert!(out.contains("\"l\"(db), \"r\"(1));"), "{out}");
-        assert!(out.contains("__cubeattn_desc(__cubeattn_smem(b, b_off * 2u), 8192u, 1024u)"));
+        assert!(out.contains("__cubeattn_desc(b, b_off * 2u, 8192u, 1024u)"));
         assert!(out.contains("wgmma.wait_group.sync.aligned 0;"));
         // an MN-major A operand (dQ = dS K with dS^T stored key-major): the transpose flag and its LBO
         let mn = lower("k_", &kernel(&format!("printf(\"{MARK}wgmma_ss bf16 64 0 1 16384 1 16384 1\", x,a,o,b,p);\n"))).unwrap();
         assert!(mn.contains("p, 1, 1, 1, 1;"), "{mn}");
-        assert!(mn.contains("__cubeattn_desc(__cubeattn_smem(a, a_off * 2u), 16384u, 1024u)"), "{mn}");
+        assert!(mn.contains("__cubeattn_desc(a, a_off * 2u, 16384u, 1024u)"), "{mn}");
         // helpers sit before the entry point, each once
         let entry = out.find("extern \"C\"").unwrap();
         assert!(out.find("void __cubeattn_fence()").unwrap() < entry);
