@@ -27,12 +27,16 @@ class _Attention(torch.autograd.Function):
             ctx.fast = None
         ctx.spec, ctx.deterministic, ctx.device = spec, deterministic, device
         ctx.mark_non_differentiable(lse)
+        # lse's gradient is never used: no zeros tensor made (and filled on the device) per call
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         from . import _backward_device_fast, _run_backward
 
+        if dout is None:  # out took no part in the loss: no gradient (None is zero to autograd)
+            return None, None, None, None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
         if ctx.fast is not None:
             grads = _backward_device_fast(ctx.spec, *ctx.fast, q, k, v, out, lse, dout, ctx.deterministic)
