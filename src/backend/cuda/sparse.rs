@@ -75,7 +75,7 @@ impl SparseFrame {
     fn of(be: &CudaBackend, spec: SparseView) -> SparseFrame {
         // d64: the Hopper kernel's sparse variant spills at its two-cubes-per-SM register cap (80
         // bytes of stack; ptxas, 128 registers), where the mma.sync kernel runs five cubes per SM
-        if spec.int8.is_some() || spec.attn.dims.head_dim != 128 || !super::forward::sm90_forward(be, spec.attn) || plan_block_m(spec) != 128 {
+        if spec.int8.is_some() || spec.attn.dims.head_dim != 128 || !super::forward::sm90_forward(be, spec.attn) || plan_rows(spec).1 != 128 {
             return SparseFrame::Mma2;
         }
         let (block_n, _) = crate::config::fwd_options().sm90_tile_for(spec.attn.dims.head_dim);
@@ -90,10 +90,6 @@ fn plan_rows(spec: SparseView) -> (usize, usize) {
     let group = d.group_size();
     let hp = if spec.index.heads == d.heads_kv && group > 1 { group } else { 1 };
     (hp, if (spec.q_block * hp).is_multiple_of(128) { 128 } else { 64 })
-}
-
-fn plan_block_m(spec: SparseView) -> usize {
-    plan_rows(spec).1
 }
 
 /// Table order of a sparse plan.
