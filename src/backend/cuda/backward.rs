@@ -34,7 +34,7 @@ use super::compile::{codegen, codegen_exp2, settings, Func, KernelKey, Source};
 use super::driver::{err, tile_map_2d};
 use super::forward::{aligned, kv_map_args, layout};
 use super::launch::{grid_2d, launch, Args};
-use super::plans::Cached;
+use super::plans::{table_names, Cached, PlanKind, TableSet};
 use super::{window_bounds, CudaBackend};
 use crate::backend::{BackwardInputs, Gradients};
 use crate::dtype::{DType, HostView};
@@ -100,18 +100,17 @@ impl BwdPlan {
         BwdPlan { segs, q_work, k_work, tile_off, tile_segs, row_seg }
     }
 
-    /// The tables in the `TBL_*` order of [`launch_backward`] (the page table of `spec`'s paged
-    /// K,V last; empty without one).
-    pub(crate) fn tables(&self, spec: &AttnSpec) -> Vec<Vec<u32>> {
-        vec![
-            self.segs.clone(),
-            self.q_work.clone(),
-            self.k_work.clone(),
-            self.tile_off.clone(),
-            self.tile_segs.clone(),
-            self.row_seg.clone(),
-            spec.kv_pages().unwrap_or_default().to_vec(),
-        ]
+    /// The tables [`launch_backward`] reads (the page table of `spec`'s paged K,V; empty without
+    /// one).
+    pub(crate) fn tables(&self, spec: &AttnSpec) -> TableSet<BwdTable> {
+        TableSet::new()
+            .with(BwdTable::Segs, self.segs.clone())
+            .with(BwdTable::QWork, self.q_work.clone())
+            .with(BwdTable::KWork, self.k_work.clone())
+            .with(BwdTable::TileOff, self.tile_off.clone())
+            .with(BwdTable::TileSegs, self.tile_segs.clone())
+            .with(BwdTable::RowSeg, self.row_seg.clone())
+            .with(BwdTable::Pages, spec.kv_pages().unwrap_or_default().to_vec())
     }
 }
 
@@ -156,13 +155,14 @@ fn key_tiles(spec: &AttnSpec, bn: usize) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
     (order, tile_off, tile_segs)
 }
 
-const TBL_SEGS: usize = 0;
-const TBL_Q_WORK: usize = 1;
-const TBL_K_WORK: usize = 2;
-const TBL_TILE_OFF: usize = 3;
-const TBL_TILE_SEGS: usize = 4;
-const TBL_ROW_SEG: usize = 5;
-const TBL_PAGES: usize = 6;
+table_names! {
+    /// The tables of a cached backward plan ([`BwdPlan::tables`]).
+    pub(crate) enum BwdTable { Segs, QWork, KWork, TileOff, TileSegs, RowSeg, Pages }
+}
+
+impl PlanKind for BwdPlan {
+    type Table = BwdTable;
+}
 
 /// Device addresses of one backward call: q, k, v, out, lse, dout in; dq, dk, dv out; workspace.
 #[derive(Debug, Clone, Copy)]
@@ -244,7 +244,7 @@ pub fn backward_workspace_bytes(spec: &AttnSpec, deterministic: bool) -> u64 {
 
 /// Device bytes of the cached plan tables of a backward call of `spec`.
 pub fn backward_plan_bytes(spec: &AttnSpec) -> u64 {
-    super::table_bytes(&BwdPlan::new(spec).tables(spec).iter().collect::<Vec<_>>())
+    BwdPlan::new(spec).tables(spec).bytes()
 }
 
 /// Whether the backward of `spec` takes the fused atomic dQ path.
@@ -606,11 +606,11 @@ pub(crate) fn launch_backward(
         let mut a = Args::new();
         a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.dout, ql).array(p.lse, ll).array(delta, ll);
         a.array(p.dk, kl).array(p.dv, kl);
-        for i in [TBL_TILE_OFF, TBL_TILE_SEGS, TBL_SEGS] {
+        for i in [BwdTable::TileOff, BwdTable::TileSegs, BwdTable::Segs] {
             a.array(t(i).0, t(i).1);
         }
         a.f32(spec.scale).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32).u32(d.total_k as u32);
-        a.u32(win_l).u32(win_r).array(t(TBL_PAGES).0, t(TBL_PAGES).1);
+        a.u32(win_l).u32(win_r).array(t(BwdTable::Pages).0, t(BwdTable::Pages).1);
         launch(&f, (d.total_k.div_ceil(F32_ROWS_PER_CUBE) as u32, d.heads_kv as u32, 1), &mut a, stream)?;
 
         let f = be.kernels.get(&KernelKey::new("rowwise_bwd_dq_f32", dt, &[hd as u32, paged as u32]), || {
@@ -620,11 +620,11 @@ pub(crate) fn launch_backward(
         let mut a = Args::new();
         a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.dout, ql).array(p.lse, ll).array(delta, ll);
         a.array(p.dq, ql);
-        for i in [TBL_ROW_SEG, TBL_SEGS] {
+        for i in [BwdTable::RowSeg, BwdTable::Segs] {
             a.array(t(i).0, t(i).1);
         }
         a.f32(spec.scale).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32).u32(win_l).u32(win_r);
-        a.array(t(TBL_PAGES).0, t(TBL_PAGES).1);
+        a.array(t(BwdTable::Pages).0, t(BwdTable::Pages).1);
         return launch(&f, (d.total_q.div_ceil(F32_ROWS_PER_CUBE) as u32, d.heads_q as u32, 1), &mut a, stream);
     }
 
@@ -639,12 +639,12 @@ pub(crate) fn launch_backward(
         // the transposed block index is not read by the dense variant: any valid address for
         // `tq_off`; `tq_list` carries the page table (read only by the paged variant)
         let w = DkdvTables {
-            work: t(TBL_K_WORK),
-            tile_off: t(TBL_TILE_OFF),
-            tile_segs: t(TBL_TILE_SEGS),
-            segs: t(TBL_SEGS),
-            tq_off: (t(TBL_SEGS).0, 1),
-            tq_list: t(TBL_PAGES),
+            work: t(BwdTable::KWork),
+            tile_off: t(BwdTable::TileOff),
+            tile_segs: t(BwdTable::TileSegs),
+            segs: t(BwdTable::Segs),
+            tq_off: (t(BwdTable::Segs).0, 1),
+            tq_list: t(BwdTable::Pages),
         };
         launch_dkdv_wide(be, spec, p, delta, fused.then_some(acc), &w, None, n_k_work, stream)?;
     }
@@ -652,8 +652,8 @@ pub(crate) fn launch_backward(
         launch_dq_convert(be, spec, p, acc, stream)?;
     } else if n_q_work > 0 {
         // no tile list: any valid address; `blocks` carries the page table (read only when paged)
-        let none = (t(TBL_SEGS).0, 1);
-        launch_dq(be, spec, p, delta, [t(TBL_Q_WORK), t(TBL_SEGS), none, t(TBL_PAGES)], None, n_q_work, stream)?;
+        let none = (t(BwdTable::Segs).0, 1);
+        launch_dq(be, spec, p, delta, [t(BwdTable::QWork), t(BwdTable::Segs), none, t(BwdTable::Pages)], None, n_q_work, stream)?;
     }
     Ok(())
 }

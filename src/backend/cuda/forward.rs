@@ -20,6 +20,7 @@ use super::compile::{codegen, codegen_exp2, settings, KernelKey, Source};
 use super::driver::tile_map_2d;
 use super::launch::{launch, Args};
 use super::nonfinite::{launch_dense_exact, launch_flag, DenseExact, FLAG_BYTES};
+use super::plans::{table_names, PlanKind, TableSet};
 use super::{fwd_options, window_bounds, CudaBackend, Plan};
 use crate::dtype::DType;
 use crate::error::{invalid, Result};
@@ -306,9 +307,9 @@ pub(crate) fn launch_forward(
         })?;
         let mut a = Args::new();
         a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.out, ql).array(p.lse, ll);
-        a.array(t(TBL_ROW_SEG).0, t(TBL_ROW_SEG).1).array(t(TBL_SEGS).0, t(TBL_SEGS).1);
+        a.array(t(FwdTable::RowSeg).0, t(FwdTable::RowSeg).1).array(t(FwdTable::Segs).0, t(FwdTable::Segs).1);
         a.f32(spec.scale).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32).f32(f32::INFINITY);
-        a.u32(win_l).u32(win_r).array(t(TBL_PAGES).0, t(TBL_PAGES).1);
+        a.u32(win_l).u32(win_r).array(t(FwdTable::Pages).0, t(FwdTable::Pages).1);
         let cubes = d.total_q.div_ceil(ROWS_PER_CUBE) as u32;
         return launch(&f, (cubes, d.heads_q as u32, 1), &mut a, stream);
     }
@@ -341,9 +342,9 @@ pub(crate) fn launch_forward(
         v: p.v,
         out: p.out,
         lse: p.lse,
-        row_seg: t(TBL_ROW_SEG),
-        segs: t(TBL_SEGS),
-        pages: t(TBL_PAGES),
+        row_seg: t(FwdTable::RowSeg),
+        segs: t(FwdTable::Segs),
+        pages: t(FwdTable::Pages),
         flag,
     };
     let opts = fwd_options();
@@ -365,12 +366,12 @@ pub(crate) fn launch_forward(
     };
     a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.out, ql).array(p.lse, ll);
     a.array(part_o, n_part * hd).array(part_lse, n_part);
-    for i in [TBL_FWD_WORK, TBL_FWD_SLICES, TBL_SEGS] {
+    for i in [FwdTable::Work, FwdTable::Slices, FwdTable::Segs] {
         a.array(t(i).0, t(i).1);
     }
     // no tile list (a sparse table): any valid address; `blocks` carries the page table (read
     // only by the paged variant)
-    a.array(t(TBL_SEGS).0, 1).array(t(TBL_PAGES).0, t(TBL_PAGES).1).array(flag, 1);
+    a.array(t(FwdTable::Segs).0, 1).array(t(FwdTable::Pages).0, t(FwdTable::Pages).1).array(flag, 1);
     a.f32(spec.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32);
     a.u32(fp.hp).u32(fp.n_slots).f32(f32::INFINITY).u32(0).u32(1).u32(win_l).u32(win_r);
     launch(&f, (n_work * y, 1, 1), &mut a, stream)?;
@@ -380,7 +381,7 @@ pub(crate) fn launch_forward(
         let f = be.kernels.get(&key, || combine_source(client, dt, hd))?;
         let mut a = Args::new();
         a.array(p.out, ql).array(p.lse, ll).array(part_o, n_part * hd).array(part_lse, n_part);
-        for i in [TBL_FWD_COMB, TBL_FWD_SLICES, TBL_SEGS] {
+        for i in [FwdTable::Comb, FwdTable::Slices, FwdTable::Segs] {
             a.array(t(i).0, t(i).1);
         }
         a.array(flag, 1);
@@ -390,25 +391,24 @@ pub(crate) fn launch_forward(
     launch_dense_exact(be, spec, &exact, (win_l, win_r), stream)
 }
 
-/// Table order of a cached forward plan ([`fwd_tables`]).
-pub(crate) const TBL_SEGS: usize = 0;
-pub(crate) const TBL_ROW_SEG: usize = 1;
-pub(crate) const TBL_FWD_WORK: usize = 2;
-pub(crate) const TBL_FWD_SLICES: usize = 3;
-pub(crate) const TBL_FWD_COMB: usize = 4;
-pub(crate) const TBL_PAGES: usize = 5;
+table_names! {
+    /// The tables of a cached forward plan ([`fwd_tables`]).
+    pub(crate) enum FwdTable { Segs, RowSeg, Work, Slices, Comb, Pages }
+}
 
-/// The tables of a forward plan of `spec`, in the `TBL_*` order (the page table of a paged K,V
-/// last; empty without one).
-pub(crate) fn fwd_tables(spec: &AttnSpec, plan: &Plan) -> Vec<Vec<u32>> {
-    vec![
-        plan.segs.clone(),
-        plan.row_seg.clone(),
-        plan.fwd.work.clone(),
-        plan.fwd.slices.clone(),
-        plan.fwd.comb.clone(),
-        spec.kv_pages().unwrap_or_default().to_vec(),
-    ]
+impl PlanKind for Plan {
+    type Table = FwdTable;
+}
+
+/// The tables of a forward plan of `spec` (the page table of a paged K,V; empty without one).
+pub(crate) fn fwd_tables(spec: &AttnSpec, plan: &Plan) -> TableSet<FwdTable> {
+    TableSet::new()
+        .with(FwdTable::Segs, plan.segs.clone())
+        .with(FwdTable::RowSeg, plan.row_seg.clone())
+        .with(FwdTable::Work, plan.fwd.work.clone())
+        .with(FwdTable::Slices, plan.fwd.slices.clone())
+        .with(FwdTable::Comb, plan.fwd.comb.clone())
+        .with(FwdTable::Pages, spec.kv_pages().unwrap_or_default().to_vec())
 }
 
 #[cfg(test)]

@@ -34,7 +34,7 @@ pub use device_io::{memory_probe_min_free, set_memory_probe};
 pub use forward::FwdPtrs;
 pub use crate::config::{fwd_options, set_fwd_options, FwdOptions};
 pub use plan::{forward_workspace_bytes, FwdPlan};
-pub(crate) use plan::{table_bytes, Plan};
+pub(crate) use plan::Plan;
 pub use status::status;
 pub use target::Target;
 pub use zigzag::ZigzagCopy;

@@ -12,6 +12,7 @@
 
 use std::collections::HashMap;
 use std::hash::Hash;
+use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -61,23 +62,85 @@ impl PlanKey {
     }
 }
 
-/// u32 tables on the device (one allocation).
-pub(crate) struct Tables {
+/// The names of one plan kind's tables: an enum whose variants, in declaration order, are the
+/// tables' upload order ([`table_names`]), so a launch asks for a table by name and a plan kind's
+/// names cannot index another kind's tables.
+pub(crate) trait TableName: Copy + std::fmt::Debug {
+    const COUNT: usize;
+    fn index(self) -> usize;
+}
+
+/// A plan kind: its host part, and the names of its device tables.
+pub(crate) trait PlanKind {
+    type Table: TableName;
+}
+
+/// Declares a plan kind's table names ([`TableName`]).
+macro_rules! table_names {
+    ($(#[$m:meta])* $vis:vis enum $name:ident { $($(#[$vm:meta])* $v:ident),+ $(,)? }) => {
+        $(#[$m])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        $vis enum $name { $($(#[$vm])* $v),+ }
+        impl $crate::backend::cuda::plans::TableName for $name {
+            const COUNT: usize = [$($name::$v),+].len();
+            fn index(self) -> usize {
+                self as usize
+            }
+        }
+    };
+}
+pub(crate) use table_names;
+
+/// The tables a plan build makes, each put by name; a name left out is a bug of that build.
+pub(crate) struct TableSet<K> {
+    tables: Vec<Option<Vec<u32>>>,
+    _names: PhantomData<K>,
+}
+
+impl<K: TableName> TableSet<K> {
+    pub fn new() -> TableSet<K> {
+        TableSet { tables: vec![None; K::COUNT], _names: PhantomData }
+    }
+
+    /// The set with table `name` (replacing none: each name is put once).
+    pub fn with(mut self, name: K, table: Vec<u32>) -> TableSet<K> {
+        debug_assert!(self.tables[name.index()].is_none(), "plan table {name:?} put twice");
+        self.tables[name.index()] = Some(table);
+        self
+    }
+
+    /// Device bytes the tables take in the plan cache (empty ones are one word).
+    pub fn bytes(&self) -> u64 {
+        self.tables.iter().map(|t| 4 * t.as_ref().map_or(0, Vec::len).max(1) as u64).sum()
+    }
+
+    fn into_tables(self) -> Vec<Vec<u32>> {
+        self.tables
+            .into_iter()
+            .enumerate()
+            .map(|(i, t)| t.unwrap_or_else(|| panic!("plan table {i} of {} was not built", std::any::type_name::<K>())))
+            .collect()
+    }
+}
+
+/// u32 tables on the device (one allocation), named by `K`.
+pub(crate) struct Tables<K> {
     ptr: u64,
     spans: Vec<(u64, usize)>,
     stream: AtomicU64,
     ctx: usize,
     /// The uploaded words, kept alive until the entry goes (the upload is asynchronous).
     _host: Vec<u32>,
+    _names: PhantomData<K>,
 }
 
-impl Tables {
-    /// Device address and length (u32 words; empty tables are one zero word) of table `i`.
-    pub fn get(&self, i: usize) -> (u64, usize) {
-        self.spans[i]
+impl<K: TableName> Tables<K> {
+    /// Device address and length (u32 words; empty tables are one zero word) of table `name`.
+    pub fn get(&self, name: K) -> (u64, usize) {
+        self.spans[name.index()]
     }
 
-    fn upload(ctx: usize, tables: &[&[u32]], stream: sys::CUstream) -> Result<Tables> {
+    fn upload(ctx: usize, tables: &[&[u32]], stream: sys::CUstream) -> Result<Tables<K>> {
         let mut host = Vec::new();
         let mut offs = Vec::new();
         for t in tables {
@@ -95,11 +158,11 @@ impl Tables {
         // `host` is kept in the returned value until the memory is freed
         let ptr = super::driver::upload_u32_async(&host, stream)?;
         let spans = offs.iter().map(|&(o, n)| (ptr + 4 * o as u64, n)).collect();
-        Ok(Tables { ptr, spans, stream: AtomicU64::new(stream as u64), ctx, _host: host })
+        Ok(Tables { ptr, spans, stream: AtomicU64::new(stream as u64), ctx, _host: host, _names: PhantomData })
     }
 }
 
-impl Drop for Tables {
+impl<K> Drop for Tables<K> {
     fn drop(&mut self) {
         let _ = super::driver::bind(self.ctx);
         // SAFETY: freed once, ordered after the last launch enqueued on the tracked stream.
@@ -108,24 +171,24 @@ impl Drop for Tables {
 }
 
 /// A cached plan: the host-side plan `P` and its tables on the device.
-pub(crate) struct Cached<P> {
+pub(crate) struct Cached<P: PlanKind> {
     pub host: P,
-    pub tables: Tables,
+    pub tables: Tables<P::Table>,
 }
 
-struct Slot<P> {
+struct Slot<P: PlanKind> {
     plan: Arc<Cached<P>>,
     last: u64,
     pinned: bool,
 }
 
 /// Per-device cache of plans of one kind.
-pub(crate) struct PlanCache<P> {
+pub(crate) struct PlanCache<P: PlanKind> {
     ctx: usize,
     inner: Mutex<(HashMap<PlanKey, Slot<P>>, u64)>,
 }
 
-impl<P> PlanCache<P> {
+impl<P: PlanKind> PlanCache<P> {
     pub fn new(ctx: usize) -> PlanCache<P> {
         PlanCache { ctx, inner: Mutex::new((HashMap::new(), 0)) }
     }
@@ -137,7 +200,7 @@ impl<P> PlanCache<P> {
         &self,
         key: PlanKey,
         stream: sys::CUstream,
-        build: impl FnOnce() -> (P, Vec<Vec<u32>>),
+        build: impl FnOnce() -> (P, TableSet<P::Table>),
     ) -> Result<Arc<Cached<P>>> {
         self.get_init(key, stream, build, |_| Ok(()))
     }
@@ -150,7 +213,7 @@ impl<P> PlanCache<P> {
         &self,
         key: PlanKey,
         stream: sys::CUstream,
-        build: impl FnOnce() -> (P, Vec<Vec<u32>>),
+        build: impl FnOnce() -> (P, TableSet<P::Table>),
         init: impl FnOnce(&Cached<P>) -> Result<()>,
     ) -> Result<Arc<Cached<P>>> {
         let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
@@ -181,6 +244,7 @@ impl<P> PlanCache<P> {
             });
         }
         let (host, tables) = build();
+        let tables = tables.into_tables();
         let refs: Vec<&[u32]> = tables.iter().map(|t| t.as_slice()).collect();
         let plan = Arc::new(Cached { host, tables: Tables::upload(self.ctx, &refs, stream)? });
         init(&plan)?;

@@ -35,7 +35,7 @@ use cudarc::driver::sys;
 
 use super::launch::launch;
 use super::nonfinite::{launch_flag, launch_sparse_exact, SparseExact};
-use super::plans::{Cached, PlanKey};
+use super::plans::{table_names, Cached, PlanKey, PlanKind, TableSet};
 use super::{CudaBackend, FwdPtrs};
 use crate::dtype::DType;
 use crate::error::{invalid, Error, Result};
@@ -92,15 +92,17 @@ fn plan_rows(spec: SparseView) -> (usize, usize) {
     (hp, if (spec.q_block * hp).is_multiple_of(128) { 128 } else { 64 })
 }
 
-/// Table order of a sparse plan.
-const T_SEGS: usize = 0;
-const T_WORK: usize = 1;
-const T_SLICES: usize = 2;
-const T_REF: usize = 3;
-const T_BLOCKS: usize = 4;
+table_names! {
+    /// The tables of a block-sparse forward plan.
+    pub(crate) enum SparseTable { Segs, Work, Slices, Ref, Blocks }
+}
+
+impl PlanKind for SparsePlan {
+    type Table = SparseTable;
+}
 
 impl SparsePlan {
-    fn build(spec: SparseView, frame: SparseFrame) -> (SparsePlan, Vec<Vec<u32>>) {
+    fn build(spec: SparseView, frame: SparseFrame) -> (SparsePlan, TableSet<SparseTable>) {
         let d = &spec.attn.dims;
         let (hp, block_m) = plan_rows(spec);
         let ys = (d.heads_q / hp) as u32;
@@ -139,7 +141,13 @@ impl SparsePlan {
         }
         debug_assert_eq!(work.len(), items.len() * WORK_WORDS);
         let plan = SparsePlan { hp: hp as u32, block_m, n_items: items.len(), ys, tiles_per_block: tpb as u32, frame };
-        (plan, vec![segs, work, slices, refs, ix.blocks.clone()])
+        let tables = TableSet::new()
+            .with(SparseTable::Segs, segs)
+            .with(SparseTable::Work, work)
+            .with(SparseTable::Slices, slices)
+            .with(SparseTable::Ref, refs)
+            .with(SparseTable::Blocks, ix.blocks.clone());
+        (plan, tables)
     }
 }
 
@@ -235,12 +243,12 @@ pub(super) fn launch_sparse_forward(be: &CudaBackend, spec: SparseView, plan: &C
             // int8 rows in place of q and k (their bytes, counted in E); the scales in the
             // split-K arrays, which the sparse plan does not use (`kernels::flash_fwd` docs)
             let pq = FwdPtrs { workspace: p.workspace + flag_part() as u64, ..*p };
-            let z = super::sparse_int8::quantize(be, spec, opt, &pq, t(T_SEGS), stream)?;
+            let z = super::sparse_int8::quantize(be, spec, opt, &pq, t(SparseTable::Segs), stream)?;
             a.array(z.q8, ql / 2).array(z.k8, kl / 2).array(p.v, kl).array(p.out, ql).array(p.lse, ll);
             a.array(z.k_scale, d.total_k * d.heads_kv).array(z.q_scale, 2 * ll);
         }
     }
-    for i in [T_WORK, T_SLICES, T_SEGS, T_REF, T_BLOCKS] {
+    for i in [SparseTable::Work, SparseTable::Slices, SparseTable::Segs, SparseTable::Ref, SparseTable::Blocks] {
         a.array(t(i).0, t(i).1);
     }
     a.array(flag, 1);
@@ -251,11 +259,11 @@ pub(super) fn launch_sparse_forward(be: &CudaBackend, spec: SparseView, plan: &C
     a.u32(win_l).u32(win_r);
     launch(&f, (sp.n_items as u32 * sp.ys, 1, 1), &mut a, stream)?;
     let exact = SparseExact {
-        work: t(T_WORK),
-        slices: t(T_SLICES),
-        segs: t(T_SEGS),
-        tile_ref: t(T_REF),
-        blocks: t(T_BLOCKS),
+        work: t(SparseTable::Work),
+        slices: t(SparseTable::Slices),
+        segs: t(SparseTable::Segs),
+        tile_ref: t(SparseTable::Ref),
+        blocks: t(SparseTable::Blocks),
         hp: sp.hp,
         n_items: sp.n_items as u32,
         n_ys: sp.ys,

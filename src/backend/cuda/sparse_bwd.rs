@@ -32,7 +32,7 @@ use super::backward::{
 };
 use super::compile::{codegen, settings, KernelKey};
 use super::launch::{grid_2d, launch, Args};
-use super::plans::{Cached, PlanKey};
+use super::plans::{table_names, Cached, PlanKey, PlanKind, TableSet};
 use super::CudaBackend;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -51,18 +51,17 @@ pub(crate) struct SparseBwdPlan {
     keys_uncovered: bool,
 }
 
-/// Table order of a sparse backward plan.
-const T_SEGS: usize = 0;
-const T_QWORK: usize = 1;
-const T_QREF: usize = 2;
-const T_BLOCKS: usize = 3;
-const T_ROWOFF: usize = 4;
-const T_KWORK: usize = 5;
-const T_TOFF: usize = 6;
-const T_TLIST: usize = 7;
+table_names! {
+    /// The tables of a block-sparse backward plan.
+    pub(crate) enum SparseBwdTable { Segs, QWork, QRef, Blocks, RowOff, KWork, TOff, TList }
+}
+
+impl PlanKind for SparseBwdPlan {
+    type Table = SparseBwdTable;
+}
 
 impl SparseBwdPlan {
-    fn build(spec: SparseView) -> (SparseBwdPlan, Vec<Vec<u32>>) {
+    fn build(spec: SparseView) -> (SparseBwdPlan, TableSet<SparseBwdTable>) {
         let a = &spec.attn;
         let ix = &spec.index;
         let tpb = spec.k_block.div_ceil(BWD_BN);
@@ -119,17 +118,16 @@ impl SparseBwdPlan {
             k_blocks,
             keys_uncovered: covered < a.dims.total_k,
         };
-        let tables = vec![
-            segs,
-            q_items.iter().flat_map(|x| x.1).collect(),
-            q_ref,
-            ix.blocks.clone(),
-            ix.offsets.iter().map(|&o| o as u32).collect(),
-            k_items.iter().flat_map(|x| x.1).collect(),
+        let tables = TableSet::new()
+            .with(SparseBwdTable::Segs, segs)
+            .with(SparseBwdTable::QWork, q_items.iter().flat_map(|x| x.1).collect())
+            .with(SparseBwdTable::QRef, q_ref)
+            .with(SparseBwdTable::Blocks, ix.blocks.clone())
+            .with(SparseBwdTable::RowOff, ix.offsets.iter().map(|&o| o as u32).collect())
+            .with(SparseBwdTable::KWork, k_items.iter().flat_map(|x| x.1).collect())
             // the transposed index: filled on the device by `build_transposed`
-            vec![0u32; n_cells + 1],
-            vec![0u32; ix.kept_total()],
-        ];
+            .with(SparseBwdTable::TOff, vec![0u32; n_cells + 1])
+            .with(SparseBwdTable::TList, vec![0u32; ix.kept_total()]);
         (plan, tables)
     }
 }
@@ -153,7 +151,7 @@ pub(super) fn check_supported(spec: SparseView) -> Result<()> {
     Ok(())
 }
 
-/// Enqueues the GPU build of the transposed index into the plan's `T_TOFF` / `T_TLIST` tables
+/// Enqueues the GPU build of the transposed index into the plan's `TOff` / `TList` tables
 /// (count, exclusive scan, ordered fill; see `kernels::sparse_index`).
 fn build_transposed(be: &CudaBackend, spec: SparseView, plan: &Cached<SparseBwdPlan>, stream: sys::CUstream) -> Result<()> {
     let sp = &plan.host;
@@ -167,7 +165,7 @@ fn build_transposed(be: &CudaBackend, spec: SparseView, plan: &Cached<SparseBwdP
                 spec.attn.causal, fill))
         })?;
         let mut a = Args::new();
-        for i in [T_ROWOFF, T_BLOCKS, T_SEGS, T_TOFF, T_TLIST] {
+        for i in [SparseBwdTable::RowOff, SparseBwdTable::Blocks, SparseBwdTable::Segs, SparseBwdTable::TOff, SparseBwdTable::TList] {
             a.array(t(i).0, t(i).1);
         }
         let ix = &spec.index;
@@ -179,7 +177,7 @@ fn build_transposed(be: &CudaBackend, spec: SparseView, plan: &Cached<SparseBwdP
                     settings(SCAN_THREADS as u32), be.client().clone(), A, ()))
             })?;
             let mut a = Args::new();
-            a.array(t(T_TOFF).0, t(T_TOFF).1).u32(n as u32);
+            a.array(t(SparseBwdTable::TOff).0, t(SparseBwdTable::TOff).1).u32(n as u32);
             launch(&f, (1, 1, 1), &mut a, stream)?;
         }
     }
@@ -212,8 +210,8 @@ pub(super) fn launch_sparse_backward(
     let ix = &spec.index;
     if sp.n_k_items > 0 {
         // the dense tile lists are not read by the sparse variant: any valid address
-        let none = (t(T_SEGS).0, 1);
-        let tables = DkdvTables { work: t(T_KWORK), tile_off: none, tile_segs: none, segs: t(T_SEGS), tq_off: t(T_TOFF), tq_list: t(T_TLIST) };
+        let none = (t(SparseBwdTable::Segs).0, 1);
+        let tables = DkdvTables { work: t(SparseBwdTable::KWork), tile_off: none, tile_segs: none, segs: t(SparseBwdTable::Segs), tq_off: t(SparseBwdTable::TOff), tq_list: t(SparseBwdTable::TList) };
         let q_tiles = spec.q_block.div_ceil(BWD_BM) as u32;
         let scalars = [spec.q_block as u32, ix.heads as u32, sp.k_blocks as u32, q_tiles];
         launch_dkdv_wide(be, a, p, delta, fused.then_some(acc), &tables, Some(scalars), sp.n_k_items, stream)?;
@@ -221,7 +219,7 @@ pub(super) fn launch_sparse_backward(
     if fused {
         launch_dq_convert(be, a, p, acc, stream)?;
     } else if sp.n_q_items > 0 {
-        let tables = [t(T_QWORK), t(T_SEGS), t(T_QREF), t(T_BLOCKS)];
+        let tables = [t(SparseBwdTable::QWork), t(SparseBwdTable::Segs), t(SparseBwdTable::QRef), t(SparseBwdTable::Blocks)];
         let scalars = [ix.heads as u32, spec.k_block as u32, spec.k_block.div_ceil(BWD_BN) as u32];
         launch_dq(be, a, p, delta, tables, Some(scalars), sp.n_q_items, stream)?;
     }
