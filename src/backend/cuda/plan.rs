@@ -9,12 +9,8 @@ use crate::dtype::DType;
 /// (no GPU needed); the VRAM estimate uses it so that it follows the plan the launch really makes.
 pub fn forward_workspace_bytes(spec: &AttnSpec) -> u64 {
     let plan = Plan::new(spec);
-    plan.table_bytes() + super::forward::fwd_workspace(spec, &plan) as u64
-}
-
-/// Device bytes the plan cache takes for these tables (empty ones are one word).
-pub(crate) fn table_bytes(tables: &[&Vec<u32>]) -> u64 {
-    tables.iter().map(|v| 4 * v.len().max(1) as u64).sum()
+    // the tables the plan cache uploads, counted from the one list of them
+    super::forward::fwd_tables(spec, &plan).bytes() + super::forward::fwd_workspace(spec, &plan) as u64
 }
 
 /// Host-side launch plan: segment table and the work list of the forward kernels.
@@ -49,11 +45,6 @@ impl Plan {
     pub(crate) fn split_rows(&self, heads_q: usize) -> usize {
         let y = (heads_q as u32 / self.fwd.hp.max(1)).max(1) as usize;
         (self.fwd.n_slots as usize * y * BLOCK_M).max(1)
-    }
-
-    /// Device bytes of the plan's tables in the plan cache.
-    pub(crate) fn table_bytes(&self) -> u64 {
-        table_bytes(&[&self.segs, &self.row_seg, &self.fwd.work, &self.fwd.slices, &self.fwd.comb])
     }
 }
 
