@@ -33,7 +33,9 @@ import numpy as np
 
 import cubeattn
 
-CONFIGS = {"llama3-8b": (32, 8, 128), "llama3-70b": (64, 8, 128), "gqa-d64": (32, 8, 64), "cpu-small": (8, 8, 128)}
+CONFIGS = {"llama3-8b": (32, 8, 128), "llama3-70b": (64, 8, 128), "gqa-d64": (32, 8, 64), "cpu-small": (8, 8, 128),
+           # the other head dims with CUDA kernels (forward: all; backward: 32 and 96)
+           "gqa-d32": (32, 8, 32), "gqa-d96": (32, 8, 96), "gqa-d192": (16, 8, 192), "gqa-d256": (16, 8, 256)}
 
 
 def causal_pairs(sq, sk):

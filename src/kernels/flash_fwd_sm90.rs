@@ -24,6 +24,7 @@ use super::kv_tiles::{issue_tile_sw128, tile_rows};
 use super::math::{fast_exp2, LN2};
 use super::sm90::{fence_proxy_async, pack_a_pairs, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait, SW_COLS, SW_ROW};
 use super::staging::commit_copies;
+use crate::format::KV_PAGE;
 
 /// Packed rows per cube: two warpgroups of 64.
 pub const SM90_BLOCK_M: usize = 128;
@@ -347,8 +348,22 @@ pub fn flash_fwd_sm90<E: Float>(
         sync_cube();
         let cur = ((kt & 1u32) as usize) * tile_e;
         let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
-        let (p0, _p1, pb) = tile_rows(n0, n1, blocks, paged, block_n);
         let has_next = kt + 1 < n_tiles;
+        // past the last tile n0 may be the end of the keys, whose page entry does not exist: the
+        // page table is read only for a tile that is loaded (compute-sanitizer memcheck)
+        let mut p0 = n0;
+        let mut pb = n0 + KV_PAGE as u32;
+        if comptime!(paged) {
+            if has_next {
+                let (r0, _r1, rb) = tile_rows(n0, n1, blocks, paged, block_n);
+                p0 = r0;
+                pb = rb;
+            }
+        } else {
+            let (r0, _r1, rb) = tile_rows(n0, n1, blocks, paged, block_n);
+            p0 = r0;
+            pb = rb;
+        }
         if has_next {
             issue_tile_sw128(k_map, &mut k_smem, &bar_k, tile_e - cur, p0, pb, head_kv, block_n, head_dim);
             commit_copies(&bar_k);

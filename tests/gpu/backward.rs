@@ -184,6 +184,14 @@ fn cases() -> Vec<Case> {
     v.push(w(mk("bf16 d128 window (0,0) sq=100 < sk=500", BF16, 128, 4, 2, false, Layout::Varlen(vec![(100, 500)]), 1.0), (0, 0)));
     v.push(w(mk("f16 d128 window (40,3) grouped overlapping kv", F16, 128, 8, 2, false, Layout::Grouped(vec![[0, 100], [100, 170], [180, 300]], vec![[0, 100], [0, 170], [50, 400]], 310, 400), 1.0), (40, 3)));
     v.push(w(mk("f32 d64 window (9,2) GQA4/2 varlen [1,70,33]", F32, 64, 4, 2, false, Layout::Varlen(vec![(1, 1), (70, 70), (33, 33)]), 1.0), (9, 2)));
+    // the other head dims with a backward kernel (32, 96: the mma.sync kernels; f32 row-wise)
+    for (dtype, d) in [(BF16, 96), (F16, 96), (BF16, 32), (F32, 96)] {
+        let tag = format!("{} d{d}", dtype.name());
+        v.push(mk(&format!("{tag} causal GQA4/2 varlen [1,63,130,17]"), dtype, d, 4, 2, true, Layout::Varlen(vec![(1, 1), (63, 63), (130, 130), (17, 17)]), 1.0));
+        v.push(mk(&format!("{tag} full GQA8/2 sq=70 < sk=200"), dtype, d, 8, 2, false, Layout::Varlen(vec![(70, 200)]), 1.0));
+        v.push(mk(&format!("{tag} causal grouped overlapping kv"), dtype, d, 8, 2, true, Layout::Grouped(vec![[0, 100], [100, 170], [180, 300]], vec![[0, 100], [0, 170], [50, 400]], 310, 400), 1.0));
+    }
+    v.push(w(mk("bf16 d96 window (70,0) causal GQA8/2 varlen [1,200,300]", BF16, 96, 8, 2, true, Layout::Varlen(vec![(1, 1), (200, 200), (300, 300)]), 1.0), (70, 0)));
     v
 }
 
@@ -337,9 +345,9 @@ fn backward_is_deterministic() {
 fn backward_unsupported_head_dim_is_an_error() {
     let Some(b) = backend() else { return };
     let c = Case {
-        name: "d96".into(),
+        name: "d192".into(),
         dtype: DType::F16,
-        d: 96,
+        d: 192,
         hq: 2,
         hkv: 2,
         causal: false,
@@ -352,7 +360,7 @@ fn backward_unsupported_head_dim_is_an_error() {
     match b.backward(&spec, inp.q.view(), inp.k.view(), inp.v.view(), grad_inputs(&inp, false)) {
         Err(Error::Unsupported { backend, msg }) => {
             assert_eq!(backend, "cuda");
-            assert!(msg.contains("head_dim 96"), "{msg}");
+            assert!(msg.contains("head_dim 192") && msg.contains("backward"), "{msg}");
         }
         other => panic!("expected Unsupported, got {:?}", other.map(|_| ())),
     }

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 32, 96, 192, 256])
 def test_gpu_varlen_forward(dtype, causal, d):
     rng = np.random.default_rng(d + causal)
     lens = [(1, 1), (63, 200), (130, 130), (257, 100)]

@@ -68,7 +68,7 @@ class Target:
         return NUMPY
 
     def unsupported(self, api, dtype, d):
-        """None where the backend runs `api` ('dense' or 'sparse') for (dtype, head_dim d); else
+        """None where the backend runs `api` ('dense', 'dense_bwd' or 'sparse') for (dtype, head_dim d); else
         (exception, message regex) that device=self.device raises."""
         return None
 
@@ -347,7 +347,7 @@ def run_varlen_backward(data, t):
     tq, tk, tv = io.put(q), io.put(k), io.put(v)
     out, lse = t.call("dense", cubeattn.flash_attn_varlen_func, tq, tk, tv, cu_q, cu_k, mq, mk, softmax_scale=scale,
                       causal=causal, return_lse=True)
-    grads = t.call("dense", cubeattn.flash_attn_varlen_backward, io.put(dout), tq, tk, tv, out, lse, cu_q, cu_k, mq,
+    grads = t.call("dense_bwd", cubeattn.flash_attn_varlen_backward, io.put(dout), tq, tk, tv, out, lse, cu_q, cu_k, mq,
                    mk, softmax_scale=scale, causal=causal, deterministic=deterministic)
     want = ref_backward(q, k, v, dout, varlen_segments(cu_q, cu_k), causal, scale, abs_sums=True)
     check_grads([io.get(g) for g in grads], want, [(x.shape, x.dtype) for x in (q, k, v)], dtype, scale, d, t)
@@ -371,7 +371,7 @@ def run_grouped_backward(data, t):
     tq, tk, tv = io.put(q), io.put(k), io.put(v)
     out, lse = t.call("dense", cubeattn.grouped_flash_attn_func, tq, tk, tv, q_ranges, kv_ranges,
                       softmax_scale=scale, causal=causal, return_lse=True)
-    grads = t.call("dense", cubeattn.grouped_flash_attn_backward, io.put(dout), tq, tk, tv, out, lse, q_ranges,
+    grads = t.call("dense_bwd", cubeattn.grouped_flash_attn_backward, io.put(dout), tq, tk, tv, out, lse, q_ranges,
                    kv_ranges, softmax_scale=scale, causal=causal, deterministic=deterministic)
     want = ref_backward(q, k, v, dout, grouped_segments(q_ranges, kv_ranges), causal, scale, abs_sums=True)
     check_grads([io.get(g) for g in grads], want, [(x.shape, x.dtype) for x in (q, k, v)], dtype, scale, d, t)

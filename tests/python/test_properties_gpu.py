@@ -6,10 +6,10 @@ and on torch CUDA tensors (drawn per case where torch sees the GPU):
   attention, against conftest's f64 references: lengths 0, 1 and around the 64/128 tiles, empty
   and many groups, GQA 1/2/4, causal, random scales, 1x/10x inputs, float32 (the row-wise
   kernels), float16 and bfloat16 (the tensor-core kernels);
-* head_dims: mostly 64 and 128 (the only ones with CUDA kernels, SUPPORTED_HEAD_DIMS in
-  src/backend/cuda/mod.rs), about one case in four 33 or 96: device="cuda" must raise (ValueError;
-  NotImplementedError for block-sparse, which also has no float32 kernel) and device="auto" must
-  run it on the CPU, correctly;
+* head_dims: mostly those with CUDA kernels (forward 32, 64, 96, 128, 192, 256; backward up to
+  128; block-sparse 64 and 128: src/backend/cuda/mod.rs), some without (33, 80; 192 and 256 in
+  the backward): device="cuda" must raise (ValueError; NotImplementedError for block-sparse,
+  which also has no float32 kernel) and device="auto" must run it on the CPU, correctly;
 * NaN/Inf: a masked element contributes nothing, a NaN reaches the rows that use it, and the
   NaN/Inf pattern is torch SDPA's, element by element, on every kernel family (a v with a NaN or
   Inf runs the exact row-wise kernel on float16/bfloat16 too, picked on the device). Found here
@@ -65,7 +65,10 @@ settings.register_profile("cubeattn-gpu", deadline=None, derandomize=False, prin
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 PROFILE = settings.get_profile("cubeattn-gpu")
 
-KERNEL_HEAD_DIMS = [64, 128]  # src/backend/cuda/mod.rs: SUPPORTED_HEAD_DIMS
+# src/backend/cuda/mod.rs: SUPPORTED_HEAD_DIMS (forward), BACKWARD_HEAD_DIMS; block-sparse 64 / 128
+KERNEL_HEAD_DIMS = [32, 64, 96, 128, 192, 256]
+BWD_KERNEL_HEAD_DIMS = [32, 64, 96, 128]
+SPARSE_KERNEL_HEAD_DIMS = [64, 128]
 
 
 class Torch:
@@ -93,9 +96,11 @@ GPU = "cuda:0"
 
 class Cuda(Target):
     device = backend = "cuda"
-    # mostly the kernels' head_dims; about one case in four without a kernel
-    head_dims = bwd_head_dims = KERNEL_HEAD_DIMS * 3 + [33, 96]
-    small_head_dims = KERNEL_HEAD_DIMS
+    # mostly the kernels' head_dims; about one case in five (forward) or four (backward: 192 and
+    # 256 run their forward on CUDA, their backward raises) without a kernel
+    head_dims = KERNEL_HEAD_DIMS * 2 + SPARSE_KERNEL_HEAD_DIMS + [33, 80]
+    bwd_head_dims = BWD_KERNEL_HEAD_DIMS * 2 + [33, 192, 256]
+    small_head_dims = SPARSE_KERNEL_HEAD_DIMS
     # block-sparse has no float32 kernel (it raises, then runs on the CPU): mostly 16-bit cases
     sparse_dtypes = ["float16", "bfloat16"] * 2 + ["float32"]
     bwd_lens = LENS  # the backward tiles are 64/128 rows too
@@ -111,7 +116,8 @@ class Cuda(Target):
 
     def unsupported(self, api, dtype, d):
         exc = NotImplementedError if api == "sparse" else ValueError
-        if d not in KERNEL_HEAD_DIMS:
+        dims = {"dense": KERNEL_HEAD_DIMS, "dense_bwd": BWD_KERNEL_HEAD_DIMS, "sparse": SPARSE_KERNEL_HEAD_DIMS}[api]
+        if d not in dims:
             return exc, "head_dim"
         if api == "sparse" and dtype == "float32":
             return exc, "float32"
@@ -217,7 +223,7 @@ def test_cpu_and_cuda_torch_tensors_mixed(data):
         pytest.skip("needs torch with CUDA")
     grouped = data.draw(st.booleans(), label="grouped")
     lens = data.draw(st.lists(st.tuples(LENS, LENS), min_size=1, max_size=3), label="lens")
-    hq, hkv, d, dtype, causal, scale = draw_common(data, KERNEL_HEAD_DIMS)
+    hq, hkv, d, dtype, causal, scale = draw_common(data, BWD_KERNEL_HEAD_DIMS)
     device = data.draw(st.sampled_from(["cuda", "cuda:0", "auto", "cpu"]), label="device")
     on = {n: data.draw(st.sampled_from(["cpu", GPU]), label=f"{n}_on") for n in ("q", "k", "v", "dout", "out", "lse")}
     rng = seed_of(data)

@@ -25,12 +25,12 @@ def f64(t):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_autograd_matches_f64_reference(device, dtype, causal):
-    gen = torch.Generator().manual_seed(7 + causal)
+@pytest.mark.parametrize("d", [64, 32, 96])
+def test_varlen_autograd_matches_f64_reference(device, dtype, causal, d):
+    gen = torch.Generator().manual_seed(7 + causal + d)
     lens = [(1, 1), (37, 70), (64, 64)]
     cu_q = np.cumsum([0] + [a for a, _ in lens]).astype(np.int32)
     cu_k = np.cumsum([0] + [b for _, b in lens]).astype(np.int32)
-    d = 64
     q = rand_t(gen, (int(cu_q[-1]), 4, d), dtype, device)
     k = rand_t(gen, (int(cu_k[-1]), 2, d), dtype, device)
     v = rand_t(gen, (int(cu_k[-1]), 2, d), dtype, device)
@@ -250,25 +250,59 @@ def test_cuda_inputs_off_16_byte_alignment_give_the_aligned_results(which):
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs torch with CUDA and the CUDA backend")
 def test_cuda_tensors_the_cuda_backend_refuses_run_on_the_cpu_with_a_warning():
-    """head_dim 96 has no CUDA kernel: device="auto" computes it on the CPU backend (correct
+    """head_dim 80 has no CUDA kernel: device="auto" computes it on the CPU backend (correct
     results, on the inputs' device) and says so with a RuntimeWarning naming the reason, forward
     and backward; device="cuda" raises instead. A supported call warns nothing."""
     import warnings
 
     gen = torch.Generator().manual_seed(5)
     n = 70
-    q, k, v = (rand_t(gen, (n, h, 96), "bfloat16", "cuda") for h in (4, 2, 2))
+    q, k, v = (rand_t(gen, (n, h, 80), "bfloat16", "cuda") for h in (4, 2, 2))
     cu = np.array([0, n], np.int32)
-    with pytest.warns(RuntimeWarning, match="CPU backend: .*head_dim 96") as rec:
+    with pytest.warns(RuntimeWarning, match="CPU backend: .*head_dim 80") as rec:
         out = cubeattn.flash_attn_varlen_func(q, k, v, cu, cu, n, n, causal=True)
         out.backward(torch.ones_like(out))
     assert len(rec) >= 2  # forward and backward
     assert out.device.type == "cuda" and q.grad is not None and q.grad.device.type == "cuda"
     ref, _ = ref_attention(f64(q), f64(k), f64(v), varlen_segments(cu, cu), True)
     assert rel_err(f64(out), ref) <= max(FWD_TOL["bfloat16"][1], 2e-3)
-    with pytest.raises(ValueError, match="head_dim 96"):
+    with pytest.raises(ValueError, match="head_dim 80"):
         cubeattn.flash_attn_varlen_func(q, k, v, cu, cu, n, n, causal=True, device="cuda")
     q2, k2, v2 = (rand_t(gen, (n, h, 128), "bfloat16", "cuda") for h in (4, 2, 2))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cubeattn.flash_attn_varlen_func(q2, k2, v2, cu, cu, n, n, causal=True).backward(torch.ones(n, 4, 128, device="cuda"))
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs torch with CUDA and the CUDA backend")
+@pytest.mark.parametrize("d", [192, 256])
+def test_head_dims_above_128_run_forward_on_cuda_and_backward_on_the_cpu(d):
+    """head_dim 192 / 256: the forward runs on the CUDA kernels (no warning); the backward, which
+    has no CUDA kernel above 128, runs on the CPU backend under device="auto" with a RuntimeWarning
+    naming head_dim and backward, and raises under device="cuda"; both match the f64 reference."""
+    import warnings
+
+    gen = torch.Generator().manual_seed(d)
+    lens = [(1, 1), (37, 70), (130, 130)]
+    cu_q = np.cumsum([0] + [a for a, _ in lens]).astype(np.int32)
+    cu_k = np.cumsum([0] + [b for _, b in lens]).astype(np.int32)
+    q = rand_t(gen, (int(cu_q[-1]), 4, d), "bfloat16", "cuda")
+    k, v = (rand_t(gen, (int(cu_k[-1]), 2, d), "bfloat16", "cuda") for _ in range(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = cubeattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 130, 130, causal=True)
+    assert cubeattn.last_backend() == "cuda"
+    dout = (torch.rand(out.shape, generator=gen) * 2 - 1).to(out.dtype).to("cuda")
+    with pytest.warns(RuntimeWarning, match=f"head_dim {d} has no CUDA backward"):
+        out.backward(dout)
+    segs = varlen_segments(cu_q, cu_k)
+    ref_out, _ = ref_attention(f64(q), f64(k), f64(v), segs, True)
+    assert rel_err(f64(out), ref_out) <= 2e-3
+    ref = ref_backward(f64(q), f64(k), f64(v), f64(dout), segs, True)
+    rel = BWD_TOL["bfloat16"][1]
+    for t, want in zip((q, k, v), ref):
+        assert t.grad.device.type == "cuda" and rel_err(f64(t.grad), want) <= rel
+    q2, k2, v2 = (x.detach().requires_grad_() for x in (q, k, v))
+    out2 = cubeattn.flash_attn_varlen_func(q2, k2, v2, cu_q, cu_k, 130, 130, causal=True, device="cuda")
+    with pytest.raises(ValueError, match=f"head_dim {d}"):
+        out2.backward(dout)

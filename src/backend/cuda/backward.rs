@@ -546,7 +546,7 @@ pub(crate) fn launch_dq(
     let (win_l, win_r, window) = window_bounds(spec);
     let paged = spec.kv_pages().is_some() && sparse.is_none();
     // full key tiles by tensor maps on sm_90+ (`BwdPtrs::check_aligned`)
-    let f = dq_kernel(be, dt, hd, sparse.is_some(), window, paged, be.target.tma)?;
+    let f = dq_kernel(be, dt, hd, sparse.is_some(), window, paged, super::forward::kv_tma(be, hd))?;
     let qv = ql / BWD_LOAD_VEC;
     let mut a = kv_map_args(be, spec, p.k, p.v, BWD_BN, false)?;
     a.array(p.q, qv).array(p.dout, qv).array(p.lse, ll).array(delta, ll);

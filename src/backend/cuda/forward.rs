@@ -128,13 +128,20 @@ pub(crate) fn flash_fwd_kernel(
 ) -> Result<super::compile::Func> {
     // full key tiles by tensor maps on sm_90+ (the pointers are 16-byte aligned:
     // `FwdPtrs::check_aligned`)
-    let tma = be.target.tma;
+    let tma = kv_tma(be, hd);
     let key = KernelKey::new(
         "flash_fwd_mma2",
         dt,
         &[hd as u32, mt as u32, bn as u32, block_m as u32, sparse as u32, int8 as u32, paged as u32, v_single as u32, tma as u32],
     );
     be.kernels.get(&key, || fwd_source(be.client(), dt, hd, mt, bn, block_m, sparse, int8, paged, v_single, tma))
+}
+
+/// Whether the forward's and the dQ pass's K/V tiles come by tensor maps: sm_90+ and a
+/// [`kv_map_box`] row within the copy engine's 256-element box (head_dim 256 and its padding are
+/// not: those tiles come by `cp.async`).
+pub(crate) fn kv_tma(be: &CudaBackend, head_dim: usize) -> bool {
+    be.target.tma && kv_map_box(head_dim, 64).0 <= 256
 }
 
 /// The leading arguments of the forward kernel (and of the dQ pass) with `block_n`-key tiles: the tensor maps of K
@@ -149,7 +156,7 @@ pub(crate) fn kv_map_args(be: &CudaBackend, spec: &AttnSpec, k: u64, v: u64, blo
     let map = |ptr, on: bool| -> Result<sys::CUtensorMap> {
         if on { tile_map_2d(spec.dtype, ptr, cols, rows, cols * spec.dtype.size(), bc, br, false) } else { Ok(zero) }
     };
-    let tma = be.target.tma;
+    let tma = kv_tma(be, d.head_dim);
     let mut a = Args::new();
     a.tensor_map(map(k, tma && !int8)?, k, rows, cols).tensor_map(map(v, tma)?, v, rows, cols);
     Ok(a)
@@ -349,7 +356,8 @@ pub(crate) fn launch_forward(
     };
     let opts = fwd_options();
     let y = (d.heads_q as u32 / fp.hp).max(1);
-    let mt = if opts.plane_rows == 16 { 1usize } else { 2 };
+    // above head_dim 128 a plane's 32 rows of O would take 192-256 registers: 16 rows a plane
+    let mt = if opts.plane_rows == 16 || hd > 128 { 1usize } else { 2 };
     let bn = opts.block_n_for(hd);
     let parts = workspace_parts(spec, &plan.host);
     let [_, po_bytes, _] = parts;

@@ -27,6 +27,18 @@ mod tests {
         let sources = [
             ("fwd_d128", fwd_source(c, dt, 128, 2, 64, 128, false, false, false, false, true)),
             ("fwd_d64", fwd_source(c, dt, 64, 2, 128, 128, false, false, false, false, true)),
+            // the other head dims: 16-row planes above 128, no tensor maps at 256 (box > 256)
+            ("fwd_d32", fwd_source(c, dt, 32, 2, 128, 128, false, false, false, false, true)),
+            ("fwd_d96", fwd_source(c, dt, 96, 2, 64, 128, false, false, false, false, true)),
+            ("fwd_d192", fwd_source(c, dt, 192, 1, 64, 128, false, false, false, false, true)),
+            ("fwd_d256", fwd_source(c, dt, 256, 1, 64, 128, false, false, false, false, false)),
+            ("fwd_paged_d96", fwd_source(c, dt, 96, 2, 64, 128, false, false, true, false, true)),
+            ("combine_d96", super::super::forward::combine_source(c, dt, 96)),
+            ("dq_d96", dq_source(c, dt, 96, false, false, false, true)),
+            ("dq_d32", dq_source(c, dt, 32, false, false, false, true)),
+            ("dkdv_wide_fused_d96", dkdv_wide_source(c, dt, 96, true, false, 2, false, false, true, 2)),
+            ("dkdv_wide_d96", dkdv_wide_source(c, dt, 96, false, false, 2, false, false, true, 2)),
+            ("dkdv_wide_fused_d32", dkdv_wide_source(c, dt, 32, true, false, 2, false, false, true, 2)),
             ("fwd_sm90_d128", super::super::forward::fwd_sm90_source(c, dt, 128, 64, false, false, 2)),
             ("fwd_sm90_d64", super::super::forward::fwd_sm90_source(c, dt, 64, 128, false, false, 2)),
             ("fwd_sm90_paged_d128_f16", super::super::forward::fwd_sm90_source(c, DType::F16, 128, 64, false, true, 2)),

@@ -53,8 +53,20 @@ use crate::kernels::flash_fwd::{BLOCK_M, BLOCK_N, COMB_WORDS, NONE, SLICE_WORDS,
 use crate::kernels::rows::WIN_NONE;
 use crate::spec::{AttnSpec, KeySet};
 
-/// head_dims with a CUDA kernel.
-pub const SUPPORTED_HEAD_DIMS: [usize; 2] = [64, 128];
+/// head_dims with a CUDA forward kernel (the mma.sync tile kernel at every one, the Hopper kernel
+/// at 64 and 128; the row-wise f32 kernel at every one: each is a multiple of 32).
+pub const SUPPORTED_HEAD_DIMS: [usize; 6] = [32, 64, 96, 128, 192, 256];
+/// head_dims with a CUDA backward kernel: the dK/dV kernels keep a cube's dK and dV (128 keys x
+/// head_dim each) in registers, which above 128 do not fit.
+pub const BACKWARD_HEAD_DIMS: [usize; 4] = [32, 64, 96, 128];
+
+/// The head_dims the CUDA kernels of `pass` serve.
+pub fn head_dims_of(pass: Pass) -> &'static [usize] {
+    match pass {
+        Pass::Forward => &SUPPORTED_HEAD_DIMS,
+        Pass::Backward { .. } => &BACKWARD_HEAD_DIMS,
+    }
+}
 
 /// The CUDA backend of one device: compiled kernels, cached launch plans, and a stream of its own
 /// for calls on host buffers.
@@ -218,10 +230,12 @@ pub(crate) fn window_bounds(spec: &AttnSpec) -> (u32, u32, bool) {
 pub fn check_supported(spec: &AttnSpec, pass: Pass) -> Result<()> {
     spec.check_pass(pass)?;
     let hd = spec.dims.head_dim;
-    if !SUPPORTED_HEAD_DIMS.contains(&hd) {
+    let dims = head_dims_of(pass);
+    if !dims.contains(&hd) {
+        let what = if matches!(pass, Pass::Forward) { "forward" } else { "backward" };
         return Err(Error::Unsupported {
             backend: "cuda",
-            msg: format!("head_dim {hd} has no CUDA kernel (supported: 64, 128); use the CPU backend"),
+            msg: format!("head_dim {hd} has no CUDA {what} kernel (supported: {dims:?}); use the CPU backend"),
         });
     }
     check_size(spec, spec.keys != KeySet::Dense)?;

@@ -154,6 +154,13 @@ impl SparsePlan {
 /// Err(Unsupported) for the block-sparse calls no CUDA kernel serves (besides the conditions of
 /// every call, `super::check_supported`).
 pub(super) fn check_supported(spec: SparseView) -> Result<()> {
+    let hd = spec.attn.dims.head_dim;
+    if hd != 64 && hd != 128 {
+        return Err(Error::Unsupported {
+            backend: "cuda",
+            msg: format!("block-sparse attention on CUDA takes head_dim 64 or 128, not {hd}; it runs on the CPU"),
+        });
+    }
     if spec.attn.dtype == DType::F32 {
         return Err(Error::Unsupported {
             backend: "cuda",
