@@ -247,9 +247,12 @@ pub fn backward_plan_bytes(spec: &AttnSpec) -> u64 {
     BwdPlan::new(spec).tables(spec).bytes()
 }
 
-/// Whether the backward of `spec` takes the fused atomic dQ path.
+/// Whether the backward of `spec` takes the fused atomic dQ path. Never at f32, nor at a head_dim
+/// that is not a multiple of 64 (32, 96): the mma.sync dK/dV kernel's fused dQ product gives each
+/// plane head_dim / 4 columns in 16-column fragment pairs (at 32 and 96 its dQ came out wrong on an
+/// H200, 2026-11-28, while dK / dV and the pass were right), so those run the dQ pass.
 pub(super) fn fused_dq(spec: &AttnSpec, deterministic: bool, path: DqPath) -> bool {
-    if spec.dtype == DType::F32 {
+    if spec.dtype == DType::F32 || !spec.dims.head_dim.is_multiple_of(64) {
         return false;
     }
     match path {

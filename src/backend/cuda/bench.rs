@@ -76,7 +76,12 @@ pub fn bench(spec: &AttnSpec, warmup: usize, iters: usize, part: BenchPart, path
     // reads and the final sync) before they are freed.
     unsafe {
         let fws = DevBuf::alloc(be.forward_workspace(spec, s as u64)?)?;
-        let bws_n = be.backward_workspace(spec, false, s as u64)?.max(bwd_workspace(spec, fused_dq(spec, false, path)));
+        // a forward-only timing needs no backward workspace (nor a head_dim the backward serves)
+        let bws_n = if part == BenchPart::Forward {
+            0
+        } else {
+            be.backward_workspace(spec, false, s as u64)?.max(bwd_workspace(spec, fused_dq(spec, false, path)))
+        };
         let bws = DevBuf::alloc(bws_n)?;
         let fp = FwdPtrs { q: q.ptr, k: k.ptr, v: v.ptr, out: out.ptr, lse: lse.ptr, workspace: fws.ptr };
         let bp = BwdPtrs {
