@@ -16,8 +16,8 @@ use crate::format::KV_PAGE;
 /// Issues the `cp.async` copies of keys `[n0, n1)` of kv head `head_kv` into a padded K or V tile
 /// of `block_n` rows from shared row `row0` (rows past the range repeat key `n1 - 1`: they are
 /// masked); the caller commits them to its barrier. Where a row's vectors divide the units, unit
-/// `u` copies the 16 bytes at column
-/// `u % vecs_per_row` of rows `u / vecs_per_row + i * rows_per_pass`: its row and column are
+/// `u` copies the 16 bytes at column `u % vecs_per_row` of rows `u / vecs_per_row + i *
+/// rows_per_pass`: its row and column are
 /// computed once, each copy adds one clamp, one multiply-add and a constant shared offset (the
 /// per-copy division of `u + i * threads` cost ~2x the instructions; docs/forward.md). At
 /// head_dim 64 a full tile (every tile but a range's last) skips the clamps: one global offset
@@ -38,103 +38,60 @@ fn copy_kv_tile<E: Float>(
     #[comptime] head_dim: usize,
     #[comptime] paged: bool,
 ) {
-    let vecs = comptime!(head_dim / LOAD_VEC);
-    if comptime!(threads % vecs != 0 || block_n % (threads / vecs).max(1) != 0) {
-        // a row's vectors do not divide the units (head_dim 96 and 192)
-        copy_kv_tile_flat(src, smem, row0, n0, n1, n0b, krow, head_kv, threads, block_n, head_dim, comptime!(paged && block_n > KV_PAGE));
-    } else {
-        copy_kv_tile_passes(src, smem, row0, n0, n1, n0b, krow, head_kv, threads, block_n, head_dim, paged);
-    }
-}
-
-/// The rows-per-pass form of [`copy_kv_tile`] (a row's vectors divide the units).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn copy_kv_tile_passes<E: Float>(
-    src: &Array<E>,
-    smem: &mut SharedMemory<E>,
-    row0: usize,
-    n0: u32,
-    n1: u32,
-    n0b: u32,
-    krow: usize,
-    head_kv: u32,
-    #[comptime] threads: usize,
-    #[comptime] block_n: usize,
-    #[comptime] head_dim: usize,
-    #[comptime] paged: bool,
-) {
     let stride = comptime!(head_dim + SMEM_PAD);
     let vecs_per_row = comptime!(head_dim / LOAD_VEC);
     // a paged tile longer than a page: its rows from KV_PAGE on start at n0b (`tile_rows`)
     let split = comptime!(paged && block_n > KV_PAGE);
-    let rows_per_pass = comptime!(threads / vecs_per_row);
-    let r = UNIT_POS as usize / vecs_per_row;
-    let col = (UNIT_POS as usize % vecs_per_row) * LOAD_VEC;
-    let g_col = head_kv as usize * head_dim + col;
-    let s0 = (row0 + r) * stride + col;
-    if comptime!(head_dim <= 64) && n1 - n0 == block_n as u32 {
-        let g0 = (n0 as usize + r) * krow + g_col;
+    if comptime!(threads % vecs_per_row != 0 || block_n % (threads / vecs_per_row).max(1) != 0) {
+        // a row's vectors do not divide the units (head_dim 96 and 192): unit u copies vectors
+        // u + i * threads of the tile, its row and column divided out per copy
+        let total = comptime!(block_n * vecs_per_row);
         #[unroll]
-        for it in 0..comptime!(block_n / rows_per_pass) {
-            let mut g = g0 + it * rows_per_pass * krow;
-            if comptime!(split && it * rows_per_pass >= KV_PAGE) {
-                g = (n0b as usize + r + comptime!(it * rows_per_pass - KV_PAGE)) * krow + g_col;
+        for it in 0..comptime!(total.div_ceil(threads)) {
+            let idx = UNIT_POS as usize + it * threads;
+            if idx < total {
+                let r = idx / vecs_per_row;
+                let col = (idx % vecs_per_row) * LOAD_VEC;
+                let mut key = min(n0 + r as u32, n1 - 1);
+                if comptime!(split) {
+                    if r >= KV_PAGE {
+                        key = n0b + min(r as u32, n1 - n0 - 1u32) - KV_PAGE as u32;
+                    }
+                }
+                let g = key as usize * krow + head_kv as usize * head_dim + col;
+                let base = (row0 + r) * stride + col;
+                copy_async(&src.slice(g, g + LOAD_VEC), &mut smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
             }
-            let base = s0 + comptime!(it * rows_per_pass * stride);
-            copy_async(&src.slice(g, g + LOAD_VEC), &mut smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
         }
     } else {
-        #[unroll]
-        for it in 0..comptime!(block_n / rows_per_pass) {
-            let mut key = min(n0 + (r + it * rows_per_pass) as u32, n1 - 1);
-            if comptime!(split && it * rows_per_pass >= KV_PAGE) {
-                // n0b is n0 + KV_PAGE when the tile ends inside its first page
-                key = n0b + min((r + it * rows_per_pass) as u32, n1 - n0 - 1u32) - KV_PAGE as u32;
-            }
-            let g = key as usize * krow + g_col;
-            let base = s0 + comptime!(it * rows_per_pass * stride);
-            copy_async(&src.slice(g, g + LOAD_VEC), &mut smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
-        }
-    }
-}
-
-/// [`copy_kv_tile`] for a `head_dim` whose row vectors do not divide the units: unit `u` copies
-/// vectors `u + i * threads` of the tile (row `/ vecs`, column `% vecs`, one clamp each).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn copy_kv_tile_flat<E: Float>(
-    src: &Array<E>,
-    smem: &mut SharedMemory<E>,
-    row0: usize,
-    n0: u32,
-    n1: u32,
-    n0b: u32,
-    krow: usize,
-    head_kv: u32,
-    #[comptime] threads: usize,
-    #[comptime] block_n: usize,
-    #[comptime] head_dim: usize,
-    #[comptime] split: bool,
-) {
-    let stride = comptime!(head_dim + SMEM_PAD);
-    let vecs = comptime!(head_dim / LOAD_VEC);
-    let total = comptime!(block_n * vecs);
-    #[unroll]
-    for it in 0..comptime!(total.div_ceil(threads)) {
-        let idx = UNIT_POS as usize + it * threads;
-        if idx < total {
-            let r = idx / vecs;
-            let col = (idx % vecs) * LOAD_VEC;
-            let mut key = min(n0 + r as u32, n1 - 1);
-            if comptime!(split) {
-                if r >= KV_PAGE {
-                    key = n0b + min(r as u32, n1 - n0 - 1u32) - KV_PAGE as u32;
+        let rows_per_pass = comptime!(threads / vecs_per_row);
+        let r = UNIT_POS as usize / vecs_per_row;
+        let col = (UNIT_POS as usize % vecs_per_row) * LOAD_VEC;
+        let g_col = head_kv as usize * head_dim + col;
+        let s0 = (row0 + r) * stride + col;
+        if comptime!(head_dim <= 64) && n1 - n0 == block_n as u32 {
+            let g0 = (n0 as usize + r) * krow + g_col;
+            #[unroll]
+            for it in 0..comptime!(block_n / rows_per_pass) {
+                let mut g = g0 + it * rows_per_pass * krow;
+                if comptime!(split && it * rows_per_pass >= KV_PAGE) {
+                    g = (n0b as usize + r + comptime!(it * rows_per_pass - KV_PAGE)) * krow + g_col;
                 }
+                let base = s0 + comptime!(it * rows_per_pass * stride);
+                copy_async(&src.slice(g, g + LOAD_VEC), &mut smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
             }
-            let g = key as usize * krow + head_kv as usize * head_dim + col;
-            let base = (row0 + r) * stride + col;
-            copy_async(&src.slice(g, g + LOAD_VEC), &mut smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
+        } else {
+            #[unroll]
+            for it in 0..comptime!(block_n / rows_per_pass) {
+                let mut key = min(n0 + (r + it * rows_per_pass) as u32, n1 - 1);
+                if comptime!(split && it * rows_per_pass >= KV_PAGE) {
+                    // n0b is n0 + KV_PAGE when the tile ends inside its first page
+                    key = n0b + min((r + it * rows_per_pass) as u32, n1 - n0 - 1u32) - KV_PAGE as u32;
+                }
+                let g = key as usize * krow + g_col;
+                let base = s0 + comptime!(it * rows_per_pass * stride);
+                copy_async(&src.slice(g, g + LOAD_VEC), &mut smem.slice_mut(base, base + LOAD_VEC), comptime!(LOAD_VEC as u32));
+            }
         }
     }
 }
