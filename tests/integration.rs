@@ -348,9 +348,18 @@ fn windows_wider_than_the_sequence_change_nothing() {
 fn window_is_supported_on_cuda_and_unsupported_head_dims_are_still_refused() {
     let spec = with_window(varlen_spec(&[(8, 8)], 2, 2, 64, DType::F16, true), 2, 0);
     cubeattn::backend::cuda::check_supported(&spec, Pass::Forward).expect("a sliding window runs on CUDA");
-    let odd = with_window(varlen_spec(&[(8, 8)], 2, 2, 96, DType::F16, true), 2, 0);
-    match cubeattn::backend::cuda::check_supported(&odd, Pass::Backward { deterministic: false }) {
-        Err(Error::Unsupported { backend, msg }) => assert!(backend == "cuda" && msg.contains("head_dim 96"), "{msg}"),
+    // head_dim 192: a forward kernel, no backward kernel; 80: neither
+    let wide = with_window(varlen_spec(&[(8, 8)], 2, 2, 192, DType::F16, true), 2, 0);
+    cubeattn::backend::cuda::check_supported(&wide, Pass::Forward).expect("head_dim 192 has a CUDA forward");
+    match cubeattn::backend::cuda::check_supported(&wide, Pass::Backward { deterministic: false }) {
+        Err(Error::Unsupported { backend, msg }) => {
+            assert!(backend == "cuda" && msg.contains("head_dim 192") && msg.contains("backward"), "{msg}")
+        }
+        other => panic!("{other:?}"),
+    }
+    let odd = with_window(varlen_spec(&[(8, 8)], 2, 2, 80, DType::F16, true), 2, 0);
+    match cubeattn::backend::cuda::check_supported(&odd, Pass::Forward) {
+        Err(Error::Unsupported { backend, msg }) => assert!(backend == "cuda" && msg.contains("head_dim 80"), "{msg}"),
         other => panic!("{other:?}"),
     }
 }
