@@ -3,7 +3,7 @@
 //!
 //! The work list, segments, query-tile walk (dense, varlen, GQA, grouped windows, paged K/V,
 //! block-sparse through the transposed index), the lse / delta copies and the fused dQ's bulk
-//! reductions are those of `flash_bwd_wide` (same host plan, same launch arguments): only the
+//! reductions are those of `flash_bwd_wide` (same host plan, same card: `cards::DkdvCard`): only the
 //! mainloop differs. One cube = 128 keys = two warpgroups of 64 keys (256 threads), K and V staged
 //! once (swizzled), dK and dV (64 keys x head_dim per warpgroup) in registers for the cube's life.
 //! Per query tile of 64 rows (Q, dO by tensor-map copies into two swizzled stages, lse / delta by
@@ -27,12 +27,14 @@
 use cubecl::prelude::barrier::{copy_async, Barrier};
 use cubecl::prelude::*;
 
+use super::cards::DkdvCard;
 use super::bulk_reduce::{dq_row_dst, dq_rows_read, dq_tile_stride, issue_dq_row};
 use super::bwd_walk::{key_item, seg_walk, sparse_q_tile};
 use super::grid::cube_item_slot;
 use super::math::{fast_exp2, LOG2E};
 use super::rows::kv_row;
-use super::sm90::{fence_proxy_async, pack_a_pairs, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait, SW_COLS, SW_ROW};
+use super::sm90::{fence_proxy_async, pack_a_pairs, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait,
+    SW_COLS, SW_ROW};
 use super::tiles::{BWD_BM, WIDE_BN};
 use super::staging::{commit_stage, issue_lse_delta, stage_rows, wait_stage};
 
@@ -157,42 +159,13 @@ fn key_by_dim_steps<E: Float>(
     }
 }
 
-/// The Hopper dK / dV kernel; arguments as `flash_bwd_wide::flash_bwd_dkdv_wide` (one launch card
-/// for both). `q_map` / `do_map`: 128-byte-swizzled maps with 64-column x 64-row boxes; `dq_acc`
+/// The Hopper dK / dV kernel; its arguments are the dK / dV card (`cards::DkdvCard`), as those of
+/// `flash_bwd_wide::flash_bwd_dkdv_wide`. `q_map` / `do_map`: 128-byte-swizzled maps with 64-column x 64-row boxes; `dq_acc`
 /// is not read (the fused dQ goes through `dq_rows` by bulk reductions).
 #[allow(clippy::too_many_arguments, unused_variables, unused_assignments)]
 #[cube(launch_unchecked)]
 pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
-    q_map: &TensorMap<E, Tiled>,
-    do_map: &TensorMap<E, Tiled>,
-    k: &Array<Vector<E, NV>>,
-    v: &Array<Vector<E, NV>>,
-    lse: &Array<f32>,
-    delta: &Array<f32>,
-    dk: &mut Array<E>,
-    dv: &mut Array<E>,
-    dq_acc: &mut Array<Atomic<Vector<f32, NQ>>>,
-    dq_rows: &mut Array<Vector<f32, NQ>>,
-    q_s: &Array<E>,
-    do_s: &Array<E>,
-    ktiles: &Array<u32>,
-    tile_off: &Array<u32>,
-    tile_segs: &Array<u32>,
-    segs: &Array<u32>,
-    tq_off: &Array<u32>,
-    tq_list: &Array<u32>,
-    scale: f32,
-    scale_log2: f32,
-    heads_q: u32,
-    heads_kv: u32,
-    total_q: u32,
-    total_k: u32,
-    q_block: u32,
-    idx_heads: u32,
-    k_blocks: u32,
-    q_tiles_per_block: u32,
-    win_l: u32,
-    win_r: u32,
+    args: &mut DkdvCard<E, NV, NQ>,
     #[comptime] head_dim: usize,
     #[comptime] fuse_dq: bool,
     #[comptime] qvec: usize,
@@ -216,19 +189,22 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
     // dS^T, key-major ([key][row]: one 64-column chunk of BN rows), the A operand of dQ = dS K
     let mut ds_smem = SharedMemory::<E>::new_aligned(comptime!(if fuse_dq { BN * BM } else { SW_COLS * 8 }), 1024usize);
     let dts = comptime!(dq_tile_stride(head_dim));
-    let mut dq_tile = SharedMemory::<Vector<f32, NQ>>::new_aligned(comptime!(if fuse_dq { BM * dts / qvec } else { 1usize }), 16usize);
+    let mut dq_tile = SharedMemory::<Vector<f32,
+        NQ>>::new_aligned(comptime!(if fuse_dq { BM * dts / qvec } else { 1usize }), 16usize);
     let mut lse_smem = SharedMemory::<f32>::new(comptime!(2 * BM));
     let mut dl_smem = SharedMemory::<f32>::new(comptime!(2 * BM));
     let bar0 = Barrier::shared(comptime!(SM90_BWD_THREADS as u32), UNIT_POS == 0);
     let bar1 = Barrier::shared(comptime!(SM90_BWD_THREADS as u32), UNIT_POS == 0);
 
-    let (item, hk) = cube_item_slot(heads_kv, sparse);
-    let group = heads_q / heads_kv;
-    let ki = key_item(ktiles, tile_off, segs, item, 0u32, total_k, sparse);
+    let (item, hk) = cube_item_slot(args.heads_kv, sparse);
+    let group = args.heads_q / args.heads_kv;
+    let ki = key_item(&args.ktiles, &args.tile_off, &args.segs, item, 0u32, args.total_k, sparse);
     let (key0, key_lim) = (ki.key0, ki.key_lim);
 
-    stage_rows::<E, NV>(k, &mut k_smem, key0, key_lim, key0, heads_kv, hk, tq_list, BN, head_dim, SM90_BWD_THREADS, paged, true);
-    stage_rows::<E, NV>(v, &mut v_smem, key0, key_lim, key0, heads_kv, hk, tq_list, BN, head_dim, SM90_BWD_THREADS, paged, true);
+    stage_rows::<E, NV>(&args.k, &mut k_smem, key0, key_lim, key0, args.heads_kv, hk, &args.tq_list, BN, head_dim,
+        SM90_BWD_THREADS, paged, true);
+    stage_rows::<E, NV>(&args.v, &mut v_smem, key0, key_lim, key0, args.heads_kv, hk, &args.tq_list, BN, head_dim,
+        SM90_BWD_THREADS, paged, true);
     // K, V visible to the async proxy (the MMAs), barrier initialisation before the first commit
     fence_proxy_async();
     sync_cube();
@@ -254,8 +230,8 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
 
     for si in ki.s_begin..ki.s_end {
         let sw = seg_walk(
-            segs, tile_segs, tq_off, &ki, si, BN as u32, hk, heads_kv, group, idx_heads, k_blocks, q_tiles_per_block, win_l,
-            win_r, sparse,
+            &args.segs, &args.tile_segs, &args.tq_off, &ki, si, BN as u32, hk, args.heads_kv, group, args.idx_heads,
+            args.k_blocks, args.q_tiles_per_block, args.win_l, args.win_r, sparse,
         );
         let (q_start, q_len, k_start, shift, r_min) = (sw.q_start, sw.q_len, sw.k_start, sw.shift, sw.r_min);
         let (k_hi, n_qt, n_it, t_lo, t_n, span) = (sw.k_hi, sw.n_qt, sw.n_it, sw.t_lo, sw.t_n, sw.span);
@@ -266,15 +242,15 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
         let mut r0 = r_min as u32;
         let mut row_end = q_len;
         if sparse && n_it > 0 {
-            let (ha, ra, re) = sparse_q_tile(tq_list, t_lo, 0u32, 0u32, 0u32, hk * group, span, q_block, q_len);
+            let (ha, ra, re) = sparse_q_tile(&args.tq_list, t_lo, 0u32, 0u32, 0u32, hk * group, span, args.q_block, q_len);
             h = ha;
             r0 = ra;
             row_end = re;
         }
         if n_it > 0 {
             issue_q_tile::<E>(
-                q_map, do_map, q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, &bar0, &bar1, g_tile,
-                h, r0, q_len, q_start, heads_q, total_q, head_dim,
+                &args.q_map, &args.do_map, &args.q_s, &args.do_s, &args.lse, &args.delta, &mut q_smem, &mut do_smem,
+                &mut lse_smem, &mut dl_smem, &bar0, &bar1, g_tile, h, r0, q_len, q_start, args.heads_q, args.total_q, head_dim,
             );
         }
         let mut hq = 0u32;
@@ -291,7 +267,7 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
             // cur - 1, finished before the barrier that ended it)
             if sparse {
                 ti += 1u32;
-                if ti == q_tiles_per_block {
+                if ti == args.q_tiles_per_block {
                     ti = 0u32;
                     ei += 1u32;
                     if ei == t_n {
@@ -299,7 +275,7 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
                         hq += 1u32;
                     }
                 }
-                let (ha, ra, re) = sparse_q_tile(tq_list, t_lo, ei, ti, hq, hk * group, span, q_block, q_len);
+                let (ha, ra, re) = sparse_q_tile(&args.tq_list, t_lo, ei, ti, hq, hk * group, span, args.q_block, q_len);
                 h_next = ha;
                 r0_next = ra;
                 row_end_next = re;
@@ -315,8 +291,9 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
             g_tile = cur + 1u32;
             if it + 1 < n_it {
                 issue_q_tile::<E>(
-                    q_map, do_map, q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, &bar0, &bar1,
-                    g_tile, h_next, r0_next, q_len, q_start, heads_q, total_q, head_dim,
+                    &args.q_map, &args.do_map, &args.q_s, &args.do_s, &args.lse, &args.delta, &mut q_smem, &mut do_smem,
+                    &mut lse_smem, &mut dl_smem, &bar0, &bar1, g_tile, h_next, r0_next, q_len, q_start, args.heads_q,
+                    args.total_q, head_dim,
                 );
             }
             wait_stage(&bar0, &bar1, cur);
@@ -336,8 +313,8 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
             let full = kw0 >= 0i32
                 && kw0 + WG_KEYS as i32 <= k_hi as i32
                 && rr0 + BM as i32 <= row_end as i32
-                && kw0 + (WG_KEYS as i32 - 1i32) <= shift + rr0 + win_r as i32
-                && kw0 >= shift + rr0 + (BM as i32 - 1i32) - win_l as i32;
+                && kw0 + (WG_KEYS as i32 - 1i32) <= shift + rr0 + args.win_r as i32
+                && kw0 >= shift + rr0 + (BM as i32 - 1i32) - args.win_l as i32;
             #[unroll]
             for nb in 0..comptime!(BM / 8) {
                 #[unroll]
@@ -346,7 +323,7 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
                     #[unroll]
                     for hh in 0..2usize {
                         let i = nb * 4 + hh * 2 + e2;
-                        s[i] = fast_exp2(s[i] * scale_log2 - l2);
+                        s[i] = fast_exp2(s[i] * args.scale_log2 - l2);
                     }
                 }
             }
@@ -357,8 +334,8 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
                     for e2 in 0..2usize {
                         let r = rr0 + (nb * 8 + e2) as i32 + col_a as i32;
                         let dg = r + shift;
-                        let lo = max(dg - win_l as i32, 0i32);
-                        let mut hi = min(dg + win_r as i32 + 1i32, k_hi as i32);
+                        let lo = max(dg - args.win_l as i32, 0i32);
+                        let mut hi = min(dg + args.win_r as i32 + 1i32, k_hi as i32);
                         if r >= row_end as i32 {
                             hi = -1i32;
                         }
@@ -450,10 +427,10 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
                 }
                 sync_async_proxy_shared();
                 let n_rows = select(r0 < row_end, min(row_end - r0, BM as u32), 0u32);
-                let dst = dq_row_dst(q_start + r0, n_rows, h, heads_q, head_dim, qvec);
+                let dst = dq_row_dst(q_start + r0, n_rows, h, args.heads_q, head_dim, qvec);
                 // the tile complete, every warpgroup done with this tile's stage and dS^T
                 sync_cube();
-                issue_dq_row::<NQ>(&dq_tile, dq_rows, dst, head_dim, qvec);
+                issue_dq_row::<NQ>(&dq_tile, &mut args.dq_rows, dst, head_dim, qvec);
             } else {
                 wgmma_wait(0u32);
                 // every warpgroup done with this tile's stage
@@ -477,9 +454,9 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
             let key = key0 + (key_a + (e / 2) * 8) as u32;
             if key < key_lim {
                 let col = nb * 8 + col_a + e % 2;
-                let gi = (kv_row(key, tq_list, paged) * heads_kv + hk) as usize * head_dim + col;
-                dk[gi] = E::cast_from(dk_acc[nb * 4 + e] * scale);
-                dv[gi] = E::cast_from(dv_acc[nb * 4 + e]);
+                let gi = (kv_row(key, &args.tq_list, paged) * args.heads_kv + hk) as usize * head_dim + col;
+                args.dk[gi] = E::cast_from(dk_acc[nb * 4 + e] * args.scale);
+                args.dv[gi] = E::cast_from(dv_acc[nb * 4 + e]);
             }
         }
     }

@@ -53,6 +53,7 @@ use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
+use super::cards::DkdvCard;
 use super::tiles::{BWD_BM, PAD, WIDE_BN, WIDE_PLANES};
 use super::bulk_reduce::{dq_row_dst, dq_rows_read, dq_tile_stride, issue_dq_row};
 use super::fragments::{frag_a, frag_a_t, frag_b_n2, frag_b_t2, mma_into, store_acc_16x16};
@@ -321,54 +322,26 @@ fn issue_q_tile_maps<E: Float>(
     }
 }
 
-/// dK, dV (and with `fuse_dq` the dQ atomics). Grid: entries of `ktiles` x heads_kv in one
-/// dimension, heads fastest (block-sparse: items fastest); 32 * [`WIDE_PLANES`] units. `ktiles`: key-tile indices (tile t =
-/// keys `[t*WIDE_BN, t*WIDE_BN+WIDE_BN)` of the shared key axis), most expensive first; `tile_off` / `tile_segs`: CSR list of the
-/// segments overlapping each tile; `segs`: (q_start, q_len, k_start, k_len) per segment; `lse`,
-/// `delta`: `[heads_q, total_q]`; `q_s` / `do_s`: q and dout as scalars (the `cp.async` sources);
-/// `dq_acc`: the f32 dQ accumulator (fused path; any valid address otherwise). With `tma` (sm_90+)
-/// a query tile whose rows all lie inside the segment is copied by one tensor-map copy of Q
-/// (`q_map`) and one of dO (`do_map`, both [`q_map_box`] boxes over `[total_q, heads_q * head_dim]`)
-/// issued by one thread, instead of 8 `cp.async` per thread; a tile past the segment's end keeps
-/// the `cp.async` path (its rows clamped to the segment). Without `tma` the maps are not read.
-/// Block-sparse (`sparse`): `ktiles` holds [`SPARSE_KWORK_WORDS`] words per work item (sequence,
-/// first window key, keys, key block), `tile_off` / `tile_segs` are not read; `tq_off` / `tq_list`:
-/// the transposed index (cells (sequence, key block, index head)); `q_block`, `idx_heads`,
-/// `k_blocks` (per sequence slot), `q_tiles_per_block` describe it. Dense calls pass any valid
-/// address and value for those.
+/// dK, dV (and with `fuse_dq` the dQ atomics); arguments: the dK / dV card (`cards::DkdvCard`).
+/// Grid: entries of `ktiles` x heads_kv in one dimension, heads fastest (block-sparse: items
+/// fastest); 32 * [`WIDE_PLANES`] units. `ktiles`: key-tile indices (tile t = keys `[t*WIDE_BN,
+/// t*WIDE_BN+WIDE_BN)` of the shared key axis), most expensive first; `tile_off` / `tile_segs`: CSR
+/// list of the segments overlapping each tile; `segs`: (q_start, q_len, k_start, k_len) per
+/// segment; `lse`, `delta`: `[heads_q, total_q]`; `q_s` / `do_s`: q and dout as scalars (the
+/// `cp.async` sources); `dq_acc`: the f32 dQ accumulator (fused path; any valid address otherwise).
+/// With `tma` (sm_90+) a query tile whose rows all lie inside the segment is copied by one
+/// tensor-map copy of Q (`q_map`) and one of dO (`do_map`, both [`q_map_box`] boxes over `[total_q,
+/// heads_q * head_dim]`) issued by one thread, instead of 8 `cp.async` per thread; a tile past the
+/// segment's end keeps the `cp.async` path (its rows clamped to the segment). Without `tma` the
+/// maps are not read. Block-sparse (`sparse`): `ktiles` holds [`SPARSE_KWORK_WORDS`] words per work
+/// item (sequence, first window key, keys, key block), `tile_off` / `tile_segs` are not read;
+/// `tq_off` / `tq_list`: the transposed index (cells (sequence, key block, index head)); `q_block`,
+/// `idx_heads`, `k_blocks` (per sequence slot), `q_tiles_per_block` describe it. Dense calls pass
+/// any valid address and value for those.
 #[allow(clippy::too_many_arguments, unused_assignments)]
 #[cube(launch_unchecked)]
 pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
-    q_map: &TensorMap<E, Tiled>,
-    do_map: &TensorMap<E, Tiled>,
-    k: &Array<Vector<E, NV>>,
-    v: &Array<Vector<E, NV>>,
-    lse: &Array<f32>,
-    delta: &Array<f32>,
-    dk: &mut Array<E>,
-    dv: &mut Array<E>,
-    dq_acc: &mut Array<Atomic<Vector<f32, NQ>>>,
-    dq_rows: &mut Array<Vector<f32, NQ>>,
-    q_s: &Array<E>,
-    do_s: &Array<E>,
-    ktiles: &Array<u32>,
-    tile_off: &Array<u32>,
-    tile_segs: &Array<u32>,
-    segs: &Array<u32>,
-    tq_off: &Array<u32>,
-    tq_list: &Array<u32>,
-    scale: f32,
-    scale_log2: f32,
-    heads_q: u32,
-    heads_kv: u32,
-    total_q: u32,
-    total_k: u32,
-    q_block: u32,
-    idx_heads: u32,
-    k_blocks: u32,
-    q_tiles_per_block: u32,
-    win_l: u32,
-    win_r: u32,
+    args: &mut DkdvCard<E, NV, NQ>,
     #[comptime] head_dim: usize,
     #[comptime] fuse_dq: bool,
     #[comptime] dq_bulk: bool,
@@ -418,17 +391,19 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
         SharedMemory::<Vector<f32, NQ>>::new_aligned(comptime!(if bulk { BWD_BM * dts / qvec } else { 1usize }), 16usize);
 
     // One cube per (work item, kv head); block-sparse items fastest.
-    let (item, hk) = cube_item_slot(heads_kv, sparse);
-    let group = heads_q / heads_kv;
+    let (item, hk) = cube_item_slot(args.heads_kv, sparse);
+    let group = args.heads_q / args.heads_kv;
     // Dense: key tile `kt` of the shared key axis, its segments from the CSR list. Sparse: work
     // item (sequence, first window key, keys, key block) inside one key block of one sequence.
-    let ki = key_item(ktiles, tile_off, segs, item, 0u32, total_k, sparse);
+    let ki = key_item(&args.ktiles, &args.tile_off, &args.segs, item, 0u32, args.total_k, sparse);
     let (key0, key_lim) = (ki.key0, ki.key_lim);
 
     // paged (dense only: `tq_list` holds the page table): K, V read and dK, dV written at the
     // rows of a paged K,V (`rows::kv_row`)
-    stage_rows::<E, NV>(k, &mut k_smem, key0, key_lim, key0, heads_kv, hk, tq_list, WIDE_BN, head_dim, threads, paged, false);
-    stage_rows::<E, NV>(v, &mut v_smem, key0, key_lim, key0, heads_kv, hk, tq_list, WIDE_BN, head_dim, threads, paged, false);
+    stage_rows::<E, NV>(&args.k, &mut k_smem, key0, key_lim, key0, args.heads_kv, hk, &args.tq_list, WIDE_BN, head_dim,
+        threads, paged, false);
+    stage_rows::<E, NV>(&args.v, &mut v_smem, key0, key_lim, key0, args.heads_kv, hk, &args.tq_list, WIDE_BN, head_dim,
+        threads, paged, false);
     // Barrier initialisation visible before the first cp.async commit.
     sync_cube();
     // Query tiles issued so far: tile g uses stage g % 2 and barrier phase (g / 2) % 2.
@@ -467,8 +442,8 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
 
     for si in ki.s_begin..ki.s_end {
         let sw = seg_walk(
-            segs, tile_segs, tq_off, &ki, si, WIDE_BN as u32, hk, heads_kv, group, idx_heads, k_blocks, q_tiles_per_block,
-            win_l, win_r, sparse,
+            &args.segs, &args.tile_segs, &args.tq_off, &ki, si, WIDE_BN as u32, hk, args.heads_kv, group, args.idx_heads,
+            args.k_blocks, args.q_tiles_per_block, args.win_l, args.win_r, sparse,
         );
         let (q_start, q_len, k_start, shift, r_min) = (sw.q_start, sw.q_len, sw.k_start, sw.shift, sw.r_min);
         let (k_hi, n_qt, n_it, t_lo, t_n, span) = (sw.k_hi, sw.n_qt, sw.n_it, sw.t_lo, sw.t_n, sw.span);
@@ -484,9 +459,10 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
                 // g_tile - 1, wrapping at 0): its buffer was last read two tiles ago, by every plane
                 // before the P / dS barrier of the previous tile.
                 issue_next_q_tile::<E>(
-                    q_map, do_map, q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, &bar0, &bar1,
-                    g_tile - 1u32, tq_list, t_lo, 0u32, 0u32, 0u32, hk * group, span, q_block, r_min as u32, q_len,
-                    q_start, heads_q, total_q, head_dim, threads, sparse, tma, q_stages,
+                    &args.q_map, &args.do_map, &args.q_s, &args.do_s, &args.lse, &args.delta, &mut q_smem, &mut do_smem,
+                    &mut lse_smem, &mut dl_smem, &bar0, &bar1, g_tile - 1u32, &args.tq_list, t_lo, 0u32, 0u32, 0u32, hk * group,
+                    span, args.q_block, r_min as u32, q_len, q_start, args.heads_q, args.total_q, head_dim, threads, sparse, tma,
+                    q_stages,
                 );
             }
         }
@@ -506,12 +482,12 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
             // Rows of the tile's query block (dense: the segment).
             let mut row_end = q_len;
             if sparse {
-                let (ha, ra, re) = sparse_q_tile(tq_list, t_lo, ei, ti, hq, hk * group, span, q_block, q_len);
+                let (ha, ra, re) = sparse_q_tile(&args.tq_list, t_lo, ei, ti, hq, hk * group, span, args.q_block, q_len);
                 h = ha;
                 r0 = ra;
                 row_end = re;
                 ti += 1u32;
-                if ti == q_tiles_per_block {
+                if ti == args.q_tiles_per_block {
                     ti = 0u32;
                     ei += 1u32;
                     if ei == t_n {
@@ -548,15 +524,17 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
                     // one stage: every plane is done with the previous tile, so this tile goes
                     // into it now (no copy overlaps the products)
                     issue_next_q_tile::<E>(
-                        q_map, do_map, q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, &bar0, &bar1,
-                        cur - 1u32, tq_list, t_lo, ei_now, ti_now, hq_now, hk * group, span, q_block, r_min as u32, q_len,
-                        q_start, heads_q, total_q, head_dim, threads, sparse, tma, q_stages,
+                        &args.q_map, &args.do_map, &args.q_s, &args.do_s, &args.lse, &args.delta, &mut q_smem, &mut do_smem,
+                        &mut lse_smem, &mut dl_smem, &bar0, &bar1, cur - 1u32, &args.tq_list, t_lo, ei_now, ti_now, hq_now,
+                        hk * group, span, args.q_block, r_min as u32, q_len, q_start, args.heads_q, args.total_q, head_dim,
+                        threads, sparse, tma, q_stages,
                     );
                 } else if it + 1 < n_it {
                     issue_next_q_tile::<E>(
-                        q_map, do_map, q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, &bar0, &bar1, cur,
-                        tq_list, t_lo, ei, ti, hq, hk * group, span, q_block, r_min as u32, q_len, q_start, heads_q,
-                        total_q, head_dim, threads, sparse, tma, q_stages,
+                        &args.q_map, &args.do_map, &args.q_s, &args.do_s, &args.lse, &args.delta, &mut q_smem, &mut do_smem,
+                        &mut lse_smem, &mut dl_smem, &bar0, &bar1, cur, &args.tq_list, t_lo, ei, ti, hq, hk * group, span,
+                        args.q_block, r_min as u32, q_len, q_start, args.heads_q, args.total_q, head_dim, threads, sparse, tma,
+                        q_stages,
                     );
                 }
             }
@@ -586,12 +564,12 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
             let full = kw0 >= 0i32
                 && kw0 + BLK as i32 <= k_hi as i32
                 && rr0 + BLK as i32 <= row_end as i32
-                && kw0 + (BLK as i32 - 1i32) <= shift + rr0 + win_r as i32
-                && kw0 >= shift + rr0 + (BLK as i32 - 1i32) - win_l as i32;
+                && kw0 + (BLK as i32 - 1i32) <= shift + rr0 + args.win_r as i32
+                && kw0 >= shift + rr0 + (BLK as i32 - 1i32) - args.win_l as i32;
             if full {
                 probs_store::<E, NA>(
-                    &def, &mut s, &mut dp, &lse2, &dl, &lo, &hi, scale_log2, &mut p_smem, &mut ds_smem, pb + rw, kw_s,
-                    false, pstride,
+                    &def, &mut s, &mut dp, &lse2, &dl, &lo, &hi, args.scale_log2, &mut p_smem, &mut ds_smem, pb + rw, kw_s, false,
+                    pstride,
                 );
             } else {
                 // Row r (segment-local) sees window keys [max(r + shift - win_l, 0),
@@ -602,16 +580,16 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
                 for ri in 0..4usize {
                     let r = rr0 + ((ri / 2) * 16 + (ri % 2) * 8) as i32 + g as i32;
                     let d = r + shift;
-                    lo[ri] = max(d - win_l as i32, 0i32) - base;
-                    let mut h_ = min(d + win_r as i32 + 1i32, k_hi as i32) - base;
+                    lo[ri] = max(d - args.win_l as i32, 0i32) - base;
+                    let mut h_ = min(d + args.win_r as i32 + 1i32, k_hi as i32) - base;
                     if r >= row_end as i32 {
                         h_ = -1i32;
                     }
                     hi[ri] = h_;
                 }
                 probs_store::<E, NA>(
-                    &def, &mut s, &mut dp, &lse2, &dl, &lo, &hi, scale_log2, &mut p_smem, &mut ds_smem, pb + rw, kw_s,
-                    true, pstride,
+                    &def, &mut s, &mut dp, &lse2, &dl, &lo, &hi, args.scale_log2, &mut p_smem, &mut ds_smem, pb + rw, kw_s, true,
+                    pstride,
                 );
             }
             // P and dS complete; every plane has also finished the previous tile, so the stage it
@@ -625,9 +603,10 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
             if comptime!(p_stages == 2) {
                 if it + 1 < n_it {
                     issue_next_q_tile::<E>(
-                        q_map, do_map, q_s, do_s, lse, delta, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, &bar0, &bar1, cur,
-                        tq_list, t_lo, ei, ti, hq, hk * group, span, q_block, r_min as u32, q_len, q_start, heads_q,
-                        total_q, head_dim, threads, sparse, tma, q_stages,
+                        &args.q_map, &args.do_map, &args.q_s, &args.do_s, &args.lse, &args.delta, &mut q_smem, &mut do_smem,
+                        &mut lse_smem, &mut dl_smem, &bar0, &bar1, cur, &args.tq_list, t_lo, ei, ti, hq, hk * group, span,
+                        args.q_block, r_min as u32, q_len, q_start, args.heads_q, args.total_q, head_dim, threads, sparse, tma,
+                        q_stages,
                     );
                 }
             }
@@ -688,22 +667,22 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
                     }
                     sync_async_proxy_shared();
                     let n_rows = select(r0 < row_end, min(row_end - r0, BWD_BM as u32), 0u32);
-                    let dst = dq_row_dst(q_start + r0, n_rows, h, heads_q, head_dim, qvec);
+                    let dst = dq_row_dst(q_start + r0, n_rows, h, args.heads_q, head_dim, qvec);
                     // the tile complete (and every plane done with this tile's shared memory: the
                     // barrier the next tile would start with), then one row per thread
                     sync_cube();
-                    issue_dq_row::<NQ>(&dq_tile, dq_rows, dst, head_dim, qvec);
+                    issue_dq_row::<NQ>(&dq_tile, &mut args.dq_rows, dst, head_dim, qvec);
                 } else {
                     // Rows past the segment's end add 0.0 to a row that exists (the last row of the
                     // tensor at most): no branch around the atomics, and x + 0.0 == x.
-                    let last = total_q - 1u32;
+                    let last = args.total_q - 1u32;
                     #[unroll]
                     for ri in 0..4usize {
                         let rl = r0 + (rw + (ri / 2) * 16 + (ri % 2) * 8) as u32 + g;
                         let ok = rl < row_end;
                         // in units of qvec floats (a multiple of qvec: t2, cq and head_dim are even), so
                         // the 8-column steps below are constant offsets of one address per row
-                        let gv = (((min(q_start + rl, last)) * heads_q + h) as usize * head_dim + cq + t2 as usize) / qvec;
+                        let gv = (((min(q_start + rl, last)) * args.heads_q + h) as usize * head_dim + cq + t2 as usize) / qvec;
                         #[unroll]
                         for ob in 0..oq_n {
                             // accumulator pair (e, e + 1) of row half ri % 2: adjacent columns
@@ -716,14 +695,14 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
                                 let mut val = Vector::<f32, NQ>::empty();
                                 val[0] = x0;
                                 val[1] = x1;
-                                dq_acc[gi].fetch_add(val);
+                                args.dq_acc[gi].fetch_add(val);
                             } else {
                                 let mut v0 = Vector::<f32, NQ>::empty();
                                 v0[0] = x0;
-                                dq_acc[gi].fetch_add(v0);
+                                args.dq_acc[gi].fetch_add(v0);
                                 let mut v1 = Vector::<f32, NQ>::empty();
                                 v1[0] = x1;
-                                dq_acc[gi + 1].fetch_add(v1);
+                                args.dq_acc[gi + 1].fetch_add(v1);
                             }
                         }
                     }
@@ -747,10 +726,11 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
                 let (row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
                 let key = key0 + (kw_s + mb * 16) as u32 + row;
                 if key < key_lim {
-                    let gi = (kv_row(key, tq_list, paged) * heads_kv + hk) as usize * head_dim + cb + ob * 8 + col as usize;
+                    let gi = (kv_row(key, &args.tq_list,
+                        paged) * args.heads_kv + hk) as usize * head_dim + cb + ob * 8 + col as usize;
                     let i = (mb * ob_n + ob) * ec + e;
-                    dk[gi] = E::cast_from(dk_acc[i] * scale);
-                    dv[gi] = E::cast_from(dv_acc[i]);
+                    args.dk[gi] = E::cast_from(dk_acc[i] * args.scale);
+                    args.dv[gi] = E::cast_from(dv_acc[i]);
                 }
             }
         }

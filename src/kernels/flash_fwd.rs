@@ -42,6 +42,7 @@ use cubecl::prelude::*;
 use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::barrier::Barrier;
 
+use super::cards::FwdCard;
 use super::fragments::{frag_a, frag_b_pair, mma_into};
 use super::grid::cube_item_slot;
 use super::int8_qk::{scores_int8, stride8};
@@ -177,44 +178,20 @@ pub fn fill_uncovered<E: Float>(out: &mut Array<E>, lse: &mut Array<f32>, inf: f
     }
 }
 
-/// The forward kernel: FlashAttention-2's warp shape. Each plane (warp) owns `mt` m16 row blocks
-/// (`mt` = 2: 4 planes x 32 rows = 128 threads), so every K/V B fragment read through `ldmatrix`
-/// feeds `mt` mma instructions. The Q tile stays in shared memory (its own buffer, copied with
-/// `cp.async` together with the first K tile) and its A fragments are re-read with `ldmatrix`
-/// each key tile, which keeps the register count under 255 so two 128-thread cubes share a
-/// multiprocessor (one cube's barriers and softmax overlap the other's mma). `block_n` keys per
-/// tile; K and V double-buffered (module docs). BLOCK_M = 128 packed rows per cube. `paged`
-/// (dense only): `blocks` is the page table of a paged K,V (`rows::kv_row`); masks and tiles stay
-/// in logical key positions, only the copies' rows are translated, once per tile and page.
+/// The forward kernel (arguments: the forward card, `cards::FwdCard`): FlashAttention-2's warp
+/// shape. Each plane (warp) owns `mt` m16 row blocks (`mt` = 2: 4 planes x 32 rows = 128 threads),
+/// so every K/V B fragment read through `ldmatrix` feeds `mt` mma instructions. The Q tile stays in
+/// shared memory (its own buffer, copied with `cp.async` together with the first K tile) and its A
+/// fragments are re-read with `ldmatrix` each key tile, which keeps the register count under 255 so
+/// two 128-thread cubes share a multiprocessor (one cube's barriers and softmax overlap the other's
+/// mma). `block_n` keys per tile; K and V double-buffered (module docs). BLOCK_M = 128 packed rows
+/// per cube. `paged` (dense only): `blocks` is the page table of a paged K,V (`rows::kv_row`);
+/// masks and tiles stay in logical key positions, only the copies' rows are translated, once per
+/// tile and page.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch_unchecked)]
 pub fn flash_fwd_mma2<E: Float>(
-    k_map: &TensorMap<E, Tiled>,
-    v_map: &TensorMap<E, Tiled>,
-    q_s: &Array<E>,
-    k_s: &Array<E>,
-    v_s: &Array<E>,
-    out: &mut Array<E>,
-    lse: &mut Array<f32>,
-    part_o: &mut Array<f32>,
-    part_lse: &mut Array<f32>,
-    work: &Array<u32>,
-    slices: &Array<u32>,
-    segs: &Array<u32>,
-    tile_ref: &Array<u32>,
-    blocks: &Array<u32>,
-    nonfinite: &Array<u32>,
-    scale_log2: f32,
-    heads_q: u32,
-    heads_kv: u32,
-    total_q: u32,
-    hp: u32,
-    n_slots: u32,
-    inf: f32,
-    k_block: u32,
-    tiles_per_block: u32,
-    win_l: u32,
-    win_r: u32,
+    args: &mut FwdCard<E>,
     #[comptime] head_dim: usize,
     #[comptime] mt: usize,
     #[comptime] block_n: usize,
@@ -226,7 +203,7 @@ pub fn flash_fwd_mma2<E: Float>(
     #[comptime] tma: bool,
 ) {
     // v holds a NaN or Inf (`nonfinite::v_nonfinite`): the exact row-wise kernel writes this call
-    if nonfinite[0] != 0u32 {
+    if args.nonfinite[0] != 0u32 {
         terminate!();
     }
     let def = MmaDefinition::<E, E, f32>::new(16usize, 8usize, 16usize);
@@ -254,14 +231,15 @@ pub fn flash_fwd_mma2<E: Float>(
 
     // One cube per (work item, head slot y < heads_q / hp); block-sparse items fastest.
     let mut list_smem = SharedMemory::<u32>::new(comptime!(if sparse { LIST_SMEM } else { 1usize }));
-    let wi = work_item(work, tile_ref, blocks, &mut list_smem, heads_q, heads_kv, hp, tiles_per_block, threads, block_n, sparse);
+    let wi = work_item(&args.work, &args.tile_ref, &args.blocks, &mut list_smem, args.heads_q, args.heads_kv, args.hp,
+        args.tiles_per_block, threads, block_n, sparse);
     let (y, head_base, head_kv) = (wi.y, wi.head_base, wi.head_kv);
     let (slice_off, n_slices, klo, khi, slot) = (wi.slice_off, wi.n_slices, wi.klo, wi.khi, wi.slot);
     let (n_tiles, list, tpb_magic) = (wi.n_tiles, wi.list, wi.tpb_magic);
 
     fill_rows(
-        slices, segs, slice_off, n_slices, hp, head_base, klo, khi, &mut row_tok, &mut row_head, &mut row_lo,
-        &mut row_hi, win_l, win_r, threads, block_m,
+        &args.slices, &args.segs, slice_off, n_slices, args.hp, head_base, klo, khi, &mut row_tok, &mut row_head, &mut row_lo,
+        &mut row_hi, args.win_l, args.win_r, threads, block_m,
     );
     sync_cube();
 
@@ -278,7 +256,7 @@ pub fn flash_fwd_mma2<E: Float>(
     let n_blocks = comptime!(block_n / 8);
     let o_blocks = comptime!(head_dim / 8);
     let slots = comptime!(2 * mt);
-    let krow = heads_kv as usize * head_dim;
+    let krow = args.heads_kv as usize * head_dim;
     let mi = (lane / 8u32) as usize;
     let mr = (lane % 8u32) as usize;
     let prow = plane as usize * plane_rows;
@@ -287,13 +265,15 @@ pub fn flash_fwd_mma2<E: Float>(
     // token 0 (any valid row): their key range is empty, so every score is masked and nothing
     // is written.
     if n_tiles > 0 {
-        let (f0, f1) = tile_bounds(0u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
+        let (f0, f1) = tile_bounds(0u32, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
+            tpb_magic, block_n, sparse);
         // int8 rows: head_dim bytes = head_dim / 2 elements of E
-        copy_token_rows(&q_s, &mut q_smem, &row_tok, &row_head, heads_q, NONE, threads, block_m,
+        copy_token_rows(&args.q_s, &mut q_smem, &row_tok, &row_head, args.heads_q, NONE, threads, block_m,
                         comptime!(if int8 { head_dim / 2 } else { head_dim }), qk_row, LOAD_VEC);
         // paged (dense only: `blocks` holds the page table): a tile spans at most two pages
-        let (p0, p1, pb) = tile_rows(f0, f1, blocks, paged, block_n);
-        issue_kv_tiles(k_map, v_map, &k_s, &v_s, &mut k_smem, &mut v_smem, &bar_k, &bar_v, 0usize, p0, p1, pb, krow, heads_kv, head_kv,
+        let (p0, p1, pb) = tile_rows(f0, f1, &args.blocks, paged, block_n);
+        issue_kv_tiles(&args.k_map, &args.v_map, &args.k_s, &args.v_s, &mut k_smem, &mut v_smem, &bar_k, &bar_v, 0usize,
+            p0, p1, pb, krow, args.heads_kv, head_kv,
                        threads, block_n, head_dim, int8, true, paged, tma);
     }
 
@@ -303,7 +283,7 @@ pub fn flash_fwd_mma2<E: Float>(
         o_acc[i] = 0.0f32;
     }
     let mut s = Array::<f32>::new(comptime!(mt * n_blocks * ec));
-    let neg_inf = -inf;
+    let neg_inf = -args.inf;
     // int8: entries [slots, 2 slots) hold the rows' Q scale times scale_log2, [2 slots, 3 slots)
     // the current tile's full score factor (times the K scale)
     let mut m_r = Array::<f32>::new(comptime!(if int8 { 3 * slots } else { slots }));
@@ -324,9 +304,9 @@ pub fn flash_fwd_mma2<E: Float>(
             let tok = row_tok[tr];
             let mut qs = 1.0f32;
             if tok != NONE {
-                qs = part_lse[(row_head[tr] * total_q + tok) as usize];
+                qs = args.part_lse[(row_head[tr] * args.total_q + tok) as usize];
             }
-            m_r[slots + i] = qs * scale_log2;
+            m_r[slots + i] = qs * args.scale_log2;
         }
     }
 
@@ -345,12 +325,13 @@ pub fn flash_fwd_mma2<E: Float>(
     }
 
     for kt in 0..n_tiles {
-        let (t0, t1) = tile_bounds(kt, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
+        let (t0, t1) = tile_bounds(kt, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
+            tpb_magic, block_n, sparse);
         if int8 {
             // this lane's K scale (`part_o[key * heads_kv + head]`): one per tile and lane in every
             // granularity (its columns 2 (lane % 4) + {0, 1} of each n8 block share it)
             let key = min(t0 + 2u32 * (lane % 4u32), t1 - 1u32);
-            let ks = part_o[(key * heads_kv + head_kv) as usize];
+            let ks = args.part_o[(key * args.heads_kv + head_kv) as usize];
             #[unroll]
             for i in 0..slots {
                 m_r[2 * slots + i] = max(m_r[slots + i] * ks, 1.175_494_4e-38f32);
@@ -368,15 +349,18 @@ pub fn flash_fwd_mma2<E: Float>(
         let cur = ((kt & 1u32) * block_n as u32) as usize;
         if v_single && kt > 0 {
             // every plane is done with V(t - 1): V(t) into the one buffer
-            let (p0, p1, pb) = tile_rows(t0, t1, blocks, paged, block_n);
-            load_kv_tile(v_map, &v_s, &mut v_smem, &bar_v, 0usize, p0, p1, pb, krow, head_kv, threads, block_n, head_dim, paged, tma);
+            let (p0, p1, pb) = tile_rows(t0, t1, &args.blocks, paged, block_n);
+            load_kv_tile(&args.v_map, &args.v_s, &mut v_smem, &bar_v, 0usize, p0, p1, pb, krow, head_kv, threads, block_n,
+                head_dim, paged, tma);
             commit_copies(&bar_v);
         }
         if kt + 1 < n_tiles {
             let nxt = comptime!(block_n) - cur;
-            let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
-            let (p0, p1, pb) = tile_rows(n0, n1, blocks, paged, block_n);
-            issue_kv_tiles(k_map, v_map, &k_s, &v_s, &mut k_smem, &mut v_smem, &bar_k, &bar_v, nxt, p0, p1, pb, krow, heads_kv, head_kv,
+            let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, &args.blocks, &list_smem, args.k_block,
+                args.tiles_per_block, tpb_magic, block_n, sparse);
+            let (p0, p1, pb) = tile_rows(n0, n1, &args.blocks, paged, block_n);
+            issue_kv_tiles(&args.k_map, &args.v_map, &args.k_s, &args.v_s, &mut k_smem, &mut v_smem, &bar_k, &bar_v, nxt,
+                p0, p1, pb, krow, args.heads_kv, head_kv,
                            threads, block_n, head_dim, int8, !v_single, paged, tma);
         }
 
@@ -472,7 +456,7 @@ pub fn flash_fwd_mma2<E: Float>(
             mx = max(mx, plane_shuffle_xor(mx, 1u32));
             mx = max(mx, plane_shuffle_xor(mx, 2u32));
             if !int8 {
-                mx *= scale_log2;
+                mx *= args.scale_log2;
             }
             top[i] = mx;
             moved = moved || mx > m_r[i] + RESCALE_SLACK;
@@ -505,7 +489,7 @@ pub fn flash_fwd_mma2<E: Float>(
         for i in 0..slots {
             let m = i / 2;
             let e0 = (i % 2) * (ec / 2);
-            let sl = if int8 { m_r[2 * slots + i] } else { scale_log2 };
+            let sl = if int8 { m_r[2 * slots + i] } else { args.scale_log2 };
             let ref_m = m_r[i];
             let mut sum = 0.0f32;
             #[unroll]
@@ -596,8 +580,8 @@ pub fn flash_fwd_mma2<E: Float>(
                     let tok = row_tok[tr];
                     if tok != NONE {
                         let inv = inv_r[m * 2 + e / (ec / 2)];
-                        let g = (tok * heads_q + row_head[tr]) as usize * head_dim + ob * 8 + col as usize;
-                        out[g] = E::cast_from(o_acc[(m * o_blocks + ob) * ec + e] * inv);
+                        let g = (tok * args.heads_q + row_head[tr]) as usize * head_dim + ob * 8 + col as usize;
+                        args.out[g] = E::cast_from(o_acc[(m * o_blocks + ob) * ec + e] * inv);
                     }
                 }
             }
@@ -608,20 +592,20 @@ pub fn flash_fwd_mma2<E: Float>(
                 let tr = slot_row(i, prow, row_a, row_b);
                 let tok = row_tok[tr];
                 if tok != NONE {
-                    let mut val = inf;
+                    let mut val = args.inf;
                     if l_r[i] != 0.0f32 {
                         val = m_r[i] * LN2 + f32::ln(l_r[i]);
                         if int8 {
                             // K smoothing: the LSE correction softmax_scale * q . mean
-                            val += part_lse[(heads_q * total_q + row_head[tr] * total_q + tok) as usize];
+                            val += args.part_lse[(args.heads_q * args.total_q + row_head[tr] * args.total_q + tok) as usize];
                         }
                     }
-                    lse[(row_head[tr] * total_q + tok) as usize] = val;
+                    args.lse[(row_head[tr] * args.total_q + tok) as usize] = val;
                 }
             }
         }
     } else {
-        let pbase = ((y * n_slots + slot) as usize) * block_m;
+        let pbase = ((y * args.n_slots + slot) as usize) * block_m;
         #[unroll]
         for m in 0..mt {
             #[unroll]
@@ -631,7 +615,7 @@ pub fn flash_fwd_mma2<E: Float>(
                     let (row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
                     let tr = prow + m * 16 + row as usize;
                     let inv = inv_r[m * 2 + e / (ec / 2)];
-                    part_o[(pbase + tr) * head_dim + ob * 8 + col as usize] = o_acc[(m * o_blocks + ob) * ec + e] * inv;
+                    args.part_o[(pbase + tr) * head_dim + ob * 8 + col as usize] = o_acc[(m * o_blocks + ob) * ec + e] * inv;
                 }
             }
         }
@@ -643,7 +627,7 @@ pub fn flash_fwd_mma2<E: Float>(
                 if l_r[i] != 0.0f32 {
                     val = m_r[i] * LN2 + f32::ln(l_r[i]);
                 }
-                part_lse[pbase + tr] = val;
+                args.part_lse[pbase + tr] = val;
             }
         }
     }

@@ -3,7 +3,7 @@
 //!
 //! The work list, slices, row bounds, key tiles (dense, paged, block-sparse), the conditional
 //! rescale, the LSE and the split-K partials are those of `kernels::flash_fwd` (same host plan,
-//! same launch arguments); only the mainloop differs. One cube = 128 packed rows = two warpgroups
+//! same card: `cards::FwdCard`); only the mainloop differs. One cube = 128 packed rows = two warpgroups
 //! of 64 rows (256 threads), two cubes per SM. Per key tile of `block_n` keys (128 at d64, 64 at
 //! d128: what lets two cubes share an SM's shared memory and registers), each warpgroup computes
 //! S = Q K^T (`head_dim / 16` MMAs m64 x block_n x k16, both operands in shared memory), masks and
@@ -19,10 +19,12 @@
 use cubecl::prelude::*;
 use cubecl::prelude::barrier::{copy_async, Barrier};
 
+use super::cards::FwdCard;
 use super::flash_fwd::{fill_rows, tile_bounds, work_item, LIST_SMEM, M_INIT, NONE, RESCALE_SLACK};
 use super::kv_tiles::{issue_tile_sw128, tile_rows};
 use super::math::{fast_exp2, LN2};
-use super::sm90::{fence_proxy_async, pack_a_pairs, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait, SW_COLS, SW_ROW};
+use super::sm90::{fence_proxy_async, pack_a_pairs, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait,
+    SW_COLS, SW_ROW};
 use super::staging::commit_copies;
 use crate::format::KV_PAGE;
 
@@ -210,45 +212,21 @@ fn pv_steps<E: Float>(
     }
 }
 
-/// The Hopper forward kernel; arguments as `flash_fwd::flash_fwd_mma2` (one launch card for both;
-/// the INT8 variant is not served here, and `k_s` / `v_s` are read only through the maps).
+/// The Hopper forward kernel; its arguments are the forward card (`cards::FwdCard`), as those of
+/// `flash_fwd::flash_fwd_mma2` (the INT8 variant is not served here, and `k_s` / `v_s` are read
+/// only through the maps).
 /// `k_map` / `v_map`: 128-byte-swizzled maps with 64-column x `kv_tiles::box_rows` boxes.
 #[allow(clippy::too_many_arguments, unused_variables)]
 #[cube(launch_unchecked)]
 pub fn flash_fwd_sm90<E: Float>(
-    k_map: &TensorMap<E, Tiled>,
-    v_map: &TensorMap<E, Tiled>,
-    q_s: &Array<E>,
-    k_s: &Array<E>,
-    v_s: &Array<E>,
-    out: &mut Array<E>,
-    lse: &mut Array<f32>,
-    part_o: &mut Array<f32>,
-    part_lse: &mut Array<f32>,
-    work: &Array<u32>,
-    slices: &Array<u32>,
-    segs: &Array<u32>,
-    tile_ref: &Array<u32>,
-    blocks: &Array<u32>,
-    nonfinite: &Array<u32>,
-    scale_log2: f32,
-    heads_q: u32,
-    heads_kv: u32,
-    total_q: u32,
-    hp: u32,
-    n_slots: u32,
-    inf: f32,
-    k_block: u32,
-    tiles_per_block: u32,
-    win_l: u32,
-    win_r: u32,
+    args: &mut FwdCard<E>,
     #[comptime] head_dim: usize,
     #[comptime] block_n: usize,
     #[comptime] sparse: bool,
     #[comptime] paged: bool,
 ) {
     // v holds a NaN or Inf (`nonfinite::v_nonfinite`): the exact row-wise kernel writes this call
-    if nonfinite[0] != 0u32 {
+    if args.nonfinite[0] != 0u32 {
         terminate!();
     }
     let threads = comptime!(SM90_THREADS);
@@ -273,21 +251,23 @@ pub fn flash_fwd_sm90<E: Float>(
     let bar_v = Barrier::shared(comptime!(threads as u32), UNIT_POS == 0);
 
     let mut list_smem = SharedMemory::<u32>::new(comptime!(if sparse { LIST_SMEM } else { 1usize }));
-    let wi = work_item(work, tile_ref, blocks, &mut list_smem, heads_q, heads_kv, hp, tiles_per_block, threads, block_n, sparse);
+    let wi = work_item(&args.work, &args.tile_ref, &args.blocks, &mut list_smem, args.heads_q, args.heads_kv, args.hp,
+        args.tiles_per_block, threads, block_n, sparse);
     let (y, head_base, head_kv) = (wi.y, wi.head_base, wi.head_kv);
     let (slice_off, n_slices, klo, khi, slot) = (wi.slice_off, wi.n_slices, wi.klo, wi.khi, wi.slot);
     let (n_tiles, list, tpb_magic) = (wi.n_tiles, wi.list, wi.tpb_magic);
 
     fill_rows(
-        slices, segs, slice_off, n_slices, hp, head_base, klo, khi, &mut row_tok, &mut row_head, &mut row_lo,
-        &mut row_hi, win_l, win_r, threads, block_m,
+        &args.slices, &args.segs, slice_off, n_slices, args.hp, head_base, klo, khi, &mut row_tok, &mut row_head, &mut row_lo,
+        &mut row_hi, args.win_l, args.win_r, threads, block_m,
     );
     sync_cube();
 
     // Q tile (swizzled, 16-byte cp.async per unit; rows without a token copy token 0: their key
     // range is empty) and K(0) on bar_k, V(0) on bar_v
     if n_tiles > 0 {
-        let (f0, f1) = tile_bounds(0u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
+        let (f0, f1) = tile_bounds(0u32, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
+            tpb_magic, block_n, sparse);
         let vecs = comptime!(head_dim / 8);
         #[unroll]
         for it in 0..comptime!(block_m * (head_dim / 8) / threads) {
@@ -298,14 +278,14 @@ pub fn flash_fwd_sm90<E: Float>(
             if tok == NONE {
                 tok = 0u32;
             }
-            let g = (tok * heads_q + row_head[r]) as usize * head_dim + c;
+            let g = (tok * args.heads_q + row_head[r]) as usize * head_dim + c;
             let s = swizzle_128b(r, c, block_m);
-            copy_async(&q_s.slice(g, g + 8), &mut q_smem.slice_mut(s, s + 8), comptime!(8u32));
+            copy_async(&args.q_s.slice(g, g + 8), &mut q_smem.slice_mut(s, s + 8), comptime!(8u32));
         }
-        let (p0, _p1, pb) = tile_rows(f0, f1, blocks, paged, block_n);
-        issue_tile_sw128(k_map, &mut k_smem, &bar_k, 0usize, p0, pb, head_kv, block_n, head_dim);
+        let (p0, _p1, pb) = tile_rows(f0, f1, &args.blocks, paged, block_n);
+        issue_tile_sw128(&args.k_map, &mut k_smem, &bar_k, 0usize, p0, pb, head_kv, block_n, head_dim);
         commit_copies(&bar_k);
-        issue_tile_sw128(v_map, &mut v_smem, &bar_v, 0usize, p0, pb, head_kv, block_n, head_dim);
+        issue_tile_sw128(&args.v_map, &mut v_smem, &bar_v, 0usize, p0, pb, head_kv, block_n, head_dim);
         commit_copies(&bar_v);
     }
 
@@ -319,7 +299,7 @@ pub fn flash_fwd_sm90<E: Float>(
     }
     let mut s = Array::<f32>::new(s_n);
     let mut p = Array::<Vector<E, Const<2>>>::new(comptime!(block_n / 4));
-    let neg_inf = -inf;
+    let neg_inf = -args.inf;
     let mut m_r = Array::<f32>::new(2usize);
     let mut l_r = Array::<f32>::new(2usize);
     #[unroll]
@@ -339,7 +319,8 @@ pub fn flash_fwd_sm90<E: Float>(
     // in-cube overlap of S(t) with P(t - 1) V(t - 1) needs the registers of a second S: one cube
     // per SM, or spills at two; measured slower at both head dims, docs/forward.md.)
     for kt in 0..n_tiles {
-        let (t0, t1) = tile_bounds(kt, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
+        let (t0, t1) = tile_bounds(kt, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
+            tpb_magic, block_n, sparse);
         bar_k.wait_parity(kt & 1u32);
         if kt == 0 {
             fence_proxy_async();
@@ -347,7 +328,8 @@ pub fn flash_fwd_sm90<E: Float>(
         // every warpgroup is done with tile t - 1: its K buffer takes K(t + 1)
         sync_cube();
         let cur = ((kt & 1u32) as usize) * tile_e;
-        let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, block_n, sparse);
+        let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
+            tpb_magic, block_n, sparse);
         let has_next = kt + 1 < n_tiles;
         // past the last tile n0 may be the end of the keys, whose page entry does not exist: the
         // page table is read only for a tile that is loaded (compute-sanitizer memcheck)
@@ -355,17 +337,17 @@ pub fn flash_fwd_sm90<E: Float>(
         let mut pb = n0 + KV_PAGE as u32;
         if comptime!(paged) {
             if has_next {
-                let (r0, _r1, rb) = tile_rows(n0, n1, blocks, paged, block_n);
+                let (r0, _r1, rb) = tile_rows(n0, n1, &args.blocks, paged, block_n);
                 p0 = r0;
                 pb = rb;
             }
         } else {
-            let (r0, _r1, rb) = tile_rows(n0, n1, blocks, paged, block_n);
+            let (r0, _r1, rb) = tile_rows(n0, n1, &args.blocks, paged, block_n);
             p0 = r0;
             pb = rb;
         }
         if has_next {
-            issue_tile_sw128(k_map, &mut k_smem, &bar_k, tile_e - cur, p0, pb, head_kv, block_n, head_dim);
+            issue_tile_sw128(&args.k_map, &mut k_smem, &bar_k, tile_e - cur, p0, pb, head_kv, block_n, head_dim);
             commit_copies(&bar_k);
         }
         wgmma_fence();
@@ -373,7 +355,7 @@ pub fn flash_fwd_sm90<E: Float>(
         wgmma_commit();
         wgmma_wait(0u32);
         mask_scores(&mut s, &row_lo, &row_hi, row_a, row_b, t0, t1, rows_lo, rows_hi, lane, neg_inf, block_n);
-        let moved = softmax_scores(&mut s, &mut m_r, &mut l_r, &mut alpha, scale_log2, neg_inf, block_n);
+        let moved = softmax_scores(&mut s, &mut m_r, &mut l_r, &mut alpha, args.scale_log2, neg_inf, block_n);
         if moved {
             rescale_o(&mut o_acc, &alpha, head_dim);
         }
@@ -381,7 +363,7 @@ pub fn flash_fwd_sm90<E: Float>(
         // V(t + 1) is issued only after this thread saw V(t) land
         bar_v.wait_parity(kt & 1u32);
         if has_next {
-            issue_tile_sw128(v_map, &mut v_smem, &bar_v, tile_e - cur, p0, pb, head_kv, block_n, head_dim);
+            issue_tile_sw128(&args.v_map, &mut v_smem, &bar_v, tile_e - cur, p0, pb, head_kv, block_n, head_dim);
             commit_copies(&bar_v);
         }
         wgmma_fence();
@@ -413,8 +395,8 @@ pub fn flash_fwd_sm90<E: Float>(
                 let tr = prow + acc_row(lane, e) as usize;
                 let tok = row_tok[tr];
                 if tok != NONE {
-                    let g = (tok * heads_q + row_head[tr]) as usize * head_dim + ob * 8 + acc_col(lane, e) as usize;
-                    out[g] = E::cast_from(o_acc[ob * 4 + e] * inv_r[e / 2]);
+                    let g = (tok * args.heads_q + row_head[tr]) as usize * head_dim + ob * 8 + acc_col(lane, e) as usize;
+                    args.out[g] = E::cast_from(o_acc[ob * 4 + e] * inv_r[e / 2]);
                 }
             }
         }
@@ -424,22 +406,22 @@ pub fn flash_fwd_sm90<E: Float>(
                 let tr = pick_row(i, row_a, row_b);
                 let tok = row_tok[tr];
                 if tok != NONE {
-                    let mut val = inf;
+                    let mut val = args.inf;
                     if l_r[i] != 0.0f32 {
                         val = m_r[i] * LN2 + f32::ln(l_r[i]);
                     }
-                    lse[(row_head[tr] * total_q + tok) as usize] = val;
+                    args.lse[(row_head[tr] * args.total_q + tok) as usize] = val;
                 }
             }
         }
     } else {
-        let pbase = ((y * n_slots + slot) as usize) * block_m;
+        let pbase = ((y * args.n_slots + slot) as usize) * block_m;
         #[unroll]
         for ob in 0..o_blocks {
             #[unroll]
             for e in 0..4usize {
                 let tr = prow + acc_row(lane, e) as usize;
-                part_o[(pbase + tr) * head_dim + ob * 8 + acc_col(lane, e) as usize] = o_acc[ob * 4 + e] * inv_r[e / 2];
+                args.part_o[(pbase + tr) * head_dim + ob * 8 + acc_col(lane, e) as usize] = o_acc[ob * 4 + e] * inv_r[e / 2];
             }
         }
         if lane % 4 == 0 {
@@ -450,7 +432,7 @@ pub fn flash_fwd_sm90<E: Float>(
                 if l_r[i] != 0.0f32 {
                     val = m_r[i] * LN2 + f32::ln(l_r[i]);
                 }
-                part_lse[pbase + tr] = val;
+                args.part_lse[pbase + tr] = val;
             }
         }
     }

@@ -2,6 +2,8 @@
 
 pub mod bulk_reduce;
 pub mod bwd_walk;
+pub mod card;
+pub mod cards;
 pub mod flash_fwd;
 pub mod flash_fwd_sm90;
 pub mod math;
@@ -27,6 +29,8 @@ pub mod zigzag_copy;
 pub const SOURCES: &[&str] = &[
     include_str!("bulk_reduce.rs"),
     include_str!("bwd_walk.rs"),
+    include_str!("card.rs"),
+    include_str!("cards.rs"),
     include_str!("flash_fwd.rs"),
     include_str!("flash_fwd_sm90.rs"),
     include_str!("sm90.rs"),

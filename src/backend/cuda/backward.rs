@@ -30,10 +30,11 @@ use cubecl::prelude::*;
 use cudarc::driver::{result as drv, sys};
 use half::{bf16, f16};
 
+use super::card::DkdvArgs;
 use super::compile::{codegen, codegen_exp2, settings, Func, KernelKey, Source};
 use super::driver::{err, tile_map_2d};
-use super::forward::{aligned, kv_map_args, layout};
-use super::launch::{grid_2d, launch, Args};
+use super::forward::{aligned, kv_maps, layout};
+use super::launch::{grid_2d, launch, Args, MapArg};
 use super::plans::{table_names, Cached, PlanKind, TableSet};
 use super::{window_bounds, CudaBackend};
 use crate::backend::{BackwardInputs, Gradients};
@@ -382,8 +383,7 @@ pub(crate) fn dkdv_wide_source(
     qs: usize,
 ) -> Result<Source> {
     let src = by_dtype!(dt, T, codegen_exp2(flash_bwd_wide::flash_bwd_dkdv_wide::FlashBwdDkdvWide::<T, CudaRuntime>::new(
-        settings(32 * WIDE_PLANES as u32), client.clone(),
-        (), (), A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (), (),
+        settings(32 * WIDE_PLANES as u32), client.clone(), DkdvArgs::compilation(),
         BWD_LOAD_VEC, qvec, hd, fused, bulk, qvec, sparse, paged, tma, qs), true))?;
     if (fused && bulk) != src.cuda.contains(super::rewrite::BULK_ADD) {
         return Err(crate::error::Error::Device(format!("{}: bulk dQ reductions expected {}, found the opposite", src.entry, fused && bulk)));
@@ -395,33 +395,17 @@ pub(crate) fn dkdv_wide_source(
 /// rows, 128-byte swizzle)`: `flash_bwd_wide::q_map_box` padded boxes for the mma.sync kernel,
 /// 64 x `BWD_BM` swizzled ones for the Hopper kernel; zeroed (never read) for `None` (no tensor
 /// maps below sm_90).
-fn q_maps(spec: &AttnSpec, p: &BwdPtrs, boxes: Option<(u32, u32, bool)>) -> Result<[sys::CUtensorMap; 2]> {
+fn q_maps(spec: &AttnSpec, p: &BwdPtrs, boxes: Option<(u32, u32, bool)>) -> Result<[MapArg; 2]> {
     let d = &spec.dims;
-    let Some((bc, br, sw128)) = boxes else {
-        return Ok([sys::CUtensorMap { opaque: [0; 16] }; 2]);
-    };
-    let cols = d.heads_q * d.head_dim;
-    let map = |ptr| tile_map_2d(spec.dtype, ptr, cols, d.total_q, cols * spec.dtype.size(), bc, br, sw128);
-    Ok([map(p.q)?, map(p.dout)?])
-}
-
-/// The leading arguments of the dK/dV kernel: the tensor maps of q and dout (`maps`), k, v
-/// (vectors), lse, delta, dk, dv, the f32 dQ accumulator of the fused path (`acc`; without it
-/// any valid address; as atomics of `qvec` floats and as the bulk reductions' rows), q, dout.
-fn dkdv_arrays(spec: &AttnSpec, p: &BwdPtrs, maps: [sys::CUtensorMap; 2], delta: u64, acc: Option<u64>, qvec: usize) -> Args {
-    let d = &spec.dims;
-    let (ql, kl, ll) = (d.q_len(), d.kv_len(), d.lse_len());
-    let (acc_ptr, acc_len) = match acc {
-        Some(a) => (a, ql / qvec),
-        None => (delta, 1),
-    };
-    let kv = kl / BWD_LOAD_VEC;
-    let mut a = Args::new();
     let (rows, cols) = (d.total_q, d.heads_q * d.head_dim);
-    a.tensor_map(maps[0], p.q, rows, cols).tensor_map(maps[1], p.dout, rows, cols);
-    a.array(p.k, kv).array(p.v, kv).array(p.lse, ll).array(delta, ll);
-    a.array(p.dk, kl).array(p.dv, kl).array(acc_ptr, acc_len).array(acc_ptr, acc_len).array(p.q, ql).array(p.dout, ql);
-    a
+    let map = |ptr| -> Result<MapArg> {
+        let map = match boxes {
+            Some((bc, br, sw128)) => tile_map_2d(spec.dtype, ptr, cols, rows, cols * spec.dtype.size(), bc, br, sw128)?,
+            None => sys::CUtensorMap { opaque: [0; 16] },
+        };
+        Ok(MapArg { map, ptr, rows, cols })
+    };
+    Ok([map(p.q)?, map(p.dout)?])
 }
 
 /// Whether the dK/dV kernel of `spec` is the Hopper one (`flash_bwd_sm90`): a GPU with wgmma
@@ -449,8 +433,7 @@ pub(crate) fn dkdv_sm90_source(
     paged: bool,
 ) -> Result<Source> {
     let mut src = by_dtype!(dt, T, codegen_exp2(flash_bwd_sm90::flash_bwd_sm90::FlashBwdSm90::<T, CudaRuntime>::new(
-        settings(SM90_BWD_THREADS as u32), client.clone(),
-        (), (), A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (), (),
+        settings(SM90_BWD_THREADS as u32), client.clone(), DkdvArgs::compilation(),
         BWD_LOAD_VEC, qvec, hd, fused, qvec, sparse, paged), true))?;
     if fused != src.cuda.contains(super::rewrite::BULK_ADD) {
         return Err(crate::error::Error::Device(format!("{}: bulk dQ reductions expected {fused}, found the opposite", src.entry)));
@@ -464,7 +447,7 @@ pub(crate) fn dkdv_sm90_source(
 /// shared key axis; block-sparse (`sparse` = (q_block, index heads, key blocks per sequence slot,
 /// query tiles per query block)), items of at most 128 keys of one key block. `acc`: the f32 dQ
 /// accumulator of the fused path. On sm_90 the Hopper kernel ([`sm90_backward`]), else
-/// `flash_bwd_dkdv_wide`; both take the same arguments.
+/// `flash_bwd_dkdv_wide`; both take the dK / dV card ([`DkdvArgs`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch_dkdv_wide(
     be: &CudaBackend,
@@ -481,9 +464,9 @@ pub(crate) fn launch_dkdv_wide(
     let (win_l, win_r, _) = window_bounds(spec);
     let paged = spec.kv_pages().is_some() && sparse.is_none();
     let qvec = atomic_vec(be);
-    let (f, mut a) = if sm90_backward(be, spec, acc) {
+    let (f, [q_map, do_map]) = if sm90_backward(be, spec, acc) {
         let f = dkdv_sm90_kernel(be, spec.dtype, d.head_dim, acc.is_some(), qvec, sparse.is_some(), paged)?;
-        (f, dkdv_arrays(spec, p, q_maps(spec, p, Some((SW_COLS as u32, BWD_BM as u32, true)))?, delta, acc, qvec))
+        (f, q_maps(spec, p, Some((SW_COLS as u32, BWD_BM as u32, true)))?)
     } else {
         let bulk = acc.is_some_and(|a| bulk_dq(be, d.head_dim, a));
         // full query tiles by tensor maps on sm_90+ (the pointers are 16-byte aligned:
@@ -492,17 +475,49 @@ pub(crate) fn launch_dkdv_wide(
         let qs = q_stages(be, d.head_dim, acc.is_some(), bulk);
         let f = dkdv_wide_kernel(be, spec.dtype, d.head_dim, acc.is_some(), bulk, qvec, sparse.is_some(), paged, tma, qs)?;
         let (bc, br) = flash_bwd_wide::q_map_box(d.head_dim);
-        (f, dkdv_arrays(spec, p, q_maps(spec, p, tma.then_some((bc, br, false)))?, delta, acc, qvec))
+        (f, q_maps(spec, p, tma.then_some((bc, br, false)))?)
     };
-    for x in [t.work, t.tile_off, t.tile_segs, t.segs, t.tq_off, t.tq_list] {
-        a.array(x.0, x.1);
-    }
-    a.f32(spec.scale).f32(spec.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32).u32(d.total_k as u32);
-    for x in sparse.unwrap_or([1, d.heads_kv as u32, 1, 1]) {
-        a.u32(x);
-    }
-    a.u32(win_l).u32(win_r);
-    launch(&f, ((n_work * d.heads_kv) as u32, 1, 1), &mut a, stream)
+    let (ql, kl, ll) = (d.q_len(), d.kv_len(), d.lse_len());
+    // the f32 dQ accumulator of the fused path (as atomics of `qvec` floats and as the bulk
+    // reductions' rows); without it any valid address
+    let acc = match acc {
+        Some(a) => (a, ql / qvec),
+        None => (delta, 1),
+    };
+    let [q_block, idx_heads, k_blocks, q_tiles_per_block] = sparse.unwrap_or([1, d.heads_kv as u32, 1, 1]);
+    let args = DkdvArgs {
+        q_map,
+        do_map,
+        k: (p.k, kl / BWD_LOAD_VEC),
+        v: (p.v, kl / BWD_LOAD_VEC),
+        lse: (p.lse, ll),
+        delta: (delta, ll),
+        dk: (p.dk, kl),
+        dv: (p.dv, kl),
+        dq_acc: acc,
+        dq_rows: acc,
+        q_s: (p.q, ql),
+        do_s: (p.dout, ql),
+        ktiles: t.work,
+        tile_off: t.tile_off,
+        tile_segs: t.tile_segs,
+        segs: t.segs,
+        tq_off: t.tq_off,
+        tq_list: t.tq_list,
+        scale: spec.scale,
+        scale_log2: spec.scale * LOG2E,
+        heads_q: d.heads_q as u32,
+        heads_kv: d.heads_kv as u32,
+        total_q: d.total_q as u32,
+        total_k: d.total_k as u32,
+        q_block,
+        idx_heads,
+        k_blocks,
+        q_tiles_per_block,
+        win_l,
+        win_r,
+    };
+    launch(&f, ((n_work * d.heads_kv) as u32, 1, 1), &mut args.args(), stream)
 }
 
 /// The dQ pass kernel (`flash_bwd::flash_bwd_dq`, f16/bf16) for one set of comptime choices
@@ -551,7 +566,9 @@ pub(crate) fn launch_dq(
     // full key tiles by tensor maps on sm_90+ (`BwdPtrs::check_aligned`)
     let f = dq_kernel(be, dt, hd, sparse.is_some(), window, paged, super::forward::kv_tma(be, hd))?;
     let qv = ql / BWD_LOAD_VEC;
-    let mut a = kv_map_args(be, spec, p.k, p.v, BWD_BN, false)?;
+    let [k_map, v_map] = kv_maps(be, spec, p.k, p.v, BWD_BN, false)?;
+    let mut a = Args::new();
+    a.tensor_map(&k_map).tensor_map(&v_map);
     a.array(p.q, qv).array(p.dout, qv).array(p.lse, ll).array(delta, ll);
     a.array(p.dq, ql).array(p.k, kl).array(p.v, kl);
     for x in tables {

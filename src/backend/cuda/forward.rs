@@ -16,9 +16,10 @@ use cubecl::prelude::*;
 use cudarc::driver::sys;
 use half::{bf16, f16};
 
+use super::card::FwdArgs;
 use super::compile::{codegen, codegen_exp2, settings, KernelKey, Source};
 use super::driver::tile_map_2d;
-use super::launch::{launch, Args};
+use super::launch::{launch, Args, MapArg};
 use super::nonfinite::{launch_dense_exact, launch_flag, DenseExact, FLAG_BYTES};
 use super::plans::{table_names, PlanKind, TableSet};
 use super::{fwd_options, window_bounds, CudaBackend, Plan};
@@ -144,10 +145,10 @@ pub(crate) fn kv_tma(be: &CudaBackend, head_dim: usize) -> bool {
     be.target.tma && kv_map_box(head_dim, 64).0 <= 256
 }
 
-/// The leading arguments of the forward kernel (and of the dQ pass) with `block_n`-key tiles: the tensor maps of K
-/// (not read by the INT8 variant: zeroed) and V over their buffers `k`, `v`
-/// (`kv_tiles::kv_map_box` boxes; zeroed, never read, below sm_90).
-pub(crate) fn kv_map_args(be: &CudaBackend, spec: &AttnSpec, k: u64, v: u64, block_n: usize, int8: bool) -> Result<Args> {
+/// The tensor maps of K (not read by the INT8 variant: zeroed) and V over their buffers `k`, `v`
+/// for the forward kernel (and the dQ pass) with `block_n`-key tiles (`kv_tiles::kv_map_box`
+/// boxes; zeroed, never read, below sm_90 and where [`kv_tma`] is false).
+pub(crate) fn kv_maps(be: &CudaBackend, spec: &AttnSpec, k: u64, v: u64, block_n: usize, int8: bool) -> Result<[MapArg; 2]> {
     let d = &spec.dims;
     let cols = d.heads_kv * d.head_dim;
     let rows = d.kv_len() / cols.max(1);
@@ -157,9 +158,7 @@ pub(crate) fn kv_map_args(be: &CudaBackend, spec: &AttnSpec, k: u64, v: u64, blo
         if on { tile_map_2d(spec.dtype, ptr, cols, rows, cols * spec.dtype.size(), bc, br, false) } else { Ok(zero) }
     };
     let tma = kv_tma(be, d.head_dim);
-    let mut a = Args::new();
-    a.tensor_map(map(k, tma && !int8)?, k, rows, cols).tensor_map(map(v, tma)?, v, rows, cols);
-    Ok(a)
+    Ok([MapArg { map: map(k, tma && !int8)?, ptr: k, rows, cols }, MapArg { map: map(v, tma)?, ptr: v, rows, cols }])
 }
 
 /// Whether the forward of `spec` runs the Hopper kernel (`flash_fwd_sm90`): a GPU with wgmma (sm_90,
@@ -195,7 +194,7 @@ pub(crate) fn fwd_sm90_source(
             codegen_exp2(flash_fwd_sm90::flash_fwd_sm90::FlashFwdSm90::<$t, CudaRuntime>::new(
                 settings(SM90_THREADS as u32),
                 client.clone(),
-                (), (), A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (),
+                FwdArgs::compilation(),
                 hd,
                 bn,
                 sparse,
@@ -211,14 +210,12 @@ pub(crate) fn fwd_sm90_source(
 
 /// The tensor maps of K and V for the Hopper forward: 128-byte swizzled, 64-column x
 /// `box_rows(block_n)`-row boxes.
-pub(crate) fn kv_map_args_sw128(spec: &AttnSpec, k: u64, v: u64, block_n: usize) -> Result<Args> {
+pub(crate) fn kv_maps_sw128(spec: &AttnSpec, k: u64, v: u64, block_n: usize) -> Result<[MapArg; 2]> {
     let d = &spec.dims;
     let cols = d.heads_kv * d.head_dim;
     let rows = d.kv_len() / cols.max(1);
     let map = |ptr| tile_map_2d(spec.dtype, ptr, cols, rows, cols * spec.dtype.size(), SW_COLS as u32, box_rows(block_n) as u32, true);
-    let mut a = Args::new();
-    a.tensor_map(map(k)?, k, rows, cols).tensor_map(map(v)?, v, rows, cols);
-    Ok(a)
+    Ok([MapArg { map: map(k)?, ptr: k, rows, cols }, MapArg { map: map(v)?, ptr: v, rows, cols }])
 }
 
 /// CUDA source of [`flash_fwd_kernel`].
@@ -242,7 +239,7 @@ pub(crate) fn fwd_source(
             codegen_exp2(flash_fwd::flash_fwd_mma2::FlashFwdMma2::<$t, CudaRuntime>::new(
                 settings(threads),
                 client.clone(),
-                (), (), A, A, A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (), (),
+                FwdArgs::compilation(),
                 hd,
                 mt,
                 bn,
@@ -366,23 +363,43 @@ pub(crate) fn launch_forward(
     let (part_o, part_lse) = if po_bytes == 0 { (flag, flag) } else { (p.workspace + offs[1] as u64, p.workspace + offs[2] as u64) };
     let n_part = (po_bytes / (4 * hd)).max(1);
 
-    let (f, mut a) = if sm90_forward(be, spec) {
+    let (f, [k_map, v_map]) = if sm90_forward(be, spec) {
         let (f, bn) = flash_fwd_sm90_kernel(be, dt, hd, false, paged)?;
-        (f, kv_map_args_sw128(spec, p.k, p.v, bn)?)
+        (f, kv_maps_sw128(spec, p.k, p.v, bn)?)
     } else {
-        (flash_fwd_kernel(be, dt, hd, mt, bn, BLOCK_M, false, false, paged, false)?, kv_map_args(be, spec, p.k, p.v, bn, false)?)
+        (flash_fwd_kernel(be, dt, hd, mt, bn, BLOCK_M, false, false, paged, false)?, kv_maps(be, spec, p.k, p.v, bn, false)?)
     };
-    a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.out, ql).array(p.lse, ll);
-    a.array(part_o, n_part * hd).array(part_lse, n_part);
-    for i in [FwdTable::Work, FwdTable::Slices, FwdTable::Segs] {
-        a.array(t(i).0, t(i).1);
-    }
-    // no tile list (a sparse table): any valid address; `blocks` carries the page table (read
-    // only by the paged variant)
-    a.array(t(FwdTable::Segs).0, 1).array(t(FwdTable::Pages).0, t(FwdTable::Pages).1).array(flag, 1);
-    a.f32(spec.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32);
-    a.u32(fp.hp).u32(fp.n_slots).f32(f32::INFINITY).u32(0).u32(1).u32(win_l).u32(win_r);
-    launch(&f, (n_work * y, 1, 1), &mut a, stream)?;
+    let args = FwdArgs {
+        k_map,
+        v_map,
+        q_s: (p.q, ql),
+        k_s: (p.k, kl),
+        v_s: (p.v, kl),
+        out: (p.out, ql),
+        lse: (p.lse, ll),
+        part_o: (part_o, n_part * hd),
+        part_lse: (part_lse, n_part),
+        work: t(FwdTable::Work),
+        slices: t(FwdTable::Slices),
+        segs: t(FwdTable::Segs),
+        // no tile list (a sparse table): any valid address; `blocks` carries the page table
+        // (read only by the paged variant)
+        tile_ref: (t(FwdTable::Segs).0, 1),
+        blocks: t(FwdTable::Pages),
+        nonfinite: (flag, 1),
+        scale_log2: spec.scale * LOG2E,
+        heads_q: d.heads_q as u32,
+        heads_kv: d.heads_kv as u32,
+        total_q: d.total_q as u32,
+        hp: fp.hp,
+        n_slots: fp.n_slots,
+        inf: f32::INFINITY,
+        k_block: 0,
+        tiles_per_block: 1,
+        win_l,
+        win_r,
+    };
+    launch(&f, (n_work * y, 1, 1), &mut args.args(), stream)?;
 
     if fp.n_comb() > 0 {
         let key = KernelKey::new("combine_parts", dt, &[hd as u32]);

@@ -45,10 +45,11 @@ impl Args {
     }
 
     /// A tensor-map argument (declared before the arrays): the map, and the buffer it describes
-    /// as a row-major `rows` x `cols` tensor (its metadata as CubeCL's launcher registers it).
-    pub fn tensor_map(&mut self, map: sys::CUtensorMap, ptr: u64, rows: usize, cols: usize) -> &mut Args {
-        self.maps.push(map);
-        self.ptrs.push(ptr);
+    /// (its metadata as CubeCL's launcher registers it).
+    pub fn tensor_map(&mut self, m: &MapArg) -> &mut Args {
+        let (rows, cols) = (m.rows, m.cols);
+        self.maps.push(m.map);
+        self.ptrs.push(m.ptr);
         let len = (rows * cols) as u64;
         let (shape, strides) = (Shape::new([rows, cols]), Strides::new(&[cols, 1]));
         self.info.metadata.register_tensor(2, len, len, shape, strides, AddressType::U32);
@@ -67,10 +68,43 @@ impl Args {
         self
     }
 
+    /// A scalar argument of either type.
+    pub fn scalar<T: Scalar>(&mut self, v: T) -> &mut Args {
+        v.push(self);
+        self
+    }
+
     /// The kernel's parameters as these arguments fill them. CubeCL pads each scalar group of
     /// the info struct to 8 bytes (two 4-byte scalars), as its `InfoBuilder` does for the data.
     fn abi(&self) -> Abi {
         Abi { maps: self.maps.len() as u32, dynamic_meta: !self.maps.is_empty(), arrays: self.ptrs.len() as u32, f32s: self.f32s.div_ceil(2) * 2, u32s: self.u32s.div_ceil(2) * 2, meta: self.info.metadata.static_len(AddressType::U32) as u32 }
+    }
+}
+
+/// A tensor-map argument: the map, and the buffer it describes as a row-major `rows` x `cols`
+/// tensor.
+#[derive(Clone, Copy)]
+pub(crate) struct MapArg {
+    pub map: sys::CUtensorMap,
+    pub ptr: u64,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// The scalar types a kernel argument has.
+pub(crate) trait Scalar {
+    fn push(self, a: &mut Args);
+}
+
+impl Scalar for f32 {
+    fn push(self, a: &mut Args) {
+        a.f32(self);
+    }
+}
+
+impl Scalar for u32 {
+    fn push(self, a: &mut Args) {
+        a.u32(self);
     }
 }
 

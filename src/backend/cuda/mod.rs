@@ -10,6 +10,7 @@
 
 pub mod backward;
 mod bench;
+mod card;
 mod compile;
 mod device_io;
 mod driver;

@@ -33,6 +33,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys;
 
+use super::card::FwdArgs;
 use super::launch::launch;
 use super::nonfinite::{launch_flag, launch_sparse_exact, SparseExact};
 use super::plans::{table_names, Cached, PlanKey, PlanKind, TableSet};
@@ -225,11 +226,11 @@ pub(super) fn launch_sparse_forward(be: &CudaBackend, spec: SparseView, plan: &C
     // the workspace's flag, set when v holds a NaN or Inf (then the exact kernel writes the call)
     let flag = p.workspace;
     launch_flag(be, dt, p.v, d.kv_len(), flag, stream)?;
-    let (f, mut a) = match sp.frame {
+    let (f, [k_map, v_map]) = match sp.frame {
         SparseFrame::Sm90 { block_n } => {
             let (f, bn) = super::forward::flash_fwd_sm90_kernel(be, dt, hd, true, false)?;
             debug_assert_eq!(bn, block_n);
-            (f, super::forward::kv_map_args_sw128(spec.attn, p.k, p.v, block_n)?)
+            (f, super::forward::kv_maps_sw128(spec.attn, p.k, p.v, block_n)?)
         }
         SparseFrame::Mma2 => {
             // 64-row cubes (not int8): one V buffer, so that more cubes share an SM (module
@@ -237,34 +238,52 @@ pub(super) fn launch_sparse_forward(be: &CudaBackend, spec: SparseView, plan: &C
             let v_single = sp.block_m == 64 && spec.int8.is_none();
             let mt = if v_single && hd == 128 { 1 } else { 2 };
             let f = super::forward::flash_fwd_kernel(be, dt, hd, mt, BLOCK_N, sp.block_m, true, spec.int8.is_some(), false, v_single)?;
-            (f, super::forward::kv_map_args(be, spec.attn, p.k, p.v, BLOCK_N, spec.int8.is_some())?)
+            (f, super::forward::kv_maps(be, spec.attn, p.k, p.v, BLOCK_N, spec.int8.is_some())?)
         }
     };
-    match spec.int8 {
-        None => {
-            a.array(p.q, ql).array(p.k, kl).array(p.v, kl).array(p.out, ql).array(p.lse, ll);
-            // no split-K partial outputs: any valid address
-            a.array(p.out, 1).array(p.lse, 1);
-        }
+    // q_s, k_s and the split-K partials (`part_o`, `part_lse`)
+    let [q_s, k_s, part_o, part_lse] = match spec.int8 {
+        // no split-K partial outputs: any valid address
+        None => [(p.q, ql), (p.k, kl), (p.out, 1), (p.lse, 1)],
         Some(opt) => {
             // int8 rows in place of q and k (their bytes, counted in E); the scales in the
             // split-K arrays, which the sparse plan does not use (`kernels::flash_fwd` docs)
             let pq = FwdPtrs { workspace: p.workspace + flag_part() as u64, ..*p };
             let z = super::sparse_int8::quantize(be, spec, opt, &pq, t(SparseTable::Segs), stream)?;
-            a.array(z.q8, ql / 2).array(z.k8, kl / 2).array(p.v, kl).array(p.out, ql).array(p.lse, ll);
-            a.array(z.k_scale, d.total_k * d.heads_kv).array(z.q_scale, 2 * ll);
+            [(z.q8, ql / 2), (z.k8, kl / 2), (z.k_scale, d.total_k * d.heads_kv), (z.q_scale, 2 * ll)]
         }
-    }
-    for i in [SparseTable::Work, SparseTable::Slices, SparseTable::Segs, SparseTable::Ref, SparseTable::Blocks] {
-        a.array(t(i).0, t(i).1);
-    }
-    a.array(flag, 1);
-    a.f32(spec.attn.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32);
-    a.u32(sp.hp).u32(0).f32(f32::INFINITY).u32(spec.k_block as u32).u32(sp.tiles_per_block);
+    };
     // row bounds: the causal diagonal (a block pattern has no sliding window)
     let (win_l, win_r, _) = super::window_bounds(spec.attn);
-    a.u32(win_l).u32(win_r);
-    launch(&f, (sp.n_items as u32 * sp.ys, 1, 1), &mut a, stream)?;
+    let args = FwdArgs {
+        k_map,
+        v_map,
+        q_s,
+        k_s,
+        v_s: (p.v, kl),
+        out: (p.out, ql),
+        lse: (p.lse, ll),
+        part_o,
+        part_lse,
+        work: t(SparseTable::Work),
+        slices: t(SparseTable::Slices),
+        segs: t(SparseTable::Segs),
+        tile_ref: t(SparseTable::Ref),
+        blocks: t(SparseTable::Blocks),
+        nonfinite: (flag, 1),
+        scale_log2: spec.attn.scale * LOG2E,
+        heads_q: d.heads_q as u32,
+        heads_kv: d.heads_kv as u32,
+        total_q: d.total_q as u32,
+        hp: sp.hp,
+        n_slots: 0,
+        inf: f32::INFINITY,
+        k_block: spec.k_block as u32,
+        tiles_per_block: sp.tiles_per_block,
+        win_l,
+        win_r,
+    };
+    launch(&f, (sp.n_items as u32 * sp.ys, 1, 1), &mut args.args(), stream)?;
     let exact = SparseExact {
         work: t(SparseTable::Work),
         slices: t(SparseTable::Slices),
