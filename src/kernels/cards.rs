@@ -1,9 +1,10 @@
-//! The cards of the kernel families with more than one kernel (`kernels::card`): each lists the
-//! family's runtime arguments once, in declaration order. `fwd_card!(emit)` and `dkdv_card!(emit)`
-//! hand the list to the macro `emit`: `card::device_card!` here (the structs the kernels take),
-//! `host_card!` in `backend::cuda::card` (the launch arguments). A card's header names the struct,
-//! the struct CubeCL's `CubeLaunch` derives for its compilation arguments (`<name>CompilationArg`,
-//! which the host builds) and the host's struct, after the `/`.
+//! The kernel cards (`kernels::card`): each lists a kernel family's runtime arguments once, in
+//! declaration order (the forward and dK / dV families, two kernels each, and the dQ pass, one).
+//! `fwd_card!(emit)`, `dkdv_card!(emit)` and `dq_card!(emit)` hand the list to the macro `emit`:
+//! `card::device_card!` here (the structs the kernels take), `host_card!` in `backend::cuda::card`
+//! (the launch arguments). A card's header names the struct, the struct CubeCL's `CubeLaunch`
+//! derives for its compilation arguments (`<name>CompilationArg`, which the host builds) and the
+//! host's struct, after the `/`.
 //!
 //! The fields keep the order the kernels declared before the cards: the generated signatures are
 //! unchanged.
@@ -116,5 +117,52 @@ macro_rules! dkdv_card {
 }
 pub(crate) use dkdv_card;
 
+/// The dQ card: `flash_bwd::flash_bwd_dq` (the deterministic dQ pass).
+macro_rules! dq_card {
+    ($emit:ident) => {
+        $emit! {
+            /// The runtime arguments of the dQ pass kernel (`flash_bwd::flash_bwd_dq`).
+            DqCard<E: Float, NV: Size>, DqCardCompilationArg / DqArgs {
+                /// Tensor maps of K and V (not read below sm_90).
+                map k_map: TensorMap<E, Tiled>,
+                map v_map: TensorMap<E, Tiled>,
+                /// Q and dO as vectors.
+                read q: Array<Vector<E, NV>>,
+                read dout: Array<Vector<E, NV>>,
+                /// `[heads_q, total_q]`.
+                read lse: Array<f32>,
+                read delta: Array<f32>,
+                write dq: Array<E>,
+                /// K and V as scalars (the `cp.async` sources).
+                read k_s: Array<E>,
+                read v_s: Array<E>,
+                /// The work list: per item the segment id and the tile's first row (block-sparse:
+                /// `SPARSE_QWORK_WORDS` words, the third the row end).
+                read work: Array<u32>,
+                /// (q_start, q_len, k_start, k_len) per segment.
+                read segs: Array<u32>,
+                /// Block-sparse: the tile references and the listed key blocks; dense, paged:
+                /// `blocks` is the page table.
+                read tile_ref: Array<u32>,
+                read blocks: Array<u32>,
+                scalar scale: f32,
+                scalar scale_log2: f32,
+                scalar heads_q: u32,
+                scalar heads_kv: u32,
+                scalar total_q: u32,
+                /// Block-sparse: the index heads, keys per key block and key tiles per block.
+                scalar idx_heads: u32,
+                scalar k_block: u32,
+                scalar tiles_per_block: u32,
+                /// The window's bounds (`rows::row_keys`).
+                scalar win_l: u32,
+                scalar win_r: u32,
+            }
+        }
+    };
+}
+pub(crate) use dq_card;
+
 fwd_card!(device_card);
 dkdv_card!(device_card);
+dq_card!(device_card);

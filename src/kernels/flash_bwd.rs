@@ -21,6 +21,7 @@ use cubecl::cmma::{MatrixIdent, MmaDefinition};
 use cubecl::prelude::*;
 use cubecl::prelude::barrier::Barrier;
 
+use super::cards::DqCard;
 use super::flash_fwd::{tile_bounds, tile_div_magic, LIST_SMEM};
 use super::kv_tiles::{issue_kv_tile, issue_kv_tile_maps};
 use super::fragments::{frag_a, frag_b_t2, mma_acc_b, mma_into};
@@ -40,33 +41,11 @@ use super::tiles::{BWD_BM, BWD_BN, BWD_PLANES, BWD_SUB, CONVERT_VEC, DELTA_PLANE
 /// `work`: two u32 per cube (segment id, first row of the tile inside the segment); rows no
 /// segment covers are not written here (the host zero-fills them first). Sparse: [`SPARSE_QWORK_WORDS`] words per item and
 /// `tile_ref[(index head * items + item) * 2..]` = (offset into `blocks`, key tiles), as in the
-/// forward.
+/// forward. Arguments: the dQ card (`cards::DqCard`).
 #[allow(clippy::too_many_arguments, unused_assignments)]
 #[cube(launch_unchecked)]
 pub fn flash_bwd_dq<E: Float, NV: Size>(
-    k_map: &TensorMap<E, Tiled>,
-    v_map: &TensorMap<E, Tiled>,
-    q: &Array<Vector<E, NV>>,
-    dout: &Array<Vector<E, NV>>,
-    lse: &Array<f32>,
-    delta: &Array<f32>,
-    dq: &mut Array<E>,
-    k_s: &Array<E>,
-    v_s: &Array<E>,
-    work: &Array<u32>,
-    segs: &Array<u32>,
-    tile_ref: &Array<u32>,
-    blocks: &Array<u32>,
-    scale: f32,
-    scale_log2: f32,
-    heads_q: u32,
-    heads_kv: u32,
-    total_q: u32,
-    idx_heads: u32,
-    k_block: u32,
-    tiles_per_block: u32,
-    win_l: u32,
-    win_r: u32,
+    args: &mut DqCard<E, NV>,
     #[comptime] head_dim: usize,
     #[comptime] sparse: bool,
     #[comptime] window: bool,
@@ -87,22 +66,22 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     let bar1 = Barrier::shared(comptime!((BWD_PLANES * 32) as u32), UNIT_POS == 0);
 
     // One cube per (work item, q head); block-sparse items fastest.
-    let (tile, head) = cube_item_slot(heads_q, sparse);
+    let (tile, head) = cube_item_slot(args.heads_q, sparse);
     let tile = tile as usize;
-    let group = heads_q / heads_kv;
+    let group = args.heads_q / args.heads_kv;
     let head_kv = head / group;
 
     let wstride = comptime!(if sparse { SPARSE_QWORK_WORDS } else { 2usize });
-    let seg = work[tile * wstride] as usize;
-    let tile_start = work[tile * wstride + 1];
-    let q_start = segs[seg * 4];
-    let q_len = segs[seg * 4 + 1];
-    let k_start = segs[seg * 4 + 2];
-    let k_len = segs[seg * 4 + 3];
+    let seg = args.work[tile * wstride] as usize;
+    let tile_start = args.work[tile * wstride + 1];
+    let q_start = args.segs[seg * 4];
+    let q_len = args.segs[seg * 4 + 1];
+    let k_start = args.segs[seg * 4 + 2];
+    let k_len = args.segs[seg * 4 + 3];
     // Rows of this cube: [tile_start, row_end) (sparse: cut at the query block's end).
     let mut row_end = q_len;
     if sparse {
-        row_end = work[tile * wstride + 2];
+        row_end = args.work[tile * wstride + 2];
     }
 
     // Key tiles (see `tile_bounds`): dense, the window keys the rows see in BN steps; sparse, the
@@ -117,27 +96,27 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     let mut list_smem = SharedMemory::<u32>::new(comptime!(if sparse { LIST_SMEM } else { 1usize }));
     let mut tpb_magic = 0u32;
     if sparse {
-        tpb_magic = tile_div_magic(tiles_per_block);
+        tpb_magic = tile_div_magic(args.tiles_per_block);
         let mut y = head;
-        if idx_heads != heads_q {
+        if args.idx_heads != args.heads_q {
             y = head / group;
         }
-        let r = ((y * (CUBE_COUNT_X / heads_q) + tile as u32) * 2u32) as usize;
-        list = tile_ref[r];
-        n_tiles = tile_ref[r + 1];
-        let lim = min((n_tiles + tiles_per_block - 1) / tiles_per_block, LIST_SMEM as u32);
+        let r = ((y * (CUBE_COUNT_X / args.heads_q) + tile as u32) * 2u32) as usize;
+        list = args.tile_ref[r];
+        n_tiles = args.tile_ref[r + 1];
+        let lim = min((n_tiles + args.tiles_per_block - 1) / args.tiles_per_block, LIST_SMEM as u32);
         #[unroll]
         for pass in 0..comptime!(LIST_SMEM.div_ceil(BWD_PLANES * 32)) {
             let i = UNIT_POS + (pass * BWD_PLANES * 32) as u32;
             if i < lim {
-                list_smem[i as usize] = blocks[(list + i) as usize];
+                list_smem[i as usize] = args.blocks[(list + i) as usize];
             }
         }
     } else {
         // from the first key the tile's first row sees to the last its last row sees
         let rows_here = min(q_len - tile_start, BWD_BM as u32);
-        let (a, _) = row_keys(q_len, k_len, tile_start, win_l, win_r);
-        let (_, b) = row_keys(q_len, k_len, tile_start + rows_here - 1u32, win_l, win_r);
+        let (a, _) = row_keys(q_len, k_len, tile_start, args.win_l, args.win_r);
+        let (_, b) = row_keys(q_len, k_len, tile_start + rows_here - 1u32, args.win_l, args.win_r);
         klo = a;
         khi = max(a, b);
         n_tiles = (khi - klo + BWD_BN as u32 - 1) / BWD_BN as u32;
@@ -147,16 +126,16 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     // while Q / dO are staged.
     sync_cube();
     if n_tiles > 0 {
-        let (f0, _f1) = tile_bounds(0u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, BWD_BN, sparse);
+        let (f0, _f1) = tile_bounds(0u32, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block, tpb_magic, BWD_BN, sparse);
         load_kv_stage::<E>(
-            k_map, v_map, k_s, v_s, &mut k_smem, &mut v_smem, &bar0, &bar1, 1u32, BWD_BN, f0, k_len, k_start, head_kv,
-            heads_kv, blocks, head_dim, paged, tma,
+            &args.k_map, &args.v_map, &args.k_s, &args.v_s, &mut k_smem, &mut v_smem, &bar0, &bar1, 1u32, BWD_BN, f0, k_len,
+            k_start, head_kv, args.heads_kv, &args.blocks, head_dim, paged, tma,
         );
         commit_copies(&bar1);
     }
     // ---- Q and dO tiles through shared memory into A fragments (BM == BN) ----
-    stage_rows::<E, NV>(q, &mut k_smem, tile_start, q_len, q_start + tile_start, heads_q, head, segs, BWD_BM, head_dim, comptime!(BWD_PLANES * 32), false, false);
-    stage_rows::<E, NV>(dout, &mut v_smem, tile_start, q_len, q_start + tile_start, heads_q, head, segs, BWD_BM, head_dim, comptime!(BWD_PLANES * 32), false, false);
+    stage_rows::<E, NV>(&args.q, &mut k_smem, tile_start, q_len, q_start + tile_start, args.heads_q, head, &args.segs, BWD_BM, head_dim, comptime!(BWD_PLANES * 32), false, false);
+    stage_rows::<E, NV>(&args.dout, &mut v_smem, tile_start, q_len, q_start + tile_start, args.heads_q, head, &args.segs, BWD_BM, head_dim, comptime!(BWD_PLANES * 32), false, false);
     sync_cube();
 
     let size!(NA) = def.vector_size(MatrixIdent::A);
@@ -189,8 +168,8 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     let rl_a = tile_start + plane * 16 + row_a;
     let rl_b = tile_start + plane * 16 + row_b;
     // each row's keys [lo, lim) (causal and sliding window: both in the bounds, `rows`)
-    let (a0, a1) = row_keys(q_len, k_len, rl_a, win_l, win_r);
-    let (b0, b1) = row_keys(q_len, k_len, rl_b, win_l, win_r);
+    let (a0, a1) = row_keys(q_len, k_len, rl_a, args.win_l, args.win_r);
+    let (b0, b1) = row_keys(q_len, k_len, rl_b, args.win_l, args.win_r);
     let lo_a = a0 as i32;
     let mut lim_a = a1 as i32;
     let lo_b = b0 as i32;
@@ -200,14 +179,14 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     let mut dl_a = 0.0f32;
     let mut dl_b = 0.0f32;
     if rl_a < q_len {
-        let i = (head * total_q + q_start + rl_a) as usize;
-        lse_a = lse[i] * LOG2E;
-        dl_a = delta[i];
+        let i = (head * args.total_q + q_start + rl_a) as usize;
+        lse_a = args.lse[i] * LOG2E;
+        dl_a = args.delta[i];
     }
     if rl_b < q_len {
-        let i = (head * total_q + q_start + rl_b) as usize;
-        lse_b = lse[i] * LOG2E;
-        dl_b = delta[i];
+        let i = (head * args.total_q + q_start + rl_b) as usize;
+        lse_b = args.lse[i] * LOG2E;
+        dl_b = args.delta[i];
     }
     // Rows past the segment end (sparse: the query block's end): force every key masked.
     if rl_a >= row_end {
@@ -227,7 +206,7 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
 
     for kt in 0..n_tiles {
         // Window keys [kb, kb_end) of tile kt (dense: kb_end is not needed, `lim_*` cut).
-        let (kb, kb_end) = tile_bounds(kt, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, BWD_BN, sparse);
+        let (kb, kb_end) = tile_bounds(kt, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block, tpb_magic, BWD_BN, sparse);
         let mut kb_off = 0usize;
         sync_cube();
         kb_off = (((kt + 1u32) & 1u32) * BWD_BN as u32) as usize;
@@ -237,12 +216,12 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
             let nb = ((kt & 1u32) * BWD_BN as u32) as usize;
             let mut next = kb + BWD_BN as u32;
             if sparse {
-                let (n0, _n1) = tile_bounds(kt + 1u32, klo, khi, list, blocks, &list_smem, k_block, tiles_per_block, tpb_magic, BWD_BN, sparse);
+                let (n0, _n1) = tile_bounds(kt + 1u32, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block, tpb_magic, BWD_BN, sparse);
                 next = n0;
             }
             load_kv_stage::<E>(
-                k_map, v_map, k_s, v_s, &mut k_smem, &mut v_smem, &bar0, &bar1, kt, nb, next, k_len, k_start, head_kv,
-                heads_kv, blocks, head_dim, paged, tma,
+                &args.k_map, &args.v_map, &args.k_s, &args.v_s, &mut k_smem, &mut v_smem, &bar0, &bar1, kt, nb, next, k_len,
+                k_start, head_kv, args.heads_kv, &args.blocks, head_dim, paged, tma,
             );
             commit_stage(&bar0, &bar1, kt);
         }
@@ -305,7 +284,7 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
                         lim = la;
                         lo = lo_a;
                     }
-                    let p = fast_exp2(s[nb * ec + e] * scale_log2 - l);
+                    let p = fast_exp2(s[nb * ec + e] * args.scale_log2 - l);
                     let mut ds = p * (dp[nb * ec + e] - dd);
                     if needs_mask {
                         let (_row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
@@ -330,8 +309,8 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
             let (row, col) = def.position_of_nth(lane, e as u32, MatrixIdent::Accumulator);
             let rl = tile_start + plane * 16 + row;
             if rl < row_end {
-                let g = ((q_start + rl) * heads_q + head) as usize * head_dim + ob * 8 + col as usize;
-                dq[g] = E::cast_from(dq_acc[ob * ec + e] * scale);
+                let g = ((q_start + rl) * args.heads_q + head) as usize * head_dim + ob * 8 + col as usize;
+                args.dq[g] = E::cast_from(dq_acc[ob * ec + e] * args.scale);
             }
         }
     }

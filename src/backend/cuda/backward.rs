@@ -30,7 +30,7 @@ use cubecl::prelude::*;
 use cudarc::driver::{result as drv, sys};
 use half::{bf16, f16};
 
-use super::card::DkdvArgs;
+use super::card::{DkdvArgs, DqArgs};
 use super::compile::{codegen, codegen_exp2, settings, Func, KernelKey, Source};
 use super::driver::{err, tile_map_2d};
 use super::forward::{aligned, kv_maps, layout};
@@ -539,14 +539,14 @@ pub(crate) fn dq_source(
     tma: bool,
 ) -> Result<Source> {
     by_dtype!(dt, T, codegen_exp2(flash_bwd::flash_bwd_dq::FlashBwdDq::<T, CudaRuntime>::new(
-        settings(32 * BWD_PLANES as u32), client.clone(),
-        (), (), A, A, A, A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), (), (),
+        settings(32 * BWD_PLANES as u32), client.clone(), DqArgs::compilation(),
         BWD_LOAD_VEC, hd, sparse, window, paged, tma), true))
 }
 
 /// Enqueues the dQ pass `flash_bwd_dq` (f16/bf16) over `n_work` work items x heads_q. `tables`:
 /// work list, segs, and the block-sparse tile_ref and block ids (any valid address when dense);
-/// `sparse`: (index heads, k_block, key tiles per key block) of the block-sparse variant.
+/// `sparse`: (index heads, k_block, key tiles per key block) of the block-sparse variant. The
+/// kernel takes the dQ card ([`DqArgs`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch_dq(
     be: &CudaBackend,
@@ -567,19 +567,34 @@ pub(crate) fn launch_dq(
     let f = dq_kernel(be, dt, hd, sparse.is_some(), window, paged, super::forward::kv_tma(be, hd))?;
     let qv = ql / BWD_LOAD_VEC;
     let [k_map, v_map] = kv_maps(be, spec, p.k, p.v, BWD_BN, false)?;
-    let mut a = Args::new();
-    a.tensor_map(&k_map).tensor_map(&v_map);
-    a.array(p.q, qv).array(p.dout, qv).array(p.lse, ll).array(delta, ll);
-    a.array(p.dq, ql).array(p.k, kl).array(p.v, kl);
-    for x in tables {
-        a.array(x.0, x.1);
-    }
-    a.f32(spec.scale).f32(spec.scale * LOG2E).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32);
-    for x in sparse.unwrap_or([d.heads_q as u32, BWD_BN as u32, 1]) {
-        a.u32(x);
-    }
-    a.u32(win_l).u32(win_r);
-    launch(&f, ((n_work * d.heads_q) as u32, 1, 1), &mut a, stream)
+    let [work, segs, tile_ref, blocks] = tables;
+    let [idx_heads, k_block, tiles_per_block] = sparse.unwrap_or([d.heads_q as u32, BWD_BN as u32, 1]);
+    let args = DqArgs {
+        k_map,
+        v_map,
+        q: (p.q, qv),
+        dout: (p.dout, qv),
+        lse: (p.lse, ll),
+        delta: (delta, ll),
+        dq: (p.dq, ql),
+        k_s: (p.k, kl),
+        v_s: (p.v, kl),
+        work,
+        segs,
+        tile_ref,
+        blocks,
+        scale: spec.scale,
+        scale_log2: spec.scale * LOG2E,
+        heads_q: d.heads_q as u32,
+        heads_kv: d.heads_kv as u32,
+        total_q: d.total_q as u32,
+        idx_heads,
+        k_block,
+        tiles_per_block,
+        win_l,
+        win_r,
+    };
+    launch(&f, ((n_work * d.heads_q) as u32, 1, 1), &mut args.args(), stream)
 }
 
 /// The fused path's last step: dq = scale * acc (the f32 accumulator at `acc`) in the dtype.

@@ -1,12 +1,12 @@
 //! The host side of the kernel cards (`kernels::card`, `kernels::cards`): per card a struct of its
-//! launch arguments by name (`FwdArgs`, `DkdvArgs`), whose `args` pushes them in the card's order,
+//! launch arguments by name (`FwdArgs`, `DkdvArgs`, `DqArgs`), whose `args` pushes them in the card's order,
 //! and the card's compilation arguments. A launch fills every field by name, so it cannot pass
 //! them in another order than the kernels declare, nor leave one out.
 
 use cubecl::prelude::*;
 
 use super::launch::{Args, MapArg};
-use crate::kernels::cards::{dkdv_card, fwd_card};
+use crate::kernels::cards::{dkdv_card, dq_card, fwd_card};
 
 /// The host side of one card: `map` fields are [`MapArg`]s, `read` and `write` fields (device
 /// address, length in the field's element type), `scalar` fields their value.
@@ -49,3 +49,4 @@ macro_rules! host_card {
 
 fwd_card!(host_card);
 dkdv_card!(host_card);
+dq_card!(host_card);
