@@ -331,8 +331,9 @@ pub fn flash_fwd_sm90<E: Float>(
         let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
             tpb_magic, block_n, sparse);
         let has_next = kt + 1 < n_tiles;
-        // past the last tile n0 may be the end of the keys, whose page entry does not exist: the
-        // page table is read only for a tile that is loaded (compute-sanitizer memcheck)
+        // the next tile's rows (`tile_rows` of an unpaged tile: n0 and n0 + KV_PAGE); paged, the
+        // page table is read only for a tile that is loaded: past the last tile n0 may be the end
+        // of the keys, whose page entry does not exist (compute-sanitizer memcheck)
         let mut p0 = n0;
         let mut pb = n0 + KV_PAGE as u32;
         if comptime!(paged) {
@@ -341,10 +342,6 @@ pub fn flash_fwd_sm90<E: Float>(
                 p0 = r0;
                 pb = rb;
             }
-        } else {
-            let (r0, _r1, rb) = tile_rows(n0, n1, &args.blocks, paged, block_n);
-            p0 = r0;
-            pb = rb;
         }
         if has_next {
             issue_tile_sw128(&args.k_map, &mut k_smem, &bar_k, tile_e - cur, p0, pb, head_kv, block_n, head_dim);

@@ -139,10 +139,11 @@ pub(crate) fn flash_fwd_kernel(
 }
 
 /// Whether the forward's and the dQ pass's K/V tiles come by tensor maps: sm_90+ and a
-/// [`kv_map_box`] row within the copy engine's 256-element box (head_dim 256 and its padding are
-/// not: those tiles come by `cp.async`).
+/// [`kv_map_box`] row (its width does not depend on the tile's keys) within the copy engine's
+/// 256-element box (head_dim 256 and its padding are not: those tiles come by `cp.async`).
 pub(crate) fn kv_tma(be: &CudaBackend, head_dim: usize) -> bool {
-    be.target.tma && kv_map_box(head_dim, 64).0 <= 256
+    let (box_cols, _) = kv_map_box(head_dim, flash_fwd::BLOCK_N);
+    be.target.tma && box_cols <= 256
 }
 
 /// The tensor maps of K (not read by the INT8 variant: zeroed) and V over their buffers `k`, `v`

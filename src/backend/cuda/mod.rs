@@ -60,6 +60,9 @@ pub const SUPPORTED_HEAD_DIMS: [usize; 6] = [32, 64, 96, 128, 192, 256];
 /// head_dims with a CUDA backward kernel: the dK/dV kernels keep a cube's dK and dV (128 keys x
 /// head_dim each) in registers, which above 128 do not fit.
 pub const BACKWARD_HEAD_DIMS: [usize; 4] = [32, 64, 96, 128];
+/// head_dims of the block-sparse kernels (forward and backward): their tile shapes and register
+/// budgets are set for these two.
+pub const SPARSE_HEAD_DIMS: [usize; 2] = [64, 128];
 
 /// The head_dims the CUDA kernels of `pass` serve.
 pub fn head_dims_of(pass: Pass) -> &'static [usize] {

@@ -156,10 +156,10 @@ impl SparsePlan {
 /// every call, `super::check_supported`).
 pub(super) fn check_supported(spec: SparseView) -> Result<()> {
     let hd = spec.attn.dims.head_dim;
-    if hd != 64 && hd != 128 {
+    if !super::SPARSE_HEAD_DIMS.contains(&hd) {
         return Err(Error::Unsupported {
             backend: "cuda",
-            msg: format!("block-sparse attention on CUDA takes head_dim 64 or 128, not {hd}; it runs on the CPU"),
+            msg: format!("block-sparse attention on CUDA takes head_dim {:?}, not {hd}; it runs on the CPU", super::SPARSE_HEAD_DIMS),
         });
     }
     if spec.attn.dtype == DType::F32 {
