@@ -158,12 +158,17 @@ impl FwdOptions {
     /// The Hopper forward's `(block_n, cubes per SM)` at `head_dim`: two cubes per SM, whose
     /// MMAs and softmax interleave, with the key tile that fits them (H100, 8K causal, SDPA cuDNN
     /// in the same run: d64 128 keys 0.617 ms vs cuDNN 0.704; d128 64 keys 0.957 vs 0.934, where
-    /// 128 keys at one cube per SM took 1.062: h100-2026-11-27-ab-sm90-tiles).
+    /// 128 keys at one cube per SM took 1.062: h100-2026-11-27-ab-sm90-tiles). Above 128 one cube
+    /// per SM with 64-key tiles: O takes head_dim / 2 registers a thread (128 at d256), and Q plus
+    /// two K and two V tiles take 144 / 192 KiB of shared memory at d192 / d256. The override
+    /// applies up to head_dim 128.
     pub fn sm90_tile_for(&self, head_dim: usize) -> (usize, u32) {
-        if let Some((bn, cubes)) = self.sm90_tile {
-            return (bn as usize, cubes);
+        match self.sm90_tile {
+            _ if head_dim > 128 => (64, 1),
+            Some((bn, cubes)) => (bn as usize, cubes),
+            None if head_dim <= 64 => (128, 2),
+            None => (64, 2),
         }
-        if head_dim <= 64 { (128, 2) } else { (64, 2) }
     }
 
     /// Keys per tile at `head_dim`: `block_n` when set, else 128 at head_dim 64 (FlashAttention-2's

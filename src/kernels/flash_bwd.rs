@@ -23,7 +23,7 @@ use cubecl::prelude::barrier::Barrier;
 
 use super::cards::DqCard;
 use super::flash_fwd::{tile_bounds, tile_div_magic, LIST_SMEM};
-use super::kv_tiles::{issue_kv_tile, issue_kv_tile_maps};
+use super::kv_tiles::{issue_kv_tile, issue_tile_boxes};
 use super::fragments::{frag_a, frag_b_t2, mma_acc_b, mma_into};
 use super::grid::cube_item_slot;
 use super::staging::{commit_copies, commit_stage, stage_rows, wait_stage};
@@ -355,11 +355,11 @@ fn load_kv_stage<E: Float>(
             // the tile's first row in the buffer (paged: a tile lies in one page, as `issue_kv_tile`)
             let y = kv_row(k_start + kb, pages, paged);
             if (stage & 1u32) == 0 {
-                issue_kv_tile_maps(k_map, k_smem, even, boff, y, y, head_kv, BWD_BN, head_dim);
-                issue_kv_tile_maps(v_map, v_smem, even, boff, y, y, head_kv, BWD_BN, head_dim);
+                issue_tile_boxes(k_map, k_smem, even, boff * comptime!(head_dim + PAD), y, y, head_kv, BWD_BN, head_dim, false);
+                issue_tile_boxes(v_map, v_smem, even, boff * comptime!(head_dim + PAD), y, y, head_kv, BWD_BN, head_dim, false);
             } else {
-                issue_kv_tile_maps(k_map, k_smem, odd, boff, y, y, head_kv, BWD_BN, head_dim);
-                issue_kv_tile_maps(v_map, v_smem, odd, boff, y, y, head_kv, BWD_BN, head_dim);
+                issue_tile_boxes(k_map, k_smem, odd, boff * comptime!(head_dim + PAD), y, y, head_kv, BWD_BN, head_dim, false);
+                issue_tile_boxes(v_map, v_smem, odd, boff * comptime!(head_dim + PAD), y, y, head_kv, BWD_BN, head_dim, false);
             }
         }
     } else {

@@ -638,6 +638,14 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
                         mma_into::<E, NA, NB, NC>(&def, &a1, &m, 0usize, &mut dqc, (oq_n + 2 * ob2) * ec);
                         mma_into::<E, NA, NB, NC>(&def, &a1, &m, 2usize, &mut dqc, (oq_n + 2 * ob2 + 1) * ec);
                     }
+                    if comptime!(oq_n % 2 == 1) {
+                        // the plane's last 8 columns (head_dim / 4 an odd number of 8-column
+                        // blocks: d32, d96); the fragment's second half reads the next 8 columns
+                        // (the next plane's, or the row's padding) and is not used
+                        let m = frag_b_n2::<E, NB>(&def, &k_smem, ks * 16, cq + comptime!((oq_n - 1) * 8), stride);
+                        mma_into::<E, NA, NB, NC>(&def, &a0, &m, 0usize, &mut dqc, comptime!((oq_n - 1) * ec));
+                        mma_into::<E, NA, NB, NC>(&def, &a1, &m, 0usize, &mut dqc, comptime!((2 * oq_n - 1) * ec));
+                    }
                 }
                 if bulk {
                     // into the shared tile (in vectors: the lane's first element, then constant

@@ -21,7 +21,7 @@ use cubecl::prelude::barrier::{copy_async, Barrier};
 
 use super::cards::FwdCard;
 use super::flash_fwd::{fill_rows, tile_bounds, work_item, LIST_SMEM, M_INIT, NONE, RESCALE_SLACK};
-use super::kv_tiles::{issue_tile_sw128, tile_rows};
+use super::kv_tiles::{issue_tile_boxes, tile_rows};
 use super::math::{fast_exp2, LN2};
 use super::sm90::{fence_proxy_async, pack_a_pairs, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait,
     SW_COLS, SW_ROW};
@@ -283,9 +283,9 @@ pub fn flash_fwd_sm90<E: Float>(
             copy_async(&args.q_s.slice(g, g + 8), &mut q_smem.slice_mut(s, s + 8), comptime!(8u32));
         }
         let (p0, _p1, pb) = tile_rows(f0, f1, &args.blocks, paged, block_n);
-        issue_tile_sw128(&args.k_map, &mut k_smem, &bar_k, 0usize, p0, pb, head_kv, block_n, head_dim);
+        issue_tile_boxes(&args.k_map, &mut k_smem, &bar_k, 0usize, p0, pb, head_kv, block_n, head_dim, true);
         commit_copies(&bar_k);
-        issue_tile_sw128(&args.v_map, &mut v_smem, &bar_v, 0usize, p0, pb, head_kv, block_n, head_dim);
+        issue_tile_boxes(&args.v_map, &mut v_smem, &bar_v, 0usize, p0, pb, head_kv, block_n, head_dim, true);
         commit_copies(&bar_v);
     }
 
@@ -344,7 +344,7 @@ pub fn flash_fwd_sm90<E: Float>(
             }
         }
         if has_next {
-            issue_tile_sw128(&args.k_map, &mut k_smem, &bar_k, tile_e - cur, p0, pb, head_kv, block_n, head_dim);
+            issue_tile_boxes(&args.k_map, &mut k_smem, &bar_k, tile_e - cur, p0, pb, head_kv, block_n, head_dim, true);
             commit_copies(&bar_k);
         }
         wgmma_fence();
@@ -360,7 +360,7 @@ pub fn flash_fwd_sm90<E: Float>(
         // V(t + 1) is issued only after this thread saw V(t) land
         bar_v.wait_parity(kt & 1u32);
         if has_next {
-            issue_tile_sw128(&args.v_map, &mut v_smem, &bar_v, tile_e - cur, p0, pb, head_kv, block_n, head_dim);
+            issue_tile_boxes(&args.v_map, &mut v_smem, &bar_v, tile_e - cur, p0, pb, head_kv, block_n, head_dim, true);
             commit_copies(&bar_v);
         }
         wgmma_fence();

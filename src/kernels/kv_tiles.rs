@@ -141,44 +141,10 @@ pub(crate) fn load_kv_tile<E: Float>(
     }
     if by_map {
         if comptime!(tma) {
-            issue_kv_tile_maps(map, smem, bar, row0, n0, n0b, head_kv, block_n, head_dim);
+            issue_tile_boxes(map, smem, bar, row0 * comptime!(head_dim + SMEM_PAD), n0, n0b, head_kv, block_n, head_dim, false);
         }
     } else {
         copy_kv_tile(src, smem, row0, n0, n1, n0b, krow, head_kv, threads, block_n, head_dim, paged);
-    }
-}
-
-/// Unit 0 raises `bar`'s expected bytes by a `block_n`-key tile and issues its [`kv_map_box`]
-/// copies (rows from `n0`, from `n0b` past the first page) into shared rows `row0..`.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn issue_kv_tile_maps<E: Float>(
-    map: &TensorMap<E, Tiled>,
-    smem: &mut SharedMemory<E>,
-    bar: &Barrier,
-    row0: usize,
-    n0: u32,
-    n0b: u32,
-    head_kv: u32,
-    #[comptime] block_n: usize,
-    #[comptime] head_dim: usize,
-) {
-    if UNIT_POS == 0 {
-        let stride = comptime!(head_dim + SMEM_PAD);
-        let ts = E::type_size();
-        bar.expect_tx(comptime!((block_n * (head_dim + SMEM_PAD) * ts) as u32));
-        let x = (head_kv * head_dim as u32) as i32;
-        let rows = comptime!(kv_map_box(head_dim, block_n).1 as usize);
-        #[unroll]
-        for b in 0..comptime!(block_n / rows) {
-            // rows from KV_PAGE on start at n0b (`tile_rows`: n0 + KV_PAGE unless paged)
-            let mut y = n0 + comptime!(b * rows) as u32;
-            if comptime!(b * rows >= KV_PAGE) {
-                y = n0b + comptime!(b * rows - KV_PAGE) as u32;
-            }
-            let a = (row0 + comptime!(b * rows)) * stride;
-            bar.tma_load_2d(map, &mut smem.slice_mut(a, a + comptime!(rows * (head_dim + SMEM_PAD))), y as i32, x);
-        }
     }
 }
 
@@ -240,13 +206,14 @@ pub(crate) fn tile_rows(t0: u32, t1: u32, pages: &Array<u32>, #[comptime] paged:
 }
 
 
-/// Unit 0 raises `bar`'s expected bytes by a K or V tile of `block_n` keys and issues its copies:
-/// `head_dim / 64` column chunks x `block_n / box_rows` row boxes of the `[rows, heads_kv *
-/// head_dim]` view (rows from `n0`, from `n0b` past the first page), into the tile at element
-/// `base` of `smem` (chunk `c` at `base + c * block_n * 64`).
+/// Unit 0 raises `bar`'s expected bytes by a K or V tile of `block_n` keys and issues its
+/// tensor-map copies (rows from `n0`, from `n0b` past the first page) into the tile at element
+/// `base` of `smem`. `sw128` (the wgmma kernels' 128-byte-swizzled tiles): `head_dim / 64` column
+/// chunks x `block_n / box_rows` row boxes, chunk `c` at `base + c * block_n * 64`; else the
+/// padded rows of the cp.async path: `block_n / rows` boxes of [`kv_map_box`].
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn issue_tile_sw128<E: Float>(
+pub(crate) fn issue_tile_boxes<E: Float>(
     map: &TensorMap<E, Tiled>,
     smem: &mut SharedMemory<E>,
     bar: &Barrier,
@@ -256,22 +223,29 @@ pub(crate) fn issue_tile_sw128<E: Float>(
     head_kv: u32,
     #[comptime] block_n: usize,
     #[comptime] head_dim: usize,
+    #[comptime] sw128: bool,
 ) {
     if UNIT_POS == 0 {
         let ts = E::type_size();
-        bar.expect_tx(comptime!((block_n * head_dim * ts) as u32));
-        let rows = comptime!(box_rows(block_n));
+        // box columns, column chunks, box rows
+        let (cols, chunks, rows) = comptime!(if sw128 {
+            (SW_COLS, head_dim / SW_COLS, box_rows(block_n))
+        } else {
+            let (c, r) = kv_map_box(head_dim, block_n);
+            (c as usize, 1usize, r as usize)
+        });
+        bar.expect_tx(comptime!((block_n * chunks * cols * ts) as u32));
         #[unroll]
-        for c in 0..comptime!(head_dim / SW_COLS) {
-            let x = (head_kv * head_dim as u32) as i32 + comptime!((c * SW_COLS) as i32);
+        for c in 0..chunks {
+            let x = (head_kv * head_dim as u32) as i32 + comptime!((c * cols) as i32);
             #[unroll]
             for b in 0..comptime!(block_n / rows) {
                 let mut y = n0 + comptime!(b * rows) as u32;
                 if comptime!(b * rows >= KV_PAGE) {
                     y = n0b + comptime!(b * rows - KV_PAGE) as u32;
                 }
-                let a = base + comptime!(c * block_n * SW_COLS + b * rows * SW_COLS);
-                bar.tma_load_2d(map, &mut smem.slice_mut(a, a + comptime!(rows * SW_COLS)), y as i32, x);
+                let a = base + comptime!(c * block_n * cols + b * rows * cols);
+                bar.tma_load_2d(map, &mut smem.slice_mut(a, a + comptime!(rows * cols)), y as i32, x);
             }
         }
     }

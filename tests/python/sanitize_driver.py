@@ -11,7 +11,9 @@ sizes), sparse_backward (its dK/dV kernel, both dQ paths, the transposed index),
 Q K^T: quantisation kernels and the INT8 forward, checked against the exact CPU result), window
 (sliding window, forward and both dQ paths), nonfinite (an Inf or NaN in v: the device-side flag
 and the exact kernels it selects, forward and backward), paged (grouped calls over a paged K,V:
-kv_block_table, tiles across two pages, both dQ paths). head_dim 64 and 128, causal and not. Each result is checked against the CPU
+kv_block_table, tiles across two pages, both dQ paths): head_dim 64 and 128, causal and not;
+head_dims (the other head dims: forward and split-K at 32, 96, 192, 256, both backward paths at
+32 and 96, bf16, causal and not). Each result is checked against the CPU
 backend, so a run also fails (exit 1) on a wrong answer. numpy inputs only: no torch kernels run
 under the sanitizer. The environment switches each family needs are set here, before cubeattn
 loads (the CUDA options are read once)."""
@@ -30,6 +32,7 @@ FAMILIES = {
     "window": {},
     "nonfinite": {},
     "paged": {},
+    "head_dims": {},
 }
 
 
@@ -154,7 +157,14 @@ def main(family):
         for i, name in enumerate(["out", "lse", "dq", "dk", "dv"][:len(res["cpu"])]):
             check(f"{tag} {name}", res["cuda"][i], res["cpu"][i], 5e-2 if quant_gran else 3e-2)
 
-    for d in (64, 128):
+    for d in ((32, 96, 192, 256) if family == "head_dims" else ()):
+        for causal in (False, True):
+            varlen(d, dtypes[-1], causal, backward=False)
+            grouped(d, dtypes[-1], causal, backward=False)
+            if d <= 128:
+                for det in (True, False):
+                    varlen(d, dtypes[-1], causal, backward=True, deterministic=det)
+    for d in ((64, 128) if family != "head_dims" else ()):
         for causal in (False, True):
             if family == "sparse":
                 for dt in dtypes:

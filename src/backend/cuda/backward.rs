@@ -248,12 +248,9 @@ pub fn backward_plan_bytes(spec: &AttnSpec) -> u64 {
     BwdPlan::new(spec).tables(spec).bytes()
 }
 
-/// Whether the backward of `spec` takes the fused atomic dQ path. Never at f32, nor at a head_dim
-/// that is not a multiple of 64 (32, 96): the mma.sync dK/dV kernel's fused dQ product gives each
-/// plane head_dim / 4 columns in 16-column fragment pairs (at 32 and 96 its dQ came out wrong on an
-/// H200, 2026-11-28, while dK / dV and the pass were right), so those run the dQ pass.
+/// Whether the backward of `spec` takes the fused atomic dQ path (never at f32).
 pub(super) fn fused_dq(spec: &AttnSpec, deterministic: bool, path: DqPath) -> bool {
-    if spec.dtype == DType::F32 || !spec.dims.head_dim.is_multiple_of(64) {
+    if spec.dtype == DType::F32 {
         return false;
     }
     match path {
@@ -413,7 +410,7 @@ fn q_maps(spec: &AttnSpec, p: &BwdPtrs, boxes: Option<(u32, u32, bool)>) -> Resu
 /// keeps the mma.sync kernels for both passes), and on the fused path an accumulator the bulk
 /// reductions can address (16-byte aligned).
 pub(crate) fn sm90_backward(be: &CudaBackend, spec: &AttnSpec, acc: Option<u64>) -> bool {
-    super::forward::sm90_forward(be, spec) && acc.is_none_or(|a| a.is_multiple_of(16) && be.target.bulk_reduce)
+    super::forward::sm90_forward(be, spec) && matches!(spec.dims.head_dim, 64 | 128) && acc.is_none_or(|a| a.is_multiple_of(16) && be.target.bulk_reduce)
 }
 
 /// The Hopper dK/dV kernel (`flash_bwd_sm90::flash_bwd_sm90`) for one set of comptime choices.

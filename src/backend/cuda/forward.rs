@@ -162,11 +162,15 @@ pub(crate) fn kv_maps(be: &CudaBackend, spec: &AttnSpec, k: u64, v: u64, block_n
     Ok([MapArg { map: map(k, tma && !int8)?, ptr: k, rows, cols }, MapArg { map: map(v, tma)?, ptr: v, rows, cols }])
 }
 
+/// Head dims of the Hopper forward: whole 64-column chunks of the 128-byte swizzle (one cube per
+/// SM above 128: `FwdOptions::sm90_tile_for`).
+pub(crate) const SM90_FWD_HEAD_DIMS: [usize; 4] = [64, 128, 192, 256];
+
 /// Whether the forward of `spec` runs the Hopper kernel (`flash_fwd_sm90`): a GPU with wgmma (sm_90,
-/// not the portable build: `Target::wgmma`), f16/bf16, head_dim 64 or 128, the switch on.
+/// not the portable build: `Target::wgmma`), f16/bf16, a head_dim of [`SM90_FWD_HEAD_DIMS`], the
+/// switch on.
 pub(crate) fn sm90_forward(be: &CudaBackend, spec: &AttnSpec) -> bool {
-    let hd = spec.dims.head_dim;
-    fwd_options().sm90 && be.target.wgmma && spec.dtype != DType::F32 && (hd == 64 || hd == 128)
+    fwd_options().sm90 && be.target.wgmma && spec.dtype != DType::F32 && SM90_FWD_HEAD_DIMS.contains(&spec.dims.head_dim)
 }
 
 /// The Hopper forward kernel (`flash_fwd_sm90`) for one set of comptime choices, and its keys per

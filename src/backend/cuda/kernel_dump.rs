@@ -41,6 +41,8 @@ mod tests {
             ("dkdv_wide_fused_d32", dkdv_wide_source(c, dt, 32, true, false, 2, false, false, true, 2)),
             ("fwd_sm90_d128", super::super::forward::fwd_sm90_source(c, dt, 128, 64, false, false, 2)),
             ("fwd_sm90_d64", super::super::forward::fwd_sm90_source(c, dt, 64, 128, false, false, 2)),
+            ("fwd_sm90_d192", super::super::forward::fwd_sm90_source(c, dt, 192, 64, false, false, 1)),
+            ("fwd_sm90_d256", super::super::forward::fwd_sm90_source(c, dt, 256, 64, false, false, 1)),
             ("fwd_sm90_paged_d128_f16", super::super::forward::fwd_sm90_source(c, DType::F16, 128, 64, false, true, 2)),
             // block-sparse on the Hopper kernel (d128, 128-row cubes, k_block a multiple of 64)
             ("fwd_sm90_sparse_d128", super::super::forward::fwd_sm90_source(c, dt, 128, 64, true, false, 2)),
