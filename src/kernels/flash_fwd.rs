@@ -80,7 +80,9 @@ pub const M_INIT: f32 = -f32::MAX;
 
 /// Merges the partial results of split tiles. One cube per (split tile, CUBE_POS_Y); `comb`:
 /// COMB_WORDS u32 per entry (slice offset, slice count, first slot, number of parts). Eight planes,
-/// 16 rows each; a row's lanes cover its `head_dim` columns.
+/// 16 rows each, interleaved (plane `p` takes rows `p, p + 8, ..`: a tile's rows are packed from
+/// row 0, so a few-row tile, a decode step's, spreads over the planes); a row's lanes cover its
+/// `head_dim` columns.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch_unchecked)]
 pub fn combine_parts<E: Float>(
@@ -120,8 +122,8 @@ pub fn combine_parts<E: Float>(
     let lane = UNIT_POS_PLANE as usize;
     let plane = (UNIT_POS / 32u32) as usize;
     let per_lane = comptime!(head_dim / 32);
-    for rr in 0..16usize {
-        let tr = plane * 16 + rr;
+    for rr in 0..comptime!(BLOCK_M / PLANES) {
+        let tr = rr * PLANES + plane;
         let tok = row_tok[tr];
         if tok != NONE {
             let mut mx = -inf;
