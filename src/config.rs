@@ -10,8 +10,7 @@
 //! | `CUBEATTN_NVRTC_FLAGS` | replaces the NVRTC options besides the architecture and include paths (space separated; default `-ftz=true`) | experiments |
 //! | `CUBEATTN_CUDA_PORTABLE=1` | builds every kernel as for GPUs below sm_90, on any GPU ([`crate::backend::cuda::Target`]) | `tests/python/test_portable_gpu.py`, `scripts/gpu-test.sh --portable` |
 //! | `CUBEATTN_CUDA_SM90=0` | keeps the mma.sync forward on sm_90 GPUs (default: the wgmma forward) | comparisons of the two forwards on one GPU |
-//! | `CUBEATTN_CUDA_SM90_TILE=bn:cubes` | the wgmma forward's tile and cubes per SM (`FwdOptions::sm90_tile`) up to head_dim 128 | A/B runs of its tile choices on one GPU |
-//! | `CUBEATTN_CUDA_SM90_PINGPONG=0` | the wgmma forward at one cube per SM without the warpgroups' turns (`FwdOptions::sm90_pingpong`) | A/B runs on one GPU |
+//! | `CUBEATTN_CUDA_SM90_TILE=bn:cubes` | the wgmma forward's tile and cubes per SM (`FwdOptions::sm90_tile`) at every head_dim | A/B runs of its tile choices on one GPU |
 //! | `CUBEATTN_CUDA_SPLIT=0` | no split-K of long forward tiles | the sanitizer families (`tests/python/sanitize_driver.py`) |
 //! | `CUBEATTN_BWD_DQ=pass` | the separate dQ pass for `deterministic = false` backward calls too (`atomic`, the default, fuses dQ) | sanitizer families, comparisons |
 //! | `CUBEATTN_BWD_Q_STAGES=1` | the dK/dV kernel with one query-tile stage (what GPUs with less shared memory get) on any GPU | `tests/python/test_portable_gpu.py` |
@@ -107,7 +106,6 @@ impl Config {
                 split: on_unless_zero(&var("CUBEATTN_CUDA_SPLIT")),
                 sm90: on_unless_zero(&var("CUBEATTN_CUDA_SM90")),
                 sm90_tile: var("CUBEATTN_CUDA_SM90_TILE").and_then(|v| parse_tile(&v)),
-                sm90_pingpong: on_unless_zero(&var("CUBEATTN_CUDA_SM90_PINGPONG")),
                 ..FwdOptions::defaults()
             },
         }
@@ -148,16 +146,13 @@ pub struct FwdOptions {
     /// (`CUBEATTN_CUDA_SM90_TILE`, e.g. `128:1`; unset: [`FwdOptions::sm90_tile_for`]'s
     /// defaults). How the choices are measured against each other on one GPU.
     pub sm90_tile: Option<(u32, u32)>,
-    /// At one cube per SM, the Hopper forward's warpgroups take turns to issue their MMAs
-    /// (FlashAttention-3's pingpong; `CUBEATTN_CUDA_SM90_PINGPONG=0` turns it off).
-    pub sm90_pingpong: bool,
 }
 
 #[cfg(feature = "cuda")]
 impl FwdOptions {
     /// The defaults without environment overrides.
     pub fn defaults() -> FwdOptions {
-        FwdOptions { pack_heads: true, split: true, split_waves: 2, plane_rows: 32, block_n: 0, sm90: true, sm90_tile: None, sm90_pingpong: true }
+        FwdOptions { pack_heads: true, split: true, split_waves: 2, plane_rows: 32, block_n: 0, sm90: true, sm90_tile: None }
     }
 
     /// The Hopper forward's `(block_n, cubes per SM)` at `head_dim`: two cubes per SM, whose
@@ -262,7 +257,6 @@ mod tests {
             assert_eq!(off, FwdOptions { split: false, sm90: false, ..FwdOptions::defaults() });
             assert_eq!(with(&[("CUBEATTN_CUDA_SPLIT", "1")]).fwd, FwdOptions::defaults());
             assert_eq!(with(&[("CUBEATTN_CUDA_SM90_TILE", "128:1")]).fwd.sm90_tile, Some((128, 1)));
-            assert!(!with(&[("CUBEATTN_CUDA_SM90_PINGPONG", "0")]).fwd.sm90_pingpong);
             for bad in ["32:2", "64:3", "64:0:2", "64", "x"] {
                 assert_eq!(with(&[("CUBEATTN_CUDA_SM90_TILE", bad)]).fwd.sm90_tile, None, "{bad}");
             }

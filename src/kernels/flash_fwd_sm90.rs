@@ -23,8 +23,8 @@ use super::cards::FwdCard;
 use super::flash_fwd::{fill_rows, tile_bounds, work_item, LIST_SMEM, M_INIT, NONE, RESCALE_SLACK};
 use super::kv_tiles::{issue_tile_boxes, tile_rows};
 use super::math::{fast_exp2, LN2};
-use super::sm90::{fence_proxy_async, named_bar_arrive, named_bar_sync, pack_a_pairs, swizzle_128b, wgmma_commit, wgmma_fence,
-    wgmma_rs, wgmma_ss, wgmma_wait, SW_COLS, SW_ROW};
+use super::sm90::{fence_proxy_async, pack_a_pairs, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait,
+    SW_COLS, SW_ROW};
 use super::staging::commit_copies;
 use crate::format::KV_PAGE;
 
@@ -34,31 +34,6 @@ pub const SM90_BLOCK_M: usize = 128;
 const _: () = assert!(SM90_BLOCK_M == super::flash_fwd::BLOCK_M);
 /// Threads per cube.
 pub const SM90_THREADS: usize = 256;
-
-/// Waits for warpgroup `wg`'s turn to issue MMAs (`pingpong`: named barrier 1 + wg, which the
-/// other warpgroup arrives at when it has issued its own).
-#[cube]
-fn turn_wait(wg: usize, #[comptime] pingpong: bool) {
-    if comptime!(pingpong) {
-        if wg == 0 {
-            named_bar_sync(1u32, comptime!(SM90_THREADS as u32));
-        } else {
-            named_bar_sync(2u32, comptime!(SM90_THREADS as u32));
-        }
-    }
-}
-
-/// Hands the turn to the other warpgroup (`pingpong`).
-#[cube]
-fn turn_pass(wg: usize, #[comptime] pingpong: bool) {
-    if comptime!(pingpong) {
-        if wg == 0 {
-            named_bar_arrive(2u32, comptime!(SM90_THREADS as u32));
-        } else {
-            named_bar_arrive(1u32, comptime!(SM90_THREADS as u32));
-        }
-    }
-}
 
 /// Row `(row, col)` inside the m16n8 accumulator block of lane `lane`'s element `e` (0..4).
 #[cube]
@@ -249,7 +224,6 @@ pub fn flash_fwd_sm90<E: Float>(
     #[comptime] block_n: usize,
     #[comptime] sparse: bool,
     #[comptime] paged: bool,
-    #[comptime] pingpong: bool,
 ) {
     // v holds a NaN or Inf (`nonfinite::v_nonfinite`): the exact row-wise kernel writes this call
     if args.nonfinite[0] != 0u32 {
@@ -343,17 +317,7 @@ pub fn flash_fwd_sm90<E: Float>(
     // Tile t: S(t), its softmax, then P(t) V(t), each MMA group waited for at once; two cubes per
     // SM (the host's launch bounds) overlap one's softmax with the other's MMAs. (FlashAttention-3's
     // in-cube overlap of S(t) with P(t - 1) V(t - 1) needs the registers of a second S: one cube
-    // per SM, or spills at two; measured slower at both head dims, docs/forward.md.) At one cube
-    // per SM, `pingpong` (FlashAttention-3's): the warpgroups take turns to issue their MMAs
-    // (S of warpgroup 0, S of 1, P V of 0, P V of 1, ..), so that each one's softmax runs under the
-    // other's MMAs instead of both at once. Warpgroup 0 has the first turn; every turn is passed
-    // on once it is issued, and warpgroup 0 takes the last pass after the loop, so both named
-    // barriers end balanced.
-    if comptime!(pingpong) {
-        if wg == 1 {
-            named_bar_arrive(1u32, comptime!(SM90_THREADS as u32));
-        }
-    }
+    // per SM, or spills at two; measured slower at both head dims, docs/forward.md.)
     for kt in 0..n_tiles {
         let (t0, t1) = tile_bounds(kt, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
             tpb_magic, block_n, sparse);
@@ -383,11 +347,9 @@ pub fn flash_fwd_sm90<E: Float>(
             issue_tile_boxes(&args.k_map, &mut k_smem, &bar_k, tile_e - cur, p0, pb, head_kv, block_n, head_dim, true);
             commit_copies(&bar_k);
         }
-        turn_wait(wg, pingpong);
         wgmma_fence();
         s_steps::<E>(&mut s, &q_smem, q_wg, &k_smem, cur, block_n, head_dim);
         wgmma_commit();
-        turn_pass(wg, pingpong);
         wgmma_wait(0u32);
         mask_scores(&mut s, &row_lo, &row_hi, row_a, row_b, t0, t1, rows_lo, rows_hi, lane, neg_inf, block_n);
         let moved = softmax_scores(&mut s, &mut m_r, &mut l_r, &mut alpha, args.scale_log2, neg_inf, block_n);
@@ -401,17 +363,10 @@ pub fn flash_fwd_sm90<E: Float>(
             issue_tile_boxes(&args.v_map, &mut v_smem, &bar_v, tile_e - cur, p0, pb, head_kv, block_n, head_dim, true);
             commit_copies(&bar_v);
         }
-        turn_wait(wg, pingpong);
         wgmma_fence();
         pv_steps::<E>(&mut o_acc, &p, &v_smem, cur, block_n, head_dim);
         wgmma_commit();
-        turn_pass(wg, pingpong);
         wgmma_wait(0u32);
-    }
-    if comptime!(pingpong) {
-        if wg == 0 {
-            named_bar_sync(1u32, comptime!(SM90_THREADS as u32));
-        }
     }
 
     // ---- finish: reduce l over the 4 lanes of a row, normalise, write ----

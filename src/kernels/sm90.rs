@@ -63,22 +63,6 @@ pub fn wgmma_wait(#[comptime] pending: u32) {
     intrinsic!(|scope| marker(scope, format!("wait {pending}"), vec![]))
 }
 
-/// `bar.sync id, count`: waits until `count` threads (this warp's and others') have arrived at
-/// named barrier `id` (1..=15; 0 is the cube's `sync_cube`), arriving with this warp.
-#[cube]
-#[allow(unused_variables)]
-pub fn named_bar_sync(#[comptime] id: u32, #[comptime] count: u32) {
-    intrinsic!(|scope| marker(scope, format!("bar_sync {id} {count}"), vec![]))
-}
-
-/// `bar.arrive id, count`: this warp arrives at named barrier `id` without waiting (the
-/// producer side of a [`named_bar_sync`] of other warps).
-#[cube]
-#[allow(unused_variables)]
-pub fn named_bar_arrive(#[comptime] id: u32, #[comptime] count: u32) {
-    intrinsic!(|scope| marker(scope, format!("bar_arrive {id} {count}"), vec![]))
-}
-
 /// `fence.proxy.async.shared::cta`: makes this thread's generic-proxy shared-memory writes
 /// (st.shared, cp.async) visible to the async proxy (wgmma operands, bulk copies).
 #[cube]

@@ -240,10 +240,6 @@ fn variants() -> Vec<(&'static str, FwdOptions)> {
         ("default", all),
         ("no-pack", FwdOptions { pack_heads: false, ..all }),
         ("no-split", FwdOptions { split: false, ..all }),
-        // the wgmma kernel at one cube per SM at every head_dim (the warpgroups' turns, pingpong),
-        // and without the turns (d192 / d256 take one cube per SM by default)
-        ("sm90-1cube", FwdOptions { sm90_tile: Some((128, 1)), ..all }),
-        ("no-pingpong", FwdOptions { sm90_pingpong: false, ..all }),
         // the mma.sync kernel (the path below sm_90) on a Hopper GPU, and its tile variants
         ("mma-sync", FwdOptions { sm90: false, ..all }),
         ("bn32", FwdOptions { block_n: 32, sm90: false, ..all }),

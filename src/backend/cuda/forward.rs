@@ -176,17 +176,14 @@ pub(crate) fn sm90_forward(be: &CudaBackend, spec: &AttnSpec) -> bool {
 /// The Hopper forward kernel (`flash_fwd_sm90`) for one set of comptime choices, and its keys per
 /// tile (`FwdOptions::sm90_tile_for`).
 pub(crate) fn flash_fwd_sm90_kernel(be: &CudaBackend, dt: DType, hd: usize, sparse: bool, paged: bool) -> Result<(super::compile::Func, usize)> {
-    let opts = fwd_options();
-    let (bn, cubes) = opts.sm90_tile_for(hd);
-    let pingpong = cubes == 1 && opts.sm90_pingpong;
-    let key = KernelKey::new("flash_fwd_sm90", dt, &[hd as u32, bn as u32, sparse as u32, paged as u32, cubes, pingpong as u32]);
-    let f = be.kernels.get(&key, || fwd_sm90_source(be.client(), dt, hd, bn, sparse, paged, cubes, pingpong))?;
+    let (bn, cubes) = fwd_options().sm90_tile_for(hd);
+    let key = KernelKey::new("flash_fwd_sm90", dt, &[hd as u32, bn as u32, sparse as u32, paged as u32, cubes]);
+    let f = be.kernels.get(&key, || fwd_sm90_source(be.client(), dt, hd, bn, sparse, paged, cubes))?;
     Ok((f, bn))
 }
 
 /// CUDA source of [`flash_fwd_sm90_kernel`]: the `kernels::sm90` markers lowered, and `cubes` cubes
-/// per SM declared (`__launch_bounds__(256, cubes)`: up to 255 or 128 registers a thread);
-/// `pingpong`: the warpgroups take turns to issue their MMAs (one cube per SM).
+/// per SM declared (`__launch_bounds__(256, cubes)`: up to 255 or 128 registers a thread).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn fwd_sm90_source(
     client: &ComputeClient<CudaRuntime>,
@@ -196,7 +193,6 @@ pub(crate) fn fwd_sm90_source(
     sparse: bool,
     paged: bool,
     cubes: u32,
-    pingpong: bool,
 ) -> Result<Source> {
     macro_rules! k {
         ($t:ty) => {
@@ -208,7 +204,6 @@ pub(crate) fn fwd_sm90_source(
                 bn,
                 sparse,
                 paged,
-                pingpong,
             ), false)
         };
     }

@@ -60,13 +60,6 @@ fn lower_marker(text: &str) -> Option<Lowered> {
             let n: u32 = n.parse().ok().filter(|&n| n <= 7)?;
             Some(simple(&format!("wait_{n}"), &format!("wgmma.wait_group.sync.aligned {n};")))
         }
-        // named barriers 1..=15 (0 is __syncthreads'), a whole number of warps
-        [op @ ("bar_sync" | "bar_arrive"), id, count] => {
-            let id: u32 = id.parse().ok().filter(|&i| (1..16).contains(&i))?;
-            let count: u32 = count.parse().ok().filter(|&c| c > 0 && c % 32 == 0 && c <= 1024)?;
-            let ins = if *op == "bar_sync" { "bar.sync" } else { "bar.arrive" };
-            Some(simple(&format!("{op}_{id}_{count}"), &format!("{ins} {id}, {count};")))
-        }
         ["wgmma_ss", t, rest @ ..] => {
             let eb = elem_bytes(t)?;
             let [n, acc0, a_mn, a_lbo, b_mn, b_lbo, accum] = parse_nums(rest)?.try_into().ok()?;
@@ -241,12 +234,6 @@ mod tests {
         assert!(out.contains("\"l\"(db), \"r\"(1));"), "{out}");
         assert!(out.contains("__cubeattn_desc(b, b_off * 2u, 8192u, 1024u)"));
         assert!(out.contains("wgmma.wait_group.sync.aligned 0;"));
-        // named barriers (the forward's pingpong); id 0 (__syncthreads') and partial warps refused
-        let nb = lower("k_", &kernel(&format!("printf(\"{MARK}bar_sync 1 256\");\nprintf(\"{MARK}bar_arrive 2 256\");\n"))).unwrap();
-        assert!(nb.contains("bar.sync 1, 256;") && nb.contains("bar.arrive 2, 256;"), "{nb}");
-        for bad in ["bar_sync 0 256", "bar_arrive 1 100", "bar_sync 16 256"] {
-            assert!(lower("k_", &kernel(&format!("printf(\"{MARK}{bad}\");\n"))).is_err(), "{bad}");
-        }
         // an MN-major A operand (dQ = dS K with dS^T stored key-major): the transpose flag and its LBO
         let mn = lower("k_", &kernel(&format!("printf(\"{MARK}wgmma_ss bf16 64 0 1 16384 1 16384 1\", x,a,o,b,p);\n"))).unwrap();
         assert!(mn.contains("p, 1, 1, 1, 1;"), "{mn}");
