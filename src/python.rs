@@ -418,7 +418,7 @@ fn cuda_bench_forward_backward(py: Python<'_>, spec: &PySpec, warmup: usize, ite
 #[cfg(feature = "cuda")]
 fn cuda_bench(s: &AttnSpec, warmup: usize, iters: usize, backward: bool) -> crate::Result<Vec<f64>> {
     if backward {
-        crate::backend::cuda::backward::bench_backward(s, warmup, iters)
+        crate::backend::cuda::bench_backward(s, warmup, iters)
     } else {
         crate::backend::cuda::bench(s, warmup, iters, crate::backend::cuda::BenchPart::Forward, crate::backend::cuda::backward::DqPath::Auto)
     }

@@ -5,6 +5,7 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod status;
 
 use crate::dtype::{HostData, HostView};
 #[cfg(not(feature = "cuda"))]

@@ -733,7 +733,3 @@ impl CudaBackend {
         self.backward_host(spec, q, k, v, grad, None, path)
     }
 }
-
-/// The benchmark of forward + backward, where the Python binding (`cuda_bench_forward_backward`)
-/// calls it; it lives in [`super::bench`].
-pub use super::bench::bench_backward;

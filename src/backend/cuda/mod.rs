@@ -47,7 +47,7 @@ use cubecl::cuda::{CudaDevice, CudaRuntime};
 use cubecl::prelude::*;
 
 use crate::backend::{ForwardOutput, Pass};
-use crate::device::{BackendStatus, DeviceInfo};
+use crate::backend::status::{BackendStatus, DeviceInfo};
 use crate::dtype::HostView;
 use crate::error::{Error, Result};
 use crate::kernels::flash_fwd::{BLOCK_M, BLOCK_N, COMB_WORDS, NONE, SLICE_WORDS, WORK_WORDS};
