@@ -66,6 +66,25 @@ pub fn issue_dq_row<NQ: Size>(
     }
 }
 
+/// Stores a thread's f32 pair `(x0, x1)` (adjacent dQ columns) at vector `vi` of the dQ tile:
+/// one 8-byte vector (`qv` 2) or two scalars at `vi`, `vi + 1` (`qv` 1).
+#[cube]
+pub fn put_dq_pair<NQ: Size>(tile: &mut SharedMemory<Vector<f32, NQ>>, vi: usize, x0: f32, x1: f32, #[comptime] qv: usize) {
+    if qv == 2 {
+        let mut val = Vector::<f32, NQ>::empty();
+        val[0] = x0;
+        val[1] = x1;
+        tile[vi] = val;
+    } else {
+        let mut v0 = Vector::<f32, NQ>::empty();
+        v0[0] = x0;
+        tile[vi] = v0;
+        let mut v1 = Vector::<f32, NQ>::empty();
+        v1[0] = x1;
+        tile[vi + 1] = v1;
+    }
+}
+
 /// The issuing threads (`UNIT_POS < bm`) wait until the copy engine has read their rows of the
 /// tile (so that it may be written again after the next barrier).
 #[cube]

@@ -28,7 +28,7 @@ use cubecl::prelude::barrier::{copy_async, Barrier};
 use cubecl::prelude::*;
 
 use super::cards::DkdvCard;
-use super::bulk_reduce::{dq_row_dst, dq_rows_read, dq_tile_stride, issue_dq_row};
+use super::bulk_reduce::{dq_row_dst, dq_rows_read, dq_tile_stride, issue_dq_row, put_dq_pair};
 use super::bwd_walk::{key_item, seg_walk, sparse_q_tile};
 use super::grid::cube_item_slot;
 use super::math::{fast_exp2, LOG2E};
@@ -410,19 +410,7 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
                     for hh in 0..2usize {
                         let i = nb * 4 + hh * 2;
                         let at = (row_a + hh * 8) * dts + dq_col0 + nb * 8 + col_a;
-                        if qvec == 2 {
-                            let mut val = Vector::<f32, NQ>::empty();
-                            val[0] = dq[i];
-                            val[1] = dq[i + 1];
-                            dq_tile[at / 2] = val;
-                        } else {
-                            let mut v0 = Vector::<f32, NQ>::empty();
-                            v0[0] = dq[i];
-                            dq_tile[at] = v0;
-                            let mut v1 = Vector::<f32, NQ>::empty();
-                            v1[0] = dq[i + 1];
-                            dq_tile[at + 1] = v1;
-                        }
+                        put_dq_pair::<NQ>(&mut dq_tile, at / qvec, dq[i], dq[i + 1], qvec);
                     }
                 }
                 sync_async_proxy_shared();

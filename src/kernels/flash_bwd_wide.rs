@@ -55,7 +55,7 @@ use cubecl::prelude::*;
 
 use super::cards::DkdvCard;
 use super::tiles::{BWD_BM, PAD, WIDE_BN, WIDE_PLANES};
-use super::bulk_reduce::{dq_row_dst, dq_rows_read, dq_tile_stride, issue_dq_row};
+use super::bulk_reduce::{dq_row_dst, dq_rows_read, dq_tile_stride, issue_dq_row, put_dq_pair};
 use super::fragments::{frag_a, frag_a_t, frag_b_n2, frag_b_t2, mma_into, store_acc_16x16};
 use super::grid::cube_item_slot;
 use super::math::{fast_exp2, LOG2E};
@@ -658,19 +658,7 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
                             let e = (ri % 2) * (ec / 2);
                             let i = ((ri / 2) * oq_n + ob) * ec + e;
                             let si = sv + comptime!((((ri / 2) * 16 + (ri % 2) * 8) * dts + ob * 8) / qvec);
-                            if qvec == 2 {
-                                let mut val = Vector::<f32, NQ>::empty();
-                                val[0] = dqc[i];
-                                val[1] = dqc[i + 1];
-                                dq_tile[si] = val;
-                            } else {
-                                let mut v0 = Vector::<f32, NQ>::empty();
-                                v0[0] = dqc[i];
-                                dq_tile[si] = v0;
-                                let mut v1 = Vector::<f32, NQ>::empty();
-                                v1[0] = dqc[i + 1];
-                                dq_tile[si + 1] = v1;
-                            }
+                            put_dq_pair::<NQ>(&mut dq_tile, si, dqc[i], dqc[i + 1], qvec);
                         }
                     }
                     sync_async_proxy_shared();
