@@ -42,7 +42,7 @@ fn copy_kv_tile<E: Float>(
     let vecs_per_row = comptime!(head_dim / LOAD_VEC);
     // a paged tile longer than a page: its rows from KV_PAGE on start at n0b (`tile_rows`)
     let split = comptime!(paged && block_n > KV_PAGE);
-    if comptime!(threads % vecs_per_row != 0 || block_n % (threads / vecs_per_row).max(1) != 0) {
+    if comptime!(!threads.is_multiple_of(vecs_per_row) || !block_n.is_multiple_of((threads / vecs_per_row).max(1))) {
         // a row's vectors do not divide the units (head_dim 96 and 192): unit u copies vectors
         // u + i * threads of the tile, its row and column divided out per copy
         let total = comptime!(block_n * vecs_per_row);

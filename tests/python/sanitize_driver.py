@@ -157,15 +157,15 @@ def main(family):
         for i, name in enumerate(["out", "lse", "dq", "dk", "dv"][:len(res["cpu"])]):
             check(f"{tag} {name}", res["cuda"][i], res["cpu"][i], 5e-2 if quant_gran else 3e-2)
 
-    for d in ((32, 96, 192, 256) if family == "head_dims" else ()):
+    for d in ((32, 96, 192, 256) if family == "head_dims" else (64, 128)):
         for causal in (False, True):
-            varlen(d, dtypes[-1], causal, backward=False)
-            grouped(d, dtypes[-1], causal, backward=False)
-            if d <= 128:
-                for det in (True, False):
-                    varlen(d, dtypes[-1], causal, backward=True, deterministic=det)
-    for d in ((64, 128) if family != "head_dims" else ()):
-        for causal in (False, True):
+            if family == "head_dims":
+                varlen(d, dtypes[-1], causal, backward=False)
+                grouped(d, dtypes[-1], causal, backward=False)
+                if d <= 128:
+                    for det in (True, False):
+                        varlen(d, dtypes[-1], causal, backward=True, deterministic=det)
+                continue
             if family == "sparse":
                 for dt in dtypes:
                     sparse(d, dt, causal, False, 64, 128)

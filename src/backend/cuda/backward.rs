@@ -405,12 +405,16 @@ fn q_maps(spec: &AttnSpec, p: &BwdPtrs, boxes: Option<(u32, u32, bool)>) -> Resu
     Ok([map(p.q)?, map(p.dout)?])
 }
 
-/// Whether the dK/dV kernel of `spec` is the Hopper one (`flash_bwd_sm90`): a GPU with wgmma
-/// (`Target::wgmma`), f16/bf16, head_dim 64 or 128, the forward's switch on (`CUBEATTN_CUDA_SM90=0`
-/// keeps the mma.sync kernels for both passes), and on the fused path an accumulator the bulk
-/// reductions can address (16-byte aligned).
+/// Head dims of the Hopper dK/dV kernel (two warpgroups of 64 keys, dK and dV of 64 keys x
+/// head_dim in each warpgroup's registers).
+const SM90_BWD_HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// Whether the dK/dV kernel of `spec` is the Hopper one (`flash_bwd_sm90`): where the forward is
+/// (`forward::sm90_forward`: a GPU with wgmma, f16/bf16, the switch on; `CUBEATTN_CUDA_SM90=0`
+/// keeps the mma.sync kernels for both passes), a head_dim of [`SM90_BWD_HEAD_DIMS`], and on the
+/// fused path an accumulator the bulk reductions can address (16-byte aligned).
 pub(crate) fn sm90_backward(be: &CudaBackend, spec: &AttnSpec, acc: Option<u64>) -> bool {
-    super::forward::sm90_forward(be, spec) && matches!(spec.dims.head_dim, 64 | 128) && acc.is_none_or(|a| a.is_multiple_of(16) && be.target.bulk_reduce)
+    super::forward::sm90_forward(be, spec) && SM90_BWD_HEAD_DIMS.contains(&spec.dims.head_dim) && acc.is_none_or(|a| a.is_multiple_of(16) && be.target.bulk_reduce)
 }
 
 /// The Hopper dK/dV kernel (`flash_bwd_sm90::flash_bwd_sm90`) for one set of comptime choices.
