@@ -40,8 +40,9 @@ macro_rules! fwd_card {
                 /// `blocks` is the page table.
                 read tile_ref: Array<u32>,
                 read blocks: Array<u32>,
-                /// The non-finite-v flag (`nonfinite::v_nonfinite`).
-                read nonfinite: Array<u32>,
+                /// The non-finite-v flag (`nonfinite::v_nonfinite`; the Hopper kernel's `check_v`
+                /// variant sets it itself).
+                write nonfinite: Array<u32>,
                 scalar scale_log2: f32,
                 scalar heads_q: u32,
                 scalar heads_kv: u32,

@@ -224,8 +224,10 @@ pub fn flash_fwd_sm90<E: Float>(
     #[comptime] block_n: usize,
     #[comptime] sparse: bool,
     #[comptime] paged: bool,
+    #[comptime] check_v: bool,
 ) {
-    // v holds a NaN or Inf (`nonfinite::v_nonfinite`): the exact row-wise kernel writes this call
+    // v holds a NaN or Inf (`nonfinite::v_nonfinite`, or with `check_v` a cube that saw one in
+    // its V tiles): the exact row-wise kernel writes this call
     if args.nonfinite[0] != 0u32 {
         terminate!();
     }
@@ -318,6 +320,10 @@ pub fn flash_fwd_sm90<E: Float>(
     // SM (the host's launch bounds) overlap one's softmax with the other's MMAs. (FlashAttention-3's
     // in-cube overlap of S(t) with P(t - 1) V(t - 1) needs the registers of a second S: one cube
     // per SM, or spills at two; measured slower at both head dims, docs/forward.md.)
+    // `check_v` (calls of few rows a tile, memory-bound: a decode step): each thread checks its
+    // share of every V tile for a NaN or Inf (x - x is not 0) and the cube sets the flag itself,
+    // instead of a pass over all of v before the launch
+    let mut v_bad = false;
     for kt in 0..n_tiles {
         let (t0, t1) = tile_bounds(kt, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
             tpb_magic, block_n, sparse);
@@ -359,6 +365,13 @@ pub fn flash_fwd_sm90<E: Float>(
         pack_a_pairs::<E>(&s, &mut p, comptime!(block_n / 4));
         // V(t + 1) is issued only after this thread saw V(t) land
         bar_v.wait_parity(kt & 1u32);
+        if comptime!(check_v) {
+            #[unroll]
+            for i in 0..comptime!(block_n * head_dim / SM90_THREADS) {
+                let x = f32::cast_from(v_smem[cur + UNIT_POS as usize + i * SM90_THREADS]);
+                v_bad = v_bad || x - x != 0.0f32;
+            }
+        }
         if has_next {
             issue_tile_boxes(&args.v_map, &mut v_smem, &bar_v, tile_e - cur, p0, pb, head_kv, block_n, head_dim, true);
             commit_copies(&bar_v);
@@ -367,6 +380,12 @@ pub fn flash_fwd_sm90<E: Float>(
         pv_steps::<E>(&mut o_acc, &p, &v_smem, cur, block_n, head_dim);
         wgmma_commit();
         wgmma_wait(0u32);
+    }
+
+    if comptime!(check_v) {
+        if v_bad {
+            args.nonfinite[0] = 1u32;
+        }
     }
 
     // ---- finish: reduce l over the 4 lanes of a row, normalise, write ----

@@ -120,3 +120,25 @@ def test_backward_inf_in_v_stays_in_its_sequence(causal, target):
         assert np.all(np.isfinite(g[:100])), f"{name} of sequence 0 is not finite"
         np.testing.assert_allclose(g[:100], g0, rtol=t, atol=t, err_msg=name)
         assert np.all(np.isfinite(g[:, 0])), f"{name} of kv head 0 is not finite"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("value", [np.inf, np.nan])
+def test_decode_step_with_a_bad_value_takes_the_exact_path(value):
+    """A decode step (one query row per sequence, GQA 8 / 2, head_dim 128): few rows a tile, so on
+    Hopper the tensor-core kernel checks its V tiles itself instead of the pass over v. A bad value
+    in sequence 1's kv head 1 reaches that sequence's rows of heads 4-7 only; everything else is
+    the clean result."""
+    rng = np.random.default_rng(2)
+    b, sk, d = 3, 300, 128
+    q = rng.uniform(-1, 1, (b, 1, 8, d)).astype(np.float16)
+    k, v = (rng.uniform(-1, 1, (b, sk, 2, d)).astype(np.float16) for _ in range(2))
+    v[1, 217, 1, 40] = value
+    out = cubeattn.flash_attn_func(q, k, v, device="cuda")
+    clean = v.copy()
+    clean[1, 217, 1, 40] = 0
+    want = cubeattn.flash_attn_func(q, k, clean, device="cpu")
+    bad = np.zeros(out.shape, bool)
+    bad[1, :, 4:, 40] = True
+    assert np.all(~np.isfinite(out[bad]))
+    np.testing.assert_allclose(out[~bad].astype(np.float64), want[~bad].astype(np.float64), rtol=2e-3, atol=2e-3)

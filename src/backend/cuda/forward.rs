@@ -162,6 +162,12 @@ pub(crate) fn kv_maps(be: &CudaBackend, spec: &AttnSpec, k: u64, v: u64, block_n
     Ok([MapArg { map: map(k, tma && !int8)?, ptr: k, rows, cols }, MapArg { map: map(v, tma)?, ptr: v, rows, cols }])
 }
 
+/// Rows a tile (query rows x packed heads, the longest segment's) up to which the Hopper forward
+/// checks v for a NaN or Inf itself (`check_v`) instead of the flag pass over all of v: a decode
+/// step's tiles (4 rows at 32 / 8 heads) are memory-bound, and the pass read v once more (20 of
+/// 106 us at B=8, Sk=4K on an H200, h200-2026-11-28-21348d0).
+const FEW_ROWS: usize = 32;
+
 /// Head dims of the Hopper forward: whole 64-column chunks of the 128-byte swizzle (one cube per
 /// SM above 128: `FwdOptions::sm90_tile_for`).
 pub(crate) const SM90_FWD_HEAD_DIMS: [usize; 4] = [64, 128, 192, 256];
@@ -175,15 +181,16 @@ pub(crate) fn sm90_forward(be: &CudaBackend, spec: &AttnSpec) -> bool {
 
 /// The Hopper forward kernel (`flash_fwd_sm90`) for one set of comptime choices, and its keys per
 /// tile (`FwdOptions::sm90_tile_for`).
-pub(crate) fn flash_fwd_sm90_kernel(be: &CudaBackend, dt: DType, hd: usize, sparse: bool, paged: bool) -> Result<(super::compile::Func, usize)> {
+pub(crate) fn flash_fwd_sm90_kernel(be: &CudaBackend, dt: DType, hd: usize, sparse: bool, paged: bool, check_v: bool) -> Result<(super::compile::Func, usize)> {
     let (bn, cubes) = fwd_options().sm90_tile_for(hd);
-    let key = KernelKey::new("flash_fwd_sm90", dt, &[hd as u32, bn as u32, sparse as u32, paged as u32, cubes]);
-    let f = be.kernels.get(&key, || fwd_sm90_source(be.client(), dt, hd, bn, sparse, paged, cubes))?;
+    let key = KernelKey::new("flash_fwd_sm90", dt, &[hd as u32, bn as u32, sparse as u32, paged as u32, cubes, check_v as u32]);
+    let f = be.kernels.get(&key, || fwd_sm90_source(be.client(), dt, hd, bn, sparse, paged, cubes, check_v))?;
     Ok((f, bn))
 }
 
 /// CUDA source of [`flash_fwd_sm90_kernel`]: the `kernels::sm90` markers lowered, and `cubes` cubes
-/// per SM declared (`__launch_bounds__(256, cubes)`: up to 255 or 128 registers a thread).
+/// per SM declared (`__launch_bounds__(256, cubes)`: up to 255 or 128 registers a thread);
+/// `check_v`: the kernel checks its V tiles for a NaN or Inf and sets the flag itself.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn fwd_sm90_source(
     client: &ComputeClient<CudaRuntime>,
@@ -193,6 +200,7 @@ pub(crate) fn fwd_sm90_source(
     sparse: bool,
     paged: bool,
     cubes: u32,
+    check_v: bool,
 ) -> Result<Source> {
     macro_rules! k {
         ($t:ty) => {
@@ -204,6 +212,7 @@ pub(crate) fn fwd_sm90_source(
                 bn,
                 sparse,
                 paged,
+                check_v,
             ), false)
         };
     }
@@ -342,9 +351,14 @@ pub(crate) fn launch_forward(
     if n_work == 0 {
         return Ok(());
     }
-    // the workspace's first part: the flag, set when v holds a NaN or Inf
+    // the workspace's first part: the flag, set when v holds a NaN or Inf: by a pass over v, or
+    // for calls of at most `FEW_ROWS` rows a tile (a decode step: memory-bound, a quarter of the
+    // Hopper kernel's 128-row cube or less) by the Hopper kernel over the V tiles it reads
     let flag = p.workspace;
-    launch_flag(be, dt, p.v, d.kv_len(), flag, stream)?;
+    let sm90 = sm90_forward(be, spec);
+    let few_rows = spec.segments.iter().map(|s| s.q_len).max().unwrap_or(0) * fp.hp as usize <= FEW_ROWS;
+    let check_v = sm90 && few_rows;
+    launch_flag(be, dt, p.v, d.kv_len(), flag, !check_v, stream)?;
     let exact = DenseExact {
         q: p.q,
         k: p.k,
@@ -368,8 +382,8 @@ pub(crate) fn launch_forward(
     let (part_o, part_lse) = if po_bytes == 0 { (flag, flag) } else { (p.workspace + offs[1] as u64, p.workspace + offs[2] as u64) };
     let n_part = (po_bytes / (4 * hd)).max(1);
 
-    let (f, [k_map, v_map]) = if sm90_forward(be, spec) {
-        let (f, bn) = flash_fwd_sm90_kernel(be, dt, hd, false, paged)?;
+    let (f, [k_map, v_map]) = if sm90 {
+        let (f, bn) = flash_fwd_sm90_kernel(be, dt, hd, false, paged, check_v)?;
         (f, kv_maps_sw128(spec, p.k, p.v, bn)?)
     } else {
         (flash_fwd_kernel(be, dt, hd, mt, bn, BLOCK_M, false, false, paged, false)?, kv_maps(be, spec, p.k, p.v, bn, false)?)

@@ -32,12 +32,16 @@ const FLAG_CUBES: usize = 1024;
 /// The array argument every kernel struct takes for a plain (not in-place) array.
 const A: ArrayCompilationArg = ArrayCompilationArg { inplace: None };
 
-/// Zeroes the flag at `flag` and enqueues `v_nonfinite` over the `kv_len` elements of v (f16 or
-/// bf16) at `v`. `kv_len` is a multiple of 8 (head_dim 64 or 128), so v is whole 16-byte vectors.
-pub(crate) fn launch_flag(be: &CudaBackend, dt: DType, v: u64, kv_len: usize, flag: u64, stream: sys::CUstream) -> Result<()> {
+/// Zeroes the flag at `flag` and, with `scan`, enqueues `v_nonfinite` over the `kv_len` elements
+/// of v (f16 or bf16) at `v` (without: the forward kernel sets the flag itself, its `check_v`).
+/// `kv_len` is a multiple of 8 (head_dim a multiple of 32), so v is whole 16-byte vectors.
+pub(crate) fn launch_flag(be: &CudaBackend, dt: DType, v: u64, kv_len: usize, flag: u64, scan: bool, stream: sys::CUstream) -> Result<()> {
     // SAFETY: `flag` is the first part of the caller's workspace (at least FLAG_BYTES), ordered on
     // `stream` before the kernels that read it.
     unsafe { drv::memset_d8_async(flag, 0, FLAG_BYTES, stream) }.map_err(|e| err("cuMemsetD8Async", e))?;
+    if !scan {
+        return Ok(());
+    }
     let words = kv_len / 2;
     debug_assert_eq!(words % FLAG_VEC, 0);
     let n = words / FLAG_VEC;

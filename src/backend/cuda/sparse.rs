@@ -225,10 +225,10 @@ pub(super) fn launch_sparse_forward(be: &CudaBackend, spec: SparseView, plan: &C
     let t = |i| plan.tables.get(i);
     // the workspace's flag, set when v holds a NaN or Inf (then the exact kernel writes the call)
     let flag = p.workspace;
-    launch_flag(be, dt, p.v, d.kv_len(), flag, stream)?;
+    launch_flag(be, dt, p.v, d.kv_len(), flag, true, stream)?;
     let (f, [k_map, v_map]) = match sp.frame {
         SparseFrame::Sm90 { block_n } => {
-            let (f, bn) = super::forward::flash_fwd_sm90_kernel(be, dt, hd, true, false)?;
+            let (f, bn) = super::forward::flash_fwd_sm90_kernel(be, dt, hd, true, false, false)?;
             debug_assert_eq!(bn, block_n);
             (f, super::forward::kv_maps_sw128(spec.attn, p.k, p.v, block_n)?)
         }
