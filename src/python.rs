@@ -512,18 +512,30 @@ fn backward_device(
     run_detached_as(py, || unsafe { backend_for(pref, s, pass)?.backward_device(s, p, deterministic, workspace_bytes, stream) }, |e| call_err(s, e))
 }
 
-/// Why the CUDA backend does not serve `spec` (`backward`: its backward), or None when it does.
+/// Why the CUDA backend does not serve `spec` (`backward`: its backward, `deterministic` or not)
+/// on the GPU `device` names ("auto:N", "cuda:N"; without one, on any GPU), or None when it does.
 /// The Python layer names it when `device="auto"` runs CUDA tensors on the CPU backend.
 #[pyfunction]
-#[pyo3(signature = (spec, backward=false))]
-fn cuda_refusal(spec: &PySpec, backward: bool) -> Option<String> {
+#[pyo3(signature = (spec, backward=false, deterministic=false, device=None))]
+fn cuda_refusal(spec: &PySpec, backward: bool, deterministic: bool, device: Option<&str>) -> Option<String> {
     #[cfg(feature = "cuda")]
     {
-        crate::backend::cuda::check_supported(&spec.inner, pass(backward, false)).err().map(|e| e.to_string())
+        let p = pass(backward, deterministic);
+        let index = device.and_then(|d| match DevicePref::parse(d) {
+            Ok(DevicePref::Auto(i) | DevicePref::Cuda(i)) => Some(i),
+            _ => None,
+        });
+        match index.map(crate::backend::cuda::CudaBackend::on) {
+            Some(Ok(be)) => be.check(&spec.inner, p),
+            Some(Err(e)) => Err(e),
+            None => crate::backend::cuda::check_supported(&spec.inner, p),
+        }
+        .err()
+        .map(|e| e.to_string())
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (spec, backward);
+        let _ = (spec, backward, deterministic, device);
         Some("this build of cubeattn has no `cuda` feature".into())
     }
 }

@@ -235,12 +235,12 @@ def _device_for(device, *conv):
     return device
 
 
-def _note_cpu_run(dev, name, spec, backward=False):
+def _note_cpu_run(dev, name, spec, backward=False, deterministic=False):
     """`device="auto"` with CUDA inputs (`dev` "auto:N") whose call the core ran on the CPU backend
     (`name`): a RuntimeWarning naming why CUDA refused it (head_dim, dtype, size), shown once per
     reason and call site, so that a slow host run is never silent."""
     if name == "cpu" and dev.startswith("auto:"):
-        why = _core.cuda_refusal(spec, backward)
+        why = _core.cuda_refusal(spec, backward, bool(deterministic), dev)
         if why:
             warnings.warn(f"cubeattn ran CUDA tensors on the CPU backend: {why} (device='cuda' raises instead)",
                           RuntimeWarning, stacklevel=4)
@@ -604,7 +604,7 @@ def _run_backward(spec, dout, q, k, v, out, lse, deterministic, device):
     dq, dk, dv, name = _core.backward(spec, cq.bytes, ck.bytes, cv.bytes, co.bytes, lse_arr, cg.bytes,
                                       bool(deterministic), dev)
     _last.name = name
-    _note_cpu_run(dev, name, spec, backward=True)
+    _note_cpu_run(dev, name, spec, backward=True, deterministic=deterministic)
     return (from_core(dq, cq.shape, cq.dtype, cq), from_core(dk, ck.shape, ck.dtype, ck),
             from_core(dv, cv.shape, cv.dtype, cv))
 

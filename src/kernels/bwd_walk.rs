@@ -8,7 +8,7 @@
 use cubecl::prelude::*;
 
 use super::rows::key_rows;
-use super::tiles::{BWD_BM, SPARSE_KWORK_WORDS, SPARSE_QB_BITS, SPARSE_QB_MASK, WIDE_BN};
+use super::tiles::{BWD_BM, SPARSE_KWORK_WORDS, SPARSE_QB_BITS, SPARSE_QB_MASK};
 
 /// A cube's keys `[key0, key_lim)` (absolute; dense: `key_lim` is `total_k`, the segments bound
 /// them) and where its segments are: dense, `tile_segs[s_begin..s_end]`; sparse, the one
@@ -23,7 +23,8 @@ pub struct KeyItem {
     pub kblk: u32,
 }
 
-/// The keys of work item `item` (`ktiles`: dense, key-tile indices of [`WIDE_BN`] keys; sparse,
+/// The keys of work item `item` (`ktiles`: dense, key-tile indices of `bn` keys: [`WIDE_BN`](super::tiles::WIDE_BN)
+/// or [`SPLIT_BN`](super::tiles::SPLIT_BN); sparse,
 /// [`SPARSE_KWORK_WORDS`] words per item: sequence, first window key, keys, key block), the first
 /// at `offset` keys into it (a cube taking part of an item).
 #[cube]
@@ -36,6 +37,7 @@ pub fn key_item(
     offset: u32,
     total_k: u32,
     #[comptime] sparse: bool,
+    #[comptime] bn: usize,
 ) -> KeyItem {
     let mut key0 = 0u32;
     let mut key_lim = total_k;
@@ -52,7 +54,7 @@ pub fn key_item(
         key_lim = first + ktiles[w + 2];
     } else {
         let kt = ktiles[item as usize];
-        key0 = kt * WIDE_BN as u32 + offset;
+        key0 = kt * bn as u32 + offset;
         s_begin = tile_off[kt as usize];
         s_end = tile_off[kt as usize + 1];
     }

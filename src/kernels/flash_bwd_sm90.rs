@@ -52,7 +52,7 @@ const _: () = assert!(BN == 2 * WG_KEYS && BM == 64);
 /// of every thread with rows clamped to the segment's last (the caller masks them).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn issue_q_tile<E: Float>(
+pub fn issue_q_tile<E: Float>(
     q_map: &TensorMap<E, Tiled>,
     do_map: &TensorMap<E, Tiled>,
     q_s: &Array<E>,
@@ -118,14 +118,15 @@ fn issue_q_tile<E: Float>(
 }
 
 /// `acc = A B^T` over `head_dim` for the warpgroup's 64 keys (A: rows `a_row0..` of the swizzled
-/// key tile `a`, `BN` rows per chunk) against the 64 rows of the query stage at element `b0` of
+/// key tile `a`, `a_rows` rows per chunk) against the 64 rows of the query stage at element `b0` of
 /// `b` (`BM` rows per chunk): S^T = K Q^T, dP^T = V dO^T. The caller fences before and commits
 /// after.
 #[cube]
-fn key_by_row_steps<E: Float>(
+pub fn key_by_row_steps<E: Float>(
     acc: &mut Array<f32>,
     a: &SharedMemory<E>,
     a_row0: usize,
+    #[comptime] a_rows: usize,
     b: &SharedMemory<E>,
     b0: usize,
     #[comptime] head_dim: usize,
@@ -134,7 +135,7 @@ fn key_by_row_steps<E: Float>(
     for kk in 0..comptime!(head_dim / 16) {
         let chunk = comptime!(kk / 4);
         let within = comptime!((kk % 4) * 16);
-        let a_off = a_row0 * SW_COLS + comptime!(chunk * BN * SW_COLS + within);
+        let a_off = a_row0 * SW_COLS + comptime!(chunk * a_rows * SW_COLS + within);
         let b_off = b0 + comptime!(chunk * BM * SW_COLS + within);
         wgmma_ss::<E>(acc, a, a_off as u32, b, b_off as u32, 0usize, BM, false, 0u32, false, 0u32, comptime!(kk > 0));
     }
@@ -144,7 +145,7 @@ fn key_by_row_steps<E: Float>(
 /// stage at element `b0` of `b` (rows x head_dim, MN-major): dV += P^T dO, dK += dS^T Q. The
 /// caller fences before and commits after.
 #[cube]
-fn key_by_dim_steps<E: Float>(
+pub fn key_by_dim_steps<E: Float>(
     acc: &mut Array<f32>,
     a_regs: &Array<Vector<E, Const<2>>>,
     b: &SharedMemory<E>,
@@ -198,7 +199,7 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
 
     let (item, hk) = cube_item_slot(args.heads_kv, sparse);
     let group = args.heads_q / args.heads_kv;
-    let ki = key_item(&args.ktiles, &args.tile_off, &args.segs, item, 0u32, args.total_k, sparse);
+    let ki = key_item(&args.ktiles, &args.tile_off, &args.segs, item, 0u32, args.total_k, sparse, WIDE_BN);
     let (key0, key_lim) = (ki.key0, ki.key_lim);
 
     stage_rows::<E, NV>(&args.k, &mut k_smem, key0, key_lim, key0, args.heads_kv, hk, &args.tq_list, BN, head_dim,
@@ -302,9 +303,9 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
 
             // ---- 1. S^T = K Q^T, dP^T = V dO^T (64 keys x 64 rows per warpgroup) ----
             wgmma_fence();
-            key_by_row_steps::<E>(&mut s, &k_smem, wg * WG_KEYS, &q_smem, qb, head_dim);
+            key_by_row_steps::<E>(&mut s, &k_smem, wg * WG_KEYS, BN, &q_smem, qb, head_dim);
             wgmma_commit();
-            key_by_row_steps::<E>(&mut dp, &v_smem, wg * WG_KEYS, &do_smem, qb, head_dim);
+            key_by_row_steps::<E>(&mut dp, &v_smem, wg * WG_KEYS, BN, &do_smem, qb, head_dim);
             wgmma_commit();
             wgmma_wait(1u32);
 

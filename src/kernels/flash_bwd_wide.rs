@@ -395,7 +395,7 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
     let group = args.heads_q / args.heads_kv;
     // Dense: key tile `kt` of the shared key axis, its segments from the CSR list. Sparse: work
     // item (sequence, first window key, keys, key block) inside one key block of one sequence.
-    let ki = key_item(&args.ktiles, &args.tile_off, &args.segs, item, 0u32, args.total_k, sparse);
+    let ki = key_item(&args.ktiles, &args.tile_off, &args.segs, item, 0u32, args.total_k, sparse, WIDE_BN);
     let (key0, key_lim) = (ki.key0, ki.key_lim);
 
     // paged (dense only: `tq_list` holds the page table): K, V read and dK, dV written at the

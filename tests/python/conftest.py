@@ -1,3 +1,5 @@
+import os
+
 import numpy as np
 import pytest
 
@@ -151,6 +153,16 @@ def cuda_available():
         return cubeattn.backend_status()["cuda_available"]
     except Exception:
         return False
+
+
+def hopper():
+    """Whether the first GPU runs the Hopper kernels (sm_90, not switched off by CUBEATTN_CUDA_SM90=0
+    or CUBEATTN_CUDA_PORTABLE=1): the backward above head_dim 128 exists only there."""
+    if not cuda_available():
+        return False
+    devs = cubeattn.devices()
+    return (bool(devs) and tuple(devs[0]["compute_capability"])[0] == 9
+            and os.environ.get("CUBEATTN_CUDA_SM90") != "0" and os.environ.get("CUBEATTN_CUDA_PORTABLE") != "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -67,9 +67,9 @@ class Target:
         """How the arrays go in and come back (numpy here; torch tensors too on CUDA)."""
         return NUMPY
 
-    def unsupported(self, api, dtype, d):
-        """None where the backend runs `api` ('dense', 'dense_bwd' or 'sparse') for (dtype, head_dim d); else
-        (exception, message regex) that device=self.device raises."""
+    def unsupported(self, api, dtype, d, deterministic=False):
+        """None where the backend runs `api` ('dense', 'dense_bwd' or 'sparse') for (dtype, head_dim d; a
+        backward with `deterministic`); else (exception, message regex) that device=self.device raises."""
         return None
 
     def kernel(self, api, dtype):
@@ -97,7 +97,7 @@ class Target:
         raise its documented exception, and device='auto' must run it on the CPU: that result is
         returned."""
         dtype, d = dtype_of(args[0]), args[0].shape[-1]
-        why = self.unsupported(api, dtype, d)
+        why = self.unsupported(api, dtype, d, bool(kw.get("deterministic", False)))
         if why is None:
             event(f"{api}: {self.kernel(api, dtype)}")
             res = fn(*args, device=self.device, **kw)

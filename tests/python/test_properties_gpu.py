@@ -46,7 +46,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import cubeattn
-from conftest import cuda_available, np_dtype, rand
+from conftest import cuda_available, hopper, np_dtype, rand
 from test_properties import (LENS, NUMPY, Target, cu_of, draw_common, raises_naming, run_backward_malformed,
                              run_batched_forward, run_block_sparse_forward, run_grouped_backward, run_grouped_forward,
                              run_nan_propagates, run_non_finite_does_not_reach, run_non_finite_pattern,
@@ -65,10 +65,13 @@ settings.register_profile("cubeattn-gpu", deadline=None, derandomize=False, prin
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 PROFILE = settings.get_profile("cubeattn-gpu")
 
-# src/backend/cuda/mod.rs: SUPPORTED_HEAD_DIMS (forward), BACKWARD_HEAD_DIMS; block-sparse 64 / 128
+# src/backend/cuda/mod.rs: SUPPORTED_HEAD_DIMS (forward), BACKWARD_HEAD_DIMS (every GPU, deterministic
+# too), HOPPER_BACKWARD_HEAD_DIMS (sm_90, float16 / bfloat16, deterministic=False); block-sparse 64 / 128
 KERNEL_HEAD_DIMS = [32, 64, 96, 128, 192, 256]
 BWD_KERNEL_HEAD_DIMS = [32, 64, 96, 128]
+HOPPER_BWD_HEAD_DIMS = [192, 256]
 SPARSE_KERNEL_HEAD_DIMS = [64, 128]
+
 
 
 class Torch:
@@ -97,9 +100,9 @@ GPU = "cuda:0"
 class Cuda(Target):
     device = backend = "cuda"
     # mostly the kernels' head_dims; about one case in five (forward) or four (backward: 192 and
-    # 256 run their forward on CUDA, their backward raises) without a kernel
+    # 256 have a backward on Hopper only, deterministic=False only) without a kernel
     head_dims = KERNEL_HEAD_DIMS * 2 + SPARSE_KERNEL_HEAD_DIMS + [33, 80]
-    bwd_head_dims = BWD_KERNEL_HEAD_DIMS * 2 + [33, 192, 256]
+    bwd_head_dims = BWD_KERNEL_HEAD_DIMS * 2 + [33] + HOPPER_BWD_HEAD_DIMS * 2
     small_head_dims = SPARSE_KERNEL_HEAD_DIMS
     # block-sparse has no float32 kernel (it raises, then runs on the CPU): mostly 16-bit cases
     sparse_dtypes = ["float16", "bfloat16"] * 2 + ["float32"]
@@ -114,9 +117,12 @@ class Cuda(Target):
             return NUMPY
         return data.draw(st.sampled_from([NUMPY, Torch(GPU)]), label="inputs")
 
-    def unsupported(self, api, dtype, d):
+    def unsupported(self, api, dtype, d, deterministic=False):
         exc = NotImplementedError if api == "sparse" else ValueError
-        dims = {"dense": KERNEL_HEAD_DIMS, "dense_bwd": BWD_KERNEL_HEAD_DIMS, "sparse": SPARSE_KERNEL_HEAD_DIMS}[api]
+        bwd = BWD_KERNEL_HEAD_DIMS
+        if hopper() and dtype != "float32" and not deterministic:
+            bwd = bwd + HOPPER_BWD_HEAD_DIMS
+        dims = {"dense": KERNEL_HEAD_DIMS, "dense_bwd": bwd, "sparse": SPARSE_KERNEL_HEAD_DIMS}[api]
         if d not in dims:
             return exc, "head_dim"
         if api == "sparse" and dtype == "float32":

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import cubeattn
-from conftest import BWD_TOL, FWD_TOL, cuda_available, grouped_segments, ref_attention, ref_backward, rel_err, varlen_segments
+from conftest import BWD_TOL, FWD_TOL, cuda_available, grouped_segments, hopper, ref_attention, ref_backward, rel_err, varlen_segments
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
@@ -276,33 +276,50 @@ def test_cuda_tensors_the_cuda_backend_refuses_run_on_the_cpu_with_a_warning():
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs torch with CUDA and the CUDA backend")
 @pytest.mark.parametrize("d", [192, 256])
-def test_head_dims_above_128_run_forward_on_cuda_and_backward_on_the_cpu(d):
-    """head_dim 192 / 256: the forward runs on the CUDA kernels (no warning); the backward, which
-    has no CUDA kernel above 128, runs on the CPU backend under device="auto" with a RuntimeWarning
-    naming head_dim and backward, and raises under device="cuda"; both match the f64 reference."""
+def test_head_dims_above_128_forward_and_backward(d):
+    """head_dim 192 / 256: the forward runs on the CUDA kernels (no warning); the backward runs on
+    the Hopper kernel (`flash_bwd_sm90_split`) with deterministic=False, and where no CUDA kernel
+    serves it (deterministic=True; a GPU below sm_90) on the CPU backend under device="auto" with a
+    RuntimeWarning naming head_dim, raising under device="cuda"; every gradient matches the f64
+    reference."""
     import warnings
 
     gen = torch.Generator().manual_seed(d)
-    lens = [(1, 1), (37, 70), (130, 130)]
+    lens = [(1, 1), (37, 70), (130, 130), (64, 300)]
     cu_q = np.cumsum([0] + [a for a, _ in lens]).astype(np.int32)
     cu_k = np.cumsum([0] + [b for _, b in lens]).astype(np.int32)
     q = rand_t(gen, (int(cu_q[-1]), 4, d), "bfloat16", "cuda")
     k, v = (rand_t(gen, (int(cu_k[-1]), 2, d), "bfloat16", "cuda") for _ in range(2))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        out = cubeattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 130, 130, causal=True)
-    assert cubeattn.last_backend() == "cuda"
-    dout = (torch.rand(out.shape, generator=gen) * 2 - 1).to(out.dtype).to("cuda")
-    with pytest.warns(RuntimeWarning, match=f"head_dim {d} has no CUDA backward"):
-        out.backward(dout)
     segs = varlen_segments(cu_q, cu_k)
-    ref_out, _ = ref_attention(f64(q), f64(k), f64(v), segs, True)
-    assert rel_err(f64(out), ref_out) <= 2e-3
-    ref = ref_backward(f64(q), f64(k), f64(v), f64(dout), segs, True)
+    dout = None
+    ref = None
     rel = BWD_TOL["bfloat16"][1]
-    for t, want in zip((q, k, v), ref):
-        assert t.grad.device.type == "cuda" and rel_err(f64(t.grad), want) <= rel
-    q2, k2, v2 = (x.detach().requires_grad_() for x in (q, k, v))
-    out2 = cubeattn.flash_attn_varlen_func(q2, k2, v2, cu_q, cu_k, 130, 130, causal=True, device="cuda")
-    with pytest.raises(ValueError, match=f"head_dim {d}"):
-        out2.backward(dout)
+    for deterministic in (False, True):
+        q1, k1, v1 = (x.detach().requires_grad_() for x in (q, k, v))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = cubeattn.flash_attn_varlen_func(q1, k1, v1, cu_q, cu_k, 130, 300, causal=True, deterministic=deterministic)
+        assert cubeattn.last_backend() == "cuda"
+        if dout is None:
+            dout = (torch.rand(out.shape, generator=gen) * 2 - 1).to(out.dtype).to("cuda")
+            ref_out, _ = ref_attention(f64(q), f64(k), f64(v), segs, True)
+            assert rel_err(f64(out), ref_out) <= 2e-3
+            ref = ref_backward(f64(q), f64(k), f64(v), f64(dout), segs, True)
+        on_cuda = hopper() and not deterministic
+        if on_cuda:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                out.backward(dout)
+            assert cubeattn.last_backend() == "cuda"
+        else:
+            with pytest.warns(RuntimeWarning, match=f"head_dim {d}"):
+                out.backward(dout)
+            assert cubeattn.last_backend() == "cpu"
+        for t, want in zip((q1, k1, v1), ref):
+            assert t.grad.device.type == "cuda" and rel_err(f64(t.grad), want) <= rel, (deterministic, t.shape)
+        if not on_cuda:
+            q2, k2, v2 = (x.detach().requires_grad_() for x in (q, k, v))
+            out2 = cubeattn.flash_attn_varlen_func(q2, k2, v2, cu_q, cu_k, 130, 300, causal=True,
+                                                   deterministic=deterministic, device="cuda")
+            with pytest.raises(ValueError, match=f"head_dim {d}"):
+                out2.backward(dout)

@@ -42,8 +42,9 @@ use crate::dtype::{DType, HostView};
 use crate::error::Result;
 use crate::kernels::bulk_reduce::dq_tile_stride;
 use crate::kernels::flash_bwd;
-use crate::kernels::tiles::{BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, CONVERT_VEC, DELTA_PLANES, PAD, WIDE_BN, WIDE_PLANES};
+use crate::kernels::tiles::{BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, CONVERT_VEC, DELTA_PLANES, PAD, SPLIT_BN, WIDE_BN, WIDE_PLANES};
 use crate::kernels::flash_bwd_sm90::{self, SM90_BWD_THREADS};
+use crate::kernels::flash_bwd_sm90_split;
 use crate::kernels::flash_bwd_wide;
 use crate::kernels::sm90::SW_COLS;
 use crate::kernels::rowwise_bwd::{self, F32_ROWS_PER_CUBE};
@@ -57,7 +58,8 @@ pub(crate) struct BwdPlan {
     /// dQ work list: (segment, first row of a `BWD_BM`-row tile), most keys first.
     pub(crate) q_work: Vec<u32>,
     /// dK/dV work list: key-tile indices, most (query row, key) pairs first. Key tiles are
-    /// [`key_tile`] keys: [`WIDE_BN`] for the tensor-core kernel, [`BWD_BN`] for the f32 row-wise one.
+    /// [`key_tile`] keys: [`WIDE_BN`] or [`SPLIT_BN`] for the tensor-core kernels, [`BWD_BN`] for
+    /// the f32 row-wise one.
     pub(crate) k_work: Vec<u32>,
     /// CSR over key tiles: segments whose key window overlaps tile t are
     /// `tile_segs[tile_off[t]..tile_off[t+1]]`, ascending.
@@ -85,7 +87,7 @@ impl BwdPlan {
         }
         q_items.sort_by_key(|x| std::cmp::Reverse(x.0));
         let q_work = q_items.iter().flat_map(|&(_, s, t)| [s, t]).collect();
-        let (k_work, tile_off, tile_segs) = key_tiles(spec, key_tile(spec.dtype));
+        let (k_work, tile_off, tile_segs) = key_tiles(spec, key_tile(spec));
 
         let row_seg = if spec.dtype == DType::F32 {
             let mut rs = vec![u32::MAX; d.total_q];
@@ -115,10 +117,17 @@ impl BwdPlan {
     }
 }
 
-/// Keys per dK/dV tile of a backward in `dt`: the 128-key tensor-core kernel for f16 / bf16, the
-/// row-wise kernel's [`BWD_BN`]-key tiles for f32.
-fn key_tile(dt: DType) -> usize {
-    if dt == DType::F32 { BWD_BN } else { WIDE_BN }
+/// Keys per dK/dV tile of a backward of `spec`: the row-wise kernel's [`BWD_BN`]-key tiles for
+/// f32; for f16 / bf16 the 128-key tensor-core kernels up to head_dim 128, above it the Hopper
+/// kernel's [`SPLIT_BN`] (the only one there).
+fn key_tile(spec: &AttnSpec) -> usize {
+    if spec.dtype == DType::F32 {
+        BWD_BN
+    } else if SPLIT_BWD_HEAD_DIMS.contains(&spec.dims.head_dim) {
+        SPLIT_BN
+    } else {
+        WIDE_BN
+    }
 }
 
 /// The dK/dV work list over `bn`-key tiles of the shared key axis: (tile indices, most (query row,
@@ -248,7 +257,8 @@ pub fn backward_plan_bytes(spec: &AttnSpec) -> u64 {
     BwdPlan::new(spec).tables(spec).bytes()
 }
 
-/// Whether the backward of `spec` takes the fused atomic dQ path (never at f32).
+/// Whether the backward of `spec` takes the fused atomic dQ path (never at f32; always above
+/// head_dim 128, where no dQ pass exists, unless asked for the pass: [`launch_dkdv_wide`] refuses that).
 pub(super) fn fused_dq(spec: &AttnSpec, deterministic: bool, path: DqPath) -> bool {
     if spec.dtype == DType::F32 {
         return false;
@@ -257,7 +267,7 @@ pub(super) fn fused_dq(spec: &AttnSpec, deterministic: bool, path: DqPath) -> bo
         DqPath::Pass => false,
         DqPath::Atomic => true,
         DqPath::Auto if deterministic => false,
-        DqPath::Auto => !crate::config::get().bwd_dq_pass,
+        DqPath::Auto => !crate::config::get().bwd_dq_pass || SPLIT_BWD_HEAD_DIMS.contains(&spec.dims.head_dim),
     }
 }
 
@@ -408,6 +418,10 @@ fn q_maps(spec: &AttnSpec, p: &BwdPtrs, boxes: Option<(u32, u32, bool)>) -> Resu
 /// Head dims of the Hopper dK/dV kernel (two warpgroups of 64 keys, dK and dV of 64 keys x
 /// head_dim in each warpgroup's registers).
 const SM90_BWD_HEAD_DIMS: [usize; 2] = [64, 128];
+/// Head dims of the Hopper dK/dV kernel with the products split between its warpgroups
+/// (`flash_bwd_sm90_split`: 64 keys a cube, dV in one warpgroup and dK in the other; the fused dQ
+/// only): the backward's only kernel there (`super::check_target`).
+const SPLIT_BWD_HEAD_DIMS: [usize; 2] = [192, 256];
 
 /// Whether the dK/dV kernel of `spec` is the Hopper one (`flash_bwd_sm90`): where the forward is
 /// (`forward::sm90_forward`: a GPU with wgmma, f16/bf16, the switch on; `CUBEATTN_CUDA_SM90=0`
@@ -421,6 +435,23 @@ pub(crate) fn sm90_backward(be: &CudaBackend, spec: &AttnSpec, acc: Option<u64>)
 pub(crate) fn dkdv_sm90_kernel(be: &CudaBackend, dt: DType, hd: usize, fused: bool, qvec: usize, sparse: bool, paged: bool) -> Result<Func> {
     let key = KernelKey::new("flash_bwd_sm90", dt, &[hd as u32, fused as u32, qvec as u32, sparse as u32, paged as u32]);
     be.kernels.get(&key, || dkdv_sm90_source(be.client(), dt, hd, fused, qvec, sparse, paged))
+}
+
+/// The Hopper dK/dV kernel above head_dim 128 (`flash_bwd_sm90_split`, fused dQ by `qvec`-float
+/// atomics).
+pub(crate) fn dkdv_split_kernel(be: &CudaBackend, dt: DType, hd: usize, qvec: usize, paged: bool) -> Result<Func> {
+    let key = KernelKey::new("flash_bwd_sm90_split", dt, &[hd as u32, qvec as u32, paged as u32]);
+    be.kernels.get(&key, || dkdv_split_source(be.client(), dt, hd, qvec, paged))
+}
+
+/// CUDA source of [`dkdv_split_kernel`]: the `kernels::sm90` markers lowered, one cube per SM.
+pub(crate) fn dkdv_split_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: usize, qvec: usize, paged: bool) -> Result<Source> {
+    let mut src = by_dtype!(dt, T, codegen_exp2(flash_bwd_sm90_split::flash_bwd_sm90_split::FlashBwdSm90Split::<T, CudaRuntime>::new(
+        settings(SM90_BWD_THREADS as u32), client.clone(), DkdvArgs::compilation(),
+        BWD_LOAD_VEC, qvec, hd, qvec, paged), true))?;
+    src.cuda = super::rewrite::sm90::lower(&src.entry, &src.cuda)?;
+    src.cuda = super::rewrite::min_blocks(&src.entry, &src.cuda, 1)?;
+    Ok(src)
 }
 
 /// CUDA source of [`dkdv_sm90_kernel`]: the `kernels::sm90` markers lowered, one cube per SM.
@@ -465,7 +496,17 @@ pub(crate) fn launch_dkdv_wide(
     let (win_l, win_r, _) = window_bounds(spec);
     let paged = spec.kv_pages().is_some() && sparse.is_none();
     let qvec = atomic_vec(be);
-    let (f, [q_map, do_map]) = if sm90_backward(be, spec, acc) {
+    let (f, [q_map, do_map]) = if SPLIT_BWD_HEAD_DIMS.contains(&d.head_dim) {
+        // the only kernel above head_dim 128 (`CudaBackend::check_target` refused other GPUs)
+        if acc.is_none() || sparse.is_some() || !super::forward::sm90_forward(be, spec) {
+            return Err(crate::error::Error::Unsupported {
+                backend: "cuda",
+                msg: format!("head_dim {} backward: only the Hopper kernel's dense fused-dQ path (deterministic=False)", d.head_dim),
+            });
+        }
+        let f = dkdv_split_kernel(be, spec.dtype, d.head_dim, qvec, paged)?;
+        (f, q_maps(spec, p, Some((SW_COLS as u32, BWD_BM as u32, true)))?)
+    } else if sm90_backward(be, spec, acc) {
         let f = dkdv_sm90_kernel(be, spec.dtype, d.head_dim, acc.is_some(), qvec, sparse.is_some(), paged)?;
         (f, q_maps(spec, p, Some((SW_COLS as u32, BWD_BM as u32, true)))?)
     } else {

@@ -16,7 +16,7 @@ use super::backward::{bwd_workspace, fused_dq, launch_backward, BwdPlan, BwdPtrs
 use super::driver::{bind, DevBuf};
 use super::forward::{fwd_tables, fwd_workspace, launch_forward, plan_opts, FwdPtrs};
 use super::plans::{Cached, PlanKey};
-use super::{check_supported, sparse, sparse_bwd, CudaBackend, Plan};
+use super::{sparse, sparse_bwd, CudaBackend, Plan};
 use crate::backend::{Backend, BackendKind, BackwardInputs, ForwardOutput, Gradients, Pass};
 use crate::dtype::{HostData, HostView};
 use crate::error::{invalid, Error, Result};
@@ -62,7 +62,7 @@ impl CudaBackend {
     /// # Safety
     /// `stream` must be a live stream of this device's primary context (0: the legacy stream).
     pub unsafe fn forward_workspace(&self, spec: &AttnSpec, stream: u64) -> Result<usize> {
-        check_supported(spec, Pass::Forward)?;
+        self.check(spec, Pass::Forward)?;
         if !has_work(spec) {
             return Ok(0);
         }
@@ -82,7 +82,7 @@ impl CudaBackend {
     /// # Safety
     /// As for [`Self::forward_workspace`].
     pub unsafe fn backward_workspace(&self, spec: &AttnSpec, deterministic: bool, stream: u64) -> Result<usize> {
-        check_supported(spec, Pass::Backward { deterministic })?;
+        self.check(spec, Pass::Backward { deterministic })?;
         if !has_work(spec) {
             return Ok(0);
         }
@@ -108,7 +108,7 @@ impl CudaBackend {
         workspace_bytes: usize,
         stream: u64,
     ) -> Result<bool> {
-        check_supported(spec, Pass::Backward { deterministic })?;
+        self.check(spec, Pass::Backward { deterministic })?;
         p.check_aligned()?;
         if !has_work(spec) {
             return Ok(false);
@@ -129,7 +129,7 @@ impl CudaBackend {
     /// there is no key), runs the device-resident forward, downloads out and lse, synchronizes.
     pub(crate) fn forward_host(&self, spec: &AttnSpec, q: HostView, k: HostView, v: HostView, poison: Option<f32>) -> Result<ForwardOutput> {
         crate::backend::check_buffers(spec, q, k, v)?;
-        check_supported(spec, Pass::Forward)?;
+        self.check(spec, Pass::Forward)?;
         let d = &spec.dims;
         if d.total_q == 0 || d.heads_q == 0 {
             return Ok(ForwardOutput { out: HostData::from_f32(spec.dtype, &[]), lse: Vec::new() });
@@ -185,7 +185,7 @@ impl CudaBackend {
         let det = g.deterministic;
         crate::backend::check_buffers(spec, q, k, v)?;
         crate::backend::check_backward_buffers(spec, &g)?;
-        check_supported(spec, Pass::Backward { deterministic: det })?;
+        self.check(spec, Pass::Backward { deterministic: det })?;
         let d = &spec.dims;
         if !has_work(spec) {
             let z = |n: usize| HostData::from_f32(spec.dtype, &vec![0.0; n]);
@@ -246,7 +246,7 @@ impl Backend for CudaBackend {
     }
 
     fn supports(&self, spec: &AttnSpec, pass: Pass) -> Result<()> {
-        check_supported(spec, pass)
+        self.check(spec, pass)
     }
 
     fn forward(&self, spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> Result<ForwardOutput> {
@@ -266,7 +266,7 @@ impl Backend for CudaBackend {
     }
 
     unsafe fn forward_device(&self, spec: &AttnSpec, p: FwdPtrs, workspace_bytes: usize, stream: u64) -> Result<bool> {
-        check_supported(spec, Pass::Forward)?;
+        self.check(spec, Pass::Forward)?;
         p.check_aligned()?;
         if !has_work(spec) {
             return Ok(false);

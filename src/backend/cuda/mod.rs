@@ -57,18 +57,25 @@ use crate::spec::{AttnSpec, KeySet};
 /// head_dims with a CUDA forward kernel (the mma.sync tile kernel at every one, the Hopper kernel
 /// at 64 and 128; the row-wise f32 kernel at every one: each is a multiple of 32).
 pub const SUPPORTED_HEAD_DIMS: [usize; 6] = [32, 64, 96, 128, 192, 256];
-/// head_dims with a CUDA backward kernel: the dK/dV kernels keep a cube's dK and dV (128 keys x
-/// head_dim each) in registers, which above 128 do not fit.
+/// head_dims with a CUDA backward kernel on every GPU, and with a deterministic one: the dK/dV
+/// kernels keep a cube's dK and dV (128 keys x head_dim each) in registers, which above 128 do not
+/// fit.
 pub const BACKWARD_HEAD_DIMS: [usize; 4] = [32, 64, 96, 128];
+/// head_dims with a CUDA backward kernel where the GPU has wgmma (sm_90: `flash_bwd_sm90_split`,
+/// dV and dK in different warpgroups), `deterministic = false` only (its dQ is added by atomics):
+/// [`BACKWARD_HEAD_DIMS`] and these ([`CudaBackend::check_target`]).
+pub const HOPPER_BACKWARD_HEAD_DIMS: [usize; 6] = [32, 64, 96, 128, 192, 256];
 /// head_dims of the block-sparse kernels (forward and backward): their tile shapes and register
 /// budgets are set for these two.
 pub const SPARSE_HEAD_DIMS: [usize; 2] = [64, 128];
 
-/// The head_dims the CUDA kernels of `pass` serve.
+/// The head_dims the CUDA kernels of `pass` serve on some GPU (those of a non-deterministic
+/// backward above 128 only on sm_90: [`CudaBackend::check_target`]).
 pub fn head_dims_of(pass: Pass) -> &'static [usize] {
     match pass {
         Pass::Forward => &SUPPORTED_HEAD_DIMS,
-        Pass::Backward { .. } => &BACKWARD_HEAD_DIMS,
+        Pass::Backward { deterministic: true } => &BACKWARD_HEAD_DIMS,
+        Pass::Backward { deterministic: false } => &HOPPER_BACKWARD_HEAD_DIMS,
     }
 }
 
@@ -184,6 +191,33 @@ impl CudaBackend {
         self.target
     }
 
+    /// Err(Unsupported) for what no kernel serves on this GPU though one does elsewhere: a backward
+    /// above head_dim 128 needs the Hopper kernel (`backward::split_backward`: wgmma, f16/bf16, the
+    /// Hopper switch on).
+    pub fn check_target(&self, spec: &AttnSpec, pass: Pass) -> Result<()> {
+        let hd = spec.dims.head_dim;
+        if matches!(pass, Pass::Backward { .. }) && !BACKWARD_HEAD_DIMS.contains(&hd) && !forward::sm90_forward(self, spec) {
+            return Err(Error::Unsupported {
+                backend: "cuda",
+                msg: format!(
+                    "head_dim {hd} backward needs the Hopper kernel (sm_90 with wgmma, float16 / bfloat16; here: sm_{}{}{}, {}{}); use the CPU backend",
+                    self.target.major,
+                    self.target.minor,
+                    if self.target.portable { " portable" } else { "" },
+                    spec.dtype.name(),
+                    if crate::config::fwd_options().sm90 { "" } else { ", CUBEATTN_CUDA_SM90=0" }
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// [`check_supported`] and [`Self::check_target`]: whether this GPU runs `pass` of `spec`.
+    pub fn check(&self, spec: &AttnSpec, pass: Pass) -> Result<()> {
+        check_supported(spec, pass)?;
+        self.check_target(spec, pass)
+    }
+
     /// The CubeCL client (code generation reads the device properties from it).
     pub(crate) fn client(&self) -> &ComputeClient<CudaRuntime> {
         &self.client
@@ -229,14 +263,19 @@ pub(crate) fn window_bounds(spec: &AttnSpec) -> (u32, u32, bool) {
     (side(spec.window.left), right, !spec.window.is_none())
 }
 
-/// Err(Unsupported) for what no CUDA kernel serves: `pass` of `spec`, of any key set (the
-/// block-sparse conditions: `sparse::check_supported`, `sparse_bwd::check_supported`).
+/// Err(Unsupported) for what no CUDA kernel serves on any GPU: `pass` of `spec`, of any key set
+/// (the block-sparse conditions: `sparse::check_supported`, `sparse_bwd::check_supported`; what
+/// one GPU lacks: [`CudaBackend::check_target`]).
 pub fn check_supported(spec: &AttnSpec, pass: Pass) -> Result<()> {
     spec.check_pass(pass)?;
     let hd = spec.dims.head_dim;
     let dims = head_dims_of(pass);
     if !dims.contains(&hd) {
-        let what = if matches!(pass, Pass::Forward) { "forward" } else { "backward" };
+        let what = match pass {
+            Pass::Forward => "forward",
+            Pass::Backward { deterministic: true } => "deterministic backward",
+            Pass::Backward { deterministic: false } => "backward",
+        };
         return Err(Error::Unsupported {
             backend: "cuda",
             msg: format!("head_dim {hd} has no CUDA {what} kernel (supported: {dims:?}); use the CPU backend"),
