@@ -365,13 +365,6 @@ pub fn flash_fwd_sm90<E: Float>(
         pack_a_pairs::<E>(&s, &mut p, comptime!(block_n / 4));
         // V(t + 1) is issued only after this thread saw V(t) land
         bar_v.wait_parity(kt & 1u32);
-        if comptime!(check_v) {
-            #[unroll]
-            for i in 0..comptime!(block_n * head_dim / SM90_THREADS) {
-                let x = f32::cast_from(v_smem[cur + UNIT_POS as usize + i * SM90_THREADS]);
-                v_bad = v_bad || x - x != 0.0f32;
-            }
-        }
         if has_next {
             issue_tile_boxes(&args.v_map, &mut v_smem, &bar_v, tile_e - cur, p0, pb, head_kv, block_n, head_dim, true);
             commit_copies(&bar_v);
@@ -379,6 +372,15 @@ pub fn flash_fwd_sm90<E: Float>(
         wgmma_fence();
         pv_steps::<E>(&mut o_acc, &p, &v_smem, cur, block_n, head_dim);
         wgmma_commit();
+        if comptime!(check_v) {
+            // while the MMAs read the same tile (the buffer is reused only after the next tile's
+            // cube barrier)
+            #[unroll]
+            for i in 0..comptime!(block_n * head_dim / SM90_THREADS) {
+                let x = f32::cast_from(v_smem[cur + UNIT_POS as usize + i * SM90_THREADS]);
+                v_bad = v_bad || x - x != 0.0f32;
+            }
+        }
         wgmma_wait(0u32);
     }
 

@@ -310,11 +310,10 @@ def test_head_dims_above_128_forward_and_backward(d):
             with warnings.catch_warnings():
                 warnings.simplefilter("error")
                 out.backward(dout)
-            assert cubeattn.last_backend() == "cuda"
         else:
+            # (autograd runs the backward in its own thread: `last_backend` is this thread's forward)
             with pytest.warns(RuntimeWarning, match=f"head_dim {d}"):
                 out.backward(dout)
-            assert cubeattn.last_backend() == "cpu"
         for t, want in zip((q1, k1, v1), ref):
             assert t.grad.device.type == "cuda" and rel_err(f64(t.grad), want) <= rel, (deterministic, t.shape)
         if not on_cuda:
