@@ -13,8 +13,9 @@
 //!   take 216 KiB at d256).
 //!
 //! So each warpgroup holds head_dim / 2 f32 of dV or dK (128 at d256), the 32 of S^T or dP^T, and
-//! during dQ 32 more. Three cube barriers per tile: P^T stored, dS^T stored, the tile's buffers
-//! free. The walk, the work list (64-key tiles), the K / V staging and the query-tile copies are
+//! during dQ 32 more. Two cube barriers per tile: P^T stored, and dS^T stored (by then every read
+//! of the tile's Q / dO stage, lse / delta and P^T has ended, so the next tile's copies may be
+//! issued and warpgroup 0 may start its S^T while warpgroup 1 finishes its dQ part). The walk, the work list (64-key tiles), the K / V staging and the query-tile copies are
 //! those of `flash_bwd_sm90` (same card: `cards::DkdvCard`); dense and paged K / V, no block-sparse
 //! variant (the block-sparse kernels serve head_dim 64 and 128).
 
@@ -294,8 +295,9 @@ pub fn flash_bwd_sm90_split<E: Float, NV: Size, NQ: Size>(
                     }
                 }
             }
-            // every warpgroup done with this tile's stage, P^T and dS^T
-            sync_cube();
+            // no barrier here: every read of this tile's stage, lse / delta and P^T ended before the
+            // dS^T barrier, and warpgroup 1 writes dS^T again only after the next tile's P^T
+            // barrier, which warpgroup 0 reaches after its dQ products
             h = h_next;
             r0 = r0_next;
         }
