@@ -18,8 +18,10 @@
 //!   key) pair instead of seven: faster on every measured shape (1.17-1.25x fwd+bwd with the
 //!   128-key kernel on an H100; docs/backward.md).
 //!
-//! f16/bf16 run on tensor cores (mma.sync, f32 accumulation); f32 runs on plain kernels (always
-//! deterministic). head_dim 64 and 128; anything else is `Error::Unsupported`.
+//! f16/bf16 run on tensor cores (mma.sync or wgmma, f32 accumulation); f32 runs on plain kernels
+//! (always deterministic). Above head_dim 128 only the Hopper kernel `flash_bwd_sm90_split` (64-key
+//! cubes, fused dQ, `deterministic = false`); the head dims each pass serves:
+//! `super::head_dims_of`, `CudaBackend::check_target`.
 //!
 //! Workspace (caller-provided device memory, [`bwd_workspace`]): delta (f32 per query row and
 //! head) and on the atomic path the f32 dQ accumulator (`total_q * heads_q * head_dim * 4`

@@ -4,7 +4,7 @@
 //! including CubeCL's panics when the driver is missing, become `Error::BackendUnavailable`.
 //! Supported: forward for f16/bf16 (tensor-core flash kernel; the exact row-wise kernel when v
 //! holds a NaN or Inf, chosen on the device: `nonfinite`) and f32 (plain row-wise kernel),
-//! head_dim 64 and 128. Backward (dQ, dK, dV): see `backward`. Block-sparse key sets: `sparse`,
+//! head dims of [`head_dims_of`]. Backward (dQ, dK, dV): see `backward`. Block-sparse key sets: `sparse`,
 //! `sparse_bwd` (f16/bf16). Every call, of every key set, enters through the `Backend` methods
 //! (`device_io`), which dispatch on the spec's key set.
 
