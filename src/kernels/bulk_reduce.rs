@@ -85,6 +85,26 @@ pub fn put_dq_pair<NQ: Size>(tile: &mut SharedMemory<Vector<f32, NQ>>, vi: usize
     }
 }
 
+/// Adds a thread's f32 pair `(x0, x1)` (adjacent dQ columns) to the f32 accumulator at vector `vi`
+/// by atomics: one float2 atomic (`qv` 2) or two scalar ones at `vi`, `vi + 1` (`qv` 1): the fused
+/// dQ where no shared tile takes the bulk reductions.
+#[cube]
+pub fn add_dq_pair<NQ: Size>(acc: &Array<Atomic<Vector<f32, NQ>>>, vi: usize, x0: f32, x1: f32, #[comptime] qv: usize) {
+    if qv == 2 {
+        let mut val = Vector::<f32, NQ>::empty();
+        val[0] = x0;
+        val[1] = x1;
+        acc[vi].fetch_add(val);
+    } else {
+        let mut v0 = Vector::<f32, NQ>::empty();
+        v0[0] = x0;
+        acc[vi].fetch_add(v0);
+        let mut v1 = Vector::<f32, NQ>::empty();
+        v1[0] = x1;
+        acc[vi + 1].fetch_add(v1);
+    }
+}
+
 /// The issuing threads (`UNIT_POS < bm`) wait until the copy engine has read their rows of the
 /// tile (so that it may be written again after the next barrier).
 #[cube]

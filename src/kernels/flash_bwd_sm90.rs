@@ -160,6 +160,69 @@ pub fn key_by_dim_steps<E: Float>(
     }
 }
 
+/// P^T = 2^(S^T scale log2 e - lse log2 e) in place of S^T (`s`: the m64n64 accumulator of 64 keys
+/// x the query tile's 64 rows, lse of stage `lb` of `lse_smem`), zero where the block is not fully
+/// visible and a key lies outside its row's window or past the segment's keys (`k_hi`), or the row
+/// is at or past `row_end`. `key_a - key_base`: this lane's first key among the 64 (window-local
+/// index `kw0` of the first); `rr0`: the tile's first row; `col_a`: this lane's first column pair.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn p_transposed(
+    s: &mut Array<f32>,
+    lse_smem: &SharedMemory<f32>,
+    lb: usize,
+    col_a: usize,
+    key_a: usize,
+    key_base: usize,
+    kw0: i32,
+    rr0: i32,
+    row_end: u32,
+    k_hi: u32,
+    shift: i32,
+    win_l: u32,
+    win_r: u32,
+    scale_log2: f32,
+) {
+    let full = kw0 >= 0i32
+        && kw0 + WG_KEYS as i32 <= k_hi as i32
+        && rr0 + BM as i32 <= row_end as i32
+        && kw0 + (WG_KEYS as i32 - 1i32) <= shift + rr0 + win_r as i32
+        && kw0 >= shift + rr0 + (BM as i32 - 1i32) - win_l as i32;
+    #[unroll]
+    for nb in 0..comptime!(BM / 8) {
+        #[unroll]
+        for e2 in 0..2usize {
+            let l2 = lse_smem[lb + nb * 8 + col_a + e2] * LOG2E;
+            #[unroll]
+            for hh in 0..2usize {
+                let i = nb * 4 + hh * 2 + e2;
+                s[i] = fast_exp2(s[i] * scale_log2 - l2);
+            }
+        }
+    }
+    if !full {
+        #[unroll]
+        for nb in 0..comptime!(BM / 8) {
+            #[unroll]
+            for e2 in 0..2usize {
+                let r = rr0 + (nb * 8 + e2) as i32 + col_a as i32;
+                let dg = r + shift;
+                let lo = max(dg - win_l as i32, 0i32);
+                let mut hi = min(dg + win_r as i32 + 1i32, k_hi as i32);
+                if r >= row_end as i32 {
+                    hi = -1i32;
+                }
+                #[unroll]
+                for hh in 0..2usize {
+                    let kk = kw0 + (key_a - key_base + hh * 8) as i32;
+                    let i = nb * 4 + hh * 2 + e2;
+                    s[i] = select(kk >= lo && kk < hi, s[i], 0.0f32);
+                }
+            }
+        }
+    }
+}
+
 /// The Hopper dK / dV kernel; its arguments are the dK / dV card (`cards::DkdvCard`), as those of
 /// `flash_bwd_wide::flash_bwd_dkdv_wide`. `q_map` / `do_map`: 128-byte-swizzled maps with 64-column x 64-row boxes; `dq_acc`
 /// is not read (the fused dQ goes through `dq_rows` by bulk reductions).
@@ -310,45 +373,10 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
             wgmma_wait(1u32);
 
             // ---- 2. P^T (while dP^T is formed), then dS^T; masked unless the block is full ----
-            let rr0 = r0 as i32;
-            let full = kw0 >= 0i32
-                && kw0 + WG_KEYS as i32 <= k_hi as i32
-                && rr0 + BM as i32 <= row_end as i32
-                && kw0 + (WG_KEYS as i32 - 1i32) <= shift + rr0 + args.win_r as i32
-                && kw0 >= shift + rr0 + (BM as i32 - 1i32) - args.win_l as i32;
-            #[unroll]
-            for nb in 0..comptime!(BM / 8) {
-                #[unroll]
-                for e2 in 0..2usize {
-                    let l2 = lse_smem[lb + nb * 8 + col_a + e2] * LOG2E;
-                    #[unroll]
-                    for hh in 0..2usize {
-                        let i = nb * 4 + hh * 2 + e2;
-                        s[i] = fast_exp2(s[i] * args.scale_log2 - l2);
-                    }
-                }
-            }
-            if !full {
-                #[unroll]
-                for nb in 0..comptime!(BM / 8) {
-                    #[unroll]
-                    for e2 in 0..2usize {
-                        let r = rr0 + (nb * 8 + e2) as i32 + col_a as i32;
-                        let dg = r + shift;
-                        let lo = max(dg - args.win_l as i32, 0i32);
-                        let mut hi = min(dg + args.win_r as i32 + 1i32, k_hi as i32);
-                        if r >= row_end as i32 {
-                            hi = -1i32;
-                        }
-                        #[unroll]
-                        for hh in 0..2usize {
-                            let kk = kw0 + (key_a - wg * WG_KEYS + hh * 8) as i32;
-                            let i = nb * 4 + hh * 2 + e2;
-                            s[i] = select(kk >= lo && kk < hi, s[i], 0.0f32);
-                        }
-                    }
-                }
-            }
+            p_transposed(
+                &mut s, &lse_smem, lb, col_a, key_a, wg * WG_KEYS, kw0, r0 as i32, row_end, k_hi, shift, args.win_l, args.win_r,
+                args.scale_log2,
+            );
             wgmma_wait(0u32);
             #[unroll]
             for nb in 0..comptime!(BM / 8) {

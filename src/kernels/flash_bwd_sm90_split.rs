@@ -24,9 +24,9 @@ use cubecl::prelude::*;
 
 use super::bwd_walk::{key_item, seg_walk};
 use super::cards::DkdvCard;
-use super::flash_bwd_sm90::{issue_q_tile, key_by_dim_steps, key_by_row_steps, SM90_BWD_THREADS};
+use super::bulk_reduce::add_dq_pair;
+use super::flash_bwd_sm90::{issue_q_tile, key_by_dim_steps, key_by_row_steps, p_transposed, SM90_BWD_THREADS};
 use super::grid::cube_item_slot;
-use super::math::{fast_exp2, LOG2E};
 use super::rows::kv_row;
 use super::sm90::{fence_proxy_async, pack_a_pairs, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_ss, wgmma_wait, SW_COLS,
     SW_ROW};
@@ -153,44 +153,10 @@ pub fn flash_bwd_sm90_split<E: Float, NV: Size, NQ: Size>(
                 wgmma_commit();
                 wgmma_wait(0u32);
                 // ---- 2a. P^T, masked unless the block is fully visible; to shared memory ----
-                let full = kw0 >= 0i32
-                    && kw0 + BN as i32 <= k_hi as i32
-                    && rr0 + BM as i32 <= q_len as i32
-                    && kw0 + (BN as i32 - 1i32) <= shift + rr0 + args.win_r as i32
-                    && kw0 >= shift + rr0 + (BM as i32 - 1i32) - args.win_l as i32;
-                #[unroll]
-                for nb in 0..comptime!(BM / 8) {
-                    #[unroll]
-                    for e2 in 0..2usize {
-                        let l2 = lse_smem[lb + nb * 8 + col_a + e2] * LOG2E;
-                        #[unroll]
-                        for hh in 0..2usize {
-                            let i = nb * 4 + hh * 2 + e2;
-                            x[i] = fast_exp2(x[i] * args.scale_log2 - l2);
-                        }
-                    }
-                }
-                if !full {
-                    #[unroll]
-                    for nb in 0..comptime!(BM / 8) {
-                        #[unroll]
-                        for e2 in 0..2usize {
-                            let r = rr0 + (nb * 8 + e2) as i32 + col_a as i32;
-                            let dg = r + shift;
-                            let lo = max(dg - args.win_l as i32, 0i32);
-                            let mut hi = min(dg + args.win_r as i32 + 1i32, k_hi as i32);
-                            if r >= q_len as i32 {
-                                hi = -1i32;
-                            }
-                            #[unroll]
-                            for hh in 0..2usize {
-                                let kk = kw0 + (key_a + hh * 8) as i32;
-                                let i = nb * 4 + hh * 2 + e2;
-                                x[i] = select(kk >= lo && kk < hi, x[i], 0.0f32);
-                            }
-                        }
-                    }
-                }
+                p_transposed(
+                    &mut x, &lse_smem, lb, col_a, key_a, 0usize, kw0, rr0, q_len, k_hi, shift, args.win_l, args.win_r,
+                    args.scale_log2,
+                );
                 #[unroll]
                 for i in 0..comptime!(BM / 2) {
                     p_smem[i * WG + t] = x[i];
@@ -277,20 +243,7 @@ pub fn flash_bwd_sm90_split<E: Float, NV: Size, NQ: Size>(
                             let i = nb * 4 + hh * 2;
                             let x0 = select(ok, dq[i], 0.0f32);
                             let x1 = select(ok, dq[i + 1], 0.0f32);
-                            let gi = gv + comptime!(nb * 8 / qvec);
-                            if qvec == 2 {
-                                let mut val = Vector::<f32, NQ>::empty();
-                                val[0] = x0;
-                                val[1] = x1;
-                                args.dq_acc[gi].fetch_add(val);
-                            } else {
-                                let mut v0 = Vector::<f32, NQ>::empty();
-                                v0[0] = x0;
-                                args.dq_acc[gi].fetch_add(v0);
-                                let mut v1 = Vector::<f32, NQ>::empty();
-                                v1[0] = x1;
-                                args.dq_acc[gi + 1].fetch_add(v1);
-                            }
+                            add_dq_pair::<NQ>(&args.dq_acc, gv + comptime!(nb * 8 / qvec), x0, x1, qvec);
                         }
                     }
                 }

@@ -55,7 +55,7 @@ use cubecl::prelude::*;
 
 use super::cards::DkdvCard;
 use super::tiles::{BWD_BM, PAD, WIDE_BN, WIDE_PLANES};
-use super::bulk_reduce::{dq_row_dst, dq_rows_read, dq_tile_stride, issue_dq_row, put_dq_pair};
+use super::bulk_reduce::{add_dq_pair, dq_row_dst, dq_rows_read, dq_tile_stride, issue_dq_row, put_dq_pair};
 use super::fragments::{frag_a, frag_a_t, frag_b_n2, frag_b_t2, mma_into, store_acc_16x16};
 use super::grid::cube_item_slot;
 use super::math::{fast_exp2, LOG2E};
@@ -686,20 +686,7 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
                             let i = ((ri / 2) * oq_n + ob) * ec + e;
                             let x0 = select(ok, dqc[i], 0.0f32);
                             let x1 = select(ok, dqc[i + 1], 0.0f32);
-                            let gi = gv + ob * comptime!(8 / qvec);
-                            if qvec == 2 {
-                                let mut val = Vector::<f32, NQ>::empty();
-                                val[0] = x0;
-                                val[1] = x1;
-                                args.dq_acc[gi].fetch_add(val);
-                            } else {
-                                let mut v0 = Vector::<f32, NQ>::empty();
-                                v0[0] = x0;
-                                args.dq_acc[gi].fetch_add(v0);
-                                let mut v1 = Vector::<f32, NQ>::empty();
-                                v1[0] = x1;
-                                args.dq_acc[gi + 1].fetch_add(v1);
-                            }
+                            add_dq_pair::<NQ>(&args.dq_acc, gv + ob * comptime!(8 / qvec), x0, x1, qvec);
                         }
                     }
                 }
