@@ -15,9 +15,11 @@
 //! So each warpgroup holds head_dim / 2 f32 of dV or dK (128 at d256), the 32 of S^T or dP^T, and
 //! during dQ 32 more. Two cube barriers per tile: P^T stored, and dS^T stored (by then every read
 //! of the tile's Q / dO stage, lse / delta and P^T has ended, so the next tile's copies may be
-//! issued and warpgroup 0 may start its S^T while warpgroup 1 finishes its dQ part). The walk, the work list (64-key tiles), the K / V staging and the query-tile copies are
-//! those of `flash_bwd_sm90` (same card: `cards::DkdvCard`); dense and paged K / V, no block-sparse
-//! variant (the block-sparse kernels serve head_dim 64 and 128).
+//! issued and warpgroup 0 may start its S^T while warpgroup 1 finishes its dQ part).
+//!
+//! The walk, the work list (64-key tiles), the K / V staging, the query-tile copies and P^T
+//! (`p_transposed`) are those of `flash_bwd_sm90` (same card: `cards::DkdvCard`); dense and paged
+//! K / V, no block-sparse variant (the block-sparse kernels serve head_dim 64 and 128).
 
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
