@@ -422,8 +422,8 @@ fn q_maps(spec: &AttnSpec, p: &BwdPtrs, boxes: Option<(u32, u32, bool)>) -> Resu
 const SM90_BWD_HEAD_DIMS: [usize; 2] = [64, 128];
 /// Head dims of the Hopper dK/dV kernel with the products split between its warpgroups
 /// (`flash_bwd_sm90_split`: 64 keys a cube, dV in one warpgroup and dK in the other; the fused dQ
-/// only): the backward's only kernel there (`super::check_target`).
-const SPLIT_BWD_HEAD_DIMS: [usize; 2] = [192, 256];
+/// only): the backward's only kernel there (`CudaBackend::check_target` refuses other GPUs).
+pub(crate) const SPLIT_BWD_HEAD_DIMS: [usize; 2] = [192, 256];
 
 /// Whether the dK/dV kernel of `spec` is the Hopper one (`flash_bwd_sm90`): where the forward is
 /// (`forward::sm90_forward`: a GPU with wgmma, f16/bf16, the switch on; `CUBEATTN_CUDA_SM90=0`

@@ -356,8 +356,7 @@ pub(crate) fn launch_forward(
     // Hopper kernel's 128-row cube or less) by the Hopper kernel over the V tiles it reads
     let flag = p.workspace;
     let sm90 = sm90_forward(be, spec);
-    let few_rows = spec.segments.iter().map(|s| s.q_len).max().unwrap_or(0) * fp.hp as usize <= FEW_ROWS;
-    let check_v = sm90 && few_rows;
+    let check_v = sm90 && fp.max_seg_rows <= FEW_ROWS;
     launch_flag(be, dt, p.v, d.kv_len(), flag, !check_v, stream)?;
     let exact = DenseExact {
         q: p.q,

@@ -192,11 +192,11 @@ impl CudaBackend {
     }
 
     /// Err(Unsupported) for what no kernel serves on this GPU though one does elsewhere: a backward
-    /// above head_dim 128 needs the Hopper kernel (`backward::split_backward`: wgmma, f16/bf16, the
+    /// above head_dim 128 needs the Hopper kernel (`backward::SPLIT_BWD_HEAD_DIMS`: wgmma, f16/bf16, the
     /// Hopper switch on).
     pub fn check_target(&self, spec: &AttnSpec, pass: Pass) -> Result<()> {
         let hd = spec.dims.head_dim;
-        if matches!(pass, Pass::Backward { .. }) && !BACKWARD_HEAD_DIMS.contains(&hd) && !forward::sm90_forward(self, spec) {
+        if matches!(pass, Pass::Backward { .. }) && backward::SPLIT_BWD_HEAD_DIMS.contains(&hd) && !forward::sm90_forward(self, spec) {
             return Err(Error::Unsupported {
                 backend: "cuda",
                 msg: format!(

@@ -84,6 +84,9 @@ pub struct FwdPlan {
     pub hp: u32,
     /// Tiles before splitting (for reports).
     pub n_tiles: usize,
+    /// Packed rows (query rows x `hp`) of the longest segment: the most a tile holds of one
+    /// segment (`forward::launch_forward` picks the decode variant from it).
+    pub max_seg_rows: usize,
 }
 
 struct Tile {
@@ -177,7 +180,8 @@ impl FwdPlan {
             let want = target.div_ceil(y) as u64;
             chunk = total.div_ceil(want).max(8);
         }
-        let mut plan = FwdPlan { hp: hp as u32, n_tiles: tiles.len(), ..Default::default() };
+        let max_seg_rows = spec.segments.iter().map(|s| s.q_len * hp).max().unwrap_or(0);
+        let mut plan = FwdPlan { hp: hp as u32, n_tiles: tiles.len(), max_seg_rows, ..Default::default() };
         // (cost, work entry)
         let mut items: Vec<(u64, [u32; WORK_WORDS])> = Vec::new();
         for t in &tiles {
