@@ -43,13 +43,15 @@ const _: () = assert!(BN == 64 && BM == 64 && SM90_BWD_THREADS == 2 * WG);
 
 /// The Hopper dK / dV kernel above head_dim 128 (head_dim a multiple of 64 up to 256); arguments:
 /// the dK / dV card (`cards::DkdvCard`), dense 64-key tiles (`tq_list` the page table when
-/// `paged`); `dq_acc` the fused dQ's f32 accumulator (float2 atomics with `qvec` 2); `q_map` /
-/// `do_map` 128-byte-swizzled maps with 64-column x 64-row boxes.
+/// `paged`); with `fuse_dq`, `dq_acc` the fused dQ's f32 accumulator (float2 atomics with `qvec`
+/// 2), without it no dQ (the deterministic path's dQ pass forms it); `q_map` / `do_map`
+/// 128-byte-swizzled maps with 64-column x 64-row boxes.
 #[allow(clippy::too_many_arguments, unused_variables, unused_assignments)]
 #[cube(launch_unchecked)]
 pub fn flash_bwd_sm90_split<E: Float, NV: Size, NQ: Size>(
     args: &mut DkdvCard<E, NV, NQ>,
     #[comptime] head_dim: usize,
+    #[comptime] fuse_dq: bool,
     #[comptime] qvec: usize,
     #[comptime] paged: bool,
 ) {
@@ -71,7 +73,7 @@ pub fn flash_bwd_sm90_split<E: Float, NV: Size, NQ: Size>(
     // P^T in f32, [value][thread]: warpgroup 0 writes, warpgroup 1 reads its twin's values
     let mut p_smem = SharedMemory::<f32>::new_aligned(comptime!(BN * BM), 16usize);
     // dS^T key-major ([key][row], one 64-column chunk of BN rows), the A operand of dQ = dS K
-    let mut ds_smem = SharedMemory::<E>::new_aligned(comptime!(BN * BM), 1024usize);
+    let mut ds_smem = SharedMemory::<E>::new_aligned(comptime!(if fuse_dq { BN * BM } else { SW_COLS * 8 }), 1024usize);
     let mut lse_smem = SharedMemory::<f32>::new(comptime!(2 * BM));
     let mut dl_smem = SharedMemory::<f32>::new(comptime!(2 * BM));
     let bar0 = Barrier::shared(comptime!(SM90_BWD_THREADS as u32), UNIT_POS == 0);
@@ -196,31 +198,34 @@ pub fn flash_bwd_sm90_split<E: Float, NV: Size, NQ: Size>(
                     }
                 }
                 pack_a_pairs::<E>(&x, &mut a_regs, comptime!(BM / 4));
-                #[unroll]
-                for nb in 0..comptime!(BM / 8) {
+                if fuse_dq {
                     #[unroll]
-                    for hh in 0..2usize {
-                        let at = swizzle_128b(key_a + hh * 8, nb * 8, BN) + col_a;
-                        let pr = a_regs[nb * 2 + hh];
-                        ds_smem[at] = pr[0];
-                        ds_smem[at + 1] = pr[1];
+                    for nb in 0..comptime!(BM / 8) {
+                        #[unroll]
+                        for hh in 0..2usize {
+                            let at = swizzle_128b(key_a + hh * 8, nb * 8, BN) + col_a;
+                            let pr = a_regs[nb * 2 + hh];
+                            ds_smem[at] = pr[0];
+                            ds_smem[at + 1] = pr[1];
+                        }
                     }
+                    fence_proxy_async();
                 }
-                fence_proxy_async();
                 // ---- 3. dK += dS^T Q ----
                 wgmma_fence();
                 key_by_dim_steps::<E>(&mut acc, &a_regs, &q_smem, qb, head_dim);
                 wgmma_commit();
                 wgmma_wait(0u32);
             }
-            // dS^T stored
+            // dS^T stored (and, without dQ, every read of this tile's stage ended before the next
+            // tile's copies into it are issued)
             sync_cube();
 
             // ---- 4. dQ[:, 64 p ..] += dS K for this warpgroup's parts, float2 atomics ----
             // rows past the segment's end add 0.0 to a row that exists (the tensor's last at most)
             let last = args.total_q - 1u32;
             #[unroll]
-            for pi in 0..comptime!(parts.div_ceil(2)) {
+            for pi in 0..comptime!(if fuse_dq { parts.div_ceil(2) } else { 0usize }) {
                 let part = wg as usize + 2 * pi;
                 if part < parts {
                     wgmma_fence();

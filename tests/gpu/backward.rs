@@ -192,7 +192,7 @@ fn cases() -> Vec<Case> {
         v.push(mk(&format!("{tag} causal grouped overlapping kv"), dtype, d, 8, 2, true, Layout::Grouped(vec![[0, 100], [100, 170], [180, 300]], vec![[0, 100], [0, 170], [50, 400]], 310, 400), 1.0));
     }
     v.push(w(mk("bf16 d96 window (70,0) causal GQA8/2 varlen [1,200,300]", BF16, 96, 8, 2, true, Layout::Varlen(vec![(1, 1), (200, 200), (300, 300)]), 1.0), (70, 0)));
-    // above 128 (the Hopper kernel with 64-key cubes, dQ fused only: no deterministic kernel)
+    // above 128 (the Hopper kernel with 64-key cubes; deterministic: its dQ-less variant and the dQ pass)
     for (dtype, d) in [(BF16, 192), (F16, 256), (BF16, 256)] {
         let tag = format!("{} d{d}", dtype.name());
         v.push(mk(&format!("{tag} causal GQA4/2 varlen [1,63,130,17]"), dtype, d, 4, 2, true, Layout::Varlen(vec![(1, 1), (63, 63), (130, 130), (17, 17)]), 1.0));
@@ -205,10 +205,6 @@ fn cases() -> Vec<Case> {
     v
 }
 
-/// Head dims whose backward has only the fused (non-deterministic) dQ, on Hopper.
-fn fused_only(d: usize) -> bool {
-    d > 128
-}
 
 /// Pass criteria: no unwritten or non-finite element; ||g - ref|| / ||ref|| <= 1e-2 (bf16),
 /// 5e-3 (f16), 1e-4 (f32) against the f64 reference; elementwise |g - ref| <= atol + rtol*|ref|
@@ -274,9 +270,6 @@ fn backward_matches_f64_reference_and_cpu() {
     let mut failures = Vec::new();
     for det in [true, false] {
         for (i, c) in cases().iter().enumerate() {
-            if det && fused_only(c.d) {
-                continue;
-            }
             let (ok, line) = check_case(b, c, 5000 + i as u64, det);
             println!("{line}");
             if !ok {
@@ -375,22 +368,23 @@ fn backward_unsupported_head_dim_is_an_error() {
     };
     let spec = build_spec(&c);
     let inp = make_inputs(&spec, 1.0, 3);
-    let unsupported = |r: cubeattn::Result<Gradients>, what: &str| match r {
-        Err(Error::Unsupported { backend, msg }) => {
-            assert_eq!(backend, "cuda");
-            assert!(msg.contains("head_dim 192") && msg.contains(what), "{msg}");
+    // both dQ paths: the Hopper kernel, or refused below sm_90
+    for det in [false, true] {
+        match b.backward(&spec, inp.q.view(), inp.k.view(), inp.v.view(), grad_inputs(&inp, det)) {
+            Ok(_) if b.target().wgmma => {}
+            Err(Error::Unsupported { backend, msg }) if !b.target().wgmma => {
+                assert_eq!(backend, "cuda");
+                assert!(msg.contains("head_dim 192") && msg.contains("Hopper"), "{msg}");
+            }
+            other => panic!("wgmma {}: unexpected {:?}", b.target().wgmma, other.map(|_| ())),
         }
+    }
+    // head_dim 80: no kernel on any GPU
+    let odd = build_spec(&Case { d: 80, ..c.clone() });
+    let oi = make_inputs(&odd, 1.0, 4);
+    match b.backward(&odd, oi.q.view(), oi.k.view(), oi.v.view(), grad_inputs(&oi, false)) {
+        Err(Error::Unsupported { backend, msg }) => assert!(backend == "cuda" && msg.contains("head_dim 80"), "{msg}"),
         other => panic!("expected Unsupported, got {:?}", other.map(|_| ())),
-    };
-    // no deterministic kernel above 128 on any GPU, nor the dQ pass when asked for it
-    unsupported(b.backward(&spec, inp.q.view(), inp.k.view(), inp.v.view(), grad_inputs(&inp, true)), "deterministic backward");
-    unsupported(b.backward_on(&spec, inp.q.view(), inp.k.view(), inp.v.view(), grad_inputs(&inp, false), DqPath::Pass), "backward");
-    // the fused path: the Hopper kernel, or refused below sm_90
-    let r = b.backward(&spec, inp.q.view(), inp.k.view(), inp.v.view(), grad_inputs(&inp, false));
-    if b.target().wgmma {
-        r.expect("head_dim 192 backward on Hopper");
-    } else {
-        unsupported(r, "Hopper");
     }
 }
 

@@ -13,7 +13,7 @@ Q K^T: quantisation kernels and the INT8 forward, checked against the exact CPU 
 and the exact kernels it selects, forward and backward), paged (grouped calls over a paged K,V:
 kv_block_table, tiles across two pages, both dQ paths): head_dim 64 and 128, causal and not;
 head_dims (the other head dims: forward and split-K at 32, 96, 192, 256, both backward paths at
-32 and 96, the fused one at 192 and 256 (paged K,V too), bf16, causal and not). Each result is checked against the CPU
+32, 96, 192 and 256 (paged K,V too above 128), bf16, causal and not). Each result is checked against the CPU
 backend, so a run also fails (exit 1) on a wrong answer. numpy inputs only: no torch kernels run
 under the sanitizer. The environment switches each family needs are set here, before cubeattn
 loads (the CUDA options are read once)."""
@@ -166,8 +166,9 @@ def main(family):
                     for det in (True, False):
                         varlen(d, dtypes[-1], causal, backward=True, deterministic=det)
                 else:
-                    # the Hopper kernel above 128 (fused dQ only), dense and paged K,V
-                    varlen(d, dtypes[-1], causal, backward=True, deterministic=False)
+                    # the Hopper kernel above 128 (fused dQ; deterministic: the dQ pass), dense and paged K,V
+                    for det in (True, False):
+                        varlen(d, dtypes[-1], causal, backward=True, deterministic=det)
                     paged(d, dtypes[0], causal, False)
                 continue
             if family == "sparse":

@@ -65,8 +65,8 @@ settings.register_profile("cubeattn-gpu", deadline=None, derandomize=False, prin
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 PROFILE = settings.get_profile("cubeattn-gpu")
 
-# src/backend/cuda/mod.rs: SUPPORTED_HEAD_DIMS (forward), BACKWARD_HEAD_DIMS (every GPU, deterministic
-# too), HOPPER_BACKWARD_HEAD_DIMS (sm_90, float16 / bfloat16, deterministic=False); block-sparse 64 / 128
+# src/backend/cuda/mod.rs: SUPPORTED_HEAD_DIMS (forward), BACKWARD_HEAD_DIMS (every GPU),
+# HOPPER_BACKWARD_HEAD_DIMS (sm_90, float16 / bfloat16); block-sparse 64 / 128
 KERNEL_HEAD_DIMS = [32, 64, 96, 128, 192, 256]
 BWD_KERNEL_HEAD_DIMS = [32, 64, 96, 128]
 HOPPER_BWD_HEAD_DIMS = [192, 256]
@@ -100,7 +100,7 @@ GPU = "cuda:0"
 class Cuda(Target):
     device = backend = "cuda"
     # mostly the kernels' head_dims; about one case in five (forward) or four (backward: 192 and
-    # 256 have a backward on Hopper only, deterministic=False only) without a kernel
+    # 256 have a backward on Hopper only) without a kernel
     head_dims = KERNEL_HEAD_DIMS * 2 + SPARSE_KERNEL_HEAD_DIMS + [33, 80]
     bwd_head_dims = BWD_KERNEL_HEAD_DIMS * 2 + [33] + HOPPER_BWD_HEAD_DIMS * 2
     small_head_dims = SPARSE_KERNEL_HEAD_DIMS
@@ -120,7 +120,7 @@ class Cuda(Target):
     def unsupported(self, api, dtype, d, deterministic=False):
         exc = NotImplementedError if api == "sparse" else ValueError
         bwd = BWD_KERNEL_HEAD_DIMS
-        if hopper() and dtype != "float32" and not deterministic:
+        if hopper() and dtype != "float32":
             bwd = bwd + HOPPER_BWD_HEAD_DIMS
         dims = {"dense": KERNEL_HEAD_DIMS, "dense_bwd": bwd, "sparse": SPARSE_KERNEL_HEAD_DIMS}[api]
         if d not in dims:

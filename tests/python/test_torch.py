@@ -278,10 +278,10 @@ def test_cuda_tensors_the_cuda_backend_refuses_run_on_the_cpu_with_a_warning():
 @pytest.mark.parametrize("d", [192, 256])
 def test_head_dims_above_128_forward_and_backward(d):
     """head_dim 192 / 256: the forward runs on the CUDA kernels (no warning); the backward runs on
-    the Hopper kernel (`flash_bwd_sm90_split`) with deterministic=False, and where no CUDA kernel
-    serves it (deterministic=True; a GPU below sm_90) on the CPU backend under device="auto" with a
-    RuntimeWarning naming head_dim, raising under device="cuda"; every gradient matches the f64
-    reference."""
+    the Hopper kernel (`flash_bwd_sm90_split`; deterministic=True: without dQ, then the dQ pass),
+    and where no CUDA kernel serves it (a GPU below sm_90) on the CPU backend under device="auto"
+    with a RuntimeWarning naming head_dim, raising under device="cuda"; every gradient matches the
+    f64 reference."""
     import warnings
 
     gen = torch.Generator().manual_seed(d)
@@ -305,7 +305,7 @@ def test_head_dims_above_128_forward_and_backward(d):
             ref_out, _ = ref_attention(f64(q), f64(k), f64(v), segs, True)
             assert rel_err(f64(out), ref_out) <= 2e-3
             ref = ref_backward(f64(q), f64(k), f64(v), f64(dout), segs, True)
-        on_cuda = hopper() and not deterministic
+        on_cuda = hopper()
         if on_cuda:
             with warnings.catch_warnings():
                 warnings.simplefilter("error")

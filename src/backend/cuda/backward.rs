@@ -259,8 +259,7 @@ pub fn backward_plan_bytes(spec: &AttnSpec) -> u64 {
     BwdPlan::new(spec).tables(spec).bytes()
 }
 
-/// Whether the backward of `spec` takes the fused atomic dQ path (never at f32; always above
-/// head_dim 128, where no dQ pass exists, unless asked for the pass: [`launch_dkdv_wide`] refuses that).
+/// Whether the backward of `spec` takes the fused atomic dQ path (never at f32).
 pub(super) fn fused_dq(spec: &AttnSpec, deterministic: bool, path: DqPath) -> bool {
     if spec.dtype == DType::F32 {
         return false;
@@ -269,7 +268,7 @@ pub(super) fn fused_dq(spec: &AttnSpec, deterministic: bool, path: DqPath) -> bo
         DqPath::Pass => false,
         DqPath::Atomic => true,
         DqPath::Auto if deterministic => false,
-        DqPath::Auto => !crate::config::get().bwd_dq_pass || SPLIT_BWD_HEAD_DIMS.contains(&spec.dims.head_dim),
+        DqPath::Auto => !crate::config::get().bwd_dq_pass,
     }
 }
 
@@ -421,8 +420,9 @@ fn q_maps(spec: &AttnSpec, p: &BwdPtrs, boxes: Option<(u32, u32, bool)>) -> Resu
 /// head_dim in each warpgroup's registers).
 const SM90_BWD_HEAD_DIMS: [usize; 2] = [64, 128];
 /// Head dims of the Hopper dK/dV kernel with the products split between its warpgroups
-/// (`flash_bwd_sm90_split`: 64 keys a cube, dV in one warpgroup and dK in the other; the fused dQ
-/// only): the backward's only kernel there (`CudaBackend::check_target` refuses other GPUs).
+/// (`flash_bwd_sm90_split`: 64 keys a cube, dV in one warpgroup and dK in the other; dQ fused, or
+/// by the dQ pass for deterministic calls): the backward's only dK/dV kernel there
+/// (`CudaBackend::check_target`).
 pub(crate) const SPLIT_BWD_HEAD_DIMS: [usize; 2] = [192, 256];
 
 /// Whether the dK/dV kernel of `spec` is the Hopper one (`flash_bwd_sm90`): where the forward is
@@ -439,18 +439,25 @@ pub(crate) fn dkdv_sm90_kernel(be: &CudaBackend, dt: DType, hd: usize, fused: bo
     be.kernels.get(&key, || dkdv_sm90_source(be.client(), dt, hd, fused, qvec, sparse, paged))
 }
 
-/// The Hopper dK/dV kernel above head_dim 128 (`flash_bwd_sm90_split`, fused dQ by `qvec`-float
-/// atomics).
-pub(crate) fn dkdv_split_kernel(be: &CudaBackend, dt: DType, hd: usize, qvec: usize, paged: bool) -> Result<Func> {
-    let key = KernelKey::new("flash_bwd_sm90_split", dt, &[hd as u32, qvec as u32, paged as u32]);
-    be.kernels.get(&key, || dkdv_split_source(be.client(), dt, hd, qvec, paged))
+/// The Hopper dK/dV kernel above head_dim 128 (`flash_bwd_sm90_split`; `fused`: dQ by
+/// `qvec`-float atomics, else none).
+pub(crate) fn dkdv_split_kernel(be: &CudaBackend, dt: DType, hd: usize, fused: bool, qvec: usize, paged: bool) -> Result<Func> {
+    let key = KernelKey::new("flash_bwd_sm90_split", dt, &[hd as u32, fused as u32, qvec as u32, paged as u32]);
+    be.kernels.get(&key, || dkdv_split_source(be.client(), dt, hd, fused, qvec, paged))
 }
 
 /// CUDA source of [`dkdv_split_kernel`]: the `kernels::sm90` markers lowered, one cube per SM.
-pub(crate) fn dkdv_split_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: usize, qvec: usize, paged: bool) -> Result<Source> {
+pub(crate) fn dkdv_split_source(
+    client: &ComputeClient<CudaRuntime>,
+    dt: DType,
+    hd: usize,
+    fused: bool,
+    qvec: usize,
+    paged: bool,
+) -> Result<Source> {
     let mut src = by_dtype!(dt, T, codegen_exp2(flash_bwd_sm90_split::flash_bwd_sm90_split::FlashBwdSm90Split::<T, CudaRuntime>::new(
         settings(SM90_BWD_THREADS as u32), client.clone(), DkdvArgs::compilation(),
-        BWD_LOAD_VEC, qvec, hd, qvec, paged), true))?;
+        BWD_LOAD_VEC, qvec, hd, fused, qvec, paged), true))?;
     src.cuda = super::rewrite::sm90::lower(&src.entry, &src.cuda)?;
     src.cuda = super::rewrite::min_blocks(&src.entry, &src.cuda, 1)?;
     Ok(src)
@@ -499,14 +506,15 @@ pub(crate) fn launch_dkdv_wide(
     let paged = spec.kv_pages().is_some() && sparse.is_none();
     let qvec = atomic_vec(be);
     let (f, [q_map, do_map]) = if SPLIT_BWD_HEAD_DIMS.contains(&d.head_dim) {
-        // the only kernel above head_dim 128 (`CudaBackend::check_target` refused other GPUs)
-        if acc.is_none() || sparse.is_some() || !super::forward::sm90_forward(be, spec) {
+        // the only kernel above head_dim 128 (`CudaBackend::check_target` refused other GPUs;
+        // the block-sparse kernels serve 64 and 128 only)
+        if sparse.is_some() || !super::forward::sm90_forward(be, spec) {
             return Err(crate::error::Error::Unsupported {
                 backend: "cuda",
-                msg: format!("head_dim {} backward: only the Hopper kernel's dense fused-dQ path (deterministic=False)", d.head_dim),
+                msg: format!("head_dim {} backward: only the Hopper kernel (dense key sets, sm_90)", d.head_dim),
             });
         }
-        let f = dkdv_split_kernel(be, spec.dtype, d.head_dim, qvec, paged)?;
+        let f = dkdv_split_kernel(be, spec.dtype, d.head_dim, acc.is_some(), qvec, paged)?;
         (f, q_maps(spec, p, Some((SW_COLS as u32, BWD_BM as u32, true)))?)
     } else if sm90_backward(be, spec, acc) {
         let f = dkdv_sm90_kernel(be, spec.dtype, d.head_dim, acc.is_some(), qvec, sparse.is_some(), paged)?;

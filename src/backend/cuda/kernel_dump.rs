@@ -75,10 +75,14 @@ mod tests {
             ("bwd_sm90_fused_d64", dkdv_sm90_source(c, dt, 64, true, 2, false, false)),
             ("bwd_sm90_sparse_fused_d128", dkdv_sm90_source(c, dt, 128, true, 2, true, false)),
             ("bwd_sm90_paged_fused_d128_f16", dkdv_sm90_source(c, DType::F16, 128, true, 2, false, true)),
-            // above head_dim 128: dV and dK in different warpgroups, fused dQ by atomics
-            ("bwd_split_d256", dkdv_split_source(c, dt, 256, 2, false)),
-            ("bwd_split_d192", dkdv_split_source(c, dt, 192, 2, false)),
-            ("bwd_split_paged_d256_f16", dkdv_split_source(c, DType::F16, 256, 2, true)),
+            // above head_dim 128: dV and dK in different warpgroups, fused dQ by atomics, or none
+            // (deterministic: the dQ pass at 192 / 256)
+            ("bwd_split_d256", dkdv_split_source(c, dt, 256, true, 2, false)),
+            ("bwd_split_d192", dkdv_split_source(c, dt, 192, true, 2, false)),
+            ("bwd_split_paged_d256_f16", dkdv_split_source(c, DType::F16, 256, true, 2, true)),
+            ("bwd_split_nodq_d256", dkdv_split_source(c, dt, 256, false, 2, false)),
+            ("dq_d192", dq_source(c, dt, 192, false, false, false, true)),
+            ("dq_d256", dq_source(c, dt, 256, false, false, false, true)),
             ("fwd_d128_pre90", fwd_source(c, dt, 128, 2, 64, 128, false, false, false, false, false)),
             ("fwd_d64_pre90", fwd_source(c, dt, 64, 2, 128, 128, false, false, false, false, false)),
             ("dq_d128_pre90", dq_source(c, dt, 128, false, false, false, false)),

@@ -57,25 +57,23 @@ use crate::spec::{AttnSpec, KeySet};
 /// head_dims with a CUDA forward kernel (the mma.sync tile kernel at every one, the Hopper kernel
 /// at 64 and 128; the row-wise f32 kernel at every one: each is a multiple of 32).
 pub const SUPPORTED_HEAD_DIMS: [usize; 6] = [32, 64, 96, 128, 192, 256];
-/// head_dims with a CUDA backward kernel on every GPU, and with a deterministic one: the dK/dV
-/// kernels keep a cube's dK and dV (128 keys x head_dim each) in registers, which above 128 do not
-/// fit.
+/// head_dims with a CUDA backward kernel on every GPU: the mma.sync dK/dV kernel keeps a cube's dK
+/// and dV (128 keys x head_dim each) in registers, which above 128 do not fit.
 pub const BACKWARD_HEAD_DIMS: [usize; 4] = [32, 64, 96, 128];
 /// head_dims with a CUDA backward kernel where the GPU has wgmma (sm_90: `flash_bwd_sm90_split`,
-/// dV and dK in different warpgroups), `deterministic = false` only (its dQ is added by atomics):
+/// dV and dK in different warpgroups; deterministic calls take the dQ pass):
 /// [`BACKWARD_HEAD_DIMS`] and these ([`CudaBackend::check_target`]).
 pub const HOPPER_BACKWARD_HEAD_DIMS: [usize; 6] = [32, 64, 96, 128, 192, 256];
 /// head_dims of the block-sparse kernels (forward and backward): their tile shapes and register
 /// budgets are set for these two.
 pub const SPARSE_HEAD_DIMS: [usize; 2] = [64, 128];
 
-/// The head_dims the CUDA kernels of `pass` serve on some GPU (those of a non-deterministic
-/// backward above 128 only on sm_90: [`CudaBackend::check_target`]).
+/// The head_dims the CUDA kernels of `pass` serve on some GPU (those of a backward above 128 only
+/// on sm_90: [`CudaBackend::check_target`]).
 pub fn head_dims_of(pass: Pass) -> &'static [usize] {
     match pass {
         Pass::Forward => &SUPPORTED_HEAD_DIMS,
-        Pass::Backward { deterministic: true } => &BACKWARD_HEAD_DIMS,
-        Pass::Backward { deterministic: false } => &HOPPER_BACKWARD_HEAD_DIMS,
+        Pass::Backward { .. } => &HOPPER_BACKWARD_HEAD_DIMS,
     }
 }
 
@@ -271,11 +269,7 @@ pub fn check_supported(spec: &AttnSpec, pass: Pass) -> Result<()> {
     let hd = spec.dims.head_dim;
     let dims = head_dims_of(pass);
     if !dims.contains(&hd) {
-        let what = match pass {
-            Pass::Forward => "forward",
-            Pass::Backward { deterministic: true } => "deterministic backward",
-            Pass::Backward { deterministic: false } => "backward",
-        };
+        let what = if matches!(pass, Pass::Forward) { "forward" } else { "backward" };
         return Err(Error::Unsupported {
             backend: "cuda",
             msg: format!("head_dim {hd} has no CUDA {what} kernel (supported: {dims:?}); use the CPU backend"),
