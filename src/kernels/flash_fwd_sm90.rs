@@ -20,11 +20,12 @@ use cubecl::prelude::*;
 use cubecl::prelude::barrier::{copy_async, Barrier};
 
 use super::cards::FwdCard;
+use super::int8_qk::dot_to_f32;
 use super::flash_fwd::{fill_rows, tile_bounds, work_item, LIST_SMEM, M_INIT, NONE, RESCALE_SLACK};
 use super::kv_tiles::{issue_tile_boxes, tile_rows};
 use super::math::{fast_exp2, LN2};
-use super::sm90::{fence_proxy_async, pack_a_pairs, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait,
-    SW_COLS, SW_ROW};
+use super::sm90::{fence_proxy_async, pack_a_pairs, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_ss_s8,
+    wgmma_wait, SW_COLS, SW_ROW};
 use super::staging::commit_copies;
 use crate::format::KV_PAGE;
 
@@ -79,6 +80,30 @@ fn s_steps<E: Float>(
     }
 }
 
+/// `S = Q K^T` of int8 rows (`int8_qk`, in natural channel order): `head_dim / 32` MMAs m64 x
+/// block_n x k32 into the exact i32 dot products `acc`; the tiles hold `head_dim` bytes a row
+/// (`head_dim / 2` elements of `E`). The caller fences before and commits after.
+#[cube]
+fn s_steps_s8<E: Float>(
+    acc: &mut Array<i32>,
+    q_smem: &SharedMemory<E>,
+    q_wg: usize,
+    k_smem: &SharedMemory<E>,
+    base: usize,
+    #[comptime] block_n: usize,
+    #[comptime] head_dim: usize,
+) {
+    #[unroll]
+    for kk in 0..comptime!(head_dim / 32) {
+        // a k32 step is 32 bytes = 16 elements of E, as a k16 step of 16-bit operands
+        let chunk = comptime!(kk / 4);
+        let within = comptime!((kk % 4) * 16);
+        let a_off = q_wg + comptime!(chunk * SM90_BLOCK_M * SW_COLS + within);
+        let b_off = base + comptime!(chunk * block_n * SW_COLS + within);
+        wgmma_ss_s8::<E>(acc, q_smem, a_off as u32, k_smem, b_off as u32, block_n, comptime!(kk > 0));
+    }
+}
+
 /// Sets the scores of keys outside each row's range `[row_lo, min(row_hi, t1))` to `neg_inf`;
 /// only tiles that cross some row's range limits of this warp pay for it (`rows_lo`, `rows_hi`:
 /// the tightest bounds of the lane's two rows, `t0` the tile's first key).
@@ -123,16 +148,21 @@ fn mask_scores(
 /// Online softmax of one tile's scores (base 2, conditional rescale: `flash_fwd` module docs):
 /// the rows' reference maxima `m_r` move only past `RESCALE_SLACK`, `alpha` gets each row's
 /// factor for O (1 where it stayed), `s` becomes P, `l_r` the rescaled row sums plus this tile's.
-/// Returns whether any row of the warp moved (O must then be rescaled by `alpha`).
+/// Returns whether any row of the warp moved (O must then be rescaled by `alpha`). `int8`: `s`
+/// holds raw dot products and `sl` this lane's two factors to base-2 scores (Q scale x K scale x
+/// `scale_log2`) in place of `scale_log2`.
 #[cube]
+#[allow(clippy::too_many_arguments)]
 fn softmax_scores(
     s: &mut Array<f32>,
     m_r: &mut Array<f32>,
     l_r: &mut Array<f32>,
     alpha: &mut Array<f32>,
     scale_log2: f32,
+    sl: &Array<f32>,
     neg_inf: f32,
     #[comptime] block_n: usize,
+    #[comptime] int8: bool,
 ) -> bool {
     let n_blocks = comptime!(block_n / 8);
     let mut moved = false;
@@ -146,9 +176,16 @@ fn softmax_scores(
                 mx = max(mx, s[nb * 4 + i * 2 + e2]);
             }
         }
+        if int8 {
+            // raw dot products, and the lanes of a row may hold different K scales
+            // (per_thread): this lane's factor to base-2 scores first
+            mx *= sl[i];
+        }
         mx = max(mx, plane_shuffle_xor(mx, 1u32));
         mx = max(mx, plane_shuffle_xor(mx, 2u32));
-        mx *= scale_log2;
+        if !int8 {
+            mx *= scale_log2;
+        }
         let old = m_r[i];
         let mut new = old;
         if mx > old + RESCALE_SLACK {
@@ -161,13 +198,17 @@ fn softmax_scores(
     #[unroll]
     for i in 0..2usize {
         let ref_m = m_r[i];
+        let mut f = scale_log2;
+        if int8 {
+            f = sl[i];
+        }
         let mut sum = 0.0f32;
         #[unroll]
         for nb in 0..n_blocks {
             #[unroll]
             for e2 in 0..2usize {
                 let idx = nb * 4 + i * 2 + e2;
-                let pv = fast_exp2(s[idx] * scale_log2 - ref_m);
+                let pv = fast_exp2(s[idx] * f - ref_m);
                 s[idx] = pv;
                 sum += pv;
             }
@@ -213,8 +254,11 @@ fn pv_steps<E: Float>(
 }
 
 /// The Hopper forward kernel; its arguments are the forward card (`cards::FwdCard`), as those of
-/// `flash_fwd::flash_fwd_mma2` (the INT8 variant is not served here, and `k_s` / `v_s` are read
-/// only through the maps).
+/// `flash_fwd::flash_fwd_mma2` (`k_s` / `v_s` are read only through the maps). `int8`
+/// (block-sparse, SageAttention style): Q K^T from int8 rows by `wgmma .s32.s8.s8`, the card's
+/// arrays used as `flash_fwd_mma2`'s INT8 variant uses them (`q_s` the int8 Q rows, `k_map` a
+/// map over the int8 K rows, `part_o` the K scales, `part_lse` the Q scales and LSE corrections;
+/// `int8_qk` with its natural channel order), P.V unchanged.
 /// `k_map` / `v_map`: 128-byte-swizzled maps with 64-column x `kv_tiles::box_rows` boxes.
 #[allow(clippy::too_many_arguments, clippy::eq_op, unused_variables)]
 #[cube(launch_unchecked)]
@@ -225,6 +269,7 @@ pub fn flash_fwd_sm90<E: Float>(
     #[comptime] sparse: bool,
     #[comptime] paged: bool,
     #[comptime] check_v: bool,
+    #[comptime] int8: bool,
 ) {
     // v holds a NaN or Inf (`nonfinite::v_nonfinite`, or with `check_v` a cube that saw one in
     // its V tiles): the exact row-wise kernel writes this call
@@ -242,8 +287,11 @@ pub fn flash_fwd_sm90<E: Float>(
     let prow = wg * 64 + ((warp % 4u32) * 16u32) as usize;
 
     let tile_e = comptime!(block_n * head_dim);
-    let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(block_m * head_dim), 1024usize);
-    let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(2 * block_n * head_dim), 1024usize);
+    // elements of E per Q / K row: int8 rows are head_dim bytes
+    let qk_e = comptime!(if int8 { head_dim / 2 } else { head_dim });
+    let tile_k = comptime!(block_n * qk_e);
+    let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(block_m * qk_e), 1024usize);
+    let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(2 * tile_k), 1024usize);
     let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(2 * block_n * head_dim), 1024usize);
     let mut row_tok = SharedMemory::<u32>::new(block_m);
     let mut row_head = SharedMemory::<u32>::new(block_m);
@@ -270,9 +318,9 @@ pub fn flash_fwd_sm90<E: Float>(
     if n_tiles > 0 {
         let (f0, f1) = tile_bounds(0u32, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
             tpb_magic, block_n, sparse);
-        let vecs = comptime!(head_dim / 8);
+        let vecs = comptime!(qk_e / 8);
         #[unroll]
-        for it in 0..comptime!(block_m * (head_dim / 8) / threads) {
+        for it in 0..comptime!(block_m * (qk_e / 8) / threads) {
             let idx = UNIT_POS as usize + it * threads;
             let r = idx / vecs;
             let c = (idx % vecs) * 8;
@@ -280,12 +328,12 @@ pub fn flash_fwd_sm90<E: Float>(
             if tok == NONE {
                 tok = 0u32;
             }
-            let g = (tok * args.heads_q + row_head[r]) as usize * head_dim + c;
+            let g = (tok * args.heads_q + row_head[r]) as usize * qk_e + c;
             let s = swizzle_128b(r, c, block_m);
             copy_async(&args.q_s.slice(g, g + 8), &mut q_smem.slice_mut(s, s + 8), comptime!(8u32));
         }
         let (p0, _p1, pb) = tile_rows(f0, f1, &args.blocks, paged, block_n);
-        issue_tile_boxes(&args.k_map, &mut k_smem, &bar_k, 0usize, p0, pb, head_kv, block_n, head_dim, true);
+        issue_tile_boxes(&args.k_map, &mut k_smem, &bar_k, 0usize, p0, pb, head_kv, block_n, qk_e, true);
         commit_copies(&bar_k);
         issue_tile_boxes(&args.v_map, &mut v_smem, &bar_v, 0usize, p0, pb, head_kv, block_n, head_dim, true);
         commit_copies(&bar_v);
@@ -316,6 +364,25 @@ pub fn flash_fwd_sm90<E: Float>(
     // element offsets of this warpgroup's Q rows in each chunk, and of a tile's chunks
     let q_wg = wg * comptime!(64 * SW_COLS);
     let mut alpha = Array::<f32>::new(2usize);
+    // int8: the raw dot products of S, each row's Q scale times scale_log2, and per tile this
+    // lane's two factors to base-2 scores (times its K scale: one per tile and lane in every
+    // granularity, its columns 2 (lane % 4) + {0, 1} of each n8 block share it, as in
+    // `flash_fwd_mma2`)
+    let mut s_i = Array::<i32>::new(comptime!(if int8 { s_n } else { 1usize }));
+    let mut q_sl = Array::<f32>::new(2usize);
+    let mut sl = Array::<f32>::new(2usize);
+    if int8 {
+        #[unroll]
+        for i in 0..2usize {
+            let tr = pick_row(i, row_a, row_b);
+            let tok = row_tok[tr];
+            let mut qs = 1.0f32;
+            if tok != NONE {
+                qs = args.part_lse[(row_head[tr] * args.total_q + tok) as usize];
+            }
+            q_sl[i] = qs * args.scale_log2;
+        }
+    }
     // Tile t: S(t), its softmax, then P(t) V(t), each MMA group waited for at once; two cubes per
     // SM (the host's launch bounds) overlap one's softmax with the other's MMAs. (FlashAttention-3's
     // in-cube overlap of S(t) with P(t - 1) V(t - 1) needs the registers of a second S: one cube
@@ -334,6 +401,7 @@ pub fn flash_fwd_sm90<E: Float>(
         // every warpgroup is done with tile t - 1: its K buffer takes K(t + 1)
         sync_cube();
         let cur = ((kt & 1u32) as usize) * tile_e;
+        let cur_k = ((kt & 1u32) as usize) * tile_k;
         let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
             tpb_magic, block_n, sparse);
         let has_next = kt + 1 < n_tiles;
@@ -350,15 +418,33 @@ pub fn flash_fwd_sm90<E: Float>(
             }
         }
         if has_next {
-            issue_tile_boxes(&args.k_map, &mut k_smem, &bar_k, tile_e - cur, p0, pb, head_kv, block_n, head_dim, true);
+            issue_tile_boxes(&args.k_map, &mut k_smem, &bar_k, tile_k - cur_k, p0, pb, head_kv, block_n, qk_e, true);
             commit_copies(&bar_k);
         }
         wgmma_fence();
-        s_steps::<E>(&mut s, &q_smem, q_wg, &k_smem, cur, block_n, head_dim);
+        if int8 {
+            s_steps_s8::<E>(&mut s_i, &q_smem, q_wg, &k_smem, cur_k, block_n, head_dim);
+        } else {
+            s_steps::<E>(&mut s, &q_smem, q_wg, &k_smem, cur, block_n, head_dim);
+        }
         wgmma_commit();
+        if int8 {
+            let key = min(t0 + 2u32 * (lane % 4u32), t1 - 1u32);
+            let ks = args.part_o[(key * args.heads_kv + head_kv) as usize];
+            #[unroll]
+            for i in 0..2usize {
+                sl[i] = max(q_sl[i] * ks, 1.175_494_4e-38f32);
+            }
+        }
         wgmma_wait(0u32);
+        if int8 {
+            #[unroll]
+            for i in 0..s_n {
+                s[i] = dot_to_f32(s_i[i]);
+            }
+        }
         mask_scores(&mut s, &row_lo, &row_hi, row_a, row_b, t0, t1, rows_lo, rows_hi, lane, neg_inf, block_n);
-        let moved = softmax_scores(&mut s, &mut m_r, &mut l_r, &mut alpha, args.scale_log2, neg_inf, block_n);
+        let moved = softmax_scores(&mut s, &mut m_r, &mut l_r, &mut alpha, args.scale_log2, &sl, neg_inf, block_n, int8);
         if moved {
             rescale_o(&mut o_acc, &alpha, head_dim);
         }
@@ -428,6 +514,10 @@ pub fn flash_fwd_sm90<E: Float>(
                     let mut val = args.inf;
                     if l_r[i] != 0.0f32 {
                         val = m_r[i] * LN2 + f32::ln(l_r[i]);
+                        if int8 {
+                            // K smoothing: the LSE correction softmax_scale * q . mean
+                            val += args.part_lse[(args.heads_q * args.total_q + row_head[tr] * args.total_q + tok) as usize];
+                        }
                     }
                     args.lse[(row_head[tr] * args.total_q + tok) as usize] = val;
                 }

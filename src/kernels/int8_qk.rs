@@ -12,7 +12,8 @@
 //!    and writes `rint((x - mean) * (127 / amax))` clamped to [-127, 127] as int8 (round half to
 //!    even; the CPU backend does the same f32 operations) and the row's scale.
 //!
-//! Int8 rows in global and shared memory: `head_dim` bytes per (token, head), in 32-byte k-steps
+//! Int8 rows in global and shared memory (`flash_fwd_mma2`; the Hopper kernel takes them in channel
+//! order, `natural`): `head_dim` bytes per (token, head), in 32-byte k-steps
 //! whose 4-byte words are reordered `[0, 4, 1, 5, 2, 6, 3, 7]`, so that the two words thread
 //! `t` of an `mma.m16n8k32` fragment needs from a row in one k-step (channels `4t..4t+4` and
 //! `16+4t..16+4t+4`) are adjacent: one 8-byte shared load per row and k-step. In shared memory a
@@ -93,7 +94,8 @@ pub fn int8_k_mean(sums: &Array<f32>, mean: &mut Array<f32>, segs: &Array<u32>, 
 /// `softmax_scale`). Writes the int8 rows to `xq` (u32 words, see the module doc), the row
 /// scales to `scale` (`[h * total + t]` for Q, `[t * heads + h]` for K) and uses `amax`
 /// (`heads * total` f32) as scratch. Groups: [`crate::sparse::GroupRule`] `(chunk, period,
-/// width)` on the row's offset inside the block.
+/// width)` on the row's offset inside the block. `natural`: the int8 words in channel order (the
+/// Hopper kernel's wgmma operands), else reordered for `mma.sync` (module docs).
 #[allow(clippy::too_many_arguments)]
 #[cube(launch_unchecked)]
 pub fn int8_quantize<E: Float>(
@@ -115,6 +117,7 @@ pub fn int8_quantize<E: Float>(
     #[comptime] head_dim: usize,
     #[comptime] is_k: bool,
     #[comptime] smooth: bool,
+    #[comptime] natural: bool,
 ) {
     let b = CUBE_POS_Y as usize;
     let h = CUBE_POS_Z;
@@ -210,7 +213,10 @@ pub fn int8_quantize<E: Float>(
                 }
                 // word w of k-step w / 8 goes to position 2 (w % 4) + (w % 8) / 4 of its k-step
                 let w = lane;
-                let pos = (w / 8u32) * 8u32 + (w % 4u32) * 2u32 + (w % 8u32) / 4u32;
+                let mut pos = (w / 8u32) * 8u32 + (w % 4u32) * 2u32 + (w % 8u32) / 4u32;
+                if natural {
+                    pos = w;
+                }
                 xq[(tok * heads + h) as usize * words + pos as usize] = packed;
             }
             if lane == 0 {
@@ -345,9 +351,15 @@ pub fn scores_int8<E: Float>(
             }
         }
     }
-    // i32 -> f32 without I2F (a quarter-rate instruction): bits 0x4B40_0000 + i are 1.5 * 2^23 + i
     #[unroll]
     for i in 0..comptime!(mt * n_blocks * ec) {
-        s[i] = f32::reinterpret(acc[i] + MAGIC_BITS) - MAGIC;
+        s[i] = dot_to_f32(acc[i]);
     }
+}
+
+/// An exact i32 dot product of int8 rows (|dot| < 2^22) as f32 without I2F (a quarter-rate
+/// instruction): bits `0x4B40_0000 + i` are `1.5 * 2^23 + i`.
+#[cube]
+pub fn dot_to_f32(x: i32) -> f32 {
+    f32::reinterpret(x + MAGIC_BITS) - MAGIC
 }

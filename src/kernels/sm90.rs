@@ -135,6 +135,29 @@ pub fn wgmma_rs<E: Float>(
     })
 }
 
+/// `acc[0 .. n / 2] (+)= A B` in exact i32 for one m64 x n x k32 step of int8 operands
+/// (`wgmma ... .s32.s8.s8`), both in shared memory and K-major (the only major order of 8-bit
+/// operands), 128-byte-swizzled as for [`wgmma_ss`]: a row holds 128 int8 per chunk. The buffers
+/// are typed `E` (f16/bf16: the int8 bytes two to an element) and `a_off` / `b_off` count `E`
+/// elements, so a k32 step advances 16 of them, as a k16 step of 16-bit operands does.
+#[cube]
+#[allow(clippy::too_many_arguments, unused_variables)]
+pub fn wgmma_ss_s8<E: Float>(
+    acc: &mut Array<i32>,
+    a: &SharedMemory<E>,
+    a_off: u32,
+    b: &SharedMemory<E>,
+    b_off: u32,
+    #[comptime] n: usize,
+    #[comptime] accumulate: bool,
+) {
+    intrinsic!(|scope| {
+        let t = elem_name::<E>(scope);
+        let args = vec![*acc.expand, *a.expand, *a_off.expand, *b.expand, *b_off.expand];
+        marker(scope, format!("wgmma_ss_s8 {t} {n} {}", accumulate as u32), args)
+    })
+}
+
 /// `pairs` f32 pairs `x[2 j], x[2 j + 1]` packed to the element type: an f32 accumulator (m16n8
 /// layout) as the A fragments of [`wgmma_rs`] (pair `4 k .. 4 k + 4` is step `k`'s operand).
 #[cube]

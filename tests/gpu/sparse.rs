@@ -162,7 +162,13 @@ fn sparse_int8_forward_matches_cpu_and_writes_every_element() {
     let mut rng = StdRng::seed_from_u64(13);
     let mut failures = Vec::new();
     let grans = [QuantGran::PerBlock, QuantGran::PerWarp, QuantGran::PerThread];
-    for (ci, c) in CASES[..4].iter().enumerate() {
+    // CASES[3] and the two below run the Hopper kernel's INT8 variant on sm_90 (d128, 128-row
+    // cubes, k_block a multiple of 64: a GQA group packed, empty sequences, three tiles a block)
+    let hopper = [
+        Case { lens: &[(1, 513), (300, 777), (0, 70), (129, 0)], hq: 8, hkv: 2, d: 128, per_kv_head: true, q_block: 64, k_block: 128, dtype: DType::BF16 },
+        Case { lens: &[(700, 700), (77, 1)], hq: 2, hkv: 2, d: 128, per_kv_head: false, q_block: 128, k_block: 192, dtype: DType::F16 },
+    ];
+    for (ci, c) in CASES[..4].iter().chain(hopper.iter()).enumerate() {
         for (gi, gran) in grans.iter().enumerate() {
             let smooth_k = gi != 1 || ci % 2 == 0;
             let causal = (ci + gi) % 2 == 0;

@@ -184,6 +184,8 @@ def main(family):
             if family == "sparse_int8":
                 for gran in ("per_block", "per_warp", "per_thread"):
                     sparse(d, dtypes[0], causal, False, 64, 128, quant_gran=gran)
+                    # 128-row query blocks: the Hopper kernel's INT8 variant at d128 on sm_90
+                    sparse(d, dtypes[-1], causal, False, 128, 128, quant_gran=gran)
                 continue
             if family == "window":
                 for dt in dtypes:

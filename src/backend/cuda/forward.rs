@@ -180,17 +180,27 @@ pub(crate) fn sm90_forward(be: &CudaBackend, spec: &AttnSpec) -> bool {
 }
 
 /// The Hopper forward kernel (`flash_fwd_sm90`) for one set of comptime choices, and its keys per
-/// tile (`FwdOptions::sm90_tile_for`).
-pub(crate) fn flash_fwd_sm90_kernel(be: &CudaBackend, dt: DType, hd: usize, sparse: bool, paged: bool, check_v: bool) -> Result<(super::compile::Func, usize)> {
+/// tile (`FwdOptions::sm90_tile_for`). `int8`: INT8 Q K^T (block-sparse, `cuda::sparse_int8`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn flash_fwd_sm90_kernel(
+    be: &CudaBackend,
+    dt: DType,
+    hd: usize,
+    sparse: bool,
+    paged: bool,
+    check_v: bool,
+    int8: bool,
+) -> Result<(super::compile::Func, usize)> {
     let (bn, cubes) = fwd_options().sm90_tile_for(hd);
-    let key = KernelKey::new("flash_fwd_sm90", dt, &[hd as u32, bn as u32, sparse as u32, paged as u32, cubes, check_v as u32]);
-    let f = be.kernels.get(&key, || fwd_sm90_source(be.client(), dt, hd, bn, sparse, paged, cubes, check_v))?;
+    let key = KernelKey::new("flash_fwd_sm90", dt, &[hd as u32, bn as u32, sparse as u32, paged as u32, cubes, check_v as u32, int8 as u32]);
+    let f = be.kernels.get(&key, || fwd_sm90_source(be.client(), dt, hd, bn, sparse, paged, cubes, check_v, int8))?;
     Ok((f, bn))
 }
 
 /// CUDA source of [`flash_fwd_sm90_kernel`]: the `kernels::sm90` markers lowered, and `cubes` cubes
 /// per SM declared (`__launch_bounds__(256, cubes)`: up to 255 or 128 registers a thread);
-/// `check_v`: the kernel checks its V tiles for a NaN or Inf and sets the flag itself.
+/// `check_v`: the kernel checks its V tiles for a NaN or Inf and sets the flag itself; `int8`: Q K^T
+/// from int8 rows.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn fwd_sm90_source(
     client: &ComputeClient<CudaRuntime>,
@@ -201,6 +211,7 @@ pub(crate) fn fwd_sm90_source(
     paged: bool,
     cubes: u32,
     check_v: bool,
+    int8: bool,
 ) -> Result<Source> {
     macro_rules! k {
         ($t:ty) => {
@@ -213,6 +224,7 @@ pub(crate) fn fwd_sm90_source(
                 sparse,
                 paged,
                 check_v,
+                int8,
             ), false)
         };
     }
@@ -230,6 +242,17 @@ pub(crate) fn kv_maps_sw128(spec: &AttnSpec, k: u64, v: u64, block_n: usize) -> 
     let rows = d.kv_len() / cols.max(1);
     let map = |ptr| tile_map_2d(spec.dtype, ptr, cols, rows, cols * spec.dtype.size(), SW_COLS as u32, box_rows(block_n) as u32, true);
     Ok([MapArg { map: map(k)?, ptr: k, rows, cols }, MapArg { map: map(v)?, ptr: v, rows, cols }])
+}
+
+/// The tensor map of the int8 K rows `k8` (`head_dim` bytes a row, counted in `E`: `head_dim / 2`
+/// columns a head) for the Hopper forward's INT8 variant: 128-byte swizzled, 64-column x
+/// `box_rows(block_n)`-row boxes (one box column per head at head_dim 128).
+pub(crate) fn k8_map_sw128(spec: &AttnSpec, k8: u64, block_n: usize) -> Result<MapArg> {
+    let d = &spec.dims;
+    let cols = d.heads_kv * d.head_dim / 2;
+    let rows = d.total_k.max(1);
+    let map = tile_map_2d(spec.dtype, k8, cols, rows, cols * spec.dtype.size(), SW_COLS as u32, box_rows(block_n) as u32, true)?;
+    Ok(MapArg { map, ptr: k8, rows, cols })
 }
 
 /// CUDA source of [`flash_fwd_kernel`].
@@ -382,7 +405,7 @@ pub(crate) fn launch_forward(
     let n_part = (po_bytes / (4 * hd)).max(1);
 
     let (f, [k_map, v_map]) = if sm90 {
-        let (f, bn) = flash_fwd_sm90_kernel(be, dt, hd, false, paged, check_v)?;
+        let (f, bn) = flash_fwd_sm90_kernel(be, dt, hd, false, paged, check_v, false)?;
         (f, kv_maps_sw128(spec, p.k, p.v, bn)?)
     } else {
         (flash_fwd_kernel(be, dt, hd, mt, bn, BLOCK_M, false, false, paged, false)?, kv_maps(be, spec, p.k, p.v, bn, false)?)

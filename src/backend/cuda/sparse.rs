@@ -24,8 +24,8 @@
 //! ([`super::nonfinite`]), decided on the device.
 //! On Hopper (`forward::sm90_forward`) a d128 plan whose cubes are 128 rows and whose `k_block`
 //! is a multiple of the Hopper kernel's key tile (64) runs `flash_fwd_sm90` with
-//! the same tables (its key tiles are that kernel's `block_n`); INT8 calls and the rest run
-//! `flash_fwd_mma2` ([`SparseFrame`]).
+//! the same tables (its key tiles are that kernel's `block_n`), INT8 calls too (Q K^T by
+//! `wgmma .s32.s8.s8`); the rest runs `flash_fwd_mma2` ([`SparseFrame`]).
 //! Speed contract (same results for every block size): `k_block` a multiple of 64 and
 //! `q_block * hp` a multiple of 64 run without masked padding.
 
@@ -58,9 +58,9 @@ pub(crate) struct SparsePlan {
 /// Which forward kernel runs a block-sparse call, and so the keys per tile its plan counts.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) enum SparseFrame {
-    /// `flash_fwd_mma2` (every GPU; the INT8 Q K^T variant), `BLOCK_N`-key tiles.
+    /// `flash_fwd_mma2` (every GPU; its INT8 Q K^T variant below sm_90 and at d64), `BLOCK_N`-key tiles.
     Mma2,
-    /// `flash_fwd_sm90` with its `block_n`-key tiles.
+    /// `flash_fwd_sm90` with its `block_n`-key tiles (exact or INT8 Q K^T).
     Sm90 { block_n: usize },
 }
 
@@ -76,7 +76,7 @@ impl SparseFrame {
     fn of(be: &CudaBackend, spec: SparseView) -> SparseFrame {
         // d64: the Hopper kernel's sparse variant spills at its two-cubes-per-SM register cap (80
         // bytes of stack; ptxas, 128 registers), where the mma.sync kernel runs five cubes per SM
-        if spec.int8.is_some() || spec.attn.dims.head_dim != 128 || !super::forward::sm90_forward(be, spec.attn) || plan_rows(spec).1 != 128 {
+        if spec.attn.dims.head_dim != 128 || !super::forward::sm90_forward(be, spec.attn) || plan_rows(spec).1 != 128 {
             return SparseFrame::Mma2;
         }
         let (block_n, _) = crate::config::fwd_options().sm90_tile_for(spec.attn.dims.head_dim);
@@ -226,11 +226,13 @@ pub(super) fn launch_sparse_forward(be: &CudaBackend, spec: SparseView, plan: &C
     // the workspace's flag, set when v holds a NaN or Inf (then the exact kernel writes the call)
     let flag = p.workspace;
     launch_flag(be, dt, p.v, d.kv_len(), flag, true, stream)?;
-    let (f, [k_map, v_map]) = match sp.frame {
+    let (f, [mut k_map, v_map]) = match sp.frame {
         SparseFrame::Sm90 { block_n } => {
-            let (f, bn) = super::forward::flash_fwd_sm90_kernel(be, dt, hd, true, false, false)?;
+            let (f, bn) = super::forward::flash_fwd_sm90_kernel(be, dt, hd, true, false, false, spec.int8.is_some())?;
             debug_assert_eq!(bn, block_n);
-            (f, super::forward::kv_maps_sw128(spec.attn, p.k, p.v, block_n)?)
+            let [k_map, v_map] = super::forward::kv_maps_sw128(spec.attn, p.k, p.v, block_n)?;
+            // INT8: K's map is over the int8 rows (made once they have an address, below)
+            (f, [k_map, v_map])
         }
         SparseFrame::Mma2 => {
             // 64-row cubes (not int8): one V buffer, so that more cubes share an SM (module
@@ -249,7 +251,11 @@ pub(super) fn launch_sparse_forward(be: &CudaBackend, spec: SparseView, plan: &C
             // int8 rows in place of q and k (their bytes, counted in E); the scales in the
             // split-K arrays, which the sparse plan does not use (`kernels::flash_fwd` docs)
             let pq = FwdPtrs { workspace: p.workspace + flag_part() as u64, ..*p };
-            let z = super::sparse_int8::quantize(be, spec, opt, &pq, t(SparseTable::Segs), stream)?;
+            let natural = matches!(sp.frame, SparseFrame::Sm90 { .. });
+            let z = super::sparse_int8::quantize(be, spec, opt, &pq, t(SparseTable::Segs), natural, stream)?;
+            if let SparseFrame::Sm90 { block_n } = sp.frame {
+                k_map = super::forward::k8_map_sw128(spec.attn, z.k8, block_n)?;
+            }
             [(z.q8, ql / 2), (z.k8, kl / 2), (z.k_scale, d.total_k * d.heads_kv), (z.q_scale, 2 * ll)]
         }
     };

@@ -67,8 +67,18 @@ fn kernel(be: &CudaBackend, name: &'static str, dt: DType, p: &[u32], src: impl 
 }
 
 /// Enqueues the quantisation of Q and K of `spec` (option `opt`) into `workspace` on `stream`.
-/// `segs` is the plan's sequence table (device address, u32 words).
-pub(crate) fn quantize(be: &CudaBackend, spec: SparseView, opt: Int8Qk, p: &FwdPtrs, segs: (u64, usize), stream: sys::CUstream) -> Result<Int8Operands> {
+/// `segs` is the plan's sequence table (device address, u32 words). `natural`: the int8 rows in
+/// channel order (the Hopper kernel's wgmma operands), else in `flash_fwd_mma2`'s word order.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn quantize(
+    be: &CudaBackend,
+    spec: SparseView,
+    opt: Int8Qk,
+    p: &FwdPtrs,
+    segs: (u64, usize),
+    natural: bool,
+    stream: sys::CUstream,
+) -> Result<Int8Operands> {
     let d = &spec.attn.dims;
     let (tq, tk, hq, hkv, hd) = (d.total_q, d.total_k, d.heads_q, d.heads_kv, d.head_dim);
     let dt = spec.attn.dtype;
@@ -109,7 +119,9 @@ pub(crate) fn quantize(be: &CudaBackend, spec: SparseView, opt: Int8Qk, p: &FwdP
     ];
     for Rows { x, xq, sc, total, heads, group, block, max_len, rule, is_k } in runs {
         let smooth = opt.smooth_k;
-        let f = kernel(be, "int8_quantize", dt, &[hd as u32, is_k as u32, smooth as u32], || quantize_source(client, dt, hd, is_k, smooth))?;
+        let f = kernel(be, "int8_quantize", dt, &[hd as u32, is_k as u32, smooth as u32, natural as u32], || {
+            quantize_source(client, dt, hd, is_k, smooth, natural)
+        })?;
         let mut a = Args::new();
         a.array(x, (total * heads * hd).max(1)).array(mean, pr[6] / 4).array(xq, (total * heads * hd / 4).max(1));
         a.array(sc, if is_k { tk * hkv } else { 2 * hq * tq }.max(1)).array(amax, pr[4] / 4);
@@ -123,12 +135,20 @@ pub(crate) fn quantize(be: &CudaBackend, spec: SparseView, opt: Int8Qk, p: &FwdP
     Ok(Int8Operands { q8, k8, q_scale: qsc, k_scale: ksc })
 }
 
-/// CUDA source of the quantisation kernel (`int8_qk::int8_quantize`) for Q (`is_k = false`) or K.
-pub(crate) fn quantize_source(client: &cubecl::prelude::ComputeClient<CudaRuntime>, dt: DType, hd: usize, is_k: bool, smooth: bool) -> Result<super::compile::Source> {
+/// CUDA source of the quantisation kernel (`int8_qk::int8_quantize`) for Q (`is_k = false`) or K,
+/// its rows in channel order (`natural`) or in the mma.sync word order.
+pub(crate) fn quantize_source(
+    client: &cubecl::prelude::ComputeClient<CudaRuntime>,
+    dt: DType,
+    hd: usize,
+    is_k: bool,
+    smooth: bool,
+    natural: bool,
+) -> Result<super::compile::Source> {
     let s = settings(QUANT_THREADS as u32);
     if dt == DType::F16 {
-        codegen(int8_qk::int8_quantize::Int8Quantize::<f16, CudaRuntime>::new(s, client.clone(), A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), hd, is_k, smooth))
+        codegen(int8_qk::int8_quantize::Int8Quantize::<f16, CudaRuntime>::new(s, client.clone(), A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), hd, is_k, smooth, natural))
     } else {
-        codegen(int8_qk::int8_quantize::Int8Quantize::<bf16, CudaRuntime>::new(s, client.clone(), A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), hd, is_k, smooth))
+        codegen(int8_qk::int8_quantize::Int8Quantize::<bf16, CudaRuntime>::new(s, client.clone(), A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), hd, is_k, smooth, natural))
     }
 }

@@ -117,6 +117,34 @@ fn lower_marker(text: &str) -> Option<Lowered> {
             );
             Some(Lowered { helper, definition })
         }
+        ["wgmma_ss_s8", t, rest @ ..] => {
+            let eb = elem_bytes(t)?;
+            let [n, accum] = parse_nums(rest)?.try_into().ok()?;
+            // the int8 shapes: N = 8, 16, 24, then multiples of 16 up to 256
+            check_mma(n, 0, accum)?;
+            (n <= 24 || n.is_multiple_of(16)).then_some(())?;
+            let regs = (n / 2) as usize;
+            let list = (0..regs).map(|i| format!("%{i}")).collect::<Vec<_>>().join(", ");
+            let cons = (0..regs).map(|i| format!("\"+r\"(d[{i}])")).collect::<Vec<_>>().join(", ");
+            let helper = format!("__cubeattn_wgmma_ss_s8_{t}_{n}_{accum}");
+            let definition = format!(
+                r#"__device__ __forceinline__ void {helper}(void* acc, const void* a, unsigned a_off, const void* b, unsigned b_off) {{
+  int* d = reinterpret_cast<int*>(acc);
+  const unsigned long long da = __cubeattn_desc(a, a_off * {eb}u, 16u, {SBO}u);
+  const unsigned long long db = __cubeattn_desc(b, b_off * {eb}u, 16u, {SBO}u);
+#ifndef CUBEATTN_SM90_NO_MMA
+  asm volatile("{{\n.reg .pred p;\nsetp.ne.b32 p, %{r2}, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n{n}k32.s32.s8.s8 {{{list}}}, %{r0}, %{r1}, p;\n}}\n"
+               : {cons} : "l"(da), "l"(db), "r"({accum}));
+#endif
+}}
+"#,
+                r0 = regs,
+                r1 = regs + 1,
+                r2 = regs + 2,
+            );
+            Some(Lowered { helper, definition })
+        }
         _ => None,
     }
 }
@@ -238,6 +266,14 @@ mod tests {
         let mn = lower("k_", &kernel(&format!("printf(\"{MARK}wgmma_ss bf16 64 0 1 16384 1 16384 1\", x,a,o,b,p);\n"))).unwrap();
         assert!(mn.contains("p, 1, 1, 1, 1;"), "{mn}");
         assert!(mn.contains("__cubeattn_desc(a, a_off * 2u, 16384u, 1024u)"), "{mn}");
+        // int8 operands: i32 accumulators, k32, no transpose or scale immediates
+        let s8 = lower("k_", &kernel(&format!("printf(\"{MARK}wgmma_ss_s8 bf16 64 1\", x,a,o,b,p);\n"))).unwrap();
+        assert!(s8.contains("wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 {%0, "), "{s8}");
+        assert!(s8.contains("%31}, %32, %33, p;"), "{s8}");
+        assert!(s8.contains("\"+r\"(d[31])") && s8.contains("__cubeattn_desc(a, a_off * 2u, 16u, 1024u)"), "{s8}");
+        for bad in ["wgmma_ss_s8 bf16 40 1", "wgmma_ss_s8 bf16 64 2", "wgmma_ss_s8 s8 64 1"] {
+            assert!(lower("k", &kernel(&format!("printf(\"{MARK}{bad}\", x,a,o,b,p);\n"))).is_err(), "{bad}");
+        }
         // helpers sit before the entry point, each once
         let entry = out.find("extern \"C\"").unwrap();
         assert!(out.find("void __cubeattn_fence()").unwrap() < entry);
