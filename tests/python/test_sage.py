@@ -283,3 +283,64 @@ def test_cuda_against_the_f64_reference(causal):
         assert cos >= 0.999 and rel <= 0.03
         fin = np.isfinite(want_lse)
         assert np.abs(lse.cpu().numpy()[fin] - want_lse[fin]).max() < 0.1
+
+
+# ---------------------------------------------------------------- the benchmark's CPU behaviour
+
+def test_bench_sage_without_cuda_says_so_and_exits_0(capsys, monkeypatch):
+    from cubeattn import bench
+
+    monkeypatch.setattr(cubeattn, "backend_status", lambda: {"cuda_compiled": False, "cuda_available": False,
+                                                             "reason": "no GPU here", "devices": []})
+    assert bench.main(["sage", "--seqlens", "256"]) == 0
+    assert "needs CUDA" in capsys.readouterr().out
+
+
+def test_bench_sage_rows_on_the_cpu(tmp_path, capsys):
+    """The sage rows' code path on CPU tensors with small shapes (the SDPA backends that need a GPU
+    report an error row): keys, accuracy columns and both input distributions."""
+    torch = pytest.importorskip("torch")
+    from cubeattn import bench
+
+    args = argparse.Namespace(
+        seqlens=[200], batch_size=1, num_heads=4, num_kv_heads=2, head_dim=64, causal=True, quant_gran="per_warp",
+        outliers=True, iterations=1, quick=True)
+    rows = bench._sage_rows(args, torch, "cpu")
+    capsys.readouterr()
+    ok = [r for r in rows if "error" not in r]
+    impls = {(r["impl"], r["inputs"]) for r in ok}
+    assert {("cubeattn_int8", "randn"), ("cubeattn_bf16", "randn"), ("cubeattn_int8", "outliers"),
+            ("cubeattn_bf16", "outliers")} <= impls
+    for r in ok:
+        assert r["what"] == "sage_fwd" and r["S"] == 200 and r["H"] == 4 and r["D"] == 64 and r["B"] == 1
+        if r["impl"] in ("cubeattn_int8", "cubeattn_bf16"):
+            assert r["cosine"] >= 0.999 and 0 < r["rel_l2"] < 0.03, r
+        if r["inputs"] == "randn" and "ms" in r:
+            assert r["tflops"] > 0
+    assert all(r["impl"].startswith("sdpa") for r in rows if "error" in r)
+    acc = {(r["impl"], r["inputs"]): r["rel_l2"] for r in ok}
+    assert acc[("cubeattn_int8", "outliers")] < acc[("cubeattn_int8_nosmooth", "outliers")]
+    assert acc[("cubeattn_bf16", "randn")] < acc[("cubeattn_int8", "randn")]
+    bench.print_table(rows)
+    assert "0.99" in capsys.readouterr().out  # the cosine column keeps its digits
+
+
+def test_bench_f64_reference_equals_the_block_sparse_reference():
+    """The bench's f64 reference (`bench._attention_f64`, what the sage and sparse INT8 rows'
+    accuracy is measured against) equals conftest.ref_sparse on a block pattern, causal, Sq != Sk, GQA."""
+    torch = pytest.importorskip("torch")
+    from cubeattn import bench, sparse_patterns as sp
+    from conftest import ref_sparse
+
+    rng = fresh_rng("bench reference")
+    q, k, v = inputs(rng, 1, 300, 400, 4, 2, 32, "float32")
+    ix = sp.random(1, 4, 3, 4, 2, seed=int(rng.integers(1 << 30)))
+    heads = bench._ref_heads(4, 3)
+    for causal in (False, True):
+        want, _ = ref_sparse(q[0], k[0], v[0], ix, [0, 300], [0, 400], 128, 128, causal)
+        got = bench._attention_f64(torch, *(torch.from_numpy(x) for x in (q, k, v)), heads, causal,
+                                   block_keep=bench._block_keep(torch, ix[0, heads], 4, "cpu"), rows=128)
+        np.testing.assert_allclose(got.numpy(), want[:, heads], atol=1e-12)
+        dense, _ = reference(q, k, v, causal)
+        got = bench._attention_f64(torch, *(torch.from_numpy(x) for x in (q, k, v)), heads, causal, rows=100)
+        np.testing.assert_allclose(got.numpy(), dense[0][:, heads], atol=1e-12)
