@@ -747,3 +747,8 @@ __all__ += ["zigzag_llama3_flash_attn_varlen_func", "zigzag_split", "zigzag_merg
 # block-sparse attention (python/cubeattn/_sparse.py; patterns in sparse_patterns.py)
 from . import sparse_patterns  # noqa: E402
 from ._sparse import block_index_from_flex, block_sparse_attn_backward, block_sparse_attn_func, sparse_spec  # noqa: E402
+
+# dense attention with SageAttention-style INT8 Q K^T, on the block-sparse path (python/cubeattn/_sage.py)
+from ._sage import sageattn  # noqa: E402
+
+__all__ += ["sageattn"]

@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m cubeattn.bench [dense|grouped|fwdbwd|autograd|callpath|zigzag|sparse|hf_train] [options]``.
+"""Benchmarks: ``python -m cubeattn.bench [dense|grouped|fwdbwd|autograd|callpath|zigzag|sparse|sage|hf_train] [options]``.
 
 ``python -m cubeattn.bench figure --from <json files> -o out.png`` draws recorded rows instead
 (cubeattn beside the peers of the same run; needs matplotlib; ``figure --help``).
@@ -13,6 +13,8 @@ Times cubeattn beside the peers a user would otherwise pick, in the same run, on
     per-group calls that people make today.
 ``sparse`` times block-sparse attention at several kept fractions beside our dense path on the same
 inputs (CUDA: forward and forward+backward, with SDPA flash and FlexAttention with the same BlockMask).
+``sage`` (CUDA only) times ``cubeattn.sageattn`` (INT8 Q K^T) beside our exact forward and SDPA cuDNN /
+flash, with the accuracy of each against an f64 reference (``--outliers``: also on K with outlier channels).
 ``hf_train`` trains a transformers Llama a few steps with cubeattn beside sdpa (see bench_hf.py).
 Our CUDA kernel is timed on device-resident inputs (no host<->device copies) after warm-up.
 Prints a table, writes JSON (``--json``), and a PNG plot when matplotlib is importable (``--png``).
@@ -902,7 +904,8 @@ def _cuda_sparse(args, torch):
     Wall clock of the torch call (median, one sync per call). Rows: {what: "sparse", impl:
     "cubeattn" (the public call with the index: validated per call) | "cubeattn_prepared" (the
     public call with a SparseSpec built once, as a FlexAttention BlockMask is) | "cubeattn_int8" (the same
-    prepared call with INT8 Q K^T, `--quant_gran`; `cosine` against the bf16 sparse output) | "cubeattn_dense" | "sdpa_flash" | "flex", B, H, S, keep, pattern, causal, ms}.
+    prepared call with INT8 Q K^T, `--quant_gran`; `cosine` against the bf16 sparse output, `rel_l2` /
+    `rel_l2_bf16`: the INT8 / bf16 sparse output against the f64 block-sparse attention of batch 0, 4 heads) | "cubeattn_dense" | "sdpa_flash" | "flex", B, H, S, keep, pattern, causal, ms}.
     Then what "sparse_fwdbwd": one autograd step (out = f(q, k, v); out.backward(g), gradients
     accumulating into the leaves) for cubeattn_prepared and cubeattn_dense (the default
     deterministic=False: dQ fused with atomics), cubeattn_prepared_det and cubeattn_dense_det
@@ -971,11 +974,17 @@ def _cuda_sparse(args, torch):
                                                  (np.arange(B + 1) * s).astype(np.int32), s, s, ix, 128, 128,
                                                  causal=args.causal, quant_gran=args.quant_gran)
                     ms = median_ms(lambda: cubeattn.block_sparse_attn_func(q, k, v, spec8), 3, it, sync)
-                    a = cubeattn.block_sparse_attn_func(q, k, v, spec8).double().flatten()
-                    b = cubeattn.block_sparse_attn_func(q, k, v, spec).double().flatten()
-                    cos = float(a @ b / (a.norm() * b.norm()))
+                    a = cubeattn.block_sparse_attn_func(q, k, v, spec8)
+                    b = cubeattn.block_sparse_attn_func(q, k, v, spec)
+                    cos = _acc(a, b)["cosine"]
+                    # both against the f64 block-sparse attention of the same inputs (batch 0, 4 heads)
+                    heads = _ref_heads(H)
+                    ref = _attention_f64(torch, q, k, v, heads, args.causal,
+                                         block_keep=_block_keep(torch, ix[0, heads], nb, "cuda"))
                     rows.append(dict(key, impl="cubeattn_int8", quant_gran=args.quant_gran, ms=ms[0], ms_min=ms[1],
-                                     cosine=cos))
+                                     cosine=cos, rel_l2=_acc(a[0, :, heads], ref)["rel_l2"],
+                                     rel_l2_bf16=_acc(b[0, :, heads], ref)["rel_l2"], ref_heads=heads))
+                    del a, b, ref
             except Exception as e:
                 rows.append(dict(key, impl="cubeattn", error=str(e)[:200]))
             if flex is not None and not args.causal:
@@ -1000,6 +1009,134 @@ def _cuda_sparse(args, torch):
                 and at in dense:
             r["speedup"] = dense[at] / r["ms"]
             r["ideal"] = 1.0 / r["keep"]
+    return rows
+
+
+def _ref_heads(h, n=4):
+    """The q heads the f64 accuracy reference covers: n of them, evenly spaced (several GQA groups)."""
+    return sorted({i * h // n for i in range(n)})
+
+
+def _attention_f64(torch, q, k, v, heads, causal, block_keep=None, block=128, rows=2048):
+    """f64 attention of batch 0 for the q heads `heads`, computed where the tensors are (on the GPU
+    for CUDA tensors), one head and `rows` query rows at a time: [Sq, len(heads), d] float64.
+    q [B, Sq, Hq, d], k/v [B, Sk, Hkv, d] (GQA: q head h reads kv head h // (Hq / Hkv)); causal
+    bottom-right; `block_keep` (optional, bool [len(heads), q_blocks, k_blocks]): the key blocks of
+    a block-sparse pattern (`block`-sized). Rows that see no key: zeros."""
+    sq, hq, d = q.shape[1:]
+    sk, hkv = k.shape[1], k.shape[2]
+    dev = q.device
+    out = torch.zeros(sq, len(heads), d, dtype=torch.float64, device=dev)
+    kj = torch.arange(sk, device=dev)
+    for i, h in enumerate(heads):
+        kh, vh = k[0, :, h // (hq // hkv)].double(), v[0, :, h // (hq // hkv)].double()
+        for r0 in range(0, sq, rows):
+            r = torch.arange(r0, min(sq, r0 + rows), device=dev)
+            s = (q[0, r0:r0 + len(r), h].double() @ kh.T) * (d ** -0.5)
+            mask = (kj[None, :] <= r[:, None] + (sk - sq)) if causal else None
+            if block_keep is not None:
+                bk = block_keep[i][r // block][:, kj // block]
+                mask = bk if mask is None else mask & bk
+            if mask is not None:
+                s = s.masked_fill(~mask, float("-inf"))
+            m = s.amax(-1, keepdim=True)
+            p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
+            den = p.sum(-1, keepdim=True)
+            out[r0:r0 + len(r), i] = (p @ vh) / torch.where(den > 0, den, torch.ones_like(den))
+            del s, p, mask
+    return out
+
+
+def _block_keep(torch, ix, k_blocks, device):
+    """A block index [..., q_blocks, top_k] (-1 = unused slot) -> bool [..., q_blocks, k_blocks]."""
+    ix = torch.as_tensor(np.asarray(ix)).long()
+    keep = torch.zeros(*ix.shape[:-1], k_blocks + 1, dtype=torch.bool)
+    keep.scatter_(-1, torch.where(ix < 0, k_blocks, ix), True)
+    return keep[..., :k_blocks].to(device)
+
+
+def _acc(got, ref):
+    """cosine similarity and relative L2 error (||got - ref|| / ||ref||) of two tensors, in f64."""
+    g, r = got.double().flatten(), ref.double().flatten()
+    rn = float(r.norm())
+    return dict(cosine=float(g @ r) / max(float(g.norm()) * rn, 1e-300), rel_l2=float((g - r).norm()) / max(rn, 1e-300))
+
+
+# K channel outliers of `bench sage --outliers`: these channels get +OUTLIER_SHIFT on every key (a
+# per-channel bias, what K smoothing removes), and q is scaled by OUTLIER_Q_SCALE (larger logits:
+# a peakier softmax that magnifies the Q K^T quantisation error).
+OUTLIER_CHANNELS = (3, 17, 64, 101)
+OUTLIER_SHIFT = 20.0
+OUTLIER_Q_SCALE = 2.0
+
+
+def _sage_rows(args, torch, dev="cuda"):
+    """`bench sage` (issue 43): dense attention with INT8 Q K^T (`cubeattn.sageattn`) beside our
+    exact forward (`flash_attn_func`) and SDPA's cuDNN and flash backends, `--dtype` (bf16), B=4,
+    H=32 (kv heads `--num-kv-heads`, default H), d=128 unless given. Wall clock of the torch call, median,
+    one sync per call. Rows: {what: "sage_fwd", impl: "cubeattn_int8" | "cubeattn_bf16" |
+    "sdpa_cudnn" | "sdpa_flash", inputs: "randn", B, H, H_kv, S, D, causal, ms, tflops (4 B H S^2 d,
+    halved when causal, per time), cosine, rel_l2}: the accuracy against the f64 attention of the
+    same (bf16) inputs, unquantised, on batch 0 and 4 q heads (`ref_heads`). With --outliers, also
+    inputs "outliers" (K channel outliers, q scaled: OUTLIER_*), accuracy only, with
+    "cubeattn_int8_nosmooth" (smooth_k=False) beside. `dev` is "cuda" here (tests run this code on
+    CPU tensors: the SDPA backends then report an error row)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    B, H, d = args.batch_size or 4, args.num_heads or 32, args.head_dim or 128
+    hkv = args.num_kv_heads or H
+    gran = args.quant_gran or "per_warp"
+    causal, it = args.causal, args.iterations
+    dt = getattr(args, "dtype", "bfloat16")
+    tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16}[dt]
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    heads = _ref_heads(H)
+    rows = []
+    for s in args.seqlens:
+        flops = 4 * B * H * s * s * d / (2 if causal else 1)
+        base = dict(what="sage_fwd", B=B, H=H, H_kv=hkv, S=s, D=d, causal=causal, dtype=dt, ref_heads=heads)
+        dists = ["randn"] + (["outliers"] if args.outliers else [])
+        for dist in dists:
+            g = torch.Generator(device=dev).manual_seed(s)
+            q, k, v = (torch.randn(B, s, h, d, device=dev, dtype=tdt, generator=g) for h in (H, hkv, hkv))
+            if dist == "outliers":
+                q = q * OUTLIER_Q_SCALE
+                k[..., [c % d for c in OUTLIER_CHANNELS]] += OUTLIER_SHIFT
+            key = dict(base, inputs=dist)
+            ref = _attention_f64(torch, q, k, v, heads, causal)
+            qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))  # [B, H, S, d] for SDPA
+            timed = dist == "randn"
+
+            def sdpa(be):
+                def run():
+                    with sdpa_kernel(be):
+                        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=hkv != H)
+                return lambda: run().transpose(1, 2)
+
+            # device=dev: a call the CUDA backend refuses raises (an error row) instead of running on the CPU
+            impls = [("cubeattn_int8", lambda: cubeattn.sageattn(q, k, v, is_causal=causal, quant_gran=gran,
+                                                                 device=dev), dict(quant_gran=gran)),
+                     ("cubeattn_bf16", lambda: cubeattn.flash_attn_func(q, k, v, causal=causal, device=dev), {})]
+            if timed:
+                impls += [("sdpa_cudnn", sdpa(SDPBackend.CUDNN_ATTENTION), {}),
+                          ("sdpa_flash", sdpa(SDPBackend.FLASH_ATTENTION), {})]
+            else:
+                impls.insert(1, ("cubeattn_int8_nosmooth", lambda: cubeattn.sageattn(q, k, v, is_causal=causal,
+                                                                                     quant_gran=gran, smooth_k=False,
+                                                                                     device=dev),
+                                 dict(quant_gran=gran, smooth_k=False)))
+            for name, fn, extra in impls:
+                try:
+                    r = dict(key, impl=name, **extra)
+                    if timed:
+                        ms = median_ms(fn, 3, it, sync)
+                        r.update(ms=ms[0], ms_min=ms[1], ms_max=ms[2], tflops=flops / ms[0] / 1e9)
+                    r.update(_acc(fn()[0, :, heads], ref))
+                    rows.append(r)
+                except Exception as e:  # report, keep the others
+                    rows.append(dict(key, impl=name, error=str(e)[:200]))
+            del q, k, v, qt, kt, vt, ref
     return rows
 
 
@@ -1082,13 +1219,15 @@ def _hf_train(args, torch):
 
 def print_table(rows):
     cols = [c for c in ("what", "config", "causal", "impl", "cache", "part", "B", "S", "T", "W", "window", "rank", "P", "G",
-                        "pattern",
+                        "pattern", "inputs", "quant_gran",
                         "kept", "keep", "ms", "gflops", "tflops", "speedup", "ideal", "fwd_ms", "fwd_tflops_per_gpu", "fwdbwd_ms",
-                        "tflops_per_gpu", "exposed_comm_fwd_ms", "exposed_comm_fwdbwd_ms", "rel_err",
+                        "tflops_per_gpu", "exposed_comm_fwd_ms", "exposed_comm_fwdbwd_ms", "cosine", "rel_l2", "rel_l2_bf16", "rel_err",
                         "rel_err_vs_cubeattn", "ok", "error")
             if any(c in r for r in rows)]
     fmt = lambda v: (f"{v:.3f}" if v == 0 or abs(v) >= 0.01 else f"{v:.2e}") if isinstance(v, float) else str(v)
-    table = [[fmt(r.get(c, "")) for c in cols] for r in rows]
+    # a cosine similarity near 1 needs its digits
+    table = [[f"{r[c]:.6f}" if c == "cosine" and isinstance(r.get(c), float) else fmt(r.get(c, "")) for c in cols]
+             for r in rows]
     widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
     for t in table:
@@ -1123,14 +1262,16 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m cubeattn.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", nargs="?", default="dense",
-                   choices=["dense", "grouped", "fwdbwd", "autograd", "callpath", "zigzag", "sparse", "hf_train"])
+                   choices=["dense", "grouped", "fwdbwd", "autograd", "callpath", "zigzag", "sparse", "sage", "hf_train"])
     p.add_argument("--quick", action="store_true", help="small shapes, few iterations")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--config", default=None, choices=sorted(CONFIGS))
     p.add_argument("--configs", nargs="+", default=["llama3-8b", "llama3-70b"], choices=sorted(CONFIGS))
     p.add_argument("--seqlens", "--seq_lens", "--seq-lens", nargs="+", type=int, default=None)
     p.add_argument("--batch_size", "--batch-size", type=int, default=None, help="sparse: batch (default 4 on CUDA)")
-    p.add_argument("--num_heads", "--num-heads", type=int, default=None, help="sparse: heads (default 32 on CUDA)")
+    p.add_argument("--num_heads", "--num-heads", type=int, default=None, help="sparse, sage: heads (default 32 on CUDA)")
+    p.add_argument("--num_kv_heads", "--num-kv-heads", type=int, default=None,
+                   help="sage: kv heads (default: --num_heads; must divide it)")
     p.add_argument("--head_dim", "--head-dim", type=int, default=None, help="sparse: head_dim (default 128 on CUDA)")
     p.add_argument("--test_correctness", "--test-correctness", action="store_true",
                    help="sparse: check against the f64 masked-dense reference (small shapes)")
@@ -1158,7 +1299,10 @@ def main(argv=None):
                    help="sparse: kept fractions of the key blocks")
     p.add_argument("--qk-int8", "--qk_int8", action="store_true", help="sparse: --quant_gran per_warp")
     p.add_argument("--quant_gran", "--quant-gran", default=None, choices=["per_block", "per_warp", "per_thread"],
-                   help="sparse: also time the INT8 QK^T option with this scale granularity")
+                   help="sparse: also time the INT8 QK^T option with this scale granularity; sage: the granularity "
+                        "(default per_warp)")
+    p.add_argument("--outliers", action="store_true",
+                   help="sage: also measure the accuracy on inputs with outlier channels in K (and q scaled)")
     p.add_argument("--dense-only", action="store_true", help="fwdbwd: the dense rows only (no grouped zigzag)")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--png", default=None, help="write a plot here (needs matplotlib)")
@@ -1168,6 +1312,17 @@ def main(argv=None):
         args.quant_gran = "per_warp"
     st = cubeattn.backend_status()
     device = args.device if args.device != "auto" else ("cuda" if st["cuda_available"] else "cpu")
+    if args.what == "sage":
+        if args.num_kv_heads is not None and (args.num_kv_heads < 1 or (args.num_heads or 32) % args.num_kv_heads):
+            p.error(f"--num-kv-heads {args.num_kv_heads} must divide --num-heads {args.num_heads or 32}")
+        torch = _torch()
+        why = (st["reason"] or "CUDA backend not available") if not st["cuda_available"] else \
+            "--device cpu" if device == "cpu" else "torch is not installed" if torch is None else \
+            "torch has no CUDA" if not torch.cuda.is_available() else None
+        if why:
+            print(f"# cubeattn bench sage: skipped, it needs CUDA (cubeattn's INT8 kernels beside cuDNN and "
+                  f"FlashAttention): {why}")
+            return 0
     if device == "cuda" and not st["cuda_available"]:
         p.error(f"--device cuda: {st['reason']}")
     if args.what == "zigzag":
@@ -1201,12 +1356,14 @@ def main(argv=None):
         if args.what != "fwdbwd":  # fwdbwd: every dense config unless --config names one
             args.config = args.config or "llama3-8b"
         args.seqlens = args.seqlens or ([8192] if args.what == "sparse" else [4096] if args.what == "hf_train"
+                                        else ([8192] if args.quick else [8192, 16384]) if args.what == "sage"
                                         else [4096, 8192] if args.quick else [4096, 8192, 16384, 32768])
         if args.what != "hf_train":  # hf_train: --iterations = training steps (default 25)
             args.iterations = args.iterations or (5 if args.quick else 20)
         rows = {"dense": _cuda_dense, "grouped": _cuda_grouped, "fwdbwd": _cuda_fwdbwd,
                 "autograd": _cuda_autograd, "callpath": _cuda_callpath,
-                "sparse": lambda a, t: _sparse(a, device, t), "hf_train": _hf_train}[args.what](args, torch)
+                "sparse": lambda a, t: _sparse(a, device, t), "sage": _sage_rows,
+                "hf_train": _hf_train}[args.what](args, torch)
     env = environment(device)
     print(f"# cubeattn bench {args.what} on {device}: {env.get('gpu_name', platform.processor() or 'cpu')}, "
           f"{env['date']}, commit {env['commit']}")
