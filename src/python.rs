@@ -250,7 +250,7 @@ fn varlen_spec(
     let cq = flat_i32(&cu_seqlens_q, "cu_seqlens_q")?;
     let ck = flat_i32(&cu_seqlens_k, "cu_seqlens_k")?;
     let ix = block_index.as_ref().map(|b| flat_i32(b, "block_index")).transpose()?;
-    let int8 = qk_int8.map(|g| QuantGran::parse(g).map(|gran| Int8Qk { gran, smooth_k })).transpose().map_err(to_py)?;
+    let int8 = qk_int8.map(|g| QuantGran::parse(g).map(|gran| Int8Qk { gran, smooth_k, pv_fp8: false })).transpose().map_err(to_py)?;
     AttnSpec::varlen(&q, &k, &v, cq, ck, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
         .and_then(|s| s.with_window(window_size.0, window_size.1))
         .and_then(|s| match ix {

@@ -124,7 +124,17 @@ pub struct Int8Qk {
     pub gran: QuantGran,
     /// Subtract K's per-sequence mean before quantising.
     pub smooth_k: bool,
+    /// P.V in FP8 e4m3 (SageAttention2): V quantised per (sequence, kv head, channel) with
+    /// scale `amax / 448`, P scaled by 256 and rounded to e4m3 ([`FP8_P_SCALE`]); else P.V in
+    /// the input's f16/bf16 from the original V.
+    pub pv_fp8: bool,
 }
+
+/// The largest finite FP8 e4m3 value: V's per-channel scale is `amax / FP8_MAX`.
+pub const FP8_MAX: f32 = 448.0;
+/// P is multiplied by this before its e4m3 rounding (P <= 1, so P * 256 <= 448; the row sums
+/// carry the same factor, so it cancels in O and leaves the LSE by `ln 256`).
+pub const FP8_P_SCALE: f32 = 256.0;
 
 /// A validated block index in compressed form: for row `(b, h, qb)` (row id
 /// `(b * heads + h) * q_blocks + qb`) the kept key blocks `blocks[offsets[id]..offsets[id + 1]]`,

@@ -788,7 +788,7 @@ mod tests {
             assert_eq!(v.visible_pairs(), pairs);
             assert_eq!(s.forward_flops(), 4.0 * pairs as f64 * 8.0);
             // the INT8 option is forward-only on every backend
-            let int8 = Some(Int8Qk { gran: crate::sparse::QuantGran::PerWarp, smooth_k: true });
+            let int8 = Some(Int8Qk { gran: crate::sparse::QuantGran::PerWarp, smooth_k: true, pv_fp8: false });
             let q8 = base(causal).with_block_index(&ix, &[2, 2, 2, 2], 64, 128, int8).unwrap();
             assert!(q8.check_pass(Pass::Forward).is_ok() && s.check_pass(Pass::Backward { deterministic: true }).is_ok());
             assert!(matches!(q8.check_pass(Pass::Backward { deterministic: true }), Err(Error::InvalidArgument { arg: "quant_gran", .. })));

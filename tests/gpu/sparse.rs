@@ -172,7 +172,7 @@ fn sparse_int8_forward_matches_cpu_and_writes_every_element() {
         for (gi, gran) in grans.iter().enumerate() {
             let smooth_k = gi != 1 || ci % 2 == 0;
             let causal = (ci + gi) % 2 == 0;
-            let spec = case_spec_int8(c, causal, &mut rng, Some(Int8Qk { gran: *gran, smooth_k }));
+            let spec = case_spec_int8(c, causal, &mut rng, Some(Int8Qk { gran: *gran, smooth_k, pv_fp8: false }));
             let mut exact = spec.clone();
             if let KeySet::BlockSparse(s) = &mut exact.keys {
                 s.int8 = None;
