@@ -20,12 +20,13 @@ use cubecl::prelude::*;
 use cubecl::prelude::barrier::{copy_async, Barrier};
 
 use super::cards::FwdCard;
+use super::fp8_v::vt_col_base;
 use super::int8_qk::dot_to_f32;
-use super::flash_fwd::{fill_rows, tile_bounds, work_item, LIST_SMEM, M_INIT, NONE, RESCALE_SLACK};
+use super::flash_fwd::{fill_rows, tile_bounds, work_item, LIST_SMEM, M_INIT, NONE, RESCALE_SLACK, SLICE_WORDS};
 use super::kv_tiles::{issue_tile_boxes, tile_rows};
 use super::math::{fast_exp2, LN2};
-use super::sm90::{fence_proxy_async, pack_a_pairs, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_ss_s8,
-    wgmma_wait, SW_COLS, SW_ROW};
+use super::sm90::{fence_proxy_async, pack_a_pairs, pack_p_e4m3, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_rs_e4m3,
+    wgmma_ss, wgmma_ss_s8, wgmma_wait, SW_COLS, SW_ROW};
 use super::staging::commit_copies;
 use crate::format::KV_PAGE;
 
@@ -150,7 +151,8 @@ fn mask_scores(
 /// factor for O (1 where it stayed), `s` becomes P, `l_r` the rescaled row sums plus this tile's.
 /// Returns whether any row of the warp moved (O must then be rescaled by `alpha`). `int8`: `s`
 /// holds raw dot products and `sl` this lane's two factors to base-2 scores (Q scale x K scale x
-/// `scale_log2`) in place of `scale_log2`.
+/// `scale_log2`) in place of `scale_log2`. `fp8` (FP8 P.V): no slack (the references follow every
+/// rise, so P <= 1) and P, the row sums with it, scaled by 256.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn softmax_scores(
@@ -163,6 +165,7 @@ fn softmax_scores(
     neg_inf: f32,
     #[comptime] block_n: usize,
     #[comptime] int8: bool,
+    #[comptime] fp8: bool,
 ) -> bool {
     let n_blocks = comptime!(block_n / 8);
     let mut moved = false;
@@ -188,7 +191,9 @@ fn softmax_scores(
         }
         let old = m_r[i];
         let mut new = old;
-        if mx > old + RESCALE_SLACK {
+        // FP8 P.V: every rise moves the reference (P <= 1, so 256 P fits e4m3's 448)
+        let slack = comptime!(if fp8 { 0.0f32 } else { RESCALE_SLACK });
+        if mx > old + slack {
             new = mx;
             moved = true;
         }
@@ -197,7 +202,12 @@ fn softmax_scores(
     }
     #[unroll]
     for i in 0..2usize {
-        let ref_m = m_r[i];
+        let mut ref_m = m_r[i];
+        if fp8 {
+            // P scaled by 2^8 = FP8_P_SCALE (so are the row sums: it cancels in O; the LSE takes
+            // it out)
+            ref_m -= 8.0f32;
+        }
         let mut f = scale_log2;
         if int8 {
             f = sl[i];
@@ -253,12 +263,46 @@ fn pv_steps<E: Float>(
     }
 }
 
+/// `O += P V` over one key tile in FP8: `block_n / 32` MMAs m64 x head_dim x k32, P the e4m3 A words
+/// `p8` (`sm90::pack_p_e4m3`), V^T the 64-byte-swizzled tile of `head_dim` rows of `block_n` keys
+/// at element `base` of `v_smem` (`fp8_v`). The caller fences before and commits after.
+#[cube]
+fn pv_steps_e4m3<E: Float>(
+    o_acc: &mut Array<f32>,
+    p8: &Array<u32>,
+    v_smem: &SharedMemory<E>,
+    base: usize,
+    #[comptime] block_n: usize,
+    #[comptime] head_dim: usize,
+) {
+    #[unroll]
+    for ks in 0..comptime!(block_n / 32) {
+        // 32 bytes = 16 elements of E per k32 step
+        let b_off = base + comptime!(ks * 16);
+        wgmma_rs_e4m3::<E>(o_acc, p8, v_smem, b_off as u32, comptime!(4 * ks), head_dim);
+    }
+}
+
+/// Unit 0 raises `bar`'s expected bytes by one FP8 V^T tile (`head_dim` rows of 64 keys, one byte
+/// each) and issues its tensor-map copy (rows of kv head `head_kv`, from byte `col` of each row:
+/// `fp8_v`) into element `base` of `smem`.
+#[cube]
+fn issue_vt_tile<E: Float>(map: &TensorMap<E, Tiled>, smem: &mut SharedMemory<E>, bar: &Barrier, base: usize, col: u32, head_kv: u32,
+    #[comptime] head_dim: usize) {
+    if UNIT_POS == 0 {
+        bar.expect_tx(comptime!((head_dim * 64) as u32));
+        bar.tma_load_2d(map, &mut smem.slice_mut(base, base + comptime!(head_dim * 32)), (head_kv * head_dim as u32) as i32, col as i32);
+    }
+}
+
 /// The Hopper forward kernel; its arguments are the forward card (`cards::FwdCard`), as those of
 /// `flash_fwd::flash_fwd_mma2` (`k_s` / `v_s` are read only through the maps). `int8`
 /// (block-sparse, SageAttention style): Q K^T from int8 rows by `wgmma .s32.s8.s8`, the card's
 /// arrays used as `flash_fwd_mma2`'s INT8 variant uses them (`q_s` the int8 Q rows, `k_map` a
 /// map over the int8 K rows, `part_o` the K scales, `part_lse` the Q scales and LSE corrections;
-/// `int8_qk` with its natural channel order), P.V unchanged.
+/// `int8_qk` with its natural channel order), P.V unchanged. `fp8_pv` (with `int8`, 64-key tiles):
+/// P.V in FP8 e4m3 (`fp8_v`: `v_map` a byte map over V^T, its per-channel scales in `part_lse`
+/// after the Q part, at `2 heads_q total_q`), P scaled by 256 and rounded in registers.
 /// `k_map` / `v_map`: 128-byte-swizzled maps with 64-column x `kv_tiles::box_rows` boxes.
 #[allow(clippy::too_many_arguments, clippy::eq_op, unused_variables)]
 #[cube(launch_unchecked)]
@@ -270,6 +314,7 @@ pub fn flash_fwd_sm90<E: Float>(
     #[comptime] paged: bool,
     #[comptime] check_v: bool,
     #[comptime] int8: bool,
+    #[comptime] fp8_pv: bool,
 ) {
     // v holds a NaN or Inf (`nonfinite::v_nonfinite`, or with `check_v` a cube that saw one in
     // its V tiles): the exact row-wise kernel writes this call
@@ -292,7 +337,9 @@ pub fn flash_fwd_sm90<E: Float>(
     let tile_k = comptime!(block_n * qk_e);
     let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(block_m * qk_e), 1024usize);
     let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(2 * tile_k), 1024usize);
-    let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(2 * block_n * head_dim), 1024usize);
+    // FP8 V^T: head_dim rows of block_n bytes (block_n / 2 elements of E)
+    let tile_v = comptime!(if fp8_pv { block_n * head_dim / 2 } else { block_n * head_dim });
+    let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(2 * tile_v), 1024usize);
     let mut row_tok = SharedMemory::<u32>::new(block_m);
     let mut row_head = SharedMemory::<u32>::new(block_m);
     let mut row_lo = SharedMemory::<u32>::new(block_m);
@@ -306,6 +353,15 @@ pub fn flash_fwd_sm90<E: Float>(
     let (y, head_base, head_kv) = (wi.y, wi.head_base, wi.head_kv);
     let (slice_off, n_slices, klo, khi, slot) = (wi.slice_off, wi.n_slices, wi.klo, wi.khi, wi.slot);
     let (n_tiles, list, tpb_magic) = (wi.n_tiles, wi.list, wi.tpb_magic);
+    // FP8 V^T: the item's sequence (block-sparse: one) and its first byte in a V^T row, less its
+    // first key (a tile from key t0 starts at byte vt_off + t0)
+    let mut seq = 0u32;
+    let mut vt_off = 0u32;
+    if fp8_pv {
+        seq = args.slices[(slice_off * SLICE_WORDS as u32) as usize];
+        let k_start = args.segs[(seq * 4u32 + 2u32) as usize];
+        vt_off = vt_col_base(k_start, seq) - k_start;
+    }
 
     fill_rows(
         &args.slices, &args.segs, slice_off, n_slices, args.hp, head_base, klo, khi, &mut row_tok, &mut row_head, &mut row_lo,
@@ -335,7 +391,11 @@ pub fn flash_fwd_sm90<E: Float>(
         let (p0, _p1, pb) = tile_rows(f0, f1, &args.blocks, paged, block_n);
         issue_tile_boxes(&args.k_map, &mut k_smem, &bar_k, 0usize, p0, pb, head_kv, block_n, qk_e, true);
         commit_copies(&bar_k);
-        issue_tile_boxes(&args.v_map, &mut v_smem, &bar_v, 0usize, p0, pb, head_kv, block_n, head_dim, true);
+        if fp8_pv {
+            issue_vt_tile(&args.v_map, &mut v_smem, &bar_v, 0usize, vt_off + f0, head_kv, head_dim);
+        } else {
+            issue_tile_boxes(&args.v_map, &mut v_smem, &bar_v, 0usize, p0, pb, head_kv, block_n, head_dim, true);
+        }
         commit_copies(&bar_v);
     }
 
@@ -348,7 +408,8 @@ pub fn flash_fwd_sm90<E: Float>(
         o_acc[i] = 0.0f32;
     }
     let mut s = Array::<f32>::new(s_n);
-    let mut p = Array::<Vector<E, Const<2>>>::new(comptime!(block_n / 4));
+    let mut p = Array::<Vector<E, Const<2>>>::new(comptime!(if fp8_pv { 1usize } else { block_n / 4 }));
+    let mut p8 = Array::<u32>::new(comptime!(if fp8_pv { block_n / 8 } else { 1usize }));
     let neg_inf = -args.inf;
     let mut m_r = Array::<f32>::new(2usize);
     let mut l_r = Array::<f32>::new(2usize);
@@ -402,6 +463,7 @@ pub fn flash_fwd_sm90<E: Float>(
         sync_cube();
         let cur = ((kt & 1u32) as usize) * tile_e;
         let cur_k = ((kt & 1u32) as usize) * tile_k;
+        let cur_v = ((kt & 1u32) as usize) * tile_v;
         let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
             tpb_magic, block_n, sparse);
         let has_next = kt + 1 < n_tiles;
@@ -444,19 +506,31 @@ pub fn flash_fwd_sm90<E: Float>(
             }
         }
         mask_scores(&mut s, &row_lo, &row_hi, row_a, row_b, t0, t1, rows_lo, rows_hi, lane, neg_inf, block_n);
-        let moved = softmax_scores(&mut s, &mut m_r, &mut l_r, &mut alpha, args.scale_log2, &sl, neg_inf, block_n, int8);
+        let moved = softmax_scores(&mut s, &mut m_r, &mut l_r, &mut alpha, args.scale_log2, &sl, neg_inf, block_n, int8, fp8_pv);
         if moved {
             rescale_o(&mut o_acc, &alpha, head_dim);
         }
-        pack_a_pairs::<E>(&s, &mut p, comptime!(block_n / 4));
+        if fp8_pv {
+            pack_p_e4m3(&s, &mut p8, comptime!(block_n / 32));
+        } else {
+            pack_a_pairs::<E>(&s, &mut p, comptime!(block_n / 4));
+        }
         // V(t + 1) is issued only after this thread saw V(t) land
         bar_v.wait_parity(kt & 1u32);
         if has_next {
-            issue_tile_boxes(&args.v_map, &mut v_smem, &bar_v, tile_e - cur, p0, pb, head_kv, block_n, head_dim, true);
+            if fp8_pv {
+                issue_vt_tile(&args.v_map, &mut v_smem, &bar_v, tile_v - cur_v, vt_off + n0, head_kv, head_dim);
+            } else {
+                issue_tile_boxes(&args.v_map, &mut v_smem, &bar_v, tile_e - cur, p0, pb, head_kv, block_n, head_dim, true);
+            }
             commit_copies(&bar_v);
         }
         wgmma_fence();
-        pv_steps::<E>(&mut o_acc, &p, &v_smem, cur, block_n, head_dim);
+        if fp8_pv {
+            pv_steps_e4m3::<E>(&mut o_acc, &p8, &v_smem, cur_v, block_n, head_dim);
+        } else {
+            pv_steps::<E>(&mut o_acc, &p, &v_smem, cur, block_n, head_dim);
+        }
         wgmma_commit();
         if comptime!(check_v) {
             // while the MMAs read the same tile (the buffer is reused only after the next tile's
@@ -500,8 +574,14 @@ pub fn flash_fwd_sm90<E: Float>(
                 let tr = prow + acc_row(lane, e) as usize;
                 let tok = row_tok[tr];
                 if tok != NONE {
-                    let g = (tok * args.heads_q + row_head[tr]) as usize * head_dim + ob * 8 + acc_col(lane, e) as usize;
-                    args.out[g] = E::cast_from(o_acc[ob * 4 + e] * inv_r[e / 2]);
+                    let col = ob * 8 + acc_col(lane, e) as usize;
+                    let g = (tok * args.heads_q + row_head[tr]) as usize * head_dim + col;
+                    let mut o = o_acc[ob * 4 + e] * inv_r[e / 2];
+                    if fp8_pv {
+                        // V's per-channel scale (`fp8_v_scales`), after the Q scales and LSE corrections
+                        o *= args.part_lse[(2u32 * args.heads_q * args.total_q) as usize + (seq * args.heads_kv + head_kv) as usize * head_dim + col];
+                    }
+                    args.out[g] = E::cast_from(o);
                 }
             }
         }
@@ -514,6 +594,10 @@ pub fn flash_fwd_sm90<E: Float>(
                     let mut val = args.inf;
                     if l_r[i] != 0.0f32 {
                         val = m_r[i] * LN2 + f32::ln(l_r[i]);
+                        if fp8_pv {
+                            // the row sums carry P's factor 256
+                            val -= 8.0f32 * LN2;
+                        }
                         if int8 {
                             // K smoothing: the LSE correction softmax_scale * q . mean
                             val += args.part_lse[(args.heads_q * args.total_q + row_head[tr] * args.total_q + tok) as usize];

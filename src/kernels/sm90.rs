@@ -158,6 +158,58 @@ pub fn wgmma_ss_s8<E: Float>(
     })
 }
 
+/// `acc[0 .. n / 2] += A B` for one m64 x n x k32 step of FP8 e4m3 operands (`wgmma ...
+/// .f32.e4m3.e4m3`), A from registers: the four words `a_regs[a0 .. a0 + 4]` of
+/// [`pack_p_e4m3`]; B in shared memory, K-major (the only major order of 8-bit operands) with
+/// 64-byte rows, 64-byte-swizzled (what a tensor-map copy with `CU_TENSOR_MAP_SWIZZLE_64B` of
+/// 64-byte boxes writes into a 512-byte-aligned buffer): `n` rows of 64 K-elements, its first
+/// byte at element `b_off` of `b` (typed `E`: two bytes an element).
+#[cube]
+#[allow(clippy::too_many_arguments, unused_variables)]
+pub fn wgmma_rs_e4m3<E: Float>(
+    acc: &mut Array<f32>,
+    a_regs: &Array<u32>,
+    b: &SharedMemory<E>,
+    b_off: u32,
+    #[comptime] a0: usize,
+    #[comptime] n: usize,
+) {
+    intrinsic!(|scope| {
+        let t = elem_name::<E>(scope);
+        let args = vec![*acc.expand, *a_regs.expand, *b.expand, *b_off.expand];
+        marker(scope, format!("wgmma_rs_e4m3 {t} {n} {a0}"), args)
+    })
+}
+
+/// The f32 scores / probabilities `s` (the m64nN accumulator layout: `s[4 nb + e]`, n8 block `nb`)
+/// rounded to FP8 e4m3 (`cvt.rn.satfinite`) into the A words of [`wgmma_rs_e4m3`]: `chunks` k32
+/// steps of four words each. The A fragment of a k32 step wants this lane's row-`g` bytes for
+/// columns `4 t .. 4 t + 4` and `16 + 4 t ..` (rows `g + 8` in words 1 and 3), while the
+/// accumulator holds columns `2 t, 2 t + 1` of each n8 block: word 0 takes n8 blocks `4 c` and
+/// `4 c + 1` (elements 0, 1 of each), word 2 blocks `4 c + 2`, `4 c + 3`, words 1 / 3 the same
+/// for elements 2, 3. So A's column `16 h + 4 t + i` holds key `16 h + 8 (i / 2) + 2 t + i % 2`
+/// of the step: the B operand (V^T) must hold its keys in that order
+/// (`fp8_v::slot_of_key`).
+#[cube]
+#[allow(unused_variables)]
+pub fn pack_p_e4m3(s: &Array<f32>, out: &mut Array<u32>, #[comptime] chunks: usize) {
+    intrinsic!(|scope| {
+        let args = vec![*s.expand, *out.expand];
+        marker(scope, format!("pack_p_e4m3 {chunks}"), args)
+    })
+}
+
+/// `out[i]` = the four f32 `x0 .. x3` rounded to FP8 e4m3 (`cvt.rn.satfinite`: NaN stays NaN,
+/// overflow and infinities saturate to +-448), `x0` in the lowest byte.
+#[cube]
+#[allow(unused_variables)]
+pub fn e4m3x4(out: &mut Array<u32>, #[comptime] i: usize, x0: f32, x1: f32, x2: f32, x3: f32) {
+    intrinsic!(|scope| {
+        let args = vec![*out.expand, *x0.expand, *x1.expand, *x2.expand, *x3.expand];
+        marker(scope, format!("e4m3x4 {i}"), args)
+    })
+}
+
 /// `pairs` f32 pairs `x[2 j], x[2 j + 1]` packed to the element type: an f32 accumulator (m16n8
 /// layout) as the A fragments of [`wgmma_rs`] (pair `4 k .. 4 k + 4` is step `k`'s operand).
 #[cube]

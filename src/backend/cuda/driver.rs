@@ -220,6 +220,37 @@ pub(crate) fn tile_map_2d(
         DType::BF16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
         DType::F32 => return Err(Error::Device("tile_map_2d: f32 tensors take no tile map".into())),
     };
+    let sw = if sw128 { sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B } else { sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE };
+    encode_2d(ty, ptr, cols, rows, row_bytes, box_cols, box_rows, sw)
+}
+
+/// A tensor map of a row-major 2-D tensor of bytes (`rows` rows of `cols` bytes, `row_bytes`
+/// apart) whose copies are boxes of `box_rows` rows x 64 bytes, 64-byte swizzled in shared memory
+/// (the FP8 K-major operand of `kernels::sm90::wgmma_rs_e4m3`; the destination 512-byte aligned).
+pub(crate) fn byte_map_2d_sw64(ptr: u64, cols: usize, rows: usize, row_bytes: usize, box_rows: u32) -> Result<sys::CUtensorMap> {
+    encode_2d(
+        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+        ptr,
+        cols,
+        rows,
+        row_bytes,
+        64,
+        box_rows,
+        sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_64B,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn encode_2d(
+    ty: sys::CUtensorMapDataType,
+    ptr: u64,
+    cols: usize,
+    rows: usize,
+    row_bytes: usize,
+    box_cols: u32,
+    box_rows: u32,
+    swizzle: sys::CUtensorMapSwizzle,
+) -> Result<sys::CUtensorMap> {
     let dims = [cols as u64, rows.max(1) as u64];
     let strides = [row_bytes as u64];
     let boxes = [box_cols, box_rows];
@@ -238,7 +269,7 @@ pub(crate) fn tile_map_2d(
             boxes.as_ptr(),
             elem.as_ptr(),
             sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            if sw128 { sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B } else { sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE },
+            swizzle,
             sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
             sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )

@@ -180,7 +180,8 @@ pub(crate) fn sm90_forward(be: &CudaBackend, spec: &AttnSpec) -> bool {
 }
 
 /// The Hopper forward kernel (`flash_fwd_sm90`) for one set of comptime choices, and its keys per
-/// tile (`FwdOptions::sm90_tile_for`). `int8`: INT8 Q K^T (block-sparse, `cuda::sparse_int8`).
+/// tile (`FwdOptions::sm90_tile_for`). `int8`: INT8 Q K^T (block-sparse, `cuda::sparse_int8`);
+/// `fp8_pv`: with it, FP8 P.V (`kernels::fp8_v`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn flash_fwd_sm90_kernel(
     be: &CudaBackend,
@@ -190,17 +191,22 @@ pub(crate) fn flash_fwd_sm90_kernel(
     paged: bool,
     check_v: bool,
     int8: bool,
+    fp8_pv: bool,
 ) -> Result<(super::compile::Func, usize)> {
     let (bn, cubes) = fwd_options().sm90_tile_for(hd);
-    let key = KernelKey::new("flash_fwd_sm90", dt, &[hd as u32, bn as u32, sparse as u32, paged as u32, cubes, check_v as u32, int8 as u32]);
-    let f = be.kernels.get(&key, || fwd_sm90_source(be.client(), dt, hd, bn, sparse, paged, cubes, check_v, int8))?;
+    let key = KernelKey::new(
+        "flash_fwd_sm90",
+        dt,
+        &[hd as u32, bn as u32, sparse as u32, paged as u32, cubes, check_v as u32, int8 as u32, fp8_pv as u32],
+    );
+    let f = be.kernels.get(&key, || fwd_sm90_source(be.client(), dt, hd, bn, sparse, paged, cubes, check_v, int8, fp8_pv))?;
     Ok((f, bn))
 }
 
 /// CUDA source of [`flash_fwd_sm90_kernel`]: the `kernels::sm90` markers lowered, and `cubes` cubes
 /// per SM declared (`__launch_bounds__(256, cubes)`: up to 255 or 128 registers a thread);
 /// `check_v`: the kernel checks its V tiles for a NaN or Inf and sets the flag itself; `int8`: Q K^T
-/// from int8 rows.
+/// from int8 rows; `fp8_pv`: P.V in FP8.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn fwd_sm90_source(
     client: &ComputeClient<CudaRuntime>,
@@ -212,6 +218,7 @@ pub(crate) fn fwd_sm90_source(
     cubes: u32,
     check_v: bool,
     int8: bool,
+    fp8_pv: bool,
 ) -> Result<Source> {
     macro_rules! k {
         ($t:ty) => {
@@ -225,6 +232,7 @@ pub(crate) fn fwd_sm90_source(
                 paged,
                 check_v,
                 int8,
+                fp8_pv,
             ), false)
         };
     }
@@ -405,7 +413,7 @@ pub(crate) fn launch_forward(
     let n_part = (po_bytes / (4 * hd)).max(1);
 
     let (f, [k_map, v_map]) = if sm90 {
-        let (f, bn) = flash_fwd_sm90_kernel(be, dt, hd, false, paged, check_v, false)?;
+        let (f, bn) = flash_fwd_sm90_kernel(be, dt, hd, false, paged, check_v, false, false)?;
         (f, kv_maps_sw128(spec, p.k, p.v, bn)?)
     } else {
         (flash_fwd_kernel(be, dt, hd, mt, bn, BLOCK_M, false, false, paged, false)?, kv_maps(be, spec, p.k, p.v, bn, false)?)

@@ -39,16 +39,18 @@ mod tests {
             ("dkdv_wide_fused_d96", dkdv_wide_source(c, dt, 96, true, false, 2, false, false, true, 2)),
             ("dkdv_wide_d96", dkdv_wide_source(c, dt, 96, false, false, 2, false, false, true, 2)),
             ("dkdv_wide_fused_d32", dkdv_wide_source(c, dt, 32, true, false, 2, false, false, true, 2)),
-            ("fwd_sm90_d128", super::super::forward::fwd_sm90_source(c, dt, 128, 64, false, false, 2, false, false)),
-            ("fwd_sm90_d64", super::super::forward::fwd_sm90_source(c, dt, 64, 128, false, false, 2, false, false)),
-            ("fwd_sm90_d192", super::super::forward::fwd_sm90_source(c, dt, 192, 64, false, false, 1, false, false)),
-            ("fwd_sm90_d256", super::super::forward::fwd_sm90_source(c, dt, 256, 64, false, false, 1, false, false)),
-            ("fwd_sm90_d128_check_v", super::super::forward::fwd_sm90_source(c, dt, 128, 64, false, false, 2, true, false)),
-            ("fwd_sm90_paged_d128_f16", super::super::forward::fwd_sm90_source(c, DType::F16, 128, 64, false, true, 2, false, false)),
+            ("fwd_sm90_d128", super::super::forward::fwd_sm90_source(c, dt, 128, 64, false, false, 2, false, false, false)),
+            ("fwd_sm90_d64", super::super::forward::fwd_sm90_source(c, dt, 64, 128, false, false, 2, false, false, false)),
+            ("fwd_sm90_d192", super::super::forward::fwd_sm90_source(c, dt, 192, 64, false, false, 1, false, false, false)),
+            ("fwd_sm90_d256", super::super::forward::fwd_sm90_source(c, dt, 256, 64, false, false, 1, false, false, false)),
+            ("fwd_sm90_d128_check_v", super::super::forward::fwd_sm90_source(c, dt, 128, 64, false, false, 2, true, false, false)),
+            ("fwd_sm90_paged_d128_f16", super::super::forward::fwd_sm90_source(c, DType::F16, 128, 64, false, true, 2, false, false, false)),
             // block-sparse on the Hopper kernel (d128, 128-row cubes, k_block a multiple of 64)
-            ("fwd_sm90_sparse_d128", super::super::forward::fwd_sm90_source(c, dt, 128, 64, true, false, 2, false, false)),
+            ("fwd_sm90_sparse_d128", super::super::forward::fwd_sm90_source(c, dt, 128, 64, true, false, 2, false, false, false)),
             // the INT8 Q K^T variant (SageAttention style) of the Hopper sparse forward
-            ("fwd_sm90_sparse_int8_d128", super::super::forward::fwd_sm90_source(c, dt, 128, 64, true, false, 2, false, true)),
+            ("fwd_sm90_sparse_int8_d128", super::super::forward::fwd_sm90_source(c, dt, 128, 64, true, false, 2, false, true, false)),
+            // with FP8 P.V (SageAttention2)
+            ("fwd_sm90_sparse_int8_fp8_d128", super::super::forward::fwd_sm90_source(c, dt, 128, 64, true, false, 2, false, true, true)),
             // block-sparse, 64-row cubes (q_block 64, index per q head): four planes of 16 rows at d128
             ("fwd_sparse_d128", fwd_source(c, dt, 128, 1, 64, 64, true, false, false, true, true)),
             // block-sparse, 128-row cubes (q_block 128, or a GQA group packed): two planes of 32 rows
@@ -58,6 +60,7 @@ mod tests {
             ("fwd_sparse_int8_d64", fwd_source(c, dt, 64, 2, 64, 64, true, true, false, false, true)),
             ("combine_d128", super::super::forward::combine_source(c, dt, 128)),
             ("int8_quantize_k_d128", super::super::sparse_int8::quantize_source(c, dt, 128, true, true, false)),
+            ("fp8_v_quantize_d128", super::super::sparse_int8::vt_source(c, dt, 128)),
             ("dq_d128", dq_source(c, dt, 128, false, false, false, true)),
             ("dq_d64", dq_source(c, dt, 64, false, false, false, true)),
             ("dq_window_d128", dq_source(c, dt, 128, false, true, false, true)),

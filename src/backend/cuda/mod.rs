@@ -207,6 +207,17 @@ impl CudaBackend {
                 ),
             });
         }
+        if let Some(s) = spec.block_sparse() {
+            if s.int8.is_some_and(|o| o.pv_fp8) && !matches!(sparse::SparseFrame::of(self, s), sparse::SparseFrame::Sm90 { .. }) {
+                return Err(Error::Unsupported {
+                    backend: "cuda",
+                    msg: format!(
+                        "pv_precision=\"fp8\" (FP8 P.V) runs on the Hopper kernel only: sm_90 with wgmma, float16 / bfloat16, head_dim 128, query blocks of 128 packed rows (q_block x the heads packed per index row a multiple of 128), k_block a multiple of 64 (here: sm_{}{}, head_dim {hd}, q_block {}, k_block {}); use the CPU backend",
+                        self.target.major, self.target.minor, s.q_block, s.k_block
+                    ),
+                });
+            }
+        }
         Ok(())
     }
 

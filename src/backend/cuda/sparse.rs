@@ -34,6 +34,7 @@ use std::sync::Arc;
 use cudarc::driver::sys;
 
 use super::card::FwdArgs;
+use super::driver::byte_map_2d_sw64;
 use super::launch::launch;
 use super::nonfinite::{launch_flag, launch_sparse_exact, SparseExact};
 use super::plans::{table_names, Cached, PlanKey, PlanKind, TableSet};
@@ -73,7 +74,7 @@ impl SparseFrame {
     }
 
     /// The frame of `spec` on `be` (module docs).
-    fn of(be: &CudaBackend, spec: SparseView) -> SparseFrame {
+    pub(crate) fn of(be: &CudaBackend, spec: SparseView) -> SparseFrame {
         // d64: the Hopper kernel's sparse variant spills at its two-cubes-per-SM register cap (80
         // bytes of stack; ptxas, 128 registers), where the mma.sync kernel runs five cubes per SM
         if spec.attn.dims.head_dim != 128 || !super::forward::sm90_forward(be, spec.attn) || plan_rows(spec).1 != 128 {
@@ -226,9 +227,10 @@ pub(super) fn launch_sparse_forward(be: &CudaBackend, spec: SparseView, plan: &C
     // the workspace's flag, set when v holds a NaN or Inf (then the exact kernel writes the call)
     let flag = p.workspace;
     launch_flag(be, dt, p.v, d.kv_len(), flag, true, stream)?;
-    let (f, [mut k_map, v_map]) = match sp.frame {
+    let (f, [mut k_map, mut v_map]) = match sp.frame {
         SparseFrame::Sm90 { block_n } => {
-            let (f, bn) = super::forward::flash_fwd_sm90_kernel(be, dt, hd, true, false, false, spec.int8.is_some())?;
+            let fp8 = spec.int8.is_some_and(|o| o.pv_fp8);
+            let (f, bn) = super::forward::flash_fwd_sm90_kernel(be, dt, hd, true, false, false, spec.int8.is_some(), fp8)?;
             debug_assert_eq!(bn, block_n);
             let [k_map, v_map] = super::forward::kv_maps_sw128(spec.attn, p.k, p.v, block_n)?;
             // INT8: K's map is over the int8 rows (made once they have an address, below)
@@ -256,7 +258,14 @@ pub(super) fn launch_sparse_forward(be: &CudaBackend, spec: SparseView, plan: &C
             if let SparseFrame::Sm90 { block_n } = sp.frame {
                 k_map = super::forward::k8_map_sw128(spec.attn, z.k8, block_n)?;
             }
-            [(z.q8, ql / 2), (z.k8, kl / 2), (z.k_scale, d.total_k * d.heads_kv), (z.q_scale, 2 * ll)]
+            // FP8 P.V: V's map is over V^T in e4m3 (`kernels::fp8_v`), its scales follow Q's
+            let mut nv = 0;
+            if opt.pv_fp8 {
+                let rows = d.heads_kv * hd;
+                v_map = super::launch::MapArg { map: byte_map_2d_sw64(z.vt, z.vt_row_bytes, rows, z.vt_row_bytes, hd as u32)?, ptr: z.vt, rows, cols: z.vt_row_bytes };
+                nv = spec.attn.segments.len() * d.heads_kv * hd;
+            }
+            [(z.q8, ql / 2), (z.k8, kl / 2), (z.k_scale, d.total_k * d.heads_kv), (z.q_scale, 2 * ll + 2 * nv)]
         }
     };
     // row bounds: the causal diagonal (a block pattern has no sliding window)

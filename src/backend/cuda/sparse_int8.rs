@@ -15,20 +15,36 @@ use super::launch::{launch, Args};
 use super::CudaBackend;
 use crate::dtype::DType;
 use crate::error::Result;
+use crate::kernels::fp8_v::{self, vt_row_bytes, VT_CHUNK, VT_THREADS};
 use crate::kernels::int8_qk::{self, MEAN_CHUNK, QUANT_THREADS};
 use crate::sparse::{GroupRule, Int8Qk};
 use crate::spec::SparseView;
 
 const A: cubecl::prelude::ArrayCompilationArg = cubecl::prelude::ArrayCompilationArg { inplace: None };
 
-/// Workspace parts, in order: int8 Q, int8 K, Q scales + LSE corrections, K scales, row maxima
-/// (scratch), K chunk sums, K mean.
-fn parts(spec: SparseView) -> [usize; 7] {
+/// Workspace parts, in order: int8 Q, int8 K, Q scales + LSE corrections (+ with FP8 P.V the V
+/// scales and their inverses, `fp8_v`), K scales, row maxima (scratch), K chunk sums, K mean, and
+/// with FP8 P.V: V^T in e4m3, V's chunk maxima.
+fn parts(spec: SparseView) -> [usize; 9] {
     let d = &spec.attn.dims;
     let (tq, tk, hq, hkv, hd) = (d.total_q, d.total_k, d.heads_q, d.heads_kv, d.head_dim);
     let batch = spec.attn.segments.len();
     let chunks = spec.attn.max_seqlen_k.div_ceil(MEAN_CHUNK).max(1);
-    [tq * hq * hd, tk * hkv * hd, 2 * hq * tq * 4, tk * hkv * 4, (hq * tq).max(hkv * tk) * 4, chunks * batch * hkv * hd * 4, batch * hkv * hd * 4]
+    let fp8 = spec.int8.is_some_and(|o| o.pv_fp8);
+    let nv = if fp8 { batch * hkv * hd } else { 0 };
+    let vt = if fp8 { hkv * hd * vt_row_bytes(tk, batch) } else { 0 };
+    let vchunks = spec.attn.max_seqlen_k.div_ceil(VT_CHUNK).max(1);
+    [
+        tq * hq * hd,
+        tk * hkv * hd,
+        (2 * hq * tq + 2 * nv) * 4,
+        tk * hkv * 4,
+        (hq * tq).max(hkv * tk) * 4,
+        chunks * batch * hkv * hd * 4,
+        batch * hkv * hd * 4,
+        vt,
+        if fp8 { vchunks * nv * 4 } else { 0 },
+    ]
 }
 
 /// Workspace bytes of a block-sparse forward of `spec` on CUDA (0 without the INT8 option).
@@ -45,6 +61,9 @@ pub(crate) struct Int8Operands {
     pub k8: u64,
     pub q_scale: u64,
     pub k_scale: u64,
+    /// FP8 P.V: V^T in e4m3 and its row bytes (`fp8_v`; 0, 0 without it).
+    pub vt: u64,
+    pub vt_row_bytes: usize,
 }
 
 /// One quantisation launch: Q or K rows (addresses of the input, the int8 rows and the scales).
@@ -92,12 +111,14 @@ pub(crate) fn quantize(
     macro_rules! typed {
         ($m:ident :: $k:ident, $($args:tt)*) => {
             if dt == DType::F16 {
-                codegen(int8_qk::$m::$k::<f16, CudaRuntime>::new($($args)*))
+                codegen($m::$k::<f16, CudaRuntime>::new($($args)*))
             } else {
-                codegen(int8_qk::$m::$k::<bf16, CudaRuntime>::new($($args)*))
+                codegen($m::$k::<bf16, CudaRuntime>::new($($args)*))
             }
         };
     }
+    use int8_qk::int8_col_sums;
+    use fp8_v::fp8_v_amax;
     if opt.smooth_k {
         let f = kernel(be, "int8_col_sums", dt, &[hd as u32], || {
             let s = settings(hd as u32);
@@ -132,7 +153,47 @@ pub(crate) fn quantize(
         let grid = (max_len.div_ceil(block).max(1) as u32, batch as u32, heads as u32);
         launch(&f, grid, &mut a, stream)?;
     }
-    Ok(Int8Operands { q8, k8, q_scale: qsc, k_scale: ksc })
+    let (mut vt, mut vt_row) = (0, 0);
+    if opt.pv_fp8 {
+        // V's scales after the Q scales and LSE corrections (the forward reads them there)
+        let nv = batch * hkv * hd;
+        let vsc = qsc + (2 * hq * tq * 4) as u64;
+        vt = at(7);
+        vt_row = vt_row_bytes(tk, batch);
+        let vchunks = spec.attn.max_seqlen_k.div_ceil(VT_CHUNK).max(1);
+        let part = at(8);
+        let f = kernel(be, "fp8_v_amax", dt, &[hd as u32], || {
+            typed!(fp8_v_amax::Fp8VAmax, settings(hd as u32), client.clone(), A, A, A, (), hd)
+        })?;
+        let mut a = Args::new();
+        a.array(p.v, d.kv_len().max(1)).array(part, vchunks * nv).array(segs.0, segs.1).u32(hkv as u32);
+        launch(&f, (vchunks as u32, batch as u32, hkv as u32), &mut a, stream)?;
+        let f = kernel(be, "fp8_v_scales", DType::F32, &[hd as u32], || {
+            codegen(fp8_v::fp8_v_scales::Fp8VScales::<CudaRuntime>::new(settings(hd as u32), client.clone(), A, A, A, (), (), (), hd))
+        })?;
+        let mut a = Args::new();
+        a.array(part, vchunks * nv).array(vsc, 2 * nv).array(segs.0, segs.1).u32(hkv as u32).u32(vchunks as u32).u32(nv as u32);
+        launch(&f, (batch as u32, hkv as u32, 1), &mut a, stream)?;
+        let f = kernel(be, "fp8_v_quantize", dt, &[hd as u32], || vt_source(client, dt, hd))?;
+        let mut a = Args::new();
+        a.array(p.v, d.kv_len().max(1)).array(vsc, 2 * nv).array(vt, (hkv * hd * vt_row / 4).max(1)).array(segs.0, segs.1);
+        a.u32(hkv as u32).u32((vt_row / 4) as u32).u32(nv as u32);
+        launch(&f, (vchunks as u32, batch as u32, hkv as u32), &mut a, stream)?;
+    }
+    Ok(Int8Operands { q8, k8, q_scale: qsc, k_scale: ksc, vt, vt_row_bytes: vt_row })
+}
+
+/// CUDA source of the FP8 V^T kernel (`fp8_v::fp8_v_quantize`; its e4m3 conversions lowered by
+/// `rewrite::sm90`).
+pub(crate) fn vt_source(client: &cubecl::prelude::ComputeClient<CudaRuntime>, dt: DType, hd: usize) -> Result<super::compile::Source> {
+    let s = settings(VT_THREADS as u32);
+    let mut src = if dt == DType::F16 {
+        codegen(fp8_v::fp8_v_quantize::Fp8VQuantize::<f16, CudaRuntime>::new(s, client.clone(), A, A, A, A, (), (), (), hd))
+    } else {
+        codegen(fp8_v::fp8_v_quantize::Fp8VQuantize::<bf16, CudaRuntime>::new(s, client.clone(), A, A, A, A, (), (), (), hd))
+    }?;
+    src.cuda = super::rewrite::sm90::lower(&src.entry, &src.cuda)?;
+    Ok(src)
 }
 
 /// CUDA source of the quantisation kernel (`int8_qk::int8_quantize`) for Q (`is_k = false`) or K,

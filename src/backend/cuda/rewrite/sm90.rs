@@ -26,6 +26,12 @@ __device__ __forceinline__ unsigned long long __cubeattn_desc(const void* p, uns
   const unsigned hi = ((sbo >> 4) & 0x3FFFu) | (1u << 30);
   return (static_cast<unsigned long long>(hi) << 32) | lo;
 }
+// the same for a 64-byte-swizzled K-major operand of 64-byte rows (layout 2, SBO 512 bytes)
+__device__ __forceinline__ unsigned long long __cubeattn_desc_sw64(const void* p, unsigned byte_off) {
+  const unsigned lo = ((static_cast<unsigned>(__cvta_generic_to_shared(p)) >> 4) | (1u << 16)) + (byte_off >> 4);
+  const unsigned hi = (512u >> 4) | (2u << 30);
+  return (static_cast<unsigned long long>(hi) << 32) | lo;
+}
 "#;
 
 /// One parsed marker: the helper it becomes (name and definition) and its call arguments.
@@ -145,6 +151,71 @@ fn lower_marker(text: &str) -> Option<Lowered> {
             );
             Some(Lowered { helper, definition })
         }
+        ["wgmma_rs_e4m3", t, rest @ ..] => {
+            let eb = elem_bytes(t)?;
+            let [n, a0] = parse_nums(rest)?.try_into().ok()?;
+            // FP8 shapes: N a multiple of 8 up to 256
+            check_mma(n, 0, 1)?;
+            let regs = (n / 2) as usize;
+            let (list, cons) = acc_operands(regs);
+            let helper = format!("__cubeattn_wgmma_rs_e4m3_{t}_{n}_{a0}");
+            let definition = format!(
+                r#"__device__ __forceinline__ void {helper}(float* acc, const void* a_regs, const void* b, unsigned b_off) {{
+  float* d = acc;
+  const unsigned* a = reinterpret_cast<const unsigned*>(a_regs) + {a0};
+  const unsigned long long db = __cubeattn_desc_sw64(b, b_off * {eb}u);
+#ifndef CUBEATTN_SM90_NO_MMA
+  asm volatile("{{\n.reg .pred p;\nsetp.ne.b32 p, %{r5}, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{list}}}, {{%{r0}, %{r1}, %{r2}, %{r3}}}, %{r4}, p, 1, 1;\n}}\n"
+               : {cons} : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+#endif
+}}
+"#,
+                r0 = regs,
+                r1 = regs + 1,
+                r2 = regs + 2,
+                r3 = regs + 3,
+                r4 = regs + 4,
+                r5 = regs + 5,
+            );
+            Some(Lowered { helper, definition })
+        }
+        ["pack_p_e4m3", chunks] => {
+            let chunks: u32 = chunks.parse().ok().filter(|&c| (1..=8).contains(&c))?;
+            let helper = format!("__cubeattn_pack_p_e4m3_{chunks}");
+            // word w of k32 step c: n8 blocks 4c + 2 (w / 2) and the next, elements 2 (w % 2) + {0, 1}
+            let definition = format!(
+                r#"__device__ __forceinline__ void {helper}(const float* s, unsigned* out) {{
+#pragma unroll
+  for (int c = 0; c < {chunks}; ++c) {{
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {{
+      const int i0 = (4 * c + (w >> 1) * 2) * 4 + (w & 1) * 2;
+      unsigned short lo, hi;
+      asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(s[i0 + 1]), "f"(s[i0]));
+      asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(s[i0 + 5]), "f"(s[i0 + 4]));
+      out[4 * c + w] = static_cast<unsigned>(lo) | (static_cast<unsigned>(hi) << 16);
+    }}
+  }}
+}}
+"#
+            );
+            Some(Lowered { helper, definition })
+        }
+        ["e4m3x4", i] => {
+            let i: u32 = i.parse().ok()?;
+            let helper = format!("__cubeattn_e4m3x4_{i}");
+            let definition = format!(
+                r#"__device__ __forceinline__ void {helper}(unsigned* out, float x0, float x1, float x2, float x3) {{
+  unsigned short lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(lo) : "f"(x1), "f"(x0));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(hi) : "f"(x3), "f"(x2));
+  out[{i}] = static_cast<unsigned>(lo) | (static_cast<unsigned>(hi) << 16);
+}}
+"#
+            );
+            Some(Lowered { helper, definition })
+        }
         _ => None,
     }
 }
@@ -212,7 +283,12 @@ pub(crate) fn lower(entry: &str, src: &str) -> Result<String> {
         let stmt = stmt.strip_suffix(';').ok_or_else(bad)?;
         let args = call_args(stmt).ok_or_else(bad)?;
         let low = lower_marker(text).ok_or_else(bad)?;
-        let want = if text.starts_with("wgmma_ss") { 5 } else if text.starts_with("wgmma_rs") { 4 } else { 0 };
+        let want = match text.split(' ').next() {
+            Some("wgmma_ss" | "wgmma_ss_s8" | "e4m3x4") => 5,
+            Some("wgmma_rs" | "wgmma_rs_e4m3") => 4,
+            Some("pack_p_e4m3") => 2,
+            _ => 0,
+        };
         if args.len() != want {
             return Err(bad());
         }
@@ -274,6 +350,17 @@ mod tests {
         for bad in ["wgmma_ss_s8 bf16 40 1", "wgmma_ss_s8 bf16 64 2", "wgmma_ss_s8 s8 64 1"] {
             assert!(lower("k", &kernel(&format!("printf(\"{MARK}{bad}\", x,a,o,b,p);\n"))).is_err(), "{bad}");
         }
+        // FP8: P packed to e4m3 A words, the 64-byte-swizzled K-major B operand, a quantised store
+        let f8 = lower("k_", &kernel(&format!(
+            "printf(\"{MARK}pack_p_e4m3 2\", s,w);\nprintf(\"{MARK}wgmma_rs_e4m3 bf16 128 4\", x,w,b,o);\nprintf(\"{MARK}e4m3x4 0\", w,a,b,c,d);\n"
+        ))).unwrap();
+        assert!(f8.contains("__cubeattn_pack_p_e4m3_2(s, w);") && f8.contains("cvt.rn.satfinite.e4m3x2.f32"), "{f8}");
+        assert!(f8.contains("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, "), "{f8}");
+        assert!(f8.contains("%63}, {%64, %65, %66, %67}, %68, p, 1, 1;"), "{f8}");
+        assert!(f8.contains("reinterpret_cast<const unsigned*>(a_regs) + 4;") && f8.contains("__cubeattn_desc_sw64(b, b_off * 2u)"), "{f8}");
+        assert!(f8.contains("__cubeattn_e4m3x4_0(w, a, b, c, d);"), "{f8}");
+        assert!(lower("k", &kernel(&format!("printf(\"{MARK}pack_p_e4m3 2\", s);\n"))).is_err());
+        assert!(lower("k", &kernel(&format!("printf(\"{MARK}pack_p_e4m3 9\", s,w);\n"))).is_err());
         // helpers sit before the entry point, each once
         let entry = out.find("extern \"C\"").unwrap();
         assert!(out.find("void __cubeattn_fence()").unwrap() < entry);

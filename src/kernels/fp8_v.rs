@@ -1,0 +1,207 @@
+//! FP8 e4m3 V for the Hopper forward's FP8 P.V (SageAttention2 style, `sparse::Int8Qk::pv_fp8`):
+//! V quantised per (sequence, kv head, channel) and written transposed, the K-major B operand
+//! FP8 MMAs need (`kernels::sm90::wgmma_rs_e4m3`).
+//!
+//! Three launches, on the caller's stream, into its workspace:
+//! 1. [`fp8_v_amax`]: max |v| per (64-key chunk, sequence, kv head, channel);
+//! 2. [`fp8_v_scales`]: per (sequence, kv head, channel) `scale = amax / 448` (1 when amax is 0)
+//!    and `inv = 448 / amax` (0 when amax is 0);
+//! 3. [`fp8_v_quantize`]: `e4m3(v * inv)` (round to nearest even, saturating), transposed.
+//!
+//! V^T layout: one row of bytes per (kv head, channel), `row_words` u32 words long; sequence `b`'s
+//! keys start at byte [`col_base`] of every row (its first key rounded up to 16 bytes, plus
+//! [`VT_GAP`] per earlier sequence, so that each sequence has room for its keys rounded up to 64),
+//! keys past a sequence's end up to the next multiple of 64 are written as zeros. Inside each
+//! group of 16 keys, key `r` sits at byte [`slot_of_key`]`(r)`: the order in which
+//! `sm90::pack_p_e4m3` hands P's columns to the MMA, so P.V needs no shuffle.
+
+use cubecl::prelude::*;
+
+use super::sm90::e4m3x4;
+
+/// Keys per quantisation cube (the Hopper kernel's key tile with FP8 P.V).
+pub const VT_CHUNK: usize = 64;
+/// Bytes of V^T row reserved per sequence beyond its keys (`col_base`).
+pub const VT_GAP: usize = 80;
+/// Units of a quantisation cube.
+pub const VT_THREADS: usize = 128;
+/// The largest finite e4m3 value.
+const FP8_MAX: f32 = 448.0;
+
+/// Byte (inside a group of 16 keys) where key `r` of the group sits in a V^T row: A column
+/// `4 t + i` of a k32 step holds key `8 (i / 2) + 2 t + i % 2` (`sm90::pack_p_e4m3`).
+pub const fn slot_of_key(r: usize) -> usize {
+    let t = (r % 8) / 2;
+    let i = 2 * ((r / 8) % 2) + r % 2;
+    4 * t + i
+}
+
+/// First byte of sequence `b` (its keys from `k_start`) in a V^T row.
+pub const fn col_base(k_start: usize, b: usize) -> usize {
+    k_start.div_ceil(16) * 16 + VT_GAP * b
+}
+
+/// Bytes of a V^T row for `total_k` keys in `batch` sequences (a multiple of 16).
+pub const fn vt_row_bytes(total_k: usize, batch: usize) -> usize {
+    (total_k + VT_GAP * batch).div_ceil(16) * 16
+}
+
+/// `col_base` in a kernel.
+#[cube]
+pub fn vt_col_base(k_start: u32, b: u32) -> u32 {
+    ((k_start + 15u32) / 16u32) * 16u32 + comptime!(VT_GAP as u32) * b
+}
+
+/// Maxima of |v| over 64-key chunks: cube (chunk, sequence, kv head), one unit per channel;
+/// `part[((b * chunks + c) * heads_kv + h) * head_dim + ch]` (chunks past a sequence's keys are not
+/// written: [`fp8_v_scales`] reads only its own).
+#[cube(launch_unchecked)]
+pub fn fp8_v_amax<E: Float>(v: &Array<E>, part: &mut Array<f32>, segs: &Array<u32>, heads_kv: u32, #[comptime] head_dim: usize) {
+    let c = CUBE_POS_X;
+    let b = CUBE_POS_Y as usize;
+    let h = CUBE_POS_Z;
+    let ch = UNIT_POS as usize;
+    let k_start = segs[b * 4 + 2];
+    let k_len = segs[b * 4 + 3];
+    let lo = c * VT_CHUNK as u32;
+    if lo < k_len && ch < head_dim {
+        let hi = min(lo + VT_CHUNK as u32, k_len);
+        let mut m = 0.0f32;
+        for j in lo..hi {
+            m = max(m, f32::abs(f32::cast_from(v[((k_start + j) * heads_kv + h) as usize * head_dim + ch])));
+        }
+        part[((b * CUBE_COUNT_X as usize + c as usize) * heads_kv as usize + h as usize) * head_dim + ch] = m;
+    }
+}
+
+/// The scales from the chunk maxima: cube (sequence, kv head), one unit per channel;
+/// `sc[i]` = amax / 448 (1 when amax is 0) and `sc[n + i]` = 448 / amax (0 when amax is 0),
+/// `i = (b * heads_kv + h) * head_dim + ch`.
+#[cube(launch_unchecked)]
+pub fn fp8_v_scales(part: &Array<f32>, sc: &mut Array<f32>, segs: &Array<u32>, heads_kv: u32, chunks: u32, n: u32, #[comptime] head_dim: usize) {
+    let b = CUBE_POS_X as usize;
+    let h = CUBE_POS_Y as usize;
+    let ch = UNIT_POS as usize;
+    if ch < head_dim {
+        let k_len = segs[b * 4 + 3];
+        let nc = (k_len + VT_CHUNK as u32 - 1) / VT_CHUNK as u32;
+        let mut m = 0.0f32;
+        for c in 0..nc {
+            m = max(m, part[((b * chunks as usize + c as usize) * heads_kv as usize + h) * head_dim + ch]);
+        }
+        let mut scale = 1.0f32;
+        let mut inv = 0.0f32;
+        if m > 0.0f32 {
+            scale = m / FP8_MAX;
+            inv = FP8_MAX / m;
+        }
+        let i = (b * heads_kv as usize + h) * head_dim + ch;
+        sc[i] = scale;
+        sc[n as usize + i] = inv;
+    }
+}
+
+/// V^T in FP8 (module docs): cube (64-key chunk, sequence, kv head). The chunk's V rows are staged
+/// in shared memory (zeros past the sequence's keys); each unit then writes, for one channel and
+/// one group of 16 keys, the group's four words (four keys each, in [`slot_of_key`] order).
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+pub fn fp8_v_quantize<E: Float>(
+    v: &Array<E>,
+    sc: &Array<f32>,
+    vt: &mut Array<u32>,
+    segs: &Array<u32>,
+    heads_kv: u32,
+    row_words: u32,
+    n: u32,
+    #[comptime] head_dim: usize,
+) {
+    let c = CUBE_POS_X;
+    let b = CUBE_POS_Y;
+    let h = CUBE_POS_Z;
+    let k_start = segs[(b * 4u32 + 2u32) as usize];
+    let k_len = segs[(b * 4u32 + 3u32) as usize];
+    let lo = c * VT_CHUNK as u32;
+    let mut tile = SharedMemory::<E>::new(comptime!(VT_CHUNK * head_dim));
+    if lo < k_len {
+        #[unroll]
+        for it in 0..comptime!(VT_CHUNK * head_dim / VT_THREADS) {
+            let idx = UNIT_POS as usize + it * VT_THREADS;
+            let key = idx / head_dim;
+            let ch = idx % head_dim;
+            let j = lo + key as u32;
+            let mut x = E::cast_from(0.0f32);
+            if j < k_len {
+                x = v[((k_start + j) * heads_kv + h) as usize * head_dim + ch];
+            }
+            tile[idx] = x;
+        }
+    }
+    sync_cube();
+    if lo < k_len {
+        let col_w = (vt_col_base(k_start, b) + lo) / 4u32;
+        let mut word = Array::<u32>::new(1usize);
+        #[unroll]
+        for it in 0..comptime!(head_dim * (VT_CHUNK / 16) / VT_THREADS) {
+            let task = UNIT_POS as usize + it * VT_THREADS;
+            let ch = task % head_dim;
+            let g = task / head_dim;
+            let inv = sc[n as usize + (b * heads_kv + h) as usize * head_dim + ch];
+            let row = ((h as usize * head_dim + ch) * row_words as usize) + col_w as usize + g * 4;
+            #[unroll]
+            for q in 0..4usize {
+                // bytes 4 q .. 4 q + 4 of the group: t = q, keys 2 q, 2 q + 1, 8 + 2 q, 9 + 2 q
+                let k0 = g * 16 + 2 * q;
+                let x0 = f32::cast_from(tile[k0 * head_dim + ch]) * inv;
+                let x1 = f32::cast_from(tile[(k0 + 1) * head_dim + ch]) * inv;
+                let x2 = f32::cast_from(tile[(k0 + 8) * head_dim + ch]) * inv;
+                let x3 = f32::cast_from(tile[(k0 + 9) * head_dim + ch]) * inv;
+                e4m3x4(&mut word, 0usize, x0, x1, x2, x3);
+                vt[row + q] = word[0];
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_are_a_permutation_matching_the_a_fragment() {
+        let mut seen = [false; 16];
+        for r in 0..16 {
+            let s = slot_of_key(r);
+            assert!(!seen[s]);
+            seen[s] = true;
+            // A column 4 t + i holds key 8 (i / 2) + 2 t + i % 2
+            let (t, i) = (s / 4, s % 4);
+            assert_eq!(r, 8 * (i / 2) + 2 * t + i % 2);
+        }
+        // the kernel's word q of a group holds keys 2q, 2q+1, 8+2q, 9+2q at bytes 4q..4q+4
+        for q in 0..4 {
+            assert_eq!([slot_of_key(2 * q), slot_of_key(2 * q + 1), slot_of_key(8 + 2 * q), slot_of_key(9 + 2 * q)], [4 * q, 4 * q + 1, 4 * q + 2, 4 * q + 3]);
+        }
+    }
+
+    #[test]
+    fn sequences_do_not_overlap_in_a_row() {
+        // every sequence's keys rounded up to 64 fit before the next one's base, and in the row
+        let lens = [1usize, 63, 64, 65, 0, 200, 15, 16, 17, 129];
+        let mut k_start = 0;
+        let bases: Vec<(usize, usize)> = lens.iter().enumerate().map(|(b, &l)| {
+            let r = (col_base(k_start, b), l);
+            k_start += l;
+            r
+        }).collect();
+        let row = vt_row_bytes(k_start, lens.len());
+        for (b, &(base, len)) in bases.iter().enumerate() {
+            assert_eq!(base % 16, 0);
+            let end = base + len.div_ceil(64) * 64;
+            assert!(end <= row, "sequence {b}");
+            if let Some(&(next, _)) = bases.get(b + 1) {
+                assert!(end <= next, "sequence {b}: {end} > {next}");
+            }
+        }
+    }
+}
