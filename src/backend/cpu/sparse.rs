@@ -357,7 +357,7 @@ fn fp8_keys(spec: SparseView, qz: &Quantized, v8: &Fp8V, b: usize, h: usize, r0:
 /// unscaled sums (rows with `l == 0` keep their zeros and +inf).
 #[allow(clippy::too_many_arguments)]
 fn fp8_finish(sc: &Scratch, rows: usize, d: usize, v_scale: &[f32], out_w: &SharedMut<f32>, lse_dst: &mut [f32], out_at: impl Fn(usize) -> usize) {
-    for i in 0..rows {
+    for (i, lse) in lse_dst[..rows].iter_mut().enumerate() {
         let li = sc.l[i];
         if li != 0.0 {
             // SAFETY: tasks own disjoint (row, head) ranges.
@@ -366,7 +366,7 @@ fn fp8_finish(sc: &Scratch, rows: usize, d: usize, v_scale: &[f32], out_w: &Shar
             for ((o, &acc), &s) in dst.iter_mut().zip(&sc.o[i * d..(i + 1) * d]).zip(v_scale) {
                 *o = acc * inv * s;
             }
-            lse_dst[i] = (sc.m[i] + li.log2()) * std::f32::consts::LN_2;
+            *lse = (sc.m[i] + li.log2()) * std::f32::consts::LN_2;
         }
     }
 }
