@@ -366,17 +366,19 @@ def test_bench_sage_rows_on_the_cpu(tmp_path, capsys):
     ok = [r for r in rows if "error" not in r]
     impls = {(r["impl"], r["inputs"]) for r in ok}
     assert {("cubeattn_int8", "randn"), ("cubeattn_bf16", "randn"), ("cubeattn_int8", "outliers"),
-            ("cubeattn_bf16", "outliers")} <= impls
+            ("cubeattn_bf16", "outliers"), ("cubeattn_int8_fp8", "randn"), ("cubeattn_int8_fp8", "outliers")} <= impls
     for r in ok:
         assert r["what"] == "sage_fwd" and r["S"] == 200 and r["H"] == 4 and r["D"] == 64 and r["B"] == 1
         if r["impl"] in ("cubeattn_int8", "cubeattn_bf16"):
             assert r["cosine"] >= 0.999 and 0 < r["rel_l2"] < 0.03, r
+        if r["impl"] == "cubeattn_int8_fp8":
+            assert r["cosine"] >= 0.999 and 0 < r["rel_l2"] < 0.05 and r["pv_precision"] == "fp8", r
         if r["inputs"] == "randn" and "ms" in r:
             assert r["tflops"] > 0
     assert all(r["impl"].startswith("sdpa") for r in rows if "error" in r)
     acc = {(r["impl"], r["inputs"]): r["rel_l2"] for r in ok}
     assert acc[("cubeattn_int8", "outliers")] < acc[("cubeattn_int8_nosmooth", "outliers")]
-    assert acc[("cubeattn_bf16", "randn")] < acc[("cubeattn_int8", "randn")]
+    assert acc[("cubeattn_bf16", "randn")] < acc[("cubeattn_int8", "randn")] < acc[("cubeattn_int8_fp8", "randn")]
     bench.print_table(rows)
     assert "0.99" in capsys.readouterr().out  # the cosine column keeps its digits
 

@@ -250,3 +250,11 @@ def test_fp8_with_autograd_inputs_is_refused():
         out = cubeattn.block_sparse_attn_func(q, k, v, ix, quant_gran="per_warp", pv_precision="fp8")
     assert isinstance(out, torch.Tensor) and torch.isfinite(out).all()
 
+
+def test_bench_sparse_cpu_fp8_rows(capsys):
+    from cubeattn import bench
+
+    assert bench.main(["sparse", "--device", "cpu", "--seq_lens", "256", "--top_k_ratios", "0.5", "--iterations", "1",
+                       "--pv-precision", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "cubeattn_cpu_sparse_int8_fp8" in out and "cubeattn_cpu_sparse_int8 " in out and "per_warp" in out
