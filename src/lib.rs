@@ -13,6 +13,7 @@ pub mod device;
 pub mod dtype;
 pub mod error;
 pub mod format;
+pub mod fp8;
 pub mod reference;
 pub mod spec;
 pub mod sparse;

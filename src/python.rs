@@ -14,7 +14,7 @@ use pyo3::types::PyDict;
 
 use crate::backend::{backend_for, BackwardInputs, DevicePref, Pass};
 use crate::dtype::{DType, HostData, HostView};
-use crate::error::Error;
+use crate::error::{invalid, Error};
 use crate::sparse::{Int8Qk, QuantGran, DEFAULT_K_BLOCK, DEFAULT_Q_BLOCK};
 use crate::spec::{AttnSpec, TensorMeta};
 
@@ -193,14 +193,19 @@ impl PySpec {
     fn qk_int8(&self) -> Option<&'static str> {
         self.inner.block_sparse().and_then(|s| s.int8).map(|o| o.gran.name())
     }
+    /// "fp8" for the FP8 P.V option of a block-sparse INT8 spec, None for P.V in the input's type.
+    #[getter]
+    fn pv_precision(&self) -> Option<&'static str> {
+        self.inner.block_sparse().and_then(|s| s.int8).filter(|o| o.pv_fp8).map(|_| "fp8")
+    }
     fn __repr__(&self) -> String {
         let d = self.inner.dims;
         let keys = match self.inner.block_sparse() {
             Some(s) => {
                 let ix = &s.index;
                 format!(
-                    "block_sparse(q_block={}, k_block={}, index=[{}, {}, {}, {}], kept={}, qk_int8={:?})",
-                    s.q_block, s.k_block, ix.batch, ix.heads, ix.q_blocks, ix.top_k, ix.kept_total(), self.qk_int8()
+                    "block_sparse(q_block={}, k_block={}, index=[{}, {}, {}, {}], kept={}, qk_int8={:?}, pv_precision={:?})",
+                    s.q_block, s.k_block, ix.batch, ix.heads, ix.q_blocks, ix.top_k, ix.kept_total(), self.qk_int8(), self.pv_precision()
                 )
             }
             None => self.inner.keys.name().to_string(),
@@ -223,9 +228,10 @@ fn flat_i32<'a>(a: &'a PyReadonlyArray1<'_, i32>, arg: &str) -> PyResult<&'a [i3
 }
 
 /// The varlen layout; with `block_index` (flat int32, shape `index_shape`) block-sparse
-/// (`AttnSpec::with_block_index`), `qk_int8` its INT8 QK^T granularity.
+/// (`AttnSpec::with_block_index`), `qk_int8` its INT8 QK^T granularity, `pv_fp8` its FP8 P.V
+/// (only with `qk_int8`: else `InvalidArgument` naming `pv_precision`, the Python argument).
 #[pyfunction]
-#[pyo3(signature = (q_shape, k_shape, v_shape, dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size=(-1, -1), block_index=None, index_shape=Vec::new(), q_block=DEFAULT_Q_BLOCK, k_block=DEFAULT_K_BLOCK, qk_int8=None, smooth_k=true))]
+#[pyo3(signature = (q_shape, k_shape, v_shape, dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size=(-1, -1), block_index=None, index_shape=Vec::new(), q_block=DEFAULT_Q_BLOCK, k_block=DEFAULT_K_BLOCK, qk_int8=None, smooth_k=true, pv_fp8=false))]
 #[allow(clippy::too_many_arguments)]
 fn varlen_spec(
     q_shape: Vec<usize>,
@@ -245,12 +251,16 @@ fn varlen_spec(
     k_block: usize,
     qk_int8: Option<&str>,
     smooth_k: bool,
+    pv_fp8: bool,
 ) -> PyResult<PySpec> {
     let [q, k, v] = metas(q_shape, k_shape, v_shape, dtype)?;
     let cq = flat_i32(&cu_seqlens_q, "cu_seqlens_q")?;
     let ck = flat_i32(&cu_seqlens_k, "cu_seqlens_k")?;
     let ix = block_index.as_ref().map(|b| flat_i32(b, "block_index")).transpose()?;
-    let int8 = qk_int8.map(|g| QuantGran::parse(g).map(|gran| Int8Qk { gran, smooth_k, pv_fp8: false })).transpose().map_err(to_py)?;
+    if pv_fp8 && qk_int8.is_none() {
+        return Err(to_py(invalid("pv_precision", "\"fp8\" (FP8 P.V) needs the INT8 Q K^T option (quant_gran=\"per_block\", \"per_warp\" or \"per_thread\")")));
+    }
+    let int8 = qk_int8.map(|g| QuantGran::parse(g).map(|gran| Int8Qk { gran, smooth_k, pv_fp8 })).transpose().map_err(to_py)?;
     AttnSpec::varlen(&q, &k, &v, cq, ck, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
         .and_then(|s| s.with_window(window_size.0, window_size.1))
         .and_then(|s| match ix {

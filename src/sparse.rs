@@ -20,9 +20,11 @@
 //! that sees no key gets a zero output and LSE +inf.
 //!
 //! Optional INT8 QK^T ([`QuantGran`]): Q and (smoothed) K are quantised symmetrically to int8
-//! with one f32 scale per group of rows; P.V stays in the input dtype. K smoothing subtracts the
-//! mean of K over the sequence (per kv head and channel), which shifts every score of a row by the
-//! same constant: the softmax is unchanged and the LSE is corrected by `scale * q . mean`.
+//! with one f32 scale per group of rows; P.V stays in the input dtype, or with
+//! [`Int8Qk::pv_fp8`] runs in FP8 e4m3 (V per channel, P scaled by [`FP8_P_SCALE`]). K smoothing
+//! subtracts the mean of K over the sequence (per kv head and channel), which shifts every score
+//! of a row by the same constant: the softmax is unchanged and the LSE is corrected by
+//! `scale * q . mean`.
 
 use rayon::prelude::*;
 
@@ -126,14 +128,16 @@ pub struct Int8Qk {
     pub smooth_k: bool,
     /// P.V in FP8 e4m3 (SageAttention2): V quantised per (sequence, kv head, channel) with
     /// scale `amax / 448`, P scaled by 256 and rounded to e4m3 ([`FP8_P_SCALE`]); else P.V in
-    /// the input's f16/bf16 from the original V.
+    /// the input's f16/bf16 from the original V. The exact rule: `backend::cpu::sparse`'s module
+    /// docs (the CPU emulation) and docs/sparse.md.
     pub pv_fp8: bool,
 }
 
 /// The largest finite FP8 e4m3 value: V's per-channel scale is `amax / FP8_MAX`.
 pub const FP8_MAX: f32 = 448.0;
 /// P is multiplied by this before its e4m3 rounding (P <= 1, so P * 256 <= 448; the row sums
-/// carry the same factor, so it cancels in O and leaves the LSE by `ln 256`).
+/// carry the same factor, so it cancels in O; the LSE is that of the unscaled sums: the factor
+/// does not reach it).
 pub const FP8_P_SCALE: f32 = 256.0;
 
 /// A validated block index in compressed form: for row `(b, h, qb)` (row id

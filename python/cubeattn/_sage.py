@@ -2,7 +2,8 @@
 
 No kernel of its own: the call is the block-sparse forward (`_sparse.py`) with every key block
 listed (causal: every key block some row of the query block can see), 128-row query blocks and
-128-key blocks, and the INT8 option of that path (``quant_gran``, ``smooth_k``). The index and
+128-key blocks, and the INT8 option of that path (``quant_gran``, ``smooth_k``, and its FP8 P.V,
+``pv_precision="fp8"``). The index and
 the validated SparseSpec are built once per call shape and kept here, so a repeated call costs a
 dict lookup, not an index build and a validation. No maths here.
 """
@@ -12,18 +13,17 @@ import numpy as np
 
 from . import _cu, _check_device, _flag, _needs_grad, _scale
 from ._arrays import _is_torch, dtype_name
-from ._sparse import _quant_gran, block_sparse_attn_func, sparse_spec
+from ._sparse import _pv_fp8, _quant_gran, block_sparse_attn_func, sparse_spec
 
 SAGE_BLOCK = 128  # q_block = k_block of the underlying block-sparse call
 TENSOR_LAYOUTS = ("NHD", "HND")
-PV_PRECISIONS = ("bf16", "fp8")
 
 # (batch, index heads, seqlen_q, seqlen_k, causal) -> read-only int32 index [B, H, q_blocks, k_blocks].
 # The causal listing depends on seqlen_k - seqlen_q (bottom-right alignment), not only on the block
 # counts, so the sequence lengths are part of the key. The index is a host array whatever the device
 # (the CUDA backend keeps its own device copy per (shape, index)).
 _INDEX: dict = {}
-# (q, k, v shapes, dtype, softmax_scale, causal, quant_gran, smooth_k) -> prepared SparseSpec
+# (q, k, v shapes, dtype, softmax_scale, causal, quant_gran, smooth_k, pv_precision) -> prepared SparseSpec
 _SPECS: dict = {}
 _CACHE_ENTRIES = 16
 
@@ -63,14 +63,14 @@ def _index(batch, heads, seqlen_q, seqlen_k, causal):
     return ix
 
 
-def _spec(dtype, b, sq, sk, hq, hkv, d, softmax_scale, causal, quant_gran, smooth_k):
-    key = (dtype, b, sq, sk, hq, hkv, d, softmax_scale, causal, quant_gran, smooth_k)
+def _spec(dtype, b, sq, sk, hq, hkv, d, softmax_scale, causal, quant_gran, smooth_k, pv_precision):
+    key = (dtype, b, sq, sk, hq, hkv, d, softmax_scale, causal, quant_gran, smooth_k, pv_precision)
     spec = _SPECS.get(key)
     if spec is None:
         ix = _index(b, hkv, sq, sk, causal)  # one pattern per kv head (GQA groups share it)
         spec = sparse_spec((b * sq, hq, d), (b * sk, hkv, d), dtype, _cu(b, sq), _cu(b, sk), sq, sk, ix, SAGE_BLOCK,
                            SAGE_BLOCK, softmax_scale, causal, v_shape=(b * sk, hkv, d), quant_gran=quant_gran,
-                           smooth_k=smooth_k)
+                           smooth_k=smooth_k, pv_precision=pv_precision)
         _remember(_SPECS, key, spec)
     return spec
 
@@ -78,14 +78,6 @@ def _spec(dtype, b, sq, sk, hq, hkv, d, softmax_scale, causal, quant_gran, smoot
 def _swap(x):
     """[B, a, b, d] -> [B, b, a, d] as a view (numpy or torch)."""
     return x.transpose(1, 2) if _is_torch(x) else np.swapaxes(x, 1, 2)
-
-
-def _check_pv_precision(pv_precision):
-    if not isinstance(pv_precision, str) or pv_precision not in PV_PRECISIONS:
-        raise ValueError(f"invalid argument `pv_precision`: must be one of {PV_PRECISIONS}, got {pv_precision!r}")
-    if pv_precision == "fp8":
-        raise NotImplementedError("`pv_precision`='fp8': FP8 P.V is not built yet in cubeattn (only "
-                                  "pv_precision='bf16', the 16-bit P.V of the existing kernels)")
 
 
 def _check_layout(tensor_layout):
@@ -122,7 +114,7 @@ def _dims(q, k, v, tensor_layout):
 
 
 def sageattn(q, k, v, is_causal=False, softmax_scale=None, quant_gran="per_warp", smooth_k=True, return_lse=False,
-             device="auto", tensor_layout="NHD", pv_precision="bf16"):
+             device="auto", tensor_layout="NHD", pv_precision=None):
     """Dense attention with SageAttention's INT8 Q K^T (forward only).
 
     q ``[B, Sq, Hq, d]``, k/v ``[B, Sk, Hkv, d]`` with ``tensor_layout="NHD"``; ``[B, H, S, d]`` with
@@ -133,8 +125,10 @@ def sageattn(q, k, v, is_causal=False, softmax_scale=None, quant_gran="per_warp"
     Q and K (see docs/api.md, block-sparse INT8), or None for the exact 16-bit Q K^T; ``smooth_k``
     subtracts K's mean over the sequence before quantising (the softmax is unchanged). Returns out,
     or (out, lse) with ``return_lse`` (lse float32 ``[B, Hq, Sq]``, the lse of the unsmoothed scores).
-    ``pv_precision``: "bf16" (the 16-bit P.V of the existing kernels: P in the input's 16-bit type,
-    f32 accumulation) or "fp8" (reserved: NotImplementedError until its kernel exists).
+    ``pv_precision``: None (default: P.V in the input's float type, P rounded to it, f32
+    accumulation) or "fp8" (SageAttention2's FP8 e4m3 P.V: V quantised per (sequence, kv head,
+    channel) with scale amax / 448, P scaled by 256 and rounded to e4m3; needs ``quant_gran``; the
+    CPU emulates it, docs/sparse.md has the exact rule).
 
     Runs as the block-sparse forward with every key block listed (q_block = k_block = 128); the
     index and the validated spec are cached per call shape. With a quantised Q K^T there is no
@@ -142,12 +136,12 @@ def sageattn(q, k, v, is_causal=False, softmax_scale=None, quant_gran="per_warp"
     torch.no_grad()); with ``quant_gran=None`` autograd flows through the block-sparse backward.
     Devices as for ``block_sparse_attn_func``: CUDA for float16/bfloat16 with head_dim 64/128; the
     CPU emulates the quantisation (float32 too)."""
-    _check_pv_precision(pv_precision)
     tensor_layout = _check_layout(tensor_layout)
     causal = _flag(is_causal, "is_causal")
     smooth_k = _flag(smooth_k, "smooth_k")
     want_lse = _flag(return_lse, "return_lse")
     quant_gran = _quant_gran(quant_gran, None, smooth_k)
+    pv_precision = "fp8" if _pv_fp8(pv_precision, quant_gran) else None
     softmax_scale = _scale(softmax_scale)
     if softmax_scale is not None and not (np.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"invalid argument `softmax_scale`: expected a finite positive float or None, got "
@@ -163,7 +157,7 @@ def sageattn(q, k, v, is_causal=False, softmax_scale=None, quant_gran="per_warp"
         raise ValueError(f"invalid argument `quant_gran`: {quant_gran!r} (INT8 Q K^T) is forward-only, the quantised "
                          "path has no backward; run it under torch.no_grad(), on inputs that do not require grad, or "
                          "with quant_gran=None (exact Q K^T, differentiable)")
-    spec = _spec(dt, b, sq, sk, hq, hkv, d, softmax_scale, causal, quant_gran, smooth_k)
+    spec = _spec(dt, b, sq, sk, hq, hkv, d, softmax_scale, causal, quant_gran, smooth_k, pv_precision)
     if tensor_layout == "HND":
         q, k, v = _swap(q), _swap(k), _swap(v)
     res = block_sparse_attn_func(q, k, v, spec, return_lse=want_lse, device=device)

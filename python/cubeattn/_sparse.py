@@ -144,12 +144,25 @@ def _quant_gran(quant_gran, qk_int8, smooth_k):
     return quant_gran
 
 
+def _pv_fp8(pv_precision, quant_gran):
+    """Whether a call asks for FP8 P.V: ``pv_precision`` None (P.V in the input's float type) or
+    "fp8" (only with the INT8 Q K^T option, ``quant_gran`` the resolved granularity)."""
+    if not (pv_precision is None or (isinstance(pv_precision, str) and pv_precision == "fp8")):
+        raise ValueError(f"invalid argument `pv_precision`: must be None (P.V in the input's float type) or \"fp8\", "
+                         f"got {pv_precision!r}")
+    if pv_precision == "fp8" and quant_gran is None:
+        raise ValueError("invalid argument `pv_precision`: \"fp8\" (FP8 P.V) needs the INT8 Q K^T option; pass "
+                         "quant_gran=\"per_warp\" (or \"per_block\" / \"per_thread\")")
+    return pv_precision == "fp8"
+
+
 def sparse_spec(q_shape, k_shape, dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_index,
                 q_block=DEFAULT_Q_BLOCK, k_block=DEFAULT_K_BLOCK, softmax_scale=None, causal=False, v_shape=None,
-                quant_gran=None, smooth_k=True, qk_int8=None):
+                quant_gran=None, smooth_k=True, qk_int8=None, pv_precision=None):
     """A validated block-sparse spec (varlen layout; shapes only, no data needed). ``quant_gran``
     (None, "per_block", "per_warp", "per_thread") fixes the INT8 Q K^T option of the calls that use
-    it; ``qk_int8`` is accepted as before (a granularity name, or True for "per_warp"). A call
+    it; ``qk_int8`` is accepted as before (a granularity name, or True for "per_warp");
+    ``pv_precision`` (None, or "fp8" with a ``quant_gran``) the FP8 P.V option. A call
     with the same arguments and an index of the same contents as one of the last few returns that
     call's spec (compared element by element, so it is exact: the per-call cost of a repeated
     index is a comparison, not a validation)."""
@@ -157,11 +170,12 @@ def sparse_spec(q_shape, k_shape, dtype, cu_seqlens_q, cu_seqlens_k, max_seqlen_
     if isinstance(qk_int8, str):  # the older spelling: the granularity passed as qk_int8
         quant_gran, qk_int8 = (qk_int8 if quant_gran is None else quant_gran), None
     quant_gran = _quant_gran(quant_gran, qk_int8, smooth_k)
+    pv_fp8 = _pv_fp8(pv_precision, quant_gran)
     shapes = [list(q_shape), list(k_shape), list(k_shape if v_shape is None else v_shape)]
     cu_q, cu_k = int32_vector(cu_seqlens_q, "cu_seqlens_q"), int32_vector(cu_seqlens_k, "cu_seqlens_k")
     scalars = [_int(max_seqlen_q, "max_seqlen_q"), _int(max_seqlen_k, "max_seqlen_k"), _scale(softmax_scale),
                bool(causal)]
-    blocks = [_int(q_block, "q_block", 1), _int(k_block, "k_block", 1), quant_gran, bool(smooth_k)]
+    blocks = [_int(q_block, "q_block", 1), _int(k_block, "k_block", 1), quant_gran, bool(smooth_k), pv_fp8]
     # everything but the index's contents, which are compared element by element
     key = (repr(shapes), dtype, cu_q.tobytes(), cu_k.tobytes(), *scalars, ix.shape, *blocks)
     for i, (k, cached_ix, spec) in enumerate(_SPECS):
@@ -195,7 +209,8 @@ def _lse_flat(lse, b, sq):
 def block_sparse_attn_func(q, k, v, block_index=None, q_block=DEFAULT_Q_BLOCK, k_block=DEFAULT_K_BLOCK, causal=False,
                            softmax_scale=None, return_lse=False, device="auto", cu_seqlens_q=None, cu_seqlens_k=None,
                            max_seqlen_q=None, max_seqlen_k=None, qk_int8=None, quant_gran=None, smooth_k=True,
-                           block_mask=None, kv_num_blocks=None, kv_indices=None, deterministic=False):
+                           block_mask=None, kv_num_blocks=None, kv_indices=None, deterministic=False,
+                           pv_precision=None):
     """Block-sparse attention. Batched: q ``[B, Sq, Hq, d]``, k/v ``[B, Sk, Hkv, d]``; varlen (with
     cu_seqlens_q/cu_seqlens_k): q ``[total_q, Hq, d]``, k/v ``[total_k, Hkv, d]``. ``block_index``
     int32 ``[B, H, q_blocks, top_k]`` (see the module docs), or a FlexAttention ``block_mask`` /
@@ -203,7 +218,10 @@ def block_sparse_attn_func(q, k, v, block_index=None, q_block=DEFAULT_Q_BLOCK, k
     ``[Hq, total_q]`` varlen). ``quant_gran`` ("per_block", "per_warp", "per_thread"; default None =
     exact): SageAttention-style INT8 Q K^T with that scale granularity and K smoothing
     (``smooth_k``), forward only (``qk_int8=True`` alone means "per_warp"); CUDA for
-    float16/bfloat16, the CPU emulates it bit for bit in the quantisation (float32 too). ``block_index`` may also be a
+    float16/bfloat16, the CPU emulates it bit for bit in the quantisation (float32 too).
+    ``pv_precision``: None (default: P.V in the input's float type) or "fp8" (SageAttention2's FP8
+    e4m3 P.V: V per channel, P scaled by 256; needs ``quant_gran``; forward only; emulated on the
+    CPU, docs/sparse.md has the exact rule). ``block_index`` may also be a
     SparseSpec from ``cubeattn.sparse_spec`` (the index validated once, as a FlexAttention BlockMask
     is built once): the call must match its shapes, sequences and dtype. Forward on CUDA (torch
     CUDA tensors stay on their GPU; numpy inputs are copied) for float16/bfloat16, head_dim 64/128,
@@ -219,16 +237,18 @@ def block_sparse_attn_func(q, k, v, block_index=None, q_block=DEFAULT_Q_BLOCK, k
     fq, fk, fv, cu_q, cu_k, mq, mk, batched = _layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     heads_q = fq.shape[1] if len(fq.shape) == 3 else 0
     if isinstance(block_index, _core.Spec):
-        spec = _prepared(block_index, fq, fk, fv, cq0, cu_q, cu_k, q_block, k_block, causal, softmax_scale,
-                         _quant_gran(quant_gran, qk_int8, smooth_k), block_mask, kv_num_blocks, kv_indices)
+        gran = _quant_gran(quant_gran, qk_int8, smooth_k)
+        spec = _prepared(block_index, fq, fk, fv, cq0, cu_q, cu_k, q_block, k_block, causal, softmax_scale, gran,
+                         pv_precision, block_mask, kv_num_blocks, kv_indices)
         cq, ck, cv = to_core(fq, "q"), to_core(fk, "k"), to_core(fv, "v")
     else:
         ix, q_block, k_block = _resolve_index(block_index, block_mask, kv_num_blocks, kv_indices, q_block, k_block,
                                               len(cu_q) - 1, heads_q)
         gran = _quant_gran(quant_gran, qk_int8, smooth_k)
+        _pv_fp8(pv_precision, gran)
         cq, ck, cv = to_core(fq, "q"), to_core(fk, "k"), to_core(fv, "v")
         spec = sparse_spec(cq.shape, ck.shape, cq0, cu_q, cu_k, mq, mk, ix, q_block, k_block, softmax_scale, causal,
-                           v_shape=cv.shape, quant_gran=gran, smooth_k=smooth_k)
+                           v_shape=cv.shape, quant_gran=gran, smooth_k=smooth_k, pv_precision=pv_precision)
     out, lse = _forward(spec, fq, fk, fv, cq, ck, cv, True, deterministic, device)
     if batched is not None:
         out = out.reshape(q.shape)
@@ -236,7 +256,8 @@ def block_sparse_attn_func(q, k, v, block_index=None, q_block=DEFAULT_Q_BLOCK, k
     return (out, lse) if return_lse else out
 
 
-def _prepared(spec, fq, fk, fv, dtype, cu_q, cu_k, q_block, k_block, causal, softmax_scale, qk_int8, *mask_args):
+def _prepared(spec, fq, fk, fv, dtype, cu_q, cu_k, q_block, k_block, causal, softmax_scale, qk_int8, pv_precision,
+              *mask_args):
     """A SparseSpec passed as `block_index` (built once with `cubeattn.sparse_spec`): the call must
     match it; the arguments it fixes must be left at their defaults or agree with it."""
     if spec.key_set != "block_sparse":
@@ -254,6 +275,9 @@ def _prepared(spec, fq, fk, fv, dtype, cu_q, cu_k, q_block, k_block, causal, sof
                          f"{spec.softmax_scale!r}")
     if qk_int8 is not None:
         raise ValueError("invalid argument `quant_gran`: a prepared SparseSpec fixes it (build it with quant_gran=...)")
+    if pv_precision is not None:
+        raise ValueError("invalid argument `pv_precision`: a prepared SparseSpec fixes it (build it with "
+                         "pv_precision=...)")
     dims = (fq.shape[0], fk.shape[0], fq.shape[1], fk.shape[1], fq.shape[2]) if len(fq.shape) == 3 else None
     if dims != tuple(spec.dims) or tuple(fv.shape) != tuple(fk.shape) or dtype != spec.dtype:
         raise ValueError(f"invalid argument `block_index`: the prepared SparseSpec is for dims {tuple(spec.dims)} "

@@ -865,7 +865,8 @@ def _cp_zigzag(args, torch, device):
 
 def bench_sparse_cpu(args):
     """Dense vs block-sparse forward on the CPU, same inputs, fp32, batch 1. Rows:
-    {what: "sparse_fwd", impl: "cubeattn_cpu_dense" | "cubeattn_cpu_sparse", S, kept, ms}; kept is
+    {what: "sparse_fwd", impl: "cubeattn_cpu_dense" | "cubeattn_cpu_sparse" | "cubeattn_cpu_sparse_int8"
+    (`--quant_gran`) | "cubeattn_cpu_sparse_int8_fp8" (`--pv-precision fp8`), S, kept, ms}; kept is
     the fraction of key blocks listed per query block (top_k / k_blocks), `ideal` = 1 / kept."""
     from . import sparse_patterns as sp
 
@@ -880,19 +881,25 @@ def bench_sparse_cpu(args):
         dense_ms = ms[0]
         rows.append(dict(what="sparse_fwd", impl="cubeattn_cpu_dense", S=s, kept=1.0, pattern="dense", causal=args.causal,
                          ms=ms[0], ms_min=ms[1], ms_max=ms[2], gflops=dense_flops / ms[0] / 1e6))
-        variants = [("cubeattn_cpu_sparse", None)] + ([("cubeattn_cpu_sparse_int8", args.quant_gran)] if args.quant_gran else [])
+        variants = [("cubeattn_cpu_sparse", None, None)]
+        if args.quant_gran:
+            variants.append(("cubeattn_cpu_sparse_int8", args.quant_gran, None))
+        pv = getattr(args, "pv_precision", None)
+        if args.quant_gran and pv:
+            variants.append(("cubeattn_cpu_sparse_int8_fp8", args.quant_gran, pv))
         for ratio in args.top_k_ratios:
             top_k = sp.top_k_for(kbn, ratio)
             ix = sp.PATTERNS[args.pattern](1, hq, qbn, kbn, top_k, seed=0)
             spec = cubeattn.sparse_spec((s, hq, d), (s, hkv, d), "float32", [0, s], [0, s], s, s, ix, causal=args.causal)
-            for impl, int8 in variants:
+            for impl, int8, fp8 in variants:
                 ms = median_ms(lambda: cubeattn.block_sparse_attn_func(q, k, v, ix, causal=args.causal, device="cpu",
-                                                                       quant_gran=int8),
+                                                                       quant_gran=int8, pv_precision=fp8),
                                1, args.iterations)
                 rows.append(dict(what="sparse_fwd", impl=impl, S=s, kept=round(top_k / kbn, 4), pattern=args.pattern,
                                  causal=args.causal, ms=ms[0], ms_min=ms[1], ms_max=ms[2],
                                  gflops=spec.forward_flops / ms[0] / 1e6, speedup=dense_ms / ms[0],
-                                 ideal=kbn / top_k, **({"quant_gran": int8} if int8 else {})))
+                                 ideal=kbn / top_k, **({"quant_gran": int8} if int8 else {}),
+                                 **({"pv_precision": fp8} if fp8 else {})))
     return rows
 
 
@@ -905,7 +912,9 @@ def _cuda_sparse(args, torch):
     "cubeattn" (the public call with the index: validated per call) | "cubeattn_prepared" (the
     public call with a SparseSpec built once, as a FlexAttention BlockMask is) | "cubeattn_int8" (the same
     prepared call with INT8 Q K^T, `--quant_gran`; `cosine` against the bf16 sparse output, `rel_l2` /
-    `rel_l2_bf16`: the INT8 / bf16 sparse output against the f64 block-sparse attention of batch 0, 4 heads) | "cubeattn_dense" | "sdpa_flash" | "flex", B, H, S, keep, pattern, causal, ms}.
+    `rel_l2_bf16`: the INT8 / bf16 sparse output against the f64 block-sparse attention of batch 0, 4 heads) |
+    "cubeattn_int8_fp8" (with `--pv-precision fp8`: the INT8 call with FP8 P.V, the same columns; an
+    error row where the GPU refuses it) | "cubeattn_dense" | "sdpa_flash" | "flex", B, H, S, keep, pattern, causal, ms}.
     Then what "sparse_fwdbwd": one autograd step (out = f(q, k, v); out.backward(g), gradients
     accumulating into the leaves) for cubeattn_prepared and cubeattn_dense (the default
     deterministic=False: dQ fused with atomics), cubeattn_prepared_det and cubeattn_dense_det
@@ -981,10 +990,30 @@ def _cuda_sparse(args, torch):
                     heads = _ref_heads(H)
                     ref = _attention_f64(torch, q, k, v, heads, args.causal,
                                          block_keep=_block_keep(torch, ix[0, heads], nb, "cuda"))
+                    rel_bf16 = _acc(b[0, :, heads], ref)["rel_l2"]
                     rows.append(dict(key, impl="cubeattn_int8", quant_gran=args.quant_gran, ms=ms[0], ms_min=ms[1],
                                      cosine=cos, rel_l2=_acc(a[0, :, heads], ref)["rel_l2"],
-                                     rel_l2_bf16=_acc(b[0, :, heads], ref)["rel_l2"], ref_heads=heads))
-                    del a, b, ref
+                                     rel_l2_bf16=rel_bf16, ref_heads=heads))
+                    del a
+                    pv = getattr(args, "pv_precision", None)
+                    if pv:
+                        try:  # the GPU may refuse FP8 P.V (no kernel yet): an error row, the rest goes on
+                            spec8f = cubeattn.sparse_spec((B * s, H, d), (B * s, H, d), "bfloat16",
+                                                          (np.arange(B + 1) * s).astype(np.int32),
+                                                          (np.arange(B + 1) * s).astype(np.int32), s, s, ix, 128, 128,
+                                                          causal=args.causal, quant_gran=args.quant_gran,
+                                                          pv_precision=pv)
+                            ms = median_ms(lambda: cubeattn.block_sparse_attn_func(q, k, v, spec8f), 3, it, sync)
+                            a = cubeattn.block_sparse_attn_func(q, k, v, spec8f)
+                            rows.append(dict(key, impl="cubeattn_int8_fp8", quant_gran=args.quant_gran,
+                                             pv_precision=pv, ms=ms[0], ms_min=ms[1],
+                                             cosine=_acc(a, b)["cosine"], rel_l2=_acc(a[0, :, heads], ref)["rel_l2"],
+                                             rel_l2_bf16=rel_bf16, ref_heads=heads))
+                            del a
+                        except Exception as e:
+                            rows.append(dict(key, impl="cubeattn_int8_fp8", quant_gran=args.quant_gran,
+                                             pv_precision=pv, error=str(e)[:200]))
+                    del b, ref
             except Exception as e:
                 rows.append(dict(key, impl="cubeattn", error=str(e)[:200]))
             if flex is not None and not args.causal:
@@ -1005,7 +1034,8 @@ def _cuda_sparse(args, torch):
              if r.get("impl") in ("cubeattn_dense", "cubeattn_dense_det") and "ms" in r}
     for r in rows:
         at = (r.get("what"), r.get("S"), r.get("impl", "").endswith("_det"))
-        if r.get("impl") in ("cubeattn", "cubeattn_prepared", "cubeattn_prepared_det", "cubeattn_int8") and "ms" in r \
+        if r.get("impl") in ("cubeattn", "cubeattn_prepared", "cubeattn_prepared_det", "cubeattn_int8",
+                             "cubeattn_int8_fp8") and "ms" in r \
                 and at in dense:
             r["speedup"] = dense[at] / r["ms"]
             r["ideal"] = 1.0 / r["keep"]
@@ -1074,7 +1104,8 @@ def _sage_rows(args, torch, dev="cuda"):
     """`bench sage` (issue 43): dense attention with INT8 Q K^T (`cubeattn.sageattn`) beside our
     exact forward (`flash_attn_func`) and SDPA's cuDNN and flash backends, `--dtype` (bf16), B=4,
     H=32 (kv heads `--num-kv-heads`, default H), d=128 unless given. Wall clock of the torch call, median,
-    one sync per call. Rows: {what: "sage_fwd", impl: "cubeattn_int8" | "cubeattn_bf16" |
+    one sync per call. Rows: {what: "sage_fwd", impl: "cubeattn_int8" | "cubeattn_int8_fp8" (sageattn
+    with pv_precision="fp8"; an error row where the GPU refuses it) | "cubeattn_bf16" |
     "sdpa_cudnn" | "sdpa_flash", inputs: "randn", B, H, H_kv, S, D, causal, ms, tflops (4 B H S^2 d,
     halved when causal, per time), cosine, rel_l2}: the accuracy against the f64 attention of the
     same (bf16) inputs, unquantised, on batch 0 and 4 q heads (`ref_heads`). With --outliers, also
@@ -1117,6 +1148,9 @@ def _sage_rows(args, torch, dev="cuda"):
             # device=dev: a call the CUDA backend refuses raises (an error row) instead of running on the CPU
             impls = [("cubeattn_int8", lambda: cubeattn.sageattn(q, k, v, is_causal=causal, quant_gran=gran,
                                                                  device=dev), dict(quant_gran=gran)),
+                     ("cubeattn_int8_fp8", lambda: cubeattn.sageattn(q, k, v, is_causal=causal, quant_gran=gran,
+                                                                     pv_precision="fp8", device=dev),
+                      dict(quant_gran=gran, pv_precision="fp8")),
                      ("cubeattn_bf16", lambda: cubeattn.flash_attn_func(q, k, v, causal=causal, device=dev), {})]
             if timed:
                 impls += [("sdpa_cudnn", sdpa(SDPBackend.CUDNN_ATTENTION), {}),
@@ -1219,7 +1253,7 @@ def _hf_train(args, torch):
 
 def print_table(rows):
     cols = [c for c in ("what", "config", "causal", "impl", "cache", "part", "B", "S", "T", "W", "window", "rank", "P", "G",
-                        "pattern", "inputs", "quant_gran",
+                        "pattern", "inputs", "quant_gran", "pv_precision",
                         "kept", "keep", "ms", "gflops", "tflops", "speedup", "ideal", "fwd_ms", "fwd_tflops_per_gpu", "fwdbwd_ms",
                         "tflops_per_gpu", "exposed_comm_fwd_ms", "exposed_comm_fwdbwd_ms", "cosine", "rel_l2", "rel_l2_bf16", "rel_err",
                         "rel_err_vs_cubeattn", "ok", "error")
@@ -1301,6 +1335,9 @@ def main(argv=None):
     p.add_argument("--quant_gran", "--quant-gran", default=None, choices=["per_block", "per_warp", "per_thread"],
                    help="sparse: also time the INT8 QK^T option with this scale granularity; sage: the granularity "
                         "(default per_warp)")
+    p.add_argument("--pv-precision", "--pv_precision", dest="pv_precision", default=None, choices=["fp8"],
+                   help="sparse: also time the INT8 option with FP8 P.V (implies --quant_gran per_warp unless "
+                        "given); sage always has its FP8 P.V rows")
     p.add_argument("--outliers", action="store_true",
                    help="sage: also measure the accuracy on inputs with outlier channels in K (and q scaled)")
     p.add_argument("--dense-only", action="store_true", help="fwdbwd: the dense rows only (no grouped zigzag)")
@@ -1308,7 +1345,7 @@ def main(argv=None):
     p.add_argument("--png", default=None, help="write a plot here (needs matplotlib)")
     args = p.parse_args(argv)
     args.seqlens_given = args.seqlens is not None
-    if args.qk_int8 and args.quant_gran is None:
+    if (args.qk_int8 or args.pv_precision) and args.quant_gran is None:
         args.quant_gran = "per_warp"
     st = cubeattn.backend_status()
     device = args.device if args.device != "auto" else ("cuda" if st["cuda_available"] else "cpu")

@@ -1,9 +1,10 @@
 """cubeattn.sageattn: dense attention with SageAttention-style INT8 Q K^T on the block-sparse path
 (every key block listed, 128-blocks). Against the f64 reference of the unquantised attention on
 fresh random inputs (the seed is printed): causal and not, Sq == Sk and Sq != Sk (bottom-right),
-GQA, lengths that are not multiples of 128, one token; quant_gran=None against flash_attn_func;
-the NHD / HND layouts; every bad argument; the index / spec cache; torch autograd. CPU (the CPU
-backend emulates the INT8 quantisation); the one CUDA test is marked gpu."""
+GQA, lengths that are not multiples of 128, one token; FP8 P.V (pv_precision="fp8");
+quant_gran=None against flash_attn_func; the NHD / HND layouts; every bad argument; the index /
+spec cache; torch autograd. CPU (the CPU backend emulates the INT8 quantisation and the FP8 P.V);
+the one CUDA test is marked gpu."""
 import argparse
 
 import numpy as np
@@ -127,6 +128,53 @@ def test_exact_qk_equals_flash_attn_func(shape, causal):
         np.testing.assert_allclose(lse[fin], want_lse[fin], atol=1e-5, rtol=1e-5)
 
 
+# (B, Sq, Sk, Hq, Hkv, d) for FP8 P.V: GQA, Sq != Sk, partial blocks, d64 and d128, decode
+FP8_SHAPES = [SHAPES[0], SHAPES[1], SHAPES[2], SHAPES[3], SHAPES[4]]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "B{}-Sq{}-Sk{}-H{}x{}-d{}".format(*s))
+def test_fp8_pv_matches_the_f64_reference(shape, causal):
+    """pv_precision="fp8" (FP8 e4m3 P.V on top of INT8 Q K^T) against the f64 reference of the
+    unquantised attention: cosine >= 0.999, relative L2 <= 0.05; the lse is the INT8 call's (the
+    true lse: P's scale of 256 does not reach it); rows with no visible key: zero, lse +inf."""
+    rng = fresh_rng(f"sage fp8 {shape} causal={causal}")
+    b, sq, sk, hq, hkv, d = shape
+    q, k, v = inputs(rng, b, sq, sk, hq, hkv, d, "bfloat16")
+    want, want_lse = reference(q, k, v, causal)
+    out, lse = cubeattn.sageattn(q, k, v, is_causal=causal, return_lse=True, device="cpu", pv_precision="fp8")
+    out8, lse8 = cubeattn.sageattn(q, k, v, is_causal=causal, return_lse=True, device="cpu")
+    assert out.shape == q.shape and out.dtype == q.dtype and cubeattn.last_backend() == "cpu"
+    seen = np.isfinite(want_lse)
+    assert np.array_equal(np.isfinite(lse), seen)
+    assert np.all(np.asarray(out, np.float32)[~seen.transpose(0, 2, 1)] == 0)
+    cos, rel = accuracy(out, want, v)
+    rel8 = accuracy(out8, want, v)[1]
+    print(f"fp8: cosine {cos:.6f}, rel L2 {rel:.5f} (int8 only: rel L2 {rel8:.5f})")
+    assert cos >= 0.999 and rel <= 0.05
+    assert rel > rel8 or sk == 1, "FP8 P.V must cost accuracy (or it did not run)"
+    np.testing.assert_allclose(lse[seen], lse8[seen], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_fp8_pv_dtypes_and_v_outlier_channels(dtype):
+    """float32 / float16 inputs, every granularity, V with a few channels 40x larger and one
+    offset by 25 (V's scale is per channel, so they cost nothing)."""
+    rng = fresh_rng(f"sage fp8 {dtype}")
+    q, k, v = inputs(rng, 1, 260, 260, 4, 2, 64, dtype)
+    v = v.astype(np.float32)
+    v[..., [3, 17]] *= 40.0
+    v[..., 9] += 25.0
+    v = v.astype(q.dtype)
+    want, _ = reference(q, k, v, True)
+    for gran in ("per_block", "per_warp", "per_thread"):
+        out = cubeattn.sageattn(q, k, v, is_causal=True, quant_gran=gran, pv_precision="fp8", device="cpu")
+        assert out.dtype == q.dtype
+        cos, rel = accuracy(out, want, v)
+        print(f"{gran} {dtype}: cosine {cos:.6f}, rel L2 {rel:.5f}")
+        assert cos >= 0.999 and rel <= 0.05
+
+
 def test_softmax_scale_and_the_hnd_layout():
     rng = fresh_rng("sage layout")
     q, k, v = inputs(rng, 2, 150, 210, 4, 2, 64, "bfloat16")
@@ -179,6 +227,11 @@ def test_the_index_and_spec_are_cached_and_give_the_same_result():
     assert len(_sage._SPECS) == 2 and len(_sage._INDEX) == 1
     cubeattn.sageattn(q, k, v, is_causal=False, device="cpu")
     assert len(_sage._SPECS) == 3 and len(_sage._INDEX) == 2
+    fp8 = cubeattn.sageattn(q, k, v, is_causal=True, pv_precision="fp8", device="cpu")
+    assert len(_sage._SPECS) == 4 and len(_sage._INDEX) == 2 and not np.array_equal(fp8, first)
+    assert sorted(str(s.pv_precision) for s in _sage._SPECS.values()) == ["None", "None", "None", "fp8"]
+    assert np.array_equal(cubeattn.sageattn(q, k, v, is_causal=True, pv_precision="fp8", device="cpu"), fp8)
+    assert np.array_equal(cubeattn.sageattn(q, k, v, is_causal=True, pv_precision=None, device="cpu"), first)
     for s in range(1, 2 * _sage._CACHE_ENTRIES):  # bounded
         cubeattn.sageattn(q[:, :s], k[:, :s], v[:, :s], device="cpu")
     assert len(_sage._SPECS) == _sage._CACHE_ENTRIES and len(_sage._INDEX) == _sage._CACHE_ENTRIES
@@ -203,8 +256,9 @@ def _bad_calls():
     yield dict(device=0), TypeError, "device"
     yield dict(device="tpu"), ValueError, "device"
     yield dict(pv_precision="fp16"), ValueError, "pv_precision"
-    yield dict(pv_precision=None), ValueError, "pv_precision"
-    yield dict(pv_precision="fp8"), NotImplementedError, "pv_precision.*FP8 P.V is not built yet"
+    yield dict(pv_precision="bf16"), ValueError, "pv_precision"
+    yield dict(pv_precision=8), ValueError, "pv_precision"
+    yield dict(pv_precision="fp8", quant_gran=None), ValueError, "pv_precision.*INT8"
     yield dict(k=k.astype(np.float16), v=v.astype(np.float16)), TypeError, "`k`"
     yield dict(v=v.astype(np.float16)), TypeError, "`v`"
     yield dict(q=q.astype(np.int32)), TypeError, "`q`"
@@ -244,6 +298,8 @@ def test_torch_inputs_that_require_grad():
     v = torch.randn(2, 200, 2, 64, generator=g, requires_grad=True)
     with pytest.raises(ValueError, match="quant_gran.*no backward"):
         cubeattn.sageattn(q, k, v, is_causal=True, device="cpu")
+    with pytest.raises(ValueError, match="quant_gran.*no backward"):
+        cubeattn.sageattn(q, k, v, is_causal=True, device="cpu", pv_precision="fp8")
     with torch.no_grad():
         out = cubeattn.sageattn(q, k, v, is_causal=True, device="cpu")
     want, _ = reference(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), True)
@@ -310,17 +366,19 @@ def test_bench_sage_rows_on_the_cpu(tmp_path, capsys):
     ok = [r for r in rows if "error" not in r]
     impls = {(r["impl"], r["inputs"]) for r in ok}
     assert {("cubeattn_int8", "randn"), ("cubeattn_bf16", "randn"), ("cubeattn_int8", "outliers"),
-            ("cubeattn_bf16", "outliers")} <= impls
+            ("cubeattn_bf16", "outliers"), ("cubeattn_int8_fp8", "randn"), ("cubeattn_int8_fp8", "outliers")} <= impls
     for r in ok:
         assert r["what"] == "sage_fwd" and r["S"] == 200 and r["H"] == 4 and r["D"] == 64 and r["B"] == 1
         if r["impl"] in ("cubeattn_int8", "cubeattn_bf16"):
             assert r["cosine"] >= 0.999 and 0 < r["rel_l2"] < 0.03, r
+        if r["impl"] == "cubeattn_int8_fp8":
+            assert r["cosine"] >= 0.999 and 0 < r["rel_l2"] < 0.05 and r["pv_precision"] == "fp8", r
         if r["inputs"] == "randn" and "ms" in r:
             assert r["tflops"] > 0
     assert all(r["impl"].startswith("sdpa") for r in rows if "error" in r)
     acc = {(r["impl"], r["inputs"]): r["rel_l2"] for r in ok}
     assert acc[("cubeattn_int8", "outliers")] < acc[("cubeattn_int8_nosmooth", "outliers")]
-    assert acc[("cubeattn_bf16", "randn")] < acc[("cubeattn_int8", "randn")]
+    assert acc[("cubeattn_bf16", "randn")] < acc[("cubeattn_int8", "randn")] < acc[("cubeattn_int8_fp8", "randn")]
     bench.print_table(rows)
     assert "0.99" in capsys.readouterr().out  # the cosine column keeps its digits
 

@@ -15,6 +15,32 @@
 //!   (CUDA's `rint`, the same f32 operations as the CUDA quantisation kernel), exact i32 dot
 //!   products, P rounded to the input dtype before P.V. f32 inputs take the same path (emulated:
 //!   no CUDA kernel serves f32).
+//! - FP8 P.V (`Int8Qk::pv_fp8`, only with INT8 Q K^T, forward only; SageAttention2's P.V), what the
+//!   CUDA kernel implements, in f32 unless said otherwise:
+//!   - V per (sequence, kv head, channel `c`): `amax[c]` = max over the sequence's keys of `|v|`
+//!     (NaN-ignoring, as CUDA's `fmaxf`); `(scale, inv) = (amax / 448, 448 / amax)`, or `(1, 0)`
+//!     when `amax == 0` or `448 / amax` overflows to +inf (`amax` below ~1.3e-36); `v_q =
+//!     e4m3(v * inv)` (decoded to f32 here).
+//!   - `e4m3(x)` ([`crate::fp8::e4m3_round`]) is PTX `cvt.rn.satfinite.e4m3x2.f32`: nearest, ties
+//!     to even, subnormals down to 2^-9, magnitudes from 464 up and +-Inf saturate to +-448, NaN
+//!     stays NaN, the sign of zero kept.
+//!   - keys in tiles of [`TILE_KEYS`] (64) counted from each listed key block's start (the last
+//!     tile of a block may be shorter), key blocks ascending, tiles in order (the CPU clips a tile
+//!     at the last key a row of its task sees: nothing changes, the keys past it are invisible to
+//!     every row). Per tile: the scores `s` (INT8, as above); one online-softmax step in base 2
+//!     (`c = softmax_scale * log2(e)`, the running row max `m` moves per tile as in the kernel's
+//!     64-key tiles, `alpha = exp2(m_old - m)`); `P = exp2(c * s - m)` (<= 1, 0 for an invisible
+//!     key); `acc[c] = acc[c] * alpha + sum_j e4m3(256 * P[j]) * v_q[j, c]` (256 = [`FP8_P_SCALE`];
+//!     the products are exact, the sum f32) and `l = l * alpha + 256 * sum_j P[j]` (the unrounded P).
+//!   - `out[c] = acc[c] * (1 / l) * scale[c]` (here `1 / (256 * l')` with `l' = sum P`, the same f32
+//!     value: scaling by a power of two is exact); LSE = `ln 2 * (m + log2(l / 256))`, the true LSE
+//!     (the 256 does not reach it; plus the smoothing correction); rows that see no key: zero
+//!     output, LSE +inf.
+//!   - Non-finite V: an Inf makes `amax` +inf (inv 0, scale +inf), so its channel is NaN for the
+//!     whole sequence and kv head; a NaN is skipped by the max and stays in its element (NaN in
+//!     that channel for the rows whose tiles hold that key).
+//!
+//!   The exact and INT8-only paths are untouched by this option.
 
 use rayon::prelude::*;
 
@@ -23,7 +49,8 @@ use super::forward::{finish_rows, online_softmax_block, row_limits, Scratch, BK,
 use super::layout::{from_f32_vec, matmul, to_f32_cow, to_head_major, transpose_per_head, Mat, SharedMut};
 use crate::backend::{BackwardInputs, ForwardOutput, Gradients};
 use crate::dtype::{DType, HostView};
-use crate::sparse::Int8Qk;
+use crate::fp8::e4m3_round;
+use crate::sparse::{Int8Qk, FP8_MAX, FP8_P_SCALE, TILE_KEYS};
 use crate::spec::SparseView;
 
 /// Key spans `[lo, hi)` (inside the sequence) of the kept blocks `kept` (ascending), clipped to
@@ -245,6 +272,105 @@ fn qk_int8(s: &mut [f32], lds: usize, col0: usize, qz: &Quantized, hq: usize, tq
     }
 }
 
+/// V of the FP8 P.V option: e4m3 values (decoded to f32, token-major `[total_k, heads_kv, d]` as
+/// v) and one f32 scale per (sequence, kv head, channel), `[segments, heads_kv, d]`.
+struct Fp8V {
+    v: Vec<f32>,
+    scale: Vec<f32>,
+}
+
+/// `(scale, inv)` of a V channel with maximum magnitude `amax` (module docs).
+fn fp8_scale(amax: f32) -> (f32, f32) {
+    let inv = FP8_MAX / amax;
+    if amax > 0.0 && inv.is_finite() { (amax / FP8_MAX, inv) } else { (1.0, 0.0) }
+}
+
+fn quantize_v(spec: SparseView, vf: &[f32]) -> Fp8V {
+    let a = &spec.attn;
+    let row = a.dims.heads_kv * a.dims.head_dim;
+    let mut v = vec![0.0f32; vf.len()];
+    let mut scale = vec![1.0f32; a.segments.len() * row];
+    for (b, seg) in a.segments.iter().enumerate() {
+        let (k0, k1) = (seg.k_start * row, (seg.k_start + seg.k_len) * row);
+        // per (kv head, channel) the max |v| over the sequence's keys (a key's row is [heads_kv, d]);
+        // f32::max ignores NaN (as fmaxf) and is order-free, so the parallel reduction is exact
+        let amax = vf[k0..k1]
+            .par_chunks(row * 64)
+            .map(|c| {
+                let mut m = vec![0.0f32; row];
+                for r in c.chunks(row) {
+                    for (m, x) in m.iter_mut().zip(r) {
+                        *m = m.max(x.abs());
+                    }
+                }
+                m
+            })
+            .reduce(|| vec![0.0f32; row], |x, y| x.iter().zip(&y).map(|(p, q)| p.max(*q)).collect());
+        let inv: Vec<f32> = amax.iter().map(|&m| fp8_scale(m).1).collect();
+        for (s, &m) in scale[b * row..(b + 1) * row].iter_mut().zip(&amax) {
+            *s = fp8_scale(m).0;
+        }
+        v[k0..k1].par_chunks_mut(row).zip(vf[k0..k1].par_chunks(row)).for_each(|(o, x)| {
+            for ((o, &x), &i) in o.iter_mut().zip(x).zip(&inv) {
+                *o = e4m3_round(x * i);
+            }
+        });
+    }
+    Fp8V { v, scale }
+}
+
+/// The key loop of one forward row task with FP8 P.V (module docs): per listed key block, per
+/// 64-key tile, INT8 scores, one online-softmax step, `e4m3(256 P)` times the e4m3 V into
+/// `sc.o` (f32). `sc.lims`: the rows' visible key counts; `tile_lims`: scratch.
+#[allow(clippy::too_many_arguments)]
+fn fp8_keys(spec: SparseView, qz: &Quantized, v8: &Fp8V, b: usize, h: usize, r0: usize, rows: usize, c: f32, sc: &mut Scratch, tile_lims: &mut Vec<usize>) {
+    let a = &spec.attn;
+    let dm = a.dims;
+    let (d, tq, tk, hq, hkv) = (dm.head_dim, dm.total_q, dm.total_k, dm.heads_q, dm.heads_kv);
+    let seg = &a.segments[b];
+    let hk = h / dm.group_size();
+    let row0 = seg.q_start + r0;
+    let k_hi = sc.lims[..rows].iter().copied().max().unwrap_or(0);
+    for &kb in spec.index.kept(b, spec.index_head(h), r0 / spec.q_block) {
+        let lo = kb as usize * spec.k_block;
+        if lo >= k_hi {
+            break;
+        }
+        let hi = (lo + spec.k_block).min(k_hi);
+        for t0 in (lo..hi).step_by(TILE_KEYS) {
+            let t1 = (t0 + TILE_KEYS).min(hi);
+            let n = t1 - t0;
+            qk_int8(&mut sc.s, n, 0, qz, hq, tq, tk, d, h, hk, row0, rows, seg.k_start + t0, n);
+            tile_lims.clear();
+            tile_lims.extend(sc.lims[..rows].iter().map(|&lim| lim.clamp(t0, t1) - t0));
+            online_softmax_block(&mut sc.s[..rows * n], n, n, tile_lims, 0, c, &mut sc.m[..rows], &mut sc.l[..rows], &mut sc.o[..rows * d], d);
+            for x in &mut sc.s[..rows * n] {
+                *x = e4m3_round(*x * FP8_P_SCALE);
+            }
+            let v_blk = Mat { ptr: v8.v[((seg.k_start + t0) * hkv + hk) * d..].as_ptr(), rs: (hkv * d) as isize, cs: 1 };
+            matmul(&mut sc.o, d, rows, d, n, Mat::rows(&sc.s, n), v_blk, 1.0, true);
+        }
+    }
+}
+
+/// Output rows and LSE of an FP8 P.V row task: `out = acc / (256 l) * scale[c]`, LSE of the
+/// unscaled sums (rows with `l == 0` keep their zeros and +inf).
+#[allow(clippy::too_many_arguments)]
+fn fp8_finish(sc: &Scratch, rows: usize, d: usize, v_scale: &[f32], out_w: &SharedMut<f32>, lse_dst: &mut [f32], out_at: impl Fn(usize) -> usize) {
+    for (i, lse) in lse_dst[..rows].iter_mut().enumerate() {
+        let li = sc.l[i];
+        if li != 0.0 {
+            // SAFETY: tasks own disjoint (row, head) ranges.
+            let dst = unsafe { out_w.slice(out_at(i), d) };
+            let inv = 1.0 / (li * FP8_P_SCALE);
+            for ((o, &acc), &s) in dst.iter_mut().zip(&sc.o[i * d..(i + 1) * d]).zip(v_scale) {
+                *o = acc * inv * s;
+            }
+            *lse = (sc.m[i] + li.log2()) * std::f32::consts::LN_2;
+        }
+    }
+}
+
 fn round_to(dtype: DType, x: &mut [f32]) {
     match dtype {
         DType::F32 => {}
@@ -261,6 +387,8 @@ pub(super) fn forward(spec: SparseView, q: HostView, k: HostView, v: HostView) -
     let qf = to_f32_cow(q);
     let kt = if qz.is_none() { transpose_per_head(k, tk, hkv, d) } else { Vec::new() };
     let vf = to_f32_cow(v);
+    // FP8 P.V: V quantised once per call
+    let v8 = spec.int8.filter(|o| o.pv_fp8).map(|_| quantize_v(spec, &vf));
     let mut out = vec![0.0f32; dm.q_len()];
     let mut lse = vec![f32::INFINITY; dm.lse_len()];
     let out_w = SharedMut::new(&mut out);
@@ -276,60 +404,68 @@ pub(super) fn forward(spec: SparseView, q: HostView, k: HostView, v: HostView) -
             let row0 = seg.q_start + r0;
             row_limits(seg, a.causal, r0, rows, &mut sc.lims);
             let k_hi = sc.lims.iter().copied().max().unwrap_or(0);
-            spans(spec.index.kept(b, spec.index_head(h), r0 / spec.q_block), spec.k_block, k_hi, BK, &mut ga.spans);
-            chunks(&ga.spans, BK, &mut ga.chunks);
             sc.o[..rows * d].fill(0.0);
             sc.m[..rows].fill(f32::NEG_INFINITY);
             sc.l[..rows].fill(0.0);
-            let qblk = Mat { ptr: qf[(row0 * hq + h) * d..].as_ptr(), rs: q_rs, cs: 1 };
-            for ci in 0..ga.chunks.len() {
-                let (c0, c1) = ga.chunks[ci];
-                let group = &ga.spans[c0..c1];
-                let n: usize = group.iter().map(|&(lo, hi)| hi - lo).sum();
-                // one contiguous span is read in place; several are gathered (K^T columns, V rows)
-                let (kt_blk, v_blk) = if let [(lo, _)] = *group {
-                    (
-                        Mat { ptr: if kt.is_empty() { std::ptr::null() } else { kt[hk * d * tk + seg.k_start + lo..].as_ptr() }, rs: tk as isize, cs: 1 },
-                        Mat { ptr: vf[((seg.k_start + lo) * hkv + hk) * d..].as_ptr(), rs: kv_rs, cs: 1 },
-                    )
-                } else {
-                    let mut off = 0;
-                    for &(lo, hi) in group {
-                        let w = hi - lo;
-                        if !kt.is_empty() {
-                            for p in 0..d {
-                                let src = &kt[hk * d * tk + p * tk + seg.k_start + lo..][..w];
-                                ga.k[p * n + off..p * n + off + w].copy_from_slice(src);
-                            }
-                        }
-                        for t in 0..w {
-                            ga.v[(off + t) * d..(off + t + 1) * d].copy_from_slice(&vf[((seg.k_start + lo + t) * hkv + hk) * d..][..d]);
-                        }
-                        off += w;
-                    }
-                    (Mat { ptr: ga.k.as_ptr(), rs: n as isize, cs: 1 }, Mat::rows(&ga.v, d))
-                };
-                match &qz {
-                    None => matmul(&mut sc.s, n, rows, n, d, qblk, kt_blk, 1.0, false),
-                    Some(qz) => {
+            if let (Some(v8), Some(qz)) = (&v8, &qz) {
+                fp8_keys(spec, qz, v8, b, h, r0, rows, c, sc, &mut ga.lims);
+            } else {
+                spans(spec.index.kept(b, spec.index_head(h), r0 / spec.q_block), spec.k_block, k_hi, BK, &mut ga.spans);
+                chunks(&ga.spans, BK, &mut ga.chunks);
+                let qblk = Mat { ptr: qf[(row0 * hq + h) * d..].as_ptr(), rs: q_rs, cs: 1 };
+                for ci in 0..ga.chunks.len() {
+                    let (c0, c1) = ga.chunks[ci];
+                    let group = &ga.spans[c0..c1];
+                    let n: usize = group.iter().map(|&(lo, hi)| hi - lo).sum();
+                    // one contiguous span is read in place; several are gathered (K^T columns, V rows)
+                    let (kt_blk, v_blk) = if let [(lo, _)] = *group {
+                        (
+                            Mat { ptr: if kt.is_empty() { std::ptr::null() } else { kt[hk * d * tk + seg.k_start + lo..].as_ptr() }, rs: tk as isize, cs: 1 },
+                            Mat { ptr: vf[((seg.k_start + lo) * hkv + hk) * d..].as_ptr(), rs: kv_rs, cs: 1 },
+                        )
+                    } else {
                         let mut off = 0;
                         for &(lo, hi) in group {
-                            qk_int8(&mut sc.s, n, off, qz, hq, tq, tk, d, h, hk, row0, rows, seg.k_start + lo, hi - lo);
-                            off += hi - lo;
+                            let w = hi - lo;
+                            if !kt.is_empty() {
+                                for p in 0..d {
+                                    let src = &kt[hk * d * tk + p * tk + seg.k_start + lo..][..w];
+                                    ga.k[p * n + off..p * n + off + w].copy_from_slice(src);
+                                }
+                            }
+                            for t in 0..w {
+                                ga.v[(off + t) * d..(off + t + 1) * d].copy_from_slice(&vf[((seg.k_start + lo + t) * hkv + hk) * d..][..d]);
+                            }
+                            off += w;
+                        }
+                        (Mat { ptr: ga.k.as_ptr(), rs: n as isize, cs: 1 }, Mat::rows(&ga.v, d))
+                    };
+                    match &qz {
+                        None => matmul(&mut sc.s, n, rows, n, d, qblk, kt_blk, 1.0, false),
+                        Some(qz) => {
+                            let mut off = 0;
+                            for &(lo, hi) in group {
+                                qk_int8(&mut sc.s, n, off, qz, hq, tq, tk, d, h, hk, row0, rows, seg.k_start + lo, hi - lo);
+                                off += hi - lo;
+                            }
                         }
                     }
+                    gathered_limits(&sc.lims, group, &mut ga.lims);
+                    online_softmax_block(&mut sc.s[..rows * n], n, n, &ga.lims, 0, c, &mut sc.m[..rows], &mut sc.l[..rows], &mut sc.o[..rows * d], d);
+                    if qz.is_some() {
+                        // P.V in the input dtype (as the GPU's f16/bf16 mma would take P)
+                        round_to(a.dtype, &mut sc.s[..rows * n]);
+                    }
+                    matmul(&mut sc.o, d, rows, d, n, Mat::rows(&sc.s, n), v_blk, 1.0, true);
                 }
-                gathered_limits(&sc.lims, group, &mut ga.lims);
-                online_softmax_block(&mut sc.s[..rows * n], n, n, &ga.lims, 0, c, &mut sc.m[..rows], &mut sc.l[..rows], &mut sc.o[..rows * d], d);
-                if qz.is_some() {
-                    // P.V in the input dtype (as the GPU's f16/bf16 mma would take P)
-                    round_to(a.dtype, &mut sc.s[..rows * n]);
-                }
-                matmul(&mut sc.o, d, rows, d, n, Mat::rows(&sc.s, n), v_blk, 1.0, true);
             }
             // SAFETY: tasks own disjoint (row, head) ranges (sequences own disjoint rows).
             let lse_dst = unsafe { lse_w.slice(h * tq + row0, rows) };
-            finish_rows(&sc.o, d, &sc.m, &sc.l, rows, d, &out_w, lse_dst, |i| ((row0 + i) * hq + h) * d);
+            let out_at = |i| ((row0 + i) * hq + h) * d;
+            match &v8 {
+                Some(v8) => fp8_finish(sc, rows, d, &v8.scale[(b * hkv + hk) * d..][..d], &out_w, lse_dst, out_at),
+                None => finish_rows(&sc.o, d, &sc.m, &sc.l, rows, d, &out_w, lse_dst, out_at),
+            }
             if let Some(qz) = &qz {
                 for (i, x) in lse_dst.iter_mut().enumerate() {
                     *x += qz.lse_shift[h * tq + row0 + i];
@@ -422,6 +558,10 @@ mod tests {
     use crate::dtype::HostData;
     use crate::reference::{backward_f64, forward_f64, test_values};
     use crate::spec::{AttnSpec, TensorMeta};
+    use crate::sparse::QuantGran;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+    use rand_distr::StandardNormal;
 
     #[test]
     fn spans_merge_clip_and_split() {
@@ -527,5 +667,185 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A block-sparse FP8 P.V case: sequences (query, key lengths), heads, head_dim, block sizes.
+    struct Fp8Case {
+        lens: &'static [(usize, usize)],
+        hq: usize,
+        hkv: usize,
+        d: usize,
+        q_block: usize,
+        k_block: usize,
+        causal: bool,
+        /// one index per kv head (else per q head)
+        per_kv_head: bool,
+        /// V channels with large magnitudes: a few scaled by 40, one offset by +25
+        outliers: bool,
+        dtype: DType,
+        gran: QuantGran,
+    }
+
+    const FP8_CASES: [Fp8Case; 4] = [
+        // varlen with empty sequences (no keys; no queries; neither), GQA, causal, d64
+        Fp8Case { lens: &[(150, 200), (5, 0), (0, 60), (0, 0), (70, 333)], hq: 4, hkv: 2, d: 64, q_block: 64, k_block: 128, causal: true, per_kv_head: false, outliers: false, dtype: DType::F16, gran: QuantGran::PerWarp },
+        // d128, blocks that are no multiple of 64 (tiles of 64 + 16 keys), an index per kv head, MQA
+        Fp8Case { lens: &[(300, 333)], hq: 2, hkv: 1, d: 128, q_block: 48, k_block: 80, causal: false, per_kv_head: true, outliers: false, dtype: DType::BF16, gran: QuantGran::PerThread },
+        // outlier channels in V, a key count off the block size, f32
+        Fp8Case { lens: &[(200, 517)], hq: 4, hkv: 4, d: 64, q_block: 64, k_block: 128, causal: true, per_kv_head: false, outliers: true, dtype: DType::F32, gran: QuantGran::PerBlock },
+        // outliers at d128, GQA 8 / 2, causal with Sq < Sk, 128-blocks (sageattn's)
+        Fp8Case { lens: &[(129, 1000), (260, 260)], hq: 8, hkv: 2, d: 128, q_block: 128, k_block: 128, causal: true, per_kv_head: true, outliers: true, dtype: DType::BF16, gran: QuantGran::PerWarp },
+    ];
+
+    fn randn(n: usize, rng: &mut StdRng) -> Vec<f32> {
+        (0..n).map(|_| rng.sample::<f32, _>(StandardNormal)).collect()
+    }
+
+    /// The spec of `c` with a random index (about 60% of the key blocks kept per query block) and
+    /// the INT8 option `int8`.
+    fn fp8_spec(c: &Fp8Case, int8: Option<Int8Qk>, rng: &mut StdRng) -> AttnSpec {
+        let (tq, tk): (usize, usize) = (c.lens.iter().map(|l| l.0).sum(), c.lens.iter().map(|l| l.1).sum());
+        let (mut cq, mut ck) = (vec![0i32], vec![0i32]);
+        for l in c.lens {
+            cq.push(cq.last().unwrap() + l.0 as i32);
+            ck.push(ck.last().unwrap() + l.1 as i32);
+        }
+        let (mq, mk) = (c.lens.iter().map(|l| l.0).max().unwrap(), c.lens.iter().map(|l| l.1).max().unwrap());
+        let qm = TensorMeta::new(&[tq, c.hq, c.d], c.dtype);
+        let km = TensorMeta::new(&[tk, c.hkv, c.d], c.dtype);
+        let attn = AttnSpec::varlen(&qm, &km, &km, &cq, &ck, mq, mk, None, c.causal).unwrap();
+        let heads = if c.per_kv_head { c.hkv } else { c.hq };
+        let qbn = mq.div_ceil(c.q_block);
+        let top_k = mk.div_ceil(c.k_block).max(1);
+        let mut ix = vec![-1i32; c.lens.len() * heads * qbn * top_k];
+        for (b, l) in c.lens.iter().enumerate() {
+            for row in ix[b * heads * qbn * top_k..(b + 1) * heads * qbn * top_k].chunks_mut(top_k) {
+                for (slot, kb) in row.iter_mut().zip(0..l.1.div_ceil(c.k_block)) {
+                    if rng.random::<f32>() < 0.6 {
+                        *slot = kb as i32;
+                    }
+                }
+                row.reverse(); // any order
+            }
+        }
+        attn.with_block_index(&ix, &[c.lens.len(), heads, qbn, top_k], c.q_block, c.k_block, int8).unwrap()
+    }
+
+    /// (cosine similarity, relative L2 error) of `got` against `want`.
+    fn accuracy(got: &[f32], want: &[f64]) -> (f64, f64) {
+        let dot: f64 = got.iter().zip(want).map(|(&a, b)| a as f64 * b).sum();
+        let (ng, nw) = (got.iter().map(|&a| (a as f64).powi(2)).sum::<f64>().sqrt(), want.iter().map(|a| a * a).sum::<f64>().sqrt());
+        let diff = got.iter().zip(want).map(|(&a, b)| (a as f64 - b).powi(2)).sum::<f64>().sqrt();
+        (dot / (ng * nw).max(1e-300), diff / nw.max(1e-300))
+    }
+
+    /// FP8 P.V (with INT8 Q K^T) against the f64 reference of the unquantised attention on randn
+    /// inputs: cosine >= 0.999, relative L2 <= 0.05; the LSE is the true one (the P scale of 256
+    /// does not reach it); rows that see no key: zero output, LSE +inf; the option ran (its output
+    /// differs from the INT8-only path's and is further from the reference).
+    #[test]
+    fn fp8_pv_matches_the_f64_reference() {
+        let mut rng = StdRng::seed_from_u64(43);
+        for (ci, c) in FP8_CASES.iter().enumerate() {
+            let opt = Int8Qk { gran: c.gran, smooth_k: ci % 2 == 0, pv_fp8: true };
+            let spec = fp8_spec(c, Some(opt), &mut rng);
+            let mut int8_only = spec.clone();
+            let mut exact = spec.clone();
+            if let (crate::spec::KeySet::BlockSparse(a), crate::spec::KeySet::BlockSparse(e)) = (&mut int8_only.keys, &mut exact.keys) {
+                a.int8 = Some(Int8Qk { pv_fp8: false, ..opt });
+                e.int8 = None;
+            }
+            let dm = spec.dims;
+            let q = randn(dm.q_len(), &mut rng);
+            let k = randn(dm.kv_len(), &mut rng);
+            let mut v = randn(dm.kv_len(), &mut rng);
+            if c.outliers {
+                for (i, x) in v.iter_mut().enumerate() {
+                    match i % c.d {
+                        3 | 17 | 40 => *x *= 40.0,
+                        9 => *x += 25.0,
+                        _ => {}
+                    }
+                }
+            }
+            // the inputs as stored (rounded to the dtype), for the reference too
+            let (qd, kd, vd) = (HostData::from_f32(c.dtype, &q), HostData::from_f32(c.dtype, &k), HostData::from_f32(c.dtype, &v));
+            let (want, want_lse) = forward_f64(&spec, &qd.view().to_f64_vec(), &kd.view().to_f64_vec(), &vd.view().to_f64_vec());
+            let run = |s: &AttnSpec| forward(s.block_sparse().unwrap(), qd.view(), kd.view(), vd.view());
+            let (f8, i8, ex) = (run(&spec), run(&int8_only), run(&exact));
+            let o = f8.out.to_f32_vec();
+            let (cos, rel) = accuracy(&o, &want);
+            let (cos8, rel8) = accuracy(&i8.out.to_f32_vec(), &want);
+            let (_, rel_ex) = accuracy(&ex.out.to_f32_vec(), &want);
+            let mut lse_err = 0.0f64;
+            for (i, (&x, &y)) in f8.lse.iter().zip(&want_lse).enumerate() {
+                if y.is_infinite() {
+                    assert!(x == f32::INFINITY, "case {ci}: lse[{i}] {x}, the row sees no key");
+                    let (h, t) = (i / dm.total_q, i % dm.total_q);
+                    assert!(o[(t * dm.heads_q + h) * dm.head_dim..][..dm.head_dim].iter().all(|&z| z == 0.0));
+                } else {
+                    lse_err = lse_err.max((x as f64 - y).abs());
+                    // the INT8-only path has the same scores: the LSE differs by summation order only
+                    assert!((x - i8.lse[i]).abs() <= 1e-4 * x.abs().max(1.0), "case {ci}: lse[{i}] {x} vs int8-only {}", i8.lse[i]);
+                }
+            }
+            println!("case {ci}: fp8 cosine {cos:.6} rel L2 {rel:.4} | int8-only cosine {cos8:.6} rel L2 {rel8:.4} | exact rel L2 {rel_ex:.2e} | max |lse err| {lse_err:.4}");
+            assert!(cos >= 0.999 && rel <= 0.05, "case {ci}: cosine {cos}, rel L2 {rel}");
+            assert!(lse_err < 0.1, "case {ci}: lse error {lse_err}");
+            assert!(rel > rel8 && rel8 > rel_ex, "case {ci}: the FP8 P.V must cost accuracy over INT8 alone ({rel} vs {rel8})");
+        }
+    }
+
+    /// V's scale is per (sequence, kv head, channel): scaling one channel of V by a power of two
+    /// scales that channel of the output by it exactly and leaves every other channel bitwise
+    /// unchanged; a zero channel gives zeros; a NaN in V stays in its channel.
+    #[test]
+    fn fp8_v_scales_are_per_channel() {
+        let mut rng = StdRng::seed_from_u64(7);
+        let c = Fp8Case { dtype: DType::F32, ..FP8_CASES[0] };
+        let spec = fp8_spec(&c, Some(Int8Qk { gran: QuantGran::PerWarp, smooth_k: true, pv_fp8: true }), &mut rng);
+        let dm = spec.dims;
+        let (d, hkv) = (dm.head_dim, dm.heads_kv);
+        let q = HostData::F32(randn(dm.q_len(), &mut rng));
+        let k = HostData::F32(randn(dm.kv_len(), &mut rng));
+        let v0 = randn(dm.kv_len(), &mut rng);
+        let run = |v: &[f32]| {
+            let vd = HostData::F32(v.to_vec());
+            let f = forward(spec.block_sparse().unwrap(), q.view(), k.view(), vd.view());
+            (f.out.to_f32_vec(), f.lse)
+        };
+        let (base, base_lse) = run(&v0);
+        // channel 5 of kv head 1 times 2^10, channel 6 of kv head 1 zeroed
+        let mut v1 = v0.clone();
+        for t in 0..dm.total_k {
+            v1[(t * hkv + 1) * d + 5] *= 1024.0;
+            v1[(t * hkv + 1) * d + 6] = 0.0;
+        }
+        let (got, got_lse) = run(&v1);
+        assert_eq!(base_lse, got_lse);
+        let group = dm.group_size();
+        for (i, (&x, &y)) in got.iter().zip(&base).enumerate() {
+            let (h, ch) = (i / d % dm.heads_q, i % d);
+            if h / group == 1 && ch == 5 {
+                assert_eq!(x, y * 1024.0, "out[{i}]");
+            } else if h / group == 1 && ch == 6 {
+                assert_eq!(x, 0.0, "out[{i}]");
+            } else {
+                assert_eq!(x.to_bits(), y.to_bits(), "out[{i}]");
+            }
+        }
+        // a NaN in V: its channel (of that sequence and kv head) is NaN where rows see keys, the rest unchanged
+        let mut v2 = v0.clone();
+        let t_nan = 10; // a key of sequence 0 (150 x 200)
+        v2[(t_nan * hkv) * d + 2] = f32::NAN;
+        let (got, _) = run(&v2);
+        for (i, (&x, &y)) in got.iter().zip(&base).enumerate() {
+            let (h, ch) = (i / d % dm.heads_q, i % d);
+            if h / group == 0 && ch == 2 && x.is_nan() {
+                continue;
+            }
+            assert_eq!(x.to_bits(), y.to_bits(), "out[{i}]");
+        }
+        assert!(got.iter().any(|x| x.is_nan()));
     }
 }
