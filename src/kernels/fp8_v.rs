@@ -4,8 +4,8 @@
 //!
 //! Three launches, on the caller's stream, into its workspace:
 //! 1. [`fp8_v_amax`]: max |v| per (64-key chunk, sequence, kv head, channel);
-//! 2. [`fp8_v_scales`]: per (sequence, kv head, channel) `scale = amax / 448` (1 when amax is 0)
-//!    and `inv = 448 / amax` (0 when amax is 0);
+//! 2. [`fp8_v_scales`]: per (sequence, kv head, channel) `scale = amax / 448` and
+//!    `inv = 448 / amax` ((1, 0) when amax is 0 or 448 / amax overflows);
 //! 3. [`fp8_v_quantize`]: `e4m3(v * inv)` (round to nearest even, saturating), transposed.
 //!
 //! V^T layout: one row of bytes per (kv head, channel), `row_words` u32 words long; sequence `b`'s
@@ -89,11 +89,13 @@ pub fn fp8_v_scales(part: &Array<f32>, sc: &mut Array<f32>, segs: &Array<u32>, h
         for c in 0..nc {
             m = max(m, part[((b * chunks as usize + c as usize) * heads_kv as usize + h) * head_dim + ch]);
         }
+        // (1, 0) where amax is 0 or so small that 448 / amax overflows (the CPU's rule)
         let mut scale = 1.0f32;
         let mut inv = 0.0f32;
-        if m > 0.0f32 {
+        let i = FP8_MAX / m;
+        if m > 0.0f32 && i <= f32::MAX {
             scale = m / FP8_MAX;
-            inv = FP8_MAX / m;
+            inv = i;
         }
         let i = (b * heads_kv as usize + h) * head_dim + ch;
         sc[i] = scale;

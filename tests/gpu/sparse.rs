@@ -249,14 +249,22 @@ fn sparse_int8_fp8_pv_forward_is_close_to_exact_and_writes_every_element() {
             };
             let ex = be.forward(&exact, q.view(), k.view(), v.view()).unwrap();
             let i8o = be.forward(&int8_only, q.view(), k.view(), v.view()).unwrap();
+            // the CPU's emulation of the same quantisation (P's e4m3 rounding may differ where
+            // the GPU's exp2 lands across a rounding midpoint)
+            let emu = CpuBackend.forward(&spec, q.view(), k.view(), v.view()).unwrap();
             let (g, e) = (got.out.view().to_f64_vec(), ex.out.view().to_f64_vec());
             let (rel, nans) = rel_and_nans(&g, &e);
+            let (rel_emu, _) = rel_and_nans(&g, &emu.out.view().to_f64_vec());
             let unwritten = nans + got.lse.iter().filter(|x| x.is_nan()).count();
             let lse_bad = got.lse.iter().zip(&i8o.lse).filter(|(a, b)| !(a.is_infinite() && b.is_infinite() || (*a - *b).abs() <= 1e-3 * b.abs().max(1.0))).count();
             let dot: f64 = g.iter().zip(&e).map(|(a, b)| a * b).sum();
             let cos = dot / (g.iter().map(|a| a * a).sum::<f64>().sqrt() * e.iter().map(|a| a * a).sum::<f64>().sqrt()).max(1e-300);
-            let ok = unwritten == 0 && lse_bad == 0 && rel < 0.05 && cos >= 0.999;
-            println!("case {ci} {} causal={causal}: rel_l2 vs exact {rel:.2e} cosine {cos:.5} unwritten {unwritten} lse mismatches vs int8 {lse_bad} {}", gran.name(), if ok { "ok" } else { "FAIL" });
+            let ok = unwritten == 0 && lse_bad == 0 && rel < 0.05 && cos >= 0.999 && rel_emu < 1e-2;
+            println!(
+                "case {ci} {} causal={causal}: rel_l2 vs exact {rel:.2e} cosine {cos:.5} vs cpu emulation {rel_emu:.2e} unwritten {unwritten} lse mismatches vs int8 {lse_bad} {}",
+                gran.name(),
+                if ok { "ok" } else { "FAIL" }
+            );
             if !ok {
                 failures.push((ci, gran.name()));
             }

@@ -129,7 +129,7 @@ def main(family):
         for i, name in enumerate(["out", "lse", "dq", "dk", "dv"]):
             check(f"{tag} {name}", res["cuda"][i], res["cpu"][i], 3e-2)
 
-    def sparse(d, dt, causal, per_kv_head, q_block, k_block, backward=False, quant_gran=None, deterministic=True):
+    def sparse(d, dt, causal, per_kv_head, q_block, k_block, backward=False, quant_gran=None, deterministic=True, pv=None):
         B, sq, sk, hq, hkv = 2, 130, 300, 4, 2
         nq, nk = -(-sq // q_block), -(-sk // k_block)
         ix = np.full((B, hkv if per_kv_head else hq, nq, nk), -1, np.int32)
@@ -142,10 +142,10 @@ def main(family):
         q, k, v = rand((B, sq, hq, d), dt), rand((B, sk, hkv, d), dt), rand((B, sk, hkv, d), dt)
         res = {}
         for dev in ("cuda", "cpu"):
-            # the CPU reference is the exact path (INT8 Q K^T is a CUDA option)
-            qg = quant_gran if dev == "cuda" else None
+            # the CPU reference is the exact path, or with FP8 P.V the CPU's emulation of it
+            qg = quant_gran if dev == "cuda" or pv else None
             out, lse = cubeattn.block_sparse_attn_func(q, k, v, ix, q_block=q_block, k_block=k_block, causal=causal,
-                                                       return_lse=True, device=dev, quant_gran=qg)
+                                                       return_lse=True, device=dev, quant_gran=qg, pv_precision=pv)
             res[dev] = [out, lse]
             if backward:
                 res[dev] += cubeattn.block_sparse_attn_backward(q, q, k, v, out, lse, ix, q_block=q_block,
@@ -153,7 +153,7 @@ def main(family):
                                                                 deterministic=deterministic)
         tag = f"sparse d={d} {np.dtype(dt).name} causal={causal} kvhead={per_kv_head} blocks={q_block}/{k_block}"
         if quant_gran:
-            tag += f" int8={quant_gran}"
+            tag += f" int8={quant_gran}" + (f" pv={pv}" if pv else "")
         for i, name in enumerate(["out", "lse", "dq", "dk", "dv"][:len(res["cpu"])]):
             check(f"{tag} {name}", res["cuda"][i], res["cpu"][i], 5e-2 if quant_gran else 3e-2)
 
@@ -186,6 +186,9 @@ def main(family):
                     sparse(d, dtypes[0], causal, False, 64, 128, quant_gran=gran)
                     # 128-row query blocks: the Hopper kernel's INT8 variant at d128 on sm_90
                     sparse(d, dtypes[-1], causal, False, 128, 128, quant_gran=gran)
+                    if d == 128:
+                        # FP8 P.V (the Hopper kernel's only)
+                        sparse(d, dtypes[-1], causal, True, 64, 128, quant_gran=gran, pv="fp8")
                 continue
             if family == "window":
                 for dt in dtypes:
