@@ -81,6 +81,11 @@ impl SparseFrame {
             return SparseFrame::Mma2;
         }
         let (block_n, _) = crate::config::fwd_options().sm90_tile_for(spec.attn.dims.head_dim);
+        // INT8: one K scale per lane and tile, and FP8 V^T tiles of 64-byte rows, need the
+        // 64-key tiles the quantisation groups are cut for (`sparse::TILE_KEYS`)
+        if spec.int8.is_some() && block_n != crate::sparse::TILE_KEYS {
+            return SparseFrame::Mma2;
+        }
         if spec.k_block.is_multiple_of(block_n) { SparseFrame::Sm90 { block_n } } else { SparseFrame::Mma2 }
     }
 }
