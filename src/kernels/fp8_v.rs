@@ -104,8 +104,10 @@ pub fn fp8_v_scales(part: &Array<f32>, sc: &mut Array<f32>, segs: &Array<u32>, h
 }
 
 /// V^T in FP8 (module docs): cube (64-key chunk, sequence, kv head). The chunk's V rows are staged
-/// in shared memory (zeros past the sequence's keys); each unit then writes, for one channel and
-/// one group of 16 keys, the group's four words (four keys each, in [`slot_of_key`] order).
+/// in shared memory as f32 (zeros past the sequence's keys; rows `head_dim + 1` apart, so the
+/// reads below fall in distinct banks but for a 2-way conflict); then unit `w + 16 i` of a pass
+/// writes word `w` (bytes `4 w .. 4 w + 4`: four keys in [`slot_of_key`] order) of a channel's
+/// 64-byte row segment, so that 16 consecutive units write one segment (coalesced).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn fp8_v_quantize<E: Float>(
@@ -124,7 +126,8 @@ pub fn fp8_v_quantize<E: Float>(
     let k_start = segs[(b * 4u32 + 2u32) as usize];
     let k_len = segs[(b * 4u32 + 3u32) as usize];
     let lo = c * VT_CHUNK as u32;
-    let mut tile = SharedMemory::<E>::new(comptime!(VT_CHUNK * head_dim));
+    let stride = comptime!(head_dim + 1);
+    let mut tile = SharedMemory::<f32>::new(comptime!(VT_CHUNK * (head_dim + 1)));
     if lo < k_len {
         #[unroll]
         for it in 0..comptime!(VT_CHUNK * head_dim / VT_THREADS) {
@@ -132,35 +135,31 @@ pub fn fp8_v_quantize<E: Float>(
             let key = idx / head_dim;
             let ch = idx % head_dim;
             let j = lo + key as u32;
-            let mut x = E::cast_from(0.0f32);
+            let mut x = 0.0f32;
             if j < k_len {
-                x = v[((k_start + j) * heads_kv + h) as usize * head_dim + ch];
+                x = f32::cast_from(v[((k_start + j) * heads_kv + h) as usize * head_dim + ch]);
             }
-            tile[idx] = x;
+            tile[key * stride + ch] = x;
         }
     }
     sync_cube();
     if lo < k_len {
-        let col_w = (vt_col_base(k_start, b) + lo) / 4u32;
+        let col_w = ((vt_col_base(k_start, b) + lo) / 4u32) as usize;
         let mut word = Array::<u32>::new(1usize);
+        let w = UNIT_POS as usize % 16;
+        // word w: group g = w / 4 of 16 keys, bytes 4 q .. 4 q + 4 with q = w % 4: keys 2 q,
+        // 2 q + 1, 8 + 2 q, 9 + 2 q of the group
+        let k0 = (w / 4) * 16 + 2 * (w % 4);
         #[unroll]
-        for it in 0..comptime!(head_dim * (VT_CHUNK / 16) / VT_THREADS) {
-            let task = UNIT_POS as usize + it * VT_THREADS;
-            let ch = task % head_dim;
-            let g = task / head_dim;
+        for it in 0..comptime!(head_dim * 16 / VT_THREADS) {
+            let ch = UNIT_POS as usize / 16 + it * comptime!(VT_THREADS / 16);
             let inv = sc[n as usize + (b * heads_kv + h) as usize * head_dim + ch];
-            let row = ((h as usize * head_dim + ch) * row_words as usize) + col_w as usize + g * 4;
-            #[unroll]
-            for q in 0..4usize {
-                // bytes 4 q .. 4 q + 4 of the group: t = q, keys 2 q, 2 q + 1, 8 + 2 q, 9 + 2 q
-                let k0 = g * 16 + 2 * q;
-                let x0 = f32::cast_from(tile[k0 * head_dim + ch]) * inv;
-                let x1 = f32::cast_from(tile[(k0 + 1) * head_dim + ch]) * inv;
-                let x2 = f32::cast_from(tile[(k0 + 8) * head_dim + ch]) * inv;
-                let x3 = f32::cast_from(tile[(k0 + 9) * head_dim + ch]) * inv;
-                e4m3x4(&mut word, 0usize, x0, x1, x2, x3);
-                vt[row + q] = word[0];
-            }
+            let x0 = tile[k0 * stride + ch] * inv;
+            let x1 = tile[(k0 + 1) * stride + ch] * inv;
+            let x2 = tile[(k0 + 8) * stride + ch] * inv;
+            let x3 = tile[(k0 + 9) * stride + ch] * inv;
+            e4m3x4(&mut word, 0usize, x0, x1, x2, x3);
+            vt[(h as usize * head_dim + ch) * row_words as usize + col_w + w] = word[0];
         }
     }
 }
