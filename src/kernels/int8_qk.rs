@@ -32,8 +32,6 @@ pub const MEAN_CHUNK: usize = 64;
 pub const QUANT_THREADS: usize = 128;
 /// Padding after each int8 row in shared memory, in `E` elements (32 bytes).
 pub const PAD8: usize = 16;
-/// Rows a quantisation plane loads before it reduces the first.
-const IN_FLIGHT: usize = 4;
 /// `E` elements per 16-byte copy.
 const VEC: usize = 8;
 /// 1.5 * 2^23: `f32` bits `0x4B40_0000 + i` are `MAGIC + i` for |i| < 2^22.
@@ -135,62 +133,43 @@ pub fn int8_quantize<E: Float>(
     let mbase = (b * (heads / group) as usize + kvh) * head_dim;
     if r0 < len {
         let r1 = min(r0 + block, len);
-        // pass 1: per row max |x - mean| and (Q, smooth) the LSE correction; each plane loads
-        // `IN_FLIGHT` rows before it reduces any (the loads of one row alone left the pass
-        // latency-bound)
+        // pass 1: per row max |x - mean| and (Q, smooth) the LSE correction
         let mut r = r0 + plane;
         while r < r1 {
-            let mut xs = Array::<f32>::new(comptime!(4 * IN_FLIGHT));
-            #[unroll]
-            for u in 0..IN_FLIGHT {
-                let rr = r + u as u32 * planes;
-                if rr < r1 && (lane as usize) < words {
-                    let row = ((start + rr) * heads + h) as usize * head_dim;
-                    #[unroll]
-                    for e in 0..4usize {
-                        xs[u * 4 + e] = f32::cast_from(x[row + lane as usize * 4 + e]);
-                    }
-                }
-            }
-            #[unroll]
-            for u in 0..IN_FLIGHT {
-                let rr = r + u as u32 * planes;
-                if rr < r1 {
-                    let mut mx = 0.0f32;
-                    let mut dot = 0.0f32;
-                    if (lane as usize) < words {
-                        #[unroll]
-                        for e in 0..4usize {
-                            let c = lane as usize * 4 + e;
-                            let mut v = xs[u * 4 + e];
-                            if smooth {
-                                if is_k {
-                                    v -= mean[mbase + c];
-                                } else {
-                                    dot += v * mean[mbase + c];
-                                }
-                            }
-                            mx = max(mx, f32::abs(v));
+            let row = ((start + r) * heads + h) as usize * head_dim;
+            let mut mx = 0.0f32;
+            let mut dot = 0.0f32;
+            if (lane as usize) < words {
+                #[unroll]
+                for e in 0..4usize {
+                    let c = lane as usize * 4 + e;
+                    let mut v = f32::cast_from(x[row + c]);
+                    if smooth {
+                        if is_k {
+                            v -= mean[mbase + c];
+                        } else {
+                            dot += v * mean[mbase + c];
                         }
                     }
-                    mx = plane_max(mx);
-                    if smooth && !is_k {
-                        dot = plane_sum(dot);
-                    }
-                    if lane == 0 {
-                        let i = (h * total + start + rr) as usize;
-                        amax[i] = mx;
-                        if !is_k {
-                            let mut s = 0.0f32;
-                            if smooth {
-                                s = softmax_scale * dot;
-                            }
-                            shift[i] = s;
-                        }
-                    }
+                    mx = max(mx, f32::abs(v));
                 }
             }
-            r += comptime!(IN_FLIGHT as u32) * planes;
+            mx = plane_max(mx);
+            if smooth && !is_k {
+                dot = plane_sum(dot);
+            }
+            if lane == 0 {
+                let i = (h * total + start + r) as usize;
+                amax[i] = mx;
+                if !is_k {
+                    let mut s = 0.0f32;
+                    if smooth {
+                        s = softmax_scale * dot;
+                    }
+                    shift[i] = s;
+                }
+            }
+            r += planes;
         }
     }
     sync_cube();
@@ -199,72 +178,55 @@ pub fn int8_quantize<E: Float>(
         let blen = r1 - r0;
         let mut r = r0 + plane;
         while r < r1 {
-            let mut xs = Array::<f32>::new(comptime!(4 * IN_FLIGHT));
-            #[unroll]
-            for u in 0..IN_FLIGHT {
-                let rr = r + u as u32 * planes;
-                if rr < r1 && (lane as usize) < words {
-                    let row = ((start + rr) * heads + h) as usize * head_dim;
-                    #[unroll]
-                    for e in 0..4usize {
-                        xs[u * 4 + e] = f32::cast_from(x[row + lane as usize * 4 + e]);
+            // the group's max over its rows: chunk `o / chunk`, class `(o % chunk % period) / width`
+            let o = r - r0;
+            let cs = o - o % chunk;
+            let class = ((o - cs) % period) / width;
+            let mut g = 0.0f32;
+            let mut i = lane;
+            while i < chunk {
+                if cs + i < blen && (i % period) / width == class {
+                    g = max(g, amax[(h * total + start + r0 + cs + i) as usize]);
+                }
+                i += 32u32;
+            }
+            g = plane_max(g);
+            let mut sc = 1.0f32;
+            let mut inv = 0.0f32;
+            if g > 0.0f32 {
+                sc = g / 127.0f32;
+                inv = 127.0f32 / g;
+            }
+            let tok = start + r;
+            let row = (tok * heads + h) as usize * head_dim;
+            if (lane as usize) < words {
+                let mut packed = 0u32;
+                #[unroll]
+                for e in 0..4usize {
+                    let c = lane as usize * 4 + e;
+                    let mut v = f32::cast_from(x[row + c]);
+                    if smooth && is_k {
+                        v -= mean[mbase + c];
                     }
+                    let qv = i32::cast_from(max(min(f32::round(v * inv), 127.0f32), -127.0f32));
+                    packed |= (u32::cast_from(qv) & 0xFFu32) << (8 * e as u32);
+                }
+                // word w of k-step w / 8 goes to position 2 (w % 4) + (w % 8) / 4 of its k-step
+                let w = lane;
+                let mut pos = (w / 8u32) * 8u32 + (w % 4u32) * 2u32 + (w % 8u32) / 4u32;
+                if natural {
+                    pos = w;
+                }
+                xq[(tok * heads + h) as usize * words + pos as usize] = packed;
+            }
+            if lane == 0 {
+                if is_k {
+                    scale[(tok * heads + h) as usize] = sc;
+                } else {
+                    scale[(h * total + tok) as usize] = sc;
                 }
             }
-            #[unroll]
-            for u in 0..IN_FLIGHT {
-                let rr = r + u as u32 * planes;
-                if rr < r1 {
-                    // the group's max over its rows: chunk `o / chunk`, class `(o % chunk % period) / width`
-                    let o = rr - r0;
-                    let cs = o - o % chunk;
-                    let class = ((o - cs) % period) / width;
-                    let mut g = 0.0f32;
-                    let mut i = lane;
-                    while i < chunk {
-                        if cs + i < blen && (i % period) / width == class {
-                            g = max(g, amax[(h * total + start + r0 + cs + i) as usize]);
-                        }
-                        i += 32u32;
-                    }
-                    g = plane_max(g);
-                    let mut sc = 1.0f32;
-                    let mut inv = 0.0f32;
-                    if g > 0.0f32 {
-                        sc = g / 127.0f32;
-                        inv = 127.0f32 / g;
-                    }
-                    let tok = start + rr;
-                    if (lane as usize) < words {
-                        let mut packed = 0u32;
-                        #[unroll]
-                        for e in 0..4usize {
-                            let c = lane as usize * 4 + e;
-                            let mut v = xs[u * 4 + e];
-                            if smooth && is_k {
-                                v -= mean[mbase + c];
-                            }
-                            let qv = i32::cast_from(max(min(f32::round(v * inv), 127.0f32), -127.0f32));
-                            packed |= (u32::cast_from(qv) & 0xFFu32) << (8 * e as u32);
-                        }
-                        // word w of k-step w / 8 goes to position 2 (w % 4) + (w % 8) / 4 of its k-step
-                        let w = lane;
-                        let mut pos = (w / 8u32) * 8u32 + (w % 4u32) * 2u32 + (w % 8u32) / 4u32;
-                        if natural {
-                            pos = w;
-                        }
-                        xq[(tok * heads + h) as usize * words + pos as usize] = packed;
-                    }
-                    if lane == 0 {
-                        if is_k {
-                            scale[(tok * heads + h) as usize] = sc;
-                        } else {
-                            scale[(h * total + tok) as usize] = sc;
-                        }
-                    }
-                }
-            }
-            r += comptime!(IN_FLIGHT as u32) * planes;
+            r += planes;
         }
     }
 }
