@@ -58,50 +58,36 @@ fn pick_row(#[comptime] i: usize, row_a: usize, row_b: usize) -> usize {
     r
 }
 
-/// `S = Q K^T` over one key tile: `head_dim / 16` MMAs m64 x block_n x k16, Q (this warpgroup's
-/// rows from element `q_wg`) and K (the tile at element `base`) K-major in shared memory. The
-/// caller fences before and commits after.
+/// `S = Q K^T` over one key tile, Q (this warpgroup's rows from element `q_wg`) and K (the tile at
+/// element `base`) K-major in shared memory: `head_dim / 16` MMAs m64 x block_n x k16 into `s`, or
+/// with `int8` (int8 rows in natural channel order, `int8_qk`: `head_dim` bytes a row, `head_dim
+/// / 2` elements of `E`) `head_dim / 32` MMAs m64 x block_n x k32 into the exact i32 dot products
+/// `s_i`. A k32 step of int8 is 32 bytes = 16 elements of E, as a k16 step of 16-bit operands, so
+/// both walk the same offsets. The caller fences before and commits after.
 #[cube]
+#[allow(clippy::too_many_arguments)]
 fn s_steps<E: Float>(
     s: &mut Array<f32>,
+    s_i: &mut Array<i32>,
     q_smem: &SharedMemory<E>,
     q_wg: usize,
     k_smem: &SharedMemory<E>,
     base: usize,
     #[comptime] block_n: usize,
     #[comptime] head_dim: usize,
+    #[comptime] int8: bool,
 ) {
     #[unroll]
-    for kk in 0..comptime!(head_dim / 16) {
+    for kk in 0..comptime!(if int8 { head_dim / 32 } else { head_dim / 16 }) {
         let chunk = comptime!(kk / 4);
         let within = comptime!((kk % 4) * 16);
         let a_off = q_wg + comptime!(chunk * SM90_BLOCK_M * SW_COLS + within);
         let b_off = base + comptime!(chunk * block_n * SW_COLS + within);
-        wgmma_ss::<E>(s, q_smem, a_off as u32, k_smem, b_off as u32, 0usize, block_n, false, 0u32, false, 0u32, comptime!(kk > 0));
-    }
-}
-
-/// `S = Q K^T` of int8 rows (`int8_qk`, in natural channel order): `head_dim / 32` MMAs m64 x
-/// block_n x k32 into the exact i32 dot products `acc`; the tiles hold `head_dim` bytes a row
-/// (`head_dim / 2` elements of `E`). The caller fences before and commits after.
-#[cube]
-fn s_steps_s8<E: Float>(
-    acc: &mut Array<i32>,
-    q_smem: &SharedMemory<E>,
-    q_wg: usize,
-    k_smem: &SharedMemory<E>,
-    base: usize,
-    #[comptime] block_n: usize,
-    #[comptime] head_dim: usize,
-) {
-    #[unroll]
-    for kk in 0..comptime!(head_dim / 32) {
-        // a k32 step is 32 bytes = 16 elements of E, as a k16 step of 16-bit operands
-        let chunk = comptime!(kk / 4);
-        let within = comptime!((kk % 4) * 16);
-        let a_off = q_wg + comptime!(chunk * SM90_BLOCK_M * SW_COLS + within);
-        let b_off = base + comptime!(chunk * block_n * SW_COLS + within);
-        wgmma_ss_s8::<E>(acc, q_smem, a_off as u32, k_smem, b_off as u32, block_n, comptime!(kk > 0));
+        if int8 {
+            wgmma_ss_s8::<E>(s_i, q_smem, a_off as u32, k_smem, b_off as u32, block_n, comptime!(kk > 0));
+        } else {
+            wgmma_ss::<E>(s, q_smem, a_off as u32, k_smem, b_off as u32, 0usize, block_n, false, 0u32, false, 0u32, comptime!(kk > 0));
+        }
     }
 }
 
@@ -484,11 +470,7 @@ pub fn flash_fwd_sm90<E: Float>(
             commit_copies(&bar_k);
         }
         wgmma_fence();
-        if int8 {
-            s_steps_s8::<E>(&mut s_i, &q_smem, q_wg, &k_smem, cur_k, block_n, head_dim);
-        } else {
-            s_steps::<E>(&mut s, &q_smem, q_wg, &k_smem, cur, block_n, head_dim);
-        }
+        s_steps::<E>(&mut s, &mut s_i, &q_smem, q_wg, &k_smem, cur_k, block_n, head_dim, int8);
         wgmma_commit();
         if int8 {
             let key = min(t0 + 2u32 * (lane % 4u32), t1 - 1u32);
