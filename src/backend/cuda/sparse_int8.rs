@@ -140,8 +140,10 @@ pub(crate) fn quantize(
     ];
     for Rows { x, xq, sc, total, heads, group, block, max_len, rule, is_k } in runs {
         let smooth = opt.smooth_k;
-        let f = kernel(be, "int8_quantize", dt, &[hd as u32, is_k as u32, smooth as u32, natural as u32], || {
-            quantize_source(client, dt, hd, is_k, smooth, natural)
+        // the group rule as constants (0: the whole block)
+        let g = if rule.chunk == block && rule.period == block && rule.width == block { [0, 0, 0] } else { [rule.chunk, rule.period, rule.width] };
+        let f = kernel(be, "int8_quantize", dt, &[hd as u32, is_k as u32, smooth as u32, natural as u32, g[0] as u32, g[1] as u32, g[2] as u32], || {
+            quantize_source(client, dt, hd, is_k, smooth, natural, g)
         })?;
         let mut a = Args::new();
         a.array(x, (total * heads * hd).max(1)).array(mean, pr[6] / 4).array(xq, (total * heads * hd / 4).max(1));
@@ -149,7 +151,7 @@ pub(crate) fn quantize(
         // the LSE corrections follow the Q scales (K writes none)
         a.array(qsc + (hq * tq * 4) as u64, (hq * tq).max(1)).array(segs.0, segs.1);
         a.u32(heads as u32).u32(total as u32).u32(group as u32).u32(block as u32);
-        a.u32(rule.chunk as u32).u32(rule.period as u32).u32(rule.width as u32).f32(spec.attn.scale);
+        a.f32(spec.attn.scale);
         let grid = (max_len.div_ceil(block).max(1) as u32, batch as u32, heads as u32);
         launch(&f, grid, &mut a, stream)?;
     }
@@ -197,7 +199,8 @@ pub(crate) fn vt_source(client: &cubecl::prelude::ComputeClient<CudaRuntime>, dt
 }
 
 /// CUDA source of the quantisation kernel (`int8_qk::int8_quantize`) for Q (`is_k = false`) or K,
-/// its rows in channel order (`natural`) or in the mma.sync word order.
+/// its rows in channel order (`natural`) or in the mma.sync word order, the group rule `g`
+/// (chunk, period, width; chunk 0: the whole block).
 pub(crate) fn quantize_source(
     client: &cubecl::prelude::ComputeClient<CudaRuntime>,
     dt: DType,
@@ -205,11 +208,12 @@ pub(crate) fn quantize_source(
     is_k: bool,
     smooth: bool,
     natural: bool,
+    g: [usize; 3],
 ) -> Result<super::compile::Source> {
     let s = settings(QUANT_THREADS as u32);
     if dt == DType::F16 {
-        codegen(int8_qk::int8_quantize::Int8Quantize::<f16, CudaRuntime>::new(s, client.clone(), A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), hd, is_k, smooth, natural))
+        codegen(int8_qk::int8_quantize::Int8Quantize::<f16, CudaRuntime>::new(s, client.clone(), A, A, A, A, A, A, A, (), (), (), (), (), hd, is_k, smooth, natural, g[0], g[1], g[2]))
     } else {
-        codegen(int8_qk::int8_quantize::Int8Quantize::<bf16, CudaRuntime>::new(s, client.clone(), A, A, A, A, A, A, A, (), (), (), (), (), (), (), (), hd, is_k, smooth, natural))
+        codegen(int8_qk::int8_quantize::Int8Quantize::<bf16, CudaRuntime>::new(s, client.clone(), A, A, A, A, A, A, A, (), (), (), (), (), hd, is_k, smooth, natural, g[0], g[1], g[2]))
     }
 }
