@@ -44,11 +44,13 @@ fn elem_bytes(t: &str) -> Option<u32> {
     matches!(t, "bf16" | "f16").then_some(2)
 }
 
-/// The accumulator operands `{%0, ..., %(regs-1)}` and their `"+f"(d[i])` constraints.
-fn acc_operands(regs: usize) -> (String, String) {
+/// The accumulator operands of an `n`-column MMA: their count `n / 2`, `{%0, ..., %(n/2 - 1)}` and
+/// their `"+<letter>"(d[i])` constraints (`f`: f32, `r`: i32).
+fn acc_operands(n: u32, letter: char) -> (usize, String, String) {
+    let regs = (n / 2) as usize;
     let list = (0..regs).map(|i| format!("%{i}")).collect::<Vec<_>>().join(", ");
-    let cons = (0..regs).map(|i| format!("\"+f\"(d[{i}])")).collect::<Vec<_>>().join(", ");
-    (list, cons)
+    let cons = (0..regs).map(|i| format!("\"+{letter}\"(d[{i}])")).collect::<Vec<_>>().join(", ");
+    (regs, list, cons)
 }
 
 /// Parses the parameters of a `wgmma_ss` / `wgmma_rs` marker.
@@ -71,57 +73,21 @@ fn lower_marker(text: &str) -> Option<Lowered> {
             let [n, acc0, a_mn, a_lbo, b_mn, b_lbo, accum] = parse_nums(rest)?.try_into().ok()?;
             check_mma(n, b_mn, accum)?;
             (a_mn <= 1).then_some(())?;
-            let regs = (n / 2) as usize;
-            let (list, cons) = acc_operands(regs);
             let helper = format!("__cubeattn_wgmma_ss_{t}_{n}_{acc0}_{a_mn}_{a_lbo}_{b_mn}_{b_lbo}_{accum}");
             let a_lbo = if a_mn == 1 { a_lbo } else { 16 };
             let b_lbo = if b_mn == 1 { b_lbo } else { 16 };
-            let definition = format!(
-                r#"__device__ __forceinline__ void {helper}(float* acc, const void* a, unsigned a_off, const void* b, unsigned b_off) {{
-  float* d = acc + {acc0};
-  const unsigned long long da = __cubeattn_desc(a, a_off * {eb}u, {a_lbo}u, {SBO}u);
-  const unsigned long long db = __cubeattn_desc(b, b_off * {eb}u, {b_lbo}u, {SBO}u);
-#ifndef CUBEATTN_SM90_NO_MMA
-  asm volatile("{{\n.reg .pred p;\nsetp.ne.b32 p, %{r2}, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t} {{{list}}}, %{r0}, %{r1}, p, 1, 1, {a_mn}, {b_mn};\n}}\n"
-               : {cons} : "l"(da), "l"(db), "r"({accum}));
-#endif
-}}
-"#,
-                r0 = regs,
-                r1 = regs + 1,
-                r2 = regs + 2,
-            );
-            Some(Lowered { helper, definition })
+            let shape = format!("m64n{n}k16.f32.{t}.{t}");
+            let d = format!("float* d = acc + {acc0};");
+            Some(ss_helper(helper, "float* acc", &d, eb, a_lbo, b_lbo, n, 'f', &shape, &format!(", 1, 1, {a_mn}, {b_mn}"), accum))
         }
         ["wgmma_rs", t, rest @ ..] => {
             let eb = elem_bytes(t)?;
             let [n, acc0, a0, b_mn, b_lbo, accum] = parse_nums(rest)?.try_into().ok()?;
             check_mma(n, b_mn, accum)?;
-            let regs = (n / 2) as usize;
-            let (list, cons) = acc_operands(regs);
             let helper = format!("__cubeattn_wgmma_rs_{t}_{n}_{acc0}_{a0}_{b_mn}_{b_lbo}_{accum}");
             let b_lbo = if b_mn == 1 { b_lbo } else { 16 };
-            let definition = format!(
-                r#"__device__ __forceinline__ void {helper}(float* acc, const void* a_regs, const void* b, unsigned b_off) {{
-  float* d = acc + {acc0};
-  const unsigned* a = reinterpret_cast<const unsigned*>(a_regs) + {a0};
-  const unsigned long long db = __cubeattn_desc(b, b_off * {eb}u, {b_lbo}u, {SBO}u);
-#ifndef CUBEATTN_SM90_NO_MMA
-  asm volatile("{{\n.reg .pred p;\nsetp.ne.b32 p, %{r5}, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{t}.{t} {{{list}}}, {{%{r0}, %{r1}, %{r2}, %{r3}}}, %{r4}, p, 1, 1, {b_mn};\n}}\n"
-               : {cons} : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"({accum}));
-#endif
-}}
-"#,
-                r0 = regs,
-                r1 = regs + 1,
-                r2 = regs + 2,
-                r3 = regs + 3,
-                r4 = regs + 4,
-                r5 = regs + 5,
-            );
-            Some(Lowered { helper, definition })
+            let desc = format!("__cubeattn_desc(b, b_off * {eb}u, {b_lbo}u, {SBO}u)");
+            Some(rs_helper(helper, &format!("float* d = acc + {acc0};"), a0, &desc, n, &format!("m64n{n}k16.f32.{t}.{t}"), &format!(", 1, 1, {b_mn}"), accum))
         }
         ["wgmma_ss_s8", t, rest @ ..] => {
             let eb = elem_bytes(t)?;
@@ -129,56 +95,18 @@ fn lower_marker(text: &str) -> Option<Lowered> {
             // the int8 shapes: N = 8, 16, 24, then multiples of 16 up to 256
             check_mma(n, 0, accum)?;
             (n <= 24 || n.is_multiple_of(16)).then_some(())?;
-            let regs = (n / 2) as usize;
-            let list = (0..regs).map(|i| format!("%{i}")).collect::<Vec<_>>().join(", ");
-            let cons = (0..regs).map(|i| format!("\"+r\"(d[{i}])")).collect::<Vec<_>>().join(", ");
             let helper = format!("__cubeattn_wgmma_ss_s8_{t}_{n}_{accum}");
-            let definition = format!(
-                r#"__device__ __forceinline__ void {helper}(void* acc, const void* a, unsigned a_off, const void* b, unsigned b_off) {{
-  int* d = reinterpret_cast<int*>(acc);
-  const unsigned long long da = __cubeattn_desc(a, a_off * {eb}u, 16u, {SBO}u);
-  const unsigned long long db = __cubeattn_desc(b, b_off * {eb}u, 16u, {SBO}u);
-#ifndef CUBEATTN_SM90_NO_MMA
-  asm volatile("{{\n.reg .pred p;\nsetp.ne.b32 p, %{r2}, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n{n}k32.s32.s8.s8 {{{list}}}, %{r0}, %{r1}, p;\n}}\n"
-               : {cons} : "l"(da), "l"(db), "r"({accum}));
-#endif
-}}
-"#,
-                r0 = regs,
-                r1 = regs + 1,
-                r2 = regs + 2,
-            );
-            Some(Lowered { helper, definition })
+            let shape = format!("m64n{n}k32.s32.s8.s8");
+            Some(ss_helper(helper, "void* acc", "int* d = reinterpret_cast<int*>(acc);", eb, 16, 16, n, 'r', &shape, "", accum))
         }
         ["wgmma_rs_e4m3", t, rest @ ..] => {
             let eb = elem_bytes(t)?;
             let [n, a0] = parse_nums(rest)?.try_into().ok()?;
             // FP8 shapes: N a multiple of 8 up to 256
             check_mma(n, 0, 1)?;
-            let regs = (n / 2) as usize;
-            let (list, cons) = acc_operands(regs);
             let helper = format!("__cubeattn_wgmma_rs_e4m3_{t}_{n}_{a0}");
-            let definition = format!(
-                r#"__device__ __forceinline__ void {helper}(float* acc, const void* a_regs, const void* b, unsigned b_off) {{
-  float* d = acc;
-  const unsigned* a = reinterpret_cast<const unsigned*>(a_regs) + {a0};
-  const unsigned long long db = __cubeattn_desc_sw64(b, b_off * {eb}u);
-#ifndef CUBEATTN_SM90_NO_MMA
-  asm volatile("{{\n.reg .pred p;\nsetp.ne.b32 p, %{r5}, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{list}}}, {{%{r0}, %{r1}, %{r2}, %{r3}}}, %{r4}, p, 1, 1;\n}}\n"
-               : {cons} : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
-#endif
-}}
-"#,
-                r0 = regs,
-                r1 = regs + 1,
-                r2 = regs + 2,
-                r3 = regs + 3,
-                r4 = regs + 4,
-                r5 = regs + 5,
-            );
-            Some(Lowered { helper, definition })
+            let desc = format!("__cubeattn_desc_sw64(b, b_off * {eb}u)");
+            Some(rs_helper(helper, "float* d = acc;", a0, &desc, n, &format!("m64n{n}k32.f32.e4m3.e4m3"), ", 1, 1", 1))
         }
         ["pack_p_e4m3", chunks] => {
             let chunks: u32 = chunks.parse().ok().filter(|&c| (1..=8).contains(&c))?;
@@ -218,6 +146,51 @@ fn lower_marker(text: &str) -> Option<Lowered> {
         }
         _ => None,
     }
+}
+
+/// The helper of an MMA with both operands in shared memory (128-byte-swizzled descriptors):
+/// `acc_param` / `d` declare the accumulator, `shape` is the instruction's shape and types, `flags`
+/// what follows its scale-d predicate.
+#[allow(clippy::too_many_arguments)]
+fn ss_helper(helper: String, acc_param: &str, d: &str, eb: u32, a_lbo: u32, b_lbo: u32, n: u32, letter: char, shape: &str, flags: &str, accum: u32) -> Lowered {
+    let (regs, list, cons) = acc_operands(n, letter);
+    let (r0, r1, r2) = (regs, regs + 1, regs + 2);
+    let definition = format!(
+        r#"__device__ __forceinline__ void {helper}({acc_param}, const void* a, unsigned a_off, const void* b, unsigned b_off) {{
+  {d}
+  const unsigned long long da = __cubeattn_desc(a, a_off * {eb}u, {a_lbo}u, {SBO}u);
+  const unsigned long long db = __cubeattn_desc(b, b_off * {eb}u, {b_lbo}u, {SBO}u);
+#ifndef CUBEATTN_SM90_NO_MMA
+  asm volatile("{{\n.reg .pred p;\nsetp.ne.b32 p, %{r2}, 0;\n"
+               "wgmma.mma_async.sync.aligned.{shape} {{{list}}}, %{r0}, %{r1}, p{flags};\n}}\n"
+               : {cons} : "l"(da), "l"(db), "r"({accum}));
+#endif
+}}
+"#
+    );
+    Lowered { helper, definition }
+}
+
+/// The helper of an MMA with A from four registers (`a_regs[a0 ..]`) and B in shared memory
+/// (descriptor expression `desc`); `d` declares the f32 accumulator pointer.
+#[allow(clippy::too_many_arguments)]
+fn rs_helper(helper: String, d: &str, a0: u32, desc: &str, n: u32, shape: &str, flags: &str, accum: u32) -> Lowered {
+    let (regs, list, cons) = acc_operands(n, 'f');
+    let (r0, r1, r2, r3, r4, r5) = (regs, regs + 1, regs + 2, regs + 3, regs + 4, regs + 5);
+    let definition = format!(
+        r#"__device__ __forceinline__ void {helper}(float* acc, const void* a_regs, const void* b, unsigned b_off) {{
+  {d}
+  const unsigned* a = reinterpret_cast<const unsigned*>(a_regs) + {a0};
+  const unsigned long long db = {desc};
+#ifndef CUBEATTN_SM90_NO_MMA
+  asm volatile("{{\n.reg .pred p;\nsetp.ne.b32 p, %{r5}, 0;\n"
+               "wgmma.mma_async.sync.aligned.{shape} {{{list}}}, {{%{r0}, %{r1}, %{r2}, %{r3}}}, %{r4}, p{flags};\n}}\n"
+               : {cons} : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"({accum}));
+#endif
+}}
+"#
+    );
+    Lowered { helper, definition }
 }
 
 /// N a multiple of 8 in 8..=256 (f16/bf16 wgmma), flags 0 or 1.
