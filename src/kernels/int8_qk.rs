@@ -32,8 +32,6 @@ pub const MEAN_CHUNK: usize = 64;
 pub const QUANT_THREADS: usize = 128;
 /// Padding after each int8 row in shared memory, in `E` elements (32 bytes).
 pub const PAD8: usize = 16;
-/// The most rows of a block `int8_quantize` stages in shared memory (its `staged` variant).
-pub const STAGE_ROWS: usize = 128;
 /// `E` elements per 16-byte copy.
 const VEC: usize = 8;
 /// 1.5 * 2^23: `f32` bits `0x4B40_0000 + i` are `MAGIC + i` for |i| < 2^22.
@@ -95,7 +93,7 @@ pub fn int8_k_mean(sums: &Array<f32>, mean: &mut Array<f32>, segs: &Array<u32>, 
 /// `smooth` and dotted with Q rows (kv head `h / group`) into `shift[h * total + t]` (times
 /// `softmax_scale`). Writes the int8 rows to `xq` (u32 words, see the module doc), the row
 /// scales to `scale` (`[h * total + t]` for Q, `[t * heads + h]` for K) and uses `amax`
-/// (`heads * total` f32) as scratch (`staged`: shared memory instead). Groups: [`crate::sparse::GroupRule`] `(chunk, period,
+/// (`heads * total` f32) as scratch. Groups: [`crate::sparse::GroupRule`] `(chunk, period,
 /// width)` on the row's offset inside the block, as compile-time constants (the rules are fixed
 /// per granularity; runtime divisions made the pass instruction-bound: 78% SM throughput, ncu on
 /// the H200), `chunk` 0 for the whole block (per_block: one group, no division at all). `natural`: the int8 words in channel order (the
@@ -122,7 +120,6 @@ pub fn int8_quantize<E: Float>(
     #[comptime] chunk: usize,
     #[comptime] period: usize,
     #[comptime] width: usize,
-    #[comptime] staged: bool,
 ) {
     let b = CUBE_POS_Y as usize;
     let h = CUBE_POS_Z;
@@ -136,10 +133,6 @@ pub fn int8_quantize<E: Float>(
     let r0 = CUBE_POS_X * block;
     let kvh = (h / group) as usize;
     let mbase = (b * (heads / group) as usize + kvh) * head_dim;
-    // `staged` (blocks of at most STAGE_ROWS rows): pass 1 keeps the rows and their maxima in
-    // shared memory, pass 2 reads them there (x read once from global memory, no amax scratch)
-    let mut xs = SharedMemory::<E>::new(comptime!(if staged { STAGE_ROWS * head_dim } else { 1usize }));
-    let mut am = SharedMemory::<f32>::new(comptime!(if staged { STAGE_ROWS } else { 1usize }));
     if r0 < len {
         let r1 = min(r0 + block, len);
         // pass 1: per row max |x - mean| and (Q, smooth) the LSE correction
@@ -152,11 +145,7 @@ pub fn int8_quantize<E: Float>(
                 #[unroll]
                 for e in 0..4usize {
                     let c = lane as usize * 4 + e;
-                    let xv = x[row + c];
-                    if staged {
-                        xs[(r - r0) as usize * head_dim + c] = xv;
-                    }
-                    let mut v = f32::cast_from(xv);
+                    let mut v = f32::cast_from(x[row + c]);
                     if smooth {
                         if is_k {
                             v -= mean[mbase + c];
@@ -173,11 +162,7 @@ pub fn int8_quantize<E: Float>(
             }
             if lane == 0 {
                 let i = (h * total + start + r) as usize;
-                if staged {
-                    am[(r - r0) as usize] = mx;
-                } else {
-                    amax[i] = mx;
-                }
+                amax[i] = mx;
                 if !is_k {
                     let mut s = 0.0f32;
                     if smooth {
@@ -214,11 +199,7 @@ pub fn int8_quantize<E: Float>(
                     same = (i % comptime!(period as u32)) / comptime!(width as u32) == class;
                 }
                 if cs + i < blen && same {
-                    if staged {
-                        g = max(g, am[(cs + i) as usize]);
-                    } else {
-                        g = max(g, amax[(h * total + start + r0 + cs + i) as usize]);
-                    }
+                    g = max(g, amax[(h * total + start + r0 + cs + i) as usize]);
                 }
                 i += 32u32;
             }
@@ -236,12 +217,7 @@ pub fn int8_quantize<E: Float>(
                 #[unroll]
                 for e in 0..4usize {
                     let c = lane as usize * 4 + e;
-                    let mut v = 0.0f32;
-                    if staged {
-                        v = f32::cast_from(xs[(r - r0) as usize * head_dim + c]);
-                    } else {
-                        v = f32::cast_from(x[row + c]);
-                    }
+                    let mut v = f32::cast_from(x[row + c]);
                     if smooth && is_k {
                         v -= mean[mbase + c];
                     }

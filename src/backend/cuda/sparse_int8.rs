@@ -16,7 +16,7 @@ use super::CudaBackend;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::kernels::fp8_v::{self, vt_row_bytes, VT_CHUNK, VT_THREADS};
-use crate::kernels::int8_qk::{self, MEAN_CHUNK, QUANT_THREADS, STAGE_ROWS};
+use crate::kernels::int8_qk::{self, MEAN_CHUNK, QUANT_THREADS};
 use crate::sparse::{GroupRule, Int8Qk};
 use crate::spec::SparseView;
 
@@ -142,10 +142,9 @@ pub(crate) fn quantize(
         let smooth = opt.smooth_k;
         // the group rule as constants (0: the whole block)
         let g = if rule.chunk == block && rule.period == block && rule.width == block { [0, 0, 0] } else { [rule.chunk, rule.period, rule.width] };
-        // blocks of up to STAGE_ROWS rows: x read once, staged in shared memory
-        let staged = block <= STAGE_ROWS;
-        let key = [hd as u32, is_k as u32, smooth as u32, natural as u32, g[0] as u32, g[1] as u32, g[2] as u32, staged as u32];
-        let f = kernel(be, "int8_quantize", dt, &key, || quantize_source(client, dt, hd, is_k, smooth, natural, g, staged))?;
+        let f = kernel(be, "int8_quantize", dt, &[hd as u32, is_k as u32, smooth as u32, natural as u32, g[0] as u32, g[1] as u32, g[2] as u32], || {
+            quantize_source(client, dt, hd, is_k, smooth, natural, g)
+        })?;
         let mut a = Args::new();
         a.array(x, (total * heads * hd).max(1)).array(mean, pr[6] / 4).array(xq, (total * heads * hd / 4).max(1));
         a.array(sc, if is_k { tk * hkv } else { 2 * hq * tq }.max(1)).array(amax, pr[4] / 4);
@@ -201,8 +200,7 @@ pub(crate) fn vt_source(client: &cubecl::prelude::ComputeClient<CudaRuntime>, dt
 
 /// CUDA source of the quantisation kernel (`int8_qk::int8_quantize`) for Q (`is_k = false`) or K,
 /// its rows in channel order (`natural`) or in the mma.sync word order, the group rule `g`
-/// (chunk, period, width; chunk 0: the whole block); `staged`: blocks of at most
-/// `int8_qk::STAGE_ROWS` rows, kept in shared memory between the passes.
+/// (chunk, period, width; chunk 0: the whole block).
 pub(crate) fn quantize_source(
     client: &cubecl::prelude::ComputeClient<CudaRuntime>,
     dt: DType,
@@ -211,12 +209,11 @@ pub(crate) fn quantize_source(
     smooth: bool,
     natural: bool,
     g: [usize; 3],
-    staged: bool,
 ) -> Result<super::compile::Source> {
     let s = settings(QUANT_THREADS as u32);
     if dt == DType::F16 {
-        codegen(int8_qk::int8_quantize::Int8Quantize::<f16, CudaRuntime>::new(s, client.clone(), A, A, A, A, A, A, A, (), (), (), (), (), hd, is_k, smooth, natural, g[0], g[1], g[2], staged))
+        codegen(int8_qk::int8_quantize::Int8Quantize::<f16, CudaRuntime>::new(s, client.clone(), A, A, A, A, A, A, A, (), (), (), (), (), hd, is_k, smooth, natural, g[0], g[1], g[2]))
     } else {
-        codegen(int8_qk::int8_quantize::Int8Quantize::<bf16, CudaRuntime>::new(s, client.clone(), A, A, A, A, A, A, A, (), (), (), (), (), hd, is_k, smooth, natural, g[0], g[1], g[2], staged))
+        codegen(int8_qk::int8_quantize::Int8Quantize::<bf16, CudaRuntime>::new(s, client.clone(), A, A, A, A, A, A, A, (), (), (), (), (), hd, is_k, smooth, natural, g[0], g[1], g[2]))
     }
 }
