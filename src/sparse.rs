@@ -133,8 +133,6 @@ pub struct Int8Qk {
     pub pv_fp8: bool,
 }
 
-/// The largest finite FP8 e4m3 value: V's per-channel scale is `amax / FP8_MAX`.
-pub const FP8_MAX: f32 = 448.0;
 /// P is multiplied by this before its e4m3 rounding (P <= 1, so P * 256 <= 448; the row sums
 /// carry the same factor, so it cancels in O; the LSE is that of the unscaled sums: the factor
 /// does not reach it).

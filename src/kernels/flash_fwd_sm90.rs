@@ -29,6 +29,7 @@ use super::sm90::{fence_proxy_async, pack_a_pairs, pack_p_e4m3, swizzle_128b, wg
     wgmma_ss, wgmma_ss_s8, wgmma_wait, SW_COLS, SW_ROW};
 use super::staging::commit_copies;
 use crate::format::KV_PAGE;
+use crate::sparse::FP8_P_SCALE;
 
 /// Packed rows per cube: two warpgroups of 64.
 pub const SM90_BLOCK_M: usize = 128;
@@ -190,9 +191,8 @@ fn softmax_scores(
     for i in 0..2usize {
         let mut ref_m = m_r[i];
         if fp8 {
-            // P scaled by 2^8 = FP8_P_SCALE (so are the row sums: it cancels in O; the LSE takes
-            // it out)
-            ref_m -= 8.0f32;
+            // P scaled by FP8_P_SCALE (so are the row sums: it cancels in O; the LSE takes it out)
+            ref_m -= comptime!(FP8_P_SCALE.log2());
         }
         let mut f = scale_log2;
         if int8 {
@@ -577,8 +577,8 @@ pub fn flash_fwd_sm90<E: Float>(
                     if l_r[i] != 0.0f32 {
                         val = m_r[i] * LN2 + f32::ln(l_r[i]);
                         if fp8_pv {
-                            // the row sums carry P's factor 256
-                            val -= 8.0f32 * LN2;
+                            // the row sums carry P's factor FP8_P_SCALE
+                            val -= comptime!(FP8_P_SCALE.log2()) * LN2;
                         }
                         if int8 {
                             // K smoothing: the LSE correction softmax_scale * q . mean

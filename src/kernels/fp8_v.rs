@@ -18,15 +18,15 @@
 use cubecl::prelude::*;
 
 use super::sm90::e4m3x4;
+use crate::fp8::E4M3_MAX as FP8_MAX;
 
-/// Keys per quantisation cube (the Hopper kernel's key tile with FP8 P.V).
-pub const VT_CHUNK: usize = 64;
+/// Keys per quantisation cube: the key tile of the Hopper kernel with FP8 P.V (the 64-byte rows
+/// of its V^T tiles).
+pub const VT_CHUNK: usize = crate::sparse::TILE_KEYS;
 /// Bytes of V^T row reserved per sequence beyond its keys (`col_base`).
 pub const VT_GAP: usize = 80;
 /// Units of a quantisation cube.
 pub const VT_THREADS: usize = 128;
-/// The largest finite e4m3 value.
-const FP8_MAX: f32 = 448.0;
 
 /// Byte (inside a group of 16 keys) where key `r` of the group sits in a V^T row: A column
 /// `4 t + i` of a k32 step holds key `8 (i / 2) + 2 t + i % 2` (`sm90::pack_p_e4m3`).

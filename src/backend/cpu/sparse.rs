@@ -50,7 +50,8 @@ use super::layout::{from_f32_vec, matmul, to_f32_cow, to_head_major, transpose_p
 use crate::backend::{BackwardInputs, ForwardOutput, Gradients};
 use crate::dtype::{DType, HostView};
 use crate::fp8::e4m3_round;
-use crate::sparse::{Int8Qk, FP8_MAX, FP8_P_SCALE, TILE_KEYS};
+use crate::fp8::E4M3_MAX;
+use crate::sparse::{Int8Qk, FP8_P_SCALE, TILE_KEYS};
 use crate::spec::SparseView;
 
 /// Key spans `[lo, hi)` (inside the sequence) of the kept blocks `kept` (ascending), clipped to
@@ -281,8 +282,8 @@ struct Fp8V {
 
 /// `(scale, inv)` of a V channel with maximum magnitude `amax` (module docs).
 fn fp8_scale(amax: f32) -> (f32, f32) {
-    let inv = FP8_MAX / amax;
-    if amax > 0.0 && inv.is_finite() { (amax / FP8_MAX, inv) } else { (1.0, 0.0) }
+    let inv = E4M3_MAX / amax;
+    if amax > 0.0 && inv.is_finite() { (amax / E4M3_MAX, inv) } else { (1.0, 0.0) }
 }
 
 fn quantize_v(spec: SparseView, vf: &[f32]) -> Fp8V {
