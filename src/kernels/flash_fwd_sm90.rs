@@ -40,18 +40,18 @@ pub const SM90_THREADS: usize = 256;
 
 /// Row `(row, col)` inside the m16n8 accumulator block of lane `lane`'s element `e` (0..4).
 #[cube]
-fn acc_row(lane: u32, #[comptime] e: usize) -> u32 {
+pub(super) fn acc_row(lane: u32, #[comptime] e: usize) -> u32 {
     lane / 4u32 + comptime!((e / 2) as u32 * 8)
 }
 
 #[cube]
-fn acc_col(lane: u32, #[comptime] e: usize) -> u32 {
+pub(super) fn acc_col(lane: u32, #[comptime] e: usize) -> u32 {
     (lane % 4u32) * 2u32 + comptime!((e % 2) as u32)
 }
 
 /// `row_a` for accumulator half 0 (elements 0, 1), `row_b` for half 1.
 #[cube]
-fn pick_row(#[comptime] i: usize, row_a: usize, row_b: usize) -> usize {
+pub(super) fn pick_row(#[comptime] i: usize, row_a: usize, row_b: usize) -> usize {
     let mut r = row_b;
     if i == 0 {
         r = row_a;
@@ -67,7 +67,7 @@ fn pick_row(#[comptime] i: usize, row_a: usize, row_b: usize) -> usize {
 /// both walk the same offsets. The caller fences before and commits after.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn s_steps<E: Float>(
+pub(super) fn s_steps<E: Float>(
     s: &mut Array<f32>,
     s_i: &mut Array<i32>,
     q_smem: &SharedMemory<E>,
@@ -97,7 +97,7 @@ fn s_steps<E: Float>(
 /// the tightest bounds of the lane's two rows, `t0` the tile's first key).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn mask_scores(
+pub(super) fn mask_scores(
     s: &mut Array<f32>,
     row_lo: &SharedMemory<u32>,
     row_hi: &SharedMemory<u32>,
@@ -142,7 +142,7 @@ fn mask_scores(
 /// rise, so P <= 1) and P, the row sums with it, scaled by 256.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn softmax_scores(
+pub(super) fn softmax_scores(
     s: &mut Array<f32>,
     m_r: &mut Array<f32>,
     l_r: &mut Array<f32>,
@@ -216,7 +216,7 @@ fn softmax_scores(
 
 /// O's two rows of this lane times their `alpha`.
 #[cube]
-fn rescale_o(o_acc: &mut Array<f32>, alpha: &Array<f32>, #[comptime] head_dim: usize) {
+pub(super) fn rescale_o(o_acc: &mut Array<f32>, alpha: &Array<f32>, #[comptime] head_dim: usize) {
     #[unroll]
     for i in 0..2usize {
         #[unroll]
@@ -233,7 +233,7 @@ fn rescale_o(o_acc: &mut Array<f32>, alpha: &Array<f32>, #[comptime] head_dim: u
 /// registers `p`, V the MN-major tile at element `base` of `v_smem` (column chunks `block_n` rows
 /// apart). The caller fences before and commits after.
 #[cube]
-fn pv_steps<E: Float>(
+pub(super) fn pv_steps<E: Float>(
     o_acc: &mut Array<f32>,
     p: &Array<Vector<E, Const<2>>>,
     v_smem: &SharedMemory<E>,
@@ -533,7 +533,37 @@ pub fn flash_fwd_sm90<E: Float>(
         }
     }
 
-    // ---- finish: reduce l over the 4 lanes of a row, normalise, write ----
+    write_out(args, &o_acc, &m_r, &mut l_r, &row_tok, &mut row_head, prow, row_a, row_b, lane, y, slot, seq, head_kv, neg_inf, head_dim,
+        int8, fp8_pv);
+}
+
+/// The epilogue of the Hopper forward frames: `l` reduced over the 4 lanes of a row, O normalised
+/// and written (with the LSE) to the output, or to the split-K partials of slot `slot`. `int8` /
+/// `fp8_pv`: the LSE corrections and V scales of those variants (`flash_fwd_sm90`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn write_out<E: Float>(
+    args: &mut FwdCard<E>,
+    o_acc: &Array<f32>,
+    m_r: &Array<f32>,
+    l_r: &mut Array<f32>,
+    row_tok: &SharedMemory<u32>,
+    row_head: &mut SharedMemory<u32>,
+    prow: usize,
+    row_a: usize,
+    row_b: usize,
+    lane: u32,
+    y: u32,
+    slot: u32,
+    seq: u32,
+    head_kv: u32,
+    neg_inf: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] int8: bool,
+    #[comptime] fp8_pv: bool,
+) {
+    let block_m = comptime!(SM90_BLOCK_M);
+    let o_blocks = comptime!(head_dim / 8);
     let mut inv_r = Array::<f32>::new(2usize);
     #[unroll]
     for i in 0..2usize {

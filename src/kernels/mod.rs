@@ -6,6 +6,7 @@ pub mod card;
 pub mod cards;
 pub mod flash_fwd;
 pub mod flash_fwd_sm90;
+pub mod flash_fwd_ws;
 pub mod fp8_v;
 pub mod math;
 pub mod nonfinite;

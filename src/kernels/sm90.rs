@@ -70,6 +70,24 @@ pub fn fence_proxy_async() {
     intrinsic!(|scope| marker(scope, "proxy_fence".into(), vec![]))
 }
 
+/// `setmaxnreg.inc` (`inc`) or `.dec` to `regs` registers a thread (a multiple of 8 in 24..=256)
+/// for the executing warpgroup: the warp-specialised frame gives its producer few and its
+/// consumers many. The kernel needs a min-blocks launch bound (`rewrite::min_blocks`), else ptxas
+/// drops the instruction (HOPPER_NOTES.md); every thread of the warpgroup executes it.
+#[cube]
+#[allow(unused_variables)]
+pub fn setmaxnreg(#[comptime] inc: bool, #[comptime] regs: u32) {
+    intrinsic!(|scope| marker(scope, format!("setmaxnreg {} {regs}", if inc { "inc" } else { "dec" }), vec![]))
+}
+
+/// `bar.sync id, threads`: the named barrier `id` (1..=15; 0 is the cube's) over `threads` threads
+/// (a multiple of 32), the warps of a subset of the cube (the consumer warpgroups).
+#[cube]
+#[allow(unused_variables)]
+pub fn named_barrier(#[comptime] id: u32, #[comptime] threads: u32) {
+    intrinsic!(|scope| marker(scope, format!("named_barrier {id} {threads}"), vec![]))
+}
+
 /// `acc[acc0 .. acc0 + n / 2] (+)= A B` for one m64 x n x k16 step, both operands in shared memory
 /// (128-byte swizzle): A is 64 rows, K-major (`a_mn` false: rows 128 bytes apart per 64 columns of
 /// K), or MN-major (`a_mn`: the 64 rows contiguous, K rows 128 bytes apart, as dS^T stored

@@ -27,6 +27,7 @@ use crate::dtype::DType;
 use crate::error::{invalid, Result};
 use crate::kernels::flash_fwd::{self, BLOCK_M};
 use crate::kernels::flash_fwd_sm90::{self, SM90_THREADS};
+use crate::kernels::flash_fwd_ws::{self, WS_THREADS};
 use crate::kernels::kv_tiles::{box_rows, kv_map_box};
 use crate::kernels::sm90::SW_COLS;
 use crate::kernels::math::LOG2E;
@@ -179,9 +180,23 @@ pub(crate) fn sm90_forward(be: &CudaBackend, spec: &AttnSpec) -> bool {
     fwd_options().sm90 && be.target.wgmma && spec.dtype != DType::F32 && SM90_FWD_HEAD_DIMS.contains(&spec.dims.head_dim)
 }
 
-/// The Hopper forward kernel (`flash_fwd_sm90`) for one set of comptime choices, and its keys per
-/// tile (`FwdOptions::sm90_tile_for`). `int8`: INT8 Q K^T (block-sparse, `cuda::sparse_int8`);
-/// `fp8_pv`: with it, FP8 P.V (`kernels::fp8_v`).
+/// The Hopper forward's frame and keys per tile for a call at `head_dim`: the warp-specialised
+/// frame (`flash_fwd_ws`, with `FwdOptions::sm90_ws`) for 16-bit calls without the V check, 128-key
+/// tiles up to head_dim 128 (Q plus two K and two V stages 160 KiB at d128) and 64 above (144 /
+/// 192 KiB at d192 / d256); else `flash_fwd_sm90` with `FwdOptions::sm90_tile_for`'s tile.
+/// Returns `(block_n, ws)`.
+pub(crate) fn sm90_frame(hd: usize, int8: bool, check_v: bool) -> (usize, bool) {
+    let opts = fwd_options();
+    if opts.sm90_ws && !int8 && !check_v {
+        (if hd <= 128 { 128 } else { 64 }, true)
+    } else {
+        (opts.sm90_tile_for(hd).0, false)
+    }
+}
+
+/// The Hopper forward kernel for one set of comptime choices (`sm90_frame`: `flash_fwd_ws` or
+/// `flash_fwd_sm90`), and its keys per tile. `int8`: INT8 Q K^T (block-sparse,
+/// `cuda::sparse_int8`); `fp8_pv`: with it, FP8 P.V (`kernels::fp8_v`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn flash_fwd_sm90_kernel(
     be: &CudaBackend,
@@ -193,7 +208,13 @@ pub(crate) fn flash_fwd_sm90_kernel(
     int8: bool,
     fp8_pv: bool,
 ) -> Result<(super::compile::Func, usize)> {
-    let (bn, cubes) = fwd_options().sm90_tile_for(hd);
+    let (bn, ws) = sm90_frame(hd, int8, check_v);
+    if ws {
+        let key = KernelKey::new("flash_fwd_ws", dt, &[hd as u32, bn as u32, sparse as u32, paged as u32]);
+        let f = be.kernels.get(&key, || fwd_ws_source(be.client(), dt, hd, bn, sparse, paged))?;
+        return Ok((f, bn));
+    }
+    let cubes = fwd_options().sm90_tile_for(hd).1;
     let key = KernelKey::new(
         "flash_fwd_sm90",
         dt,
@@ -201,6 +222,29 @@ pub(crate) fn flash_fwd_sm90_kernel(
     );
     let f = be.kernels.get(&key, || fwd_sm90_source(be.client(), dt, hd, bn, sparse, paged, cubes, check_v, int8, fp8_pv))?;
     Ok((f, bn))
+}
+
+/// CUDA source of the warp-specialised Hopper forward (`flash_fwd_ws`): the `kernels::sm90`
+/// markers lowered, one cube per SM declared (`__launch_bounds__(384, 1)`, which `setmaxnreg`
+/// needs), barrier waits as plain `try_wait` loops.
+pub(crate) fn fwd_ws_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: usize, bn: usize, sparse: bool, paged: bool) -> Result<Source> {
+    macro_rules! k {
+        ($t:ty) => {
+            codegen_exp2(flash_fwd_ws::flash_fwd_ws::FlashFwdWs::<$t, CudaRuntime>::new(
+                settings(WS_THREADS as u32),
+                client.clone(),
+                FwdArgs::compilation(),
+                hd,
+                bn,
+                sparse,
+                paged,
+            ), true)
+        };
+    }
+    let mut src = if is_f16(dt) { k!(f16) } else { k!(bf16) }?;
+    src.cuda = super::rewrite::sm90::lower(&src.entry, &src.cuda)?;
+    src.cuda = super::rewrite::min_blocks(&src.entry, &src.cuda, 1)?;
+    Ok(src)
 }
 
 /// CUDA source of [`flash_fwd_sm90_kernel`]: the `kernels::sm90` markers lowered, and `cubes` cubes

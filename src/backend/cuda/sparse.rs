@@ -80,7 +80,7 @@ impl SparseFrame {
         if spec.attn.dims.head_dim != 128 || !super::forward::sm90_forward(be, spec.attn) || plan_rows(spec).1 != 128 {
             return SparseFrame::Mma2;
         }
-        let (block_n, _) = crate::config::fwd_options().sm90_tile_for(spec.attn.dims.head_dim);
+        let (block_n, _) = super::forward::sm90_frame(spec.attn.dims.head_dim, spec.int8.is_some(), false);
         // INT8: one K scale per lane and tile, and FP8 V^T tiles of 64-byte rows, need the
         // 64-key tiles the quantisation groups are cut for (`sparse::TILE_KEYS`)
         if spec.int8.is_some() && block_n != crate::sparse::TILE_KEYS {

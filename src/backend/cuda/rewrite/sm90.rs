@@ -68,6 +68,15 @@ fn lower_marker(text: &str) -> Option<Lowered> {
             let n: u32 = n.parse().ok().filter(|&n| n <= 7)?;
             Some(simple(&format!("wait_{n}"), &format!("wgmma.wait_group.sync.aligned {n};")))
         }
+        ["setmaxnreg", dir @ ("inc" | "dec"), n] => {
+            let n: u32 = n.parse().ok().filter(|&n| (24..=256).contains(&n) && n % 8 == 0)?;
+            Some(simple(&format!("setmaxnreg_{dir}_{n}"), &format!("setmaxnreg.{dir}.sync.aligned.u32 {n};")))
+        }
+        ["named_barrier", id, n] => {
+            let id: u32 = id.parse().ok().filter(|&i| (1..=15).contains(&i))?;
+            let n: u32 = n.parse().ok().filter(|&n| n > 0 && n % 32 == 0 && n <= 1024)?;
+            Some(simple(&format!("named_barrier_{id}_{n}"), &format!("bar.sync {id}, {n};")))
+        }
         ["wgmma_ss", t, rest @ ..] => {
             let eb = elem_bytes(t)?;
             let [n, acc0, a_mn, a_lbo, b_mn, b_lbo, accum] = parse_nums(rest)?.try_into().ok()?;
@@ -334,6 +343,13 @@ mod tests {
         assert!(f8.contains("__cubeattn_e4m3x4_0(w, a, b, c, d);"), "{f8}");
         assert!(lower("k", &kernel(&format!("printf(\"{MARK}pack_p_e4m3 2\", s);\n"))).is_err());
         assert!(lower("k", &kernel(&format!("printf(\"{MARK}pack_p_e4m3 9\", s,w);\n"))).is_err());
+        // the warp-specialised frame: register moves and named barriers
+        let ws = lower("k_", &kernel(&format!("printf(\"{MARK}setmaxnreg dec 40\");\nprintf(\"{MARK}setmaxnreg inc 232\");\nprintf(\"{MARK}named_barrier 1 256\");\n"))).unwrap();
+        assert!(ws.contains("setmaxnreg.dec.sync.aligned.u32 40;") && ws.contains("setmaxnreg.inc.sync.aligned.u32 232;"), "{ws}");
+        assert!(ws.contains("bar.sync 1, 256;") && ws.contains("__cubeattn_named_barrier_1_256();"), "{ws}");
+        for bad in ["setmaxnreg inc 20", "setmaxnreg inc 233", "setmaxnreg up 64", "named_barrier 0 256", "named_barrier 1 100"] {
+            assert!(lower("k", &kernel(&format!("printf(\"{MARK}{bad}\");\n"))).is_err(), "{bad}");
+        }
         // helpers sit before the entry point, each once
         let entry = out.find("extern \"C\"").unwrap();
         assert!(out.find("void __cubeattn_fence()").unwrap() < entry);
