@@ -11,7 +11,7 @@
 //! | `CUBEATTN_CUDA_PORTABLE=1` | builds every kernel as for GPUs below sm_90, on any GPU ([`crate::backend::cuda::Target`]) | `tests/python/test_portable_gpu.py`, `scripts/gpu-test.sh --portable` |
 //! | `CUBEATTN_CUDA_SM90=0` | keeps the mma.sync forward on sm_90 GPUs (default: the wgmma forward) | comparisons of the two forwards on one GPU |
 //! | `CUBEATTN_CUDA_SM90_TILE=bn:cubes` | the wgmma forward's tile and cubes per SM (`FwdOptions::sm90_tile`) at every head_dim | A/B runs of its tile choices on one GPU |
-//! | `CUBEATTN_CUDA_SM90_WS=1` | the warp-specialised wgmma forward (`kernels::flash_fwd_ws`, `FwdOptions::sm90_ws`) for the 16-bit calls it serves | A/B runs of the two Hopper frames on one GPU |
+//! | `CUBEATTN_CUDA_SM90_WS=0` | keeps `flash_fwd_sm90` where the warp-specialised wgmma forward (`kernels::flash_fwd_ws`, `FwdOptions::sm90_ws`) is the default | A/B runs of the two Hopper frames on one GPU |
 //! | `CUBEATTN_CUDA_SPLIT=0` | no split-K of long forward tiles | the sanitizer families (`tests/python/sanitize_driver.py`) |
 //! | `CUBEATTN_BWD_DQ=pass` | the separate dQ pass for `deterministic = false` backward calls too (`atomic`, the default, fuses dQ) | sanitizer families, comparisons |
 //! | `CUBEATTN_BWD_Q_STAGES=1` | the dK/dV kernel with one query-tile stage (what GPUs with less shared memory get) on any GPU | `tests/python/test_portable_gpu.py` |
@@ -107,7 +107,7 @@ impl Config {
                 split: on_unless_zero(&var("CUBEATTN_CUDA_SPLIT")),
                 sm90: on_unless_zero(&var("CUBEATTN_CUDA_SM90")),
                 sm90_tile: var("CUBEATTN_CUDA_SM90_TILE").and_then(|v| parse_tile(&v)),
-                sm90_ws: is("CUBEATTN_CUDA_SM90_WS", "1"),
+                sm90_ws: on_unless_zero(&var("CUBEATTN_CUDA_SM90_WS")),
                 ..FwdOptions::defaults()
             },
         }
@@ -149,8 +149,8 @@ pub struct FwdOptions {
     /// defaults). How the choices are measured against each other on one GPU.
     pub sm90_tile: Option<(u32, u32)>,
     /// The warp-specialised Hopper forward (`kernels::flash_fwd_ws`: a producer warpgroup, two
-    /// consumer warpgroups overlapping softmax and MMAs) for the 16-bit calls it serves
-    /// (`CUBEATTN_CUDA_SM90_WS`).
+    /// consumer warpgroups overlapping softmax and MMAs) where it is measured faster
+    /// (`backend::cuda::forward::sm90_frame`; `CUBEATTN_CUDA_SM90_WS=0` turns it off).
     pub sm90_ws: bool,
 }
 
@@ -158,7 +158,7 @@ pub struct FwdOptions {
 impl FwdOptions {
     /// The defaults without environment overrides.
     pub fn defaults() -> FwdOptions {
-        FwdOptions { pack_heads: true, split: true, split_waves: 2, plane_rows: 32, block_n: 0, sm90: true, sm90_tile: None, sm90_ws: false }
+        FwdOptions { pack_heads: true, split: true, split_waves: 2, plane_rows: 32, block_n: 0, sm90: true, sm90_tile: None, sm90_ws: true }
     }
 
     /// The Hopper forward's `(block_n, cubes per SM)` at `head_dim`: two cubes per SM, whose

@@ -241,9 +241,8 @@ fn variants() -> Vec<(&'static str, FwdOptions)> {
         ("no-pack", FwdOptions { pack_heads: false, ..all }),
         ("no-split", FwdOptions { split: false, ..all }),
         // the mma.sync kernel (the path below sm_90) on a Hopper GPU, and its tile variants
-        // the warp-specialised Hopper frame (`kernels::flash_fwd_ws`), with and without split-K
-        ("ws", FwdOptions { sm90_ws: true, ..all }),
-        ("ws-no-split", FwdOptions { sm90_ws: true, split: false, ..all }),
+        // `flash_fwd_sm90` where the warp-specialised frame (`kernels::flash_fwd_ws`) is the default
+        ("no-ws", FwdOptions { sm90_ws: false, ..all }),
         ("mma-sync", FwdOptions { sm90: false, ..all }),
         ("bn32", FwdOptions { block_n: 32, sm90: false, ..all }),
         ("rows16", FwdOptions { plane_rows: 16, sm90: false, ..all }),

@@ -180,15 +180,21 @@ pub(crate) fn sm90_forward(be: &CudaBackend, spec: &AttnSpec) -> bool {
     fwd_options().sm90 && be.target.wgmma && spec.dtype != DType::F32 && SM90_FWD_HEAD_DIMS.contains(&spec.dims.head_dim)
 }
 
-/// The Hopper forward's frame and keys per tile for a call at `head_dim`: the warp-specialised
-/// frame (`flash_fwd_ws`, with `FwdOptions::sm90_ws`) for 16-bit calls without the V check, 128-key
-/// tiles up to head_dim 128 (Q plus two K and two V stages 160 KiB at d128) and 64 above (144 /
-/// 192 KiB at d192 / d256); else `flash_fwd_sm90` with `FwdOptions::sm90_tile_for`'s tile.
-/// Returns `(block_n, ws)`.
-pub(crate) fn sm90_frame(hd: usize, int8: bool, check_v: bool) -> (usize, bool) {
+/// The Hopper forward's frame and keys per tile for a call at `head_dim`, returned as `(block_n,
+/// ws)`. The warp-specialised frame (`flash_fwd_ws`, `FwdOptions::sm90_ws`) at head_dim 128 and
+/// above for 16-bit calls without the V check: 128-key tiles at 128 (Q plus two K and two V stages
+/// 160 KiB), 64 above (144 / 192 KiB at d192 / d256); H200, kernel time, same processes as cuDNN
+/// (bench/results/h200-2026-11-29-c306ce9): d128 non-causal 8K 1.72-1.77 ms vs 1.85-1.87 for
+/// `flash_fwd_sm90`, d256 1.56 vs 1.80, d256 causal 16K 3.02-3.04 vs 3.76-3.95. At d64 it lost
+/// (causal 8K 0.709 vs 0.618: two `flash_fwd_sm90` cubes per SM with 128-key tiles), so d64, the
+/// INT8 / FP8 variants and the V-checking calls keep `flash_fwd_sm90` with
+/// `FwdOptions::sm90_tile_for`'s tile. `k_block` (block-sparse): the frame whose tile divides it.
+pub(crate) fn sm90_frame(hd: usize, int8: bool, check_v: bool, k_block: Option<usize>) -> (usize, bool) {
     let opts = fwd_options();
-    if opts.sm90_ws && !int8 && !check_v {
-        (if hd <= 128 { 128 } else { 64 }, true)
+    // INT8 / FP8: the 64-key tiles their quantisation groups and V^T rows are cut for
+    let ws_bn = if hd <= 128 && !int8 { 128 } else { 64 };
+    if opts.sm90_ws && hd >= 128 && !check_v && k_block.is_none_or(|kb| kb.is_multiple_of(ws_bn)) {
+        (ws_bn, true)
     } else {
         (opts.sm90_tile_for(hd).0, false)
     }
@@ -207,11 +213,12 @@ pub(crate) fn flash_fwd_sm90_kernel(
     check_v: bool,
     int8: bool,
     fp8_pv: bool,
+    k_block: Option<usize>,
 ) -> Result<(super::compile::Func, usize)> {
-    let (bn, ws) = sm90_frame(hd, int8, check_v);
+    let (bn, ws) = sm90_frame(hd, int8, check_v, k_block);
     if ws {
-        let key = KernelKey::new("flash_fwd_ws", dt, &[hd as u32, bn as u32, sparse as u32, paged as u32]);
-        let f = be.kernels.get(&key, || fwd_ws_source(be.client(), dt, hd, bn, sparse, paged))?;
+        let key = KernelKey::new("flash_fwd_ws", dt, &[hd as u32, bn as u32, sparse as u32, paged as u32, int8 as u32, fp8_pv as u32]);
+        let f = be.kernels.get(&key, || fwd_ws_source(be.client(), dt, hd, bn, sparse, paged, int8, fp8_pv))?;
         return Ok((f, bn));
     }
     let cubes = fwd_options().sm90_tile_for(hd).1;
@@ -227,7 +234,17 @@ pub(crate) fn flash_fwd_sm90_kernel(
 /// CUDA source of the warp-specialised Hopper forward (`flash_fwd_ws`): the `kernels::sm90`
 /// markers lowered, one cube per SM declared (`__launch_bounds__(384, 1)`, which `setmaxnreg`
 /// needs), barrier waits as plain `try_wait` loops.
-pub(crate) fn fwd_ws_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: usize, bn: usize, sparse: bool, paged: bool) -> Result<Source> {
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn fwd_ws_source(
+    client: &ComputeClient<CudaRuntime>,
+    dt: DType,
+    hd: usize,
+    bn: usize,
+    sparse: bool,
+    paged: bool,
+    int8: bool,
+    fp8_pv: bool,
+) -> Result<Source> {
     macro_rules! k {
         ($t:ty) => {
             codegen_exp2(flash_fwd_ws::flash_fwd_ws::FlashFwdWs::<$t, CudaRuntime>::new(
@@ -238,6 +255,8 @@ pub(crate) fn fwd_ws_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: 
                 bn,
                 sparse,
                 paged,
+                int8,
+                fp8_pv,
             ), true)
         };
     }
@@ -457,7 +476,7 @@ pub(crate) fn launch_forward(
     let n_part = (po_bytes / (4 * hd)).max(1);
 
     let (f, [k_map, v_map]) = if sm90 {
-        let (f, bn) = flash_fwd_sm90_kernel(be, dt, hd, false, paged, check_v, false, false)?;
+        let (f, bn) = flash_fwd_sm90_kernel(be, dt, hd, false, paged, check_v, false, false, None)?;
         (f, kv_maps_sw128(spec, p.k, p.v, bn)?)
     } else {
         (flash_fwd_kernel(be, dt, hd, mt, bn, BLOCK_M, false, false, paged, false)?, kv_maps(be, spec, p.k, p.v, bn, false)?)
