@@ -253,7 +253,7 @@ pub(super) fn pv_steps<E: Float>(
 /// `p8` (`sm90::pack_p_e4m3`), V^T the 64-byte-swizzled tile of `head_dim` rows of `block_n` keys
 /// at element `base` of `v_smem` (`fp8_v`). The caller fences before and commits after.
 #[cube]
-pub(super) fn pv_steps_e4m3<E: Float>(
+fn pv_steps_e4m3<E: Float>(
     o_acc: &mut Array<f32>,
     p8: &Array<u32>,
     v_smem: &SharedMemory<E>,
@@ -273,7 +273,7 @@ pub(super) fn pv_steps_e4m3<E: Float>(
 /// each) and issues its tensor-map copy (rows of kv head `head_kv`, from byte `col` of each row:
 /// `fp8_v`) into element `base` of `smem`.
 #[cube]
-pub(super) fn issue_vt_tile<E: Float>(map: &TensorMap<E, Tiled>, smem: &mut SharedMemory<E>, bar: &Barrier, base: usize, col: u32, head_kv: u32,
+fn issue_vt_tile<E: Float>(map: &TensorMap<E, Tiled>, smem: &mut SharedMemory<E>, bar: &Barrier, base: usize, col: u32, head_kv: u32,
     #[comptime] head_dim: usize) {
     if UNIT_POS == 0 {
         bar.expect_tx(comptime!((head_dim * 64) as u32));

@@ -14,21 +14,18 @@
 //! across the loop's back edge (ptxas would serialise every wgmma of the loop, docs/backward.md).
 //!
 //! The key sets are those of `flash_fwd_sm90` (same card, plan and tile iterator: dense, varlen,
-//! GQA packing, grouped, paged, sliding window, block-sparse, split-K partials, LSE), and its INT8
-//! Q K^T / FP8 P.V variants (block-sparse, 64-key tiles: `flash_fwd_sm90`'s docs); the V-checking
-//! variant (decode-sized calls) stays on `flash_fwd_sm90`.
+//! GQA packing, grouped, paged, sliding window, block-sparse, split-K partials, LSE); the INT8 /
+//! FP8 variants (on this frame with their 64-key tiles they lost: docs/measured-and-lost.md) and
+//! the V-checking one (decode-sized calls) stay on `flash_fwd_sm90`.
 
 use cubecl::prelude::barrier::{copy_async, Barrier};
 use cubecl::prelude::*;
 
 use super::cards::FwdCard;
-use super::flash_fwd::{fill_rows, tile_bounds, work_item, LIST_SMEM, M_INIT, NONE, SLICE_WORDS};
-use super::flash_fwd_sm90::{issue_vt_tile, mask_scores, pick_row, pv_steps, pv_steps_e4m3, rescale_o, s_steps, softmax_scores, write_out,
-    SM90_BLOCK_M};
-use super::fp8_v::vt_col_base;
-use super::int8_qk::dot_to_f32;
+use super::flash_fwd::{fill_rows, tile_bounds, work_item, LIST_SMEM, M_INIT, NONE};
+use super::flash_fwd_sm90::{mask_scores, pv_steps, rescale_o, s_steps, softmax_scores, write_out, SM90_BLOCK_M};
 use super::kv_tiles::{issue_tile_boxes, tile_rows};
-use super::sm90::{fence_proxy_async, named_barrier, pack_a_pairs, pack_p_e4m3, setmaxnreg, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_wait,
+use super::sm90::{fence_proxy_async, named_barrier, pack_a_pairs, setmaxnreg, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_wait,
     SW_COLS};
 use super::staging::commit_copies;
 
@@ -40,10 +37,9 @@ const CONSUMER_REGS: u32 = 232;
 /// Consumer warpgroups (the arrivals an `empty` barrier takes per phase).
 const CONSUMERS: u32 = 2;
 
-/// The producer's copies of one K or V tile into stage `kt & 1` (tiles of `tile` elements): waits
-/// until the consumers have released the stage's previous use (tile `kt - 2`), raises the `full`
-/// barrier's expected bytes, issues the boxes (`cols` elements a row; `vt`: an FP8 V^T tile from
-/// byte `col` of its rows, `flash_fwd_sm90::issue_vt_tile`) and arrives. One thread.
+/// The producer's copies of one K or V tile into stage `kt & 1`: waits until the consumers have
+/// released the stage's previous use (tile `kt - 2`), raises the `full` barrier's expected bytes,
+/// issues the boxes and arrives. One thread.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn produce_tile<E: Float>(
@@ -56,34 +52,24 @@ fn produce_tile<E: Float>(
     kt: u32,
     p0: u32,
     pb: u32,
-    col: u32,
     head_kv: u32,
-    #[comptime] tile: usize,
     #[comptime] block_n: usize,
-    #[comptime] cols: usize,
-    #[comptime] vt: bool,
+    #[comptime] head_dim: usize,
 ) {
+    let tile = comptime!(block_n * head_dim);
     // use u = kt / 2 of the stage waits for phase u - 1 of its empty barrier
     let parity = ((kt >> 1u32) + 1u32) & 1u32;
     if (kt & 1u32) == 0 {
         if kt >= 2 {
             empty0.wait_parity(parity);
         }
-        if vt {
-            issue_vt_tile(map, smem, full0, 0usize, col, head_kv, cols);
-        } else {
-            issue_tile_boxes(map, smem, full0, 0usize, p0, pb, head_kv, block_n, cols, true);
-        }
+        issue_tile_boxes(map, smem, full0, 0usize, p0, pb, head_kv, block_n, head_dim, true);
         let _t = full0.arrive_and_expect_tx(1u32, 0u32);
     } else {
         if kt >= 2 {
             empty1.wait_parity(parity);
         }
-        if vt {
-            issue_vt_tile(map, smem, full1, tile, col, head_kv, cols);
-        } else {
-            issue_tile_boxes(map, smem, full1, tile, p0, pb, head_kv, block_n, cols, true);
-        }
+        issue_tile_boxes(map, smem, full1, tile, p0, pb, head_kv, block_n, head_dim, true);
         let _t = full1.arrive_and_expect_tx(1u32, 0u32);
     }
 }
@@ -111,59 +97,9 @@ fn release(empty0: &Barrier, empty1: &Barrier, kt: u32, first: bool) {
     }
 }
 
-/// Tile `kt`'s scores once its S MMAs completed: INT8 dot products to f32 (`int8`), masked and
-/// exponentiated in place (`flash_fwd_sm90::softmax_scores`); returns whether O must be rescaled.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn finish_scores(
-    s: &mut Array<f32>,
-    s_i: &Array<i32>,
-    m_r: &mut Array<f32>,
-    l_r: &mut Array<f32>,
-    alpha: &mut Array<f32>,
-    sl: &Array<f32>,
-    row_lo: &SharedMemory<u32>,
-    row_hi: &SharedMemory<u32>,
-    row_a: usize,
-    row_b: usize,
-    t0: u32,
-    t1: u32,
-    rows_lo: u32,
-    rows_hi: u32,
-    lane: u32,
-    scale_log2: f32,
-    neg_inf: f32,
-    #[comptime] block_n: usize,
-    #[comptime] int8: bool,
-    #[comptime] fp8_pv: bool,
-) -> bool {
-    if int8 {
-        #[unroll]
-        for i in 0..comptime!(block_n / 2) {
-            s[i] = dot_to_f32(s_i[i]);
-        }
-    }
-    mask_scores(s, row_lo, row_hi, row_a, row_b, t0, t1, rows_lo, rows_hi, lane, neg_inf, block_n);
-    softmax_scores(s, m_r, l_r, alpha, scale_log2, sl, neg_inf, block_n, int8, fp8_pv)
-}
-
-/// INT8: this lane's two factors from tile `[t0, t1)`'s dot products to base-2 scores (its rows' Q
-/// scale x `scale_log2` in `q_sl`, times the K scale of the lane's keys: `flash_fwd_sm90`).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn int8_factors(k_scales: &Array<f32>, sl: &mut Array<f32>, q_sl: &Array<f32>, t0: u32, t1: u32, lane: u32, heads_kv: u32, head_kv: u32) {
-    let key = min(t0 + 2u32 * (lane % 4u32), t1 - 1u32);
-    let ks = k_scales[(key * heads_kv + head_kv) as usize];
-    #[unroll]
-    for i in 0..2usize {
-        sl[i] = max(q_sl[i] * ks, 1.175_494_4e-38f32);
-    }
-}
-
 /// The warp-specialised Hopper forward (module docs); arguments and comptime choices as
-/// `flash_fwd_sm90` without its V check. `block_n`: keys per tile (a multiple of 64; 64 with
-/// `int8`). `int8` / `fp8_pv`: INT8 Q K^T and FP8 P.V as in `flash_fwd_sm90` (the card's arrays
-/// used as there).
+/// `flash_fwd_sm90` without its INT8 / FP8 / V-check variants. `block_n`: keys per tile (a
+/// multiple of 64).
 #[allow(clippy::too_many_arguments, clippy::eq_op, unused_variables)]
 #[cube(launch_unchecked)]
 pub fn flash_fwd_ws<E: Float>(
@@ -172,8 +108,6 @@ pub fn flash_fwd_ws<E: Float>(
     #[comptime] block_n: usize,
     #[comptime] sparse: bool,
     #[comptime] paged: bool,
-    #[comptime] int8: bool,
-    #[comptime] fp8_pv: bool,
 ) {
     // v holds a NaN or Inf (`nonfinite::v_nonfinite`): the exact row-wise kernel writes this call
     if args.nonfinite[0] != 0u32 {
@@ -186,14 +120,10 @@ pub fn flash_fwd_ws<E: Float>(
     let warp = plane_broadcast(UNIT_POS / 32u32, 0u32);
     let wg = warp / 4u32;
 
-    // elements of E per Q / K row (int8 rows: head_dim bytes) and per K / V tile (FP8 V^T:
-    // head_dim rows of block_n bytes)
-    let qk_e = comptime!(if int8 { head_dim / 2 } else { head_dim });
-    let tile_k = comptime!(block_n * qk_e);
-    let tile_v = comptime!(if fp8_pv { block_n * head_dim / 2 } else { block_n * head_dim });
-    let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(block_m * qk_e), 1024usize);
-    let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(2 * tile_k), 1024usize);
-    let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(2 * tile_v), 1024usize);
+    let tile_e = comptime!(block_n * head_dim);
+    let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(block_m * head_dim), 1024usize);
+    let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(2 * tile_e), 1024usize);
+    let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(2 * tile_e), 1024usize);
     let mut row_tok = SharedMemory::<u32>::new(block_m);
     let mut row_head = SharedMemory::<u32>::new(block_m);
     let mut row_lo = SharedMemory::<u32>::new(block_m);
@@ -215,15 +145,6 @@ pub fn flash_fwd_ws<E: Float>(
     let (y, head_base, head_kv) = (wi.y, wi.head_base, wi.head_kv);
     let (slice_off, n_slices, klo, khi, slot) = (wi.slice_off, wi.n_slices, wi.klo, wi.khi, wi.slot);
     let (n_tiles, list, tpb_magic) = (wi.n_tiles, wi.list, wi.tpb_magic);
-    // FP8 V^T: the item's sequence (block-sparse: one) and its first byte in a V^T row, less its
-    // first key (`flash_fwd_sm90`)
-    let mut seq = 0u32;
-    let mut vt_off = 0u32;
-    if fp8_pv {
-        seq = args.slices[(slice_off * SLICE_WORDS as u32) as usize];
-        let k_start = args.segs[(seq * 4u32 + 2u32) as usize];
-        vt_off = vt_col_base(k_start, seq) - k_start;
-    }
     fill_rows(
         &args.slices, &args.segs, slice_off, n_slices, args.hp, head_base, klo, khi, &mut row_tok, &mut row_head, &mut row_lo,
         &mut row_hi, args.win_l, args.win_r, threads, block_m,
@@ -238,10 +159,8 @@ pub fn flash_fwd_ws<E: Float>(
                 let (t0, t1) = tile_bounds(kt, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
                     tpb_magic, block_n, sparse);
                 let (p0, _p1, pb) = tile_rows(t0, t1, &args.blocks, paged, block_n);
-                produce_tile(&args.k_map, &mut k_smem, &k_full0, &k_full1, &k_empty0, &k_empty1, kt, p0, pb, 0u32, head_kv, tile_k,
-                    block_n, qk_e, false);
-                produce_tile(&args.v_map, &mut v_smem, &v_full0, &v_full1, &v_empty0, &v_empty1, kt, p0, pb, vt_off + t0, head_kv,
-                    tile_v, block_n, head_dim, fp8_pv);
+                produce_tile(&args.k_map, &mut k_smem, &k_full0, &k_full1, &k_empty0, &k_empty1, kt, p0, pb, head_kv, block_n, head_dim);
+                produce_tile(&args.v_map, &mut v_smem, &v_full0, &v_full1, &v_empty0, &v_empty1, kt, p0, pb, head_kv, block_n, head_dim);
             }
         }
         terminate!();
@@ -255,9 +174,9 @@ pub fn flash_fwd_ws<E: Float>(
     let prow = cw * 64 + ((warp % 4u32) * 16u32) as usize;
     if n_tiles > 0 {
         // the Q tile (swizzled; rows without a token copy token 0: their key range is empty)
-        let vecs = comptime!(qk_e / 8);
+        let vecs = comptime!(head_dim / 8);
         #[unroll]
-        for it in 0..comptime!(block_m * (qk_e / 8) / 256) {
+        for it in 0..comptime!(block_m * (head_dim / 8) / 256) {
             let idx = ct as usize + it * 256;
             let r = idx / vecs;
             let c = (idx % vecs) * 8;
@@ -265,7 +184,7 @@ pub fn flash_fwd_ws<E: Float>(
             if tok == NONE {
                 tok = 0u32;
             }
-            let g = (tok * args.heads_q + row_head[r]) as usize * qk_e + c;
+            let g = (tok * args.heads_q + row_head[r]) as usize * head_dim + c;
             let s = swizzle_128b(r, c, block_m);
             copy_async(&args.q_s.slice(g, g + 8), &mut q_smem.slice_mut(s, s + 8), comptime!(8u32));
         }
@@ -284,9 +203,8 @@ pub fn flash_fwd_ws<E: Float>(
         o_acc[i] = 0.0f32;
     }
     let mut s = Array::<f32>::new(s_n);
-    let mut s_i = Array::<i32>::new(comptime!(if int8 { s_n } else { 1usize }));
-    let mut p = Array::<Vector<E, Const<2>>>::new(comptime!(if fp8_pv { 1usize } else { block_n / 4 }));
-    let mut p8 = Array::<u32>::new(comptime!(if fp8_pv { block_n / 8 } else { 1usize }));
+    let mut s_i = Array::<i32>::new(1usize);
+    let mut p = Array::<Vector<E, Const<2>>>::new(comptime!(block_n / 4));
     let neg_inf = -args.inf;
     let mut m_r = Array::<f32>::new(2usize);
     let mut l_r = Array::<f32>::new(2usize);
@@ -301,21 +219,7 @@ pub fn flash_fwd_ws<E: Float>(
     let rows_hi = min(khi, min(row_hi[row_a], row_hi[row_b]));
     let q_wg = cw * comptime!(64 * SW_COLS);
     let mut alpha = Array::<f32>::new(2usize);
-    // INT8: each row's Q scale times scale_log2, and per tile this lane's factors (`flash_fwd_sm90`)
-    let mut q_sl = Array::<f32>::new(2usize);
-    let mut sl = Array::<f32>::new(2usize);
-    if int8 {
-        #[unroll]
-        for i in 0..2usize {
-            let tr = pick_row(i, row_a, row_b);
-            let tok = row_tok[tr];
-            let mut qs = 1.0f32;
-            if tok != NONE {
-                qs = args.part_lse[(row_head[tr] * args.total_q + tok) as usize];
-            }
-            q_sl[i] = qs * args.scale_log2;
-        }
-    }
+    let sl = Array::<f32>::new(2usize);
 
     if n_tiles > 0 {
         // tile 0: S(0) and its softmax (O is zero: no rescale)
@@ -323,68 +227,47 @@ pub fn flash_fwd_ws<E: Float>(
             tpb_magic, block_n, sparse);
         wait_full(&k_full0, &k_full1, 0u32);
         wgmma_fence();
-        s_steps::<E>(&mut s, &mut s_i, &q_smem, q_wg, &k_smem, 0usize, block_n, head_dim, int8);
+        s_steps::<E>(&mut s, &mut s_i, &q_smem, q_wg, &k_smem, 0usize, block_n, head_dim, false);
         wgmma_commit();
-        if int8 {
-            int8_factors(&args.part_o, &mut sl, &q_sl, t0, t1, lane, args.heads_kv, head_kv);
-        }
         wgmma_wait(0u32);
         release(&k_empty0, &k_empty1, 0u32, first);
-        let _m = finish_scores(&mut s, &s_i, &mut m_r, &mut l_r, &mut alpha, &sl, &row_lo, &row_hi, row_a, row_b, t0, t1, rows_lo,
-            rows_hi, lane, args.scale_log2, neg_inf, block_n, int8, fp8_pv);
-        if fp8_pv {
-            pack_p_e4m3(&s, &mut p8, comptime!(block_n / 32));
-        } else {
-            pack_a_pairs::<E>(&s, &mut p, comptime!(block_n / 4));
-        }
+        mask_scores(&mut s, &row_lo, &row_hi, row_a, row_b, t0, t1, rows_lo, rows_hi, lane, neg_inf, block_n);
+        let _m = softmax_scores(&mut s, &mut m_r, &mut l_r, &mut alpha, args.scale_log2, &sl, neg_inf, block_n, false, false);
+        pack_a_pairs::<E>(&s, &mut p, comptime!(block_n / 4));
     }
     // tile t: S(t) issued, then P(t - 1) V(t - 1); the softmax of S(t) runs while P V does
     for kt in 1..n_tiles {
         let (t0, t1) = tile_bounds(kt, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
             tpb_magic, block_n, sparse);
-        let odd = (kt & 1u32) as usize;
+        let cur = ((kt & 1u32) as usize) * tile_e;
+        let prev = tile_e - cur;
         wait_full(&k_full0, &k_full1, kt);
         wgmma_fence();
-        s_steps::<E>(&mut s, &mut s_i, &q_smem, q_wg, &k_smem, odd * tile_k, block_n, head_dim, int8);
+        s_steps::<E>(&mut s, &mut s_i, &q_smem, q_wg, &k_smem, cur, block_n, head_dim, false);
         wgmma_commit();
         wait_full(&v_full0, &v_full1, kt - 1u32);
-        if fp8_pv {
-            pv_steps_e4m3::<E>(&mut o_acc, &p8, &v_smem, (1 - odd) * tile_v, block_n, head_dim);
-        } else {
-            pv_steps::<E>(&mut o_acc, &p, &v_smem, (1 - odd) * tile_v, block_n, head_dim);
-        }
+        pv_steps::<E>(&mut o_acc, &p, &v_smem, prev, block_n, head_dim);
         wgmma_commit();
-        if int8 {
-            int8_factors(&args.part_o, &mut sl, &q_sl, t0, t1, lane, args.heads_kv, head_kv);
-        }
         wgmma_wait(1u32);
         release(&k_empty0, &k_empty1, kt, first);
-        let moved = finish_scores(&mut s, &s_i, &mut m_r, &mut l_r, &mut alpha, &sl, &row_lo, &row_hi, row_a, row_b, t0, t1, rows_lo,
-            rows_hi, lane, args.scale_log2, neg_inf, block_n, int8, fp8_pv);
+        mask_scores(&mut s, &row_lo, &row_hi, row_a, row_b, t0, t1, rows_lo, rows_hi, lane, neg_inf, block_n);
+        let moved = softmax_scores(&mut s, &mut m_r, &mut l_r, &mut alpha, args.scale_log2, &sl, neg_inf, block_n, false, false);
         wgmma_wait(0u32);
         release(&v_empty0, &v_empty1, kt - 1u32, first);
         if moved {
             rescale_o(&mut o_acc, &alpha, head_dim);
         }
-        if fp8_pv {
-            pack_p_e4m3(&s, &mut p8, comptime!(block_n / 32));
-        } else {
-            pack_a_pairs::<E>(&s, &mut p, comptime!(block_n / 4));
-        }
+        pack_a_pairs::<E>(&s, &mut p, comptime!(block_n / 4));
     }
     if n_tiles > 0 {
-        let last = ((n_tiles - 1u32) & 1u32) as usize * tile_v;
-        wait_full(&v_full0, &v_full1, n_tiles - 1u32);
+        let last = n_tiles - 1u32;
+        wait_full(&v_full0, &v_full1, last);
         wgmma_fence();
-        if fp8_pv {
-            pv_steps_e4m3::<E>(&mut o_acc, &p8, &v_smem, last, block_n, head_dim);
-        } else {
-            pv_steps::<E>(&mut o_acc, &p, &v_smem, last, block_n, head_dim);
-        }
+        pv_steps::<E>(&mut o_acc, &p, &v_smem, ((last & 1u32) as usize) * tile_e, block_n, head_dim);
         wgmma_commit();
         wgmma_wait(0u32);
     }
 
-    write_out(args, &o_acc, &m_r, &mut l_r, &row_tok, &mut row_head, prow, row_a, row_b, lane, y, slot, seq, head_kv, neg_inf,
-        head_dim, int8, fp8_pv);
+    write_out(args, &o_acc, &m_r, &mut l_r, &row_tok, &mut row_head, prow, row_a, row_b, lane, y, slot, 0u32, head_kv, neg_inf,
+        head_dim, false, false);
 }

@@ -184,16 +184,16 @@ pub(crate) fn sm90_forward(be: &CudaBackend, spec: &AttnSpec) -> bool {
 /// ws)`. The warp-specialised frame (`flash_fwd_ws`, `FwdOptions::sm90_ws`) at head_dim 128 and
 /// above for 16-bit calls without the V check: 128-key tiles at 128 (Q plus two K and two V stages
 /// 160 KiB), 64 above (144 / 192 KiB at d192 / d256); H200, kernel time, same processes as cuDNN
-/// (bench/results/h200-2026-11-29-c306ce9): d128 non-causal 8K 1.72-1.77 ms vs 1.85-1.87 for
-/// `flash_fwd_sm90`, d256 1.56 vs 1.80, d256 causal 16K 3.02-3.04 vs 3.76-3.95. At d64 it lost
-/// (causal 8K 0.709 vs 0.618: two `flash_fwd_sm90` cubes per SM with 128-key tiles), so d64, the
-/// INT8 / FP8 variants and the V-checking calls keep `flash_fwd_sm90` with
+/// (bench/results/h200-2026-11-29-c306ce9, -96d7a78): d128 non-causal 8K 1.72-1.77 ms vs
+/// 1.85-1.87 for `flash_fwd_sm90`, d192 1.26 vs 1.51, d256 1.56 vs 1.80, d256 causal 16K 3.02-3.04
+/// vs 3.76-3.95. It lost at d64 (causal 8K 0.709 vs 0.618: two `flash_fwd_sm90` cubes per SM with
+/// 128-key tiles) and for the INT8 / FP8 variants at their 64-key tiles (8K non-causal 10.2 / 10.5
+/// vs 8.4 / 8.2 ms), so those and the V-checking calls keep `flash_fwd_sm90` with
 /// `FwdOptions::sm90_tile_for`'s tile. `k_block` (block-sparse): the frame whose tile divides it.
 pub(crate) fn sm90_frame(hd: usize, int8: bool, check_v: bool, k_block: Option<usize>) -> (usize, bool) {
     let opts = fwd_options();
-    // INT8 / FP8: the 64-key tiles their quantisation groups and V^T rows are cut for
-    let ws_bn = if hd <= 128 && !int8 { 128 } else { 64 };
-    if opts.sm90_ws && hd >= 128 && !check_v && k_block.is_none_or(|kb| kb.is_multiple_of(ws_bn)) {
+    let ws_bn = if hd <= 128 { 128 } else { 64 };
+    if opts.sm90_ws && hd >= 128 && !int8 && !check_v && k_block.is_none_or(|kb| kb.is_multiple_of(ws_bn)) {
         (ws_bn, true)
     } else {
         (opts.sm90_tile_for(hd).0, false)
@@ -217,8 +217,8 @@ pub(crate) fn flash_fwd_sm90_kernel(
 ) -> Result<(super::compile::Func, usize)> {
     let (bn, ws) = sm90_frame(hd, int8, check_v, k_block);
     if ws {
-        let key = KernelKey::new("flash_fwd_ws", dt, &[hd as u32, bn as u32, sparse as u32, paged as u32, int8 as u32, fp8_pv as u32]);
-        let f = be.kernels.get(&key, || fwd_ws_source(be.client(), dt, hd, bn, sparse, paged, int8, fp8_pv))?;
+        let key = KernelKey::new("flash_fwd_ws", dt, &[hd as u32, bn as u32, sparse as u32, paged as u32]);
+        let f = be.kernels.get(&key, || fwd_ws_source(be.client(), dt, hd, bn, sparse, paged))?;
         return Ok((f, bn));
     }
     let cubes = fwd_options().sm90_tile_for(hd).1;
@@ -234,17 +234,7 @@ pub(crate) fn flash_fwd_sm90_kernel(
 /// CUDA source of the warp-specialised Hopper forward (`flash_fwd_ws`): the `kernels::sm90`
 /// markers lowered, one cube per SM declared (`__launch_bounds__(384, 1)`, which `setmaxnreg`
 /// needs), barrier waits as plain `try_wait` loops.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn fwd_ws_source(
-    client: &ComputeClient<CudaRuntime>,
-    dt: DType,
-    hd: usize,
-    bn: usize,
-    sparse: bool,
-    paged: bool,
-    int8: bool,
-    fp8_pv: bool,
-) -> Result<Source> {
+pub(crate) fn fwd_ws_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: usize, bn: usize, sparse: bool, paged: bool) -> Result<Source> {
     macro_rules! k {
         ($t:ty) => {
             codegen_exp2(flash_fwd_ws::flash_fwd_ws::FlashFwdWs::<$t, CudaRuntime>::new(
@@ -255,8 +245,6 @@ pub(crate) fn fwd_ws_source(
                 bn,
                 sparse,
                 paged,
-                int8,
-                fp8_pv,
             ), true)
         };
     }
