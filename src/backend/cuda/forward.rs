@@ -293,25 +293,31 @@ pub(crate) fn fwd_sm90_source(
     Ok(src)
 }
 
-/// The tensor maps of K and V for the Hopper forward: 128-byte swizzled, 64-column x
-/// `box_rows(block_n)`-row boxes.
-pub(crate) fn kv_maps_sw128(spec: &AttnSpec, k: u64, v: u64, block_n: usize) -> Result<[MapArg; 2]> {
+/// A 128-byte-swizzled tensor map of the Hopper forward over `rows` rows of `cols` elements at
+/// `ptr`: 64-column x `box_rows(block_n)`-row boxes.
+fn map_sw128(spec: &AttnSpec, ptr: u64, cols: usize, rows: usize, block_n: usize) -> Result<MapArg> {
+    let map = tile_map_2d(spec.dtype, ptr, cols, rows, cols * spec.dtype.size(), SW_COLS as u32, box_rows(block_n) as u32, true)?;
+    Ok(MapArg { map, ptr, rows, cols })
+}
+
+/// The tensor map of K or V (`ptr`) for the Hopper forward ([`map_sw128`]).
+pub(crate) fn kv_map_sw128(spec: &AttnSpec, ptr: u64, block_n: usize) -> Result<MapArg> {
     let d = &spec.dims;
     let cols = d.heads_kv * d.head_dim;
-    let rows = d.kv_len() / cols.max(1);
-    let map = |ptr| tile_map_2d(spec.dtype, ptr, cols, rows, cols * spec.dtype.size(), SW_COLS as u32, box_rows(block_n) as u32, true);
-    Ok([MapArg { map: map(k)?, ptr: k, rows, cols }, MapArg { map: map(v)?, ptr: v, rows, cols }])
+    map_sw128(spec, ptr, cols, d.kv_len() / cols.max(1), block_n)
+}
+
+/// The tensor maps of K and V for the Hopper forward.
+pub(crate) fn kv_maps_sw128(spec: &AttnSpec, k: u64, v: u64, block_n: usize) -> Result<[MapArg; 2]> {
+    Ok([kv_map_sw128(spec, k, block_n)?, kv_map_sw128(spec, v, block_n)?])
 }
 
 /// The tensor map of the int8 K rows `k8` (`head_dim` bytes a row, counted in `E`: `head_dim / 2`
-/// columns a head) for the Hopper forward's INT8 variant: 128-byte swizzled, 64-column x
-/// `box_rows(block_n)`-row boxes (one box column per head at head_dim 128).
+/// columns a head) for the Hopper forward's INT8 variant ([`map_sw128`]: one box column per head
+/// at head_dim 128).
 pub(crate) fn k8_map_sw128(spec: &AttnSpec, k8: u64, block_n: usize) -> Result<MapArg> {
     let d = &spec.dims;
-    let cols = d.heads_kv * d.head_dim / 2;
-    let rows = d.total_k.max(1);
-    let map = tile_map_2d(spec.dtype, k8, cols, rows, cols * spec.dtype.size(), SW_COLS as u32, box_rows(block_n) as u32, true)?;
-    Ok(MapArg { map, ptr: k8, rows, cols })
+    map_sw128(spec, k8, d.heads_kv * d.head_dim / 2, d.total_k.max(1), block_n)
 }
 
 /// CUDA source of [`flash_fwd_kernel`].

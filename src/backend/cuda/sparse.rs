@@ -34,7 +34,6 @@ use std::sync::Arc;
 use cudarc::driver::sys;
 
 use super::card::FwdArgs;
-use super::driver::byte_map_2d_sw64;
 use super::launch::launch;
 use super::nonfinite::{launch_flag, launch_sparse_exact, SparseExact};
 use super::plans::{table_names, Cached, PlanKey, PlanKind, TableSet};
@@ -232,14 +231,30 @@ pub(super) fn launch_sparse_forward(be: &CudaBackend, spec: SparseView, plan: &C
     // the workspace's flag, set when v holds a NaN or Inf (then the exact kernel writes the call)
     let flag = p.workspace;
     launch_flag(be, dt, p.v, d.kv_len(), flag, true, stream)?;
-    let (f, [mut k_map, mut v_map]) = match sp.frame {
+    // INT8: Q and K quantised (and with FP8 P.V, V^T) into the workspace first: the kernel's
+    // operands and maps point at them
+    let z = match spec.int8 {
+        None => None,
+        Some(opt) => {
+            let pq = FwdPtrs { workspace: p.workspace + flag_part() as u64, ..*p };
+            let natural = matches!(sp.frame, SparseFrame::Sm90 { .. });
+            Some((opt, super::sparse_int8::quantize(be, spec, opt, &pq, t(SparseTable::Segs), natural, stream)?))
+        }
+    };
+    let (f, [k_map, v_map]) = match sp.frame {
         SparseFrame::Sm90 { block_n } => {
             let fp8 = spec.int8.is_some_and(|o| o.pv_fp8);
             let (f, bn) = super::forward::flash_fwd_sm90_kernel(be, dt, hd, true, false, false, spec.int8.is_some(), fp8, Some(spec.k_block))?;
             debug_assert_eq!(bn, block_n);
-            let [k_map, v_map] = super::forward::kv_maps_sw128(spec.attn, p.k, p.v, block_n)?;
-            // INT8: K's map is over the int8 rows (made once they have an address, below)
-            (f, [k_map, v_map])
+            let maps = match &z {
+                None => super::forward::kv_maps_sw128(spec.attn, p.k, p.v, block_n)?,
+                // K's map over the int8 rows; V's over V^T in e4m3 with FP8 P.V (`kernels::fp8_v`)
+                Some((opt, z)) => {
+                    let v_map = if opt.pv_fp8 { z.vt_map(d.heads_kv, hd)? } else { super::forward::kv_map_sw128(spec.attn, p.v, block_n)? };
+                    [super::forward::k8_map_sw128(spec.attn, z.k8, block_n)?, v_map]
+                }
+            };
+            (f, maps)
         }
         SparseFrame::Mma2 => {
             // 64-row cubes (not int8): one V buffer, so that more cubes share an SM (module
@@ -251,25 +266,14 @@ pub(super) fn launch_sparse_forward(be: &CudaBackend, spec: SparseView, plan: &C
         }
     };
     // q_s, k_s and the split-K partials (`part_o`, `part_lse`)
-    let [q_s, k_s, part_o, part_lse] = match spec.int8 {
+    let [q_s, k_s, part_o, part_lse] = match &z {
         // no split-K partial outputs: any valid address
         None => [(p.q, ql), (p.k, kl), (p.out, 1), (p.lse, 1)],
-        Some(opt) => {
-            // int8 rows in place of q and k (their bytes, counted in E); the scales in the
-            // split-K arrays, which the sparse plan does not use (`kernels::flash_fwd` docs)
-            let pq = FwdPtrs { workspace: p.workspace + flag_part() as u64, ..*p };
-            let natural = matches!(sp.frame, SparseFrame::Sm90 { .. });
-            let z = super::sparse_int8::quantize(be, spec, opt, &pq, t(SparseTable::Segs), natural, stream)?;
-            if let SparseFrame::Sm90 { block_n } = sp.frame {
-                k_map = super::forward::k8_map_sw128(spec.attn, z.k8, block_n)?;
-            }
-            // FP8 P.V: V's map is over V^T in e4m3 (`kernels::fp8_v`), its scales follow Q's
-            let mut nv = 0;
-            if opt.pv_fp8 {
-                let rows = d.heads_kv * hd;
-                v_map = super::launch::MapArg { map: byte_map_2d_sw64(z.vt, z.vt_row_bytes, rows, z.vt_row_bytes, hd as u32)?, ptr: z.vt, rows, cols: z.vt_row_bytes };
-                nv = spec.attn.segments.len() * d.heads_kv * hd;
-            }
+        // int8 rows in place of q and k (their bytes, counted in E); the scales in the split-K
+        // arrays, which the sparse plan does not use (`kernels::flash_fwd` docs); with FP8 P.V,
+        // V's scales follow Q's
+        Some((opt, z)) => {
+            let nv = if opt.pv_fp8 { spec.attn.segments.len() * d.heads_kv * hd } else { 0 };
             [(z.q8, ql / 2), (z.k8, kl / 2), (z.k_scale, d.total_k * d.heads_kv), (z.q_scale, 2 * ll + 2 * nv)]
         }
     };

@@ -11,7 +11,8 @@ use half::{bf16, f16};
 
 use super::compile::{codegen, settings, Func, KernelKey};
 use super::forward::{layout, FwdPtrs};
-use super::launch::{launch, Args};
+use super::driver::byte_map_2d_sw64;
+use super::launch::{launch, Args, MapArg};
 use super::CudaBackend;
 use crate::dtype::DType;
 use crate::error::Result;
@@ -64,6 +65,16 @@ pub(crate) struct Int8Operands {
     /// FP8 P.V: V^T in e4m3 and its row bytes (`fp8_v`; 0, 0 without it).
     pub vt: u64,
     pub vt_row_bytes: usize,
+}
+
+impl Int8Operands {
+    /// The tensor map of V^T in e4m3 (`heads_kv * head_dim` rows of `vt_row_bytes`, 64-byte
+    /// boxes of `head_dim` rows, 64-byte swizzled: `kernels::fp8_v`).
+    pub(crate) fn vt_map(&self, heads_kv: usize, head_dim: usize) -> Result<MapArg> {
+        let rows = heads_kv * head_dim;
+        let map = byte_map_2d_sw64(self.vt, self.vt_row_bytes, rows, self.vt_row_bytes, head_dim as u32)?;
+        Ok(MapArg { map, ptr: self.vt, rows, cols: self.vt_row_bytes })
+    }
 }
 
 /// One quantisation launch: Q or K rows (addresses of the input, the int8 rows and the scales).
