@@ -32,8 +32,8 @@ use super::staging::commit_copies;
 /// Threads per cube: a producer warpgroup and two consumer warpgroups.
 pub const WS_THREADS: usize = 384;
 /// Registers a thread after the moves: 40 x 128 + 232 x 256 = 64512 of the SM's 65536.
-const PRODUCER_REGS: u32 = 40;
-const CONSUMER_REGS: u32 = 232;
+const PRODUCER_REGS: u32 = 24;
+const CONSUMER_REGS: u32 = 240;
 /// Consumer warpgroups (the arrivals an `empty` barrier takes per phase).
 const CONSUMERS: u32 = 2;
 

@@ -192,7 +192,11 @@ pub(crate) fn sm90_forward(be: &CudaBackend, spec: &AttnSpec) -> bool {
 /// `FwdOptions::sm90_tile_for`'s tile. `k_block` (block-sparse): the frame whose tile divides it.
 pub(crate) fn sm90_frame(hd: usize, int8: bool, check_v: bool, k_block: Option<usize>) -> (usize, bool) {
     let opts = fwd_options();
-    let ws_bn = if hd <= 128 { 128 } else { 64 };
+    let ws_bn = match opts.sm90_ws_bn {
+        _ if hd > 128 => 64,
+        0 => 128,
+        bn => bn as usize,
+    };
     if opts.sm90_ws && hd >= 128 && !int8 && !check_v && k_block.is_none_or(|kb| kb.is_multiple_of(ws_bn)) {
         (ws_bn, true)
     } else {
