@@ -12,7 +12,6 @@
 //! | `CUBEATTN_CUDA_SM90=0` | keeps the mma.sync forward on sm_90 GPUs (default: the wgmma forward) | comparisons of the two forwards on one GPU |
 //! | `CUBEATTN_CUDA_SM90_TILE=bn:cubes` | the wgmma forward's tile and cubes per SM (`FwdOptions::sm90_tile`) at every head_dim | A/B runs of its tile choices on one GPU |
 //! | `CUBEATTN_CUDA_SM90_WS=0` | keeps `flash_fwd_sm90` where the warp-specialised wgmma forward (`kernels::flash_fwd_ws`, `FwdOptions::sm90_ws`) is the default | A/B runs of the two Hopper frames on one GPU |
-//! | `CUBEATTN_CUDA_SM90_WS_BN=192` | the warp-specialised forward's keys per tile up to head_dim 128 (64, 128 or 192; `FwdOptions::sm90_ws_bn`) | A/B runs of its tiles |
 //! | `CUBEATTN_CUDA_SPLIT=0` | no split-K of long forward tiles | the sanitizer families (`tests/python/sanitize_driver.py`) |
 //! | `CUBEATTN_BWD_DQ=pass` | the separate dQ pass for `deterministic = false` backward calls too (`atomic`, the default, fuses dQ) | sanitizer families, comparisons |
 //! | `CUBEATTN_BWD_Q_STAGES=1` | the dK/dV kernel with one query-tile stage (what GPUs with less shared memory get) on any GPU | `tests/python/test_portable_gpu.py` |
@@ -109,7 +108,6 @@ impl Config {
                 sm90: on_unless_zero(&var("CUBEATTN_CUDA_SM90")),
                 sm90_tile: var("CUBEATTN_CUDA_SM90_TILE").and_then(|v| parse_tile(&v)),
                 sm90_ws: on_unless_zero(&var("CUBEATTN_CUDA_SM90_WS")),
-                sm90_ws_bn: var("CUBEATTN_CUDA_SM90_WS_BN").and_then(|v| v.trim().parse().ok()).filter(|b| [64, 128, 192].contains(b)).unwrap_or(0),
                 ..FwdOptions::defaults()
             },
         }
@@ -154,16 +152,13 @@ pub struct FwdOptions {
     /// consumer warpgroups overlapping softmax and MMAs) where it is measured faster
     /// (`backend::cuda::forward::sm90_frame`; `CUBEATTN_CUDA_SM90_WS=0` turns it off).
     pub sm90_ws: bool,
-    /// Keys per tile of the warp-specialised forward up to head_dim 128: 64, 128 or 192, or 0 (the
-    /// default, `backend::cuda::forward::sm90_frame`'s) (`CUBEATTN_CUDA_SM90_WS_BN`).
-    pub sm90_ws_bn: u32,
 }
 
 #[cfg(feature = "cuda")]
 impl FwdOptions {
     /// The defaults without environment overrides.
     pub fn defaults() -> FwdOptions {
-        FwdOptions { pack_heads: true, split: true, split_waves: 2, plane_rows: 32, block_n: 0, sm90: true, sm90_tile: None, sm90_ws: true, sm90_ws_bn: 0 }
+        FwdOptions { pack_heads: true, split: true, split_waves: 2, plane_rows: 32, block_n: 0, sm90: true, sm90_tile: None, sm90_ws: true }
     }
 
     /// The Hopper forward's `(block_n, cubes per SM)` at `head_dim`: two cubes per SM, whose

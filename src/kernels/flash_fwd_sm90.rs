@@ -399,15 +399,7 @@ pub fn flash_fwd_sm90<E: Float>(
     let neg_inf = -args.inf;
     let mut m_r = Array::<f32>::new(2usize);
     let mut l_r = Array::<f32>::new(2usize);
-    #[unroll]
-    for i in 0..2usize {
-        m_r[i] = M_INIT;
-        l_r[i] = 0.0f32;
-    }
-    let row_a = prow + (lane / 4u32) as usize;
-    let row_b = row_a + 8;
-    let rows_lo = max(klo, max(row_lo[row_a], row_lo[row_b]));
-    let rows_hi = min(khi, min(row_hi[row_a], row_hi[row_b]));
+    let (row_a, row_b, rows_lo, rows_hi) = lane_rows(&mut m_r, &mut l_r, &row_lo, &row_hi, prow, lane, klo, khi);
     // element offsets of this warpgroup's Q rows in each chunk, and of a tile's chunks
     let q_wg = wg * comptime!(64 * SW_COLS);
     let mut alpha = Array::<f32>::new(2usize);
@@ -535,6 +527,33 @@ pub fn flash_fwd_sm90<E: Float>(
 
     write_out(args, &o_acc, &m_r, &mut l_r, &row_tok, &mut row_head, prow, row_a, row_b, lane, y, slot, seq, head_kv, neg_inf, head_dim,
         int8, fp8_pv);
+}
+
+/// A lane's two rows of a warp whose rows start at `prow` (`row_a`, `row_b` = `row_a + 8`), the
+/// tightest key bounds over both (`rows_lo`, `rows_hi`, clipped to the item's `[klo, khi)`), and
+/// their online-softmax state initialised (`m_r` = `M_INIT`, `l_r` = 0).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn lane_rows(
+    m_r: &mut Array<f32>,
+    l_r: &mut Array<f32>,
+    row_lo: &SharedMemory<u32>,
+    row_hi: &SharedMemory<u32>,
+    prow: usize,
+    lane: u32,
+    klo: u32,
+    khi: u32,
+) -> (usize, usize, u32, u32) {
+    #[unroll]
+    for i in 0..2usize {
+        m_r[i] = M_INIT;
+        l_r[i] = 0.0f32;
+    }
+    let row_a = prow + (lane / 4u32) as usize;
+    let row_b = row_a + 8;
+    let rows_lo = max(klo, max(row_lo[row_a], row_lo[row_b]));
+    let rows_hi = min(khi, min(row_hi[row_a], row_hi[row_b]));
+    (row_a, row_b, rows_lo, rows_hi)
 }
 
 /// The epilogue of the Hopper forward frames: `l` reduced over the 4 lanes of a row, O normalised

@@ -22,8 +22,8 @@ use cubecl::prelude::barrier::{copy_async, Barrier};
 use cubecl::prelude::*;
 
 use super::cards::FwdCard;
-use super::flash_fwd::{fill_rows, tile_bounds, work_item, LIST_SMEM, M_INIT, NONE};
-use super::flash_fwd_sm90::{mask_scores, pv_steps, rescale_o, s_steps, softmax_scores, write_out, SM90_BLOCK_M};
+use super::flash_fwd::{fill_rows, tile_bounds, work_item, LIST_SMEM, NONE};
+use super::flash_fwd_sm90::{lane_rows, mask_scores, pv_steps, rescale_o, s_steps, softmax_scores, write_out, SM90_BLOCK_M};
 use super::kv_tiles::{issue_tile_boxes, tile_rows};
 use super::sm90::{fence_proxy_async, named_barrier, pack_a_pairs, setmaxnreg, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_wait,
     SW_COLS};
@@ -31,7 +31,8 @@ use super::staging::commit_copies;
 
 /// Threads per cube: a producer warpgroup and two consumer warpgroups.
 pub const WS_THREADS: usize = 384;
-/// Registers a thread after the moves: 40 x 128 + 232 x 256 = 64512 of the SM's 65536.
+/// Registers a thread after the moves: 24 x 128 + 240 x 256 = 64512 of the SM's 65536 (FA3's split
+/// for two consumer warpgroups; the producer's loop needs no more: no spills).
 const PRODUCER_REGS: u32 = 24;
 const CONSUMER_REGS: u32 = 240;
 /// Consumer warpgroups (the arrivals an `empty` barrier takes per phase).
@@ -208,15 +209,7 @@ pub fn flash_fwd_ws<E: Float>(
     let neg_inf = -args.inf;
     let mut m_r = Array::<f32>::new(2usize);
     let mut l_r = Array::<f32>::new(2usize);
-    #[unroll]
-    for i in 0..2usize {
-        m_r[i] = M_INIT;
-        l_r[i] = 0.0f32;
-    }
-    let row_a = prow + (lane / 4u32) as usize;
-    let row_b = row_a + 8;
-    let rows_lo = max(klo, max(row_lo[row_a], row_lo[row_b]));
-    let rows_hi = min(khi, min(row_hi[row_a], row_hi[row_b]));
+    let (row_a, row_b, rows_lo, rows_hi) = lane_rows(&mut m_r, &mut l_r, &row_lo, &row_hi, prow, lane, klo, khi);
     let q_wg = cw * comptime!(64 * SW_COLS);
     let mut alpha = Array::<f32>::new(2usize);
     let sl = Array::<f32>::new(2usize);

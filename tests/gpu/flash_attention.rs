@@ -243,7 +243,6 @@ fn variants() -> Vec<(&'static str, FwdOptions)> {
         // the mma.sync kernel (the path below sm_90) on a Hopper GPU, and its tile variants
         // `flash_fwd_sm90` where the warp-specialised frame (`kernels::flash_fwd_ws`) is the default
         ("no-ws", FwdOptions { sm90_ws: false, ..all }),
-        ("ws-bn192", FwdOptions { sm90_ws_bn: 192, ..all }),
         ("mma-sync", FwdOptions { sm90: false, ..all }),
         ("bn32", FwdOptions { block_n: 32, sm90: false, ..all }),
         ("rows16", FwdOptions { plane_rows: 16, sm90: false, ..all }),

@@ -190,13 +190,11 @@ pub(crate) fn sm90_forward(be: &CudaBackend, spec: &AttnSpec) -> bool {
 /// 128-key tiles) and for the INT8 / FP8 variants at their 64-key tiles (8K non-causal 10.2 / 10.5
 /// vs 8.4 / 8.2 ms), so those and the V-checking calls keep `flash_fwd_sm90` with
 /// `FwdOptions::sm90_tile_for`'s tile. `k_block` (block-sparse): the frame whose tile divides it.
+/// (FA3's wider non-causal tiles do not fit: 192 keys at d128 ask 237 KiB with the shared-memory
+/// layout's padding, bench/results/h200-2026-11-29-7d0f5e9.)
 pub(crate) fn sm90_frame(hd: usize, int8: bool, check_v: bool, k_block: Option<usize>) -> (usize, bool) {
     let opts = fwd_options();
-    let ws_bn = match opts.sm90_ws_bn {
-        _ if hd > 128 => 64,
-        0 => 128,
-        bn => bn as usize,
-    };
+    let ws_bn = if hd <= 128 { 128 } else { 64 };
     if opts.sm90_ws && hd >= 128 && !int8 && !check_v && k_block.is_none_or(|kb| kb.is_multiple_of(ws_bn)) {
         (ws_bn, true)
     } else {
