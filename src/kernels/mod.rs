@@ -36,6 +36,8 @@ pub const SOURCES: &[&str] = &[
     include_str!("cards.rs"),
     include_str!("flash_fwd.rs"),
     include_str!("flash_fwd_sm90.rs"),
+    include_str!("flash_fwd_ws.rs"),
+    include_str!("fp8_v.rs"),
     include_str!("sm90.rs"),
     include_str!("math.rs"),
     include_str!("nonfinite.rs"),
@@ -55,3 +57,26 @@ pub const SOURCES: &[&str] = &[
     include_str!("tiles.rs"),
     include_str!("zigzag_copy.rs"),
 ];
+
+#[cfg(test)]
+mod tests {
+    /// Every kernel file is hashed into the cache key: a file missing from [`super::SOURCES`]
+    /// would keep serving cubins compiled before its last edit.
+    #[test]
+    fn every_kernel_file_is_in_the_cache_key() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/kernels");
+        let mut missing = Vec::new();
+        for entry in std::fs::read_dir(&dir).expect("src/kernels") {
+            let path = entry.expect("a directory entry").path();
+            let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
+            if name == "mod.rs" || !name.ends_with(".rs") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).expect("a kernel file");
+            if !super::SOURCES.contains(&text.as_str()) {
+                missing.push(name);
+            }
+        }
+        assert!(missing.is_empty(), "kernel files not in kernels::SOURCES: {missing:?}");
+    }
+}
