@@ -277,32 +277,6 @@ def _compiled_flex(torch):
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _cudnn_with_lse(torch, q, k, v, causal):
-    """SDPA's cuDNN op on [B, H, S, D] tensors: (out, lse as [B, H, S, 1] float32); K, V heads
-    repeated when the op refuses GQA."""
-    op = torch.ops.aten._scaled_dot_product_cudnn_attention
-    try:
-        r = op(q, k, v, None, True, 0.0, causal, False)
-    except Exception:
-        g = q.shape[1] // k.shape[1]
-        r = op(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), None, True, 0.0, causal, False)
-    return r[0], r[1].reshape(q.shape[0], q.shape[1], q.shape[2], 1).float()
-
-
-def _cudnn_lower_right(torch, q, k, v):
-    """Bottom-right causal attention of C queries over e >= C keys on cuDNN, as a user builds it
-    (cuDNN has no bottom-right mask for Sq != Sk): the causal square over the last C keys and the
-    non-causal prefix, merged by their log-sum-exp (`cudnn_split_merge` in `bench grouped`)."""
-    c, e = q.shape[2], k.shape[2]
-    o_sq, l_sq = _cudnn_with_lse(torch, q, k[:, :, e - c:], v[:, :, e - c:], True)
-    if e == c:
-        return o_sq
-    o_pre, l_pre = _cudnn_with_lse(torch, q, k[:, :, :e - c], v[:, :, :e - c], False)
-    m = torch.maximum(l_sq, l_pre)
-    w_sq, w_pre = torch.exp(l_sq - m), torch.exp(l_pre - m)
-    return ((o_sq.float() * w_sq + o_pre.float() * w_pre) / (w_sq + w_pre)).to(q.dtype)
-
-
 def _cuda_grouped(args, torch):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -313,8 +287,16 @@ def _cuda_grouped(args, torch):
         flex = _compiled_flex(torch)
     except Exception:
         flex = None
+    from . import _lse_split
+
     tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     sync = torch.cuda.synchronize
+    # the cuDNN peer of a bottom-right causal chunk: the causal square and the non-causal prefix,
+    # merged by their LSE (`cudnn_split_merge`, as the zigzag bench's `allgather_cudnn`)
+    split_op = _lse_split.CudnnOp()
+
+    def cudnn_split_merge(qq, kk, vv):
+        return _lse_split.lower_right_causal(qq, kk, vv, split_op)
     rows = []
     for cfg in args.configs:
         hq, hkv, d = CONFIGS[cfg]
@@ -347,7 +329,7 @@ def _cuda_grouped(args, torch):
                 except Exception as e:
                     rows.append(dict(key, impl="sdpa_flash_per_group", error=str(e)[:200]))
                 try:
-                    ms = median_ms(lambda: [_cudnn_lower_right(torch, qq, k[:, :, :e], v[:, :, :e]) for qq, e in zip(qs, ends)],
+                    ms = median_ms(lambda: [cudnn_split_merge(qq, k[:, :, :e], v[:, :, :e]) for qq, e in zip(qs, ends)],
                                    3, args.iterations, sync)
                     # the peer computes the same attention: its largest difference from SDPA flash's
                     # bottom-right causal output, relative to that output's largest magnitude
@@ -355,7 +337,7 @@ def _cuda_grouped(args, torch):
                     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                         want = F.scaled_dot_product_attention(qq, k[:, :, :e], v[:, :, :e], attn_mask=causal_lower_right(C, e),
                                                               enable_gqa=True).float()
-                    got = _cudnn_lower_right(torch, qq, k[:, :, :e], v[:, :, :e]).float()
+                    got = cudnn_split_merge(qq, k[:, :, :e], v[:, :, :e]).float()
                     err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
                     rows.append(dict(key, impl="cudnn_split_merge", ms=ms[0], tflops=flops / ms[0] / 1e9, max_rel_vs_flash=err))
                 except Exception as e:

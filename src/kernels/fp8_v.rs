@@ -3,7 +3,7 @@
 //! FP8 MMAs need (`kernels::sm90::wgmma_rs_e4m3`).
 //!
 //! Three launches, on the caller's stream, into its workspace:
-//! 1. [`fp8_v_amax`]: max |v| per (64-key chunk, sequence, kv head, channel);
+//! 1. `chunk_stats::chunk_stats` (maxima): max |v| per (64-key chunk, sequence, kv head, channel);
 //! 2. [`fp8_v_scales`]: per (sequence, kv head, channel) `scale = amax / 448` and
 //!    `inv = 448 / amax` ((1, 0) when amax is 0 or 448 / amax overflows);
 //! 3. [`fp8_v_quantize`]: `e4m3(v * inv)` (round to nearest even, saturating), transposed.
@@ -23,6 +23,7 @@ use crate::fp8::E4M3_MAX as FP8_MAX;
 /// Keys per quantisation cube: the key tile of the Hopper kernel with FP8 P.V (the 64-byte rows
 /// of its V^T tiles).
 pub const VT_CHUNK: usize = crate::sparse::TILE_KEYS;
+const _: () = assert!(VT_CHUNK == super::chunk_stats::CHUNK);
 /// Bytes of V^T row reserved per sequence beyond its keys (`col_base`).
 pub const VT_GAP: usize = 80;
 /// Units of a quantisation cube.
@@ -50,28 +51,6 @@ pub const fn vt_row_bytes(total_k: usize, batch: usize) -> usize {
 #[cube]
 pub fn vt_col_base(k_start: u32, b: u32) -> u32 {
     ((k_start + 15u32) / 16u32) * 16u32 + comptime!(VT_GAP as u32) * b
-}
-
-/// Maxima of |v| over 64-key chunks: cube (chunk, sequence, kv head), one unit per channel;
-/// `part[((b * chunks + c) * heads_kv + h) * head_dim + ch]` (chunks past a sequence's keys are not
-/// written: [`fp8_v_scales`] reads only its own).
-#[cube(launch_unchecked)]
-pub fn fp8_v_amax<E: Float>(v: &Array<E>, part: &mut Array<f32>, segs: &Array<u32>, heads_kv: u32, #[comptime] head_dim: usize) {
-    let c = CUBE_POS_X;
-    let b = CUBE_POS_Y as usize;
-    let h = CUBE_POS_Z;
-    let ch = UNIT_POS as usize;
-    let k_start = segs[b * 4 + 2];
-    let k_len = segs[b * 4 + 3];
-    let lo = c * VT_CHUNK as u32;
-    if lo < k_len && ch < head_dim {
-        let hi = min(lo + VT_CHUNK as u32, k_len);
-        let mut m = 0.0f32;
-        for j in lo..hi {
-            m = max(m, f32::abs(f32::cast_from(v[((k_start + j) * heads_kv + h) as usize * head_dim + ch])));
-        }
-        part[((b * CUBE_COUNT_X as usize + c as usize) * heads_kv as usize + h as usize) * head_dim + ch] = m;
-    }
 }
 
 /// The scales from the chunk maxima: cube (sequence, kv head), one unit per channel;

@@ -2,7 +2,7 @@
 //! int8 parts of `flash_fwd::flash_fwd_mma2` with `int8 = true`.
 //!
 //! Quantisation (before the forward, on the same stream, into the caller's workspace):
-//! 1. `int8_col_sums` + `int8_k_mean` (with K smoothing): the mean of K over each sequence's keys
+//! 1. `chunk_stats::chunk_stats` (sums) + `int8_k_mean` (with K smoothing): the mean of K over each sequence's keys
 //!    per (sequence, kv head, channel), f32, summed in a fixed order (64-key chunks, then the
 //!    chunks in order): the same result every run.
 //! 2. `int8_quantize`, once for Q and once for K: one cube per (block of rows, sequence, head).
@@ -26,8 +26,8 @@ use cubecl::prelude::barrier::copy_async;
 use cubecl::prelude::*;
 
 
-/// Keys per partial sum of the K mean.
-pub const MEAN_CHUNK: usize = 64;
+/// Keys per partial sum of the K mean (`chunk_stats`).
+pub const MEAN_CHUNK: usize = super::chunk_stats::CHUNK;
 /// Units of a quantisation cube (4 warps, one row per warp at a time).
 pub const QUANT_THREADS: usize = 128;
 /// Padding after each int8 row in shared memory, in `E` elements (32 bytes).
@@ -41,28 +41,6 @@ const MAGIC_BITS: i32 = 0x4B40_0000;
 /// Shared-memory row stride (in `E`) of an int8 row of `head_dim` bytes.
 pub fn stride8(head_dim: usize) -> usize {
     head_dim / 2 + PAD8
-}
-
-/// Partial sums of K over 64-key chunks: cube (chunk, sequence, kv head), one unit per channel.
-/// `sums[((b * chunks + c) * heads_kv + h) * head_dim + ch]`; chunks past a sequence's end are
-/// not written (the mean reads only its own).
-#[cube(launch_unchecked)]
-pub fn int8_col_sums<E: Float>(k: &Array<E>, sums: &mut Array<f32>, segs: &Array<u32>, heads_kv: u32, #[comptime] head_dim: usize) {
-    let c = CUBE_POS_X;
-    let b = CUBE_POS_Y as usize;
-    let h = CUBE_POS_Z;
-    let ch = UNIT_POS as usize;
-    let k_start = segs[b * 4 + 2];
-    let k_len = segs[b * 4 + 3];
-    let lo = c * MEAN_CHUNK as u32;
-    if lo < k_len && ch < head_dim {
-        let hi = min(lo + MEAN_CHUNK as u32, k_len);
-        let mut acc = 0.0f32;
-        for j in lo..hi {
-            acc += f32::cast_from(k[((k_start + j) * heads_kv + h) as usize * head_dim + ch]);
-        }
-        sums[((b * CUBE_COUNT_X as usize + c as usize) * heads_kv as usize + h as usize) * head_dim + ch] = acc;
-    }
 }
 
 /// The K mean per (sequence, kv head, channel) from the chunk sums, in chunk order: cube

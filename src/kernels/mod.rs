@@ -3,6 +3,7 @@
 pub mod bulk_reduce;
 pub mod bwd_walk;
 pub mod card;
+pub mod chunk_stats;
 pub mod cards;
 pub mod flash_fwd;
 pub mod flash_fwd_sm90;
@@ -34,6 +35,7 @@ pub const SOURCES: &[&str] = &[
     include_str!("bwd_walk.rs"),
     include_str!("card.rs"),
     include_str!("cards.rs"),
+    include_str!("chunk_stats.rs"),
     include_str!("flash_fwd.rs"),
     include_str!("flash_fwd_sm90.rs"),
     include_str!("flash_fwd_ws.rs"),

@@ -458,8 +458,7 @@ pub(crate) fn dkdv_split_source(
     let mut src = by_dtype!(dt, T, codegen_exp2(flash_bwd_sm90_split::flash_bwd_sm90_split::FlashBwdSm90Split::<T, CudaRuntime>::new(
         settings(SM90_BWD_THREADS as u32), client.clone(), DkdvArgs::compilation(),
         BWD_LOAD_VEC, qvec, hd, fused, qvec, paged), true))?;
-    src.cuda = super::rewrite::sm90::lower(&src.entry, &src.cuda)?;
-    src.cuda = super::rewrite::min_blocks(&src.entry, &src.cuda, 1)?;
+    src.cuda = super::rewrite::sm90::lower_bounded(&src.entry, &src.cuda, 1)?;
     Ok(src)
 }
 
@@ -479,8 +478,7 @@ pub(crate) fn dkdv_sm90_source(
     if fused != src.cuda.contains(super::rewrite::BULK_ADD) {
         return Err(crate::error::Error::Device(format!("{}: bulk dQ reductions expected {fused}, found the opposite", src.entry)));
     }
-    src.cuda = super::rewrite::sm90::lower(&src.entry, &src.cuda)?;
-    src.cuda = super::rewrite::min_blocks(&src.entry, &src.cuda, 1)?;
+    src.cuda = super::rewrite::sm90::lower_bounded(&src.entry, &src.cuda, 1)?;
     Ok(src)
 }
 

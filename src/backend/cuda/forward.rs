@@ -251,8 +251,7 @@ pub(crate) fn fwd_ws_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: 
         };
     }
     let mut src = if is_f16(dt) { k!(f16) } else { k!(bf16) }?;
-    src.cuda = super::rewrite::sm90::lower(&src.entry, &src.cuda)?;
-    src.cuda = super::rewrite::min_blocks(&src.entry, &src.cuda, 1)?;
+    src.cuda = super::rewrite::sm90::lower_bounded(&src.entry, &src.cuda, 1)?;
     Ok(src)
 }
 
@@ -290,8 +289,7 @@ pub(crate) fn fwd_sm90_source(
         };
     }
     let mut src = if is_f16(dt) { k!(f16) } else { k!(bf16) }?;
-    src.cuda = super::rewrite::sm90::lower(&src.entry, &src.cuda)?;
-    src.cuda = super::rewrite::min_blocks(&src.entry, &src.cuda, cubes)?;
+    src.cuda = super::rewrite::sm90::lower_bounded(&src.entry, &src.cuda, cubes)?;
     Ok(src)
 }
 

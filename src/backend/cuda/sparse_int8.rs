@@ -119,22 +119,8 @@ pub(crate) fn quantize(
     let (offs, _) = layout(&pr);
     let at = |i: usize| p.workspace + offs[i] as u64;
     let (q8, k8, qsc, ksc, amax, sums, mean) = (at(0), at(1), at(2), at(3), at(4), at(5), at(6));
-    macro_rules! typed {
-        ($m:ident :: $k:ident, $($args:tt)*) => {
-            if dt == DType::F16 {
-                codegen($m::$k::<f16, CudaRuntime>::new($($args)*))
-            } else {
-                codegen($m::$k::<bf16, CudaRuntime>::new($($args)*))
-            }
-        };
-    }
-    use int8_qk::int8_col_sums;
-    use fp8_v::fp8_v_amax;
     if opt.smooth_k {
-        let f = kernel(be, "int8_col_sums", dt, &[hd as u32], || {
-            let s = settings(hd as u32);
-            typed!(int8_col_sums::Int8ColSums, s, client.clone(), A, A, A, (), hd)
-        })?;
+        let f = kernel(be, "chunk_stats", dt, &[hd as u32, 0], || chunk_source(client, dt, hd, false))?;
         let mut a = Args::new();
         a.array(p.k, d.kv_len().max(1)).array(sums, pr[5] / 4).array(segs.0, segs.1).u32(hkv as u32);
         launch(&f, (chunks as u32, batch as u32, hkv as u32), &mut a, stream)?;
@@ -175,9 +161,7 @@ pub(crate) fn quantize(
         vt_row = vt_row_bytes(tk, batch);
         let vchunks = spec.attn.max_seqlen_k.div_ceil(VT_CHUNK).max(1);
         let part = at(8);
-        let f = kernel(be, "fp8_v_amax", dt, &[hd as u32], || {
-            typed!(fp8_v_amax::Fp8VAmax, settings(hd as u32), client.clone(), A, A, A, (), hd)
-        })?;
+        let f = kernel(be, "chunk_stats", dt, &[hd as u32, 1], || chunk_source(client, dt, hd, true))?;
         let mut a = Args::new();
         a.array(p.v, d.kv_len().max(1)).array(part, vchunks * nv).array(segs.0, segs.1).u32(hkv as u32);
         launch(&f, (vchunks as u32, batch as u32, hkv as u32), &mut a, stream)?;
@@ -194,6 +178,17 @@ pub(crate) fn quantize(
         launch(&f, (vchunks as u32, batch as u32, hkv as u32), &mut a, stream)?;
     }
     Ok(Int8Operands { q8, k8, q_scale: qsc, k_scale: ksc, vt, vt_row_bytes: vt_row })
+}
+
+/// CUDA source of `chunk_stats`: K's column sums (`absmax` false) or V's maxima of |v|.
+pub(crate) fn chunk_source(client: &cubecl::prelude::ComputeClient<CudaRuntime>, dt: DType, hd: usize, absmax: bool) -> Result<super::compile::Source> {
+    use crate::kernels::chunk_stats::chunk_stats::ChunkStats;
+    let s = settings(hd as u32);
+    if dt == DType::F16 {
+        codegen(ChunkStats::<f16, CudaRuntime>::new(s, client.clone(), A, A, A, (), hd, absmax))
+    } else {
+        codegen(ChunkStats::<bf16, CudaRuntime>::new(s, client.clone(), A, A, A, (), hd, absmax))
+    }
 }
 
 /// CUDA source of the FP8 V^T kernel (`fp8_v::fp8_v_quantize`; its e4m3 conversions lowered by

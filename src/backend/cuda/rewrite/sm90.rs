@@ -295,6 +295,12 @@ pub(crate) fn lower(entry: &str, src: &str) -> Result<String> {
     Ok(out)
 }
 
+/// [`lower`], then `blocks` resident cubes per SM declared (`rewrite::min_blocks`): every wgmma
+/// kernel takes both (the min-blocks bound sets its register cap and lets `setmaxnreg` stand).
+pub(crate) fn lower_bounded(entry: &str, src: &str, blocks: u32) -> Result<String> {
+    super::min_blocks(entry, &lower(entry, src)?, blocks)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
