@@ -14,6 +14,7 @@
 //! | `CUBEATTN_CUDA_SM90_WS=0` | keeps `flash_fwd_sm90` where the warp-specialised wgmma forward (`kernels::flash_fwd_ws`, `FwdOptions::sm90_ws`) is the default | A/B runs of the two Hopper frames on one GPU |
 //! | `CUBEATTN_CUDA_SPLIT=0` | no split-K of long forward tiles | the sanitizer families (`tests/python/sanitize_driver.py`) |
 //! | `CUBEATTN_BWD_DQ=pass` | the separate dQ pass for `deterministic = false` backward calls too (`atomic`, the default, fuses dQ) | sanitizer families, comparisons |
+//! | `CUBEATTN_BWD_SM90_WS=0` | keeps `flash_bwd_sm90` where the warp-specialised wgmma dK/dV kernel (`kernels::flash_bwd_ws`) is the default | A/B runs of the two Hopper backward frames on one GPU |
 //! | `CUBEATTN_BWD_Q_STAGES=1` | the dK/dV kernel with one query-tile stage (what GPUs with less shared memory get) on any GPU | `tests/python/test_portable_gpu.py` |
 //! | `CUBEATTN_CPU_KERNEL=gemm` | the CPU backend's gemm-crate path instead of its AVX-512 tiles | `examples/cpu_forward.rs`, docs/cpu.md |
 //!
@@ -58,6 +59,9 @@ pub(crate) struct Config {
     /// `CUBEATTN_BWD_Q_STAGES=1`.
     #[cfg(feature = "cuda")]
     pub bwd_one_q_stage: bool,
+    /// `CUBEATTN_BWD_SM90_WS` (`0` turns the warp-specialised dK/dV kernel off).
+    #[cfg(feature = "cuda")]
+    pub bwd_sm90_ws: bool,
     /// The forward switches before any [`set_fwd_options`]: `CUBEATTN_CUDA_SPLIT`,
     /// `CUBEATTN_CUDA_SM90` (each `0` to turn off), `CUBEATTN_CUDA_SM90_TILE`, the rest at their
     /// defaults.
@@ -102,6 +106,8 @@ impl Config {
             bwd_dq_pass: is("CUBEATTN_BWD_DQ", "pass"),
             #[cfg(feature = "cuda")]
             bwd_one_q_stage: is("CUBEATTN_BWD_Q_STAGES", "1"),
+            #[cfg(feature = "cuda")]
+            bwd_sm90_ws: on_unless_zero(&var("CUBEATTN_BWD_SM90_WS")),
             #[cfg(feature = "cuda")]
             fwd: FwdOptions {
                 split: on_unless_zero(&var("CUBEATTN_CUDA_SPLIT")),
@@ -259,6 +265,7 @@ mod tests {
             assert!(with(&[("CUBEATTN_BWD_DQ", "pass")]).bwd_dq_pass);
             assert!(!with(&[("CUBEATTN_BWD_DQ", "atomic")]).bwd_dq_pass);
             assert!(with(&[("CUBEATTN_BWD_Q_STAGES", "1")]).bwd_one_q_stage);
+            assert!(with(&[]).bwd_sm90_ws && !with(&[("CUBEATTN_BWD_SM90_WS", "0")]).bwd_sm90_ws);
             let off = with(&[("CUBEATTN_CUDA_SPLIT", "0"), ("CUBEATTN_CUDA_SM90", "0")]).fwd;
             assert_eq!(off, FwdOptions { split: false, sm90: false, ..FwdOptions::defaults() });
             assert_eq!(with(&[("CUBEATTN_CUDA_SPLIT", "1")]).fwd, FwdOptions::defaults());

@@ -58,12 +58,26 @@ pub fn issue_dq_row<NQ: Size>(
     #[comptime] qv: usize,
 ) {
     if dst != NO_ROW {
-        let n = comptime!(head_dim / qv);
-        let s0 = UNIT_POS as usize * comptime!(dq_tile_stride(head_dim) / qv);
-        let d0 = dst as usize;
-        copy_async(&tile.slice(s0, s0 + n), &mut acc.slice_mut(d0, d0 + n), comptime!(head_dim as u32));
+        add_dq_row::<NQ>(tile, acc, UNIT_POS, dst, head_dim, qv);
         tma_group_commit();
     }
+}
+
+/// Row `row` of `tile` (vectors of `qv` f32, row stride [`dq_tile_stride`]) added to `acc` at
+/// vector `dst` by the copy engine; the caller commits the bulk group.
+#[cube]
+pub fn add_dq_row<NQ: Size>(
+    tile: &SharedMemory<Vector<f32, NQ>>,
+    acc: &mut Array<Vector<f32, NQ>>,
+    row: u32,
+    dst: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] qv: usize,
+) {
+    let n = comptime!(head_dim / qv);
+    let s0 = row as usize * comptime!(dq_tile_stride(head_dim) / qv);
+    let d0 = dst as usize;
+    copy_async(&tile.slice(s0, s0 + n), &mut acc.slice_mut(d0, d0 + n), comptime!(head_dim as u32));
 }
 
 /// Stores a thread's f32 pair `(x0, x1)` (adjacent dQ columns) at vector `vi` of the dQ tile:

@@ -165,3 +165,70 @@ pub fn sparse_q_tile(
     let b0 = qblk * q_block;
     (h, b0 + t * BWD_BM as u32, min(b0 + q_block, q_len))
 }
+
+/// A cube's position in a segment's (q head, query tile) walk ([`SegWalk`]): the counters (query
+/// tile `ti`, transposed-list entry `ei`, q head `hq`) and the pair they name (head `h`, first row
+/// `r0`, end row `row_end`).
+#[derive(CubeType, Clone, Copy)]
+pub struct QTile {
+    pub ti: u32,
+    pub ei: u32,
+    pub hq: u32,
+    pub h: u32,
+    pub r0: u32,
+    pub row_end: u32,
+}
+
+/// The first pair of segment `sw`'s walk for kv head `hk` (any value when the walk is empty).
+#[cube]
+pub fn first_q_tile(tq_list: &Array<u32>, sw: &SegWalk, hk: u32, group: u32, q_block: u32, #[comptime] sparse: bool) -> QTile {
+    let mut h = hk * group;
+    let mut r0 = sw.r_min as u32;
+    let mut row_end = sw.q_len;
+    if sparse && sw.n_it > 0 {
+        let (ha, ra, re) = sparse_q_tile(tq_list, sw.t_lo, 0u32, 0u32, 0u32, hk * group, sw.span, q_block, sw.q_len);
+        h = ha;
+        r0 = ra;
+        row_end = re;
+    }
+    QTile { ti: 0u32, ei: 0u32, hq: 0u32, h, r0, row_end }
+}
+
+/// Moves `c` to the next pair of segment `sw`'s walk: dense, the next query tile of the head, then
+/// the next q head; sparse, the next tile of the query block, then the next entry, then the next q
+/// head (past the walk's last pair: any value).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn next_q_tile(
+    tq_list: &Array<u32>,
+    sw: &SegWalk,
+    c: &mut QTile,
+    hk: u32,
+    group: u32,
+    q_tiles_per_block: u32,
+    q_block: u32,
+    #[comptime] sparse: bool,
+) {
+    c.ti += 1u32;
+    if sparse {
+        if c.ti == q_tiles_per_block {
+            c.ti = 0u32;
+            c.ei += 1u32;
+            if c.ei == sw.t_n {
+                c.ei = 0u32;
+                c.hq += 1u32;
+            }
+        }
+        let (ha, ra, re) = sparse_q_tile(tq_list, sw.t_lo, c.ei, c.ti, c.hq, hk * group, sw.span, q_block, sw.q_len);
+        c.h = ha;
+        c.r0 = ra;
+        c.row_end = re;
+    } else {
+        if c.ti == sw.n_qt {
+            c.ti = 0u32;
+            c.hq += 1u32;
+        }
+        c.h = hk * group + c.hq;
+        c.r0 = sw.r_min as u32 + c.ti * BWD_BM as u32;
+    }
+}

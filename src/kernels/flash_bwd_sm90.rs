@@ -36,7 +36,7 @@ use super::rows::kv_row;
 use super::sm90::{fence_proxy_async, pack_a_pairs, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait,
     SW_COLS, SW_ROW};
 use super::tiles::{BWD_BM, WIDE_BN};
-use super::staging::{commit_stage, issue_lse_delta, stage_rows, wait_stage};
+use super::staging::{commit_stage, issue_lse_delta_by, stage_rows, wait_stage};
 
 /// Threads per cube: two warpgroups.
 pub const SM90_BWD_THREADS: usize = 256;
@@ -48,8 +48,9 @@ const _: () = assert!(BN == 2 * WG_KEYS && BM == 64);
 
 /// Issues query tile `g` (head `h`, segment rows `r0..r0 + BM`) into stage `g % 2` of the swizzled
 /// Q / dO tiles and of lse / delta, committed to `bar0` (even `g`) or `bar1`: by tensor-map copies
-/// (one thread; 64-column x 64-row boxes) when every row lies inside the segment, else by `cp.async`
-/// of every thread with rows clamped to the segment's last (the caller masks them).
+/// (unit `tid` 0; 64-column x 64-row boxes) when every row lies inside the segment, else by
+/// `cp.async` of the `threads` units with rows clamped to the segment's last (the caller masks
+/// them); lse / delta by `cp.async` of those units.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn issue_q_tile<E: Float>(
@@ -72,12 +73,14 @@ pub fn issue_q_tile<E: Float>(
     q_start: u32,
     heads_q: u32,
     total_q: u32,
+    tid: u32,
     #[comptime] head_dim: usize,
+    #[comptime] threads: usize,
 ) {
     let stage = (g & 1u32) as usize;
     let base = stage * comptime!(BM * head_dim);
     if r0 + BM as u32 <= q_len {
-        if UNIT_POS == 0 {
+        if tid == 0 {
             let ts = E::type_size();
             let bytes = comptime!((2 * BM * head_dim * ts) as u32);
             let y = (q_start + r0) as i32;
@@ -102,8 +105,8 @@ pub fn issue_q_tile<E: Float>(
     } else {
         let vecs = comptime!(head_dim / 8);
         #[unroll]
-        for it in 0..comptime!(BM * (head_dim / 8) / SM90_BWD_THREADS) {
-            let idx = UNIT_POS as usize + it * SM90_BWD_THREADS;
+        for it in 0..comptime!(BM * (head_dim / 8) / threads) {
+            let idx = tid as usize + it * threads;
             let r = idx / vecs;
             let c = (idx % vecs) * 8;
             let row = min(r0 + r as u32, q_len - 1u32);
@@ -113,7 +116,7 @@ pub fn issue_q_tile<E: Float>(
             copy_async(&do_s.slice(src, src + 8), &mut do_smem.slice_mut(dst, dst + 8), 8u32);
         }
     }
-    issue_lse_delta(lse, delta, lse_smem, dl_smem, stage * BM, r0, q_len, q_start, h, total_q);
+    issue_lse_delta_by(lse, delta, lse_smem, dl_smem, stage * BM, r0, q_len, q_start, h, total_q, tid, threads);
     commit_stage(bar0, bar1, g);
 }
 
@@ -314,7 +317,7 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
         if n_it > 0 {
             issue_q_tile::<E>(
                 &args.q_map, &args.do_map, &args.q_s, &args.do_s, &args.lse, &args.delta, &mut q_smem, &mut do_smem,
-                &mut lse_smem, &mut dl_smem, &bar0, &bar1, g_tile, h, r0, q_len, q_start, args.heads_q, args.total_q, head_dim,
+                &mut lse_smem, &mut dl_smem, &bar0, &bar1, g_tile, h, r0, q_len, q_start, args.heads_q, args.total_q, UNIT_POS, head_dim, SM90_BWD_THREADS,
             );
         }
         let mut hq = 0u32;
@@ -357,7 +360,7 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
                 issue_q_tile::<E>(
                     &args.q_map, &args.do_map, &args.q_s, &args.do_s, &args.lse, &args.delta, &mut q_smem, &mut do_smem,
                     &mut lse_smem, &mut dl_smem, &bar0, &bar1, g_tile, h_next, r0_next, q_len, q_start, args.heads_q,
-                    args.total_q, head_dim,
+                    args.total_q, UNIT_POS, head_dim, SM90_BWD_THREADS,
                 );
             }
             wait_stage(&bar0, &bar1, cur);

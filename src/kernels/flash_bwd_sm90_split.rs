@@ -121,7 +121,7 @@ pub fn flash_bwd_sm90_split<E: Float, NV: Size, NQ: Size>(
         if n_it > 0 {
             issue_q_tile::<E>(
                 &args.q_map, &args.do_map, &args.q_s, &args.do_s, &args.lse, &args.delta, &mut q_smem, &mut do_smem,
-                &mut lse_smem, &mut dl_smem, &bar0, &bar1, g_tile, h, r0, q_len, q_start, args.heads_q, args.total_q, head_dim,
+                &mut lse_smem, &mut dl_smem, &bar0, &bar1, g_tile, h, r0, q_len, q_start, args.heads_q, args.total_q, UNIT_POS, head_dim, SM90_BWD_THREADS,
             );
         }
         let mut hq = 0u32;
@@ -142,7 +142,7 @@ pub fn flash_bwd_sm90_split<E: Float, NV: Size, NQ: Size>(
                 issue_q_tile::<E>(
                     &args.q_map, &args.do_map, &args.q_s, &args.do_s, &args.lse, &args.delta, &mut q_smem, &mut do_smem,
                     &mut lse_smem, &mut dl_smem, &bar0, &bar1, g_tile, h_next, r0_next, q_len, q_start, args.heads_q,
-                    args.total_q, head_dim,
+                    args.total_q, UNIT_POS, head_dim, SM90_BWD_THREADS,
                 );
             }
             wait_stage(&bar0, &bar1, cur);

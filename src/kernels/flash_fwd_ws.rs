@@ -88,7 +88,7 @@ fn wait_full(full0: &Barrier, full1: &Barrier, kt: u32) {
 /// One consumer warpgroup's release of stage `kt & 1` (its MMAs that read it have completed):
 /// the warpgroup's first thread arrives on the stage's `empty` barrier.
 #[cube]
-fn release(empty0: &Barrier, empty1: &Barrier, kt: u32, first: bool) {
+pub(super) fn release(empty0: &Barrier, empty1: &Barrier, kt: u32, first: bool) {
     if first {
         if (kt & 1u32) == 0 {
             let _t = empty0.arrive_and_expect_tx(1u32, 0u32);

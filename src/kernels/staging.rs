@@ -98,13 +98,60 @@ pub fn issue_lse_delta(
     h: u32,
     total_q: u32,
 ) {
-    if UNIT_POS < BWD_BM as u32 {
-        let row = min(r0 + UNIT_POS, q_len - 1);
-        let li = (h * total_q + q_start + row) as usize;
-        let u = boff + UNIT_POS as usize;
-        copy_async(&lse.slice(li, li + 1), &mut lse_smem.slice_mut(u, u + 1), 1u32);
-        copy_async(&delta.slice(li, li + 1), &mut dl_smem.slice_mut(u, u + 1), 1u32);
+    issue_lse_delta_by(lse, delta, lse_smem, dl_smem, boff, r0, q_len, q_start, h, total_q, UNIT_POS, BWD_BM);
+}
+
+/// [`issue_lse_delta`] by the `threads` units `tid` (rows `tid`, `tid + threads`, ..; `threads`
+/// at least `BWD_BM` or a divisor of it).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn issue_lse_delta_by(
+    lse: &Array<f32>,
+    delta: &Array<f32>,
+    lse_smem: &mut SharedMemory<f32>,
+    dl_smem: &mut SharedMemory<f32>,
+    boff: usize,
+    r0: u32,
+    q_len: u32,
+    q_start: u32,
+    h: u32,
+    total_q: u32,
+    tid: u32,
+    #[comptime] threads: usize,
+) {
+    if comptime!(threads >= BWD_BM) {
+        if tid < BWD_BM as u32 {
+            lse_delta_row(lse, delta, lse_smem, dl_smem, boff, r0, q_len, q_start, h, total_q, tid);
+        }
+    } else {
+        #[unroll]
+        for it in 0..comptime!(BWD_BM / threads) {
+            lse_delta_row(lse, delta, lse_smem, dl_smem, boff, r0, q_len, q_start, h, total_q, tid + comptime!((it * threads) as u32));
+        }
     }
+}
+
+/// Row `r` of [`issue_lse_delta`].
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn lse_delta_row(
+    lse: &Array<f32>,
+    delta: &Array<f32>,
+    lse_smem: &mut SharedMemory<f32>,
+    dl_smem: &mut SharedMemory<f32>,
+    boff: usize,
+    r0: u32,
+    q_len: u32,
+    q_start: u32,
+    h: u32,
+    total_q: u32,
+    r: u32,
+) {
+    let row = min(r0 + r, q_len - 1);
+    let li = (h * total_q + q_start + row) as usize;
+    let u = boff + r as usize;
+    copy_async(&lse.slice(li, li + 1), &mut lse_smem.slice_mut(u, u + 1), 1u32);
+    copy_async(&delta.slice(li, li + 1), &mut dl_smem.slice_mut(u, u + 1), 1u32);
 }
 
 /// `cp.async` copies of rows `r0..r0 + rows` (clamped to row `len - 1`: the caller masks rows

@@ -46,6 +46,7 @@ use crate::kernels::bulk_reduce::dq_tile_stride;
 use crate::kernels::flash_bwd;
 use crate::kernels::tiles::{BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, CONVERT_VEC, DELTA_PLANES, PAD, SPLIT_BN, WIDE_BN, WIDE_PLANES};
 use crate::kernels::flash_bwd_sm90::{self, SM90_BWD_THREADS};
+use crate::kernels::flash_bwd_ws::{self, BWD_WS_THREADS};
 use crate::kernels::flash_bwd_sm90_split;
 use crate::kernels::flash_bwd_wide;
 use crate::kernels::sm90::SW_COLS;
@@ -433,10 +434,14 @@ pub(crate) fn sm90_backward(be: &CudaBackend, spec: &AttnSpec, acc: Option<u64>)
     super::forward::sm90_forward(be, spec) && SM90_BWD_HEAD_DIMS.contains(&spec.dims.head_dim) && acc.is_none_or(|a| a.is_multiple_of(16) && be.target.bulk_reduce)
 }
 
-/// The Hopper dK/dV kernel (`flash_bwd_sm90::flash_bwd_sm90`) for one set of comptime choices.
+/// The Hopper dK/dV kernel for one set of comptime choices: the warp-specialised
+/// `flash_bwd_ws::flash_bwd_ws` (`CUBEATTN_BWD_SM90_WS`, on by default), else
+/// `flash_bwd_sm90::flash_bwd_sm90`.
 pub(crate) fn dkdv_sm90_kernel(be: &CudaBackend, dt: DType, hd: usize, fused: bool, qvec: usize, sparse: bool, paged: bool) -> Result<Func> {
-    let key = KernelKey::new("flash_bwd_sm90", dt, &[hd as u32, fused as u32, qvec as u32, sparse as u32, paged as u32]);
-    be.kernels.get(&key, || dkdv_sm90_source(be.client(), dt, hd, fused, qvec, sparse, paged))
+    let ws = crate::config::get().bwd_sm90_ws;
+    let name = if ws { "flash_bwd_ws" } else { "flash_bwd_sm90" };
+    let key = KernelKey::new(name, dt, &[hd as u32, fused as u32, qvec as u32, sparse as u32, paged as u32]);
+    be.kernels.get(&key, || dkdv_sm90_source(be.client(), dt, hd, fused, qvec, sparse, paged, ws))
 }
 
 /// The Hopper dK/dV kernel above head_dim 128 (`flash_bwd_sm90_split`; `fused`: dQ by
@@ -462,7 +467,9 @@ pub(crate) fn dkdv_split_source(
     Ok(src)
 }
 
-/// CUDA source of [`dkdv_sm90_kernel`]: the `kernels::sm90` markers lowered, one cube per SM.
+/// CUDA source of [`dkdv_sm90_kernel`] (`ws`: the warp-specialised kernel): the `kernels::sm90`
+/// markers lowered, one cube per SM (`__launch_bounds__(threads, 1)`, which `setmaxnreg` needs).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn dkdv_sm90_source(
     client: &ComputeClient<CudaRuntime>,
     dt: DType,
@@ -471,10 +478,17 @@ pub(crate) fn dkdv_sm90_source(
     qvec: usize,
     sparse: bool,
     paged: bool,
+    ws: bool,
 ) -> Result<Source> {
-    let mut src = by_dtype!(dt, T, codegen_exp2(flash_bwd_sm90::flash_bwd_sm90::FlashBwdSm90::<T, CudaRuntime>::new(
-        settings(SM90_BWD_THREADS as u32), client.clone(), DkdvArgs::compilation(),
-        BWD_LOAD_VEC, qvec, hd, fused, qvec, sparse, paged), true))?;
+    let mut src = if ws {
+        by_dtype!(dt, T, codegen_exp2(flash_bwd_ws::flash_bwd_ws::FlashBwdWs::<T, CudaRuntime>::new(
+            settings(BWD_WS_THREADS as u32), client.clone(), DkdvArgs::compilation(),
+            BWD_LOAD_VEC, qvec, hd, fused, qvec, sparse, paged), true))?
+    } else {
+        by_dtype!(dt, T, codegen_exp2(flash_bwd_sm90::flash_bwd_sm90::FlashBwdSm90::<T, CudaRuntime>::new(
+            settings(SM90_BWD_THREADS as u32), client.clone(), DkdvArgs::compilation(),
+            BWD_LOAD_VEC, qvec, hd, fused, qvec, sparse, paged), true))?
+    };
     if fused != src.cuda.contains(super::rewrite::BULK_ADD) {
         return Err(crate::error::Error::Device(format!("{}: bulk dQ reductions expected {fused}, found the opposite", src.entry)));
     }

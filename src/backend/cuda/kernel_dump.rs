@@ -81,11 +81,16 @@ mod tests {
             ("dkdv_wide_sparse_d128", dkdv_wide_source(c, dt, 128, false, false, 2, true, false, true, 2)),
             ("dkdv_wide_sparse_fused_d128", dkdv_wide_source(c, dt, 128, true, true, 2, true, false, true, 2)),
             // the Hopper dK/dV kernel: fused dQ (bulk), without (deterministic), block-sparse, paged
-            ("bwd_sm90_fused_d128", dkdv_sm90_source(c, dt, 128, true, 2, false, false)),
-            ("bwd_sm90_d128", dkdv_sm90_source(c, dt, 128, false, 2, false, false)),
-            ("bwd_sm90_fused_d64", dkdv_sm90_source(c, dt, 64, true, 2, false, false)),
-            ("bwd_sm90_sparse_fused_d128", dkdv_sm90_source(c, dt, 128, true, 2, true, false)),
-            ("bwd_sm90_paged_fused_d128_f16", dkdv_sm90_source(c, DType::F16, 128, true, 2, false, true)),
+            ("bwd_sm90_fused_d128", dkdv_sm90_source(c, dt, 128, true, 2, false, false, false)),
+            ("bwd_sm90_d128", dkdv_sm90_source(c, dt, 128, false, 2, false, false, false)),
+            ("bwd_sm90_fused_d64", dkdv_sm90_source(c, dt, 64, true, 2, false, false, false)),
+            ("bwd_sm90_sparse_fused_d128", dkdv_sm90_source(c, dt, 128, true, 2, true, false, false)),
+            ("bwd_sm90_paged_fused_d128_f16", dkdv_sm90_source(c, DType::F16, 128, true, 2, false, true, false)),
+            ("bwd_ws_fused_d128", dkdv_sm90_source(c, dt, 128, true, 2, false, false, true)),
+            ("bwd_ws_d128", dkdv_sm90_source(c, dt, 128, false, 2, false, false, true)),
+            ("bwd_ws_fused_d64", dkdv_sm90_source(c, dt, 64, true, 2, false, false, true)),
+            ("bwd_ws_sparse_fused_d128", dkdv_sm90_source(c, dt, 128, true, 2, true, false, true)),
+            ("bwd_ws_paged_fused_d128_f16", dkdv_sm90_source(c, DType::F16, 128, true, 2, false, true, true)),
             // above head_dim 128: dV and dK in different warpgroups, fused dQ by atomics, or none
             // (deterministic: the dQ pass at 192 / 256)
             ("bwd_split_d256", dkdv_split_source(c, dt, 256, true, 2, false)),

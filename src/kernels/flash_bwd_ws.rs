@@ -1,0 +1,344 @@
+//! The warp-specialised Hopper dK / dV kernel (sm_90a): `flash_bwd_sm90`'s mainloop (S^T / dP^T by
+//! wgmma with shared operands, P^T / dS^T in registers, dV / dK with them as the register A
+//! operand, the fused dQ = dS K) in FlashAttention-3's producer / consumer frame instead of one where
+//! both warpgroups issue the copies and the dQ bulk adds and meet at two cube barriers per tile.
+//!
+//! One cube = 128 keys, 384 threads. Warpgroup 0 is the producer (`setmaxnreg.dec`): its warp 0
+//! issues every query tile (Q, dO by tensor maps; a tile past its segment's end by `cp.async` with
+//! rows clamped; lse / delta by `cp.async`) into two stages, each with a `full` mbarrier (the
+//! warp's 32 copy arrivals plus the tile's bytes) and an `empty` one (one arrival per consumer
+//! warpgroup once its MMAs have read the stage); its warp 1 (fused dQ) waits for each tile's dQ
+//! rows, issues their bulk reduce-adds and frees the row tile. Warpgroups 1 and 2 are the consumers
+//! (`setmaxnreg.inc`, 64 keys each, dK and dV in registers). Per query tile a consumer: waits for
+//! the stage; S^T, dP^T; P^T, dS^T; dV += P^T dO, dK += dS^T Q; (fused dQ) stores dS^T key-major
+//! into one of two buffers, meets the other consumer at a named barrier, forms its half of dQ's
+//! columns, releases the stage, waits until the dQ row tile is free, stores its half and arrives on
+//! `dq_full`. So the only barrier between the consumers is the named one that publishes dS^T, and no
+//! consumer waits for a copy it issued itself.
+//!
+//! The host plan, card (`cards::DkdvCard`), work list, segments and query-tile walk (dense, varlen,
+//! GQA, grouped windows, paged K/V, block-sparse through the transposed index) are
+//! `flash_bwd_sm90`'s; head_dim 64 and 128.
+
+use cubecl::prelude::barrier::Barrier;
+use cubecl::prelude::*;
+
+use super::bulk_reduce::{add_dq_row, dq_tile_stride, put_dq_pair};
+use super::bwd_walk::{first_q_tile, key_item, next_q_tile, seg_walk, KeyItem};
+use super::cards::DkdvCard;
+use super::flash_fwd_ws::release;
+use super::flash_bwd_sm90::{issue_q_tile, key_by_dim_steps, key_by_row_steps, p_transposed};
+use super::grid::cube_item_slot;
+use super::rows::kv_row;
+use super::sm90::{fence_proxy_async, named_barrier, pack_a_pairs, setmaxnreg, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_ss,
+    wgmma_wait, SW_COLS, SW_ROW};
+use super::staging::{stage_rows, wait_stage};
+use super::tiles::{BWD_BM, WIDE_BN};
+
+/// Threads per cube: a producer warpgroup and two consumer warpgroups.
+pub const BWD_WS_THREADS: usize = 384;
+/// Registers a thread after the moves: 24 x 128 + 240 x 256 = 64512 of the SM's 65536 (as the
+/// forward's frame, `flash_fwd_ws`).
+const PRODUCER_REGS: u32 = 24;
+const CONSUMER_REGS: u32 = 240;
+/// Keys per consumer warpgroup.
+const WG_KEYS: usize = 64;
+const BN: usize = WIDE_BN;
+const BM: usize = BWD_BM;
+const _: () = assert!(BN == 2 * WG_KEYS && BM == 64);
+/// The producer's loading warp: its 32 lanes' copy arrivals complete a `full` phase.
+const LOADERS: usize = 32;
+/// Consumer threads (the `dq_full` arrivals and the named barrier's count).
+const CONSUMER_THREADS: u32 = 256;
+/// The named barrier that publishes both consumers' dS^T halves.
+const DS_BARRIER: u32 = 1;
+
+/// The query tiles of this cube's walk (every segment's `n_it`): the dQ warp's loop bound.
+#[cube]
+fn count_tiles<E: Float, NV: Size, NQ: Size>(args: &DkdvCard<E, NV, NQ>, ki: &KeyItem, hk: u32, #[comptime] sparse: bool) -> u32 {
+    let group = args.heads_q / args.heads_kv;
+    let mut n = 0u32;
+    for si in ki.s_begin..ki.s_end {
+        let sw = seg_walk(
+            &args.segs, &args.tile_segs, &args.tq_off, ki, si, BN as u32, hk, args.heads_kv, group, args.idx_heads,
+            args.k_blocks, args.q_tiles_per_block, args.win_l, args.win_r, sparse,
+        );
+        n += sw.n_it;
+    }
+    n
+}
+
+/// The warp-specialised Hopper dK / dV kernel (module docs); arguments and comptime choices as
+/// `flash_bwd_sm90::flash_bwd_sm90`.
+#[allow(clippy::too_many_arguments, unused_variables, unused_assignments)]
+#[cube(launch_unchecked)]
+pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
+    args: &mut DkdvCard<E, NV, NQ>,
+    #[comptime] head_dim: usize,
+    #[comptime] fuse_dq: bool,
+    #[comptime] qvec: usize,
+    #[comptime] sparse: bool,
+    #[comptime] paged: bool,
+) {
+    let lane = UNIT_POS_PLANE;
+    // warp and warpgroup index broadcast from lane 0: uniform, so descriptors stay in uniform registers
+    let warp = plane_broadcast(UNIT_POS / 32u32, 0u32);
+    let wg = warp / 4u32;
+
+    let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(BN * head_dim), 1024usize);
+    let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(BN * head_dim), 1024usize);
+    let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(2 * BM * head_dim), 1024usize);
+    let mut do_smem = SharedMemory::<E>::new_aligned(comptime!(2 * BM * head_dim), 1024usize);
+    // dS^T, key-major ([key][row]: one 64-column chunk of BN rows), two buffers: the A operand of
+    // dQ = dS K
+    let mut ds_smem = SharedMemory::<E>::new_aligned(comptime!(if fuse_dq { 2 * BN * BM } else { SW_COLS * 8 }), 1024usize);
+    let dts = comptime!(dq_tile_stride(head_dim));
+    let mut dq_tile = SharedMemory::<Vector<f32, NQ>>::new_aligned(comptime!(if fuse_dq { BM * dts / qvec } else { 1usize }), 16usize);
+    // the dQ tile's destination: first global row (q_start + r0), rows, head
+    let mut dq_info = SharedMemory::<u32>::new(4usize);
+    let mut lse_smem = SharedMemory::<f32>::new(comptime!(2 * BM));
+    let mut dl_smem = SharedMemory::<f32>::new(comptime!(2 * BM));
+    let full0 = Barrier::shared(comptime!(LOADERS as u32), UNIT_POS == 0);
+    let full1 = Barrier::shared(comptime!(LOADERS as u32), UNIT_POS == 0);
+    let empty0 = Barrier::shared(2u32, UNIT_POS == 0);
+    let empty1 = Barrier::shared(2u32, UNIT_POS == 0);
+    let dq_full = Barrier::shared(CONSUMER_THREADS, UNIT_POS == 0);
+    let dq_empty = Barrier::shared(comptime!(LOADERS as u32), UNIT_POS == 0);
+
+    let (item, hk) = cube_item_slot(args.heads_kv, sparse);
+    let group = args.heads_q / args.heads_kv;
+    let ki = key_item(&args.ktiles, &args.tile_off, &args.segs, item, 0u32, args.total_k, sparse, WIDE_BN);
+    let (key0, key_lim) = (ki.key0, ki.key_lim);
+
+    // K, V staged once by warpgroups 0 and 1 (swizzled; keys past the item's zero)
+    if UNIT_POS < 256u32 {
+        stage_rows::<E, NV>(&args.k, &mut k_smem, key0, key_lim, key0, args.heads_kv, hk, &args.tq_list, BN, head_dim, 256usize,
+            paged, true);
+        stage_rows::<E, NV>(&args.v, &mut v_smem, key0, key_lim, key0, args.heads_kv, hk, &args.tq_list, BN, head_dim, 256usize,
+            paged, true);
+    }
+    // K, V visible to the async proxy (the MMAs), barrier initialisation before any use
+    fence_proxy_async();
+    sync_cube();
+
+    if wg == 0u32 {
+        setmaxnreg(false, PRODUCER_REGS);
+        if warp == 0u32 {
+            // ---- the loading warp: every query tile of the walk into stage g % 2 ----
+            let mut g = 0u32;
+            for si in ki.s_begin..ki.s_end {
+                let sw = seg_walk(
+                    &args.segs, &args.tile_segs, &args.tq_off, &ki, si, BN as u32, hk, args.heads_kv, group, args.idx_heads,
+                    args.k_blocks, args.q_tiles_per_block, args.win_l, args.win_r, sparse,
+                );
+                let mut qt = first_q_tile(&args.tq_list, &sw, hk, group, args.q_block, sparse);
+                for it in 0..sw.n_it {
+                    // use u = g / 2 of the stage waits for the consumers' release of use u - 1
+                    if g >= 2u32 {
+                        let parity = ((g >> 1u32) + 1u32) & 1u32;
+                        if (g & 1u32) == 0u32 {
+                            empty0.wait_parity(parity);
+                        } else {
+                            empty1.wait_parity(parity);
+                        }
+                    }
+                    issue_q_tile::<E>(
+                        &args.q_map, &args.do_map, &args.q_s, &args.do_s, &args.lse, &args.delta, &mut q_smem, &mut do_smem,
+                        &mut lse_smem, &mut dl_smem, &full0, &full1, g, qt.h, qt.r0, sw.q_len, sw.q_start, args.heads_q,
+                        args.total_q, lane, head_dim, LOADERS,
+                    );
+                    next_q_tile(&args.tq_list, &sw, &mut qt, hk, group, args.q_tiles_per_block, args.q_block, sparse);
+                    g += 1u32;
+                }
+            }
+        }
+        if fuse_dq {
+            if warp == 1u32 {
+                // ---- the dQ warp: each tile's rows added to the accumulator by the copy engine ----
+                let n = count_tiles(args, &ki, hk, sparse);
+                for j in 0..n {
+                    dq_full.wait_parity(j & 1u32);
+                    let first_row = dq_info[0];
+                    let rows = dq_info[1];
+                    let h = dq_info[2];
+                    #[unroll]
+                    for rr in 0..comptime!(BM / 32) {
+                        let r = lane + comptime!((rr * 32) as u32);
+                        if r < rows {
+                            let dst = ((first_row + r) * args.heads_q + h) * comptime!((head_dim / qvec) as u32);
+                            add_dq_row::<NQ>(&dq_tile, &mut args.dq_rows, r, dst, head_dim, qvec);
+                        }
+                    }
+                    tma_group_commit();
+                    tma_group_wait_read(0u32);
+                    let _t = dq_empty.arrive_and_expect_tx(1u32, 0u32);
+                }
+            }
+        }
+        terminate!();
+    }
+
+    // ---- consumers: warpgroup cw of keys cw * 64 .. ----
+    setmaxnreg(true, CONSUMER_REGS);
+    let cw = (wg - 1u32) as usize;
+    let ct = cw as u32 * 128u32 + UNIT_POS % 128u32;
+    let first = ct % 128u32 == 0u32;
+    // this lane's first accumulator row (a key of the cube; + 8 for the second)
+    let key_a = cw * WG_KEYS + ((warp % 4u32) * 16u32 + lane / 4u32) as usize;
+    // this lane's first accumulator column pair (a row of the query tile)
+    let col_a = ((lane % 4u32) * 2u32) as usize;
+
+    let acc_n = comptime!(head_dim / 2);
+    let mut dk_acc = Array::<f32>::new(acc_n);
+    let mut dv_acc = Array::<f32>::new(acc_n);
+    #[unroll]
+    for i in 0..acc_n {
+        dk_acc[i] = 0.0f32;
+        dv_acc[i] = 0.0f32;
+    }
+    let mut s = Array::<f32>::new(comptime!(BM / 2));
+    let mut dp = Array::<f32>::new(comptime!(BM / 2));
+    let mut p_regs = Array::<Vector<E, Const<2>>>::new(comptime!(BM / 4));
+    let mut ds_regs = Array::<Vector<E, Const<2>>>::new(comptime!(BM / 4));
+    let dq_n = comptime!(if fuse_dq { head_dim / 4 } else { 1usize });
+    let mut dq = Array::<f32>::new(dq_n);
+    // dQ columns of this warpgroup: [dq_col0, dq_col0 + head_dim / 2), as an element offset in K
+    let dq_col0 = cw * comptime!(head_dim / 2);
+    let k_dq = (dq_col0 / SW_COLS) * comptime!(BN * SW_COLS) + dq_col0 % SW_COLS;
+
+    let mut g = 0u32;
+    for si in ki.s_begin..ki.s_end {
+        let sw = seg_walk(
+            &args.segs, &args.tile_segs, &args.tq_off, &ki, si, BN as u32, hk, args.heads_kv, group, args.idx_heads,
+            args.k_blocks, args.q_tiles_per_block, args.win_l, args.win_r, sparse,
+        );
+        // window-local index of this warpgroup's first key (may be negative)
+        let kw0 = (key0 as i32 + (cw * WG_KEYS) as i32) - sw.k_start as i32;
+        let mut qt = first_q_tile(&args.tq_list, &sw, hk, group, args.q_block, sparse);
+        for it in 0..sw.n_it {
+            let cur = g;
+            let (h, r0, row_end) = (qt.h, qt.r0, qt.row_end);
+            wait_stage(&full0, &full1, cur);
+            if r0 + BM as u32 > sw.q_len {
+                // a tile past the segment's end came by cp.async (generic proxy)
+                fence_proxy_async();
+            }
+            let qb = ((cur & 1u32) as usize) * comptime!(BM * head_dim);
+            let lb = ((cur & 1u32) as usize) * BM;
+
+            // ---- 1. S^T = K Q^T, dP^T = V dO^T (64 keys x 64 rows) ----
+            wgmma_fence();
+            key_by_row_steps::<E>(&mut s, &k_smem, cw * WG_KEYS, BN, &q_smem, qb, head_dim);
+            wgmma_commit();
+            key_by_row_steps::<E>(&mut dp, &v_smem, cw * WG_KEYS, BN, &do_smem, qb, head_dim);
+            wgmma_commit();
+            wgmma_wait(1u32);
+
+            // ---- 2. P^T (while dP^T is formed), then dS^T ----
+            p_transposed(
+                &mut s, &lse_smem, lb, col_a, key_a, cw * WG_KEYS, kw0, r0 as i32, row_end, sw.k_hi, sw.shift, args.win_l,
+                args.win_r, args.scale_log2,
+            );
+            wgmma_wait(0u32);
+            #[unroll]
+            for nb in 0..comptime!(BM / 8) {
+                #[unroll]
+                for e2 in 0..2usize {
+                    let dl = dl_smem[lb + nb * 8 + col_a + e2];
+                    #[unroll]
+                    for hh in 0..2usize {
+                        let i = nb * 4 + hh * 2 + e2;
+                        // P = 0 (masked) keeps dS = 0 even where dP - delta is not finite
+                        dp[i] = select(s[i] == 0.0f32, 0.0f32, s[i] * (dp[i] - dl));
+                    }
+                }
+            }
+            pack_a_pairs::<E>(&s, &mut p_regs, comptime!(BM / 4));
+            pack_a_pairs::<E>(&dp, &mut ds_regs, comptime!(BM / 4));
+            let dsb = ((cur & 1u32) as usize) * comptime!(BN * BM);
+            if fuse_dq {
+                // dS^T key-major for dQ (the rows of a pair are adjacent)
+                #[unroll]
+                for nb in 0..comptime!(BM / 8) {
+                    #[unroll]
+                    for hh in 0..2usize {
+                        let at = dsb + swizzle_128b(key_a + hh * 8, nb * 8, BN) + col_a;
+                        let pr = ds_regs[nb * 2 + hh];
+                        ds_smem[at] = pr[0];
+                        ds_smem[at + 1] = pr[1];
+                    }
+                }
+                fence_proxy_async();
+            }
+
+            // ---- 3. dV += P^T dO, dK += dS^T Q ----
+            wgmma_fence();
+            key_by_dim_steps::<E>(&mut dv_acc, &p_regs, &do_smem, qb, head_dim);
+            key_by_dim_steps::<E>(&mut dk_acc, &ds_regs, &q_smem, qb, head_dim);
+            wgmma_commit();
+
+            if fuse_dq {
+                // ---- 4. dQ[:, dq_col0..] = dS K (both consumers' dS^T halves stored) ----
+                named_barrier(DS_BARRIER, CONSUMER_THREADS);
+                wgmma_fence();
+                #[unroll]
+                for ks in 0..comptime!(BN / 16) {
+                    let a_off = dsb + comptime!(ks * 16 * SW_COLS);
+                    let b_off = k_dq + comptime!(ks * 16 * SW_COLS);
+                    wgmma_ss::<E>(
+                        &mut dq, &ds_smem, a_off as u32, &k_smem, b_off as u32, 0usize, comptime!(head_dim / 2), true,
+                        comptime!((BN * SW_ROW) as u32), true, comptime!((BN * SW_ROW) as u32), comptime!(ks > 0),
+                    );
+                }
+                wgmma_commit();
+                // dV, dK done: the stage is free
+                wgmma_wait(1u32);
+                release(&empty0, &empty1, cur, first);
+                wgmma_wait(0u32);
+                // the dQ warp has read the previous tile's rows
+                if cur > 0u32 {
+                    dq_empty.wait_parity((cur - 1u32) & 1u32);
+                }
+                // rows 16 w + lane / 4 (+ 8) of the tile, columns dq_col0 + 8 nb + col_a (+ 1)
+                let row_a = key_a - cw * WG_KEYS;
+                #[unroll]
+                for nb in 0..comptime!(head_dim / 16) {
+                    #[unroll]
+                    for hh in 0..2usize {
+                        let i = nb * 4 + hh * 2;
+                        let at = (row_a + hh * 8) * dts + dq_col0 + nb * 8 + col_a;
+                        put_dq_pair::<NQ>(&mut dq_tile, at / qvec, dq[i], dq[i + 1], qvec);
+                    }
+                }
+                if ct == 0u32 {
+                    dq_info[0] = sw.q_start + r0;
+                    dq_info[1] = select(r0 < row_end, min(row_end - r0, BM as u32), 0u32);
+                    dq_info[2] = h;
+                }
+                // this thread's stores visible to the copy engine, then its arrival
+                fence_proxy_async();
+                let _t = dq_full.arrive_and_expect_tx(1u32, 0u32);
+            } else {
+                wgmma_wait(0u32);
+                release(&empty0, &empty1, cur, first);
+            }
+            next_q_tile(&args.tq_list, &sw, &mut qt, hk, group, args.q_tiles_per_block, args.q_block, sparse);
+            g += 1u32;
+        }
+    }
+
+    // ---- dK, dV (zero for keys no segment sees; sparse: the item's keys only) ----
+    #[unroll]
+    for nb in 0..comptime!(head_dim / 8) {
+        #[unroll]
+        for e in 0..4usize {
+            let key = key0 + (key_a + (e / 2) * 8) as u32;
+            if key < key_lim {
+                let col = nb * 8 + col_a + e % 2;
+                let gi = (kv_row(key, &args.tq_list, paged) * args.heads_kv + hk) as usize * head_dim + col;
+                args.dk[gi] = E::cast_from(dk_acc[nb * 4 + e] * args.scale);
+                args.dv[gi] = E::cast_from(dv_acc[nb * 4 + e]);
+            }
+        }
+    }
+}
