@@ -22,6 +22,7 @@ Prints a table, writes JSON (``--json``), and a PNG plot when matplotlib is impo
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime as _dt
 import json
 import math
@@ -247,18 +248,74 @@ def zigzag_cases(quick):
     return cases[:1] if quick else cases
 
 
-def _ours_per_group(bench, key, flops, C, ends, hq, hkv, d, args):
-    """Row for our kernel called once per zigzag group (C queries over keys [0, e)): the sum of the
-    per-call medians of `bench` (cuda_bench_forward or cuda_bench_forward_backward)."""
+def _kernel_row(rows, key, impl, flops, bench, spec, iterations):
+    """Appends the row of our kernels alone (`bench`: cuda_bench_forward or
+    cuda_bench_forward_backward; device-resident inputs, CUDA events), or its error row."""
+    try:
+        ts = sorted(bench(spec, 3, iterations))
+        ms = ts[len(ts) // 2]
+        rows.append(dict(key, impl=impl, ms=ms, tflops=flops / ms / 1e9))
+    except Exception as e:  # report, keep the peers
+        rows.append(dict(key, impl=impl, error=str(e)[:200]))
+
+
+def _timed_row(rows, key, impl, flops, fn, iterations, sync):
+    """Appends the row of `fn` timed by median_ms (synced after each call), or its error row."""
+    try:
+        ms = median_ms(fn, 3, iterations, sync)
+        rows.append(dict(key, impl=impl, ms=ms[0], tflops=flops / ms[0] / 1e9))
+    except Exception as e:  # report, keep the peers
+        rows.append(dict(key, impl=impl, error=str(e)[:200]))
+
+
+_ZigzagRank = collections.namedtuple("_ZigzagRank", "C ends q_ranges kv_ranges spec flops")
+
+
+def _zigzag_rank(T, W, r, hq, hkv, d, dtype, grad):
+    """One zigzag rank's grouped call: its two query chunks of C = T / 2W rows, [0, C) and [C, 2C),
+    over keys [0, (r + 1) C) and [0, (2W - r) C), bottom-right causal; its FLOPs (`grad`: forward
+    + backward, 3.5 x the forward's)."""
+    C = T // (2 * W)
+    ends = [(r + 1) * C, (2 * W - r) * C]
+    q_ranges, kv_ranges = [[0, C], [C, 2 * C]], [[0, e] for e in ends]
+    spec = cubeattn.grouped_spec((2 * C, hq, d), (T, hkv, d), dtype, q_ranges, kv_ranges, causal=True)
+    flops = (3.5 if grad else 1) * 4 * d * hq * sum(causal_pairs(C, e) for e in ends)
+    return _ZigzagRank(C, ends, q_ranges, kv_ranges, spec, flops)
+
+
+def _zigzag_ours(rows, key, zz, T, hq, hkv, d, args, torch, grad):
+    """cubeattn's rows of one zigzag rank `zz` (`grad`: forward + backward): `cubeattn`, what a
+    user calls, `grouped_flash_attn_func` on CUDA tensors q [2C, hq, d], k, v [T, hkv, d] (with
+    `grad`: then `.backward` of its output), each call synced: everything the user pays, the
+    ranges' validation included; `cubeattn_kernel`, the one grouped launch alone (device-resident
+    inputs, CUDA events); `cubeattn_kernel_two_calls`, our kernels called once per group (the sum
+    of the two calls' medians)."""
+    why = cubeattn._core.cuda_refusal(zz.spec, grad, False, "cuda:0")
+    if why:  # no CUDA kernel: the torch path would run on the CPU, which is no row
+        rows.append(dict(key, impl="cubeattn", error=why[:200]))
+    else:
+        tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+        q = torch.randn(2 * zz.C, hq, d, device="cuda", dtype=tdt, requires_grad=grad)
+        k, v = (torch.randn(T, hkv, d, device="cuda", dtype=tdt, requires_grad=grad) for _ in range(2))
+        go = torch.randn_like(q) if grad else None
+
+        def ours():
+            o = cubeattn.grouped_flash_attn_func(q, k, v, zz.q_ranges, zz.kv_ranges, causal=True)
+            if grad:
+                o.backward(go)
+        _timed_row(rows, key, "cubeattn", zz.flops, ours, args.iterations, torch.cuda.synchronize)
+        del q, k, v, go
+    bench = cubeattn._core.cuda_bench_forward_backward if grad else cubeattn._core.cuda_bench_forward
+    _kernel_row(rows, key, "cubeattn_kernel", zz.flops, bench, zz.spec, args.iterations)
     try:
         per = 0.0
-        for e in ends:
-            sp = cubeattn.varlen_spec((C, hq, d), (e, hkv, d), args.dtype, [0, C], [0, e], C, e, causal=True)
+        for e in zz.ends:
+            sp = cubeattn.varlen_spec((zz.C, hq, d), (e, hkv, d), args.dtype, [0, zz.C], [0, e], zz.C, e, causal=True)
             ts = sorted(bench(sp, 3, args.iterations))
             per += ts[len(ts) // 2]
-        return dict(key, impl="cubeattn_per_group", ms=per, tflops=flops / per / 1e9)
+        rows.append(dict(key, impl="cubeattn_kernel_two_calls", ms=per, tflops=zz.flops / per / 1e9))
     except Exception as e:
-        return dict(key, impl="cubeattn_per_group", error=str(e)[:200])
+        rows.append(dict(key, impl="cubeattn_kernel_two_calls", error=str(e)[:200]))
 
 
 def _compiled_flex(torch):
@@ -278,6 +335,13 @@ def _compiled_flex(torch):
 
 
 def _cuda_grouped(args, torch):
+    """Grouped attention forward, peers in the same process on the same shapes: rows `zigzag_fwd`
+    (keys config, T, W, rank: one zigzag rank's two query chunks, see _zigzag_rank) with impl
+    `cubeattn` (the torch call path), `cubeattn_kernel`, `cubeattn_kernel_two_calls` (see
+    _zigzag_ours), `sdpa_flash_two_calls` (SDPA flash once per chunk), `cudnn_split_merge` and
+    `flex_one_call` (FlexAttention, one call with a block mask); then `shared_prefix_fwd` (G groups
+    over a shared prefix: `cubeattn_grouped`, our kernels alone, beside `sdpa_flash_per_group` and
+    `flex_one_call`)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
@@ -301,19 +365,11 @@ def _cuda_grouped(args, torch):
     for cfg in args.configs:
         hq, hkv, d = CONFIGS[cfg]
         for T, W in zigzag_cases(args.quick):
-            C = T // (2 * W)
             for r in (0, W - 1):
-                ends = [(r + 1) * C, (2 * W - r) * C]
-                flops = 4 * d * hq * sum(causal_pairs(C, e) for e in ends)
-                key = dict(what="grouped_zigzag_fwd", config=cfg, T=T, W=W, rank=r)
-                spec = cubeattn.grouped_spec((2 * C, hq, d), (T, hkv, d), args.dtype, [[0, C], [C, 2 * C]],
-                                             [[0, ends[0]], [0, ends[1]]], causal=True)
-                try:
-                    ts = sorted(cubeattn._core.cuda_bench_forward(spec, 3, args.iterations))
-                    rows.append(dict(key, impl="cubeattn_grouped", ms=ts[len(ts) // 2], tflops=flops / ts[len(ts) // 2] / 1e9))
-                except Exception as e:
-                    rows.append(dict(key, impl="cubeattn_grouped", error=str(e)[:200]))
-                rows.append(_ours_per_group(cubeattn._core.cuda_bench_forward, key, flops, C, ends, hq, hkv, d, args))
+                zz = _zigzag_rank(T, W, r, hq, hkv, d, args.dtype, grad=False)
+                C, ends, flops = zz.C, zz.ends, zz.flops
+                key = dict(what="zigzag_fwd", config=cfg, T=T, W=W, rank=r)
+                _zigzag_ours(rows, key, zz, T, hq, hkv, d, args, torch, grad=False)
                 qs = [torch.randn(1, hq, C, d, device="cuda", dtype=tdt) for _ in ends]
                 k = torch.randn(1, hkv, T, d, device="cuda", dtype=tdt)
                 v = torch.randn_like(k)
@@ -323,11 +379,7 @@ def _cuda_grouped(args, torch):
                         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                             F.scaled_dot_product_attention(qq, k[:, :, :e], v[:, :, :e],
                                                            attn_mask=causal_lower_right(C, e), enable_gqa=True)
-                try:
-                    ms = median_ms(two_calls, 3, args.iterations, sync)
-                    rows.append(dict(key, impl="sdpa_flash_per_group", ms=ms[0], tflops=flops / ms[0] / 1e9))
-                except Exception as e:
-                    rows.append(dict(key, impl="sdpa_flash_per_group", error=str(e)[:200]))
+                _timed_row(rows, key, "sdpa_flash_two_calls", flops, two_calls, args.iterations, sync)
                 try:
                     ms = median_ms(lambda: [cudnn_split_merge(qq, k[:, :, :e], v[:, :, :e]) for qq, e in zip(qs, ends)],
                                    3, args.iterations, sync)
@@ -363,11 +415,7 @@ def _cuda_grouped(args, torch):
     key = dict(what="shared_prefix_fwd", P=P, G=G, Qg=Qg)
     spec = cubeattn.grouped_spec((G * Qg, hq, d), (P, hkv, d), args.dtype, [[g * Qg, (g + 1) * Qg] for g in range(G)],
                                  [[0, e] for e in ends], causal=False)
-    try:
-        ts = sorted(cubeattn._core.cuda_bench_forward(spec, 3, args.iterations))
-        rows.append(dict(key, impl="cubeattn_grouped", ms=ts[len(ts) // 2], tflops=flops / ts[len(ts) // 2] / 1e9))
-    except Exception as e:
-        rows.append(dict(key, impl="cubeattn_grouped", error=str(e)[:200]))
+    _kernel_row(rows, key, "cubeattn_grouped", flops, cubeattn._core.cuda_bench_forward, spec, args.iterations)
     k = torch.randn(1, hkv, P, d, device="cuda", dtype=tdt)
     v = torch.randn_like(k)
     qs = [torch.randn(1, hq, Qg, d, device="cuda", dtype=tdt) for _ in range(G)]
@@ -400,10 +448,13 @@ def _cuda_fwdbwd(args, torch):
     rows `dense_fwdbwd` (keys config, S, D, causal; impl cubeattn = `flash_attn_func(...)
     .backward(g)`, cubeattn_deterministic the same with deterministic=True, cubeattn_kernel the
     kernels alone with device-resident inputs, sdpa_cudnn, sdpa_flash) for `--config` (default:
-    llama3-8b and gqa-d64), causal and not (`--no-causal`: only not), then the grouped zigzag rows.
+    llama3-8b and gqa-d64), causal and not (`--no-causal`: only not), then (unless --dense-only) the
+    grouped zigzag rows `zigzag_fwdbwd` of the first config (keys config, T, W, rank; impl cubeattn,
+    cubeattn_kernel, cubeattn_kernel_two_calls as in _zigzag_ours, sdpa_flash_two_calls).
     FLOPs = 3.5 x the forward matmul FLOPs."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
 
     tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     sync = torch.cuda.synchronize
@@ -418,11 +469,8 @@ def _cuda_fwdbwd(args, torch):
                 flops = 3.5 * 4 * d * hq * pairs
                 key = dict(what="dense_fwdbwd", config=config, S=s, D=d, causal=causal)
                 spec = cubeattn.varlen_spec((s, hq, d), (s, hkv, d), args.dtype, [0, s], [0, s], s, s, causal=causal)
-                try:
-                    ts = sorted(cubeattn._core.cuda_bench_forward_backward(spec, 3, args.iterations))
-                    rows.append(dict(key, impl="cubeattn_kernel", ms=ts[len(ts) // 2], tflops=flops / ts[len(ts) // 2] / 1e9))
-                except Exception as e:
-                    rows.append(dict(key, impl="cubeattn_kernel", error=str(e)[:200]))
+                _kernel_row(rows, key, "cubeattn_kernel", flops, cubeattn._core.cuda_bench_forward_backward, spec,
+                            args.iterations)
                 q = torch.randn(1, s, hq, d, device="cuda", dtype=tdt, requires_grad=True)
                 k = torch.randn(1, s, hkv, d, device="cuda", dtype=tdt, requires_grad=True)
                 v = torch.randn(1, s, hkv, d, device="cuda", dtype=tdt, requires_grad=True)
@@ -455,19 +503,11 @@ def _cuda_fwdbwd(args, torch):
                 del q, k, v, go, q4, k4, v4, go4
     hq, hkv, d = CONFIGS[configs[0]]
     for T, W in ([] if args.dense_only else zigzag_cases(args.quick)):
-        C = T // (2 * W)
         for r in (0, W - 1):
-            ends = [(r + 1) * C, (2 * W - r) * C]
-            flops = 3.5 * 4 * d * hq * sum(causal_pairs(C, e) for e in ends)
-            key = dict(what="grouped_zigzag_fwdbwd", config=configs[0], T=T, W=W, rank=r)
-            spec = cubeattn.grouped_spec((2 * C, hq, d), (T, hkv, d), args.dtype, [[0, C], [C, 2 * C]],
-                                         [[0, ends[0]], [0, ends[1]]], causal=True)
-            try:
-                ts = sorted(cubeattn._core.cuda_bench_forward_backward(spec, 3, args.iterations))
-                rows.append(dict(key, impl="cubeattn_grouped", ms=ts[len(ts) // 2], tflops=flops / ts[len(ts) // 2] / 1e9))
-            except Exception as e:
-                rows.append(dict(key, impl="cubeattn_grouped", error=str(e)[:200]))
-            rows.append(_ours_per_group(cubeattn._core.cuda_bench_forward_backward, key, flops, C, ends, hq, hkv, d, args))
+            zz = _zigzag_rank(T, W, r, hq, hkv, d, args.dtype, grad=True)
+            C, ends = zz.C, zz.ends
+            key = dict(what="zigzag_fwdbwd", config=configs[0], T=T, W=W, rank=r)
+            _zigzag_ours(rows, key, zz, T, hq, hkv, d, args, torch, grad=True)
             qs = [torch.randn(1, hq, C, d, device="cuda", dtype=tdt, requires_grad=True) for _ in ends]
             k = torch.randn(1, hkv, T, d, device="cuda", dtype=tdt, requires_grad=True)
             v = torch.randn(1, hkv, T, d, device="cuda", dtype=tdt, requires_grad=True)
@@ -479,11 +519,7 @@ def _cuda_fwdbwd(args, torch):
                         o = F.scaled_dot_product_attention(qq, k[:, :, :e], v[:, :, :e],
                                                            attn_mask=causal_lower_right(C, e), enable_gqa=True)
                     o.backward(go)
-            try:
-                ms = median_ms(two_calls, 3, args.iterations, sync)
-                rows.append(dict(key, impl="sdpa_flash_per_group", ms=ms[0], tflops=flops / ms[0] / 1e9))
-            except Exception as e:
-                rows.append(dict(key, impl="sdpa_flash_per_group", error=str(e)[:200]))
+            _timed_row(rows, key, "sdpa_flash_two_calls", zz.flops, two_calls, args.iterations, sync)
             del qs, k, v, go
     return rows
 

@@ -22,11 +22,14 @@ import statistics
 import sys
 
 # cubeattn's rows, most specific first: the first one present in a shape is "ours" there
+# (`cubeattn_grouped`: the grouped rows of records before the zigzag rows were named `zigzag_fwd`,
+# and shared_prefix_fwd's; the zigzag rows' `cubeattn` is the torch call path, as dense_fwd's)
 OURS = ("cubeattn_prepared", "cubeattn_grouped", "cubeattn_cuda", "cubeattn_cpu", "cubeattn")
 PEERS = {
     "sdpa_cudnn": "SDPA cuDNN",
     "sdpa_flash": "SDPA flash (FlashAttention-2)",
     "sdpa_flash_per_group": "SDPA flash, one call per group",
+    "sdpa_flash_two_calls": "SDPA flash, one call per group",
     "allgather_sdpa_flash": "all-gather + SDPA flash + reduce-scatter",
     "flex": "FlexAttention",
     "flex_one_call": "FlexAttention",
@@ -42,6 +45,8 @@ TITLES = {
     "dense_fwd": "forward", "fwd_torch": "forward, torch path", "fwdbwd_autograd": "fwd+bwd, torch autograd",
     "dense_causal_fwdbwd": "causal fwd+bwd, kernels", "dense_fwdbwd": "fwd+bwd, kernels",
     "sparse": "block-sparse forward", "sparse_fwdbwd": "block-sparse fwd+bwd",
+    "zigzag_fwd": "zigzag rank: one grouped call", "zigzag_fwdbwd": "zigzag rank fwd+bwd: one grouped call",
+    # the same rows in records made before they were renamed
     "grouped_zigzag_fwd": "zigzag rank: one grouped call", "grouped_zigzag_fwdbwd": "zigzag rank fwd+bwd: one grouped call",
     "shared_prefix_fwd": "shared prefix", "cp_zigzag": "zigzag context parallelism (NCCL)",
     "cp_zigzag_one_rank": "zigzag context parallelism, one rank emulated",

@@ -91,3 +91,29 @@ def test_without_matplotlib_the_figure_command_says_so(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="needs matplotlib"):
         bench.main(["figure", "--from", path, "-o", str(out)])
     assert not out.exists()
+
+
+def test_zigzag_rows_new_and_recorded_names(tmp_path):
+    """`bench grouped` / `fwdbwd` rows `zigzag_fwd` / `zigzag_fwdbwd`: ours is `cubeattn` (the torch
+    call path; `cubeattn_kernel` and `cubeattn_kernel_two_calls` are not compared), the SDPA peer
+    `sdpa_flash_two_calls`; records made before the rename (`grouped_zigzag_fwd`, ours
+    `cubeattn_grouped`, peer `sdpa_flash_per_group`) draw the same panel."""
+    key = {"config": "llama3-8b", "T": 16384, "W": 2, "rank": 0}
+    new = [dict(key, what="zigzag_fwd", impl="cubeattn", ms=2.0),
+           dict(key, what="zigzag_fwd", impl="cubeattn_kernel", ms=1.0),
+           dict(key, what="zigzag_fwd", impl="cubeattn_kernel_two_calls", ms=1.1),
+           dict(key, what="zigzag_fwd", impl="sdpa_flash_two_calls", ms=3.0),
+           dict(key, what="zigzag_fwd", impl="flex_one_call", ms=2.5)]
+    old = [dict(key, what="grouped_zigzag_fwd", impl="cubeattn_grouped", ms=1.0),
+           dict(key, what="grouped_zigzag_fwd", impl="cubeattn_per_group", ms=1.1),
+           dict(key, what="grouped_zigzag_fwd", impl="sdpa_flash_per_group", ms=3.0),
+           dict(key, what="grouped_zigzag_fwd", impl="flex_one_call", ms=2.5)]
+    (p,) = perf_figure.panels([_write(tmp_path / "new.json", new)])
+    (q,) = perf_figure.panels([_write(tmp_path / "old.json", old)])
+    assert p["title"] == q["title"] == "zigzag rank: one grouped call"
+    (_, ours, rel), = p["groups"]
+    assert ours == pytest.approx(2.0)
+    assert rel == pytest.approx({"cubeattn": 1.0, "SDPA flash, one call per group": 1.5, "FlexAttention": 1.25})
+    (_, ours, rel), = q["groups"]
+    assert ours == pytest.approx(1.0)
+    assert set(rel) == {"cubeattn", "SDPA flash, one call per group", "FlexAttention"}
