@@ -6,8 +6,9 @@
 //! One cube = 128 keys, 384 threads. Warpgroup 0 is the producer (`setmaxnreg.dec`): its warp 0
 //! issues every query tile (Q, dO by tensor maps; a tile past its segment's end by `cp.async` with
 //! rows clamped; lse / delta by `cp.async`) into two stages, each with a `full` mbarrier (the
-//! warp's 32 copy arrivals plus the tile's bytes) and an `empty` one (one arrival per consumer
-//! warpgroup once its MMAs have read the stage); its warp 1 (fused dQ) waits for each tile's dQ
+//! warp's 32 copy arrivals plus the tile's bytes) and an `empty` one (every consumer thread's
+//! arrival once its warpgroup's MMAs have read the stage: each thread's own reads of lse / delta
+//! come before it; one arrival per warpgroup was a race, compute-sanitizer racecheck); its warp 1 (fused dQ) waits for each tile's dQ
 //! rows, issues their bulk reduce-adds and frees the row tile. Warpgroups 1 and 2 are the consumers
 //! (`setmaxnreg.inc`, 64 keys each, dK and dV in registers). Per query tile a consumer: waits for
 //! the stage; S^T, dP^T; P^T, dS^T; dV += P^T dO, dK += dS^T Q; (fused dQ) stores dS^T key-major
@@ -100,8 +101,9 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
     let mut dl_smem = SharedMemory::<f32>::new(comptime!(2 * BM));
     let full0 = Barrier::shared(comptime!(LOADERS as u32), UNIT_POS == 0);
     let full1 = Barrier::shared(comptime!(LOADERS as u32), UNIT_POS == 0);
-    let empty0 = Barrier::shared(2u32, UNIT_POS == 0);
-    let empty1 = Barrier::shared(2u32, UNIT_POS == 0);
+    // every consumer thread arrives: its reads of the stage's lse / delta precede its arrival
+    let empty0 = Barrier::shared(CONSUMER_THREADS, UNIT_POS == 0);
+    let empty1 = Barrier::shared(CONSUMER_THREADS, UNIT_POS == 0);
     let dq_full = Barrier::shared(CONSUMER_THREADS, UNIT_POS == 0);
     let dq_empty = Barrier::shared(comptime!(LOADERS as u32), UNIT_POS == 0);
 
@@ -182,7 +184,6 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
     setmaxnreg(true, CONSUMER_REGS);
     let cw = (wg - 1u32) as usize;
     let ct = cw as u32 * 128u32 + UNIT_POS % 128u32;
-    let first = ct % 128u32 == 0u32;
     // this lane's first accumulator row (a key of the cube; + 8 for the second)
     let key_a = cw * WG_KEYS + ((warp % 4u32) * 16u32 + lane / 4u32) as usize;
     // this lane's first accumulator column pair (a row of the query tile)
@@ -293,7 +294,7 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
                 wgmma_commit();
                 // dV, dK done: the stage is free
                 wgmma_wait(1u32);
-                release(&empty0, &empty1, cur, first);
+                release(&empty0, &empty1, cur, true);
                 wgmma_wait(0u32);
                 // the dQ warp has read the previous tile's rows
                 if cur > 0u32 {
@@ -320,7 +321,7 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
                 let _t = dq_full.arrive_and_expect_tx(1u32, 0u32);
             } else {
                 wgmma_wait(0u32);
-                release(&empty0, &empty1, cur, first);
+                release(&empty0, &empty1, cur, true);
             }
             next_q_tile(&args.tq_list, &sw, &mut qt, hk, group, args.q_tiles_per_block, args.q_block, sparse);
             g += 1u32;
