@@ -19,7 +19,8 @@
 //!
 //! The host plan, card (`cards::DkdvCard`), work list, segments and query-tile walk (dense, varlen,
 //! GQA, grouped windows, paged K/V, block-sparse through the transposed index) are
-//! `flash_bwd_sm90`'s; head_dim 64 and 128.
+//! `flash_bwd_sm90`'s. The default at head_dim 128 (`backend::cuda::backward`); at 64 it lost to
+//! `flash_bwd_sm90`, and so did a variant whose consumers did not meet per tile (docs/backward.md).
 
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
@@ -31,7 +32,7 @@ use super::flash_fwd_ws::release;
 use super::flash_bwd_sm90::{issue_q_tile, key_by_dim_steps, key_by_row_steps, p_transposed};
 use super::grid::cube_item_slot;
 use super::rows::kv_row;
-use super::sm90::{fence_proxy_async, pack_a_pairs, setmaxnreg, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_ss,
+use super::sm90::{fence_proxy_async, named_barrier, pack_a_pairs, setmaxnreg, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_ss,
     wgmma_wait, SW_COLS, SW_ROW};
 use super::staging::{stage_rows, wait_stage};
 use super::tiles::{BWD_BM, WIDE_BN};
@@ -49,8 +50,10 @@ const BM: usize = BWD_BM;
 const _: () = assert!(BN == 2 * WG_KEYS && BM == 64);
 /// The producer's loading warp: its 32 lanes' copy arrivals complete a `full` phase.
 const LOADERS: usize = 32;
-/// Consumer threads (the `empty`, `ds_full` and `dq_full` arrivals).
+/// Consumer threads (the `dq_full` arrivals and the named barrier's count).
 const CONSUMER_THREADS: u32 = 256;
+/// The named barrier that publishes both consumers' dS^T halves.
+const DS_BARRIER: u32 = 1;
 
 /// The query tiles of this cube's walk (every segment's `n_it`): the dQ warp's loop bound.
 #[cube]
@@ -88,9 +91,9 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
     let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(BN * head_dim), 1024usize);
     let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(2 * BM * head_dim), 1024usize);
     let mut do_smem = SharedMemory::<E>::new_aligned(comptime!(2 * BM * head_dim), 1024usize);
-    // dS^T, key-major ([key][row]: one 64-column chunk of BN rows), three buffers: the A operand of
+    // dS^T, key-major ([key][row]: one 64-column chunk of BN rows), two buffers: the A operand of
     // dQ = dS K
-    let mut ds_smem = SharedMemory::<E>::new_aligned(comptime!(if fuse_dq { 3 * BN * BM } else { SW_COLS * 8 }), 1024usize);
+    let mut ds_smem = SharedMemory::<E>::new_aligned(comptime!(if fuse_dq { 2 * BN * BM } else { SW_COLS * 8 }), 1024usize);
     let dts = comptime!(dq_tile_stride(head_dim));
     let mut dq_tile = SharedMemory::<Vector<f32, NQ>>::new_aligned(comptime!(if fuse_dq { BM * dts / qvec } else { 1usize }), 16usize);
     // the dQ tile's destination: first global row (q_start + r0), rows, head
@@ -104,8 +107,6 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
     let empty1 = Barrier::shared(CONSUMER_THREADS, UNIT_POS == 0);
     let dq_full = Barrier::shared(CONSUMER_THREADS, UNIT_POS == 0);
     let dq_empty = Barrier::shared(comptime!(LOADERS as u32), UNIT_POS == 0);
-    // both consumers' dS^T of a tile stored (every consumer thread arrives)
-    let ds_full = Barrier::shared(CONSUMER_THREADS, UNIT_POS == 0);
 
     let (item, hk) = cube_item_slot(args.heads_kv, sparse);
     let group = args.heads_q / args.heads_kv;
@@ -207,12 +208,6 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
     let dq_col0 = cw * comptime!(head_dim / 2);
     let k_dq = (dq_col0 / SW_COLS) * comptime!(BN * SW_COLS) + dq_col0 % SW_COLS;
 
-    // the pending dQ (fused): tile g - 1's dS^T buffer and destination (first global row, rows, head)
-    let mut db = 0usize;
-    let mut pend_db = 2usize;
-    let mut pend_row = 0u32;
-    let mut pend_rows = 0u32;
-    let mut pend_h = 0u32;
     let mut g = 0u32;
     for si in ki.s_begin..ki.s_end {
         let sw = seg_walk(
@@ -262,9 +257,9 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
             }
             pack_a_pairs::<E>(&s, &mut p_regs, comptime!(BM / 4));
             pack_a_pairs::<E>(&dp, &mut ds_regs, comptime!(BM / 4));
+            let dsb = ((cur & 1u32) as usize) * comptime!(BN * BM);
             if fuse_dq {
-                // dS^T key-major into buffer g % 3 (the rows of a pair are adjacent)
-                let dsb = db * comptime!(BN * BM);
+                // dS^T key-major for dQ (the rows of a pair are adjacent)
                 #[unroll]
                 for nb in 0..comptime!(BM / 8) {
                     #[unroll]
@@ -285,48 +280,52 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
             wgmma_commit();
 
             if fuse_dq {
-                // ---- 4. dQ of tile g - 1 (both consumers' dS^T stored). Before tile 0 it reads
-                // buffer 2, which nothing writes before tile 2, and is not stored: an MMA issued in
-                // every tile (ptxas spills the loop when it is conditional) ----
-                if cur > 0u32 {
-                    ds_full.wait_parity((cur - 1u32) & 1u32);
-                }
+                // ---- 4. dQ[:, dq_col0..] = dS K (both consumers' dS^T halves stored) ----
+                named_barrier(DS_BARRIER, CONSUMER_THREADS);
                 wgmma_fence();
-                dq_steps::<E>(&mut dq, &ds_smem, pend_db * comptime!(BN * BM), &k_smem, k_dq, head_dim);
-                wgmma_commit();
-            }
-            // dV, dK (and dQ) done: the stage is free
-            wgmma_wait(0u32);
-            release(&empty0, &empty1, cur, true);
-            if fuse_dq {
-                // ---- 5. this thread's dS^T of tile g stored and its reads of buffer (g - 1) % 3
-                // complete (so a consumer past ds_full(g + 1) may write buffer (g - 2) % 3 = (g + 1)
-                // % 3); tile g - 1's dQ rows to the copy engine ----
-                let _t = ds_full.arrive_and_expect_tx(1u32, 0u32);
-                if cur > 0u32 {
-                    put_dq::<NQ>(&dq, &mut dq_tile, &mut dq_info, &dq_full, &dq_empty, cur - 1u32, pend_row, pend_rows, pend_h,
-                        key_a - cw * WG_KEYS, dq_col0, col_a, ct, head_dim, qvec);
+                #[unroll]
+                for ks in 0..comptime!(BN / 16) {
+                    let a_off = dsb + comptime!(ks * 16 * SW_COLS);
+                    let b_off = k_dq + comptime!(ks * 16 * SW_COLS);
+                    wgmma_ss::<E>(
+                        &mut dq, &ds_smem, a_off as u32, &k_smem, b_off as u32, 0usize, comptime!(head_dim / 2), true,
+                        comptime!((BN * SW_ROW) as u32), true, comptime!((BN * SW_ROW) as u32), comptime!(ks > 0),
+                    );
                 }
-                pend_db = db;
-                db = select(db == 2usize, 0usize, db + 1usize);
-                pend_row = sw.q_start + r0;
-                pend_rows = select(r0 < row_end, min(row_end - r0, BM as u32), 0u32);
-                pend_h = h;
+                wgmma_commit();
+                // dV, dK done: the stage is free
+                wgmma_wait(1u32);
+                release(&empty0, &empty1, cur, true);
+                wgmma_wait(0u32);
+                // the dQ warp has read the previous tile's rows
+                if cur > 0u32 {
+                    dq_empty.wait_parity((cur - 1u32) & 1u32);
+                }
+                // rows 16 w + lane / 4 (+ 8) of the tile, columns dq_col0 + 8 nb + col_a (+ 1)
+                let row_a = key_a - cw * WG_KEYS;
+                #[unroll]
+                for nb in 0..comptime!(head_dim / 16) {
+                    #[unroll]
+                    for hh in 0..2usize {
+                        let i = nb * 4 + hh * 2;
+                        let at = (row_a + hh * 8) * dts + dq_col0 + nb * 8 + col_a;
+                        put_dq_pair::<NQ>(&mut dq_tile, at / qvec, dq[i], dq[i + 1], qvec);
+                    }
+                }
+                if ct == 0u32 {
+                    dq_info[0] = sw.q_start + r0;
+                    dq_info[1] = select(r0 < row_end, min(row_end - r0, BM as u32), 0u32);
+                    dq_info[2] = h;
+                }
+                // this thread's stores visible to the copy engine, then its arrival
+                fence_proxy_async();
+                let _t = dq_full.arrive_and_expect_tx(1u32, 0u32);
+            } else {
+                wgmma_wait(0u32);
+                release(&empty0, &empty1, cur, true);
             }
             next_q_tile(&args.tq_list, &sw, &mut qt, hk, group, args.q_tiles_per_block, args.q_block, sparse);
             g += 1u32;
-        }
-    }
-    if fuse_dq {
-        // the last tile's dQ
-        if g > 0u32 {
-            ds_full.wait_parity((g - 1u32) & 1u32);
-            wgmma_fence();
-            dq_steps::<E>(&mut dq, &ds_smem, pend_db * comptime!(BN * BM), &k_smem, k_dq, head_dim);
-            wgmma_commit();
-            wgmma_wait(0u32);
-            put_dq::<NQ>(&dq, &mut dq_tile, &mut dq_info, &dq_full, &dq_empty, g - 1u32, pend_row, pend_rows, pend_h,
-                key_a - cw * WG_KEYS, dq_col0, col_a, ct, head_dim, qvec);
         }
     }
 
@@ -344,72 +343,4 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
             }
         }
     }
-}
-
-/// Issues `dq = dS K` for this warpgroup's half of dQ's columns (`k_dq`: their element offset in the
-/// swizzled K tile) from the key-major dS^T buffer at element `dsb`: 8 MMAs m64 x head_dim / 2 x k16
-/// (A = dS^T MN-major, B = K MN-major). The caller fences before and commits after.
-#[cube]
-fn dq_steps<E: Float>(
-    dq: &mut Array<f32>,
-    ds_smem: &SharedMemory<E>,
-    dsb: usize,
-    k_smem: &SharedMemory<E>,
-    k_dq: usize,
-    #[comptime] head_dim: usize,
-) {
-    #[unroll]
-    for ks in 0..comptime!(BN / 16) {
-        let a_off = dsb + comptime!(ks * 16 * SW_COLS);
-        let b_off = k_dq + comptime!(ks * 16 * SW_COLS);
-        wgmma_ss::<E>(
-            dq, ds_smem, a_off as u32, k_smem, b_off as u32, 0usize, comptime!(head_dim / 2), true,
-            comptime!((BN * SW_ROW) as u32), true, comptime!((BN * SW_ROW) as u32), comptime!(ks > 0),
-        );
-    }
-}
-
-/// Tile `j`'s dQ (this thread's accumulator `dq`: rows `row_a`, `row_a + 8`, columns `dq_col0 + 8 nb +
-/// col_a (+ 1)`) into the f32 row tile once the dQ warp has read tile `j - 1`'s rows, the
-/// destination (`first_row`, `rows`, `head`) into `dq_info` by consumer thread 0, then this thread's
-/// arrival on `dq_full` (after its stores are visible to the copy engine).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn put_dq<NQ: Size>(
-    dq: &Array<f32>,
-    dq_tile: &mut SharedMemory<Vector<f32, NQ>>,
-    dq_info: &mut SharedMemory<u32>,
-    dq_full: &Barrier,
-    dq_empty: &Barrier,
-    j: u32,
-    first_row: u32,
-    rows: u32,
-    head: u32,
-    row_a: usize,
-    dq_col0: usize,
-    col_a: usize,
-    ct: u32,
-    #[comptime] head_dim: usize,
-    #[comptime] qvec: usize,
-) {
-    if j > 0u32 {
-        dq_empty.wait_parity((j - 1u32) & 1u32);
-    }
-    let dts = comptime!(dq_tile_stride(head_dim));
-    #[unroll]
-    for nb in 0..comptime!(head_dim / 16) {
-        #[unroll]
-        for hh in 0..2usize {
-            let i = nb * 4 + hh * 2;
-            let at = (row_a + hh * 8) * dts + dq_col0 + nb * 8 + col_a;
-            put_dq_pair::<NQ>(dq_tile, at / qvec, dq[i], dq[i + 1], qvec);
-        }
-    }
-    if ct == 0u32 {
-        dq_info[0] = first_row;
-        dq_info[1] = rows;
-        dq_info[2] = head;
-    }
-    fence_proxy_async();
-    let _t = dq_full.arrive_and_expect_tx(1u32, 0u32);
 }
