@@ -19,8 +19,9 @@
 //!
 //! The host plan, card (`cards::DkdvCard`), work list, segments and query-tile walk (dense, varlen,
 //! GQA, grouped windows, paged K/V, block-sparse through the transposed index) are
-//! `flash_bwd_sm90`'s. The default at head_dim 128 (`backend::cuda::backward`); at 64 it lost to
-//! `flash_bwd_sm90`, and so did a variant whose consumers did not meet per tile (docs/backward.md).
+//! `flash_bwd_sm90`'s. The default at head_dim 128, and at 64 without the fused dQ
+//! (`backend::cuda::backward::ws_backward`); the fused d64 kernel lost to `flash_bwd_sm90`, and so
+//! did a variant whose consumers did not meet per tile (docs/backward.md).
 
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;

@@ -434,16 +434,19 @@ pub(crate) fn sm90_backward(be: &CudaBackend, spec: &AttnSpec, acc: Option<u64>)
     super::forward::sm90_forward(be, spec) && SM90_BWD_HEAD_DIMS.contains(&spec.dims.head_dim) && acc.is_none_or(|a| a.is_multiple_of(16) && be.target.bulk_reduce)
 }
 
-/// Head dims where the warp-specialised dK/dV kernel (`flash_bwd_ws`) is the default: at 128 it
-/// took fwd+bwd 1.5-4% below `flash_bwd_sm90`'s time (kernel time, H200,
-/// bench/results/h200-2026-11-29-ws-bwd); at 64 it was 6-7% slower (docs/measured-and-lost.md).
-const WS_BWD_HEAD_DIMS: [usize; 1] = [128];
+/// Whether the warp-specialised dK/dV kernel (`flash_bwd_ws`) serves head_dim `hd` (`fused`: with
+/// the dQ products): at 128, where fwd+bwd took 1.5-4% less kernel time than with
+/// `flash_bwd_sm90` (H200, bench/results/h200-2026-11-29-ws-bwd), and without the fused dQ (the
+/// deterministic path) at 64 too (2-5% less); the fused d64 kernel was 6-7% slower
+/// (docs/measured-and-lost.md). `CUBEATTN_BWD_SM90_WS=0` turns it off.
+fn ws_backward(hd: usize, fused: bool) -> bool {
+    crate::config::get().bwd_sm90_ws && (hd == 128 || (hd == 64 && !fused))
+}
 
 /// The Hopper dK/dV kernel for one set of comptime choices: the warp-specialised
-/// `flash_bwd_ws::flash_bwd_ws` at [`WS_BWD_HEAD_DIMS`] (`CUBEATTN_BWD_SM90_WS=0` turns it off),
-/// else `flash_bwd_sm90::flash_bwd_sm90`.
+/// `flash_bwd_ws::flash_bwd_ws` where [`ws_backward`], else `flash_bwd_sm90::flash_bwd_sm90`.
 pub(crate) fn dkdv_sm90_kernel(be: &CudaBackend, dt: DType, hd: usize, fused: bool, qvec: usize, sparse: bool, paged: bool) -> Result<Func> {
-    let ws = crate::config::get().bwd_sm90_ws && WS_BWD_HEAD_DIMS.contains(&hd);
+    let ws = ws_backward(hd, fused);
     let name = if ws { "flash_bwd_ws" } else { "flash_bwd_sm90" };
     let key = KernelKey::new(name, dt, &[hd as u32, fused as u32, qvec as u32, sparse as u32, paged as u32]);
     be.kernels.get(&key, || dkdv_sm90_source(be.client(), dt, hd, fused, qvec, sparse, paged, ws))

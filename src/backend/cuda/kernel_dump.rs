@@ -88,6 +88,7 @@ mod tests {
             ("bwd_sm90_paged_fused_d128_f16", dkdv_sm90_source(c, DType::F16, 128, true, 2, false, true, false)),
             ("bwd_ws_fused_d128", dkdv_sm90_source(c, dt, 128, true, 2, false, false, true)),
             ("bwd_ws_d128", dkdv_sm90_source(c, dt, 128, false, 2, false, false, true)),
+            ("bwd_ws_d64", dkdv_sm90_source(c, dt, 64, false, 2, false, false, true)),
             ("bwd_ws_sparse_fused_d128", dkdv_sm90_source(c, dt, 128, true, 2, true, false, true)),
             ("bwd_ws_paged_fused_d128_f16", dkdv_sm90_source(c, DType::F16, 128, true, 2, false, true, true)),
             // above head_dim 128: dV and dK in different warpgroups, fused dQ by atomics, or none
