@@ -36,7 +36,7 @@ use super::rows::kv_row;
 use super::sm90::{fence_proxy_async, pack_a_pairs, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait,
     SW_COLS, SW_ROW};
 use super::tiles::{BWD_BM, WIDE_BN};
-use super::staging::{commit_stage, issue_lse_delta_by, stage_rows, wait_stage};
+use super::staging::{commit_stage, issue_lse_delta, stage_rows, wait_stage};
 
 /// Threads per cube: two warpgroups.
 pub const SM90_BWD_THREADS: usize = 256;
@@ -116,7 +116,7 @@ pub fn issue_q_tile<E: Float>(
             copy_async(&do_s.slice(src, src + 8), &mut do_smem.slice_mut(dst, dst + 8), 8u32);
         }
     }
-    issue_lse_delta_by(lse, delta, lse_smem, dl_smem, stage * BM, r0, q_len, q_start, h, total_q, tid, threads);
+    issue_lse_delta(lse, delta, lse_smem, dl_smem, stage * BM, r0, q_len, q_start, h, total_q, tid, threads);
     commit_stage(bar0, bar1, g);
 }
 
@@ -221,6 +221,128 @@ pub fn p_transposed(
                     let i = nb * 4 + hh * 2 + e2;
                     s[i] = select(kk >= lo && kk < hi, s[i], 0.0f32);
                 }
+            }
+        }
+    }
+}
+
+/// dS^T = P^T (dP^T - delta) in place of `dp` (the m64n64 accumulator of 64 keys x the query
+/// tile's 64 rows; `s` holds P^T, delta of stage `lb` of `dl_smem`, this lane's first column pair
+/// `col_a`). P = 0 (masked) keeps dS = 0 even where dP - delta is not finite.
+#[cube]
+pub fn ds_transposed(dp: &mut Array<f32>, s: &Array<f32>, dl_smem: &SharedMemory<f32>, lb: usize, col_a: usize) {
+    #[unroll]
+    for nb in 0..comptime!(BM / 8) {
+        #[unroll]
+        for e2 in 0..2usize {
+            let dl = dl_smem[lb + nb * 8 + col_a + e2];
+            #[unroll]
+            for hh in 0..2usize {
+                let i = nb * 4 + hh * 2 + e2;
+                dp[i] = select(s[i] == 0.0f32, 0.0f32, s[i] * (dp[i] - dl));
+            }
+        }
+    }
+}
+
+/// The packed dS^T pairs `ds_regs` stored key-major into the swizzled buffer at element `dsb` of
+/// `ds_smem` (one 64-column chunk of `key_rows` key rows: the A operand of dQ = dS K; the rows of a
+/// pair are adjacent), then fenced for the async proxy.
+#[cube]
+pub fn store_ds_transposed<E: Float>(
+    ds_smem: &mut SharedMemory<E>,
+    dsb: usize,
+    ds_regs: &Array<Vector<E, Const<2>>>,
+    key_a: usize,
+    col_a: usize,
+    #[comptime] key_rows: usize,
+) {
+    #[unroll]
+    for nb in 0..comptime!(BM / 8) {
+        #[unroll]
+        for hh in 0..2usize {
+            let at = dsb + swizzle_128b(key_a + hh * 8, nb * 8, key_rows) + col_a;
+            let pr = ds_regs[nb * 2 + hh];
+            ds_smem[at] = pr[0];
+            ds_smem[at + 1] = pr[1];
+        }
+    }
+    fence_proxy_async();
+}
+
+/// `dq = dS K` for one warpgroup's half of dQ's columns (`k_dq`: their element offset in the
+/// swizzled K tile) from the key-major dS^T at element `dsb` of `ds_smem`: 8 MMAs m64 x head_dim /
+/// 2 x k16 (A = dS^T MN-major, B = K MN-major). The caller fences before and commits after.
+#[cube]
+pub fn dq_steps<E: Float>(
+    dq: &mut Array<f32>,
+    ds_smem: &SharedMemory<E>,
+    dsb: usize,
+    k_smem: &SharedMemory<E>,
+    k_dq: usize,
+    #[comptime] head_dim: usize,
+) {
+    #[unroll]
+    for ks in 0..comptime!(BN / 16) {
+        let a_off = dsb + comptime!(ks * 16 * SW_COLS);
+        let b_off = k_dq + comptime!(ks * 16 * SW_COLS);
+        wgmma_ss::<E>(
+            dq, ds_smem, a_off as u32, k_smem, b_off as u32, 0usize, comptime!(head_dim / 2), true,
+            comptime!((BN * SW_ROW) as u32), true, comptime!((BN * SW_ROW) as u32), comptime!(ks > 0),
+        );
+    }
+}
+
+/// This thread's dQ accumulator (rows `row_a`, `row_a + 8` of the tile, columns `dq_col0 + 8 nb +
+/// col_a (+ 1)`) into the f32 row tile (rows [`dq_tile_stride`] apart, vectors of `qvec`).
+#[cube]
+pub fn put_dq_rows<NQ: Size>(
+    dq_tile: &mut SharedMemory<Vector<f32, NQ>>,
+    dq: &Array<f32>,
+    row_a: usize,
+    dq_col0: usize,
+    col_a: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] qvec: usize,
+) {
+    let dts = comptime!(dq_tile_stride(head_dim));
+    #[unroll]
+    for nb in 0..comptime!(head_dim / 16) {
+        #[unroll]
+        for hh in 0..2usize {
+            let i = nb * 4 + hh * 2;
+            let at = (row_a + hh * 8) * dts + dq_col0 + nb * 8 + col_a;
+            put_dq_pair::<NQ>(dq_tile, at / qvec, dq[i], dq[i + 1], qvec);
+        }
+    }
+}
+
+/// dK (scaled) and dV of this lane's keys `key0 + key_a (+ 8)` below `key_lim` from the m64 x
+/// head_dim accumulators (zero for keys no segment saw).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn write_dkdv<E: Float, NV: Size, NQ: Size>(
+    args: &mut DkdvCard<E, NV, NQ>,
+    dk_acc: &Array<f32>,
+    dv_acc: &Array<f32>,
+    key0: u32,
+    key_lim: u32,
+    key_a: usize,
+    col_a: usize,
+    hk: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] paged: bool,
+) {
+    #[unroll]
+    for nb in 0..comptime!(head_dim / 8) {
+        #[unroll]
+        for e in 0..4usize {
+            let key = key0 + (key_a + (e / 2) * 8) as u32;
+            if key < key_lim {
+                let col = nb * 8 + col_a + e % 2;
+                let gi = (kv_row(key, &args.tq_list, paged) * args.heads_kv + hk) as usize * head_dim + col;
+                args.dk[gi] = E::cast_from(dk_acc[nb * 4 + e] * args.scale);
+                args.dv[gi] = E::cast_from(dv_acc[nb * 4 + e]);
             }
         }
     }
@@ -381,34 +503,12 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
                 args.scale_log2,
             );
             wgmma_wait(0u32);
-            #[unroll]
-            for nb in 0..comptime!(BM / 8) {
-                #[unroll]
-                for e2 in 0..2usize {
-                    let dl = dl_smem[lb + nb * 8 + col_a + e2];
-                    #[unroll]
-                    for hh in 0..2usize {
-                        let i = nb * 4 + hh * 2 + e2;
-                        // P = 0 (masked) keeps dS = 0 even where dP - delta is not finite
-                        dp[i] = select(s[i] == 0.0f32, 0.0f32, s[i] * (dp[i] - dl));
-                    }
-                }
-            }
+            ds_transposed(&mut dp, &s, &dl_smem, lb, col_a);
             pack_a_pairs::<E>(&s, &mut p_regs, comptime!(BM / 4));
             pack_a_pairs::<E>(&dp, &mut ds_regs, comptime!(BM / 4));
             if fuse_dq {
-                // dS^T key-major for dQ (the rows of a pair are adjacent)
-                #[unroll]
-                for nb in 0..comptime!(BM / 8) {
-                    #[unroll]
-                    for hh in 0..2usize {
-                        let at = swizzle_128b(key_a + hh * 8, nb * 8, BN) + col_a;
-                        let pr = ds_regs[nb * 2 + hh];
-                        ds_smem[at] = pr[0];
-                        ds_smem[at + 1] = pr[1];
-                    }
-                }
-                fence_proxy_async();
+                // dS^T key-major for dQ
+                store_ds_transposed::<E>(&mut ds_smem, 0usize, &ds_regs, key_a, col_a, BN);
             }
 
             // ---- 3. dV += P^T dO, dK += dS^T Q ----
@@ -423,28 +523,11 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
                 dq_rows_read(BM);
                 sync_cube();
                 wgmma_fence();
-                #[unroll]
-                for ks in 0..comptime!(BN / 16) {
-                    let a_off = comptime!(ks * 16 * SW_COLS);
-                    let b_off = k_dq + comptime!(ks * 16 * SW_COLS);
-                    wgmma_ss::<E>(
-                        &mut dq, &ds_smem, a_off as u32, &k_smem, b_off as u32, 0usize, comptime!(head_dim / 2), true,
-                        comptime!((BN * SW_ROW) as u32), true, comptime!((BN * SW_ROW) as u32), comptime!(ks > 0),
-                    );
-                }
+                dq_steps::<E>(&mut dq, &ds_smem, 0usize, &k_smem, k_dq, head_dim);
                 wgmma_commit();
                 wgmma_wait(0u32);
-                // rows 16 w + lane / 4 (+ 8) of the tile, columns dq_col0 + 8 nb + col_a (+ 1)
-                let row_a = key_a - wg * WG_KEYS;
-                #[unroll]
-                for nb in 0..comptime!(head_dim / 16) {
-                    #[unroll]
-                    for hh in 0..2usize {
-                        let i = nb * 4 + hh * 2;
-                        let at = (row_a + hh * 8) * dts + dq_col0 + nb * 8 + col_a;
-                        put_dq_pair::<NQ>(&mut dq_tile, at / qvec, dq[i], dq[i + 1], qvec);
-                    }
-                }
+                // rows 16 w + lane / 4 (+ 8) of the tile
+                put_dq_rows::<NQ>(&mut dq_tile, &dq, key_a - wg * WG_KEYS, dq_col0, col_a, head_dim, qvec);
                 sync_async_proxy_shared();
                 let n_rows = select(r0 < row_end, min(row_end - r0, BM as u32), 0u32);
                 let dst = dq_row_dst(q_start + r0, n_rows, h, args.heads_q, head_dim, qvec);
@@ -467,17 +550,5 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
     }
 
     // ---- dK, dV (zero for keys no segment sees; sparse: the item's keys only) ----
-    #[unroll]
-    for nb in 0..comptime!(head_dim / 8) {
-        #[unroll]
-        for e in 0..4usize {
-            let key = key0 + (key_a + (e / 2) * 8) as u32;
-            if key < key_lim {
-                let col = nb * 8 + col_a + e % 2;
-                let gi = (kv_row(key, &args.tq_list, paged) * args.heads_kv + hk) as usize * head_dim + col;
-                args.dk[gi] = E::cast_from(dk_acc[nb * 4 + e] * args.scale);
-                args.dv[gi] = E::cast_from(dv_acc[nb * 4 + e]);
-            }
-        }
-    }
+    write_dkdv::<E, NV, NQ>(args, &dk_acc, &dv_acc, key0, key_lim, key_a, col_a, hk, head_dim, paged);
 }

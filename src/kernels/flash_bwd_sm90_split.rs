@@ -27,10 +27,10 @@ use cubecl::prelude::*;
 use super::bwd_walk::{key_item, seg_walk};
 use super::cards::DkdvCard;
 use super::bulk_reduce::add_dq_pair;
-use super::flash_bwd_sm90::{issue_q_tile, key_by_dim_steps, key_by_row_steps, p_transposed, SM90_BWD_THREADS};
+use super::flash_bwd_sm90::{issue_q_tile, key_by_dim_steps, key_by_row_steps, p_transposed, store_ds_transposed, SM90_BWD_THREADS};
 use super::grid::cube_item_slot;
 use super::rows::kv_row;
-use super::sm90::{fence_proxy_async, pack_a_pairs, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_ss, wgmma_wait, SW_COLS,
+use super::sm90::{fence_proxy_async, pack_a_pairs, wgmma_commit, wgmma_fence, wgmma_ss, wgmma_wait, SW_COLS,
     SW_ROW};
 use super::staging::{stage_rows, wait_stage};
 use super::tiles::{BWD_BM, SPLIT_BN};
@@ -199,17 +199,7 @@ pub fn flash_bwd_sm90_split<E: Float, NV: Size, NQ: Size>(
                 }
                 pack_a_pairs::<E>(&x, &mut a_regs, comptime!(BM / 4));
                 if fuse_dq {
-                    #[unroll]
-                    for nb in 0..comptime!(BM / 8) {
-                        #[unroll]
-                        for hh in 0..2usize {
-                            let at = swizzle_128b(key_a + hh * 8, nb * 8, BN) + col_a;
-                            let pr = a_regs[nb * 2 + hh];
-                            ds_smem[at] = pr[0];
-                            ds_smem[at + 1] = pr[1];
-                        }
-                    }
-                    fence_proxy_async();
+                    store_ds_transposed::<E>(&mut ds_smem, 0usize, &a_regs, key_a, col_a, BN);
                 }
                 // ---- 3. dK += dS^T Q ----
                 wgmma_fence();

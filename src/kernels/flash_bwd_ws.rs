@@ -26,15 +26,16 @@
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
-use super::bulk_reduce::{add_dq_row, dq_tile_stride, put_dq_pair};
+use super::bulk_reduce::{add_dq_row, dq_tile_stride};
 use super::bwd_walk::{first_q_tile, key_item, next_q_tile, seg_walk, KeyItem};
 use super::cards::DkdvCard;
 use super::flash_fwd_ws::release;
-use super::flash_bwd_sm90::{issue_q_tile, key_by_dim_steps, key_by_row_steps, p_transposed};
+use super::flash_bwd_sm90::{
+    ds_transposed, dq_steps, issue_q_tile, key_by_dim_steps, key_by_row_steps, p_transposed, put_dq_rows, store_ds_transposed,
+    write_dkdv,
+};
 use super::grid::cube_item_slot;
-use super::rows::kv_row;
-use super::sm90::{fence_proxy_async, named_barrier, pack_a_pairs, setmaxnreg, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_ss,
-    wgmma_wait, SW_COLS, SW_ROW};
+use super::sm90::{fence_proxy_async, named_barrier, pack_a_pairs, setmaxnreg, wgmma_commit, wgmma_fence, wgmma_wait, SW_COLS};
 use super::staging::{stage_rows, wait_stage};
 use super::tiles::{BWD_BM, WIDE_BN};
 
@@ -243,35 +244,13 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
                 args.win_r, args.scale_log2,
             );
             wgmma_wait(0u32);
-            #[unroll]
-            for nb in 0..comptime!(BM / 8) {
-                #[unroll]
-                for e2 in 0..2usize {
-                    let dl = dl_smem[lb + nb * 8 + col_a + e2];
-                    #[unroll]
-                    for hh in 0..2usize {
-                        let i = nb * 4 + hh * 2 + e2;
-                        // P = 0 (masked) keeps dS = 0 even where dP - delta is not finite
-                        dp[i] = select(s[i] == 0.0f32, 0.0f32, s[i] * (dp[i] - dl));
-                    }
-                }
-            }
+            ds_transposed(&mut dp, &s, &dl_smem, lb, col_a);
             pack_a_pairs::<E>(&s, &mut p_regs, comptime!(BM / 4));
             pack_a_pairs::<E>(&dp, &mut ds_regs, comptime!(BM / 4));
             let dsb = ((cur & 1u32) as usize) * comptime!(BN * BM);
             if fuse_dq {
-                // dS^T key-major for dQ (the rows of a pair are adjacent)
-                #[unroll]
-                for nb in 0..comptime!(BM / 8) {
-                    #[unroll]
-                    for hh in 0..2usize {
-                        let at = dsb + swizzle_128b(key_a + hh * 8, nb * 8, BN) + col_a;
-                        let pr = ds_regs[nb * 2 + hh];
-                        ds_smem[at] = pr[0];
-                        ds_smem[at + 1] = pr[1];
-                    }
-                }
-                fence_proxy_async();
+                // dS^T key-major for dQ, buffer g % 2
+                store_ds_transposed::<E>(&mut ds_smem, dsb, &ds_regs, key_a, col_a, BN);
             }
 
             // ---- 3. dV += P^T dO, dK += dS^T Q ----
@@ -284,15 +263,7 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
                 // ---- 4. dQ[:, dq_col0..] = dS K (both consumers' dS^T halves stored) ----
                 named_barrier(DS_BARRIER, CONSUMER_THREADS);
                 wgmma_fence();
-                #[unroll]
-                for ks in 0..comptime!(BN / 16) {
-                    let a_off = dsb + comptime!(ks * 16 * SW_COLS);
-                    let b_off = k_dq + comptime!(ks * 16 * SW_COLS);
-                    wgmma_ss::<E>(
-                        &mut dq, &ds_smem, a_off as u32, &k_smem, b_off as u32, 0usize, comptime!(head_dim / 2), true,
-                        comptime!((BN * SW_ROW) as u32), true, comptime!((BN * SW_ROW) as u32), comptime!(ks > 0),
-                    );
-                }
+                dq_steps::<E>(&mut dq, &ds_smem, dsb, &k_smem, k_dq, head_dim);
                 wgmma_commit();
                 // dV, dK done: the stage is free
                 wgmma_wait(1u32);
@@ -302,17 +273,8 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
                 if cur > 0u32 {
                     dq_empty.wait_parity((cur - 1u32) & 1u32);
                 }
-                // rows 16 w + lane / 4 (+ 8) of the tile, columns dq_col0 + 8 nb + col_a (+ 1)
-                let row_a = key_a - cw * WG_KEYS;
-                #[unroll]
-                for nb in 0..comptime!(head_dim / 16) {
-                    #[unroll]
-                    for hh in 0..2usize {
-                        let i = nb * 4 + hh * 2;
-                        let at = (row_a + hh * 8) * dts + dq_col0 + nb * 8 + col_a;
-                        put_dq_pair::<NQ>(&mut dq_tile, at / qvec, dq[i], dq[i + 1], qvec);
-                    }
-                }
+                // rows 16 w + lane / 4 (+ 8) of the tile
+                put_dq_rows::<NQ>(&mut dq_tile, &dq, key_a - cw * WG_KEYS, dq_col0, col_a, head_dim, qvec);
                 if ct == 0u32 {
                     dq_info[0] = sw.q_start + r0;
                     dq_info[1] = select(r0 < row_end, min(row_end - r0, BM as u32), 0u32);
@@ -331,17 +293,5 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
     }
 
     // ---- dK, dV (zero for keys no segment sees; sparse: the item's keys only) ----
-    #[unroll]
-    for nb in 0..comptime!(head_dim / 8) {
-        #[unroll]
-        for e in 0..4usize {
-            let key = key0 + (key_a + (e / 2) * 8) as u32;
-            if key < key_lim {
-                let col = nb * 8 + col_a + e % 2;
-                let gi = (kv_row(key, &args.tq_list, paged) * args.heads_kv + hk) as usize * head_dim + col;
-                args.dk[gi] = E::cast_from(dk_acc[nb * 4 + e] * args.scale);
-                args.dv[gi] = E::cast_from(dv_acc[nb * 4 + e]);
-            }
-        }
-    }
+    write_dkdv::<E, NV, NQ>(args, &dk_acc, &dv_acc, key0, key_lim, key_a, col_a, hk, head_dim, paged);
 }

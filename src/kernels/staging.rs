@@ -79,33 +79,15 @@ pub fn issue_q_tile<E: Float>(
     #[comptime] threads: usize,
 ) {
     issue_row_pair::<E>(q_s, do_s, q_smem, do_smem, boff, r0, q_len, q_start, h, heads_q, BWD_BM, head_dim, threads);
-    issue_lse_delta(lse, delta, lse_smem, dl_smem, boff, r0, q_len, q_start, h, total_q);
+    issue_lse_delta(lse, delta, lse_smem, dl_smem, boff, r0, q_len, q_start, h, total_q, UNIT_POS, BWD_BM);
 }
 
 /// The lse and delta part of [`issue_q_tile`]: `cp.async` copies of rows `r0..r0+BWD_BM` (clamped
-/// to the segment's last row) into `lse_smem` / `dl_smem[boff..]`, one row per unit below `BWD_BM`.
+/// to the segment's last row) into `lse_smem` / `dl_smem[boff..]` by the `threads` units `tid`
+/// (rows `tid`, `tid + threads`, ..; `threads` at least `BWD_BM` or a divisor of it).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn issue_lse_delta(
-    lse: &Array<f32>,
-    delta: &Array<f32>,
-    lse_smem: &mut SharedMemory<f32>,
-    dl_smem: &mut SharedMemory<f32>,
-    boff: usize,
-    r0: u32,
-    q_len: u32,
-    q_start: u32,
-    h: u32,
-    total_q: u32,
-) {
-    issue_lse_delta_by(lse, delta, lse_smem, dl_smem, boff, r0, q_len, q_start, h, total_q, UNIT_POS, BWD_BM);
-}
-
-/// [`issue_lse_delta`] by the `threads` units `tid` (rows `tid`, `tid + threads`, ..; `threads`
-/// at least `BWD_BM` or a divisor of it).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-pub fn issue_lse_delta_by(
     lse: &Array<f32>,
     delta: &Array<f32>,
     lse_smem: &mut SharedMemory<f32>,
