@@ -1465,7 +1465,9 @@ def main(argv=None):
     print_table(rows)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"env": env, "args": vars(args), "rows": rows}, f, indent=1)
+            # output paths by file name only: a record names no directory of the machine it ran on
+            recorded = {k: (os.path.basename(v) if k in ("json", "png") and v else v) for k, v in vars(args).items()}
+            json.dump({"env": env, "args": recorded, "rows": rows}, f, indent=1)
     if args.png:
         maybe_png(rows, args.png)
     failed = [r for r in rows if r.get("ok") is False]
