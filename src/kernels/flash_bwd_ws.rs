@@ -8,8 +8,8 @@
 //! rows clamped; lse / delta by `cp.async`) into two stages, each with a `full` mbarrier (the
 //! warp's 32 copy arrivals plus the tile's bytes) and an `empty` one (every consumer thread's
 //! arrival once its warpgroup's MMAs have read the stage: each thread's own reads of lse / delta
-//! come before it; one arrival per warpgroup was a race, compute-sanitizer racecheck); its warp 1 (fused dQ) waits for each tile's dQ
-//! rows, issues their bulk reduce-adds and frees the row tile. Warpgroups 1 and 2 are the consumers
+//! come before it; one arrival per warpgroup was a race, compute-sanitizer racecheck); its warp 1
+//! (fused dQ) waits for each tile's dQ rows, issues their bulk reduce-adds and frees the row tile. Warpgroups 1 and 2 are the consumers
 //! (`setmaxnreg.inc`, 64 keys each, dK and dV in registers). Per query tile a consumer: waits for
 //! the stage; S^T, dP^T; P^T, dS^T; dV += P^T dO, dK += dS^T Q; (fused dQ) stores dS^T key-major
 //! into one of two buffers, meets the other consumer at a named barrier, forms its half of dQ's
@@ -52,7 +52,7 @@ const BM: usize = BWD_BM;
 const _: () = assert!(BN == 2 * WG_KEYS && BM == 64);
 /// The producer's loading warp: its 32 lanes' copy arrivals complete a `full` phase.
 const LOADERS: usize = 32;
-/// Consumer threads (the `dq_full` arrivals and the named barrier's count).
+/// Consumer threads (the `empty` and `dq_full` arrivals, the named barrier's count).
 const CONSUMER_THREADS: u32 = 256;
 /// The named barrier that publishes both consumers' dS^T halves.
 const DS_BARRIER: u32 = 1;
