@@ -276,7 +276,7 @@ fn issue_next_q_tile<E: Float>(
         if comptime!(tma) {
             issue_q_tile_maps(q_map, do_map, q_smem, do_smem, bar0, bar1, cur, nb, q_start + r0, h, head_dim);
         }
-        issue_lse_delta(lse, delta, lse_smem, dl_smem, nb, r0, q_len, q_start, h, total_q, UNIT_POS, BWD_BM);
+        issue_lse_delta(lse, delta, lse_smem, dl_smem, nb, r0, q_len, q_start, h, total_q, UNIT_POS, threads);
     } else {
         issue_q_tile::<E>(
             q_s, do_s, lse, delta, q_smem, do_smem, lse_smem, dl_smem, nb, r0, q_len, q_start, h, heads_q, total_q,

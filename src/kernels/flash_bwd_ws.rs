@@ -29,7 +29,8 @@ use cubecl::prelude::*;
 use super::bulk_reduce::{add_dq_row, dq_tile_stride};
 use super::bwd_walk::{first_q_tile, key_item, next_q_tile, seg_walk, KeyItem};
 use super::cards::DkdvCard;
-use super::flash_fwd_ws::release;
+// registers a thread after the moves: the forward frame's split (24 x 128 + 240 x 256)
+use super::flash_fwd_ws::{release, CONSUMER_REGS, PRODUCER_REGS};
 use super::flash_bwd_sm90::{
     ds_transposed, dq_steps, issue_q_tile, key_by_dim_steps, key_by_row_steps, p_transposed, put_dq_rows, store_ds_transposed,
     write_dkdv,
@@ -41,10 +42,6 @@ use super::tiles::{BWD_BM, WIDE_BN};
 
 /// Threads per cube: a producer warpgroup and two consumer warpgroups.
 pub const BWD_WS_THREADS: usize = 384;
-/// Registers a thread after the moves: 24 x 128 + 240 x 256 = 64512 of the SM's 65536 (as the
-/// forward's frame, `flash_fwd_ws`).
-const PRODUCER_REGS: u32 = 24;
-const CONSUMER_REGS: u32 = 240;
 /// Keys per consumer warpgroup.
 const WG_KEYS: usize = 64;
 const BN: usize = WIDE_BN;

@@ -33,8 +33,8 @@ use super::staging::commit_copies;
 pub const WS_THREADS: usize = 384;
 /// Registers a thread after the moves: 24 x 128 + 240 x 256 = 64512 of the SM's 65536 (FA3's split
 /// for two consumer warpgroups; the producer's loop needs no more: no spills).
-const PRODUCER_REGS: u32 = 24;
-const CONSUMER_REGS: u32 = 240;
+pub(super) const PRODUCER_REGS: u32 = 24;
+pub(super) const CONSUMER_REGS: u32 = 240;
 /// Consumer warpgroups (the arrivals an `empty` barrier takes per phase).
 const CONSUMERS: u32 = 2;
 

@@ -79,12 +79,12 @@ pub fn issue_q_tile<E: Float>(
     #[comptime] threads: usize,
 ) {
     issue_row_pair::<E>(q_s, do_s, q_smem, do_smem, boff, r0, q_len, q_start, h, heads_q, BWD_BM, head_dim, threads);
-    issue_lse_delta(lse, delta, lse_smem, dl_smem, boff, r0, q_len, q_start, h, total_q, UNIT_POS, BWD_BM);
+    issue_lse_delta(lse, delta, lse_smem, dl_smem, boff, r0, q_len, q_start, h, total_q, UNIT_POS, threads);
 }
 
 /// The lse and delta part of [`issue_q_tile`]: `cp.async` copies of rows `r0..r0+BWD_BM` (clamped
-/// to the segment's last row) into `lse_smem` / `dl_smem[boff..]` by the `threads` units `tid`
-/// (rows `tid`, `tid + threads`, ..; `threads` at least `BWD_BM` or a divisor of it).
+/// to the segment's last row) into `lse_smem` / `dl_smem[boff..]` by the kernel's `threads` units
+/// (`tid`: this one; rows `tid`, `tid + threads`, .. below `BWD_BM`).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn issue_lse_delta(
@@ -101,39 +101,19 @@ pub fn issue_lse_delta(
     tid: u32,
     #[comptime] threads: usize,
 ) {
-    if comptime!(threads >= BWD_BM) {
-        if tid < BWD_BM as u32 {
-            lse_delta_row(lse, delta, lse_smem, dl_smem, boff, r0, q_len, q_start, h, total_q, tid);
-        }
-    } else {
-        #[unroll]
-        for it in 0..comptime!(BWD_BM / threads) {
-            lse_delta_row(lse, delta, lse_smem, dl_smem, boff, r0, q_len, q_start, h, total_q, tid + comptime!((it * threads) as u32));
+    let iters = comptime!(BWD_BM.div_ceil(threads));
+    #[unroll]
+    for it in 0..iters {
+        let r = tid + comptime!((it * threads) as u32);
+        // units past the tile's rows copy nothing (none when `threads` divides `BWD_BM`)
+        if comptime!(iters * threads == BWD_BM) || r < BWD_BM as u32 {
+            let row = min(r0 + r, q_len - 1);
+            let li = (h * total_q + q_start + row) as usize;
+            let u = boff + r as usize;
+            copy_async(&lse.slice(li, li + 1), &mut lse_smem.slice_mut(u, u + 1), 1u32);
+            copy_async(&delta.slice(li, li + 1), &mut dl_smem.slice_mut(u, u + 1), 1u32);
         }
     }
-}
-
-/// Row `r` of [`issue_lse_delta`].
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn lse_delta_row(
-    lse: &Array<f32>,
-    delta: &Array<f32>,
-    lse_smem: &mut SharedMemory<f32>,
-    dl_smem: &mut SharedMemory<f32>,
-    boff: usize,
-    r0: u32,
-    q_len: u32,
-    q_start: u32,
-    h: u32,
-    total_q: u32,
-    r: u32,
-) {
-    let row = min(r0 + r, q_len - 1);
-    let li = (h * total_q + q_start + row) as usize;
-    let u = boff + r as usize;
-    copy_async(&lse.slice(li, li + 1), &mut lse_smem.slice_mut(u, u + 1), 1u32);
-    copy_async(&delta.slice(li, li + 1), &mut dl_smem.slice_mut(u, u + 1), 1u32);
 }
 
 /// `cp.async` copies of rows `r0..r0 + rows` (clamped to row `len - 1`: the caller masks rows
