@@ -966,7 +966,7 @@ def bench_sparse_cpu(args):
 def _cuda_sparse(args, torch):
     """Block-sparse forward on CUDA vs our dense kernel, SDPA flash (dense) and FlexAttention with
     the same BlockMask; bf16, q_block = k_block = 128 (FlexAttention's block), index per head.
-    Wall clock of the torch call (median, one sync per call). Rows: {what: "sparse", impl:
+    Wall clock of the torch call (median, one sync per call). Rows: {what: "sparse_fwd", impl:
     "cubeattn" (the public call with the index: validated per call) | "cubeattn_prepared" (the
     public call with a SparseSpec built once, as a FlexAttention BlockMask is) | "cubeattn_int8" (the same
     prepared call with INT8 Q K^T, `--quant_gran`; `cosine` against the bf16 sparse output, `rel_l2` /
@@ -993,7 +993,7 @@ def _cuda_sparse(args, torch):
         flex = _compiled_flex(torch)
     except Exception as e:  # report, keep the others
         flex = None
-        rows.append(dict(what="sparse", impl="flex", error=str(e)[:200]))
+        rows.append(dict(what="sparse_fwd", impl="flex", error=str(e)[:200]))
     for s in args.seqlens:
         nb = -(-s // 128)
         q, k, v = (torch.randn(B, s, H, d, device="cuda", dtype=tdt) for _ in range(3))
@@ -1002,7 +1002,7 @@ def _cuda_sparse(args, torch):
         qg, kg, vg, qtg, ktg, vtg = (x.detach().requires_grad_(True) for x in (q, k, v, qt, kt, vt))
         g = torch.randn_like(q)
         gt = g.transpose(1, 2).contiguous()
-        base = dict(what="sparse", B=B, H=H, S=s, causal=args.causal)
+        base = dict(what="sparse_fwd", B=B, H=H, S=s, causal=args.causal)
         fb = dict(base, what="sparse_fwdbwd")
         ms = median_ms(lambda: cubeattn.flash_attn_func(q, k, v, causal=args.causal), 3, it, sync)
         rows.append(dict(base, impl="cubeattn_dense", keep=1.0, pattern="dense", ms=ms[0], ms_min=ms[1]))

@@ -44,9 +44,10 @@ SHAPE_KEYS = ("config", "d", "head_dim", "causal", "deterministic", "B", "H", "S
 TITLES = {
     "dense_fwd": "forward", "fwd_torch": "forward, torch path", "fwdbwd_autograd": "fwd+bwd, torch autograd",
     "dense_causal_fwdbwd": "causal fwd+bwd, kernels", "dense_fwdbwd": "fwd+bwd, kernels",
-    "sparse": "block-sparse forward", "sparse_fwdbwd": "block-sparse fwd+bwd",
+    "sparse_fwd": "block-sparse forward", "sparse_fwdbwd": "block-sparse fwd+bwd",
     "zigzag_fwd": "zigzag rank: one grouped call", "zigzag_fwdbwd": "zigzag rank fwd+bwd: one grouped call",
     # the same rows in records made before they were renamed
+    "sparse": "block-sparse forward",
     "grouped_zigzag_fwd": "zigzag rank: one grouped call", "grouped_zigzag_fwdbwd": "zigzag rank fwd+bwd: one grouped call",
     "shared_prefix_fwd": "shared prefix", "cp_zigzag": "zigzag context parallelism (NCCL)",
     "cp_zigzag_one_rank": "zigzag context parallelism, one rank emulated",
