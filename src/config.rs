@@ -15,6 +15,7 @@
 //! | `CUBEATTN_CUDA_SPLIT=0` | no split-K of long forward tiles | the sanitizer families (`tests/python/sanitize_driver.py`) |
 //! | `CUBEATTN_BWD_DQ=pass` | the separate dQ pass for `deterministic = false` backward calls too (`atomic`, the default, fuses dQ) | sanitizer families, comparisons |
 //! | `CUBEATTN_BWD_SM90_WS=0` | keeps `flash_bwd_sm90` where the warp-specialised wgmma dK/dV kernel (`kernels::flash_bwd_ws`) is the default (head_dim 128; 64 without the fused dQ) | A/B runs of the two Hopper backward frames on one GPU |
+//! | `CUBEATTN_BWD_DQ_ORDERED=0` | deterministic backward calls take the dQ pass instead of the ordered fused dQ (the Hopper ws kernel adding each query tile's dQ in ascending key-tile order) | A/B runs of the two deterministic paths |
 //! | `CUBEATTN_BWD_Q_STAGES=1` | the dK/dV kernel with one query-tile stage (what GPUs with less shared memory get) on any GPU | `tests/python/test_portable_gpu.py` |
 //! | `CUBEATTN_CPU_KERNEL=gemm` | the CPU backend's gemm-crate path instead of its AVX-512 tiles | `examples/cpu_forward.rs`, docs/cpu.md |
 //!
@@ -62,6 +63,10 @@ pub(crate) struct Config {
     /// `CUBEATTN_BWD_SM90_WS` (`0` turns the warp-specialised dK/dV kernel off).
     #[cfg(feature = "cuda")]
     pub bwd_sm90_ws: bool,
+    /// `CUBEATTN_BWD_DQ_ORDERED` (`0` keeps deterministic calls on the dQ pass instead of the
+    /// ordered fused dQ).
+    #[cfg(feature = "cuda")]
+    pub bwd_dq_ordered: bool,
     /// The forward switches before any [`set_fwd_options`]: `CUBEATTN_CUDA_SPLIT`,
     /// `CUBEATTN_CUDA_SM90` (each `0` to turn off), `CUBEATTN_CUDA_SM90_TILE`, the rest at their
     /// defaults.
@@ -108,6 +113,8 @@ impl Config {
             bwd_one_q_stage: is("CUBEATTN_BWD_Q_STAGES", "1"),
             #[cfg(feature = "cuda")]
             bwd_sm90_ws: on_unless_zero(&var("CUBEATTN_BWD_SM90_WS")),
+            #[cfg(feature = "cuda")]
+            bwd_dq_ordered: on_unless_zero(&var("CUBEATTN_BWD_DQ_ORDERED")),
             #[cfg(feature = "cuda")]
             fwd: FwdOptions {
                 split: on_unless_zero(&var("CUBEATTN_CUDA_SPLIT")),
@@ -266,6 +273,7 @@ mod tests {
             assert!(!with(&[("CUBEATTN_BWD_DQ", "atomic")]).bwd_dq_pass);
             assert!(with(&[("CUBEATTN_BWD_Q_STAGES", "1")]).bwd_one_q_stage);
             assert!(with(&[]).bwd_sm90_ws && !with(&[("CUBEATTN_BWD_SM90_WS", "0")]).bwd_sm90_ws);
+            assert!(with(&[]).bwd_dq_ordered && !with(&[("CUBEATTN_BWD_DQ_ORDERED", "0")]).bwd_dq_ordered);
             let off = with(&[("CUBEATTN_CUDA_SPLIT", "0"), ("CUBEATTN_CUDA_SM90", "0")]).fwd;
             assert_eq!(off, FwdOptions { split: false, sm90: false, ..FwdOptions::defaults() });
             assert_eq!(with(&[("CUBEATTN_CUDA_SPLIT", "1")]).fwd, FwdOptions::defaults());

@@ -27,7 +27,7 @@ use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
 use super::bulk_reduce::{add_dq_row, dq_tile_stride};
-use super::bwd_walk::{first_q_tile, key_item, next_q_tile, seg_walk, KeyItem};
+use super::bwd_walk::{dq_turn, first_q_tile, key_item, next_q_tile, seg_walk, KeyItem, SegWalk};
 use super::cards::DkdvCard;
 // registers a thread after the moves: the forward frame's split (24 x 128 + 240 x 256)
 use super::flash_fwd_ws::{release, CONSUMER_REGS, PRODUCER_REGS};
@@ -36,7 +36,10 @@ use super::flash_bwd_sm90::{
     write_dkdv,
 };
 use super::grid::cube_item_slot;
-use super::sm90::{fence_proxy_async, named_barrier, pack_a_pairs, setmaxnreg, wgmma_commit, wgmma_fence, wgmma_wait, SW_COLS};
+use super::sm90::{
+    bulk_wait_all, fence_proxy_async, named_barrier, pack_a_pairs, setmaxnreg, turn_release, turn_wait, wgmma_commit, wgmma_fence,
+    wgmma_wait, SW_COLS,
+};
 use super::staging::{stage_rows, wait_stage};
 use super::tiles::{BWD_BM, WIDE_BN};
 
@@ -54,19 +57,87 @@ const CONSUMER_THREADS: u32 = 256;
 /// The named barrier that publishes both consumers' dS^T halves.
 const DS_BARRIER: u32 = 1;
 
+/// Segment `si` of the cube's walk for kv head `hk` (`aligned`: the ordered dQ's query tiles).
+#[cube]
+fn walk<E: Float, NV: Size, NQ: Size>(
+    args: &DkdvCard<E, NV, NQ>,
+    ki: &KeyItem,
+    si: u32,
+    hk: u32,
+    group: u32,
+    #[comptime] sparse: bool,
+    #[comptime] aligned: bool,
+) -> SegWalk {
+    seg_walk(
+        &args.segs, &args.tile_segs, &args.tq_off, ki, si, BN as u32, hk, args.heads_kv, group, args.idx_heads,
+        args.k_blocks, args.q_tiles_per_block, args.win_l, args.win_r, sparse, aligned,
+    )
+}
+
 /// The query tiles of this cube's walk (every segment's `n_it`): the dQ warp's loop bound.
 #[cube]
 fn count_tiles<E: Float, NV: Size, NQ: Size>(args: &DkdvCard<E, NV, NQ>, ki: &KeyItem, hk: u32, #[comptime] sparse: bool) -> u32 {
     let group = args.heads_q / args.heads_kv;
     let mut n = 0u32;
     for si in ki.s_begin..ki.s_end {
-        let sw = seg_walk(
-            &args.segs, &args.tile_segs, &args.tq_off, ki, si, BN as u32, hk, args.heads_kv, group, args.idx_heads,
-            args.k_blocks, args.q_tiles_per_block, args.win_l, args.win_r, sparse,
-        );
+        let sw = walk(args, ki, si, hk, group, sparse, false);
         n += sw.n_it;
     }
     n
+}
+
+/// The ordered dQ warp (deterministic fused dQ): walks the cube's query tiles itself and adds each
+/// tile's rows in its turn ([`dq_turn`]: ascending key tiles), waiting before the additions for
+/// the tile's counter to reach the turn and, once they are performed, counting itself in.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn ordered_dq_warp<E: Float, NV: Size, NQ: Size>(
+    args: &mut DkdvCard<E, NV, NQ>,
+    ki: &KeyItem,
+    hk: u32,
+    lane: u32,
+    dq_tile: &SharedMemory<Vector<f32, NQ>>,
+    dq_full: &Barrier,
+    dq_empty: &Barrier,
+    #[comptime] head_dim: usize,
+    #[comptime] qvec: usize,
+) {
+    let group = args.heads_q / args.heads_kv;
+    let kt = ki.key0 / BN as u32;
+    let mut j = 0u32;
+    for si in ki.s_begin..ki.s_end {
+        let sw = walk(args, ki, si, hk, group, false, true);
+        let mut qt = first_q_tile(&args.tq_list, &sw, hk, group, args.q_block, false, true);
+        for _it in 0..sw.n_it {
+            let first_row = sw.q_start + qt.r0;
+            let slot = first_row * args.heads_q + qt.h;
+            if lane == 0u32 {
+                turn_wait(&args.dq_turns, slot, dq_turn(&sw, kt, qt.r0, args.win_l, args.win_r, BN));
+            }
+            sync_plane();
+            dq_full.wait_parity(j & 1u32);
+            let rows = min(sw.q_len - qt.r0, BM as u32);
+            #[unroll]
+            for rr in 0..comptime!(BM / 32) {
+                let r = lane + comptime!((rr * 32) as u32);
+                if r < rows {
+                    let dst = ((first_row + r) * args.heads_q + qt.h) * comptime!((head_dim / qvec) as u32);
+                    add_dq_row::<NQ>(dq_tile, &mut args.dq_rows, r, dst, head_dim, qvec);
+                }
+            }
+            tma_group_commit();
+            tma_group_wait_read(0u32);
+            let _t = dq_empty.arrive_and_expect_tx(1u32, 0u32);
+            // the additions performed (every lane's), then the next cube's turn
+            bulk_wait_all();
+            sync_plane();
+            if lane == 0u32 {
+                turn_release(&args.dq_turns, slot);
+            }
+            next_q_tile(&args.tq_list, &sw, &mut qt, hk, group, args.q_tiles_per_block, args.q_block, false, true);
+            j += 1u32;
+        }
+    }
 }
 
 /// The warp-specialised Hopper dK / dV kernel (module docs); arguments and comptime choices as
@@ -80,6 +151,7 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
     #[comptime] qvec: usize,
     #[comptime] sparse: bool,
     #[comptime] paged: bool,
+    #[comptime] ordered: bool,
 ) {
     let lane = UNIT_POS_PLANE;
     // warp and warpgroup index broadcast from lane 0: uniform, so descriptors stay in uniform registers
@@ -129,11 +201,8 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
             // ---- the loading warp: every query tile of the walk into stage g % 2 ----
             let mut g = 0u32;
             for si in ki.s_begin..ki.s_end {
-                let sw = seg_walk(
-                    &args.segs, &args.tile_segs, &args.tq_off, &ki, si, BN as u32, hk, args.heads_kv, group, args.idx_heads,
-                    args.k_blocks, args.q_tiles_per_block, args.win_l, args.win_r, sparse,
-                );
-                let mut qt = first_q_tile(&args.tq_list, &sw, hk, group, args.q_block, sparse);
+                let sw = walk(args, &ki, si, hk, group, sparse, ordered);
+                let mut qt = first_q_tile(&args.tq_list, &sw, hk, group, args.q_block, sparse, ordered);
                 for it in 0..sw.n_it {
                     // use u = g / 2 of the stage waits for the consumers' release of use u - 1
                     if g >= 2u32 {
@@ -149,12 +218,16 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
                         &mut lse_smem, &mut dl_smem, &full0, &full1, g, qt.h, qt.r0, sw.q_len, sw.q_start, args.heads_q,
                         args.total_q, lane, head_dim, LOADERS,
                     );
-                    next_q_tile(&args.tq_list, &sw, &mut qt, hk, group, args.q_tiles_per_block, args.q_block, sparse);
+                    next_q_tile(&args.tq_list, &sw, &mut qt, hk, group, args.q_tiles_per_block, args.q_block, sparse, ordered);
                     g += 1u32;
                 }
             }
         }
-        if fuse_dq {
+        if ordered {
+            if warp == 1u32 {
+                ordered_dq_warp(args, &ki, hk, lane, &dq_tile, &dq_full, &dq_empty, head_dim, qvec);
+            }
+        } else if fuse_dq {
             if warp == 1u32 {
                 // ---- the dQ warp: each tile's rows added to the accumulator by the copy engine ----
                 let n = count_tiles(args, &ki, hk, sparse);
@@ -209,13 +282,10 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
 
     let mut g = 0u32;
     for si in ki.s_begin..ki.s_end {
-        let sw = seg_walk(
-            &args.segs, &args.tile_segs, &args.tq_off, &ki, si, BN as u32, hk, args.heads_kv, group, args.idx_heads,
-            args.k_blocks, args.q_tiles_per_block, args.win_l, args.win_r, sparse,
-        );
+        let sw = walk(args, &ki, si, hk, group, sparse, ordered);
         // window-local index of this warpgroup's first key (may be negative)
         let kw0 = (key0 as i32 + (cw * WG_KEYS) as i32) - sw.k_start as i32;
-        let mut qt = first_q_tile(&args.tq_list, &sw, hk, group, args.q_block, sparse);
+        let mut qt = first_q_tile(&args.tq_list, &sw, hk, group, args.q_block, sparse, ordered);
         for it in 0..sw.n_it {
             let cur = g;
             let (h, r0, row_end) = (qt.h, qt.r0, qt.row_end);
@@ -272,10 +342,12 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
                 }
                 // rows 16 w + lane / 4 (+ 8) of the tile
                 put_dq_rows::<NQ>(&mut dq_tile, &dq, key_a - cw * WG_KEYS, dq_col0, col_a, head_dim, qvec);
-                if ct == 0u32 {
-                    dq_info[0] = sw.q_start + r0;
-                    dq_info[1] = select(r0 < row_end, min(row_end - r0, BM as u32), 0u32);
-                    dq_info[2] = h;
+                if !ordered {
+                    if ct == 0u32 {
+                        dq_info[0] = sw.q_start + r0;
+                        dq_info[1] = select(r0 < row_end, min(row_end - r0, BM as u32), 0u32);
+                        dq_info[2] = h;
+                    }
                 }
                 // this thread's stores visible to the copy engine, then its arrival
                 fence_proxy_async();
@@ -284,7 +356,7 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
                 wgmma_wait(0u32);
                 release(&empty0, &empty1, cur, true);
             }
-            next_q_tile(&args.tq_list, &sw, &mut qt, hk, group, args.q_tiles_per_block, args.q_block, sparse);
+            next_q_tile(&args.tq_list, &sw, &mut qt, hk, group, args.q_tiles_per_block, args.q_block, sparse, ordered);
             g += 1u32;
         }
     }

@@ -1,6 +1,7 @@
 //! Hopper (sm_90a) instructions that CubeCL 0.10 cannot express, as named intrinsics of `#[cube]`
 //! code: the warpgroup MMA (`wgmma.mma_async` with shared-memory operands or a register A operand,
-//! its fence / commit / wait) and the generic-to-async proxy fence.
+//! its fence / commit / wait), the generic-to-async proxy fence, and the turn counters that order
+//! bulk additions across cubes.
 //!
 //! Each intrinsic registers one marker in the kernel's IR: a `printf` whose format string is
 //! [`MARK`] followed by the instruction's name and its compile-time parameters, and whose
@@ -86,6 +87,33 @@ pub fn setmaxnreg(#[comptime] inc: bool, #[comptime] regs: u32) {
 #[allow(unused_variables)]
 pub fn named_barrier(#[comptime] id: u32, #[comptime] threads: u32) {
     intrinsic!(|scope| marker(scope, format!("named_barrier {id} {threads}"), vec![]))
+}
+
+/// Spins until `turns[slot]` (read with GPU-scope acquire) equals `want`, then orders the global
+/// writes of later bulk copies after that read (`fence.proxy.async.global`): one lane waits for its
+/// turn in an ordered sequence of additions ([`turn_release`] is the other end). The wait gives up
+/// after about a second of polls (never reached when the order is a launch order: the cubes it waits
+/// for started earlier), so a wrong turn costs the order, never a hang.
+#[cube]
+#[allow(unused_variables)]
+pub fn turn_wait(turns: &Array<u32>, slot: u32, want: u32) {
+    intrinsic!(|scope| marker(scope, "turn_wait".into(), vec![*turns.expand, *slot.expand, *want.expand]))
+}
+
+/// `cp.async.bulk.wait_group 0` then `fence.proxy.async.global`: this thread's bulk copies
+/// performed, their global writes ordered before its later generic accesses (CubeCL's
+/// `tma_group_wait` names a libcu++ function CUDA 13 no longer has).
+#[cube]
+pub fn bulk_wait_all() {
+    intrinsic!(|scope| marker(scope, "bulk_wait_all".into(), vec![]))
+}
+
+/// A GPU-scope release increment of `turns[slot]` (the next cube's [`turn_wait`]), after the
+/// bulk copies of the warp completed ([`bulk_wait_all`] by every lane, then a warp barrier).
+#[cube]
+#[allow(unused_variables)]
+pub fn turn_release(turns: &Array<u32>, slot: u32) {
+    intrinsic!(|scope| marker(scope, "turn_release".into(), vec![*turns.expand, *slot.expand]))
 }
 
 /// `acc[acc0 .. acc0 + n / 2] (+)= A B` for one m64 x n x k16 step, both operands in shared memory

@@ -64,6 +64,8 @@ pub(crate) struct BwdPlan {
     /// [`key_tile`] keys: [`WIDE_BN`] or [`SPLIT_BN`] for the tensor-core kernels, [`BWD_BN`] for
     /// the f32 row-wise one.
     pub(crate) k_work: Vec<u32>,
+    /// Every key tile in ascending order: the ordered dQ's launch order ([`DqMode::Ordered`]).
+    k_asc: Vec<u32>,
     /// CSR over key tiles: segments whose key window overlaps tile t are
     /// `tile_segs[tile_off[t]..tile_off[t+1]]`, ascending.
     tile_off: Vec<u32>,
@@ -91,6 +93,7 @@ impl BwdPlan {
         q_items.sort_by_key(|x| std::cmp::Reverse(x.0));
         let q_work = q_items.iter().flat_map(|&(_, s, t)| [s, t]).collect();
         let (k_work, tile_off, tile_segs) = key_tiles(spec, key_tile(spec));
+        let k_asc = (0..k_work.len() as u32).collect();
 
         let row_seg = if spec.dtype == DType::F32 {
             let mut rs = vec![u32::MAX; d.total_q];
@@ -103,7 +106,7 @@ impl BwdPlan {
         } else {
             Vec::new()
         };
-        BwdPlan { segs, q_work, k_work, tile_off, tile_segs, row_seg }
+        BwdPlan { segs, q_work, k_work, k_asc, tile_off, tile_segs, row_seg }
     }
 
     /// The tables [`launch_backward`] reads (the page table of `spec`'s paged K,V; empty without
@@ -113,6 +116,7 @@ impl BwdPlan {
             .with(BwdTable::Segs, self.segs.clone())
             .with(BwdTable::QWork, self.q_work.clone())
             .with(BwdTable::KWork, self.k_work.clone())
+            .with(BwdTable::KAsc, self.k_asc.clone())
             .with(BwdTable::TileOff, self.tile_off.clone())
             .with(BwdTable::TileSegs, self.tile_segs.clone())
             .with(BwdTable::RowSeg, self.row_seg.clone())
@@ -170,7 +174,7 @@ fn key_tiles(spec: &AttnSpec, bn: usize) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
 
 table_names! {
     /// The tables of a cached backward plan ([`BwdPlan::tables`]).
-    pub(crate) enum BwdTable { Segs, QWork, KWork, TileOff, TileSegs, RowSeg, Pages }
+    pub(crate) enum BwdTable { Segs, QWork, KWork, KAsc, TileOff, TileSegs, RowSeg, Pages }
 }
 
 impl PlanKind for BwdPlan {
@@ -211,23 +215,24 @@ impl BwdPtrs {
     }
 }
 
-/// Workspace parts of a backward call: delta (f32 per row and head) and, on the fused path, the
-/// f32 dQ accumulator.
-fn workspace_parts(spec: &AttnSpec, fused: bool) -> [usize; 2] {
+/// Workspace parts of a backward call: delta (f32 per row and head), on the fused paths the f32
+/// dQ accumulator, on the ordered one its turn counters (u32 per row and head).
+fn workspace_parts(spec: &AttnSpec, mode: DqMode) -> [usize; 3] {
     let d = &spec.dims;
-    [d.lse_len() * 4, if fused { d.q_len() * 4 } else { 0 }]
+    let acc = if mode == DqMode::Pass { 0 } else { d.q_len() * 4 };
+    [d.lse_len() * 4, acc, if mode == DqMode::Ordered { d.lse_len() * 4 } else { 0 }]
 }
 
-/// Workspace bytes of a backward call of `spec` on the chosen dQ path.
-pub(crate) fn bwd_workspace(spec: &AttnSpec, fused: bool) -> usize {
-    layout(&workspace_parts(spec, fused)).1
+/// Workspace bytes of a backward call of `spec` on dQ path `mode`.
+pub(crate) fn bwd_workspace(spec: &AttnSpec, mode: DqMode) -> usize {
+    layout(&workspace_parts(spec, mode)).1
 }
 
-/// Device addresses of the workspace parts at `base`: (delta, f32 dQ accumulator; the latter
-/// only meaningful on the fused path).
-pub(crate) fn workspace_ptrs(spec: &AttnSpec, fused: bool, base: u64) -> (u64, u64) {
-    let (offs, _) = layout(&workspace_parts(spec, fused));
-    (base + offs[0] as u64, base + offs[1] as u64)
+/// Device addresses of the workspace parts at `base`: (delta, f32 dQ accumulator, turn
+/// counters; the last two only meaningful on the paths that have them).
+pub(crate) fn workspace_ptrs(spec: &AttnSpec, mode: DqMode, base: u64) -> (u64, u64, u64) {
+    let (offs, _) = layout(&workspace_parts(spec, mode));
+    (base + offs[0] as u64, base + offs[1] as u64, base + offs[2] as u64)
 }
 
 /// Vector width of the dQ atomics: float2 `atomicAdd` on sm_90+ (where it exists), scalar below.
@@ -247,12 +252,30 @@ pub enum DqPath {
     /// dQ fused into the dK/dV kernel with f32 atomics (f16/bf16; f32 inputs always use the
     /// row-wise kernels).
     Atomic,
+    /// dQ fused, each query tile's additions in a fixed order ([`DqMode::Ordered`]; dense
+    /// f16/bf16 calls at head_dim 64 / 128 on sm_90, else the launch fails).
+    Ordered,
 }
 
-/// Device workspace of a backward call besides the caller's tensors: delta and, on the atomic dQ
-/// path, the f32 dQ accumulator (the plan tables are counted by [`backward_plan_bytes`]).
+/// How one backward call forms dQ ([`dq_mode`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DqMode {
+    /// The separate dQ pass (deterministic).
+    Pass,
+    /// Fused into the dK/dV kernel, added to the f32 accumulator in whatever order the cubes
+    /// reach it.
+    Fused,
+    /// Fused, and the additions to each query tile made in ascending key-tile order (turn
+    /// counters in the workspace; the warp-specialised Hopper kernel): deterministic, bitwise
+    /// repeatable, without the pass's two extra products per (row, key) pair.
+    Ordered,
+}
+
+/// Device workspace of a backward call besides the caller's tensors: delta and, on the fused dQ
+/// paths, the f32 dQ accumulator (and the ordered path's turn counters, counted wherever a Hopper
+/// GPU would take that path); the plan tables are counted by [`backward_plan_bytes`].
 pub fn backward_workspace_bytes(spec: &AttnSpec, deterministic: bool) -> u64 {
-    bwd_workspace(spec, fused_dq(spec, deterministic, DqPath::Auto)) as u64
+    bwd_workspace(spec, dq_mode(None, spec, deterministic, DqPath::Auto)) as u64
 }
 
 /// Device bytes of the cached plan tables of a backward call of `spec`.
@@ -260,17 +283,35 @@ pub fn backward_plan_bytes(spec: &AttnSpec) -> u64 {
     BwdPlan::new(spec).tables(spec).bytes()
 }
 
-/// Whether the backward of `spec` takes the fused atomic dQ path (never at f32).
-pub(super) fn fused_dq(spec: &AttnSpec, deterministic: bool, path: DqPath) -> bool {
+/// How the backward of `spec` forms dQ on `path` (`be`: the GPU; `None` counts it a Hopper GPU,
+/// for the VRAM estimate): f32 always by the pass; deterministic calls by the ordered fused path
+/// where it serves ([`ordered_serves`]), else the pass; the others fused.
+pub(crate) fn dq_mode(be: Option<&CudaBackend>, spec: &AttnSpec, deterministic: bool, path: DqPath) -> DqMode {
     if spec.dtype == DType::F32 {
-        return false;
+        return DqMode::Pass;
     }
     match path {
-        DqPath::Pass => false,
-        DqPath::Atomic => true,
-        DqPath::Auto if deterministic => false,
-        DqPath::Auto => !crate::config::get().bwd_dq_pass,
+        DqPath::Pass => DqMode::Pass,
+        DqPath::Atomic => DqMode::Fused,
+        DqPath::Ordered => DqMode::Ordered,
+        DqPath::Auto if deterministic && ordered_serves(be, spec) => DqMode::Ordered,
+        DqPath::Auto if deterministic => DqMode::Pass,
+        DqPath::Auto if crate::config::get().bwd_dq_pass => DqMode::Pass,
+        DqPath::Auto => DqMode::Fused,
     }
+}
+
+/// Whether the ordered fused dQ serves `spec`: dense f16/bf16 calls whose dK/dV kernel is the
+/// warp-specialised Hopper one (head_dim 64, 128; sm_90 with bulk reductions; `be` `None`: assumed).
+/// `CUBEATTN_BWD_DQ_ORDERED=0` keeps deterministic calls on the pass.
+fn ordered_serves(be: Option<&CudaBackend>, spec: &AttnSpec) -> bool {
+    let hd = spec.dims.head_dim;
+    crate::config::get().bwd_dq_ordered
+        && spec.dtype != DType::F32
+        && spec.block_sparse().is_none()
+        && SM90_BWD_HEAD_DIMS.contains(&hd)
+        && ws_backward(hd, true, true)
+        && be.is_none_or(|be| super::forward::sm90_forward(be, spec) && be.target.bulk_reduce)
 }
 
 /// The array argument every kernel struct takes for a plain (not in-place) array.
@@ -437,19 +478,44 @@ pub(crate) fn sm90_backward(be: &CudaBackend, spec: &AttnSpec, acc: Option<u64>)
 /// Whether the warp-specialised dK/dV kernel (`flash_bwd_ws`) serves head_dim `hd` (`fused`: with
 /// the dQ products): at 128, where fwd+bwd took 1.5-4% less kernel time than with
 /// `flash_bwd_sm90` (H200, bench/results/h200-2026-11-29-ws-bwd), and without the fused dQ (the
-/// deterministic path) at 64 too (2-5% less); the fused d64 kernel was 6-7% slower
-/// (docs/measured-and-lost.md). `CUBEATTN_BWD_SM90_WS=0` turns it off.
-fn ws_backward(hd: usize, fused: bool) -> bool {
-    crate::config::get().bwd_sm90_ws && (hd == 128 || (hd == 64 && !fused))
+/// dQ pass's path) at 64 too (2-5% less); the fused d64 kernel was 6-7% slower
+/// (docs/measured-and-lost.md), but the ordered dQ (`ordered`) is only built on it.
+/// `CUBEATTN_BWD_SM90_WS=0` turns it off.
+fn ws_backward(hd: usize, fused: bool, ordered: bool) -> bool {
+    crate::config::get().bwd_sm90_ws && (hd == 128 || (hd == 64 && (!fused || ordered)))
 }
 
 /// The Hopper dK/dV kernel for one set of comptime choices: the warp-specialised
 /// `flash_bwd_ws::flash_bwd_ws` where [`ws_backward`], else `flash_bwd_sm90::flash_bwd_sm90`.
-pub(crate) fn dkdv_sm90_kernel(be: &CudaBackend, dt: DType, hd: usize, fused: bool, qvec: usize, sparse: bool, paged: bool) -> Result<Func> {
-    let ws = ws_backward(hd, fused);
+/// `ordered`: the ordered dQ (the ws kernel only).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn dkdv_sm90_kernel(
+    be: &CudaBackend,
+    dt: DType,
+    hd: usize,
+    fused: bool,
+    qvec: usize,
+    sparse: bool,
+    paged: bool,
+    ordered: bool,
+) -> Result<Func> {
+    let ws = ws_backward(hd, fused, ordered);
+    if ordered && !(ws && fused && !sparse) {
+        return Err(crate::error::Error::Unsupported {
+            backend: "cuda",
+            msg: format!(
+                "the ordered dQ runs on the warp-specialised dK/dV kernel (dense, head_dim 64 / 128), not head_dim {hd}{}",
+                if sparse { ", block-sparse" } else { "" }
+            ),
+        });
+    }
     let name = if ws { "flash_bwd_ws" } else { "flash_bwd_sm90" };
-    let key = KernelKey::new(name, dt, &[hd as u32, fused as u32, qvec as u32, sparse as u32, paged as u32]);
-    be.kernels.get(&key, || dkdv_sm90_source(be.client(), dt, hd, fused, qvec, sparse, paged, ws))
+    let mut flags = vec![hd as u32, fused as u32, qvec as u32, sparse as u32, paged as u32];
+    if ws {
+        flags.push(ordered as u32);
+    }
+    let key = KernelKey::new(name, dt, &flags);
+    be.kernels.get(&key, || dkdv_sm90_source(be.client(), dt, hd, fused, qvec, sparse, paged, ws, ordered))
 }
 
 /// The Hopper dK/dV kernel above head_dim 128 (`flash_bwd_sm90_split`; `fused`: dQ by
@@ -475,8 +541,9 @@ pub(crate) fn dkdv_split_source(
     Ok(src)
 }
 
-/// CUDA source of [`dkdv_sm90_kernel`] (`ws`: the warp-specialised kernel): the `kernels::sm90`
-/// markers lowered, one cube per SM (`__launch_bounds__(threads, 1)`, which `setmaxnreg` needs).
+/// CUDA source of [`dkdv_sm90_kernel`] (`ws`: the warp-specialised kernel, `ordered` its ordered
+/// dQ): the `kernels::sm90` markers lowered, one cube per SM (`__launch_bounds__(threads, 1)`,
+/// which `setmaxnreg` needs).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn dkdv_sm90_source(
     client: &ComputeClient<CudaRuntime>,
@@ -487,11 +554,12 @@ pub(crate) fn dkdv_sm90_source(
     sparse: bool,
     paged: bool,
     ws: bool,
+    ordered: bool,
 ) -> Result<Source> {
     let mut src = if ws {
         by_dtype!(dt, T, codegen_exp2(flash_bwd_ws::flash_bwd_ws::FlashBwdWs::<T, CudaRuntime>::new(
             settings(BWD_WS_THREADS as u32), client.clone(), DkdvArgs::compilation(),
-            BWD_LOAD_VEC, qvec, hd, fused, qvec, sparse, paged), true))?
+            BWD_LOAD_VEC, qvec, hd, fused, qvec, sparse, paged, ordered), true))?
     } else {
         by_dtype!(dt, T, codegen_exp2(flash_bwd_sm90::flash_bwd_sm90::FlashBwdSm90::<T, CudaRuntime>::new(
             settings(SM90_BWD_THREADS as u32), client.clone(), DkdvArgs::compilation(),
@@ -516,6 +584,7 @@ pub(crate) fn launch_dkdv_wide(
     p: &BwdPtrs,
     delta: u64,
     acc: Option<u64>,
+    turns: Option<u64>,
     t: &DkdvTables,
     sparse: Option<[u32; 4]>,
     n_work: usize,
@@ -525,6 +594,12 @@ pub(crate) fn launch_dkdv_wide(
     let (win_l, win_r, _) = window_bounds(spec);
     let paged = spec.kv_pages().is_some() && sparse.is_none();
     let qvec = atomic_vec(be);
+    if turns.is_some() && (acc.is_none() || !sm90_backward(be, spec, acc)) {
+        return Err(crate::error::Error::Unsupported {
+            backend: "cuda",
+            msg: format!("the ordered dQ needs the Hopper dK/dV kernel (sm_90, bulk reductions, head_dim 64 / 128), not head_dim {}", d.head_dim),
+        });
+    }
     let (f, [q_map, do_map]) = if SPLIT_BWD_HEAD_DIMS.contains(&d.head_dim) {
         // the only kernel above head_dim 128 (`CudaBackend::check_target` refused other GPUs;
         // the block-sparse kernels serve 64 and 128 only)
@@ -537,7 +612,7 @@ pub(crate) fn launch_dkdv_wide(
         let f = dkdv_split_kernel(be, spec.dtype, d.head_dim, acc.is_some(), qvec, paged)?;
         (f, q_maps(spec, p, Some((SW_COLS as u32, BWD_BM as u32, true)))?)
     } else if sm90_backward(be, spec, acc) {
-        let f = dkdv_sm90_kernel(be, spec.dtype, d.head_dim, acc.is_some(), qvec, sparse.is_some(), paged)?;
+        let f = dkdv_sm90_kernel(be, spec.dtype, d.head_dim, acc.is_some(), qvec, sparse.is_some(), paged, turns.is_some())?;
         (f, q_maps(spec, p, Some((SW_COLS as u32, BWD_BM as u32, true)))?)
     } else {
         let bulk = acc.is_some_and(|a| bulk_dq(be, d.head_dim, a));
@@ -568,6 +643,7 @@ pub(crate) fn launch_dkdv_wide(
         dv: (p.dv, kl),
         dq_acc: acc,
         dq_rows: acc,
+        dq_turns: turns.map_or((delta, 1), |t| (t, ll)),
         q_s: (p.q, ql),
         do_s: (p.dout, ql),
         ktiles: t.work,
@@ -681,15 +757,15 @@ pub(crate) fn launch_dq_convert(be: &CudaBackend, spec: &AttnSpec, p: &BwdPtrs, 
     launch(&f, grid_2d(n.div_ceil(256)), &mut a, stream)
 }
 
-/// Enqueues the backward of `spec` on `stream` (delta, dK/dV, dQ; plus the zero fill of dQ rows
-/// that no segment covers, or of the f32 accumulator on the fused path). `plan` must be the
-/// cached plan of `spec`. Needs `total_q > 0` and `total_k > 0`.
+/// Enqueues the backward of `spec` on `stream` (delta, dK/dV, dQ on path `mode`; plus the zero
+/// fill of dQ rows that no segment covers, or of the f32 accumulator and the turn counters on the
+/// fused paths). `plan` must be the cached plan of `spec`. Needs `total_q > 0` and `total_k > 0`.
 pub(crate) fn launch_backward(
     be: &CudaBackend,
     spec: &AttnSpec,
     plan: &Cached<BwdPlan>,
     p: &BwdPtrs,
-    fused: bool,
+    mode: DqMode,
     stream: sys::CUstream,
 ) -> Result<()> {
     let d = &spec.dims;
@@ -698,7 +774,8 @@ pub(crate) fn launch_backward(
     let dt = spec.dtype;
     let client = be.client();
     let t = |i| plan.tables.get(i);
-    let (delta, acc) = workspace_ptrs(spec, fused, p.workspace);
+    let (delta, acc, turns) = workspace_ptrs(spec, mode, p.workspace);
+    let (fused, ordered) = (mode != DqMode::Pass, mode == DqMode::Ordered);
     let (win_l, win_r, _) = window_bounds(spec);
 
     launch_delta(be, spec, p, delta, stream)?;
@@ -742,18 +819,24 @@ pub(crate) fn launch_backward(
     } else if spec.uncovered_rows() > 0 {
         launch_fill_zero(dt, p.dq, ql, stream)?;
     }
+    if ordered {
+        // u32 counters: zero is all-zero bytes as for f32
+        launch_fill_zero(DType::F32, turns, ll, stream)?;
+    }
     if n_k_work > 0 {
         // the transposed block index is not read by the dense variant: any valid address for
         // `tq_off`; `tq_list` carries the page table (read only by the paged variant)
+        // the ordered dQ launches the key tiles in ascending order: a cube waits only for cubes
+        // that started before it (`kernels::bwd_walk::dq_turn`)
         let w = DkdvTables {
-            work: t(BwdTable::KWork),
+            work: t(if ordered { BwdTable::KAsc } else { BwdTable::KWork }),
             tile_off: t(BwdTable::TileOff),
             tile_segs: t(BwdTable::TileSegs),
             segs: t(BwdTable::Segs),
             tq_off: (t(BwdTable::Segs).0, 1),
             tq_list: t(BwdTable::Pages),
         };
-        launch_dkdv_wide(be, spec, p, delta, fused.then_some(acc), &w, None, n_k_work, stream)?;
+        launch_dkdv_wide(be, spec, p, delta, fused.then_some(acc), ordered.then_some(turns), &w, None, n_k_work, stream)?;
     }
     if fused {
         launch_dq_convert(be, spec, p, acc, stream)?;

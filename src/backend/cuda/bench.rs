@@ -5,7 +5,7 @@
 
 use half::{bf16, f16};
 
-use super::backward::{bwd_workspace, fused_dq, BwdPtrs, DqPath};
+use super::backward::{bwd_workspace, dq_mode, BwdPtrs, DqPath};
 use super::device_io::has_work;
 use super::driver::{bind, DevBuf, Timer};
 use super::forward::FwdPtrs;
@@ -80,7 +80,7 @@ pub fn bench(spec: &AttnSpec, warmup: usize, iters: usize, part: BenchPart, path
         let bws_n = if part == BenchPart::Forward {
             0
         } else {
-            be.backward_workspace(spec, false, s as u64)?.max(bwd_workspace(spec, fused_dq(spec, false, path)))
+            be.backward_workspace(spec, false, s as u64)?.max(bwd_workspace(spec, dq_mode(Some(be), spec, false, path)))
         };
         let bws = DevBuf::alloc(bws_n)?;
         let fp = FwdPtrs { q: q.ptr, k: k.ptr, v: v.ptr, out: out.ptr, lse: lse.ptr, workspace: fws.ptr };

@@ -12,7 +12,7 @@
 //! inputs, outputs and workspace, the inputs are copied in, the same device-resident call runs on
 //! the backend's own stream, the outputs are copied back and the stream is synchronized.
 
-use super::backward::{bwd_workspace, fused_dq, launch_backward, BwdPlan, BwdPtrs, DqPath};
+use super::backward::{bwd_workspace, dq_mode, launch_backward, BwdPlan, BwdPtrs, DqMode, DqPath};
 use super::driver::{bind, DevBuf};
 use super::forward::{fwd_tables, fwd_workspace, launch_forward, plan_opts, FwdPtrs};
 use super::plans::{Cached, PlanKey};
@@ -92,7 +92,7 @@ impl CudaBackend {
             Some(sp) => self.sparse_bwd_plan(sp, s).map(drop)?,
             None => self.bwd_plan(spec, s).map(drop)?,
         }
-        Ok(bwd_workspace(spec, fused_dq(spec, deterministic, DqPath::Auto)))
+        Ok(bwd_workspace(spec, dq_mode(Some(self), spec, deterministic, DqPath::Auto)))
     }
 
     /// [`Self::backward_device`] on an explicit dQ path.
@@ -115,11 +115,14 @@ impl CudaBackend {
         }
         bind(self.ctx)?;
         let s = stream as CUstream;
-        let fused = fused_dq(spec, deterministic, path);
-        check_workspace(bwd_workspace(spec, fused), p.workspace, workspace_bytes)?;
+        let mode = dq_mode(Some(self), spec, deterministic, path);
+        check_workspace(bwd_workspace(spec, mode), p.workspace, workspace_bytes)?;
         match spec.block_sparse() {
-            Some(sp) => sparse_bwd::launch_sparse_backward(self, sp, &*self.sparse_bwd_plan(sp, s)?, &p, fused, s)?,
-            None => launch_backward(self, spec, &*self.bwd_plan(spec, s)?, &p, fused, s)?,
+            Some(_) if mode == DqMode::Ordered => {
+                return Err(crate::error::Error::Unsupported { backend: "cuda", msg: "the ordered dQ serves dense key sets, not block-sparse".into() })
+            }
+            Some(sp) => sparse_bwd::launch_sparse_backward(self, sp, &*self.sparse_bwd_plan(sp, s)?, &p, mode == DqMode::Fused, s)?,
+            None => launch_backward(self, spec, &*self.bwd_plan(spec, s)?, &p, mode, s)?,
         }
         Ok(true)
     }
@@ -212,7 +215,7 @@ impl CudaBackend {
         };
         let (dqb, dkb, dvb) = (grad(d.q_len())?, grad(d.kv_len())?, grad(d.kv_len())?);
         // SAFETY: as in `forward_host`
-        let need = unsafe { self.backward_workspace(spec, det, s as u64) }?.max(bwd_workspace(spec, fused_dq(spec, det, path)));
+        let need = unsafe { self.backward_workspace(spec, det, s as u64) }?.max(bwd_workspace(spec, dq_mode(Some(self), spec, det, path)));
         let ws = DevBuf::alloc(need)?;
         let ptrs = BwdPtrs {
             q: qb.ptr,
