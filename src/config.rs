@@ -15,7 +15,7 @@
 //! | `CUBEATTN_CUDA_SPLIT=0` | no split-K of long forward tiles | the sanitizer families (`tests/python/sanitize_driver.py`) |
 //! | `CUBEATTN_BWD_DQ=pass` | the separate dQ pass for `deterministic = false` backward calls too (`atomic`, the default, fuses dQ) | sanitizer families, comparisons |
 //! | `CUBEATTN_BWD_SM90_WS=0` | keeps `flash_bwd_sm90` where the warp-specialised wgmma dK/dV kernel (`kernels::flash_bwd_ws`) is the default (head_dim 128; 64 without the fused dQ) | A/B runs of the two Hopper backward frames on one GPU |
-//! | `CUBEATTN_BWD_DQ_ORDERED=0` | deterministic backward calls take the dQ pass instead of the ordered fused dQ (the Hopper ws kernel adding each query tile's dQ in ascending key-tile order) | A/B runs of the two deterministic paths |
+//! | `CUBEATTN_BWD_DQ_ORDERED=0` | deterministic backward calls take the dQ pass instead of the ordered fused dQ (the Hopper ws kernel adding each query tile's dQ in ascending key-tile order, head_dim 128) | A/B runs of the two deterministic paths |
 //! | `CUBEATTN_BWD_Q_STAGES=1` | the dK/dV kernel with one query-tile stage (what GPUs with less shared memory get) on any GPU | `tests/python/test_portable_gpu.py` |
 //! | `CUBEATTN_CPU_KERNEL=gemm` | the CPU backend's gemm-crate path instead of its AVX-512 tiles | `examples/cpu_forward.rs`, docs/cpu.md |
 //!

@@ -5,7 +5,7 @@
 FAMILY: forward (tensor-core forward without split-K, f16/bf16; the f32 row-wise kernels),
 splitk (few rows over many keys: split-K partials and the combine kernel, uncovered rows),
 backward_pass (the deterministic dQ pass, CUBEATTN_BWD_DQ_ORDERED=0), backward_ordered (the
-deterministic default on sm_90 at head_dim 64 / 128: dQ fused, added in key-tile order behind turn
+deterministic default on sm_90 at head_dim 128: dQ fused, added in key-tile order behind turn
 counters), backward_atomic (dQ fused with f32 atomics, CUBEATTN_BWD_DQ=atomic), grouped (overlapping groups, an empty group, rows in no group; forward
 and backward), sparse (block-sparse forward: 64- and 128-row cubes, empty rows, odd block
 sizes), sparse_backward (its dK/dV kernel, both dQ paths, the transposed index), sparse_int8 (INT8

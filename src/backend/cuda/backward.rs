@@ -253,7 +253,7 @@ pub enum DqPath {
     /// row-wise kernels).
     Atomic,
     /// dQ fused, each query tile's additions in a fixed order ([`DqMode::Ordered`]; dense
-    /// f16/bf16 calls at head_dim 64 / 128 on sm_90, else the launch fails).
+    /// f16/bf16 calls at head_dim 128 on sm_90, else the launch fails).
     Ordered,
 }
 
@@ -301,16 +301,18 @@ pub(crate) fn dq_mode(be: Option<&CudaBackend>, spec: &AttnSpec, deterministic: 
     }
 }
 
-/// Whether the ordered fused dQ serves `spec`: dense f16/bf16 calls whose dK/dV kernel is the
-/// warp-specialised Hopper one (head_dim 64, 128; sm_90 with bulk reductions; `be` `None`: assumed).
-/// `CUBEATTN_BWD_DQ_ORDERED=0` keeps deterministic calls on the pass.
+/// Whether the ordered fused dQ serves `spec`: dense f16/bf16 calls at head_dim 128, whose dK/dV
+/// kernel is the warp-specialised Hopper one (sm_90 with bulk reductions; `be` `None`: assumed).
+/// fwd+bwd 5-10% faster than the dQ pass there (H200, bench/results/h200-2026-11-29-ordered-dq);
+/// at head_dim 64 it was 1.3-1.4x the pass's time (a d64 tile's products are shorter than the
+/// dQ warp's handshake per tile), so d64 keeps the pass. `CUBEATTN_BWD_DQ_ORDERED=0` keeps
+/// deterministic calls on the pass everywhere.
 fn ordered_serves(be: Option<&CudaBackend>, spec: &AttnSpec) -> bool {
-    let hd = spec.dims.head_dim;
     crate::config::get().bwd_dq_ordered
         && spec.dtype != DType::F32
         && spec.block_sparse().is_none()
-        && SM90_BWD_HEAD_DIMS.contains(&hd)
-        && ws_backward(hd, true, true)
+        && spec.dims.head_dim == 128
+        && ws_backward(128, true)
         && be.is_none_or(|be| super::forward::sm90_forward(be, spec) && be.target.bulk_reduce)
 }
 
@@ -479,10 +481,10 @@ pub(crate) fn sm90_backward(be: &CudaBackend, spec: &AttnSpec, acc: Option<u64>)
 /// the dQ products): at 128, where fwd+bwd took 1.5-4% less kernel time than with
 /// `flash_bwd_sm90` (H200, bench/results/h200-2026-11-29-ws-bwd), and without the fused dQ (the
 /// dQ pass's path) at 64 too (2-5% less); the fused d64 kernel was 6-7% slower
-/// (docs/measured-and-lost.md), but the ordered dQ (`ordered`) is only built on it.
-/// `CUBEATTN_BWD_SM90_WS=0` turns it off.
-fn ws_backward(hd: usize, fused: bool, ordered: bool) -> bool {
-    crate::config::get().bwd_sm90_ws && (hd == 128 || (hd == 64 && (!fused || ordered)))
+/// (docs/measured-and-lost.md). The ordered dQ is only built on it. `CUBEATTN_BWD_SM90_WS=0`
+/// turns it off.
+fn ws_backward(hd: usize, fused: bool) -> bool {
+    crate::config::get().bwd_sm90_ws && (hd == 128 || (hd == 64 && !fused))
 }
 
 /// The Hopper dK/dV kernel for one set of comptime choices: the warp-specialised
@@ -499,12 +501,12 @@ pub(crate) fn dkdv_sm90_kernel(
     paged: bool,
     ordered: bool,
 ) -> Result<Func> {
-    let ws = ws_backward(hd, fused, ordered);
-    if ordered && !(ws && fused && !sparse) {
+    let ws = ws_backward(hd, fused);
+    if ordered && !(ws && hd == 128 && fused && !sparse) {
         return Err(crate::error::Error::Unsupported {
             backend: "cuda",
             msg: format!(
-                "the ordered dQ runs on the warp-specialised dK/dV kernel (dense, head_dim 64 / 128), not head_dim {hd}{}",
+                "the ordered dQ runs on the warp-specialised dK/dV kernel (dense, head_dim 128), not head_dim {hd}{}",
                 if sparse { ", block-sparse" } else { "" }
             ),
         });
@@ -597,7 +599,7 @@ pub(crate) fn launch_dkdv_wide(
     if turns.is_some() && (acc.is_none() || !sm90_backward(be, spec, acc)) {
         return Err(crate::error::Error::Unsupported {
             backend: "cuda",
-            msg: format!("the ordered dQ needs the Hopper dK/dV kernel (sm_90, bulk reductions, head_dim 64 / 128), not head_dim {}", d.head_dim),
+            msg: format!("the ordered dQ needs the Hopper dK/dV kernel (sm_90, bulk reductions, head_dim 128), not head_dim {}", d.head_dim),
         });
     }
     let (f, [q_map, do_map]) = if SPLIT_BWD_HEAD_DIMS.contains(&d.head_dim) {

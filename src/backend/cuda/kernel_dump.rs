@@ -93,7 +93,6 @@ mod tests {
             ("bwd_ws_paged_fused_d128_f16", dkdv_sm90_source(c, DType::F16, 128, true, 2, false, true, true, false)),
             // deterministic: the ordered fused dQ (each query tile's additions in key-tile order)
             ("bwd_ws_ordered_d128", dkdv_sm90_source(c, dt, 128, true, 2, false, false, true, true)),
-            ("bwd_ws_ordered_d64", dkdv_sm90_source(c, dt, 64, true, 2, false, false, true, true)),
             ("bwd_ws_ordered_paged_d128_f16", dkdv_sm90_source(c, DType::F16, 128, true, 2, false, true, true, true)),
             // above head_dim 128: dV and dK in different warpgroups, fused dQ by atomics, or none
             // (deterministic: the dQ pass at 192 / 256)
