@@ -37,7 +37,7 @@ use super::flash_bwd_sm90::{
 };
 use super::grid::cube_item_slot;
 use super::sm90::{
-    bulk_wait, fence_proxy_async, named_barrier, pack_a_pairs, setmaxnreg, turn_release, turn_wait, wgmma_commit, wgmma_fence,
+    bulk_wait_all, fence_proxy_async, named_barrier, pack_a_pairs, setmaxnreg, turn_release, turn_wait, wgmma_commit, wgmma_fence,
     wgmma_wait, SW_COLS,
 };
 use super::staging::{stage_rows, wait_stage};
@@ -88,10 +88,7 @@ fn count_tiles<E: Float, NV: Size, NQ: Size>(args: &DkdvCard<E, NV, NQ>, ki: &Ke
 
 /// The ordered dQ warp (deterministic fused dQ): walks the cube's query tiles itself and adds each
 /// tile's rows in its turn ([`dq_turn`]: ascending key tiles), waiting before the additions for
-/// the tile's counter to reach the turn and, once they are performed, counting itself in. The
-/// count waits until the next tile's additions are issued: the wait for a tile's additions to
-/// complete (longer than a d64 tile's products) then overlaps the next tile, and a cube lags the
-/// one before it by one tile, once.
+/// the tile's counter to reach the turn and, once they are performed, counting itself in.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn ordered_dq_warp<E: Float, NV: Size, NQ: Size>(
@@ -108,7 +105,6 @@ fn ordered_dq_warp<E: Float, NV: Size, NQ: Size>(
     let group = args.heads_q / args.heads_kv;
     let kt = ki.key0 / BN as u32;
     let mut j = 0u32;
-    let mut prev_slot = 0u32;
     for si in ki.s_begin..ki.s_end {
         let sw = walk(args, ki, si, hk, group, false, true);
         let mut qt = first_q_tile(&args.tq_list, &sw, hk, group, args.q_block, false, true);
@@ -132,24 +128,14 @@ fn ordered_dq_warp<E: Float, NV: Size, NQ: Size>(
             tma_group_commit();
             tma_group_wait_read(0u32);
             let _t = dq_empty.arrive_and_expect_tx(1u32, 0u32);
-            if j > 0u32 {
-                // the previous tile's additions performed (every lane's): the next cube's turn there
-                bulk_wait(1u32);
-                sync_plane();
-                if lane == 0u32 {
-                    turn_release(&args.dq_turns, prev_slot);
-                }
+            // the additions performed (every lane's), then the next cube's turn
+            bulk_wait_all();
+            sync_plane();
+            if lane == 0u32 {
+                turn_release(&args.dq_turns, slot);
             }
-            prev_slot = slot;
             next_q_tile(&args.tq_list, &sw, &mut qt, hk, group, args.q_tiles_per_block, args.q_block, false, true);
             j += 1u32;
-        }
-    }
-    if j > 0u32 {
-        bulk_wait(0u32);
-        sync_plane();
-        if lane == 0u32 {
-            turn_release(&args.dq_turns, prev_slot);
         }
     }
 }

@@ -100,17 +100,16 @@ pub fn turn_wait(turns: &Array<u32>, slot: u32, want: u32) {
     intrinsic!(|scope| marker(scope, "turn_wait".into(), vec![*turns.expand, *slot.expand, *want.expand]))
 }
 
-/// `cp.async.bulk.wait_group pending` then `fence.proxy.async.global`: this thread's bulk copies
-/// but the last `pending` groups performed, their global writes ordered before its later generic
-/// accesses (CubeCL's `tma_group_wait` names a libcu++ function CUDA 13 no longer has).
+/// `cp.async.bulk.wait_group 0` then `fence.proxy.async.global`: this thread's bulk copies
+/// performed, their global writes ordered before its later generic accesses (CubeCL's
+/// `tma_group_wait` names a libcu++ function CUDA 13 no longer has).
 #[cube]
-#[allow(unused_variables)]
-pub fn bulk_wait(#[comptime] pending: u32) {
-    intrinsic!(|scope| marker(scope, format!("bulk_wait {pending}"), vec![]))
+pub fn bulk_wait_all() {
+    intrinsic!(|scope| marker(scope, "bulk_wait_all".into(), vec![]))
 }
 
 /// A GPU-scope release increment of `turns[slot]` (the next cube's [`turn_wait`]), after the
-/// bulk copies of the warp completed ([`bulk_wait`] by every lane, then a warp barrier).
+/// bulk copies of the warp completed ([`bulk_wait_all`] by every lane, then a warp barrier).
 #[cube]
 #[allow(unused_variables)]
 pub fn turn_release(turns: &Array<u32>, slot: u32) {

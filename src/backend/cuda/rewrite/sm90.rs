@@ -12,10 +12,9 @@ use super::mismatch;
 use crate::error::Result;
 use crate::kernels::sm90::MARK;
 
-/// Polls of a turn wait before it gives up (`kernels::sm90::turn_wait`): with 64 ns sleeps and
-/// the load's latency, a second or more; an ordered wait never gets near it (the cubes it waits
-/// for started earlier).
-const TURN_POLLS: u32 = 1 << 24;
+/// Polls of a turn wait before it gives up (`kernels::sm90::turn_wait`): with 256 ns sleeps, about
+/// a second; an ordered wait never gets near it (the cubes it waits for started earlier).
+const TURN_POLLS: u32 = 1 << 22;
 
 /// Bytes between two 8-row groups of a 128-byte-swizzled tile (the descriptors' stride offset).
 const SBO: u32 = 1024;
@@ -69,10 +68,7 @@ fn lower_marker(text: &str) -> Option<Lowered> {
         ["fence"] => Some(simple("fence", "wgmma.fence.sync.aligned;")),
         ["commit"] => Some(simple("commit", "wgmma.commit_group.sync.aligned;")),
         ["proxy_fence"] => Some(simple("proxy_fence", "fence.proxy.async.shared::cta;")),
-        ["bulk_wait", n] => {
-            let n: u32 = n.parse().ok().filter(|&n| n <= 7)?;
-            Some(simple(&format!("bulk_wait_{n}"), &format!("cp.async.bulk.wait_group {n};\\n  fence.proxy.async.global;")))
-        }
+        ["bulk_wait_all"] => Some(simple("bulk_wait_all", "cp.async.bulk.wait_group 0;\\n  fence.proxy.async.global;")),
         ["wait", n] => {
             let n: u32 = n.parse().ok().filter(|&n| n <= 7)?;
             Some(simple(&format!("wait_{n}"), &format!("wgmma.wait_group.sync.aligned {n};")))
@@ -156,7 +152,7 @@ fn lower_marker(text: &str) -> Option<Lowered> {
   unsigned v;
   asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   for (unsigned polls = 0; v != want && polls < {TURN_POLLS}u; ++polls) {{
-    __nanosleep(64);
+    __nanosleep(256);
     asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   }}
   asm volatile("fence.proxy.async.global;" ::: "memory");
@@ -393,13 +389,13 @@ mod tests {
         }
         // the ordered dQ's turns: an acquire spin (bounded), the bulk-copy wait, a release increment
         let t = lower("k_", &kernel(&format!(
-            "printf(\"{MARK}turn_wait\", buffer_10,l_1,l_2);\nprintf(\"{MARK}bulk_wait 1\");\nprintf(\"{MARK}turn_release\", buffer_10,l_1);\n"
+            "printf(\"{MARK}turn_wait\", buffer_10,l_1,l_2);\nprintf(\"{MARK}bulk_wait_all\");\nprintf(\"{MARK}turn_release\", buffer_10,l_1);\n"
         )))
         .unwrap();
         assert!(t.contains("__cubeattn_turn_wait(buffer_10, l_1, l_2);") && t.contains("__cubeattn_turn_release(buffer_10, l_1);"), "{t}");
         assert!(t.contains("ld.acquire.gpu.u32") && t.contains(&format!("polls < {TURN_POLLS}u")), "{t}");
-        assert!(t.contains("cp.async.bulk.wait_group 1;") && t.contains("red.release.gpu.add.u32"), "{t}");
-        for bad in ["printf(\"{MARK}turn_wait\", a,b);\n", "printf(\"{MARK}turn_release\", a);\n", "printf(\"{MARK}bulk_wait\");\n", "printf(\"{MARK}bulk_wait 8\");\n"] {
+        assert!(t.contains("cp.async.bulk.wait_group 0;") && t.contains("red.release.gpu.add.u32"), "{t}");
+        for bad in ["printf(\"{MARK}turn_wait\", a,b);\n", "printf(\"{MARK}turn_release\", a);\n", "printf(\"{MARK}bulk_wait_all 1\");\n"] {
             assert!(lower("k", &kernel(&bad.replace("{MARK}", MARK))).is_err(), "{bad}");
         }
         // helpers sit before the entry point, each once
