@@ -19,7 +19,10 @@
 //!
 //! The host plan, card (`cards::DkdvCard`), work list, segments and query-tile walk (dense, varlen,
 //! GQA, grouped windows, paged K/V, block-sparse through the transposed index) are
-//! `flash_bwd_sm90`'s. The default at head_dim 128, and at 64 without the fused dQ
+//! `flash_bwd_sm90`'s. With comptime `ordered` (deterministic calls at d128, dense) the walk's
+//! query tiles are aligned to 64 rows of the segment and visited from the last down, and the dQ
+//! warp adds each tile in its turn, ascending key tiles, behind per-tile counters
+//! ([`ordered_dq_warp`], docs/backward.md). The default at head_dim 128, and at 64 without the fused dQ
 //! (`backend::cuda::backward::ws_backward`); the fused d64 kernel lost to `flash_bwd_sm90`, and so
 //! did a variant whose consumers did not meet per tile (docs/backward.md).
 
