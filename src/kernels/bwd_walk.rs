@@ -265,43 +265,27 @@ pub fn next_q_tile(
         c.h = hk * group + c.hq;
         c.r0 = sw.r_min as u32 + c.ti * BWD_BM as u32;
     } else {
-        next_pair(tq_list, sw, c, hk, group, q_tiles_per_block, q_block, sparse);
-    }
-}
-
-/// [`next_q_tile`] in the kernels' own order.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn next_pair(
-    tq_list: &Array<u32>,
-    sw: &SegWalk,
-    c: &mut QTile,
-    hk: u32,
-    group: u32,
-    q_tiles_per_block: u32,
-    q_block: u32,
-    #[comptime] sparse: bool,
-) {
-    c.ti += 1u32;
-    if sparse {
-        if c.ti == q_tiles_per_block {
-            c.ti = 0u32;
-            c.ei += 1u32;
-            if c.ei == sw.t_n {
-                c.ei = 0u32;
+        c.ti += 1u32;
+        if sparse {
+            if c.ti == q_tiles_per_block {
+                c.ti = 0u32;
+                c.ei += 1u32;
+                if c.ei == sw.t_n {
+                    c.ei = 0u32;
+                    c.hq += 1u32;
+                }
+            }
+            let (ha, ra, re) = sparse_q_tile(tq_list, sw.t_lo, c.ei, c.ti, c.hq, hk * group, sw.span, q_block, sw.q_len);
+            c.h = ha;
+            c.r0 = ra;
+            c.row_end = re;
+        } else {
+            if c.ti == sw.n_qt {
+                c.ti = 0u32;
                 c.hq += 1u32;
             }
+            c.h = hk * group + c.hq;
+            c.r0 = sw.r_min as u32 + c.ti * BWD_BM as u32;
         }
-        let (ha, ra, re) = sparse_q_tile(tq_list, sw.t_lo, c.ei, c.ti, c.hq, hk * group, sw.span, q_block, sw.q_len);
-        c.h = ha;
-        c.r0 = ra;
-        c.row_end = re;
-    } else {
-        if c.ti == sw.n_qt {
-            c.ti = 0u32;
-            c.hq += 1u32;
-        }
-        c.h = hk * group + c.hq;
-        c.r0 = sw.r_min as u32 + c.ti * BWD_BM as u32;
     }
 }
