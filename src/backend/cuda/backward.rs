@@ -893,3 +893,50 @@ impl CudaBackend {
         self.backward_host(spec, q, k, v, grad, None, path)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::TensorMeta;
+
+    fn spec(dtype: DType, d: usize, causal: bool) -> AttnSpec {
+        let m = |h| TensorMeta::new(&[300, h, d], dtype);
+        AttnSpec::varlen(&m(8), &m(2), &m(2), &[0, 100, 300], &[0, 100, 300], 200, 200, None, causal).unwrap()
+    }
+
+    /// The dQ path each call takes (no GPU: `be` None counts it a Hopper GPU, as the VRAM estimate
+    /// does), and the workspace each path needs.
+    #[test]
+    fn dq_mode_follows_deterministic_dtype_and_head_dim() {
+        let (b128, b64, f32s) = (spec(DType::BF16, 128, true), spec(DType::F16, 64, false), spec(DType::F32, 128, true));
+        if crate::config::get().bwd_dq_ordered && crate::config::get().bwd_sm90_ws {
+            assert_eq!(dq_mode(None, &b128, true, DqPath::Auto), DqMode::Ordered);
+        }
+        assert_eq!(dq_mode(None, &b64, true, DqPath::Auto), DqMode::Pass, "d64 keeps the pass");
+        assert_eq!(dq_mode(None, &f32s, true, DqPath::Auto), DqMode::Pass);
+        assert_eq!(dq_mode(None, &f32s, false, DqPath::Ordered), DqMode::Pass, "f32 always takes the pass");
+        assert_eq!(dq_mode(None, &b128, true, DqPath::Pass), DqMode::Pass);
+        assert_eq!(dq_mode(None, &b128, true, DqPath::Atomic), DqMode::Fused);
+        if !crate::config::get().bwd_dq_pass {
+            assert_eq!(dq_mode(None, &b128, false, DqPath::Auto), DqMode::Fused);
+        }
+        let d = &b128.dims;
+        let (lse, acc) = (d.lse_len() * 4, d.q_len() * 4);
+        assert_eq!(workspace_parts(&b128, DqMode::Pass), [lse, 0, 0]);
+        assert_eq!(workspace_parts(&b128, DqMode::Fused), [lse, acc, 0]);
+        assert_eq!(workspace_parts(&b128, DqMode::Ordered), [lse, acc, lse]);
+        // the parts do not overlap: each starts past the previous one's end
+        let (delta, a, t) = workspace_ptrs(&b128, DqMode::Ordered, 0);
+        assert!(delta + lse as u64 <= a && a + acc as u64 <= t && t as usize + lse <= bwd_workspace(&b128, DqMode::Ordered));
+    }
+
+    /// The ordered dQ's launch list is every key tile in ascending order.
+    #[test]
+    fn ordered_launch_order_is_ascending() {
+        let p = BwdPlan::new(&spec(DType::BF16, 128, true));
+        assert_eq!(p.k_asc, (0..p.k_work.len() as u32).collect::<Vec<_>>());
+        let mut w = p.k_work.clone();
+        w.sort();
+        assert_eq!(w, p.k_asc, "the cost-ordered list holds the same tiles");
+    }
+}
