@@ -76,8 +76,6 @@ pub struct SegWalk {
     pub k_len: u32,
     pub shift: i32,
     pub r_min: i32,
-    /// Dense: one past the last row that sees the cube's last key.
-    pub r_end: i32,
     pub k_hi: u32,
     pub n_qt: u32,
     pub n_it: u32,
@@ -143,7 +141,7 @@ pub fn seg_walk(
         }
         n_it = group * n_qt;
     }
-    SegWalk { q_start, q_len, k_start, k_len, shift, r_min, r_end, k_hi, n_qt, n_it, t_lo, t_n, span }
+    SegWalk { q_start, q_len, k_start, k_len, shift, r_min, k_hi, n_qt, n_it, t_lo, t_n, span }
 }
 
 /// The ordered dQ's turn of key tile `kt` (of `bn` keys) at the aligned query tile starting at row
@@ -151,7 +149,7 @@ pub fn seg_walk(
 /// (ascending key tiles: the launch order of the dense work list, so a cube only ever waits for
 /// cubes that started before it). Those are the tiles from the first whose last key is seen by a
 /// row at or past `r0` (the rows seeing a key move down monotonically with it, and each tile's
-/// walk ends at the last row seeing its last key: [`seg_walk`]'s `r_end`) up to `kt`.
+/// walk ends at the last row seeing its last key, as in [`seg_walk`]) up to `kt`.
 #[cube]
 pub fn dq_turn(sw: &SegWalk, kt: u32, r0: u32, win_l: u32, win_r: u32, #[comptime] bn: usize) -> u32 {
     let mut lo = sw.k_start / bn as u32;

@@ -89,6 +89,36 @@ fn count_tiles<E: Float, NV: Size, NQ: Size>(args: &DkdvCard<E, NV, NQ>, ki: &Ke
     n
 }
 
+/// The dQ warp's additions of one stored row tile: its first `rows` rows, global rows `first_row
+/// ..` of q head `h`, added to the f32 accumulator by bulk reduce-adds (two rows a lane); once the
+/// copy engine has read them the tile is free again (`dq_empty`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn add_tile_rows<NQ: Size>(
+    dq_tile: &SharedMemory<Vector<f32, NQ>>,
+    dq_rows: &mut Array<Vector<f32, NQ>>,
+    dq_empty: &Barrier,
+    lane: u32,
+    first_row: u32,
+    rows: u32,
+    h: u32,
+    heads_q: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] qvec: usize,
+) {
+    #[unroll]
+    for rr in 0..comptime!(BM / 32) {
+        let r = lane + comptime!((rr * 32) as u32);
+        if r < rows {
+            let dst = ((first_row + r) * heads_q + h) * comptime!((head_dim / qvec) as u32);
+            add_dq_row::<NQ>(dq_tile, dq_rows, r, dst, head_dim, qvec);
+        }
+    }
+    tma_group_commit();
+    tma_group_wait_read(0u32);
+    let _t = dq_empty.arrive_and_expect_tx(1u32, 0u32);
+}
+
 /// The ordered dQ warp (deterministic fused dQ): walks the cube's query tiles itself and adds each
 /// tile's rows in its turn ([`dq_turn`]: ascending key tiles), waiting before the additions for
 /// the tile's counter to reach the turn and, once they are performed, counting itself in.
@@ -120,17 +150,7 @@ fn ordered_dq_warp<E: Float, NV: Size, NQ: Size>(
             sync_plane();
             dq_full.wait_parity(j & 1u32);
             let rows = min(sw.q_len - qt.r0, BM as u32);
-            #[unroll]
-            for rr in 0..comptime!(BM / 32) {
-                let r = lane + comptime!((rr * 32) as u32);
-                if r < rows {
-                    let dst = ((first_row + r) * args.heads_q + qt.h) * comptime!((head_dim / qvec) as u32);
-                    add_dq_row::<NQ>(dq_tile, &mut args.dq_rows, r, dst, head_dim, qvec);
-                }
-            }
-            tma_group_commit();
-            tma_group_wait_read(0u32);
-            let _t = dq_empty.arrive_and_expect_tx(1u32, 0u32);
+            add_tile_rows::<NQ>(dq_tile, &mut args.dq_rows, dq_empty, lane, first_row, rows, qt.h, args.heads_q, head_dim, qvec);
             // the additions performed (every lane's), then the next cube's turn
             bulk_wait_all();
             sync_plane();
@@ -236,20 +256,10 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
                 let n = count_tiles(args, &ki, hk, sparse);
                 for j in 0..n {
                     dq_full.wait_parity(j & 1u32);
-                    let first_row = dq_info[0];
-                    let rows = dq_info[1];
-                    let h = dq_info[2];
-                    #[unroll]
-                    for rr in 0..comptime!(BM / 32) {
-                        let r = lane + comptime!((rr * 32) as u32);
-                        if r < rows {
-                            let dst = ((first_row + r) * args.heads_q + h) * comptime!((head_dim / qvec) as u32);
-                            add_dq_row::<NQ>(&dq_tile, &mut args.dq_rows, r, dst, head_dim, qvec);
-                        }
-                    }
-                    tma_group_commit();
-                    tma_group_wait_read(0u32);
-                    let _t = dq_empty.arrive_and_expect_tx(1u32, 0u32);
+                    add_tile_rows::<NQ>(
+                        &dq_tile, &mut args.dq_rows, &dq_empty, lane, dq_info[0], dq_info[1], dq_info[2], args.heads_q, head_dim,
+                        qvec,
+                    );
                 }
             }
         }
