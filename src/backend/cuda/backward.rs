@@ -294,26 +294,42 @@ pub(crate) fn dq_mode(be: Option<&CudaBackend>, spec: &AttnSpec, deterministic: 
         DqPath::Pass => DqMode::Pass,
         DqPath::Atomic => DqMode::Fused,
         DqPath::Ordered => DqMode::Ordered,
-        DqPath::Auto if deterministic && ordered_serves(be, spec) => DqMode::Ordered,
+        DqPath::Auto if deterministic && crate::config::get().bwd_dq_ordered && ordered_serves(be, spec) => DqMode::Ordered,
         DqPath::Auto if deterministic => DqMode::Pass,
         DqPath::Auto if crate::config::get().bwd_dq_pass => DqMode::Pass,
         DqPath::Auto => DqMode::Fused,
     }
 }
 
-/// Whether the ordered fused dQ serves `spec`: dense f16/bf16 calls at head_dim 128, whose dK/dV
-/// kernel is the warp-specialised Hopper one (sm_90 with bulk reductions; `be` `None`: assumed).
-/// fwd+bwd 5-10% faster than the dQ pass there (H200, bench/results/h200-2026-11-29-ordered-dq);
-/// at head_dim 64 it was 1.3-1.4x the pass's time (a d64 tile's products are shorter than the
-/// dQ warp's handshake per tile), so d64 keeps the pass. `CUBEATTN_BWD_DQ_ORDERED=0` keeps
-/// deterministic calls on the pass everywhere.
+/// Whether the ordered fused dQ can serve `spec`: dense f16/bf16 calls at head_dim 128, whose
+/// dK/dV kernel is the warp-specialised Hopper one (sm_90 with bulk reductions; `be` `None`:
+/// assumed). fwd+bwd 2-8% faster than the dQ pass there (H200,
+/// bench/results/h200-2026-11-29-ordered-dq); at head_dim 64 it was 1.3-1.4x the pass's time (a
+/// d64 tile's products are shorter than the dQ warp's handshake per tile), so d64 keeps the pass.
+/// Deterministic calls take it unless `CUBEATTN_BWD_DQ_ORDERED=0` ([`dq_mode`]).
 fn ordered_serves(be: Option<&CudaBackend>, spec: &AttnSpec) -> bool {
-    crate::config::get().bwd_dq_ordered
-        && spec.dtype != DType::F32
+    spec.dtype != DType::F32
         && spec.block_sparse().is_none()
         && spec.dims.head_dim == 128
         && ws_backward(128, true)
         && be.is_none_or(|be| super::forward::sm90_forward(be, spec) && be.target.bulk_reduce)
+}
+
+/// `Err` where dQ path `mode` cannot run `spec` on `be` (an explicit [`DqPath::Ordered`] outside
+/// [`ordered_serves`]): checked once, before any launch.
+pub(crate) fn check_dq_mode(be: &CudaBackend, spec: &AttnSpec, mode: DqMode) -> Result<()> {
+    if mode == DqMode::Ordered && !ordered_serves(Some(be), spec) {
+        return Err(crate::error::Error::Unsupported {
+            backend: "cuda",
+            msg: format!(
+                "the ordered dQ serves dense f16/bf16 calls at head_dim 128 on sm_90 (the warp-specialised dK/dV kernel), not \
+                 this one (head_dim {}{})",
+                spec.dims.head_dim,
+                if spec.block_sparse().is_some() { ", block-sparse" } else { "" }
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// The array argument every kernel struct takes for a plain (not in-place) array.
@@ -489,7 +505,7 @@ fn ws_backward(hd: usize, fused: bool) -> bool {
 
 /// The Hopper dK/dV kernel for one set of comptime choices: the warp-specialised
 /// `flash_bwd_ws::flash_bwd_ws` where [`ws_backward`], else `flash_bwd_sm90::flash_bwd_sm90`.
-/// `ordered`: the ordered dQ (the ws kernel only).
+/// `ordered`: the ordered dQ (the ws kernel only; `check_dq_mode` admitted the call).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn dkdv_sm90_kernel(
     be: &CudaBackend,
@@ -502,15 +518,6 @@ pub(crate) fn dkdv_sm90_kernel(
     ordered: bool,
 ) -> Result<Func> {
     let ws = ws_backward(hd, fused);
-    if ordered && !(ws && hd == 128 && fused && !sparse) {
-        return Err(crate::error::Error::Unsupported {
-            backend: "cuda",
-            msg: format!(
-                "the ordered dQ runs on the warp-specialised dK/dV kernel (dense, head_dim 128), not head_dim {hd}{}",
-                if sparse { ", block-sparse" } else { "" }
-            ),
-        });
-    }
     let name = if ws { "flash_bwd_ws" } else { "flash_bwd_sm90" };
     let mut flags = vec![hd as u32, fused as u32, qvec as u32, sparse as u32, paged as u32];
     if ws {
@@ -596,12 +603,6 @@ pub(crate) fn launch_dkdv_wide(
     let (win_l, win_r, _) = window_bounds(spec);
     let paged = spec.kv_pages().is_some() && sparse.is_none();
     let qvec = atomic_vec(be);
-    if turns.is_some() && (acc.is_none() || !sm90_backward(be, spec, acc)) {
-        return Err(crate::error::Error::Unsupported {
-            backend: "cuda",
-            msg: format!("the ordered dQ needs the Hopper dK/dV kernel (sm_90, bulk reductions, head_dim 128), not head_dim {}", d.head_dim),
-        });
-    }
     let (f, [q_map, do_map]) = if SPLIT_BWD_HEAD_DIMS.contains(&d.head_dim) {
         // the only kernel above head_dim 128 (`CudaBackend::check_target` refused other GPUs;
         // the block-sparse kernels serve 64 and 128 only)
