@@ -25,7 +25,7 @@ use super::int8_qk::dot_to_f32;
 use super::flash_fwd::{fill_rows, tile_bounds, work_item, LIST_SMEM, M_INIT, NONE, RESCALE_SLACK, SLICE_WORDS};
 use super::kv_tiles::{issue_tile_boxes, tile_rows};
 use super::math::{fast_exp2, LN2};
-use super::sm90::{fence_proxy_async, pack_a_pairs, pack_p_e4m3, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_rs_e4m3,
+use super::sm90::{fence_proxy_async, pack_a_pairs, pack_p_e4m3, store_pair, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_rs_e4m3,
     wgmma_ss, wgmma_ss_s8, wgmma_wait, SW_COLS, SW_ROW};
 use super::staging::commit_copies;
 use crate::format::KV_PAGE;
@@ -600,19 +600,23 @@ pub(super) fn write_out<E: Float>(
     if slot == NONE {
         #[unroll]
         for ob in 0..o_blocks {
+            // the lane's two adjacent columns of a row as one 4-byte store
             #[unroll]
-            for e in 0..4usize {
-                let tr = prow + acc_row(lane, e) as usize;
+            for i in 0..2usize {
+                let tr = pick_row(i, row_a, row_b);
                 let tok = row_tok[tr];
                 if tok != NONE {
-                    let col = ob * 8 + acc_col(lane, e) as usize;
+                    let col = ob * 8 + acc_col(lane, 0usize) as usize;
                     let g = (tok * args.heads_q + row_head[tr]) as usize * head_dim + col;
-                    let mut o = o_acc[ob * 4 + e] * inv_r[e / 2];
+                    let mut o0 = o_acc[ob * 4 + 2 * i] * inv_r[i];
+                    let mut o1 = o_acc[ob * 4 + 2 * i + 1] * inv_r[i];
                     if fp8_pv {
-                        // V's per-channel scale (`fp8_v_scales`), after the Q scales and LSE corrections
-                        o *= args.part_lse[(2u32 * args.heads_q * args.total_q) as usize + (seq * args.heads_kv + head_kv) as usize * head_dim + col];
+                        // V's per-channel scales (`fp8_v_scales`), after the Q scales and LSE corrections
+                        let sc = (2u32 * args.heads_q * args.total_q) as usize + (seq * args.heads_kv + head_kv) as usize * head_dim + col;
+                        o0 *= args.part_lse[sc];
+                        o1 *= args.part_lse[sc + 1];
                     }
-                    args.out[g] = E::cast_from(o);
+                    store_pair::<E>(&mut args.out, g, o0, o1);
                 }
             }
         }

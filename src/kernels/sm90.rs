@@ -256,6 +256,19 @@ pub fn e4m3x4(out: &mut Array<u32>, #[comptime] i: usize, x0: f32, x1: f32, x2: 
     })
 }
 
+/// `out[idx]`, `out[idx + 1]` = `a`, `b` rounded to the element type (f16 / bf16, round to
+/// nearest), as one 4-byte store: `idx` even (the accumulator's two adjacent columns of a row).
+/// CubeCL stores a global array's elements one by one (2-byte stores).
+#[cube]
+#[allow(unused_variables)]
+pub fn store_pair<E: Float>(out: &mut Array<E>, idx: usize, a: f32, b: f32) {
+    intrinsic!(|scope| {
+        let t = elem_name::<E>(scope);
+        let args = vec![*out.expand, *idx.expand, *a.expand, *b.expand];
+        marker(scope, format!("store_pair {t}"), args)
+    })
+}
+
 /// `pairs` f32 pairs `x[2 j], x[2 j + 1]` packed to the element type: an f32 accumulator (m16n8
 /// layout) as the A fragments of [`wgmma_rs`] (pair `4 k .. 4 k + 4` is step `k`'s operand).
 #[cube]

@@ -169,6 +169,15 @@ fn lower_marker(text: &str) -> Option<Lowered> {
 "#
             .into(),
         }),
+        ["store_pair", t @ ("bf16" | "f16")] => {
+            let (pair, cvt) = if *t == "bf16" { ("__nv_bfloat162", "__floats2bfloat162_rn") } else { ("__half2", "__floats2half2_rn") };
+            let helper = format!("__cubeattn_store_pair_{t}");
+            let definition = format!(
+                "__device__ __forceinline__ void {helper}(void* out, unsigned idx, float a, float b) {{\n  \
+                 reinterpret_cast<{pair}*>(out)[idx >> 1] = {cvt}(a, b);\n}}\n"
+            );
+            Some(Lowered { helper, definition })
+        }
         ["e4m3x4", i] => {
             let i: u32 = i.parse().ok()?;
             let helper = format!("__cubeattn_e4m3x4_{i}");
@@ -297,7 +306,7 @@ pub(crate) fn lower(entry: &str, src: &str) -> Result<String> {
         let low = lower_marker(text).ok_or_else(bad)?;
         let want = match text.split(' ').next() {
             Some("wgmma_ss" | "wgmma_ss_s8" | "e4m3x4") => 5,
-            Some("wgmma_rs" | "wgmma_rs_e4m3") => 4,
+            Some("wgmma_rs" | "wgmma_rs_e4m3" | "store_pair") => 4,
             Some("pack_p_e4m3" | "turn_release") => 2,
             Some("turn_wait") => 3,
             _ => 0,
@@ -398,6 +407,10 @@ mod tests {
         for bad in ["printf(\"{MARK}turn_wait\", a,b);\n", "printf(\"{MARK}turn_release\", a);\n", "printf(\"{MARK}bulk_wait_all 1\");\n"] {
             assert!(lower("k", &kernel(&bad.replace("{MARK}", MARK))).is_err(), "{bad}");
         }
+        // paired 16-bit output stores
+        let sp = lower("k_", &kernel(&format!("printf(\"{MARK}store_pair bf16\", buffer_5,l_9,l_10,l_11);\n"))).unwrap();
+        assert!(sp.contains("__cubeattn_store_pair_bf16(buffer_5, l_9, l_10, l_11);") && sp.contains("__floats2bfloat162_rn(a, b)"), "{sp}");
+        assert!(lower("k", &kernel(&format!("printf(\"{MARK}store_pair f32\", a,b,c,d);\n"))).is_err());
         // helpers sit before the entry point, each once
         let entry = out.find("extern \"C\"").unwrap();
         assert!(out.find("void __cubeattn_fence()").unwrap() < entry);
