@@ -344,6 +344,11 @@ def _forward_on_gpu(torch, spec, gpu, dev, q, k, v, out_shape, return_lse):
     w = _workspace(spec, gpu, dev)
     if w is None:
         return None
+    return _enqueue_forward(torch, spec, gpu, dev, w, q, k, v, out_shape, return_lse)
+
+
+def _enqueue_forward(torch, spec, gpu, dev, w, q, k, v, out_shape, return_lse):
+    """`_forward_on_gpu` once its workspace `w` (`_workspace`'s triple) is at hand."""
     stream, ws, n = w
     total_q, _, heads_q, _, _ = spec.dims
     o = torch.empty(out_shape, dtype=q.dtype, device=gpu)
@@ -452,7 +457,8 @@ def _fast_key(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, a
               return_attn_probs, return_lse, device):
     """The key of a batched call whose every argument is hashable by value and at its default
     where that matters, or None (then the validating path runs)."""
-    if not (type(causal) is bool and (softmax_scale is None or type(softmax_scale) is float)
+    if not (type(causal) is bool and type(deterministic) is bool
+            and (softmax_scale is None or type(softmax_scale) is float)
             and type(window_size) is tuple and return_attn_probs is False and return_lse is False
             and dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None and type(device) is str
             and type(dropout_p) in (float, int) and type(softcap) in (float, int)):
@@ -464,18 +470,24 @@ def _fast_key(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, a
         return None
 
 
-def _fast_forward(key, q, k, v):
+def _fast_forward(key, q, k, v, deterministic, device):
     """A repeat of a batched torch CUDA forward the validating path has run before (same shapes,
-    dtypes, devices and options; contiguous; no autograd): enqueued with the cached spec, without
-    the layers of the general path. None where the general path must run."""
+    dtypes, devices and options; contiguous): enqueued with the cached spec, without the layers of
+    the general path; through autograd (`_autograd.attention_on_gpu`) when an input requires grad.
+    None where the general path must run."""
     hit = _FAST.get(key)
     if hit is None or not all(is_dense_cuda(x) for x in (q, k, v)):
         return None
     import torch
 
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return None
     spec, dev, gpu = hit
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        w = _workspace(spec, gpu, dev)
+        if w is None:
+            return None
+        from ._autograd import attention_on_gpu
+
+        return attention_on_gpu(spec, gpu, dev, w, q, k, v, deterministic, device)
     return _forward_on_gpu(torch, spec, gpu, dev, q, k, v, q.shape, False)
 
 
@@ -508,7 +520,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     key = _fast_key(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                     return_attn_probs, return_lse, device)
     if key is not None:
-        out = _fast_forward(key, q, k, v)
+        out = _fast_forward(key, q, k, v, deterministic, device)
         if out is not None:
             return out
     _unsupported(dropout_p, softcap, alibi_slopes)
@@ -518,7 +530,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     res = flash_attn_varlen_func(fq, fk, fv, cu_q, cu_k, sq, sk, 0.0, softmax_scale, causal, window_size,
                                  deterministic=deterministic, return_lse=want_lse or probs, device=device)
     if not (want_lse or probs):
-        if key is not None and _is_torch(res) and res.is_cuda and not _needs_grad(q, k, v):
+        if key is not None and _is_torch(res) and res.is_cuda:
             conv = to_core(fq, "q"), to_core(fk, "k"), to_core(fv, "v")
             spec = varlen_spec(conv[0].shape, conv[1].shape, conv[0].dtype, cu_q, cu_k, sq, sk, softmax_scale, causal,
                                v_shape=conv[2].shape, window_size=window_size)

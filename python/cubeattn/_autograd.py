@@ -11,20 +11,30 @@ class _Attention(torch.autograd.Function):
     `conv`: q, k, v already converted for the core (see `_arrays.to_core`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, spec, conv, deterministic, device):
-        from . import _device_for, _one_gpu, _run_forward
+    def forward(ctx, q, k, v, spec, conv, deterministic, device, ready=None):
+        if ready is not None:
+            # a repeat of a call the validating path served on the device (`_fast_forward`): q, k,
+            # v are the contiguous CUDA tensors the kernels read; `ready` = (gpu, dev, workspace)
+            from . import _enqueue_forward
 
-        out, lse = _run_forward(spec, *conv, True, device)
-        dev = _device_for(device, *conv)
-        gpu = _one_gpu(dev, *conv)
-        if gpu is not None and out.is_cuda:
-            # device path: keep the contiguous tensors the kernels read, so that the backward only
-            # has dout to check and convert
-            ctx.save_for_backward(*(c.device_tensor for c in conv), out, lse)
+            gpu, dev, w = ready
+            out, lse = _enqueue_forward(torch, spec, gpu, dev, w, q, k, v, q.shape, True)
+            ctx.save_for_backward(q, k, v, out, lse)
             ctx.fast = (gpu, dev)
         else:
-            ctx.save_for_backward(q, k, v, out, lse)
-            ctx.fast = None
+            from . import _device_for, _one_gpu, _run_forward
+
+            out, lse = _run_forward(spec, *conv, True, device)
+            dev = _device_for(device, *conv)
+            gpu = _one_gpu(dev, *conv)
+            if gpu is not None and out.is_cuda:
+                # device path: keep the contiguous tensors the kernels read, so that the backward
+                # only has dout to check and convert
+                ctx.save_for_backward(*(c.device_tensor for c in conv), out, lse)
+                ctx.fast = (gpu, dev)
+            else:
+                ctx.save_for_backward(q, k, v, out, lse)
+                ctx.fast = None
         ctx.spec, ctx.deterministic, ctx.device = spec, deterministic, device
         ctx.mark_non_differentiable(lse)
         # lse's gradient is never used: no zeros tensor made (and filled on the device) per call
@@ -36,19 +46,25 @@ class _Attention(torch.autograd.Function):
         from . import _backward_device_fast, _run_backward
 
         if dout is None:  # out took no part in the loss: no gradient (None is zero to autograd)
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
         if ctx.fast is not None:
             grads = _backward_device_fast(ctx.spec, *ctx.fast, q, k, v, out, lse, dout, ctx.deterministic)
             if grads is not None:
-                return (*grads, None, None, None, None)
+                return (*grads, None, None, None, None, None)
         dq, dk, dv = _run_backward(ctx.spec, dout, q, k, v, out, lse, ctx.deterministic, ctx.device)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def needs_grad(*xs) -> bool:
     """True when grad mode is on and one of `xs` is a torch tensor that requires grad."""
     return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
+
+
+def attention_on_gpu(spec, gpu, dev, w, q, k, v, deterministic, device):
+    """The differentiable forward of a repeated batched call (`_fast_forward`: the cached spec, its
+    device `dev` / `gpu` and workspace `w`; q, k, v contiguous CUDA tensors): out only."""
+    return _Attention.apply(q, k, v, spec, None, deterministic, device, (gpu, dev, w))[0]
 
 
 def attention(spec, q, k, v, conv, return_lse, deterministic, device):

@@ -176,3 +176,54 @@ def test_repeated_batched_call_takes_the_cached_path_and_stays_exact():
     assert out.requires_grad and torch.equal(out.detach(), first)
     out.sum().backward()
     assert qg.grad is not None and torch.isfinite(qg.grad).all()
+
+
+def test_repeated_autograd_call_takes_the_cached_path_with_exact_gradients():
+    """A repeated batched call whose inputs require grad: the first goes through the validating
+    path and records its spec, the next ones take the cached device path through autograd
+    (`_fast_forward`). Deterministic gradients equal the first call's bit for bit, both modes
+    match the f64 reference, a non-contiguous dout gives the same gradients, and a bad
+    `deterministic` raises on a repeat as on the first call."""
+    gen = torch.Generator().manual_seed(23)
+    b, s, hq, hkv, d = 2, 333, 8, 2, 128
+    base = [rand(gen, (b, s, h, d)) for h in (hq, hkv, hkv)]
+    dout = rand(gen, (b, s, hq, d))
+    cu = np.arange(b + 1) * s
+    flat = [f64(x).reshape(b * s, x.shape[2], d) for x in base]
+    ref_out, _ = ref_attention(*flat, varlen_segments(cu, cu), True)
+    ref = ref_backward(*flat, f64(dout).reshape(b * s, hq, d), varlen_segments(cu, cu), True)
+
+    def step(det, g=dout):
+        q, k, v = (x.clone().requires_grad_() for x in base)
+        out = cubeattn.flash_attn_func(q, k, v, causal=True, deterministic=det)
+        out.backward(g)
+        return out.detach(), q.grad, k.grad, v.grad
+
+    cubeattn._FAST.clear()
+    first = step(True)
+    assert len(cubeattn._FAST) == 1, "the autograd call did not record its spec"
+    calls = []
+    real = cubeattn._enqueue_forward
+    cubeattn._enqueue_forward = lambda *a: calls.append(1) or real(*a)
+    try:
+        again = step(True)
+        assert calls, "the repeated autograd call did not take the cached path"
+        for x, y in zip(first, again):
+            assert torch.equal(x, y)
+        for det in (True, False):
+            out, dq, dk, dv = step(det)
+            assert rel_err(f64(out).reshape(ref_out.shape), ref_out) < 1e-2
+            for t, want in zip((dq, dk, dv), ref):
+                assert rel_err(f64(t).reshape(want.shape), want) < 2e-2, det
+        # a non-contiguous dout (same values): copied for the kernels, the same gradients
+        strided = dout.transpose(1, 2).contiguous().transpose(1, 2)
+        assert not strided.is_contiguous()
+        for x, y in zip(step(True, strided), first):
+            assert torch.equal(x, y)
+    finally:
+        cubeattn._enqueue_forward = real
+    q, k, v = (x.clone().requires_grad_() for x in base)
+    with pytest.raises(TypeError, match="deterministic"):
+        cubeattn.flash_attn_func(q, k, v, causal=True, deterministic="yes")
+    with torch.no_grad(), pytest.raises(TypeError, match="deterministic"):
+        cubeattn.flash_attn_func(*base, causal=True, deterministic="yes")
