@@ -163,15 +163,46 @@ pub fn key_by_dim_steps<E: Float>(
     }
 }
 
+/// This lane's values of the query tile's first `nbs` row groups (its accumulator columns `8 nb +
+/// col_a + e2`, nb < `nbs`, at index `2 nb + e2`) from stage `lb` of a per-row table (lse, delta) in
+/// shared memory, times log2(e) with `log2e`. Read into registers before the caller waits for the
+/// MMAs whose results they combine with: a wait orders shared-memory reads after it, which put the
+/// first loads on the softmax's critical path (ncu, d128: 7% of the kernel's stall samples on the
+/// first three products with lse); the later groups' loads overlap the first groups' exps.
+#[cube]
+pub fn lane_rows(smem: &SharedMemory<f32>, lb: usize, col_a: usize, #[comptime] nbs: usize, #[comptime] log2e: bool) -> Array<f32> {
+    let mut v = Array::<f32>::new(comptime!(2 * nbs));
+    #[unroll]
+    for nb in 0..nbs {
+        #[unroll]
+        for e2 in 0..2usize {
+            let x = smem[lb + nb * 8 + col_a + e2];
+            if log2e {
+                v[nb * 2 + e2] = x * LOG2E;
+            } else {
+                v[nb * 2 + e2] = x;
+            }
+        }
+    }
+    v
+}
+
+/// Row groups of lse a thread reads ahead of the S wait ([`lane_rows`]; 4 of 8: all 8 held across
+/// the wait spilled the d128 kernel's loop state, 17 local loads a tile).
+pub const LSE_AHEAD: usize = 4;
+
 /// P^T = 2^(S^T scale log2 e - lse log2 e) in place of S^T (`s`: the m64n64 accumulator of 64 keys
-/// x the query tile's 64 rows, lse of stage `lb` of `lse_smem`), zero where the block is not fully
-/// visible and a key lies outside its row's window or past the segment's keys (`k_hi`), or the row
-/// is at or past `row_end`. `key_a - key_base`: this lane's first key among the 64 (window-local
-/// index `kw0` of the first); `rr0`: the tile's first row; `col_a`: this lane's first column pair.
+/// x the query tile's 64 rows; lse of stage `lb` of `lse_smem`, its first [`LSE_AHEAD`] row groups
+/// times log2 e already in `l2`, [`lane_rows`]), zero where the
+/// block is not fully visible and a key lies outside its row's window or past the segment's keys
+/// (`k_hi`), or the row is at or past `row_end`. `key_a - key_base`: this lane's first key among
+/// the 64 (window-local index `kw0` of the first); `rr0`: the tile's first row; `col_a`: this
+/// lane's first column pair.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn p_transposed(
     s: &mut Array<f32>,
+    l2: &Array<f32>,
     lse_smem: &SharedMemory<f32>,
     lb: usize,
     col_a: usize,
@@ -195,11 +226,11 @@ pub fn p_transposed(
     for nb in 0..comptime!(BM / 8) {
         #[unroll]
         for e2 in 0..2usize {
-            let l2 = lse_smem[lb + nb * 8 + col_a + e2] * LOG2E;
+            let l = if comptime!(nb < LSE_AHEAD) { l2[nb * 2 + e2] } else { lse_smem[lb + nb * 8 + col_a + e2] * LOG2E };
             #[unroll]
             for hh in 0..2usize {
                 let i = nb * 4 + hh * 2 + e2;
-                s[i] = fast_exp2(s[i] * scale_log2 - l2);
+                s[i] = fast_exp2(s[i] * scale_log2 - l);
             }
         }
     }
@@ -495,11 +526,12 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
             wgmma_commit();
             key_by_row_steps::<E>(&mut dp, &v_smem, wg * WG_KEYS, BN, &do_smem, qb, head_dim);
             wgmma_commit();
+            let l2 = lane_rows(&lse_smem, lb, col_a, LSE_AHEAD, true);
             wgmma_wait(1u32);
 
             // ---- 2. P^T (while dP^T is formed), then dS^T; masked unless the block is full ----
             p_transposed(
-                &mut s, &lse_smem, lb, col_a, key_a, wg * WG_KEYS, kw0, r0 as i32, row_end, k_hi, shift, args.win_l, args.win_r,
+                &mut s, &l2, &lse_smem, lb, col_a, key_a, wg * WG_KEYS, kw0, r0 as i32, row_end, k_hi, shift, args.win_l, args.win_r,
                 args.scale_log2,
             );
             wgmma_wait(0u32);

@@ -35,8 +35,8 @@ use super::cards::DkdvCard;
 // registers a thread after the moves: the forward frame's split (24 x 128 + 240 x 256)
 use super::flash_fwd_ws::{release, CONSUMER_REGS, PRODUCER_REGS};
 use super::flash_bwd_sm90::{
-    ds_transposed, dq_steps, issue_q_tile, key_by_dim_steps, key_by_row_steps, p_transposed, put_dq_rows, store_ds_transposed,
-    write_dkdv,
+    ds_transposed, dq_steps, issue_q_tile, key_by_dim_steps, key_by_row_steps, lane_rows, p_transposed, put_dq_rows, LSE_AHEAD,
+    store_ds_transposed, write_dkdv,
 };
 use super::grid::cube_item_slot;
 use super::sm90::{
@@ -316,12 +316,13 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
             wgmma_commit();
             key_by_row_steps::<E>(&mut dp, &v_smem, cw * WG_KEYS, BN, &do_smem, qb, head_dim);
             wgmma_commit();
+            let l2 = lane_rows(&lse_smem, lb, col_a, LSE_AHEAD, true);
             wgmma_wait(1u32);
 
             // ---- 2. P^T (while dP^T is formed), then dS^T ----
             p_transposed(
-                &mut s, &lse_smem, lb, col_a, key_a, cw * WG_KEYS, kw0, r0 as i32, row_end, sw.k_hi, sw.shift, args.win_l,
-                args.win_r, args.scale_log2,
+                &mut s, &l2, &lse_smem, lb, col_a, key_a, cw * WG_KEYS, kw0, r0 as i32, row_end, sw.k_hi, sw.shift, args.win_l, args.win_r,
+                args.scale_log2,
             );
             wgmma_wait(0u32);
             ds_transposed(&mut dp, &s, &dl_smem, lb, col_a);
