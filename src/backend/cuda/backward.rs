@@ -244,7 +244,8 @@ fn atomic_vec(be: &CudaBackend) -> usize {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DqPath {
     /// The fused atomic path for `deterministic = false` calls (with the 128-key dK/dV kernel it
-    /// measured faster than the pass on every shape, docs/backward.md), the pass for deterministic
+    /// measured faster than the pass on every shape, docs/backward.md) except dense d64 calls on
+    /// sm_90, where the pass is faster ([`dq_mode`]); the pass or the ordered dQ for deterministic
     /// ones; `CUBEATTN_BWD_DQ=pass` forces the pass for non-deterministic calls too (`crate::config`).
     Auto,
     /// The separate deterministic dQ pass.
@@ -285,7 +286,8 @@ pub fn backward_plan_bytes(spec: &AttnSpec) -> u64 {
 
 /// How the backward of `spec` forms dQ on `path` (`be`: the GPU; `None` counts it a Hopper GPU,
 /// for the VRAM estimate): f32 always by the pass; deterministic calls by the ordered fused path
-/// where it serves ([`ordered_serves`]), else the pass; the others fused.
+/// where it serves ([`ordered_serves`]), else the pass; the others fused, except where the pass is
+/// faster ([`pass_is_faster`]).
 pub(crate) fn dq_mode(be: Option<&CudaBackend>, spec: &AttnSpec, deterministic: bool, path: DqPath) -> DqMode {
     if spec.dtype == DType::F32 {
         return DqMode::Pass;
@@ -296,9 +298,21 @@ pub(crate) fn dq_mode(be: Option<&CudaBackend>, spec: &AttnSpec, deterministic: 
         DqPath::Ordered => DqMode::Ordered,
         DqPath::Auto if deterministic && crate::config::get().bwd_dq_ordered && ordered_serves(be, spec) => DqMode::Ordered,
         DqPath::Auto if deterministic => DqMode::Pass,
-        DqPath::Auto if crate::config::get().bwd_dq_pass => DqMode::Pass,
+        DqPath::Auto if crate::config::get().bwd_dq_pass || pass_is_faster(be, spec) => DqMode::Pass,
         DqPath::Auto => DqMode::Fused,
     }
+}
+
+/// Whether the dQ pass is the faster path for a non-deterministic call too: dense f16/bf16 calls at
+/// head_dim 64 on sm_90 (`be` `None`: assumed), where the warp-specialised dK/dV kernel without dQ
+/// plus the pass took 3-9% less fwd+bwd time than `flash_bwd_sm90` with the fused atomic dQ at
+/// every measured shape, causal and not, 4K-16K (H200, torch path, same processes,
+/// bench/results/h200-2026-11-29-eb04ba5; the fused d64 ws kernel lost, docs/measured-and-lost.md).
+fn pass_is_faster(be: Option<&CudaBackend>, spec: &AttnSpec) -> bool {
+    spec.dims.head_dim == 64
+        && spec.block_sparse().is_none()
+        && ws_backward(64, false)
+        && be.is_none_or(|be| super::forward::sm90_forward(be, spec))
 }
 
 /// Whether the ordered fused dQ can serve `spec`: dense f16/bf16 calls at head_dim 128, whose
@@ -914,6 +928,10 @@ mod tests {
             assert_eq!(dq_mode(None, &b128, true, DqPath::Auto), DqMode::Ordered);
         }
         assert_eq!(dq_mode(None, &b64, true, DqPath::Auto), DqMode::Pass, "d64 keeps the pass");
+        if crate::config::get().bwd_sm90_ws {
+            assert_eq!(dq_mode(None, &b64, false, DqPath::Auto), DqMode::Pass, "d64 on sm_90: the pass is faster");
+        }
+        assert_eq!(dq_mode(None, &b64, false, DqPath::Atomic), DqMode::Fused);
         assert_eq!(dq_mode(None, &f32s, true, DqPath::Auto), DqMode::Pass);
         assert_eq!(dq_mode(None, &f32s, false, DqPath::Ordered), DqMode::Pass, "f32 always takes the pass");
         assert_eq!(dq_mode(None, &b128, true, DqPath::Pass), DqMode::Pass);
