@@ -13,7 +13,7 @@
 //! | `CUBEATTN_CUDA_SM90_TILE=bn:cubes` | the wgmma forward's tile and cubes per SM (`FwdOptions::sm90_tile`) at every head_dim | A/B runs of its tile choices on one GPU |
 //! | `CUBEATTN_CUDA_SM90_WS=0` | keeps `flash_fwd_sm90` where the warp-specialised wgmma forward (`kernels::flash_fwd_ws`, `FwdOptions::sm90_ws`) is the default | A/B runs of the two Hopper frames on one GPU |
 //! | `CUBEATTN_CUDA_SPLIT=0` | no split-K of long forward tiles | the sanitizer families (`tests/python/sanitize_driver.py`) |
-//! | `CUBEATTN_BWD_DQ=pass` | the separate dQ pass for `deterministic = false` backward calls too (`atomic`, the default, fuses dQ) | sanitizer families, comparisons |
+//! | `CUBEATTN_BWD_DQ=pass` / `atomic` | `deterministic = false` backward calls take the separate dQ pass / the dQ fused into the dK/dV kernel with atomics, wherever the default would take the other (default: fused, except dense d64 calls on sm_90) | sanitizer families, comparisons |
 //! | `CUBEATTN_BWD_SM90_WS=0` | keeps `flash_bwd_sm90` where the warp-specialised wgmma dK/dV kernel (`kernels::flash_bwd_ws`) is the default (head_dim 128; 64 without the fused dQ) | A/B runs of the two Hopper backward frames on one GPU |
 //! | `CUBEATTN_BWD_DQ_ORDERED=0` | deterministic backward calls take the dQ pass instead of the ordered fused dQ (the Hopper ws kernel adding each query tile's dQ in ascending key-tile order, head_dim 128) | A/B runs of the two deterministic paths |
 //! | `CUBEATTN_BWD_Q_STAGES=1` | the dK/dV kernel with one query-tile stage (what GPUs with less shared memory get) on any GPU | `tests/python/test_portable_gpu.py` |
@@ -57,6 +57,9 @@ pub(crate) struct Config {
     /// `CUBEATTN_BWD_DQ=pass`.
     #[cfg(feature = "cuda")]
     pub bwd_dq_pass: bool,
+    /// `CUBEATTN_BWD_DQ=atomic`.
+    #[cfg(feature = "cuda")]
+    pub bwd_dq_atomic: bool,
     /// `CUBEATTN_BWD_Q_STAGES=1`.
     #[cfg(feature = "cuda")]
     pub bwd_one_q_stage: bool,
@@ -109,6 +112,8 @@ impl Config {
             portable: is("CUBEATTN_CUDA_PORTABLE", "1"),
             #[cfg(feature = "cuda")]
             bwd_dq_pass: is("CUBEATTN_BWD_DQ", "pass"),
+            #[cfg(feature = "cuda")]
+            bwd_dq_atomic: is("CUBEATTN_BWD_DQ", "atomic"),
             #[cfg(feature = "cuda")]
             bwd_one_q_stage: is("CUBEATTN_BWD_Q_STAGES", "1"),
             #[cfg(feature = "cuda")]
@@ -271,6 +276,7 @@ mod tests {
             assert!(!with(&[("CUBEATTN_CUDA_PORTABLE", "yes")]).portable);
             assert!(with(&[("CUBEATTN_BWD_DQ", "pass")]).bwd_dq_pass);
             assert!(!with(&[("CUBEATTN_BWD_DQ", "atomic")]).bwd_dq_pass);
+            assert!(with(&[("CUBEATTN_BWD_DQ", "atomic")]).bwd_dq_atomic && !with(&[("CUBEATTN_BWD_DQ", "pass")]).bwd_dq_atomic);
             assert!(with(&[("CUBEATTN_BWD_Q_STAGES", "1")]).bwd_one_q_stage);
             assert!(with(&[]).bwd_sm90_ws && !with(&[("CUBEATTN_BWD_SM90_WS", "0")]).bwd_sm90_ws);
             assert!(with(&[]).bwd_dq_ordered && !with(&[("CUBEATTN_BWD_DQ_ORDERED", "0")]).bwd_dq_ordered);

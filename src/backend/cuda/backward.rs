@@ -246,7 +246,8 @@ pub enum DqPath {
     /// The fused atomic path for `deterministic = false` calls (with the 128-key dK/dV kernel it
     /// measured faster than the pass on every shape, docs/backward.md) except dense d64 calls on
     /// sm_90, where the pass is faster ([`dq_mode`]); the pass or the ordered dQ for deterministic
-    /// ones; `CUBEATTN_BWD_DQ=pass` forces the pass for non-deterministic calls too (`crate::config`).
+    /// ones; `CUBEATTN_BWD_DQ=pass` / `atomic` forces the pass / the fused dQ for non-deterministic
+    /// calls (`crate::config`).
     Auto,
     /// The separate deterministic dQ pass.
     Pass,
@@ -298,6 +299,7 @@ pub(crate) fn dq_mode(be: Option<&CudaBackend>, spec: &AttnSpec, deterministic: 
         DqPath::Ordered => DqMode::Ordered,
         DqPath::Auto if deterministic && crate::config::get().bwd_dq_ordered && ordered_serves(be, spec) => DqMode::Ordered,
         DqPath::Auto if deterministic => DqMode::Pass,
+        DqPath::Auto if crate::config::get().bwd_dq_atomic => DqMode::Fused,
         DqPath::Auto if crate::config::get().bwd_dq_pass || pass_is_faster(be, spec) => DqMode::Pass,
         DqPath::Auto => DqMode::Fused,
     }
@@ -928,7 +930,7 @@ mod tests {
             assert_eq!(dq_mode(None, &b128, true, DqPath::Auto), DqMode::Ordered);
         }
         assert_eq!(dq_mode(None, &b64, true, DqPath::Auto), DqMode::Pass, "d64 keeps the pass");
-        if crate::config::get().bwd_sm90_ws {
+        if crate::config::get().bwd_sm90_ws && !crate::config::get().bwd_dq_atomic {
             assert_eq!(dq_mode(None, &b64, false, DqPath::Auto), DqMode::Pass, "d64 on sm_90: the pass is faster");
         }
         assert_eq!(dq_mode(None, &b64, false, DqPath::Atomic), DqMode::Fused);
