@@ -163,37 +163,32 @@ pub fn key_by_dim_steps<E: Float>(
     }
 }
 
-/// This lane's values of the query tile's first `nbs` row groups (its accumulator columns `8 nb +
-/// col_a + e2`, nb < `nbs`, at index `2 nb + e2`) from stage `lb` of a per-row table (lse, delta) in
-/// shared memory, times log2(e) with `log2e`. Read into registers before the caller waits for the
-/// MMAs whose results they combine with: a wait orders shared-memory reads after it, which put the
-/// first loads on the softmax's critical path (ncu, d128: 7% of the kernel's stall samples on the
-/// first three products with lse); the later groups' loads overlap the first groups' exps.
+/// lse log2(e) of this lane's rows in the query tile's first [`LSE_AHEAD`] row groups (its
+/// accumulator columns `8 nb + col_a + e2` at index `2 nb + e2`), from stage `lb` of `lse_smem`.
+/// Read into registers before the caller waits for S: a wait orders shared-memory reads after it,
+/// which put the first loads on the softmax's critical path (ncu, d128: 7% of the kernel's stall
+/// samples on the first three products with lse); the later groups' loads ([`p_transposed`])
+/// overlap the first groups' exps.
 #[cube]
-pub fn lane_rows(smem: &SharedMemory<f32>, lb: usize, col_a: usize, #[comptime] nbs: usize, #[comptime] log2e: bool) -> Array<f32> {
-    let mut v = Array::<f32>::new(comptime!(2 * nbs));
+pub fn lse_ahead(lse_smem: &SharedMemory<f32>, lb: usize, col_a: usize) -> Array<f32> {
+    let mut v = Array::<f32>::new(comptime!(2 * LSE_AHEAD));
     #[unroll]
-    for nb in 0..nbs {
+    for nb in 0..LSE_AHEAD {
         #[unroll]
         for e2 in 0..2usize {
-            let x = smem[lb + nb * 8 + col_a + e2];
-            if log2e {
-                v[nb * 2 + e2] = x * LOG2E;
-            } else {
-                v[nb * 2 + e2] = x;
-            }
+            v[nb * 2 + e2] = lse_smem[lb + nb * 8 + col_a + e2] * LOG2E;
         }
     }
     v
 }
 
-/// Row groups of lse a thread reads ahead of the S wait ([`lane_rows`]; 4 of 8: all 8 held across
+/// Row groups of lse a thread reads ahead of the S wait ([`lse_ahead`]; 4 of 8: all 8 held across
 /// the wait spilled the d128 kernel's loop state, 17 local loads a tile).
-pub const LSE_AHEAD: usize = 4;
+const LSE_AHEAD: usize = 4;
 
 /// P^T = 2^(S^T scale log2 e - lse log2 e) in place of S^T (`s`: the m64n64 accumulator of 64 keys
 /// x the query tile's 64 rows; lse of stage `lb` of `lse_smem`, its first [`LSE_AHEAD`] row groups
-/// times log2 e already in `l2`, [`lane_rows`]), zero where the
+/// times log2 e already in `l2`, [`lse_ahead`]), zero where the
 /// block is not fully visible and a key lies outside its row's window or past the segment's keys
 /// (`k_hi`), or the row is at or past `row_end`. `key_a - key_base`: this lane's first key among
 /// the 64 (window-local index `kw0` of the first); `rr0`: the tile's first row; `col_a`: this
@@ -526,7 +521,7 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
             wgmma_commit();
             key_by_row_steps::<E>(&mut dp, &v_smem, wg * WG_KEYS, BN, &do_smem, qb, head_dim);
             wgmma_commit();
-            let l2 = lane_rows(&lse_smem, lb, col_a, LSE_AHEAD, true);
+            let l2 = lse_ahead(&lse_smem, lb, col_a);
             wgmma_wait(1u32);
 
             // ---- 2. P^T (while dP^T is formed), then dS^T; masked unless the block is full ----

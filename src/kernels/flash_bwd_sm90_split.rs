@@ -27,7 +27,7 @@ use cubecl::prelude::*;
 use super::bwd_walk::{key_item, seg_walk};
 use super::cards::DkdvCard;
 use super::bulk_reduce::add_dq_pair;
-use super::flash_bwd_sm90::{issue_q_tile, key_by_dim_steps, key_by_row_steps, lane_rows, p_transposed, store_ds_transposed, LSE_AHEAD, SM90_BWD_THREADS};
+use super::flash_bwd_sm90::{issue_q_tile, key_by_dim_steps, key_by_row_steps, lse_ahead, p_transposed, store_ds_transposed, SM90_BWD_THREADS};
 use super::grid::cube_item_slot;
 use super::rows::kv_row;
 use super::sm90::{fence_proxy_async, pack_a_pairs, wgmma_commit, wgmma_fence, wgmma_ss, wgmma_wait, SW_COLS,
@@ -155,7 +155,7 @@ pub fn flash_bwd_sm90_split<E: Float, NV: Size, NQ: Size>(
                 wgmma_fence();
                 key_by_row_steps::<E>(&mut x, &k_smem, 0usize, BN, &q_smem, qb, head_dim);
                 wgmma_commit();
-                let l2 = lane_rows(&lse_smem, lb, col_a, LSE_AHEAD, true);
+                let l2 = lse_ahead(&lse_smem, lb, col_a);
                 wgmma_wait(0u32);
                 // ---- 2a. P^T, masked unless the block is fully visible; to shared memory ----
                 p_transposed(

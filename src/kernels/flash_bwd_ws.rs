@@ -35,7 +35,7 @@ use super::cards::DkdvCard;
 // registers a thread after the moves: the forward frame's split (24 x 128 + 240 x 256)
 use super::flash_fwd_ws::{release, CONSUMER_REGS, PRODUCER_REGS};
 use super::flash_bwd_sm90::{
-    ds_transposed, dq_steps, issue_q_tile, key_by_dim_steps, key_by_row_steps, lane_rows, p_transposed, put_dq_rows, LSE_AHEAD,
+    ds_transposed, dq_steps, issue_q_tile, key_by_dim_steps, key_by_row_steps, lse_ahead, p_transposed, put_dq_rows,
     store_ds_transposed, write_dkdv,
 };
 use super::grid::cube_item_slot;
@@ -316,7 +316,7 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
             wgmma_commit();
             key_by_row_steps::<E>(&mut dp, &v_smem, cw * WG_KEYS, BN, &do_smem, qb, head_dim);
             wgmma_commit();
-            let l2 = lane_rows(&lse_smem, lb, col_a, LSE_AHEAD, true);
+            let l2 = lse_ahead(&lse_smem, lb, col_a);
             wgmma_wait(1u32);
 
             // ---- 2. P^T (while dP^T is formed), then dS^T ----

@@ -519,28 +519,31 @@ fn ws_backward(hd: usize, fused: bool) -> bool {
     crate::config::get().bwd_sm90_ws && (hd == 128 || (hd == 64 && !fused))
 }
 
-/// The Hopper dK/dV kernel for one set of comptime choices: the warp-specialised
-/// `flash_bwd_ws::flash_bwd_ws` where [`ws_backward`], else `flash_bwd_sm90::flash_bwd_sm90`.
-/// `ordered`: the ordered dQ (the ws kernel only; `check_dq_mode` admitted the call).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn dkdv_sm90_kernel(
-    be: &CudaBackend,
-    dt: DType,
-    hd: usize,
-    fused: bool,
-    qvec: usize,
-    sparse: bool,
-    paged: bool,
-    ordered: bool,
-) -> Result<Func> {
-    let ws = ws_backward(hd, fused);
-    let name = if ws { "flash_bwd_ws" } else { "flash_bwd_sm90" };
-    let mut flags = vec![hd as u32, fused as u32, qvec as u32, sparse as u32, paged as u32];
-    if ws {
-        flags.push(ordered as u32);
+/// Comptime choices of the Hopper dK/dV kernel up to head_dim 128: `fused` dQ (by `qvec`-float
+/// atomics or bulk reductions), block-`sparse`, `paged` K/V, the warp-specialised frame (`ws`:
+/// `flash_bwd_ws::flash_bwd_ws`, else `flash_bwd_sm90::flash_bwd_sm90`) and, on it, the `ordered`
+/// dQ.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Sm90Dkdv {
+    pub hd: usize,
+    pub fused: bool,
+    pub qvec: usize,
+    pub sparse: bool,
+    pub paged: bool,
+    pub ws: bool,
+    pub ordered: bool,
+}
+
+/// The Hopper dK/dV kernel of choices `v` (the ws frame where [`ws_backward`]; `ordered` only on
+/// it, `check_dq_mode` admitted the call).
+pub(crate) fn dkdv_sm90_kernel(be: &CudaBackend, dt: DType, v: Sm90Dkdv) -> Result<Func> {
+    let name = if v.ws { "flash_bwd_ws" } else { "flash_bwd_sm90" };
+    let mut flags = vec![v.hd as u32, v.fused as u32, v.qvec as u32, v.sparse as u32, v.paged as u32];
+    if v.ws {
+        flags.push(v.ordered as u32);
     }
     let key = KernelKey::new(name, dt, &flags);
-    be.kernels.get(&key, || dkdv_sm90_source(be.client(), dt, hd, fused, qvec, sparse, paged, ws, ordered))
+    be.kernels.get(&key, || dkdv_sm90_source(be.client(), dt, v))
 }
 
 /// The Hopper dK/dV kernel above head_dim 128 (`flash_bwd_sm90_split`; `fused`: dQ by
@@ -566,21 +569,10 @@ pub(crate) fn dkdv_split_source(
     Ok(src)
 }
 
-/// CUDA source of [`dkdv_sm90_kernel`] (`ws`: the warp-specialised kernel, `ordered` its ordered
-/// dQ): the `kernels::sm90` markers lowered, one cube per SM (`__launch_bounds__(threads, 1)`,
-/// which `setmaxnreg` needs).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn dkdv_sm90_source(
-    client: &ComputeClient<CudaRuntime>,
-    dt: DType,
-    hd: usize,
-    fused: bool,
-    qvec: usize,
-    sparse: bool,
-    paged: bool,
-    ws: bool,
-    ordered: bool,
-) -> Result<Source> {
+/// CUDA source of [`dkdv_sm90_kernel`]: the `kernels::sm90` markers lowered, one cube per SM
+/// (`__launch_bounds__(threads, 1)`, which `setmaxnreg` needs).
+pub(crate) fn dkdv_sm90_source(client: &ComputeClient<CudaRuntime>, dt: DType, v: Sm90Dkdv) -> Result<Source> {
+    let Sm90Dkdv { hd, fused, qvec, sparse, paged, ws, ordered } = v;
     let mut src = if ws {
         by_dtype!(dt, T, codegen_exp2(flash_bwd_ws::flash_bwd_ws::FlashBwdWs::<T, CudaRuntime>::new(
             settings(BWD_WS_THREADS as u32), client.clone(), DkdvArgs::compilation(),
@@ -631,7 +623,9 @@ pub(crate) fn launch_dkdv_wide(
         let f = dkdv_split_kernel(be, spec.dtype, d.head_dim, acc.is_some(), qvec, paged)?;
         (f, q_maps(spec, p, Some((SW_COLS as u32, BWD_BM as u32, true)))?)
     } else if sm90_backward(be, spec, acc) {
-        let f = dkdv_sm90_kernel(be, spec.dtype, d.head_dim, acc.is_some(), qvec, sparse.is_some(), paged, turns.is_some())?;
+        let (hd, fused) = (d.head_dim, acc.is_some());
+        let v = Sm90Dkdv { hd, fused, qvec, sparse: sparse.is_some(), paged, ws: ws_backward(hd, fused), ordered: turns.is_some() };
+        let f = dkdv_sm90_kernel(be, spec.dtype, v)?;
         (f, q_maps(spec, p, Some((SW_COLS as u32, BWD_BM as u32, true)))?)
     } else {
         let bulk = acc.is_some_and(|a| bulk_dq(be, d.head_dim, a));

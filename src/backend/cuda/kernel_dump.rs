@@ -7,7 +7,7 @@
 mod tests {
     use std::path::Path;
 
-    use super::super::backward::{dkdv_sm90_source, dkdv_smem, dkdv_split_source, dkdv_wide_source, dq_source};
+    use super::super::backward::{dkdv_sm90_source, dkdv_smem, dkdv_split_source, dkdv_wide_source, dq_source, Sm90Dkdv};
     use super::super::forward::fwd_source;
     use super::super::CudaBackend;
     use crate::dtype::DType;
@@ -24,6 +24,8 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let c = CudaBackend::shared().expect("a CUDA driver").client();
         let dt = DType::BF16;
+        // the Hopper dK/dV kernel's choices every variant below departs from
+        let b = Sm90Dkdv { hd: 128, fused: false, qvec: 2, sparse: false, paged: false, ws: false, ordered: false };
         let sources = [
             ("fwd_d128", fwd_source(c, dt, 128, 2, 64, 128, false, false, false, false, true)),
             ("fwd_d64", fwd_source(c, dt, 64, 2, 128, 128, false, false, false, false, true)),
@@ -81,19 +83,19 @@ mod tests {
             ("dkdv_wide_sparse_d128", dkdv_wide_source(c, dt, 128, false, false, 2, true, false, true, 2)),
             ("dkdv_wide_sparse_fused_d128", dkdv_wide_source(c, dt, 128, true, true, 2, true, false, true, 2)),
             // the Hopper dK/dV kernel: fused dQ (bulk), without (deterministic), block-sparse, paged
-            ("bwd_sm90_fused_d128", dkdv_sm90_source(c, dt, 128, true, 2, false, false, false, false)),
-            ("bwd_sm90_d128", dkdv_sm90_source(c, dt, 128, false, 2, false, false, false, false)),
-            ("bwd_sm90_fused_d64", dkdv_sm90_source(c, dt, 64, true, 2, false, false, false, false)),
-            ("bwd_sm90_sparse_fused_d128", dkdv_sm90_source(c, dt, 128, true, 2, true, false, false, false)),
-            ("bwd_sm90_paged_fused_d128_f16", dkdv_sm90_source(c, DType::F16, 128, true, 2, false, true, false, false)),
-            ("bwd_ws_fused_d128", dkdv_sm90_source(c, dt, 128, true, 2, false, false, true, false)),
-            ("bwd_ws_d128", dkdv_sm90_source(c, dt, 128, false, 2, false, false, true, false)),
-            ("bwd_ws_d64", dkdv_sm90_source(c, dt, 64, false, 2, false, false, true, false)),
-            ("bwd_ws_sparse_fused_d128", dkdv_sm90_source(c, dt, 128, true, 2, true, false, true, false)),
-            ("bwd_ws_paged_fused_d128_f16", dkdv_sm90_source(c, DType::F16, 128, true, 2, false, true, true, false)),
+            ("bwd_sm90_fused_d128", dkdv_sm90_source(c, dt, Sm90Dkdv { fused: true, ..b })),
+            ("bwd_sm90_d128", dkdv_sm90_source(c, dt, b)),
+            ("bwd_sm90_fused_d64", dkdv_sm90_source(c, dt, Sm90Dkdv { hd: 64, fused: true, ..b })),
+            ("bwd_sm90_sparse_fused_d128", dkdv_sm90_source(c, dt, Sm90Dkdv { fused: true, sparse: true, ..b })),
+            ("bwd_sm90_paged_fused_d128_f16", dkdv_sm90_source(c, DType::F16, Sm90Dkdv { fused: true, paged: true, ..b })),
+            ("bwd_ws_fused_d128", dkdv_sm90_source(c, dt, Sm90Dkdv { fused: true, ws: true, ..b })),
+            ("bwd_ws_d128", dkdv_sm90_source(c, dt, Sm90Dkdv { ws: true, ..b })),
+            ("bwd_ws_d64", dkdv_sm90_source(c, dt, Sm90Dkdv { hd: 64, ws: true, ..b })),
+            ("bwd_ws_sparse_fused_d128", dkdv_sm90_source(c, dt, Sm90Dkdv { fused: true, sparse: true, ws: true, ..b })),
+            ("bwd_ws_paged_fused_d128_f16", dkdv_sm90_source(c, DType::F16, Sm90Dkdv { fused: true, paged: true, ws: true, ..b })),
             // deterministic: the ordered fused dQ (each query tile's additions in key-tile order)
-            ("bwd_ws_ordered_d128", dkdv_sm90_source(c, dt, 128, true, 2, false, false, true, true)),
-            ("bwd_ws_ordered_paged_d128_f16", dkdv_sm90_source(c, DType::F16, 128, true, 2, false, true, true, true)),
+            ("bwd_ws_ordered_d128", dkdv_sm90_source(c, dt, Sm90Dkdv { fused: true, ws: true, ordered: true, ..b })),
+            ("bwd_ws_ordered_paged_d128_f16", dkdv_sm90_source(c, DType::F16, Sm90Dkdv { fused: true, paged: true, ws: true, ordered: true, ..b })),
             // above head_dim 128: dV and dK in different warpgroups, fused dQ by atomics, or none
             // (deterministic: the dQ pass at 192 / 256)
             ("bwd_split_d256", dkdv_split_source(c, dt, 256, true, 2, false)),
