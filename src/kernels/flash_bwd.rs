@@ -37,6 +37,87 @@ use super::tiles::{BWD_BM, BWD_BN, BWD_PLANES, BWD_SUB, CONVERT_VEC, DELTA_PLANE
 // Tensor-core kernels (f16 / bf16)
 // ---------------------------------------------------------------------------------------------
 
+/// One dQ cube's rows and key tiles: rows `[tile_start, row_end)` of segment (`q_start`, `q_len`,
+/// `k_start`, `k_len`) for q head `head`; `n_tiles` key tiles (see `tile_bounds`): dense, the
+/// window keys `[klo, khi)` the rows see in [`BWD_BN`] steps; sparse, the listed key blocks of this
+/// (item, index head) from `tile_ref` at `list` (cut after the last block any row sees when
+/// causal), the first [`LIST_SMEM`] ids staged in `list_smem` (visible after the caller's next
+/// cube barrier).
+#[derive(CubeType, Clone, Copy)]
+pub struct DqItem {
+    pub tile_start: u32,
+    pub q_start: u32,
+    pub q_len: u32,
+    pub k_start: u32,
+    pub k_len: u32,
+    pub row_end: u32,
+    pub n_tiles: u32,
+    pub list: u32,
+    pub klo: u32,
+    pub khi: u32,
+    pub tpb_magic: u32,
+    pub head: u32,
+    pub head_kv: u32,
+}
+
+/// This cube's [`DqItem`] (one cube per (work item, q head); block-sparse items fastest), read by
+/// `BWD_PLANES * 32` units.
+#[cube]
+#[allow(unused_assignments)]
+pub fn dq_item<E: Float, NV: Size>(args: &DqCard<E, NV>, list_smem: &mut SharedMemory<u32>, #[comptime] sparse: bool) -> DqItem {
+    let (tile, head) = cube_item_slot(args.heads_q, sparse);
+    let tile = tile as usize;
+    let group = args.heads_q / args.heads_kv;
+    let head_kv = head / group;
+
+    let wstride = comptime!(if sparse { SPARSE_QWORK_WORDS } else { 2usize });
+    let seg = args.work[tile * wstride] as usize;
+    let tile_start = args.work[tile * wstride + 1];
+    let q_start = args.segs[seg * 4];
+    let q_len = args.segs[seg * 4 + 1];
+    let k_start = args.segs[seg * 4 + 2];
+    let k_len = args.segs[seg * 4 + 3];
+    // Rows of this cube: [tile_start, row_end) (sparse: cut at the query block's end).
+    let mut row_end = q_len;
+    if sparse {
+        row_end = args.work[tile * wstride + 2];
+    }
+    let mut n_tiles = 0u32;
+    let mut list = 0u32;
+    // Dense key range of the tiles, window-relative: [klo, khi) (a sliding window starts at the
+    // first key the tile's first row sees).
+    let mut klo = 0u32;
+    let mut khi = k_len;
+    let mut tpb_magic = 0u32;
+    if sparse {
+        tpb_magic = tile_div_magic(args.tiles_per_block);
+        let mut y = head;
+        if args.idx_heads != args.heads_q {
+            y = head / group;
+        }
+        let r = ((y * (CUBE_COUNT_X / args.heads_q) + tile as u32) * 2u32) as usize;
+        list = args.tile_ref[r];
+        n_tiles = args.tile_ref[r + 1];
+        let lim = min((n_tiles + args.tiles_per_block - 1) / args.tiles_per_block, LIST_SMEM as u32);
+        #[unroll]
+        for pass in 0..comptime!(LIST_SMEM.div_ceil(BWD_PLANES * 32)) {
+            let i = UNIT_POS + (pass * BWD_PLANES * 32) as u32;
+            if i < lim {
+                list_smem[i as usize] = args.blocks[(list + i) as usize];
+            }
+        }
+    } else {
+        // from the first key the tile's first row sees to the last its last row sees
+        let rows_here = min(q_len - tile_start, BWD_BM as u32);
+        let (a, _) = row_keys(q_len, k_len, tile_start, args.win_l, args.win_r);
+        let (_, b) = row_keys(q_len, k_len, tile_start + rows_here - 1u32, args.win_l, args.win_r);
+        klo = a;
+        khi = max(a, b);
+        n_tiles = (khi - klo + BWD_BN as u32 - 1) / BWD_BN as u32;
+    }
+    DqItem { tile_start, q_start, q_len, k_start, k_len, row_end, n_tiles, list, klo, khi, tpb_magic, head, head_kv }
+}
+
 /// dQ. Grid: work items x heads_q in one dimension, heads fastest (block-sparse: items fastest); 32 * [`BWD_PLANES`] units.
 /// `work`: two u32 per cube (segment id, first row of the tile inside the segment); rows no
 /// segment covers are not written here (the host zero-fills them first). Sparse: [`SPARSE_QWORK_WORDS`] words per item and
@@ -65,62 +146,10 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     let bar0 = Barrier::shared(comptime!((BWD_PLANES * 32) as u32), UNIT_POS == 0);
     let bar1 = Barrier::shared(comptime!((BWD_PLANES * 32) as u32), UNIT_POS == 0);
 
-    // One cube per (work item, q head); block-sparse items fastest.
-    let (tile, head) = cube_item_slot(args.heads_q, sparse);
-    let tile = tile as usize;
-    let group = args.heads_q / args.heads_kv;
-    let head_kv = head / group;
-
-    let wstride = comptime!(if sparse { SPARSE_QWORK_WORDS } else { 2usize });
-    let seg = args.work[tile * wstride] as usize;
-    let tile_start = args.work[tile * wstride + 1];
-    let q_start = args.segs[seg * 4];
-    let q_len = args.segs[seg * 4 + 1];
-    let k_start = args.segs[seg * 4 + 2];
-    let k_len = args.segs[seg * 4 + 3];
-    // Rows of this cube: [tile_start, row_end) (sparse: cut at the query block's end).
-    let mut row_end = q_len;
-    if sparse {
-        row_end = args.work[tile * wstride + 2];
-    }
-
-    // Key tiles (see `tile_bounds`): dense, the window keys the rows see in BN steps; sparse, the
-    // listed key blocks of this (item, index head) from `tile_ref` (cut after the last block any
-    // row sees when causal), the first LIST_SMEM ids staged in shared memory.
-    let mut n_tiles = 0u32;
-    let mut list = 0u32;
-    // Dense key range of the tiles, window-relative: [klo, khi) (a sliding window starts at the
-    // first key the tile's first row sees).
-    let mut klo = 0u32;
-    let mut khi = k_len;
     let mut list_smem = SharedMemory::<u32>::new(comptime!(if sparse { LIST_SMEM } else { 1usize }));
-    let mut tpb_magic = 0u32;
-    if sparse {
-        tpb_magic = tile_div_magic(args.tiles_per_block);
-        let mut y = head;
-        if args.idx_heads != args.heads_q {
-            y = head / group;
-        }
-        let r = ((y * (CUBE_COUNT_X / args.heads_q) + tile as u32) * 2u32) as usize;
-        list = args.tile_ref[r];
-        n_tiles = args.tile_ref[r + 1];
-        let lim = min((n_tiles + args.tiles_per_block - 1) / args.tiles_per_block, LIST_SMEM as u32);
-        #[unroll]
-        for pass in 0..comptime!(LIST_SMEM.div_ceil(BWD_PLANES * 32)) {
-            let i = UNIT_POS + (pass * BWD_PLANES * 32) as u32;
-            if i < lim {
-                list_smem[i as usize] = args.blocks[(list + i) as usize];
-            }
-        }
-    } else {
-        // from the first key the tile's first row sees to the last its last row sees
-        let rows_here = min(q_len - tile_start, BWD_BM as u32);
-        let (a, _) = row_keys(q_len, k_len, tile_start, args.win_l, args.win_r);
-        let (_, b) = row_keys(q_len, k_len, tile_start + rows_here - 1u32, args.win_l, args.win_r);
-        klo = a;
-        khi = max(a, b);
-        n_tiles = (khi - klo + BWD_BN as u32 - 1) / BWD_BN as u32;
-    }
+    let it = dq_item(args, &mut list_smem, sparse);
+    let (tile_start, q_start, q_len, k_start, k_len, row_end) = (it.tile_start, it.q_start, it.q_len, it.k_start, it.k_len, it.row_end);
+    let (n_tiles, list, klo, khi, tpb_magic, head, head_kv) = (it.n_tiles, it.list, it.klo, it.khi, it.tpb_magic, it.head, it.head_kv);
 
     // Barrier initialisation (and the staged list) visible, then key tile 0 into stage 1
     // while Q / dO are staged.

@@ -16,6 +16,7 @@ pub mod rowwise_bwd;
 pub mod rowwise_fwd;
 pub mod sm90;
 pub mod flash_bwd;
+pub mod flash_bwd_dq_sm90;
 pub mod flash_bwd_wide;
 pub mod flash_bwd_sm90;
 pub mod flash_bwd_sm90_split;

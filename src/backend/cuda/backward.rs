@@ -35,7 +35,7 @@ use half::{bf16, f16};
 use super::card::{DkdvArgs, DqArgs};
 use super::compile::{codegen, codegen_exp2, settings, Func, KernelKey, Source};
 use super::driver::{err, tile_map_2d};
-use super::forward::{aligned, kv_maps, layout};
+use super::forward::{aligned, kv_maps, kv_maps_sw128, layout};
 use super::launch::{grid_2d, launch, Args, MapArg};
 use super::plans::{table_names, Cached, PlanKind, TableSet};
 use super::{window_bounds, CudaBackend};
@@ -44,6 +44,7 @@ use crate::dtype::{DType, HostView};
 use crate::error::Result;
 use crate::kernels::bulk_reduce::dq_tile_stride;
 use crate::kernels::flash_bwd;
+use crate::kernels::flash_bwd_dq_sm90::{self, DQ_SM90_THREADS};
 use crate::kernels::tiles::{BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, CONVERT_VEC, DELTA_PLANES, PAD, SPLIT_BN, WIDE_BN, WIDE_PLANES};
 use crate::kernels::flash_bwd_sm90::{self, SM90_BWD_THREADS};
 use crate::kernels::flash_bwd_ws::{self, BWD_WS_THREADS};
@@ -704,6 +705,34 @@ pub(crate) fn dq_source(
         BWD_LOAD_VEC, hd, sparse, window, paged, tma), true))
 }
 
+/// Whether the dQ pass runs the Hopper kernel (`flash_bwd_dq_sm90`): wgmma and tensor maps
+/// (`Target`), f16 / bf16, head_dim 64 or 128, the switch on (`CUBEATTN_BWD_DQ_SM90`).
+pub(crate) fn dq_sm90(be: &CudaBackend, dt: DType, hd: usize) -> bool {
+    crate::config::get().bwd_dq_sm90 && be.target.wgmma && be.target.tma && dt != DType::F32 && matches!(hd, 64 | 128)
+}
+
+/// The Hopper dQ pass kernel for one set of comptime choices.
+pub(crate) fn dq_sm90_kernel(be: &CudaBackend, dt: DType, hd: usize, sparse: bool, window: bool, paged: bool) -> Result<Func> {
+    let key = KernelKey::new("flash_bwd_dq_sm90", dt, &[hd as u32, sparse as u32, window as u32, paged as u32]);
+    be.kernels.get(&key, || dq_sm90_source(be.client(), dt, hd, sparse, window, paged))
+}
+
+/// CUDA source of [`dq_sm90_kernel`]: the `kernels::sm90` markers lowered, two cubes an SM
+/// declared (three at head_dim 64: 48 KiB of shared memory a cube).
+pub(crate) fn dq_sm90_source(
+    client: &ComputeClient<CudaRuntime>,
+    dt: DType,
+    hd: usize,
+    sparse: bool,
+    window: bool,
+    paged: bool,
+) -> Result<Source> {
+    let mut src = by_dtype!(dt, T, codegen_exp2(flash_bwd_dq_sm90::flash_bwd_dq_sm90::FlashBwdDqSm90::<T, CudaRuntime>::new(
+        settings(DQ_SM90_THREADS as u32), client.clone(), DqArgs::compilation(), BWD_LOAD_VEC, hd, sparse, window, paged), true))?;
+    src.cuda = super::rewrite::sm90::lower_bounded(&src.entry, &src.cuda, if hd <= 64 { 3 } else { 2 })?;
+    Ok(src)
+}
+
 /// Enqueues the dQ pass `flash_bwd_dq` (f16/bf16) over `n_work` work items x heads_q. `tables`:
 /// work list, segs, and the block-sparse tile_ref and block ids (any valid address when dense);
 /// `sparse`: (index heads, k_block, key tiles per key block) of the block-sparse variant. The
@@ -724,10 +753,14 @@ pub(crate) fn launch_dq(
     let (ql, kl, ll) = (d.q_len(), d.kv_len(), d.lse_len());
     let (win_l, win_r, window) = window_bounds(spec);
     let paged = spec.kv_pages().is_some() && sparse.is_none();
-    // full key tiles by tensor maps on sm_90+ (`BwdPtrs::check_aligned`)
-    let f = dq_kernel(be, dt, hd, sparse.is_some(), window, paged, super::forward::kv_tma(be, hd))?;
+    let (f, [k_map, v_map]) = if dq_sm90(be, dt, hd) {
+        (dq_sm90_kernel(be, dt, hd, sparse.is_some(), window, paged)?, kv_maps_sw128(spec, p.k, p.v, BWD_BN)?)
+    } else {
+        // full key tiles by tensor maps on sm_90+ (`BwdPtrs::check_aligned`)
+        let tma = super::forward::kv_tma(be, hd);
+        (dq_kernel(be, dt, hd, sparse.is_some(), window, paged, tma)?, kv_maps(be, spec, p.k, p.v, BWD_BN, false)?)
+    };
     let qv = ql / BWD_LOAD_VEC;
-    let [k_map, v_map] = kv_maps(be, spec, p.k, p.v, BWD_BN, false)?;
     let [work, segs, tile_ref, blocks] = tables;
     let [idx_heads, k_block, tiles_per_block] = sparse.unwrap_or([d.heads_q as u32, BWD_BN as u32, 1]);
     let args = DqArgs {

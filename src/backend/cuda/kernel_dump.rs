@@ -7,7 +7,7 @@
 mod tests {
     use std::path::Path;
 
-    use super::super::backward::{dkdv_sm90_source, dkdv_smem, dkdv_split_source, dkdv_wide_source, dq_source, Sm90Dkdv};
+    use super::super::backward::{dkdv_sm90_source, dkdv_smem, dkdv_split_source, dkdv_wide_source, dq_sm90_source, dq_source, Sm90Dkdv};
     use super::super::forward::fwd_source;
     use super::super::CudaBackend;
     use crate::dtype::DType;
@@ -73,6 +73,11 @@ mod tests {
             ("dq_d64", dq_source(c, dt, 64, false, false, false, true)),
             ("dq_window_d128", dq_source(c, dt, 128, false, true, false, true)),
             ("dq_sparse_d128", dq_source(c, dt, 128, true, false, false, true)),
+            ("dq_sm90_d128", dq_sm90_source(c, dt, 128, false, false, false)),
+            ("dq_sm90_d64", dq_sm90_source(c, dt, 64, false, false, false)),
+            ("dq_sm90_window_d128", dq_sm90_source(c, dt, 128, false, true, false)),
+            ("dq_sm90_sparse_d128", dq_sm90_source(c, dt, 128, true, false, false)),
+            ("dq_sm90_paged_d64", dq_sm90_source(c, dt, 64, false, false, true)),
             // the dK/dV kernel (128 keys): causal / window are runtime bounds
             ("dkdv_wide_d128", dkdv_wide_source(c, dt, 128, false, false, 2, false, false, true, 2)),
             ("dkdv_wide_fused_d128", dkdv_wide_source(c, dt, 128, true, true, 2, false, false, true, 2)),
