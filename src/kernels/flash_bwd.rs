@@ -118,6 +118,35 @@ pub fn dq_item<E: Float, NV: Size>(args: &DqCard<E, NV>, list_smem: &mut SharedM
     DqItem { tile_start, q_start, q_len, k_start, k_len, row_end, n_tiles, list, klo, khi, tpb_magic, head, head_kv }
 }
 
+/// One query row of a dQ cube: the window keys `[lo, lim)` it sees (none at or past the cube's
+/// `row_end`: sparse, the query block's end), its lse times log2 e and its delta (0 past the
+/// segment).
+#[derive(CubeType, Clone, Copy)]
+pub struct DqRow {
+    pub lo: i32,
+    pub lim: i32,
+    pub lse2: f32,
+    pub dl: f32,
+}
+
+/// [`DqRow`] of segment row `rl` of item `it`.
+#[cube]
+pub fn dq_row<E: Float, NV: Size>(args: &DqCard<E, NV>, it: &DqItem, rl: u32) -> DqRow {
+    let (a0, a1) = row_keys(it.q_len, it.k_len, rl, args.win_l, args.win_r);
+    let mut lim = a1 as i32;
+    let mut lse2 = 0.0f32;
+    let mut dl = 0.0f32;
+    if rl < it.q_len {
+        let i = (it.head * args.total_q + it.q_start + rl) as usize;
+        lse2 = args.lse[i] * LOG2E;
+        dl = args.delta[i];
+    }
+    if rl >= it.row_end {
+        lim = 0i32;
+    }
+    DqRow { lo: a0 as i32, lim, lse2, dl }
+}
+
 /// dQ. Grid: work items x heads_q in one dimension, heads fastest (block-sparse: items fastest); 32 * [`BWD_PLANES`] units.
 /// `work`: two u32 per cube (segment id, first row of the tile inside the segment); rows no
 /// segment covers are not written here (the host zero-fills them first). Sparse: [`SPARSE_QWORK_WORDS`] words per item and
@@ -197,33 +226,10 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     let rl_a = tile_start + plane * 16 + row_a;
     let rl_b = tile_start + plane * 16 + row_b;
     // each row's keys [lo, lim) (causal and sliding window: both in the bounds, `rows`)
-    let (a0, a1) = row_keys(q_len, k_len, rl_a, args.win_l, args.win_r);
-    let (b0, b1) = row_keys(q_len, k_len, rl_b, args.win_l, args.win_r);
-    let lo_a = a0 as i32;
-    let mut lim_a = a1 as i32;
-    let lo_b = b0 as i32;
-    let mut lim_b = b1 as i32;
-    let mut lse_a = 0.0f32;
-    let mut lse_b = 0.0f32;
-    let mut dl_a = 0.0f32;
-    let mut dl_b = 0.0f32;
-    if rl_a < q_len {
-        let i = (head * args.total_q + q_start + rl_a) as usize;
-        lse_a = args.lse[i] * LOG2E;
-        dl_a = args.delta[i];
-    }
-    if rl_b < q_len {
-        let i = (head * args.total_q + q_start + rl_b) as usize;
-        lse_b = args.lse[i] * LOG2E;
-        dl_b = args.delta[i];
-    }
-    // Rows past the segment end (sparse: the query block's end): force every key masked.
-    if rl_a >= row_end {
-        lim_a = 0i32;
-    }
-    if rl_b >= row_end {
-        lim_b = 0i32;
-    }
+    let ra = dq_row(args, &it, rl_a);
+    let rb = dq_row(args, &it, rl_b);
+    let (lo_a, lim_a, lse_a, dl_a) = (ra.lo, ra.lim, ra.lse2, ra.dl);
+    let (lo_b, lim_b, lse_b, dl_b) = (rb.lo, rb.lim, rb.lse2, rb.dl);
 
     let mut dq_acc = Array::<f32>::new(comptime!(o_blocks * ec));
     #[unroll]

@@ -19,13 +19,13 @@ use cubecl::prelude::barrier::{copy_async, Barrier};
 use cubecl::prelude::*;
 
 use super::cards::DqCard;
-use super::flash_bwd::dq_item;
+use super::flash_bwd::{dq_item, dq_row};
 use super::flash_bwd_sm90::key_by_row_steps;
 use super::flash_fwd::{tile_bounds, LIST_SMEM};
 use super::flash_fwd_sm90::pv_steps;
 use super::kv_tiles::issue_tile_boxes;
-use super::math::{fast_exp2, LOG2E};
-use super::rows::{kv_row, row_keys};
+use super::math::fast_exp2;
+use super::rows::kv_row;
 use super::sm90::{fence_proxy_async, pack_a_pairs, store_pair, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_wait};
 use super::staging::{commit_stage, stage_rows, wait_stage};
 use super::tiles::{BWD_BM, BWD_BN};
@@ -128,33 +128,10 @@ pub fn flash_bwd_dq_sm90<E: Float, NV: Size>(
     let rl_a = tile_start + warp * 16u32 + lane / 4u32;
     let rl_b = rl_a + 8u32;
     let col_a = (lane % 4u32) * 2u32;
-    let (a0, a1) = row_keys(q_len, k_len, rl_a, args.win_l, args.win_r);
-    let (b0, b1) = row_keys(q_len, k_len, rl_b, args.win_l, args.win_r);
-    let lo_a = a0 as i32;
-    let lo_b = b0 as i32;
-    let mut lim_a = a1 as i32;
-    let mut lim_b = b1 as i32;
-    let mut lse_a = 0.0f32;
-    let mut lse_b = 0.0f32;
-    let mut dl_a = 0.0f32;
-    let mut dl_b = 0.0f32;
-    if rl_a < q_len {
-        let i = (head * args.total_q + q_start + rl_a) as usize;
-        lse_a = args.lse[i] * LOG2E;
-        dl_a = args.delta[i];
-    }
-    if rl_b < q_len {
-        let i = (head * args.total_q + q_start + rl_b) as usize;
-        lse_b = args.lse[i] * LOG2E;
-        dl_b = args.delta[i];
-    }
-    // rows past the segment's end (sparse: the query block's end): every key masked
-    if rl_a >= row_end {
-        lim_a = 0i32;
-    }
-    if rl_b >= row_end {
-        lim_b = 0i32;
-    }
+    let ra = dq_row(args, &it, rl_a);
+    let rb = dq_row(args, &it, rl_b);
+    let (lo_a, lim_a, lse_a, dl_a) = (ra.lo, ra.lim, ra.lse2, ra.dl);
+    let (lo_b, lim_b, lse_b, dl_b) = (rb.lo, rb.lim, rb.lse2, rb.dl);
 
     let dq_n = comptime!(head_dim / 2);
     let mut dq = Array::<f32>::new(dq_n);
