@@ -49,6 +49,7 @@ pub const SOURCES: &[&str] = &[
     include_str!("rowwise_bwd.rs"),
     include_str!("rowwise_fwd.rs"),
     include_str!("flash_bwd.rs"),
+    include_str!("flash_bwd_dq_sm90.rs"),
     include_str!("flash_bwd_wide.rs"),
     include_str!("flash_bwd_sm90.rs"),
     include_str!("flash_bwd_sm90_split.rs"),
