@@ -603,7 +603,6 @@ pub(crate) fn launch_dkdv_wide(
         dv: (p.dv, kl),
         dq_acc: acc,
         dq_rows: acc,
-        dq_turns: (delta, 1),
         q_s: (p.q, ql),
         do_s: (p.dout, ql),
         ktiles: t.work,
