@@ -15,7 +15,6 @@
 //! | `CUBEATTN_CUDA_SPLIT=0` | no split-K of long forward tiles | the sanitizer families (`tests/python/sanitize_driver.py`) |
 //! | `CUBEATTN_BWD_DQ=pass` / `atomic` | `deterministic = false` backward calls take the separate dQ pass / the dQ fused into the dK/dV kernel with atomics, wherever the default would take the other (default: fused, except dense d64 calls on sm_90) | sanitizer families, comparisons |
 //! | `CUBEATTN_BWD_SM90_WS=0` | keeps `flash_bwd_sm90` where the warp-specialised wgmma dK/dV kernel (`kernels::flash_bwd_ws`) is the default (head_dim 128; 64 without the fused dQ) | A/B runs of the two Hopper backward frames on one GPU |
-//! | `CUBEATTN_BWD_DQ_ORDERED=0` | deterministic backward calls take the dQ pass instead of the ordered fused dQ (the Hopper ws kernel adding each query tile's dQ in ascending key-tile order, head_dim 128) | A/B runs of the two deterministic paths |
 //! | `CUBEATTN_BWD_DQ_SM90=0` | the dQ pass runs the `mma.sync` kernel on sm_90 too, instead of the wgmma one (`flash_bwd_dq_sm90`, head_dim 64 / 128) | A/B runs of the two dQ passes |
 //! | `CUBEATTN_BWD_Q_STAGES=1` | the dK/dV kernel with one query-tile stage (what GPUs with less shared memory get) on any GPU | `tests/python/test_portable_gpu.py` |
 //! | `CUBEATTN_CPU_KERNEL=gemm` | the CPU backend's gemm-crate path instead of its AVX-512 tiles | `examples/cpu_forward.rs`, docs/cpu.md |
@@ -27,7 +26,8 @@
 //! sm_90+; the portable build still runs them), `CUBEATTN_CPU_BLOCKS` and
 //! `CUBEATTN_CPU_BWD_BLOCKS` (CPU tile sizes), `CUBEATTN_BWD_SM90_EARLY_DV` and
 //! `CUBEATTN_BWD_SM90_WGS` (the wgmma backward's early dV product and one-warpgroup cubes,
-//! docs/backward.md).
+//! docs/backward.md), `CUBEATTN_BWD_DQ_ORDERED` (the ordered fused deterministic dQ, removed with
+//! it: the wgmma dQ pass measured faster, docs/backward.md).
 
 #[cfg(feature = "cuda")]
 use std::path::PathBuf;
@@ -67,10 +67,6 @@ pub(crate) struct Config {
     /// `CUBEATTN_BWD_SM90_WS` (`0` turns the warp-specialised dK/dV kernel off).
     #[cfg(feature = "cuda")]
     pub bwd_sm90_ws: bool,
-    /// `CUBEATTN_BWD_DQ_ORDERED` (`0` keeps deterministic calls on the dQ pass instead of the
-    /// ordered fused dQ).
-    #[cfg(feature = "cuda")]
-    pub bwd_dq_ordered: bool,
     /// `CUBEATTN_BWD_DQ_SM90` (`0` runs the dQ pass on `mma.sync` on sm_90 too).
     #[cfg(feature = "cuda")]
     pub bwd_dq_sm90: bool,
@@ -122,8 +118,6 @@ impl Config {
             bwd_one_q_stage: is("CUBEATTN_BWD_Q_STAGES", "1"),
             #[cfg(feature = "cuda")]
             bwd_sm90_ws: on_unless_zero(&var("CUBEATTN_BWD_SM90_WS")),
-            #[cfg(feature = "cuda")]
-            bwd_dq_ordered: on_unless_zero(&var("CUBEATTN_BWD_DQ_ORDERED")),
             #[cfg(feature = "cuda")]
             bwd_dq_sm90: on_unless_zero(&var("CUBEATTN_BWD_DQ_SM90")),
             #[cfg(feature = "cuda")]
@@ -285,7 +279,6 @@ mod tests {
             assert!(with(&[("CUBEATTN_BWD_DQ", "atomic")]).bwd_dq_atomic && !with(&[("CUBEATTN_BWD_DQ", "pass")]).bwd_dq_atomic);
             assert!(with(&[("CUBEATTN_BWD_Q_STAGES", "1")]).bwd_one_q_stage);
             assert!(with(&[]).bwd_sm90_ws && !with(&[("CUBEATTN_BWD_SM90_WS", "0")]).bwd_sm90_ws);
-            assert!(with(&[]).bwd_dq_ordered && !with(&[("CUBEATTN_BWD_DQ_ORDERED", "0")]).bwd_dq_ordered);
             let off = with(&[("CUBEATTN_CUDA_SPLIT", "0"), ("CUBEATTN_CUDA_SM90", "0")]).fwd;
             assert_eq!(off, FwdOptions { split: false, sm90: false, ..FwdOptions::defaults() });
             assert_eq!(with(&[("CUBEATTN_CUDA_SPLIT", "1")]).fwd, FwdOptions::defaults());

@@ -85,9 +85,6 @@ pub struct SegWalk {
 }
 
 /// Segment `si` of the cube's list (`ki`; its keys end at `key0 + keys`) for kv head `hk`.
-/// `aligned` (dense; the ordered dQ): the walk's first row moved down to a multiple of [`BWD_BM`]
-/// rows of the segment, so that every cube visiting a row visits it in the same query tile (the
-/// rows added in front see none of the cube's keys: masked, they add zeros).
 #[cube]
 #[allow(clippy::too_many_arguments, unused_assignments)]
 pub fn seg_walk(
@@ -106,7 +103,6 @@ pub fn seg_walk(
     win_l: u32,
     win_r: u32,
     #[comptime] sparse: bool,
-    #[comptime] aligned: bool,
 ) -> SegWalk {
     let mut seg = ki.seq as usize;
     if !sparse {
@@ -120,8 +116,7 @@ pub fn seg_walk(
     // rows from the first that sees the cube's first key to the last that sees its last
     let first_key = max(ki.key0, k_start) - k_start;
     let last_key = min(ki.key0 + keys, k_start + k_len) - 1u32 - k_start;
-    let (r_first, _) = key_rows(q_len, k_len, first_key as i32, win_l, win_r);
-    let r_min = if aligned { r_first - r_first % BWD_BM as i32 } else { r_first };
+    let (r_min, _) = key_rows(q_len, k_len, first_key as i32, win_l, win_r);
     let (_, r_end) = key_rows(q_len, k_len, last_key as i32, win_l, win_r);
     let mut k_hi = k_len;
     let mut n_qt = 0u32;
@@ -142,33 +137,6 @@ pub fn seg_walk(
         n_it = group * n_qt;
     }
     SegWalk { q_start, q_len, k_start, k_len, shift, r_min, k_hi, n_qt, n_it, t_lo, t_n, span }
-}
-
-/// The ordered dQ's turn of key tile `kt` (of `bn` keys) at the aligned query tile starting at row
-/// `r0` of segment `sw`: how many of the segment's key tiles below `kt` add to that tile before it
-/// (ascending key tiles: the launch order of the dense work list, so a cube only ever waits for
-/// cubes that started before it). Those are the tiles from the first whose last key is seen by a
-/// row at or past `r0` (the rows seeing a key move down monotonically with it, and each tile's
-/// walk ends at the last row seeing its last key, as in [`seg_walk`]) up to `kt`.
-#[cube]
-pub fn dq_turn(sw: &SegWalk, kt: u32, r0: u32, win_l: u32, win_r: u32, #[comptime] bn: usize) -> u32 {
-    let mut lo = sw.k_start / bn as u32;
-    let mut hi = kt;
-    // the smallest tile in [lo, kt] whose walk reaches r0 (kt's does)
-    loop {
-        if lo >= hi {
-            break;
-        }
-        let mid = (lo + hi) / 2u32;
-        let last_key = min((mid + 1u32) * bn as u32, sw.k_start + sw.k_len) - 1u32 - sw.k_start;
-        let (_, r_end) = key_rows(sw.q_len, sw.k_len, last_key as i32, win_l, win_r);
-        if r_end > r0 as i32 {
-            hi = mid;
-        } else {
-            lo = mid + 1u32;
-        }
-    }
-    kt - lo
 }
 
 /// Block-sparse: (q head, first row, end row of the query block) of query tile `t` of entry `e` of
@@ -212,8 +180,6 @@ pub struct QTile {
 }
 
 /// The first pair of segment `sw`'s walk for kv head `hk` (any value when the walk is empty).
-/// `ordered` (dense, the ordered dQ): the walk goes from the last query tile to the first, the q
-/// heads of the group inner, so that the cubes adding to one tile reach it together.
 #[cube]
 pub fn first_q_tile(
     tq_list: &Array<u32>,
@@ -222,11 +188,10 @@ pub fn first_q_tile(
     group: u32,
     q_block: u32,
     #[comptime] sparse: bool,
-    #[comptime] ordered: bool,
 ) -> QTile {
     let mut h = hk * group;
-    let ti = if ordered { sw.n_qt - 1u32 } else { u32::new(0) };
-    let mut r0 = if ordered { sw.r_min as u32 + ti * BWD_BM as u32 } else { sw.r_min as u32 };
+    let ti = u32::new(0);
+    let mut r0 = sw.r_min as u32;
     let mut row_end = sw.q_len;
     if sparse && sw.n_it > 0 {
         let (ha, ra, re) = sparse_q_tile(tq_list, sw.t_lo, 0u32, 0u32, 0u32, hk * group, sw.span, q_block, sw.q_len);
@@ -238,7 +203,7 @@ pub fn first_q_tile(
 }
 
 /// Moves `c` to the next pair of segment `sw`'s walk: dense, the next query tile of the head, then
-/// the next q head (`ordered`: the next q head, then the query tile before); sparse, the next tile
+/// the next q head; sparse, the next tile
 /// of the query block, then the next entry, then the next q head (past the walk's last pair: any
 /// value).
 #[cube]
@@ -252,38 +217,27 @@ pub fn next_q_tile(
     q_tiles_per_block: u32,
     q_block: u32,
     #[comptime] sparse: bool,
-    #[comptime] ordered: bool,
 ) {
-    if ordered {
-        c.hq += 1u32;
-        if c.hq == group {
-            c.hq = 0u32;
-            c.ti -= 1u32;
+    c.ti += 1u32;
+    if sparse {
+        if c.ti == q_tiles_per_block {
+            c.ti = 0u32;
+            c.ei += 1u32;
+            if c.ei == sw.t_n {
+                c.ei = 0u32;
+                c.hq += 1u32;
+            }
+        }
+        let (ha, ra, re) = sparse_q_tile(tq_list, sw.t_lo, c.ei, c.ti, c.hq, hk * group, sw.span, q_block, sw.q_len);
+        c.h = ha;
+        c.r0 = ra;
+        c.row_end = re;
+    } else {
+        if c.ti == sw.n_qt {
+            c.ti = 0u32;
+            c.hq += 1u32;
         }
         c.h = hk * group + c.hq;
         c.r0 = sw.r_min as u32 + c.ti * BWD_BM as u32;
-    } else {
-        c.ti += 1u32;
-        if sparse {
-            if c.ti == q_tiles_per_block {
-                c.ti = 0u32;
-                c.ei += 1u32;
-                if c.ei == sw.t_n {
-                    c.ei = 0u32;
-                    c.hq += 1u32;
-                }
-            }
-            let (ha, ra, re) = sparse_q_tile(tq_list, sw.t_lo, c.ei, c.ti, c.hq, hk * group, sw.span, q_block, sw.q_len);
-            c.h = ha;
-            c.r0 = ra;
-            c.row_end = re;
-        } else {
-            if c.ti == sw.n_qt {
-                c.ti = 0u32;
-                c.hq += 1u32;
-            }
-            c.h = hk * group + c.hq;
-            c.r0 = sw.r_min as u32 + c.ti * BWD_BM as u32;
-        }
     }
 }

@@ -86,10 +86,6 @@ macro_rules! dkdv_card {
                 /// (any valid address otherwise).
                 write dq_acc: Array<Atomic<Vector<f32, NQ>>>,
                 write dq_rows: Array<Vector<f32, NQ>>,
-                /// The ordered (deterministic) fused dQ's turn counters, one per (query row, q
-                /// head) that starts a query tile, zeroed before the launch (any valid address
-                /// otherwise).
-                write dq_turns: Array<u32>,
                 /// Q and dO as scalars (the `cp.async` sources).
                 read q_s: Array<E>,
                 read do_s: Array<E>,

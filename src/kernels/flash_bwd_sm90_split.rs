@@ -110,7 +110,7 @@ pub fn flash_bwd_sm90_split<E: Float, NV: Size, NQ: Size>(
     for si in ki.s_begin..ki.s_end {
         let sw = seg_walk(
             &args.segs, &args.tile_segs, &args.tq_off, &ki, si, BN as u32, hk, args.heads_kv, group, args.idx_heads,
-            args.k_blocks, args.q_tiles_per_block, args.win_l, args.win_r, false, false,
+            args.k_blocks, args.q_tiles_per_block, args.win_l, args.win_r, false,
         );
         let (q_start, q_len, k_start, shift, r_min) = (sw.q_start, sw.q_len, sw.k_start, sw.shift, sw.r_min);
         let (k_hi, n_qt, n_it) = (sw.k_hi, sw.n_qt, sw.n_it);

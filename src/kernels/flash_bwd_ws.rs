@@ -19,10 +19,7 @@
 //!
 //! The host plan, card (`cards::DkdvCard`), work list, segments and query-tile walk (dense, varlen,
 //! GQA, grouped windows, paged K/V, block-sparse through the transposed index) are
-//! `flash_bwd_sm90`'s. With comptime `ordered` (deterministic calls at d128, dense) the walk's
-//! query tiles are aligned to 64 rows of the segment and visited from the last down, and the dQ
-//! warp adds each tile in its turn, ascending key tiles, behind per-tile counters
-//! ([`ordered_dq_warp`], docs/backward.md). The default at head_dim 128, and at 64 without the fused dQ
+//! `flash_bwd_sm90`'s. The default at head_dim 128, and at 64 without the fused dQ
 //! (`backend::cuda::backward::ws_backward`); the fused d64 kernel lost to `flash_bwd_sm90`, and so
 //! did a variant whose consumers did not meet per tile (docs/backward.md).
 
@@ -30,7 +27,7 @@ use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
 use super::bulk_reduce::{add_dq_row, dq_tile_stride};
-use super::bwd_walk::{dq_turn, first_q_tile, key_item, next_q_tile, seg_walk, KeyItem, SegWalk};
+use super::bwd_walk::{first_q_tile, key_item, next_q_tile, seg_walk, KeyItem, SegWalk};
 use super::cards::DkdvCard;
 // registers a thread after the moves: the forward frame's split (24 x 128 + 240 x 256)
 use super::flash_fwd_ws::{release, CONSUMER_REGS, PRODUCER_REGS};
@@ -40,8 +37,7 @@ use super::flash_bwd_sm90::{
 };
 use super::grid::cube_item_slot;
 use super::sm90::{
-    bulk_wait_all, fence_proxy_async, named_barrier, pack_a_pairs, setmaxnreg, turn_release, turn_wait, wgmma_commit, wgmma_fence,
-    wgmma_wait, SW_COLS,
+    fence_proxy_async, named_barrier, pack_a_pairs, setmaxnreg, wgmma_commit, wgmma_fence, wgmma_wait, SW_COLS,
 };
 use super::staging::{stage_rows, wait_stage};
 use super::tiles::{BWD_BM, WIDE_BN};
@@ -60,7 +56,7 @@ const CONSUMER_THREADS: u32 = 256;
 /// The named barrier that publishes both consumers' dS^T halves.
 const DS_BARRIER: u32 = 1;
 
-/// Segment `si` of the cube's walk for kv head `hk` (`aligned`: the ordered dQ's query tiles).
+/// Segment `si` of the cube's walk for kv head `hk`.
 #[cube]
 fn walk<E: Float, NV: Size, NQ: Size>(
     args: &DkdvCard<E, NV, NQ>,
@@ -69,11 +65,10 @@ fn walk<E: Float, NV: Size, NQ: Size>(
     hk: u32,
     group: u32,
     #[comptime] sparse: bool,
-    #[comptime] aligned: bool,
 ) -> SegWalk {
     seg_walk(
         &args.segs, &args.tile_segs, &args.tq_off, ki, si, BN as u32, hk, args.heads_kv, group, args.idx_heads,
-        args.k_blocks, args.q_tiles_per_block, args.win_l, args.win_r, sparse, aligned,
+        args.k_blocks, args.q_tiles_per_block, args.win_l, args.win_r, sparse,
     )
 }
 
@@ -83,7 +78,7 @@ fn count_tiles<E: Float, NV: Size, NQ: Size>(args: &DkdvCard<E, NV, NQ>, ki: &Ke
     let group = args.heads_q / args.heads_kv;
     let mut n = 0u32;
     for si in ki.s_begin..ki.s_end {
-        let sw = walk(args, ki, si, hk, group, sparse, false);
+        let sw = walk(args, ki, si, hk, group, sparse);
         n += sw.n_it;
     }
     n
@@ -119,50 +114,6 @@ fn add_tile_rows<NQ: Size>(
     let _t = dq_empty.arrive_and_expect_tx(1u32, 0u32);
 }
 
-/// The ordered dQ warp (deterministic fused dQ): walks the cube's query tiles itself and adds each
-/// tile's rows in its turn ([`dq_turn`]: ascending key tiles), waiting before the additions for
-/// the tile's counter to reach the turn and, once they are performed, counting itself in.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn ordered_dq_warp<E: Float, NV: Size, NQ: Size>(
-    args: &mut DkdvCard<E, NV, NQ>,
-    ki: &KeyItem,
-    hk: u32,
-    lane: u32,
-    dq_tile: &SharedMemory<Vector<f32, NQ>>,
-    dq_full: &Barrier,
-    dq_empty: &Barrier,
-    #[comptime] head_dim: usize,
-    #[comptime] qvec: usize,
-) {
-    let group = args.heads_q / args.heads_kv;
-    let kt = ki.key0 / BN as u32;
-    let mut j = 0u32;
-    for si in ki.s_begin..ki.s_end {
-        let sw = walk(args, ki, si, hk, group, false, true);
-        let mut qt = first_q_tile(&args.tq_list, &sw, hk, group, args.q_block, false, true);
-        for _it in 0..sw.n_it {
-            let first_row = sw.q_start + qt.r0;
-            let slot = first_row * args.heads_q + qt.h;
-            if lane == 0u32 {
-                turn_wait(&args.dq_turns, slot, dq_turn(&sw, kt, qt.r0, args.win_l, args.win_r, BN));
-            }
-            sync_plane();
-            dq_full.wait_parity(j & 1u32);
-            let rows = min(sw.q_len - qt.r0, BM as u32);
-            add_tile_rows::<NQ>(dq_tile, &mut args.dq_rows, dq_empty, lane, first_row, rows, qt.h, args.heads_q, head_dim, qvec);
-            // the additions performed (every lane's), then the next cube's turn
-            bulk_wait_all();
-            sync_plane();
-            if lane == 0u32 {
-                turn_release(&args.dq_turns, slot);
-            }
-            next_q_tile(&args.tq_list, &sw, &mut qt, hk, group, args.q_tiles_per_block, args.q_block, false, true);
-            j += 1u32;
-        }
-    }
-}
-
 /// The warp-specialised Hopper dK / dV kernel (module docs); arguments and comptime choices as
 /// `flash_bwd_sm90::flash_bwd_sm90`.
 #[allow(clippy::too_many_arguments, unused_variables, unused_assignments)]
@@ -174,7 +125,6 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
     #[comptime] qvec: usize,
     #[comptime] sparse: bool,
     #[comptime] paged: bool,
-    #[comptime] ordered: bool,
 ) {
     let lane = UNIT_POS_PLANE;
     // warp and warpgroup index broadcast from lane 0: uniform, so descriptors stay in uniform registers
@@ -224,8 +174,8 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
             // ---- the loading warp: every query tile of the walk into stage g % 2 ----
             let mut g = 0u32;
             for si in ki.s_begin..ki.s_end {
-                let sw = walk(args, &ki, si, hk, group, sparse, ordered);
-                let mut qt = first_q_tile(&args.tq_list, &sw, hk, group, args.q_block, sparse, ordered);
+                let sw = walk(args, &ki, si, hk, group, sparse);
+                let mut qt = first_q_tile(&args.tq_list, &sw, hk, group, args.q_block, sparse);
                 for it in 0..sw.n_it {
                     // use u = g / 2 of the stage waits for the consumers' release of use u - 1
                     if g >= 2u32 {
@@ -241,16 +191,12 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
                         &mut lse_smem, &mut dl_smem, &full0, &full1, g, qt.h, qt.r0, sw.q_len, sw.q_start, args.heads_q,
                         args.total_q, lane, head_dim, LOADERS,
                     );
-                    next_q_tile(&args.tq_list, &sw, &mut qt, hk, group, args.q_tiles_per_block, args.q_block, sparse, ordered);
+                    next_q_tile(&args.tq_list, &sw, &mut qt, hk, group, args.q_tiles_per_block, args.q_block, sparse);
                     g += 1u32;
                 }
             }
         }
-        if ordered {
-            if warp == 1u32 {
-                ordered_dq_warp(args, &ki, hk, lane, &dq_tile, &dq_full, &dq_empty, head_dim, qvec);
-            }
-        } else if fuse_dq {
+        if fuse_dq {
             if warp == 1u32 {
                 // ---- the dQ warp: each tile's rows added to the accumulator by the copy engine ----
                 let n = count_tiles(args, &ki, hk, sparse);
@@ -295,10 +241,10 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
 
     let mut g = 0u32;
     for si in ki.s_begin..ki.s_end {
-        let sw = walk(args, &ki, si, hk, group, sparse, ordered);
+        let sw = walk(args, &ki, si, hk, group, sparse);
         // window-local index of this warpgroup's first key (may be negative)
         let kw0 = (key0 as i32 + (cw * WG_KEYS) as i32) - sw.k_start as i32;
-        let mut qt = first_q_tile(&args.tq_list, &sw, hk, group, args.q_block, sparse, ordered);
+        let mut qt = first_q_tile(&args.tq_list, &sw, hk, group, args.q_block, sparse);
         for it in 0..sw.n_it {
             let cur = g;
             let (h, r0, row_end) = (qt.h, qt.r0, qt.row_end);
@@ -356,12 +302,10 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
                 }
                 // rows 16 w + lane / 4 (+ 8) of the tile
                 put_dq_rows::<NQ>(&mut dq_tile, &dq, key_a - cw * WG_KEYS, dq_col0, col_a, head_dim, qvec);
-                if !ordered {
-                    if ct == 0u32 {
-                        dq_info[0] = sw.q_start + r0;
-                        dq_info[1] = select(r0 < row_end, min(row_end - r0, BM as u32), 0u32);
-                        dq_info[2] = h;
-                    }
+                if ct == 0u32 {
+                    dq_info[0] = sw.q_start + r0;
+                    dq_info[1] = select(r0 < row_end, min(row_end - r0, BM as u32), 0u32);
+                    dq_info[2] = h;
                 }
                 // this thread's stores visible to the copy engine, then its arrival
                 fence_proxy_async();
@@ -370,7 +314,7 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
                 wgmma_wait(0u32);
                 release(&empty0, &empty1, cur, true);
             }
-            next_q_tile(&args.tq_list, &sw, &mut qt, hk, group, args.q_tiles_per_block, args.q_block, sparse, ordered);
+            next_q_tile(&args.tq_list, &sw, &mut qt, hk, group, args.q_tiles_per_block, args.q_block, sparse);
             g += 1u32;
         }
     }

@@ -89,33 +89,6 @@ pub fn named_barrier(#[comptime] id: u32, #[comptime] threads: u32) {
     intrinsic!(|scope| marker(scope, format!("named_barrier {id} {threads}"), vec![]))
 }
 
-/// Spins until `turns[slot]` (read with GPU-scope acquire) equals `want`, then orders the global
-/// writes of later bulk copies after that read (`fence.proxy.async.global`): one lane waits for its
-/// turn in an ordered sequence of additions ([`turn_release`] is the other end). The wait gives up
-/// after about a second of polls (never reached when the order is a launch order: the cubes it waits
-/// for started earlier), so a wrong turn costs the order, never a hang.
-#[cube]
-#[allow(unused_variables)]
-pub fn turn_wait(turns: &Array<u32>, slot: u32, want: u32) {
-    intrinsic!(|scope| marker(scope, "turn_wait".into(), vec![*turns.expand, *slot.expand, *want.expand]))
-}
-
-/// `cp.async.bulk.wait_group 0` then `fence.proxy.async.global`: this thread's bulk copies
-/// performed, their global writes ordered before its later generic accesses (CubeCL's
-/// `tma_group_wait` names a libcu++ function CUDA 13 no longer has).
-#[cube]
-pub fn bulk_wait_all() {
-    intrinsic!(|scope| marker(scope, "bulk_wait_all".into(), vec![]))
-}
-
-/// A GPU-scope release increment of `turns[slot]` (the next cube's [`turn_wait`]), after the
-/// bulk copies of the warp completed ([`bulk_wait_all`] by every lane, then a warp barrier).
-#[cube]
-#[allow(unused_variables)]
-pub fn turn_release(turns: &Array<u32>, slot: u32) {
-    intrinsic!(|scope| marker(scope, "turn_release".into(), vec![*turns.expand, *slot.expand]))
-}
-
 /// `acc[acc0 .. acc0 + n / 2] (+)= A B` for one m64 x n x k16 step, both operands in shared memory
 /// (128-byte swizzle): A is 64 rows, K-major (`a_mn` false: rows 128 bytes apart per 64 columns of
 /// K), or MN-major (`a_mn`: the 64 rows contiguous, K rows 128 bytes apart, as dS^T stored

@@ -211,7 +211,7 @@ fn cases() -> Vec<Case> {
 /// (atol = rtol = 1e-2, atol scaled by the input scale for dq and dk; 1e-4 for f32), or, where a
 /// bf16 element misses that, a max error no worse than twice the CPU backend's (the exact f32
 /// algorithm on the same rounded inputs: its error is the floor set by bf16 `out` and outputs).
-/// `path`: the dQ pass, the fused atomic dQ (f16/bf16) or the ordered fused dQ ([`ordered_runs`]).
+/// `path`: the dQ pass or the fused atomic dQ (f16/bf16).
 fn check_case(b: &CudaBackend, c: &Case, seed: u64, path: DqPath) -> (bool, String) {
     let spec = build_spec(c);
     let inp = make_inputs(&spec, c.input_scale, seed);
@@ -243,7 +243,6 @@ fn check_case(b: &CudaBackend, c: &Case, seed: u64, path: DqPath) -> (bool, Stri
         "{} {:<62} dq {:>8.2e} {:>8.2e} | dk {:>8.2e} {:>8.2e} | dv {:>8.2e} {:>8.2e} | vs cpu {:>8.2e}",
         match path {
             DqPath::Atomic => "[atm]",
-            DqPath::Ordered => "[ord]",
             _ => "[det]",
         },
         c.name,
@@ -272,11 +271,8 @@ fn backward_matches_f64_reference_and_cpu() {
     let Some(b) = backend() else { return };
     println!("{:<62} {:>17} | {:>17} | {:>17}", "case (rel_l2, max_abs vs f64)", "dq", "dk", "dv");
     let mut failures = Vec::new();
-    for path in [DqPath::Pass, DqPath::Atomic, DqPath::Ordered] {
+    for path in [DqPath::Pass, DqPath::Atomic] {
         for (i, c) in cases().iter().enumerate() {
-            if path == DqPath::Ordered && !ordered_runs(b, c) {
-                continue;
-            }
             let (ok, line) = check_case(b, c, 5000 + i as u64, path);
             println!("{line}");
             if !ok {
@@ -285,12 +281,6 @@ fn backward_matches_f64_reference_and_cpu() {
         }
     }
     assert!(failures.is_empty(), "failed cases: {failures:?}");
-}
-
-/// Whether the ordered fused dQ (the deterministic default there) serves case `c` on this GPU:
-/// dense f16/bf16 at head_dim 128 on a Hopper GPU.
-fn ordered_runs(b: &CudaBackend, c: &Case) -> bool {
-    b.target().wgmma && c.dtype != DType::F32 && c.d == 128
 }
 
 /// 32K keys: a few query rows (GQA 8/2) attending a 32768-key window, causal bottom-right, plus
@@ -310,10 +300,7 @@ fn backward_32k_keys_stress() {
         input_scale: 1.0,
         window: (-1, -1),
     };
-    for path in [DqPath::Pass, DqPath::Atomic, DqPath::Ordered] {
-        if path == DqPath::Ordered && !ordered_runs(b, &c) {
-            continue;
-        }
+    for path in [DqPath::Pass, DqPath::Atomic] {
         let (ok, line) = check_case(b, &c, 77, path);
         println!("{line}");
         assert!(ok, "{line}");
@@ -350,9 +337,8 @@ fn backward_is_deterministic() {
     for c in &cs {
         let spec = build_spec(c);
         let inp = make_inputs(&spec, 1.0, 99);
-        // deterministic calls: the ordered fused dQ where it serves (the default), and the pass
-        let ordered = if ordered_runs(b, c) { vec![DqPath::Ordered] } else { vec![] };
-        for path in [vec![DqPath::Auto, DqPath::Pass], ordered].concat() {
+        // deterministic calls: the default path (the pass) and the pass asked for
+        for path in [DqPath::Auto, DqPath::Pass] {
             let run = || b.backward_on(&spec, inp.q.view(), inp.k.view(), inp.v.view(), grad_inputs(&inp, true), path).expect("backward");
             let first = run();
             let mut all = true;
@@ -442,17 +428,12 @@ fn bench_backward_llama3_8b() {
             causal,
         )
         .unwrap();
-        for (det, path) in [(Some(false), DqPath::Atomic), (Some(true), DqPath::Pass), (None, DqPath::Ordered)] {
+        for (path, tag) in [(DqPath::Atomic, "atomic"), (DqPath::Pass, "pass")] {
             for (part, mult, label) in [(BenchPart::ForwardBackward, 3.5, "fwd+bwd"), (BenchPart::Backward, 2.5, "bwd")] {
                 let mut t = bench(&spec, 2, iters, part, path).expect("bench failed");
                 t.sort_by(|a, b| a.partial_cmp(b).unwrap());
                 let med = t[t.len() / 2];
                 let tflops = mult * spec.forward_flops() / (med * 1e-3) / 1e12;
-                let tag = match det {
-                    None => "ordered",
-                    Some(false) => "atomic",
-                    Some(true) => "pass",
-                };
                 let name = format!("{label} {tag} n={n} causal={causal} d={d}");
                 let line = format!("{:<52} {:>10.3} {:>10.3} {:>10.1}", name, med, t[0], tflops);
                 println!("{line}");

@@ -4,9 +4,8 @@
 
 FAMILY: forward (tensor-core forward without split-K, f16/bf16; the f32 row-wise kernels),
 splitk (few rows over many keys: split-K partials and the combine kernel, uncovered rows),
-backward_pass (the deterministic dQ pass, CUBEATTN_BWD_DQ_ORDERED=0), backward_ordered (the
-deterministic default on sm_90 at head_dim 128: dQ fused, added in key-tile order behind turn
-counters), backward_atomic (dQ fused with f32 atomics, CUBEATTN_BWD_DQ=atomic), grouped (overlapping groups, an empty group, rows in no group; forward
+backward_pass (the deterministic dQ pass: on sm_90 the wgmma one at head_dim 64 and 128),
+backward_atomic (dQ fused with f32 atomics, CUBEATTN_BWD_DQ=atomic), grouped (overlapping groups, an empty group, rows in no group; forward
 and backward), sparse (block-sparse forward: 64- and 128-row cubes, empty rows, odd block
 sizes), sparse_backward (its dK/dV kernel, both dQ paths, the transposed index), sparse_int8 (INT8
 Q K^T: quantisation kernels and the INT8 forward, checked against the exact CPU result), window
@@ -24,8 +23,7 @@ import sys
 FAMILIES = {
     "forward": {"CUBEATTN_CUDA_SPLIT": "0"},
     "splitk": {"CUBEATTN_CUDA_SPLIT": "1"},
-    "backward_pass": {"CUBEATTN_BWD_DQ_ORDERED": "0"},
-    "backward_ordered": {},
+    "backward_pass": {},
     "backward_atomic": {"CUBEATTN_BWD_DQ": "atomic"},
     "grouped": {},
     "sparse": {},
@@ -214,7 +212,7 @@ def main(family):
                 for dt in dtypes:
                     # 40 rows (4 in no group) over 640 keys: the plan splits the key range
                     grouped(d, dt, causal, backward=False)
-            elif family in ("backward_pass", "backward_ordered"):
+            elif family == "backward_pass":
                 for dt in dtypes + [np.float32]:
                     varlen(d, dt, causal, backward=True, deterministic=True)
             elif family == "backward_atomic":

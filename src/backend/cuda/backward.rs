@@ -65,8 +65,6 @@ pub(crate) struct BwdPlan {
     /// [`key_tile`] keys: [`WIDE_BN`] or [`SPLIT_BN`] for the tensor-core kernels, [`BWD_BN`] for
     /// the f32 row-wise one.
     pub(crate) k_work: Vec<u32>,
-    /// Every key tile in ascending order: the ordered dQ's launch order ([`DqMode::Ordered`]).
-    k_asc: Vec<u32>,
     /// CSR over key tiles: segments whose key window overlaps tile t are
     /// `tile_segs[tile_off[t]..tile_off[t+1]]`, ascending.
     tile_off: Vec<u32>,
@@ -94,7 +92,6 @@ impl BwdPlan {
         q_items.sort_by_key(|x| std::cmp::Reverse(x.0));
         let q_work = q_items.iter().flat_map(|&(_, s, t)| [s, t]).collect();
         let (k_work, tile_off, tile_segs) = key_tiles(spec, key_tile(spec));
-        let k_asc = (0..k_work.len() as u32).collect();
 
         let row_seg = if spec.dtype == DType::F32 {
             let mut rs = vec![u32::MAX; d.total_q];
@@ -107,7 +104,7 @@ impl BwdPlan {
         } else {
             Vec::new()
         };
-        BwdPlan { segs, q_work, k_work, k_asc, tile_off, tile_segs, row_seg }
+        BwdPlan { segs, q_work, k_work, tile_off, tile_segs, row_seg }
     }
 
     /// The tables [`launch_backward`] reads (the page table of `spec`'s paged K,V; empty without
@@ -117,7 +114,6 @@ impl BwdPlan {
             .with(BwdTable::Segs, self.segs.clone())
             .with(BwdTable::QWork, self.q_work.clone())
             .with(BwdTable::KWork, self.k_work.clone())
-            .with(BwdTable::KAsc, self.k_asc.clone())
             .with(BwdTable::TileOff, self.tile_off.clone())
             .with(BwdTable::TileSegs, self.tile_segs.clone())
             .with(BwdTable::RowSeg, self.row_seg.clone())
@@ -175,7 +171,7 @@ fn key_tiles(spec: &AttnSpec, bn: usize) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
 
 table_names! {
     /// The tables of a cached backward plan ([`BwdPlan::tables`]).
-    pub(crate) enum BwdTable { Segs, QWork, KWork, KAsc, TileOff, TileSegs, RowSeg, Pages }
+    pub(crate) enum BwdTable { Segs, QWork, KWork, TileOff, TileSegs, RowSeg, Pages }
 }
 
 impl PlanKind for BwdPlan {
@@ -216,12 +212,12 @@ impl BwdPtrs {
     }
 }
 
-/// Workspace parts of a backward call: delta (f32 per row and head), on the fused paths the f32
-/// dQ accumulator, on the ordered one its turn counters (u32 per row and head).
-fn workspace_parts(spec: &AttnSpec, mode: DqMode) -> [usize; 3] {
+/// Workspace parts of a backward call: delta (f32 per row and head) and, on the fused path, the
+/// f32 dQ accumulator.
+fn workspace_parts(spec: &AttnSpec, mode: DqMode) -> [usize; 2] {
     let d = &spec.dims;
     let acc = if mode == DqMode::Pass { 0 } else { d.q_len() * 4 };
-    [d.lse_len() * 4, acc, if mode == DqMode::Ordered { d.lse_len() * 4 } else { 0 }]
+    [d.lse_len() * 4, acc]
 }
 
 /// Workspace bytes of a backward call of `spec` on dQ path `mode`.
@@ -229,11 +225,11 @@ pub(crate) fn bwd_workspace(spec: &AttnSpec, mode: DqMode) -> usize {
     layout(&workspace_parts(spec, mode)).1
 }
 
-/// Device addresses of the workspace parts at `base`: (delta, f32 dQ accumulator, turn
-/// counters; the last two only meaningful on the paths that have them).
-pub(crate) fn workspace_ptrs(spec: &AttnSpec, mode: DqMode, base: u64) -> (u64, u64, u64) {
+/// Device addresses of the workspace parts at `base`: (delta, f32 dQ accumulator; the latter only
+/// meaningful on the fused path).
+pub(crate) fn workspace_ptrs(spec: &AttnSpec, mode: DqMode, base: u64) -> (u64, u64) {
     let (offs, _) = layout(&workspace_parts(spec, mode));
-    (base + offs[0] as u64, base + offs[1] as u64, base + offs[2] as u64)
+    (base + offs[0] as u64, base + offs[1] as u64)
 }
 
 /// Vector width of the dQ atomics: float2 `atomicAdd` on sm_90+ (where it exists), scalar below.
@@ -246,8 +242,8 @@ fn atomic_vec(be: &CudaBackend) -> usize {
 pub enum DqPath {
     /// The fused atomic path for `deterministic = false` calls (with the 128-key dK/dV kernel it
     /// measured faster than the pass on every shape, docs/backward.md) except dense d64 calls on
-    /// sm_90, where the pass is faster ([`dq_mode`]); the pass or the ordered dQ for deterministic
-    /// ones; `CUBEATTN_BWD_DQ=pass` / `atomic` forces the pass / the fused dQ for non-deterministic
+    /// sm_90, where the pass is faster ([`dq_mode`]); the pass for deterministic ones;
+    /// `CUBEATTN_BWD_DQ=pass` / `atomic` forces the pass / the fused dQ for non-deterministic
     /// calls (`crate::config`).
     Auto,
     /// The separate deterministic dQ pass.
@@ -255,9 +251,6 @@ pub enum DqPath {
     /// dQ fused into the dK/dV kernel with f32 atomics (f16/bf16; f32 inputs always use the
     /// row-wise kernels).
     Atomic,
-    /// dQ fused, each query tile's additions in a fixed order ([`DqMode::Ordered`]; dense
-    /// f16/bf16 calls at head_dim 128 on sm_90, else the launch fails).
-    Ordered,
 }
 
 /// How one backward call forms dQ ([`dq_mode`]).
@@ -268,15 +261,10 @@ pub(crate) enum DqMode {
     /// Fused into the dK/dV kernel, added to the f32 accumulator in whatever order the cubes
     /// reach it.
     Fused,
-    /// Fused, and the additions to each query tile made in ascending key-tile order (turn
-    /// counters in the workspace; the warp-specialised Hopper kernel): deterministic, bitwise
-    /// repeatable, without the pass's two extra products per (row, key) pair.
-    Ordered,
 }
 
 /// Device workspace of a backward call besides the caller's tensors: delta and, on the fused dQ
-/// paths, the f32 dQ accumulator (and the ordered path's turn counters, counted wherever a Hopper
-/// GPU would take that path); the plan tables are counted by [`backward_plan_bytes`].
+/// path, the f32 dQ accumulator; the plan tables are counted by [`backward_plan_bytes`].
 pub fn backward_workspace_bytes(spec: &AttnSpec, deterministic: bool) -> u64 {
     bwd_workspace(spec, dq_mode(None, spec, deterministic, DqPath::Auto)) as u64
 }
@@ -287,9 +275,9 @@ pub fn backward_plan_bytes(spec: &AttnSpec) -> u64 {
 }
 
 /// How the backward of `spec` forms dQ on `path` (`be`: the GPU; `None` counts it a Hopper GPU,
-/// for the VRAM estimate): f32 always by the pass; deterministic calls by the ordered fused path
-/// where it serves ([`ordered_serves`]), else the pass; the others fused, except where the pass is
-/// faster ([`pass_is_faster`]).
+/// for the VRAM estimate): f32 and deterministic calls by the pass (on sm_90 at head_dim 64 / 128
+/// the wgmma pass, [`dq_sm90`]); the others fused, except where the pass is faster
+/// ([`pass_is_faster`]).
 pub(crate) fn dq_mode(be: Option<&CudaBackend>, spec: &AttnSpec, deterministic: bool, path: DqPath) -> DqMode {
     if spec.dtype == DType::F32 {
         return DqMode::Pass;
@@ -297,8 +285,6 @@ pub(crate) fn dq_mode(be: Option<&CudaBackend>, spec: &AttnSpec, deterministic: 
     match path {
         DqPath::Pass => DqMode::Pass,
         DqPath::Atomic => DqMode::Fused,
-        DqPath::Ordered => DqMode::Ordered,
-        DqPath::Auto if deterministic && crate::config::get().bwd_dq_ordered && ordered_serves(be, spec) => DqMode::Ordered,
         DqPath::Auto if deterministic => DqMode::Pass,
         DqPath::Auto if crate::config::get().bwd_dq_atomic => DqMode::Fused,
         DqPath::Auto if crate::config::get().bwd_dq_pass || pass_is_faster(be, spec) => DqMode::Pass,
@@ -316,37 +302,6 @@ fn pass_is_faster(be: Option<&CudaBackend>, spec: &AttnSpec) -> bool {
         && spec.block_sparse().is_none()
         && ws_backward(64, false)
         && be.is_none_or(|be| super::forward::sm90_forward(be, spec))
-}
-
-/// Whether the ordered fused dQ can serve `spec`: dense f16/bf16 calls at head_dim 128, whose
-/// dK/dV kernel is the warp-specialised Hopper one (sm_90 with bulk reductions; `be` `None`:
-/// assumed). fwd+bwd 2-8% faster than the dQ pass there (H200,
-/// bench/results/h200-2026-11-29-ordered-dq); at head_dim 64 it was 1.3-1.4x the pass's time (a
-/// d64 tile's products are shorter than the dQ warp's handshake per tile), so d64 keeps the pass.
-/// Deterministic calls take it unless `CUBEATTN_BWD_DQ_ORDERED=0` ([`dq_mode`]).
-fn ordered_serves(be: Option<&CudaBackend>, spec: &AttnSpec) -> bool {
-    spec.dtype != DType::F32
-        && spec.block_sparse().is_none()
-        && spec.dims.head_dim == 128
-        && ws_backward(128, true)
-        && be.is_none_or(|be| super::forward::sm90_forward(be, spec) && be.target.bulk_reduce)
-}
-
-/// `Err` where dQ path `mode` cannot run `spec` on `be` (an explicit [`DqPath::Ordered`] outside
-/// [`ordered_serves`]): checked once, before any launch.
-pub(crate) fn check_dq_mode(be: &CudaBackend, spec: &AttnSpec, mode: DqMode) -> Result<()> {
-    if mode == DqMode::Ordered && !ordered_serves(Some(be), spec) {
-        return Err(crate::error::Error::Unsupported {
-            backend: "cuda",
-            msg: format!(
-                "the ordered dQ serves dense f16/bf16 calls at head_dim 128 on sm_90 (the warp-specialised dK/dV kernel), not \
-                 this one (head_dim {}{})",
-                spec.dims.head_dim,
-                if spec.block_sparse().is_some() { ", block-sparse" } else { "" }
-            ),
-        });
-    }
-    Ok(())
 }
 
 /// The array argument every kernel struct takes for a plain (not in-place) array.
@@ -514,16 +469,14 @@ pub(crate) fn sm90_backward(be: &CudaBackend, spec: &AttnSpec, acc: Option<u64>)
 /// the dQ products): at 128, where fwd+bwd took 1.5-4% less kernel time than with
 /// `flash_bwd_sm90` (H200, bench/results/h200-2026-11-29-ws-bwd), and without the fused dQ (the
 /// dQ pass's path) at 64 too (2-5% less); the fused d64 kernel was 6-7% slower
-/// (docs/measured-and-lost.md). The ordered dQ is only built on it. `CUBEATTN_BWD_SM90_WS=0`
-/// turns it off.
+/// (docs/measured-and-lost.md). `CUBEATTN_BWD_SM90_WS=0` turns it off.
 fn ws_backward(hd: usize, fused: bool) -> bool {
     crate::config::get().bwd_sm90_ws && (hd == 128 || (hd == 64 && !fused))
 }
 
 /// Comptime choices of the Hopper dK/dV kernel up to head_dim 128: `fused` dQ (by `qvec`-float
 /// atomics or bulk reductions), block-`sparse`, `paged` K/V, the warp-specialised frame (`ws`:
-/// `flash_bwd_ws::flash_bwd_ws`, else `flash_bwd_sm90::flash_bwd_sm90`) and, on it, the `ordered`
-/// dQ.
+/// `flash_bwd_ws::flash_bwd_ws`, else `flash_bwd_sm90::flash_bwd_sm90`).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Sm90Dkdv {
     pub hd: usize,
@@ -532,18 +485,12 @@ pub(crate) struct Sm90Dkdv {
     pub sparse: bool,
     pub paged: bool,
     pub ws: bool,
-    pub ordered: bool,
 }
 
-/// The Hopper dK/dV kernel of choices `v` (the ws frame where [`ws_backward`]; `ordered` only on
-/// it, `check_dq_mode` admitted the call).
+/// The Hopper dK/dV kernel of choices `v` (the ws frame where [`ws_backward`]).
 pub(crate) fn dkdv_sm90_kernel(be: &CudaBackend, dt: DType, v: Sm90Dkdv) -> Result<Func> {
     let name = if v.ws { "flash_bwd_ws" } else { "flash_bwd_sm90" };
-    let mut flags = vec![v.hd as u32, v.fused as u32, v.qvec as u32, v.sparse as u32, v.paged as u32];
-    if v.ws {
-        flags.push(v.ordered as u32);
-    }
-    let key = KernelKey::new(name, dt, &flags);
+    let key = KernelKey::new(name, dt, &[v.hd as u32, v.fused as u32, v.qvec as u32, v.sparse as u32, v.paged as u32]);
     be.kernels.get(&key, || dkdv_sm90_source(be.client(), dt, v))
 }
 
@@ -573,11 +520,11 @@ pub(crate) fn dkdv_split_source(
 /// CUDA source of [`dkdv_sm90_kernel`]: the `kernels::sm90` markers lowered, one cube per SM
 /// (`__launch_bounds__(threads, 1)`, which `setmaxnreg` needs).
 pub(crate) fn dkdv_sm90_source(client: &ComputeClient<CudaRuntime>, dt: DType, v: Sm90Dkdv) -> Result<Source> {
-    let Sm90Dkdv { hd, fused, qvec, sparse, paged, ws, ordered } = v;
+    let Sm90Dkdv { hd, fused, qvec, sparse, paged, ws } = v;
     let mut src = if ws {
         by_dtype!(dt, T, codegen_exp2(flash_bwd_ws::flash_bwd_ws::FlashBwdWs::<T, CudaRuntime>::new(
             settings(BWD_WS_THREADS as u32), client.clone(), DkdvArgs::compilation(),
-            BWD_LOAD_VEC, qvec, hd, fused, qvec, sparse, paged, ordered), true))?
+            BWD_LOAD_VEC, qvec, hd, fused, qvec, sparse, paged), true))?
     } else {
         by_dtype!(dt, T, codegen_exp2(flash_bwd_sm90::flash_bwd_sm90::FlashBwdSm90::<T, CudaRuntime>::new(
             settings(SM90_BWD_THREADS as u32), client.clone(), DkdvArgs::compilation(),
@@ -602,7 +549,6 @@ pub(crate) fn launch_dkdv_wide(
     p: &BwdPtrs,
     delta: u64,
     acc: Option<u64>,
-    turns: Option<u64>,
     t: &DkdvTables,
     sparse: Option<[u32; 4]>,
     n_work: usize,
@@ -625,7 +571,7 @@ pub(crate) fn launch_dkdv_wide(
         (f, q_maps(spec, p, Some((SW_COLS as u32, BWD_BM as u32, true)))?)
     } else if sm90_backward(be, spec, acc) {
         let (hd, fused) = (d.head_dim, acc.is_some());
-        let v = Sm90Dkdv { hd, fused, qvec, sparse: sparse.is_some(), paged, ws: ws_backward(hd, fused), ordered: turns.is_some() };
+        let v = Sm90Dkdv { hd, fused, qvec, sparse: sparse.is_some(), paged, ws: ws_backward(hd, fused) };
         let f = dkdv_sm90_kernel(be, spec.dtype, v)?;
         (f, q_maps(spec, p, Some((SW_COLS as u32, BWD_BM as u32, true)))?)
     } else {
@@ -657,7 +603,6 @@ pub(crate) fn launch_dkdv_wide(
         dv: (p.dv, kl),
         dq_acc: acc,
         dq_rows: acc,
-        dq_turns: turns.map_or((delta, 1), |t| (t, ll)),
         q_s: (p.q, ql),
         do_s: (p.dout, ql),
         ktiles: t.work,
@@ -804,8 +749,7 @@ pub(crate) fn launch_dq_convert(be: &CudaBackend, spec: &AttnSpec, p: &BwdPtrs, 
 }
 
 /// Enqueues the backward of `spec` on `stream` (delta, dK/dV, dQ on path `mode`; plus the zero
-/// fill of dQ rows that no segment covers, or of the f32 accumulator and the turn counters on the
-/// fused paths). `plan` must be the cached plan of `spec`. Needs `total_q > 0` and `total_k > 0`.
+/// fill of dQ rows that no segment covers, or of the f32 accumulator on the fused path). `plan` must be the cached plan of `spec`. Needs `total_q > 0` and `total_k > 0`.
 pub(crate) fn launch_backward(
     be: &CudaBackend,
     spec: &AttnSpec,
@@ -820,8 +764,8 @@ pub(crate) fn launch_backward(
     let dt = spec.dtype;
     let client = be.client();
     let t = |i| plan.tables.get(i);
-    let (delta, acc, turns) = workspace_ptrs(spec, mode, p.workspace);
-    let (fused, ordered) = (mode != DqMode::Pass, mode == DqMode::Ordered);
+    let (delta, acc) = workspace_ptrs(spec, mode, p.workspace);
+    let fused = mode == DqMode::Fused;
     let (win_l, win_r, _) = window_bounds(spec);
 
     launch_delta(be, spec, p, delta, stream)?;
@@ -865,24 +809,18 @@ pub(crate) fn launch_backward(
     } else if spec.uncovered_rows() > 0 {
         launch_fill_zero(dt, p.dq, ql, stream)?;
     }
-    if ordered {
-        // u32 counters: zero is all-zero bytes as for f32
-        launch_fill_zero(DType::F32, turns, ll, stream)?;
-    }
     if n_k_work > 0 {
         // the transposed block index is not read by the dense variant: any valid address for
         // `tq_off`; `tq_list` carries the page table (read only by the paged variant)
-        // the ordered dQ launches the key tiles in ascending order: a cube waits only for cubes
-        // that started before it (`kernels::bwd_walk::dq_turn`)
         let w = DkdvTables {
-            work: t(if ordered { BwdTable::KAsc } else { BwdTable::KWork }),
+            work: t(BwdTable::KWork),
             tile_off: t(BwdTable::TileOff),
             tile_segs: t(BwdTable::TileSegs),
             segs: t(BwdTable::Segs),
             tq_off: (t(BwdTable::Segs).0, 1),
             tq_list: t(BwdTable::Pages),
         };
-        launch_dkdv_wide(be, spec, p, delta, fused.then_some(acc), ordered.then_some(turns), &w, None, n_k_work, stream)?;
+        launch_dkdv_wide(be, spec, p, delta, fused.then_some(acc), &w, None, n_k_work, stream)?;
     }
     if fused {
         launch_dq_convert(be, spec, p, acc, stream)?;
@@ -953,16 +891,14 @@ mod tests {
     #[test]
     fn dq_mode_follows_deterministic_dtype_and_head_dim() {
         let (b128, b64, f32s) = (spec(DType::BF16, 128, true), spec(DType::F16, 64, false), spec(DType::F32, 128, true));
-        if crate::config::get().bwd_dq_ordered && crate::config::get().bwd_sm90_ws {
-            assert_eq!(dq_mode(None, &b128, true, DqPath::Auto), DqMode::Ordered);
-        }
+        assert_eq!(dq_mode(None, &b128, true, DqPath::Auto), DqMode::Pass, "deterministic calls take the pass");
         assert_eq!(dq_mode(None, &b64, true, DqPath::Auto), DqMode::Pass, "d64 keeps the pass");
         if crate::config::get().bwd_sm90_ws && !crate::config::get().bwd_dq_atomic {
             assert_eq!(dq_mode(None, &b64, false, DqPath::Auto), DqMode::Pass, "d64 on sm_90: the pass is faster");
         }
         assert_eq!(dq_mode(None, &b64, false, DqPath::Atomic), DqMode::Fused);
         assert_eq!(dq_mode(None, &f32s, true, DqPath::Auto), DqMode::Pass);
-        assert_eq!(dq_mode(None, &f32s, false, DqPath::Ordered), DqMode::Pass, "f32 always takes the pass");
+        assert_eq!(dq_mode(None, &f32s, false, DqPath::Atomic), DqMode::Pass, "f32 always takes the pass");
         assert_eq!(dq_mode(None, &b128, true, DqPath::Pass), DqMode::Pass);
         assert_eq!(dq_mode(None, &b128, true, DqPath::Atomic), DqMode::Fused);
         if !crate::config::get().bwd_dq_pass {
@@ -970,21 +906,10 @@ mod tests {
         }
         let d = &b128.dims;
         let (lse, acc) = (d.lse_len() * 4, d.q_len() * 4);
-        assert_eq!(workspace_parts(&b128, DqMode::Pass), [lse, 0, 0]);
-        assert_eq!(workspace_parts(&b128, DqMode::Fused), [lse, acc, 0]);
-        assert_eq!(workspace_parts(&b128, DqMode::Ordered), [lse, acc, lse]);
-        // the parts do not overlap: each starts past the previous one's end
-        let (delta, a, t) = workspace_ptrs(&b128, DqMode::Ordered, 0);
-        assert!(delta + lse as u64 <= a && a + acc as u64 <= t && t as usize + lse <= bwd_workspace(&b128, DqMode::Ordered));
-    }
-
-    /// The ordered dQ's launch list is every key tile in ascending order.
-    #[test]
-    fn ordered_launch_order_is_ascending() {
-        let p = BwdPlan::new(&spec(DType::BF16, 128, true));
-        assert_eq!(p.k_asc, (0..p.k_work.len() as u32).collect::<Vec<_>>());
-        let mut w = p.k_work.clone();
-        w.sort();
-        assert_eq!(w, p.k_asc, "the cost-ordered list holds the same tiles");
+        assert_eq!(workspace_parts(&b128, DqMode::Pass), [lse, 0]);
+        assert_eq!(workspace_parts(&b128, DqMode::Fused), [lse, acc]);
+        // the parts do not overlap: the accumulator starts past delta's end
+        let (delta, a) = workspace_ptrs(&b128, DqMode::Fused, 0);
+        assert!(delta + lse as u64 <= a && a as usize + acc <= bwd_workspace(&b128, DqMode::Fused));
     }
 }

@@ -12,7 +12,7 @@
 //! inputs, outputs and workspace, the inputs are copied in, the same device-resident call runs on
 //! the backend's own stream, the outputs are copied back and the stream is synchronized.
 
-use super::backward::{bwd_workspace, check_dq_mode, dq_mode, launch_backward, BwdPlan, BwdPtrs, DqMode, DqPath};
+use super::backward::{bwd_workspace, dq_mode, launch_backward, BwdPlan, BwdPtrs, DqMode, DqPath};
 use super::driver::{bind, DevBuf};
 use super::forward::{fwd_tables, fwd_workspace, launch_forward, plan_opts, FwdPtrs};
 use super::plans::{Cached, PlanKey};
@@ -116,7 +116,6 @@ impl CudaBackend {
         bind(self.ctx)?;
         let s = stream as CUstream;
         let mode = dq_mode(Some(self), spec, deterministic, path);
-        check_dq_mode(self, spec, mode)?;
         check_workspace(bwd_workspace(spec, mode), p.workspace, workspace_bytes)?;
         match spec.block_sparse() {
             Some(sp) => sparse_bwd::launch_sparse_backward(self, sp, &*self.sparse_bwd_plan(sp, s)?, &p, mode == DqMode::Fused, s)?,

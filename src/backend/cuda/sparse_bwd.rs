@@ -15,7 +15,7 @@
 //!
 //! `deterministic = true`: every output element is written by one cube in a fixed order (no
 //! atomics), so the gradients are bitwise identical run to run. `deterministic = false` (the
-//! default; the dense calls' dQ rule, `backward::dq_mode`; never the ordered path): the dK/dV kernel also forms
+//! default; the dense calls' dQ rule, `backward::dq_mode`): the dK/dV kernel also forms
 //! dQ += dS K per (query tile, key item) into an f32 accumulator with atomics (five products per
 //! pair instead of seven) and the dQ pass is not run; dQ's summation order then varies run to run. The plan (tables and transposed index) is
 //! cached on the device per (shape, index fingerprint); its memory is O(items x heads + kept
@@ -199,7 +199,7 @@ pub(super) fn launch_sparse_backward(
     let sp = &plan.host;
     let t = |i| plan.tables.get(i);
     let mode = if fused { DqMode::Fused } else { DqMode::Pass };
-    let (delta, acc, _) = workspace_ptrs(a, mode, p.workspace);
+    let (delta, acc) = workspace_ptrs(a, mode, p.workspace);
     launch_delta(be, a, p, delta, stream)?;
     if fused {
         launch_fill_zero(DType::F32, acc, a.dims.q_len(), stream)?;
@@ -215,7 +215,7 @@ pub(super) fn launch_sparse_backward(
         let tables = DkdvTables { work: t(SparseBwdTable::KWork), tile_off: none, tile_segs: none, segs: t(SparseBwdTable::Segs), tq_off: t(SparseBwdTable::TOff), tq_list: t(SparseBwdTable::TList) };
         let q_tiles = spec.q_block.div_ceil(BWD_BM) as u32;
         let scalars = [spec.q_block as u32, ix.heads as u32, sp.k_blocks as u32, q_tiles];
-        launch_dkdv_wide(be, a, p, delta, fused.then_some(acc), None, &tables, Some(scalars), sp.n_k_items, stream)?;
+        launch_dkdv_wide(be, a, p, delta, fused.then_some(acc), &tables, Some(scalars), sp.n_k_items, stream)?;
     }
     if fused {
         launch_dq_convert(be, a, p, acc, stream)?;

@@ -12,10 +12,6 @@ use super::mismatch;
 use crate::error::Result;
 use crate::kernels::sm90::MARK;
 
-/// Polls of a turn wait before it gives up (`kernels::sm90::turn_wait`): with 256 ns sleeps, about
-/// a second; an ordered wait never gets near it (the cubes it waits for started earlier).
-const TURN_POLLS: u32 = 1 << 22;
-
 /// Bytes between two 8-row groups of a 128-byte-swizzled tile (the descriptors' stride offset).
 const SBO: u32 = 1024;
 
@@ -68,7 +64,6 @@ fn lower_marker(text: &str) -> Option<Lowered> {
         ["fence"] => Some(simple("fence", "wgmma.fence.sync.aligned;")),
         ["commit"] => Some(simple("commit", "wgmma.commit_group.sync.aligned;")),
         ["proxy_fence"] => Some(simple("proxy_fence", "fence.proxy.async.shared::cta;")),
-        ["bulk_wait_all"] => Some(simple("bulk_wait_all", "cp.async.bulk.wait_group 0;\\n  fence.proxy.async.global;")),
         ["wait", n] => {
             let n: u32 = n.parse().ok().filter(|&n| n <= 7)?;
             Some(simple(&format!("wait_{n}"), &format!("wgmma.wait_group.sync.aligned {n};")))
@@ -144,31 +139,6 @@ fn lower_marker(text: &str) -> Option<Lowered> {
             );
             Some(Lowered { helper, definition })
         }
-        ["turn_wait"] => Some(Lowered {
-            helper: "__cubeattn_turn_wait".into(),
-            definition: format!(
-                r#"__device__ __forceinline__ void __cubeattn_turn_wait(const void* turns, unsigned slot, unsigned want) {{
-  const unsigned* p = reinterpret_cast<const unsigned*>(turns) + slot;
-  unsigned v;
-  asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  for (unsigned polls = 0; v != want && polls < {TURN_POLLS}u; ++polls) {{
-    __nanosleep(256);
-    asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  }}
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-}}
-"#
-            ),
-        }),
-        ["turn_release"] => Some(Lowered {
-            helper: "__cubeattn_turn_release".into(),
-            definition: r#"__device__ __forceinline__ void __cubeattn_turn_release(void* turns, unsigned slot) {
-  unsigned* p = reinterpret_cast<unsigned*>(turns) + slot;
-  asm volatile("red.release.gpu.add.u32 [%0], 1;" :: "l"(p) : "memory");
-}
-"#
-            .into(),
-        }),
         ["store_pair", t @ ("bf16" | "f16")] => {
             let (pair, cvt) = if *t == "bf16" { ("__nv_bfloat162", "__floats2bfloat162_rn") } else { ("__half2", "__floats2half2_rn") };
             let helper = format!("__cubeattn_store_pair_{t}");
@@ -307,8 +277,7 @@ pub(crate) fn lower(entry: &str, src: &str) -> Result<String> {
         let want = match text.split(' ').next() {
             Some("wgmma_ss" | "wgmma_ss_s8" | "e4m3x4") => 5,
             Some("wgmma_rs" | "wgmma_rs_e4m3" | "store_pair") => 4,
-            Some("pack_p_e4m3" | "turn_release") => 2,
-            Some("turn_wait") => 3,
+            Some("pack_p_e4m3") => 2,
             _ => 0,
         };
         if args.len() != want {
@@ -395,17 +364,6 @@ mod tests {
         assert!(ws.contains("bar.sync 1, 256;") && ws.contains("__cubeattn_named_barrier_1_256();"), "{ws}");
         for bad in ["setmaxnreg inc 20", "setmaxnreg inc 233", "setmaxnreg up 64", "named_barrier 0 256", "named_barrier 1 100"] {
             assert!(lower("k", &kernel(&format!("printf(\"{MARK}{bad}\");\n"))).is_err(), "{bad}");
-        }
-        // the ordered dQ's turns: an acquire spin (bounded), the bulk-copy wait, a release increment
-        let t = lower("k_", &kernel(&format!(
-            "printf(\"{MARK}turn_wait\", buffer_10,l_1,l_2);\nprintf(\"{MARK}bulk_wait_all\");\nprintf(\"{MARK}turn_release\", buffer_10,l_1);\n"
-        )))
-        .unwrap();
-        assert!(t.contains("__cubeattn_turn_wait(buffer_10, l_1, l_2);") && t.contains("__cubeattn_turn_release(buffer_10, l_1);"), "{t}");
-        assert!(t.contains("ld.acquire.gpu.u32") && t.contains(&format!("polls < {TURN_POLLS}u")), "{t}");
-        assert!(t.contains("cp.async.bulk.wait_group 0;") && t.contains("red.release.gpu.add.u32"), "{t}");
-        for bad in ["printf(\"{MARK}turn_wait\", a,b);\n", "printf(\"{MARK}turn_release\", a);\n", "printf(\"{MARK}bulk_wait_all 1\");\n"] {
-            assert!(lower("k", &kernel(&bad.replace("{MARK}", MARK))).is_err(), "{bad}");
         }
         // paired 16-bit output stores
         let sp = lower("k_", &kernel(&format!("printf(\"{MARK}store_pair bf16\", buffer_5,l_9,l_10,l_11);\n"))).unwrap();
