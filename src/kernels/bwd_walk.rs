@@ -190,7 +190,6 @@ pub fn first_q_tile(
     #[comptime] sparse: bool,
 ) -> QTile {
     let mut h = hk * group;
-    let ti = u32::new(0);
     let mut r0 = sw.r_min as u32;
     let mut row_end = sw.q_len;
     if sparse && sw.n_it > 0 {
@@ -199,7 +198,7 @@ pub fn first_q_tile(
         r0 = ra;
         row_end = re;
     }
-    QTile { ti, ei: 0u32, hq: 0u32, h, r0, row_end }
+    QTile { ti: 0u32, ei: 0u32, hq: 0u32, h, r0, row_end }
 }
 
 /// Moves `c` to the next pair of segment `sw`'s walk: dense, the next query tile of the head, then

@@ -118,6 +118,32 @@ pub fn dq_item<E: Float, NV: Size>(args: &DqCard<E, NV>, list_smem: &mut SharedM
     DqItem { tile_start, q_start, q_len, k_start, k_len, row_end, n_tiles, list, klo, khi, tpb_magic, head, head_kv }
 }
 
+/// Window keys `[kb, kb_end)` of key tile `kt` of item `it` (`tile_bounds` over its key range,
+/// or block-sparse its list, the first ids staged in `list_smem`).
+#[cube]
+pub fn dq_tile<E: Float, NV: Size>(args: &DqCard<E, NV>, it: &DqItem, list_smem: &SharedMemory<u32>, kt: u32, #[comptime] sparse: bool) -> (u32, u32) {
+    tile_bounds(kt, it.klo, it.khi, it.list, &args.blocks, list_smem, args.k_block, args.tiles_per_block, it.tpb_magic, BWD_BN, sparse)
+}
+
+/// The first window key of tile `kt + 1` of item `it`, tile `kt` starting at `kb`: dense, the next
+/// [`BWD_BN`] keys.
+#[cube]
+pub fn dq_next_tile<E: Float, NV: Size>(
+    args: &DqCard<E, NV>,
+    it: &DqItem,
+    list_smem: &SharedMemory<u32>,
+    kt: u32,
+    kb: u32,
+    #[comptime] sparse: bool,
+) -> u32 {
+    let mut next = kb + BWD_BN as u32;
+    if sparse {
+        let (n0, _n1) = dq_tile(args, it, list_smem, kt + 1u32, sparse);
+        next = n0;
+    }
+    next
+}
+
 /// One query row of a dQ cube: the window keys `[lo, lim)` it sees (none at or past the cube's
 /// `row_end`: sparse, the query block's end), its lse times log2 e and its delta (0 past the
 /// segment).
@@ -178,13 +204,13 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
     let mut list_smem = SharedMemory::<u32>::new(comptime!(if sparse { LIST_SMEM } else { 1usize }));
     let it = dq_item(args, &mut list_smem, sparse);
     let (tile_start, q_start, q_len, k_start, k_len, row_end) = (it.tile_start, it.q_start, it.q_len, it.k_start, it.k_len, it.row_end);
-    let (n_tiles, list, klo, khi, tpb_magic, head, head_kv) = (it.n_tiles, it.list, it.klo, it.khi, it.tpb_magic, it.head, it.head_kv);
+    let (n_tiles, head, head_kv) = (it.n_tiles, it.head, it.head_kv);
 
     // Barrier initialisation (and the staged list) visible, then key tile 0 into stage 1
     // while Q / dO are staged.
     sync_cube();
     if n_tiles > 0 {
-        let (f0, _f1) = tile_bounds(0u32, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block, tpb_magic, BWD_BN, sparse);
+        let (f0, _f1) = dq_tile(args, &it, &list_smem, 0u32, sparse);
         load_kv_stage::<E>(
             &args.k_map, &args.v_map, &args.k_s, &args.v_s, &mut k_smem, &mut v_smem, &bar0, &bar1, 1u32, BWD_BN, f0, k_len,
             k_start, head_kv, args.heads_kv, &args.blocks, head_dim, paged, tma,
@@ -241,7 +267,7 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
 
     for kt in 0..n_tiles {
         // Window keys [kb, kb_end) of tile kt (dense: kb_end is not needed, `lim_*` cut).
-        let (kb, kb_end) = tile_bounds(kt, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block, tpb_magic, BWD_BN, sparse);
+        let (kb, kb_end) = dq_tile(args, &it, &list_smem, kt, sparse);
         let mut kb_off = 0usize;
         sync_cube();
         kb_off = (((kt + 1u32) & 1u32) * BWD_BN as u32) as usize;
@@ -249,11 +275,7 @@ pub fn flash_bwd_dq<E: Float, NV: Size>(
             // Every plane has finished tile kt - 1 (or the Q / dO fragments): its stage
             // takes tile kt + 1.
             let nb = ((kt & 1u32) * BWD_BN as u32) as usize;
-            let mut next = kb + BWD_BN as u32;
-            if sparse {
-                let (n0, _n1) = tile_bounds(kt + 1u32, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block, tpb_magic, BWD_BN, sparse);
-                next = n0;
-            }
+            let next = dq_next_tile(args, &it, &list_smem, kt, kb, sparse);
             load_kv_stage::<E>(
                 &args.k_map, &args.v_map, &args.k_s, &args.v_s, &mut k_smem, &mut v_smem, &bar0, &bar1, kt, nb, next, k_len,
                 k_start, head_kv, args.heads_kv, &args.blocks, head_dim, paged, tma,

@@ -19,9 +19,9 @@ use cubecl::prelude::barrier::{copy_async, Barrier};
 use cubecl::prelude::*;
 
 use super::cards::DqCard;
-use super::flash_bwd::{dq_item, dq_row};
+use super::flash_bwd::{dq_item, dq_next_tile, dq_row, dq_tile};
 use super::flash_bwd_sm90::key_by_row_steps;
-use super::flash_fwd::{tile_bounds, LIST_SMEM};
+use super::flash_fwd::LIST_SMEM;
 use super::flash_fwd_sm90::pv_steps;
 use super::kv_tiles::issue_tile_boxes;
 use super::math::fast_exp2;
@@ -105,14 +105,13 @@ pub fn flash_bwd_dq_sm90<E: Float, NV: Size>(
     let mut list_smem = SharedMemory::<u32>::new(comptime!(if sparse { LIST_SMEM } else { 1usize }));
     let it = dq_item(args, &mut list_smem, sparse);
     let (tile_start, q_start, q_len, k_start, k_len, row_end) = (it.tile_start, it.q_start, it.q_len, it.k_start, it.k_len, it.row_end);
-    let (n_tiles, list, klo, khi, tpb_magic, head, head_kv) = (it.n_tiles, it.list, it.klo, it.khi, it.tpb_magic, it.head, it.head_kv);
+    let (n_tiles, head, head_kv) = (it.n_tiles, it.head, it.head_kv);
 
     // barrier initialisation and the staged list visible; key tile 0 into stage 0 while Q and dO
     // are staged
     sync_cube();
     if n_tiles > 0 {
-        let (f0, _f1) = tile_bounds(0u32, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block, tpb_magic,
-            BWD_BN, sparse);
+        let (f0, _f1) = dq_tile(args, &it, &list_smem, 0u32, sparse);
         load_stage(args, &mut k_smem, &mut v_smem, &bar0, &bar1, 0u32, f0, k_len, k_start, head_kv, head_dim, paged);
         commit_stage(&bar0, &bar1, 0u32);
     }
@@ -144,17 +143,11 @@ pub fn flash_bwd_dq_sm90<E: Float, NV: Size>(
     let mut ds = Array::<Vector<E, Const<2>>>::new(comptime!(BWD_BN / 4));
 
     for kt in 0..n_tiles {
-        let (kb, kb_end) = tile_bounds(kt, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block, tpb_magic,
-            BWD_BN, sparse);
+        let (kb, kb_end) = dq_tile(args, &it, &list_smem, kt, sparse);
         // every warp has finished tile kt - 1 (its MMAs waited for): its stage takes tile kt + 1
         sync_cube();
         if kt + 1u32 < n_tiles {
-            let mut next = kb + BWD_BN as u32;
-            if sparse {
-                let (n0, _n1) = tile_bounds(kt + 1u32, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
-                    tpb_magic, BWD_BN, sparse);
-                next = n0;
-            }
+            let next = dq_next_tile(args, &it, &list_smem, kt, kb, sparse);
             load_stage(args, &mut k_smem, &mut v_smem, &bar0, &bar1, kt + 1u32, next, k_len, k_start, head_kv, head_dim, paged);
             commit_stage(&bar0, &bar1, kt + 1u32);
         }

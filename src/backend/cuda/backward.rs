@@ -678,7 +678,8 @@ pub(crate) fn dq_sm90_source(
     Ok(src)
 }
 
-/// Enqueues the dQ pass `flash_bwd_dq` (f16/bf16) over `n_work` work items x heads_q. `tables`:
+/// Enqueues the dQ pass (f16/bf16: `flash_bwd_dq_sm90` where [`dq_sm90`], else `flash_bwd_dq`) over
+/// `n_work` work items x heads_q. `tables`:
 /// work list, segs, and the block-sparse tile_ref and block ids (any valid address when dense);
 /// `sparse`: (index heads, k_block, key tiles per key block) of the block-sparse variant. The
 /// kernel takes the dQ card ([`DqArgs`]).
@@ -749,7 +750,8 @@ pub(crate) fn launch_dq_convert(be: &CudaBackend, spec: &AttnSpec, p: &BwdPtrs, 
 }
 
 /// Enqueues the backward of `spec` on `stream` (delta, dK/dV, dQ on path `mode`; plus the zero
-/// fill of dQ rows that no segment covers, or of the f32 accumulator on the fused path). `plan` must be the cached plan of `spec`. Needs `total_q > 0` and `total_k > 0`.
+/// fill of dQ rows that no segment covers, or of the f32 accumulator on the fused path). `plan`
+/// must be the cached plan of `spec`. Needs `total_q > 0` and `total_k > 0`.
 pub(crate) fn launch_backward(
     be: &CudaBackend,
     spec: &AttnSpec,
