@@ -651,9 +651,9 @@ pub(crate) fn dq_source(
 }
 
 /// Whether the dQ pass runs the Hopper kernel (`flash_bwd_dq_sm90`): wgmma and tensor maps
-/// (`Target`), f16 / bf16, head_dim 64 or 128, the switch on (`CUBEATTN_BWD_DQ_SM90`).
+/// (`Target`), f16 / bf16, head_dim 64, 128, 192 or 256, the switch on (`CUBEATTN_BWD_DQ_SM90`).
 pub(crate) fn dq_sm90(be: &CudaBackend, dt: DType, hd: usize) -> bool {
-    crate::config::get().bwd_dq_sm90 && be.target.wgmma && be.target.tma && dt != DType::F32 && matches!(hd, 64 | 128)
+    crate::config::get().bwd_dq_sm90 && be.target.wgmma && be.target.tma && dt != DType::F32 && matches!(hd, 64 | 128 | 192 | 256)
 }
 
 /// The Hopper dQ pass kernel for one set of comptime choices.
@@ -662,8 +662,9 @@ pub(crate) fn dq_sm90_kernel(be: &CudaBackend, dt: DType, hd: usize, sparse: boo
     be.kernels.get(&key, || dq_sm90_source(be.client(), dt, hd, sparse, window, paged))
 }
 
-/// CUDA source of [`dq_sm90_kernel`]: the `kernels::sm90` markers lowered, two cubes an SM
-/// declared (three at head_dim 64: 48 KiB of shared memory a cube).
+/// CUDA source of [`dq_sm90_kernel`]: the `kernels::sm90` markers lowered, the cubes an SM declared
+/// by shared memory: three at head_dim 64 (48 KiB a cube), two at 128 (96 KiB), one at 192 / 256
+/// (144 / 192 KiB).
 pub(crate) fn dq_sm90_source(
     client: &ComputeClient<CudaRuntime>,
     dt: DType,
@@ -674,7 +675,7 @@ pub(crate) fn dq_sm90_source(
 ) -> Result<Source> {
     let mut src = by_dtype!(dt, T, codegen_exp2(flash_bwd_dq_sm90::flash_bwd_dq_sm90::FlashBwdDqSm90::<T, CudaRuntime>::new(
         settings(DQ_SM90_THREADS as u32), client.clone(), DqArgs::compilation(), BWD_LOAD_VEC, hd, sparse, window, paged), true))?;
-    src.cuda = super::rewrite::sm90::lower_bounded(&src.entry, &src.cuda, if hd <= 64 { 3 } else { 2 })?;
+    src.cuda = super::rewrite::sm90::lower_bounded(&src.entry, &src.cuda, match hd { 0..=64 => 3, 65..=128 => 2, _ => 1 })?;
     Ok(src)
 }
 

@@ -75,6 +75,8 @@ mod tests {
             ("dq_sparse_d128", dq_source(c, dt, 128, true, false, false, true)),
             ("dq_sm90_d128", dq_sm90_source(c, dt, 128, false, false, false)),
             ("dq_sm90_d64", dq_sm90_source(c, dt, 64, false, false, false)),
+            ("dq_sm90_d192", dq_sm90_source(c, dt, 192, false, false, false)),
+            ("dq_sm90_d256", dq_sm90_source(c, dt, 256, false, false, false)),
             ("dq_sm90_window_d128", dq_sm90_source(c, dt, 128, false, true, false)),
             ("dq_sm90_sparse_d128", dq_sm90_source(c, dt, 128, true, false, false)),
             ("dq_sm90_paged_d64", dq_sm90_source(c, dt, 64, false, false, true)),
