@@ -15,7 +15,8 @@
 //! | `CUBEATTN_CUDA_SPLIT=0` | no split-K of long forward tiles | the sanitizer families (`tests/python/sanitize_driver.py`) |
 //! | `CUBEATTN_BWD_DQ=pass` / `atomic` | `deterministic = false` backward calls take the separate dQ pass / the dQ fused into the dK/dV kernel with atomics, wherever the default would take the other (default: fused, except dense d64 calls on sm_90) | sanitizer families, comparisons |
 //! | `CUBEATTN_BWD_SM90_WS=0` | keeps `flash_bwd_sm90` where the warp-specialised wgmma dK/dV kernel (`kernels::flash_bwd_ws`) is the default (head_dim 128; 64 without the fused dQ) | A/B runs of the two Hopper backward frames on one GPU |
-//! | `CUBEATTN_BWD_DQ_SM90=0` | the dQ pass runs the `mma.sync` kernel on sm_90 too, instead of the wgmma one (`flash_bwd_dq_sm90`, head_dim 64 / 128) | A/B runs of the two dQ passes |
+//! | `CUBEATTN_BWD_DQ_SM90=0` | the dQ pass runs the `mma.sync` kernel on sm_90 too, instead of the wgmma one (`flash_bwd_dq_sm90`, head_dim 64, 128, 192, 256) | A/B runs of the two dQ passes |
+//! | `CUBEATTN_BWD_ORDER=kv` / `heads` | the dense dK/dV cubes launched kv head outer / heads fastest, wherever the default (`backward::kv_outer`) takes the other | A/B runs of the two orders |
 //! | `CUBEATTN_BWD_Q_STAGES=1` | the dK/dV kernel with one query-tile stage (what GPUs with less shared memory get) on any GPU | `tests/python/test_portable_gpu.py` |
 //! | `CUBEATTN_CPU_KERNEL=gemm` | the CPU backend's gemm-crate path instead of its AVX-512 tiles | `examples/cpu_forward.rs`, docs/cpu.md |
 //!
@@ -70,6 +71,10 @@ pub(crate) struct Config {
     /// `CUBEATTN_BWD_DQ_SM90` (`0` runs the dQ pass on `mma.sync` on sm_90 too).
     #[cfg(feature = "cuda")]
     pub bwd_dq_sm90: bool,
+    /// `CUBEATTN_BWD_ORDER=kv` / `heads`: the dense dK/dV cubes kv head outer / heads fastest
+    /// wherever the default would take the other (`backward::kv_outer`).
+    #[cfg(feature = "cuda")]
+    pub bwd_order: Option<bool>,
     /// The forward switches before any [`set_fwd_options`]: `CUBEATTN_CUDA_SPLIT`,
     /// `CUBEATTN_CUDA_SM90` (each `0` to turn off), `CUBEATTN_CUDA_SM90_TILE`, the rest at their
     /// defaults.
@@ -120,6 +125,14 @@ impl Config {
             bwd_sm90_ws: on_unless_zero(&var("CUBEATTN_BWD_SM90_WS")),
             #[cfg(feature = "cuda")]
             bwd_dq_sm90: on_unless_zero(&var("CUBEATTN_BWD_DQ_SM90")),
+            #[cfg(feature = "cuda")]
+            bwd_order: if is("CUBEATTN_BWD_ORDER", "kv") {
+                Some(true)
+            } else if is("CUBEATTN_BWD_ORDER", "heads") {
+                Some(false)
+            } else {
+                None
+            },
             #[cfg(feature = "cuda")]
             fwd: FwdOptions {
                 split: on_unless_zero(&var("CUBEATTN_CUDA_SPLIT")),

@@ -19,3 +19,21 @@ pub fn cube_item_slot(slots: u32, #[comptime] items_fastest: bool) -> (u32, u32)
     }
     (item, slot)
 }
+
+/// [`cube_item_slot`] with the order chosen at run time: items fastest (the slot outer) where
+/// `items_fastest` is non-zero or, comptime, `always`.
+#[cube]
+pub fn cube_item_slot_by(slots: u32, items_fastest: u32, #[comptime] always: bool) -> (u32, u32) {
+    let mut item = CUBE_POS_X / slots;
+    let mut slot = CUBE_POS_X % slots;
+    let mut outer = items_fastest != 0u32;
+    if comptime!(always) {
+        outer = true;
+    }
+    if outer {
+        let n_items = CUBE_COUNT_X / slots;
+        item = CUBE_POS_X % n_items;
+        slot = CUBE_POS_X / n_items;
+    }
+    (item, slot)
+}

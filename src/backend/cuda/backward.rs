@@ -275,7 +275,7 @@ pub fn backward_plan_bytes(spec: &AttnSpec) -> u64 {
 }
 
 /// How the backward of `spec` forms dQ on `path` (`be`: the GPU; `None` counts it a Hopper GPU,
-/// for the VRAM estimate): f32 and deterministic calls by the pass (on sm_90 at head_dim 64 / 128
+/// for the VRAM estimate): f32 and deterministic calls by the pass (on sm_90 at head_dim 64, 128, 192, 256
 /// the wgmma pass, [`dq_sm90`]); the others fused, except where the pass is faster
 /// ([`pass_is_faster`]).
 pub(crate) fn dq_mode(be: Option<&CudaBackend>, spec: &AttnSpec, deterministic: bool, path: DqPath) -> DqMode {
@@ -292,16 +292,21 @@ pub(crate) fn dq_mode(be: Option<&CudaBackend>, spec: &AttnSpec, deterministic: 
     }
 }
 
-/// Whether the dQ pass is the faster path for a non-deterministic call too: dense f16/bf16 calls at
-/// head_dim 64 on sm_90 (`be` `None`: assumed), where the warp-specialised dK/dV kernel without dQ
-/// plus the pass took 3-9% less fwd+bwd time than `flash_bwd_sm90` with the fused atomic dQ at
-/// every measured shape, causal and not, 4K-16K (H200, torch path, same processes,
-/// bench/results/h200-2026-11-29-eb04ba5; the fused d64 ws kernel lost, docs/measured-and-lost.md).
+/// Whether the dQ pass is the faster path for a non-deterministic call too (`be` `None`: assumed
+/// a Hopper GPU), dense f16/bf16 calls on sm_90:
+/// - head_dim 64: the warp-specialised dK/dV kernel without dQ plus the pass took 3-9% less fwd+bwd
+///   time than `flash_bwd_sm90` with the fused atomic dQ at every measured shape, causal and not,
+///   4K-16K (H200, torch path, same processes, bench/results/h200-2026-11-29-eb04ba5; the fused
+///   d64 ws kernel lost, docs/measured-and-lost.md);
+/// - head_dim 192 / 256 with the wgmma pass ([`dq_sm90`]): the split kernel without dQ plus the
+///   pass took 14-18% less than the split kernel with the fused dQ, causal 4K / 8K and non-causal
+///   8K (H200, torch path, bench/results/h200-2026-11-29-dq-sm90-d256).
 fn pass_is_faster(be: Option<&CudaBackend>, spec: &AttnSpec) -> bool {
-    spec.dims.head_dim == 64
-        && spec.block_sparse().is_none()
-        && ws_backward(64, false)
-        && be.is_none_or(|be| super::forward::sm90_forward(be, spec))
+    let hd = spec.dims.head_dim;
+    let dense_sm90 = spec.block_sparse().is_none() && be.is_none_or(|be| super::forward::sm90_forward(be, spec));
+    dense_sm90
+        && ((hd == 64 && ws_backward(64, false))
+            || (SPLIT_BWD_HEAD_DIMS.contains(&hd) && be.is_none_or(|be| dq_sm90(be, spec.dtype, hd))))
 }
 
 /// The array argument every kernel struct takes for a plain (not in-place) array.
@@ -537,6 +542,19 @@ pub(crate) fn dkdv_sm90_source(client: &ComputeClient<CudaRuntime>, dt: DType, v
     Ok(src)
 }
 
+/// Whether the dense dK/dV cubes go kv head outer (`grid::cube_item_slot_by`): non-causal calls
+/// without a window (their key tiles all cost the same) whose `n_work` key tiles fill a wave of the
+/// GPU. The cubes running at once then share one kv head's query tiles and dQ rows in L2 (ncu,
+/// non-causal 32K heads fastest: 310 GB of DRAM traffic, L2 hit rate 42%; cuDNN's 5.4 GB, 98%):
+/// 3.4% less fwd+bwd time at 32K, the same at 8K / 16K (H200, d128, torch path,
+/// bench/results/h200-2026-11-29-bwd-order). Causal calls keep heads fastest (the work list's most
+/// expensive tiles of every head first): kv head outer made causal 4K / 8K 32% / 7% slower (the
+/// last heads' longest tiles start late), 16K / 32K the same. `CUBEATTN_BWD_ORDER` overrides it.
+fn kv_outer(spec: &AttnSpec, n_work: usize) -> bool {
+    let (_, _, window) = window_bounds(spec);
+    crate::config::get().bwd_order.unwrap_or(!spec.causal && !window && n_work >= super::plan::sm_count())
+}
+
 /// Enqueues the dK/dV kernel over `n_work` work items x heads_kv: dense, 128-key tiles of the
 /// shared key axis; block-sparse (`sparse` = (q_block, index heads, key blocks per sequence slot,
 /// query tiles per query block)), items of at most 128 keys of one key block. `acc`: the f32 dQ
@@ -623,6 +641,7 @@ pub(crate) fn launch_dkdv_wide(
         q_tiles_per_block,
         win_l,
         win_r,
+        kv_outer: (sparse.is_none() && kv_outer(spec, n_work)) as u32,
     };
     launch(&f, ((n_work * d.heads_kv) as u32, 1, 1), &mut args.args(), stream)
 }

@@ -49,7 +49,7 @@ impl Plan {
 }
 
 /// Multiprocessors of device 0 (132 when unknown), for the split decision.
-fn sm_count() -> usize {
+pub(crate) fn sm_count() -> usize {
     static N: OnceLock<usize> = OnceLock::new();
     *N.get_or_init(|| {
         guarded("CUDA device query", || {
