@@ -51,7 +51,10 @@ multiples of 128W). The grouped call reads the gathered K, V where they lie: its
 (the kernels translate a key tile's rows once per tile; masks and ranges stay in sequence order),
 and the backward writes dK, dV at those rows, which is the layout the reduce-scatter takes. No copy
 of K, V or dK, dV is made (``heads_k_stride < heads_kv`` copies the local slice before its
-all-gather, as any slice of a [tokens, heads, d] tensor must be).
+all-gather, as any slice of a [tokens, heads, d] tensor must be). dK, dV are summed over the ranks
+by a reduce-scatter in float32 (a cast-copy each); with two ranks on NCCL in their own 16-bit dtype
+(no copy, half the bytes: the sum of two rounds once either way; ``CUBEATTN_ZIGZAG_RS_FLOAT32=1``
+keeps float32).
 
 Ordered copy (other chunk lengths, a window, or ``CUBEATTN_ZIGZAG_IN_PLACE=0``: the baseline the
 in-place read is measured against). K and V are gathered together and the keys the local rows
@@ -656,7 +659,15 @@ def _backward(dout, q, k, v, out, lse, plan, stride, scale, causal, deterministi
     comm = _Comm(q.device)
     n_slices = k.shape[1] // stride
     dq = torch.empty_like(q) if n_slices > 1 else None
-    dkv_local = torch.empty((n_slices, 2 * m, stride, d), dtype=torch.float32, device=k.device)
+    # Two ranks on NCCL, in place, one grouped call a slice (its dK, dV in the input dtype): each
+    # rank's 16-bit dK, dV are reduce-scattered as they are, half the bytes and no float32 copies.
+    # The sum of two is then rounded once to the dtype; the float32 path rounds it to float32 and
+    # then to the dtype, the same value but for rare double-rounding ties. Three or more ranks
+    # keep float32 partial sums (each 16-bit addition would round again).
+    narrow = (w == 2 and plan.kv_block_table is not None and len(plan.calls) == 1 and k.dtype != torch.float32
+              and _backend(group) == "nccl" and os.environ.get("CUBEATTN_ZIGZAG_RS_FLOAT32", "0") != "1")
+    dkv_local = torch.empty((n_slices, 2 * m, stride, d), dtype=k.dtype if narrow else torch.float32,
+                            device=k.device)
     pending = []
     if kept:  # the forward's gathered K, V (keep_gathered_kv): no second all-gather
         slices = [(slice(i * stride, (i + 1) * stride), kept[2 * i], kept[2 * i + 1]) for i in range(n_slices)]
@@ -671,8 +682,18 @@ def _backward(dout, q, k, v, out, lse, plan, stride, scale, causal, deterministi
         else:
             dq[:, qs] = dqi
         # the gathered (rank-major) layout [W, K then V, block, ...] in float32, then summed onto the
-        # owners: in place, dK and dV are in that layout already (one cast-copy each); else the
-        # ordered rows are scattered back (zeros where no local row read a key)
+        # owners: in place, dK and dV are in that layout already (one cast-copy each, none when
+        # `narrow`); else the ordered rows are scattered back (zeros where no local row read a key)
+        if narrow:
+            if m:
+                dst_k, dst_v = dkv_local[i, :m], dkv_local[i, m:]
+                dki, dvi = dki.contiguous(), dvi.contiguous()
+
+                def rs_kv(dst_k=dst_k, dst_v=dst_v, dki=dki, dvi=dvi):
+                    _reduce_scatter(dst_k, dki, group)
+                    _reduce_scatter(dst_v, dvi, group)
+                pending.append(comm.run(rs_kv, dki, dvi, dst_k, dst_v))
+            continue
         if plan.kv_block_table is not None:
             dkv = torch.empty((w, 2, m, stride, d), dtype=torch.float32, device=k.device)
             dkv[:, 0].copy_(dki.view(w, m, stride, d))
