@@ -550,9 +550,10 @@ pub(crate) fn dkdv_sm90_source(client: &ComputeClient<CudaRuntime>, dt: DType, v
 /// bench/results/h200-2026-11-29-bwd-order). Causal calls keep heads fastest (the work list's most
 /// expensive tiles of every head first): kv head outer made causal 4K / 8K 32% / 7% slower (the
 /// last heads' longest tiles start late), 16K / 32K the same. `CUBEATTN_BWD_ORDER` overrides it.
-fn kv_outer(spec: &AttnSpec, n_work: usize) -> bool {
+/// Measured on the Hopper kernels only: the mma.sync kernel (`hopper` false) keeps heads fastest.
+fn kv_outer(spec: &AttnSpec, n_work: usize, hopper: bool) -> bool {
     let (_, _, window) = window_bounds(spec);
-    crate::config::get().bwd_order.unwrap_or(!spec.causal && !window && n_work >= super::plan::sm_count())
+    crate::config::get().bwd_order.unwrap_or(hopper && !spec.causal && !window && n_work >= super::plan::sm_count())
 }
 
 /// Enqueues the dK/dV kernel over `n_work` work items x heads_kv: dense, 128-key tiles of the
@@ -576,6 +577,7 @@ pub(crate) fn launch_dkdv_wide(
     let (win_l, win_r, _) = window_bounds(spec);
     let paged = spec.kv_pages().is_some() && sparse.is_none();
     let qvec = atomic_vec(be);
+    let hopper = SPLIT_BWD_HEAD_DIMS.contains(&d.head_dim) || sm90_backward(be, spec, acc);
     let (f, [q_map, do_map]) = if SPLIT_BWD_HEAD_DIMS.contains(&d.head_dim) {
         // the only kernel above head_dim 128 (`CudaBackend::check_target` refused other GPUs;
         // the block-sparse kernels serve 64 and 128 only)
@@ -641,7 +643,7 @@ pub(crate) fn launch_dkdv_wide(
         q_tiles_per_block,
         win_l,
         win_r,
-        kv_outer: (sparse.is_none() && kv_outer(spec, n_work)) as u32,
+        kv_outer: (sparse.is_none() && kv_outer(spec, n_work, hopper)) as u32,
     };
     launch(&f, ((n_work * d.heads_kv) as u32, 1, 1), &mut args.args(), stream)
 }
