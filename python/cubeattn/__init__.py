@@ -19,7 +19,7 @@ import warnings
 
 import numpy as np
 
-from . import _core
+from . import _core, _fp8
 from ._arrays import _is_torch, dense_cuda, dtype_name, is_dense_cuda, from_core, int32_ranges, int32_vector, to_core
 
 __all__ = [
@@ -384,7 +384,7 @@ def _run_forward(spec, cq, ck, cv, return_lse, device):
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, *, return_lse=False,
-                           device="auto"):
+                           device="auto", q_descale=None, k_descale=None, v_descale=None):
     """Attention over a packed batch: sequence b has queries cu_seqlens_q[b]:cu_seqlens_q[b+1] and
     keys cu_seqlens_k[b]:cu_seqlens_k[b+1]. flash-attn 2's signature and argument order; causal is
     bottom-right aligned; window_size=(left, right) is sliding-window attention (-1 = unbounded).
@@ -394,7 +394,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     cu_seqlens_k[b+1] - cu_seqlens_k[b] lie in the blocks block_table[b] lists (see _kvcache.py).
     Returns out; (out, softmax_lse, None) with return_attn_probs (no S_dmask is ever built);
     (out, lse) with the keyword-only return_lse. `deterministic` applies to the autograd
-    backward of torch inputs that require grad."""
+    backward of torch inputs that require grad. FP8 inputs (q, k, v torch.float8_e4m3fn, forward
+    only; keyword-only float32 descales [batch, heads_kv], FlashAttention-3's interface): see
+    _fp8.py; the output is bfloat16."""
+    if _fp8.wanted(q, k, v, q_descale, k_descale, v_descale):
+        if block_table is not None:
+            raise NotImplementedError("invalid argument `block_table`: FP8 inputs read an unpaged k, v")
+        q, k, v = _fp8.dequantize(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k)
     if _traced(q):
         from . import _ops
 
@@ -507,11 +513,13 @@ def _remember_fast(key, spec, conv, device):
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *, return_lse=False,
-                    device="auto"):
+                    device="auto", q_descale=None, k_descale=None, v_descale=None):
     """Batched layout q [batch, seqlen_q, heads_q, d], k/v [batch, seqlen_k, heads_kv, d], with
     flash-attn 2's signature and argument order (see flash_attn_varlen_func). Returns out
     [batch, seqlen_q, heads_q, d]; with return_lse (out, lse [batch, heads_q, seqlen_q]); with
-    return_attn_probs (out, lse, None)."""
+    return_attn_probs (out, lse, None). FP8 inputs with descales: as flash_attn_varlen_func."""
+    if _fp8.wanted(q, k, v, q_descale, k_descale, v_descale):
+        q, k, v = _fp8.dequantize(q, k, v, q_descale, k_descale, v_descale)
     if _traced(q):
         from . import _ops
 

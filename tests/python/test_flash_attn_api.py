@@ -57,7 +57,8 @@ def test_signatures_are_flash_attns():
     assert positional(cubeattn.grouped_flash_attn_func) == FA_FUNC[:3] + ranges + grouped + [("return_attn_probs", False)]
     # our extras are keyword-only, so a flash-attn positional call can never reach them
     for fn in (cubeattn.flash_attn_func, cubeattn.flash_attn_varlen_func):
-        assert keyword_only(fn) == ["return_lse", "device"]
+        # the FP8 descales keyword-only too (FlashAttention-3 names them so)
+        assert keyword_only(fn) == ["return_lse", "device", "q_descale", "k_descale", "v_descale"]
     assert keyword_only(cubeattn.grouped_flash_attn_func) == ["return_lse", "kv_block_table", "device"]
     assert keyword_only(cubeattn.flash_attn_varlen_backward) == ["device"]
     assert keyword_only(cubeattn.grouped_flash_attn_backward) == ["kv_block_table", "device"]

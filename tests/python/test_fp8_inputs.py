@@ -1,0 +1,97 @@
+"""FP8 inputs with descales (FlashAttention-3's FP8 forward interface, python/cubeattn/_fp8.py):
+q, k, v torch.float8_e4m3fn with float32 descales [batch, heads_kv], batched and varlen, against
+the f64 attention of the dequantised inputs, on the CPU backend; the bad combinations raise naming
+the argument."""
+import numpy as np
+import pytest
+
+import cubeattn
+from conftest import ref_attention, rel_err
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.torch
+
+E4M3 = torch.float8_e4m3fn
+
+
+def fp8(shape, gen, scale=3.0):
+    return (torch.randn(shape, generator=gen) * scale).to(E4M3)
+
+
+def descale(b, hk, gen):
+    return (torch.rand((b, hk), generator=gen) * 0.9 + 0.1).to(torch.float32)
+
+
+def dequant(x, d, group, rows=None):
+    """f64 x * descale, the descale of row r's sequence (packed) or of batch row b (batched)."""
+    xf = x.to(torch.float64)
+    if d is None:
+        return xf
+    per_head = d.to(torch.float64).repeat_interleave(group, dim=1)
+    return xf * (per_head[:, None, :, None] if rows is None else per_head[rows][:, :, None])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("with_descale", [True, False])
+def test_batched_matches_f64_of_dequantised(causal, with_descale):
+    gen = torch.Generator().manual_seed(11 + causal + 2 * with_descale)
+    b, sq, sk, hq, hk, d = 2, 37, 53, 4, 2, 64
+    q, k, v = fp8((b, sq, hq, d), gen), fp8((b, sk, hk, d), gen), fp8((b, sk, hk, d), gen)
+    ds = [descale(b, hk, gen) for _ in range(3)] if with_descale else [None] * 3
+    out = cubeattn.flash_attn_func(q, k, v, causal=causal, q_descale=ds[0], k_descale=ds[1], v_descale=ds[2],
+                                   device="cpu")
+    assert out.dtype == torch.bfloat16 and out.shape == (b, sq, hq, d)
+    rq, rk, rv = dequant(q, ds[0], hq // hk), dequant(k, ds[1], 1), dequant(v, ds[2], 1)
+    for r in range(b):
+        want, _ = ref_attention(rq[r].numpy(), rk[r].numpy(), rv[r].numpy(), [(0, sq, 0, sk)], causal)
+        got = out[r].to(torch.float64).numpy()
+        assert np.isfinite(got).all()
+        assert rel_err(got, want) < 1e-2
+
+
+def test_varlen_descales_per_sequence():
+    gen = torch.Generator().manual_seed(5)
+    lens_q, lens_k = [1, 33, 70], [9, 33, 81]
+    cu_q = torch.tensor(np.cumsum([0] + lens_q), dtype=torch.int32)
+    cu_k = torch.tensor(np.cumsum([0] + lens_k), dtype=torch.int32)
+    hq, hk, d = 6, 2, 32
+    q, k, v = fp8((sum(lens_q), hq, d), gen), fp8((sum(lens_k), hk, d), gen), fp8((sum(lens_k), hk, d), gen)
+    ds = [descale(3, hk, gen) for _ in range(3)]
+    out, lse = cubeattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                               q_descale=ds[0], k_descale=ds[1], v_descale=ds[2], return_lse=True,
+                                               device="cpu")
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    rows_q = torch.repeat_interleave(torch.arange(3), torch.tensor(lens_q))
+    rows_k = torch.repeat_interleave(torch.arange(3), torch.tensor(lens_k))
+    rq, rk, rv = dequant(q, ds[0], hq // hk, rows_q), dequant(k, ds[1], 1, rows_k), dequant(v, ds[2], 1, rows_k)
+    segs = [(int(cu_q[i]), lens_q[i], int(cu_k[i]), lens_k[i]) for i in range(3)]
+    want, want_lse = ref_attention(rq.numpy(), rk.numpy(), rv.numpy(), segs, True)
+    assert rel_err(out.to(torch.float64).numpy(), want) < 1e-2
+    # the dequantised q, k are rounded to bfloat16 (2^-9 an element): the scores move by that much
+    assert rel_err(lse.numpy(), want_lse) < 5e-3
+
+
+def test_bad_combinations_raise_naming_the_argument():
+    gen = torch.Generator().manual_seed(3)
+    b, s, hq, hk, d = 1, 16, 2, 1, 32
+    q, k, v = fp8((b, s, hq, d), gen), fp8((b, s, hk, d), gen), fp8((b, s, hk, d), gen)
+    good = descale(b, hk, gen)
+    with pytest.raises(TypeError, match="`k`"):
+        cubeattn.flash_attn_func(q, k.to(torch.bfloat16), v, device="cpu")
+    with pytest.raises(TypeError, match="`v`"):
+        cubeattn.flash_attn_func(q, k, v.to(torch.float8_e5m2), device="cpu")
+    with pytest.raises(ValueError, match="`k_descale`"):
+        cubeattn.flash_attn_func(q, k, v, k_descale=torch.ones((b, hq)), device="cpu")
+    with pytest.raises(TypeError, match="`q_descale`"):
+        cubeattn.flash_attn_func(q, k, v, q_descale=good.to(torch.float16), device="cpu")
+    with pytest.raises(ValueError, match="`q_descale`"):  # descales without FP8 inputs
+        cubeattn.flash_attn_func(*(x.to(torch.bfloat16) for x in (q, k, v)), q_descale=good, device="cpu")
+    with pytest.raises(ValueError, match="`q`.*forward only"):
+        cubeattn.flash_attn_func(q.clone().requires_grad_(), k, v, device="cpu")
+    cu = torch.tensor([0, s], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="`block_table`"):
+        cubeattn.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, s, s, block_table=torch.zeros((1, 1), dtype=torch.int32),
+                                        device="cpu")
+    with pytest.raises(ValueError, match="`cu_seqlens_q`"):
+        cubeattn.flash_attn_varlen_func(q[0], k[0], v[0], torch.tensor([0, s - 1], dtype=torch.int32), cu, s, s,
+                                        q_descale=good, device="cpu")
