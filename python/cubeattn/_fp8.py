@@ -29,12 +29,13 @@ def wanted(q, k, v, q_descale, k_descale, v_descale):
 
 
 def _seq_of_rows(torch, cu, n, device, name):
-    """Sequence index of each of the n packed rows (cu_seqlens `cu`)."""
+    """Sequence index of each of the n packed rows (cu_seqlens `cu`), made on `device` from the
+    sequence lengths (one small copy of them, not of a row index)."""
     cu = torch.as_tensor(cu, device="cpu").to(torch.int64)
     lens = cu[1:] - cu[:-1]
     if cu.ndim != 1 or cu.numel() < 2 or bool((lens < 0).any()) or int(cu[-1]) != n or int(cu[0]) != 0:
         raise ValueError(f"invalid argument `{name}`: must be [0, ..., {n}] non-decreasing for FP8 descales")
-    return torch.repeat_interleave(torch.arange(lens.numel()), lens).to(device)
+    return torch.repeat_interleave(torch.arange(lens.numel(), device=device), lens.to(device), output_size=n)
 
 
 def dequantize(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q=None, cu_seqlens_k=None):
@@ -68,9 +69,8 @@ def dequantize(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q=None, cu_s
         rows_q = rows_k = None
 
     def scaled(x, d, name, group, rows):
-        xf = x.to(torch.float32)
-        if d is None:
-            return xf.to(torch.bfloat16)
+        if d is None:  # every e4m3 value is a bfloat16 value: exact, no float32 pass
+            return x.to(torch.bfloat16)
         if not isinstance(d, torch.Tensor) or d.dtype != torch.float32:
             raise TypeError(f"invalid dtype for `{name}`: {getattr(d, 'dtype', type(d).__name__)}; "
                             "expected a torch.float32 tensor [batch, heads_kv]")
@@ -79,6 +79,7 @@ def dequantize(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q=None, cu_s
                              f"({batch}, {hk})")
         if d.device != x.device:
             raise ValueError(f"invalid argument `{name}`: on {d.device}, the inputs on {x.device}")
+        xf = x.to(torch.float32)
         per_head = d.repeat_interleave(group, dim=1)  # [batch, heads of x]
         if rows is None:
             return (xf * per_head[:, None, :, None]).to(torch.bfloat16)

@@ -30,7 +30,7 @@ use cubecl::prelude::*;
 use super::cards::DkdvCard;
 use super::bulk_reduce::{dq_row_dst, dq_rows_read, dq_tile_stride, issue_dq_row, put_dq_pair};
 use super::bwd_walk::{key_item, seg_walk, sparse_q_tile};
-use super::grid::cube_item_slot_by;
+use super::grid::cube_item_slot;
 use super::math::{fast_exp2, LOG2E};
 use super::rows::kv_row;
 use super::sm90::{fence_proxy_async, pack_a_pairs, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_ss, wgmma_wait,
@@ -411,7 +411,7 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
     let bar0 = Barrier::shared(comptime!(SM90_BWD_THREADS as u32), UNIT_POS == 0);
     let bar1 = Barrier::shared(comptime!(SM90_BWD_THREADS as u32), UNIT_POS == 0);
 
-    let (item, hk) = cube_item_slot_by(args.heads_kv, args.kv_outer, sparse);
+    let (item, hk) = cube_item_slot(args.heads_kv, args.kv_outer, sparse);
     let group = args.heads_q / args.heads_kv;
     let ki = key_item(&args.ktiles, &args.tile_off, &args.segs, item, 0u32, args.total_k, sparse, WIDE_BN);
     let (key0, key_lim) = (ki.key0, ki.key_lim);

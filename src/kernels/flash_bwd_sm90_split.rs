@@ -28,7 +28,7 @@ use super::bwd_walk::{key_item, seg_walk};
 use super::cards::DkdvCard;
 use super::bulk_reduce::add_dq_pair;
 use super::flash_bwd_sm90::{issue_q_tile, key_by_dim_steps, key_by_row_steps, lse_ahead, p_transposed, store_ds_transposed, SM90_BWD_THREADS};
-use super::grid::cube_item_slot_by;
+use super::grid::cube_item_slot;
 use super::rows::kv_row;
 use super::sm90::{fence_proxy_async, pack_a_pairs, wgmma_commit, wgmma_fence, wgmma_ss, wgmma_wait, SW_COLS,
     SW_ROW};
@@ -79,7 +79,7 @@ pub fn flash_bwd_sm90_split<E: Float, NV: Size, NQ: Size>(
     let bar0 = Barrier::shared(comptime!(SM90_BWD_THREADS as u32), UNIT_POS == 0);
     let bar1 = Barrier::shared(comptime!(SM90_BWD_THREADS as u32), UNIT_POS == 0);
 
-    let (item, hk) = cube_item_slot_by(args.heads_kv, args.kv_outer, false);
+    let (item, hk) = cube_item_slot(args.heads_kv, args.kv_outer, false);
     let group = args.heads_q / args.heads_kv;
     let ki = key_item(&args.ktiles, &args.tile_off, &args.segs, item, 0u32, args.total_k, false, BN);
     let (key0, key_lim) = (ki.key0, ki.key_lim);

@@ -57,7 +57,7 @@ use super::cards::DkdvCard;
 use super::tiles::{BWD_BM, PAD, WIDE_BN, WIDE_PLANES};
 use super::bulk_reduce::{add_dq_pair, dq_row_dst, dq_rows_read, dq_tile_stride, issue_dq_row, put_dq_pair};
 use super::fragments::{frag_a, frag_a_t, frag_b_n2, frag_b_t2, mma_into, store_acc_16x16};
-use super::grid::cube_item_slot_by;
+use super::grid::cube_item_slot;
 use super::math::{fast_exp2, LOG2E};
 use super::bwd_walk::{key_item, seg_walk, sparse_q_tile};
 use super::rows::kv_row;
@@ -391,7 +391,7 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
         SharedMemory::<Vector<f32, NQ>>::new_aligned(comptime!(if bulk { BWD_BM * dts / qvec } else { 1usize }), 16usize);
 
     // One cube per (work item, kv head); block-sparse items fastest.
-    let (item, hk) = cube_item_slot_by(args.heads_kv, args.kv_outer, sparse);
+    let (item, hk) = cube_item_slot(args.heads_kv, args.kv_outer, sparse);
     let group = args.heads_q / args.heads_kv;
     // Dense: key tile `kt` of the shared key axis, its segments from the CSR list. Sparse: work
     // item (sequence, first window key, keys, key block) inside one key block of one sequence.

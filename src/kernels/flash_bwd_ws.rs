@@ -35,7 +35,7 @@ use super::flash_bwd_sm90::{
     ds_transposed, dq_steps, issue_q_tile, key_by_dim_steps, key_by_row_steps, lse_ahead, p_transposed, put_dq_rows,
     store_ds_transposed, write_dkdv,
 };
-use super::grid::cube_item_slot_by;
+use super::grid::cube_item_slot;
 use super::sm90::{
     fence_proxy_async, named_barrier, pack_a_pairs, setmaxnreg, wgmma_commit, wgmma_fence, wgmma_wait, SW_COLS,
 };
@@ -152,7 +152,7 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
     let dq_full = Barrier::shared(CONSUMER_THREADS, UNIT_POS == 0);
     let dq_empty = Barrier::shared(comptime!(LOADERS as u32), UNIT_POS == 0);
 
-    let (item, hk) = cube_item_slot_by(args.heads_kv, args.kv_outer, sparse);
+    let (item, hk) = cube_item_slot(args.heads_kv, args.kv_outer, sparse);
     let group = args.heads_q / args.heads_kv;
     let ki = key_item(&args.ktiles, &args.tile_off, &args.segs, item, 0u32, args.total_k, sparse, WIDE_BN);
     let (key0, key_lim) = (ki.key0, ki.key_lim);

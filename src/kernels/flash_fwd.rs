@@ -673,7 +673,7 @@ pub(crate) fn work_item(
     #[comptime] sparse: bool,
 ) -> WorkItem {
     let ys = heads_q / hp;
-    let (xi, y) = cube_item_slot(ys, sparse);
+    let (xi, y) = cube_item_slot(ys, 0u32, sparse);
     let item = xi as usize * WORK_WORDS;
     let head_base = y * hp;
     let group = heads_q / heads_kv;

@@ -542,7 +542,7 @@ pub(crate) fn dkdv_sm90_source(client: &ComputeClient<CudaRuntime>, dt: DType, v
     Ok(src)
 }
 
-/// Whether the dense dK/dV cubes go kv head outer (`grid::cube_item_slot_by`): non-causal calls
+/// Whether the dense dK/dV cubes go kv head outer (`grid::cube_item_slot`): non-causal calls
 /// without a window (their key tiles all cost the same) whose `n_work` key tiles fill a wave of the
 /// GPU. The cubes running at once then share one kv head's query tiles and dQ rows in L2 (ncu,
 /// non-causal 32K heads fastest: 310 GB of DRAM traffic, L2 hit rate 42%; cuDNN's 5.4 GB, 98%):
@@ -577,8 +577,8 @@ pub(crate) fn launch_dkdv_wide(
     let (win_l, win_r, _) = window_bounds(spec);
     let paged = spec.kv_pages().is_some() && sparse.is_none();
     let qvec = atomic_vec(be);
-    let hopper = SPLIT_BWD_HEAD_DIMS.contains(&d.head_dim) || sm90_backward(be, spec, acc);
-    let (f, [q_map, do_map]) = if SPLIT_BWD_HEAD_DIMS.contains(&d.head_dim) {
+    // `hopper`: a wgmma kernel (the split or the sm90 / ws one), not the mma.sync one
+    let (f, [q_map, do_map], hopper) = if SPLIT_BWD_HEAD_DIMS.contains(&d.head_dim) {
         // the only kernel above head_dim 128 (`CudaBackend::check_target` refused other GPUs;
         // the block-sparse kernels serve 64 and 128 only)
         if sparse.is_some() || !super::forward::sm90_forward(be, spec) {
@@ -588,12 +588,12 @@ pub(crate) fn launch_dkdv_wide(
             });
         }
         let f = dkdv_split_kernel(be, spec.dtype, d.head_dim, acc.is_some(), qvec, paged)?;
-        (f, q_maps(spec, p, Some((SW_COLS as u32, BWD_BM as u32, true)))?)
+        (f, q_maps(spec, p, Some((SW_COLS as u32, BWD_BM as u32, true)))?, true)
     } else if sm90_backward(be, spec, acc) {
         let (hd, fused) = (d.head_dim, acc.is_some());
         let v = Sm90Dkdv { hd, fused, qvec, sparse: sparse.is_some(), paged, ws: ws_backward(hd, fused) };
         let f = dkdv_sm90_kernel(be, spec.dtype, v)?;
-        (f, q_maps(spec, p, Some((SW_COLS as u32, BWD_BM as u32, true)))?)
+        (f, q_maps(spec, p, Some((SW_COLS as u32, BWD_BM as u32, true)))?, true)
     } else {
         let bulk = acc.is_some_and(|a| bulk_dq(be, d.head_dim, a));
         // full query tiles by tensor maps on sm_90+ (the pointers are 16-byte aligned:
@@ -602,7 +602,7 @@ pub(crate) fn launch_dkdv_wide(
         let qs = q_stages(be, d.head_dim, acc.is_some(), bulk);
         let f = dkdv_wide_kernel(be, spec.dtype, d.head_dim, acc.is_some(), bulk, qvec, sparse.is_some(), paged, tma, qs)?;
         let (bc, br) = flash_bwd_wide::q_map_box(d.head_dim);
-        (f, q_maps(spec, p, tma.then_some((bc, br, false)))?)
+        (f, q_maps(spec, p, tma.then_some((bc, br, false)))?, false)
     };
     let (ql, kl, ll) = (d.q_len(), d.kv_len(), d.lse_len());
     // the f32 dQ accumulator of the fused path (as atomics of `qvec` floats and as the bulk
