@@ -1,7 +1,7 @@
 """FP8 inputs with descales (FlashAttention-3's FP8 forward interface, python/cubeattn/_fp8.py):
 q, k, v torch.float8_e4m3fn with float32 descales [batch, heads_kv], batched and varlen, against
 the f64 attention of the dequantised inputs, on the CPU backend; the bad combinations raise naming
-the argument."""
+the argument. The same cases run on CUDA tensors (marked gpu)."""
 import numpy as np
 import pytest
 
@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
 
 E4M3 = torch.float8_e4m3fn
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def fp8(shape, gen, scale=3.0):
@@ -31,16 +32,18 @@ def dequant(x, d, group, rows=None):
     return xf * (per_head[:, None, :, None] if rows is None else per_head[rows][:, :, None])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("with_descale", [True, False])
-def test_batched_matches_f64_of_dequantised(causal, with_descale):
+def test_batched_matches_f64_of_dequantised(causal, with_descale, device):
     gen = torch.Generator().manual_seed(11 + causal + 2 * with_descale)
     b, sq, sk, hq, hk, d = 2, 37, 53, 4, 2, 64
     q, k, v = fp8((b, sq, hq, d), gen), fp8((b, sk, hk, d), gen), fp8((b, sk, hk, d), gen)
     ds = [descale(b, hk, gen) for _ in range(3)] if with_descale else [None] * 3
-    out = cubeattn.flash_attn_func(q, k, v, causal=causal, q_descale=ds[0], k_descale=ds[1], v_descale=ds[2],
-                                   device="cpu")
-    assert out.dtype == torch.bfloat16 and out.shape == (b, sq, hq, d)
+    on = [None if x is None else x.to(device) for x in (q, k, v, *ds)]
+    out = cubeattn.flash_attn_func(*on[:3], causal=causal, q_descale=on[3], k_descale=on[4], v_descale=on[5])
+    assert out.dtype == torch.bfloat16 and out.shape == (b, sq, hq, d) and out.device.type == device
+    out = out.cpu()
     rq, rk, rv = dequant(q, ds[0], hq // hk), dequant(k, ds[1], 1), dequant(v, ds[2], 1)
     for r in range(b):
         want, _ = ref_attention(rq[r].numpy(), rk[r].numpy(), rv[r].numpy(), [(0, sq, 0, sk)], causal)
@@ -49,7 +52,8 @@ def test_batched_matches_f64_of_dequantised(causal, with_descale):
         assert rel_err(got, want) < 1e-2
 
 
-def test_varlen_descales_per_sequence():
+@pytest.mark.parametrize("device", DEVICES)
+def test_varlen_descales_per_sequence(device):
     gen = torch.Generator().manual_seed(5)
     lens_q, lens_k = [1, 33, 70], [9, 33, 81]
     cu_q = torch.tensor(np.cumsum([0] + lens_q), dtype=torch.int32)
@@ -57,10 +61,11 @@ def test_varlen_descales_per_sequence():
     hq, hk, d = 6, 2, 32
     q, k, v = fp8((sum(lens_q), hq, d), gen), fp8((sum(lens_k), hk, d), gen), fp8((sum(lens_k), hk, d), gen)
     ds = [descale(3, hk, gen) for _ in range(3)]
-    out, lse = cubeattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
-                                               q_descale=ds[0], k_descale=ds[1], v_descale=ds[2], return_lse=True,
-                                               device="cpu")
-    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    on = [x.to(device) for x in (q, k, v, cu_q, cu_k, *ds)]
+    out, lse = cubeattn.flash_attn_varlen_func(*on[:5], max(lens_q), max(lens_k), causal=True, q_descale=on[5],
+                                               k_descale=on[6], v_descale=on[7], return_lse=True)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and out.device.type == device
+    out, lse = out.cpu(), lse.cpu()
     rows_q = torch.repeat_interleave(torch.arange(3), torch.tensor(lens_q))
     rows_k = torch.repeat_interleave(torch.arange(3), torch.tensor(lens_k))
     rq, rk, rv = dequant(q, ds[0], hq // hk, rows_q), dequant(k, ds[1], 1, rows_k), dequant(v, ds[2], 1, rows_k)
