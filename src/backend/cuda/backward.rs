@@ -34,7 +34,7 @@ use half::{bf16, f16};
 
 use super::card::{DkdvArgs, DqArgs};
 use super::compile::{codegen, codegen_exp2, settings, Func, KernelKey, Source};
-use super::driver::{err, tile_map_2d};
+use super::driver::{err, f32_map_2d_sw128, tile_map_2d};
 use super::forward::{aligned, kv_maps, kv_maps_sw128, layout};
 use super::launch::{grid_2d, launch, Args, MapArg};
 use super::plans::{table_names, Cached, PlanKind, TableSet};
@@ -535,7 +535,9 @@ pub(crate) fn dkdv_sm90_source(client: &ComputeClient<CudaRuntime>, dt: DType, v
             settings(SM90_BWD_THREADS as u32), client.clone(), DkdvArgs::compilation(),
             BWD_LOAD_VEC, qvec, hd, fused, qvec, sparse, paged), true))?
     };
-    if fused != src.cuda.contains(super::rewrite::BULK_ADD) {
+    // the fused dQ: `flash_bwd_ws` adds its tiles as tensor-map boxes, `flash_bwd_sm90` by rows
+    let marker = if ws { super::rewrite::TENSOR_ADD } else { super::rewrite::BULK_ADD };
+    if fused != src.cuda.contains(marker) {
         return Err(crate::error::Error::Device(format!("{}: bulk dQ reductions expected {fused}, found the opposite", src.entry)));
     }
     src.cuda = super::rewrite::sm90::lower_bounded(&src.entry, &src.cuda, 1)?;
@@ -578,6 +580,8 @@ pub(crate) fn launch_dkdv_wide(
     let paged = spec.kv_pages().is_some() && sparse.is_none();
     let qvec = atomic_vec(be);
     // `hopper`: a wgmma kernel (the split or the sm90 / ws one), not the mma.sync one
+    // `boxes`: the fused dQ by box reduce-adds through a tensor map of the accumulator (`flash_bwd_ws`)
+    let mut boxes = false;
     let (f, [q_map, do_map], hopper) = if SPLIT_BWD_HEAD_DIMS.contains(&d.head_dim) {
         // the only kernel above head_dim 128 (`CudaBackend::check_target` refused other GPUs;
         // the block-sparse kernels serve 64 and 128 only)
@@ -592,6 +596,7 @@ pub(crate) fn launch_dkdv_wide(
     } else if sm90_backward(be, spec, acc) {
         let (hd, fused) = (d.head_dim, acc.is_some());
         let v = Sm90Dkdv { hd, fused, qvec, sparse: sparse.is_some(), paged, ws: ws_backward(hd, fused) };
+        boxes = v.ws && fused;
         let f = dkdv_sm90_kernel(be, spec.dtype, v)?;
         (f, q_maps(spec, p, Some((SW_COLS as u32, BWD_BM as u32, true)))?, true)
     } else {
@@ -607,6 +612,16 @@ pub(crate) fn launch_dkdv_wide(
     let (ql, kl, ll) = (d.q_len(), d.kv_len(), d.lse_len());
     // the f32 dQ accumulator of the fused path (as atomics of `qvec` floats and as the bulk
     // reductions' rows); without it any valid address
+    let (rows, cols) = (d.total_q, d.heads_q * d.head_dim);
+    let dq_map = MapArg {
+        map: match acc {
+            Some(a) if boxes => f32_map_2d_sw128(a, cols, rows, cols * 4, BWD_BM as u32)?,
+            _ => sys::CUtensorMap { opaque: [0; 16] },
+        },
+        ptr: acc.unwrap_or(delta),
+        rows,
+        cols,
+    };
     let acc = match acc {
         Some(a) => (a, ql / qvec),
         None => (delta, 1),
@@ -615,6 +630,7 @@ pub(crate) fn launch_dkdv_wide(
     let args = DkdvArgs {
         q_map,
         do_map,
+        dq_map,
         k: (p.k, kl / BWD_LOAD_VEC),
         v: (p.v, kl / BWD_LOAD_VEC),
         lse: (p.lse, ll),
