@@ -74,10 +74,11 @@ impl Args {
         self
     }
 
-    /// The kernel's parameters as these arguments fill them. CubeCL pads each scalar group of
-    /// the info struct to 8 bytes (two 4-byte scalars), as its `InfoBuilder` does for the data.
+    /// The kernel's parameters as these arguments fill them. CubeCL pads each scalar group and the
+    /// static metadata of the info struct to 8 bytes (two 4-byte words; the kernel declares
+    /// `static_meta[2n]` for 2n - 1 words), as its `InfoBuilder` does for the data.
     fn abi(&self) -> Abi {
-        Abi { maps: self.maps.len() as u32, dynamic_meta: !self.maps.is_empty(), arrays: self.ptrs.len() as u32, f32s: self.f32s.div_ceil(2) * 2, u32s: self.u32s.div_ceil(2) * 2, meta: self.info.metadata.static_len(AddressType::U32) as u32 }
+        Abi { maps: self.maps.len() as u32, dynamic_meta: !self.maps.is_empty(), arrays: self.ptrs.len() as u32, f32s: self.f32s.div_ceil(2) * 2, u32s: self.u32s.div_ceil(2) * 2, meta: (self.info.metadata.static_len(AddressType::U32) as u32).div_ceil(2) * 2 }
     }
 }
 
