@@ -3,8 +3,7 @@
 //! (`backend::cuda::card`).
 //!
 //! A card lists its fields in the kernel's declaration order, each with a kind: `map` (a tensor
-//! map the kernel loads through), `map_out` (a tensor map it stores or reduce-adds through: the
-//! kernel takes it `&mut`), `read` (an array the kernel only reads), `write` (an array it writes) or `scalar` (an
+//! map), `read` (an array the kernel only reads), `write` (an array it writes) or `scalar` (an
 //! `f32` or `u32`). [`device_card!`] makes it a `#[derive(CubeType, CubeLaunch)]` struct that a
 //! kernel takes as `args: &mut Card<..>`. CubeCL expands a struct parameter field by field in
 //! declaration order, so the generated CUDA signature is the one the same fields written as
@@ -63,9 +62,6 @@ macro_rules! device_card {
     };
     (@fields $head:tt [$($acc:tt)*] $(#[$fm:meta])* map $f:ident: $t:ty $(, $($rest:tt)*)?) => {
         $crate::kernels::card::device_card!(@fields $head [$($acc)* $(#[$fm])* pub $f: $crate::kernels::card::In<$t>,] $($($rest)*)?);
-    };
-    (@fields $head:tt [$($acc:tt)*] $(#[$fm:meta])* map_out $f:ident: $t:ty $(, $($rest:tt)*)?) => {
-        $crate::kernels::card::device_card!(@fields $head [$($acc)* $(#[$fm])* pub $f: $t,] $($($rest)*)?);
     };
     (@fields $head:tt [$($acc:tt)*] $(#[$fm:meta])* read $f:ident: $t:ty $(, $($rest:tt)*)?) => {
         $crate::kernels::card::device_card!(@fields $head [$($acc)* $(#[$fm])* pub $f: $crate::kernels::card::In<$t>,] $($($rest)*)?);

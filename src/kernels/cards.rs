@@ -74,10 +74,6 @@ macro_rules! dkdv_card {
                 /// Tensor maps of Q and dO over `[total_q, heads_q * head_dim]` (not read below sm_90).
                 map q_map: TensorMap<E, Tiled>,
                 map do_map: TensorMap<E, Tiled>,
-                /// Tensor map of the f32 dQ accumulator over `[total_q, heads_q * head_dim]`, boxes of
-                /// 64 rows x 32 f32, 128-byte swizzled (`flash_bwd_ws`'s fused dQ reduce-adds its tiles
-                /// through it; the other kernels do not read it).
-                map_out dq_map: TensorMap<f32, Tiled>,
                 /// K and V as vectors.
                 read k: Array<Vector<E, NV>>,
                 read v: Array<Vector<E, NV>>,

@@ -461,12 +461,30 @@ pub fn bwd_delta<E: Float>(
 }
 
 /// dq = scale * acc (the f32 dQ accumulator of the fused path) rounded to `E`, [`CONVERT_VEC`]
-/// elements per unit (16-byte loads) (2-D grid, x fastest, 256 units per cube).
+/// elements per unit (16-byte loads) (2-D grid, x fastest, 256 units per cube). `head_dim` 0: the
+/// accumulator is laid out as dQ (`[total_q, heads_q, head_dim]`); else head-major (`[heads_q,
+/// total_q, head_dim]`, the 16-byte chunk `c` of row r at `c ^ (r % 8)`: `flash_bwd_ws`'s tiles).
 #[cube(launch_unchecked)]
-pub fn dq_convert<E: Float, N: Size>(acc: &Array<Vector<f32, N>>, dq: &mut Array<Vector<E, N>>, scale: f32) {
+pub fn dq_convert<E: Float, N: Size>(
+    acc: &Array<Vector<f32, N>>,
+    dq: &mut Array<Vector<E, N>>,
+    scale: f32,
+    heads_q: u32,
+    total_q: u32,
+    #[comptime] head_dim: usize,
+) {
     let idx = ((CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) * 256u32 + UNIT_POS) as usize;
     if idx < dq.len() {
-        let a = acc[idx];
+        let mut src = idx;
+        if comptime!(head_dim > 0) {
+            // one unit = one 16-byte chunk of a (row, head)
+            let chunks = comptime!((head_dim / CONVERT_VEC) as u32);
+            let i = idx as u32;
+            let (c, rh) = (i % chunks, i / chunks);
+            let (row, h) = (rh / heads_q, rh % heads_q);
+            src = ((h * total_q + row) * chunks + (c ^ (row % 8u32))) as usize;
+        }
+        let a = acc[src];
         let mut o = Vector::<E, N>::empty();
         #[unroll]
         for e in 0..CONVERT_VEC {

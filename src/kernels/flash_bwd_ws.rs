@@ -9,13 +9,13 @@
 //! warp's 32 copy arrivals plus the tile's bytes) and an `empty` one (every consumer thread's
 //! arrival once its warpgroup's MMAs have read the stage: each thread's own reads of lse / delta
 //! come before it; one arrival per warpgroup was a race, compute-sanitizer racecheck); its warp 1
-//! (fused dQ) waits for each tile's dQ, reduce-adds it into the f32 accumulator as `head_dim / 32`
-//! tensor-map boxes (one operation a box, lane 0) and frees the tile. Warpgroups 1 and 2 are the consumers
+//! (fused dQ) waits for each tile's dQ, adds its live rows to the head-major f32 accumulator by one
+//! bulk reduce-add (lane 0) and frees the tile. Warpgroups 1 and 2 are the consumers
 //! (`setmaxnreg.inc`, 64 keys each, dK and dV in registers). Per query tile a consumer: waits for
 //! the stage; S^T, dP^T; P^T, dS^T; dV += P^T dO, dK += dS^T Q; (fused dQ) stores dS^T key-major
 //! into one of two buffers, meets the other consumer at a named barrier, forms its half of dQ's
-//! columns, releases the stage, waits until the dQ tile is free, stores its half (swizzled as the
-//! boxes hold it; rows past the tile's last live row as zeros) and arrives on `dq_full`. So the only barrier between the consumers is the named one that publishes dS^T, and no
+//! columns, releases the stage, waits until the dQ tile is free, stores its half (16-byte chunks
+//! swizzled by row, as the accumulator holds them) and arrives on `dq_full`. So the only barrier between the consumers is the named one that publishes dS^T, and no
 //! consumer waits for a copy it issued itself.
 //!
 //! The host plan, card (`cards::DkdvCard`), work list, segments and query-tile walk (dense, varlen,
@@ -38,7 +38,7 @@ use super::flash_bwd_sm90::{
 };
 use super::grid::cube_item_slot;
 use super::sm90::{
-    fence_proxy_async, named_barrier, pack_a_pairs, setmaxnreg, wgmma_commit, wgmma_fence, wgmma_wait, SW_COLS,
+    bulk_add_f32, fence_proxy_async, named_barrier, pack_a_pairs, setmaxnreg, wgmma_commit, wgmma_fence, wgmma_wait, SW_COLS,
 };
 use super::staging::{stage_rows, wait_stage};
 use super::tiles::{BWD_BM, WIDE_BN};
@@ -56,8 +56,6 @@ const LOADERS: usize = 32;
 const CONSUMER_THREADS: u32 = 256;
 /// The named barrier that publishes both consumers' dS^T halves.
 const DS_BARRIER: u32 = 1;
-/// f32 columns of one box of the dQ tile (128 bytes: the widest box a 128-byte swizzle takes).
-pub const DQ_BOX_COLS: usize = 32;
 
 /// Segment `si` of the cube's walk for kv head `hk`.
 #[cube]
@@ -87,94 +85,64 @@ fn count_tiles<E: Float, NV: Size, NQ: Size>(args: &DkdvCard<E, NV, NQ>, ki: &Ke
     n
 }
 
-/// The dQ warp's additions of one stored tile: its `head_dim / 32` boxes (64 rows x 32 f32, the
-/// rows from global row `first_row` of q head `h`) reduce-added into the f32 accumulator through
-/// the tensor map by lane 0, one operation a box (64 bulk adds of a row each took 7-9% more
-/// fwd+bwd time: docs/backward.md); rows past the tensor's end are dropped by the copy engine, the
-/// tile's rows past `rows` hold zeros ([`zero_rows_from`]). `rows` 0: nothing to add. Once the copy
-/// engine has read the tile it is free again (`dq_empty`).
+/// The dQ warp's addition of one stored tile: its first `rows` rows (global rows `first_row ..` of
+/// q head `h`) added to the head-major f32 accumulator (`[heads_q, total_q, head_dim]`, where they
+/// are contiguous) by one bulk reduce-add of lane 0 (64 row adds of the row-major accumulator
+/// took 7-9% more fwd+bwd time: docs/backward.md). `rows` 0: nothing to add. Once the copy engine
+/// has read the tile it is free again (`dq_empty`).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn add_tile_boxes<NQ: Size>(
+fn add_tile<NQ: Size>(
     dq_tile: &SharedMemory<Vector<f32, NQ>>,
-    dq_map: &mut TensorMap<f32, Tiled>,
+    acc: &mut Array<Vector<f32, NQ>>,
     dq_empty: &Barrier,
     lane: u32,
     first_row: u32,
     rows: u32,
     h: u32,
+    total_q: u32,
     #[comptime] head_dim: usize,
-    #[comptime] qvec: usize,
 ) {
     if lane == 0u32 && rows > 0u32 {
-        let bv = comptime!(BM * DQ_BOX_COLS / qvec);
-        #[unroll]
-        for b in 0..comptime!(head_dim / DQ_BOX_COLS) {
-            let col = h * comptime!(head_dim as u32) + comptime!((b * DQ_BOX_COLS) as u32);
-            tma_store_2d(&dq_tile.slice(b * bv, (b + 1) * bv), dq_map, first_row as i32, col as i32);
-        }
+        let d = comptime!(head_dim as u32);
+        bulk_add_f32::<NQ>(acc, (h * total_q + first_row) * d, dq_tile, rows * d * 4u32);
         tma_group_commit();
         tma_group_wait_read(0u32);
     }
     let _t = dq_empty.arrive_and_expect_tx(1u32, 0u32);
 }
 
-/// Where element (row `r`, column `c`) of the dQ tile sits (as an f32 index) as the tensor map's
-/// boxes hold it: box `c / 32`, rows of 128 bytes, the 16-byte chunk `(c % 32) / 4` of row r at
-/// chunk `((c % 32) / 4) ^ (r % 8)` (the 128-byte swizzle). A warp's float2 stores of its
-/// accumulator fragments cover 8 rows x 32 bytes, which the swizzle spreads over the 32 banks
-/// twice (two wavefronts, the minimum).
-#[cube]
-fn dq_box_at(r: usize, c: usize) -> usize {
-    let chunk = ((c % DQ_BOX_COLS) / 4) ^ (r % 8);
-    (c / DQ_BOX_COLS) * comptime!(BM * DQ_BOX_COLS) + r * DQ_BOX_COLS + chunk * 4 + c % 4
-}
-
 /// Stores this thread's dQ fragment (rows `row_a`, `row_a + 8` of the 64-row tile, column pairs
-/// `dq_col0 + 8 nb + col_a` of the warpgroup's `head_dim / 2` columns) into the tile's boxes
-/// ([`dq_box_at`]).
+/// `dq_col0 + 8 nb + col_a` of the warpgroup's `head_dim / 2` columns) into the tile as global row
+/// `first_row + r` sits in the head-major accumulator: rows of `head_dim` f32, the 16-byte chunk
+/// `c / 4` at chunk `(c / 4) ^ ((first_row + r) % 8)` (`swz` = `first_row % 8`;
+/// `flash_bwd::dq_convert`'s head-major variant undoes it). A warp's float2 stores cover 8
+/// consecutive rows x 32 bytes, which the XOR spreads over the 32 banks twice (two wavefronts, the
+/// minimum; unswizzled rows 512 bytes apart would take eight). Written out: the XOR of a row pair
+/// is the same for both (`row_a + 8` has `row_a`'s low bits), and with `dq_col0` a multiple of 32
+/// and `col_a / 4` = 0 / 1 the chunk of block `nb` is `base_chunk + 8 (nb / 4) + ((2 (nb % 4)) ^ z)`.
 #[cube]
-pub fn put_dq_boxes<NQ: Size>(
+#[allow(clippy::too_many_arguments)]
+pub fn put_dq_tile<NQ: Size>(
     dq_tile: &mut SharedMemory<Vector<f32, NQ>>,
     dq: &Array<f32>,
     row_a: usize,
     dq_col0: usize,
     col_a: usize,
+    swz: usize,
     #[comptime] head_dim: usize,
     #[comptime] qvec: usize,
 ) {
+    let z = ((swz + row_a) % 8) ^ (col_a / 4);
+    let base = row_a * head_dim + dq_col0 + col_a % 4;
     #[unroll]
     for nb in 0..comptime!(head_dim / 16) {
+        let chunk = (z ^ comptime!(2 * (nb % 4))) + comptime!(8 * (nb / 4));
         #[unroll]
         for hh in 0..2usize {
             let i = nb * 4 + hh * 2;
-            let at = dq_box_at(row_a + hh * 8, dq_col0 + nb * 8 + col_a);
+            let at = base + comptime!(hh * 8 * head_dim) + chunk * 4;
             put_dq_pair::<NQ>(dq_tile, at / qvec, dq[i], dq[i + 1], qvec);
-        }
-    }
-}
-
-/// Overwrites with zeros this thread's places of [`put_dq_boxes`] in the tile's rows from `lim` on:
-/// rows that see none of the cube's keys or lie past the segment, which the box adds reach (they
-/// then add 0, never a 0 x non-finite product).
-#[cube]
-pub fn zero_dq_rows<NQ: Size>(
-    dq_tile: &mut SharedMemory<Vector<f32, NQ>>,
-    row_a: usize,
-    lim: u32,
-    dq_col0: usize,
-    col_a: usize,
-    #[comptime] head_dim: usize,
-    #[comptime] qvec: usize,
-) {
-    #[unroll]
-    for hh in 0..2usize {
-        if (row_a + hh * 8) as u32 >= lim {
-            #[unroll]
-            for nb in 0..comptime!(head_dim / 16) {
-                let at = dq_box_at(row_a + hh * 8, dq_col0 + nb * 8 + col_a);
-                put_dq_pair::<NQ>(dq_tile, at / qvec, 0.0f32, 0.0f32, qvec);
-            }
         }
     }
 }
@@ -203,8 +171,8 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
     // dS^T, key-major ([key][row]: one 64-column chunk of BN rows), two buffers: the A operand of
     // dQ = dS K
     let mut ds_smem = SharedMemory::<E>::new_aligned(comptime!(if fuse_dq { 2 * BN * BM } else { SW_COLS * 8 }), 1024usize);
-    // the dQ tile: head_dim / 32 boxes of 64 rows x 32 f32, 128-byte swizzled ([`put_dq_boxes`])
-    let mut dq_tile = SharedMemory::<Vector<f32, NQ>>::new_aligned(comptime!(if fuse_dq { BM * head_dim / qvec } else { 1usize }), 1024usize);
+    // the dQ tile: 64 rows of head_dim f32, chunks swizzled by row ([`put_dq_tile`])
+    let mut dq_tile = SharedMemory::<Vector<f32, NQ>>::new_aligned(comptime!(if fuse_dq { BM * head_dim / qvec } else { 1usize }), 128usize);
     // the dQ tile's destination: first global row (q_start + r0), rows, head
     let mut dq_info = SharedMemory::<u32>::new(4usize);
     let mut lse_smem = SharedMemory::<f32>::new(comptime!(2 * BM));
@@ -267,8 +235,8 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
                 let n = count_tiles(args, &ki, hk, sparse);
                 for j in 0..n {
                     dq_full.wait_parity(j & 1u32);
-                    add_tile_boxes::<NQ>(
-                        &dq_tile, &mut args.dq_map, &dq_empty, lane, dq_info[0], dq_info[1], dq_info[2], head_dim, qvec,
+                    add_tile::<NQ>(
+                        &dq_tile, &mut args.dq_rows, &dq_empty, lane, dq_info[0], dq_info[1], dq_info[2], args.total_q, head_dim,
                     );
                 }
             }
@@ -364,16 +332,12 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
                 if cur > 0u32 {
                     dq_empty.wait_parity((cur - 1u32) & 1u32);
                 }
-                // rows 16 w + lane / 4 (+ 8) of the tile; those from `lim` on add zeros
-                let row_a = key_a - cw * WG_KEYS;
-                let lim = select(r0 < row_end, min(row_end - r0, BM as u32), 0u32);
-                put_dq_boxes::<NQ>(&mut dq_tile, &dq, row_a, dq_col0, col_a, head_dim, qvec);
-                if lim < BM as u32 {
-                    zero_dq_rows::<NQ>(&mut dq_tile, row_a, lim, dq_col0, col_a, head_dim, qvec);
-                }
+                // rows 16 w + lane / 4 (+ 8) of the tile (the dQ warp adds its live rows only)
+                let first_row = sw.q_start + r0;
+                put_dq_tile::<NQ>(&mut dq_tile, &dq, key_a - cw * WG_KEYS, dq_col0, col_a, (first_row % 8u32) as usize, head_dim, qvec);
                 if ct == 0u32 {
-                    dq_info[0] = sw.q_start + r0;
-                    dq_info[1] = lim;
+                    dq_info[0] = first_row;
+                    dq_info[1] = select(r0 < row_end, min(row_end - r0, BM as u32), 0u32);
                     dq_info[2] = h;
                 }
                 // this thread's stores visible to the copy engine, then its arrival

@@ -242,6 +242,19 @@ pub fn store_pair<E: Float>(out: &mut Array<E>, idx: usize, a: f32, b: f32) {
     })
 }
 
+/// `bytes` of f32 at the start of shared `src` added into global `dst` from f32 element `dst_off` on
+/// by the copy engine (`cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32`, a run-time
+/// size: a multiple of 16, both addresses 16-byte aligned); the caller commits the bulk group and
+/// waits for its reads (`tma_group_commit`, `tma_group_wait_read`).
+#[cube]
+#[allow(unused_variables)]
+pub fn bulk_add_f32<N: Size>(dst: &mut Array<Vector<f32, N>>, dst_off: u32, src: &SharedMemory<Vector<f32, N>>, bytes: u32) {
+    intrinsic!(|scope| {
+        let args = vec![*dst.expand, *dst_off.expand, *src.expand, *bytes.expand];
+        marker(scope, "bulk_add".into(), args)
+    })
+}
+
 /// `pairs` f32 pairs `x[2 j], x[2 j + 1]` packed to the element type: an f32 accumulator (m16n8
 /// layout) as the A fragments of [`wgmma_rs`] (pair `4 k .. 4 k + 4` is step `k`'s operand).
 #[cube]

@@ -34,7 +34,7 @@ use half::{bf16, f16};
 
 use super::card::{DkdvArgs, DqArgs};
 use super::compile::{codegen, codegen_exp2, settings, Func, KernelKey, Source};
-use super::driver::{err, f32_map_2d_sw128, tile_map_2d};
+use super::driver::{err, tile_map_2d};
 use super::forward::{aligned, kv_maps, kv_maps_sw128, layout};
 use super::launch::{grid_2d, launch, Args, MapArg};
 use super::plans::{table_names, Cached, PlanKind, TableSet};
@@ -535,9 +535,10 @@ pub(crate) fn dkdv_sm90_source(client: &ComputeClient<CudaRuntime>, dt: DType, v
             settings(SM90_BWD_THREADS as u32), client.clone(), DkdvArgs::compilation(),
             BWD_LOAD_VEC, qvec, hd, fused, qvec, sparse, paged), true))?
     };
-    // the fused dQ: `flash_bwd_ws` adds its tiles as tensor-map boxes, `flash_bwd_sm90` by rows
-    let marker = if ws { super::rewrite::TENSOR_ADD } else { super::rewrite::BULK_ADD };
-    if fused != src.cuda.contains(marker) {
+    // the fused dQ: `flash_bwd_ws` adds whole tiles to the head-major accumulator (`sm90::bulk_add_f32`,
+    // lowered below), `flash_bwd_sm90` rows of the row-major one
+    let marker = if ws { format!("{}bulk_add\"", crate::kernels::sm90::MARK) } else { super::rewrite::BULK_ADD.to_string() };
+    if fused != src.cuda.contains(&marker) {
         return Err(crate::error::Error::Device(format!("{}: bulk dQ reductions expected {fused}, found the opposite", src.entry)));
     }
     src.cuda = super::rewrite::sm90::lower_bounded(&src.entry, &src.cuda, 1)?;
@@ -562,7 +563,8 @@ fn kv_outer(spec: &AttnSpec, n_work: usize, hopper: bool) -> bool {
 /// shared key axis; block-sparse (`sparse` = (q_block, index heads, key blocks per sequence slot,
 /// query tiles per query block)), items of at most 128 keys of one key block. `acc`: the f32 dQ
 /// accumulator of the fused path. On sm_90 the Hopper kernel ([`sm90_backward`]), else
-/// `flash_bwd_dkdv_wide`; both take the dK / dV card ([`DkdvArgs`]).
+/// `flash_bwd_dkdv_wide`; both take the dK / dV card ([`DkdvArgs`]). Returns whether the kernel
+/// adds to the accumulator head-major (`flash_bwd_ws`: [`launch_dq_convert`]'s `head_major`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch_dkdv_wide(
     be: &CudaBackend,
@@ -574,14 +576,14 @@ pub(crate) fn launch_dkdv_wide(
     sparse: Option<[u32; 4]>,
     n_work: usize,
     stream: sys::CUstream,
-) -> Result<()> {
+) -> Result<bool> {
     let d = &spec.dims;
     let (win_l, win_r, _) = window_bounds(spec);
     let paged = spec.kv_pages().is_some() && sparse.is_none();
     let qvec = atomic_vec(be);
     // `hopper`: a wgmma kernel (the split or the sm90 / ws one), not the mma.sync one
-    // `boxes`: the fused dQ by box reduce-adds through a tensor map of the accumulator (`flash_bwd_ws`)
-    let mut boxes = false;
+    // `head_major`: the fused dQ's accumulator is `[heads_q, total_q, head_dim]` (`flash_bwd_ws`)
+    let mut head_major = false;
     let (f, [q_map, do_map], hopper) = if SPLIT_BWD_HEAD_DIMS.contains(&d.head_dim) {
         // the only kernel above head_dim 128 (`CudaBackend::check_target` refused other GPUs;
         // the block-sparse kernels serve 64 and 128 only)
@@ -596,7 +598,7 @@ pub(crate) fn launch_dkdv_wide(
     } else if sm90_backward(be, spec, acc) {
         let (hd, fused) = (d.head_dim, acc.is_some());
         let v = Sm90Dkdv { hd, fused, qvec, sparse: sparse.is_some(), paged, ws: ws_backward(hd, fused) };
-        boxes = v.ws && fused;
+        head_major = v.ws && fused;
         let f = dkdv_sm90_kernel(be, spec.dtype, v)?;
         (f, q_maps(spec, p, Some((SW_COLS as u32, BWD_BM as u32, true)))?, true)
     } else {
@@ -612,16 +614,6 @@ pub(crate) fn launch_dkdv_wide(
     let (ql, kl, ll) = (d.q_len(), d.kv_len(), d.lse_len());
     // the f32 dQ accumulator of the fused path (as atomics of `qvec` floats and as the bulk
     // reductions' rows); without it any valid address
-    let (rows, cols) = (d.total_q, d.heads_q * d.head_dim);
-    let dq_map = MapArg {
-        map: match acc {
-            Some(a) if boxes => f32_map_2d_sw128(a, cols, rows, cols * 4, BWD_BM as u32)?,
-            _ => sys::CUtensorMap { opaque: [0; 16] },
-        },
-        ptr: acc.unwrap_or(delta),
-        rows,
-        cols,
-    };
     let acc = match acc {
         Some(a) => (a, ql / qvec),
         None => (delta, 1),
@@ -630,7 +622,6 @@ pub(crate) fn launch_dkdv_wide(
     let args = DkdvArgs {
         q_map,
         do_map,
-        dq_map,
         k: (p.k, kl / BWD_LOAD_VEC),
         v: (p.v, kl / BWD_LOAD_VEC),
         lse: (p.lse, ll),
@@ -661,7 +652,8 @@ pub(crate) fn launch_dkdv_wide(
         win_r,
         kv_outer: (sparse.is_none() && kv_outer(spec, n_work, hopper)) as u32,
     };
-    launch(&f, ((n_work * d.heads_kv) as u32, 1, 1), &mut args.args(), stream)
+    launch(&f, ((n_work * d.heads_kv) as u32, 1, 1), &mut args.args(), stream)?;
+    Ok(head_major)
 }
 
 /// The dQ pass kernel (`flash_bwd::flash_bwd_dq`, f16/bf16) for one set of comptime choices
@@ -775,15 +767,17 @@ pub(crate) fn launch_dq(
     launch(&f, ((n_work * d.heads_q) as u32, 1, 1), &mut args.args(), stream)
 }
 
-/// The fused path's last step: dq = scale * acc (the f32 accumulator at `acc`) in the dtype.
-pub(crate) fn launch_dq_convert(be: &CudaBackend, spec: &AttnSpec, p: &BwdPtrs, acc: u64, stream: sys::CUstream) -> Result<()> {
-    let (dt, n) = (spec.dtype, spec.dims.q_len() / CONVERT_VEC);
-    let f = be.kernels.get(&KernelKey::new("dq_convert", dt, &[CONVERT_VEC as u32]), || {
+/// The fused path's last step: dq = scale * acc (the f32 accumulator at `acc`, row-major as dQ, or
+/// `head_major` as `flash_bwd_ws` adds to it) in the dtype.
+pub(crate) fn launch_dq_convert(be: &CudaBackend, spec: &AttnSpec, p: &BwdPtrs, acc: u64, head_major: bool, stream: sys::CUstream) -> Result<()> {
+    let (dt, d, n) = (spec.dtype, &spec.dims, spec.dims.q_len() / CONVERT_VEC);
+    let hd = if head_major { d.head_dim } else { 0 };
+    let f = be.kernels.get(&KernelKey::new("dq_convert", dt, &[CONVERT_VEC as u32, hd as u32]), || {
         by_dtype!(dt, T, codegen(flash_bwd::dq_convert::DqConvert::<T, CudaRuntime>::new(
-            settings(256), be.client().clone(), A, A, (), CONVERT_VEC)))
+            settings(256), be.client().clone(), A, A, (), (), (), CONVERT_VEC, hd)))
     })?;
     let mut a = Args::new();
-    a.array(acc, n).array(p.dq, n).f32(spec.scale);
+    a.array(acc, n).array(p.dq, n).f32(spec.scale).u32(d.heads_q as u32).u32(d.total_q as u32);
     launch(&f, grid_2d(n.div_ceil(256)), &mut a, stream)
 }
 
@@ -849,6 +843,8 @@ pub(crate) fn launch_backward(
     } else if spec.uncovered_rows() > 0 {
         launch_fill_zero(dt, p.dq, ql, stream)?;
     }
+    // the accumulator's layout (all zeros, either way, without a dK/dV launch)
+    let mut head_major = false;
     if n_k_work > 0 {
         // the transposed block index is not read by the dense variant: any valid address for
         // `tq_off`; `tq_list` carries the page table (read only by the paged variant)
@@ -860,10 +856,10 @@ pub(crate) fn launch_backward(
             tq_off: (t(BwdTable::Segs).0, 1),
             tq_list: t(BwdTable::Pages),
         };
-        launch_dkdv_wide(be, spec, p, delta, fused.then_some(acc), &w, None, n_k_work, stream)?;
+        head_major = launch_dkdv_wide(be, spec, p, delta, fused.then_some(acc), &w, None, n_k_work, stream)?;
     }
     if fused {
-        launch_dq_convert(be, spec, p, acc, stream)?;
+        launch_dq_convert(be, spec, p, acc, head_major, stream)?;
     } else if n_q_work > 0 {
         // no tile list: any valid address; `blocks` carries the page table (read only when paged)
         let none = (t(BwdTable::Segs).0, 1);

@@ -8,7 +8,7 @@ use cubecl::prelude::*;
 use super::launch::{Args, MapArg};
 use crate::kernels::cards::{dkdv_card, dq_card, fwd_card};
 
-/// The host side of one card: `map` and `map_out` fields are [`MapArg`]s, `read` and `write` fields (device
+/// The host side of one card: `map` fields are [`MapArg`]s, `read` and `write` fields (device
 /// address, length in the field's element type), `scalar` fields their value.
 macro_rules! host_card {
     ($(#[$m:meta])* $name:ident<$($g:ident: $b:ident),*>, $comp:ident / $host:ident {
@@ -34,17 +34,14 @@ macro_rules! host_card {
         }
     };
     (@ty map $t:ty) => { MapArg };
-    (@ty map_out $t:ty) => { MapArg };
     (@ty read $t:ty) => { (u64, usize) };
     (@ty write $t:ty) => { (u64, usize) };
     (@ty scalar $t:ty) => { $t };
     (@comp map) => { () };
-    (@comp map_out) => { () };
     (@comp read) => { ArrayCompilationArg { inplace: None } };
     (@comp write) => { ArrayCompilationArg { inplace: None } };
     (@comp scalar) => { () };
     (@push $a:ident map $v:expr) => { $a.tensor_map(&$v) };
-    (@push $a:ident map_out $v:expr) => { $a.tensor_map(&$v) };
     (@push $a:ident read $v:expr) => { $a.array($v.0, $v.1) };
     (@push $a:ident write $v:expr) => { $a.array($v.0, $v.1) };
     (@push $a:ident scalar $v:expr) => { $a.scalar($v) };

@@ -224,22 +224,6 @@ pub(crate) fn tile_map_2d(
     encode_2d(ty, ptr, cols, rows, row_bytes, box_cols, box_rows, sw)
 }
 
-/// A tensor map of a row-major 2-D f32 tensor (`rows` rows of `cols` f32, `row_bytes` apart) whose
-/// boxes are `box_rows` rows x 32 f32 (128 bytes), 128-byte swizzled in shared memory: the fused
-/// dQ tiles of `kernels::flash_bwd_ws`, reduce-added into the f32 accumulator through it.
-pub(crate) fn f32_map_2d_sw128(ptr: u64, cols: usize, rows: usize, row_bytes: usize, box_rows: u32) -> Result<sys::CUtensorMap> {
-    encode_2d(
-        sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
-        ptr,
-        cols,
-        rows,
-        row_bytes,
-        32,
-        box_rows,
-        sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-    )
-}
-
 /// A tensor map of a row-major 2-D tensor of bytes (`rows` rows of `cols` bytes, `row_bytes`
 /// apart) whose copies are boxes of `box_rows` rows x 64 bytes, 64-byte swizzled in shared memory
 /// (the FP8 K-major operand of `kernels::sm90::wgmma_rs_e4m3`; the destination 512-byte aligned).

@@ -209,16 +209,18 @@ pub(super) fn launch_sparse_backward(
         launch_fill_zero(a.dtype, p.dv, a.dims.kv_len(), stream)?;
     }
     let ix = &spec.index;
+    // the accumulator's layout (all zeros, either way, without a dK/dV launch)
+    let mut head_major = false;
     if sp.n_k_items > 0 {
         // the dense tile lists are not read by the sparse variant: any valid address
         let none = (t(SparseBwdTable::Segs).0, 1);
         let tables = DkdvTables { work: t(SparseBwdTable::KWork), tile_off: none, tile_segs: none, segs: t(SparseBwdTable::Segs), tq_off: t(SparseBwdTable::TOff), tq_list: t(SparseBwdTable::TList) };
         let q_tiles = spec.q_block.div_ceil(BWD_BM) as u32;
         let scalars = [spec.q_block as u32, ix.heads as u32, sp.k_blocks as u32, q_tiles];
-        launch_dkdv_wide(be, a, p, delta, fused.then_some(acc), &tables, Some(scalars), sp.n_k_items, stream)?;
+        head_major = launch_dkdv_wide(be, a, p, delta, fused.then_some(acc), &tables, Some(scalars), sp.n_k_items, stream)?;
     }
     if fused {
-        launch_dq_convert(be, a, p, acc, stream)?;
+        launch_dq_convert(be, a, p, acc, head_major, stream)?;
     } else if sp.n_q_items > 0 {
         let tables = [t(SparseBwdTable::QWork), t(SparseBwdTable::Segs), t(SparseBwdTable::QRef), t(SparseBwdTable::Blocks)];
         let scalars = [ix.heads as u32, spec.k_block as u32, spec.k_block.div_ceil(BWD_BN) as u32];

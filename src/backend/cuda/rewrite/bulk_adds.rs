@@ -1,16 +1,10 @@
-//! Bulk reductions (`kernels::bulk_reduce`, `kernels::flash_bwd_ws`, sm_90+): CubeCL 0.10 cannot
-//! express `cp.reduce.async.bulk` (plain or tensor). Two forms, each from an operation no kernel
-//! uses otherwise:
-//! - a `copy_async` from a shared f32 tile to a global f32 buffer, which CubeCL prints as a cp.async
-//!   call with the operands reversed (`__cp_async_shared_global<BYTES>(shared_memory_N + i,
-//!   buffer_M + j)`), becomes `cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32` of the
-//!   same bytes; an operand of another form or type is refused, and a reversed call left
-//!   unrewritten would fail the wrapper's size check at compile time;
-//! - a 2-D tensor-map store (`tma_store_2d`, printed as libcu++'s
-//!   `cp_async_bulk_tensor_2d_shared_to_global(&tensor_map_N, x, y,  shared_memory_M + i)`)
-//!   becomes `cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group` of the same
-//!   box: the kernels store through tensor maps only to reduce-add (the map's element type, f32 for
-//!   the dQ accumulator, sets the addition's type).
+//! Bulk reductions (`kernels::bulk_reduce`, sm_90+): CubeCL 0.10 cannot express
+//! `cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32`. The kernels write it as a
+//! `copy_async` from a shared f32 tile to a global f32 buffer, which CubeCL prints as a cp.async
+//! call with the operands reversed (`__cp_async_shared_global<BYTES>(shared_memory_N + i,
+//! buffer_M + j)`, a direction no other kernel uses). [`bulk_adds`] turns exactly those calls into
+//! the reduction; an operand of another form or type is refused, and a reversed call left
+//! unrewritten would fail the wrapper's size check at compile time.
 
 use super::{add_helper, mismatch};
 use crate::error::Result;
@@ -25,17 +19,6 @@ __device__ __forceinline__ void __cubeattn_bulk_add_f32(void *dst, const void *s
                :: \"l\"(dst), \"r\"(static_cast<uint32>(__cvta_generic_to_shared(src))), \"n\"(BYTES) : \"memory\");
 }
 ";
-/// The helper a rewritten 2-D tensor-map store calls: the box at column `x`, row `y` of the map
-/// reduce-added from shared `src` by the copy engine (the caller commits the bulk group).
-const TENSOR_AT: &str = "
-__device__ __forceinline__ void __cubeattn_tensor_add_2d(const void *map, int x, int y, const void *src) {
-  asm volatile(\"cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2}], [%3];\\n\"
-               :: \"l\"(map), \"r\"(x), \"r\"(y), \"r\"(static_cast<uint32>(__cvta_generic_to_shared(src))) : \"memory\");
-}
-";
-/// What a kernel holds once [`bulk_adds`] rewrote a tensor-map store.
-pub(crate) const TENSOR_ADD: &str = "__cubeattn_tensor_add_2d(";
-
 /// What a kernel holds once [`bulk_adds`] rewrote a call.
 pub(crate) const BULK_ADD: &str = "__cubeattn_bulk_add_f32<";
 
@@ -50,29 +33,8 @@ pub(crate) fn bulk_adds(entry: &str, src: &str) -> Result<String> {
     let plain = |x: &str| !x.is_empty() && x.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
     let mut out = String::with_capacity(src.len() + 1024);
     let mut calls = 0usize;
-    let mut tensor_calls = 0usize;
-    const TENSOR_CALL: &str = "cuda::device::experimental::cp_async_bulk_tensor_";
     for line in src.lines() {
         let t = line.trim();
-        if let Some(rest) = t.strip_prefix(TENSOR_CALL) {
-            // `2d_shared_to_global(&tensor_map_N, x, y,  shared_memory_M + i);`
-            let args = rest.strip_prefix("2d_shared_to_global(&").and_then(|r| r.strip_suffix(");"));
-            let parts: Option<Vec<&str>> = args.map(|a| a.split(',').map(str::trim).collect());
-            let ok = parts.as_ref().filter(|p| {
-                p.len() == 4
-                    && p[0].starts_with("tensor_map_")
-                    && p[..3].iter().all(|x| plain(x))
-                    && p[3].split_once(" + ").is_some_and(|(m, i)| m.starts_with("shared_memory_") && plain(m) && !i.is_empty())
-            });
-            if let Some(p) = ok {
-                out.push_str(&format!("{TENSOR_ADD}&{}, {}, {}, {});\n", p[0], p[1], p[2], p[3]));
-                tensor_calls += 1;
-                continue;
-            }
-            if rest.contains("shared_to_global") {
-                return Err(bad(&format!("a tensor-map store that is not `2d_shared_to_global(&tensor_map_N, x, y, shared_memory_M + i)`: `{t}`")));
-            }
-        }
         let reversed = t.strip_prefix(CALL).and_then(|r| r.split_once(">(")).filter(|(_, r)| r.starts_with("shared_memory_"));
         let Some((bytes, args)) = reversed else {
             out.push_str(line);
@@ -96,18 +58,13 @@ pub(crate) fn bulk_adds(entry: &str, src: &str) -> Result<String> {
         out.push_str(&format!("{BULK_ADD}{n}>({buf} + {bi}, {smem} + {si});\n"));
         calls += 1;
     }
-    if calls + tensor_calls == 0 {
+    if calls == 0 {
         return Ok(src.to_string());
     }
     if !src.ends_with('\n') {
         out.pop();
     }
-    if calls > 0 {
-        add_helper(entry, "bulk_adds", &mut out, BULK_AT)?;
-    }
-    if tensor_calls > 0 {
-        add_helper(entry, "bulk_adds", &mut out, TENSOR_AT)?;
-    }
+    add_helper(entry, "bulk_adds", &mut out, BULK_AT)?;
     Ok(out)
 }
 
@@ -130,23 +87,6 @@ mod tests {
         assert!(out.find("int64;").unwrap() < out.find("void __cubeattn_bulk_add_f32").unwrap());
         assert!(out.contains("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32"));
         assert_eq!(bulk_adds("k", "no bulk").unwrap(), "no bulk");
-    }
-
-    #[test]
-    fn tensor_store_becomes_a_tensor_reduce_add() {
-        let src = BULK.replace(
-            "__cp_async_shared_global<512>(shared_memory_5 + l_9, buffer_7 + l_12);",
-            "cuda::device::experimental::cp_async_bulk_tensor_2d_shared_to_global(&tensor_map_2, l_30, l_31,  shared_memory_5 + uint32(0));",
-        );
-        let out = bulk_adds("k", &src).unwrap();
-        assert!(out.contains("\n__cubeattn_tensor_add_2d(&tensor_map_2, l_30, l_31, shared_memory_5 + uint32(0));\n"), "{out}");
-        assert!(out.contains("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group"));
-        assert!(!out.contains("void __cubeattn_bulk_add_f32"), "no plain bulk add, no helper for it");
-        // another rank or operand form is refused, a tensor load is left alone
-        assert!(bulk_adds("k", &src.replace("tensor_2d_shared", "tensor_3d_shared")).is_err());
-        assert!(bulk_adds("k", &src.replace("&tensor_map_2, l_30", "&tensor_map_2, l_30 + 1")).is_err());
-        let load = "cuda::device::experimental::cp_async_bulk_tensor_2d_global_to_shared(shared_memory_5 + l_1, &tensor_map_0, l_2, l_3,  shared_memory_13);";
-        assert_eq!(bulk_adds("k", load).unwrap(), load);
     }
 
     #[test]

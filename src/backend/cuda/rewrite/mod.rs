@@ -11,8 +11,7 @@
 //! - [`exp2`]: `__powf(2, x)` (CubeCL has no exp2) into `exp2f(x)`;
 //! - [`mbarriers`]: the cp.async barriers' copy arrivals made `.noinc`, and their waits as a plain
 //!   `try_wait` loop;
-//! - [`bulk_adds`]: the reversed cp.async calls of `kernels::bulk_reduce` into bulk f32 reductions,
-//!   and tensor-map stores into tensor reduce-adds (`flash_bwd_ws`'s dQ boxes);
+//! - [`bulk_adds`]: the reversed cp.async calls of `kernels::bulk_reduce` into bulk f32 reductions;
 //! - [`smem_addresses`]: 32-bit shared addresses for the `ldmatrix` and `cp.async` wrappers;
 //! - [`stmatrix`]: a store path for `stmatrix` below sm_90 (and in the portable build);
 //!
@@ -42,7 +41,7 @@ mod smem_addresses;
 mod smem_layout;
 mod stmatrix;
 
-pub(crate) use bulk_adds::{bulk_adds, BULK_ADD, TENSOR_ADD};
+pub(crate) use bulk_adds::{bulk_adds, BULK_ADD};
 pub(crate) use exp2::exp2_calls;
 pub(crate) use int8_words::int8_words;
 pub(crate) use mbarriers::mbarriers;
