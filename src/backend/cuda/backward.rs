@@ -11,9 +11,10 @@
 //!   no atomics, a fixed summation order, bitwise identical run to run.
 //! - fused (f16/bf16, `deterministic = false`, the default, see [`DqPath`]): the dK/dV kernel also
 //!   forms dQ += dS K per (query tile, key tile) and adds it into an f32 accumulator, with float2
-//!   atomics (FlashAttention-2's way) or, at d128 on sm_90+, with bulk reductions of whole rows
-//!   (FlashAttention-3's way, [`kernels::bulk_reduce`](crate::kernels::bulk_reduce)); a small
-//!   kernel then writes dq = scale * acc in the dtype. The
+//!   atomics (FlashAttention-2's way) or, at d128 on sm_90+, with bulk reductions: of whole rows
+//!   ([`kernels::bulk_reduce`](crate::kernels::bulk_reduce)), or in `flash_bwd_ws` one of a whole
+//!   tile into a head-major accumulator ([`launch_dkdv_wide`] says which); a small kernel then
+//!   writes dq = scale * acc in the dtype ([`launch_dq_convert`]). The
 //!   summation order of dQ then varies run to run (last-bit differences). Five matmuls per (row,
 //!   key) pair instead of seven: faster on every measured shape (1.17-1.25x fwd+bwd with the
 //!   128-key kernel on an H100; docs/backward.md).
