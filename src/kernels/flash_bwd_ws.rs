@@ -15,8 +15,9 @@
 //! the stage; S^T, dP^T; P^T, dS^T; dV += P^T dO, dK += dS^T Q; (fused dQ) stores dS^T key-major
 //! into one of two buffers, meets the other consumer at a named barrier, forms its half of dQ's
 //! columns, releases the stage, waits until the dQ tile is free, stores its half (16-byte chunks
-//! swizzled by row, as the accumulator holds them) and arrives on `dq_full`. So the only barrier between the consumers is the named one that publishes dS^T, and no
-//! consumer waits for a copy it issued itself.
+//! swizzled by row, as the accumulator holds them) and arrives on `dq_full`. So the only barrier
+//! between the consumers is the named one that publishes dS^T, and no consumer waits for a copy it
+//! issued itself.
 //!
 //! The host plan, card (`cards::DkdvCard`), work list, segments and query-tile walk (dense, varlen,
 //! GQA, grouped windows, paged K/V, block-sparse through the transposed index) are
