@@ -395,11 +395,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Returns out; (out, softmax_lse, None) with return_attn_probs (no S_dmask is ever built);
     (out, lse) with the keyword-only return_lse. `deterministic` applies to the autograd
     backward of torch inputs that require grad. FP8 inputs (q, k, v torch.float8_e4m3fn, forward
-    only; keyword-only float32 descales [batch, heads_kv], FlashAttention-3's interface): see
-    _fp8.py; the output is bfloat16."""
+    only; keyword-only float32 descales [batch, heads_kv], FlashAttention-3's interface; with a
+    block_table the paged rows are gathered first): see _fp8.py; the output is bfloat16."""
     if _fp8.wanted(q, k, v, q_descale, k_descale, v_descale):
         if block_table is not None:
-            raise NotImplementedError("invalid argument `block_table`: FP8 inputs read an unpaged k, v")
+            # the paged rows gathered in sequence order, then dequantised as packed ones
+            from ._kvcache import gather_paged
+
+            k, v = gather_paged(k, v, cu_seqlens_k, block_table)
+            block_table = None
         q, k, v = _fp8.dequantize(q, k, v, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k)
     if _traced(q):
         from . import _ops

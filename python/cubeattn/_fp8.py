@@ -5,7 +5,9 @@ q, k, v as ``torch.float8_e4m3fn`` with optional float32 descales of shape ``[ba
 of ``q * q_descale``, ``k * k_descale``, ``v * v_descale``, forward only, output in bfloat16. Each
 input is dequantised once (its float32 product with the descale, rounded to bfloat16: a relative
 error of at most 2^-9 an element, below the bf16 attention's own) and the bfloat16 kernels run on
-it, on every device alike; an FP8 kernel (FP8 Q K^T and P.V on Hopper, issue 43) is not built.
+it, on every device alike; an FP8 kernel (FP8 Q K^T and P.V on Hopper, issue 43) is not built. A
+paged k, v (``block_table`` of the varlen call) is gathered into packed rows first
+(``_kvcache.gather_paged``), so each sequence's rows take its own descale.
 """
 
 _FP8 = "float8_e4m3fn"

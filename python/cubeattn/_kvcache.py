@@ -137,6 +137,28 @@ def paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
                     return_lse, deterministic, device)
 
 
+def gather_paged(k, v, cu_seqlens_k, block_table):
+    """k, v of a paged cache [num_blocks, page_block_size, heads_kv, d] as packed rows [total_k,
+    heads_kv, d] in sequence order (sequence b's keys 0 .. cu_seqlens_k[b+1] - cu_seqlens_k[b] read
+    through block_table[b]), any dtype: the FP8 path dequantises these with each sequence's descale
+    (a block two sequences share may then carry two scales)."""
+    for name, x in (("k", k), ("v", v)):
+        if len(x.shape) != 4:
+            raise ValueError(f"invalid argument `{name}`: with a block_table, expected [num_blocks, page_block_size, "
+                             f"heads_kv, head_dim], got shape {tuple(x.shape)}")
+    if tuple(v.shape[:3]) != tuple(k.shape[:3]):
+        raise ValueError(f"invalid argument `v`: shape {tuple(v.shape)} does not page like k's {tuple(k.shape)}")
+    ck = int32_vector(cu_seqlens_k, "cu_seqlens_k")
+    lens_k = np.diff(ck.astype(np.int64))
+    if ck.size < 1 or (lens_k.size and (lens_k.min() < 0 or ck[0] != 0)):
+        raise ValueError("invalid argument `cu_seqlens_k`: must start at 0 and not decrease")
+    batch = ck.size - 1
+    table = _table(block_table, batch)
+    _, _, rows = paged_keys(table, k.shape[1], np.zeros(batch, np.int64), lens_k, k.shape[0], False)
+    idx = _index(k, rows)
+    return _flat(k)[idx], _flat(v)[idx]
+
+
 def _append(k_cache, v_cache, k, v, lead, positions, page):
     """Writes new keys/values k, v [batch, seqlen_new, heads_kv, d] into the caches in place: row b's
     token i at cache position positions[b, i] of cache row lead[b] (non-paged, page None), or of

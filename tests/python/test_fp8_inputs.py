@@ -76,6 +76,40 @@ def test_varlen_descales_per_sequence(device):
     assert rel_err(lse.numpy(), want_lse) < 5e-3
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_varlen_is_the_call_on_the_gathered_rows(device):
+    """A paged FP8 k, v read through block_table (blocks out of order, one shared by two sequences
+    with different descales) gives what the unpaged call on the same rows gives, bit for bit, and
+    the f64 attention of the dequantised rows."""
+    gen = torch.Generator().manual_seed(9)
+    lens_q, lens_k = [5, 40, 17], [30, 70, 17]
+    page, hq, hk, d, num_blocks = 16, 4, 2, 64, 12
+    cu_q = torch.tensor(np.cumsum([0] + lens_q), dtype=torch.int32)
+    cu_k = torch.tensor(np.cumsum([0] + lens_k), dtype=torch.int32)
+    q = fp8((sum(lens_q), hq, d), gen)
+    kp, vp = fp8((num_blocks, page, hk, d), gen), fp8((num_blocks, page, hk, d), gen)
+    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    table = torch.zeros((3, 5), dtype=torch.int32)
+    table[0, :2] = perm[0:2]
+    table[1, :5] = perm[2:7]
+    table[2, :2] = torch.stack([perm[0], perm[7]])  # its first block is sequence 0's
+    ds = [descale(3, hk, gen) for _ in range(3)]
+    rows = torch.tensor([int(table[b, t // page]) * page + t % page for b in range(3) for t in range(lens_k[b])])
+    kg, vg = kp.reshape(-1, hk, d)[rows], vp.reshape(-1, hk, d)[rows]
+    on = lambda *xs: [x.to(device) for x in xs]  # noqa: E731
+    scales = dict(zip(("q_descale", "k_descale", "v_descale"), on(*ds)))
+    out = cubeattn.flash_attn_varlen_func(*on(q, kp, vp, cu_q, cu_k), max(lens_q), max(lens_k), causal=True,
+                                          block_table=table.to(device), **scales)
+    want = cubeattn.flash_attn_varlen_func(*on(q, kg, vg, cu_q, cu_k), max(lens_q), max(lens_k), causal=True, **scales)
+    assert out.device.type == device and torch.equal(out, want)
+    rows_q = torch.repeat_interleave(torch.arange(3), torch.tensor(lens_q))
+    rows_k = torch.repeat_interleave(torch.arange(3), torch.tensor(lens_k))
+    rq, rk, rv = dequant(q, ds[0], hq // hk, rows_q), dequant(kg, ds[1], 1, rows_k), dequant(vg, ds[2], 1, rows_k)
+    segs = [(int(cu_q[i]), lens_q[i], int(cu_k[i]), lens_k[i]) for i in range(3)]
+    ref, _ = ref_attention(rq.numpy(), rk.numpy(), rv.numpy(), segs, True)
+    assert rel_err(out.cpu().to(torch.float64).numpy(), ref) < 1e-2
+
+
 def test_bad_combinations_raise_naming_the_argument():
     gen = torch.Generator().manual_seed(3)
     b, s, hq, hk, d = 1, 16, 2, 1, 32
@@ -94,8 +128,11 @@ def test_bad_combinations_raise_naming_the_argument():
     with pytest.raises(ValueError, match="`q`.*forward only"):
         cubeattn.flash_attn_func(q.clone().requires_grad_(), k, v, device="cpu")
     cu = torch.tensor([0, s], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="`block_table`"):
+    with pytest.raises(ValueError, match="`k`"):  # a block_table needs a paged k [num_blocks, page, heads, d]
         cubeattn.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, s, s, block_table=torch.zeros((1, 1), dtype=torch.int32),
+                                        device="cpu")
+    with pytest.raises(ValueError, match="`block_table`"):  # a block outside the cache
+        cubeattn.flash_attn_varlen_func(q[0], k, v, cu, cu, s, s, block_table=torch.full((1, 1), 5, dtype=torch.int32),
                                         device="cpu")
     with pytest.raises(ValueError, match="`cu_seqlens_q`"):
         cubeattn.flash_attn_varlen_func(q[0], k[0], v[0], torch.tensor([0, s - 1], dtype=torch.int32), cu, s, s,
