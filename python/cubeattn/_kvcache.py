@@ -107,6 +107,13 @@ def _grouped(q_flat, k_flat, v_flat, q_ranges, kv_ranges, table, rows, softmax_s
                                    device=device)
 
 
+def _paged_shapes(k, v):
+    for name, x in (("k", k), ("v", v)):
+        if len(x.shape) != 4:
+            raise ValueError(f"invalid argument `{name}`: with a block_table, expected [num_blocks, page_block_size, "
+                             f"heads_kv, head_dim], got shape {tuple(x.shape)}")
+
+
 def paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, softmax_scale, causal,
                  window_size, return_lse, deterministic, device):
     """flash_attn_varlen_func with a paged k, v [num_blocks, page_block_size, heads_kv, d]: sequence
@@ -115,10 +122,7 @@ def paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     paged layout)."""
     from . import _count, _window
 
-    for name, x in (("k", k), ("v", v)):
-        if len(x.shape) != 4:
-            raise ValueError(f"invalid argument `{name}`: with a block_table, expected [num_blocks, page_block_size, "
-                             f"heads_kv, head_dim], got shape {tuple(x.shape)}")
+    _paged_shapes(k, v)
     cq, ck = int32_vector(cu_seqlens_q, "cu_seqlens_q"), int32_vector(cu_seqlens_k, "cu_seqlens_k")
     if cq.shape != ck.shape or cq.size < 1:
         raise ValueError(f"invalid argument `cu_seqlens_k`: {ck.size} entries, cu_seqlens_q has {cq.size}")
@@ -142,10 +146,7 @@ def gather_paged(k, v, cu_seqlens_k, block_table):
     heads_kv, d] in sequence order (sequence b's keys 0 .. cu_seqlens_k[b+1] - cu_seqlens_k[b] read
     through block_table[b]), any dtype: the FP8 path dequantises these with each sequence's descale
     (a block two sequences share may then carry two scales)."""
-    for name, x in (("k", k), ("v", v)):
-        if len(x.shape) != 4:
-            raise ValueError(f"invalid argument `{name}`: with a block_table, expected [num_blocks, page_block_size, "
-                             f"heads_kv, head_dim], got shape {tuple(x.shape)}")
+    _paged_shapes(k, v)
     if tuple(v.shape[:3]) != tuple(k.shape[:3]):
         raise ValueError(f"invalid argument `v`: shape {tuple(v.shape)} does not page like k's {tuple(k.shape)}")
     ck = int32_vector(cu_seqlens_k, "cu_seqlens_k")
