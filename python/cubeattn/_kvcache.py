@@ -114,6 +114,14 @@ def _paged_shapes(k, v):
                              f"heads_kv, head_dim], got shape {tuple(x.shape)}")
 
 
+def _key_lens(ck):
+    """The sequences' key counts from cu_seqlens_k (int32, at least one entry, from 0, not decreasing)."""
+    lens_k = np.diff(ck.astype(np.int64))
+    if ck.size < 1 or (lens_k.size and (lens_k.min() < 0 or ck[0] != 0)):
+        raise ValueError("invalid argument `cu_seqlens_k`: must start at 0 and not decrease")
+    return lens_k
+
+
 def paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, softmax_scale, causal,
                  window_size, return_lse, deterministic, device):
     """flash_attn_varlen_func with a paged k, v [num_blocks, page_block_size, heads_kv, d]: sequence
@@ -126,9 +134,7 @@ def paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     cq, ck = int32_vector(cu_seqlens_q, "cu_seqlens_q"), int32_vector(cu_seqlens_k, "cu_seqlens_k")
     if cq.shape != ck.shape or cq.size < 1:
         raise ValueError(f"invalid argument `cu_seqlens_k`: {ck.size} entries, cu_seqlens_q has {cq.size}")
-    lens_k = np.diff(ck.astype(np.int64))
-    if lens_k.size and (lens_k.min() < 0 or ck[0] != 0):
-        raise ValueError("invalid argument `cu_seqlens_k`: must start at 0 and not decrease")
+    lens_k = _key_lens(ck)
     batch = cq.size - 1
     if _count(max_seqlen_k, "max_seqlen_k") < (lens_k.max() if batch else 0):
         raise ValueError(f"invalid argument `max_seqlen_k`: smaller than the longest sequence ({lens_k.max()})")
@@ -150,9 +156,7 @@ def gather_paged(k, v, cu_seqlens_k, block_table):
     if tuple(v.shape[:3]) != tuple(k.shape[:3]):
         raise ValueError(f"invalid argument `v`: shape {tuple(v.shape)} does not page like k's {tuple(k.shape)}")
     ck = int32_vector(cu_seqlens_k, "cu_seqlens_k")
-    lens_k = np.diff(ck.astype(np.int64))
-    if ck.size < 1 or (lens_k.size and (lens_k.min() < 0 or ck[0] != 0)):
-        raise ValueError("invalid argument `cu_seqlens_k`: must start at 0 and not decrease")
+    lens_k = _key_lens(ck)
     batch = ck.size - 1
     table = _table(block_table, batch)
     _, _, rows = paged_keys(table, k.shape[1], np.zeros(batch, np.int64), lens_k, k.shape[0], False)
