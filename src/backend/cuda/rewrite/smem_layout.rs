@@ -1,15 +1,15 @@
 //! Shared-memory layout: CubeCL places a kernel's shared buffers in the iteration order of a hash
 //! set, which differs from process to process, so the same kernel compiled twice got different
 //! buffer offsets (and a user's disk cache kept whichever came first). [`smem_layout`] places them
-//! in declaration order instead, each at the kernel's largest alignment: one layout per kernel
-//! source, whoever compiles it.
+//! in declaration order instead: one layout per kernel source, whoever compiles it.
 
 use super::mismatch;
 use crate::error::Result;
 
 /// Places the shared buffers of kernel `entry` one after the other in the order of their ids
-/// (CubeCL numbers them in creation order), each aligned to the largest alignment CubeCL declared
-/// for the dynamic shared memory. Returns the source and the bytes of shared memory it needs. A
+/// (CubeCL numbers them in creation order), each aligned to the largest power of two that divides
+/// its size, at least 16 bytes and at most the alignment CubeCL declared for the dynamic shared
+/// memory (so that small buffers and barriers do not take a 1024-byte slot each). Returns the source and the bytes of shared memory it needs. A
 /// buffer declaration of another form is refused; a kernel without shared memory is unchanged.
 pub(crate) fn smem_layout(entry: &str, src: &str) -> Result<(String, u32)> {
     let bad = |what: &str| mismatch(entry, "smem_layout", what);
@@ -58,9 +58,15 @@ pub(crate) fn smem_layout(entry: &str, src: &str) -> Result<(String, u32)> {
     let mut out: Vec<String> = lines.iter().map(|l| l.to_string()).collect();
     let mut at = 0usize;
     for &(_, bytes, i, open, close) in &bufs {
-        out[i] = format!("{}{at}{}", &lines[i][..open], &lines[i][close..]);
-        at = (at + bytes).next_multiple_of(align);
+        // a buffer's alignment: the largest power of two dividing its size, from 16 up to the
+        // kernel's (a swizzled tile is a whole number of its swizzle atoms; a barrier or a small
+        // table need no more than 16)
+        let a = (1usize << bytes.trailing_zeros().min(align.trailing_zeros())).max(16).min(align);
+        let off = at.next_multiple_of(a);
+        out[i] = format!("{}{off}{}", &lines[i][..open], &lines[i][close..]);
+        at = off + bytes;
     }
+    let at = at.next_multiple_of(align);
     let mut text = out.join("\n");
     if src.ends_with('\n') {
         text.push('\n');
@@ -90,6 +96,24 @@ mod tests {
         assert!(out.contains("*shared_memory_9 = reinterpret_cast<float*>(&dynamic_shared_mem[96]);"), "{out}");
         assert_eq!(total, 112);
         assert_eq!(smem_layout("k", "no shared memory").unwrap(), ("no shared memory".to_string(), 0));
+    }
+
+    #[test]
+    fn small_buffers_pack_between_aligned_tiles() {
+        let src = "extern __shared__ __align__(1024) uint8 dynamic_shared_mem[];\n\
+            // Shared array size: 2048, 4096 bytes\n\
+            __half *shared_memory_1 = reinterpret_cast<__half*>(&dynamic_shared_mem[0]);\n\
+            // Shared value size: 8 bytes\n\
+            cuda::barrier<cuda::thread_scope_block> &shared_memory_2 = reinterpret_cast<cuda::barrier<cuda::thread_scope_block>&>(dynamic_shared_mem[4096]);\n\
+            // Shared array size: 128, 512 bytes\n\
+            float *shared_memory_3 = reinterpret_cast<float*>(&dynamic_shared_mem[5120]);\n\
+            // Shared array size: 1024, 2048 bytes\n\
+            __half *shared_memory_4 = reinterpret_cast<__half*>(&dynamic_shared_mem[6144]);\n";
+        let (out, total) = smem_layout("k", src).unwrap();
+        // the barrier right after the tile, the 512-byte table at a multiple of 512, the next tile at 1024
+        assert!(out.contains("(dynamic_shared_mem[4096]);") && out.contains("&dynamic_shared_mem[4608]);"), "{out}");
+        assert!(out.contains("__half*>(&dynamic_shared_mem[5120]);"), "{out}");
+        assert_eq!(total, 7168);
     }
 
     #[test]
