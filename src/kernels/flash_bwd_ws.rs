@@ -86,17 +86,19 @@ fn count_tiles<E: Float, NV: Size, NQ: Size>(args: &DkdvCard<E, NV, NQ>, ki: &Ke
     n
 }
 
-/// The dQ warp's addition of one stored tile: its first `rows` rows (global rows `first_row ..` of
-/// q head `h`) added to the head-major f32 accumulator (`[heads_q, total_q, head_dim]`, where they
-/// are contiguous) by one bulk reduce-add of lane 0 (64 row adds of the row-major accumulator
-/// took 7-9% more fwd+bwd time: docs/backward.md). `rows` 0: nothing to add. Once the copy engine
-/// has read the tile it is free again (`dq_empty`).
+/// The dQ warp's addition of stored tile `j` (buffer `j % 2`): its first `rows` rows (global rows
+/// `first_row ..` of q head `h`) added to the head-major f32 accumulator (`[heads_q, total_q,
+/// head_dim]`, where they are contiguous) by one bulk reduce-add of lane 0 (64 row adds of the
+/// row-major accumulator took 7-9% more fwd+bwd time: docs/backward.md). `rows` 0: nothing to add.
+/// Once the copy engine has read the buffer it is free again (`dq_empty` of its parity).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn add_tile<NQ: Size>(
     dq_tile: &SharedMemory<Vector<f32, NQ>>,
     acc: &mut Array<Vector<f32, NQ>>,
-    dq_empty: &Barrier,
+    dq_empty0: &Barrier,
+    dq_empty1: &Barrier,
+    j: u32,
     lane: u32,
     first_row: u32,
     rows: u32,
@@ -106,15 +108,17 @@ fn add_tile<NQ: Size>(
 ) {
     if lane == 0u32 && rows > 0u32 {
         let d = comptime!(head_dim as u32);
-        bulk_add_f32::<NQ>(acc, (h * total_q + first_row) * d, dq_tile, rows * d * 4u32);
+        let src = (j & 1u32) * comptime!((BM * head_dim) as u32);
+        bulk_add_f32::<NQ>(acc, (h * total_q + first_row) * d, dq_tile, src, rows * d * 4u32);
         tma_group_commit();
         tma_group_wait_read(0u32);
     }
-    let _t = dq_empty.arrive_and_expect_tx(1u32, 0u32);
+    release(dq_empty0, dq_empty1, j, true);
 }
 
 /// Stores this thread's dQ fragment (rows `row_a`, `row_a + 8` of the 64-row tile, column pairs
-/// `dq_col0 + 8 nb + col_a` of the warpgroup's `head_dim / 2` columns) into the tile as global row
+/// `dq_col0 + 8 nb + col_a` of the warpgroup's `head_dim / 2` columns) into the tile buffer that
+/// starts at f32 `tile0` as global row
 /// `first_row + r` sits in the head-major accumulator: rows of `head_dim` f32, the 16-byte chunk
 /// `c / 4` at chunk `(c / 4) ^ ((first_row + r) % 8)` (`swz` = `first_row % 8`;
 /// `flash_bwd::dq_convert`'s head-major variant undoes it). A warp's float2 stores cover 8
@@ -126,6 +130,7 @@ fn add_tile<NQ: Size>(
 #[allow(clippy::too_many_arguments)]
 pub fn put_dq_tile<NQ: Size>(
     dq_tile: &mut SharedMemory<Vector<f32, NQ>>,
+    tile0: usize,
     dq: &Array<f32>,
     row_a: usize,
     dq_col0: usize,
@@ -135,7 +140,7 @@ pub fn put_dq_tile<NQ: Size>(
     #[comptime] qvec: usize,
 ) {
     let z = ((swz + row_a) % 8) ^ (col_a / 4);
-    let base = row_a * head_dim + dq_col0 + col_a % 4;
+    let base = tile0 + row_a * head_dim + dq_col0 + col_a % 4;
     #[unroll]
     for nb in 0..comptime!(head_dim / 16) {
         let chunk = (z ^ comptime!(2 * (nb % 4))) + comptime!(8 * (nb / 4));
@@ -172,10 +177,10 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
     // dS^T, key-major ([key][row]: one 64-column chunk of BN rows), two buffers: the A operand of
     // dQ = dS K
     let mut ds_smem = SharedMemory::<E>::new_aligned(comptime!(if fuse_dq { 2 * BN * BM } else { SW_COLS * 8 }), 1024usize);
-    // the dQ tile: 64 rows of head_dim f32, chunks swizzled by row ([`put_dq_tile`])
-    let mut dq_tile = SharedMemory::<Vector<f32, NQ>>::new_aligned(comptime!(if fuse_dq { BM * head_dim / qvec } else { 1usize }), 128usize);
-    // the dQ tile's destination: first global row (q_start + r0), rows, head
-    let mut dq_info = SharedMemory::<u32>::new(4usize);
+    // two dQ tile buffers: 64 rows of head_dim f32 each, chunks swizzled by row ([`put_dq_tile`])
+    let mut dq_tile = SharedMemory::<Vector<f32, NQ>>::new_aligned(comptime!(if fuse_dq { 2 * BM * head_dim / qvec } else { 1usize }), 128usize);
+    // each buffer's destination: first global row (q_start + r0), rows, head
+    let mut dq_info = SharedMemory::<u32>::new(8usize);
     let mut lse_smem = SharedMemory::<f32>::new(comptime!(2 * BM));
     let mut dl_smem = SharedMemory::<f32>::new(comptime!(2 * BM));
     let full0 = Barrier::shared(comptime!(LOADERS as u32), UNIT_POS == 0);
@@ -183,8 +188,11 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
     // every consumer thread arrives: its reads of the stage's lse / delta precede its arrival
     let empty0 = Barrier::shared(CONSUMER_THREADS, UNIT_POS == 0);
     let empty1 = Barrier::shared(CONSUMER_THREADS, UNIT_POS == 0);
-    let dq_full = Barrier::shared(CONSUMER_THREADS, UNIT_POS == 0);
-    let dq_empty = Barrier::shared(comptime!(LOADERS as u32), UNIT_POS == 0);
+    // per dQ buffer: stored (every consumer thread), read by the copy engine (the dQ warp's lanes)
+    let dq_full0 = Barrier::shared(CONSUMER_THREADS, UNIT_POS == 0);
+    let dq_full1 = Barrier::shared(CONSUMER_THREADS, UNIT_POS == 0);
+    let dq_empty0 = Barrier::shared(comptime!(LOADERS as u32), UNIT_POS == 0);
+    let dq_empty1 = Barrier::shared(comptime!(LOADERS as u32), UNIT_POS == 0);
 
     let (item, hk) = cube_item_slot(args.heads_kv, args.kv_outer, sparse);
     let group = args.heads_q / args.heads_kv;
@@ -235,9 +243,11 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
                 // ---- the dQ warp: each tile's rows added to the accumulator by the copy engine ----
                 let n = count_tiles(args, &ki, hk, sparse);
                 for j in 0..n {
-                    dq_full.wait_parity(j & 1u32);
+                    wait_stage(&dq_full0, &dq_full1, j);
+                    let ib = ((j & 1u32) * 4u32) as usize;
                     add_tile::<NQ>(
-                        &dq_tile, &mut args.dq_rows, &dq_empty, lane, dq_info[0], dq_info[1], dq_info[2], args.total_q, head_dim,
+                        &dq_tile, &mut args.dq_rows, &dq_empty0, &dq_empty1, j, lane, dq_info[ib], dq_info[ib + 1], dq_info[ib + 2],
+                        args.total_q, head_dim,
                     );
                 }
             }
@@ -329,21 +339,32 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
                 wgmma_wait(1u32);
                 release(&empty0, &empty1, cur, true);
                 wgmma_wait(0u32);
-                // the dQ warp has read the previous tile's rows
-                if cur > 0u32 {
-                    dq_empty.wait_parity((cur - 1u32) & 1u32);
+                // buffer cur % 2: the dQ warp has read its previous use (tile cur - 2)
+                if cur >= 2u32 {
+                    let parity = ((cur >> 1u32) + 1u32) & 1u32;
+                    if (cur & 1u32) == 0u32 {
+                        dq_empty0.wait_parity(parity);
+                    } else {
+                        dq_empty1.wait_parity(parity);
+                    }
                 }
                 // rows 16 w + lane / 4 (+ 8) of the tile (the dQ warp adds its live rows only)
                 let first_row = sw.q_start + r0;
-                put_dq_tile::<NQ>(&mut dq_tile, &dq, key_a - cw * WG_KEYS, dq_col0, col_a, (first_row % 8u32) as usize, head_dim, qvec);
+                let tile0 = ((cur & 1u32) as usize) * comptime!(BM * head_dim);
+                put_dq_tile::<NQ>(&mut dq_tile, tile0, &dq, key_a - cw * WG_KEYS, dq_col0, col_a, (first_row % 8u32) as usize, head_dim, qvec);
                 if ct == 0u32 {
-                    dq_info[0] = first_row;
-                    dq_info[1] = select(r0 < row_end, min(row_end - r0, BM as u32), 0u32);
-                    dq_info[2] = h;
+                    let ib = ((cur & 1u32) * 4u32) as usize;
+                    dq_info[ib] = first_row;
+                    dq_info[ib + 1] = select(r0 < row_end, min(row_end - r0, BM as u32), 0u32);
+                    dq_info[ib + 2] = h;
                 }
                 // this thread's stores visible to the copy engine, then its arrival
                 fence_proxy_async();
-                let _t = dq_full.arrive_and_expect_tx(1u32, 0u32);
+                if (cur & 1u32) == 0u32 {
+                    let _t = dq_full0.arrive_and_expect_tx(1u32, 0u32);
+                } else {
+                    let _t = dq_full1.arrive_and_expect_tx(1u32, 0u32);
+                }
             } else {
                 wgmma_wait(0u32);
                 release(&empty0, &empty1, cur, true);

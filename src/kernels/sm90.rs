@@ -242,15 +242,15 @@ pub fn store_pair<E: Float>(out: &mut Array<E>, idx: usize, a: f32, b: f32) {
     })
 }
 
-/// `bytes` of f32 at the start of shared `src` added into global `dst` from f32 element `dst_off` on
-/// by the copy engine (`cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32`, a run-time
-/// size: a multiple of 16, both addresses 16-byte aligned); the caller commits the bulk group and
-/// waits for its reads (`tma_group_commit`, `tma_group_wait_read`).
+/// `bytes` of f32 of shared `src` from f32 element `src_off` on added into global `dst` from f32
+/// element `dst_off` on by the copy engine (`cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32`,
+/// a run-time size: a multiple of 16, both addresses 16-byte aligned); the caller commits the bulk
+/// group and waits for its reads (`tma_group_commit`, `tma_group_wait_read`).
 #[cube]
 #[allow(unused_variables)]
-pub fn bulk_add_f32<N: Size>(dst: &mut Array<Vector<f32, N>>, dst_off: u32, src: &SharedMemory<Vector<f32, N>>, bytes: u32) {
+pub fn bulk_add_f32<N: Size>(dst: &mut Array<Vector<f32, N>>, dst_off: u32, src: &SharedMemory<Vector<f32, N>>, src_off: u32, bytes: u32) {
     intrinsic!(|scope| {
-        let args = vec![*dst.expand, *dst_off.expand, *src.expand, *bytes.expand];
+        let args = vec![*dst.expand, *dst_off.expand, *src.expand, *src_off.expand, *bytes.expand];
         marker(scope, "bulk_add".into(), args)
     })
 }

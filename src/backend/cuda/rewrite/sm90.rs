@@ -151,9 +151,10 @@ fn lower_marker(text: &str) -> Option<Lowered> {
         ["bulk_add"] => {
             let helper = "__cubeattn_bulk_add".to_string();
             let definition = format!(
-                r#"__device__ __forceinline__ void {helper}(void* dst, unsigned dst_off, const void* src, unsigned bytes) {{
+                r#"__device__ __forceinline__ void {helper}(void* dst, unsigned dst_off, const void* src, unsigned src_off, unsigned bytes) {{
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-               :: "l"(reinterpret_cast<float*>(dst) + dst_off), "r"(static_cast<unsigned>(__cvta_generic_to_shared(src))), "r"(bytes)
+               :: "l"(reinterpret_cast<float*>(dst) + dst_off),
+                  "r"(static_cast<unsigned>(__cvta_generic_to_shared(reinterpret_cast<const float*>(src) + src_off))), "r"(bytes)
                : "memory");
 }}
 "#
@@ -287,8 +288,8 @@ pub(crate) fn lower(entry: &str, src: &str) -> Result<String> {
         let args = call_args(stmt).ok_or_else(bad)?;
         let low = lower_marker(text).ok_or_else(bad)?;
         let want = match text.split(' ').next() {
-            Some("wgmma_ss" | "wgmma_ss_s8" | "e4m3x4") => 5,
-            Some("wgmma_rs" | "wgmma_rs_e4m3" | "store_pair" | "bulk_add") => 4,
+            Some("wgmma_ss" | "wgmma_ss_s8" | "e4m3x4" | "bulk_add") => 5,
+            Some("wgmma_rs" | "wgmma_rs_e4m3" | "store_pair") => 4,
             Some("pack_p_e4m3") => 2,
             _ => 0,
         };
@@ -382,8 +383,8 @@ mod tests {
         assert!(sp.contains("__cubeattn_store_pair_bf16(buffer_5, l_9, l_10, l_11);") && sp.contains("__floats2bfloat162_rn(a, b)"), "{sp}");
         assert!(lower("k", &kernel(&format!("printf(\"{MARK}store_pair f32\", a,b,c,d);\n"))).is_err());
         // bulk f32 reduce-adds of a run-time size
-        let ba = lower("k_", &kernel(&format!("printf(\"{MARK}bulk_add\", buffer_9,l_3,shared_memory_8,l_4);\n"))).unwrap();
-        assert!(ba.contains("__cubeattn_bulk_add(buffer_9, l_3, shared_memory_8, l_4);"), "{ba}");
+        let ba = lower("k_", &kernel(&format!("printf(\"{MARK}bulk_add\", buffer_9,l_3,shared_memory_8,l_5,l_4);\n"))).unwrap();
+        assert!(ba.contains("__cubeattn_bulk_add(buffer_9, l_3, shared_memory_8, l_5, l_4);"), "{ba}");
         assert!(ba.contains("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"), "{ba}");
         assert!(lower("k", &kernel(&format!("printf(\"{MARK}bulk_add\", buffer_9,l_3,shared_memory_8);\n"))).is_err());
         // helpers sit before the entry point, each once

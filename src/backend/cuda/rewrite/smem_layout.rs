@@ -1,15 +1,19 @@
 //! Shared-memory layout: CubeCL places a kernel's shared buffers in the iteration order of a hash
 //! set, which differs from process to process, so the same kernel compiled twice got different
 //! buffer offsets (and a user's disk cache kept whichever came first). [`smem_layout`] places them
-//! in declaration order instead, each at the kernel's largest alignment: one layout per kernel
-//! source, whoever compiles it.
+//! in declaration order instead: one layout per kernel source, whoever compiles it.
 
 use super::mismatch;
 use crate::error::Result;
 
+/// The most dynamic shared memory a block can opt into on any GPU we target (sm_90: 227 KiB).
+const MOST_SHARED: usize = 227 * 1024;
+
 /// Places the shared buffers of kernel `entry` one after the other in the order of their ids
-/// (CubeCL numbers them in creation order), each aligned to the largest alignment CubeCL declared
-/// for the dynamic shared memory. Returns the source and the bytes of shared memory it needs. A
+/// (CubeCL numbers them in creation order), each aligned to the alignment CubeCL declared for the
+/// dynamic shared memory, or, where that would exceed [`MOST_SHARED`], to the largest power of two
+/// dividing its size (at least 16 bytes, at most that alignment), so that barriers and small tables
+/// do not take a 1024-byte slot each. Returns the source and the bytes of shared memory it needs. A
 /// buffer declaration of another form is refused; a kernel without shared memory is unchanged.
 pub(crate) fn smem_layout(entry: &str, src: &str) -> Result<(String, u32)> {
     let bad = |what: &str| mismatch(entry, "smem_layout", what);
@@ -55,11 +59,30 @@ pub(crate) fn smem_layout(entry: &str, src: &str) -> Result<(String, u32)> {
         bufs.push((id, bytes, i, open, close));
     }
     bufs.sort_by_key(|b| b.0);
+    // each buffer at the kernel's alignment; a kernel that would then ask for more than any GPU
+    // gives a block (227 KiB on sm_90) packs each buffer at the largest power of two dividing its
+    // size, from 16 up to the kernel's (a swizzled tile is a whole number of its swizzle atoms; a
+    // barrier or a small table needs no more than 16): only such kernels change layout
+    let place = |own: bool| {
+        let mut at = 0usize;
+        let offs: Vec<usize> = bufs
+            .iter()
+            .map(|&(_, bytes, ..)| {
+                let a = if own { (1usize << bytes.trailing_zeros().min(align.trailing_zeros())).clamp(16, align) } else { align };
+                let off = at.next_multiple_of(a);
+                at = off + bytes;
+                off
+            })
+            .collect();
+        (offs, at.next_multiple_of(align))
+    };
+    let (mut offs, mut at) = place(false);
+    if at > MOST_SHARED {
+        (offs, at) = place(true);
+    }
     let mut out: Vec<String> = lines.iter().map(|l| l.to_string()).collect();
-    let mut at = 0usize;
-    for &(_, bytes, i, open, close) in &bufs {
-        out[i] = format!("{}{at}{}", &lines[i][..open], &lines[i][close..]);
-        at = (at + bytes).next_multiple_of(align);
+    for (&(_, _, i, open, close), off) in bufs.iter().zip(offs) {
+        out[i] = format!("{}{off}{}", &lines[i][..open], &lines[i][close..]);
     }
     let mut text = out.join("\n");
     if src.ends_with('\n') {
@@ -90,6 +113,38 @@ mod tests {
         assert!(out.contains("*shared_memory_9 = reinterpret_cast<float*>(&dynamic_shared_mem[96]);"), "{out}");
         assert_eq!(total, 112);
         assert_eq!(smem_layout("k", "no shared memory").unwrap(), ("no shared memory".to_string(), 0));
+    }
+
+    #[test]
+    fn small_buffers_pack_only_where_the_padded_layout_does_not_fit() {
+        // two tiles of 113 KiB with a barrier and a 512-byte table between them: 228 KiB padded
+        let t = 113 * 1024;
+        let src = format!(
+            "extern __shared__ __align__(1024) uint8 dynamic_shared_mem[];\n\
+            // Shared array size: {h}, {t} bytes\n\
+            __half *shared_memory_1 = reinterpret_cast<__half*>(&dynamic_shared_mem[0]);\n\
+            // Shared value size: 8 bytes\n\
+            cuda::barrier<cuda::thread_scope_block> &shared_memory_2 = reinterpret_cast<cuda::barrier<cuda::thread_scope_block>&>(dynamic_shared_mem[{t}]);\n\
+            // Shared array size: 128, 512 bytes\n\
+            float *shared_memory_3 = reinterpret_cast<float*>(&dynamic_shared_mem[{b}]);\n\
+            // Shared array size: {h}, {t} bytes\n\
+            __half *shared_memory_4 = reinterpret_cast<__half*>(&dynamic_shared_mem[{c}]);\n",
+            h = t / 2,
+            b = t + 1024,
+            c = t + 2048
+        );
+        let (out, total) = smem_layout("k", &src).unwrap();
+        // the barrier right after the tile, the table at a multiple of 512, the next tile at 1024
+        assert!(out.contains(&format!("(dynamic_shared_mem[{t}]);")), "{out}");
+        assert!(out.contains(&format!("float*>(&dynamic_shared_mem[{}]);", t + 512)), "{out}");
+        assert!(out.contains(&format!("__half*>(&dynamic_shared_mem[{}]);", t + 1024)) && out.contains("shared_memory_4"), "{out}");
+        assert_eq!(total as usize, 2 * t + 1024);
+        // a kernel that fits padded keeps every buffer at the kernel's alignment
+        let small = src.replace(&t.to_string(), "4096").replace(&(t / 2).to_string(), "2048");
+        let (out, total) = smem_layout("k", &small).unwrap();
+        assert!(out.contains("(dynamic_shared_mem[4096]);") && out.contains("float*>(&dynamic_shared_mem[5120]);"), "{out}");
+        assert!(out.contains("__half*>(&dynamic_shared_mem[6144]);"), "{out}");
+        assert_eq!(total, 10240);
     }
 
     #[test]
