@@ -10,12 +10,13 @@
 //! arrival once its warpgroup's MMAs have read the stage: each thread's own reads of lse / delta
 //! come before it; one arrival per warpgroup was a race, compute-sanitizer racecheck); its warp 1
 //! (fused dQ) waits for each tile's dQ, adds its live rows to the head-major f32 accumulator by one
-//! bulk reduce-add (lane 0) and frees the tile. Warpgroups 1 and 2 are the consumers
+//! bulk reduce-add (lane 0) and frees the tile's buffer (two dQ buffers: tile j in buffer j % 2, so
+//! the consumers store tile j + 1 while the copy engine reads tile j). Warpgroups 1 and 2 are the consumers
 //! (`setmaxnreg.inc`, 64 keys each, dK and dV in registers). Per query tile a consumer: waits for
 //! the stage; S^T, dP^T; P^T, dS^T; dV += P^T dO, dK += dS^T Q; (fused dQ) stores dS^T key-major
 //! into one of two buffers, meets the other consumer at a named barrier, forms its half of dQ's
-//! columns, releases the stage, waits until the dQ tile is free, stores its half (16-byte chunks
-//! swizzled by row, as the accumulator holds them) and arrives on `dq_full`. So the only barrier
+//! columns, releases the stage, waits until the dQ buffer is free, stores its half (16-byte chunks
+//! swizzled by row, as the accumulator holds them) and arrives on the buffer's `dq_full`. So the only barrier
 //! between the consumers is the named one that publishes dS^T, and no consumer waits for a copy it
 //! issued itself.
 //!
