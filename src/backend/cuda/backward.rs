@@ -547,17 +547,18 @@ pub(crate) fn dkdv_sm90_source(client: &ComputeClient<CudaRuntime>, dt: DType, v
 }
 
 /// Whether the dense dK/dV cubes go kv head outer (`grid::cube_item_slot`): non-causal calls
-/// without a window (their key tiles all cost the same) whose `n_work` key tiles fill a wave of the
-/// GPU. The cubes running at once then share one kv head's query tiles and dQ rows in L2 (ncu,
-/// non-causal 32K heads fastest: 310 GB of DRAM traffic, L2 hit rate 42%; cuDNN's 5.4 GB, 98%):
-/// 3.4% less fwd+bwd time at 32K, the same at 8K / 16K (H200, d128, torch path,
-/// bench/results/h200-2026-11-29-bwd-order). Causal calls keep heads fastest (the work list's most
-/// expensive tiles of every head first): kv head outer made causal 4K / 8K 32% / 7% slower (the
-/// last heads' longest tiles start late), 16K / 32K the same. `CUBEATTN_BWD_ORDER` overrides it.
-/// Measured on the Hopper kernels only: the mma.sync kernel (`hopper` false) keeps heads fastest.
-fn kv_outer(spec: &AttnSpec, n_work: usize, hopper: bool) -> bool {
+/// without a window (their key tiles all cost the same). The cubes running at once then share one
+/// kv head's query tiles and dQ rows in L2 (ncu, non-causal 32K heads fastest: 310 GB of DRAM
+/// traffic, L2 hit rate 42%; cuDNN's 5.4 GB, 98%): 3.4% less fwd+bwd time at 32K
+/// (bench/results/h200-2026-11-29-bwd-order); with the one-add dQ also 1.5 / 2.5% less at 8K / 16K
+/// and the same at 4K (h200x2-2026-11-29-two-tiles; before, only launches whose key tiles filled a
+/// wave took it). Causal calls keep heads fastest (the work list's most expensive tiles of every
+/// head first): kv head outer made causal 4K / 8K 29% / 7% slower (the last heads' longest tiles
+/// start late), 16K 2% faster, 32K the same. `CUBEATTN_BWD_ORDER` overrides it. Measured on the
+/// Hopper kernels only: the mma.sync kernel (`hopper` false) keeps heads fastest.
+fn kv_outer(spec: &AttnSpec, hopper: bool) -> bool {
     let (_, _, window) = window_bounds(spec);
-    crate::config::get().bwd_order.unwrap_or(hopper && !spec.causal && !window && n_work >= super::plan::sm_count())
+    crate::config::get().bwd_order.unwrap_or(hopper && !spec.causal && !window)
 }
 
 /// Enqueues the dK/dV kernel over `n_work` work items x heads_kv: dense, 128-key tiles of the
@@ -651,7 +652,7 @@ pub(crate) fn launch_dkdv_wide(
         q_tiles_per_block,
         win_l,
         win_r,
-        kv_outer: (sparse.is_none() && kv_outer(spec, n_work, hopper)) as u32,
+        kv_outer: (sparse.is_none() && kv_outer(spec, hopper)) as u32,
     };
     launch(&f, ((n_work * d.heads_kv) as u32, 1, 1), &mut args.args(), stream)?;
     Ok(head_major)
