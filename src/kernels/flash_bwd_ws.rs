@@ -42,7 +42,7 @@ use super::grid::cube_item_slot;
 use super::sm90::{
     bulk_add_f32, fence_proxy_async, named_barrier, pack_a_pairs, setmaxnreg, wgmma_commit, wgmma_fence, wgmma_wait, SW_COLS,
 };
-use super::staging::{stage_rows, wait_stage};
+use super::staging::{stage_rows, wait_free, wait_stage};
 use super::tiles::{BWD_BM, WIDE_BN};
 
 /// Threads per cube: a producer warpgroup and two consumer warpgroups.
@@ -220,15 +220,8 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
                 let sw = walk(args, &ki, si, hk, group, sparse);
                 let mut qt = first_q_tile(&args.tq_list, &sw, hk, group, args.q_block, sparse);
                 for it in 0..sw.n_it {
-                    // use u = g / 2 of the stage waits for the consumers' release of use u - 1
-                    if g >= 2u32 {
-                        let parity = ((g >> 1u32) + 1u32) & 1u32;
-                        if (g & 1u32) == 0u32 {
-                            empty0.wait_parity(parity);
-                        } else {
-                            empty1.wait_parity(parity);
-                        }
-                    }
+                    // stage g % 2 waits for the consumers' release of its use g - 2
+                    wait_free(&empty0, &empty1, g);
                     issue_q_tile::<E>(
                         &args.q_map, &args.do_map, &args.q_s, &args.do_s, &args.lse, &args.delta, &mut q_smem, &mut do_smem,
                         &mut lse_smem, &mut dl_smem, &full0, &full1, g, qt.h, qt.r0, sw.q_len, sw.q_start, args.heads_q,
@@ -341,14 +334,7 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
                 release(&empty0, &empty1, cur, true);
                 wgmma_wait(0u32);
                 // buffer cur % 2: the dQ warp has read its previous use (tile cur - 2)
-                if cur >= 2u32 {
-                    let parity = ((cur >> 1u32) + 1u32) & 1u32;
-                    if (cur & 1u32) == 0u32 {
-                        dq_empty0.wait_parity(parity);
-                    } else {
-                        dq_empty1.wait_parity(parity);
-                    }
-                }
+                wait_free(&dq_empty0, &dq_empty1, cur);
                 // rows 16 w + lane / 4 (+ 8) of the tile (the dQ warp adds its live rows only)
                 let first_row = sw.q_start + r0;
                 let tile0 = ((cur & 1u32) as usize) * comptime!(BM * head_dim);
@@ -361,11 +347,7 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
                 }
                 // this thread's stores visible to the copy engine, then its arrival
                 fence_proxy_async();
-                if (cur & 1u32) == 0u32 {
-                    let _t = dq_full0.arrive_and_expect_tx(1u32, 0u32);
-                } else {
-                    let _t = dq_full1.arrive_and_expect_tx(1u32, 0u32);
-                }
+                release(&dq_full0, &dq_full1, cur, true);
             } else {
                 wgmma_wait(0u32);
                 release(&empty0, &empty1, cur, true);

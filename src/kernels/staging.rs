@@ -207,6 +207,21 @@ pub fn commit_stage(even: &Barrier, odd: &Barrier, stage: u32) {
     }
 }
 
+/// Before use `n` of a two-buffer ring (buffer `n % 2`): waits until its use `n - 2` was released
+/// (phase `n / 2 - 1` of that buffer's `empty` barrier: parity `(n / 2 + 1) & 1`); the first two
+/// uses wait for nothing.
+#[cube]
+pub fn wait_free(even: &Barrier, odd: &Barrier, n: u32) {
+    if n >= 2u32 {
+        let parity = ((n >> 1u32) + 1u32) & 1u32;
+        if (n & 1u32) == 0u32 {
+            even.wait_parity(parity);
+        } else {
+            odd.wait_parity(parity);
+        }
+    }
+}
+
 /// Waits for the copies of `stage` (`even` when it is even, else `odd`): its `stage / 2`-th use of
 /// the barrier, phase parity `(stage >> 1) & 1`.
 #[cube]
