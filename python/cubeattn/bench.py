@@ -47,9 +47,23 @@ def causal_pairs(sq, sk):
     return int(np.clip(sk - sq + r + 1, 0, sk).sum())
 
 
-def median_ms(fn, warmup, iters, sync=lambda: None):
-    for _ in range(warmup):
+def _no_sync():
+    pass
+
+
+def median_ms(fn, warmup, iters, sync=_no_sync, warm_s=0.1):
+    """(median, min, max) ms of `iters` calls of `fn`, each followed by `sync`, after `warmup` calls;
+    on a device (a `sync` given) also after at least `warm_s` seconds of calls, as triton's do_bench
+    warms up by time: the first row of a process otherwise meets the GPU at idle clocks (`warmup`
+    is 2-3 calls in most rows). Pass `warm_s=0` where every process must make the same calls."""
+    warm_s = warm_s if sync is not _no_sync else 0.0
+    t0 = time.perf_counter()
+    n = 0
+    while n < warmup or (time.perf_counter() - t0 < warm_s and n < 10000):
         fn()
+        n += 1
+        if n % 16 == 0:
+            sync()
     sync()
     ts = []
     for _ in range(iters):
@@ -789,7 +803,7 @@ def _cp_zigzag(args, torch, device):
     hq, hkv, d = CONFIGS[args.config]
     tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype] if device == "cuda" else torch.float32
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if device == "cuda" else _no_sync
     stride = args.heads_k_stride or hkv
     real_gather, real_rs = zz._all_gather, zz._reduce_scatter
 
@@ -898,7 +912,8 @@ def _cp_zigzag(args, torch, device):
                                     with torch.no_grad():
                                         fn(False)
                             dist.barrier()
-                            ms = median_ms(step, 2, args.iterations, sync)[0]
+                            # a fixed number of warm-up steps: every rank makes the same collectives
+                            ms = median_ms(step, 2, args.iterations, sync, warm_s=0.0)[0]
                             t = torch.tensor([ms], dtype=torch.float64, device=dev)
                             dist.all_reduce(t, op=dist.ReduceOp.MAX)
                             row[f"{key}_ms" + ("_nocomm" if nocomm else "")] = t.item()
@@ -1179,7 +1194,7 @@ def _sage_rows(args, torch, dev="cuda"):
     causal, it = args.causal, args.iterations
     dt = getattr(args, "dtype", "bfloat16")
     tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16}[dt]
-    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if dev == "cuda" else _no_sync
     heads = _ref_heads(H)
     rows = []
     for s in args.seqlens:
