@@ -27,7 +27,7 @@ use super::flash_fwd_sm90::{lane_rows, mask_scores, pv_steps, rescale_o, s_steps
 use super::kv_tiles::{issue_tile_boxes, tile_rows};
 use super::sm90::{fence_proxy_async, named_barrier, pack_a_pairs, setmaxnreg, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_wait,
     SW_COLS};
-use super::staging::commit_copies;
+use super::staging::{commit_copies, wait_stage};
 
 /// Threads per cube: a producer warpgroup and two consumer warpgroups.
 pub const WS_THREADS: usize = 384;
@@ -72,16 +72,6 @@ fn produce_tile<E: Float>(
         }
         issue_tile_boxes(map, smem, full1, tile, p0, pb, head_kv, block_n, head_dim, true);
         let _t = full1.arrive_and_expect_tx(1u32, 0u32);
-    }
-}
-
-/// Waits until stage `kt & 1`'s tile `kt` has landed (phase `(kt / 2) & 1` of its `full` barrier).
-#[cube]
-fn wait_full(full0: &Barrier, full1: &Barrier, kt: u32) {
-    if (kt & 1u32) == 0 {
-        full0.wait_parity((kt >> 1u32) & 1u32);
-    } else {
-        full1.wait_parity((kt >> 1u32) & 1u32);
     }
 }
 
@@ -218,7 +208,7 @@ pub fn flash_fwd_ws<E: Float>(
         // tile 0: S(0) and its softmax (O is zero: no rescale)
         let (t0, t1) = tile_bounds(0u32, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
             tpb_magic, block_n, sparse);
-        wait_full(&k_full0, &k_full1, 0u32);
+        wait_stage(&k_full0, &k_full1, 0u32);
         wgmma_fence();
         s_steps::<E>(&mut s, &mut s_i, &q_smem, q_wg, &k_smem, 0usize, block_n, head_dim, false);
         wgmma_commit();
@@ -234,11 +224,11 @@ pub fn flash_fwd_ws<E: Float>(
             tpb_magic, block_n, sparse);
         let cur = ((kt & 1u32) as usize) * tile_e;
         let prev = tile_e - cur;
-        wait_full(&k_full0, &k_full1, kt);
+        wait_stage(&k_full0, &k_full1, kt);
         wgmma_fence();
         s_steps::<E>(&mut s, &mut s_i, &q_smem, q_wg, &k_smem, cur, block_n, head_dim, false);
         wgmma_commit();
-        wait_full(&v_full0, &v_full1, kt - 1u32);
+        wait_stage(&v_full0, &v_full1, kt - 1u32);
         pv_steps::<E>(&mut o_acc, &p, &v_smem, prev, block_n, head_dim);
         wgmma_commit();
         wgmma_wait(1u32);
@@ -254,7 +244,7 @@ pub fn flash_fwd_ws<E: Float>(
     }
     if n_tiles > 0 {
         let last = n_tiles - 1u32;
-        wait_full(&v_full0, &v_full1, last);
+        wait_stage(&v_full0, &v_full1, last);
         wgmma_fence();
         pv_steps::<E>(&mut o_acc, &p, &v_smem, ((last & 1u32) as usize) * tile_e, block_n, head_dim);
         wgmma_commit();
