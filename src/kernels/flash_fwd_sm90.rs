@@ -21,7 +21,7 @@ use cubecl::prelude::barrier::{copy_async, Barrier};
 
 use super::cards::FwdCard;
 use super::fp8_v::vt_col_base;
-use super::int8_qk::dot_to_f32;
+use super::int8_qk::{dot_biased, MAGIC};
 use super::flash_fwd::{fill_rows, tile_bounds, work_item, LIST_SMEM, M_INIT, NONE, RESCALE_SLACK, SLICE_WORDS};
 use super::kv_tiles::{issue_tile_boxes, tile_rows};
 use super::math::{fast_exp2, LN2};
@@ -137,9 +137,12 @@ pub(super) fn mask_scores(
 /// the rows' reference maxima `m_r` move only past `RESCALE_SLACK`, `alpha` gets each row's
 /// factor for O (1 where it stayed), `s` becomes P, `l_r` the rescaled row sums plus this tile's.
 /// Returns whether any row of the warp moved (O must then be rescaled by `alpha`). `int8`: `s`
-/// holds raw dot products and `sl` this lane's two factors to base-2 scores (Q scale x K scale x
-/// `scale_log2`) in place of `scale_log2`. `fp8` (FP8 P.V): no slack (the references follow every
-/// rise, so P <= 1) and P, the row sums with it, scaled by 256.
+/// holds the exact dot products biased by `int8_qk::MAGIC` (`int8_qk::dot_biased`) and `sl` this
+/// lane's two factors to base-2 scores (Q scale x K scale x `scale_log2`) in place of
+/// `scale_log2`: the row maxima are unbiased exactly, and the bias goes into each row's exponent
+/// constant (`MAGIC f + m`, rounded once: an error under half a dot unit, far below the
+/// quantisation's), so a score costs one integer add more than a 16-bit one. `fp8` (FP8 P.V): no
+/// slack (the references follow every rise, so P <= 1) and P, the row sums with it, scaled by 256.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn softmax_scores(
@@ -167,9 +170,9 @@ pub(super) fn softmax_scores(
             }
         }
         if int8 {
-            // raw dot products, and the lanes of a row may hold different K scales
+            // biased dot products, and the lanes of a row may hold different K scales
             // (per_thread): this lane's factor to base-2 scores first
-            mx *= sl[i];
+            mx = (mx - MAGIC) * sl[i];
         }
         mx = max(mx, plane_shuffle_xor(mx, 1u32));
         mx = max(mx, plane_shuffle_xor(mx, 2u32));
@@ -197,6 +200,7 @@ pub(super) fn softmax_scores(
         let mut f = scale_log2;
         if int8 {
             f = sl[i];
+            ref_m = MAGIC * f + ref_m;
         }
         let mut sum = 0.0f32;
         #[unroll]
@@ -476,7 +480,7 @@ pub fn flash_fwd_sm90<E: Float>(
         if int8 {
             #[unroll]
             for i in 0..s_n {
-                s[i] = dot_to_f32(s_i[i]);
+                s[i] = dot_biased(s_i[i]);
             }
         }
         mask_scores(&mut s, &row_lo, &row_hi, row_a, row_b, t0, t1, rows_lo, rows_hi, lane, neg_inf, block_n);

@@ -35,7 +35,7 @@ pub const PAD8: usize = 16;
 /// `E` elements per 16-byte copy.
 const VEC: usize = 8;
 /// 1.5 * 2^23: `f32` bits `0x4B40_0000 + i` are `MAGIC + i` for |i| < 2^22.
-const MAGIC: f32 = 12_582_912.0;
+pub const MAGIC: f32 = 12_582_912.0;
 const MAGIC_BITS: i32 = 0x4B40_0000;
 
 /// Shared-memory row stride (in `E`) of an int8 row of `head_dim` bytes.
@@ -352,5 +352,12 @@ pub fn scores_int8<E: Float>(
 /// instruction): bits `0x4B40_0000 + i` are `1.5 * 2^23 + i`.
 #[cube]
 pub fn dot_to_f32(x: i32) -> f32 {
-    f32::reinterpret(x + MAGIC_BITS) - MAGIC
+    dot_biased(x) - MAGIC
+}
+
+/// `MAGIC + x` exactly (|x| < 2^22), one integer add: the Hopper forwards keep the scores biased
+/// and take `MAGIC` out in the softmax's per-row constants (`flash_fwd_sm90::softmax_scores`).
+#[cube]
+pub fn dot_biased(x: i32) -> f32 {
+    f32::reinterpret(x + MAGIC_BITS)
 }

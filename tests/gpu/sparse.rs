@@ -171,7 +171,8 @@ fn sparse_int8_forward_matches_cpu_and_writes_every_element() {
         Case { lens: &[(1, 513), (300, 777), (0, 70), (129, 0)], hq: 8, hkv: 2, d: 128, per_kv_head: true, q_block: 64, k_block: 128, dtype: DType::BF16 },
         Case { lens: &[(700, 700), (77, 1)], hq: 2, hkv: 2, d: 128, per_kv_head: false, q_block: 128, k_block: 192, dtype: DType::F16 },
     ];
-    for (ci, c) in CASES[..4].iter().chain(hopper.iter()).enumerate() {
+    // and CASES[5] (256-key blocks, four 64-key tiles a block, ragged ends)
+    for (ci, c) in CASES[..4].iter().chain(hopper.iter()).chain([&CASES[5]]).enumerate() {
         for (gi, gran) in grans.iter().enumerate() {
             let smooth_k = gi != 1 || ci % 2 == 0;
             let causal = (ci + gi) % 2 == 0;
@@ -219,8 +220,10 @@ fn sparse_int8_fp8_pv_forward_is_close_to_exact_and_writes_every_element() {
     let mut failures = Vec::new();
     // the Hopper kernel's shapes (d128, 128-row cubes, k_block a multiple of 64); below sm_90 FP8
     // P.V is refused with Unsupported
+    // (k_block 64 / 256 / 128 / 192: one to four 64-key tiles a block)
     let cases = [
         CASES[3],
+        CASES[5],
         Case { lens: &[(1, 513), (300, 777), (0, 70), (129, 0), (64, 1)], hq: 8, hkv: 2, d: 128, per_kv_head: true, q_block: 64, k_block: 128, dtype: DType::BF16 },
         Case { lens: &[(700, 700), (77, 3)], hq: 2, hkv: 2, d: 128, per_kv_head: false, q_block: 128, k_block: 192, dtype: DType::F16 },
     ];
