@@ -92,7 +92,7 @@ impl BwdPlan {
         }
         q_items.sort_by_key(|x| std::cmp::Reverse(x.0));
         let q_work = q_items.iter().flat_map(|&(_, s, t)| [s, t]).collect();
-        let (k_work, tile_off, tile_segs) = key_tiles(spec, key_tile(spec));
+        let (k_work, tile_off, tile_segs) = key_tiles(spec, key_tile(spec), crate::config::get().bwd_seq_waves);
 
         let row_seg = if spec.dtype == DType::F32 {
             let mut rs = vec![u32::MAX; d.total_q];
@@ -136,8 +136,13 @@ fn key_tile(spec: &AttnSpec) -> usize {
 }
 
 /// The dK/dV work list over `bn`-key tiles of the shared key axis: (tile indices, most (query row,
-/// key) pairs first; CSR offsets; segments overlapping each tile, ascending).
-fn key_tiles(spec: &AttnSpec, bn: usize) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
+/// key) pairs first; CSR offsets; segments overlapping each tile, ascending). `seq_waves`: tiles
+/// of close cost go sequence by sequence (their first segment's), as the forward's work list
+/// (`plan::FwdPlan::new`): the cubes are tiles x kv heads, heads fastest for causal calls, so
+/// strictly by cost a causal call over several sequences runs their equal-cost key tiles side by
+/// side and each cube reads another sequence's Q / dO. Costs are bucketed by what a wave's tiles of
+/// one kv head span in a causal sequence (a tile's cost falls by `bn * bn` a tile).
+fn key_tiles(spec: &AttnSpec, bn: usize, seq_waves: bool) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
     let n_tiles = spec.dims.total_k.div_ceil(bn);
     let mut per_tile: Vec<Vec<u32>> = vec![Vec::new(); n_tiles];
     let mut cost = vec![0u64; n_tiles];
@@ -166,7 +171,13 @@ fn key_tiles(spec: &AttnSpec, bn: usize) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
         tile_off.push(tile_segs.len() as u32);
     }
     let mut order: Vec<u32> = (0..n_tiles as u32).collect();
-    order.sort_by(|&a, &b| cost[b as usize].cmp(&cost[a as usize]));
+    if seq_waves {
+        let width = (super::plan::sm_count().div_ceil(spec.dims.heads_kv.max(1)) * bn * bn).max(1) as u64;
+        let seq = |t: usize| tile_segs.get(tile_off[t] as usize).filter(|_| tile_off[t] < tile_off[t + 1]).copied().unwrap_or(u32::MAX);
+        order.sort_by_key(|&t| (std::cmp::Reverse(cost[t as usize] / width), seq(t as usize), std::cmp::Reverse(cost[t as usize])));
+    } else {
+        order.sort_by(|&a, &b| cost[b as usize].cmp(&cost[a as usize]));
+    }
     (order, tile_off, tile_segs)
 }
 
