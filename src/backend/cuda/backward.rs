@@ -60,7 +60,8 @@ use crate::spec::AttnSpec;
 pub(crate) struct BwdPlan {
     /// (q_start, q_len, k_start, k_len) per segment.
     segs: Vec<u32>,
-    /// dQ work list: (segment, first row of a `BWD_BM`-row tile), most keys first.
+    /// dQ work list: (segment, first row of a `BWD_BM`-row tile), most keys first (tiles of
+    /// close cost sequence by sequence, as [`key_tiles`]).
     pub(crate) q_work: Vec<u32>,
     /// dK/dV work list: key-tile indices, most (query row, key) pairs first. Key tiles are
     /// [`key_tile`] keys: [`WIDE_BN`] or [`SPLIT_BN`] for the tensor-core kernels, [`BWD_BN`] for
@@ -90,7 +91,16 @@ impl BwdPlan {
                 t += BWD_BM;
             }
         }
-        q_items.sort_by_key(|x| std::cmp::Reverse(x.0));
+        // most keys first; with `bwd_seq_waves` (as `key_tiles`) tiles of close cost sequence by
+        // sequence: the dQ pass's cubes are tiles x q heads, heads fastest, and a wave holds about
+        // sm_count / heads_q tiles of a head, spanning that many times BWD_BM keys of a causal
+        // sequence
+        if crate::config::get().bwd_seq_waves {
+            let width = (super::plan::sm_count().div_ceil(d.heads_q.max(1)) * BWD_BM).max(1) as u64;
+            q_items.sort_by_key(|x| (std::cmp::Reverse(x.0 / width), x.1, std::cmp::Reverse(x.0)));
+        } else {
+            q_items.sort_by_key(|x| std::cmp::Reverse(x.0));
+        }
         let q_work = q_items.iter().flat_map(|&(_, s, t)| [s, t]).collect();
         let (k_work, tile_off, tile_segs) = key_tiles(spec, key_tile(spec), crate::config::get().bwd_seq_waves);
 
