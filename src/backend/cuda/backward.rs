@@ -96,7 +96,8 @@ impl BwdPlan {
         // sm_count / heads_q tiles of a head, spanning that many times BWD_BM keys of a causal
         // sequence
         if crate::config::get().bwd_seq_waves {
-            let width = (super::plan::sm_count().div_ceil(d.heads_q.max(1)) * BWD_BM).max(1) as u64;
+            let span = (super::plan::sm_count().div_ceil(d.heads_q.max(1)) * BWD_BM) as u64;
+            let width = super::plan::seq_bucket(span, q_items.iter().map(|x| x.0).max().unwrap_or(0));
             q_items.sort_by_key(|x| (std::cmp::Reverse(x.0 / width), x.1, std::cmp::Reverse(x.0)));
         } else {
             q_items.sort_by_key(|x| std::cmp::Reverse(x.0));
@@ -151,7 +152,8 @@ fn key_tile(spec: &AttnSpec) -> usize {
 /// (`plan::FwdPlan::new`): the cubes are tiles x kv heads, heads fastest for causal calls, so
 /// strictly by cost a causal call over several sequences runs their equal-cost key tiles side by
 /// side and each cube reads another sequence's Q / dO. Costs are bucketed by what a wave's tiles of
-/// one kv head span in a causal sequence (a tile's cost falls by `bn * bn` a tile).
+/// one kv head span in a causal sequence (a tile's cost falls by `bn * bn` a tile), at most a
+/// quarter of the largest cost (`plan::seq_bucket`).
 fn key_tiles(spec: &AttnSpec, bn: usize, seq_waves: bool) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
     let n_tiles = spec.dims.total_k.div_ceil(bn);
     let mut per_tile: Vec<Vec<u32>> = vec![Vec::new(); n_tiles];
@@ -182,7 +184,8 @@ fn key_tiles(spec: &AttnSpec, bn: usize, seq_waves: bool) -> (Vec<u32>, Vec<u32>
     }
     let mut order: Vec<u32> = (0..n_tiles as u32).collect();
     if seq_waves {
-        let width = (super::plan::sm_count().div_ceil(spec.dims.heads_kv.max(1)) * bn * bn).max(1) as u64;
+        let span = (super::plan::sm_count().div_ceil(spec.dims.heads_kv.max(1)) * bn * bn) as u64;
+        let width = super::plan::seq_bucket(span, cost.iter().copied().max().unwrap_or(0));
         let seq = |t: usize| tile_segs.get(tile_off[t] as usize).filter(|_| tile_off[t] < tile_off[t + 1]).copied().unwrap_or(u32::MAX);
         order.sort_by_key(|&t| (std::cmp::Reverse(cost[t as usize] / width), seq(t as usize), std::cmp::Reverse(cost[t as usize])));
     } else {

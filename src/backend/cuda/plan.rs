@@ -218,9 +218,12 @@ impl FwdPlan {
         // side and a wave's cubes each read another sequence's K / V (B4 H32 d128 causal 8K:
         // 1.33x cuDNN's time, non-causal 1.08x). Costs are bucketed by what a wave's items of one
         // slot span in a causal sequence (a 128-row tile adds BLOCK_M / BLOCK_N key tiles), and
-        // inside a bucket the items go by sequence, then by cost.
+        // inside a bucket the items go by sequence, then by cost. The width is capped at a
+        // quarter of the largest cost (`seq_bucket`): with many short sequences a wave spans whole
+        // sequences, and one bucket holding them all would start the last sequence's longest
+        // items last.
         if opts.seq_waves {
-            let width = (sm_count().div_ceil(y) * (bm / BLOCK_N)).max(1) as u64;
+            let width = seq_bucket((sm_count().div_ceil(y) * (bm / BLOCK_N)) as u64, items.iter().map(|x| x.0).max().unwrap_or(0));
             let seq = |w: &[u32; WORK_WORDS]| plan.slices[w[0] as usize * SLICE_WORDS];
             items.sort_by_key(|x| (std::cmp::Reverse(x.0 / width), seq(&x.1), std::cmp::Reverse(x.0)));
         } else {
@@ -238,6 +241,13 @@ impl FwdPlan {
     pub fn n_comb(&self) -> usize {
         self.comb.len() / COMB_WORDS
     }
+}
+
+/// The cost width of the buckets whose items go sequence by sequence (`FwdPlan::new`,
+/// `backward::key_tiles`): one wave's span `span`, at most a quarter of the largest cost `max`,
+/// at least 1.
+pub(crate) fn seq_bucket(span: u64, max: u64) -> u64 {
+    span.min(max / 4).max(1)
 }
 
 #[cfg(test)]
@@ -371,6 +381,24 @@ mod fwd_plan_tests {
         let strict = seq_of(&check(&spec, &FwdOptions { seq_waves: false, ..o }));
         assert_ne!(strict[0].0, strict[1].0);
         assert!(strict.windows(2).all(|w| w[1].1 <= w[0].1));
+    }
+
+    /// Many short causal sequences with few slots (GQA packed): one wave spans whole sequences,
+    /// and the quarter-of-the-largest-cost cap keeps every sequence's longest items early (no
+    /// sequence's costliest tile starts behind the others' cheap ones).
+    #[test]
+    fn short_sequences_keep_their_longest_items_early() {
+        let (b, s) = (16i32, 2048i32);
+        let r: Vec<[i32; 2]> = (0..b).map(|i| [i * s, (i + 1) * s]).collect();
+        let spec = grouped(32, 8, &r, &r, (b * s) as usize, (b * s) as usize, true);
+        let p = check(&spec, &FwdOptions { split: false, ..FwdOptions::defaults() });
+        let items: Vec<(u32, u32)> = p.work.chunks(WORK_WORDS).map(|w| (p.slices[w[0] as usize * SLICE_WORDS], w[3] - w[2])).collect();
+        let longest = items.iter().map(|x| x.1).max().unwrap();
+        let last_long = items.iter().rposition(|x| x.1 == longest).unwrap();
+        assert!(last_long < items.len() / 4, "a longest item at {last_long} of {}", items.len());
+        assert_eq!(seq_bucket(34, 33), 8);
+        assert_eq!(seq_bucket(10, 129), 10);
+        assert_eq!(seq_bucket(10, 2), 1);
     }
 
     #[test]
