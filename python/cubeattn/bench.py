@@ -37,6 +37,8 @@ import numpy as np
 import cubeattn
 
 CONFIGS = {"llama3-8b": (32, 8, 128), "llama3-70b": (64, 8, 128), "gqa-d64": (32, 8, 64), "cpu-small": (8, 8, 128),
+           # multi-head attention (every q head its own K, V), with --batch-size 4 the sage bench's shape
+           "mha-d128": (32, 32, 128), "mha-d64": (32, 32, 64),
            # the other head dims with CUDA kernels (forward: all; backward: 32 and 96)
            "gqa-d32": (32, 8, 32), "gqa-d96": (32, 8, 96), "gqa-d192": (16, 8, 192), "gqa-d256": (16, 8, 256)}
 
@@ -214,25 +216,28 @@ def bench_cpu(args):
 
 def _cuda_dense(args, torch):
     """Forward at one config over args.seqlens: cubeattn through the torch call path
-    (`flash_attn_func` on [1, S, H, D] CUDA tensors, what a user calls: `impl: cubeattn`), its
-    kernels alone (`cubeattn_kernel`), and SDPA's flash and cuDNN backends on the same tensors."""
+    (`flash_attn_func` on [B, S, H, D] CUDA tensors, what a user calls: `impl: cubeattn`), its
+    kernels alone (`cubeattn_kernel`), and SDPA's flash and cuDNN backends on the same tensors.
+    B = `--batch-size` (default 1): B sequences of S tokens."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     hq, hkv, d = CONFIGS[args.config]
+    B = args.batch_size or 1
     tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     rows = []
     sync = torch.cuda.synchronize
     for s in args.seqlens:
-        flops = 4 * d * hq * (causal_pairs(s, s) if args.causal else s * s)
-        key = dict(what="dense_fwd", config=args.config, causal=args.causal, dtype=args.dtype, S=s, D=d)
+        flops = B * 4 * d * hq * (causal_pairs(s, s) if args.causal else s * s)
+        key = dict(what="dense_fwd", config=args.config, causal=args.causal, dtype=args.dtype, B=B, S=s, D=d)
 
         def row(impl, ms):
             rows.append(dict(key, impl=impl, ms=ms[0], ms_min=ms[1], ms_max=ms[2], tflops=flops / ms[0] / 1e9))
 
-        spec = cubeattn.varlen_spec((s, hq, d), (s, hkv, d), args.dtype, [0, s], [0, s], s, s, causal=args.causal)
-        q = torch.randn(1, s, hq, d, device="cuda", dtype=tdt)
-        k = torch.randn(1, s, hkv, d, device="cuda", dtype=tdt)
+        cu = [i * s for i in range(B + 1)]
+        spec = cubeattn.varlen_spec((B * s, hq, d), (B * s, hkv, d), args.dtype, cu, cu, s, s, causal=args.causal)
+        q = torch.randn(B, s, hq, d, device="cuda", dtype=tdt)
+        k = torch.randn(B, s, hkv, d, device="cuda", dtype=tdt)
         v = torch.randn_like(k)
         try:
             row("cubeattn", median_ms(lambda: cubeattn.flash_attn_func(q, k, v, causal=args.causal), 3,
@@ -462,7 +467,8 @@ def _cuda_fwdbwd(args, torch):
     rows `dense_fwdbwd` (keys config, S, D, causal; impl cubeattn = `flash_attn_func(...)
     .backward(g)`, cubeattn_deterministic the same with deterministic=True, cubeattn_kernel the
     kernels alone with device-resident inputs, sdpa_cudnn, sdpa_flash) for `--config` (default:
-    llama3-8b and gqa-d64), causal and not (`--no-causal`: only not), then (unless --dense-only) the
+    llama3-8b and gqa-d64), B = `--batch-size` sequences (default 1; key B), causal and not
+    (`--no-causal`: only not), then (unless --dense-only) the
     grouped zigzag rows `zigzag_fwdbwd` of the first config (keys config, T, W, rank; impl cubeattn,
     cubeattn_kernel, cubeattn_kernel_two_calls as in _zigzag_ours, sdpa_flash_two_calls).
     FLOPs = 3.5 x the forward matmul FLOPs."""
@@ -475,20 +481,22 @@ def _cuda_fwdbwd(args, torch):
     rows = []
     configs = [args.config] if args.config else ["llama3-8b", "gqa-d64"]
     seqlens = args.seqlens if args.seqlens_given else ([8192] if args.quick else [4096, 8192, 16384, 32768])
+    B = args.batch_size or 1
     for config in configs:
         hq, hkv, d = CONFIGS[config]
         for causal in ([True, False] if args.causal else [False]):
             for s in seqlens:
                 pairs = causal_pairs(s, s) if causal else s * s
-                flops = 3.5 * 4 * d * hq * pairs
-                key = dict(what="dense_fwdbwd", config=config, S=s, D=d, causal=causal)
-                spec = cubeattn.varlen_spec((s, hq, d), (s, hkv, d), args.dtype, [0, s], [0, s], s, s, causal=causal)
+                flops = B * 3.5 * 4 * d * hq * pairs
+                key = dict(what="dense_fwdbwd", config=config, B=B, S=s, D=d, causal=causal)
+                cu = [i * s for i in range(B + 1)]
+                spec = cubeattn.varlen_spec((B * s, hq, d), (B * s, hkv, d), args.dtype, cu, cu, s, s, causal=causal)
                 _kernel_row(rows, key, "cubeattn_kernel", flops, cubeattn._core.cuda_bench_forward_backward, spec,
                             args.iterations)
-                q = torch.randn(1, s, hq, d, device="cuda", dtype=tdt, requires_grad=True)
-                k = torch.randn(1, s, hkv, d, device="cuda", dtype=tdt, requires_grad=True)
-                v = torch.randn(1, s, hkv, d, device="cuda", dtype=tdt, requires_grad=True)
-                go = torch.randn(1, s, hq, d, device="cuda", dtype=tdt)
+                q = torch.randn(B, s, hq, d, device="cuda", dtype=tdt, requires_grad=True)
+                k = torch.randn(B, s, hkv, d, device="cuda", dtype=tdt, requires_grad=True)
+                v = torch.randn(B, s, hkv, d, device="cuda", dtype=tdt, requires_grad=True)
+                go = torch.randn(B, s, hq, d, device="cuda", dtype=tdt)
                 for impl, det in (("cubeattn", False), ("cubeattn_deterministic", True)):
                     why = cubeattn._core.cuda_refusal(spec, True, det, "cuda:0")
                     if why:
@@ -1375,7 +1383,8 @@ def main(argv=None):
     p.add_argument("--config", default=None, choices=sorted(CONFIGS))
     p.add_argument("--configs", nargs="+", default=["llama3-8b", "llama3-70b"], choices=sorted(CONFIGS))
     p.add_argument("--seqlens", "--seq_lens", "--seq-lens", nargs="+", type=int, default=None)
-    p.add_argument("--batch_size", "--batch-size", type=int, default=None, help="sparse: batch (default 4 on CUDA)")
+    p.add_argument("--batch_size", "--batch-size", type=int, default=None,
+                   help="sparse / sage: batch (default 4 on CUDA); dense / fwdbwd: sequences of S tokens (default 1)")
     p.add_argument("--num_heads", "--num-heads", type=int, default=None, help="sparse, sage: heads (default 32 on CUDA)")
     p.add_argument("--num_kv_heads", "--num-kv-heads", type=int, default=None,
                    help="sage: kv heads (default: --num_heads; must divide it)")
