@@ -91,17 +91,10 @@ impl BwdPlan {
                 t += BWD_BM;
             }
         }
-        // most keys first; with `bwd_seq_waves` (as `key_tiles`) tiles of close cost sequence by
-        // sequence: the dQ pass's cubes are tiles x q heads, heads fastest, and a wave holds about
-        // sm_count / heads_q tiles of a head, spanning that many times BWD_BM keys of a causal
-        // sequence
-        if crate::config::get().bwd_seq_waves {
-            let span = (super::plan::sm_count().div_ceil(d.heads_q.max(1)) * BWD_BM) as u64;
-            let width = super::plan::seq_bucket(span, q_items.iter().map(|x| x.0).max().unwrap_or(0));
-            q_items.sort_by_key(|x| (std::cmp::Reverse(x.0 / width), x.1, std::cmp::Reverse(x.0)));
-        } else {
-            q_items.sort_by_key(|x| std::cmp::Reverse(x.0));
-        }
+        // most keys first (`plan::order_by_cost`): the dQ pass's cubes are tiles x q heads, heads
+        // fastest, and a wave's tiles of a head span that many times BWD_BM keys of a causal sequence
+        let span = (super::plan::sm_count().div_ceil(d.heads_q.max(1)) * BWD_BM) as u64;
+        super::plan::order_by_cost(&mut q_items, crate::config::get().bwd_seq_waves, span, |x| x.0, |x| x.1);
         let q_work = q_items.iter().flat_map(|&(_, s, t)| [s, t]).collect();
         let (k_work, tile_off, tile_segs) = key_tiles(spec, key_tile(spec), crate::config::get().bwd_seq_waves);
 
@@ -148,12 +141,9 @@ fn key_tile(spec: &AttnSpec) -> usize {
 
 /// The dK/dV work list over `bn`-key tiles of the shared key axis: (tile indices, most (query row,
 /// key) pairs first; CSR offsets; segments overlapping each tile, ascending). `seq_waves`: tiles
-/// of close cost go sequence by sequence (their first segment's), as the forward's work list
-/// (`plan::FwdPlan::new`): the cubes are tiles x kv heads, heads fastest for causal calls, so
-/// strictly by cost a causal call over several sequences runs their equal-cost key tiles side by
-/// side and each cube reads another sequence's Q / dO. Costs are bucketed by what a wave's tiles of
-/// one kv head span in a causal sequence (a tile's cost falls by `bn * bn` a tile), at most a
-/// quarter of the largest cost (`plan::seq_bucket`).
+/// of close cost go sequence by sequence (their first segment's; `plan::order_by_cost`): the cubes
+/// are tiles x kv heads, and a wave's tiles of a kv head each cost `bn * bn` less than the last in
+/// a causal sequence.
 fn key_tiles(spec: &AttnSpec, bn: usize, seq_waves: bool) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
     let n_tiles = spec.dims.total_k.div_ceil(bn);
     let mut per_tile: Vec<Vec<u32>> = vec![Vec::new(); n_tiles];
@@ -183,14 +173,13 @@ fn key_tiles(spec: &AttnSpec, bn: usize, seq_waves: bool) -> (Vec<u32>, Vec<u32>
         tile_off.push(tile_segs.len() as u32);
     }
     let mut order: Vec<u32> = (0..n_tiles as u32).collect();
-    if seq_waves {
-        let span = (super::plan::sm_count().div_ceil(spec.dims.heads_kv.max(1)) * bn * bn) as u64;
-        let width = super::plan::seq_bucket(span, cost.iter().copied().max().unwrap_or(0));
-        let seq = |t: usize| tile_segs.get(tile_off[t] as usize).filter(|_| tile_off[t] < tile_off[t + 1]).copied().unwrap_or(u32::MAX);
-        order.sort_by_key(|&t| (std::cmp::Reverse(cost[t as usize] / width), seq(t as usize), std::cmp::Reverse(cost[t as usize])));
-    } else {
-        order.sort_by(|&a, &b| cost[b as usize].cmp(&cost[a as usize]));
-    }
+    let span = (super::plan::sm_count().div_ceil(spec.dims.heads_kv.max(1)) * bn * bn) as u64;
+    // a tile's first segment (none: after every sequence)
+    let seq = |&t: &u32| {
+        let (a, b) = (tile_off[t as usize], tile_off[t as usize + 1]);
+        if a < b { tile_segs[a as usize] } else { u32::MAX }
+    };
+    super::plan::order_by_cost(&mut order, seq_waves, span, |&t| cost[t as usize], seq);
     (order, tile_off, tile_segs)
 }
 

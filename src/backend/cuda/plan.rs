@@ -211,24 +211,12 @@ impl FwdPlan {
                 items.push((n_kt + 1, [off, ns, t.lo as u32, t.hi as u32, NONE]));
             }
         }
-        // Longest first so the tail of the grid is short work; stable for determinism. With
-        // `seq_waves`, items of close cost go sequence by sequence: the cubes are items x slots,
-        // slots fastest, so a wave holds about `sm_count / y` items of every slot. Strictly by
-        // cost, a causal call over several sequences lists their equal-cost query tiles side by
-        // side and a wave's cubes each read another sequence's K / V (B4 H32 d128 causal 8K:
-        // 1.33x cuDNN's time, non-causal 1.08x). Costs are bucketed by what a wave's items of one
-        // slot span in a causal sequence (a 128-row tile adds BLOCK_M / BLOCK_N key tiles), and
-        // inside a bucket the items go by sequence, then by cost. The width is capped at a
-        // quarter of the largest cost (`seq_bucket`): with many short sequences a wave spans whole
-        // sequences, and one bucket holding them all would start the last sequence's longest
-        // items last.
-        if opts.seq_waves {
-            let width = seq_bucket((sm_count().div_ceil(y) * (bm / BLOCK_N)) as u64, items.iter().map(|x| x.0).max().unwrap_or(0));
-            let seq = |w: &[u32; WORK_WORDS]| plan.slices[w[0] as usize * SLICE_WORDS];
-            items.sort_by_key(|x| (std::cmp::Reverse(x.0 / width), seq(&x.1), std::cmp::Reverse(x.0)));
-        } else {
-            items.sort_by_key(|x| std::cmp::Reverse(x.0));
-        }
+        // Longest first so the tail of the grid is short work (`order_by_cost`): the cubes are
+        // items x slots, slots fastest, so a wave holds about `sm_count / y` items of a slot, each
+        // `BLOCK_M / BLOCK_N` key tiles apart in a causal sequence. Strictly by cost, B4 H32 d128
+        // causal 8K took 1.33x cuDNN's time (non-causal 1.08x).
+        let span = (sm_count().div_ceil(y) * (bm / BLOCK_N)) as u64;
+        order_by_cost(&mut items, opts.seq_waves, span, |x| x.0, |x| plan.slices[x.1[0] as usize * SLICE_WORDS]);
         plan.work = items.iter().flat_map(|(_, w)| *w).collect();
         let _ = COMB_WORDS;
         plan
@@ -243,11 +231,29 @@ impl FwdPlan {
     }
 }
 
-/// The cost width of the buckets whose items go sequence by sequence (`FwdPlan::new`,
-/// `backward::key_tiles`): one wave's span `span`, at most a quarter of the largest cost `max`,
-/// at least 1.
+/// The cost width of the buckets whose items go sequence by sequence ([`order_by_cost`]): one
+/// wave's span `span`, at most a quarter of the largest cost `max`, at least 1.
 pub(crate) fn seq_bucket(span: u64, max: u64) -> u64 {
     span.min(max / 4).max(1)
+}
+
+/// Sorts a work list most expensive first (stable: deterministic), so the tail of a grid is short
+/// work: the forward's items (`FwdPlan::new`), the dK/dV key tiles and the dQ pass's query tiles
+/// (`backward`). With `seq_waves` (`CUBEATTN_WORK_ORDER=cost` turns it off), items of close cost go
+/// sequence by sequence: costs in buckets of [`seq_bucket`]`(span, largest cost)`, where `span` is
+/// what one wave's items of one head slot span in a causal sequence, and inside a bucket by `seq`,
+/// then by cost. The cubes are items x head slots, heads fastest; strictly by cost a causal call
+/// over several sequences runs their equal-cost tiles side by side, and the cubes of a wave each
+/// read another sequence's K / V (Q / dO) instead of sharing one in L2. The cap at a quarter of the
+/// largest cost keeps many short sequences (a wave spanning whole sequences) from starting the
+/// last sequence's longest items last.
+pub(crate) fn order_by_cost<T>(items: &mut [T], seq_waves: bool, span: u64, cost: impl Fn(&T) -> u64, seq: impl Fn(&T) -> u32) {
+    if seq_waves {
+        let width = seq_bucket(span, items.iter().map(&cost).max().unwrap_or(0));
+        items.sort_by_key(|x| (std::cmp::Reverse(cost(x) / width), seq(x), std::cmp::Reverse(cost(x))));
+    } else {
+        items.sort_by_key(|x| std::cmp::Reverse(cost(x)));
+    }
 }
 
 #[cfg(test)]
