@@ -13,7 +13,7 @@
 //! | `CUBEATTN_CUDA_SM90_TILE=bn:cubes` | the wgmma forward's tile and cubes per SM (`FwdOptions::sm90_tile`) at every head_dim | A/B runs of its tile choices on one GPU |
 //! | `CUBEATTN_CUDA_SM90_WS=0` | keeps `flash_fwd_sm90` where the warp-specialised wgmma forward (`kernels::flash_fwd_ws`, `FwdOptions::sm90_ws`) is the default | A/B runs of the two Hopper frames on one GPU |
 //! | `CUBEATTN_CUDA_SPLIT=0` | no split-K of long forward tiles | the sanitizer families (`tests/python/sanitize_driver.py`) |
-//! | `CUBEATTN_WORK_ORDER=cost` | the forward's and the dK/dV kernels' work lists strictly by cost, without taking items of close cost sequence by sequence (`FwdOptions::seq_waves`, `Config::bwd_seq_waves`) | A/B runs of the two orders |
+//! | `CUBEATTN_WORK_ORDER=cost` | the forward's, the dK/dV kernels' and the dQ pass's work lists strictly by cost, without taking items of close cost sequence by sequence (`FwdOptions::seq_waves`) | A/B runs of the two orders |
 //! | `CUBEATTN_BWD_DQ=pass` / `atomic` | `deterministic = false` backward calls take the separate dQ pass / the dQ fused into the dK/dV kernel with atomics, wherever the default would take the other (default: fused, except dense d64 calls on sm_90) | sanitizer families, comparisons |
 //! | `CUBEATTN_BWD_SM90_WS=0` | keeps `flash_bwd_sm90` where the warp-specialised wgmma dK/dV kernel (`kernels::flash_bwd_ws`) is the default (head_dim 128; 64 without the fused dQ) | A/B runs of the two Hopper backward frames on one GPU |
 //! | `CUBEATTN_BWD_DQ_SM90=0` | the dQ pass runs the `mma.sync` kernel on sm_90 too, instead of the wgmma one (`flash_bwd_dq_sm90`, head_dim 64, 128, 192, 256) | A/B runs of the two dQ passes |
@@ -76,11 +76,6 @@ pub(crate) struct Config {
     /// wherever the default would take the other (`backward::kv_outer`).
     #[cfg(feature = "cuda")]
     pub bwd_order: Option<bool>,
-    /// The dK/dV work list's key tiles of close cost taken sequence by sequence
-    /// (`backward::key_tiles`; `CUBEATTN_WORK_ORDER=cost` turns it off, as the forward's
-    /// `FwdOptions::seq_waves`).
-    #[cfg(feature = "cuda")]
-    pub bwd_seq_waves: bool,
     /// The forward switches before any [`set_fwd_options`]: `CUBEATTN_CUDA_SPLIT`,
     /// `CUBEATTN_CUDA_SM90` (each `0` to turn off), `CUBEATTN_CUDA_SM90_TILE`, the rest at their
     /// defaults.
@@ -131,8 +126,6 @@ impl Config {
             bwd_sm90_ws: on_unless_zero(&var("CUBEATTN_BWD_SM90_WS")),
             #[cfg(feature = "cuda")]
             bwd_dq_sm90: on_unless_zero(&var("CUBEATTN_BWD_DQ_SM90")),
-            #[cfg(feature = "cuda")]
-            bwd_seq_waves: !is("CUBEATTN_WORK_ORDER", "cost"),
             #[cfg(feature = "cuda")]
             bwd_order: if is("CUBEATTN_BWD_ORDER", "kv") {
                 Some(true)
@@ -192,9 +185,9 @@ pub struct FwdOptions {
     /// consumer warpgroups overlapping softmax and MMAs) where it is measured faster
     /// (`backend::cuda::forward::sm90_frame`; `CUBEATTN_CUDA_SM90_WS=0` turns it off).
     pub sm90_ws: bool,
-    /// The work list's items of close cost taken sequence by sequence (`cuda::plan::FwdPlan::new`),
+    /// The work list's items of close cost taken sequence by sequence (`cuda::plan::order_by_cost`),
     /// so that a wave's cubes share a sequence's K / V in L2; off (`CUBEATTN_WORK_ORDER=cost`):
-    /// strictly by cost.
+    /// strictly by cost. The backward's lists follow the process's value (`Config::fwd`).
     pub seq_waves: bool,
 }
 
