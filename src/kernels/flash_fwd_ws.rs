@@ -27,7 +27,7 @@ use super::flash_fwd_sm90::{lane_rows, mask_scores, pv_steps, rescale_o, s_steps
 use super::kv_tiles::{issue_tile_boxes, tile_rows};
 use super::sm90::{fence_proxy_async, named_barrier, pack_a_pairs, setmaxnreg, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_wait,
     SW_COLS};
-use super::staging::{commit_copies, wait_stage};
+use super::staging::{commit_copies, wait_free, wait_stage};
 
 /// Threads per cube: a producer warpgroup and two consumer warpgroups.
 pub const WS_THREADS: usize = 384;
@@ -58,18 +58,11 @@ fn produce_tile<E: Float>(
     #[comptime] head_dim: usize,
 ) {
     let tile = comptime!(block_n * head_dim);
-    // use u = kt / 2 of the stage waits for phase u - 1 of its empty barrier
-    let parity = ((kt >> 1u32) + 1u32) & 1u32;
+    wait_free(empty0, empty1, kt);
     if (kt & 1u32) == 0 {
-        if kt >= 2 {
-            empty0.wait_parity(parity);
-        }
         issue_tile_boxes(map, smem, full0, 0usize, p0, pb, head_kv, block_n, head_dim, true);
         let _t = full0.arrive_and_expect_tx(1u32, 0u32);
     } else {
-        if kt >= 2 {
-            empty1.wait_parity(parity);
-        }
         issue_tile_boxes(map, smem, full1, tile, p0, pb, head_kv, block_n, head_dim, true);
         let _t = full1.arrive_and_expect_tx(1u32, 0u32);
     }
