@@ -83,14 +83,16 @@ pub fn fp8_v_scales(part: &Array<f32>, sc: &mut Array<f32>, segs: &Array<u32>, h
 }
 
 /// V^T in FP8 (module docs): cube (64-key chunk, sequence, kv head). The chunk's V rows are staged
-/// in shared memory as f32 (zeros past the sequence's keys; rows `head_dim + 1` apart, so the
-/// reads below fall in distinct banks but for a 2-way conflict); then unit `w + 16 i` of a pass
-/// writes word `w` (bytes `4 w .. 4 w + 4`: four keys in [`slot_of_key`] order) of a channel's
-/// 64-byte row segment, so that 16 consecutive units write one segment (coalesced).
+/// in shared memory as they are (16-byte vectors of 8 channels, `v` read as `NV` = 4 words; zeros
+/// past the sequence's keys; rows one vector longer than `head_dim / 8`, so that the reads below
+/// meet at most 2-way bank conflicts). Then a unit takes word `w` (four keys in [`slot_of_key`]
+/// order: `2 q`, `2 q + 1`, `8 + 2 q`, `9 + 2 q` of group `w / 4`, `q = w % 4`) of 8 channels'
+/// 64-byte row segments: four 16-byte shared reads, eight word stores; 16 consecutive units write
+/// one segment of each of the 8 rows (coalesced).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-pub fn fp8_v_quantize<E: Float>(
-    v: &Array<E>,
+pub fn fp8_v_quantize<E: Float, NV: Size>(
+    v: &Array<Vector<u32, NV>>,
     sc: &Array<f32>,
     vt: &mut Array<u32>,
     segs: &Array<u32>,
@@ -105,20 +107,26 @@ pub fn fp8_v_quantize<E: Float>(
     let k_start = segs[(b * 4u32 + 2u32) as usize];
     let k_len = segs[(b * 4u32 + 3u32) as usize];
     let lo = c * VT_CHUNK as u32;
-    let stride = comptime!(head_dim + 1);
-    let mut tile = SharedMemory::<f32>::new(comptime!(VT_CHUNK * (head_dim + 1)));
+    // 16-byte vectors per V row and per shared row
+    let vecs = comptime!(head_dim / 8);
+    let stride = comptime!(head_dim / 8 + 1);
+    let mut tile = SharedMemory::<Vector<u32, NV>>::new(comptime!(VT_CHUNK * (head_dim / 8 + 1)));
     if lo < k_len {
         #[unroll]
-        for it in 0..comptime!(VT_CHUNK * head_dim / VT_THREADS) {
+        for it in 0..comptime!(VT_CHUNK * head_dim / 8 / VT_THREADS) {
             let idx = UNIT_POS as usize + it * VT_THREADS;
-            let key = idx / head_dim;
-            let ch = idx % head_dim;
+            let key = idx / vecs;
+            let co = idx % vecs;
             let j = lo + key as u32;
-            let mut x = 0.0f32;
-            if j < k_len {
-                x = f32::cast_from(v[((k_start + j) * heads_kv + h) as usize * head_dim + ch]);
+            let mut x = Vector::<u32, NV>::empty();
+            #[unroll]
+            for e in 0..4usize {
+                x[e] = 0u32;
             }
-            tile[key * stride + ch] = x;
+            if j < k_len {
+                x = v[((k_start + j) * heads_kv + h) as usize * vecs + co];
+            }
+            tile[key * stride + co] = x;
         }
     }
     sync_cube();
@@ -126,19 +134,26 @@ pub fn fp8_v_quantize<E: Float>(
         let col_w = ((vt_col_base(k_start, b) + lo) / 4u32) as usize;
         let mut word = Array::<u32>::new(1usize);
         let w = UNIT_POS as usize % 16;
-        // word w: group g = w / 4 of 16 keys, bytes 4 q .. 4 q + 4 with q = w % 4: keys 2 q,
-        // 2 q + 1, 8 + 2 q, 9 + 2 q of the group
         let k0 = (w / 4) * 16 + 2 * (w % 4);
         #[unroll]
-        for it in 0..comptime!(head_dim * 16 / VT_THREADS) {
-            let ch = UNIT_POS as usize / 16 + it * comptime!(VT_THREADS / 16);
-            let inv = sc[n as usize + (b * heads_kv + h) as usize * head_dim + ch];
-            let x0 = tile[k0 * stride + ch] * inv;
-            let x1 = tile[(k0 + 1) * stride + ch] * inv;
-            let x2 = tile[(k0 + 8) * stride + ch] * inv;
-            let x3 = tile[(k0 + 9) * stride + ch] * inv;
-            e4m3x4(&mut word, 0usize, x0, x1, x2, x3);
-            vt[(h as usize * head_dim + ch) * row_words as usize + col_w + w] = word[0];
+        for it in 0..comptime!(head_dim / 8 * 16 / VT_THREADS) {
+            let co = UNIT_POS as usize / 16 + it * comptime!(VT_THREADS / 16);
+            let x0 = tile[k0 * stride + co];
+            let x1 = tile[(k0 + 1) * stride + co];
+            let x2 = tile[(k0 + 8) * stride + co];
+            let x3 = tile[(k0 + 9) * stride + co];
+            let ib = n as usize + (b * heads_kv + h) as usize * head_dim + co * 8;
+            let ob = (h as usize * head_dim + co * 8) * row_words as usize + col_w + w;
+            #[unroll]
+            for e in 0..8usize {
+                let inv = sc[ib + e];
+                let a = f32::cast_from(Vector::<E, Const<2>>::reinterpret(x0[e / 2])[e % 2]) * inv;
+                let p = f32::cast_from(Vector::<E, Const<2>>::reinterpret(x1[e / 2])[e % 2]) * inv;
+                let q = f32::cast_from(Vector::<E, Const<2>>::reinterpret(x2[e / 2])[e % 2]) * inv;
+                let r = f32::cast_from(Vector::<E, Const<2>>::reinterpret(x3[e / 2])[e % 2]) * inv;
+                e4m3x4(&mut word, 0usize, a, p, q, r);
+                vt[ob + e * row_words as usize] = word[0];
+            }
         }
     }
 }

@@ -28,8 +28,10 @@ use cubecl::prelude::*;
 
 /// Keys per partial sum of the K mean (`chunk_stats`).
 pub const MEAN_CHUNK: usize = super::chunk_stats::CHUNK;
-/// Units of a quantisation cube (4 warps, one row per warp at a time).
+/// Units of a quantisation cube (4 warps; a row is `head_dim / 8` units).
 pub const QUANT_THREADS: usize = 128;
+/// Channels per unit of a quantisation cube (one 16-byte vector of `x`).
+pub const QUANT_VEC: usize = 8;
 /// Padding after each int8 row in shared memory, in `E` elements (32 bytes).
 pub const PAD8: usize = 16;
 /// `E` elements per 16-byte copy.
@@ -67,19 +69,25 @@ pub fn int8_k_mean(sums: &Array<f32>, mean: &mut Array<f32>, segs: &Array<u32>, 
 
 /// Quantises the rows of one block (`block` rows of sequence `CUBE_POS_Y`, head `CUBE_POS_Z`)
 /// of Q (`is_k = false`, `segs` words 0/1) or K (`is_k = true`, words 2/3). `x` is token-major
-/// `[total, heads, head_dim]`; `mean` `[batch, heads_kv, head_dim]` is subtracted from K with
-/// `smooth` and dotted with Q rows (kv head `h / group`) into `shift[h * total + t]` (times
-/// `softmax_scale`). Writes the int8 rows to `xq` (u32 words, see the module doc), the row
-/// scales to `scale` (`[h * total + t]` for Q, `[t * heads + h]` for K) and uses `amax`
-/// (`heads * total` f32) as scratch. Groups: [`crate::sparse::GroupRule`] `(chunk, period,
-/// width)` on the row's offset inside the block, as compile-time constants (the rules are fixed
-/// per granularity; runtime divisions made the pass instruction-bound: 78% SM throughput, ncu on
-/// the H200), `chunk` 0 for the whole block (per_block: one group, no division at all). `natural`: the int8 words in channel order (the
-/// Hopper kernel's wgmma operands), else reordered for `mma.sync` (module docs).
+/// `[total, heads, head_dim]`, read as 16-byte vectors (`NX` = 4 words: 8 channels); `mean`
+/// `[batch, heads_kv, head_dim]` is subtracted from K with `smooth` and dotted with Q rows (kv
+/// head `h / group`) into `shift[h * total + t]` (times `softmax_scale`). Writes the int8 rows to
+/// `xq` (u32 words, see the module doc), the row scales to `scale` (`[h * total + t]` for Q,
+/// `[t * heads + h]` for K) and uses `amax` (`heads * total` f32) as scratch. Groups:
+/// [`crate::sparse::GroupRule`] `(chunk, period, width)` on the row's offset inside the block, as
+/// compile-time constants (the rules are fixed per granularity; runtime divisions made the pass
+/// instruction-bound), `chunk` 0 for the whole block. `natural`: the int8 words in channel order
+/// (the Hopper kernel's wgmma operands), else reordered for `mma.sync` (module docs).
+///
+/// A row is `head_dim / 8` units, each with one 16-byte vector (8 channels); a cube steps over
+/// `QUANT_THREADS * 8 / head_dim` rows at a time, every unit of a plane in every step (the
+/// reductions are shuffles among a row's units). Rounding: `clamp(v * inv, -127, 127) + MAGIC`
+/// rounds to the nearest integer, ties to even, in the f32 add (|v * inv| <= 127 < 2^22), and the
+/// low byte of its bits is the int8 value: the CPU's `rint` then clamp, without a conversion.
 #[allow(clippy::too_many_arguments)]
 #[cube(launch_unchecked)]
-pub fn int8_quantize<E: Float>(
-    x: &Array<E>,
+pub fn int8_quantize<E: Float, NX: Size>(
+    x: &Array<Vector<u32, NX>>,
     mean: &Array<f32>,
     xq: &mut Array<u32>,
     scale: &mut Array<f32>,
@@ -101,44 +109,56 @@ pub fn int8_quantize<E: Float>(
 ) {
     let b = CUBE_POS_Y as usize;
     let h = CUBE_POS_Z;
-    let lane = UNIT_POS_PLANE;
-    let plane = UNIT_POS / 32u32;
-    let planes = comptime!(QUANT_THREADS / 32) as u32;
-    let words = comptime!(head_dim / 4);
+    // units per row (8 channels each) and rows per step
+    let tpr = comptime!(head_dim / 8) as u32;
+    let step = comptime!(QUANT_THREADS * 8 / head_dim) as u32;
+    let sub = UNIT_POS % tpr;
+    let rsub = UNIT_POS / tpr;
     let off = if is_k { 2usize } else { 0usize };
     let start = segs[b * 4 + off];
     let len = segs[b * 4 + off + 1];
     let r0 = CUBE_POS_X * block;
     let kvh = (h / group) as usize;
-    let mbase = (b * (heads / group) as usize + kvh) * head_dim;
+    let mbase = (b * (heads / group) as usize + kvh) * head_dim + (sub * 8u32) as usize;
+    // this unit's 8 channels of the mean (zeros without smoothing)
+    let mut mv = Array::<f32>::new(8usize);
+    #[unroll]
+    for e in 0..8usize {
+        mv[e] = 0.0f32;
+        if smooth {
+            mv[e] = mean[mbase + e];
+        }
+    }
+    let mut xv = Array::<f32>::new(8usize);
     if r0 < len {
         let r1 = min(r0 + block, len);
         // pass 1: per row max |x - mean| and (Q, smooth) the LSE correction
-        let mut r = r0 + plane;
-        while r < r1 {
-            let row = ((start + r) * heads + h) as usize * head_dim;
+        let mut rb = r0;
+        while rb < r1 {
+            let r = rb + rsub;
+            let valid = r < r1;
             let mut mx = 0.0f32;
             let mut dot = 0.0f32;
-            if (lane as usize) < words {
+            if valid {
+                load_row8::<E, NX>(x, ((start + r) * heads + h) * tpr + sub, &mut xv);
                 #[unroll]
-                for e in 0..4usize {
-                    let c = lane as usize * 4 + e;
-                    let mut v = f32::cast_from(x[row + c]);
+                for e in 0..8usize {
+                    let mut v = xv[e];
                     if smooth {
                         if is_k {
-                            v -= mean[mbase + c];
+                            v -= mv[e];
                         } else {
-                            dot += v * mean[mbase + c];
+                            dot += v * mv[e];
                         }
                     }
                     mx = max(mx, f32::abs(v));
                 }
             }
-            mx = plane_max(mx);
+            mx = row_max(mx, tpr);
             if smooth && !is_k {
-                dot = plane_sum(dot);
+                dot = row_sum(dot, tpr);
             }
-            if lane == 0 {
+            if valid && sub == 0 {
                 let i = (h * total + start + r) as usize;
                 amax[i] = mx;
                 if !is_k {
@@ -149,15 +169,17 @@ pub fn int8_quantize<E: Float>(
                     shift[i] = s;
                 }
             }
-            r += planes;
+            rb += step;
         }
     }
     sync_cube();
     if r0 < len {
         let r1 = min(r0 + block, len);
         let blen = r1 - r0;
-        let mut r = r0 + plane;
-        while r < r1 {
+        let mut rb = r0;
+        while rb < r1 {
+            let r = rb + rsub;
+            let valid = r < r1;
             // the group's max over its rows: chunk `o / chunk`, class `(o % chunk % period) / width`
             // (the whole block when `chunk` is 0)
             let o = r - r0;
@@ -170,56 +192,113 @@ pub fn int8_quantize<E: Float>(
                 glen = comptime!(chunk as u32);
             }
             let mut g = 0.0f32;
-            let mut i = lane;
-            while i < glen {
-                let mut same = true;
-                if comptime!(chunk > 0) {
-                    same = (i % comptime!(period as u32)) / comptime!(width as u32) == class;
-                }
-                if cs + i < blen && same {
-                    g = max(g, amax[(h * total + start + r0 + cs + i) as usize]);
-                }
-                i += 32u32;
-            }
-            g = plane_max(g);
-            let mut sc = 1.0f32;
-            let mut inv = 0.0f32;
-            if g > 0.0f32 {
-                sc = g / 127.0f32;
-                inv = 127.0f32 / g;
-            }
-            let tok = start + r;
-            let row = (tok * heads + h) as usize * head_dim;
-            if (lane as usize) < words {
-                let mut packed = 0u32;
-                #[unroll]
-                for e in 0..4usize {
-                    let c = lane as usize * 4 + e;
-                    let mut v = f32::cast_from(x[row + c]);
-                    if smooth && is_k {
-                        v -= mean[mbase + c];
+            if valid {
+                let gbase = (h * total + start + r0 + cs) as usize;
+                let mut i = sub;
+                while i < glen {
+                    let mut same = true;
+                    if comptime!(chunk > 0) {
+                        same = (i % comptime!(period as u32)) / comptime!(width as u32) == class;
                     }
-                    let qv = i32::cast_from(max(min(f32::round(v * inv), 127.0f32), -127.0f32));
-                    packed |= (u32::cast_from(qv) & 0xFFu32) << (8 * e as u32);
-                }
-                // word w of k-step w / 8 goes to position 2 (w % 4) + (w % 8) / 4 of its k-step
-                let w = lane;
-                let mut pos = (w / 8u32) * 8u32 + (w % 4u32) * 2u32 + (w % 8u32) / 4u32;
-                if natural {
-                    pos = w;
-                }
-                xq[(tok * heads + h) as usize * words + pos as usize] = packed;
-            }
-            if lane == 0 {
-                if is_k {
-                    scale[(tok * heads + h) as usize] = sc;
-                } else {
-                    scale[(h * total + tok) as usize] = sc;
+                    if cs + i < blen && same {
+                        g = max(g, amax[gbase + i as usize]);
+                    }
+                    i += tpr;
                 }
             }
-            r += planes;
+            g = row_max(g, tpr);
+            if valid {
+                let mut sc = 1.0f32;
+                let mut inv = 0.0f32;
+                if g > 0.0f32 {
+                    sc = g / 127.0f32;
+                    inv = 127.0f32 / g;
+                }
+                let tok = start + r;
+                load_row8::<E, NX>(x, (tok * heads + h) * tpr + sub, &mut xv);
+                let mut words = Array::<u32>::new(2usize);
+                #[unroll]
+                for w in 0..2usize {
+                    let mut packed = 0u32;
+                    #[unroll]
+                    for e in 0..4usize {
+                        let mut v = xv[w * 4 + e];
+                        if smooth && is_k {
+                            v -= mv[w * 4 + e];
+                        }
+                        let t = max(min(v * inv, 127.0f32), -127.0f32) + MAGIC;
+                        packed |= (u32::reinterpret(t) & 0xFFu32) << (8 * e as u32);
+                    }
+                    words[w] = packed;
+                }
+                let row = (tok * heads + h) as usize * comptime!(head_dim / 4);
+                #[unroll]
+                for w in 0..2usize {
+                    // word q of k-step q / 8 goes to position 2 (q % 4) + (q % 8) / 4 of its k-step
+                    let q = sub * 2u32 + w as u32;
+                    let mut pos = (q / 8u32) * 8u32 + (q % 4u32) * 2u32 + (q % 8u32) / 4u32;
+                    if natural {
+                        pos = q;
+                    }
+                    xq[row + pos as usize] = words[w];
+                }
+                if sub == 0 {
+                    if is_k {
+                        scale[(tok * heads + h) as usize] = sc;
+                    } else {
+                        scale[(h * total + tok) as usize] = sc;
+                    }
+                }
+            }
+            rb += step;
         }
     }
+}
+
+/// The 8 channels of 16-byte vector `i` of `x` (f16 / bf16 pairs in 4 words) as f32.
+#[cube]
+fn load_row8<E: Float, NX: Size>(x: &Array<Vector<u32, NX>>, i: u32, out: &mut Array<f32>) {
+    let vec = x[i as usize];
+    #[unroll]
+    for w in 0..4usize {
+        let pair = Vector::<E, Const<2>>::reinterpret(vec[w]);
+        out[2 * w] = f32::cast_from(pair[0]);
+        out[2 * w + 1] = f32::cast_from(pair[1]);
+    }
+}
+
+/// Max over the `units` (4, 8, 16 or 32) adjacent lanes of a row.
+#[cube]
+fn row_max(x: f32, #[comptime] units: u32) -> f32 {
+    let mut m = x;
+    if comptime!(units >= 32) {
+        m = max(m, plane_shuffle_xor(m, 16u32));
+    }
+    if comptime!(units >= 16) {
+        m = max(m, plane_shuffle_xor(m, 8u32));
+    }
+    if comptime!(units >= 8) {
+        m = max(m, plane_shuffle_xor(m, 4u32));
+    }
+    m = max(m, plane_shuffle_xor(m, 2u32));
+    max(m, plane_shuffle_xor(m, 1u32))
+}
+
+/// Sum over the `units` adjacent lanes of a row (as [`row_max`]).
+#[cube]
+fn row_sum(x: f32, #[comptime] units: u32) -> f32 {
+    let mut m = x;
+    if comptime!(units >= 32) {
+        m += plane_shuffle_xor(m, 16u32);
+    }
+    if comptime!(units >= 16) {
+        m += plane_shuffle_xor(m, 8u32);
+    }
+    if comptime!(units >= 8) {
+        m += plane_shuffle_xor(m, 4u32);
+    }
+    m += plane_shuffle_xor(m, 2u32);
+    m + plane_shuffle_xor(m, 1u32)
 }
 
 /// `cp.async` copies of the int8 keys `[n0, n1)` of kv head `head_kv` into a padded tile of

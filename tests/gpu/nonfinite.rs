@@ -7,7 +7,7 @@
 
 use cubeattn::backend::cuda::{fwd_options, FwdPlan};
 use cubeattn::reference::forward_f64;
-use cubeattn::{AttnSpec, DType, HostData, TensorMeta};
+use cubeattn::{AttnSpec, DType, HostData, Int8Qk, QuantGran, TensorMeta};
 use rand::{rngs::StdRng, SeedableRng};
 
 use super::{backend, random};
@@ -147,8 +147,26 @@ fn grouped_split_k_combine_takes_the_exact_path() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn block_sparse_lists_and_causal_diagonal() {
-    let Some(b) = backend() else { return };
     for (dt, d, per_kv) in [(F16, 64, false), (BF16, 128, true)] {
+        run_sparse(dt, d, per_kv, None);
+    }
+}
+
+/// INT8 Q K^T with FP8 P.V (the Hopper kernel at d128): the V maxima pass sets the flag instead of
+/// `v_nonfinite`'s scan, so the exact kernel still writes the call; also with the only bad element
+/// in the last key of the second sequence (its ragged last chunk).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn block_sparse_int8_fp8_sets_the_flag_in_its_v_pass() {
+    for smooth_k in [true, false] {
+        run_sparse(BF16, 128, true, Some(Int8Qk { gran: QuantGran::PerWarp, smooth_k, pv_fp8: true }));
+    }
+}
+
+/// The block-sparse case of [`block_sparse_lists_and_causal_diagonal`] with the INT8 option `int8`.
+fn run_sparse(dt: DType, d: usize, per_kv: bool, int8: Option<Int8Qk>) {
+    let Some(b) = backend() else { return };
+    {
         let (hq, hkv, lens) = (4usize, 2usize, [(200usize, 200usize), (70, 90)]);
         let (tq, tk) = (270usize, 290usize);
         let qm = TensorMeta::new(&[tq, hq, d], dt);
@@ -170,7 +188,7 @@ fn block_sparse_lists_and_causal_diagonal() {
                 }
             }
         }
-        let spec = attn.with_block_index(&ix, &[lens.len(), heads, q_blocks, 2], 64, 64, None).expect("sparse spec");
+        let spec = attn.with_block_index(&ix, &[lens.len(), heads, q_blocks, 2], 64, 64, int8).expect("sparse spec");
         let a = &spec;
         let mut rng = StdRng::seed_from_u64(6);
         let q = random(a.dims.q_len(), dt, 1.0, &mut rng);
@@ -184,6 +202,13 @@ fn block_sparse_lists_and_causal_diagonal() {
         let f = |h: &HostData| h.view().to_f64_vec();
         let (ro, rl) = forward_f64(&spec, &f(&q), &f(&k), &f(&v));
         let got = b.forward_poisoned(&spec, q.view(), k.view(), v.view(), POISON).expect("sparse forward");
-        check(&format!("{dt:?} d{d} block-sparse"), dt, &got.out, &got.lse, &ro, &rl);
+        check(&format!("{dt:?} d{d} block-sparse int8 {int8:?}"), dt, &got.out, &got.lse, &ro, &rl);
+        if int8.is_some() {
+            // the last key alone: only row 69 of sequence 1 sees it
+            let v = poisoned_v(a, &random(a.dims.kv_len(), dt, 1.0, &mut rng), &bad[2..3]);
+            let (ro, rl) = forward_f64(&spec, &q.view().to_f64_vec(), &k.view().to_f64_vec(), &v.view().to_f64_vec());
+            let got = b.forward_poisoned(&spec, q.view(), k.view(), v.view(), POISON).expect("sparse forward");
+            check(&format!("{dt:?} d{d} block-sparse int8 last key {int8:?}"), dt, &got.out, &got.lse, &ro, &rl);
+        }
     }
 }

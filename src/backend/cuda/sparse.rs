@@ -230,7 +230,7 @@ pub(super) fn launch_sparse_forward(be: &CudaBackend, spec: SparseView, plan: &C
     let t = |i| plan.tables.get(i);
     // the workspace's flag, set when v holds a NaN or Inf (then the exact kernel writes the call)
     let flag = p.workspace;
-    launch_flag(be, dt, p.v, d.kv_len(), flag, true, stream)?;
+    launch_flag(be, dt, p.v, d.kv_len(), flag, !super::sparse_int8::scans_v(spec.int8), stream)?;
     // INT8: Q and K quantised (and with FP8 P.V, V^T) into the workspace first: the kernel's
     // operands and maps point at them
     let z = match spec.int8 {
@@ -238,7 +238,7 @@ pub(super) fn launch_sparse_forward(be: &CudaBackend, spec: SparseView, plan: &C
         Some(opt) => {
             let pq = FwdPtrs { workspace: p.workspace + flag_part() as u64, ..*p };
             let natural = matches!(sp.frame, SparseFrame::Sm90 { .. });
-            Some((opt, super::sparse_int8::quantize(be, spec, opt, &pq, t(SparseTable::Segs), natural, stream)?))
+            Some((opt, super::sparse_int8::quantize(be, spec, opt, &pq, t(SparseTable::Segs), natural, flag, stream)?))
         }
     };
     let (f, [k_map, v_map]) = match sp.frame {

@@ -16,8 +16,9 @@ use super::launch::{launch, Args, MapArg};
 use super::CudaBackend;
 use crate::dtype::DType;
 use crate::error::Result;
+use crate::kernels::chunk_stats::CHUNK_THREADS;
 use crate::kernels::fp8_v::{self, vt_row_bytes, VT_CHUNK, VT_THREADS};
-use crate::kernels::int8_qk::{self, MEAN_CHUNK, QUANT_THREADS};
+use crate::kernels::int8_qk::{self, MEAN_CHUNK, QUANT_THREADS, QUANT_VEC};
 use crate::sparse::{GroupRule, Int8Qk};
 use crate::spec::SparseView;
 
@@ -99,6 +100,8 @@ fn kernel(be: &CudaBackend, name: &'static str, dt: DType, p: &[u32], src: impl 
 /// Enqueues the quantisation of Q and K of `spec` (option `opt`) into `workspace` on `stream`.
 /// `segs` is the plan's sequence table (device address, u32 words). `natural`: the int8 rows in
 /// channel order (the Hopper kernel's wgmma operands), else in `flash_fwd_mma2`'s word order.
+/// `flag`: the call's non-finite-v flag, zeroed; with FP8 P.V the V maxima pass sets it (the
+/// caller skips `v_nonfinite`'s scan of v, [`scans_v`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn quantize(
     be: &CudaBackend,
@@ -107,6 +110,7 @@ pub(crate) fn quantize(
     p: &FwdPtrs,
     segs: (u64, usize),
     natural: bool,
+    flag: u64,
     stream: sys::CUstream,
 ) -> Result<Int8Operands> {
     let d = &spec.attn.dims;
@@ -122,7 +126,7 @@ pub(crate) fn quantize(
     if opt.smooth_k {
         let f = kernel(be, "chunk_stats", dt, &[hd as u32, 0], || chunk_source(client, dt, hd, false))?;
         let mut a = Args::new();
-        a.array(p.k, d.kv_len().max(1)).array(sums, pr[5] / 4).array(segs.0, segs.1).u32(hkv as u32);
+        a.array(p.k, (d.kv_len() / 8).max(1)).array(sums, pr[5] / 4).array(flag, 1).array(segs.0, segs.1).u32(hkv as u32);
         launch(&f, (chunks as u32, batch as u32, hkv as u32), &mut a, stream)?;
         let f = kernel(be, "int8_k_mean", DType::F32, &[hd as u32], || {
             codegen(int8_qk::int8_k_mean::Int8KMean::<CudaRuntime>::new(settings(hd as u32), client.clone(), A, A, A, (), (), hd))
@@ -143,7 +147,7 @@ pub(crate) fn quantize(
             quantize_source(client, dt, hd, is_k, smooth, natural, g)
         })?;
         let mut a = Args::new();
-        a.array(x, (total * heads * hd).max(1)).array(mean, pr[6] / 4).array(xq, (total * heads * hd / 4).max(1));
+        a.array(x, (total * heads * hd / QUANT_VEC).max(1)).array(mean, pr[6] / 4).array(xq, (total * heads * hd / 4).max(1));
         a.array(sc, if is_k { tk * hkv } else { 2 * hq * tq }.max(1)).array(amax, pr[4] / 4);
         // the LSE corrections follow the Q scales (K writes none)
         a.array(qsc + (hq * tq * 4) as u64, (hq * tq).max(1)).array(segs.0, segs.1);
@@ -161,9 +165,10 @@ pub(crate) fn quantize(
         vt_row = vt_row_bytes(tk, batch);
         let vchunks = spec.attn.max_seqlen_k.div_ceil(VT_CHUNK).max(1);
         let part = at(8);
+        // V's maxima, and the non-finite-v flag (the host zeroed it; `launch_flag` without its scan)
         let f = kernel(be, "chunk_stats", dt, &[hd as u32, 1], || chunk_source(client, dt, hd, true))?;
         let mut a = Args::new();
-        a.array(p.v, d.kv_len().max(1)).array(part, vchunks * nv).array(segs.0, segs.1).u32(hkv as u32);
+        a.array(p.v, (d.kv_len() / 8).max(1)).array(part, vchunks * nv).array(flag, 1).array(segs.0, segs.1).u32(hkv as u32);
         launch(&f, (vchunks as u32, batch as u32, hkv as u32), &mut a, stream)?;
         let f = kernel(be, "fp8_v_scales", DType::F32, &[hd as u32], || {
             codegen(fp8_v::fp8_v_scales::Fp8VScales::<CudaRuntime>::new(settings(hd as u32), client.clone(), A, A, A, (), (), (), hd))
@@ -173,21 +178,28 @@ pub(crate) fn quantize(
         launch(&f, (batch as u32, hkv as u32, 1), &mut a, stream)?;
         let f = kernel(be, "fp8_v_quantize", dt, &[hd as u32], || vt_source(client, dt, hd))?;
         let mut a = Args::new();
-        a.array(p.v, d.kv_len().max(1)).array(vsc, 2 * nv).array(vt, (hkv * hd * vt_row / 4).max(1)).array(segs.0, segs.1);
+        a.array(p.v, (d.kv_len() / 8).max(1)).array(vsc, 2 * nv).array(vt, (hkv * hd * vt_row / 4).max(1)).array(segs.0, segs.1);
         a.u32(hkv as u32).u32((vt_row / 4) as u32).u32(nv as u32);
         launch(&f, (vchunks as u32, batch as u32, hkv as u32), &mut a, stream)?;
     }
     Ok(Int8Operands { q8, k8, q_scale: qsc, k_scale: ksc, vt, vt_row_bytes: vt_row })
 }
 
-/// CUDA source of `chunk_stats`: K's column sums (`absmax` false) or V's maxima of |v|.
+/// Whether the quantisation with `opt` reads all of v and sets the non-finite-v flag itself (FP8
+/// P.V: V's maxima pass).
+pub(crate) fn scans_v(opt: Option<Int8Qk>) -> bool {
+    opt.is_some_and(|o| o.pv_fp8)
+}
+
+/// CUDA source of `chunk_stats`: K's column sums (`absmax` false) or V's maxima of |v| and the
+/// non-finite-v flag (`absmax`).
 pub(crate) fn chunk_source(client: &cubecl::prelude::ComputeClient<CudaRuntime>, dt: DType, hd: usize, absmax: bool) -> Result<super::compile::Source> {
     use crate::kernels::chunk_stats::chunk_stats::ChunkStats;
-    let s = settings(hd as u32);
+    let s = settings(CHUNK_THREADS as u32);
     if dt == DType::F16 {
-        codegen(ChunkStats::<f16, CudaRuntime>::new(s, client.clone(), A, A, A, (), hd, absmax))
+        codegen(ChunkStats::<f16, CudaRuntime>::new(s, client.clone(), A, A, A, A, (), 4, hd, absmax, absmax))
     } else {
-        codegen(ChunkStats::<bf16, CudaRuntime>::new(s, client.clone(), A, A, A, (), hd, absmax))
+        codegen(ChunkStats::<bf16, CudaRuntime>::new(s, client.clone(), A, A, A, A, (), 4, hd, absmax, absmax))
     }
 }
 
@@ -196,9 +208,9 @@ pub(crate) fn chunk_source(client: &cubecl::prelude::ComputeClient<CudaRuntime>,
 pub(crate) fn vt_source(client: &cubecl::prelude::ComputeClient<CudaRuntime>, dt: DType, hd: usize) -> Result<super::compile::Source> {
     let s = settings(VT_THREADS as u32);
     let mut src = if dt == DType::F16 {
-        codegen(fp8_v::fp8_v_quantize::Fp8VQuantize::<f16, CudaRuntime>::new(s, client.clone(), A, A, A, A, (), (), (), hd))
+        codegen(fp8_v::fp8_v_quantize::Fp8VQuantize::<f16, CudaRuntime>::new(s, client.clone(), A, A, A, A, (), (), (), 4, hd))
     } else {
-        codegen(fp8_v::fp8_v_quantize::Fp8VQuantize::<bf16, CudaRuntime>::new(s, client.clone(), A, A, A, A, (), (), (), hd))
+        codegen(fp8_v::fp8_v_quantize::Fp8VQuantize::<bf16, CudaRuntime>::new(s, client.clone(), A, A, A, A, (), (), (), 4, hd))
     }?;
     src.cuda = super::rewrite::sm90::lower(&src.entry, &src.cuda)?;
     Ok(src)
@@ -218,8 +230,8 @@ pub(crate) fn quantize_source(
 ) -> Result<super::compile::Source> {
     let s = settings(QUANT_THREADS as u32);
     if dt == DType::F16 {
-        codegen(int8_qk::int8_quantize::Int8Quantize::<f16, CudaRuntime>::new(s, client.clone(), A, A, A, A, A, A, A, (), (), (), (), (), hd, is_k, smooth, natural, g[0], g[1], g[2]))
+        codegen(int8_qk::int8_quantize::Int8Quantize::<f16, CudaRuntime>::new(s, client.clone(), A, A, A, A, A, A, A, (), (), (), (), (), 4, hd, is_k, smooth, natural, g[0], g[1], g[2]))
     } else {
-        codegen(int8_qk::int8_quantize::Int8Quantize::<bf16, CudaRuntime>::new(s, client.clone(), A, A, A, A, A, A, A, (), (), (), (), (), hd, is_k, smooth, natural, g[0], g[1], g[2]))
+        codegen(int8_qk::int8_quantize::Int8Quantize::<bf16, CudaRuntime>::new(s, client.clone(), A, A, A, A, A, A, A, (), (), (), (), (), 4, hd, is_k, smooth, natural, g[0], g[1], g[2]))
     }
 }
