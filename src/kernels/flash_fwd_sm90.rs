@@ -143,8 +143,6 @@ pub(super) fn mask_scores(
 /// constant (`MAGIC f + m`, rounded once: an error under half a dot unit, far below the
 /// quantisation's), so a score costs one integer add more than a 16-bit one. `fp8` (FP8 P.V): no
 /// slack (the references follow every rise, so P <= 1) and P, the row sums with it, scaled by 256.
-/// A row's max and sum run as four independent chains (the lane's 16 or 32 scores of a row in one
-/// chain each kept the warp waiting on each add's latency: ncu's top stall on the FP8 kernel).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn softmax_scores(
@@ -163,21 +161,14 @@ pub(super) fn softmax_scores(
     let mut moved = false;
     #[unroll]
     for i in 0..2usize {
-        // the row's max in four independent chains (a max is exact in any order)
-        let mut mp = Array::<f32>::new(4usize);
-        #[unroll]
-        for c in 0..4usize {
-            mp[c] = neg_inf;
-        }
+        let mut mx = neg_inf;
         #[unroll]
         for nb in 0..n_blocks {
             #[unroll]
             for e2 in 0..2usize {
-                let c = comptime!((nb * 2 + e2) % 4);
-                mp[c] = max(mp[c], s[nb * 4 + i * 2 + e2]);
+                mx = max(mx, s[nb * 4 + i * 2 + e2]);
             }
         }
-        let mut mx = max(max(mp[0], mp[1]), max(mp[2], mp[3]));
         if int8 {
             // biased dot products, and the lanes of a row may hold different K scales
             // (per_thread): this lane's factor to base-2 scores first
@@ -211,12 +202,7 @@ pub(super) fn softmax_scores(
             f = sl[i];
             ref_m = MAGIC * f + ref_m;
         }
-        // the tile's row sum in four partial sums (independent add chains), added pairwise
-        let mut sp = Array::<f32>::new(4usize);
-        #[unroll]
-        for c in 0..4usize {
-            sp[c] = 0.0f32;
-        }
+        let mut sum = 0.0f32;
         #[unroll]
         for nb in 0..n_blocks {
             #[unroll]
@@ -224,11 +210,10 @@ pub(super) fn softmax_scores(
                 let idx = nb * 4 + i * 2 + e2;
                 let pv = fast_exp2(s[idx] * f - ref_m);
                 s[idx] = pv;
-                let c = comptime!((nb * 2 + e2) % 4);
-                sp[c] += pv;
+                sum += pv;
             }
         }
-        l_r[i] = l_r[i] * alpha[i] + ((sp[0] + sp[1]) + (sp[2] + sp[3]));
+        l_r[i] = l_r[i] * alpha[i] + sum;
     }
     plane_any(moved)
 }
