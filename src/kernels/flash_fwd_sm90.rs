@@ -273,6 +273,72 @@ fn pv_steps_e4m3<E: Float>(
     }
 }
 
+/// One key tile's scores into P: S = Q K^T by wgmma from the K tile at element `cur_k` of
+/// `k_smem` (`int8`: the raw dot products, then this lane's factors from the tile's K scales),
+/// the mask of keys `[t0, t1)`, the online softmax (`softmax_scores`), O rescaled where a row's
+/// reference moved, and P packed as the P.V operand (`p`, or `p8` in e4m3 with `fp8_pv`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn score_tile<E: Float>(
+    args: &FwdCard<E>,
+    s: &mut Array<f32>,
+    s_i: &mut Array<i32>,
+    q_smem: &SharedMemory<E>,
+    q_wg: usize,
+    k_smem: &SharedMemory<E>,
+    cur_k: usize,
+    head_kv: u32,
+    keys: (u32, u32),
+    q_sl: &Array<f32>,
+    sl: &mut Array<f32>,
+    row_lo: &SharedMemory<u32>,
+    row_hi: &SharedMemory<u32>,
+    rows: (usize, usize, u32, u32),
+    lane: u32,
+    neg_inf: f32,
+    m_r: &mut Array<f32>,
+    l_r: &mut Array<f32>,
+    alpha: &mut Array<f32>,
+    o_acc: &mut Array<f32>,
+    p: &mut Array<Vector<E, Const<2>>>,
+    p8: &mut Array<u32>,
+    #[comptime] block_n: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] int8: bool,
+    #[comptime] fp8_pv: bool,
+) {
+    let (t0, t1) = keys;
+    let (row_a, row_b, rows_lo, rows_hi) = rows;
+    wgmma_fence();
+    s_steps::<E>(s, s_i, q_smem, q_wg, k_smem, cur_k, block_n, head_dim, int8);
+    wgmma_commit();
+    if int8 {
+        let key = min(t0 + 2u32 * (lane % 4u32), t1 - 1u32);
+        let ks = args.part_o[(key * args.heads_kv + head_kv) as usize];
+        #[unroll]
+        for i in 0..2usize {
+            sl[i] = max(q_sl[i] * ks, 1.175_494_4e-38f32);
+        }
+    }
+    wgmma_wait(0u32);
+    if int8 {
+        #[unroll]
+        for i in 0..comptime!(block_n / 2) {
+            s[i] = dot_biased(s_i[i]);
+        }
+    }
+    mask_scores(s, row_lo, row_hi, row_a, row_b, t0, t1, rows_lo, rows_hi, lane, neg_inf, block_n);
+    let moved = softmax_scores(s, m_r, l_r, alpha, args.scale_log2, sl, neg_inf, block_n, int8, fp8_pv);
+    if moved {
+        rescale_o(o_acc, alpha, head_dim);
+    }
+    if fp8_pv {
+        pack_p_e4m3(s, p8, comptime!(block_n / 32));
+    } else {
+        pack_a_pairs::<E>(s, p, comptime!(block_n / 4));
+    }
+}
+
 /// Unit 0 raises `bar`'s expected bytes by one FP8 V^T tile (`head_dim` rows of 64 keys, one byte
 /// each) and issues its tensor-map copy (rows of kv head `head_kv`, from byte `col` of each row:
 /// `fp8_v`) into element `base` of `smem`.
@@ -465,34 +531,9 @@ pub fn flash_fwd_sm90<E: Float>(
             issue_tile_boxes(&args.k_map, &mut k_smem, &bar_k, tile_k - cur_k, p0, pb, head_kv, block_n, qk_e, true);
             commit_copies(&bar_k);
         }
-        wgmma_fence();
-        s_steps::<E>(&mut s, &mut s_i, &q_smem, q_wg, &k_smem, cur_k, block_n, head_dim, int8);
-        wgmma_commit();
-        if int8 {
-            let key = min(t0 + 2u32 * (lane % 4u32), t1 - 1u32);
-            let ks = args.part_o[(key * args.heads_kv + head_kv) as usize];
-            #[unroll]
-            for i in 0..2usize {
-                sl[i] = max(q_sl[i] * ks, 1.175_494_4e-38f32);
-            }
-        }
-        wgmma_wait(0u32);
-        if int8 {
-            #[unroll]
-            for i in 0..s_n {
-                s[i] = dot_biased(s_i[i]);
-            }
-        }
-        mask_scores(&mut s, &row_lo, &row_hi, row_a, row_b, t0, t1, rows_lo, rows_hi, lane, neg_inf, block_n);
-        let moved = softmax_scores(&mut s, &mut m_r, &mut l_r, &mut alpha, args.scale_log2, &sl, neg_inf, block_n, int8, fp8_pv);
-        if moved {
-            rescale_o(&mut o_acc, &alpha, head_dim);
-        }
-        if fp8_pv {
-            pack_p_e4m3(&s, &mut p8, comptime!(block_n / 32));
-        } else {
-            pack_a_pairs::<E>(&s, &mut p, comptime!(block_n / 4));
-        }
+        let rows = (row_a, row_b, rows_lo, rows_hi);
+        score_tile::<E>(args, &mut s, &mut s_i, &q_smem, q_wg, &k_smem, cur_k, head_kv, (t0, t1), &q_sl, &mut sl, &row_lo, &row_hi,
+            rows, lane, neg_inf, &mut m_r, &mut l_r, &mut alpha, &mut o_acc, &mut p, &mut p8, block_n, head_dim, int8, fp8_pv);
         // V(t + 1) is issued only after this thread saw V(t) land
         bar_v.wait_parity(kt & 1u32);
         if has_next {
