@@ -392,10 +392,12 @@ pub fn flash_fwd_sm90<E: Float>(
     let qk_e = comptime!(if int8 { head_dim / 2 } else { head_dim });
     let tile_k = comptime!(block_n * qk_e);
     let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(block_m * qk_e), 1024usize);
-    let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(2 * tile_k), 1024usize);
+    // FP8 P.V: a stage holds two key tiles (`pairs` below), so K and V^T take four tiles each
+    let stage_tiles = comptime!(if fp8_pv { 2usize } else { 1usize });
+    let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(2 * stage_tiles * tile_k), 1024usize);
     // FP8 V^T: head_dim rows of block_n bytes (block_n / 2 elements of E)
     let tile_v = comptime!(if fp8_pv { block_n * head_dim / 2 } else { block_n * head_dim });
-    let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(2 * tile_v), 1024usize);
+    let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(2 * stage_tiles * tile_v), 1024usize);
     let mut row_tok = SharedMemory::<u32>::new(block_m);
     let mut row_head = SharedMemory::<u32>::new(block_m);
     let mut row_lo = SharedMemory::<u32>::new(block_m);
@@ -446,9 +448,22 @@ pub fn flash_fwd_sm90<E: Float>(
         }
         let (p0, _p1, pb) = tile_rows(f0, f1, &args.blocks, paged, block_n);
         issue_tile_boxes(&args.k_map, &mut k_smem, &bar_k, 0usize, p0, pb, head_kv, block_n, qk_e, true);
+        // FP8 P.V: tile 1 into the first stage's second half
+        if fp8_pv {
+            if n_tiles > 1u32 {
+                let (x0, _x1) = tile_bounds(1u32, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
+                    tpb_magic, block_n, sparse);
+                issue_tile_boxes(&args.k_map, &mut k_smem, &bar_k, tile_k, x0, x0 + KV_PAGE as u32, head_kv, block_n, qk_e, true);
+            }
+        }
         commit_copies(&bar_k);
         if fp8_pv {
             issue_vt_tile(&args.v_map, &mut v_smem, &bar_v, 0usize, vt_off + f0, head_kv, head_dim);
+            if n_tiles > 1u32 {
+                let (x0, _x1) = tile_bounds(1u32, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
+                    tpb_magic, block_n, sparse);
+                issue_vt_tile(&args.v_map, &mut v_smem, &bar_v, tile_v, vt_off + x0, head_kv, head_dim);
+            }
         } else {
             issue_tile_boxes(&args.v_map, &mut v_smem, &bar_v, 0usize, p0, pb, head_kv, block_n, head_dim, true);
         }
@@ -500,68 +515,158 @@ pub fn flash_fwd_sm90<E: Float>(
     // share of every V tile for a NaN or Inf (x - x is not 0) and the cube sets the flag itself,
     // instead of a pass over all of v before the launch
     let mut v_bad = false;
-    for kt in 0..n_tiles {
-        let (t0, t1) = tile_bounds(kt, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
-            tpb_magic, block_n, sparse);
-        bar_k.wait_parity(kt & 1u32);
-        if kt == 0 {
-            fence_proxy_async();
+    if fp8_pv {
+        // FP8 P.V: the tiles in pairs, one stage (K and V^T of both) per pair: one wait per
+        // barrier, one cube barrier and one copy issue per pair instead of per tile; each tile's
+        // scores, softmax and P.V exactly as one tile below (the 64-key running max of the rule)
+        let mut a0 = 0u32;
+        let mut a1 = 0u32;
+        let mut b0 = 0u32;
+        let mut b1 = 0u32;
+        if n_tiles > 0u32 {
+            let (x0, x1) = tile_bounds(0u32, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block, tpb_magic,
+                block_n, sparse);
+            a0 = x0;
+            a1 = x1;
         }
-        // every warpgroup is done with tile t - 1: its K buffer takes K(t + 1)
-        sync_cube();
-        let cur = ((kt & 1u32) as usize) * tile_e;
-        let cur_k = ((kt & 1u32) as usize) * tile_k;
-        let cur_v = ((kt & 1u32) as usize) * tile_v;
-        let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
-            tpb_magic, block_n, sparse);
-        let has_next = kt + 1 < n_tiles;
-        // the next tile's rows (`tile_rows` of an unpaged tile: n0 and n0 + KV_PAGE); paged, the
-        // page table is read only for a tile that is loaded: past the last tile n0 may be the end
-        // of the keys, whose page entry does not exist (compute-sanitizer memcheck)
-        let mut p0 = n0;
-        let mut pb = n0 + KV_PAGE as u32;
-        if comptime!(paged) {
-            if has_next {
-                let (r0, _r1, rb) = tile_rows(n0, n1, &args.blocks, paged, block_n);
-                p0 = r0;
-                pb = rb;
+        if n_tiles > 1u32 {
+            let (x0, x1) = tile_bounds(1u32, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block, tpb_magic,
+                block_n, sparse);
+            b0 = x0;
+            b1 = x1;
+        }
+        for kp in 0..(n_tiles + 1u32) / 2u32 {
+            let ka = kp * 2u32;
+            bar_k.wait_parity(kp & 1u32);
+            if kp == 0 {
+                fence_proxy_async();
             }
-        }
-        if has_next {
-            issue_tile_boxes(&args.k_map, &mut k_smem, &bar_k, tile_k - cur_k, p0, pb, head_kv, block_n, qk_e, true);
-            commit_copies(&bar_k);
-        }
-        let rows = (row_a, row_b, rows_lo, rows_hi);
-        score_tile::<E>(args, &mut s, &mut s_i, &q_smem, q_wg, &k_smem, cur_k, head_kv, (t0, t1), &q_sl, &mut sl, &row_lo, &row_hi,
-            rows, lane, neg_inf, &mut m_r, &mut l_r, &mut alpha, &mut o_acc, &mut p, &mut p8, block_n, head_dim, int8, fp8_pv);
-        // V(t + 1) is issued only after this thread saw V(t) land
-        bar_v.wait_parity(kt & 1u32);
-        if has_next {
-            if fp8_pv {
-                issue_vt_tile(&args.v_map, &mut v_smem, &bar_v, tile_v - cur_v, vt_off + n0, head_kv, head_dim);
-            } else {
-                issue_tile_boxes(&args.v_map, &mut v_smem, &bar_v, tile_e - cur, p0, pb, head_kv, block_n, head_dim, true);
+            // every warpgroup is done with pair p - 1: its stage takes pair p + 1
+            sync_cube();
+            let cur_k = ((kp & 1u32) as usize) * comptime!(2 * tile_k);
+            let cur_v = ((kp & 1u32) as usize) * comptime!(2 * tile_v);
+            let nxt_k = comptime!(2 * tile_k) - cur_k;
+            let nxt_v = comptime!(2 * tile_v) - cur_v;
+            let has_a = ka + 2u32 < n_tiles;
+            let has_b = ka + 3u32 < n_tiles;
+            let mut na0 = 0u32;
+            let mut na1 = 0u32;
+            let mut nb0 = 0u32;
+            let mut nb1 = 0u32;
+            if has_a {
+                let (x0, x1) = tile_bounds(ka + 2u32, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
+                    tpb_magic, block_n, sparse);
+                na0 = x0;
+                na1 = x1;
+                issue_tile_boxes(&args.k_map, &mut k_smem, &bar_k, nxt_k, x0, x0 + KV_PAGE as u32, head_kv, block_n, qk_e, true);
             }
-            commit_copies(&bar_v);
-        }
-        wgmma_fence();
-        if fp8_pv {
+            if has_b {
+                let (x0, x1) = tile_bounds(ka + 3u32, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
+                    tpb_magic, block_n, sparse);
+                nb0 = x0;
+                nb1 = x1;
+                issue_tile_boxes(&args.k_map, &mut k_smem, &bar_k, nxt_k + tile_k, x0, x0 + KV_PAGE as u32, head_kv, block_n, qk_e, true);
+            }
+            if has_a {
+                commit_copies(&bar_k);
+            }
+            let rows = (row_a, row_b, rows_lo, rows_hi);
+            score_tile::<E>(args, &mut s, &mut s_i, &q_smem, q_wg, &k_smem, cur_k, head_kv, (a0, a1), &q_sl, &mut sl, &row_lo, &row_hi,
+                rows, lane, neg_inf, &mut m_r, &mut l_r, &mut alpha, &mut o_acc, &mut p, &mut p8, block_n, head_dim, int8, fp8_pv);
+            // the next pair's V^T is issued only after this thread saw this pair's land
+            bar_v.wait_parity(kp & 1u32);
+            if has_a {
+                issue_vt_tile(&args.v_map, &mut v_smem, &bar_v, nxt_v, vt_off + na0, head_kv, head_dim);
+            }
+            if has_b {
+                issue_vt_tile(&args.v_map, &mut v_smem, &bar_v, nxt_v + tile_v, vt_off + nb0, head_kv, head_dim);
+            }
+            if has_a {
+                commit_copies(&bar_v);
+            }
+            wgmma_fence();
             pv_steps_e4m3::<E>(&mut o_acc, &p8, &v_smem, cur_v, block_n, head_dim);
-        } else {
-            pv_steps::<E>(&mut o_acc, &p, &v_smem, cur, block_n, head_dim);
-        }
-        wgmma_commit();
-        if comptime!(check_v) {
-            // while the MMAs read the same tile (the buffer is reused only after the next tile's
-            // cube barrier)
-            #[unroll]
-            for i in 0..comptime!(block_n * head_dim / SM90_THREADS) {
-                let x = f32::cast_from(v_smem[cur + UNIT_POS as usize + i * SM90_THREADS]);
-                // x - x is NaN exactly for an Inf or NaN
-                v_bad = v_bad || x - x != 0.0f32;
+            wgmma_commit();
+            wgmma_wait(0u32);
+            if ka + 1u32 < n_tiles {
+                score_tile::<E>(args, &mut s, &mut s_i, &q_smem, q_wg, &k_smem, cur_k + tile_k, head_kv, (b0, b1), &q_sl, &mut sl, &row_lo,
+                    &row_hi, rows, lane, neg_inf, &mut m_r, &mut l_r, &mut alpha, &mut o_acc, &mut p, &mut p8, block_n, head_dim, int8,
+                    fp8_pv);
+                wgmma_fence();
+                pv_steps_e4m3::<E>(&mut o_acc, &p8, &v_smem, cur_v + tile_v, block_n, head_dim);
+                wgmma_commit();
+                wgmma_wait(0u32);
             }
+            a0 = na0;
+            a1 = na1;
+            b0 = nb0;
+            b1 = nb1;
         }
-        wgmma_wait(0u32);
+    }
+    if comptime!(!fp8_pv) {
+        for kt in 0..n_tiles {
+            let (t0, t1) = tile_bounds(kt, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
+                tpb_magic, block_n, sparse);
+            bar_k.wait_parity(kt & 1u32);
+            if kt == 0 {
+                fence_proxy_async();
+            }
+            // every warpgroup is done with tile t - 1: its K buffer takes K(t + 1)
+            sync_cube();
+            let cur = ((kt & 1u32) as usize) * tile_e;
+            let cur_k = ((kt & 1u32) as usize) * tile_k;
+            let cur_v = ((kt & 1u32) as usize) * tile_v;
+            let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
+                tpb_magic, block_n, sparse);
+            let has_next = kt + 1 < n_tiles;
+            // the next tile's rows (`tile_rows` of an unpaged tile: n0 and n0 + KV_PAGE); paged, the
+            // page table is read only for a tile that is loaded: past the last tile n0 may be the end
+            // of the keys, whose page entry does not exist (compute-sanitizer memcheck)
+            let mut p0 = n0;
+            let mut pb = n0 + KV_PAGE as u32;
+            if comptime!(paged) {
+                if has_next {
+                    let (r0, _r1, rb) = tile_rows(n0, n1, &args.blocks, paged, block_n);
+                    p0 = r0;
+                    pb = rb;
+                }
+            }
+            if has_next {
+                issue_tile_boxes(&args.k_map, &mut k_smem, &bar_k, tile_k - cur_k, p0, pb, head_kv, block_n, qk_e, true);
+                commit_copies(&bar_k);
+            }
+            let rows = (row_a, row_b, rows_lo, rows_hi);
+            score_tile::<E>(args, &mut s, &mut s_i, &q_smem, q_wg, &k_smem, cur_k, head_kv, (t0, t1), &q_sl, &mut sl, &row_lo, &row_hi,
+                rows, lane, neg_inf, &mut m_r, &mut l_r, &mut alpha, &mut o_acc, &mut p, &mut p8, block_n, head_dim, int8, fp8_pv);
+            // V(t + 1) is issued only after this thread saw V(t) land
+            bar_v.wait_parity(kt & 1u32);
+            if has_next {
+                if fp8_pv {
+                    issue_vt_tile(&args.v_map, &mut v_smem, &bar_v, tile_v - cur_v, vt_off + n0, head_kv, head_dim);
+                } else {
+                    issue_tile_boxes(&args.v_map, &mut v_smem, &bar_v, tile_e - cur, p0, pb, head_kv, block_n, head_dim, true);
+                }
+                commit_copies(&bar_v);
+            }
+            wgmma_fence();
+            if fp8_pv {
+                pv_steps_e4m3::<E>(&mut o_acc, &p8, &v_smem, cur_v, block_n, head_dim);
+            } else {
+                pv_steps::<E>(&mut o_acc, &p, &v_smem, cur, block_n, head_dim);
+            }
+            wgmma_commit();
+            if comptime!(check_v) {
+                // while the MMAs read the same tile (the buffer is reused only after the next tile's
+                // cube barrier)
+                #[unroll]
+                for i in 0..comptime!(block_n * head_dim / SM90_THREADS) {
+                    let x = f32::cast_from(v_smem[cur + UNIT_POS as usize + i * SM90_THREADS]);
+                    // x - x is NaN exactly for an Inf or NaN
+                    v_bad = v_bad || x - x != 0.0f32;
+                }
+            }
+            wgmma_wait(0u32);
+        }
     }
 
     if comptime!(check_v) {
