@@ -615,7 +615,6 @@ pub fn flash_fwd_sm90<E: Float>(
             sync_cube();
             let cur = ((kt & 1u32) as usize) * tile_e;
             let cur_k = ((kt & 1u32) as usize) * tile_k;
-            let cur_v = ((kt & 1u32) as usize) * tile_v;
             let (n0, n1) = tile_bounds(kt + 1u32, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
                 tpb_magic, block_n, sparse);
             let has_next = kt + 1 < n_tiles;
@@ -641,19 +640,11 @@ pub fn flash_fwd_sm90<E: Float>(
             // V(t + 1) is issued only after this thread saw V(t) land
             bar_v.wait_parity(kt & 1u32);
             if has_next {
-                if fp8_pv {
-                    issue_vt_tile(&args.v_map, &mut v_smem, &bar_v, tile_v - cur_v, vt_off + n0, head_kv, head_dim);
-                } else {
-                    issue_tile_boxes(&args.v_map, &mut v_smem, &bar_v, tile_e - cur, p0, pb, head_kv, block_n, head_dim, true);
-                }
+                issue_tile_boxes(&args.v_map, &mut v_smem, &bar_v, tile_e - cur, p0, pb, head_kv, block_n, head_dim, true);
                 commit_copies(&bar_v);
             }
             wgmma_fence();
-            if fp8_pv {
-                pv_steps_e4m3::<E>(&mut o_acc, &p8, &v_smem, cur_v, block_n, head_dim);
-            } else {
-                pv_steps::<E>(&mut o_acc, &p, &v_smem, cur, block_n, head_dim);
-            }
+            pv_steps::<E>(&mut o_acc, &p, &v_smem, cur, block_n, head_dim);
             wgmma_commit();
             if comptime!(check_v) {
                 // while the MMAs read the same tile (the buffer is reused only after the next tile's
