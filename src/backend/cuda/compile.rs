@@ -137,8 +137,8 @@ fn codegen_options() -> CompilationOptions {
 /// `.noinc`, and ldmatrix / cp.async given 32-bit shared addresses ([`super::rewrite`]; the last
 /// took the forward at 8K causal from 1.90 to 1.77 ms on an H200, docs/cuda-build.md); for the kernels
 /// that use `kernels::math::fast_exp2`. `spin`: barrier waits as a plain `try_wait` loop (the
-/// backward kernels: fwd+bwd 8K 9.90 -> 9.82 ms on an H200; the forward measured 0.3-0.9% slower
-/// with it, so it keeps libcu++'s wait).
+/// backward kernels: fwd+bwd 8K 9.90 -> 9.82 ms on an H200; the INT8 / FP8 Hopper forward, 2-5%;
+/// the 16-bit forward measured 0.3-0.9% slower with it, so it keeps libcu++'s wait).
 pub(crate) fn codegen_exp2<K: CubeKernel>(kernel: K, spin: bool) -> Result<Source> {
     let mut src = codegen(kernel)?;
     src.cuda = super::rewrite::exp2_calls(&src.entry, &src.cuda)?;

@@ -258,7 +258,9 @@ pub(crate) fn fwd_ws_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: 
 /// CUDA source of [`flash_fwd_sm90_kernel`]: the `kernels::sm90` markers lowered, and `cubes` cubes
 /// per SM declared (`__launch_bounds__(256, cubes)`: up to 255 or 128 registers a thread);
 /// `check_v`: the kernel checks its V tiles for a NaN or Inf and sets the flag itself; `int8`: Q K^T
-/// from int8 rows; `fp8_pv`: P.V in FP8.
+/// from int8 rows; `fp8_pv`: P.V in FP8. The INT8 / FP8 variants wait on their barriers with a plain
+/// `try_wait` loop (`codegen_exp2`'s `spin`: -2 to -5% on `bench sage`, H200,
+/// bench/results/h200-2026-11-30-sage-spin); the 16-bit ones keep libcu++'s wait.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn fwd_sm90_source(
     client: &ComputeClient<CudaRuntime>,
@@ -285,7 +287,7 @@ pub(crate) fn fwd_sm90_source(
                 check_v,
                 int8,
                 fp8_pv,
-            ), false)
+            ), int8)
         };
     }
     let mut src = if is_f16(dt) { k!(f16) } else { k!(bf16) }?;
