@@ -5,6 +5,8 @@
 
 use cubecl::prelude::*;
 
+use super::math::channel8;
+
 /// Keys per chunk (`int8_qk::MEAN_CHUNK`, `fp8_v::VT_CHUNK`).
 pub const CHUNK: usize = 64;
 
@@ -18,7 +20,7 @@ pub const CHUNK_THREADS: usize = 128;
 /// 8 channels of every `L`-th key of the chunk (`L = CHUNK_THREADS * 8 / head_dim` key lanes: all
 /// its loads in flight at once); the lanes' partials meet in shared memory and are combined in
 /// lane order (sums: keys `l, l + L, ..` in order within lane `l`, then the lanes in order: the
-/// same result every run). With `check` (V's maxima), a NaN or Inf sets `flag[0]` to 1 (the
+/// same result every run). With `absmax` (V's maxima), a NaN or Inf also sets `flag[0]` to 1 (the
 /// forward's non-finite-v flag, `nonfinite::v_nonfinite`, zeroed by the host before).
 #[allow(clippy::too_many_arguments)]
 #[cube(launch_unchecked)]
@@ -30,7 +32,6 @@ pub fn chunk_stats<E: Float, NX: Size>(
     heads_kv: u32,
     #[comptime] head_dim: usize,
     #[comptime] absmax: bool,
-    #[comptime] check: bool,
 ) {
     let c = CUBE_POS_X;
     let b = CUBE_POS_Y as usize;
@@ -57,19 +58,17 @@ pub fn chunk_stats<E: Float, NX: Size>(
                 let vec = x[((k_start + j) * heads_kv + h) as usize * vecs + co];
                 #[unroll]
                 for e in 0..8usize {
-                    let v = f32::cast_from(Vector::<E, Const<2>>::reinterpret(vec[e / 2])[e % 2]);
+                    let v = channel8::<E, NX>(&vec, e);
                     if absmax {
                         acc[e] = max(acc[e], f32::abs(v));
-                        if check {
-                            bad = bad || !(f32::abs(v) <= f32::MAX);
-                        }
+                        bad = bad || !(f32::abs(v) <= f32::MAX);
                     } else {
                         acc[e] += v;
                     }
                 }
             }
         }
-        if check && bad {
+        if absmax && bad {
             flag[0] = 1u32;
         }
         #[unroll]

@@ -17,6 +17,7 @@
 
 use cubecl::prelude::*;
 
+use super::math::channel8;
 use super::sm90::e4m3x4;
 use crate::fp8::E4M3_MAX as FP8_MAX;
 
@@ -147,10 +148,10 @@ pub fn fp8_v_quantize<E: Float, NV: Size>(
             #[unroll]
             for e in 0..8usize {
                 let inv = sc[ib + e];
-                let a = f32::cast_from(Vector::<E, Const<2>>::reinterpret(x0[e / 2])[e % 2]) * inv;
-                let p = f32::cast_from(Vector::<E, Const<2>>::reinterpret(x1[e / 2])[e % 2]) * inv;
-                let q = f32::cast_from(Vector::<E, Const<2>>::reinterpret(x2[e / 2])[e % 2]) * inv;
-                let r = f32::cast_from(Vector::<E, Const<2>>::reinterpret(x3[e / 2])[e % 2]) * inv;
+                let a = channel8::<E, NV>(&x0, e) * inv;
+                let p = channel8::<E, NV>(&x1, e) * inv;
+                let q = channel8::<E, NV>(&x2, e) * inv;
+                let r = channel8::<E, NV>(&x3, e) * inv;
                 e4m3x4(&mut word, 0usize, a, p, q, r);
                 vt[ob + e * row_words as usize] = word[0];
             }

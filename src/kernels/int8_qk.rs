@@ -110,8 +110,8 @@ pub fn int8_quantize<E: Float, NX: Size>(
     let b = CUBE_POS_Y as usize;
     let h = CUBE_POS_Z;
     // units per row (8 channels each) and rows per step
-    let tpr = comptime!(head_dim / 8) as u32;
-    let step = comptime!(QUANT_THREADS * 8 / head_dim) as u32;
+    let tpr = comptime!(head_dim / QUANT_VEC) as u32;
+    let step = comptime!(QUANT_THREADS * QUANT_VEC / head_dim) as u32;
     let sub = UNIT_POS % tpr;
     let rsub = UNIT_POS / tpr;
     let off = if is_k { 2usize } else { 0usize };
@@ -119,7 +119,7 @@ pub fn int8_quantize<E: Float, NX: Size>(
     let len = segs[b * 4 + off + 1];
     let r0 = CUBE_POS_X * block;
     let kvh = (h / group) as usize;
-    let mbase = (b * (heads / group) as usize + kvh) * head_dim + (sub * 8u32) as usize;
+    let mbase = (b * (heads / group) as usize + kvh) * head_dim + (sub * QUANT_VEC as u32) as usize;
     // this unit's 8 channels of the mean (zeros without smoothing)
     let mut mv = Array::<f32>::new(8usize);
     #[unroll]

@@ -20,3 +20,10 @@ pub const LOG2E: f32 = core::f32::consts::LOG2_E;
 pub fn fast_exp2(x: f32) -> f32 {
     f32::powf(2.0f32, x)
 }
+
+/// Channel `e` (0..8) of a 16-byte vector of eight f16 / bf16 channels read as four u32 words
+/// (the quantisation passes' loads of Q, K and V rows), as f32.
+#[cube]
+pub fn channel8<E: Float, NX: Size>(v: &Vector<u32, NX>, #[comptime] e: usize) -> f32 {
+    f32::cast_from(Vector::<E, Const<2>>::reinterpret(v[e / 2])[e % 2])
+}

@@ -166,49 +166,47 @@ fn block_sparse_int8_fp8_sets_the_flag_in_its_v_pass() {
 /// The block-sparse case of [`block_sparse_lists_and_causal_diagonal`] with the INT8 option `int8`.
 fn run_sparse(dt: DType, d: usize, per_kv: bool, int8: Option<Int8Qk>) {
     let Some(b) = backend() else { return };
-    {
-        let (hq, hkv, lens) = (4usize, 2usize, [(200usize, 200usize), (70, 90)]);
-        let (tq, tk) = (270usize, 290usize);
-        let qm = TensorMeta::new(&[tq, hq, d], dt);
-        let km = TensorMeta::new(&[tk, hkv, d], dt);
-        let attn = AttnSpec::varlen(&qm, &km, &km, &[0, 200, 270], &[0, 200, 290], 200, 200, None, true).expect("spec");
-        // q_block 64, k_block 64; per index head: query block qb keeps key blocks 0 and qb
-        // (the diagonal block is where causal masks keys inside a tile)
-        let heads = if per_kv { hkv } else { hq };
-        let q_blocks = 4;
-        let mut ix = vec![-1i32; lens.len() * heads * q_blocks * 2];
-        for s in 0..lens.len() {
-            for h in 0..heads {
-                for qb in 0..q_blocks {
-                    let base = ((s * heads + h) * q_blocks + qb) * 2;
-                    ix[base] = 0;
-                    if qb > 0 && qb * 64 < lens[s].1 {
-                        ix[base + 1] = qb as i32;
-                    }
+    let (hq, hkv, lens) = (4usize, 2usize, [(200usize, 200usize), (70, 90)]);
+    let (tq, tk) = (270usize, 290usize);
+    let qm = TensorMeta::new(&[tq, hq, d], dt);
+    let km = TensorMeta::new(&[tk, hkv, d], dt);
+    let attn = AttnSpec::varlen(&qm, &km, &km, &[0, 200, 270], &[0, 200, 290], 200, 200, None, true).expect("spec");
+    // q_block 64, k_block 64; per index head: query block qb keeps key blocks 0 and qb
+    // (the diagonal block is where causal masks keys inside a tile)
+    let heads = if per_kv { hkv } else { hq };
+    let q_blocks = 4;
+    let mut ix = vec![-1i32; lens.len() * heads * q_blocks * 2];
+    for s in 0..lens.len() {
+        for h in 0..heads {
+            for qb in 0..q_blocks {
+                let base = ((s * heads + h) * q_blocks + qb) * 2;
+                ix[base] = 0;
+                if qb > 0 && qb * 64 < lens[s].1 {
+                    ix[base + 1] = qb as i32;
                 }
             }
         }
-        let spec = attn.with_block_index(&ix, &[lens.len(), heads, q_blocks, 2], 64, 64, int8).expect("sparse spec");
-        let a = &spec;
-        let mut rng = StdRng::seed_from_u64(6);
-        let q = random(a.dims.q_len(), dt, 1.0, &mut rng);
-        let k = random(a.dims.kv_len(), dt, 1.0, &mut rng);
-        // key 1 (block 0, listed everywhere: every row of sequence 0 but row 0 sees it), key 130
-        // (block 2, listed for query block 2 only: rows 130..191 see it, rows 128..129 share its
-        // tile), key 100 (block 1, query block 1 only: rows 100..127), the last key 289 (sequence
-        // 1's key 89 in its ragged block 1: row 69 alone sees it)
-        let bad = [(1, 0, 1, f32::INFINITY), (130, 1, 2, f32::NAN), (289, 1, 3, f32::INFINITY), (100, 0, 4, f32::NAN)];
-        let v = poisoned_v(a, &random(a.dims.kv_len(), dt, 1.0, &mut rng), &bad);
-        let f = |h: &HostData| h.view().to_f64_vec();
+    }
+    let spec = attn.with_block_index(&ix, &[lens.len(), heads, q_blocks, 2], 64, 64, int8).expect("sparse spec");
+    let a = &spec;
+    let mut rng = StdRng::seed_from_u64(6);
+    let q = random(a.dims.q_len(), dt, 1.0, &mut rng);
+    let k = random(a.dims.kv_len(), dt, 1.0, &mut rng);
+    // key 1 (block 0, listed everywhere: every row of sequence 0 but row 0 sees it), key 130
+    // (block 2, listed for query block 2 only: rows 130..191 see it, rows 128..129 share its
+    // tile), key 100 (block 1, query block 1 only: rows 100..127), the last key 289 (sequence
+    // 1's key 89 in its ragged block 1: row 69 alone sees it)
+    let bad = [(1, 0, 1, f32::INFINITY), (130, 1, 2, f32::NAN), (289, 1, 3, f32::INFINITY), (100, 0, 4, f32::NAN)];
+    let v = poisoned_v(a, &random(a.dims.kv_len(), dt, 1.0, &mut rng), &bad);
+    let f = |h: &HostData| h.view().to_f64_vec();
+    let (ro, rl) = forward_f64(&spec, &f(&q), &f(&k), &f(&v));
+    let got = b.forward_poisoned(&spec, q.view(), k.view(), v.view(), POISON).expect("sparse forward");
+    check(&format!("{dt:?} d{d} block-sparse int8 {int8:?}"), dt, &got.out, &got.lse, &ro, &rl);
+    if int8.is_some() {
+        // the last key alone: only row 69 of sequence 1 sees it
+        let v = poisoned_v(a, &random(a.dims.kv_len(), dt, 1.0, &mut rng), &bad[2..3]);
         let (ro, rl) = forward_f64(&spec, &f(&q), &f(&k), &f(&v));
         let got = b.forward_poisoned(&spec, q.view(), k.view(), v.view(), POISON).expect("sparse forward");
-        check(&format!("{dt:?} d{d} block-sparse int8 {int8:?}"), dt, &got.out, &got.lse, &ro, &rl);
-        if int8.is_some() {
-            // the last key alone: only row 69 of sequence 1 sees it
-            let v = poisoned_v(a, &random(a.dims.kv_len(), dt, 1.0, &mut rng), &bad[2..3]);
-            let (ro, rl) = forward_f64(&spec, &q.view().to_f64_vec(), &k.view().to_f64_vec(), &v.view().to_f64_vec());
-            let got = b.forward_poisoned(&spec, q.view(), k.view(), v.view(), POISON).expect("sparse forward");
-            check(&format!("{dt:?} d{d} block-sparse int8 last key {int8:?}"), dt, &got.out, &got.lse, &ro, &rl);
-        }
+        check(&format!("{dt:?} d{d} block-sparse int8 last key {int8:?}"), dt, &got.out, &got.lse, &ro, &rl);
     }
 }

@@ -93,10 +93,11 @@ impl BwdPlan {
         }
         // most keys first (`plan::order_by_cost`): the dQ pass's cubes are tiles x q heads, heads
         // fastest, and a wave's tiles of a head span that many times BWD_BM keys of a causal sequence
+        let seq_waves = crate::config::get().fwd.seq_waves;
         let span = (super::plan::sm_count().div_ceil(d.heads_q.max(1)) * BWD_BM) as u64;
-        super::plan::order_by_cost(&mut q_items, crate::config::get().fwd.seq_waves, span, |x| x.0, |x| x.1);
+        super::plan::order_by_cost(&mut q_items, seq_waves, span, |x| x.0, |x| x.1);
         let q_work = q_items.iter().flat_map(|&(_, s, t)| [s, t]).collect();
-        let (k_work, tile_off, tile_segs) = key_tiles(spec, key_tile(spec), crate::config::get().fwd.seq_waves);
+        let (k_work, tile_off, tile_segs) = key_tiles(spec, key_tile(spec), seq_waves);
 
         let row_seg = if spec.dtype == DType::F32 {
             let mut rs = vec![u32::MAX; d.total_q];

@@ -197,9 +197,9 @@ pub(crate) fn chunk_source(client: &cubecl::prelude::ComputeClient<CudaRuntime>,
     use crate::kernels::chunk_stats::chunk_stats::ChunkStats;
     let s = settings(CHUNK_THREADS as u32);
     if dt == DType::F16 {
-        codegen(ChunkStats::<f16, CudaRuntime>::new(s, client.clone(), A, A, A, A, (), 4, hd, absmax, absmax))
+        codegen(ChunkStats::<f16, CudaRuntime>::new(s, client.clone(), A, A, A, A, (), 4, hd, absmax))
     } else {
-        codegen(ChunkStats::<bf16, CudaRuntime>::new(s, client.clone(), A, A, A, A, (), 4, hd, absmax, absmax))
+        codegen(ChunkStats::<bf16, CudaRuntime>::new(s, client.clone(), A, A, A, A, (), 4, hd, absmax))
     }
 }
 
