@@ -12,9 +12,11 @@ cache_leftpad to build the call (a device sync when they are CUDA tensors). No m
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
-from ._arrays import _asarray, _is_torch, dtype_name, int32_vector
+from ._arrays import _asarray, _is_torch, dtype_name, int32_vector, is_dense_cuda, to_core
 
 PAGE = 64  # keys per block of the grouped call's kv_block_table (the core's KV_PAGE)
 
@@ -176,16 +178,197 @@ def _append(k_cache, v_cache, k, v, lead, positions, page):
         t = positions
         i0 = np.take_along_axis(lead, t // page, axis=1).reshape(-1)
         i1 = (t % page).reshape(-1)
+    both, idx, at = np.stack([i0, i1]), None, None
     for cache, new in ((k_cache, k), (v_cache, v)):
-        idx = (_index(cache, i0), _index(cache, i1))
+        # the indices go to a cache's device once (one copy for both caches on one GPU)
+        where = cache.device if _is_torch(cache) else None
+        if idx is None or where != at:
+            idx, at = _index(cache, both), where
         vals = _flat(new)
         if _is_torch(cache):
             import torch
 
             with torch.no_grad():
-                cache[idx] = vals.to(cache.device)
+                cache[idx[0], idx[1]] = vals.to(cache.device)
         else:
-            cache[idx] = vals
+            cache[idx[0], idx[1]] = vals
+
+
+# ------------------------------------------------------------------ the plain call, fast
+# A call without cache_batch_idx, cache_leftpad, block_table or rotary embedding whose shapes,
+# dtypes, devices and options the validating path (`_general`) has served before skips its
+# layers: each row's keys are 0 .. cache_seqlens[b] + seqlen_new of cache row b, so the ranges
+# follow from those counts alone, the spec comes from a cache keyed by them, and CUDA tensors go
+# straight to the device-resident forward (as flash_attn_func's repeats do). The first call of
+# each shape takes the validating path, which raises what it raises; anything the fast path
+# cannot tell at once (a cache_seqlens of another type, a value out of range, a spec the core
+# refuses) goes there too, so errors and results are the validating path's.
+
+FAST = True  # False: every call takes the validating path (the tests compare the two)
+_SEEN = {}  # call key -> (device for the core, torch GPU of a device-resident call or None, dtype name)
+_DSPEC = {}  # (call key, each row's key count) -> spec
+_QR = {}  # (batch, seqlen_q) -> q_ranges (read-only)
+_MAX = 512
+_pkg = None
+
+
+def _api():
+    """The cubeattn package (its helpers and `_core`, looked up at call time so that monkeypatches hold)."""
+    global _pkg
+    if _pkg is None:
+        import importlib
+
+        _pkg = importlib.import_module(__package__)
+    return _pkg
+
+
+def _desc(x):
+    """What the fast path keys an array on: its type, shape, dtype and (torch) device."""
+    if type(x) is np.ndarray:
+        return np.ndarray, x.shape, x.dtype
+    if _is_torch(x):
+        return type(x), x.shape, x.dtype, x.device
+    raise TypeError
+
+
+def _plain_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
+               softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits, return_softmax_lse, device):
+    """The key of a plain call (see above) whose options are plain values, or None."""
+    if not (FAST and rotary_cos is None and rotary_sin is None and cache_batch_idx is None and cache_leftpad is None
+            and block_table is None and alibi_slopes is None and type(causal) is bool
+            and type(return_softmax_lse) is bool and type(device) is str
+            and (softmax_scale is None or type(softmax_scale) is float)
+            and type(softcap) in (float, int) and softcap == 0 and type(num_splits) is int and num_splits >= 0
+            and type(window_size) is tuple and len(window_size) == 2
+            and type(window_size[0]) is int and type(window_size[1]) is int):
+        return None
+    try:
+        new = None if k is None and v is None else (_desc(k), _desc(v))
+        return _desc(q), _desc(k_cache), _desc(v_cache), new, softmax_scale, causal, window_size, \
+            return_softmax_lse, device
+    except (TypeError, AttributeError):  # not numpy arrays / torch tensors: the validating path says so
+        return None
+
+
+def _remember(key, q, k_cache, v_cache, device):
+    """Records a plain call the validating path served: the device string the core gets and the
+    GPU of a device-resident call (`_device_for`, `_one_gpu` without its per-call switch)."""
+    api = _api()
+    dev = api._check_device(device)
+    gpu = None
+    cuda = [_is_torch(x) and x.is_cuda for x in (q, k_cache, v_cache)]
+    if dev in ("auto", "cuda", "gpu"):
+        for x, c in zip((q, k_cache, v_cache), cuda):
+            if c:
+                dev = f"{'auto' if dev == 'auto' else 'cuda'}:{x.device.index or 0}"
+                break
+    if hasattr(api._core, "forward_device") and all(cuda):
+        g = q.device
+        if k_cache.device == g and v_cache.device == g and dev.endswith(f":{g.index or 0}"):
+            gpu = g
+    if len(_SEEN) >= _MAX:
+        _SEEN.clear()
+    _SEEN[key] = (dev, gpu, dtype_name(q, "q"))
+
+
+def _row_ends(cache_seqlens, batch, n_new, width):
+    """(each row's key count after the append, the one cache_seqlens of every row or None) of a
+    plain call, or None where the validating path must look (it raises for bad values)."""
+    s = cache_seqlens
+    room = width - n_new
+    if s is None:
+        return None if n_new else ((width,) * batch, None)
+    if type(s) is int:
+        return ((s + n_new,) * batch, s) if 0 <= s <= room else None
+    if type(s) is np.ndarray:
+        if s.ndim != 1 or s.dtype.kind not in "iu" or s.shape[0] != batch:
+            return None
+    elif _is_torch(s):
+        import torch
+
+        if s.dtype not in (torch.int32, torch.int64) or s.ndim != 1 or s.shape[0] != batch:
+            return None
+    else:
+        return None
+    vals = s.tolist()  # a CUDA tensor: a device sync, as on the validating path
+    if vals and (min(vals) < 0 or max(vals) > room or max(vals) >= 2 ** 31):
+        return None
+    uniform = vals[0] if vals and vals.count(vals[0]) == batch else None
+    return tuple(x + n_new for x in vals), uniform
+
+
+def _plain_spec(q, k_cache, v_cache, ends, dt, softmax_scale, causal, window_size):
+    """The grouped spec of a plain call (the validating path's, for the same ranges), or None
+    where the core refuses it."""
+    api = _api()
+    batch, sq, width = q.shape[0], q.shape[1], k_cache.shape[1]
+    qr = _QR.get((batch, sq))
+    if qr is None:
+        if len(_QR) >= _MAX:
+            _QR.clear()
+        qr = _QR[(batch, sq)] = np.stack([np.arange(batch) * sq, np.arange(1, batch + 1) * sq], axis=1).astype(np.int32)
+        qr.setflags(write=False)
+    kr = np.empty((batch, 2), np.int32)
+    kr[:, 0] = np.arange(batch) * width
+    kr[:, 1] = kr[:, 0] + np.array(ends, np.int64)
+    try:
+        return api._core.grouped_spec([batch * sq, q.shape[2], q.shape[3]],
+                                      [k_cache.shape[0] * width, k_cache.shape[2], k_cache.shape[3]],
+                                      [v_cache.shape[0] * v_cache.shape[1], v_cache.shape[2], v_cache.shape[3]], dt,
+                                      qr, kr, api._scale(softmax_scale), causal, api._window(window_size), None)
+    except Exception:  # noqa: BLE001 - the validating path raises it, naming the argument
+        return None
+
+
+def _plain_call(seen, key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size, want_lse,
+                device):
+    """A plain call whose shapes the validating path has served (`seen`: `_SEEN`'s entry), or
+    None (nothing done: the validating path runs)."""
+    batch, n_new = q.shape[0], 0 if k is None else k.shape[1]
+    row = _row_ends(cache_seqlens, batch, n_new, k_cache.shape[1])
+    if row is None:
+        return None
+    ends, uniform = row
+    dev, gpu, dt = seen
+    skey = (key, ends)
+    spec = _DSPEC.get(skey)
+    if spec is None:
+        spec = _plain_spec(q, k_cache, v_cache, ends, dt, softmax_scale, causal, window_size)
+        if spec is None:
+            return None
+        if len(_DSPEC) >= _MAX:
+            _DSPEC.clear()
+        _DSPEC[skey] = spec
+    api = _api()
+    if n_new:
+        if uniform is not None:  # every row's new keys at the same positions: one slice per cache
+            for cache, x in ((k_cache, k), (v_cache, v)):
+                if _is_torch(cache):
+                    import torch
+
+                    with torch.no_grad():
+                        cache[:batch, uniform:uniform + n_new] = x.to(cache.device)
+                else:
+                    cache[:batch, uniform:uniform + n_new] = x
+        else:
+            seqlens = np.array(ends, np.int64) - n_new
+            _append(k_cache, v_cache, k, v, np.arange(batch), seqlens[:, None] + np.arange(n_new), None)
+    res = None
+    if gpu is not None and os.environ.get("CUBEATTN_TORCH_HOST_COPY") != "1" \
+            and is_dense_cuda(q) and is_dense_cuda(k_cache) and is_dense_cuda(v_cache):
+        import torch
+
+        # the kernels read q, k_cache, v_cache in place; out is allocated in q's shape
+        res = api._forward_on_gpu(torch, spec, gpu, dev, q, k_cache, v_cache, q.shape, want_lse)
+    if res is None:  # (to_core detaches torch inputs: no autograd graph, as on the validating path)
+        res = api._run_forward(spec, to_core(_flat(q), "q"), to_core(_flat(k_cache), "k"),
+                               to_core(_flat(v_cache), "v"), want_lse, device)
+        res = (res[0].reshape(q.shape), res[1]) if want_lse else res.reshape(q.shape)
+    if not want_lse:
+        return res
+    out, lse = res
+    lse = lse.reshape(q.shape[2], batch, q.shape[1])
+    return out, lse.permute(1, 0, 2) if hasattr(lse, "permute") else lse.transpose(1, 0, 2)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
@@ -203,15 +386,37 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     return_softmax_lse (out, lse [batch, heads_q, seqlen_q]). Inference only (no autograd, as
     flash-attn). rotary_cos / rotary_sin, softcap and alibi_slopes raise NotImplementedError;
     num_splits is a hint flash-attn's kernel takes and ours plans for itself (accepted, unused)."""
-    from . import _flag, _traced, _unsupported, _window
-
-    if _traced(q):  # in-place cache writes and host-built calls: run eagerly (a graph break)
+    if _api()._traced(q):  # in-place cache writes and host-built calls: run eagerly (a graph break)
         import torch
 
         return torch.compiler.disable(flash_attn_with_kvcache)(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
             return_softmax_lse, device=device)
+    key = _plain_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, block_table,
+                     softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits, return_softmax_lse, device)
+    if key is not None:
+        seen = _SEEN.get(key)
+        if seen is not None:
+            res = _plain_call(seen, key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size,
+                              return_softmax_lse, device)
+            if res is not None:
+                return res
+    res = _general(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                   block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits,
+                   return_softmax_lse, device)
+    if key is not None and key not in _SEEN:
+        _remember(key, q, k_cache, v_cache, device)
+    return res
+
+
+def _general(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+             block_table, softmax_scale, causal, window_size, softcap, alibi_slopes, num_splits, return_softmax_lse,
+             device):
+    """flash_attn_with_kvcache's validating path: every argument checked (errors name it), any
+    combination of the options."""
+    from . import _flag, _unsupported, _window
+
     _unsupported(0.0, softcap, alibi_slopes)
     for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
         if x is not None:

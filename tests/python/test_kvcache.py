@@ -218,3 +218,101 @@ def test_kvcache_bad_arguments_name_them():
              cache_batch_idx=np.array([0, 1], np.int32))
     with pytest.raises(ValueError, match="cache_leftpad"):
         call(q, kc, kc.copy(), cache_seqlens=2, cache_leftpad=np.array([3, 0], np.int32))
+
+
+def _count_validating(monkeypatch):
+    """Fresh fast-path caches, and a list that grows by one per call of the validating path."""
+    monkeypatch.setattr(_kvcache, "_SEEN", {})
+    monkeypatch.setattr(_kvcache, "_DSPEC", {})
+    calls, real = [], _kvcache._general
+
+    def spy(*a):
+        calls.append(1)
+        return real(*a)
+
+    monkeypatch.setattr(_kvcache, "_general", spy)
+    return calls
+
+
+def _decode_steps(kind, new, lens, want_lse, window, seed):
+    """A decode loop of plain calls (no cache_batch_idx / leftpad / block_table) on fresh copies
+    of one cache: each step's outputs and the caches after it. Key counts grow, and one step
+    repeats the one before (the fast path's spec cache is hit and missed)."""
+    rng = np.random.default_rng(seed)
+    b, hq, hkv, d, rows, cap = 3, 4, 2, 16, 4, 40  # the cache holds one row more than the batch
+    sq = max(new, 1)
+    q = rand(rng, (b, sq, hq, d), "float16")
+    kc, vc = rand(rng, (rows, cap, hkv, d), "float16"), rand(rng, (rows, cap, hkv, d), "float16")
+    news = [(rand(rng, (b, new, hkv, d), "float16"), rand(rng, (b, new, hkv, d), "float16")) for _ in range(5)]
+    wrap = (lambda x: x) if kind == "numpy" else __import__("torch").from_numpy
+    q, kc, vc = wrap(q), wrap(kc), wrap(vc)
+    out = []
+    for step, base in enumerate([3, 7, 7, 12, 20]):
+        per_row = np.array([base, base + 5, base + 1], np.int32)
+        seqlens = {"int": base, "none": None, "uniform": wrap(np.full(b, base, np.int32)),
+                   "ragged": wrap(per_row), "ragged64": wrap(per_row.astype(np.int64))}[lens]
+        kn, vn = (wrap(x) for x in news[step]) if new else (None, None)
+        res = cubeattn.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=seqlens, causal=True,
+                                               window_size=window, return_softmax_lse=want_lse)
+        out.append(res if want_lse else (res,))
+    return out, kc, vc
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("lens", ["int", "none", "uniform", "ragged", "ragged64"])
+@pytest.mark.parametrize("new", [0, 1, 2])
+@pytest.mark.parametrize("want_lse, window", [(False, (-1, -1)), (True, (-1, -1)), (True, (4, 0))])
+def test_kvcache_fast_path_is_the_validating_path(kind, lens, new, want_lse, window, monkeypatch):
+    """Repeats of a plain call shape skip the validating path (`_kvcache._plain_call`): outputs,
+    lse and the caches written in place must be exactly the validating path's (FAST off), step
+    after step."""
+    if kind == "torch":
+        pytest.importorskip("torch")
+    if lens == "none" and new:
+        pytest.skip("appending needs cache_seqlens")
+    calls = _count_validating(monkeypatch)
+    fast = _decode_steps(kind, new, lens, want_lse, window, seed=7 + new)
+    assert len(calls) == 1  # the first step only: the others took the fast path
+    monkeypatch.setattr(_kvcache, "FAST", False)
+    slow = _decode_steps(kind, new, lens, want_lse, window, seed=7 + new)
+    assert len(calls) == 6
+    (fo, fk, fv), (so, sk, sv) = fast, slow
+    assert np.array_equal(f64(fk), f64(sk)) and np.array_equal(f64(fv), f64(sv))
+    for got, want in zip(fo, so):
+        for g, w in zip(got, want):
+            assert type(g) is type(w) and tuple(g.shape) == tuple(w.shape) and g.dtype == w.dtype
+            assert np.array_equal(f64(g), f64(w))
+            if kind == "torch":
+                assert not g.requires_grad
+
+
+def test_kvcache_fast_path_errors_are_the_validating_paths(monkeypatch):
+    """After a shape has been served, bad per-call values still raise the validating path's
+    exception (type and message, naming the argument), and nothing is appended first."""
+    calls = _count_validating(monkeypatch)
+    rng = np.random.default_rng(9)
+    q = rand(rng, (2, 1, 4, 16), "float32")
+    kc, vc = rand(rng, (2, 8, 2, 16), "float32"), rand(rng, (2, 8, 2, 16), "float32")
+    kn, vn = rand(rng, (2, 1, 2, 16), "float32"), rand(rng, (2, 1, 2, 16), "float32")
+    call = cubeattn.flash_attn_with_kvcache
+    call(q, kc, vc, kn, vn, cache_seqlens=3)
+    call(q, kc, vc, cache_seqlens=3)
+    assert len(calls) == 2 and len(_kvcache._SEEN) == 2
+    bad = [dict(cache_seqlens=8), dict(cache_seqlens=-1), dict(cache_seqlens=np.array([1, 8], np.int32)),
+           dict(cache_seqlens=np.array([1, -2], np.int32)), dict(cache_seqlens=np.array([1, 2, 3], np.int32)),
+           dict(cache_seqlens=np.array([1.0, 2.0])), dict(cache_seqlens=True), dict(cache_seqlens=None)]
+    for kw in bad:
+        errors = []
+        for fast in (True, False):
+            monkeypatch.setattr(_kvcache, "FAST", fast)
+            before = kc.copy()
+            with pytest.raises((ValueError, TypeError)) as e:
+                call(q, kc, vc, kn, vn, **kw)
+            assert np.array_equal(kc, before)
+            assert "cache_seqlens" in str(e.value)
+            errors.append((type(e.value), str(e.value)))
+        assert errors[0] == errors[1], kw
+    monkeypatch.setattr(_kvcache, "FAST", True)
+    for kw in (dict(cache_seqlens=9), dict(cache_seqlens=np.array([0, 9], np.int32))):  # no new keys: 8 at most
+        with pytest.raises(ValueError, match="cache_seqlens"):
+            call(q, kc, vc, **kw)

@@ -56,3 +56,41 @@ def test_gpu_decode_step_appends_and_attends(page):
     assert torch.equal(got_k, logical_k) and torch.equal(got_v, logical_v)
     ref = ref_rows(f64(q), f64(logical_k), f64(logical_v), (seqlens + 1).cpu().numpy())
     assert rel_err(f64(out), ref) < 1e-2
+
+
+@pytest.mark.parametrize("lens", ["int", "tensor", "ragged"])
+def test_gpu_decode_loop_fast_path_is_the_validating_path(lens, monkeypatch):
+    """Decode steps appending one token (keys growing, one step repeated): after the first step
+    the calls take the fast path (`_kvcache._plain_call`: the cached spec, straight to the
+    device-resident forward); outputs, lse and caches must equal the validating path's exactly."""
+    from cubeattn import _kvcache
+
+    b, hq, hkv, d, cap = 8, 32, 8, 128, 1024
+    calls, real = [], _kvcache._general
+    monkeypatch.setattr(_kvcache, "_SEEN", {})
+    monkeypatch.setattr(_kvcache, "_DSPEC", {})
+    monkeypatch.setattr(_kvcache, "_general", lambda *a: calls.append(1) or real(*a))
+
+    def run():
+        gen = torch.Generator().manual_seed(1)
+        q = rand(gen, (b, 1, hq, d))
+        kc, vc = rand(gen, (b, cap, hkv, d)), rand(gen, (b, cap, hkv, d))
+        outs = []
+        for base in (100, 101, 101, 400, 1000):
+            kn, vn = rand(gen, (b, 1, hkv, d)), rand(gen, (b, 1, hkv, d))
+            per_row = [base - 7 * r for r in range(b)] if lens == "ragged" else [base] * b
+            seqlens = base if lens == "int" else torch.tensor(per_row, dtype=torch.int32, device="cuda")
+            outs.append(cubeattn.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=seqlens, causal=True,
+                                                         return_softmax_lse=True))
+            assert cubeattn.last_backend() == "cuda"
+        return outs, kc, vc
+
+    fast = run()
+    assert len(calls) == 1
+    monkeypatch.setattr(_kvcache, "FAST", False)
+    slow = run()
+    assert len(calls) == 6
+    for a, b_ in zip(fast[1:], slow[1:]):
+        assert torch.equal(a, b_)
+    for (fo, fl), (so, sl) in zip(fast[0], slow[0]):
+        assert fo.is_cuda and torch.equal(fo, so) and torch.equal(fl, sl)
