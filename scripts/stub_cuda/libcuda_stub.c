@@ -26,6 +26,7 @@ CUresult cuDeviceGetAttribute(int*v,int a,CUdevice d){
 static char ctxbuf[64];
 CUresult cuDevicePrimaryCtxRetain(CUcontext*c,CUdevice d){*c=ctxbuf;return 0;}
 CUresult cuCtxSetCurrent(CUcontext c){return 0;}
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d){return 0;}
 CUresult cuCtxGetCurrent(CUcontext*c){*c=ctxbuf;return 0;}
 CUresult cuCtxPushCurrent_v2(CUcontext c){return 0;}
 CUresult cuCtxPopCurrent_v2(CUcontext*c){*c=ctxbuf;return 0;}
