@@ -427,11 +427,18 @@ pub fn flash_fwd_sm90<E: Float>(
     );
     sync_cube();
 
+    // FP8 P.V: the key bounds of the current pair's tiles (`a0 .. a1`, `b0 .. b1`)
+    let mut a0 = 0u32;
+    let mut a1 = 0u32;
+    let mut b0 = 0u32;
+    let mut b1 = 0u32;
     // Q tile (swizzled, 16-byte cp.async per unit; rows without a token copy token 0: their key
     // range is empty) and K(0) on bar_k, V(0) on bar_v
     if n_tiles > 0 {
         let (f0, f1) = tile_bounds(0u32, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
             tpb_magic, block_n, sparse);
+        a0 = f0;
+        a1 = f1;
         let vecs = comptime!(qk_e / 8);
         #[unroll]
         for it in 0..comptime!(block_m * (qk_e / 8) / threads) {
@@ -451,8 +458,10 @@ pub fn flash_fwd_sm90<E: Float>(
         // FP8 P.V: tile 1 into the first stage's second half
         if fp8_pv {
             if n_tiles > 1u32 {
-                let (x0, _x1) = tile_bounds(1u32, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
+                let (x0, x1) = tile_bounds(1u32, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
                     tpb_magic, block_n, sparse);
+                b0 = x0;
+                b1 = x1;
                 issue_tile_boxes(&args.k_map, &mut k_smem, &bar_k, tile_k, x0, x0 + KV_PAGE as u32, head_kv, block_n, qk_e, true);
             }
         }
@@ -460,9 +469,7 @@ pub fn flash_fwd_sm90<E: Float>(
         if fp8_pv {
             issue_vt_tile(&args.v_map, &mut v_smem, &bar_v, 0usize, vt_off + f0, head_kv, head_dim);
             if n_tiles > 1u32 {
-                let (x0, _x1) = tile_bounds(1u32, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
-                    tpb_magic, block_n, sparse);
-                issue_vt_tile(&args.v_map, &mut v_smem, &bar_v, tile_v, vt_off + x0, head_kv, head_dim);
+                issue_vt_tile(&args.v_map, &mut v_smem, &bar_v, tile_v, vt_off + b0, head_kv, head_dim);
             }
         } else {
             issue_tile_boxes(&args.v_map, &mut v_smem, &bar_v, 0usize, p0, pb, head_kv, block_n, head_dim, true);
@@ -519,22 +526,6 @@ pub fn flash_fwd_sm90<E: Float>(
         // FP8 P.V: the tiles in pairs, one stage (K and V^T of both) per pair: one wait per
         // barrier, one cube barrier and one copy issue per pair instead of per tile; each tile's
         // scores, softmax and P.V exactly as one tile below (the 64-key running max of the rule)
-        let mut a0 = 0u32;
-        let mut a1 = 0u32;
-        let mut b0 = 0u32;
-        let mut b1 = 0u32;
-        if n_tiles > 0u32 {
-            let (x0, x1) = tile_bounds(0u32, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block, tpb_magic,
-                block_n, sparse);
-            a0 = x0;
-            a1 = x1;
-        }
-        if n_tiles > 1u32 {
-            let (x0, x1) = tile_bounds(1u32, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block, tpb_magic,
-                block_n, sparse);
-            b0 = x0;
-            b1 = x1;
-        }
         for kp in 0..(n_tiles + 1u32) / 2u32 {
             let ka = kp * 2u32;
             bar_k.wait_parity(kp & 1u32);
