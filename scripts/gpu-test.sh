@@ -20,7 +20,11 @@
 #           profile    ncu (--clock-control none) on one kernel launch of TARGET: registers,
 #                      shared memory, duration, achieved TFLOP/s; falls back to nsys
 #           clean      remove build outputs, wheels and logs
-# TARGET    flash_attention | grouped | sparse | zigzag | candle | all   (default: all; `all` leaves
+# TARGET    flash_attention | grouped | sparse | zigzag | sage | callpath | candle | all   (default:
+#           all; `sage`: the INT8 / FP8 SageAttention path (`bench sage` non-causal and causal 8K /
+#           16K, `bench sparse --quant_gran per_warp --pv-precision fp8`); `callpath`: what a user
+#           feels around the kernels (`bench callpath`: small calls, decode, kvcache, host overhead,
+#           first calls; `bench hf_train`: a transformers Llama training beside sdpa); `all` leaves
 #           out candle: cubeattn's candle ops on candle CUDA tensors, feature candle-cuda, run from
 #           the binaries scripts/build-candle-cuda.sh makes: CUBEATTN_CANDLE_DIR=DIR (default
 #           .carry/candle) holds them; with cargo and no DIR, that script builds them. `test candle`
@@ -54,7 +58,7 @@ SANITIZE=0
 STRESS=0
 while [ $# -gt 0 ]; do
   case "$1" in
-    flash_attention|grouped|sparse|zigzag|candle|all) TARGET=$1 ;;
+    flash_attention|grouped|sparse|zigzag|sage|callpath|candle|all) TARGET=$1 ;;
     --verbose|-v) VERBOSE=1 ;;
     --release) PROFILE=release ;;
     --iterations) ITER=${2:?--iterations needs a number}; shift ;;
@@ -78,7 +82,7 @@ LOG_DIR=${CUBEATTN_LOG_DIR:-$ROOT/bench/results}
 log() { [ "$VERBOSE" = 1 ] && echo "[gpu-test] $*" >&2; return 0; }
 fail() { echo "error: $*" >&2; exit 1; }
 
-built_targets="flash_attention grouped sparse zigzag"
+built_targets="flash_attention grouped sparse zigzag sage callpath"
 # NVLink multicast off in NCCL, PyTorch's symmetric memory and NVSHMEM (torchrun targets): on shared
 # multi-GPU hosts a program using it can take the GPUs out of service
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0} TORCH_SYMM_MEM_DISABLE_MULTICAST=${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}
@@ -88,7 +92,7 @@ gpu_count() { nvidia-smi -L 2>/dev/null | grep -c '^GPU'; }
 not_built() { echo "$1: not built yet"; }
 
 targets() {
-  if [ "$TARGET" = all ]; then echo flash_attention grouped sparse zigzag; else echo "$TARGET"; fi
+  if [ "$TARGET" = all ]; then echo flash_attention grouped sparse sage callpath zigzag; else echo "$TARGET"; fi
 }
 
 # ---------------------------------------------------------------- pieces
@@ -333,6 +337,16 @@ do_benchmark() {
       sparse)
         "$PY" -m cubeattn.bench sparse --device cuda --no-causal --iterations "$ITER" --json "$LOG_DIR/sparse-$stamp.json" | tee "$LOG_DIR/sparse-$stamp.txt" || status=1
         "$PY" -m cubeattn.bench sparse --device cuda --causal --iterations "$ITER" --json "$LOG_DIR/sparse-causal-$stamp.json" | tee "$LOG_DIR/sparse-causal-$stamp.txt" || status=1 ;;
+      sage)
+        for c in --no-causal --causal; do
+          "$PY" -m cubeattn.bench sage --device cuda $c --iterations "$ITER" --json "$LOG_DIR/sage${c#--}-$stamp.json" \
+            | tee "$LOG_DIR/sage${c#--}-$stamp.txt" || status=1
+        done
+        "$PY" -m cubeattn.bench sparse --device cuda --no-causal --quant_gran per_warp --pv-precision fp8 --iterations "$ITER" \
+          --json "$LOG_DIR/sparse-fp8-$stamp.json" | tee "$LOG_DIR/sparse-fp8-$stamp.txt" || status=1 ;;
+      callpath)
+        "$PY" -m cubeattn.bench callpath --device cuda --json "$LOG_DIR/callpath-$stamp.json" | tee "$LOG_DIR/callpath-$stamp.txt" || status=1
+        "$PY" -m cubeattn.bench hf_train --device cuda --json "$LOG_DIR/client-$stamp.json" | tee "$LOG_DIR/client-$stamp.txt" || status=1 ;;
       zigzag)
         # one rank per GPU; W = 2 and 4 where there are that many GPUs; 16K tokens per GPU
         local n; n=$(gpu_count)
