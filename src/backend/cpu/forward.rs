@@ -64,6 +64,12 @@ multiversion! {
     }
 }
 
+/// [`online_softmax_rows`] (rows see block columns `[los[i] - kb, his[i] - kb)`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn online_softmax_range(s: &mut [f32], lds: usize, n: usize, los: &[usize], his: &[usize], kb: usize, c: f32, m: &mut [f32], l: &mut [f32], o: &mut [f32], ldo: usize) {
+    online_softmax_rows(s, lds, n, los, his, kb, c, m, l, o, ldo)
+}
+
 /// [`online_softmax_rows`] for rows that see block columns `< lims[i] - kb` (no lower bound).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn online_softmax_block(s: &mut [f32], lds: usize, n: usize, lims: &[usize], kb: usize, c: f32, m: &mut [f32], l: &mut [f32], o: &mut [f32], ldo: usize) {
@@ -129,6 +135,10 @@ pub(crate) fn query_blocks(spec: &AttnSpec) -> Vec<(usize, usize)> {
 }
 
 pub(crate) fn forward(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> ForwardOutput {
+    // decode-sized calls: one task per (segment, kv head) over K / V in place
+    if super::decode::is_decode(spec) {
+        return super::decode::forward_decode(spec, q, k, v);
+    }
     // the AVX-512 tiles serve the plain causal / full masks; a sliding window takes the gemm path
     #[cfg(target_arch = "x86_64")]
     if use_tiles() && spec.window.is_none() {
@@ -295,7 +305,7 @@ fn forward_tiles(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> Forw
     ForwardOutput { out: from_f32_vec(out, spec.dtype), lse }
 }
 
-fn forward_gemm(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> ForwardOutput {
+pub(crate) fn forward_gemm(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> ForwardOutput {
     let dm = spec.dims;
     let (d, tq, hq, hkv) = (dm.head_dim, dm.total_q, dm.heads_q, dm.heads_kv);
     // Token-major f32 throughout: the gemm reads head h's rows at stride heads*d, so f32 input

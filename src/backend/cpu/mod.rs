@@ -6,6 +6,7 @@
 mod backward;
 #[cfg(target_arch = "x86_64")]
 mod backward_tiles;
+mod decode;
 mod forward;
 #[cfg(target_arch = "x86_64")]
 mod kernel;

@@ -1,0 +1,323 @@
+//! CPU forward of decode-sized calls: every segment has at most [`DECODE_ROWS`] query rows x GQA
+//! heads (a decode step: one query row per sequence). The forward's other paths run one task
+//! per (query block, query head), so each of a kv head's `group` query heads reads that head's
+//! K and V again, and the tile path first packs all of K and V. At one row per task, those
+//! reads and the packing are the whole cost: B=32 Sk=2K, 32 / 8 heads, d128, f32 took about 4x
+//! torch's SDPA time on two cores (bench/results/cpu-2026-11-30-decode).
+//!
+//! Here one task per (segment, kv head) takes the segment's rows of all `group` query heads
+//! together, and reads K and V once:
+//! - in place for f32 (token-major, no packing); 16-bit K / V are widened a 512-key block at a
+//!   time;
+//! - with software prefetches a few key rows ahead (the rows are `heads_kv * d` apart);
+//! - four rows' dot products share each key load.
+//!
+//! It keeps the gemm path's blocked online softmax and NaN / Inf policy: a V block holding a NaN
+//! or Inf takes the row-by-row P V over each row's own keys, as the gemm path does for such a V.
+
+use rayon::prelude::*;
+
+use super::forward::{finish_rows, online_softmax_range, pv_rows, row_bounds, BK};
+use super::layout::{from_f32_vec, to_f32_cow, SharedMut};
+use super::simd::{dot, multiversion};
+use crate::backend::ForwardOutput;
+use crate::dtype::{Element, HostView};
+use crate::spec::AttnSpec;
+
+/// f32 lanes of an AVX-512 register.
+const LANES: usize = 16;
+
+/// The most query rows x GQA heads a segment may have for this path.
+pub(crate) const DECODE_ROWS: usize = 32;
+
+/// Whether every segment of `spec` is decode-sized.
+pub(crate) fn is_decode(spec: &AttnSpec) -> bool {
+    let g = spec.dims.group_size().max(1);
+    !spec.segments.is_empty() && spec.segments.iter().all(|s| s.q_len * g <= DECODE_ROWS)
+}
+
+struct DecodeScratch {
+    q: Vec<f32>,
+    s: Vec<f32>,
+    o: Vec<f32>,
+    m: Vec<f32>,
+    l: Vec<f32>,
+    los: Vec<usize>,
+    his: Vec<usize>,
+    tok_lo: Vec<usize>,
+    tok_hi: Vec<usize>,
+    kbuf: Vec<f32>,
+    vbuf: Vec<f32>,
+}
+
+impl DecodeScratch {
+    fn new(d: usize) -> Self {
+        let r = DECODE_ROWS;
+        DecodeScratch {
+            q: vec![0.0; r * d],
+            s: vec![0.0; r * BK],
+            o: vec![0.0; r * d],
+            m: vec![0.0; r],
+            l: vec![0.0; r],
+            los: Vec::with_capacity(r),
+            his: Vec::with_capacity(r),
+            tok_lo: Vec::with_capacity(r),
+            tok_hi: Vec::with_capacity(r),
+            kbuf: Vec::new(),
+            vbuf: Vec::new(),
+        }
+    }
+}
+
+/// The forward of a decode-sized `spec` ([`is_decode`]). Packed row `i` of a (segment, kv head)
+/// task is query row `i / group` of the segment with query head `hk * group + i % group`.
+pub(crate) fn forward_decode(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> ForwardOutput {
+    let dm = spec.dims;
+    let (d, tq, hq, hkv) = (dm.head_dim, dm.total_q, dm.heads_q, dm.heads_kv);
+    let g = dm.group_size().max(1);
+    // q is small; 16-bit K / V are widened a block at a time inside each task (`block_rows`), so
+    // their bytes are read once
+    let qf = to_f32_cow(q);
+    let mut out = vec![0.0f32; dm.q_len()];
+    let mut lse = vec![f32::INFINITY; dm.lse_len()];
+    let out_w = SharedMut::new(&mut out);
+    let lse_w = SharedMut::new(&mut lse);
+    let c = spec.scale * std::f32::consts::LOG2_E;
+    let kv_rs = hkv * d;
+
+    let tasks: Vec<(usize, usize)> = (0..spec.segments.len()).flat_map(|si| (0..hkv).map(move |hk| (si, hk))).collect();
+    tasks.par_iter().for_each_init(
+        || DecodeScratch::new(d),
+        |sc, &(si, hk)| {
+            let seg = &spec.segments[si];
+            let rows = seg.q_len * g;
+            if rows == 0 {
+                return;
+            }
+            // the rows' query vectors, packed (token-major, heads of the group fastest)
+            for i in 0..rows {
+                let src = ((seg.q_start + i / g) * hq + hk * g + i % g) * d;
+                sc.q[i * d..(i + 1) * d].copy_from_slice(&qf[src..src + d]);
+            }
+            let (k_lo, k_hi) = row_bounds(spec, seg, 0, seg.q_len, &mut sc.tok_lo, &mut sc.tok_hi);
+            sc.los.clear();
+            sc.his.clear();
+            for i in 0..rows {
+                sc.los.push(sc.tok_lo[i / g]);
+                sc.his.push(sc.tok_hi[i / g]);
+            }
+            sc.o[..rows * d].fill(0.0);
+            sc.m[..rows].fill(f32::NEG_INFINITY);
+            sc.l[..rows].fill(0.0);
+            for kb in (k_lo..k_hi).step_by(BK) {
+                let n = BK.min(k_hi - kb);
+                let key0 = ((seg.k_start + kb) * hkv + hk) * d;
+                // the keys' rows (n x d at stride ks: in place for f32, else widened)
+                let (k_blk, ks) = block_rows(k, key0, n, kv_rs, d, &mut sc.kbuf);
+                scores_block(&mut sc.s, n, &sc.q, rows, k_blk, ks, n, d);
+                online_softmax_range(&mut sc.s[..rows * n], n, n, &sc.los, &sc.his, kb, c, &mut sc.m[..rows],
+                    &mut sc.l[..rows], &mut sc.o[..rows * d], d);
+                // the block's V rows (n x d at stride kv_rs): with a NaN or Inf, P V row by row over
+                // each row's own keys (a masked key's zero times Inf would be NaN)
+                let (v_blk, vs) = block_rows(v, key0, n, kv_rs, d, &mut sc.vbuf);
+                if (0..n).all(|j| all_finite_small(&v_blk[j * vs..j * vs + d])) {
+                    pv_block(&mut sc.o, d, &sc.s, n, rows, v_blk, vs, n);
+                } else {
+                    pv_rows(&mut sc.o[..rows * d], d, &sc.s[..rows * n], n, &sc.los, &sc.his, kb, v_blk, vs, 1.0);
+                }
+            }
+            // rows to their (token, head) places; the lse of packed row i at [h * total_q + token]
+            for i in 0..rows {
+                let (tok, h) = (seg.q_start + i / g, hk * g + i % g);
+                // SAFETY: a (token, head) belongs to one segment and one kv head: one task writes it.
+                let lse_dst = unsafe { lse_w.slice(h * tq + tok, 1) };
+                let o_row = &sc.o[i * d..(i + 1) * d];
+                finish_rows(o_row, d, &sc.m[i..i + 1], &sc.l[i..i + 1], 1, d, &out_w, lse_dst, |_| (tok * hq + h) * d);
+            }
+        },
+    );
+    ForwardOutput { out: from_f32_vec(out, spec.dtype), lse }
+}
+
+multiversion! {
+    /// `s[i * lds + j] = q_i . k_j` for rows `i < rows` (`q` row-major, `d` columns) and keys
+    /// `j < n` (key j's `d` values at `k[j * ks..]`): each key row is read once for all rows.
+    #[allow(clippy::too_many_arguments)]
+    fn scores_block(s: &mut [f32], lds: usize, q: &[f32], rows: usize, k: &[f32], ks: usize, n: usize, d: usize) {
+        // four rows at a time share each load of a key's values (d a multiple of 16 here)
+        let quads = if d.is_multiple_of(LANES) { rows / 4 } else { 0 };
+        for j in 0..n {
+            let kr = &k[j * ks..j * ks + d];
+            prefetch_row(k, (j + AHEAD) * ks, d);
+            for r in 0..quads {
+                let i = 4 * r;
+                let mut acc = [[0.0f32; LANES]; 4];
+                for c in (0..d).step_by(LANES) {
+                    let kc = &kr[c..c + LANES];
+                    for (a, row) in acc.iter_mut().enumerate() {
+                        let qc = &q[(i + a) * d + c..(i + a) * d + c + LANES];
+                        for e in 0..LANES {
+                            row[e] = qc[e].mul_add(kc[e], row[e]);
+                        }
+                    }
+                }
+                for (a, row) in acc.iter().enumerate() {
+                    s[(i + a) * lds + j] = row.iter().sum::<f32>();
+                }
+            }
+            for i in 4 * quads..rows {
+                s[i * lds + j] = dot(&q[i * d..i * d + d], kr);
+            }
+        }
+    }
+}
+
+multiversion! {
+    /// `o_i += sum_j p[i * lds + j] v_j` for rows `i < rows` (`o` row-major, `d` columns) and keys
+    /// `j < n` (key j's `d` values at `v[j * vs..]`): each value row is read once for all rows.
+    #[allow(clippy::too_many_arguments)]
+    fn pv_block(o: &mut [f32], d: usize, p: &[f32], lds: usize, rows: usize, v: &[f32], vs: usize, n: usize) {
+        for j in 0..n {
+            let vr = &v[j * vs..j * vs + d];
+            prefetch_row(v, (j + AHEAD) * vs, d);
+            for i in 0..rows {
+                let w = p[i * lds + j];
+                for (x, &y) in o[i * d..i * d + d].iter_mut().zip(vr) {
+                    *x = w.mul_add(y, *x);
+                }
+            }
+        }
+    }
+}
+
+/// Rows `at / stride ..` (`n` rows of `d` values, `stride` elements apart, from element `at`) of
+/// `x` as f32: the f32 input itself (stride `stride`), or 16-bit values widened into `buf` (stride
+/// `d`).
+fn block_rows<'a>(x: HostView<'a>, at: usize, n: usize, stride: usize, d: usize, buf: &'a mut Vec<f32>) -> (&'a [f32], usize) {
+    fn widen<T: Element>(x: &[T], at: usize, n: usize, stride: usize, d: usize, buf: &mut Vec<f32>) {
+        buf.resize(n * d, 0.0);
+        for j in 0..n {
+            let src = &x[at + j * stride..at + j * stride + d];
+            prefetch_row(x, at + (j + AHEAD) * stride, d);
+            for (o, s) in buf[j * d..(j + 1) * d].iter_mut().zip(src) {
+                *o = s.to_f32();
+            }
+        }
+    }
+    match x {
+        HostView::F32(s) => (&s[at..at + (n - 1) * stride + d], stride),
+        HostView::F16(s) => {
+            widen(s, at, n, stride, d, buf);
+            (&buf[..n * d], d)
+        }
+        HostView::BF16(s) => {
+            widen(s, at, n, stride, d, buf);
+            (&buf[..n * d], d)
+        }
+    }
+}
+
+/// Key rows ahead of the one in use whose cache lines are requested: the rows are `heads_kv * d`
+/// apart (token-major K / V), a stride the hardware prefetchers follow poorly.
+const AHEAD: usize = 4;
+
+/// Asks for the cache lines of `x[at..at + len]` (nothing past the slice's end).
+#[inline(always)]
+fn prefetch_row<T>(x: &[T], at: usize, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let end = (at + len).min(x.len());
+        let step = (64 / std::mem::size_of::<T>()).max(1);
+        let mut i = at;
+        while i < end {
+            // SAFETY: `i < x.len()`; a prefetch reads nothing architecturally.
+            unsafe { std::arch::x86_64::_mm_prefetch(x.as_ptr().add(i) as *const i8, std::arch::x86_64::_MM_HINT_T0) };
+            i += step;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (x, at, len);
+}
+
+/// True when no value of a short slice is NaN or +-Inf.
+fn all_finite_small(x: &[f32]) -> bool {
+    x.iter().fold(0u32, |m, v| m.max(v.to_bits() & 0x7fff_ffff)) < 0x7f80_0000
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::{DType, HostData};
+    use crate::spec::{TensorMeta, Window};
+
+    /// The decode path against the f64 reference and the gemm path, on fresh non-zero inputs: one
+    /// and two query rows per sequence, GQA 8 / 2 and MHA, varlen keys (0, 1, lengths off the
+    /// 512-key block, several blocks), causal or not, a sliding window, every dtype, and an Inf / NaN
+    /// in V (the row-by-row P V: only the rows that see it turn NaN, as on the gemm path).
+    #[test]
+    fn decode_path_matches_the_reference_and_the_gemm_path() {
+        type Case<'a> = (&'a [(usize, usize)], usize, usize, usize);
+        let cases: &[Case] = &[
+            (&[(1, 700), (1, 1), (1, 0), (1, 1300)], 8, 2, 64),
+            (&[(2, 530), (2, 2), (1, 40)], 8, 2, 40),
+            (&[(1, 1025), (1, 3)], 4, 4, 128),
+            (&[(3, 600)], 8, 1, 16),
+        ];
+        for (ci, &(segs, hq, hkv, d)) in cases.iter().enumerate() {
+            for dt in [DType::F32, DType::BF16, DType::F16] {
+                let window_100_0 = Window { left: Some(100), right: Some(0) };
+                for (causal, window) in [(false, Window::NONE), (true, Window::NONE), (false, window_100_0)] {
+                    for bad in [None, Some(f32::INFINITY), Some(f32::NAN)] {
+                        let (tq, tk): (usize, usize) = (segs.iter().map(|s| s.0).sum(), segs.iter().map(|s| s.1).sum());
+                        let mut cq = vec![0i32];
+                        let mut ck = vec![0i32];
+                        for s in segs {
+                            cq.push(cq.last().unwrap() + s.0 as i32);
+                            ck.push(ck.last().unwrap() + s.1 as i32);
+                        }
+                        let (mq, mk) = (segs.iter().map(|s| s.0).max().unwrap(), segs.iter().map(|s| s.1).max().unwrap());
+                        let qm = TensorMeta::new(&[tq, hq, d], dt);
+                        let km = TensorMeta::new(&[tk, hkv, d], dt);
+                        let mut spec = AttnSpec::varlen(&qm, &km, &km, &cq, &ck, mq, mk, None, causal).unwrap();
+                        spec.window = window;
+                        assert!(is_decode(&spec), "case {ci}");
+                        let gen = |n: usize, seed: usize| -> Vec<f32> {
+                            (0..n).map(|i| (((i * 7 + seed) * 2654435761usize) % 2001) as f32 / 1000.0 - 1.0).collect()
+                        };
+                        let (qx, kx, mut vx) = (gen(tq * hq * d, 3 + ci), gen(tk * hkv * d, 11), gen(tk * hkv * d, 17));
+                        if let Some(b) = bad {
+                            // key 5 of the first segment, kv head 0, channel 1
+                            if segs[0].1 > 5 {
+                                vx[5 * hkv * d + 1] = b;
+                            }
+                        }
+                        let (q, k, v) = (HostData::from_f32(dt, &qx), HostData::from_f32(dt, &kx), HostData::from_f32(dt, &vx));
+                        let got = forward_decode(&spec, q.view(), k.view(), v.view());
+                        let gemm = super::super::forward::forward_gemm(&spec, q.view(), k.view(), v.view());
+                        let f64s = |h: &HostData| -> Vec<f64> { h.view().to_f32_vec().iter().map(|&x| x as f64).collect() };
+                        let (want, want_lse) = crate::reference::forward_f64(&spec, &f64s(&q), &f64s(&k), &f64s(&v));
+                        let (a, b) = (got.out.to_f32_vec(), gemm.out.to_f32_vec());
+                        let tol = if dt == DType::F32 { 2e-5 } else { 1e-2 };
+                        for i in 0..a.len() {
+                            let (x, y, r) = (a[i], b[i], want[i]);
+                            let what = format!("case {ci} {dt:?} causal={causal} window={window:?} bad={bad:?} out[{i}]");
+                            assert_eq!(x.is_nan(), y.is_nan(), "{what}: {x} vs gemm {y}");
+                            assert_eq!(x.is_nan(), r.is_nan(), "{what}: {x} vs f64 {r}");
+                            if x.is_infinite() || y.is_infinite() || r.is_infinite() {
+                                assert!(x == y && x as f64 == r, "{what}: {x} vs gemm {y}, f64 {r}");
+                            } else if !x.is_nan() {
+                                assert!((x - y).abs() <= tol * (1.0 + y.abs()), "{what}: {x} vs gemm {y}");
+                                assert!((x as f64 - r).abs() <= tol as f64 * (1.0 + r.abs()), "{what}: {x} vs f64 {r}");
+                            }
+                        }
+                        for (i, (x, y)) in got.lse.iter().zip(&want_lse).enumerate() {
+                            let (x, y) = (*x as f64, *y);
+                            let ok = (x.is_nan() && y.is_nan()) || x == y || (x - y).abs() <= 1e-4 * (1.0 + y.abs());
+                            assert!(ok, "case {ci} {dt:?} causal={causal} window={window:?} bad={bad:?}: lse[{i}] {x} vs {y}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
