@@ -248,7 +248,7 @@ fn all_finite_small(x: &[f32]) -> bool {
 mod tests {
     use super::*;
     use crate::dtype::{DType, HostData};
-    use crate::spec::{TensorMeta, Window};
+    use crate::spec::Window;
 
     /// The decode path against the f64 reference and the gemm path, on fresh non-zero inputs: one
     /// and two query rows per sequence, GQA 8 / 2 and MHA, varlen keys (0, 1, lengths off the
@@ -268,18 +268,9 @@ mod tests {
                 let window_100_0 = Window { left: Some(100), right: Some(0) };
                 for (causal, window) in [(false, Window::NONE), (true, Window::NONE), (false, window_100_0)] {
                     for bad in [None, Some(f32::INFINITY), Some(f32::NAN)] {
-                        let (tq, tk): (usize, usize) = (segs.iter().map(|s| s.0).sum(), segs.iter().map(|s| s.1).sum());
-                        let mut cq = vec![0i32];
-                        let mut ck = vec![0i32];
-                        for s in segs {
-                            cq.push(cq.last().unwrap() + s.0 as i32);
-                            ck.push(ck.last().unwrap() + s.1 as i32);
-                        }
-                        let (mq, mk) = (segs.iter().map(|s| s.0).max().unwrap(), segs.iter().map(|s| s.1).max().unwrap());
-                        let qm = TensorMeta::new(&[tq, hq, d], dt);
-                        let km = TensorMeta::new(&[tk, hkv, d], dt);
-                        let mut spec = AttnSpec::varlen(&qm, &km, &km, &cq, &ck, mq, mk, None, causal).unwrap();
+                        let mut spec = super::super::forward::varlen_test_spec(segs, hq, hkv, d, dt, causal);
                         spec.window = window;
+                        let (tq, tk) = (spec.dims.total_q, spec.dims.total_k);
                         assert!(is_decode(&spec), "case {ci}");
                         let gen = |n: usize, seed: usize| -> Vec<f32> {
                             (0..n).map(|i| (((i * 7 + seed) * 2654435761usize) % 2001) as f32 / 1000.0 - 1.0).collect()

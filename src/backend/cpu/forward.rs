@@ -385,11 +385,26 @@ pub(crate) fn pv_rows(o: &mut [f32], d: usize, p: &[f32], n: usize, los: &[usize
     }
 }
 
+/// A varlen spec over segments `(q_len, k_len)` (tests of the CPU forward paths).
+#[cfg(test)]
+pub(crate) fn varlen_test_spec(segs: &[(usize, usize)], hq: usize, hkv: usize, d: usize, dt: crate::dtype::DType, causal: bool) -> AttnSpec {
+    let (tq, tk): (usize, usize) = (segs.iter().map(|s| s.0).sum(), segs.iter().map(|s| s.1).sum());
+    let mut cq = vec![0i32];
+    let mut ck = vec![0i32];
+    for s in segs {
+        cq.push(cq.last().unwrap() + s.0 as i32);
+        ck.push(ck.last().unwrap() + s.1 as i32);
+    }
+    let (mq, mk) = (segs.iter().map(|s| s.0).max().unwrap(), segs.iter().map(|s| s.1).max().unwrap());
+    let qm = crate::spec::TensorMeta::new(&[tq, hq, d], dt);
+    let km = crate::spec::TensorMeta::new(&[tk, hkv, d], dt);
+    AttnSpec::varlen(&qm, &km, &km, &cq, &ck, mq, mk, None, causal).unwrap()
+}
+
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
     use crate::dtype::{DType, HostData};
-    use crate::spec::TensorMeta;
 
     /// The AVX-512 tile path agrees with the gemm-crate path (both f32-accumulated) on shapes
     /// that exercise every tail: head dims off the 16/64 grid, lengths off the block grids,
@@ -412,17 +427,8 @@ mod tests {
         for (ci, &(segs, hq, hkv, d)) in cases.iter().enumerate() {
             for dt in [DType::F32, DType::F16, DType::BF16] {
                 for causal in [true, false] {
-                    let (tq, tk): (usize, usize) = (segs.iter().map(|s| s.0).sum(), segs.iter().map(|s| s.1).sum());
-                    let mut cq = vec![0i32];
-                    let mut ck = vec![0i32];
-                    for s in segs {
-                        cq.push(cq.last().unwrap() + s.0 as i32);
-                        ck.push(ck.last().unwrap() + s.1 as i32);
-                    }
-                    let (mq, mk) = (segs.iter().map(|s| s.0).max().unwrap(), segs.iter().map(|s| s.1).max().unwrap());
-                    let qm = TensorMeta::new(&[tq, hq, d], dt);
-                    let km = TensorMeta::new(&[tk, hkv, d], dt);
-                    let spec = AttnSpec::varlen(&qm, &km, &km, &cq, &ck, mq, mk, None, causal).unwrap();
+                    let spec = varlen_test_spec(segs, hq, hkv, d, dt, causal);
+                    let (tq, tk) = (spec.dims.total_q, spec.dims.total_k);
                     let gen = |n: usize, seed: usize| -> HostData {
                         let x: Vec<f32> = (0..n).map(|i| (((i + seed) * 2654435761usize) % 2001) as f32 / 1000.0 - 1.0).collect();
                         HostData::from_f32(dt, &x)
