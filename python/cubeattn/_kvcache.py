@@ -252,20 +252,11 @@ def _plain_key(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_batch_id
 
 def _remember(key, q, k_cache, v_cache, device):
     """Records a plain call the validating path served: the device string the core gets and the
-    GPU of a device-resident call (`_device_for`, `_one_gpu` without its per-call switch)."""
+    GPU of a device-resident call, as `_device_for` / `_one_gpu` decide them."""
     api = _api()
-    dev = api._check_device(device)
-    gpu = None
-    cuda = [_is_torch(x) and x.is_cuda for x in (q, k_cache, v_cache)]
-    if dev in ("auto", "cuda", "gpu"):
-        for x, c in zip((q, k_cache, v_cache), cuda):
-            if c:
-                dev = f"{'auto' if dev == 'auto' else 'cuda'}:{x.device.index or 0}"
-                break
-    if hasattr(api._core, "forward_device") and all(cuda):
-        g = q.device
-        if k_cache.device == g and v_cache.device == g and dev.endswith(f":{g.index or 0}"):
-            gpu = g
+    conv = [to_core(x, name) for x, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"))]
+    dev = api._device_for(device, *conv)
+    gpu = api._one_gpu(dev, *conv)
     if len(_SEEN) >= _MAX:
         _SEEN.clear()
     _SEEN[key] = (dev, gpu, dtype_name(q, "q"))

@@ -632,20 +632,20 @@ pub fn flash_fwd_sm90<E: Float>(
                 commit_copies(&bar_k);
             }
             let rows = (row_a, row_b, rows_lo, rows_hi);
+            // `check_v`: a warpgroup without rows skips the tile's MMAs and softmax; each MMA
+            // sequence, issue to wait, stays inside its branch (a wgmma whose wait lies past the
+            // branch's end would make ptxas serialise every wgmma, C7514)
+            if live {
+                score_tile::<E>(args, &mut s, &mut s_i, &q_smem, q_wg, &k_smem, cur_k, head_kv, (t0, t1), &q_sl, &mut sl, &row_lo, &row_hi,
+                    rows, lane, neg_inf, &mut m_r, &mut l_r, &mut alpha, &mut o_acc, &mut p, &mut p8, block_n, head_dim, int8, fp8_pv);
+            }
+            // V(t + 1) is issued only after this thread saw V(t) land
+            bar_v.wait_parity(kt & 1u32);
+            if has_next {
+                issue_tile_boxes(&args.v_map, &mut v_smem, &bar_v, tile_e - cur, p0, pb, head_kv, block_n, head_dim, true);
+                commit_copies(&bar_v);
+            }
             if comptime!(check_v) {
-                // few rows a tile: a warpgroup without any skips the tile's MMAs and softmax; the
-                // whole MMA sequence stays inside the branch (a wgmma whose wait lies past the
-                // branch's end would make ptxas serialise every wgmma, C7514)
-                if live {
-                    score_tile::<E>(args, &mut s, &mut s_i, &q_smem, q_wg, &k_smem, cur_k, head_kv, (t0, t1), &q_sl, &mut sl, &row_lo,
-                        &row_hi, rows, lane, neg_inf, &mut m_r, &mut l_r, &mut alpha, &mut o_acc, &mut p, &mut p8, block_n, head_dim,
-                        int8, fp8_pv);
-                }
-                bar_v.wait_parity(kt & 1u32);
-                if has_next {
-                    issue_tile_boxes(&args.v_map, &mut v_smem, &bar_v, tile_e - cur, p0, pb, head_kv, block_n, head_dim, true);
-                    commit_copies(&bar_v);
-                }
                 // every thread checks its share of V(t) (the buffer is reused only after the next
                 // tile's cube barrier)
                 #[unroll]
@@ -654,21 +654,8 @@ pub fn flash_fwd_sm90<E: Float>(
                     // x - x is NaN exactly for an Inf or NaN
                     v_bad = v_bad || x - x != 0.0f32;
                 }
-                if live {
-                    wgmma_fence();
-                    pv_steps::<E>(&mut o_acc, &p, &v_smem, cur, block_n, head_dim);
-                    wgmma_commit();
-                    wgmma_wait(0u32);
-                }
-            } else {
-                score_tile::<E>(args, &mut s, &mut s_i, &q_smem, q_wg, &k_smem, cur_k, head_kv, (t0, t1), &q_sl, &mut sl, &row_lo, &row_hi,
-                    rows, lane, neg_inf, &mut m_r, &mut l_r, &mut alpha, &mut o_acc, &mut p, &mut p8, block_n, head_dim, int8, fp8_pv);
-                // V(t + 1) is issued only after this thread saw V(t) land
-                bar_v.wait_parity(kt & 1u32);
-                if has_next {
-                    issue_tile_boxes(&args.v_map, &mut v_smem, &bar_v, tile_e - cur, p0, pb, head_kv, block_n, head_dim, true);
-                    commit_copies(&bar_v);
-                }
+            }
+            if live {
                 wgmma_fence();
                 pv_steps::<E>(&mut o_acc, &p, &v_smem, cur, block_n, head_dim);
                 wgmma_commit();

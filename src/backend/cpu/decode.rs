@@ -17,15 +17,12 @@
 
 use rayon::prelude::*;
 
-use super::forward::{finish_rows, online_softmax_range, pv_rows, row_bounds, BK};
+use super::forward::{finish_rows, finite, online_softmax_rows, pv_rows, row_bounds, BK};
 use super::layout::{from_f32_vec, to_f32_cow, SharedMut};
-use super::simd::{dot, multiversion};
+use super::simd::{dot, multiversion, LANES};
 use crate::backend::ForwardOutput;
 use crate::dtype::{Element, HostView};
 use crate::spec::AttnSpec;
-
-/// f32 lanes of an AVX-512 register.
-const LANES: usize = 16;
 
 /// The most query rows x GQA heads a segment may have for this path.
 pub(crate) const DECODE_ROWS: usize = 32;
@@ -115,12 +112,12 @@ pub(crate) fn forward_decode(spec: &AttnSpec, q: HostView, k: HostView, v: HostV
                 // the keys' rows (n x d at stride ks: in place for f32, else widened)
                 let (k_blk, ks) = block_rows(k, key0, n, kv_rs, d, &mut sc.kbuf);
                 scores_block(&mut sc.s, n, &sc.q, rows, k_blk, ks, n, d);
-                online_softmax_range(&mut sc.s[..rows * n], n, n, &sc.los, &sc.his, kb, c, &mut sc.m[..rows],
+                online_softmax_rows(&mut sc.s[..rows * n], n, n, &sc.los, &sc.his, kb, c, &mut sc.m[..rows],
                     &mut sc.l[..rows], &mut sc.o[..rows * d], d);
                 // the block's V rows (n x d at stride kv_rs): with a NaN or Inf, P V row by row over
                 // each row's own keys (a masked key's zero times Inf would be NaN)
                 let (v_blk, vs) = block_rows(v, key0, n, kv_rs, d, &mut sc.vbuf);
-                if (0..n).all(|j| all_finite_small(&v_blk[j * vs..j * vs + d])) {
+                if (0..n).all(|j| finite(&v_blk[j * vs..j * vs + d])) {
                     pv_block(&mut sc.o, d, &sc.s, n, rows, v_blk, vs, n);
                 } else {
                     pv_rows(&mut sc.o[..rows * d], d, &sc.s[..rows * n], n, &sc.los, &sc.his, kb, v_blk, vs, 1.0);
@@ -239,10 +236,6 @@ fn prefetch_row<T>(x: &[T], at: usize, len: usize) {
     let _ = (x, at, len);
 }
 
-/// True when no value of a short slice is NaN or +-Inf.
-fn all_finite_small(x: &[f32]) -> bool {
-    x.iter().fold(0u32, |m, v| m.max(v.to_bits() & 0x7fff_ffff)) < 0x7f80_0000
-}
 
 #[cfg(test)]
 mod tests {

@@ -64,12 +64,6 @@ multiversion! {
     }
 }
 
-/// [`online_softmax_rows`] (rows see block columns `[los[i] - kb, his[i] - kb)`).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn online_softmax_range(s: &mut [f32], lds: usize, n: usize, los: &[usize], his: &[usize], kb: usize, c: f32, m: &mut [f32], l: &mut [f32], o: &mut [f32], ldo: usize) {
-    online_softmax_rows(s, lds, n, los, his, kb, c, m, l, o, ldo)
-}
-
 /// [`online_softmax_rows`] for rows that see block columns `< lims[i] - kb` (no lower bound).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn online_softmax_block(s: &mut [f32], lds: usize, n: usize, lims: &[usize], kb: usize, c: f32, m: &mut [f32], l: &mut [f32], o: &mut [f32], ldo: usize) {
@@ -365,7 +359,12 @@ pub(crate) fn forward_gemm(spec: &AttnSpec, q: HostView, k: HostView, v: HostVie
 
 /// True when no value is NaN or +-Inf.
 pub(crate) fn all_finite(x: &[f32]) -> bool {
-    x.par_chunks(1 << 15).all(|c| c.iter().fold(0u32, |m, v| m.max(v.to_bits() & 0x7fff_ffff)) < 0x7f80_0000)
+    x.par_chunks(1 << 15).all(finite)
+}
+
+/// True when no value of `x` is NaN or +-Inf (one thread; [`all_finite`] for large slices).
+pub(crate) fn finite(x: &[f32]) -> bool {
+    x.iter().fold(0u32, |m, v| m.max(v.to_bits() & 0x7fff_ffff)) < 0x7f80_0000
 }
 
 /// `o[i] += alpha * sum_j p[i, j] v[j]` over row i's keys `[los[i] - kb, his[i] - kb)` only

@@ -56,7 +56,8 @@ macro_rules! multiversion {
 }
 pub(crate) use multiversion;
 
-const LANES: usize = 16;
+/// f32 lanes of an AVX-512 register (the width the loops here are written for).
+pub(crate) const LANES: usize = 16;
 
 /// 2^x for x <= 0 (values below -127 give 0). Relative error about 1e-7 (degree-7 polynomial).
 #[inline(always)]
