@@ -12,7 +12,7 @@
 #           sanitize   compute-sanitizer memcheck, racecheck, synccheck and initcheck over small
 #                      calls of each kernel family (forward, split-K combine, backward with the
 #                      dQ pass and with atomic dQ, grouped, block-sparse forward / backward / INT8,
-#                      sliding window, the non-finite-v flag; tests/python/sanitize_driver.py;
+#                      sliding window, the non-finite-v flag, decode-sized calls; sanitize_driver.py;
 #                      CUBEATTN_SAN_FAMILIES="a b" / CUBEATTN_SAN_TOOLS="t" run only those):
 #                      one log per tool and family plus summary.txt in --log-dir DIR (default
 #                      bench/results/sanitize-<UTC time>); exit 1 on any reported error
@@ -218,7 +218,7 @@ do_validate() {
 }
 
 SAN_TOOLS=${CUBEATTN_SAN_TOOLS:-"memcheck racecheck synccheck initcheck"}
-SAN_FAMILIES=${CUBEATTN_SAN_FAMILIES:-"forward splitk backward_pass backward_atomic grouped paged sparse sparse_backward sparse_int8 window nonfinite head_dims"}
+SAN_FAMILIES=${CUBEATTN_SAN_FAMILIES:-"forward splitk backward_pass backward_atomic grouped paged decode sparse sparse_backward sparse_int8 window nonfinite head_dims"}
 
 do_sanitize() {
   check_gpu >/dev/null

@@ -10,7 +10,8 @@ and backward), sparse (block-sparse forward: 64- and 128-row cubes, empty rows, 
 sizes), sparse_backward (its dK/dV kernel, both dQ paths, the transposed index), sparse_int8 (INT8
 Q K^T: quantisation kernels and the INT8 forward, checked against the exact CPU result), window
 (sliding window, forward and both dQ paths), nonfinite (an Inf or NaN in v: the device-side flag
-and the exact kernels it selects, forward and backward), paged (grouped calls over a paged K,V:
+and the exact kernels it selects, forward and backward), decode (decode-sized calls: one to four
+query rows a sequence over keys off the tiles, with and without a window), paged (grouped calls over a paged K,V:
 kv_block_table, tiles across two pages, both dQ paths): head_dim 64 and 128, causal and not;
 head_dims (the other head dims: forward and split-K at 32, 96, 192, 256, both backward paths at
 32, 96, 192 and 256 (paged K,V too above 128), bf16, causal and not). Each result is checked against the CPU
@@ -33,6 +34,7 @@ FAMILIES = {
     "nonfinite": {},
     "paged": {},
     "head_dims": {},
+    "decode": {},
 }
 
 
@@ -194,6 +196,14 @@ def main(family):
                 for dt in dtypes:
                     for det in (True, False):
                         varlen(d, dt, causal, backward=True, deterministic=det, window=(40, 0 if causal else 17))
+                continue
+            if family == "decode":
+                # decode-sized calls (at most 32 rows x heads a sequence: the few-rows kernels),
+                # key counts off the tiles, an empty sequence's neighbour of one key, a window
+                for dt in dtypes:
+                    lens = ((1, 1000), (1, 63), (4, 64), (1, 1), (2, 511))
+                    varlen(d, dt, causal, backward=False, lens=lens)
+                    varlen(d, dt, causal, backward=False, lens=lens, window=(100, 0 if causal else 5))
                 continue
             if family == "paged":
                 for dt in dtypes:

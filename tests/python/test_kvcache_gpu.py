@@ -94,3 +94,25 @@ def test_gpu_decode_loop_fast_path_is_the_validating_path(lens, monkeypatch):
         assert torch.equal(a, b_)
     for (fo, fl), (so, sl) in zip(fast[0], slow[0]):
         assert fo.is_cuda and torch.equal(fo, so) and torch.equal(fl, sl)
+
+
+@pytest.mark.parametrize("fill", [float("nan"), float("inf")])
+def test_gpu_unused_cache_rows_are_never_read(fill):
+    """A cache allocated without zeroing (here: NaN or Inf past each row's keys, what torch.empty
+    may hold) gives the attention of the written keys only, finite, as a zeroed cache does."""
+    gen = torch.Generator().manual_seed(3)
+    b, hq, hkv, d, cap = 4, 16, 4, 128, 1024
+    lens = [1000, 63, 64, 511]
+    q, kn, vn = rand(gen, (b, 1, hq, d)), rand(gen, (b, 1, hkv, d)), rand(gen, (b, 1, hkv, d))
+    logical_k, logical_v = rand(gen, (b, cap, hkv, d)), rand(gen, (b, cap, hkv, d))
+    kc = torch.full_like(logical_k, fill)
+    vc = torch.full_like(logical_v, fill)
+    for r, n in enumerate(lens):
+        kc[r, :n], vc[r, :n] = logical_k[r, :n], logical_v[r, :n]
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out = cubeattn.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=seqlens, causal=True)
+    assert cubeattn.last_backend() == "cuda" and torch.isfinite(out).all()
+    rows = torch.arange(b, device="cuda")
+    logical_k[rows, seqlens.long()], logical_v[rows, seqlens.long()] = kn[:, 0], vn[:, 0]
+    ref = ref_rows(f64(q), f64(logical_k), f64(logical_v), [n + 1 for n in lens])
+    assert rel_err(f64(out), ref) < 1e-2
