@@ -492,6 +492,58 @@ fn forward_device(
 }
 
 #[cfg(feature = "cuda")]
+/// A decode step of `flash_attn_with_kvcache` with its key counts on the device (int32 `counts`
+/// `[batch]`, a CUDA `cache_seqlens`): appends `n_new` keys / values (`k_new`, `v_new`) into the
+/// caches `k`, `v` (rows of `width` keys) at each row's count and runs the forward of `spec` (the
+/// call over full cache rows) with those counts, all enqueued on `stream` (see
+/// `backend::cuda::kvcache`). None (nothing enqueued) where this path does not serve the call: the
+/// caller reads the counts on the host instead.
+#[pyfunction]
+#[pyo3(signature = (spec, q, k, v, out, lse, workspace, workspace_bytes, stream, device, counts, k_new, v_new, n_new, width))]
+#[allow(clippy::too_many_arguments)]
+fn forward_device_kv(
+    py: Python<'_>,
+    spec: &PySpec,
+    q: u64,
+    k: u64,
+    v: u64,
+    out: u64,
+    lse: u64,
+    workspace: u64,
+    workspace_bytes: usize,
+    stream: u64,
+    device: &str,
+    counts: u64,
+    k_new: u64,
+    v_new: u64,
+    n_new: usize,
+    width: usize,
+) -> PyResult<Option<bool>> {
+    let index = match DevicePref::parse(device).map_err(to_py)? {
+        DevicePref::Cuda(i) | DevicePref::Auto(i) => i,
+        DevicePref::Cpu => return Ok(None),
+    };
+    let s = &spec.inner;
+    let p = crate::backend::FwdPtrs { q, k, v, out, lse, workspace };
+    let kv = crate::backend::cuda::KvAppend { counts, k_new, v_new, n_new, width };
+    // SAFETY: as in `forward_device`; `counts`, `k_new`, `v_new` are contiguous CUDA tensors of
+    // the documented shapes on the same device and stream.
+    let r = run_detached_as(
+        py,
+        || match crate::backend::cuda::CudaBackend::on(index) {
+            Ok(be) => match unsafe { be.forward_device_kv(s, p, kv, workspace_bytes, stream) } {
+                Ok(done) => Ok(Some(done)),
+                Err(Error::Unsupported { .. }) => Ok(None),
+                Err(e) => Err(e),
+            },
+            Err(_) => Ok(None),
+        },
+        |e| call_err(s, e),
+    )?;
+    Ok(r)
+}
+
+#[cfg(feature = "cuda")]
 /// Backward on device-resident buffers (see [`forward_device`]); writes dq, dk, dv in place.
 #[pyfunction]
 #[pyo3(signature = (spec, q, k, v, out, lse, dout, dq, dk, dv, workspace, workspace_bytes, stream, deterministic, device))]
@@ -590,6 +642,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(device_workspace, m)?)?;
     #[cfg(feature = "cuda")]
     m.add_function(wrap_pyfunction!(forward_device, m)?)?;
+    m.add_function(wrap_pyfunction!(forward_device_kv, m)?)?;
     #[cfg(feature = "cuda")]
     m.add_function(wrap_pyfunction!(backward_device, m)?)?;
     m.add_function(wrap_pyfunction!(backend_status, m)?)?;

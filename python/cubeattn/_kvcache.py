@@ -8,7 +8,9 @@ starts at a page boundary and no window is set, the cache is read in place throu
 call's `kv_block_table` (64-key blocks: the logical order lists each row's blocks, then the unused
 ones); otherwise the keys of each row are gathered into a contiguous buffer first (exact, one
 copy of the visited keys). The host reads cache_seqlens, block_table, cache_batch_idx and
-cache_leftpad to build the call (a device sync when they are CUDA tensors). No maths here.
+cache_leftpad to build the call (a device sync when they are CUDA tensors), except on the plain
+path with an int32 CUDA cache_seqlens, whose counts stay on the device (see `_device_counts_call`).
+No maths here.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import os
 
 import numpy as np
 
-from ._arrays import _asarray, _is_torch, dtype_name, int32_vector, is_dense_cuda, to_core
+from ._arrays import _asarray, _is_torch, dense_cuda, dtype_name, int32_vector, is_dense_cuda, to_core
 
 PAGE = 64  # keys per block of the grouped call's kv_block_table (the core's KV_PAGE)
 
@@ -316,11 +318,16 @@ def _plain_call(seen, key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_sca
     """A plain call whose shapes the validating path has served (`seen`: `_SEEN`'s entry), or
     None (nothing done: the validating path runs)."""
     batch, n_new = q.shape[0], 0 if k is None else k.shape[1]
+    dev, gpu, dt = seen
+    if gpu is not None and _is_torch(cache_seqlens):
+        res = _device_counts_call(seen, key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal,
+                                  window_size, want_lse)
+        if res is not None:
+            return res
     row = _row_ends(cache_seqlens, batch, n_new, k_cache.shape[1])
     if row is None:
         return None
     ends, uniform = row
-    dev, gpu, dt = seen
     skey = (key, ends)
     spec = _DSPEC.get(skey)
     if spec is None:
@@ -355,11 +362,74 @@ def _plain_call(seen, key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_sca
         res = api._run_forward(spec, to_core(_flat(q), "q"), to_core(_flat(k_cache), "k"),
                                to_core(_flat(v_cache), "v"), want_lse, device)
         res = (res[0].reshape(q.shape), res[1]) if want_lse else res.reshape(q.shape)
+    return _result(res, q, want_lse)
+
+
+def _result(res, q, want_lse):
+    """out, or (out, lse [batch, heads_q, seqlen_q]) from the core's lse [heads_q, total_q]."""
     if not want_lse:
         return res
     out, lse = res
-    lse = lse.reshape(q.shape[2], batch, q.shape[1])
+    lse = lse.reshape(q.shape[2], q.shape[0], q.shape[1])
     return out, lse.permute(1, 0, 2) if hasattr(lse, "permute") else lse.transpose(1, 0, 2)
+
+
+# ------------------------------------------------------------------ key counts on the device
+# A plain call whose cache_seqlens is an int32 CUDA tensor (flash-attn's usual decode loop) runs
+# without reading it on the host: the spec is the call over full cache rows, and the core's
+# `forward_device_kv` appends k, v at each row's count and runs the forward with those counts, all
+# enqueued on torch's current stream (no synchronization, so a decode step can be captured in a
+# CUDA graph). A count the cache cannot hold (negative, or more than seqlen_cache - seqlen_new)
+# cannot raise without a synchronization: that row is left unwritten and its out and lse are NaN.
+# Calls the core does not serve this way (other GPUs than sm_90, more than 32 query rows x GQA
+# heads a sequence) read the counts on the host as before.
+
+_NO_DEVICE = set()  # call keys the core's device-count path does not serve
+
+
+def _device_counts_call(seen, key, q, k_cache, v_cache, k, v, counts, softmax_scale, causal, window_size, want_lse):
+    """A plain call (see above) with its key counts on the device, or None (nothing done)."""
+    import torch
+
+    dev, gpu, dt = seen
+    batch, width = q.shape[0], k_cache.shape[1]
+    n_new = 0 if k is None else k.shape[1]
+    if (key in _NO_DEVICE or os.environ.get("CUBEATTN_TORCH_HOST_COPY") == "1" or counts.dtype != torch.int32
+            or counts.ndim != 1 or counts.shape[0] != batch or counts.device != q.device
+            or not (counts.is_contiguous() and is_dense_cuda(q) and is_dense_cuda(k_cache) and is_dense_cuda(v_cache))):
+        return None
+    if n_new:
+        if k.device != q.device or v.device != q.device or k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+            return None
+        k, v = dense_cuda(k), dense_cuda(v)
+    skey = (key, None)  # None: the spec over full cache rows
+    spec = _DSPEC.get(skey)
+    if spec is None:
+        spec = _plain_spec(q, k_cache, v_cache, (width,) * batch, dt, softmax_scale, causal, window_size)
+        if spec is None:
+            return None
+        if len(_DSPEC) >= _MAX:
+            _DSPEC.clear()
+        _DSPEC[skey] = spec
+    api = _api()
+    w = api._workspace(spec, gpu, dev)
+    if w is None:
+        return None
+    stream, ws, nbytes = w
+    total_q, _, heads_q, _, _ = spec.dims
+    out = torch.empty(q.shape, dtype=q.dtype, device=gpu)
+    lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=gpu)
+    done = api._core.forward_device_kv(spec, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                                       lse.data_ptr(), ws.data_ptr() if ws is not None else 0, nbytes, stream, dev,
+                                       counts.data_ptr(), k.data_ptr() if n_new else 0, v.data_ptr() if n_new else 0,
+                                       n_new, width)
+    if done is None:
+        if len(_NO_DEVICE) >= _MAX:
+            _NO_DEVICE.clear()
+        _NO_DEVICE.add(key)
+        return None
+    api._last.name = "cuda"
+    return _result((out, lse) if want_lse else out, q, want_lse)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
@@ -376,7 +446,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     bottom-right aligned on those keys. Returns out [batch, seqlen_q, heads_q, d]; with
     return_softmax_lse (out, lse [batch, heads_q, seqlen_q]). Inference only (no autograd, as
     flash-attn). rotary_cos / rotary_sin, softcap and alibi_slopes raise NotImplementedError;
-    num_splits is a hint flash-attn's kernel takes and ours plans for itself (accepted, unused)."""
+    num_splits is a hint flash-attn's kernel takes and ours plans for itself (accepted, unused).
+    An int32 CUDA cache_seqlens is read on the device where the kernels allow it (sm_90, at most 32
+    query rows x GQA heads a sequence, no cache_batch_idx / cache_leftpad / block_table, after a
+    first call of the same shapes): no synchronization, so the step can be captured in a CUDA
+    graph; a row whose count does not fit (negative, or above seqlen_cache - seqlen_new) is then
+    not appended to and its out and lse are NaN. Elsewhere the counts are read on the host and
+    such a value raises ValueError."""
     if _api()._traced(q):  # in-place cache writes and host-built calls: run eagerly (a graph break)
         import torch
 

@@ -696,6 +696,10 @@ def _cuda_callpath(args, torch):
         if what == "decode_fwd":  # the same step through flash-attn's decoding call (no append)
             rows.append(dict(key, impl="cubeattn_kvcache", ms=_wall_ms(
                 lambda: cubeattn.flash_attn_with_kvcache(q, k, v, cache_seqlens=sk), torch, calls)))
+            # cache_seqlens as an int32 CUDA tensor, as flash-attn's decode loops pass it
+            sk_dev = torch.full((b,), sk, dtype=torch.int32, device=q.device)
+            rows.append(dict(key, impl="cubeattn_kvcache_cuda_seqlens", ms=_wall_ms(
+                lambda: cubeattn.flash_attn_with_kvcache(q, k, v, cache_seqlens=sk_dev), torch, calls)))
         if tiny:
             # SDPA flash on the same tiny shape: the peer's own per-call cost
             rows.append(dict(key, impl="sdpa_flash", ms=_wall_ms(sdpa(SDPBackend.FLASH_ATTENTION), torch, calls)))

@@ -772,6 +772,29 @@ pub(crate) fn fill_rows(
     }
 }
 
+/// The end of the keys any of a tile's `block_m` rows sees (the largest `row_hi` that
+/// [`fill_rows`] wrote), by the cube's `threads` units (at least `block_m`, whole planes): each of
+/// the first `block_m` units takes one row, a plane maximum, then one per plane through `red`
+/// (`block_m / 32` words). Ends in a cube barrier. Used where the plan's key range of an item may
+/// run past its rows' keys: a decode step whose key counts the device wrote (`kv_append`).
+#[cube]
+pub(crate) fn rows_key_end(row_hi: &SharedMemory<u32>, red: &mut SharedMemory<u32>, #[comptime] block_m: usize) -> u32 {
+    let planes = comptime!(block_m / 32);
+    if UNIT_POS < block_m as u32 {
+        let m = plane_max(row_hi[UNIT_POS as usize]);
+        if UNIT_POS_PLANE == 0u32 {
+            red[(UNIT_POS / 32u32) as usize] = m;
+        }
+    }
+    sync_cube();
+    let mut end = 0u32;
+    #[unroll]
+    for i in 0..planes {
+        end = max(end, red[i]);
+    }
+    end
+}
+
 /// Multiplier that divides a tile index by `d` (= `tiles_per_block`) with one `mul_hi`:
 /// ceil(2^32 / d) (2^32 / d exactly for a power of two); 0 for d = 1, which `tile_bounds` takes
 /// apart. `mul_hi(kt, m)` = `kt / d` for every `kt * d < 2^32` (the error `kt * (m d - 2^32) / 2^32`

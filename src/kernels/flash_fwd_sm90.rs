@@ -22,7 +22,7 @@ use cubecl::prelude::barrier::{copy_async, Barrier};
 use super::cards::FwdCard;
 use super::fp8_v::vt_col_base;
 use super::int8_qk::{dot_biased, MAGIC};
-use super::flash_fwd::{fill_rows, tile_bounds, work_item, LIST_SMEM, M_INIT, NONE, RESCALE_SLACK, SLICE_WORDS};
+use super::flash_fwd::{fill_rows, rows_key_end, tile_bounds, work_item, LIST_SMEM, M_INIT, NONE, RESCALE_SLACK, SLICE_WORDS};
 use super::kv_tiles::{issue_tile_boxes, tile_rows};
 use super::math::{fast_exp2, LN2};
 use super::sm90::{fence_proxy_async, pack_a_pairs, pack_p_e4m3, store_pair, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_rs_e4m3,
@@ -409,8 +409,10 @@ pub fn flash_fwd_sm90<E: Float>(
     let wi = work_item(&args.work, &args.tile_ref, &args.blocks, &mut list_smem, args.heads_q, args.heads_kv, args.hp,
         args.tiles_per_block, threads, block_n, sparse);
     let (y, head_base, head_kv) = (wi.y, wi.head_base, wi.head_kv);
-    let (slice_off, n_slices, klo, khi, slot) = (wi.slice_off, wi.n_slices, wi.klo, wi.khi, wi.slot);
-    let (n_tiles, list, tpb_magic) = (wi.n_tiles, wi.list, wi.tpb_magic);
+    let (slice_off, n_slices, klo, slot) = (wi.slice_off, wi.n_slices, wi.klo, wi.slot);
+    let (list, tpb_magic) = (wi.list, wi.tpb_magic);
+    let mut khi = wi.khi;
+    let mut n_tiles = wi.n_tiles;
     // FP8 V^T: the item's sequence (block-sparse: one) and its first byte in a V^T row, less its
     // first key (a tile from key t0 starts at byte vt_off + t0)
     let mut seq = 0u32;
@@ -426,6 +428,17 @@ pub fn flash_fwd_sm90<E: Float>(
         &mut row_hi, args.win_l, args.win_r, threads, block_m,
     );
     sync_cube();
+    // `check_v` (a few rows a tile, dense): the key tiles end at the last key a row sees, which
+    // the plan does not know when the device wrote the key counts (`kv_append`: a decode step
+    // planned over full cache rows)
+    if comptime!(check_v && !sparse) {
+        let mut red = SharedMemory::<u32>::new(comptime!(block_m / 32));
+        khi = min(khi, rows_key_end(&row_hi, &mut red, block_m));
+        n_tiles = 0u32;
+        if khi > klo {
+            n_tiles = (khi - klo + block_n as u32 - 1) / block_n as u32;
+        }
+    }
 
     // FP8 P.V: the key bounds of the current pair's tiles (`a0 .. a1`, `b0 .. b1`)
     let mut a0 = 0u32;

@@ -24,6 +24,7 @@ pub mod flash_bwd_ws;
 pub mod fragments;
 pub mod grid;
 pub mod int8_qk;
+pub mod kv_append;
 pub mod kv_tiles;
 pub mod staging;
 pub mod sparse_index;
@@ -57,6 +58,7 @@ pub const SOURCES: &[&str] = &[
     include_str!("fragments.rs"),
     include_str!("grid.rs"),
     include_str!("int8_qk.rs"),
+    include_str!("kv_append.rs"),
     include_str!("kv_tiles.rs"),
     include_str!("staging.rs"),
     include_str!("sparse_index.rs"),

@@ -167,7 +167,7 @@ pub(crate) fn kv_maps(be: &CudaBackend, spec: &AttnSpec, k: u64, v: u64, block_n
 /// checks v for a NaN or Inf itself (`check_v`) instead of the flag pass over all of v: a decode
 /// step's tiles (4 rows at 32 / 8 heads) are memory-bound, and the pass read v once more (20 of
 /// 106 us at B=8, Sk=4K on an H200, h200-2026-11-28-21348d0).
-const FEW_ROWS: usize = 32;
+pub(crate) const FEW_ROWS: usize = 32;
 
 /// Head dims of the Hopper forward: whole 64-column chunks of the 128-byte swizzle (one cube per
 /// SM above 128: `FwdOptions::sm90_tile_for`).

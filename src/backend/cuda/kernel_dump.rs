@@ -65,6 +65,8 @@ mod tests {
             ("fwd_sparse_int8_d128", fwd_source(c, dt, 128, 2, 64, 64, true, true, false, false, true)),
             ("fwd_sparse_int8_d64", fwd_source(c, dt, 64, 2, 64, 64, true, true, false, false, true)),
             ("combine_d128", super::super::forward::combine_source(c, dt, 128)),
+            ("kv_append", super::super::kvcache::append_source(c)),
+            ("poison_rows", super::super::kvcache::poison_source(c, dt)),
             ("int8_quantize_k_d128", super::super::sparse_int8::quantize_source(c, dt, 128, true, true, false, [64, 8, 2])),
             ("chunk_sums_d128", super::super::sparse_int8::chunk_source(c, dt, 128, false)),
             ("chunk_amax_d128", super::super::sparse_int8::chunk_source(c, dt, 128, true)),
