@@ -313,6 +313,23 @@ def _plain_spec(q, k_cache, v_cache, ends, dt, softmax_scale, causal, window_siz
         return None
 
 
+def _cached_spec(key, ends, q, k_cache, v_cache, dt, softmax_scale, causal, window_size):
+    """`_plain_spec` of a plain call with each row's key count `ends` (None: full cache rows),
+    cached by (call key, ends), or None where the core refuses it."""
+    skey = (key, ends)
+    spec = _DSPEC.get(skey)
+    if spec is None:
+        width = k_cache.shape[1]
+        spec = _plain_spec(q, k_cache, v_cache, (width,) * q.shape[0] if ends is None else ends, dt, softmax_scale,
+                           causal, window_size)
+        if spec is None:
+            return None
+        if len(_DSPEC) >= _MAX:
+            _DSPEC.clear()
+        _DSPEC[skey] = spec
+    return spec
+
+
 def _plain_call(seen, key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_scale, causal, window_size, want_lse,
                 device):
     """A plain call whose shapes the validating path has served (`seen`: `_SEEN`'s entry), or
@@ -328,15 +345,9 @@ def _plain_call(seen, key, q, k_cache, v_cache, k, v, cache_seqlens, softmax_sca
     if row is None:
         return None
     ends, uniform = row
-    skey = (key, ends)
-    spec = _DSPEC.get(skey)
+    spec = _cached_spec(key, ends, q, k_cache, v_cache, dt, softmax_scale, causal, window_size)
     if spec is None:
-        spec = _plain_spec(q, k_cache, v_cache, ends, dt, softmax_scale, causal, window_size)
-        if spec is None:
-            return None
-        if len(_DSPEC) >= _MAX:
-            _DSPEC.clear()
-        _DSPEC[skey] = spec
+        return None
     api = _api()
     if n_new:
         if uniform is not None:  # every row's new keys at the same positions: one slice per cache
@@ -402,15 +413,10 @@ def _device_counts_call(seen, key, q, k_cache, v_cache, k, v, counts, softmax_sc
         if k.device != q.device or v.device != q.device or k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
             return None
         k, v = dense_cuda(k), dense_cuda(v)
-    skey = (key, None)  # None: the spec over full cache rows
-    spec = _DSPEC.get(skey)
+    # the spec over full cache rows (cached under ends None)
+    spec = _cached_spec(key, None, q, k_cache, v_cache, dt, softmax_scale, causal, window_size)
     if spec is None:
-        spec = _plain_spec(q, k_cache, v_cache, (width,) * batch, dt, softmax_scale, causal, window_size)
-        if spec is None:
-            return None
-        if len(_DSPEC) >= _MAX:
-            _DSPEC.clear()
-        _DSPEC[skey] = spec
+        return None
     api = _api()
     w = api._workspace(spec, gpu, dev)
     if w is None:

@@ -802,12 +802,17 @@ pub(super) fn write_out<E: Float>(
         }
     } else {
         let pbase = ((y * args.n_slots + slot) as usize) * block_m;
-        #[unroll]
-        for ob in 0..o_blocks {
+        // the rows with a token are a prefix of the tile: a warp whose first row has none has
+        // none, and its partials are never read (`combine_parts` reads rows with a token only).
+        // A decode step's cube has 4-32 such rows of 128: most warps skip their stores
+        if row_tok[prow] != NONE {
             #[unroll]
-            for e in 0..4usize {
-                let tr = prow + acc_row(lane, e) as usize;
-                args.part_o[(pbase + tr) * head_dim + ob * 8 + acc_col(lane, e) as usize] = o_acc[ob * 4 + e] * inv_r[e / 2];
+            for ob in 0..o_blocks {
+                #[unroll]
+                for e in 0..4usize {
+                    let tr = prow + acc_row(lane, e) as usize;
+                    args.part_o[(pbase + tr) * head_dim + ob * 8 + acc_col(lane, e) as usize] = o_acc[ob * 4 + e] * inv_r[e / 2];
+                }
             }
         }
         if lane % 4 == 0 {
