@@ -180,3 +180,28 @@ def test_gpu_device_counts_that_do_not_fit_give_nan_rows():
         assert torch.equal(kc[r, n], kn[r, 0]) and torch.equal(vc[r, n], vn[r, 0])
         ref, _ = ref_attention(f64(q[r]), f64(kc[r, :n + 1]), f64(vc[r, :n + 1]), [(0, 1, 0, n + 1)], False)
         assert torch.isfinite(out[r]).all() and rel_err(f64(out[r]), ref) < 1e-2
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (100, 0)])
+def test_gpu_device_counts_several_new_tokens(window):
+    """Three new tokens a row (speculative decoding's shape), causal, with and without a window,
+    ragged counts: the device-count path (second call of the shapes) against the f64 reference over
+    each row's keys after the append."""
+    gen = torch.Generator().manual_seed(7)
+    b, sq, hq, hkv, d, cap = 3, 3, 16, 4, 128, 700
+    kc, vc = rand(gen, (b, cap, hkv, d)), rand(gen, (b, cap, hkv, d))
+    q, kn, vn = rand(gen, (b, sq, hq, d)), rand(gen, (b, sq, hkv, d)), rand(gen, (b, sq, hkv, d))
+    lens = [0, 250, 697]
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    cubeattn.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), kn, vn, cache_seqlens=seqlens, causal=True,
+                                     window_size=window)  # the validating path
+    logical_k, logical_v = kc.clone(), vc.clone()
+    out = cubeattn.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=seqlens, causal=True, window_size=window)
+    assert cubeattn.last_backend() == "cuda"
+    for r, n in enumerate(lens):
+        logical_k[r, n:n + sq], logical_v[r, n:n + sq] = kn[r], vn[r]
+    assert torch.equal(kc, logical_k) and torch.equal(vc, logical_v)
+    fq, fk, fv = f64(q), f64(logical_k), f64(logical_v)
+    for r, n in enumerate(lens):
+        ref, _ = ref_attention(fq[r], fk[r, :n + sq], fv[r, :n + sq], [(0, sq, 0, n + sq)], True, window=window)
+        assert rel_err(f64(out[r]), ref) < 1e-2, f"row {r}"

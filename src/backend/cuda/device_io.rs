@@ -281,7 +281,7 @@ impl Backend for CudaBackend {
             None => {
                 let plan = self.fwd_plan(spec, s)?;
                 check_workspace(fwd_workspace(spec, &plan.host), p.workspace, workspace_bytes)?;
-                launch_forward(self, spec, &plan, &p, s)?;
+                launch_forward(self, spec, &plan, &p, false, s)?;
             }
         }
         Ok(true)

@@ -386,12 +386,14 @@ pub(crate) fn combine_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd:
     if is_f16(dt) { k!(f16) } else { k!(bf16) }
 }
 
-/// Enqueues the forward of `spec` on `stream`. `plan` must be the cached plan of `spec`.
+/// Enqueues the forward of `spec` on `stream`. `plan` must be the cached plan of `spec`;
+/// `flag_zeroed`: the workspace's non-finite-v flag was zeroed by a launch ahead on `stream`.
 pub(crate) fn launch_forward(
     be: &CudaBackend,
     spec: &AttnSpec,
     plan: &super::plans::Cached<Plan>,
     p: &FwdPtrs,
+    flag_zeroed: bool,
     stream: sys::CUstream,
 ) -> Result<()> {
     let d = &spec.dims;
@@ -447,7 +449,10 @@ pub(crate) fn launch_forward(
     let flag = p.workspace;
     let sm90 = sm90_forward(be, spec);
     let check_v = sm90 && fp.max_seg_rows <= FEW_ROWS;
-    launch_flag(be, dt, p.v, d.kv_len(), flag, !check_v, stream)?;
+    // (`flag_zeroed`: a launch ahead on the stream zeroed it, `kv_append`; then only a scan is left)
+    if !(flag_zeroed && check_v) {
+        launch_flag(be, dt, p.v, d.kv_len(), flag, !check_v, stream)?;
+    }
     let exact = DenseExact {
         q: p.q,
         k: p.k,

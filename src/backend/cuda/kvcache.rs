@@ -76,7 +76,7 @@ fn check_rows(be: &CudaBackend, spec: &AttnSpec, kv: &KvAppend, max_seg_rows: us
 
 /// The CUDA source of [`kv_append::kv_append`].
 pub(crate) fn append_source(client: &ComputeClient<CudaRuntime>) -> Result<Source> {
-    codegen(kv_append::kv_append::KvAppend::<CudaRuntime>::new(settings(APPEND_UNITS as u32), client.clone(), A, A, A, A, A, A, (), (), ()))
+    codegen(kv_append::kv_append::KvAppend::<CudaRuntime>::new(settings(APPEND_UNITS as u32), client.clone(), A, A, A, A, A, A, A, (), (), ()))
 }
 
 /// The CUDA source of [`kv_append::poison_rows`] for f16 or bf16 outputs.
@@ -129,11 +129,12 @@ impl CudaBackend {
         let mut a = Args::new();
         a.array(p.k, cache_words).array(p.v, cache_words);
         a.array(if kv.n_new > 0 { kv.k_new } else { p.k }, new_words).array(if kv.n_new > 0 { kv.v_new } else { p.v }, new_words);
-        a.array(kv.counts, batch).array(segs.0, segs.1);
+        a.array(kv.counts, batch).array(segs.0, segs.1).array(p.workspace, 1);
         a.u32(kv.width as u32).u32(kv.n_new as u32).u32(row_words as u32);
         launch(&f, (kv.n_new.max(1) as u32, batch as u32, 1), &mut a, s)?;
 
-        launch_forward(self, spec, &plan, &p, s)?;
+        // (the flag was zeroed by kv_append)
+        launch_forward(self, spec, &plan, &p, true, s)?;
 
         let sq = d.total_q / batch;
         let row_elems = d.heads_q * d.head_dim;
