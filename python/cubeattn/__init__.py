@@ -347,12 +347,18 @@ def _forward_on_gpu(torch, spec, gpu, dev, q, k, v, out_shape, return_lse):
     return _enqueue_forward(torch, spec, gpu, dev, w, q, k, v, out_shape, return_lse)
 
 
+def _new_outputs(torch, spec, gpu, dtype, out_shape):
+    """Uninitialised out (`out_shape`, `dtype`) and lse ([heads_q, total_q] float32) on `gpu`, for
+    a device-resident forward of `spec` to write."""
+    total_q, _, heads_q, _, _ = spec.dims
+    return (torch.empty(out_shape, dtype=dtype, device=gpu),
+            torch.empty((heads_q, total_q), dtype=torch.float32, device=gpu))
+
+
 def _enqueue_forward(torch, spec, gpu, dev, w, q, k, v, out_shape, return_lse):
     """`_forward_on_gpu` once its workspace `w` (`_workspace`'s triple) is at hand."""
     stream, ws, n = w
-    total_q, _, heads_q, _, _ = spec.dims
-    o = torch.empty(out_shape, dtype=q.dtype, device=gpu)
-    lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=gpu)
+    o, lse = _new_outputs(torch, spec, gpu, q.dtype, out_shape)
     if not _core.forward_device(spec, q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                                 (ws.data_ptr() if ws is not None else 0), n, stream, dev):
         o.zero_()

@@ -422,9 +422,7 @@ def _device_counts_call(seen, key, q, k_cache, v_cache, k, v, counts, softmax_sc
     if w is None:
         return None
     stream, ws, nbytes = w
-    total_q, _, heads_q, _, _ = spec.dims
-    out = torch.empty(q.shape, dtype=q.dtype, device=gpu)
-    lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=gpu)
+    out, lse = api._new_outputs(torch, spec, gpu, q.dtype, q.shape)
     done = api._core.forward_device_kv(spec, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                                        lse.data_ptr(), ws.data_ptr() if ws is not None else 0, nbytes, stream, dev,
                                        counts.data_ptr(), k.data_ptr() if n_new else 0, v.data_ptr() if n_new else 0,

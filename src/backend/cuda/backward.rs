@@ -34,7 +34,7 @@ use cudarc::driver::{result as drv, sys};
 use half::{bf16, f16};
 
 use super::card::{DkdvArgs, DqArgs};
-use super::compile::{codegen, codegen_exp2, settings, Func, KernelKey, Source};
+use super::compile::{codegen, codegen_exp2, settings, Func, KernelKey, Source, A};
 use super::driver::{err, tile_map_2d};
 use super::forward::{aligned, kv_maps, kv_maps_sw128, layout};
 use super::launch::{grid_2d, launch, Args, MapArg};
@@ -323,9 +323,6 @@ fn pass_is_faster(be: Option<&CudaBackend>, spec: &AttnSpec) -> bool {
         && ((hd == 64 && ws_backward(64, false))
             || (SPLIT_BWD_HEAD_DIMS.contains(&hd) && be.is_none_or(|be| dq_sm90(be, spec.dtype, hd))))
 }
-
-/// The array argument every kernel struct takes for a plain (not in-place) array.
-pub(crate) const A: ArrayCompilationArg = ArrayCompilationArg { inplace: None };
 
 /// Runs `$e` with the type alias `$k` bound to the element type of `$dt`.
 macro_rules! by_dtype {

@@ -170,6 +170,9 @@ pub(crate) fn codegen<K: CubeKernel>(kernel: K) -> Result<Source> {
     })
 }
 
+/// The array argument every kernel struct takes for a plain (not in-place) array.
+pub(crate) const A: cubecl::prelude::ArrayCompilationArg = cubecl::prelude::ArrayCompilationArg { inplace: None };
+
 /// Kernel settings of a launch with `threads` threads in x (the kernels are 1-D cubes).
 pub(crate) fn settings(threads: u32) -> KernelSettings {
     KernelSettings::default().cube_dim(CubeDim::new_1d(threads)).address_type(AddressType::U32)

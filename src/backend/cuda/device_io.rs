@@ -32,7 +32,7 @@ pub(super) fn has_work(spec: &AttnSpec) -> bool {
 }
 
 /// `Err` naming `workspace` where the caller's (`bytes` at `ptr`) is smaller than `need`.
-fn check_workspace(need: usize, ptr: u64, bytes: usize) -> Result<()> {
+pub(super) fn check_workspace(need: usize, ptr: u64, bytes: usize) -> Result<()> {
     if bytes < need || (need > 0 && ptr == 0) {
         return Err(invalid("workspace", format!("has {bytes} bytes at {ptr:#x}, the call needs {need}")));
     }

@@ -17,7 +17,7 @@ use cudarc::driver::sys;
 use half::{bf16, f16};
 
 use super::card::FwdArgs;
-use super::compile::{codegen, codegen_exp2, settings, KernelKey, Source};
+use super::compile::{codegen, codegen_exp2, settings, KernelKey, Source, A};
 use super::driver::tile_map_2d;
 use super::launch::{launch, Args, MapArg};
 use super::nonfinite::{launch_dense_exact, launch_flag, DenseExact, FLAG_BYTES};
@@ -103,9 +103,6 @@ pub(crate) fn plan_opts() -> u64 {
     let o = fwd_options();
     (o.pack_heads as u64) | (o.split as u64) << 1 | (o.split_waves as u64) << 8 | (o.block_n as u64) << 32
 }
-
-/// The array argument every kernel struct takes for a plain (not in-place) array.
-const A: ArrayCompilationArg = ArrayCompilationArg { inplace: None };
 
 fn is_f16(dt: DType) -> bool {
     dt == DType::F16

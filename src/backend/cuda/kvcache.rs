@@ -16,7 +16,8 @@ use cubecl::prelude::ComputeClient;
 use cudarc::driver::sys::CUstream;
 use half::{bf16, f16};
 
-use super::compile::{codegen, settings, KernelKey, Source};
+use super::compile::{codegen, settings, KernelKey, Source, A};
+use super::device_io::check_workspace;
 use super::driver::bind;
 use super::forward::{fwd_tables, fwd_workspace, launch_forward, plan_opts, sm90_forward, FwdPtrs, FwdTable, FEW_ROWS};
 use super::launch::{launch, Args};
@@ -24,12 +25,9 @@ use super::plans::PlanKey;
 use super::{CudaBackend, Plan};
 use crate::backend::Pass;
 use crate::dtype::DType;
-use crate::error::{invalid, Error, Result};
+use crate::error::{Error, Result};
 use crate::kernels::kv_append::{self, APPEND_UNITS};
 use crate::spec::AttnSpec;
-
-/// The array argument every kernel struct takes for a plain (not in-place) array.
-const A: cubecl::prelude::ArrayCompilationArg = cubecl::prelude::ArrayCompilationArg { inplace: None };
 
 /// Marks a plan whose key counts the device writes (`PlanKey::with_extra`'s first word).
 const DEVICE_COUNTS: u64 = 0x6b76_636f_756e_7473;
@@ -50,9 +48,9 @@ fn unsupported(msg: String) -> Error {
     Error::Unsupported { backend: "cuda", msg: format!("device key counts (a CUDA cache_seqlens): {msg}") }
 }
 
-/// `Err(Unsupported)` unless `spec` is the call over full cache rows of `width` keys that this
-/// path serves (see the module doc).
-fn check_rows(be: &CudaBackend, spec: &AttnSpec, kv: &KvAppend, max_seg_rows: usize) -> Result<()> {
+/// `Err(Unsupported)` unless `spec` is the call over full cache rows of `width` keys that the
+/// sm_90 kernels serve, unpaged (see the module doc; `FEW_ROWS` is checked on the plan).
+fn check_rows(be: &CudaBackend, spec: &AttnSpec, kv: &KvAppend) -> Result<()> {
     let d = &spec.dims;
     let batch = spec.segments.len();
     let sq = d.total_q.checked_div(batch).unwrap_or(0);
@@ -68,8 +66,9 @@ fn check_rows(be: &CudaBackend, spec: &AttnSpec, kv: &KvAppend, max_seg_rows: us
     if !full_rows {
         return Err(unsupported("the spec is not one segment per full cache row".into()));
     }
-    if spec.kv_pages().is_some() || spec.block_sparse().is_some() || !sm90_forward(be, spec) || max_seg_rows > FEW_ROWS {
-        return Err(unsupported(format!("served by the sm_90 few-rows kernels only (unpaged, at most {FEW_ROWS} rows a sequence)")));
+    // (sm90_forward also excludes f32)
+    if spec.kv_pages().is_some() || spec.block_sparse().is_some() || !sm90_forward(be, spec) {
+        return Err(unsupported("served by the sm_90 kernels only, f16 / bf16, unpaged".into()));
     }
     Ok(())
 }
@@ -100,9 +99,7 @@ impl CudaBackend {
     /// caches being `k` and `v` of `p`.
     pub unsafe fn forward_device_kv(&self, spec: &AttnSpec, p: FwdPtrs, kv: KvAppend, workspace_bytes: usize, stream: u64) -> Result<bool> {
         self.check(spec, Pass::Forward)?;
-        if !(spec.dtype == DType::F16 || spec.dtype == DType::BF16) {
-            return Err(unsupported("f16 / bf16 caches only".into()));
-        }
+        check_rows(self, spec, &kv)?;
         p.check_aligned()?;
         bind(self.ctx)?;
         let s = stream as CUstream;
@@ -112,11 +109,11 @@ impl CudaBackend {
             let t = fwd_tables(spec, &p);
             (p, t)
         })?;
-        check_rows(self, spec, &kv, plan.host.fwd.max_seg_rows)?;
-        let need = fwd_workspace(spec, &plan.host);
-        if workspace_bytes < need || p.workspace == 0 {
-            return Err(invalid("workspace", format!("has {workspace_bytes} bytes at {:#x}, the call needs {need}", p.workspace)));
+        if plan.host.fwd.max_seg_rows > FEW_ROWS {
+            return Err(unsupported(format!("served by the few-rows kernels only (at most {FEW_ROWS} rows a sequence)")));
         }
+        // (a 16-bit forward's workspace holds at least the non-finite-v flag that kv_append zeroes)
+        check_workspace(fwd_workspace(spec, &plan.host), p.workspace, workspace_bytes)?;
         let d = &spec.dims;
         let batch = spec.segments.len();
         // (head_dim is a multiple of 8 on CUDA: a row is whole u32 words)

@@ -8,11 +8,10 @@
 //! is thus decided on the device; every row is written by exactly one of them.
 
 use cubecl::cuda::CudaRuntime;
-use cubecl::prelude::*;
 use cudarc::driver::{result as drv, sys};
 use half::{bf16, f16};
 
-use super::compile::{codegen, settings, KernelKey};
+use super::compile::{codegen, settings, KernelKey, A};
 use super::driver::err;
 use super::launch::{launch, Args};
 use super::CudaBackend;
@@ -28,9 +27,6 @@ pub(crate) const FLAG_BYTES: usize = 4;
 /// Most cubes of the flag kernel (grid-stride over v): about two waves of 256 units per
 /// multiprocessor on an H100/H200, enough to keep its loads at memory bandwidth.
 const FLAG_CUBES: usize = 1024;
-
-/// The array argument every kernel struct takes for a plain (not in-place) array.
-const A: ArrayCompilationArg = ArrayCompilationArg { inplace: None };
 
 /// Zeroes the flag at `flag` and, with `scan`, enqueues `v_nonfinite` over the `kv_len` elements
 /// of v (f16 or bf16) at `v` (without: the forward kernel sets the flag itself, its `check_v`).

@@ -28,9 +28,9 @@ use cudarc::driver::sys;
 
 use super::backward::{
     launch_delta, launch_dkdv_wide, launch_dq, launch_dq_convert, launch_fill_zero, workspace_ptrs, BwdPtrs, DqMode,
-    DkdvTables, A,
+    DkdvTables,
 };
-use super::compile::{codegen, settings, KernelKey};
+use super::compile::{codegen, settings, KernelKey, A};
 use super::launch::{grid_2d, launch, Args};
 use super::plans::{table_names, Cached, PlanKey, PlanKind, TableSet};
 use super::CudaBackend;

@@ -9,7 +9,7 @@ use cubecl::cuda::CudaRuntime;
 use cudarc::driver::sys;
 use half::{bf16, f16};
 
-use super::compile::{codegen, settings, Func, KernelKey};
+use super::compile::{codegen, settings, Func, KernelKey, A};
 use super::forward::{layout, FwdPtrs};
 use super::driver::byte_map_2d_sw64;
 use super::launch::{launch, Args, MapArg};
@@ -21,8 +21,6 @@ use crate::kernels::fp8_v::{self, vt_row_bytes, VT_CHUNK, VT_THREADS};
 use crate::kernels::int8_qk::{self, MEAN_CHUNK, QUANT_THREADS, QUANT_VEC};
 use crate::sparse::{GroupRule, Int8Qk};
 use crate::spec::SparseView;
-
-const A: cubecl::prelude::ArrayCompilationArg = cubecl::prelude::ArrayCompilationArg { inplace: None };
 
 /// Workspace parts, in order: int8 Q, int8 K, Q scales + LSE corrections (+ with FP8 P.V the V
 /// scales and their inverses, `fp8_v`), K scales, row maxima (scratch), K chunk sums, K mean, and

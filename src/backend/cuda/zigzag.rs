@@ -16,10 +16,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cubecl::cuda::CudaRuntime;
-use cubecl::prelude::*;
 use cudarc::driver::{result as drv, sys};
 
-use super::compile::{codegen, settings, Func, KernelKey};
+use super::compile::{codegen, settings, Func, KernelKey, A};
 use super::driver::{bind, capturing, err, DevBuf};
 use super::launch::{grid_2d, launch, Args};
 use super::CudaBackend;
@@ -167,9 +166,6 @@ pub(crate) fn copy_width(row_bytes: usize, src: u64, out: u64) -> usize {
         .find(|&w| row_bytes.is_multiple_of(w) && src.is_multiple_of(w as u64) && out.is_multiple_of(w as u64))
         .unwrap_or(1)
 }
-
-/// The array argument of the kernel struct (a plain, not in-place, array).
-const A: ArrayCompilationArg = ArrayCompilationArg { inplace: None };
 
 /// `kernels::zigzag_copy::copy_rows` moving `width` bytes per unit. The kernel copies raw words:
 /// the key's dtype is a fixed placeholder.
