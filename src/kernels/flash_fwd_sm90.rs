@@ -279,7 +279,7 @@ fn pv_steps_e4m3<E: Float>(
 /// reference moved, and P packed as the P.V operand (`p`, or `p8` in e4m3 with `fp8_pv`).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn score_tile<E: Float>(
+pub(super) fn score_tile<E: Float>(
     args: &FwdCard<E>,
     s: &mut Array<f32>,
     s_i: &mut Array<i32>,

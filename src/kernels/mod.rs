@@ -6,6 +6,7 @@ pub mod card;
 pub mod chunk_stats;
 pub mod cards;
 pub mod flash_fwd;
+pub mod flash_fwd_decode;
 pub mod flash_fwd_sm90;
 pub mod flash_fwd_ws;
 pub mod fp8_v;
@@ -40,6 +41,7 @@ pub const SOURCES: &[&str] = &[
     include_str!("cards.rs"),
     include_str!("chunk_stats.rs"),
     include_str!("flash_fwd.rs"),
+    include_str!("flash_fwd_decode.rs"),
     include_str!("flash_fwd_sm90.rs"),
     include_str!("flash_fwd_ws.rs"),
     include_str!("fp8_v.rs"),

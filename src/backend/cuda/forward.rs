@@ -26,6 +26,7 @@ use super::{fwd_options, window_bounds, CudaBackend, Plan};
 use crate::dtype::DType;
 use crate::error::{invalid, Result};
 use crate::kernels::flash_fwd::{self, BLOCK_M};
+use crate::kernels::flash_fwd_decode;
 use crate::kernels::flash_fwd_sm90::{self, SM90_THREADS};
 use crate::kernels::flash_fwd_ws::{self, WS_THREADS};
 use crate::kernels::kv_tiles::{box_rows, kv_map_box};
@@ -292,6 +293,25 @@ pub(crate) fn fwd_sm90_source(
     Ok(src)
 }
 
+/// CUDA source of the decode forward (`flash_fwd_decode`): the `kernels::sm90` markers lowered,
+/// one cube per SM declared (`__launch_bounds__(256, 1)`: its K / V stages fill the shared memory).
+pub(crate) fn fwd_decode_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: usize, paged: bool) -> Result<Source> {
+    macro_rules! k {
+        ($t:ty) => {
+            codegen_exp2(flash_fwd_decode::flash_fwd_decode::FlashFwdDecode::<$t, CudaRuntime>::new(
+                settings(SM90_THREADS as u32),
+                client.clone(),
+                FwdArgs::compilation(),
+                hd,
+                paged,
+            ), false)
+        };
+    }
+    let mut src = if is_f16(dt) { k!(f16) } else { k!(bf16) }?;
+    src.cuda = super::rewrite::sm90::lower_bounded(&src.entry, &src.cuda, 1)?;
+    Ok(src)
+}
+
 /// A 128-byte-swizzled tensor map of the Hopper forward over `rows` rows of `cols` elements at
 /// `ptr`: 64-column x `box_rows(block_n)`-row boxes.
 fn map_sw128(spec: &AttnSpec, ptr: u64, cols: usize, rows: usize, block_n: usize) -> Result<MapArg> {
@@ -473,7 +493,12 @@ pub(crate) fn launch_forward(
     let (part_o, part_lse) = if po_bytes == 0 { (flag, flag) } else { (p.workspace + offs[1] as u64, p.workspace + offs[2] as u64) };
     let n_part = (po_bytes / (4 * hd)).max(1);
 
-    let (f, [k_map, v_map]) = if sm90 {
+    let decode = check_v && opts.sm90_decode && hd <= 128;
+    let (f, [k_map, v_map]) = if decode {
+        let key = KernelKey::new("flash_fwd_decode", dt, &[hd as u32, paged as u32]);
+        let f = be.kernels.get(&key, || fwd_decode_source(client, dt, hd, paged))?;
+        (f, kv_maps_sw128(spec, p.k, p.v, flash_fwd_decode::DECODE_BN)?)
+    } else if sm90 {
         let (f, bn) = flash_fwd_sm90_kernel(be, dt, hd, false, paged, check_v, false, false, None)?;
         (f, kv_maps_sw128(spec, p.k, p.v, bn)?)
     } else {

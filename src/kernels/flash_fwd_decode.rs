@@ -1,0 +1,215 @@
+//! The Hopper forward of decode-sized calls (at most `forward::FEW_ROWS` rows a tile, e.g. one
+//! query row per sequence): `flash_fwd_sm90`'s mainloop (its `check_v` variant: the V check in the
+//! kernel, a warpgroup without rows skipping its MMAs) with a deeper K / V pipeline.
+//!
+//! Such a call reads K and V once and does few MMAs, so its time is the latency of its loads.
+//! `flash_fwd_sm90` keeps one K and one V tile loading per cube (one mbarrier each, two stages),
+//! 64 KB a SM at two cubes (H200, B=8 Sk=4K: DRAM 42%, bench/results/h200-2026-11-30-decode-tiles).
+//! Here one cube per SM holds `stages` K + V stages of 64 keys, each with its own mbarrier (K and
+//! V of a tile land on the same one); tile t + stages is issued into stage t % stages as soon as
+//! the cube has finished tile t, so `stages - 1` tiles are loading while one is computed: 128 KB
+//! at d128 (5 stages), 112 KB at d64 (8).
+//!
+//! The stage loop is unrolled `stages` times, so each stage's barrier is a compile-time choice.
+//! Work list, card, row bounds, paged K / V, split-K partials and the epilogue are
+//! `flash_fwd_sm90`'s (dense and paged key sets; no block-sparse, INT8 or FP8 variant).
+
+use cubecl::prelude::*;
+use cubecl::prelude::barrier::{copy_async, Barrier};
+
+use super::cards::FwdCard;
+use super::flash_fwd::{fill_rows, tile_bounds, work_item, NONE};
+use super::flash_fwd_sm90::{lane_rows, pv_steps, score_tile, write_out, SM90_BLOCK_M, SM90_THREADS};
+use super::kv_tiles::{issue_tile_boxes, tile_rows};
+use super::sm90::{fence_proxy_async, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_wait, SW_COLS};
+use super::staging::commit_copies;
+
+/// Keys per tile.
+pub const DECODE_BN: usize = 64;
+/// K and V stages at `head_dim`: what one cube per SM can hold beside its Q tile (128 rows).
+pub const fn decode_stages(head_dim: usize) -> usize {
+    if head_dim <= 64 {
+        8
+    } else {
+        5
+    }
+}
+
+/// Waits for the copies of stage `s` (phase parity `parity`).
+#[cube]
+fn wait_stage_n(bars: &Sequence<Shared<Barrier>>, parity: u32, #[comptime] s: usize) {
+    bars.index(s).wait_parity(parity);
+}
+
+/// Issues K and V of the tile whose rows start at `p0` (`pb`: its second box's first row) into
+/// stage `s` on that stage's barrier, and commits this thread's copies to it.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn issue_stage<E: Float>(
+    args: &FwdCard<E>,
+    k_smem: &mut SharedMemory<E>,
+    v_smem: &mut SharedMemory<E>,
+    bars: &Sequence<Shared<Barrier>>,
+    p0: u32,
+    pb: u32,
+    head_kv: u32,
+    #[comptime] s: usize,
+    #[comptime] head_dim: usize,
+) {
+    let base = comptime!(s * DECODE_BN * head_dim);
+    let bar = bars.index(s);
+    issue_tile_boxes(&args.k_map, k_smem, bar, base, p0, pb, head_kv, DECODE_BN, head_dim, true);
+    issue_tile_boxes(&args.v_map, v_smem, bar, base, p0, pb, head_kv, DECODE_BN, head_dim, true);
+    commit_copies(bar);
+}
+
+/// The decode forward (see the module doc); arguments as `flash_fwd_sm90`'s `check_v` variant.
+#[allow(clippy::too_many_arguments, unused_variables)]
+#[cube(launch_unchecked)]
+pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: usize, #[comptime] paged: bool) {
+    // v holds a NaN or Inf (a cube that saw one): the exact row-wise kernel writes this call
+    if args.nonfinite[0] != 0u32 {
+        terminate!();
+    }
+    let threads = comptime!(SM90_THREADS);
+    let block_m = comptime!(SM90_BLOCK_M);
+    let block_n = comptime!(DECODE_BN);
+    let stages = comptime!(decode_stages(head_dim));
+    let lane = UNIT_POS_PLANE;
+    let warp = plane_broadcast(UNIT_POS / 32u32, 0u32);
+    let wg = (warp / 4u32) as usize;
+    let prow = wg * 64 + ((warp % 4u32) * 16u32) as usize;
+    let tile_e = comptime!(block_n * head_dim);
+
+    let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(block_m * head_dim), 1024usize);
+    let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(stages * tile_e), 1024usize);
+    let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(stages * tile_e), 1024usize);
+    let mut row_tok = SharedMemory::<u32>::new(block_m);
+    let mut row_head = SharedMemory::<u32>::new(block_m);
+    let mut row_lo = SharedMemory::<u32>::new(block_m);
+    let mut row_hi = SharedMemory::<u32>::new(block_m);
+    let mut bars = Sequence::<Shared<Barrier>>::new();
+    #[unroll]
+    for _s in 0..stages {
+        bars.push(Barrier::shared(comptime!(threads as u32), UNIT_POS == 0));
+    }
+
+    let mut list_smem = SharedMemory::<u32>::new(1usize);
+    let wi = work_item(&args.work, &args.tile_ref, &args.blocks, &mut list_smem, args.heads_q, args.heads_kv, args.hp,
+        args.tiles_per_block, threads, block_n, false);
+    let (y, head_base, head_kv) = (wi.y, wi.head_base, wi.head_kv);
+    let (slice_off, n_slices, klo, khi, slot) = (wi.slice_off, wi.n_slices, wi.klo, wi.khi, wi.slot);
+    let (n_tiles, list, tpb_magic) = (wi.n_tiles, wi.list, wi.tpb_magic);
+
+    fill_rows(
+        &args.slices, &args.segs, slice_off, n_slices, args.hp, head_base, klo, khi, &mut row_tok, &mut row_head, &mut row_lo,
+        &mut row_hi, args.win_l, args.win_r, threads, block_m,
+    );
+    sync_cube();
+
+    // the Q tile (swizzled, 16-byte cp.async per unit, committed with stage 0; rows without a
+    // token copy token 0: their key range is empty), and tiles 0 .. stages - 1 into their stages
+    if n_tiles > 0u32 {
+        let vecs = comptime!(head_dim / 8);
+        #[unroll]
+        for it in 0..comptime!(block_m * (head_dim / 8) / threads) {
+            let idx = UNIT_POS as usize + it * threads;
+            let r = idx / vecs;
+            let c = (idx % vecs) * 8;
+            let mut tok = row_tok[r];
+            if tok == NONE {
+                tok = 0u32;
+            }
+            let g = (tok * args.heads_q + row_head[r]) as usize * head_dim + c;
+            let s = swizzle_128b(r, c, block_m);
+            copy_async(&args.q_s.slice(g, g + 8), &mut q_smem.slice_mut(s, s + 8), comptime!(8u32));
+        }
+        #[unroll]
+        for s in 0..stages {
+            if (s as u32) < n_tiles {
+                let (n0, n1) = tile_bounds(s as u32, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
+                    tpb_magic, block_n, false);
+                let (p0, _p1, pb) = tile_rows(n0, n1, &args.blocks, paged, block_n);
+                issue_stage(args, &mut k_smem, &mut v_smem, &bars, p0, pb, head_kv, s, head_dim);
+            }
+        }
+    }
+
+    let o_n = comptime!(head_dim / 2);
+    let mut o_acc = Array::<f32>::new(o_n);
+    #[unroll]
+    for i in 0..o_n {
+        o_acc[i] = 0.0f32;
+    }
+    let mut s_acc = Array::<f32>::new(comptime!(block_n / 2));
+    let mut s_i = Array::<i32>::new(1usize);
+    let mut p = Array::<Vector<E, Const<2>>>::new(comptime!(block_n / 4));
+    let mut p8 = Array::<u32>::new(1usize);
+    let neg_inf = -args.inf;
+    let mut m_r = Array::<f32>::new(2usize);
+    let mut l_r = Array::<f32>::new(2usize);
+    let (row_a, row_b, rows_lo, rows_hi) = lane_rows(&mut m_r, &mut l_r, &row_lo, &row_hi, prow, lane, klo, khi);
+    let rows = (row_a, row_b, rows_lo, rows_hi);
+    let q_wg = wg * comptime!(64 * SW_COLS);
+    let mut alpha = Array::<f32>::new(2usize);
+    let q_sl = Array::<f32>::new(2usize);
+    let mut sl = Array::<f32>::new(2usize);
+    // whether this warpgroup's 64 rows hold a query row (the rows fill the tile from row 0)
+    let live = row_tok[wg * 64] != NONE;
+    let mut v_bad = false;
+
+    let rounds = (n_tiles + comptime!(stages as u32 - 1)) / comptime!(stages as u32);
+    for r in 0..rounds {
+        #[unroll]
+        for s in 0..stages {
+            let kt = r * comptime!(stages as u32) + comptime!(s as u32);
+            if kt < n_tiles {
+                let (t0, t1) = tile_bounds(kt, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block, tpb_magic,
+                    block_n, false);
+                wait_stage_n(&bars, r & 1u32, s);
+                if comptime!(s == 0) {
+                    if r == 0u32 {
+                        // the Q tile's cp.async writes, visible to the MMAs of every thread
+                        fence_proxy_async();
+                        sync_cube();
+                    }
+                }
+                let cur = comptime!(s * tile_e);
+                // a warpgroup without rows skips the MMAs; each MMA sequence, issue to wait, stays
+                // inside its branch (ptxas would serialise every wgmma otherwise, C7514)
+                if live {
+                    score_tile::<E>(args, &mut s_acc, &mut s_i, &q_smem, q_wg, &k_smem, cur, head_kv, (t0, t1), &q_sl, &mut sl, &row_lo,
+                        &row_hi, rows, lane, neg_inf, &mut m_r, &mut l_r, &mut alpha, &mut o_acc, &mut p, &mut p8, block_n, head_dim,
+                        false, false);
+                }
+                // every thread checks its share of V(t) for a NaN or Inf (x - x is not 0)
+                #[unroll]
+                for i in 0..comptime!(tile_e / SM90_THREADS) {
+                    let x = f32::cast_from(v_smem[cur + UNIT_POS as usize + i * SM90_THREADS]);
+                    v_bad = v_bad || x - x != 0.0f32;
+                }
+                if live {
+                    wgmma_fence();
+                    pv_steps::<E>(&mut o_acc, &p, &v_smem, cur, block_n, head_dim);
+                    wgmma_commit();
+                    wgmma_wait(0u32);
+                }
+                // every warpgroup is done with stage s: it takes tile t + stages
+                sync_cube();
+                let nt = kt + comptime!(stages as u32);
+                if nt < n_tiles {
+                    let (n0, n1) = tile_bounds(nt, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
+                        tpb_magic, block_n, false);
+                    let (p0, _p1, pb) = tile_rows(n0, n1, &args.blocks, paged, block_n);
+                    issue_stage(args, &mut k_smem, &mut v_smem, &bars, p0, pb, head_kv, s, head_dim);
+                }
+            }
+        }
+    }
+
+    if v_bad {
+        args.nonfinite[0] = 1u32;
+    }
+    write_out(args, &o_acc, &m_r, &mut l_r, &row_tok, &mut row_head, prow, row_a, row_b, lane, y, slot, 0u32, head_kv, neg_inf, head_dim,
+        false, false);
+}
