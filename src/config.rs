@@ -11,7 +11,7 @@
 //! | `CUBEATTN_CUDA_PORTABLE=1` | builds every kernel as for GPUs below sm_90, on any GPU ([`crate::backend::cuda::Target`]) | `tests/python/test_portable_gpu.py`, `scripts/gpu-test.sh --portable` |
 //! | `CUBEATTN_CUDA_SM90=0` | keeps the mma.sync forward on sm_90 GPUs (default: the wgmma forward) | comparisons of the two forwards on one GPU |
 //! | `CUBEATTN_CUDA_SM90_TILE=bn:cubes` | the wgmma forward's tile and cubes per SM (`FwdOptions::sm90_tile`) at every head_dim | A/B runs of its tile choices on one GPU |
-//! | `CUBEATTN_CUDA_DECODE=0` | decode-sized calls (at most 32 rows a tile) keep `flash_fwd_sm90` instead of the deep-pipelined `kernels::flash_fwd_decode` (`FwdOptions::sm90_decode`) | A/B runs of the two on one GPU |
+//! | `CUBEATTN_CUDA_DECODE=0` | decode-sized calls (at most 32 rows of a sequence a tile) keep `flash_fwd_sm90`'s 128-row tiles instead of `kernels::flash_fwd_decode`'s one-warpgroup cubes of 64 rows (`FwdOptions::sm90_decode`) | A/B runs of the two on one GPU |
 //! | `CUBEATTN_CUDA_SM90_WS=0` | keeps `flash_fwd_sm90` where the warp-specialised wgmma forward (`kernels::flash_fwd_ws`, `FwdOptions::sm90_ws`) is the default | A/B runs of the two Hopper frames on one GPU |
 //! | `CUBEATTN_CUDA_SPLIT=0` | no split-K of long forward tiles | the sanitizer families (`tests/python/sanitize_driver.py`) |
 //! | `CUBEATTN_WORK_ORDER=cost` | the forward's, the dK/dV kernels' and the dQ pass's work lists strictly by cost, without taking items of close cost sequence by sequence (`FwdOptions::seq_waves`) | A/B runs of the two orders |
@@ -187,8 +187,8 @@ pub struct FwdOptions {
     /// consumer warpgroups overlapping softmax and MMAs) where it is measured faster
     /// (`backend::cuda::forward::sm90_frame`; `CUBEATTN_CUDA_SM90_WS=0` turns it off).
     pub sm90_ws: bool,
-    /// Decode-sized Hopper calls (at most `forward::FEW_ROWS` rows a tile, head_dim 64 / 128) on
-    /// `kernels::flash_fwd_decode`, whose cube keeps several K / V tiles loading
+    /// Decode-sized Hopper calls (at most `forward::FEW_ROWS` rows of a sequence a tile, head_dim 64
+    /// / 128) on `kernels::flash_fwd_decode`: one-warpgroup cubes of 64 rows, per-stage barriers
     /// (`CUBEATTN_CUDA_DECODE=0` keeps `flash_fwd_sm90`'s `check_v` variant).
     pub sm90_decode: bool,
     /// The work list's items of close cost taken sequence by sequence (`cuda::plan::order_by_cost`),

@@ -1,37 +1,45 @@
-//! The Hopper forward of decode-sized calls (at most `forward::FEW_ROWS` rows a tile, e.g. one
-//! query row per sequence): `flash_fwd_sm90`'s mainloop (its `check_v` variant: the V check in the
-//! kernel, a warpgroup without rows skipping its MMAs) with a deeper K / V pipeline.
+//! The Hopper forward of decode-sized calls (at most `forward::FEW_ROWS` rows of one sequence
+//! in a tile, e.g. one query row x the GQA group): `flash_fwd_sm90`'s `check_v` mainloop on a
+//! cube of one warpgroup (128 threads, a 64-row Q tile: the plan packs 64-row tiles for these
+//! calls) with `stages` K / V stages of 64 keys, each with its own mbarrier, at two cubes per SM.
 //!
-//! Such a call reads K and V once and does few MMAs, so its time is the latency of its loads.
-//! `flash_fwd_sm90` keeps one K and one V tile loading per cube (one mbarrier each, two stages),
-//! 64 KB a SM at two cubes (H200, B=8 Sk=4K: DRAM 42%, bench/results/h200-2026-11-30-decode-tiles).
-//! Here one cube per SM holds `stages` K + V stages of 64 keys, each with its own mbarrier (K and
-//! V of a tile land on the same one); tile t + stages is issued into stage t % stages as soon as
-//! the cube has finished tile t, so `stages - 1` tiles are loading while one is computed: 128 KB
-//! at d128 (5 stages), 112 KB at d64 (8).
+//! Such a call reads K and V once and does few MMAs: its time is the latency of its loads
+//! (bench/results/h200-2026-11-30-decode-ncu). `flash_fwd_sm90` runs it on 256-thread cubes whose
+//! second warpgroup is idle, with one K and one V tile loading while one is computed. Here tile
+//! t + stages is issued into stage t % stages as soon as the cube has finished tile t, so
+//! `stages - 1` tiles are loading (`decode_stages`), two cubes per SM. (One 256-thread cube per SM with 5 stages lost: its prologue and epilogue had no
+//! other cube to hide under, docs/measured-and-lost.md.)
 //!
 //! The stage loop is unrolled `stages` times, so each stage's barrier is a compile-time choice.
-//! Work list, card, row bounds, paged K / V, split-K partials and the epilogue are
-//! `flash_fwd_sm90`'s (dense and paged key sets; no block-sparse, INT8 or FP8 variant).
+//! Work list, card, row bounds, paged K / V and the epilogue are `flash_fwd_sm90`'s; split-K
+//! partials keep its 128-row slot stride (`combine_parts` reads them unchanged).
 
 use cubecl::prelude::*;
 use cubecl::prelude::barrier::{copy_async, Barrier};
 
 use super::cards::FwdCard;
-use super::flash_fwd::{fill_rows, tile_bounds, work_item, NONE};
-use super::flash_fwd_sm90::{lane_rows, pv_steps, score_tile, write_out, SM90_BLOCK_M, SM90_THREADS};
+use super::flash_fwd::{fill_rows, rows_key_end, tile_bounds, work_item, NONE};
+use super::flash_fwd_sm90::{lane_rows, pv_steps, score_tile, write_out};
 use super::kv_tiles::{issue_tile_boxes, tile_rows};
-use super::sm90::{fence_proxy_async, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_wait, SW_COLS};
+use super::sm90::{fence_proxy_async, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_wait};
 use super::staging::commit_copies;
 
 /// Keys per tile.
 pub const DECODE_BN: usize = 64;
-/// K and V stages at `head_dim`: what one cube per SM can hold beside its Q tile (128 rows).
+/// Query rows per cube (one warpgroup's wgmma M).
+pub const DECODE_BM: usize = 64;
+/// Threads per cube: one warpgroup.
+pub const DECODE_THREADS: usize = 128;
+/// K and V stages at `head_dim`: what two cubes per SM can hold beside their Q tiles. Two cubes
+/// need at most 115712 bytes each (228 KiB an SM, 1 KiB reserved a block); CubeCL gives every small
+/// buffer (row tables, barriers) a 1 KiB slot, about 9 KiB here, so d128 takes two stages (16 + 64
+/// KiB: the one-warpgroup cube alone) and d64 five (8 + 80 KiB). Three at d128 (16 + 96 KiB) would
+/// need the small buffers in under 1 KiB (`rewrite::smem_layout`'s tight alignment gets 115776).
 pub const fn decode_stages(head_dim: usize) -> usize {
     if head_dim <= 64 {
-        8
-    } else {
         5
+    } else {
+        2
     }
 }
 
@@ -71,14 +79,14 @@ pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: u
     if args.nonfinite[0] != 0u32 {
         terminate!();
     }
-    let threads = comptime!(SM90_THREADS);
-    let block_m = comptime!(SM90_BLOCK_M);
+    let threads = comptime!(DECODE_THREADS);
+    let block_m = comptime!(DECODE_BM);
     let block_n = comptime!(DECODE_BN);
     let stages = comptime!(decode_stages(head_dim));
     let lane = UNIT_POS_PLANE;
     let warp = plane_broadcast(UNIT_POS / 32u32, 0u32);
-    let wg = (warp / 4u32) as usize;
-    let prow = wg * 64 + ((warp % 4u32) * 16u32) as usize;
+    // the first row (inside the tile) of this thread's warp
+    let prow = (warp * 16u32) as usize;
     let tile_e = comptime!(block_n * head_dim);
 
     let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(block_m * head_dim), 1024usize);
@@ -98,14 +106,22 @@ pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: u
     let wi = work_item(&args.work, &args.tile_ref, &args.blocks, &mut list_smem, args.heads_q, args.heads_kv, args.hp,
         args.tiles_per_block, threads, block_n, false);
     let (y, head_base, head_kv) = (wi.y, wi.head_base, wi.head_kv);
-    let (slice_off, n_slices, klo, khi, slot) = (wi.slice_off, wi.n_slices, wi.klo, wi.khi, wi.slot);
-    let (n_tiles, list, tpb_magic) = (wi.n_tiles, wi.list, wi.tpb_magic);
+    let (slice_off, n_slices, klo, slot) = (wi.slice_off, wi.n_slices, wi.klo, wi.slot);
+    let (list, tpb_magic) = (wi.list, wi.tpb_magic);
 
     fill_rows(
-        &args.slices, &args.segs, slice_off, n_slices, args.hp, head_base, klo, khi, &mut row_tok, &mut row_head, &mut row_lo,
+        &args.slices, &args.segs, slice_off, n_slices, args.hp, head_base, klo, wi.khi, &mut row_tok, &mut row_head, &mut row_lo,
         &mut row_hi, args.win_l, args.win_r, threads, block_m,
     );
     sync_cube();
+    // the key tiles end at the last key a row sees (`flash_fwd_sm90`'s check_v clamp: the plan of
+    // a call whose key counts the device writes covers full cache rows, `kv_append`)
+    let mut red = SharedMemory::<u32>::new(comptime!(block_m / 32));
+    let khi = min(wi.khi, rows_key_end(&row_hi, &mut red, block_m));
+    let mut n_tiles = 0u32;
+    if khi > klo {
+        n_tiles = (khi - klo + block_n as u32 - 1) / block_n as u32;
+    }
 
     // the Q tile (swizzled, 16-byte cp.async per unit, committed with stage 0; rows without a
     // token copy token 0: their key range is empty), and tiles 0 .. stages - 1 into their stages
@@ -150,12 +166,10 @@ pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: u
     let mut l_r = Array::<f32>::new(2usize);
     let (row_a, row_b, rows_lo, rows_hi) = lane_rows(&mut m_r, &mut l_r, &row_lo, &row_hi, prow, lane, klo, khi);
     let rows = (row_a, row_b, rows_lo, rows_hi);
-    let q_wg = wg * comptime!(64 * SW_COLS);
+    let q_wg = 0usize;
     let mut alpha = Array::<f32>::new(2usize);
     let q_sl = Array::<f32>::new(2usize);
     let mut sl = Array::<f32>::new(2usize);
-    // whether this warpgroup's 64 rows hold a query row (the rows fill the tile from row 0)
-    let live = row_tok[wg * 64] != NONE;
     let mut v_bad = false;
 
     let rounds = (n_tiles + comptime!(stages as u32 - 1)) / comptime!(stages as u32);
@@ -175,26 +189,20 @@ pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: u
                     }
                 }
                 let cur = comptime!(s * tile_e);
-                // a warpgroup without rows skips the MMAs; each MMA sequence, issue to wait, stays
-                // inside its branch (ptxas would serialise every wgmma otherwise, C7514)
-                if live {
-                    score_tile::<E>(args, &mut s_acc, &mut s_i, &q_smem, q_wg, &k_smem, cur, head_kv, (t0, t1), &q_sl, &mut sl, &row_lo,
-                        &row_hi, rows, lane, neg_inf, &mut m_r, &mut l_r, &mut alpha, &mut o_acc, &mut p, &mut p8, block_n, head_dim,
-                        false, false);
-                }
+                score_tile::<E>(args, &mut s_acc, &mut s_i, &q_smem, q_wg, &k_smem, cur, head_kv, (t0, t1), &q_sl, &mut sl, &row_lo,
+                    &row_hi, rows, lane, neg_inf, &mut m_r, &mut l_r, &mut alpha, &mut o_acc, &mut p, &mut p8, block_n, head_dim,
+                    false, false, block_m);
                 // every thread checks its share of V(t) for a NaN or Inf (x - x is not 0)
                 #[unroll]
-                for i in 0..comptime!(tile_e / SM90_THREADS) {
-                    let x = f32::cast_from(v_smem[cur + UNIT_POS as usize + i * SM90_THREADS]);
+                for i in 0..comptime!(tile_e / threads) {
+                    let x = f32::cast_from(v_smem[cur + UNIT_POS as usize + i * threads]);
                     v_bad = v_bad || x - x != 0.0f32;
                 }
-                if live {
-                    wgmma_fence();
-                    pv_steps::<E>(&mut o_acc, &p, &v_smem, cur, block_n, head_dim);
-                    wgmma_commit();
-                    wgmma_wait(0u32);
-                }
-                // every warpgroup is done with stage s: it takes tile t + stages
+                wgmma_fence();
+                pv_steps::<E>(&mut o_acc, &p, &v_smem, cur, block_n, head_dim);
+                wgmma_commit();
+                wgmma_wait(0u32);
+                // every warp is done with stage s: it takes tile t + stages
                 sync_cube();
                 let nt = kt + comptime!(stages as u32);
                 if nt < n_tiles {

@@ -64,7 +64,8 @@ pub(super) fn pick_row(#[comptime] i: usize, row_a: usize, row_b: usize) -> usiz
 /// with `int8` (int8 rows in natural channel order, `int8_qk`: `head_dim` bytes a row, `head_dim
 /// / 2` elements of `E`) `head_dim / 32` MMAs m64 x block_n x k32 into the exact i32 dot products
 /// `s_i`. A k32 step of int8 is 32 bytes = 16 elements of E, as a k16 step of 16-bit operands, so
-/// both walk the same offsets. The caller fences before and commits after.
+/// both walk the same offsets. `q_rows`: the rows of the Q tile (its 64-column chunks are
+/// `q_rows` rows apart, `sm90::swizzle_128b`). The caller fences before and commits after.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn s_steps<E: Float>(
@@ -77,12 +78,13 @@ pub(super) fn s_steps<E: Float>(
     #[comptime] block_n: usize,
     #[comptime] head_dim: usize,
     #[comptime] int8: bool,
+    #[comptime] q_rows: usize,
 ) {
     #[unroll]
     for kk in 0..comptime!(if int8 { head_dim / 32 } else { head_dim / 16 }) {
         let chunk = comptime!(kk / 4);
         let within = comptime!((kk % 4) * 16);
-        let a_off = q_wg + comptime!(chunk * SM90_BLOCK_M * SW_COLS + within);
+        let a_off = q_wg + comptime!(chunk * q_rows * SW_COLS + within);
         let b_off = base + comptime!(chunk * block_n * SW_COLS + within);
         if int8 {
             wgmma_ss_s8::<E>(s_i, q_smem, a_off as u32, k_smem, b_off as u32, block_n, comptime!(kk > 0));
@@ -306,11 +308,12 @@ pub(super) fn score_tile<E: Float>(
     #[comptime] head_dim: usize,
     #[comptime] int8: bool,
     #[comptime] fp8_pv: bool,
+    #[comptime] q_rows: usize,
 ) {
     let (t0, t1) = keys;
     let (row_a, row_b, rows_lo, rows_hi) = rows;
     wgmma_fence();
-    s_steps::<E>(s, s_i, q_smem, q_wg, k_smem, cur_k, block_n, head_dim, int8);
+    s_steps::<E>(s, s_i, q_smem, q_wg, k_smem, cur_k, block_n, head_dim, int8, q_rows);
     wgmma_commit();
     if int8 {
         let key = min(t0 + 2u32 * (lane % 4u32), t1 - 1u32);
@@ -576,7 +579,7 @@ pub fn flash_fwd_sm90<E: Float>(
             }
             let rows = (row_a, row_b, rows_lo, rows_hi);
             score_tile::<E>(args, &mut s, &mut s_i, &q_smem, q_wg, &k_smem, cur_k, head_kv, (a0, a1), &q_sl, &mut sl, &row_lo, &row_hi,
-                rows, lane, neg_inf, &mut m_r, &mut l_r, &mut alpha, &mut o_acc, &mut p, &mut p8, block_n, head_dim, int8, fp8_pv);
+                rows, lane, neg_inf, &mut m_r, &mut l_r, &mut alpha, &mut o_acc, &mut p, &mut p8, block_n, head_dim, int8, fp8_pv, SM90_BLOCK_M);
             // the next pair's V^T is issued only after this thread saw this pair's land
             bar_v.wait_parity(kp & 1u32);
             if has_a {
@@ -595,7 +598,7 @@ pub fn flash_fwd_sm90<E: Float>(
             if ka + 1u32 < n_tiles {
                 score_tile::<E>(args, &mut s, &mut s_i, &q_smem, q_wg, &k_smem, cur_k + tile_k, head_kv, (b0, b1), &q_sl, &mut sl, &row_lo,
                     &row_hi, rows, lane, neg_inf, &mut m_r, &mut l_r, &mut alpha, &mut o_acc, &mut p, &mut p8, block_n, head_dim, int8,
-                    fp8_pv);
+                    fp8_pv, SM90_BLOCK_M);
                 wgmma_fence();
                 pv_steps_e4m3::<E>(&mut o_acc, &p8, &v_smem, cur_v + tile_v, block_n, head_dim);
                 wgmma_commit();
@@ -650,7 +653,7 @@ pub fn flash_fwd_sm90<E: Float>(
             // branch's end would make ptxas serialise every wgmma, C7514)
             if live {
                 score_tile::<E>(args, &mut s, &mut s_i, &q_smem, q_wg, &k_smem, cur_k, head_kv, (t0, t1), &q_sl, &mut sl, &row_lo, &row_hi,
-                    rows, lane, neg_inf, &mut m_r, &mut l_r, &mut alpha, &mut o_acc, &mut p, &mut p8, block_n, head_dim, int8, fp8_pv);
+                    rows, lane, neg_inf, &mut m_r, &mut l_r, &mut alpha, &mut o_acc, &mut p, &mut p8, block_n, head_dim, int8, fp8_pv, SM90_BLOCK_M);
             }
             // V(t + 1) is issued only after this thread saw V(t) land
             bar_v.wait_parity(kt & 1u32);

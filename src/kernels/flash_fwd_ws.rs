@@ -203,7 +203,7 @@ pub fn flash_fwd_ws<E: Float>(
             tpb_magic, block_n, sparse);
         wait_stage(&k_full0, &k_full1, 0u32);
         wgmma_fence();
-        s_steps::<E>(&mut s, &mut s_i, &q_smem, q_wg, &k_smem, 0usize, block_n, head_dim, false);
+        s_steps::<E>(&mut s, &mut s_i, &q_smem, q_wg, &k_smem, 0usize, block_n, head_dim, false, SM90_BLOCK_M);
         wgmma_commit();
         wgmma_wait(0u32);
         release(&k_empty0, &k_empty1, 0u32, first);
@@ -219,7 +219,7 @@ pub fn flash_fwd_ws<E: Float>(
         let prev = tile_e - cur;
         wait_stage(&k_full0, &k_full1, kt);
         wgmma_fence();
-        s_steps::<E>(&mut s, &mut s_i, &q_smem, q_wg, &k_smem, cur, block_n, head_dim, false);
+        s_steps::<E>(&mut s, &mut s_i, &q_smem, q_wg, &k_smem, cur, block_n, head_dim, false, SM90_BLOCK_M);
         wgmma_commit();
         wait_stage(&v_full0, &v_full1, kt - 1u32);
         pv_steps::<E>(&mut o_acc, &p, &v_smem, prev, block_n, head_dim);

@@ -14,7 +14,7 @@
 
 use super::backward::{bwd_workspace, dq_mode, launch_backward, BwdPlan, BwdPtrs, DqMode, DqPath};
 use super::driver::{bind, DevBuf};
-use super::forward::{fwd_tables, fwd_workspace, launch_forward, plan_opts, FwdPtrs};
+use super::forward::{fwd_tables, fwd_workspace, launch_forward, plan_opts, tile_rows, FwdPtrs};
 use super::plans::{Cached, PlanKey};
 use super::{sparse, sparse_bwd, CudaBackend, Plan};
 use crate::backend::{Backend, BackendKind, BackwardInputs, ForwardOutput, Gradients, Pass};
@@ -41,8 +41,9 @@ pub(super) fn check_workspace(need: usize, ptr: u64, bytes: usize) -> Result<()>
 
 impl CudaBackend {
     fn fwd_plan(&self, spec: &AttnSpec, stream: CUstream) -> Result<Arc<Cached<Plan>>> {
-        self.fwd_plans.get(PlanKey::new(spec, plan_opts()), stream, || {
-            let p = Plan::new(spec);
+        let rows = tile_rows(self, spec);
+        self.fwd_plans.get(PlanKey::with_extra(spec, plan_opts(), [0, rows as u64]), stream, || {
+            let p = Plan::with_rows(spec, rows);
             let t = fwd_tables(spec, &p);
             (p, t)
         })

@@ -178,6 +178,26 @@ pub(crate) fn sm90_forward(be: &CudaBackend, spec: &AttnSpec) -> bool {
     fwd_options().sm90 && be.target.wgmma && spec.dtype != DType::F32 && SM90_FWD_HEAD_DIMS.contains(&spec.dims.head_dim)
 }
 
+/// Packed query rows of a forward tile of `spec` on `be`: `flash_fwd_decode::DECODE_BM` where the
+/// decode kernel serves the call (sm_90, f16 / bf16, head_dim 64 or 128, dense or paged K / V, at
+/// most `FEW_ROWS` rows of one sequence in a tile; `FwdOptions::sm90_decode`), else `BLOCK_M`.
+pub(crate) fn tile_rows(be: &CudaBackend, spec: &AttnSpec) -> usize {
+    let o = fwd_options();
+    let d = &spec.dims;
+    let hp = if o.pack_heads && d.heads_kv > 0 { d.group_size().max(1) } else { 1 };
+    let seg_rows = spec.segments.iter().map(|s| s.q_len).max().unwrap_or(0) * hp;
+    let decode = o.sm90_decode
+        && sm90_forward(be, spec)
+        && (d.head_dim == 64 || d.head_dim == 128)
+        && spec.block_sparse().is_none()
+        && seg_rows <= FEW_ROWS;
+    if decode {
+        flash_fwd_decode::DECODE_BM
+    } else {
+        BLOCK_M
+    }
+}
+
 /// The Hopper forward's frame and keys per tile for a call at `head_dim`, returned as `(block_n,
 /// ws)`. The warp-specialised frame (`flash_fwd_ws`, `FwdOptions::sm90_ws`) at head_dim 128 and
 /// above for 16-bit calls without the V check: 128-key tiles at 128 (Q plus two K and two V stages
@@ -294,12 +314,12 @@ pub(crate) fn fwd_sm90_source(
 }
 
 /// CUDA source of the decode forward (`flash_fwd_decode`): the `kernels::sm90` markers lowered,
-/// one cube per SM declared (`__launch_bounds__(256, 1)`: its K / V stages fill the shared memory).
+/// two one-warpgroup cubes per SM declared (`__launch_bounds__(128, 2)`).
 pub(crate) fn fwd_decode_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: usize, paged: bool) -> Result<Source> {
     macro_rules! k {
         ($t:ty) => {
             codegen_exp2(flash_fwd_decode::flash_fwd_decode::FlashFwdDecode::<$t, CudaRuntime>::new(
-                settings(SM90_THREADS as u32),
+                settings(flash_fwd_decode::DECODE_THREADS as u32),
                 client.clone(),
                 FwdArgs::compilation(),
                 hd,
@@ -308,7 +328,7 @@ pub(crate) fn fwd_decode_source(client: &ComputeClient<CudaRuntime>, dt: DType, 
         };
     }
     let mut src = if is_f16(dt) { k!(f16) } else { k!(bf16) }?;
-    src.cuda = super::rewrite::sm90::lower_bounded(&src.entry, &src.cuda, 1)?;
+    src.cuda = super::rewrite::sm90::lower_bounded(&src.entry, &src.cuda, 2)?;
     Ok(src)
 }
 
@@ -493,7 +513,8 @@ pub(crate) fn launch_forward(
     let (part_o, part_lse) = if po_bytes == 0 { (flag, flag) } else { (p.workspace + offs[1] as u64, p.workspace + offs[2] as u64) };
     let n_part = (po_bytes / (4 * hd)).max(1);
 
-    let decode = check_v && opts.sm90_decode && hd <= 128;
+    // the plan packed tiles of `DECODE_BM` rows for the decode kernel (`tile_rows`)
+    let decode = fp.rows == flash_fwd_decode::DECODE_BM;
     let (f, [k_map, v_map]) = if decode {
         let key = KernelKey::new("flash_fwd_decode", dt, &[hd as u32, paged as u32]);
         let f = be.kernels.get(&key, || fwd_decode_source(client, dt, hd, paged))?;

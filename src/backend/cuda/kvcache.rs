@@ -19,7 +19,7 @@ use half::{bf16, f16};
 use super::compile::{codegen, settings, KernelKey, Source, A};
 use super::device_io::check_workspace;
 use super::driver::bind;
-use super::forward::{fwd_tables, fwd_workspace, launch_forward, plan_opts, sm90_forward, FwdPtrs, FwdTable, FEW_ROWS};
+use super::forward::{fwd_tables, fwd_workspace, launch_forward, plan_opts, sm90_forward, tile_rows, FwdPtrs, FwdTable, FEW_ROWS};
 use super::launch::{launch, Args};
 use super::plans::PlanKey;
 use super::{CudaBackend, Plan};
@@ -103,9 +103,10 @@ impl CudaBackend {
         p.check_aligned()?;
         bind(self.ctx)?;
         let s = stream as CUstream;
-        let key = PlanKey::with_extra(spec, plan_opts(), [DEVICE_COUNTS, 0]);
+        let rows = tile_rows(self, spec);
+        let key = PlanKey::with_extra(spec, plan_opts(), [DEVICE_COUNTS, rows as u64]);
         let plan = self.fwd_plans.get(key, s, || {
-            let p = Plan::new(spec);
+            let p = Plan::with_rows(spec, rows);
             let t = fwd_tables(spec, &p);
             (p, t)
         })?;

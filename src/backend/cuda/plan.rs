@@ -26,6 +26,12 @@ pub(crate) struct Plan {
 
 impl Plan {
     pub fn new(spec: &AttnSpec) -> Plan {
+        Plan::with_rows(spec, BLOCK_M)
+    }
+
+    /// The plan with tiles of `rows` packed rows (`BLOCK_M`, or `DECODE_BM` for the decode kernel,
+    /// `forward::tile_rows`).
+    pub fn with_rows(spec: &AttnSpec, rows: usize) -> Plan {
         let mut segs = Vec::with_capacity(spec.segments.len() * 4);
         for s in &spec.segments {
             segs.extend_from_slice(&[s.q_start as u32, s.q_len as u32, s.k_start as u32, s.k_len as u32]);
@@ -36,7 +42,7 @@ impl Plan {
                 *r = i as u32;
             }
         }
-        let fwd = if spec.dtype == DType::F32 { FwdPlan::default() } else { FwdPlan::new(spec, &fwd_options()) };
+        let fwd = if spec.dtype == DType::F32 { FwdPlan::default() } else { FwdPlan::with_rows(spec, &fwd_options(), rows) };
         Plan { segs, row_seg, fwd }
     }
 
@@ -87,6 +93,9 @@ pub struct FwdPlan {
     /// Packed rows (query rows x `hp`) of the longest segment: the most a tile holds of one
     /// segment (`forward::launch_forward` picks the decode variant from it).
     pub max_seg_rows: usize,
+    /// Packed rows a tile holds (`BLOCK_M`; `DECODE_BM` for the decode kernel). Partial slots keep
+    /// `BLOCK_M` rows either way.
+    pub rows: usize,
 }
 
 struct Tile {
@@ -104,9 +113,13 @@ impl Tile {
 
 impl FwdPlan {
     pub fn new(spec: &AttnSpec, opts: &FwdOptions) -> FwdPlan {
+        FwdPlan::with_rows(spec, opts, BLOCK_M)
+    }
+
+    /// The plan with tiles of at most `bm` packed rows.
+    pub fn with_rows(spec: &AttnSpec, opts: &FwdOptions, bm: usize) -> FwdPlan {
         let d = &spec.dims;
         let hp = if opts.pack_heads && d.heads_kv > 0 { d.group_size().max(1) } else { 1 };
-        let bm = BLOCK_M;
         // Full tiles of one segment, and the remainders as packing candidates.
         let mut tiles: Vec<Tile> = Vec::new();
         let mut pieces: Vec<Tile> = Vec::new();
@@ -181,7 +194,7 @@ impl FwdPlan {
             chunk = total.div_ceil(want).max(8);
         }
         let max_seg_rows = spec.segments.iter().map(|s| s.q_len * hp).max().unwrap_or(0);
-        let mut plan = FwdPlan { hp: hp as u32, n_tiles: tiles.len(), max_seg_rows, ..Default::default() };
+        let mut plan = FwdPlan { hp: hp as u32, n_tiles: tiles.len(), max_seg_rows, rows: bm, ..Default::default() };
         // (cost, work entry)
         let mut items: Vec<(u64, [u32; WORK_WORDS])> = Vec::new();
         for t in &tiles {
