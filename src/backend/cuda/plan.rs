@@ -291,7 +291,13 @@ mod fwd_plan_tests {
     /// BLOCK_M rows, each row's visible keys lie inside its tile's range, and split parts tile
     /// that range without gaps.
     fn check(spec: &AttnSpec, o: &FwdOptions) -> FwdPlan {
-        let p = FwdPlan::new(spec, o);
+        check_rows(spec, o, BLOCK_M)
+    }
+
+    /// [`check`] of the plan with tiles of at most `bm` rows.
+    fn check_rows(spec: &AttnSpec, o: &FwdOptions, bm: usize) -> FwdPlan {
+        let p = FwdPlan::with_rows(spec, o, bm);
+        assert_eq!(p.rows, bm);
         let hp = p.hp as usize;
         let d = &spec.dims;
         let mut seen = vec![0u8; d.total_q * hp];
@@ -329,7 +335,7 @@ mod fwd_plan_tests {
                     }
                 }
             }
-            assert!(rows <= BLOCK_M);
+            assert!(rows <= bm);
         }
         for s in &spec.segments {
             for r in s.q_start..s.q_start + s.q_len {
@@ -339,6 +345,25 @@ mod fwd_plan_tests {
             }
         }
         p
+    }
+
+    #[test]
+    fn decode_tiles_of_64_rows_cover_every_row() {
+        // decode steps (one query row x a GQA group of 4 a sequence, 32 sequences: 128 rows, which
+        // 128-row tiles pack into one) and a few-rows grouped call of ragged key ranges
+        let qr: Vec<[i32; 2]> = (0..32).map(|b| [b, b + 1]).collect();
+        let kr: Vec<[i32; 2]> = (0..32).map(|b| [b * 2048, b * 2048 + 2048 - 7 * b]).collect();
+        let spec = grouped(32, 8, &qr, &kr, 32, 32 * 2048, true);
+        for o in all_opts() {
+            let p = check_rows(&spec, &o, 64);
+            if o.pack_heads {
+                assert!(p.n_tiles >= 2, "128 packed rows need two 64-row tiles");
+            }
+        }
+        let spec = grouped(8, 2, &[[0, 3], [3, 5], [5, 13]], &[[0, 700], [100, 900], [0, 64]], 13, 900, false);
+        for o in all_opts() {
+            check_rows(&spec, &o, 64);
+        }
     }
 
     fn all_opts() -> Vec<FwdOptions> {
