@@ -185,8 +185,10 @@ def test_gpu_device_counts_that_do_not_fit_give_nan_rows():
 @pytest.mark.parametrize("window", [(-1, -1), (100, 0)])
 def test_gpu_device_counts_several_new_tokens(window):
     """Three new tokens a row (speculative decoding's shape), causal, with and without a window,
-    ragged counts: the device-count path (second call of the shapes) against the f64 reference over
-    each row's keys after the append."""
+    ragged counts (one row empty before the step): the device-count path (second call of the
+    shapes; with a left window bound the host reads the counts, the device path declines it: its
+    plan bounded each item's keys by the capacity's last rows, and the empty row saw no key)
+    against the f64 reference over each row's keys after the append."""
     gen = torch.Generator().manual_seed(7)
     b, sq, hq, hkv, d, cap = 3, 3, 16, 4, 128, 700
     kc, vc = rand(gen, (b, cap, hkv, d)), rand(gen, (b, cap, hkv, d))

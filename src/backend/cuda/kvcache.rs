@@ -8,7 +8,7 @@
 //! two streams never rewrite the counts under each other's kernels, except a captured CUDA graph
 //! replayed beside eager calls of the same shapes on another stream.
 //! Only calls the forward serves with its few-rows kernels take this path (sm_90, at most
-//! `FEW_ROWS` rows a segment, unpaged): those kernels end each cube's key tiles at the last key
+//! `FEW_ROWS` rows a segment, unpaged, no left window bound): those kernels end each cube's key tiles at the last key
 //! its rows can see, so a step reads the written keys only, whatever the capacity.
 
 use cubecl::cuda::CudaRuntime;
@@ -65,6 +65,11 @@ fn check_rows(be: &CudaBackend, spec: &AttnSpec, kv: &KvAppend) -> Result<()> {
         });
     if !full_rows {
         return Err(unsupported("the spec is not one segment per full cache row".into()));
+    }
+    // A left window bounds the plan's key range of an item from below by the rows' positions at
+    // the end of the capacity, not of each row's keys: a row with fewer keys would see none.
+    if spec.window.left.is_some() {
+        return Err(unsupported("a left window_size bound is served with host key counts".into()));
     }
     // (sm90_forward also excludes f32)
     if spec.kv_pages().is_some() || spec.block_sparse().is_some() || !sm90_forward(be, spec) {
