@@ -15,13 +15,13 @@
 //! partials keep its 128-row slot stride (`combine_parts` reads them unchanged).
 
 use cubecl::prelude::*;
-use cubecl::prelude::barrier::{copy_async, Barrier};
+use cubecl::prelude::barrier::Barrier;
 
 use super::cards::FwdCard;
-use super::flash_fwd::{fill_rows, rows_key_end, tile_bounds, work_item, NONE};
-use super::flash_fwd_sm90::{lane_rows, pv_steps, score_tile, write_out};
+use super::flash_fwd::{fill_rows, rows_key_end, tile_bounds, work_item};
+use super::flash_fwd_sm90::{copy_q_tile, lane_rows, pv_steps, score_tile, write_out};
 use super::kv_tiles::{issue_tile_boxes, tile_rows};
-use super::sm90::{fence_proxy_async, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_wait};
+use super::sm90::{fence_proxy_async, wgmma_commit, wgmma_fence, wgmma_wait};
 use super::staging::commit_copies;
 
 /// Keys per tile.
@@ -126,20 +126,7 @@ pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: u
     // the Q tile (swizzled, 16-byte cp.async per unit, committed with stage 0; rows without a
     // token copy token 0: their key range is empty), and tiles 0 .. stages - 1 into their stages
     if n_tiles > 0u32 {
-        let vecs = comptime!(head_dim / 8);
-        #[unroll]
-        for it in 0..comptime!(block_m * (head_dim / 8) / threads) {
-            let idx = UNIT_POS as usize + it * threads;
-            let r = idx / vecs;
-            let c = (idx % vecs) * 8;
-            let mut tok = row_tok[r];
-            if tok == NONE {
-                tok = 0u32;
-            }
-            let g = (tok * args.heads_q + row_head[r]) as usize * head_dim + c;
-            let s = swizzle_128b(r, c, block_m);
-            copy_async(&args.q_s.slice(g, g + 8), &mut q_smem.slice_mut(s, s + 8), comptime!(8u32));
-        }
+        copy_q_tile::<E>(&args.q_s, &mut q_smem, &row_tok, &row_head, args.heads_q, UNIT_POS as usize, head_dim, block_m, threads);
         #[unroll]
         for s in 0..stages {
             if (s as u32) < n_tiles {

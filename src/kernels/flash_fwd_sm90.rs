@@ -275,6 +275,38 @@ fn pv_steps_e4m3<E: Float>(
     }
 }
 
+/// The Q tile of a Hopper forward cube into the 128-byte-swizzled `q_smem`: `block_m` rows of
+/// `row_e` elements (int8 rows as pairs of E), 16-byte `cp.async` copies by the `units` units
+/// numbered `unit`; rows without a token copy token 0 (their key range is empty).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn copy_q_tile<E: Float>(
+    q_s: &Array<E>,
+    q_smem: &mut SharedMemory<E>,
+    row_tok: &SharedMemory<u32>,
+    row_head: &SharedMemory<u32>,
+    heads_q: u32,
+    unit: usize,
+    #[comptime] row_e: usize,
+    #[comptime] block_m: usize,
+    #[comptime] units: usize,
+) {
+    let vecs = comptime!(row_e / 8);
+    #[unroll]
+    for it in 0..comptime!(block_m * (row_e / 8) / units) {
+        let idx = unit + it * units;
+        let r = idx / vecs;
+        let c = (idx % vecs) * 8;
+        let mut tok = row_tok[r];
+        if tok == NONE {
+            tok = 0u32;
+        }
+        let g = (tok * heads_q + row_head[r]) as usize * row_e + c;
+        let s = swizzle_128b(r, c, block_m);
+        copy_async(&q_s.slice(g, g + 8), &mut q_smem.slice_mut(s, s + 8), comptime!(8u32));
+    }
+}
+
 /// One key tile's scores into P: S = Q K^T by wgmma from the K tile at element `cur_k` of
 /// `k_smem` (`int8`: the raw dot products, then this lane's factors from the tile's K scales),
 /// the mask of keys `[t0, t1)`, the online softmax (`softmax_scores`), O rescaled where a row's
@@ -455,20 +487,7 @@ pub fn flash_fwd_sm90<E: Float>(
             tpb_magic, block_n, sparse);
         a0 = f0;
         a1 = f1;
-        let vecs = comptime!(qk_e / 8);
-        #[unroll]
-        for it in 0..comptime!(block_m * (qk_e / 8) / threads) {
-            let idx = UNIT_POS as usize + it * threads;
-            let r = idx / vecs;
-            let c = (idx % vecs) * 8;
-            let mut tok = row_tok[r];
-            if tok == NONE {
-                tok = 0u32;
-            }
-            let g = (tok * args.heads_q + row_head[r]) as usize * qk_e + c;
-            let s = swizzle_128b(r, c, block_m);
-            copy_async(&args.q_s.slice(g, g + 8), &mut q_smem.slice_mut(s, s + 8), comptime!(8u32));
-        }
+        copy_q_tile::<E>(&args.q_s, &mut q_smem, &row_tok, &row_head, args.heads_q, UNIT_POS as usize, qk_e, block_m, threads);
         let (p0, _p1, pb) = tile_rows(f0, f1, &args.blocks, paged, block_n);
         issue_tile_boxes(&args.k_map, &mut k_smem, &bar_k, 0usize, p0, pb, head_kv, block_n, qk_e, true);
         // FP8 P.V: tile 1 into the first stage's second half

@@ -18,14 +18,14 @@
 //! FP8 variants (on this frame with their 64-key tiles they lost: docs/measured-and-lost.md) and
 //! the V-checking one (decode-sized calls) stay on `flash_fwd_sm90`.
 
-use cubecl::prelude::barrier::{copy_async, Barrier};
+use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
 
 use super::cards::FwdCard;
-use super::flash_fwd::{fill_rows, tile_bounds, work_item, LIST_SMEM, NONE};
-use super::flash_fwd_sm90::{lane_rows, mask_scores, pv_steps, rescale_o, s_steps, softmax_scores, write_out, SM90_BLOCK_M};
+use super::flash_fwd::{fill_rows, tile_bounds, work_item, LIST_SMEM};
+use super::flash_fwd_sm90::{copy_q_tile, lane_rows, mask_scores, pv_steps, rescale_o, s_steps, softmax_scores, write_out, SM90_BLOCK_M};
 use super::kv_tiles::{issue_tile_boxes, tile_rows};
-use super::sm90::{fence_proxy_async, named_barrier, pack_a_pairs, setmaxnreg, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_wait,
+use super::sm90::{fence_proxy_async, named_barrier, pack_a_pairs, setmaxnreg, wgmma_commit, wgmma_fence, wgmma_wait,
     SW_COLS};
 use super::staging::{commit_copies, wait_free, wait_stage};
 
@@ -158,20 +158,7 @@ pub fn flash_fwd_ws<E: Float>(
     let prow = cw * 64 + ((warp % 4u32) * 16u32) as usize;
     if n_tiles > 0 {
         // the Q tile (swizzled; rows without a token copy token 0: their key range is empty)
-        let vecs = comptime!(head_dim / 8);
-        #[unroll]
-        for it in 0..comptime!(block_m * (head_dim / 8) / 256) {
-            let idx = ct as usize + it * 256;
-            let r = idx / vecs;
-            let c = (idx % vecs) * 8;
-            let mut tok = row_tok[r];
-            if tok == NONE {
-                tok = 0u32;
-            }
-            let g = (tok * args.heads_q + row_head[r]) as usize * head_dim + c;
-            let s = swizzle_128b(r, c, block_m);
-            copy_async(&args.q_s.slice(g, g + 8), &mut q_smem.slice_mut(s, s + 8), comptime!(8u32));
-        }
+        copy_q_tile::<E>(&args.q_s, &mut q_smem, &row_tok, &row_head, args.heads_q, ct as usize, head_dim, block_m, 256usize);
         commit_copies(&bar_q);
         bar_q.wait_parity(0u32);
         // every consumer's Q copies visible to the async proxy before any warpgroup's MMA reads them
