@@ -51,6 +51,17 @@ fn unsupported(msg: String) -> Error {
 /// `Err(Unsupported)` unless `spec` is the call over full cache rows of `width` keys that the
 /// sm_90 kernels serve, unpaged (see the module doc; `FEW_ROWS` is checked on the plan).
 fn check_rows(be: &CudaBackend, spec: &AttnSpec, kv: &KvAppend) -> Result<()> {
+    check_shape(spec, kv)?;
+    // (sm90_forward also excludes f32)
+    if spec.kv_pages().is_some() || spec.block_sparse().is_some() || !sm90_forward(be, spec) {
+        return Err(unsupported("served by the sm_90 kernels only, f16 / bf16, unpaged".into()));
+    }
+    Ok(())
+}
+
+/// The part of [`check_rows`] that reads the spec alone: one segment per full cache row, no left
+/// window bound.
+fn check_shape(spec: &AttnSpec, kv: &KvAppend) -> Result<()> {
     let d = &spec.dims;
     let batch = spec.segments.len();
     let sq = d.total_q.checked_div(batch).unwrap_or(0);
@@ -70,10 +81,6 @@ fn check_rows(be: &CudaBackend, spec: &AttnSpec, kv: &KvAppend) -> Result<()> {
     // the end of the capacity, not of each row's keys: a row with fewer keys would see none.
     if spec.window.left.is_some() {
         return Err(unsupported("a left window_size bound is served with host key counts".into()));
-    }
-    // (sm90_forward also excludes f32)
-    if spec.kv_pages().is_some() || spec.block_sparse().is_some() || !sm90_forward(be, spec) {
-        return Err(unsupported("served by the sm_90 kernels only, f16 / bf16, unpaged".into()));
     }
     Ok(())
 }
@@ -151,3 +158,40 @@ impl CudaBackend {
         Ok(true)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{check_shape, KvAppend};
+    use crate::dtype::DType;
+    use crate::spec::{AttnSpec, TensorMeta};
+
+    /// The call over `batch` full cache rows of `width` keys, `sq` query rows each, GQA 8 / 2, d64.
+    fn rows_spec(batch: usize, sq: usize, width: usize) -> AttnSpec {
+        let cu_q: Vec<i32> = (0..=batch).map(|b| (b * sq) as i32).collect();
+        let cu_k: Vec<i32> = (0..=batch).map(|b| (b * width) as i32).collect();
+        let q = TensorMeta::new(&[batch * sq, 8, 64], DType::BF16);
+        let kv = TensorMeta::new(&[batch * width, 2, 64], DType::BF16);
+        AttnSpec::varlen(&q, &kv, &kv, &cu_q, &cu_k, sq, width, None, true).unwrap()
+    }
+
+    fn step(n_new: usize, width: usize) -> KvAppend {
+        KvAppend { counts: 0, k_new: 0, v_new: 0, n_new, width }
+    }
+
+    #[test]
+    fn the_device_count_path_takes_full_rows_without_a_left_window() {
+        let spec = rows_spec(3, 2, 700);
+        assert!(check_shape(&spec, &step(2, 700)).is_ok());
+        // a right bound (or none) keeps each item's keys from the row's start
+        assert!(check_shape(&spec.clone().with_window(-1, 0).unwrap(), &step(2, 700)).is_ok());
+        // a left bound is declined (the host reads the counts): the plan would start each item at
+        // the capacity's last rows' window, and a row with fewer keys would see none
+        let e = check_shape(&spec.clone().with_window(100, 0).unwrap(), &step(2, 700)).unwrap_err().to_string();
+        assert!(e.contains("window_size") && e.contains("host key counts"), "{e}");
+        // not the full rows of the caches
+        assert!(check_shape(&spec, &step(2, 699)).is_err());
+        assert!(check_shape(&spec, &step(701, 700)).is_err());
+        assert!(check_shape(&rows_spec(3, 2, 700), &step(2, 350)).is_err());
+    }
+}
+
