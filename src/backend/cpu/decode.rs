@@ -66,9 +66,31 @@ impl DecodeScratch {
     }
 }
 
+/// Keys a chunk of a split (segment, kv head) task takes at least: two blocks of [`BK`].
+const CHUNK_MIN: usize = 2 * BK;
+
+/// Chunks each (segment, kv head) task's keys are split into: 1 when the tasks alone give every
+/// thread work; else enough for about two per thread, none shorter than [`CHUNK_MIN`] keys (one
+/// long sequence with few kv heads would otherwise leave most threads idle).
+fn chunks_per_task(spec: &AttnSpec, threads: usize) -> usize {
+    let tasks = spec.segments.len() * spec.dims.heads_kv;
+    if tasks == 0 || tasks >= threads {
+        return 1;
+    }
+    let longest = spec.segments.iter().map(|s| s.k_len).max().unwrap_or(0);
+    (2 * threads).div_ceil(tasks).min(longest.div_ceil(CHUNK_MIN)).max(1)
+}
+
 /// The forward of a decode-sized `spec` ([`is_decode`]). Packed row `i` of a (segment, kv head)
-/// task is query row `i / group` of the segment with query head `hk * group + i % group`.
+/// task is query row `i / group` of the segment with query head `hk * group + i % group`. With
+/// fewer tasks than threads, each task's keys are split into chunks ([`chunks_per_task`]) whose
+/// partial rows are merged by their maxima and sums, as the GPU's split-K combine does.
 pub(crate) fn forward_decode(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> ForwardOutput {
+    forward_decode_chunks(spec, q, k, v, chunks_per_task(spec, rayon::current_num_threads()))
+}
+
+/// [`forward_decode`] with `chunks` key chunks per task (1: no split).
+fn forward_decode_chunks(spec: &AttnSpec, q: HostView, k: HostView, v: HostView, chunks: usize) -> ForwardOutput {
     let dm = spec.dims;
     let (d, tq, hq, hkv) = (dm.head_dim, dm.total_q, dm.heads_q, dm.heads_kv);
     let g = dm.group_size().max(1);
@@ -80,60 +102,133 @@ pub(crate) fn forward_decode(spec: &AttnSpec, q: HostView, k: HostView, v: HostV
     let out_w = SharedMut::new(&mut out);
     let lse_w = SharedMut::new(&mut lse);
     let c = spec.scale * std::f32::consts::LOG2_E;
-    let kv_rs = hkv * d;
 
     let tasks: Vec<(usize, usize)> = (0..spec.segments.len()).flat_map(|si| (0..hkv).map(move |hk| (si, hk))).collect();
-    tasks.par_iter().for_each_init(
-        || DecodeScratch::new(d),
-        |sc, &(si, hk)| {
-            let seg = &spec.segments[si];
-            let rows = seg.q_len * g;
-            if rows == 0 {
-                return;
-            }
-            // the rows' query vectors, packed (token-major, heads of the group fastest)
-            for i in 0..rows {
-                let src = ((seg.q_start + i / g) * hq + hk * g + i % g) * d;
-                sc.q[i * d..(i + 1) * d].copy_from_slice(&qf[src..src + d]);
-            }
-            let (k_lo, k_hi) = row_bounds(spec, seg, 0, seg.q_len, &mut sc.tok_lo, &mut sc.tok_hi);
-            sc.los.clear();
-            sc.his.clear();
-            for i in 0..rows {
-                sc.los.push(sc.tok_lo[i / g]);
-                sc.his.push(sc.tok_hi[i / g]);
-            }
-            sc.o[..rows * d].fill(0.0);
-            sc.m[..rows].fill(f32::NEG_INFINITY);
-            sc.l[..rows].fill(0.0);
-            for kb in (k_lo..k_hi).step_by(BK) {
-                let n = BK.min(k_hi - kb);
-                let key0 = ((seg.k_start + kb) * hkv + hk) * d;
-                // the keys' rows (n x d at stride ks: in place for f32, else widened)
-                let (k_blk, ks) = block_rows(k, key0, n, kv_rs, d, &mut sc.kbuf);
-                scores_block(&mut sc.s, n, &sc.q, rows, k_blk, ks, n, d);
-                online_softmax_rows(&mut sc.s[..rows * n], n, n, &sc.los, &sc.his, kb, c, &mut sc.m[..rows],
-                    &mut sc.l[..rows], &mut sc.o[..rows * d], d);
-                // the block's V rows (n x d at stride kv_rs): with a NaN or Inf, P V row by row over
-                // each row's own keys (a masked key's zero times Inf would be NaN)
-                let (v_blk, vs) = block_rows(v, key0, n, kv_rs, d, &mut sc.vbuf);
-                if (0..n).all(|j| finite(&v_blk[j * vs..j * vs + d])) {
-                    pv_block(&mut sc.o, d, &sc.s, n, rows, v_blk, vs, n);
-                } else {
-                    pv_rows(&mut sc.o[..rows * d], d, &sc.s[..rows * n], n, &sc.los, &sc.his, kb, v_blk, vs, 1.0);
+    // rows to their (token, head) places; the lse of packed row i at [h * total_q + token]
+    let write = |si: usize, hk: usize, o: &[f32], m: &[f32], l: &[f32]| {
+        let seg = &spec.segments[si];
+        for i in 0..seg.q_len * g {
+            let (tok, h) = (seg.q_start + i / g, hk * g + i % g);
+            // SAFETY: a (token, head) belongs to one segment and one kv head: one task writes it.
+            let lse_dst = unsafe { lse_w.slice(h * tq + tok, 1) };
+            finish_rows(&o[i * d..(i + 1) * d], d, &m[i..i + 1], &l[i..i + 1], 1, d, &out_w, lse_dst, |_| (tok * hq + h) * d);
+        }
+    };
+    if chunks <= 1 {
+        tasks.par_iter().for_each_init(
+            || DecodeScratch::new(d),
+            |sc, &(si, hk)| {
+                let (k_lo, k_hi) = task_rows(sc, spec, &qf, si, hk);
+                run_keys(sc, spec, k, v, si, hk, k_lo, k_hi, c);
+                write(si, hk, &sc.o, &sc.m, &sc.l);
+            },
+        );
+    } else {
+        // each chunk's partial rows (o, m, l), then their merge per task
+        let part = DECODE_ROWS * (d + 2);
+        let mut parts = vec![0.0f32; tasks.len() * chunks * part];
+        parts.par_chunks_mut(part).enumerate().for_each_init(
+            || DecodeScratch::new(d),
+            |sc, (x, pt)| {
+                let (si, hk) = tasks[x / chunks];
+                let (k_lo, k_hi) = task_rows(sc, spec, &qf, si, hk);
+                let per = (k_hi - k_lo).div_ceil(BK).div_ceil(chunks) * BK;
+                let a = (k_lo + (x % chunks) * per).min(k_hi);
+                run_keys(sc, spec, k, v, si, hk, a, (a + per).min(k_hi), c);
+                let rows = spec.segments[si].q_len * g;
+                pt[..rows * d].copy_from_slice(&sc.o[..rows * d]);
+                pt[DECODE_ROWS * d..DECODE_ROWS * d + rows].copy_from_slice(&sc.m[..rows]);
+                pt[DECODE_ROWS * (d + 1)..DECODE_ROWS * (d + 1) + rows].copy_from_slice(&sc.l[..rows]);
+            },
+        );
+        tasks.par_iter().enumerate().for_each_init(
+            || DecodeScratch::new(d),
+            |sc, (ti, &(si, hk))| {
+                let rows = spec.segments[si].q_len * g;
+                let own = &parts[ti * chunks * part..(ti + 1) * chunks * part];
+                merge_chunks(own, part, rows, d, &mut sc.o, &mut sc.m, &mut sc.l);
+                write(si, hk, &sc.o, &sc.m, &sc.l);
+            },
+        );
+    }
+    ForwardOutput { out: from_f32_vec(out, spec.dtype), lse }
+}
+
+/// Packs the rows of task (segment `si`, kv head `hk`) into `sc.q` (token-major, the group's
+/// heads fastest) with each row's key bounds (`sc.los`, `sc.his`); returns the keys any row sees.
+fn task_rows(sc: &mut DecodeScratch, spec: &AttnSpec, qf: &[f32], si: usize, hk: usize) -> (usize, usize) {
+    let (d, hq) = (spec.dims.head_dim, spec.dims.heads_q);
+    let g = spec.dims.group_size().max(1);
+    let seg = &spec.segments[si];
+    let rows = seg.q_len * g;
+    for i in 0..rows {
+        let src = ((seg.q_start + i / g) * hq + hk * g + i % g) * d;
+        sc.q[i * d..(i + 1) * d].copy_from_slice(&qf[src..src + d]);
+    }
+    let (k_lo, k_hi) = row_bounds(spec, seg, 0, seg.q_len, &mut sc.tok_lo, &mut sc.tok_hi);
+    sc.los.clear();
+    sc.his.clear();
+    for i in 0..rows {
+        sc.los.push(sc.tok_lo[i / g]);
+        sc.his.push(sc.tok_hi[i / g]);
+    }
+    (k_lo, k_hi)
+}
+
+/// The packed rows of [`task_rows`] over keys `[k_lo, k_hi)` of the segment: the online softmax
+/// state `sc.o` (unnormalised), `sc.m` (base-2 maxima) and `sc.l` (sums), from zero.
+#[allow(clippy::too_many_arguments)]
+fn run_keys(sc: &mut DecodeScratch, spec: &AttnSpec, k: HostView, v: HostView, si: usize, hk: usize, k_lo: usize, k_hi: usize, c: f32) {
+    let (d, hkv) = (spec.dims.head_dim, spec.dims.heads_kv);
+    let seg = &spec.segments[si];
+    let rows = seg.q_len * spec.dims.group_size().max(1);
+    let kv_rs = hkv * d;
+    sc.o[..rows * d].fill(0.0);
+    sc.m[..rows].fill(f32::NEG_INFINITY);
+    sc.l[..rows].fill(0.0);
+    for kb in (k_lo..k_hi).step_by(BK) {
+        let n = BK.min(k_hi - kb);
+        let key0 = ((seg.k_start + kb) * hkv + hk) * d;
+        // the keys' rows (n x d at stride ks: in place for f32, else widened)
+        let (k_blk, ks) = block_rows(k, key0, n, kv_rs, d, &mut sc.kbuf);
+        scores_block(&mut sc.s, n, &sc.q, rows, k_blk, ks, n, d);
+        online_softmax_rows(&mut sc.s[..rows * n], n, n, &sc.los, &sc.his, kb, c, &mut sc.m[..rows], &mut sc.l[..rows],
+            &mut sc.o[..rows * d], d);
+        // the block's V rows (n x d at stride kv_rs): with a NaN or Inf, P V row by row over
+        // each row's own keys (a masked key's zero times Inf would be NaN)
+        let (v_blk, vs) = block_rows(v, key0, n, kv_rs, d, &mut sc.vbuf);
+        if (0..n).all(|j| finite(&v_blk[j * vs..j * vs + d])) {
+            pv_block(&mut sc.o, d, &sc.s, n, rows, v_blk, vs, n);
+        } else {
+            pv_rows(&mut sc.o[..rows * d], d, &sc.s[..rows * n], n, &sc.los, &sc.his, kb, v_blk, vs, 1.0);
+        }
+    }
+}
+
+/// Merges a task's chunks (each `part` floats: `DECODE_ROWS` rows of o, then m, then l) into
+/// `o`, `m`, `l` for its `rows` rows: each chunk weighted by `2^(m_c - max m)`. A chunk whose row
+/// saw no key (m = -inf) adds nothing; a row no chunk saw keeps l = 0 (zero output, lse +inf).
+fn merge_chunks(parts: &[f32], part: usize, rows: usize, d: usize, o: &mut [f32], m: &mut [f32], l: &mut [f32]) {
+    let chunks = parts.len() / part;
+    for i in 0..rows {
+        let mc = |c: usize| parts[c * part + DECODE_ROWS * d + i];
+        let top = (0..chunks).map(mc).fold(f32::NEG_INFINITY, f32::max);
+        let oi = &mut o[i * d..(i + 1) * d];
+        oi.fill(0.0);
+        let (mut li, mut mi) = (0.0f32, f32::NEG_INFINITY);
+        if top > f32::NEG_INFINITY {
+            for c in (0..chunks).filter(|&c| mc(c) > f32::NEG_INFINITY) {
+                let w = (mc(c) - top).exp2();
+                li += w * parts[c * part + DECODE_ROWS * (d + 1) + i];
+                for (x, &y) in oi.iter_mut().zip(&parts[c * part + i * d..c * part + (i + 1) * d]) {
+                    *x = w.mul_add(y, *x);
                 }
             }
-            // rows to their (token, head) places; the lse of packed row i at [h * total_q + token]
-            for i in 0..rows {
-                let (tok, h) = (seg.q_start + i / g, hk * g + i % g);
-                // SAFETY: a (token, head) belongs to one segment and one kv head: one task writes it.
-                let lse_dst = unsafe { lse_w.slice(h * tq + tok, 1) };
-                let o_row = &sc.o[i * d..(i + 1) * d];
-                finish_rows(o_row, d, &sc.m[i..i + 1], &sc.l[i..i + 1], 1, d, &out_w, lse_dst, |_| (tok * hq + h) * d);
-            }
-        },
-    );
-    ForwardOutput { out: from_f32_vec(out, spec.dtype), lse }
+            mi = top;
+        }
+        m[i] = mi;
+        l[i] = li;
+    }
 }
 
 multiversion! {
@@ -276,32 +371,48 @@ mod tests {
                             }
                         }
                         let (q, k, v) = (HostData::from_f32(dt, &qx), HostData::from_f32(dt, &kx), HostData::from_f32(dt, &vx));
-                        let got = forward_decode(&spec, q.view(), k.view(), v.view());
                         let gemm = super::super::forward::forward_gemm(&spec, q.view(), k.view(), v.view());
-                        let f64s = |h: &HostData| -> Vec<f64> { h.view().to_f32_vec().iter().map(|&x| x as f64).collect() };
-                        let (want, want_lse) = crate::reference::forward_f64(&spec, &f64s(&q), &f64s(&k), &f64s(&v));
-                        let (a, b) = (got.out.to_f32_vec(), gemm.out.to_f32_vec());
-                        let tol = if dt == DType::F32 { 2e-5 } else { 1e-2 };
-                        for i in 0..a.len() {
-                            let (x, y, r) = (a[i], b[i], want[i]);
-                            let what = format!("case {ci} {dt:?} causal={causal} window={window:?} bad={bad:?} out[{i}]");
-                            assert_eq!(x.is_nan(), y.is_nan(), "{what}: {x} vs gemm {y}");
-                            assert_eq!(x.is_nan(), r.is_nan(), "{what}: {x} vs f64 {r}");
-                            if x.is_infinite() || y.is_infinite() || r.is_infinite() {
-                                assert!(x == y && x as f64 == r, "{what}: {x} vs gemm {y}, f64 {r}");
-                            } else if !x.is_nan() {
-                                assert!((x - y).abs() <= tol * (1.0 + y.abs()), "{what}: {x} vs gemm {y}");
-                                assert!((x as f64 - r).abs() <= tol as f64 * (1.0 + r.abs()), "{what}: {x} vs f64 {r}");
+                        // unsplit, and each task's keys in three chunks merged (an empty chunk at 700 keys)
+                        for chunks in [1, 3] {
+                            let got = forward_decode_chunks(&spec, q.view(), k.view(), v.view(), chunks);
+                            let f64s = |h: &HostData| -> Vec<f64> { h.view().to_f32_vec().iter().map(|&x| x as f64).collect() };
+                            let (want, want_lse) = crate::reference::forward_f64(&spec, &f64s(&q), &f64s(&k), &f64s(&v));
+                            let (a, b) = (got.out.to_f32_vec(), gemm.out.to_f32_vec());
+                            let tol = if dt == DType::F32 { 2e-5 } else { 1e-2 };
+                            for i in 0..a.len() {
+                                let (x, y, r) = (a[i], b[i], want[i]);
+                                let what = format!("case {ci} {dt:?} causal={causal} window={window:?} bad={bad:?} chunks={chunks} out[{i}]");
+                                assert_eq!(x.is_nan(), y.is_nan(), "{what}: {x} vs gemm {y}");
+                                assert_eq!(x.is_nan(), r.is_nan(), "{what}: {x} vs f64 {r}");
+                                if x.is_infinite() || y.is_infinite() || r.is_infinite() {
+                                    assert!(x == y && x as f64 == r, "{what}: {x} vs gemm {y}, f64 {r}");
+                                } else if !x.is_nan() {
+                                    assert!((x - y).abs() <= tol * (1.0 + y.abs()), "{what}: {x} vs gemm {y}");
+                                    assert!((x as f64 - r).abs() <= tol as f64 * (1.0 + r.abs()), "{what}: {x} vs f64 {r}");
+                                }
                             }
-                        }
-                        for (i, (x, y)) in got.lse.iter().zip(&want_lse).enumerate() {
-                            let (x, y) = (*x as f64, *y);
-                            let ok = (x.is_nan() && y.is_nan()) || x == y || (x - y).abs() <= 1e-4 * (1.0 + y.abs());
-                            assert!(ok, "case {ci} {dt:?} causal={causal} window={window:?} bad={bad:?}: lse[{i}] {x} vs {y}");
+                            for (i, (x, y)) in got.lse.iter().zip(&want_lse).enumerate() {
+                                let (x, y) = (*x as f64, *y);
+                                let ok = (x.is_nan() && y.is_nan()) || x == y || (x - y).abs() <= 1e-4 * (1.0 + y.abs());
+                                assert!(ok, "case {ci} {dt:?} causal={causal} window={window:?} bad={bad:?} chunks={chunks}: lse[{i}] {x} vs {y}");
+                            }
                         }
                     }
                 }
             }
         }
     }
+
+    /// Chunks per task: none while the tasks alone fill the threads; else about two a thread,
+    /// none under CHUNK_MIN keys.
+    #[test]
+    fn decode_tasks_split_only_where_threads_would_idle() {
+        let spec = |segs: &[(usize, usize)], hkv: usize| super::super::forward::varlen_test_spec(segs, 8, hkv, 64, DType::F32, false);
+        assert_eq!(chunks_per_task(&spec(&[(1, 32768)], 8), 2), 1);
+        assert_eq!(chunks_per_task(&spec(&[(1, 32768)], 8), 16), 4);
+        assert_eq!(chunks_per_task(&spec(&[(1, 32768)], 1), 2), 4);
+        assert_eq!(chunks_per_task(&spec(&[(1, 700)], 1), 16), 1);
+        assert_eq!(chunks_per_task(&spec(&[(1, 3000), (1, 10)], 1), 16), 3);
+    }
 }
+
