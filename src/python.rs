@@ -642,6 +642,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(device_workspace, m)?)?;
     #[cfg(feature = "cuda")]
     m.add_function(wrap_pyfunction!(forward_device, m)?)?;
+    #[cfg(feature = "cuda")]
     m.add_function(wrap_pyfunction!(forward_device_kv, m)?)?;
     #[cfg(feature = "cuda")]
     m.add_function(wrap_pyfunction!(backward_device, m)?)?;

@@ -393,7 +393,7 @@ def _result(res, q, want_lse):
 # CUDA graph). A count the cache cannot hold (negative, or more than seqlen_cache - seqlen_new)
 # cannot raise without a synchronization: that row is left unwritten and its out and lse are NaN.
 # Calls the core does not serve this way (other GPUs than sm_90, more than 32 query rows x GQA
-# heads a sequence) read the counts on the host as before.
+# heads a sequence, a left window_size bound) read the counts on the host as before.
 
 _NO_DEVICE = set()  # call keys the core's device-count path does not serve
 
@@ -452,8 +452,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     flash-attn). rotary_cos / rotary_sin, softcap and alibi_slopes raise NotImplementedError;
     num_splits is a hint flash-attn's kernel takes and ours plans for itself (accepted, unused).
     An int32 CUDA cache_seqlens is read on the device where the kernels allow it (sm_90, at most 32
-    query rows x GQA heads a sequence, no cache_batch_idx / cache_leftpad / block_table, after a
-    first call of the same shapes): no synchronization, so the step can be captured in a CUDA
+    query rows x GQA heads a sequence, no cache_batch_idx / cache_leftpad / block_table, no left
+    window_size bound, after a first call of the same shapes): no synchronization, so the step can be captured in a CUDA
     graph; a row whose count does not fit (negative, or above seqlen_cache - seqlen_new) is then
     not appended to and its out and lse are NaN. Elsewhere the counts are read on the host and
     such a value raises ValueError."""

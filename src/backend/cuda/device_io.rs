@@ -41,8 +41,15 @@ pub(super) fn check_workspace(need: usize, ptr: u64, bytes: usize) -> Result<()>
 
 impl CudaBackend {
     fn fwd_plan(&self, spec: &AttnSpec, stream: CUstream) -> Result<Arc<Cached<Plan>>> {
+        self.fwd_plan_tagged(spec, 0, stream)
+    }
+
+    /// The cached forward plan of `spec` with tiles of `tile_rows` rows, kept apart from plans of
+    /// other `tag`s (0: the ordinary one; `kvcache` tags the plan whose key counts the device
+    /// rewrites).
+    pub(super) fn fwd_plan_tagged(&self, spec: &AttnSpec, tag: u64, stream: CUstream) -> Result<Arc<Cached<Plan>>> {
         let rows = tile_rows(self, spec);
-        self.fwd_plans.get(PlanKey::with_extra(spec, plan_opts(), [0, rows as u64]), stream, || {
+        self.fwd_plans.get(PlanKey::with_extra(spec, plan_opts(), [tag, rows as u64]), stream, || {
             let p = Plan::with_rows(spec, rows);
             let t = fwd_tables(spec, &p);
             (p, t)

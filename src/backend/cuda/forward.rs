@@ -178,19 +178,25 @@ pub(crate) fn sm90_forward(be: &CudaBackend, spec: &AttnSpec) -> bool {
     fwd_options().sm90 && be.target.wgmma && spec.dtype != DType::F32 && SM90_FWD_HEAD_DIMS.contains(&spec.dims.head_dim)
 }
 
+/// Packed rows (query rows x the heads packed with them) of the longest segment of `spec`: what
+/// the plan records as `FwdPlan::max_seg_rows`, known before a plan is built.
+pub(crate) fn max_seg_rows(spec: &AttnSpec) -> usize {
+    let d = &spec.dims;
+    let hp = if fwd_options().pack_heads && d.heads_kv > 0 { d.group_size().max(1) } else { 1 };
+    spec.segments.iter().map(|s| s.q_len).max().unwrap_or(0) * hp
+}
+
 /// Packed query rows of a forward tile of `spec` on `be`: `flash_fwd_decode::DECODE_BM` where the
 /// decode kernel serves the call (sm_90, f16 / bf16, head_dim 64 or 128, dense or paged K / V, at
 /// most `FEW_ROWS` rows of one sequence in a tile; `FwdOptions::sm90_decode`), else `BLOCK_M`.
 pub(crate) fn tile_rows(be: &CudaBackend, spec: &AttnSpec) -> usize {
     let o = fwd_options();
     let d = &spec.dims;
-    let hp = if o.pack_heads && d.heads_kv > 0 { d.group_size().max(1) } else { 1 };
-    let seg_rows = spec.segments.iter().map(|s| s.q_len).max().unwrap_or(0) * hp;
     let decode = o.sm90_decode
         && sm90_forward(be, spec)
         && (d.head_dim == 64 || d.head_dim == 128)
         && spec.block_sparse().is_none()
-        && seg_rows <= FEW_ROWS;
+        && max_seg_rows(spec) <= FEW_ROWS;
     if decode {
         flash_fwd_decode::DECODE_BM
     } else {

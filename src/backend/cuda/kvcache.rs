@@ -19,10 +19,9 @@ use half::{bf16, f16};
 use super::compile::{codegen, settings, KernelKey, Source, A};
 use super::device_io::check_workspace;
 use super::driver::bind;
-use super::forward::{fwd_tables, fwd_workspace, launch_forward, plan_opts, sm90_forward, tile_rows, FwdPtrs, FwdTable, FEW_ROWS};
+use super::forward::{fwd_workspace, launch_forward, max_seg_rows, sm90_forward, FwdPtrs, FwdTable, FEW_ROWS};
 use super::launch::{launch, Args};
-use super::plans::PlanKey;
-use super::{CudaBackend, Plan};
+use super::CudaBackend;
 use crate::backend::Pass;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -114,17 +113,11 @@ impl CudaBackend {
         check_rows(self, spec, &kv)?;
         p.check_aligned()?;
         bind(self.ctx)?;
-        let s = stream as CUstream;
-        let rows = tile_rows(self, spec);
-        let key = PlanKey::with_extra(spec, plan_opts(), [DEVICE_COUNTS, rows as u64]);
-        let plan = self.fwd_plans.get(key, s, || {
-            let p = Plan::with_rows(spec, rows);
-            let t = fwd_tables(spec, &p);
-            (p, t)
-        })?;
-        if plan.host.fwd.max_seg_rows > FEW_ROWS {
+        if max_seg_rows(spec) > FEW_ROWS {
             return Err(unsupported(format!("served by the few-rows kernels only (at most {FEW_ROWS} rows a sequence)")));
         }
+        let s = stream as CUstream;
+        let plan = self.fwd_plan_tagged(spec, DEVICE_COUNTS, s)?;
         // (a 16-bit forward's workspace holds at least the non-finite-v flag that kv_append zeroes)
         check_workspace(fwd_workspace(spec, &plan.host), p.workspace, workspace_bytes)?;
         let d = &spec.dims;
