@@ -10,6 +10,10 @@
 //! `stages - 1` tiles are loading (`decode_stages`), two cubes per SM. (One 256-thread cube per SM with 5 stages lost: its prologue and epilogue had no
 //! other cube to hide under, docs/measured-and-lost.md.)
 //!
+//! The V check (NaN / Inf sets the call's flag, as `flash_fwd_sm90`'s `check_v`) reads each stage's
+//! V tile as 16-byte words and keeps the largest 16-bit magnitude of their halves, tested once at
+//! the end.
+//!
 //! The stage loop is unrolled `stages` times, so each stage's barrier is a compile-time choice.
 //! Work list, card, row bounds, paged K / V and the epilogue are `flash_fwd_sm90`'s; split-K
 //! partials keep its 128-row slot stride (`combine_parts` reads them unchanged).
@@ -157,7 +161,10 @@ pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: u
     let mut alpha = Array::<f32>::new(2usize);
     let q_sl = Array::<f32>::new(2usize);
     let mut sl = Array::<f32>::new(2usize);
-    let mut v_bad = false;
+    // the largest 16-bit magnitude of V's elements seen, as low and high halves of words (NaN and
+    // Inf above every finite value of f16 and bf16 alike)
+    let mut v_lo = 0u32;
+    let mut v_hi = 0u32;
 
     let rounds = (n_tiles + comptime!(stages as u32 - 1)) / comptime!(stages as u32);
     for r in 0..rounds {
@@ -179,11 +186,17 @@ pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: u
                 score_tile::<E>(args, &mut s_acc, &mut s_i, &q_smem, q_wg, &k_smem, cur, head_kv, (t0, t1), &q_sl, &mut sl, &row_lo,
                     &row_hi, rows, lane, neg_inf, &mut m_r, &mut l_r, &mut alpha, &mut o_acc, &mut p, &mut p8, block_n, head_dim,
                     false, false, block_m);
-                // every thread checks its share of V(t) for a NaN or Inf (x - x is not 0)
+                // every thread folds its share of V(t) into the maxima, 16 bytes a load (as single
+                // elements the check was 43% of a tile's instructions: h200-2026-11-30-decode-wg1-ncu)
                 #[unroll]
-                for i in 0..comptime!(tile_e / threads) {
-                    let x = f32::cast_from(v_smem[cur + UNIT_POS as usize + i * threads]);
-                    v_bad = v_bad || x - x != 0.0f32;
+                for i in 0..comptime!(tile_e / (8 * threads)) {
+                    let e0 = cur + (UNIT_POS as usize + i * threads) * 8;
+                    let w4 = Vector::<u32, Const<4>>::reinterpret(v_smem.slice(e0, e0 + 8).into_vectorized().with_vector_size::<Const<8>>()[0]);
+                    #[unroll]
+                    for j in 0..4usize {
+                        v_lo = max(v_lo, w4[j] & 0x7FFFu32);
+                        v_hi = max(v_hi, w4[j] & 0x7FFF_0000u32);
+                    }
                 }
                 wgmma_fence();
                 pv_steps::<E>(&mut o_acc, &p, &v_smem, cur, block_n, head_dim);
@@ -202,7 +215,9 @@ pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: u
         }
     }
 
-    if v_bad {
+    // v held a NaN or Inf where the largest magnitude, as a value of E, is one (x - x is not 0)
+    let v_max = f32::cast_from(Vector::<E, Const<2>>::reinterpret(max(v_lo, v_hi >> 16u32))[0]);
+    if v_max - v_max != 0.0f32 {
         args.nonfinite[0] = 1u32;
     }
     write_out(args, &o_acc, &m_r, &mut l_r, &row_tok, &mut row_head, prow, row_a, row_b, lane, y, slot, 0u32, head_kv, neg_inf, head_dim,
