@@ -22,7 +22,7 @@ use cubecl::prelude::*;
 use cubecl::prelude::barrier::Barrier;
 
 use super::cards::FwdCard;
-use super::flash_fwd::{fill_rows, rows_key_end, tile_bounds, work_item};
+use super::flash_fwd::{fill_rows, rows_key_span, tile_bounds, work_item};
 use super::flash_fwd_sm90::{copy_q_tile, lane_rows, pv_steps, score_tile, write_out};
 use super::kv_tiles::{issue_tile_boxes, tile_rows};
 use super::sm90::{fence_proxy_async, wgmma_commit, wgmma_fence, wgmma_wait};
@@ -119,9 +119,16 @@ pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: u
     );
     sync_cube();
     // the key tiles end at the last key a row sees (`flash_fwd_sm90`'s check_v clamp: the plan of
-    // a call whose key counts the device writes covers full cache rows, `kv_append`)
-    let mut red = SharedMemory::<u32>::new(comptime!(block_m / 32));
-    let khi = min(wi.khi, rows_key_end(&row_hi, &mut red, block_m));
+    // a call whose key counts the device writes covers full cache rows, `kv_append`), and start
+    // at the first (that plan has no left window bound); paged tiles keep the plan's start, a
+    // page's first key
+    let mut red = SharedMemory::<u32>::new(comptime!(2 * block_m / 32));
+    let (first, end) = rows_key_span(&row_lo, &row_hi, &mut red, block_m);
+    let khi = min(wi.khi, end);
+    let mut klo = klo;
+    if comptime!(!paged) {
+        klo = max(klo, first);
+    }
     let mut n_tiles = 0u32;
     if khi > klo {
         n_tiles = (khi - klo + block_n as u32 - 1) / block_n as u32;

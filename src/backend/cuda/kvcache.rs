@@ -8,7 +8,7 @@
 //! two streams never rewrite the counts under each other's kernels, except a captured CUDA graph
 //! replayed beside eager calls of the same shapes on another stream.
 //! Only calls the forward serves with its few-rows kernels take this path (sm_90, at most
-//! `FEW_ROWS` rows a segment, unpaged, no left window bound): those kernels end each cube's key tiles at the last key
+//! `FEW_ROWS` rows a segment, unpaged): those kernels end each cube's key tiles at the last key
 //! its rows can see, so a step reads the written keys only, whatever the capacity.
 
 use cubecl::cuda::CudaRuntime;
@@ -58,8 +58,7 @@ fn check_rows(be: &CudaBackend, spec: &AttnSpec, kv: &KvAppend) -> Result<()> {
     Ok(())
 }
 
-/// The part of [`check_rows`] that reads the spec alone: one segment per full cache row, no left
-/// window bound.
+/// The part of [`check_rows`] that reads the spec alone: one segment per full cache row.
 fn check_shape(spec: &AttnSpec, kv: &KvAppend) -> Result<()> {
     let d = &spec.dims;
     let batch = spec.segments.len();
@@ -75,11 +74,6 @@ fn check_shape(spec: &AttnSpec, kv: &KvAppend) -> Result<()> {
         });
     if !full_rows {
         return Err(unsupported("the spec is not one segment per full cache row".into()));
-    }
-    // A left window bounds the plan's key range of an item from below by the rows' positions at
-    // the end of the capacity, not of each row's keys: a row with fewer keys would see none.
-    if spec.window.left.is_some() {
-        return Err(unsupported("a left window_size bound is served with host key counts".into()));
     }
     Ok(())
 }
@@ -117,7 +111,13 @@ impl CudaBackend {
             return Err(unsupported(format!("served by the few-rows kernels only (at most {FEW_ROWS} rows a sequence)")));
         }
         let s = stream as CUstream;
-        let plan = self.fwd_plan_tagged(spec, DEVICE_COUNTS, s)?;
+        // Items over whole rows: a left window would bound them from below by the rows at the
+        // capacity's end, where a row with fewer keys sees none. The kernel starts each cube's
+        // tiles at its rows' first key (`flash_fwd_decode`, `rows_key_span`) and applies the
+        // window per row, so the plan (keyed without the left bound) serves every left window.
+        let mut whole = spec.clone();
+        whole.window.left = None;
+        let plan = self.fwd_plan_tagged(&whole, DEVICE_COUNTS, s)?;
         // (a 16-bit forward's workspace holds at least the non-finite-v flag that kv_append zeroes)
         check_workspace(fwd_workspace(spec, &plan.host), p.workspace, workspace_bytes)?;
         let d = &spec.dims;
@@ -172,15 +172,11 @@ mod tests {
     }
 
     #[test]
-    fn the_device_count_path_takes_full_rows_without_a_left_window() {
+    fn the_device_count_path_takes_full_rows() {
         let spec = rows_spec(3, 2, 700);
         assert!(check_shape(&spec, &step(2, 700)).is_ok());
-        // a right bound (or none) keeps each item's keys from the row's start
         assert!(check_shape(&spec.clone().with_window(-1, 0).unwrap(), &step(2, 700)).is_ok());
-        // a left bound is declined (the host reads the counts): the plan would start each item at
-        // the capacity's last rows' window, and a row with fewer keys would see none
-        let e = check_shape(&spec.clone().with_window(100, 0).unwrap(), &step(2, 700)).unwrap_err().to_string();
-        assert!(e.contains("window_size") && e.contains("host key counts"), "{e}");
+        assert!(check_shape(&spec.clone().with_window(100, 0).unwrap(), &step(2, 700)).is_ok());
         // not the full rows of the caches
         assert!(check_shape(&spec, &step(2, 699)).is_err());
         assert!(check_shape(&spec, &step(701, 700)).is_err());
