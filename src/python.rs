@@ -463,6 +463,44 @@ fn device_workspace(py: Python<'_>, spec: &PySpec, device: &str, stream: u64, ba
 }
 
 #[cfg(feature = "cuda")]
+/// Runs `f` on the CUDA backend of `device` for the device-count path (`forward_device_kv`):
+/// None where that path does not serve the call (a CPU device, no CUDA backend there, or
+/// `Err(Unsupported)`): the caller reads the key counts on the host instead.
+fn on_counts_path<T: Send>(
+    py: Python<'_>,
+    spec: &AttnSpec,
+    device: &str,
+    f: impl FnOnce(&crate::backend::cuda::CudaBackend) -> crate::error::Result<T> + Send,
+) -> PyResult<Option<T>> {
+    let index = match DevicePref::parse(device).map_err(to_py)? {
+        DevicePref::Cuda(i) | DevicePref::Auto(i) => i,
+        DevicePref::Cpu => return Ok(None),
+    };
+    run_detached_as(
+        py,
+        || match crate::backend::cuda::CudaBackend::on(index) {
+            Ok(be) => match f(&be) {
+                Ok(r) => Ok(Some(r)),
+                Err(Error::Unsupported { .. }) => Ok(None),
+                Err(e) => Err(e),
+            },
+            Err(_) => Ok(None),
+        },
+        |e| call_err(spec, e),
+    )
+}
+
+#[cfg(feature = "cuda")]
+/// Workspace bytes of [`forward_device_kv`] for `spec` on `stream`, or None where that path does
+/// not serve the call (then the caller reads the key counts on the host).
+#[pyfunction]
+fn forward_kv_workspace(py: Python<'_>, spec: &PySpec, device: &str, stream: u64) -> PyResult<Option<usize>> {
+    let s = &spec.inner;
+    // SAFETY: `stream` is torch's current stream of this device (the Python caller's contract).
+    on_counts_path(py, s, device, |be| unsafe { be.forward_kv_workspace(s, stream) })
+}
+
+#[cfg(feature = "cuda")]
 /// Forward on device-resident buffers (torch CUDA tensors as raw addresses, contiguous), enqueued
 /// on `stream`; `workspace` holds at least [`device_workspace`] bytes: writes out and lse in
 /// place, returns at once. False when the call has no row or key (nothing was enqueued).
@@ -519,28 +557,12 @@ fn forward_device_kv(
     n_new: usize,
     width: usize,
 ) -> PyResult<Option<bool>> {
-    let index = match DevicePref::parse(device).map_err(to_py)? {
-        DevicePref::Cuda(i) | DevicePref::Auto(i) => i,
-        DevicePref::Cpu => return Ok(None),
-    };
     let s = &spec.inner;
     let p = crate::backend::FwdPtrs { q, k, v, out, lse, workspace };
     let kv = crate::backend::cuda::KvAppend { counts, k_new, v_new, n_new, width };
     // SAFETY: as in `forward_device`; `counts`, `k_new`, `v_new` are contiguous CUDA tensors of
     // the documented shapes on the same device and stream.
-    let r = run_detached_as(
-        py,
-        || match crate::backend::cuda::CudaBackend::on(index) {
-            Ok(be) => match unsafe { be.forward_device_kv(s, p, kv, workspace_bytes, stream) } {
-                Ok(done) => Ok(Some(done)),
-                Err(Error::Unsupported { .. }) => Ok(None),
-                Err(e) => Err(e),
-            },
-            Err(_) => Ok(None),
-        },
-        |e| call_err(s, e),
-    )?;
-    Ok(r)
+    on_counts_path(py, s, device, |be| unsafe { be.forward_device_kv(s, p, kv, workspace_bytes, stream) })
 }
 
 #[cfg(feature = "cuda")]
@@ -644,6 +666,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(forward_device, m)?)?;
     #[cfg(feature = "cuda")]
     m.add_function(wrap_pyfunction!(forward_device_kv, m)?)?;
+    #[cfg(feature = "cuda")]
+    m.add_function(wrap_pyfunction!(forward_kv_workspace, m)?)?;
     #[cfg(feature = "cuda")]
     m.add_function(wrap_pyfunction!(backward_device, m)?)?;
     m.add_function(wrap_pyfunction!(backend_status, m)?)?;

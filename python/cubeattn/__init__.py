@@ -316,19 +316,23 @@ def _raw_stream(torch, gpu):
     return torch.cuda.current_stream(gpu).cuda_stream
 
 
-def _workspace(spec, gpu, dev, backward=False, deterministic=False):
+def _workspace(spec, gpu, dev, backward=False, deterministic=False, kv_counts=False):
     """(stream, workspace tensor, bytes) for a device-resident call on torch's current stream of
-    `gpu`, or None where the host path must run. The workspace comes from torch's caching
-    allocator, so torch's memory statistics include it and it is reused."""
+    `gpu`, or None where the host path must run; `kv_counts`: for `_core.forward_device_kv` (the
+    kvcache path with the key counts on the device, whose plan differs). The workspace comes from
+    torch's caching allocator, so torch's memory statistics include it and it is reused."""
     import torch
 
     stream = _raw_stream(torch, gpu)
-    key = (id(spec), dev, backward, deterministic)
+    key = (id(spec), dev, backward, deterministic, kv_counts)
     hit = _WS.get(key)
     if hit is not None and hit[0] is spec:
         n = hit[1]
     else:
-        n = _core.device_workspace(spec, dev, stream, backward, deterministic)
+        if kv_counts:
+            n = _core.forward_kv_workspace(spec, dev, stream)
+        else:
+            n = _core.device_workspace(spec, dev, stream, backward, deterministic)
         if n is None:
             return None
         if len(_WS) >= 4 * _SPECS_MAX:

@@ -392,10 +392,18 @@ def _result(res, q, want_lse):
 # enqueued on torch's current stream (no synchronization, so a decode step can be captured in a
 # CUDA graph). A count the cache cannot hold (negative, or more than seqlen_cache - seqlen_new)
 # cannot raise without a synchronization: that row is left unwritten and its out and lse are NaN.
-# Calls the core does not serve this way (other GPUs than sm_90, more than 32 query rows x GQA
-# heads a sequence, a left window_size bound) read the counts on the host as before.
+# Its plan covers whole rows whatever the window (`_core.forward_kv_workspace` sizes its
+# workspace). Calls the core does not serve this way (other GPUs than sm_90, more than 32 query
+# rows x GQA heads a sequence, paged caches) read the counts on the host as before.
 
 _NO_DEVICE = set()  # call keys the core's device-count path does not serve
+
+
+def _no_device(key):
+    """Records a call key the device-count path does not serve."""
+    if len(_NO_DEVICE) >= _MAX:
+        _NO_DEVICE.clear()
+    _NO_DEVICE.add(key)
 
 
 def _device_counts_call(seen, key, q, k_cache, v_cache, k, v, counts, softmax_scale, causal, window_size, want_lse):
@@ -418,8 +426,9 @@ def _device_counts_call(seen, key, q, k_cache, v_cache, k, v, counts, softmax_sc
     if spec is None:
         return None
     api = _api()
-    w = api._workspace(spec, gpu, dev)
+    w = api._workspace(spec, gpu, dev, kv_counts=True)
     if w is None:
+        _no_device(key)
         return None
     stream, ws, nbytes = w
     out, lse = api._new_outputs(torch, spec, gpu, q.dtype, q.shape)
@@ -428,9 +437,7 @@ def _device_counts_call(seen, key, q, k_cache, v_cache, k, v, counts, softmax_sc
                                        counts.data_ptr(), k.data_ptr() if n_new else 0, v.data_ptr() if n_new else 0,
                                        n_new, width)
     if done is None:
-        if len(_NO_DEVICE) >= _MAX:
-            _NO_DEVICE.clear()
-        _NO_DEVICE.add(key)
+        _no_device(key)
         return None
     api._last.name = "cuda"
     return _result((out, lse) if want_lse else out, q, want_lse)
@@ -452,8 +459,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     flash-attn). rotary_cos / rotary_sin, softcap and alibi_slopes raise NotImplementedError;
     num_splits is a hint flash-attn's kernel takes and ours plans for itself (accepted, unused).
     An int32 CUDA cache_seqlens is read on the device where the kernels allow it (sm_90, at most 32
-    query rows x GQA heads a sequence, no cache_batch_idx / cache_leftpad / block_table, no left
-    window_size bound, after a first call of the same shapes): no synchronization, so the step can be captured in a CUDA
+    query rows x GQA heads a sequence, no cache_batch_idx / cache_leftpad / block_table, after a
+    first call of the same shapes): no synchronization, so the step can be captured in a CUDA
     graph; a row whose count does not fit (negative, or above seqlen_cache - seqlen_new) is then
     not appended to and its out and lse are NaN. Elsewhere the counts are read on the host and
     such a value raises ValueError."""

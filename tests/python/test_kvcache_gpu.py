@@ -186,9 +186,10 @@ def test_gpu_device_counts_that_do_not_fit_give_nan_rows():
 def test_gpu_device_counts_several_new_tokens(window):
     """Three new tokens a row (speculative decoding's shape), causal, with and without a window,
     ragged counts (one row empty before the step): the device-count path (second call of the
-    shapes; with a left window bound the host reads the counts, the device path declines it: its
-    plan bounded each item's keys by the capacity's last rows, and the empty row saw no key)
+    shapes; with a left window its plan covers whole rows and the kernel starts each cube at its
+    rows' first key: a plan bounded by the capacity's last rows once gave the empty row no key)
     against the f64 reference over each row's keys after the append."""
+    from cubeattn import _kvcache
     gen = torch.Generator().manual_seed(7)
     b, sq, hq, hkv, d, cap = 3, 3, 16, 4, 128, 700
     kc, vc = rand(gen, (b, cap, hkv, d)), rand(gen, (b, cap, hkv, d))
@@ -198,8 +199,10 @@ def test_gpu_device_counts_several_new_tokens(window):
     cubeattn.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), kn, vn, cache_seqlens=seqlens, causal=True,
                                      window_size=window)  # the validating path
     logical_k, logical_v = kc.clone(), vc.clone()
+    declined = len(_kvcache._NO_DEVICE)
     out = cubeattn.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=seqlens, causal=True, window_size=window)
     assert cubeattn.last_backend() == "cuda"
+    assert len(_kvcache._NO_DEVICE) == declined, "the device-count path declined the call"
     for r, n in enumerate(lens):
         logical_k[r, n:n + sq], logical_v[r, n:n + sq] = kn[r], vn[r]
     assert torch.equal(kc, logical_k) and torch.equal(vc, logical_v)

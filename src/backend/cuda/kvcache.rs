@@ -11,6 +11,8 @@
 //! `FEW_ROWS` rows a segment, unpaged): those kernels end each cube's key tiles at the last key
 //! its rows can see, so a step reads the written keys only, whatever the capacity.
 
+use std::sync::Arc;
+
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::ComputeClient;
 use cudarc::driver::sys::CUstream;
@@ -21,6 +23,8 @@ use super::device_io::check_workspace;
 use super::driver::bind;
 use super::forward::{fwd_workspace, launch_forward, max_seg_rows, sm90_forward, FwdPtrs, FwdTable, FEW_ROWS};
 use super::launch::{launch, Args};
+use super::plan::Plan;
+use super::plans::Cached;
 use super::CudaBackend;
 use crate::backend::Pass;
 use crate::dtype::DType;
@@ -48,12 +52,21 @@ fn unsupported(msg: String) -> Error {
 }
 
 /// `Err(Unsupported)` unless `spec` is the call over full cache rows of `width` keys that the
-/// sm_90 kernels serve, unpaged (see the module doc; `FEW_ROWS` is checked on the plan).
+/// sm_90 few-rows kernels serve, unpaged (see the module doc).
 fn check_rows(be: &CudaBackend, spec: &AttnSpec, kv: &KvAppend) -> Result<()> {
     check_shape(spec, kv)?;
+    check_kernels(be, spec)
+}
+
+/// The part of [`check_rows`] that picks the kernels: sm_90, f16 / bf16, unpaged, dense, at most
+/// `FEW_ROWS` rows a sequence.
+fn check_kernels(be: &CudaBackend, spec: &AttnSpec) -> Result<()> {
     // (sm90_forward also excludes f32)
     if spec.kv_pages().is_some() || spec.block_sparse().is_some() || !sm90_forward(be, spec) {
         return Err(unsupported("served by the sm_90 kernels only, f16 / bf16, unpaged".into()));
+    }
+    if max_seg_rows(spec) > FEW_ROWS {
+        return Err(unsupported(format!("served by the few-rows kernels only (at most {FEW_ROWS} rows a sequence)")));
     }
     Ok(())
 }
@@ -94,6 +107,30 @@ pub(crate) fn poison_source(client: &ComputeClient<CudaRuntime>, dt: DType) -> R
 }
 
 impl CudaBackend {
+    /// The plan of a device-count call of `spec`: items over whole rows. A left window would
+    /// bound them from below by the rows at the capacity's end, where a row with fewer keys sees
+    /// none; the kernel starts each cube's tiles at its rows' first key (`flash_fwd_decode`,
+    /// `rows_key_span`) and applies the window per row, so the plan (keyed without the left
+    /// bound, under its own tag: `kv_append` rewrites its key counts) serves every left window.
+    fn counts_plan(&self, spec: &AttnSpec, stream: CUstream) -> Result<Arc<Cached<Plan>>> {
+        let mut whole = spec.clone();
+        whole.window.left = None;
+        self.fwd_plan_tagged(&whole, DEVICE_COUNTS, stream)
+    }
+
+    /// The workspace bytes [`Self::forward_device_kv`] needs for `spec` (its plan's split-K
+    /// partials: not [`crate::backend::Backend::device_workspace`]'s with a left window bound).
+    /// `Err(Unsupported)` where that path does not serve the call.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of this backend's device.
+    pub unsafe fn forward_kv_workspace(&self, spec: &AttnSpec, stream: u64) -> Result<usize> {
+        self.check(spec, Pass::Forward)?;
+        check_kernels(self, spec)?;
+        bind(self.ctx)?;
+        Ok(fwd_workspace(spec, &self.counts_plan(spec, stream as CUstream)?.host))
+    }
+
     /// Enqueues a decode step on `stream`: appends the new keys at each row's device count,
     /// then the forward of `spec` (the call over full rows) with those counts, then NaN over
     /// the outputs of rows whose count does not fit. `Err(Unsupported)` (nothing enqueued) for a
@@ -107,17 +144,8 @@ impl CudaBackend {
         check_rows(self, spec, &kv)?;
         p.check_aligned()?;
         bind(self.ctx)?;
-        if max_seg_rows(spec) > FEW_ROWS {
-            return Err(unsupported(format!("served by the few-rows kernels only (at most {FEW_ROWS} rows a sequence)")));
-        }
         let s = stream as CUstream;
-        // Items over whole rows: a left window would bound them from below by the rows at the
-        // capacity's end, where a row with fewer keys sees none. The kernel starts each cube's
-        // tiles at its rows' first key (`flash_fwd_decode`, `rows_key_span`) and applies the
-        // window per row, so the plan (keyed without the left bound) serves every left window.
-        let mut whole = spec.clone();
-        whole.window.left = None;
-        let plan = self.fwd_plan_tagged(&whole, DEVICE_COUNTS, s)?;
+        let plan = self.counts_plan(spec, s)?;
         // (a 16-bit forward's workspace holds at least the non-finite-v flag that kv_append zeroes)
         check_workspace(fwd_workspace(spec, &plan.host), p.workspace, workspace_bytes)?;
         let d = &spec.dims;
