@@ -142,6 +142,9 @@ impl Config {
                 sm90_tile: var("CUBEATTN_CUDA_SM90_TILE").and_then(|v| parse_tile(&v)),
                 sm90_ws: on_unless_zero(&var("CUBEATTN_CUDA_SM90_WS")),
                 sm90_decode: on_unless_zero(&var("CUBEATTN_CUDA_DECODE")),
+                decode_t: is("CUBEATTN_CUDA_DECODE", "t"),
+                decode_t_stages: var("CUBEATTN_DECODE_T_STAGES").and_then(|v| v.parse().ok()),
+                decode_t_o_check: is("CUBEATTN_DECODE_T_CHECK", "o"),
                 seq_waves: !is("CUBEATTN_WORK_ORDER", "cost"),
                 ..FwdOptions::defaults()
             },
@@ -191,6 +194,11 @@ pub struct FwdOptions {
     /// / 128) on `kernels::flash_fwd_decode`: one-warpgroup cubes of 64 rows, per-stage barriers
     /// (`CUBEATTN_CUDA_DECODE=0` keeps `flash_fwd_sm90`'s `check_v` variant).
     pub sm90_decode: bool,
+    /// Experiment (`CUBEATTN_CUDA_DECODE=t`): decode-sized calls on `kernels::flash_fwd_decode_t`
+    /// (keys as the MMA's M), `decode_t_stages` K / V stages (`CUBEATTN_DECODE_T_STAGES`).
+    pub decode_t: bool,
+    pub decode_t_stages: Option<usize>,
+    pub decode_t_o_check: bool,
     /// The work list's items of close cost taken sequence by sequence (`cuda::plan::order_by_cost`),
     /// so that a wave's cubes share a sequence's K / V in L2; off (`CUBEATTN_WORK_ORDER=cost`):
     /// strictly by cost. The backward's lists follow the process's value (`Config::fwd`).
@@ -211,6 +219,9 @@ impl FwdOptions {
             sm90_tile: None,
             sm90_ws: true,
             sm90_decode: true,
+            decode_t: false,
+            decode_t_stages: None,
+            decode_t_o_check: false,
             seq_waves: true,
         }
     }

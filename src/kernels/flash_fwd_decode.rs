@@ -49,7 +49,7 @@ pub const fn decode_stages(head_dim: usize) -> usize {
 
 /// Waits for the copies of stage `s` (phase parity `parity`).
 #[cube]
-fn wait_stage_n(bars: &Sequence<Shared<Barrier>>, parity: u32, #[comptime] s: usize) {
+pub(super) fn wait_stage_n(bars: &Sequence<Shared<Barrier>>, parity: u32, #[comptime] s: usize) {
     bars.index(s).wait_parity(parity);
 }
 
@@ -57,7 +57,7 @@ fn wait_stage_n(bars: &Sequence<Shared<Barrier>>, parity: u32, #[comptime] s: us
 /// stage `s` on that stage's barrier, and commits this thread's copies to it.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn issue_stage<E: Float>(
+pub(super) fn issue_stage<E: Float>(
     args: &FwdCard<E>,
     k_smem: &mut SharedMemory<E>,
     v_smem: &mut SharedMemory<E>,

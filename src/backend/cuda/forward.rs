@@ -27,6 +27,7 @@ use crate::dtype::DType;
 use crate::error::{invalid, Result};
 use crate::kernels::flash_fwd::{self, BLOCK_M};
 use crate::kernels::flash_fwd_decode;
+use crate::kernels::flash_fwd_decode_t;
 use crate::kernels::flash_fwd_sm90::{self, SM90_THREADS};
 use crate::kernels::flash_fwd_ws::{self, WS_THREADS};
 use crate::kernels::kv_tiles::{box_rows, kv_map_box};
@@ -197,7 +198,10 @@ pub(crate) fn tile_rows(be: &CudaBackend, spec: &AttnSpec) -> usize {
         && (d.head_dim == 64 || d.head_dim == 128)
         && spec.block_sparse().is_none()
         && max_seg_rows(spec) <= FEW_ROWS;
-    if decode {
+    if decode && o.decode_t {
+        // the swapped kernel's N: the rows rounded up to 8
+        max_seg_rows(spec).max(1).next_multiple_of(8)
+    } else if decode {
         flash_fwd_decode::DECODE_BM
     } else {
         BLOCK_M
@@ -330,6 +334,29 @@ pub(crate) fn fwd_decode_source(client: &ComputeClient<CudaRuntime>, dt: DType, 
                 FwdArgs::compilation(),
                 hd,
                 paged,
+            ), false)
+        };
+    }
+    let mut src = if is_f16(dt) { k!(f16) } else { k!(bf16) }?;
+    src.cuda = super::rewrite::sm90::lower_bounded(&src.entry, &src.cuda, 2)?;
+    Ok(src)
+}
+
+/// CUDA source of the swapped decode forward (`flash_fwd_decode_t`) for tiles of `rows` rows
+/// with `stages` K / V stages, two cubes per SM declared.
+pub(crate) fn fwd_decode_t_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: usize, paged: bool, rows: usize, stages: usize,
+    o_check: bool) -> Result<Source> {
+    macro_rules! k {
+        ($t:ty) => {
+            codegen_exp2(flash_fwd_decode_t::flash_fwd_decode_t::FlashFwdDecodeT::<$t, CudaRuntime>::new(
+                settings(flash_fwd_decode::DECODE_THREADS as u32),
+                client.clone(),
+                FwdArgs::compilation(),
+                hd,
+                paged,
+                rows,
+                stages,
+                o_check,
             ), false)
         };
     }
@@ -521,7 +548,13 @@ pub(crate) fn launch_forward(
 
     // the plan packed tiles of `DECODE_BM` rows for the decode kernel (`tile_rows`)
     let decode = fp.rows == flash_fwd_decode::DECODE_BM;
-    let (f, [k_map, v_map]) = if decode {
+    let (f, [k_map, v_map]) = if sm90 && fp.rows <= FEW_ROWS {
+        let stages = fwd_options().decode_t_stages.unwrap_or(flash_fwd_decode_t::decode_t_stages(hd, fp.rows));
+        let oc = fwd_options().decode_t_o_check;
+        let key = KernelKey::new("flash_fwd_decode_t", dt, &[hd as u32, paged as u32, fp.rows as u32, stages as u32, oc as u32]);
+        let f = be.kernels.get(&key, || fwd_decode_t_source(client, dt, hd, paged, fp.rows, stages, oc))?;
+        (f, kv_maps_sw128(spec, p.k, p.v, flash_fwd_decode::DECODE_BN)?)
+    } else if decode {
         let key = KernelKey::new("flash_fwd_decode", dt, &[hd as u32, paged as u32]);
         let f = be.kernels.get(&key, || fwd_decode_source(client, dt, hd, paged))?;
         (f, kv_maps_sw128(spec, p.k, p.v, flash_fwd_decode::DECODE_BN)?)
