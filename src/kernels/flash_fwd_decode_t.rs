@@ -278,7 +278,8 @@ pub fn flash_fwd_decode_t<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim:
                     l_r[i] += pv;
                     let c = comptime!((e / 4) * 8 + e % 2) + (lane % 4u32) as usize * 2;
                     let k = key_off as usize + comptime!(((e % 4) / 2) * 8);
-                    p_smem[swizzle_128b(c, k, rows_n)] = E::cast_from(pv);
+                    // (`swizzle_128b` places a 16-byte unit: the key's place inside it added)
+                    p_smem[swizzle_128b(c, k, rows_n) + k % 8] = E::cast_from(pv);
                 }
                 #[unroll]
                 for mb in 0..m_blocks {
