@@ -145,6 +145,7 @@ impl Config {
                 decode_t: is("CUBEATTN_CUDA_DECODE", "t"),
                 decode_t_stages: var("CUBEATTN_DECODE_T_STAGES").and_then(|v| v.parse().ok()),
                 decode_t_o_check: is("CUBEATTN_DECODE_T_CHECK", "o"),
+                split_fill: !is("CUBEATTN_SPLIT_FILL", "0"),
                 seq_waves: !is("CUBEATTN_WORK_ORDER", "cost"),
                 ..FwdOptions::defaults()
             },
@@ -199,6 +200,9 @@ pub struct FwdOptions {
     pub decode_t: bool,
     pub decode_t_stages: Option<usize>,
     pub decode_t_o_check: bool,
+    /// Split chunks whose parts fit the columns asked for (`cuda::plan::fill_chunk`;
+    /// `CUBEATTN_SPLIT_FILL=0`: the even share rounded up, for A/B runs).
+    pub split_fill: bool,
     /// The work list's items of close cost taken sequence by sequence (`cuda::plan::order_by_cost`),
     /// so that a wave's cubes share a sequence's K / V in L2; off (`CUBEATTN_WORK_ORDER=cost`):
     /// strictly by cost. The backward's lists follow the process's value (`Config::fwd`).
@@ -222,6 +226,7 @@ impl FwdOptions {
             decode_t: false,
             decode_t_stages: None,
             decode_t_o_check: false,
+            split_fill: true,
             seq_waves: true,
         }
     }

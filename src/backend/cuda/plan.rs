@@ -192,6 +192,9 @@ impl FwdPlan {
             let total: u64 = tiles.iter().map(|t| kt(t.len())).sum();
             let want = target.div_ceil(y) as u64;
             chunk = total.div_ceil(want).max(8);
+            if opts.split_fill {
+                chunk = fill_chunk(tiles.iter().map(|t| kt(t.len())), chunk, want);
+            }
         }
         let max_seg_rows = spec.segments.iter().map(|s| s.q_len * hp).max().unwrap_or(0);
         let mut plan = FwdPlan { hp: hp as u32, n_tiles: tiles.len(), max_seg_rows, rows: bm, ..Default::default() };
@@ -244,6 +247,29 @@ impl FwdPlan {
     }
 }
 
+/// The smallest split chunk from `chunk` on whose parts (a tile of `n` key tiles makes `ceil(n /
+/// chunk)`) number at most `want`: each tile's parts rounded up can exceed the even share
+/// (8 sequences of 256 key tiles in 33 columns: chunk 63 gives 5 parts each, 40 columns, and the
+/// launch a second wave of 56 cubes; chunk 64 gives 4 each). Tiles without keys count one part.
+pub(crate) fn fill_chunk(tiles: impl Iterator<Item = u64> + Clone, chunk: u64, want: u64) -> u64 {
+    let parts = |c: u64| tiles.clone().map(|n| n.div_ceil(c).max(1)).sum::<u64>();
+    let (mut lo, mut hi) = (chunk, tiles.clone().max().unwrap_or(chunk).max(chunk));
+    if parts(lo) <= want {
+        return lo;
+    }
+    // parts(hi) is the tile count, at most `want` where a split is asked for; parts(c) does not
+    // grow with c
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if parts(mid) <= want {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    hi
+}
+
 /// The cost width of the buckets whose items go sequence by sequence ([`order_by_cost`]): one
 /// wave's span `span`, at most a quarter of the largest cost `max`, at least 1.
 pub(crate) fn seq_bucket(span: u64, max: u64) -> u64 {
@@ -272,6 +298,19 @@ pub(crate) fn order_by_cost<T>(items: &mut [T], seq_waves: bool, span: u64, cost
 #[cfg(test)]
 mod fwd_plan_tests {
     use super::*;
+
+    #[test]
+    fn the_split_chunk_keeps_the_parts_within_the_columns() {
+        // 8 sequences of 256 key tiles in 33 columns: 63 would make 40 parts, 64 makes 32
+        assert_eq!(fill_chunk([256u64; 8].into_iter(), 63, 33), 64);
+        // already within: unchanged
+        assert_eq!(fill_chunk([512u64].into_iter(), 16, 33), 16);
+        // ragged tiles: the smallest chunk that fits, checked against every smaller one
+        let ts = [1000u64, 7, 300, 0, 129];
+        let c = fill_chunk(ts.into_iter(), 20, 12);
+        let parts = |c: u64| ts.iter().map(|n| n.div_ceil(c).max(1)).sum::<u64>();
+        assert!(parts(c) <= 12 && parts(c - 1) > 12, "chunk {c}");
+    }
     use crate::spec::TensorMeta;
 
     fn grouped(hq: usize, hkv: usize, qr: &[[i32; 2]], kr: &[[i32; 2]], tq: usize, tk: usize, causal: bool) -> AttnSpec {
