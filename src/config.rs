@@ -145,6 +145,7 @@ impl Config {
                 decode_t: is("CUBEATTN_CUDA_DECODE", "t"),
                 decode_t_stages: var("CUBEATTN_DECODE_T_STAGES").and_then(|v| v.parse().ok()),
                 decode_t_o_check: is("CUBEATTN_DECODE_T_CHECK", "o"),
+                decode_t_late_refill: is("CUBEATTN_DECODE_T_BARS", "2"),
                 split_fill: !is("CUBEATTN_SPLIT_FILL", "0"),
                 seq_waves: !is("CUBEATTN_WORK_ORDER", "cost"),
                 ..FwdOptions::defaults()
@@ -200,6 +201,7 @@ pub struct FwdOptions {
     pub decode_t: bool,
     pub decode_t_stages: Option<usize>,
     pub decode_t_o_check: bool,
+    pub decode_t_late_refill: bool,
     /// Split chunks whose parts fit the columns asked for (`cuda::plan::fill_chunk`;
     /// `CUBEATTN_SPLIT_FILL=0`: the even share rounded up, for A/B runs).
     pub split_fill: bool,
@@ -226,6 +228,7 @@ impl FwdOptions {
             decode_t: false,
             decode_t_stages: None,
             decode_t_o_check: false,
+            decode_t_late_refill: false,
             split_fill: true,
             seq_waves: true,
         }

@@ -45,7 +45,7 @@ pub const fn decode_t_stages(head_dim: usize, rows: usize) -> usize {
 #[allow(clippy::too_many_arguments, unused_variables)]
 #[cube(launch_unchecked)]
 pub fn flash_fwd_decode_t<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: usize, #[comptime] paged: bool, #[comptime] rows_n: usize,
-    #[comptime] stages: usize, #[comptime] o_check: bool) {
+    #[comptime] stages: usize, #[comptime] o_check: bool, #[comptime] late_refill: bool) {
     if args.nonfinite[0] != 0u32 {
         terminate!();
     }
@@ -253,6 +253,17 @@ pub fn flash_fwd_decode_t<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim:
                     }
                 }
                 sync_cube();
+                if comptime!(late_refill) {
+                    // every thread has waited for tile t - 1's MMAs before this barrier: its stage
+                    // takes tile t - 1 + stages (no barrier of its own at a tile's end)
+                    let pt = kt + comptime!(stages as u32 - 1);
+                    if kt > 0u32 && pt < n_tiles {
+                        let (n0, n1) = tile_bounds(pt, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
+                            tpb_magic, block_n, false);
+                        let (p0, _p1, pb) = tile_rows(n0, n1, &args.blocks, paged, block_n);
+                        issue_stage(args, &mut k_smem, &mut v_smem, &bars, p0, pb, head_kv, comptime!((s + stages - 1) % stages), head_dim);
+                    }
+                }
                 #[unroll]
                 for i in 0..cols {
                     let c = comptime!((i / 2) * 8 + i % 2) + (lane % 4u32) as usize * 2;
@@ -303,14 +314,16 @@ pub fn flash_fwd_decode_t<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim:
                 }
                 wgmma_commit();
                 wgmma_wait(0u32);
-                // every warp is done with stage s (and P^T): it takes tile t + stages
-                sync_cube();
-                let nt = kt + comptime!(stages as u32);
-                if nt < n_tiles {
-                    let (n0, n1) = tile_bounds(nt, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
-                        tpb_magic, block_n, false);
-                    let (p0, _p1, pb) = tile_rows(n0, n1, &args.blocks, paged, block_n);
-                    issue_stage(args, &mut k_smem, &mut v_smem, &bars, p0, pb, head_kv, s, head_dim);
+                if comptime!(!late_refill) {
+                    // every warp is done with stage s (and P^T): it takes tile t + stages
+                    sync_cube();
+                    let nt = kt + comptime!(stages as u32);
+                    if nt < n_tiles {
+                        let (n0, n1) = tile_bounds(nt, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
+                            tpb_magic, block_n, false);
+                        let (p0, _p1, pb) = tile_rows(n0, n1, &args.blocks, paged, block_n);
+                        issue_stage(args, &mut k_smem, &mut v_smem, &bars, p0, pb, head_kv, s, head_dim);
+                    }
                 }
             }
         }

@@ -345,7 +345,7 @@ pub(crate) fn fwd_decode_source(client: &ComputeClient<CudaRuntime>, dt: DType, 
 /// CUDA source of the swapped decode forward (`flash_fwd_decode_t`) for tiles of `rows` rows
 /// with `stages` K / V stages, two cubes per SM declared.
 pub(crate) fn fwd_decode_t_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: usize, paged: bool, rows: usize, stages: usize,
-    o_check: bool) -> Result<Source> {
+    o_check: bool, late_refill: bool) -> Result<Source> {
     macro_rules! k {
         ($t:ty) => {
             codegen_exp2(flash_fwd_decode_t::flash_fwd_decode_t::FlashFwdDecodeT::<$t, CudaRuntime>::new(
@@ -357,6 +357,7 @@ pub(crate) fn fwd_decode_t_source(client: &ComputeClient<CudaRuntime>, dt: DType
                 rows,
                 stages,
                 o_check,
+                late_refill,
             ), false)
         };
     }
@@ -550,9 +551,9 @@ pub(crate) fn launch_forward(
     let decode = fp.rows == flash_fwd_decode::DECODE_BM;
     let (f, [k_map, v_map]) = if sm90 && fp.rows <= FEW_ROWS {
         let stages = fwd_options().decode_t_stages.unwrap_or(flash_fwd_decode_t::decode_t_stages(hd, fp.rows));
-        let oc = fwd_options().decode_t_o_check;
-        let key = KernelKey::new("flash_fwd_decode_t", dt, &[hd as u32, paged as u32, fp.rows as u32, stages as u32, oc as u32]);
-        let f = be.kernels.get(&key, || fwd_decode_t_source(client, dt, hd, paged, fp.rows, stages, oc))?;
+        let (oc, late) = (fwd_options().decode_t_o_check, fwd_options().decode_t_late_refill);
+        let key = KernelKey::new("flash_fwd_decode_t", dt, &[hd as u32, paged as u32, fp.rows as u32, stages as u32, oc as u32, late as u32]);
+        let f = be.kernels.get(&key, || fwd_decode_t_source(client, dt, hd, paged, fp.rows, stages, oc, late))?;
         (f, kv_maps_sw128(spec, p.k, p.v, flash_fwd_decode::DECODE_BN)?)
     } else if decode {
         let key = KernelKey::new("flash_fwd_decode", dt, &[hd as u32, paged as u32]);
