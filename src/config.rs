@@ -11,7 +11,7 @@
 //! | `CUBEATTN_CUDA_PORTABLE=1` | builds every kernel as for GPUs below sm_90, on any GPU ([`crate::backend::cuda::Target`]) | `tests/python/test_portable_gpu.py`, `scripts/gpu-test.sh --portable` |
 //! | `CUBEATTN_CUDA_SM90=0` | keeps the mma.sync forward on sm_90 GPUs (default: the wgmma forward) | comparisons of the two forwards on one GPU |
 //! | `CUBEATTN_CUDA_SM90_TILE=bn:cubes` | the wgmma forward's tile and cubes per SM (`FwdOptions::sm90_tile`) at every head_dim | A/B runs of its tile choices on one GPU |
-//! | `CUBEATTN_CUDA_DECODE=0` | decode-sized calls (at most 32 rows of a sequence a tile) keep `flash_fwd_sm90`'s 128-row tiles instead of `kernels::flash_fwd_decode`'s one-warpgroup cubes of 64 rows (`FwdOptions::sm90_decode`) | A/B runs of the two on one GPU |
+//! | `CUBEATTN_CUDA_DECODE=0` | decode-sized calls (at most 32 rows of a sequence a tile) keep `flash_fwd_sm90`'s 128-row tiles instead of `kernels::flash_fwd_decode` (one-warpgroup cubes, the keys as the MMA's M; `FwdOptions::sm90_decode`) | A/B runs of the two on one GPU |
 //! | `CUBEATTN_CUDA_SM90_WS=0` | keeps `flash_fwd_sm90` where the warp-specialised wgmma forward (`kernels::flash_fwd_ws`, `FwdOptions::sm90_ws`) is the default | A/B runs of the two Hopper frames on one GPU |
 //! | `CUBEATTN_CUDA_SPLIT=0` | no split-K of long forward tiles | the sanitizer families (`tests/python/sanitize_driver.py`) |
 //! | `CUBEATTN_WORK_ORDER=cost` | the forward's, the dK/dV kernels' and the dQ pass's work lists strictly by cost, without taking items of close cost sequence by sequence (`FwdOptions::seq_waves`) | A/B runs of the two orders |
@@ -142,11 +142,6 @@ impl Config {
                 sm90_tile: var("CUBEATTN_CUDA_SM90_TILE").and_then(|v| parse_tile(&v)),
                 sm90_ws: on_unless_zero(&var("CUBEATTN_CUDA_SM90_WS")),
                 sm90_decode: on_unless_zero(&var("CUBEATTN_CUDA_DECODE")),
-                decode_t: is("CUBEATTN_CUDA_DECODE", "t"),
-                decode_t_stages: var("CUBEATTN_DECODE_T_STAGES").and_then(|v| v.parse().ok()),
-                decode_t_o_check: is("CUBEATTN_DECODE_T_CHECK", "o"),
-                decode_t_late_refill: is("CUBEATTN_DECODE_T_BARS", "2"),
-                split_fill: !is("CUBEATTN_SPLIT_FILL", "0"),
                 seq_waves: !is("CUBEATTN_WORK_ORDER", "cost"),
                 ..FwdOptions::defaults()
             },
@@ -193,18 +188,10 @@ pub struct FwdOptions {
     /// (`backend::cuda::forward::sm90_frame`; `CUBEATTN_CUDA_SM90_WS=0` turns it off).
     pub sm90_ws: bool,
     /// Decode-sized Hopper calls (at most `forward::FEW_ROWS` rows of a sequence a tile, head_dim 64
-    /// / 128) on `kernels::flash_fwd_decode`: one-warpgroup cubes of 64 rows, per-stage barriers
-    /// (`CUBEATTN_CUDA_DECODE=0` keeps `flash_fwd_sm90`'s `check_v` variant).
+    /// / 128) on `kernels::flash_fwd_decode`: one-warpgroup cubes whose MMAs take the keys as M and
+    /// the tile's rows (rounded up to 8) as N (`CUBEATTN_CUDA_DECODE=0` keeps `flash_fwd_sm90`'s
+    /// `check_v` variant).
     pub sm90_decode: bool,
-    /// Experiment (`CUBEATTN_CUDA_DECODE=t`): decode-sized calls on `kernels::flash_fwd_decode_t`
-    /// (keys as the MMA's M), `decode_t_stages` K / V stages (`CUBEATTN_DECODE_T_STAGES`).
-    pub decode_t: bool,
-    pub decode_t_stages: Option<usize>,
-    pub decode_t_o_check: bool,
-    pub decode_t_late_refill: bool,
-    /// Split chunks whose parts fit the columns asked for (`cuda::plan::fill_chunk`;
-    /// `CUBEATTN_SPLIT_FILL=0`: the even share rounded up, for A/B runs).
-    pub split_fill: bool,
     /// The work list's items of close cost taken sequence by sequence (`cuda::plan::order_by_cost`),
     /// so that a wave's cubes share a sequence's K / V in L2; off (`CUBEATTN_WORK_ORDER=cost`):
     /// strictly by cost. The backward's lists follow the process's value (`Config::fwd`).
@@ -225,11 +212,6 @@ impl FwdOptions {
             sm90_tile: None,
             sm90_ws: true,
             sm90_decode: true,
-            decode_t: false,
-            decode_t_stages: None,
-            decode_t_o_check: false,
-            decode_t_late_refill: false,
-            split_fill: true,
             seq_waves: true,
         }
     }

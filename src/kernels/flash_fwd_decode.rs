@@ -1,47 +1,50 @@
-//! The Hopper forward of decode-sized calls (at most `forward::FEW_ROWS` rows of one sequence
-//! in a tile, e.g. one query row x the GQA group): `flash_fwd_sm90`'s `check_v` mainloop on a
-//! cube of one warpgroup (128 threads, a 64-row Q tile: the plan packs 64-row tiles for these
-//! calls) with `stages` K / V stages of 64 keys, each with its own mbarrier, at two cubes per SM.
+//! The Hopper forward of decode-sized calls (at most `forward::FEW_ROWS` rows of one sequence in
+//! a tile, e.g. one query row x the GQA group) with the keys as the MMA's M (swapped operands):
+//! S^T = K Q^T by `wgmma m64 x n x k16` (A the 64-key K tile, B the tile's `n` query rows: the plan
+//! packs tiles of the rows rounded up to 8, `forward::tile_rows`), O^T += V^T P^T (A the V tile
+//! read MN-major, B P^T staged in shared memory). One warpgroup a cube, `decode_stages` K / V
+//! stages with a barrier each, two cubes per SM.
 //!
-//! Such a call reads K and V once and does few MMAs: its time is the latency of its loads
-//! (bench/results/h200-2026-11-30-decode-ncu). `flash_fwd_sm90` runs it on 256-thread cubes whose
-//! second warpgroup is idle, with one K and one V tile loading while one is computed. Here tile
-//! t + stages is issued into stage t % stages as soon as the cube has finished tile t, so
-//! `stages - 1` tiles are loading (`decode_stages`), two cubes per SM. (One 256-thread cube per SM with 5 stages lost: its prologue and epilogue had no
-//! other cube to hide under, docs/measured-and-lost.md.)
+//! A decode step has 4-32 query rows a tile. With them as the M of 64 (the kernel before this,
+//! bench/results/h200-2026-11-30-decode-wg1-ncu) a thread's softmax covered 32 scores a tile and a
+//! warp ran ~520 instructions a tile on a serial chain; here a thread holds `n / 2` scores and
+//! `head_dim / 64 * n / 2` output values (bench/results/h200-2026-11-30-decode-t: 5-12% less time).
 //!
-//! The V check (NaN / Inf sets the call's flag, as `flash_fwd_sm90`'s `check_v`) reads each stage's
-//! V tile as 16-byte words and keeps the largest 16-bit magnitude of their halves, tested once at
-//! the end.
-//!
-//! The stage loop is unrolled `stages` times, so each stage's barrier is a compile-time choice.
-//! Work list, card, row bounds, paged K / V and the epilogue are `flash_fwd_sm90`'s; split-K
-//! partials keep its 128-row slot stride (`combine_parts` reads them unchanged).
+//! Per 64-key tile: wait for its stage, S^T by wgmma, the mask (each key against its row's range),
+//! the tile's row maxima (shuffles over a warp's 16 keys, then the four warps' maxima through
+//! shared memory, whose barrier also frees the previous tile's stage for its refill), P = 2^(s - m)
+//! with FlashAttention-4's conditional reference (`RESCALE_SLACK`), P^T stored 128-byte-swizzled,
+//! the O^T MMAs. The row sums stay per thread (its keys) and are reduced once at the end. A NaN or
+//! Inf in V reaches every column of O^T (P is finite, 0 x Inf is NaN): a cube whose O^T is not
+//! finite sets the non-finite flag, and the exact kernel writes the call. Work list, rows, paged K /
+//! V and split-K partials (slots of `SM90_BLOCK_M` rows, `combine_parts`) are the Hopper forward's.
 
 use cubecl::prelude::*;
-use cubecl::prelude::barrier::Barrier;
+use cubecl::prelude::barrier::{copy_async, Barrier};
 
 use super::cards::FwdCard;
-use super::flash_fwd::{fill_rows, rows_key_span, tile_bounds, work_item};
-use super::flash_fwd_sm90::{copy_q_tile, lane_rows, pv_steps, score_tile, write_out};
+use super::flash_fwd::{fill_rows, tile_bounds, work_item, M_INIT, NONE, RESCALE_SLACK};
+use super::flash_fwd_sm90::SM90_BLOCK_M;
 use super::kv_tiles::{issue_tile_boxes, tile_rows};
-use super::sm90::{fence_proxy_async, wgmma_commit, wgmma_fence, wgmma_wait};
+use super::math::{fast_exp2, LN2};
+use super::sm90::{fence_proxy_async, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_ss, wgmma_wait, SW_COLS, SW_ROW};
 use super::staging::commit_copies;
 
 /// Keys per tile.
 pub const DECODE_BN: usize = 64;
-/// Query rows per cube (one warpgroup's wgmma M).
-pub const DECODE_BM: usize = 64;
 /// Threads per cube: one warpgroup.
 pub const DECODE_THREADS: usize = 128;
-/// K and V stages at `head_dim`: what two cubes per SM can hold beside their Q tiles. Two cubes
-/// need at most 115712 bytes each (228 KiB an SM, 1 KiB reserved a block); CubeCL gives every small
-/// buffer (row tables, barriers) a 1 KiB slot, about 9 KiB here, so d128 takes two stages (16 + 64
-/// KiB: the one-warpgroup cube alone) and d64 five (8 + 80 KiB). Three at d128 (16 + 96 KiB) would
-/// need the small buffers in under 1 KiB (`rewrite::smem_layout`'s tight alignment gets 115776).
-pub const fn decode_stages(head_dim: usize) -> usize {
+/// K and V stages at `head_dim` for tiles of `rows` query rows: what two cubes per SM hold
+/// (115712 bytes a cube) beside the Q and P^T tiles and the small buffers (a 1 KiB slot each).
+pub const fn decode_stages(head_dim: usize, rows: usize) -> usize {
     if head_dim <= 64 {
-        5
+        if rows <= 16 {
+            6
+        } else {
+            5
+        }
+    } else if rows <= 16 {
+        3
     } else {
         2
     }
@@ -49,7 +52,7 @@ pub const fn decode_stages(head_dim: usize) -> usize {
 
 /// Waits for the copies of stage `s` (phase parity `parity`).
 #[cube]
-pub(super) fn wait_stage_n(bars: &Sequence<Shared<Barrier>>, parity: u32, #[comptime] s: usize) {
+fn wait_stage_n(bars: &Sequence<Shared<Barrier>>, parity: u32, #[comptime] s: usize) {
     bars.index(s).wait_parity(parity);
 }
 
@@ -57,7 +60,7 @@ pub(super) fn wait_stage_n(bars: &Sequence<Shared<Barrier>>, parity: u32, #[comp
 /// stage `s` on that stage's barrier, and commits this thread's copies to it.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub(super) fn issue_stage<E: Float>(
+fn issue_stage<E: Float>(
     args: &FwdCard<E>,
     k_smem: &mut SharedMemory<E>,
     v_smem: &mut SharedMemory<E>,
@@ -75,31 +78,37 @@ pub(super) fn issue_stage<E: Float>(
     commit_copies(bar);
 }
 
-/// The decode forward (see the module doc); arguments as `flash_fwd_sm90`'s `check_v` variant.
+/// The decode forward (module doc); arguments as `flash_fwd_sm90`'s `check_v` variant; `rows_n`:
+/// the plan's rows a tile (a multiple of 8, at most 32).
 #[allow(clippy::too_many_arguments, unused_variables)]
 #[cube(launch_unchecked)]
-pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: usize, #[comptime] paged: bool) {
-    // v holds a NaN or Inf (a cube that saw one): the exact row-wise kernel writes this call
+pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: usize, #[comptime] paged: bool, #[comptime] rows_n: usize) {
     if args.nonfinite[0] != 0u32 {
         terminate!();
     }
     let threads = comptime!(DECODE_THREADS);
-    let block_m = comptime!(DECODE_BM);
+    let stages = comptime!(decode_stages(head_dim, rows_n));
     let block_n = comptime!(DECODE_BN);
-    let stages = comptime!(decode_stages(head_dim));
     let lane = UNIT_POS_PLANE;
     let warp = plane_broadcast(UNIT_POS / 32u32, 0u32);
-    // the first row (inside the tile) of this thread's warp
-    let prow = (warp * 16u32) as usize;
     let tile_e = comptime!(block_n * head_dim);
+    // the rows a thread holds: 2 per n8 block (columns 2 (lane % 4) + {0, 1} of block j)
+    let cols = comptime!(rows_n / 4);
+    let acc_n = comptime!(rows_n / 2);
+    let m_blocks = comptime!(head_dim / 64);
 
-    let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(block_m * head_dim), 1024usize);
+    let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(rows_n * head_dim), 1024usize);
+    let mut p_smem = SharedMemory::<E>::new_aligned(comptime!(rows_n * block_n), 1024usize);
     let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(stages * tile_e), 1024usize);
     let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(stages * tile_e), 1024usize);
-    let mut row_tok = SharedMemory::<u32>::new(block_m);
-    let mut row_head = SharedMemory::<u32>::new(block_m);
-    let mut row_lo = SharedMemory::<u32>::new(block_m);
-    let mut row_hi = SharedMemory::<u32>::new(block_m);
+    let mut row_tok = SharedMemory::<u32>::new(rows_n);
+    let mut row_head = SharedMemory::<u32>::new(rows_n);
+    let mut row_lo = SharedMemory::<u32>::new(rows_n);
+    let mut row_hi = SharedMemory::<u32>::new(rows_n);
+    // the four warps' row maxima of a tile (read before the tile's P^T barrier, so the next
+    // tile's writes cannot overtake them) and, at the end, their row sums
+    let mut red = SharedMemory::<f32>::new(comptime!(4 * rows_n));
+    let mut span = SharedMemory::<u32>::new(2usize);
     let mut bars = Sequence::<Shared<Barrier>>::new();
     #[unroll]
     for _s in 0..stages {
@@ -115,29 +124,60 @@ pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: u
 
     fill_rows(
         &args.slices, &args.segs, slice_off, n_slices, args.hp, head_base, klo, wi.khi, &mut row_tok, &mut row_head, &mut row_lo,
-        &mut row_hi, args.win_l, args.win_r, threads, block_m,
+        &mut row_hi, args.win_l, args.win_r, threads, rows_n,
     );
     sync_cube();
-    // the key tiles end at the last key a row sees (`flash_fwd_sm90`'s check_v clamp: the plan of
-    // a call whose key counts the device writes covers full cache rows, `kv_append`), and start
-    // at the first (that plan has no left window bound); paged tiles keep the plan's start, a
-    // page's first key
-    let mut red = SharedMemory::<u32>::new(comptime!(2 * block_m / 32));
-    let (first, end) = rows_key_span(&row_lo, &row_hi, &mut red, block_m);
-    let khi = min(wi.khi, end);
+    // the keys the rows see: from the first row's first (the plan of a call whose key counts the
+    // device writes covers whole cache rows, `kv_append`; paged tiles keep the plan's start, a
+    // page's first key) to the last row's last. All rows sit in warp 0.
+    if UNIT_POS < 32u32 {
+        let mut first = 0xFFFF_FFFFu32;
+        let mut end = 0u32;
+        if UNIT_POS < rows_n as u32 {
+            let (lo, hi) = (row_lo[UNIT_POS as usize], row_hi[UNIT_POS as usize]);
+            if lo < hi {
+                first = lo;
+            }
+            end = hi;
+        }
+        first = plane_min(first);
+        end = plane_max(end);
+        if UNIT_POS == 0u32 {
+            span[0] = first;
+            span[1] = end;
+        }
+    }
+    sync_cube();
+    let khi = min(wi.khi, span[1]);
     let mut klo = klo;
     if comptime!(!paged) {
-        klo = max(klo, first);
+        klo = max(klo, span[0]);
     }
     let mut n_tiles = 0u32;
     if khi > klo {
         n_tiles = (khi - klo + block_n as u32 - 1) / block_n as u32;
     }
 
-    // the Q tile (swizzled, 16-byte cp.async per unit, committed with stage 0; rows without a
-    // token copy token 0: their key range is empty), and tiles 0 .. stages - 1 into their stages
+    // the Q tile (`rows_n` rows, 128-byte-swizzled, the B operand of S^T; rows without a token
+    // copy token 0, their keys are masked), committed with stage 0, then tiles 0 .. stages - 1
     if n_tiles > 0u32 {
-        copy_q_tile::<E>(&args.q_s, &mut q_smem, &row_tok, &row_head, args.heads_q, UNIT_POS as usize, head_dim, block_m, threads);
+        let vecs = comptime!(head_dim / 8);
+        let units = comptime!(rows_n * head_dim / 8);
+        #[unroll]
+        for it in 0..comptime!(units.div_ceil(threads)) {
+            let idx = UNIT_POS as usize + it * threads;
+            if idx < units {
+                let r = idx / vecs;
+                let c = (idx % vecs) * 8;
+                let mut tok = row_tok[r];
+                if tok == NONE {
+                    tok = 0u32;
+                }
+                let g = (tok * args.heads_q + row_head[r]) as usize * head_dim + c;
+                let s = swizzle_128b(r, c, rows_n);
+                copy_async(&args.q_s.slice(g, g + 8), &mut q_smem.slice_mut(s, s + 8), comptime!(8u32));
+            }
+        }
         #[unroll]
         for s in 0..stages {
             if (s as u32) < n_tiles {
@@ -149,29 +189,31 @@ pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: u
         }
     }
 
-    let o_n = comptime!(head_dim / 2);
-    let mut o_acc = Array::<f32>::new(o_n);
+    // this thread's rows: index i = 2 j + e2 is column 8 j + 2 (lane % 4) + e2
+    let mut rlo = Array::<u32>::new(cols);
+    let mut rhi = Array::<u32>::new(cols);
+    let mut m_r = Array::<f32>::new(cols);
+    let mut l_r = Array::<f32>::new(cols);
+    let mut mx = Array::<f32>::new(cols);
+    let mut alpha = Array::<f32>::new(cols);
     #[unroll]
-    for i in 0..o_n {
+    for i in 0..cols {
+        let c = comptime!((i / 2) * 8 + i % 2) + (lane % 4u32) as usize * 2;
+        rlo[i] = row_lo[c];
+        rhi[i] = row_hi[c];
+        m_r[i] = M_INIT;
+        l_r[i] = 0.0f32;
+    }
+    let mut o_acc = Array::<f32>::new(comptime!(m_blocks * acc_n));
+    #[unroll]
+    for i in 0..comptime!(m_blocks * acc_n) {
         o_acc[i] = 0.0f32;
     }
-    let mut s_acc = Array::<f32>::new(comptime!(block_n / 2));
-    let mut s_i = Array::<i32>::new(1usize);
-    let mut p = Array::<Vector<E, Const<2>>>::new(comptime!(block_n / 4));
-    let mut p8 = Array::<u32>::new(1usize);
+    let mut s_acc = Array::<f32>::new(acc_n);
     let neg_inf = -args.inf;
-    let mut m_r = Array::<f32>::new(2usize);
-    let mut l_r = Array::<f32>::new(2usize);
-    let (row_a, row_b, rows_lo, rows_hi) = lane_rows(&mut m_r, &mut l_r, &row_lo, &row_hi, prow, lane, klo, khi);
-    let rows = (row_a, row_b, rows_lo, rows_hi);
-    let q_wg = 0usize;
-    let mut alpha = Array::<f32>::new(2usize);
-    let q_sl = Array::<f32>::new(2usize);
-    let mut sl = Array::<f32>::new(2usize);
-    // the largest 16-bit magnitude of V's elements seen, as low and high halves of words (NaN and
-    // Inf above every finite value of f16 and bf16 alike)
-    let mut v_lo = 0u32;
-    let mut v_hi = 0u32;
+    // this thread's first key of a tile (keys 16 warp + lane / 4, and 8 more)
+    let key_off = warp * 16u32 + lane / 4u32;
+    let v_lbo = comptime!((block_n * SW_ROW) as u32);
 
     let rounds = (n_tiles + comptime!(stages as u32 - 1)) / comptime!(stages as u32);
     for r in 0..rounds {
@@ -190,43 +232,211 @@ pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: u
                     }
                 }
                 let cur = comptime!(s * tile_e);
-                score_tile::<E>(args, &mut s_acc, &mut s_i, &q_smem, q_wg, &k_smem, cur, head_kv, (t0, t1), &q_sl, &mut sl, &row_lo,
-                    &row_hi, rows, lane, neg_inf, &mut m_r, &mut l_r, &mut alpha, &mut o_acc, &mut p, &mut p8, block_n, head_dim,
-                    false, false, block_m);
-                // every thread folds its share of V(t) into the maxima, 16 bytes a load (as single
-                // elements the check was 43% of a tile's instructions: h200-2026-11-30-decode-wg1-ncu)
-                #[unroll]
-                for i in 0..comptime!(tile_e / (8 * threads)) {
-                    let e0 = cur + (UNIT_POS as usize + i * threads) * 8;
-                    let w4 = Vector::<u32, Const<4>>::reinterpret(v_smem.slice(e0, e0 + 8).into_vectorized().with_vector_size::<Const<8>>()[0]);
-                    #[unroll]
-                    for j in 0..4usize {
-                        v_lo = max(v_lo, w4[j] & 0x7FFFu32);
-                        v_hi = max(v_hi, w4[j] & 0x7FFF_0000u32);
-                    }
-                }
+                // S^T = K Q^T
                 wgmma_fence();
-                pv_steps::<E>(&mut o_acc, &p, &v_smem, cur, block_n, head_dim);
+                #[unroll]
+                for kk in 0..comptime!(head_dim / 16) {
+                    let chunk = comptime!(kk / 4);
+                    let within = comptime!((kk % 4) * 16);
+                    let a_off = cur + comptime!(chunk * block_n * SW_COLS + within);
+                    let b_off = comptime!(chunk * rows_n * SW_COLS + within);
+                    wgmma_ss::<E>(&mut s_acc, &k_smem, a_off as u32, &q_smem, b_off as u32, 0usize, rows_n, false, 0u32, false, 0u32,
+                        comptime!(kk > 0));
+                }
                 wgmma_commit();
                 wgmma_wait(0u32);
-                // every warp is done with stage s: it takes tile t + stages
+                // the mask (each key against its row's range; keys past the tile's end are past
+                // every row's) and this thread's maxima in base-2 units
+                let key0 = t0 + key_off;
+                #[unroll]
+                for i in 0..cols {
+                    mx[i] = neg_inf;
+                }
+                #[unroll]
+                for e in 0..acc_n {
+                    let i = comptime!((e / 4) * 2 + e % 2);
+                    let key = key0 + comptime!(((e % 4) / 2) as u32 * 8);
+                    let mut x = s_acc[e] * args.scale_log2;
+                    if key < rlo[i] || key >= rhi[i] {
+                        x = neg_inf;
+                    }
+                    s_acc[e] = x;
+                    mx[i] = max(mx[i], x);
+                }
+                // over the warp's 16 keys, then the four warps' (lanes 0-3 hold all its rows)
+                #[unroll]
+                for i in 0..cols {
+                    let mut v = mx[i];
+                    v = max(v, plane_shuffle_xor(v, 4u32));
+                    v = max(v, plane_shuffle_xor(v, 8u32));
+                    v = max(v, plane_shuffle_xor(v, 16u32));
+                    if lane < 4u32 {
+                        let c = comptime!((i / 2) * 8 + i % 2) + (lane * 2u32) as usize;
+                        red[warp as usize * rows_n + c] = v;
+                    }
+                }
                 sync_cube();
-                let nt = kt + comptime!(stages as u32);
-                if nt < n_tiles {
-                    let (n0, n1) = tile_bounds(nt, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
+                // every thread has waited for tile t - 1's MMAs before this barrier: its stage takes
+                // tile t - 1 + stages (a barrier of its own at each tile's end: 0-3% slower)
+                let pt = kt + comptime!(stages as u32 - 1);
+                if kt > 0u32 && pt < n_tiles {
+                    let (n0, n1) = tile_bounds(pt, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
                         tpb_magic, block_n, false);
                     let (p0, _p1, pb) = tile_rows(n0, n1, &args.blocks, paged, block_n);
-                    issue_stage(args, &mut k_smem, &mut v_smem, &bars, p0, pb, head_kv, s, head_dim);
+                    issue_stage(args, &mut k_smem, &mut v_smem, &bars, p0, pb, head_kv, comptime!((s + stages - 1) % stages), head_dim);
                 }
+                #[unroll]
+                for i in 0..cols {
+                    let c = comptime!((i / 2) * 8 + i % 2) + (lane % 4u32) as usize * 2;
+                    let mut v = red[c];
+                    #[unroll]
+                    for w in 1..4usize {
+                        v = max(v, red[comptime!(w * rows_n) + c]);
+                    }
+                    let old = m_r[i];
+                    let mut new = old;
+                    if v > old + RESCALE_SLACK {
+                        new = v;
+                    }
+                    alpha[i] = fast_exp2(old - new);
+                    m_r[i] = new;
+                    l_r[i] *= alpha[i];
+                }
+                // P = 2^(s - m), its sums, P^T into shared memory (row c, key k: the B operand)
+                #[unroll]
+                for e in 0..acc_n {
+                    let i = comptime!((e / 4) * 2 + e % 2);
+                    let pv = fast_exp2(s_acc[e] - m_r[i]);
+                    l_r[i] += pv;
+                    let c = comptime!((e / 4) * 8 + e % 2) + (lane % 4u32) as usize * 2;
+                    let k = key_off as usize + comptime!(((e % 4) / 2) * 8);
+                    // (`swizzle_128b` places a 16-byte unit: the key's place inside it added)
+                    p_smem[swizzle_128b(c, k, rows_n) + k % 8] = E::cast_from(pv);
+                }
+                #[unroll]
+                for mb in 0..m_blocks {
+                    #[unroll]
+                    for e in 0..acc_n {
+                        o_acc[mb * acc_n + e] *= alpha[comptime!((e / 4) * 2 + e % 2)];
+                    }
+                }
+                fence_proxy_async();
+                sync_cube();
+                // O^T += V^T P^T
+                wgmma_fence();
+                #[unroll]
+                for mb in 0..m_blocks {
+                    #[unroll]
+                    for ks in 0..comptime!(block_n / 16) {
+                        let a_off = cur + comptime!(mb * block_n * SW_COLS + ks * 16 * SW_COLS);
+                        wgmma_ss::<E>(&mut o_acc, &v_smem, a_off as u32, &p_smem, comptime!((ks * 16) as u32), comptime!(mb * acc_n), rows_n,
+                            true, v_lbo, false, 0u32, true);
+                    }
+                }
+                wgmma_commit();
+                wgmma_wait(0u32);
             }
         }
     }
 
-    // v held a NaN or Inf where the largest magnitude, as a value of E, is one (x - x is not 0)
-    let v_max = f32::cast_from(Vector::<E, Const<2>>::reinterpret(max(v_lo, v_hi >> 16u32))[0]);
-    if v_max - v_max != 0.0f32 {
+    // V held a NaN or Inf where O^T is not finite (x - x is not 0; an element-wise check of the V
+    // tiles was ~100 instructions a tile)
+    let mut bad = false;
+    #[unroll]
+    for i in 0..comptime!(m_blocks * acc_n) {
+        let o = o_acc[i];
+        bad = bad || o - o != 0.0f32;
+    }
+    if bad {
         args.nonfinite[0] = 1u32;
     }
-    write_out(args, &o_acc, &m_r, &mut l_r, &row_tok, &mut row_head, prow, row_a, row_b, lane, y, slot, 0u32, head_kv, neg_inf, head_dim,
-        false, false);
+
+    // the row sums: over the warp's keys, then the four warps' in order (every reader of the last
+    // tile's maxima in `red` read them before that tile's P^T barrier)
+    #[unroll]
+    for i in 0..cols {
+        let mut l = l_r[i];
+        l += plane_shuffle_xor(l, 4u32);
+        l += plane_shuffle_xor(l, 8u32);
+        l += plane_shuffle_xor(l, 16u32);
+        if lane < 4u32 {
+            let c = comptime!((i / 2) * 8 + i % 2) + (lane * 2u32) as usize;
+            red[warp as usize * rows_n + c] = l;
+        }
+    }
+    sync_cube();
+    let mut inv = Array::<f32>::new(cols);
+    #[unroll]
+    for i in 0..cols {
+        let c = comptime!((i / 2) * 8 + i % 2) + (lane % 4u32) as usize * 2;
+        let mut l = red[c];
+        #[unroll]
+        for w in 1..4usize {
+            l += red[comptime!(w * rows_n) + c];
+        }
+        l_r[i] = l;
+        let mut f = 0.0f32;
+        if l > 0.0f32 {
+            f = 1.0f32 / l;
+        }
+        inv[i] = f;
+    }
+
+    // O^T element e of m-block mb: channel 64 mb + 16 warp + lane / 4 (+ 8), row c
+    let ch0 = (warp * 16u32 + lane / 4u32) as usize;
+    if slot == NONE {
+        #[unroll]
+        for mb in 0..m_blocks {
+            #[unroll]
+            for e in 0..acc_n {
+                let i = comptime!((e / 4) * 2 + e % 2);
+                let c = comptime!((e / 4) * 8 + e % 2) + (lane % 4u32) as usize * 2;
+                let tok = row_tok[c];
+                if tok != NONE {
+                    let ch = ch0 + comptime!(mb * 64 + ((e % 4) / 2) * 8);
+                    args.out[(tok * args.heads_q + row_head[c]) as usize * head_dim + ch] = E::cast_from(o_acc[mb * acc_n + e] * inv[i]);
+                }
+            }
+        }
+        if UNIT_POS < 4u32 {
+            #[unroll]
+            for i in 0..cols {
+                let c = comptime!((i / 2) * 8 + i % 2) + (lane * 2u32) as usize;
+                let tok = row_tok[c];
+                if tok != NONE {
+                    let mut val = args.inf;
+                    if l_r[i] != 0.0f32 {
+                        val = m_r[i] * LN2 + f32::ln(l_r[i]);
+                    }
+                    args.lse[(row_head[c] * args.total_q + tok) as usize] = val;
+                }
+            }
+        }
+    } else {
+        // split-K partials: slots of `SM90_BLOCK_M` rows (`combine_parts` reads rows with a token)
+        let pbase = ((y * args.n_slots + slot) as usize) * comptime!(SM90_BLOCK_M);
+        #[unroll]
+        for mb in 0..m_blocks {
+            #[unroll]
+            for e in 0..acc_n {
+                let i = comptime!((e / 4) * 2 + e % 2);
+                let c = comptime!((e / 4) * 8 + e % 2) + (lane % 4u32) as usize * 2;
+                if row_tok[c] != NONE {
+                    let ch = ch0 + comptime!(mb * 64 + ((e % 4) / 2) * 8);
+                    args.part_o[(pbase + c) * head_dim + ch] = o_acc[mb * acc_n + e] * inv[i];
+                }
+            }
+        }
+        if UNIT_POS < 4u32 {
+            #[unroll]
+            for i in 0..cols {
+                let c = comptime!((i / 2) * 8 + i % 2) + (lane * 2u32) as usize;
+                let mut val = neg_inf;
+                if l_r[i] != 0.0f32 {
+                    val = m_r[i] * LN2 + f32::ln(l_r[i]);
+                }
+                args.part_lse[pbase + c] = val;
+            }
+        }
+    }
 }

@@ -7,7 +7,6 @@ pub mod chunk_stats;
 pub mod cards;
 pub mod flash_fwd;
 pub mod flash_fwd_decode;
-pub mod flash_fwd_decode_t;
 pub mod flash_fwd_sm90;
 pub mod flash_fwd_ws;
 pub mod fp8_v;

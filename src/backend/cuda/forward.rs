@@ -27,7 +27,6 @@ use crate::dtype::DType;
 use crate::error::{invalid, Result};
 use crate::kernels::flash_fwd::{self, BLOCK_M};
 use crate::kernels::flash_fwd_decode;
-use crate::kernels::flash_fwd_decode_t;
 use crate::kernels::flash_fwd_sm90::{self, SM90_THREADS};
 use crate::kernels::flash_fwd_ws::{self, WS_THREADS};
 use crate::kernels::kv_tiles::{box_rows, kv_map_box};
@@ -187,9 +186,9 @@ pub(crate) fn max_seg_rows(spec: &AttnSpec) -> usize {
     spec.segments.iter().map(|s| s.q_len).max().unwrap_or(0) * hp
 }
 
-/// Packed query rows of a forward tile of `spec` on `be`: `flash_fwd_decode::DECODE_BM` where the
-/// decode kernel serves the call (sm_90, f16 / bf16, head_dim 64 or 128, dense or paged K / V, at
-/// most `FEW_ROWS` rows of one sequence in a tile; `FwdOptions::sm90_decode`), else `BLOCK_M`.
+/// Packed query rows of a forward tile of `spec` on `be`: where the decode kernel serves the call
+/// (sm_90, f16 / bf16, head_dim 64 or 128, dense or paged K / V, at most `FEW_ROWS` rows of one
+/// sequence in a tile; `FwdOptions::sm90_decode`) its N, the rows rounded up to 8; else `BLOCK_M`.
 pub(crate) fn tile_rows(be: &CudaBackend, spec: &AttnSpec) -> usize {
     let o = fwd_options();
     let d = &spec.dims;
@@ -198,11 +197,9 @@ pub(crate) fn tile_rows(be: &CudaBackend, spec: &AttnSpec) -> usize {
         && (d.head_dim == 64 || d.head_dim == 128)
         && spec.block_sparse().is_none()
         && max_seg_rows(spec) <= FEW_ROWS;
-    if decode && o.decode_t {
-        // the swapped kernel's N: the rows rounded up to 8
+    if decode {
+        // the decode kernel's N (its MMAs take the keys as M): the rows rounded up to 8
         max_seg_rows(spec).max(1).next_multiple_of(8)
-    } else if decode {
-        flash_fwd_decode::DECODE_BM
     } else {
         BLOCK_M
     }
@@ -323,9 +320,10 @@ pub(crate) fn fwd_sm90_source(
     Ok(src)
 }
 
-/// CUDA source of the decode forward (`flash_fwd_decode`): the `kernels::sm90` markers lowered,
-/// two one-warpgroup cubes per SM declared (`__launch_bounds__(128, 2)`).
-pub(crate) fn fwd_decode_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: usize, paged: bool) -> Result<Source> {
+/// CUDA source of the decode forward (`flash_fwd_decode`) for tiles of `rows` rows (a multiple
+/// of 8, at most `FEW_ROWS`): the `kernels::sm90` markers lowered, two one-warpgroup cubes per SM
+/// declared (`__launch_bounds__(128, 2)`).
+pub(crate) fn fwd_decode_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: usize, paged: bool, rows: usize) -> Result<Source> {
     macro_rules! k {
         ($t:ty) => {
             codegen_exp2(flash_fwd_decode::flash_fwd_decode::FlashFwdDecode::<$t, CudaRuntime>::new(
@@ -334,30 +332,7 @@ pub(crate) fn fwd_decode_source(client: &ComputeClient<CudaRuntime>, dt: DType, 
                 FwdArgs::compilation(),
                 hd,
                 paged,
-            ), false)
-        };
-    }
-    let mut src = if is_f16(dt) { k!(f16) } else { k!(bf16) }?;
-    src.cuda = super::rewrite::sm90::lower_bounded(&src.entry, &src.cuda, 2)?;
-    Ok(src)
-}
-
-/// CUDA source of the swapped decode forward (`flash_fwd_decode_t`) for tiles of `rows` rows
-/// with `stages` K / V stages, two cubes per SM declared.
-pub(crate) fn fwd_decode_t_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: usize, paged: bool, rows: usize, stages: usize,
-    o_check: bool, late_refill: bool) -> Result<Source> {
-    macro_rules! k {
-        ($t:ty) => {
-            codegen_exp2(flash_fwd_decode_t::flash_fwd_decode_t::FlashFwdDecodeT::<$t, CudaRuntime>::new(
-                settings(flash_fwd_decode::DECODE_THREADS as u32),
-                client.clone(),
-                FwdArgs::compilation(),
-                hd,
-                paged,
                 rows,
-                stages,
-                o_check,
-                late_refill,
             ), false)
         };
     }
@@ -547,17 +522,10 @@ pub(crate) fn launch_forward(
     let (part_o, part_lse) = if po_bytes == 0 { (flag, flag) } else { (p.workspace + offs[1] as u64, p.workspace + offs[2] as u64) };
     let n_part = (po_bytes / (4 * hd)).max(1);
 
-    // the plan packed tiles of `DECODE_BM` rows for the decode kernel (`tile_rows`)
-    let decode = fp.rows == flash_fwd_decode::DECODE_BM;
+    // the plan packed tiles of at most `FEW_ROWS` rows for the decode kernel (`tile_rows`)
     let (f, [k_map, v_map]) = if sm90 && fp.rows <= FEW_ROWS {
-        let stages = fwd_options().decode_t_stages.unwrap_or(flash_fwd_decode_t::decode_t_stages(hd, fp.rows));
-        let (oc, late) = (fwd_options().decode_t_o_check, fwd_options().decode_t_late_refill);
-        let key = KernelKey::new("flash_fwd_decode_t", dt, &[hd as u32, paged as u32, fp.rows as u32, stages as u32, oc as u32, late as u32]);
-        let f = be.kernels.get(&key, || fwd_decode_t_source(client, dt, hd, paged, fp.rows, stages, oc, late))?;
-        (f, kv_maps_sw128(spec, p.k, p.v, flash_fwd_decode::DECODE_BN)?)
-    } else if decode {
-        let key = KernelKey::new("flash_fwd_decode", dt, &[hd as u32, paged as u32]);
-        let f = be.kernels.get(&key, || fwd_decode_source(client, dt, hd, paged))?;
+        let key = KernelKey::new("flash_fwd_decode", dt, &[hd as u32, paged as u32, fp.rows as u32]);
+        let f = be.kernels.get(&key, || fwd_decode_source(client, dt, hd, paged, fp.rows))?;
         (f, kv_maps_sw128(spec, p.k, p.v, flash_fwd_decode::DECODE_BN)?)
     } else if sm90 {
         let (f, bn) = flash_fwd_sm90_kernel(be, dt, hd, false, paged, check_v, false, false, None)?;

@@ -57,13 +57,10 @@ mod tests {
             ("fwd_sm90_sparse_int8_d128", super::super::forward::fwd_sm90_source(c, dt, 128, 64, true, false, 2, false, true, false)),
             // with FP8 P.V (SageAttention2)
             ("fwd_sm90_sparse_int8_fp8_d128", super::super::forward::fwd_sm90_source(c, dt, 128, 64, true, false, 2, false, true, true)),
-            ("fwd_decode_d128", super::super::forward::fwd_decode_source(c, dt, 128, false)),
-            ("fwd_decode_d64", super::super::forward::fwd_decode_source(c, dt, 64, false)),
-            ("fwd_decode_paged_d128", super::super::forward::fwd_decode_source(c, dt, 128, true)),
-            ("fwd_decode_t_d128_r8", super::super::forward::fwd_decode_t_source(c, dt, 128, false, 8, 3, false, false)),
-            ("fwd_decode_t_d128_r32", super::super::forward::fwd_decode_t_source(c, dt, 128, false, 32, 2, false, true)),
-            ("fwd_decode_t_d64_r8", super::super::forward::fwd_decode_t_source(c, dt, 64, false, 8, 6, true, true)),
-            ("fwd_decode_t_paged_d128_r16", super::super::forward::fwd_decode_t_source(c, dt, 128, true, 16, 3, true, false)),
+            ("fwd_decode_d128", super::super::forward::fwd_decode_source(c, dt, 128, false, 8)),
+            ("fwd_decode_d128_r32", super::super::forward::fwd_decode_source(c, dt, 128, false, 32)),
+            ("fwd_decode_d64", super::super::forward::fwd_decode_source(c, dt, 64, false, 8)),
+            ("fwd_decode_paged_d128", super::super::forward::fwd_decode_source(c, dt, 128, true, 16)),
             // block-sparse, 64-row cubes (q_block 64, index per q head): four planes of 16 rows at d128
             ("fwd_sparse_d128", fwd_source(c, dt, 128, 1, 64, 64, true, false, false, true, true)),
             // block-sparse, 128-row cubes (q_block 128, or a GQA group packed): two planes of 32 rows

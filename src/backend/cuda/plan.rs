@@ -29,7 +29,7 @@ impl Plan {
         Plan::with_rows(spec, BLOCK_M)
     }
 
-    /// The plan with tiles of `rows` packed rows (`BLOCK_M`, or `DECODE_BM` for the decode kernel,
+    /// The plan with tiles of `rows` packed rows (`BLOCK_M`, or the decode kernel's 8-32,
     /// `forward::tile_rows`).
     pub fn with_rows(spec: &AttnSpec, rows: usize) -> Plan {
         let mut segs = Vec::with_capacity(spec.segments.len() * 4);
@@ -93,8 +93,8 @@ pub struct FwdPlan {
     /// Packed rows (query rows x `hp`) of the longest segment: the most a tile holds of one
     /// segment (`forward::launch_forward` picks the decode variant from it).
     pub max_seg_rows: usize,
-    /// Packed rows a tile holds (`BLOCK_M`; `DECODE_BM` for the decode kernel). Partial slots keep
-    /// `BLOCK_M` rows either way.
+    /// Packed rows a tile holds (`BLOCK_M`; 8-32 for the decode kernel, `forward::tile_rows`).
+    /// Partial slots keep `BLOCK_M` rows either way.
     pub rows: usize,
 }
 
@@ -191,10 +191,7 @@ impl FwdPlan {
         if opts.split && tiles.len() * y < target {
             let total: u64 = tiles.iter().map(|t| kt(t.len())).sum();
             let want = target.div_ceil(y) as u64;
-            chunk = total.div_ceil(want).max(8);
-            if opts.split_fill {
-                chunk = fill_chunk(tiles.iter().map(|t| kt(t.len())), chunk, want);
-            }
+            chunk = fill_chunk(tiles.iter().map(|t| kt(t.len())), total.div_ceil(want).max(8), want);
         }
         let max_seg_rows = spec.segments.iter().map(|s| s.q_len * hp).max().unwrap_or(0);
         let mut plan = FwdPlan { hp: hp as u32, n_tiles: tiles.len(), max_seg_rows, rows: bm, ..Default::default() };
@@ -387,21 +384,25 @@ mod fwd_plan_tests {
     }
 
     #[test]
-    fn decode_tiles_of_64_rows_cover_every_row() {
-        // decode steps (one query row x a GQA group of 4 a sequence, 32 sequences: 128 rows, which
-        // 128-row tiles pack into one) and a few-rows grouped call of ragged key ranges
+    fn decode_tiles_of_8_to_32_rows_cover_every_row() {
+        // decode steps (one query row x a GQA group of 4 a sequence, 32 sequences) and a few-rows
+        // grouped call of ragged key ranges, in the decode kernel's tiles (the rows rounded up to 8)
         let qr: Vec<[i32; 2]> = (0..32).map(|b| [b, b + 1]).collect();
         let kr: Vec<[i32; 2]> = (0..32).map(|b| [b * 2048, b * 2048 + 2048 - 7 * b]).collect();
         let spec = grouped(32, 8, &qr, &kr, 32, 32 * 2048, true);
         for o in all_opts() {
-            let p = check_rows(&spec, &o, 64);
-            if o.pack_heads {
-                assert!(p.n_tiles >= 2, "128 packed rows need two 64-row tiles");
+            for bm in [8, 16, 32] {
+                let p = check_rows(&spec, &o, bm);
+                if o.pack_heads {
+                    assert!(p.n_tiles >= 128 / bm, "128 packed rows need {} tiles of {bm}", 128 / bm);
+                }
             }
         }
         let spec = grouped(8, 2, &[[0, 3], [3, 5], [5, 13]], &[[0, 700], [100, 900], [0, 64]], 13, 900, false);
         for o in all_opts() {
-            check_rows(&spec, &o, 64);
+            for bm in [8, 16, 24, 32] {
+                check_rows(&spec, &o, bm);
+            }
         }
     }
 
