@@ -795,35 +795,6 @@ pub(crate) fn rows_key_end(row_hi: &SharedMemory<u32>, red: &mut SharedMemory<u3
     end
 }
 
-/// The first key any of a tile's `block_m` rows sees (the smallest `row_lo` of the rows with keys,
-/// `u32::MAX` when none has any) and the end of the keys any sees (the largest `row_hi`), as
-/// [`rows_key_end`] computes the end (`red`: `2 * block_m / 32` words). Ends in a cube barrier.
-/// Used where the plan's key range of an item may start before its rows' keys: a decode step
-/// whose key counts the device wrote, with a left window bound.
-#[cube]
-pub(crate) fn rows_key_span(row_lo: &SharedMemory<u32>, row_hi: &SharedMemory<u32>, red: &mut SharedMemory<u32>,
-    #[comptime] block_m: usize) -> (u32, u32) {
-    let planes = comptime!(block_m / 32);
-    if UNIT_POS < block_m as u32 {
-        let (lo, hi) = (row_lo[UNIT_POS as usize], row_hi[UNIT_POS as usize]);
-        let first = plane_min(select(lo < hi, lo, 0xFFFF_FFFFu32));
-        let end = plane_max(hi);
-        if UNIT_POS_PLANE == 0u32 {
-            red[(UNIT_POS / 32u32) as usize] = first;
-            red[planes + (UNIT_POS / 32u32) as usize] = end;
-        }
-    }
-    sync_cube();
-    let mut first = 0xFFFF_FFFFu32;
-    let mut end = 0u32;
-    #[unroll]
-    for i in 0..planes {
-        first = min(first, red[i]);
-        end = max(end, red[planes + i]);
-    }
-    (first, end)
-}
-
 /// Multiplier that divides a tile index by `d` (= `tiles_per_block`) with one `mul_hi`:
 /// ceil(2^32 / d) (2^32 / d exactly for a power of two); 0 for d = 1, which `tile_bounds` takes
 /// apart. `mul_hi(kt, m)` = `kt / d` for every `kt * d < 2^32` (the error `kt * (m d - 2^32) / 2^32`
