@@ -78,6 +78,30 @@ fn issue_stage<E: Float>(
     commit_copies(bar);
 }
 
+/// Row (N index) `i` of this thread's `n / 4`: column `2 (lane % 4) + i % 2` of n8 block `i / 2`
+/// (the accumulator's columns; lanes 0-3 hold every row of their warp).
+#[cube]
+fn thread_row(lane: u32, #[comptime] i: usize) -> usize {
+    comptime!((i / 2) * 8 + i % 2) + (lane % 4u32) as usize * 2
+}
+
+/// The four warps' values of row `c` in `red` (row-major by warp, `rows_n` a warp) folded by max
+/// (`sum` false) or sum, in warp order.
+#[cube]
+fn over_warps(red: &SharedMemory<f32>, c: usize, #[comptime] rows_n: usize, #[comptime] sum: bool) -> f32 {
+    let mut v = red[c];
+    #[unroll]
+    for w in 1..4usize {
+        let x = red[comptime!(w * rows_n) + c];
+        if comptime!(sum) {
+            v += x;
+        } else {
+            v = max(v, x);
+        }
+    }
+    v
+}
+
 /// The decode forward (module doc); arguments as `flash_fwd_sm90`'s `check_v` variant; `rows_n`:
 /// the plan's rows a tile (a multiple of 8, at most 32).
 #[allow(clippy::too_many_arguments, unused_variables)]
@@ -198,7 +222,7 @@ pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: u
     let mut alpha = Array::<f32>::new(cols);
     #[unroll]
     for i in 0..cols {
-        let c = comptime!((i / 2) * 8 + i % 2) + (lane % 4u32) as usize * 2;
+        let c = thread_row(lane, i);
         rlo[i] = row_lo[c];
         rhi[i] = row_hi[c];
         m_r[i] = M_INIT;
@@ -271,7 +295,7 @@ pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: u
                     v = max(v, plane_shuffle_xor(v, 8u32));
                     v = max(v, plane_shuffle_xor(v, 16u32));
                     if lane < 4u32 {
-                        let c = comptime!((i / 2) * 8 + i % 2) + (lane * 2u32) as usize;
+                        let c = thread_row(lane, i);
                         red[warp as usize * rows_n + c] = v;
                     }
                 }
@@ -287,12 +311,7 @@ pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: u
                 }
                 #[unroll]
                 for i in 0..cols {
-                    let c = comptime!((i / 2) * 8 + i % 2) + (lane % 4u32) as usize * 2;
-                    let mut v = red[c];
-                    #[unroll]
-                    for w in 1..4usize {
-                        v = max(v, red[comptime!(w * rows_n) + c]);
-                    }
+                    let v = over_warps(&red, thread_row(lane, i), rows_n, false);
                     let old = m_r[i];
                     let mut new = old;
                     if v > old + RESCALE_SLACK {
@@ -308,7 +327,7 @@ pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: u
                     let i = comptime!((e / 4) * 2 + e % 2);
                     let pv = fast_exp2(s_acc[e] - m_r[i]);
                     l_r[i] += pv;
-                    let c = comptime!((e / 4) * 8 + e % 2) + (lane % 4u32) as usize * 2;
+                    let c = thread_row(lane, comptime!((e / 4) * 2 + e % 2));
                     let k = key_off as usize + comptime!(((e % 4) / 2) * 8);
                     // (`swizzle_128b` places a 16-byte unit: the key's place inside it added)
                     p_smem[swizzle_128b(c, k, rows_n) + k % 8] = E::cast_from(pv);
@@ -360,7 +379,7 @@ pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: u
         l += plane_shuffle_xor(l, 8u32);
         l += plane_shuffle_xor(l, 16u32);
         if lane < 4u32 {
-            let c = comptime!((i / 2) * 8 + i % 2) + (lane * 2u32) as usize;
+            let c = thread_row(lane, i);
             red[warp as usize * rows_n + c] = l;
         }
     }
@@ -368,12 +387,7 @@ pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: u
     let mut inv = Array::<f32>::new(cols);
     #[unroll]
     for i in 0..cols {
-        let c = comptime!((i / 2) * 8 + i % 2) + (lane % 4u32) as usize * 2;
-        let mut l = red[c];
-        #[unroll]
-        for w in 1..4usize {
-            l += red[comptime!(w * rows_n) + c];
-        }
+        let l = over_warps(&red, thread_row(lane, i), rows_n, true);
         l_r[i] = l;
         let mut f = 0.0f32;
         if l > 0.0f32 {
@@ -390,7 +404,7 @@ pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: u
             #[unroll]
             for e in 0..acc_n {
                 let i = comptime!((e / 4) * 2 + e % 2);
-                let c = comptime!((e / 4) * 8 + e % 2) + (lane % 4u32) as usize * 2;
+                let c = thread_row(lane, comptime!((e / 4) * 2 + e % 2));
                 let tok = row_tok[c];
                 if tok != NONE {
                     let ch = ch0 + comptime!(mb * 64 + ((e % 4) / 2) * 8);
@@ -401,7 +415,7 @@ pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: u
         if UNIT_POS < 4u32 {
             #[unroll]
             for i in 0..cols {
-                let c = comptime!((i / 2) * 8 + i % 2) + (lane * 2u32) as usize;
+                let c = thread_row(lane, i);
                 let tok = row_tok[c];
                 if tok != NONE {
                     let mut val = args.inf;
@@ -420,7 +434,7 @@ pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: u
             #[unroll]
             for e in 0..acc_n {
                 let i = comptime!((e / 4) * 2 + e % 2);
-                let c = comptime!((e / 4) * 8 + e % 2) + (lane % 4u32) as usize * 2;
+                let c = thread_row(lane, comptime!((e / 4) * 2 + e % 2));
                 if row_tok[c] != NONE {
                     let ch = ch0 + comptime!(mb * 64 + ((e % 4) / 2) * 8);
                     args.part_o[(pbase + c) * head_dim + ch] = o_acc[mb * acc_n + e] * inv[i];
@@ -430,7 +444,7 @@ pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: u
         if UNIT_POS < 4u32 {
             #[unroll]
             for i in 0..cols {
-                let c = comptime!((i / 2) * 8 + i % 2) + (lane * 2u32) as usize;
+                let c = thread_row(lane, i);
                 let mut val = neg_inf;
                 if l_r[i] != 0.0f32 {
                     val = m_r[i] * LN2 + f32::ln(l_r[i]);
