@@ -185,6 +185,9 @@ pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: u
     // the Q tile (`rows_n` rows, 128-byte-swizzled, the B operand of S^T; rows without a token
     // copy token 0, their keys are masked), committed with stage 0, then tiles 0 .. stages - 1
     if n_tiles > 0u32 {
+        // (`flash_fwd_sm90::copy_q_tile` without its guard: here the copies may be fewer than the
+        // units; moving the guard there drops it from the variants whose copies fill the units,
+        // which changes their SASS and waits for a GPU run)
         let vecs = comptime!(head_dim / 8);
         let units = comptime!(rows_n * head_dim / 8);
         #[unroll]
@@ -327,7 +330,7 @@ pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: u
                     let i = comptime!((e / 4) * 2 + e % 2);
                     let pv = fast_exp2(s_acc[e] - m_r[i]);
                     l_r[i] += pv;
-                    let c = thread_row(lane, comptime!((e / 4) * 2 + e % 2));
+                    let c = thread_row(lane, i);
                     let k = key_off as usize + comptime!(((e % 4) / 2) * 8);
                     // (`swizzle_128b` places a 16-byte unit: the key's place inside it added)
                     p_smem[swizzle_128b(c, k, rows_n) + k % 8] = E::cast_from(pv);
@@ -404,7 +407,7 @@ pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: u
             #[unroll]
             for e in 0..acc_n {
                 let i = comptime!((e / 4) * 2 + e % 2);
-                let c = thread_row(lane, comptime!((e / 4) * 2 + e % 2));
+                let c = thread_row(lane, i);
                 let tok = row_tok[c];
                 if tok != NONE {
                     let ch = ch0 + comptime!(mb * 64 + ((e % 4) / 2) * 8);
@@ -434,7 +437,7 @@ pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: u
             #[unroll]
             for e in 0..acc_n {
                 let i = comptime!((e / 4) * 2 + e % 2);
-                let c = thread_row(lane, comptime!((e / 4) * 2 + e % 2));
+                let c = thread_row(lane, i);
                 if row_tok[c] != NONE {
                     let ch = ch0 + comptime!(mb * 64 + ((e % 4) / 2) * 8);
                     args.part_o[(pbase + c) * head_dim + ch] = o_acc[mb * acc_n + e] * inv[i];

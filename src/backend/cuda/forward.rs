@@ -192,14 +192,15 @@ pub(crate) fn max_seg_rows(spec: &AttnSpec) -> usize {
 pub(crate) fn tile_rows(be: &CudaBackend, spec: &AttnSpec) -> usize {
     let o = fwd_options();
     let d = &spec.dims;
+    let rows = max_seg_rows(spec);
     let decode = o.sm90_decode
         && sm90_forward(be, spec)
         && (d.head_dim == 64 || d.head_dim == 128)
         && spec.block_sparse().is_none()
-        && max_seg_rows(spec) <= FEW_ROWS;
+        && rows <= FEW_ROWS;
     if decode {
         // the decode kernel's N (its MMAs take the keys as M): the rows rounded up to 8
-        max_seg_rows(spec).max(1).next_multiple_of(8)
+        rows.max(1).next_multiple_of(8)
     } else {
         BLOCK_M
     }

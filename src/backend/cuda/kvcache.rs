@@ -110,8 +110,8 @@ impl CudaBackend {
     /// The plan of a device-count call of `spec`: items over whole rows. A left window would
     /// bound them from below by the rows at the capacity's end, where a row with fewer keys sees
     /// none; the decode kernel starts each cube's tiles at its rows' first key (`flash_fwd_decode`)
-    /// and applies the window per row, so the plan (keyed without the left
-    /// bound, under its own tag: `kv_append` rewrites its key counts) serves every left window.
+    /// and applies the window per row, so the plan (keyed without the left bound, under its own
+    /// tag: `kv_append` rewrites its key counts) serves every left window.
     fn counts_plan(&self, spec: &AttnSpec, stream: CUstream) -> Result<Arc<Cached<Plan>>> {
         let mut whole = spec.clone();
         whole.window.left = None;
