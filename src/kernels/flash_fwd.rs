@@ -121,50 +121,76 @@ pub fn combine_parts<E: Float>(
     sync_cube();
     let lane = UNIT_POS_PLANE as usize;
     let plane = (UNIT_POS / 32u32) as usize;
-    let per_lane = comptime!(head_dim / 32);
+    let base = CUBE_POS_Y * n_slots + first;
     for rr in 0..comptime!(BLOCK_M / PLANES) {
         let tr = rr * PLANES + plane;
         let tok = row_tok[tr];
         if tok != NONE {
-            let mut mx = -inf;
-            for p in 0..n_parts {
-                let b = ((CUBE_POS_Y * n_slots + first + p) as usize) * BLOCK_M + tr;
-                mx = max(mx, part_lse[b]);
-            }
-            let mut acc = Array::<f32>::new(per_lane);
+            merge_row(out, lse, part_o, part_lse, base, n_parts, tr, tok, row_head[tr], heads_q, total_q, inf, lane, head_dim, BLOCK_M);
+        }
+    }
+}
+
+/// Row `tr` of a split tile merged from its `n_parts` partials (slots `base ..`, `block_m` rows a
+/// slot): each part weighted by 2^(its LSE - the largest), written to `out` / `lse` at token `tok`,
+/// q head `head` (`inf` for a row no part saw). A warp's lanes take columns `lane + 32 i`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn merge_row<E: Float>(
+    out: &mut Array<E>,
+    lse: &mut Array<f32>,
+    part_o: &Array<f32>,
+    part_lse: &Array<f32>,
+    base: u32,
+    n_parts: u32,
+    tr: usize,
+    tok: u32,
+    head: u32,
+    heads_q: u32,
+    total_q: u32,
+    inf: f32,
+    lane: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] block_m: usize,
+) {
+    let per_lane = comptime!(head_dim / 32);
+    let mut mx = -inf;
+    for p in 0..n_parts {
+        let b = ((base + p) as usize) * block_m + tr;
+        mx = max(mx, part_lse[b]);
+    }
+    let mut acc = Array::<f32>::new(per_lane);
+    #[unroll]
+    for i in 0..per_lane {
+        acc[i] = 0.0f32;
+    }
+    let mut sum = 0.0f32;
+    if mx != -inf {
+        for p in 0..n_parts {
+            let b = ((base + p) as usize) * block_m + tr;
+            let w = f32::exp(part_lse[b] - mx);
+            sum += w;
             #[unroll]
             for i in 0..per_lane {
-                acc[i] = 0.0f32;
-            }
-            let mut sum = 0.0f32;
-            if mx != -inf {
-                for p in 0..n_parts {
-                    let b = ((CUBE_POS_Y * n_slots + first + p) as usize) * BLOCK_M + tr;
-                    let w = f32::exp(part_lse[b] - mx);
-                    sum += w;
-                    #[unroll]
-                    for i in 0..per_lane {
-                        acc[i] += w * part_o[b * head_dim + i * 32 + lane];
-                    }
-                }
-            }
-            let mut inv = 0.0f32;
-            if sum > 0.0f32 {
-                inv = 1.0f32 / sum;
-            }
-            let g = (tok * heads_q + row_head[tr]) as usize * head_dim;
-            #[unroll]
-            for i in 0..per_lane {
-                out[g + i * 32 + lane] = E::cast_from(acc[i] * inv);
-            }
-            if lane == 0 {
-                let mut val = inf;
-                if sum != 0.0f32 {
-                    val = mx + f32::ln(sum);
-                }
-                lse[(row_head[tr] * total_q + tok) as usize] = val;
+                acc[i] += w * part_o[b * head_dim + i * 32 + lane];
             }
         }
+    }
+    let mut inv = 0.0f32;
+    if sum > 0.0f32 {
+        inv = 1.0f32 / sum;
+    }
+    let g = (tok * heads_q + head) as usize * head_dim;
+    #[unroll]
+    for i in 0..per_lane {
+        out[g + i * 32 + lane] = E::cast_from(acc[i] * inv);
+    }
+    if lane == 0 {
+        let mut val = inf;
+        if sum != 0.0f32 {
+            val = mx + f32::ln(sum);
+        }
+        lse[(head * total_q + tok) as usize] = val;
     }
 }
 

@@ -17,17 +17,19 @@
 //! the O^T MMAs. The row sums stay per thread (its keys) and are reduced once at the end. A NaN or
 //! Inf in V reaches every column of O^T (P is finite, 0 x Inf is NaN): a cube whose O^T is not
 //! finite sets the non-finite flag, and the exact kernel writes the call. Work list, rows, paged K /
-//! V and split-K partials (slots of `SM90_BLOCK_M` rows, `combine_parts`) are the Hopper forward's.
+//! V and split-K partials (slots of `SM90_BLOCK_M` rows) are the Hopper forward's; the parts of a
+//! split tile are merged in this launch by the part that finishes last (a counter per tile),
+//! not by `combine_parts`.
 
 use cubecl::prelude::*;
-use cubecl::prelude::barrier::{copy_async, Barrier};
+use cubecl::prelude::barrier::Barrier;
 
 use super::cards::FwdCard;
-use super::flash_fwd::{fill_rows, tile_bounds, work_item, M_INIT, NONE, RESCALE_SLACK};
-use super::flash_fwd_sm90::SM90_BLOCK_M;
+use super::flash_fwd::{fill_rows, merge_row, tile_bounds, work_item, M_INIT, NONE, RESCALE_SLACK};
+use super::flash_fwd_sm90::{copy_q_tile, SM90_BLOCK_M};
 use super::kv_tiles::{issue_tile_boxes, tile_rows};
 use super::math::{fast_exp2, LN2};
-use super::sm90::{fence_proxy_async, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_ss, wgmma_wait, SW_COLS, SW_ROW};
+use super::sm90::{fence_gpu, fence_proxy_async, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_ss, wgmma_wait, SW_COLS, SW_ROW};
 use super::staging::commit_copies;
 
 /// Keys per tile.
@@ -102,11 +104,20 @@ fn over_warps(red: &SharedMemory<f32>, c: usize, #[comptime] rows_n: usize, #[co
     v
 }
 
-/// The decode forward (module doc); arguments as `flash_fwd_sm90`'s `check_v` variant; `rows_n`:
+/// The decode forward (module doc); arguments as `flash_fwd_sm90`'s `check_v` variant, and for
+/// split tiles `arrivals` (one zeroed counter per partial slot `y * n_slots + s`; a tile counts on
+/// its first slot's) and `slot_parts` (per slot: the tile's first slot and its parts); `rows_n`:
 /// the plan's rows a tile (a multiple of 8, at most 32).
 #[allow(clippy::too_many_arguments, unused_variables)]
 #[cube(launch_unchecked)]
-pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: usize, #[comptime] paged: bool, #[comptime] rows_n: usize) {
+pub fn flash_fwd_decode<E: Float>(
+    args: &mut FwdCard<E>,
+    arrivals: &mut Array<Atomic<u32>>,
+    slot_parts: &Array<u32>,
+    #[comptime] head_dim: usize,
+    #[comptime] paged: bool,
+    #[comptime] rows_n: usize,
+) {
     if args.nonfinite[0] != 0u32 {
         terminate!();
     }
@@ -185,26 +196,7 @@ pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: u
     // the Q tile (`rows_n` rows, 128-byte-swizzled, the B operand of S^T; rows without a token
     // copy token 0, their keys are masked), committed with stage 0, then tiles 0 .. stages - 1
     if n_tiles > 0u32 {
-        // (`flash_fwd_sm90::copy_q_tile` without its guard: here the copies may be fewer than the
-        // units; moving the guard there drops it from the variants whose copies fill the units,
-        // which changes their SASS and waits for a GPU run)
-        let vecs = comptime!(head_dim / 8);
-        let units = comptime!(rows_n * head_dim / 8);
-        #[unroll]
-        for it in 0..comptime!(units.div_ceil(threads)) {
-            let idx = UNIT_POS as usize + it * threads;
-            if idx < units {
-                let r = idx / vecs;
-                let c = (idx % vecs) * 8;
-                let mut tok = row_tok[r];
-                if tok == NONE {
-                    tok = 0u32;
-                }
-                let g = (tok * args.heads_q + row_head[r]) as usize * head_dim + c;
-                let s = swizzle_128b(r, c, rows_n);
-                copy_async(&args.q_s.slice(g, g + 8), &mut q_smem.slice_mut(s, s + 8), comptime!(8u32));
-            }
-        }
+        copy_q_tile(&args.q_s, &mut q_smem, &row_tok, &row_head, args.heads_q, UNIT_POS as usize, head_dim, rows_n, threads);
         #[unroll]
         for s in 0..stages {
             if (s as u32) < n_tiles {
@@ -430,7 +422,7 @@ pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: u
             }
         }
     } else {
-        // split-K partials: slots of `SM90_BLOCK_M` rows (`combine_parts` reads rows with a token)
+        // split-K partials: slots of `SM90_BLOCK_M` rows (the merge reads the rows with a token)
         let pbase = ((y * args.n_slots + slot) as usize) * comptime!(SM90_BLOCK_M);
         #[unroll]
         for mb in 0..m_blocks {
@@ -453,6 +445,29 @@ pub fn flash_fwd_decode<E: Float>(args: &mut FwdCard<E>, #[comptime] head_dim: u
                     val = m_r[i] * LN2 + f32::ln(l_r[i]);
                 }
                 args.part_lse[pbase + c] = val;
+            }
+        }
+        // the split-K combine in this launch: the tile's part that arrives last on its counter
+        // merges the parts (its stores, and every other part's, ordered before the arrivals)
+        let first = slot_parts[(slot * 2u32) as usize];
+        let n_parts = slot_parts[(slot * 2u32 + 1u32) as usize];
+        let base = y * args.n_slots + first;
+        fence_gpu();
+        sync_cube();
+        if UNIT_POS == 0u32 {
+            span[0] = arrivals[base as usize].fetch_add(1u32);
+        }
+        sync_cube();
+        if span[0] + 1u32 == n_parts {
+            fence_gpu();
+            #[unroll]
+            for rr in 0..comptime!(rows_n / 4) {
+                let c = rr * 4 + warp as usize;
+                let tok = row_tok[c];
+                if tok != NONE {
+                    merge_row(&mut args.out, &mut args.lse, &args.part_o, &args.part_lse, base, n_parts, c, tok, row_head[c],
+                        args.heads_q, args.total_q, args.inf, lane as usize, head_dim, SM90_BLOCK_M);
+                }
             }
         }
     }

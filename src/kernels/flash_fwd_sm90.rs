@@ -277,10 +277,11 @@ fn pv_steps_e4m3<E: Float>(
 
 /// The Q tile of a Hopper forward cube into the 128-byte-swizzled `q_smem`: `block_m` rows of
 /// `row_e` elements (int8 rows as pairs of E), 16-byte `cp.async` copies by the `units` units
-/// numbered `unit`; rows without a token copy token 0 (their key range is empty).
+/// numbered `unit`; rows without a token copy token 0 (their key range is empty). The copies may
+/// not fill the units (a decode tile's few rows): only then is each one guarded.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub(super) fn copy_q_tile<E: Float>(
+pub(crate) fn copy_q_tile<E: Float>(
     q_s: &Array<E>,
     q_smem: &mut SharedMemory<E>,
     row_tok: &SharedMemory<u32>,
@@ -291,20 +292,41 @@ pub(super) fn copy_q_tile<E: Float>(
     #[comptime] block_m: usize,
     #[comptime] units: usize,
 ) {
-    let vecs = comptime!(row_e / 8);
+    let copies = comptime!(block_m * (row_e / 8));
     #[unroll]
-    for it in 0..comptime!(block_m * (row_e / 8) / units) {
+    for it in 0..comptime!(copies.div_ceil(units)) {
         let idx = unit + it * units;
-        let r = idx / vecs;
-        let c = (idx % vecs) * 8;
-        let mut tok = row_tok[r];
-        if tok == NONE {
-            tok = 0u32;
+        if comptime!(copies % units == 0) {
+            copy_q_unit(q_s, q_smem, row_tok, row_head, heads_q, idx, row_e, block_m);
+        } else if idx < copies {
+            copy_q_unit(q_s, q_smem, row_tok, row_head, heads_q, idx, row_e, block_m);
         }
-        let g = (tok * heads_q + row_head[r]) as usize * row_e + c;
-        let s = swizzle_128b(r, c, block_m);
-        copy_async(&q_s.slice(g, g + 8), &mut q_smem.slice_mut(s, s + 8), comptime!(8u32));
     }
+}
+
+/// Copy `idx` of [`copy_q_tile`]: 8 elements of a Q row into their swizzled place.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn copy_q_unit<E: Float>(
+    q_s: &Array<E>,
+    q_smem: &mut SharedMemory<E>,
+    row_tok: &SharedMemory<u32>,
+    row_head: &SharedMemory<u32>,
+    heads_q: u32,
+    idx: usize,
+    #[comptime] row_e: usize,
+    #[comptime] block_m: usize,
+) {
+    let vecs = comptime!(row_e / 8);
+    let r = idx / vecs;
+    let c = (idx % vecs) * 8;
+    let mut tok = row_tok[r];
+    if tok == NONE {
+        tok = 0u32;
+    }
+    let g = (tok * heads_q + row_head[r]) as usize * row_e + c;
+    let s = swizzle_128b(r, c, block_m);
+    copy_async(&q_s.slice(g, g + 8), &mut q_smem.slice_mut(s, s + 8), comptime!(8u32));
 }
 
 /// One key tile's scores into P: S = Q K^T by wgmma from the K tile at element `cur_k` of

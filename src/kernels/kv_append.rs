@@ -23,8 +23,9 @@ fn count_fits(c: u32, width: u32, n_new: u32) -> bool {
 /// each: heads_kv x head_dim 16-bit values) into row `b` of the caches (`width` keys a row) at key
 /// `counts[b] + t`; cube (0, b) also sets segment `b`'s key count (`segs[4 b + 3]`) to
 /// `counts[b] + n_new`, or to 0 when the count does not fit (nothing is appended then). Cube
-/// (0, 0) zeroes the forward's non-finite-v flag (`nonfinite`), which the forward launched next
-/// would otherwise zero with a memset of its own.
+/// (0, 0) zeroes `nonfinite`, the forward's non-finite-v flag followed by the decode kernel's
+/// split-K counters (its whole length), which the forward launched next would otherwise zero with
+/// a memset of its own.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub fn kv_append(
@@ -43,10 +44,14 @@ pub fn kv_append(
     let b = CUBE_POS_Y;
     let c = counts[b as usize];
     let ok = count_fits(c, width, n_new);
-    if t == 0u32 && UNIT_POS == 0u32 {
-        if b == 0u32 {
-            nonfinite[0] = 0u32;
+    if t == 0u32 && b == 0u32 {
+        let mut w = UNIT_POS;
+        while w < nonfinite.len() as u32 {
+            nonfinite[w as usize] = 0u32;
+            w += CUBE_DIM_X;
         }
+    }
+    if t == 0u32 && UNIT_POS == 0u32 {
         let mut n = 0u32;
         if ok {
             n = c + n_new;

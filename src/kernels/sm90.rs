@@ -1,7 +1,7 @@
 //! Hopper (sm_90a) instructions that CubeCL 0.10 cannot express, as named intrinsics of `#[cube]`
 //! code: the warpgroup MMA (`wgmma.mma_async` with shared-memory operands or a register A operand,
-//! its fence / commit / wait), the generic-to-async proxy fence, and the turn counters that order
-//! bulk additions across cubes.
+//! its fence / commit / wait), the generic-to-async proxy fence, the GPU-scope fence of counters
+//! between cubes, and the turn counters that order bulk additions across cubes.
 //!
 //! Each intrinsic registers one marker in the kernel's IR: a `printf` whose format string is
 //! [`MARK`] followed by the instruction's name and its compile-time parameters, and whose
@@ -69,6 +69,14 @@ pub fn wgmma_wait(#[comptime] pending: u32) {
 #[cube]
 pub fn fence_proxy_async() {
     intrinsic!(|scope| marker(scope, "proxy_fence".into(), vec![]))
+}
+
+/// `fence.acq_rel.gpu` (CUDA's `__threadfence`): orders this thread's global-memory accesses
+/// before it against those after it at GPU scope, so that a cube's stores reach the other cubes
+/// before its atomic arrival on a counter, and the reads after an arrival see theirs.
+#[cube]
+pub fn fence_gpu() {
+    intrinsic!(|scope| marker(scope, "gpu_fence".into(), vec![]))
 }
 
 /// `setmaxnreg.inc` (`inc`) or `.dec` to `regs` registers a thread (a multiple of 8 in 24..=256)

@@ -84,7 +84,18 @@ fn partial_bytes(spec: &AttnSpec, plan: &Plan) -> [usize; 2] {
 /// outputs and LSE (empty without split tiles).
 fn workspace_parts(spec: &AttnSpec, plan: &Plan) -> [usize; 3] {
     let [po, pl] = if plan.fwd.n_slots == 0 { [0, 0] } else { partial_bytes(spec, plan) };
-    [FLAG_BYTES, po, pl]
+    [FLAG_BYTES + 4 * arrival_words(spec, plan), po, pl]
+}
+
+/// Counters of the decode kernel's split-K merge in its own launch (`flash_fwd_decode`'s
+/// `arrivals`, u32 words after the flag, zeroed with it): one per partial slot and head slot where
+/// the plan's tiles are the decode kernel's (`tile_rows`) and some are split; else none.
+pub(crate) fn arrival_words(spec: &AttnSpec, plan: &Plan) -> usize {
+    let fp = &plan.fwd;
+    if fp.rows > FEW_ROWS || fp.n_slots == 0 {
+        return 0;
+    }
+    (spec.dims.heads_q as u32 / fp.hp.max(1)).max(1) as usize * fp.n_slots as usize
 }
 
 /// Workspace bytes a forward call of `spec` takes with this plan (f32: none).
@@ -331,6 +342,8 @@ pub(crate) fn fwd_decode_source(client: &ComputeClient<CudaRuntime>, dt: DType, 
                 settings(flash_fwd_decode::DECODE_THREADS as u32),
                 client.clone(),
                 FwdArgs::compilation(),
+                A,
+                A,
                 hd,
                 paged,
                 rows,
@@ -497,8 +510,9 @@ pub(crate) fn launch_forward(
     let sm90 = sm90_forward(be, spec);
     let check_v = sm90 && fp.max_seg_rows <= FEW_ROWS;
     // (`flag_zeroed`: a launch ahead on the stream zeroed it, `kv_append`; then only a scan is left)
+    let arrivals = arrival_words(spec, &plan.host);
     if !(flag_zeroed && check_v) {
-        launch_flag(be, dt, p.v, d.kv_len(), flag, !check_v, stream)?;
+        launch_flag(be, dt, p.v, d.kv_len(), flag, FLAG_BYTES + 4 * arrivals, !check_v, stream)?;
     }
     let exact = DenseExact {
         q: p.q,
@@ -524,7 +538,8 @@ pub(crate) fn launch_forward(
     let n_part = (po_bytes / (4 * hd)).max(1);
 
     // the plan packed tiles of at most `FEW_ROWS` rows for the decode kernel (`tile_rows`)
-    let (f, [k_map, v_map]) = if sm90 && fp.rows <= FEW_ROWS {
+    let decode = sm90 && fp.rows <= FEW_ROWS;
+    let (f, [k_map, v_map]) = if decode {
         let key = KernelKey::new("flash_fwd_decode", dt, &[hd as u32, paged as u32, fp.rows as u32]);
         let f = be.kernels.get(&key, || fwd_decode_source(client, dt, hd, paged, fp.rows))?;
         (f, kv_maps_sw128(spec, p.k, p.v, flash_fwd_decode::DECODE_BN)?)
@@ -564,9 +579,17 @@ pub(crate) fn launch_forward(
         win_l,
         win_r,
     };
-    launch(&f, (n_work * y, 1, 1), &mut args.args(), stream)?;
+    let mut a = args.args();
+    if decode {
+        // the split-K counters after the flag (any valid address without a split), and the
+        // tiles of the partial slots
+        let arrivals_at = if arrivals > 0 { flag + FLAG_BYTES as u64 } else { flag };
+        a.array(arrivals_at, arrivals.max(1)).array(t(FwdTable::SlotParts).0, t(FwdTable::SlotParts).1);
+    }
+    launch(&f, (n_work * y, 1, 1), &mut a, stream)?;
 
-    if fp.n_comb() > 0 {
+    // (the decode kernel merges its split tiles itself)
+    if fp.n_comb() > 0 && !decode {
         let key = KernelKey::new("combine_parts", dt, &[hd as u32]);
         let f = be.kernels.get(&key, || combine_source(client, dt, hd))?;
         let mut a = Args::new();
@@ -583,7 +606,7 @@ pub(crate) fn launch_forward(
 
 table_names! {
     /// The tables of a cached forward plan ([`fwd_tables`]).
-    pub(crate) enum FwdTable { Segs, RowSeg, Work, Slices, Comb, Pages }
+    pub(crate) enum FwdTable { Segs, RowSeg, Work, Slices, Comb, Pages, SlotParts }
 }
 
 impl PlanKind for Plan {
@@ -599,6 +622,7 @@ pub(crate) fn fwd_tables(spec: &AttnSpec, plan: &Plan) -> TableSet<FwdTable> {
         .with(FwdTable::Slices, plan.fwd.slices.clone())
         .with(FwdTable::Comb, plan.fwd.comb.clone())
         .with(FwdTable::Pages, spec.kv_pages().unwrap_or_default().to_vec())
+        .with(FwdTable::SlotParts, plan.fwd.slot_parts())
 }
 
 #[cfg(test)]

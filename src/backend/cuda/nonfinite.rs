@@ -28,13 +28,15 @@ pub(crate) const FLAG_BYTES: usize = 4;
 /// multiprocessor on an H100/H200, enough to keep its loads at memory bandwidth.
 const FLAG_CUBES: usize = 1024;
 
-/// Zeroes the flag at `flag` and, with `scan`, enqueues `v_nonfinite` over the `kv_len` elements
-/// of v (f16 or bf16) at `v` (without: the forward kernel sets the flag itself, its `check_v`).
-/// `kv_len` is a multiple of 8 (head_dim a multiple of 32), so v is whole 16-byte vectors.
-pub(crate) fn launch_flag(be: &CudaBackend, dt: DType, v: u64, kv_len: usize, flag: u64, scan: bool, stream: sys::CUstream) -> Result<()> {
-    // SAFETY: `flag` is the first part of the caller's workspace (at least FLAG_BYTES), ordered on
-    // `stream` before the kernels that read it.
-    unsafe { drv::memset_d8_async(flag, 0, FLAG_BYTES, stream) }.map_err(|e| err("cuMemsetD8Async", e))?;
+/// Zeroes the `bytes` at `flag` (the flag, and the decode kernel's split-K counters after it) and,
+/// with `scan`, enqueues `v_nonfinite` over the `kv_len` elements of v (f16 or bf16) at `v`
+/// (without: the forward kernel sets the flag itself, its `check_v`). `kv_len` is a multiple of 8
+/// (head_dim a multiple of 32), so v is whole 16-byte vectors.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_flag(be: &CudaBackend, dt: DType, v: u64, kv_len: usize, flag: u64, bytes: usize, scan: bool, stream: sys::CUstream) -> Result<()> {
+    // SAFETY: `flag` is the first part of the caller's workspace (at least `bytes`, FLAG_BYTES or
+    // more), ordered on `stream` before the kernels that read it.
+    unsafe { drv::memset_d8_async(flag, 0, bytes.max(FLAG_BYTES), stream) }.map_err(|e| err("cuMemsetD8Async", e))?;
     if !scan {
         return Ok(());
     }

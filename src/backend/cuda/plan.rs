@@ -242,6 +242,20 @@ impl FwdPlan {
     pub fn n_comb(&self) -> usize {
         self.comb.len() / COMB_WORDS
     }
+
+    /// Two u32 per partial slot: the first slot of its split tile and the tile's parts (what the
+    /// decode kernel's in-launch merge reads; `comb` inverted).
+    pub fn slot_parts(&self) -> Vec<u32> {
+        let mut t = vec![0u32; 2 * self.n_slots as usize];
+        for c in self.comb.chunks_exact(COMB_WORDS) {
+            let (first, parts) = (c[2], c[3]);
+            for s in first..first + parts {
+                t[2 * s as usize] = first;
+                t[2 * s as usize + 1] = parts;
+            }
+        }
+        t
+    }
 }
 
 /// The smallest split chunk from `chunk` on whose parts (a tile of `n` key tiles makes `ceil(n /
@@ -337,7 +351,9 @@ mod fwd_plan_tests {
         let hp = p.hp as usize;
         let d = &spec.dims;
         let mut seen = vec![0u8; d.total_q * hp];
-        // (slice offset) -> list of (klo, khi)
+        let slot_parts = p.slot_parts();
+        assert_eq!(slot_parts.len(), 2 * p.n_slots as usize);
+        // (slice offset) -> list of (klo, khi, slot)
         let mut ranges: std::collections::BTreeMap<u32, Vec<(u32, u32, u32)>> = Default::default();
         for w in p.work.chunks(WORK_WORDS) {
             ranges.entry(w[0]).or_default().push((w[2], w[3], w[4]));
@@ -352,6 +368,14 @@ mod fwd_plan_tests {
             }
             if rs.len() > 1 {
                 assert!(rs.iter().all(|r| r.2 != NONE));
+                // the decode kernel's merge: each part names its tile's first slot and part count,
+                // and the parts take the slots from the first on
+                let first = rs.iter().map(|r| r.2).min().unwrap();
+                for r in &rs {
+                    let s = r.2 as usize;
+                    assert_eq!((slot_parts[2 * s], slot_parts[2 * s + 1]), (first, rs.len() as u32));
+                    assert!(r.2 < first + rs.len() as u32);
+                }
             }
             let ns = p.work.chunks(WORK_WORDS).find(|w| w[0] == off).unwrap()[1];
             let mut rows = 0;

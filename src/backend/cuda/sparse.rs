@@ -35,7 +35,7 @@ use cudarc::driver::sys;
 
 use super::card::FwdArgs;
 use super::launch::launch;
-use super::nonfinite::{launch_flag, launch_sparse_exact, SparseExact};
+use super::nonfinite::{launch_flag, launch_sparse_exact, SparseExact, FLAG_BYTES};
 use super::plans::{table_names, Cached, PlanKey, PlanKind, TableSet};
 use super::{CudaBackend, FwdPtrs};
 use crate::dtype::DType;
@@ -230,7 +230,7 @@ pub(super) fn launch_sparse_forward(be: &CudaBackend, spec: SparseView, plan: &C
     let t = |i| plan.tables.get(i);
     // the workspace's flag, set when v holds a NaN or Inf (then the exact kernel writes the call)
     let flag = p.workspace;
-    launch_flag(be, dt, p.v, d.kv_len(), flag, !super::sparse_int8::scans_v(spec.int8), stream)?;
+    launch_flag(be, dt, p.v, d.kv_len(), flag, FLAG_BYTES, !super::sparse_int8::scans_v(spec.int8), stream)?;
     // INT8: Q and K quantised (and with FP8 P.V, V^T) into the workspace first: the kernel's
     // operands and maps point at them
     let z = match spec.int8 {

@@ -64,6 +64,7 @@ fn lower_marker(text: &str) -> Option<Lowered> {
         ["fence"] => Some(simple("fence", "wgmma.fence.sync.aligned;")),
         ["commit"] => Some(simple("commit", "wgmma.commit_group.sync.aligned;")),
         ["proxy_fence"] => Some(simple("proxy_fence", "fence.proxy.async.shared::cta;")),
+        ["gpu_fence"] => Some(simple("gpu_fence", "fence.acq_rel.gpu;")),
         ["wait", n] => {
             let n: u32 = n.parse().ok().filter(|&n| n <= 7)?;
             Some(simple(&format!("wait_{n}"), &format!("wgmma.wait_group.sync.aligned {n};")))
@@ -378,6 +379,9 @@ mod tests {
         for bad in ["setmaxnreg inc 20", "setmaxnreg inc 233", "setmaxnreg up 64", "named_barrier 0 256", "named_barrier 1 100"] {
             assert!(lower("k", &kernel(&format!("printf(\"{MARK}{bad}\");\n"))).is_err(), "{bad}");
         }
+        // the GPU-scope fence around a counter between cubes
+        let gf = lower("k_", &kernel(&format!("printf(\"{MARK}gpu_fence\");\n"))).unwrap();
+        assert!(gf.contains("__cubeattn_gpu_fence();") && gf.contains("asm volatile(\"fence.acq_rel.gpu;\\n\" ::: \"memory\");"), "{gf}");
         // paired 16-bit output stores
         let sp = lower("k_", &kernel(&format!("printf(\"{MARK}store_pair bf16\", buffer_5,l_9,l_10,l_11);\n"))).unwrap();
         assert!(sp.contains("__cubeattn_store_pair_bf16(buffer_5, l_9, l_10, l_11);") && sp.contains("__floats2bfloat162_rn(a, b)"), "{sp}");
