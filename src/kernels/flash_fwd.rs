@@ -133,10 +133,7 @@ pub fn combine_parts<E: Float>(
 
 /// Row `tr` of a split tile merged from its `n_parts` partials (slots `base ..`, `block_m` rows a
 /// slot): each part weighted by 2^(its LSE - the largest), written to `out` / `lse` at token `tok`,
-/// q head `head` (`inf` for a row no part saw). One warp a row (every lane calls it): the lanes
-/// read the parts' LSE 32 at a time (part `p` at lane `p % 32`) and reduce them by shuffles, then
-/// each lane adds its columns `lane + 32 i` of every part with the part's weight taken from the
-/// lane that computed it, so no load waits on the previous part.
+/// q head `head` (`inf` for a row no part saw). A warp's lanes take columns `lane + 32 i`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn merge_row<E: Float>(
@@ -157,15 +154,11 @@ pub(crate) fn merge_row<E: Float>(
     #[comptime] block_m: usize,
 ) {
     let per_lane = comptime!(head_dim / 32);
-    let chunks = (n_parts + 31u32) / 32u32;
     let mut mx = -inf;
-    for ch in 0..chunks {
-        let p = ch * 32u32 + lane as u32;
-        if p < n_parts {
-            mx = max(mx, part_lse[((base + p) as usize) * block_m + tr]);
-        }
+    for p in 0..n_parts {
+        let b = ((base + p) as usize) * block_m + tr;
+        mx = max(mx, part_lse[b]);
     }
-    mx = plane_max(mx);
     let mut acc = Array::<f32>::new(per_lane);
     #[unroll]
     for i in 0..per_lane {
@@ -173,24 +166,15 @@ pub(crate) fn merge_row<E: Float>(
     }
     let mut sum = 0.0f32;
     if mx != -inf {
-        for ch in 0..chunks {
-            let p0 = ch * 32u32;
-            let mut w = 0.0f32;
-            if p0 + (lane as u32) < n_parts {
-                w = f32::exp(part_lse[((base + p0 + lane as u32) as usize) * block_m + tr] - mx);
-            }
+        for p in 0..n_parts {
+            let b = ((base + p) as usize) * block_m + tr;
+            let w = f32::exp(part_lse[b] - mx);
             sum += w;
-            let n = min(n_parts - p0, 32u32);
-            for j in 0..n {
-                let wj = plane_shuffle(w, j);
-                let b = ((base + p0 + j) as usize) * block_m + tr;
-                #[unroll]
-                for i in 0..per_lane {
-                    acc[i] += wj * part_o[b * head_dim + i * 32 + lane];
-                }
+            #[unroll]
+            for i in 0..per_lane {
+                acc[i] += w * part_o[b * head_dim + i * 32 + lane];
             }
         }
-        sum = plane_sum(sum);
     }
     let mut inv = 0.0f32;
     if sum > 0.0f32 {
