@@ -19,7 +19,7 @@ use rayon::prelude::*;
 
 use super::forward::{finish_rows, finite, online_softmax_rows, pv_rows, row_bounds, BK};
 use super::layout::{from_f32_vec, to_f32_cow, SharedMut};
-use super::simd::{dot, multiversion, LANES};
+use super::simd::{dot, hsum, multiversion, LANES};
 use crate::backend::ForwardOutput;
 use crate::dtype::{Element, HostView};
 use crate::spec::AttnSpec;
@@ -238,7 +238,33 @@ multiversion! {
     fn scores_block(s: &mut [f32], lds: usize, q: &[f32], rows: usize, k: &[f32], ks: usize, n: usize, d: usize) {
         // four rows at a time share each load of a key's values (d a multiple of 16 here)
         let quads = if d.is_multiple_of(LANES) { rows / 4 } else { 0 };
-        for j in 0..n {
+        // two keys at a time share each load of the rows' values
+        let pairs = if quads > 0 { n / 2 } else { 0 };
+        for jp in 0..pairs {
+            let j = 2 * jp;
+            let (k0, k1) = (&k[j * ks..j * ks + d], &k[(j + 1) * ks..(j + 1) * ks + d]);
+            prefetch_row(k, (j + AHEAD) * ks, d);
+            prefetch_row(k, (j + 1 + AHEAD) * ks, d);
+            for r in 0..quads {
+                let i = 4 * r;
+                let mut acc = [[[0.0f32; LANES]; 4]; 2];
+                for c in (0..d).step_by(LANES) {
+                    let (kc0, kc1) = (&k0[c..c + LANES], &k1[c..c + LANES]);
+                    for a in 0..4 {
+                        let qc = &q[(i + a) * d + c..(i + a) * d + c + LANES];
+                        for e in 0..LANES {
+                            acc[0][a][e] = qc[e].mul_add(kc0[e], acc[0][a][e]);
+                            acc[1][a][e] = qc[e].mul_add(kc1[e], acc[1][a][e]);
+                        }
+                    }
+                }
+                for a in 0..4 {
+                    s[(i + a) * lds + j] = hsum(&acc[0][a]);
+                    s[(i + a) * lds + j + 1] = hsum(&acc[1][a]);
+                }
+            }
+        }
+        for j in 2 * pairs..n {
             let kr = &k[j * ks..j * ks + d];
             prefetch_row(k, (j + AHEAD) * ks, d);
             for r in 0..quads {
@@ -254,8 +280,14 @@ multiversion! {
                     }
                 }
                 for (a, row) in acc.iter().enumerate() {
-                    s[(i + a) * lds + j] = row.iter().sum::<f32>();
+                    s[(i + a) * lds + j] = hsum(row);
                 }
+            }
+        }
+        for j in 0..n {
+            let kr = &k[j * ks..j * ks + d];
+            if quads == 0 {
+                prefetch_row(k, (j + AHEAD) * ks, d);
             }
             for i in 4 * quads..rows {
                 s[i * lds + j] = dot(&q[i * d..i * d + d], kr);
@@ -412,6 +444,8 @@ mod tests {
             (&[(2, 530), (2, 2), (1, 40)], 8, 2, 40),
             (&[(1, 1025), (1, 3)], 4, 4, 128),
             (&[(3, 600)], 8, 1, 16),
+            // odd key counts in a block (517 = 512 + 5; 3): the scores' key pairs and their last key
+            (&[(1, 517), (2, 3)], 16, 4, 32),
         ];
         for (ci, &(segs, hq, hkv, d)) in cases.iter().enumerate() {
             for dt in [DType::F32, DType::BF16, DType::F16] {

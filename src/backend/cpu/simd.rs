@@ -151,6 +151,21 @@ pub(crate) fn scale_in_place(xs: &mut [f32], c: f32) {
     }
 }
 
+/// The sum of a vector's lanes as a tree (halves added until one lane is left): four dependent
+/// vector adds where a lane-by-lane sum is `LANES` dependent scalar adds.
+#[inline(always)]
+pub(crate) fn hsum(x: &[f32; LANES]) -> f32 {
+    let mut t = *x;
+    let mut w = LANES / 2;
+    while w > 0 {
+        for e in 0..w {
+            t[e] += t[e + w];
+        }
+        w /= 2;
+    }
+    t[0]
+}
+
 #[inline(always)]
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; LANES];
