@@ -19,9 +19,9 @@ use rayon::prelude::*;
 
 use super::forward::{finish_rows, finite, online_softmax_rows, pv_rows, row_bounds, BK};
 use super::layout::{from_f32_vec, to_f32_cow, SharedMut};
-use super::simd::{dot, hsum, multiversion, LANES};
+use super::simd::{dot, hsum, multiversion, Widen, LANES};
 use crate::backend::ForwardOutput;
-use crate::dtype::{Element, HostView};
+use crate::dtype::HostView;
 use crate::spec::AttnSpec;
 
 /// The most query rows x GQA heads a segment may have for this path.
@@ -348,14 +348,11 @@ multiversion! {
 /// `x` as f32: the f32 input itself (stride `stride`), or 16-bit values widened into `buf` (stride
 /// `d`).
 fn block_rows<'a>(x: HostView<'a>, at: usize, n: usize, stride: usize, d: usize, buf: &'a mut Vec<f32>) -> (&'a [f32], usize) {
-    fn widen<T: Element>(x: &[T], at: usize, n: usize, stride: usize, d: usize, buf: &mut Vec<f32>) {
+    fn widen<T: Widen>(x: &[T], at: usize, n: usize, stride: usize, d: usize, buf: &mut Vec<f32>) {
         buf.resize(n * d, 0.0);
         for j in 0..n {
-            let src = &x[at + j * stride..at + j * stride + d];
             prefetch_row(x, at + (j + AHEAD) * stride, d);
-            for (o, s) in buf[j * d..(j + 1) * d].iter_mut().zip(src) {
-                *o = s.to_f32();
-            }
+            T::widen(&x[at + j * stride..at + j * stride + d], &mut buf[j * d..(j + 1) * d]);
         }
     }
     match x {

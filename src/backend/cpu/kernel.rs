@@ -21,8 +21,9 @@ use rayon::prelude::*;
 
 use super::layout::SharedMut;
 use super::pool::Aligned;
-use crate::dtype::{Element, HostView};
-use crate::spec::AttnSpec;
+use super::simd::Widen;
+use crate::dtype::HostView;
+use crate::spec::{AttnSpec, MAX_HEAD_DIM};
 
 /// Rows per register tile (and per packed Q strip).
 pub(crate) const MR: usize = 6;
@@ -72,7 +73,7 @@ impl PackedKv {
         /// Returns the largest `bits & 0x7fff_ffff` of the packed values (>= 0x7f80_0000: a
         /// non-finite one).
         #[allow(clippy::too_many_arguments)]
-        fn go<T: Element>(spec: &AttnSpec, k: &[T], v: &[T], pk: &mut [f32], pv: &mut [f32], k_off: &[usize], v_off: &[usize], dg: usize) -> u32 {
+        fn go<T: Widen>(spec: &AttnSpec, k: &[T], v: &[T], pk: &mut [f32], pv: &mut [f32], k_off: &[usize], v_off: &[usize], dg: usize) -> u32 {
             let dm = spec.dims;
             let (d, hkv) = (dm.head_dim, dm.heads_kv);
             let rs = hkv * d;
@@ -86,6 +87,8 @@ impl PackedKv {
                 let seg = &spec.segments[si];
                 let (t0, t1) = (b * G, ((b + 1) * G).min(seg.k_len));
                 let mut mag = 0u32;
+                // a token row of one head widened at once (head_dim <= MAX_HEAD_DIM), then scattered
+                let mut row_f = [0.0f32; MAX_HEAD_DIM];
                 for h in 0..hkv {
                     let kpan = k_off[si] + h * seg.k_len.div_ceil(G) * G * d + b * G * d;
                     // SAFETY: (segment, head, panel) ranges are disjoint across jobs.
@@ -94,9 +97,8 @@ impl PackedKv {
                         kdst.fill(0.0);
                     }
                     for t in t0..t1 {
-                        let src = &k[(seg.k_start + t) * rs + h * d..][..d];
-                        for (p, x) in src.iter().enumerate() {
-                            let f = x.to_f32();
+                        T::widen(&k[(seg.k_start + t) * rs + h * d..][..d], &mut row_f[..d]);
+                        for (p, &f) in row_f[..d].iter().enumerate() {
                             mag = mag.max(f.to_bits() & 0x7fff_ffff);
                             kdst[p * G + (t - t0)] = f;
                         }
@@ -109,9 +111,8 @@ impl PackedKv {
                         let vdst = unsafe { vw.slice(vh + cp * seg.k_len * G + t0 * G, (t1 - t0) * G) };
                         for t in t0..t1 {
                             let row = &mut vdst[(t - t0) * G..][..G];
-                            let src = &v[(seg.k_start + t) * rs + h * d + c0..][..cn];
-                            for (o, x) in row.iter_mut().zip(src) {
-                                *o = x.to_f32();
+                            T::widen(&v[(seg.k_start + t) * rs + h * d + c0..][..cn], &mut row[..cn]);
+                            for o in &row[..cn] {
                                 mag = mag.max(o.to_bits() & 0x7fff_ffff);
                             }
                             row[cn..].fill(0.0);
@@ -208,7 +209,7 @@ impl PackedQ {
         debug_assert!(bq.is_multiple_of(MR));
         let block_len = hq * bq * d;
         let mut pq = Aligned::take(blocks.len() * block_len);
-        fn go<T: Element>(spec: &AttnSpec, q: &[T], blocks: &[(usize, usize, usize)], bq: usize, dst: &mut [f32]) -> u32 {
+        fn go<T: Widen>(spec: &AttnSpec, q: &[T], blocks: &[(usize, usize, usize)], bq: usize, dst: &mut [f32]) -> u32 {
             let dm = spec.dims;
             let (d, hq) = (dm.head_dim, dm.heads_q);
             // one job per (block, strip): reads MR whole token rows (contiguous) for every head
@@ -225,9 +226,9 @@ impl PackedQ {
                     for i in 0..MR {
                         let r = st * MR + i;
                         if r < rows {
-                            let src = &q[((seg.q_start + r0 + r) * hq + h) * d..][..d];
-                            for (p, x) in src.iter().enumerate() {
-                                let f = x.to_f32();
+                            let mut row_f = [0.0f32; MAX_HEAD_DIM];
+                            T::widen(&q[((seg.q_start + r0 + r) * hq + h) * d..][..d], &mut row_f[..d]);
+                            for (p, &f) in row_f[..d].iter().enumerate() {
                                 mag = mag.max(f.to_bits() & 0x7fff_ffff);
                                 out[p * MR + i] = f;
                             }

@@ -5,6 +5,7 @@ use std::borrow::Cow;
 
 use rayon::prelude::*;
 
+use super::simd::Widen;
 use crate::dtype::{DType, Element, HostData, HostView};
 
 /// `[tokens, heads, d]` in any dtype -> `[heads, tokens, d]` f32.
@@ -16,17 +17,14 @@ pub(crate) fn to_head_major(x: HostView, tokens: usize, heads: usize, d: usize) 
 
 /// [`to_head_major`] into `out` (`tokens * heads * d` floats).
 pub(crate) fn to_head_major_into(x: HostView, tokens: usize, heads: usize, d: usize, out: &mut [f32]) {
-    fn go<T: Element>(x: &[T], tokens: usize, heads: usize, d: usize, out: &mut [f32]) {
+    fn go<T: Widen>(x: &[T], tokens: usize, heads: usize, d: usize, out: &mut [f32]) {
         assert_eq!(out.len(), x.len());
         if out.is_empty() {
             return;
         }
         out.par_chunks_mut(tokens.max(1) * d).enumerate().for_each(|(h, dst)| {
             for t in 0..tokens {
-                let src = &x[(t * heads + h) * d..][..d];
-                for (o, s) in dst[t * d..][..d].iter_mut().zip(src) {
-                    *o = s.to_f32();
-                }
+                T::widen(&x[(t * heads + h) * d..][..d], &mut dst[t * d..][..d]);
             }
         });
     }
@@ -39,13 +37,9 @@ pub(crate) fn to_head_major_into(x: HostView, tokens: usize, heads: usize, d: us
 
 /// Any dtype -> f32 in the same (token-major) layout; f32 input is borrowed, not copied.
 pub(crate) fn to_f32_cow(x: HostView<'_>) -> Cow<'_, [f32]> {
-    fn go<T: Element>(x: &[T]) -> Vec<f32> {
+    fn go<T: Widen>(x: &[T]) -> Vec<f32> {
         let mut out = vec![0.0f32; x.len()];
-        out.par_chunks_mut(1 << 14).zip(x.par_chunks(1 << 14)).for_each(|(o, s)| {
-            for (a, b) in o.iter_mut().zip(s) {
-                *a = b.to_f32();
-            }
-        });
+        out.par_chunks_mut(1 << 14).zip(x.par_chunks(1 << 14)).for_each(|(o, s)| T::widen(s, o));
         out
     }
     match x {
