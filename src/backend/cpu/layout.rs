@@ -70,23 +70,28 @@ pub(crate) fn from_f32_vec(x: Vec<f32>, dtype: DType) -> HostData {
 /// `[tokens, heads, d]` in any dtype -> `[heads, d, tokens]` f32: K transposed per head, so that
 /// q.k products read K^T row-major (the layout the gemm kernels are fastest with).
 pub(crate) fn transpose_per_head(x: HostView, tokens: usize, heads: usize, d: usize) -> Vec<f32> {
-    fn go<T: Element>(x: &[T], tokens: usize, heads: usize, d: usize) -> Vec<f32> {
+    fn go<T: Widen>(x: &[T], tokens: usize, heads: usize, d: usize) -> Vec<f32> {
         let mut out = vec![0.0f32; x.len()];
         if out.is_empty() {
             return out;
         }
-        // one task per (head, block of 64 tokens): reads and writes stay within a few cache lines
+        // one task per (head, block of 64 tokens): reads and writes stay within a few cache lines;
+        // the block's token rows are widened a row at a time, then written transposed
         const TB: usize = 64;
         let nb = tokens.div_ceil(TB);
         let w = SharedMut::new(&mut out);
         (0..heads * nb).into_par_iter().for_each(|i| {
             let (h, b) = (i / nb, i % nb);
             let (t0, t1) = (b * TB, ((b + 1) * TB).min(tokens));
+            let mut rows = vec![0.0f32; (t1 - t0) * d];
+            for (j, r) in rows.chunks_exact_mut(d).enumerate() {
+                T::widen(&x[((t0 + j) * heads + h) * d..][..d], r);
+            }
             for c in 0..d {
                 // SAFETY: (head, column, token block) ranges are disjoint across tasks.
                 let dst = unsafe { w.slice((h * d + c) * tokens + t0, t1 - t0) };
                 for (j, o) in dst.iter_mut().enumerate() {
-                    *o = x[((t0 + j) * heads + h) * d + c].to_f32();
+                    *o = rows[j * d + c];
                 }
             }
         });
