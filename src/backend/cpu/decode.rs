@@ -238,11 +238,12 @@ multiversion! {
     fn scores_block(s: &mut [f32], lds: usize, q: &[f32], rows: usize, k: &[f32], ks: usize, n: usize, d: usize) {
         // four rows at a time share each load of a key's values (d a multiple of 16 here)
         let quads = if d.is_multiple_of(LANES) { rows / 4 } else { 0 };
-        // two keys at a time share each load of the rows' values
-        let pairs = if quads > 0 { n / 2 } else { 0 };
+        // two keys at a time share each load of the rows' values (an odd last key is paired with
+        // itself and stored once)
+        let pairs = if quads > 0 { n.div_ceil(2) } else { 0 };
         for jp in 0..pairs {
-            let j = 2 * jp;
-            let (k0, k1) = (&k[j * ks..j * ks + d], &k[(j + 1) * ks..(j + 1) * ks + d]);
+            let (j, j1) = (2 * jp, (2 * jp + 1).min(n - 1));
+            let (k0, k1) = (&k[j * ks..j * ks + d], &k[j1 * ks..j1 * ks + d]);
             prefetch_row(k, (j + AHEAD) * ks, d);
             prefetch_row(k, (j + 1 + AHEAD) * ks, d);
             for r in 0..quads {
@@ -260,27 +261,9 @@ multiversion! {
                 }
                 for a in 0..4 {
                     s[(i + a) * lds + j] = hsum(&acc[0][a]);
-                    s[(i + a) * lds + j + 1] = hsum(&acc[1][a]);
-                }
-            }
-        }
-        for j in 2 * pairs..n {
-            let kr = &k[j * ks..j * ks + d];
-            prefetch_row(k, (j + AHEAD) * ks, d);
-            for r in 0..quads {
-                let i = 4 * r;
-                let mut acc = [[0.0f32; LANES]; 4];
-                for c in (0..d).step_by(LANES) {
-                    let kc = &kr[c..c + LANES];
-                    for (a, row) in acc.iter_mut().enumerate() {
-                        let qc = &q[(i + a) * d + c..(i + a) * d + c + LANES];
-                        for e in 0..LANES {
-                            row[e] = qc[e].mul_add(kc[e], row[e]);
-                        }
+                    if j1 > j {
+                        s[(i + a) * lds + j1] = hsum(&acc[1][a]);
                     }
-                }
-                for (a, row) in acc.iter().enumerate() {
-                    s[(i + a) * lds + j] = hsum(row);
                 }
             }
         }

@@ -218,6 +218,8 @@ impl PackedQ {
             (0..blocks.len() * strips).into_par_iter().with_min_len(4).map(|j| {
                 let (bi, st) = (j / strips, j % strips);
                 let mut mag = 0u32;
+                // a Q row widened at once (head_dim <= MAX_HEAD_DIM), then scattered
+                let mut row_f = [0.0f32; MAX_HEAD_DIM];
                 let (si, r0, rows) = blocks[bi];
                 let seg = &spec.segments[si];
                 for h in 0..hq {
@@ -226,7 +228,6 @@ impl PackedQ {
                     for i in 0..MR {
                         let r = st * MR + i;
                         if r < rows {
-                            let mut row_f = [0.0f32; MAX_HEAD_DIM];
                             T::widen(&q[((seg.q_start + r0 + r) * hq + h) * d..][..d], &mut row_f[..d]);
                             for (p, &f) in row_f[..d].iter().enumerate() {
                                 mag = mag.max(f.to_bits() & 0x7fff_ffff);

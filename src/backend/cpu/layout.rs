@@ -80,11 +80,10 @@ pub(crate) fn transpose_per_head(x: HostView, tokens: usize, heads: usize, d: us
         const TB: usize = 64;
         let nb = tokens.div_ceil(TB);
         let w = SharedMut::new(&mut out);
-        (0..heads * nb).into_par_iter().for_each(|i| {
+        (0..heads * nb).into_par_iter().for_each_init(|| vec![0.0f32; TB * d], |rows, i| {
             let (h, b) = (i / nb, i % nb);
             let (t0, t1) = (b * TB, ((b + 1) * TB).min(tokens));
-            let mut rows = vec![0.0f32; (t1 - t0) * d];
-            for (j, r) in rows.chunks_exact_mut(d).enumerate() {
+            for (j, r) in rows[..(t1 - t0) * d].chunks_exact_mut(d).enumerate() {
                 T::widen(&x[((t0 + j) * heads + h) * d..][..d], r);
             }
             for c in 0..d {

@@ -84,18 +84,30 @@ fn partial_bytes(spec: &AttnSpec, plan: &Plan) -> [usize; 2] {
 /// outputs and LSE (empty without split tiles).
 fn workspace_parts(spec: &AttnSpec, plan: &Plan) -> [usize; 3] {
     let [po, pl] = if plan.fwd.n_slots == 0 { [0, 0] } else { partial_bytes(spec, plan) };
-    [FLAG_BYTES + 4 * arrival_words(spec, plan), po, pl]
+    [flag_part_bytes(spec, plan), po, pl]
+}
+
+/// Whether the decode kernel runs `plan`: `tile_rows` packs tiles of at most `FEW_ROWS` rows only
+/// where it serves the call.
+fn decode_tiles(plan: &Plan) -> bool {
+    plan.fwd.rows <= FEW_ROWS
 }
 
 /// Counters of the decode kernel's split-K merge in its own launch (`flash_fwd_decode`'s
 /// `arrivals`, u32 words after the flag, zeroed with it): one per partial slot and head slot where
-/// the plan's tiles are the decode kernel's (`tile_rows`) and some are split; else none.
-pub(crate) fn arrival_words(spec: &AttnSpec, plan: &Plan) -> usize {
+/// the plan's tiles are the decode kernel's and some are split; else none.
+fn arrival_words(spec: &AttnSpec, plan: &Plan) -> usize {
     let fp = &plan.fwd;
-    if fp.rows > FEW_ROWS || fp.n_slots == 0 {
+    if !decode_tiles(plan) || fp.n_slots == 0 {
         return 0;
     }
     (spec.dims.heads_q as u32 / fp.hp.max(1)).max(1) as usize * fp.n_slots as usize
+}
+
+/// Bytes of the workspace's first part, zeroed before every forward launch (by the flag's memset,
+/// or by `kv_append`): the non-finite-v flag and the decode kernel's counters after it.
+pub(crate) fn flag_part_bytes(spec: &AttnSpec, plan: &Plan) -> usize {
+    FLAG_BYTES + 4 * arrival_words(spec, plan)
 }
 
 /// Workspace bytes a forward call of `spec` takes with this plan (f32: none).
@@ -510,9 +522,8 @@ pub(crate) fn launch_forward(
     let sm90 = sm90_forward(be, spec);
     let check_v = sm90 && fp.max_seg_rows <= FEW_ROWS;
     // (`flag_zeroed`: a launch ahead on the stream zeroed it, `kv_append`; then only a scan is left)
-    let arrivals = arrival_words(spec, &plan.host);
     if !(flag_zeroed && check_v) {
-        launch_flag(be, dt, p.v, d.kv_len(), flag, FLAG_BYTES + 4 * arrivals, !check_v, stream)?;
+        launch_flag(be, dt, p.v, d.kv_len(), flag, flag_part_bytes(spec, &plan.host), !check_v, stream)?;
     }
     let exact = DenseExact {
         q: p.q,
@@ -538,7 +549,7 @@ pub(crate) fn launch_forward(
     let n_part = (po_bytes / (4 * hd)).max(1);
 
     // the plan packed tiles of at most `FEW_ROWS` rows for the decode kernel (`tile_rows`)
-    let decode = sm90 && fp.rows <= FEW_ROWS;
+    let decode = decode_tiles(&plan.host);
     let (f, [k_map, v_map]) = if decode {
         let key = KernelKey::new("flash_fwd_decode", dt, &[hd as u32, paged as u32, fp.rows as u32]);
         let f = be.kernels.get(&key, || fwd_decode_source(client, dt, hd, paged, fp.rows))?;
@@ -583,6 +594,7 @@ pub(crate) fn launch_forward(
     if decode {
         // the split-K counters after the flag (any valid address without a split), and the
         // tiles of the partial slots
+        let arrivals = arrival_words(spec, &plan.host);
         let arrivals_at = if arrivals > 0 { flag + FLAG_BYTES as u64 } else { flag };
         a.array(arrivals_at, arrivals.max(1)).array(t(FwdTable::SlotParts).0, t(FwdTable::SlotParts).1);
     }

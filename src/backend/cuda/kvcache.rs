@@ -21,7 +21,7 @@ use half::{bf16, f16};
 use super::compile::{codegen, settings, KernelKey, Source, A};
 use super::device_io::check_workspace;
 use super::driver::bind;
-use super::forward::{arrival_words, fwd_workspace, launch_forward, max_seg_rows, sm90_forward, FwdPtrs, FwdTable, FEW_ROWS};
+use super::forward::{flag_part_bytes, fwd_workspace, launch_forward, max_seg_rows, sm90_forward, FwdPtrs, FwdTable, FEW_ROWS};
 use super::launch::{launch, Args};
 use super::plan::Plan;
 use super::plans::Cached;
@@ -161,7 +161,7 @@ impl CudaBackend {
         a.array(p.k, cache_words).array(p.v, cache_words);
         a.array(if kv.n_new > 0 { kv.k_new } else { p.k }, new_words).array(if kv.n_new > 0 { kv.v_new } else { p.v }, new_words);
         // (the flag and the decode kernel's split-K counters after it, zeroed by cube (0, 0))
-        a.array(kv.counts, batch).array(segs.0, segs.1).array(p.workspace, 1 + arrival_words(spec, &plan.host));
+        a.array(kv.counts, batch).array(segs.0, segs.1).array(p.workspace, flag_part_bytes(spec, &plan.host) / 4);
         a.u32(kv.width as u32).u32(kv.n_new as u32).u32(row_words as u32);
         launch(&f, (kv.n_new.max(1) as u32, batch as u32, 1), &mut a, s)?;
 

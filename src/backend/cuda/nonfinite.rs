@@ -34,9 +34,9 @@ const FLAG_CUBES: usize = 1024;
 /// (head_dim a multiple of 32), so v is whole 16-byte vectors.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch_flag(be: &CudaBackend, dt: DType, v: u64, kv_len: usize, flag: u64, bytes: usize, scan: bool, stream: sys::CUstream) -> Result<()> {
-    // SAFETY: `flag` is the first part of the caller's workspace (at least `bytes`, FLAG_BYTES or
-    // more), ordered on `stream` before the kernels that read it.
-    unsafe { drv::memset_d8_async(flag, 0, bytes.max(FLAG_BYTES), stream) }.map_err(|e| err("cuMemsetD8Async", e))?;
+    // SAFETY: `flag` is the first part of the caller's workspace (`bytes`, at least FLAG_BYTES),
+    // ordered on `stream` before the kernels that read it.
+    unsafe { drv::memset_d8_async(flag, 0, bytes, stream) }.map_err(|e| err("cuMemsetD8Async", e))?;
     if !scan {
         return Ok(());
     }
