@@ -77,6 +77,10 @@ pub(crate) struct Config {
     /// wherever the default would take the other (`backward::kv_outer`).
     #[cfg(feature = "cuda")]
     pub bwd_order: Option<bool>,
+    /// `CUBEATTN_BWD_WS_ROWS=64` / `128`: the query rows a tile of `flash_bwd_ws` where
+    /// `backward::ws_rows` may choose (head_dim 64 without the fused dQ).
+    #[cfg(feature = "cuda")]
+    pub bwd_ws_rows: Option<usize>,
     /// The forward switches before any [`set_fwd_options`]: `CUBEATTN_CUDA_SPLIT`,
     /// `CUBEATTN_CUDA_SM90` (each `0` to turn off), `CUBEATTN_CUDA_SM90_TILE`, the rest at their
     /// defaults.
@@ -134,6 +138,12 @@ impl Config {
                 Some(false)
             } else {
                 None
+            },
+            #[cfg(feature = "cuda")]
+            bwd_ws_rows: match var("CUBEATTN_BWD_WS_ROWS").as_deref() {
+                Some("64") => Some(64),
+                Some("128") => Some(128),
+                _ => None,
             },
             #[cfg(feature = "cuda")]
             fwd: FwdOptions {
@@ -316,6 +326,9 @@ mod tests {
             assert!(with(&[("CUBEATTN_BWD_DQ", "atomic")]).bwd_dq_atomic && !with(&[("CUBEATTN_BWD_DQ", "pass")]).bwd_dq_atomic);
             assert!(with(&[("CUBEATTN_BWD_Q_STAGES", "1")]).bwd_one_q_stage);
             assert!(with(&[]).bwd_sm90_ws && !with(&[("CUBEATTN_BWD_SM90_WS", "0")]).bwd_sm90_ws);
+            assert_eq!(with(&[]).bwd_ws_rows, None);
+            assert_eq!(with(&[("CUBEATTN_BWD_WS_ROWS", "64")]).bwd_ws_rows, Some(64));
+            assert_eq!(with(&[("CUBEATTN_BWD_WS_ROWS", "96")]).bwd_ws_rows, None);
             let off = with(&[("CUBEATTN_CUDA_SPLIT", "0"), ("CUBEATTN_CUDA_SM90", "0")]).fwd;
             assert_eq!(off, FwdOptions { split: false, sm90: false, ..FwdOptions::defaults() });
             assert_eq!(with(&[("CUBEATTN_CUDA_SPLIT", "1")]).fwd, FwdOptions::defaults());

@@ -64,10 +64,10 @@ pub fn key_item(
 /// One segment of a cube's walk: its rows and keys (`q_start`, `q_len`, `k_start`, `k_len`,
 /// `shift = k_len - q_len`), the window keys the cube may touch (`[.., k_hi)`: dense the
 /// segment's, sparse the item's), and its (q head, query tile) pairs: `n_it` of them. Dense: q
-/// head outer, `n_qt` tiles of [`BWD_BM`] rows from `r_min` (the first row that sees the cube's
+/// head outer, `n_qt` tiles of `rows` rows (the kernel's query tile) from `r_min` (the first row that sees the cube's
 /// first key). Sparse: the entries `t_lo..t_lo + t_n` of the transposed index (query blocks listing
 /// the key block, per index head; `span` index heads per kv head; with an index per kv head every
-/// q head of the group walks the one list), `q_tiles_per_block` tiles each.
+/// q head of the group walks the one list), `q_tiles_per_block` tiles of [`BWD_BM`] rows each.
 #[derive(CubeType, Clone, Copy)]
 pub struct SegWalk {
     pub q_start: u32,
@@ -103,6 +103,7 @@ pub fn seg_walk(
     win_l: u32,
     win_r: u32,
     #[comptime] sparse: bool,
+    #[comptime] rows: usize,
 ) -> SegWalk {
     let mut seg = ki.seq as usize;
     if !sparse {
@@ -132,7 +133,7 @@ pub fn seg_walk(
         n_it = (group / span) * t_n * q_tiles_per_block;
     } else {
         if r_min < r_end {
-            n_qt = (r_end as u32 - r_min as u32 + BWD_BM as u32 - 1) / BWD_BM as u32;
+            n_qt = (r_end as u32 - r_min as u32 + rows as u32 - 1) / rows as u32;
         }
         n_it = group * n_qt;
     }
@@ -216,6 +217,7 @@ pub fn next_q_tile(
     q_tiles_per_block: u32,
     q_block: u32,
     #[comptime] sparse: bool,
+    #[comptime] rows: usize,
 ) {
     c.ti += 1u32;
     if sparse {
@@ -237,6 +239,6 @@ pub fn next_q_tile(
             c.hq += 1u32;
         }
         c.h = hk * group + c.hq;
-        c.r0 = sw.r_min as u32 + c.ti * BWD_BM as u32;
+        c.r0 = sw.r_min as u32 + c.ti * rows as u32;
     }
 }

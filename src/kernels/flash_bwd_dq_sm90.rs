@@ -160,9 +160,9 @@ pub fn flash_bwd_dq_sm90<E: Float, NV: Size>(
 
         // ---- 1. S = Q K^T, dP = dO V^T; P while dP runs ----
         wgmma_fence();
-        key_by_row_steps::<E>(&mut s, &q_smem, 0usize, BWD_BM, &k_smem, base, head_dim);
+        key_by_row_steps::<E>(&mut s, &q_smem, 0usize, BWD_BM, &k_smem, base, head_dim, BWD_BN);
         wgmma_commit();
-        key_by_row_steps::<E>(&mut dp, &do_smem, 0usize, BWD_BM, &v_smem, base, head_dim);
+        key_by_row_steps::<E>(&mut dp, &do_smem, 0usize, BWD_BM, &v_smem, base, head_dim, BWD_BN);
         wgmma_commit();
         wgmma_wait(1u32);
         #[unroll]

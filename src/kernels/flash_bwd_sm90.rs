@@ -76,13 +76,14 @@ pub fn issue_q_tile<E: Float>(
     tid: u32,
     #[comptime] head_dim: usize,
     #[comptime] threads: usize,
+    #[comptime] bm: usize,
 ) {
     let stage = (g & 1u32) as usize;
-    let base = stage * comptime!(BM * head_dim);
-    if r0 + BM as u32 <= q_len {
+    let base = stage * comptime!(bm * head_dim);
+    if r0 + bm as u32 <= q_len {
         if tid == 0 {
             let ts = E::type_size();
-            let bytes = comptime!((2 * BM * head_dim * ts) as u32);
+            let bytes = comptime!((2 * bm * head_dim * ts) as u32);
             let y = (q_start + r0) as i32;
             if stage == 0 {
                 bar0.expect_tx(bytes);
@@ -92,31 +93,31 @@ pub fn issue_q_tile<E: Float>(
             #[unroll]
             for c in 0..comptime!(head_dim / SW_COLS) {
                 let x = (h * head_dim as u32) as i32 + comptime!((c * SW_COLS) as i32);
-                let a = base + comptime!(c * BM * SW_COLS);
+                let a = base + comptime!(c * bm * SW_COLS);
                 if stage == 0 {
-                    bar0.tma_load_2d(q_map, &mut q_smem.slice_mut(a, a + comptime!(BM * SW_COLS)), y, x);
-                    bar0.tma_load_2d(do_map, &mut do_smem.slice_mut(a, a + comptime!(BM * SW_COLS)), y, x);
+                    bar0.tma_load_2d(q_map, &mut q_smem.slice_mut(a, a + comptime!(bm * SW_COLS)), y, x);
+                    bar0.tma_load_2d(do_map, &mut do_smem.slice_mut(a, a + comptime!(bm * SW_COLS)), y, x);
                 } else {
-                    bar1.tma_load_2d(q_map, &mut q_smem.slice_mut(a, a + comptime!(BM * SW_COLS)), y, x);
-                    bar1.tma_load_2d(do_map, &mut do_smem.slice_mut(a, a + comptime!(BM * SW_COLS)), y, x);
+                    bar1.tma_load_2d(q_map, &mut q_smem.slice_mut(a, a + comptime!(bm * SW_COLS)), y, x);
+                    bar1.tma_load_2d(do_map, &mut do_smem.slice_mut(a, a + comptime!(bm * SW_COLS)), y, x);
                 }
             }
         }
     } else {
         let vecs = comptime!(head_dim / 8);
         #[unroll]
-        for it in 0..comptime!(BM * (head_dim / 8) / threads) {
+        for it in 0..comptime!(bm * (head_dim / 8) / threads) {
             let idx = tid as usize + it * threads;
             let r = idx / vecs;
             let c = (idx % vecs) * 8;
             let row = min(r0 + r as u32, q_len - 1u32);
             let src = ((q_start + row) * heads_q + h) as usize * head_dim + c;
-            let dst = base + swizzle_128b(r, c, BM);
+            let dst = base + swizzle_128b(r, c, bm);
             copy_async(&q_s.slice(src, src + 8), &mut q_smem.slice_mut(dst, dst + 8), 8u32);
             copy_async(&do_s.slice(src, src + 8), &mut do_smem.slice_mut(dst, dst + 8), 8u32);
         }
     }
-    issue_lse_delta(lse, delta, lse_smem, dl_smem, stage * BM, r0, q_len, q_start, h, total_q, tid, threads);
+    issue_lse_delta(lse, delta, lse_smem, dl_smem, stage * bm, r0, q_len, q_start, h, total_q, tid, threads, bm);
     commit_stage(bar0, bar1, g);
 }
 
@@ -133,14 +134,15 @@ pub fn key_by_row_steps<E: Float>(
     b: &SharedMemory<E>,
     b0: usize,
     #[comptime] head_dim: usize,
+    #[comptime] b_rows: usize,
 ) {
     #[unroll]
     for kk in 0..comptime!(head_dim / 16) {
         let chunk = comptime!(kk / 4);
         let within = comptime!((kk % 4) * 16);
         let a_off = a_row0 * SW_COLS + comptime!(chunk * a_rows * SW_COLS + within);
-        let b_off = b0 + comptime!(chunk * BM * SW_COLS + within);
-        wgmma_ss::<E>(acc, a, a_off as u32, b, b_off as u32, 0usize, BM, false, 0u32, false, 0u32, comptime!(kk > 0));
+        let b_off = b0 + comptime!(chunk * b_rows * SW_COLS + within);
+        wgmma_ss::<E>(acc, a, a_off as u32, b, b_off as u32, 0usize, b_rows, false, 0u32, false, 0u32, comptime!(kk > 0));
     }
 }
 
@@ -154,10 +156,11 @@ pub fn key_by_dim_steps<E: Float>(
     b: &SharedMemory<E>,
     b0: usize,
     #[comptime] head_dim: usize,
+    #[comptime] bm: usize,
 ) {
-    let lbo = comptime!((BM * SW_ROW) as u32);
+    let lbo = comptime!((bm * SW_ROW) as u32);
     #[unroll]
-    for ks in 0..comptime!(BM / 16) {
+    for ks in 0..comptime!(bm / 16) {
         let b_off = b0 + comptime!(ks * 16 * SW_COLS);
         wgmma_rs::<E>(acc, a_regs, b, b_off as u32, 0usize, comptime!(4 * ks), head_dim, true, lbo, true);
     }
@@ -211,14 +214,15 @@ pub fn p_transposed(
     win_l: u32,
     win_r: u32,
     scale_log2: f32,
+    #[comptime] bm: usize,
 ) {
     let full = kw0 >= 0i32
         && kw0 + WG_KEYS as i32 <= k_hi as i32
-        && rr0 + BM as i32 <= row_end as i32
+        && rr0 + bm as i32 <= row_end as i32
         && kw0 + (WG_KEYS as i32 - 1i32) <= shift + rr0 + win_r as i32
-        && kw0 >= shift + rr0 + (BM as i32 - 1i32) - win_l as i32;
+        && kw0 >= shift + rr0 + (bm as i32 - 1i32) - win_l as i32;
     #[unroll]
-    for nb in 0..comptime!(BM / 8) {
+    for nb in 0..comptime!(bm / 8) {
         #[unroll]
         for e2 in 0..2usize {
             let l = if comptime!(nb < LSE_AHEAD) { l2[nb * 2 + e2] } else { lse_smem[lb + nb * 8 + col_a + e2] * LOG2E };
@@ -231,7 +235,7 @@ pub fn p_transposed(
     }
     if !full {
         #[unroll]
-        for nb in 0..comptime!(BM / 8) {
+        for nb in 0..comptime!(bm / 8) {
             #[unroll]
             for e2 in 0..2usize {
                 let r = rr0 + (nb * 8 + e2) as i32 + col_a as i32;
@@ -256,9 +260,9 @@ pub fn p_transposed(
 /// tile's 64 rows; `s` holds P^T, delta of stage `lb` of `dl_smem`, this lane's first column pair
 /// `col_a`). P = 0 (masked) keeps dS = 0 even where dP - delta is not finite.
 #[cube]
-pub fn ds_transposed(dp: &mut Array<f32>, s: &Array<f32>, dl_smem: &SharedMemory<f32>, lb: usize, col_a: usize) {
+pub fn ds_transposed(dp: &mut Array<f32>, s: &Array<f32>, dl_smem: &SharedMemory<f32>, lb: usize, col_a: usize, #[comptime] bm: usize) {
     #[unroll]
-    for nb in 0..comptime!(BM / 8) {
+    for nb in 0..comptime!(bm / 8) {
         #[unroll]
         for e2 in 0..2usize {
             let dl = dl_smem[lb + nb * 8 + col_a + e2];
@@ -446,7 +450,7 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
     for si in ki.s_begin..ki.s_end {
         let sw = seg_walk(
             &args.segs, &args.tile_segs, &args.tq_off, &ki, si, BN as u32, hk, args.heads_kv, group, args.idx_heads,
-            args.k_blocks, args.q_tiles_per_block, args.win_l, args.win_r, sparse,
+            args.k_blocks, args.q_tiles_per_block, args.win_l, args.win_r, sparse, BM,
         );
         let (q_start, q_len, k_start, shift, r_min) = (sw.q_start, sw.q_len, sw.k_start, sw.shift, sw.r_min);
         let (k_hi, n_qt, n_it, t_lo, t_n, span) = (sw.k_hi, sw.n_qt, sw.n_it, sw.t_lo, sw.t_n, sw.span);
@@ -465,7 +469,7 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
         if n_it > 0 {
             issue_q_tile::<E>(
                 &args.q_map, &args.do_map, &args.q_s, &args.do_s, &args.lse, &args.delta, &mut q_smem, &mut do_smem,
-                &mut lse_smem, &mut dl_smem, &bar0, &bar1, g_tile, h, r0, q_len, q_start, args.heads_q, args.total_q, UNIT_POS, head_dim, SM90_BWD_THREADS,
+                &mut lse_smem, &mut dl_smem, &bar0, &bar1, g_tile, h, r0, q_len, q_start, args.heads_q, args.total_q, UNIT_POS, head_dim, SM90_BWD_THREADS, BM,
             );
         }
         let mut hq = 0u32;
@@ -508,7 +512,7 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
                 issue_q_tile::<E>(
                     &args.q_map, &args.do_map, &args.q_s, &args.do_s, &args.lse, &args.delta, &mut q_smem, &mut do_smem,
                     &mut lse_smem, &mut dl_smem, &bar0, &bar1, g_tile, h_next, r0_next, q_len, q_start, args.heads_q,
-                    args.total_q, UNIT_POS, head_dim, SM90_BWD_THREADS,
+                    args.total_q, UNIT_POS, head_dim, SM90_BWD_THREADS, BM,
                 );
             }
             wait_stage(&bar0, &bar1, cur);
@@ -517,9 +521,9 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
 
             // ---- 1. S^T = K Q^T, dP^T = V dO^T (64 keys x 64 rows per warpgroup) ----
             wgmma_fence();
-            key_by_row_steps::<E>(&mut s, &k_smem, wg * WG_KEYS, BN, &q_smem, qb, head_dim);
+            key_by_row_steps::<E>(&mut s, &k_smem, wg * WG_KEYS, BN, &q_smem, qb, head_dim, BM);
             wgmma_commit();
-            key_by_row_steps::<E>(&mut dp, &v_smem, wg * WG_KEYS, BN, &do_smem, qb, head_dim);
+            key_by_row_steps::<E>(&mut dp, &v_smem, wg * WG_KEYS, BN, &do_smem, qb, head_dim, BM);
             wgmma_commit();
             let l2 = lse_ahead(&lse_smem, lb, col_a);
             wgmma_wait(1u32);
@@ -527,10 +531,10 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
             // ---- 2. P^T (while dP^T is formed), then dS^T; masked unless the block is full ----
             p_transposed(
                 &mut s, &l2, &lse_smem, lb, col_a, key_a, wg * WG_KEYS, kw0, r0 as i32, row_end, k_hi, shift, args.win_l, args.win_r,
-                args.scale_log2,
+                args.scale_log2, BM,
             );
             wgmma_wait(0u32);
-            ds_transposed(&mut dp, &s, &dl_smem, lb, col_a);
+            ds_transposed(&mut dp, &s, &dl_smem, lb, col_a, BM);
             pack_a_pairs::<E>(&s, &mut p_regs, comptime!(BM / 4));
             pack_a_pairs::<E>(&dp, &mut ds_regs, comptime!(BM / 4));
             if fuse_dq {
@@ -540,8 +544,8 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
 
             // ---- 3. dV += P^T dO, dK += dS^T Q ----
             wgmma_fence();
-            key_by_dim_steps::<E>(&mut dv_acc, &p_regs, &do_smem, qb, head_dim);
-            key_by_dim_steps::<E>(&mut dk_acc, &ds_regs, &q_smem, qb, head_dim);
+            key_by_dim_steps::<E>(&mut dv_acc, &p_regs, &do_smem, qb, head_dim, BM);
+            key_by_dim_steps::<E>(&mut dk_acc, &ds_regs, &q_smem, qb, head_dim, BM);
             wgmma_commit();
 
             if fuse_dq {

@@ -110,7 +110,7 @@ pub fn flash_bwd_sm90_split<E: Float, NV: Size, NQ: Size>(
     for si in ki.s_begin..ki.s_end {
         let sw = seg_walk(
             &args.segs, &args.tile_segs, &args.tq_off, &ki, si, BN as u32, hk, args.heads_kv, group, args.idx_heads,
-            args.k_blocks, args.q_tiles_per_block, args.win_l, args.win_r, false,
+            args.k_blocks, args.q_tiles_per_block, args.win_l, args.win_r, false, BM,
         );
         let (q_start, q_len, k_start, shift, r_min) = (sw.q_start, sw.q_len, sw.k_start, sw.shift, sw.r_min);
         let (k_hi, n_qt, n_it) = (sw.k_hi, sw.n_qt, sw.n_it);
@@ -121,7 +121,7 @@ pub fn flash_bwd_sm90_split<E: Float, NV: Size, NQ: Size>(
         if n_it > 0 {
             issue_q_tile::<E>(
                 &args.q_map, &args.do_map, &args.q_s, &args.do_s, &args.lse, &args.delta, &mut q_smem, &mut do_smem,
-                &mut lse_smem, &mut dl_smem, &bar0, &bar1, g_tile, h, r0, q_len, q_start, args.heads_q, args.total_q, UNIT_POS, head_dim, SM90_BWD_THREADS,
+                &mut lse_smem, &mut dl_smem, &bar0, &bar1, g_tile, h, r0, q_len, q_start, args.heads_q, args.total_q, UNIT_POS, head_dim, SM90_BWD_THREADS, BM,
             );
         }
         let mut hq = 0u32;
@@ -142,7 +142,7 @@ pub fn flash_bwd_sm90_split<E: Float, NV: Size, NQ: Size>(
                 issue_q_tile::<E>(
                     &args.q_map, &args.do_map, &args.q_s, &args.do_s, &args.lse, &args.delta, &mut q_smem, &mut do_smem,
                     &mut lse_smem, &mut dl_smem, &bar0, &bar1, g_tile, h_next, r0_next, q_len, q_start, args.heads_q,
-                    args.total_q, UNIT_POS, head_dim, SM90_BWD_THREADS,
+                    args.total_q, UNIT_POS, head_dim, SM90_BWD_THREADS, BM,
                 );
             }
             wait_stage(&bar0, &bar1, cur);
@@ -153,13 +153,13 @@ pub fn flash_bwd_sm90_split<E: Float, NV: Size, NQ: Size>(
             // ---- 1. S^T = K Q^T (warpgroup 0), dP^T = V dO^T (warpgroup 1) ----
             if wg == 0u32 {
                 wgmma_fence();
-                key_by_row_steps::<E>(&mut x, &k_smem, 0usize, BN, &q_smem, qb, head_dim);
+                key_by_row_steps::<E>(&mut x, &k_smem, 0usize, BN, &q_smem, qb, head_dim, BM);
                 wgmma_commit();
                 let l2 = lse_ahead(&lse_smem, lb, col_a);
                 wgmma_wait(0u32);
                 // ---- 2a. P^T, masked unless the block is fully visible; to shared memory ----
                 p_transposed(
-                    &mut x, &l2, &lse_smem, lb, col_a, key_a, 0usize, kw0, rr0, q_len, k_hi, shift, args.win_l, args.win_r, args.scale_log2,
+                    &mut x, &l2, &lse_smem, lb, col_a, key_a, 0usize, kw0, rr0, q_len, k_hi, shift, args.win_l, args.win_r, args.scale_log2, BM,
                 );
                 #[unroll]
                 for i in 0..comptime!(BM / 2) {
@@ -168,7 +168,7 @@ pub fn flash_bwd_sm90_split<E: Float, NV: Size, NQ: Size>(
                 pack_a_pairs::<E>(&x, &mut a_regs, comptime!(BM / 4));
             } else {
                 wgmma_fence();
-                key_by_row_steps::<E>(&mut x, &v_smem, 0usize, BN, &do_smem, qb, head_dim);
+                key_by_row_steps::<E>(&mut x, &v_smem, 0usize, BN, &do_smem, qb, head_dim, BM);
                 wgmma_commit();
                 wgmma_wait(0u32);
             }
@@ -178,7 +178,7 @@ pub fn flash_bwd_sm90_split<E: Float, NV: Size, NQ: Size>(
             if wg == 0u32 {
                 // ---- 3. dV += P^T dO ----
                 wgmma_fence();
-                key_by_dim_steps::<E>(&mut acc, &a_regs, &do_smem, qb, head_dim);
+                key_by_dim_steps::<E>(&mut acc, &a_regs, &do_smem, qb, head_dim, BM);
                 wgmma_commit();
                 wgmma_wait(0u32);
             } else {
@@ -203,7 +203,7 @@ pub fn flash_bwd_sm90_split<E: Float, NV: Size, NQ: Size>(
                 }
                 // ---- 3. dK += dS^T Q ----
                 wgmma_fence();
-                key_by_dim_steps::<E>(&mut acc, &a_regs, &q_smem, qb, head_dim);
+                key_by_dim_steps::<E>(&mut acc, &a_regs, &q_smem, qb, head_dim, BM);
                 wgmma_commit();
                 wgmma_wait(0u32);
             }

@@ -276,7 +276,7 @@ fn issue_next_q_tile<E: Float>(
         if comptime!(tma) {
             issue_q_tile_maps(q_map, do_map, q_smem, do_smem, bar0, bar1, cur, nb, q_start + r0, h, head_dim);
         }
-        issue_lse_delta(lse, delta, lse_smem, dl_smem, nb, r0, q_len, q_start, h, total_q, UNIT_POS, threads);
+        issue_lse_delta(lse, delta, lse_smem, dl_smem, nb, r0, q_len, q_start, h, total_q, UNIT_POS, threads, BWD_BM);
     } else {
         issue_q_tile::<E>(
             q_s, do_s, lse, delta, q_smem, do_smem, lse_smem, dl_smem, nb, r0, q_len, q_start, h, heads_q, total_q,
@@ -443,7 +443,7 @@ pub fn flash_bwd_dkdv_wide<E: Float, NV: Size, NQ: Size>(
     for si in ki.s_begin..ki.s_end {
         let sw = seg_walk(
             &args.segs, &args.tile_segs, &args.tq_off, &ki, si, WIDE_BN as u32, hk, args.heads_kv, group, args.idx_heads,
-            args.k_blocks, args.q_tiles_per_block, args.win_l, args.win_r, sparse,
+            args.k_blocks, args.q_tiles_per_block, args.win_l, args.win_r, sparse, BWD_BM,
         );
         let (q_start, q_len, k_start, shift, r_min) = (sw.q_start, sw.q_len, sw.k_start, sw.shift, sw.r_min);
         let (k_hi, n_qt, n_it, t_lo, t_n, span) = (sw.k_hi, sw.n_qt, sw.n_it, sw.t_lo, sw.t_n, sw.span);

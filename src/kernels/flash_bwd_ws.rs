@@ -25,6 +25,11 @@
 //! `flash_bwd_sm90`'s. The default at head_dim 128, and at 64 without the fused dQ
 //! (`backend::cuda::backward::ws_backward`); the fused d64 kernel lost to `flash_bwd_sm90`, and so
 //! did a variant whose consumers did not meet per tile (docs/backward.md).
+//!
+//! Query tiles are 64 rows, except at head_dim 64 without the fused dQ on a dense call: there a
+//! tile is [`WIDE_BM`] = 128 rows (`backward::ws_rows`), so each consumer's S^T / dP^T are m64n128
+//! and dV / dK take 8 k-steps a tile, for the same per-tile waits, lse / delta reads and masks
+//! (3-5% less fwd+bwd time at d64, bench/results/h200-2026-11-30-ws-rows128).
 
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
@@ -50,8 +55,12 @@ pub const BWD_WS_THREADS: usize = 384;
 /// Keys per consumer warpgroup.
 const WG_KEYS: usize = 64;
 const BN: usize = WIDE_BN;
+/// Query rows a tile of the fused dQ path (its dQ tile buffers and dS^T layout).
 const BM: usize = BWD_BM;
 const _: () = assert!(BN == 2 * WG_KEYS && BM == 64);
+/// Query rows a tile without the fused dQ at head_dim 64 (the dQ pass's path): twice the products
+/// per tile's fixed cost (waits, lse / delta, masks) of 64-row tiles.
+pub const WIDE_BM: usize = 128;
 /// The producer's loading warp: its 32 lanes' copy arrivals complete a `full` phase.
 const LOADERS: usize = 32;
 /// Consumer threads (the `empty` and `dq_full` arrivals, the named barrier's count).
@@ -68,10 +77,11 @@ fn walk<E: Float, NV: Size, NQ: Size>(
     hk: u32,
     group: u32,
     #[comptime] sparse: bool,
+    #[comptime] bm: usize,
 ) -> SegWalk {
     seg_walk(
         &args.segs, &args.tile_segs, &args.tq_off, ki, si, BN as u32, hk, args.heads_kv, group, args.idx_heads,
-        args.k_blocks, args.q_tiles_per_block, args.win_l, args.win_r, sparse,
+        args.k_blocks, args.q_tiles_per_block, args.win_l, args.win_r, sparse, bm,
     )
 }
 
@@ -81,7 +91,7 @@ fn count_tiles<E: Float, NV: Size, NQ: Size>(args: &DkdvCard<E, NV, NQ>, ki: &Ke
     let group = args.heads_q / args.heads_kv;
     let mut n = 0u32;
     for si in ki.s_begin..ki.s_end {
-        let sw = walk(args, ki, si, hk, group, sparse);
+        let sw = walk(args, ki, si, hk, group, sparse, BM);
         n += sw.n_it;
     }
     n
@@ -155,7 +165,8 @@ pub fn put_dq_tile<NQ: Size>(
 }
 
 /// The warp-specialised Hopper dK / dV kernel (module docs); arguments and comptime choices as
-/// `flash_bwd_sm90::flash_bwd_sm90`.
+/// `flash_bwd_sm90::flash_bwd_sm90`, plus `bm`, the query rows of a tile: [`BWD_BM`], or
+/// [`WIDE_BM`] without the fused dQ on a dense call.
 #[allow(clippy::too_many_arguments, unused_variables, unused_assignments)]
 #[cube(launch_unchecked)]
 pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
@@ -165,6 +176,7 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
     #[comptime] qvec: usize,
     #[comptime] sparse: bool,
     #[comptime] paged: bool,
+    #[comptime] bm: usize,
 ) {
     let lane = UNIT_POS_PLANE;
     // warp and warpgroup index broadcast from lane 0: uniform, so descriptors stay in uniform registers
@@ -173,8 +185,8 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
 
     let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(BN * head_dim), 1024usize);
     let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(BN * head_dim), 1024usize);
-    let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(2 * BM * head_dim), 1024usize);
-    let mut do_smem = SharedMemory::<E>::new_aligned(comptime!(2 * BM * head_dim), 1024usize);
+    let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(2 * bm * head_dim), 1024usize);
+    let mut do_smem = SharedMemory::<E>::new_aligned(comptime!(2 * bm * head_dim), 1024usize);
     // dS^T, key-major ([key][row]: one 64-column chunk of BN rows), two buffers: the A operand of
     // dQ = dS K
     let mut ds_smem = SharedMemory::<E>::new_aligned(comptime!(if fuse_dq { 2 * BN * BM } else { SW_COLS * 8 }), 1024usize);
@@ -182,8 +194,8 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
     let mut dq_tile = SharedMemory::<Vector<f32, NQ>>::new_aligned(comptime!(if fuse_dq { 2 * BM * head_dim / qvec } else { 1usize }), 128usize);
     // each buffer's destination: first global row (q_start + r0), rows, head
     let mut dq_info = SharedMemory::<u32>::new(8usize);
-    let mut lse_smem = SharedMemory::<f32>::new(comptime!(2 * BM));
-    let mut dl_smem = SharedMemory::<f32>::new(comptime!(2 * BM));
+    let mut lse_smem = SharedMemory::<f32>::new(comptime!(2 * bm));
+    let mut dl_smem = SharedMemory::<f32>::new(comptime!(2 * bm));
     let full0 = Barrier::shared(comptime!(LOADERS as u32), UNIT_POS == 0);
     let full1 = Barrier::shared(comptime!(LOADERS as u32), UNIT_POS == 0);
     // every consumer thread arrives: its reads of the stage's lse / delta precede its arrival
@@ -217,7 +229,7 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
             // ---- the loading warp: every query tile of the walk into stage g % 2 ----
             let mut g = 0u32;
             for si in ki.s_begin..ki.s_end {
-                let sw = walk(args, &ki, si, hk, group, sparse);
+                let sw = walk(args, &ki, si, hk, group, sparse, bm);
                 let mut qt = first_q_tile(&args.tq_list, &sw, hk, group, args.q_block, sparse);
                 for it in 0..sw.n_it {
                     // stage g % 2 waits for the consumers' release of its use g - 2
@@ -225,9 +237,9 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
                     issue_q_tile::<E>(
                         &args.q_map, &args.do_map, &args.q_s, &args.do_s, &args.lse, &args.delta, &mut q_smem, &mut do_smem,
                         &mut lse_smem, &mut dl_smem, &full0, &full1, g, qt.h, qt.r0, sw.q_len, sw.q_start, args.heads_q,
-                        args.total_q, lane, head_dim, LOADERS,
+                        args.total_q, lane, head_dim, LOADERS, bm,
                     );
-                    next_q_tile(&args.tq_list, &sw, &mut qt, hk, group, args.q_tiles_per_block, args.q_block, sparse);
+                    next_q_tile(&args.tq_list, &sw, &mut qt, hk, group, args.q_tiles_per_block, args.q_block, sparse, bm);
                     g += 1u32;
                 }
             }
@@ -266,10 +278,10 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
         dk_acc[i] = 0.0f32;
         dv_acc[i] = 0.0f32;
     }
-    let mut s = Array::<f32>::new(comptime!(BM / 2));
-    let mut dp = Array::<f32>::new(comptime!(BM / 2));
-    let mut p_regs = Array::<Vector<E, Const<2>>>::new(comptime!(BM / 4));
-    let mut ds_regs = Array::<Vector<E, Const<2>>>::new(comptime!(BM / 4));
+    let mut s = Array::<f32>::new(comptime!(bm / 2));
+    let mut dp = Array::<f32>::new(comptime!(bm / 2));
+    let mut p_regs = Array::<Vector<E, Const<2>>>::new(comptime!(bm / 4));
+    let mut ds_regs = Array::<Vector<E, Const<2>>>::new(comptime!(bm / 4));
     let dq_n = comptime!(if fuse_dq { head_dim / 4 } else { 1usize });
     let mut dq = Array::<f32>::new(dq_n);
     // dQ columns of this warpgroup: [dq_col0, dq_col0 + head_dim / 2), as an element offset in K
@@ -278,7 +290,7 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
 
     let mut g = 0u32;
     for si in ki.s_begin..ki.s_end {
-        let sw = walk(args, &ki, si, hk, group, sparse);
+        let sw = walk(args, &ki, si, hk, group, sparse, bm);
         // window-local index of this warpgroup's first key (may be negative)
         let kw0 = (key0 as i32 + (cw * WG_KEYS) as i32) - sw.k_start as i32;
         let mut qt = first_q_tile(&args.tq_list, &sw, hk, group, args.q_block, sparse);
@@ -286,18 +298,18 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
             let cur = g;
             let (h, r0, row_end) = (qt.h, qt.r0, qt.row_end);
             wait_stage(&full0, &full1, cur);
-            if r0 + BM as u32 > sw.q_len {
+            if r0 + bm as u32 > sw.q_len {
                 // a tile past the segment's end came by cp.async (generic proxy)
                 fence_proxy_async();
             }
-            let qb = ((cur & 1u32) as usize) * comptime!(BM * head_dim);
-            let lb = ((cur & 1u32) as usize) * BM;
+            let qb = ((cur & 1u32) as usize) * comptime!(bm * head_dim);
+            let lb = ((cur & 1u32) as usize) * bm;
 
             // ---- 1. S^T = K Q^T, dP^T = V dO^T (64 keys x 64 rows) ----
             wgmma_fence();
-            key_by_row_steps::<E>(&mut s, &k_smem, cw * WG_KEYS, BN, &q_smem, qb, head_dim);
+            key_by_row_steps::<E>(&mut s, &k_smem, cw * WG_KEYS, BN, &q_smem, qb, head_dim, bm);
             wgmma_commit();
-            key_by_row_steps::<E>(&mut dp, &v_smem, cw * WG_KEYS, BN, &do_smem, qb, head_dim);
+            key_by_row_steps::<E>(&mut dp, &v_smem, cw * WG_KEYS, BN, &do_smem, qb, head_dim, bm);
             wgmma_commit();
             let l2 = lse_ahead(&lse_smem, lb, col_a);
             wgmma_wait(1u32);
@@ -305,12 +317,12 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
             // ---- 2. P^T (while dP^T is formed), then dS^T ----
             p_transposed(
                 &mut s, &l2, &lse_smem, lb, col_a, key_a, cw * WG_KEYS, kw0, r0 as i32, row_end, sw.k_hi, sw.shift, args.win_l, args.win_r,
-                args.scale_log2,
+                args.scale_log2, bm,
             );
             wgmma_wait(0u32);
-            ds_transposed(&mut dp, &s, &dl_smem, lb, col_a);
-            pack_a_pairs::<E>(&s, &mut p_regs, comptime!(BM / 4));
-            pack_a_pairs::<E>(&dp, &mut ds_regs, comptime!(BM / 4));
+            ds_transposed(&mut dp, &s, &dl_smem, lb, col_a, bm);
+            pack_a_pairs::<E>(&s, &mut p_regs, comptime!(bm / 4));
+            pack_a_pairs::<E>(&dp, &mut ds_regs, comptime!(bm / 4));
             let dsb = ((cur & 1u32) as usize) * comptime!(BN * BM);
             if fuse_dq {
                 // dS^T key-major for dQ, buffer g % 2
@@ -319,8 +331,8 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
 
             // ---- 3. dV += P^T dO, dK += dS^T Q ----
             wgmma_fence();
-            key_by_dim_steps::<E>(&mut dv_acc, &p_regs, &do_smem, qb, head_dim);
-            key_by_dim_steps::<E>(&mut dk_acc, &ds_regs, &q_smem, qb, head_dim);
+            key_by_dim_steps::<E>(&mut dv_acc, &p_regs, &do_smem, qb, head_dim, bm);
+            key_by_dim_steps::<E>(&mut dk_acc, &ds_regs, &q_smem, qb, head_dim, bm);
             wgmma_commit();
 
             if fuse_dq {
@@ -352,7 +364,7 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
                 wgmma_wait(0u32);
                 release(&empty0, &empty1, cur, true);
             }
-            next_q_tile(&args.tq_list, &sw, &mut qt, hk, group, args.q_tiles_per_block, args.q_block, sparse);
+            next_q_tile(&args.tq_list, &sw, &mut qt, hk, group, args.q_tiles_per_block, args.q_block, sparse, bm);
             g += 1u32;
         }
     }

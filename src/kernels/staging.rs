@@ -79,12 +79,12 @@ pub fn issue_q_tile<E: Float>(
     #[comptime] threads: usize,
 ) {
     issue_row_pair::<E>(q_s, do_s, q_smem, do_smem, boff, r0, q_len, q_start, h, heads_q, BWD_BM, head_dim, threads);
-    issue_lse_delta(lse, delta, lse_smem, dl_smem, boff, r0, q_len, q_start, h, total_q, UNIT_POS, threads);
+    issue_lse_delta(lse, delta, lse_smem, dl_smem, boff, r0, q_len, q_start, h, total_q, UNIT_POS, threads, BWD_BM);
 }
 
-/// The lse and delta part of [`issue_q_tile`]: `cp.async` copies of rows `r0..r0+BWD_BM` (clamped
+/// The lse and delta part of [`issue_q_tile`]: `cp.async` copies of rows `r0..r0 + rows` (clamped
 /// to the segment's last row) into `lse_smem` / `dl_smem[boff..]` by the kernel's `threads` units
-/// (`tid`: this one; rows `tid`, `tid + threads`, .. below `BWD_BM`).
+/// (`tid`: this one; rows `tid`, `tid + threads`, .. below `rows`).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn issue_lse_delta(
@@ -100,13 +100,14 @@ pub fn issue_lse_delta(
     total_q: u32,
     tid: u32,
     #[comptime] threads: usize,
+    #[comptime] rows: usize,
 ) {
-    let iters = comptime!(BWD_BM.div_ceil(threads));
+    let iters = comptime!(rows.div_ceil(threads));
     #[unroll]
     for it in 0..iters {
         let r = tid + comptime!((it * threads) as u32);
-        // units past the tile's rows copy nothing (none when `threads` divides `BWD_BM`)
-        if comptime!(iters * threads == BWD_BM) || r < BWD_BM as u32 {
+        // units past the tile's rows copy nothing (none when `threads` divides `rows`)
+        if comptime!(iters * threads == rows) || r < rows as u32 {
             let row = min(r0 + r, q_len - 1);
             let li = (h * total_q + q_start + row) as usize;
             let u = boff + r as usize;

@@ -491,9 +491,22 @@ fn ws_backward(hd: usize, fused: bool) -> bool {
     crate::config::get().bwd_sm90_ws && (hd == 128 || (hd == 64 && !fused))
 }
 
+/// Query rows a tile of `flash_bwd_ws` (`ws`): [`flash_bwd_ws::WIDE_BM`] at head_dim 64 without
+/// the fused dQ on a dense call (the dQ pass's path: a 64-row tile's products are half a d128
+/// tile's while its waits, lse / delta reads and masks stay), else [`BWD_BM`] (the fused dQ's
+/// buffers and the block-sparse walk take 64-row tiles). `CUBEATTN_BWD_WS_ROWS=64` keeps 64.
+fn ws_rows(hd: usize, fused: bool, sparse: bool, ws: bool) -> usize {
+    if ws && hd == 64 && !fused && !sparse && crate::config::get().bwd_ws_rows != Some(BWD_BM) {
+        flash_bwd_ws::WIDE_BM
+    } else {
+        BWD_BM
+    }
+}
+
 /// Comptime choices of the Hopper dK/dV kernel up to head_dim 128: `fused` dQ (by `qvec`-float
 /// atomics or bulk reductions), block-`sparse`, `paged` K/V, the warp-specialised frame (`ws`:
-/// `flash_bwd_ws::flash_bwd_ws`, else `flash_bwd_sm90::flash_bwd_sm90`).
+/// `flash_bwd_ws::flash_bwd_ws`, else `flash_bwd_sm90::flash_bwd_sm90`) and its query rows a
+/// tile (`bm`: [`ws_rows`]; [`BWD_BM`] for `flash_bwd_sm90`).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Sm90Dkdv {
     pub hd: usize,
@@ -502,12 +515,13 @@ pub(crate) struct Sm90Dkdv {
     pub sparse: bool,
     pub paged: bool,
     pub ws: bool,
+    pub bm: usize,
 }
 
 /// The Hopper dK/dV kernel of choices `v` (the ws frame where [`ws_backward`]).
 pub(crate) fn dkdv_sm90_kernel(be: &CudaBackend, dt: DType, v: Sm90Dkdv) -> Result<Func> {
     let name = if v.ws { "flash_bwd_ws" } else { "flash_bwd_sm90" };
-    let key = KernelKey::new(name, dt, &[v.hd as u32, v.fused as u32, v.qvec as u32, v.sparse as u32, v.paged as u32]);
+    let key = KernelKey::new(name, dt, &[v.hd as u32, v.fused as u32, v.qvec as u32, v.sparse as u32, v.paged as u32, v.bm as u32]);
     be.kernels.get(&key, || dkdv_sm90_source(be.client(), dt, v))
 }
 
@@ -537,11 +551,11 @@ pub(crate) fn dkdv_split_source(
 /// CUDA source of [`dkdv_sm90_kernel`]: the `kernels::sm90` markers lowered, one cube per SM
 /// (`__launch_bounds__(threads, 1)`, which `setmaxnreg` needs).
 pub(crate) fn dkdv_sm90_source(client: &ComputeClient<CudaRuntime>, dt: DType, v: Sm90Dkdv) -> Result<Source> {
-    let Sm90Dkdv { hd, fused, qvec, sparse, paged, ws } = v;
+    let Sm90Dkdv { hd, fused, qvec, sparse, paged, ws, bm } = v;
     let mut src = if ws {
         by_dtype!(dt, T, codegen_exp2(flash_bwd_ws::flash_bwd_ws::FlashBwdWs::<T, CudaRuntime>::new(
             settings(BWD_WS_THREADS as u32), client.clone(), DkdvArgs::compilation(),
-            BWD_LOAD_VEC, qvec, hd, fused, qvec, sparse, paged), true))?
+            BWD_LOAD_VEC, qvec, hd, fused, qvec, sparse, paged, bm), true))?
     } else {
         by_dtype!(dt, T, codegen_exp2(flash_bwd_sm90::flash_bwd_sm90::FlashBwdSm90::<T, CudaRuntime>::new(
             settings(SM90_BWD_THREADS as u32), client.clone(), DkdvArgs::compilation(),
@@ -610,10 +624,12 @@ pub(crate) fn launch_dkdv_wide(
         (f, q_maps(spec, p, Some((SW_COLS as u32, BWD_BM as u32, true)))?, true)
     } else if sm90_backward(be, spec, acc) {
         let (hd, fused) = (d.head_dim, acc.is_some());
-        let v = Sm90Dkdv { hd, fused, qvec, sparse: sparse.is_some(), paged, ws: ws_backward(hd, fused) };
+        let ws = ws_backward(hd, fused);
+        let bm = ws_rows(hd, fused, sparse.is_some(), ws);
+        let v = Sm90Dkdv { hd, fused, qvec, sparse: sparse.is_some(), paged, ws, bm };
         head_major = v.ws && fused;
         let f = dkdv_sm90_kernel(be, spec.dtype, v)?;
-        (f, q_maps(spec, p, Some((SW_COLS as u32, BWD_BM as u32, true)))?, true)
+        (f, q_maps(spec, p, Some((SW_COLS as u32, bm as u32, true)))?, true)
     } else {
         let bulk = acc.is_some_and(|a| bulk_dq(be, d.head_dim, a));
         // full query tiles by tensor maps on sm_90+ (the pointers are 16-byte aligned:
@@ -960,5 +976,16 @@ mod tests {
         // the parts do not overlap: the accumulator starts past delta's end
         let (delta, a) = workspace_ptrs(&b128, DqMode::Fused, 0);
         assert!(delta + lse as u64 <= a && a as usize + acc <= bwd_workspace(&b128, DqMode::Fused));
+    }
+
+    #[test]
+    fn ws_query_tiles_are_wide_only_on_the_dense_d64_pass_path() {
+        let wide = crate::config::get().bwd_ws_rows != Some(BWD_BM);
+        assert_eq!(ws_rows(64, false, false, true), if wide { flash_bwd_ws::WIDE_BM } else { BWD_BM });
+        // the fused dQ's buffers, the block-sparse walk, d128 and the non-ws kernel keep 64 rows
+        assert_eq!(ws_rows(64, true, false, true), BWD_BM);
+        assert_eq!(ws_rows(64, false, true, true), BWD_BM);
+        assert_eq!(ws_rows(128, false, false, true), BWD_BM);
+        assert_eq!(ws_rows(64, false, false, false), BWD_BM);
     }
 }

@@ -25,7 +25,7 @@ mod tests {
         let c = CudaBackend::shared().expect("a CUDA driver").client();
         let dt = DType::BF16;
         // the Hopper dK/dV kernel's choices every variant below departs from
-        let b = Sm90Dkdv { hd: 128, fused: false, qvec: 2, sparse: false, paged: false, ws: false };
+        let b = Sm90Dkdv { hd: 128, fused: false, qvec: 2, sparse: false, paged: false, ws: false, bm: 64 };
         let sources = [
             ("fwd_d128", fwd_source(c, dt, 128, 2, 64, 128, false, false, false, false, true)),
             ("fwd_d64", fwd_source(c, dt, 64, 2, 128, 128, false, false, false, false, true)),
@@ -104,6 +104,7 @@ mod tests {
             ("bwd_ws_fused_d128", dkdv_sm90_source(c, dt, Sm90Dkdv { fused: true, ws: true, ..b })),
             ("bwd_ws_d128", dkdv_sm90_source(c, dt, Sm90Dkdv { ws: true, ..b })),
             ("bwd_ws_d64", dkdv_sm90_source(c, dt, Sm90Dkdv { hd: 64, ws: true, ..b })),
+            ("bwd_ws_d64_bm128", dkdv_sm90_source(c, dt, Sm90Dkdv { hd: 64, ws: true, bm: 128, ..b })),
             ("bwd_ws_sparse_fused_d128", dkdv_sm90_source(c, dt, Sm90Dkdv { fused: true, sparse: true, ws: true, ..b })),
             ("bwd_ws_paged_fused_d128_f16", dkdv_sm90_source(c, DType::F16, Sm90Dkdv { fused: true, paged: true, ws: true, ..b })),
             // above head_dim 128: dV and dK in different warpgroups, fused dQ by atomics, or none
