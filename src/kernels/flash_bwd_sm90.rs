@@ -286,9 +286,10 @@ pub fn store_ds_transposed<E: Float>(
     key_a: usize,
     col_a: usize,
     #[comptime] key_rows: usize,
+    #[comptime] bm: usize,
 ) {
     #[unroll]
-    for nb in 0..comptime!(BM / 8) {
+    for nb in 0..comptime!(bm / 8) {
         #[unroll]
         for hh in 0..2usize {
             let at = dsb + swizzle_128b(key_a + hh * 8, nb * 8, key_rows) + col_a;
@@ -300,9 +301,10 @@ pub fn store_ds_transposed<E: Float>(
     fence_proxy_async();
 }
 
-/// `dq = dS K` for one warpgroup's half of dQ's columns (`k_dq`: their element offset in the
-/// swizzled K tile) from the key-major dS^T at element `dsb` of `ds_smem`: 8 MMAs m64 x head_dim /
-/// 2 x k16 (A = dS^T MN-major, B = K MN-major). The caller fences before and commits after.
+/// `dq = dS K` for 64 rows and `cols` of dQ's columns (`k_dq`: their element offset in the
+/// swizzled K tile) from the key-major dS^T whose 64 rows start at element `dsb` of `ds_smem`: 8
+/// MMAs m64 x `cols` x k16 (A = dS^T MN-major, B = K MN-major). The caller fences before and
+/// commits after.
 #[cube]
 pub fn dq_steps<E: Float>(
     dq: &mut Array<f32>,
@@ -310,14 +312,14 @@ pub fn dq_steps<E: Float>(
     dsb: usize,
     k_smem: &SharedMemory<E>,
     k_dq: usize,
-    #[comptime] head_dim: usize,
+    #[comptime] cols: usize,
 ) {
     #[unroll]
     for ks in 0..comptime!(BN / 16) {
         let a_off = dsb + comptime!(ks * 16 * SW_COLS);
         let b_off = k_dq + comptime!(ks * 16 * SW_COLS);
         wgmma_ss::<E>(
-            dq, ds_smem, a_off as u32, k_smem, b_off as u32, 0usize, comptime!(head_dim / 2), true,
+            dq, ds_smem, a_off as u32, k_smem, b_off as u32, 0usize, cols, true,
             comptime!((BN * SW_ROW) as u32), true, comptime!((BN * SW_ROW) as u32), comptime!(ks > 0),
         );
     }
@@ -539,7 +541,7 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
             pack_a_pairs::<E>(&dp, &mut ds_regs, comptime!(BM / 4));
             if fuse_dq {
                 // dS^T key-major for dQ
-                store_ds_transposed::<E>(&mut ds_smem, 0usize, &ds_regs, key_a, col_a, BN);
+                store_ds_transposed::<E>(&mut ds_smem, 0usize, &ds_regs, key_a, col_a, BN, BM);
             }
 
             // ---- 3. dV += P^T dO, dK += dS^T Q ----
@@ -554,7 +556,7 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
                 dq_rows_read(BM);
                 sync_cube();
                 wgmma_fence();
-                dq_steps::<E>(&mut dq, &ds_smem, 0usize, &k_smem, k_dq, head_dim);
+                dq_steps::<E>(&mut dq, &ds_smem, 0usize, &k_smem, k_dq, comptime!(head_dim / 2));
                 wgmma_commit();
                 wgmma_wait(0u32);
                 // rows 16 w + lane / 4 (+ 8) of the tile

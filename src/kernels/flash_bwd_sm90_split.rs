@@ -199,7 +199,7 @@ pub fn flash_bwd_sm90_split<E: Float, NV: Size, NQ: Size>(
                 }
                 pack_a_pairs::<E>(&x, &mut a_regs, comptime!(BM / 4));
                 if fuse_dq {
-                    store_ds_transposed::<E>(&mut ds_smem, 0usize, &a_regs, key_a, col_a, BN);
+                    store_ds_transposed::<E>(&mut ds_smem, 0usize, &a_regs, key_a, col_a, BN, BM);
                 }
                 // ---- 3. dK += dS^T Q ----
                 wgmma_fence();

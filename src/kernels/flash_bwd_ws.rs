@@ -22,14 +22,18 @@
 //!
 //! The host plan, card (`cards::DkdvCard`), work list, segments and query-tile walk (dense, varlen,
 //! GQA, grouped windows, paged K/V, block-sparse through the transposed index) are
-//! `flash_bwd_sm90`'s. The default at head_dim 128, and at 64 without the fused dQ
-//! (`backend::cuda::backward::ws_backward`); the fused d64 kernel lost to `flash_bwd_sm90`, and so
-//! did a variant whose consumers did not meet per tile (docs/backward.md).
+//! `flash_bwd_sm90`'s. The default at head_dim 128 and 64 (`backend::cuda::backward::ws_backward`;
+//! block-sparse calls with the fused dQ at 64 keep `flash_bwd_sm90`); a variant whose consumers did
+//! not meet per tile lost (docs/backward.md).
 //!
-//! Query tiles are 64 rows, except at head_dim 64 without the fused dQ on a dense call: there a
-//! tile is [`WIDE_BM`] = 128 rows (`backward::ws_rows`), so each consumer's S^T / dP^T are m64n128
-//! and dV / dK take 8 k-steps a tile, for the same per-tile waits, lse / delta reads and masks
-//! (3-5% less fwd+bwd time at d64, bench/results/h200-2026-11-30-ws-rows128).
+//! Query tiles are 64 rows, except at head_dim 64 on a dense call: there a tile is [`WIDE_BM`] =
+//! 128 rows (`backward::ws_rows`), so each consumer's S^T / dP^T are m64n128 and dV / dK take 8
+//! k-steps a tile, for the same per-tile waits, lse / delta reads and masks (without dQ 3-5% less
+//! fwd+bwd time, bench/results/h200-2026-11-30-ws-rows128). With the fused dQ each consumer then
+//! forms all columns of its 64 rows of dQ (from its chunk of the key-major dS^T, both consumers'
+//! keys), and the dQ tile has one buffer (two would pass 227 KiB): a consumer stores tile t once
+//! the dQ warp has read tile t - 1 (bench/results/h200-2026-11-30-fused-d64: 0-6% less fwd+bwd
+//! time than the ws kernel without dQ plus the dQ pass at 8K / 16K).
 
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
@@ -58,8 +62,9 @@ const BN: usize = WIDE_BN;
 /// Query rows a tile of the fused dQ path (its dQ tile buffers and dS^T layout).
 const BM: usize = BWD_BM;
 const _: () = assert!(BN == 2 * WG_KEYS && BM == 64);
-/// Query rows a tile without the fused dQ at head_dim 64 (the dQ pass's path): twice the products
-/// per tile's fixed cost (waits, lse / delta, masks) of 64-row tiles.
+/// Query rows a tile at head_dim 64 on a dense call: twice the products per tile's fixed cost
+/// (waits, lse / delta, masks) of 64-row tiles. With the fused dQ each consumer forms dQ for its
+/// 64 of the rows and every column (at 64 rows each forms half the columns).
 pub const WIDE_BM: usize = 128;
 /// The producer's loading warp: its 32 lanes' copy arrivals complete a `full` phase.
 const LOADERS: usize = 32;
@@ -87,11 +92,17 @@ fn walk<E: Float, NV: Size, NQ: Size>(
 
 /// The query tiles of this cube's walk (every segment's `n_it`): the dQ warp's loop bound.
 #[cube]
-fn count_tiles<E: Float, NV: Size, NQ: Size>(args: &DkdvCard<E, NV, NQ>, ki: &KeyItem, hk: u32, #[comptime] sparse: bool) -> u32 {
+fn count_tiles<E: Float, NV: Size, NQ: Size>(
+    args: &DkdvCard<E, NV, NQ>,
+    ki: &KeyItem,
+    hk: u32,
+    #[comptime] sparse: bool,
+    #[comptime] bm: usize,
+) -> u32 {
     let group = args.heads_q / args.heads_kv;
     let mut n = 0u32;
     for si in ki.s_begin..ki.s_end {
-        let sw = walk(args, ki, si, hk, group, sparse, BM);
+        let sw = walk(args, ki, si, hk, group, sparse, bm);
         n += sw.n_it;
     }
     n
@@ -116,10 +127,12 @@ fn add_tile<NQ: Size>(
     h: u32,
     total_q: u32,
     #[comptime] head_dim: usize,
+    #[comptime] bm: usize,
 ) {
     if lane == 0u32 && rows > 0u32 {
         let d = comptime!(head_dim as u32);
-        let src = (j & 1u32) * comptime!((BM * head_dim) as u32);
+        // one buffer where two do not fit (`dq_buffers`)
+        let src = (j & 1u32) * comptime!(if bm > BM { 0u32 } else { (bm * head_dim) as u32 });
         bulk_add_f32::<NQ>(acc, (h * total_q + first_row) * d, dq_tile, src, rows * d * 4u32);
         tma_group_commit();
         tma_group_wait_read(0u32);
@@ -127,8 +140,8 @@ fn add_tile<NQ: Size>(
     release(dq_empty0, dq_empty1, j, true);
 }
 
-/// Stores this thread's dQ fragment (rows `row_a`, `row_a + 8` of the 64-row tile, column pairs
-/// `dq_col0 + 8 nb + col_a` of the warpgroup's `head_dim / 2` columns) into the tile buffer that
+/// Stores this thread's dQ fragment (rows `row_a`, `row_a + 8` of the tile, column pairs
+/// `dq_col0 + 8 nb + col_a` of the warpgroup's `cols` columns) into the tile buffer that
 /// starts at f32 `tile0` as global row
 /// `first_row + r` sits in the head-major accumulator: rows of `head_dim` f32, the 16-byte chunk
 /// `c / 4` at chunk `(c / 4) ^ ((first_row + r) % 8)` (`swz` = `first_row % 8`;
@@ -149,11 +162,12 @@ pub fn put_dq_tile<NQ: Size>(
     swz: usize,
     #[comptime] head_dim: usize,
     #[comptime] qvec: usize,
+    #[comptime] cols: usize,
 ) {
     let z = ((swz + row_a) % 8) ^ (col_a / 4);
     let base = tile0 + row_a * head_dim + dq_col0 + col_a % 4;
     #[unroll]
-    for nb in 0..comptime!(head_dim / 16) {
+    for nb in 0..comptime!(cols / 8) {
         let chunk = (z ^ comptime!(2 * (nb % 4))) + comptime!(8 * (nb / 4));
         #[unroll]
         for hh in 0..2usize {
@@ -189,9 +203,12 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
     let mut do_smem = SharedMemory::<E>::new_aligned(comptime!(2 * bm * head_dim), 1024usize);
     // dS^T, key-major ([key][row]: one 64-column chunk of BN rows), two buffers: the A operand of
     // dQ = dS K
-    let mut ds_smem = SharedMemory::<E>::new_aligned(comptime!(if fuse_dq { 2 * BN * BM } else { SW_COLS * 8 }), 1024usize);
-    // two dQ tile buffers: 64 rows of head_dim f32 each, chunks swizzled by row ([`put_dq_tile`])
-    let mut dq_tile = SharedMemory::<Vector<f32, NQ>>::new_aligned(comptime!(if fuse_dq { 2 * BM * head_dim / qvec } else { 1usize }), 128usize);
+    let mut ds_smem = SharedMemory::<E>::new_aligned(comptime!(if fuse_dq { 2 * BN * bm } else { SW_COLS * 8 }), 1024usize);
+    // two dQ tile buffers of bm rows of head_dim f32 each, chunks swizzled by row ([`put_dq_tile`]);
+    // one at 128 rows (two would take the kernel past 227 KiB of shared memory)
+    let dq_buffers = comptime!(if bm > BM { 1usize } else { 2usize });
+    let mut dq_tile =
+        SharedMemory::<Vector<f32, NQ>>::new_aligned(comptime!(if fuse_dq { dq_buffers * bm * head_dim / qvec } else { 1usize }), 128usize);
     // each buffer's destination: first global row (q_start + r0), rows, head
     let mut dq_info = SharedMemory::<u32>::new(8usize);
     let mut lse_smem = SharedMemory::<f32>::new(comptime!(2 * bm));
@@ -247,13 +264,13 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
         if fuse_dq {
             if warp == 1u32 {
                 // ---- the dQ warp: each tile's rows added to the accumulator by the copy engine ----
-                let n = count_tiles(args, &ki, hk, sparse);
+                let n = count_tiles(args, &ki, hk, sparse, bm);
                 for j in 0..n {
                     wait_stage(&dq_full0, &dq_full1, j);
                     let ib = ((j & 1u32) * 4u32) as usize;
                     add_tile::<NQ>(
                         &dq_tile, &mut args.dq_rows, &dq_empty0, &dq_empty1, j, lane, dq_info[ib], dq_info[ib + 1], dq_info[ib + 2],
-                        args.total_q, head_dim,
+                        args.total_q, head_dim, bm,
                     );
                 }
             }
@@ -282,10 +299,14 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
     let mut dp = Array::<f32>::new(comptime!(bm / 2));
     let mut p_regs = Array::<Vector<E, Const<2>>>::new(comptime!(bm / 4));
     let mut ds_regs = Array::<Vector<E, Const<2>>>::new(comptime!(bm / 4));
-    let dq_n = comptime!(if fuse_dq { head_dim / 4 } else { 1usize });
+    // the fused dQ of 128-row tiles: each consumer forms all columns of its 64 rows (else half the
+    // columns of the 64 rows)
+    let row_split = comptime!(fuse_dq && bm > BM);
+    let dq_cols = comptime!(if row_split { head_dim } else { head_dim / 2 });
+    let dq_n = comptime!(if fuse_dq { dq_cols / 2 } else { 1usize });
     let mut dq = Array::<f32>::new(dq_n);
-    // dQ columns of this warpgroup: [dq_col0, dq_col0 + head_dim / 2), as an element offset in K
-    let dq_col0 = cw * comptime!(head_dim / 2);
+    // dQ columns of this warpgroup: [dq_col0, dq_col0 + dq_cols), as an element offset in K
+    let dq_col0 = cw * comptime!(if row_split { 0usize } else { head_dim / 2 });
     let k_dq = (dq_col0 / SW_COLS) * comptime!(BN * SW_COLS) + dq_col0 % SW_COLS;
 
     let mut g = 0u32;
@@ -323,10 +344,10 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
             ds_transposed(&mut dp, &s, &dl_smem, lb, col_a, bm);
             pack_a_pairs::<E>(&s, &mut p_regs, comptime!(bm / 4));
             pack_a_pairs::<E>(&dp, &mut ds_regs, comptime!(bm / 4));
-            let dsb = ((cur & 1u32) as usize) * comptime!(BN * BM);
+            let dsb = ((cur & 1u32) as usize) * comptime!(BN * bm);
             if fuse_dq {
                 // dS^T key-major for dQ, buffer g % 2
-                store_ds_transposed::<E>(&mut ds_smem, dsb, &ds_regs, key_a, col_a, BN);
+                store_ds_transposed::<E>(&mut ds_smem, dsb, &ds_regs, key_a, col_a, BN, bm);
             }
 
             // ---- 3. dV += P^T dO, dK += dS^T Q ----
@@ -339,22 +360,43 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
                 // ---- 4. dQ[:, dq_col0..] = dS K (both consumers' dS^T halves stored) ----
                 named_barrier(DS_BARRIER, CONSUMER_THREADS);
                 wgmma_fence();
-                dq_steps::<E>(&mut dq, &ds_smem, dsb, &k_smem, k_dq, head_dim);
+                if comptime!(row_split) {
+                    // this warpgroup's 64 rows: chunk cw of the key-major dS^T; its accumulator
+                    // starts from zero (not read across the softmax: registers)
+                    #[unroll]
+                    for i in 0..dq_n {
+                        dq[i] = 0.0f32;
+                    }
+                    dq_steps::<E>(&mut dq, &ds_smem, dsb + cw * comptime!(BN * SW_COLS), &k_smem, k_dq, dq_cols);
+                } else {
+                    dq_steps::<E>(&mut dq, &ds_smem, dsb, &k_smem, k_dq, dq_cols);
+                }
                 wgmma_commit();
                 // dV, dK done: the stage is free
                 wgmma_wait(1u32);
                 release(&empty0, &empty1, cur, true);
                 wgmma_wait(0u32);
                 // buffer cur % 2: the dQ warp has read its previous use (tile cur - 2)
-                wait_free(&dq_empty0, &dq_empty1, cur);
+                if comptime!(dq_buffers == 2) {
+                    wait_free(&dq_empty0, &dq_empty1, cur);
+                } else {
+                    // the one buffer: the dQ warp has read tile cur - 1 (released on its parity)
+                    wait_free(&dq_empty0, &dq_empty1, cur + 1u32);
+                }
                 // rows 16 w + lane / 4 (+ 8) of the tile (the dQ warp adds its live rows only)
                 let first_row = sw.q_start + r0;
-                let tile0 = ((cur & 1u32) as usize) * comptime!(BM * head_dim);
-                put_dq_tile::<NQ>(&mut dq_tile, tile0, &dq, key_a - cw * WG_KEYS, dq_col0, col_a, (first_row % 8u32) as usize, head_dim, qvec);
+                let tile0 = ((cur & 1u32) as usize) * comptime!(if dq_buffers == 2 { bm * head_dim } else { 0usize });
+                if comptime!(row_split) {
+                    put_dq_tile::<NQ>(&mut dq_tile, tile0, &dq, key_a, dq_col0, col_a, (first_row % 8u32) as usize, head_dim, qvec, dq_cols);
+                } else {
+                    put_dq_tile::<NQ>(
+                        &mut dq_tile, tile0, &dq, key_a - cw * WG_KEYS, dq_col0, col_a, (first_row % 8u32) as usize, head_dim, qvec, dq_cols,
+                    );
+                }
                 if ct == 0u32 {
                     let ib = ((cur & 1u32) * 4u32) as usize;
                     dq_info[ib] = first_row;
-                    dq_info[ib + 1] = select(r0 < row_end, min(row_end - r0, BM as u32), 0u32);
+                    dq_info[ib + 1] = select(r0 < row_end, min(row_end - r0, bm as u32), 0u32);
                     dq_info[ib + 2] = h;
                 }
                 // this thread's stores visible to the copy engine, then its arrival

@@ -308,20 +308,17 @@ pub(crate) fn dq_mode(be: Option<&CudaBackend>, spec: &AttnSpec, deterministic: 
 }
 
 /// Whether the dQ pass is the faster path for a non-deterministic call too (`be` `None`: assumed
-/// a Hopper GPU), dense f16/bf16 calls on sm_90:
-/// - head_dim 64: the warp-specialised dK/dV kernel without dQ plus the pass took 3-9% less fwd+bwd
-///   time than `flash_bwd_sm90` with the fused atomic dQ at every measured shape, causal and not,
-///   4K-16K (H200, torch path, same processes, bench/results/h200-2026-11-29-eb04ba5; the fused
-///   d64 ws kernel lost, docs/measured-and-lost.md);
-/// - head_dim 192 / 256 with the wgmma pass ([`dq_sm90`]): the split kernel without dQ plus the
-///   pass took 14-18% less than the split kernel with the fused dQ, causal 4K / 8K and non-causal
-///   8K (H200, torch path, bench/results/h200-2026-11-29-dq-sm90-d256).
+/// a Hopper GPU), dense f16/bf16 calls on sm_90 at head_dim 192 / 256 with the wgmma pass
+/// ([`dq_sm90`]): the split kernel without dQ plus the pass took 14-18% less than the split kernel
+/// with the fused dQ, causal 4K / 8K and non-causal 8K (H200, torch path,
+/// bench/results/h200-2026-11-29-dq-sm90-d256). At head_dim 64 the pass was the default until the
+/// fused dQ ran on `flash_bwd_ws` with 128-row tiles ([`ws_rows`]): against the ws kernel without
+/// dQ plus the pass, fwd+bwd kernel time -6% at 16K causal and not, -2.5% non-causal 8K, the same
+/// causal 8K, +2-3% causal 4K (H200, bench/results/h200-2026-11-30-fused-d64).
 fn pass_is_faster(be: Option<&CudaBackend>, spec: &AttnSpec) -> bool {
     let hd = spec.dims.head_dim;
     let dense_sm90 = spec.block_sparse().is_none() && be.is_none_or(|be| super::forward::sm90_forward(be, spec));
-    dense_sm90
-        && ((hd == 64 && ws_backward(64, false))
-            || (SPLIT_BWD_HEAD_DIMS.contains(&hd) && be.is_none_or(|be| dq_sm90(be, spec.dtype, hd))))
+    dense_sm90 && SPLIT_BWD_HEAD_DIMS.contains(&hd) && be.is_none_or(|be| dq_sm90(be, spec.dtype, hd))
 }
 
 /// Runs `$e` with the type alias `$k` bound to the element type of `$dt`.
@@ -485,18 +482,20 @@ pub(crate) fn sm90_backward(be: &CudaBackend, spec: &AttnSpec, acc: Option<u64>)
 /// Whether the warp-specialised dK/dV kernel (`flash_bwd_ws`) serves head_dim `hd` (`fused`: with
 /// the dQ products): at 128, where fwd+bwd took 1.5-4% less kernel time than with
 /// `flash_bwd_sm90` (H200, bench/results/h200-2026-11-29-ws-bwd), and without the fused dQ (the
-/// dQ pass's path) at 64 too (2-5% less); the fused d64 kernel was 6-7% slower
-/// (docs/measured-and-lost.md). `CUBEATTN_BWD_SM90_WS=0` turns it off.
-fn ws_backward(hd: usize, fused: bool) -> bool {
-    crate::config::get().bwd_sm90_ws && (hd == 128 || (hd == 64 && !fused))
+/// dQ pass's path) at 64 too (2-5% less); with the fused dQ at 64 on dense calls (128-row tiles,
+/// [`ws_rows`]; with 64-row tiles the fused d64 kernel was 6-7% slower than `flash_bwd_sm90`,
+/// docs/measured-and-lost.md, which keeps the block-sparse fused d64).
+/// `CUBEATTN_BWD_SM90_WS=0` turns it off.
+fn ws_backward(hd: usize, fused: bool, sparse: bool) -> bool {
+    crate::config::get().bwd_sm90_ws && (hd == 128 || (hd == 64 && (!fused || !sparse)))
 }
 
-/// Query rows a tile of `flash_bwd_ws` (`ws`): [`flash_bwd_ws::WIDE_BM`] at head_dim 64 without
-/// the fused dQ on a dense call (the dQ pass's path: a 64-row tile's products are half a d128
-/// tile's while its waits, lse / delta reads and masks stay), else [`BWD_BM`] (the fused dQ's
-/// buffers and the block-sparse walk take 64-row tiles). `CUBEATTN_BWD_WS_ROWS=64` keeps 64.
+/// Query rows a tile of `flash_bwd_ws` (`ws`): [`flash_bwd_ws::WIDE_BM`] at head_dim 64 on a
+/// dense call (a 64-row tile's products are half a d128 tile's while its waits, lse / delta reads
+/// and masks stay), else [`BWD_BM`] (the block-sparse walk takes 64-row tiles).
+/// `CUBEATTN_BWD_WS_ROWS=64` keeps 64 without the fused dQ.
 fn ws_rows(hd: usize, fused: bool, sparse: bool, ws: bool) -> usize {
-    if ws && hd == 64 && !fused && !sparse && crate::config::get().bwd_ws_rows != Some(BWD_BM) {
+    if ws && hd == 64 && !sparse && (fused || crate::config::get().bwd_ws_rows != Some(BWD_BM)) {
         flash_bwd_ws::WIDE_BM
     } else {
         BWD_BM
@@ -624,7 +623,7 @@ pub(crate) fn launch_dkdv_wide(
         (f, q_maps(spec, p, Some((SW_COLS as u32, BWD_BM as u32, true)))?, true)
     } else if sm90_backward(be, spec, acc) {
         let (hd, fused) = (d.head_dim, acc.is_some());
-        let ws = ws_backward(hd, fused);
+        let ws = ws_backward(hd, fused, sparse.is_some());
         let bm = ws_rows(hd, fused, sparse.is_some(), ws);
         let v = Sm90Dkdv { hd, fused, qvec, sparse: sparse.is_some(), paged, ws, bm };
         head_major = v.ws && fused;
@@ -957,9 +956,13 @@ mod tests {
     fn dq_mode_follows_deterministic_dtype_and_head_dim() {
         let (b128, b64, f32s) = (spec(DType::BF16, 128, true), spec(DType::F16, 64, false), spec(DType::F32, 128, true));
         assert_eq!(dq_mode(None, &b128, true, DqPath::Auto), DqMode::Pass, "deterministic calls take the pass");
-        assert_eq!(dq_mode(None, &b64, true, DqPath::Auto), DqMode::Pass, "d64 keeps the pass");
-        if crate::config::get().bwd_sm90_ws && !crate::config::get().bwd_dq_atomic {
-            assert_eq!(dq_mode(None, &b64, false, DqPath::Auto), DqMode::Pass, "d64 on sm_90: the pass is faster");
+        assert_eq!(dq_mode(None, &b64, true, DqPath::Auto), DqMode::Pass, "deterministic d64 takes the pass");
+        if !crate::config::get().bwd_dq_pass {
+            assert_eq!(dq_mode(None, &b64, false, DqPath::Auto), DqMode::Fused, "d64: the fused dQ on 128-row tiles");
+        }
+        let b256 = spec(DType::BF16, 256, true);
+        if !crate::config::get().bwd_dq_atomic {
+            assert_eq!(dq_mode(None, &b256, false, DqPath::Auto), DqMode::Pass, "d256 on sm_90: the pass is faster");
         }
         assert_eq!(dq_mode(None, &b64, false, DqPath::Atomic), DqMode::Fused);
         assert_eq!(dq_mode(None, &f32s, true, DqPath::Auto), DqMode::Pass);
@@ -979,12 +982,13 @@ mod tests {
     }
 
     #[test]
-    fn ws_query_tiles_are_wide_only_on_the_dense_d64_pass_path() {
+    fn ws_query_tiles_are_wide_only_on_dense_d64_calls() {
         let wide = crate::config::get().bwd_ws_rows != Some(BWD_BM);
         assert_eq!(ws_rows(64, false, false, true), if wide { flash_bwd_ws::WIDE_BM } else { BWD_BM });
-        // the fused dQ's buffers, the block-sparse walk, d128 and the non-ws kernel keep 64 rows
-        assert_eq!(ws_rows(64, true, false, true), BWD_BM);
+        // the block-sparse walk, d128 and the non-ws kernel keep 64 rows
+        assert_eq!(ws_rows(64, true, false, true), flash_bwd_ws::WIDE_BM);
         assert_eq!(ws_rows(64, false, true, true), BWD_BM);
+        assert_eq!(ws_rows(64, true, true, true), BWD_BM);
         assert_eq!(ws_rows(128, false, false, true), BWD_BM);
         assert_eq!(ws_rows(64, false, false, false), BWD_BM);
     }

@@ -105,6 +105,7 @@ mod tests {
             ("bwd_ws_d128", dkdv_sm90_source(c, dt, Sm90Dkdv { ws: true, ..b })),
             ("bwd_ws_d64", dkdv_sm90_source(c, dt, Sm90Dkdv { hd: 64, ws: true, ..b })),
             ("bwd_ws_d64_bm128", dkdv_sm90_source(c, dt, Sm90Dkdv { hd: 64, ws: true, bm: 128, ..b })),
+            ("bwd_ws_fused_d64_bm128", dkdv_sm90_source(c, dt, Sm90Dkdv { hd: 64, fused: true, ws: true, bm: 128, ..b })),
             ("bwd_ws_sparse_fused_d128", dkdv_sm90_source(c, dt, Sm90Dkdv { fused: true, sparse: true, ws: true, ..b })),
             ("bwd_ws_paged_fused_d128_f16", dkdv_sm90_source(c, DType::F16, Sm90Dkdv { fused: true, paged: true, ws: true, ..b })),
             // above head_dim 128: dV and dK in different warpgroups, fused dQ by atomics, or none
