@@ -46,9 +46,9 @@ const BN: usize = WIDE_BN;
 const BM: usize = BWD_BM;
 const _: () = assert!(BN == 2 * WG_KEYS && BM == 64);
 
-/// Issues query tile `g` (head `h`, segment rows `r0..r0 + BM`) into stage `g % 2` of the swizzled
+/// Issues query tile `g` (head `h`, segment rows `r0..r0 + bm`) into stage `g % 2` of the swizzled
 /// Q / dO tiles and of lse / delta, committed to `bar0` (even `g`) or `bar1`: by tensor-map copies
-/// (unit `tid` 0; 64-column x 64-row boxes) when every row lies inside the segment, else by
+/// (unit `tid` 0; 64-column x `bm`-row boxes) when every row lies inside the segment, else by
 /// `cp.async` of the `threads` units with rows clamped to the segment's last (the caller masks
 /// them); lse / delta by `cp.async` of those units.
 #[cube]
@@ -122,9 +122,9 @@ pub fn issue_q_tile<E: Float>(
 }
 
 /// `acc = A B^T` over `head_dim` for the warpgroup's 64 keys (A: rows `a_row0..` of the swizzled
-/// key tile `a`, `a_rows` rows per chunk) against the 64 rows of the query stage at element `b0` of
-/// `b` (`BM` rows per chunk): S^T = K Q^T, dP^T = V dO^T. The caller fences before and commits
-/// after.
+/// key tile `a`, `a_rows` rows per chunk) against the `b_rows` rows of the query stage at element
+/// `b0` of `b` (`b_rows` rows per chunk; the MMA's N): S^T = K Q^T, dP^T = V dO^T. The caller
+/// fences before and commits after.
 #[cube]
 pub fn key_by_row_steps<E: Float>(
     acc: &mut Array<f32>,
@@ -146,7 +146,7 @@ pub fn key_by_row_steps<E: Float>(
     }
 }
 
-/// `acc += A B` with A the packed pairs `a_regs` (64 keys x the tile's 64 rows) and B the query
+/// `acc += A B` with A the packed pairs `a_regs` (64 keys x the tile's `bm` rows) and B the query
 /// stage at element `b0` of `b` (rows x head_dim, MN-major): dV += P^T dO, dK += dS^T Q. The
 /// caller fences before and commits after.
 #[cube]
@@ -189,8 +189,8 @@ pub fn lse_ahead(lse_smem: &SharedMemory<f32>, lb: usize, col_a: usize) -> Array
 /// the wait spilled the d128 kernel's loop state, 17 local loads a tile).
 const LSE_AHEAD: usize = 4;
 
-/// P^T = 2^(S^T scale log2 e - lse log2 e) in place of S^T (`s`: the m64n64 accumulator of 64 keys
-/// x the query tile's 64 rows; lse of stage `lb` of `lse_smem`, its first [`LSE_AHEAD`] row groups
+/// P^T = 2^(S^T scale log2 e - lse log2 e) in place of S^T (`s`: the m64 x `bm` accumulator of 64
+/// keys x the query tile's `bm` rows; lse of stage `lb` of `lse_smem`, its first [`LSE_AHEAD`] row groups
 /// times log2 e already in `l2`, [`lse_ahead`]), zero where the
 /// block is not fully visible and a key lies outside its row's window or past the segment's keys
 /// (`k_hi`), or the row is at or past `row_end`. `key_a - key_base`: this lane's first key among
@@ -256,8 +256,8 @@ pub fn p_transposed(
     }
 }
 
-/// dS^T = P^T (dP^T - delta) in place of `dp` (the m64n64 accumulator of 64 keys x the query
-/// tile's 64 rows; `s` holds P^T, delta of stage `lb` of `dl_smem`, this lane's first column pair
+/// dS^T = P^T (dP^T - delta) in place of `dp` (the m64 x `bm` accumulator of 64 keys x the query
+/// tile's `bm` rows; `s` holds P^T, delta of stage `lb` of `dl_smem`, this lane's first column pair
 /// `col_a`). P = 0 (masked) keeps dS = 0 even where dP - delta is not finite.
 #[cube]
 pub fn ds_transposed(dp: &mut Array<f32>, s: &Array<f32>, dl_smem: &SharedMemory<f32>, lb: usize, col_a: usize, #[comptime] bm: usize) {
@@ -276,8 +276,8 @@ pub fn ds_transposed(dp: &mut Array<f32>, s: &Array<f32>, dl_smem: &SharedMemory
 }
 
 /// The packed dS^T pairs `ds_regs` stored key-major into the swizzled buffer at element `dsb` of
-/// `ds_smem` (one 64-column chunk of `key_rows` key rows: the A operand of dQ = dS K; the rows of a
-/// pair are adjacent), then fenced for the async proxy.
+/// `ds_smem` (a 64-column chunk of `key_rows` key rows per 64 of the tile's `bm` rows: the A
+/// operand of dQ = dS K; the rows of a pair are adjacent), then fenced for the async proxy.
 #[cube]
 pub fn store_ds_transposed<E: Float>(
     ds_smem: &mut SharedMemory<E>,

@@ -59,13 +59,24 @@ pub const BWD_WS_THREADS: usize = 384;
 /// Keys per consumer warpgroup.
 const WG_KEYS: usize = 64;
 const BN: usize = WIDE_BN;
-/// Query rows a tile of the fused dQ path (its dQ tile buffers and dS^T layout).
+/// Query rows a tile (the block-sparse walk's and head_dim 128's).
 const BM: usize = BWD_BM;
 const _: () = assert!(BN == 2 * WG_KEYS && BM == 64);
 /// Query rows a tile at head_dim 64 on a dense call: twice the products per tile's fixed cost
 /// (waits, lse / delta, masks) of 64-row tiles. With the fused dQ each consumer forms dQ for its
 /// 64 of the rows and every column (at 64 rows each forms half the columns).
 pub const WIDE_BM: usize = 128;
+
+/// dQ tile buffers of a fused kernel with `bm`-row tiles: two (the consumers store tile t + 1 while
+/// the copy engine reads tile t), one at [`WIDE_BM`] (two would take the kernel past 227 KiB of
+/// shared memory; a consumer then stores tile t once the dQ warp has read tile t - 1).
+const fn dq_buffers(bm: usize) -> usize {
+    if bm > BM {
+        1
+    } else {
+        2
+    }
+}
 /// The producer's loading warp: its 32 lanes' copy arrivals complete a `full` phase.
 const LOADERS: usize = 32;
 /// Consumer threads (the `empty` and `dq_full` arrivals, the named barrier's count).
@@ -131,8 +142,7 @@ fn add_tile<NQ: Size>(
 ) {
     if lane == 0u32 && rows > 0u32 {
         let d = comptime!(head_dim as u32);
-        // one buffer where two do not fit (`dq_buffers`)
-        let src = (j & 1u32) * comptime!(if bm > BM { 0u32 } else { (bm * head_dim) as u32 });
+        let src = (j & 1u32) * comptime!(if dq_buffers(bm) == 2 { (bm * head_dim) as u32 } else { 0u32 });
         bulk_add_f32::<NQ>(acc, (h * total_q + first_row) * d, dq_tile, src, rows * d * 4u32);
         tma_group_commit();
         tma_group_wait_read(0u32);
@@ -180,7 +190,7 @@ pub fn put_dq_tile<NQ: Size>(
 
 /// The warp-specialised Hopper dK / dV kernel (module docs); arguments and comptime choices as
 /// `flash_bwd_sm90::flash_bwd_sm90`, plus `bm`, the query rows of a tile: [`BWD_BM`], or
-/// [`WIDE_BM`] without the fused dQ on a dense call.
+/// [`WIDE_BM`] at head_dim 64 on a dense call.
 #[allow(clippy::too_many_arguments, unused_variables, unused_assignments)]
 #[cube(launch_unchecked)]
 pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
@@ -201,14 +211,14 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
     let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(BN * head_dim), 1024usize);
     let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(2 * bm * head_dim), 1024usize);
     let mut do_smem = SharedMemory::<E>::new_aligned(comptime!(2 * bm * head_dim), 1024usize);
-    // dS^T, key-major ([key][row]: one 64-column chunk of BN rows), two buffers: the A operand of
-    // dQ = dS K
+    // dS^T, key-major ([key][row]: a 64-column chunk of BN rows per 64 query rows), two buffers:
+    // the A operand of dQ = dS K
     let mut ds_smem = SharedMemory::<E>::new_aligned(comptime!(if fuse_dq { 2 * BN * bm } else { SW_COLS * 8 }), 1024usize);
-    // two dQ tile buffers of bm rows of head_dim f32 each, chunks swizzled by row ([`put_dq_tile`]);
-    // one at 128 rows (two would take the kernel past 227 KiB of shared memory)
-    let dq_buffers = comptime!(if bm > BM { 1usize } else { 2usize });
+    // `dq_buffers(bm)` dQ tile buffers of bm rows of head_dim f32 each, chunks swizzled by row
+    // ([`put_dq_tile`])
+    let dq_bufs = comptime!(dq_buffers(bm));
     let mut dq_tile =
-        SharedMemory::<Vector<f32, NQ>>::new_aligned(comptime!(if fuse_dq { dq_buffers * bm * head_dim / qvec } else { 1usize }), 128usize);
+        SharedMemory::<Vector<f32, NQ>>::new_aligned(comptime!(if fuse_dq { dq_bufs * bm * head_dim / qvec } else { 1usize }), 128usize);
     // each buffer's destination: first global row (q_start + r0), rows, head
     let mut dq_info = SharedMemory::<u32>::new(8usize);
     let mut lse_smem = SharedMemory::<f32>::new(comptime!(2 * bm));
@@ -326,7 +336,7 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
             let qb = ((cur & 1u32) as usize) * comptime!(bm * head_dim);
             let lb = ((cur & 1u32) as usize) * bm;
 
-            // ---- 1. S^T = K Q^T, dP^T = V dO^T (64 keys x 64 rows) ----
+            // ---- 1. S^T = K Q^T, dP^T = V dO^T (64 keys x bm rows) ----
             wgmma_fence();
             key_by_row_steps::<E>(&mut s, &k_smem, cw * WG_KEYS, BN, &q_smem, qb, head_dim, bm);
             wgmma_commit();
@@ -361,23 +371,22 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
                 named_barrier(DS_BARRIER, CONSUMER_THREADS);
                 wgmma_fence();
                 if comptime!(row_split) {
-                    // this warpgroup's 64 rows: chunk cw of the key-major dS^T; its accumulator
-                    // starts from zero (not read across the softmax: registers)
+                    // the accumulator starts from zero, so it is not live across the softmax
+                    // (the wgmma operands read it: registers)
                     #[unroll]
                     for i in 0..dq_n {
                         dq[i] = 0.0f32;
                     }
-                    dq_steps::<E>(&mut dq, &ds_smem, dsb + cw * comptime!(BN * SW_COLS), &k_smem, k_dq, dq_cols);
-                } else {
-                    dq_steps::<E>(&mut dq, &ds_smem, dsb, &k_smem, k_dq, dq_cols);
                 }
+                // row split: this warpgroup's 64 rows are chunk cw of the key-major dS^T
+                dq_steps::<E>(&mut dq, &ds_smem, dsb + cw * comptime!(if row_split { BN * SW_COLS } else { 0usize }), &k_smem, k_dq, dq_cols);
                 wgmma_commit();
                 // dV, dK done: the stage is free
                 wgmma_wait(1u32);
                 release(&empty0, &empty1, cur, true);
                 wgmma_wait(0u32);
                 // buffer cur % 2: the dQ warp has read its previous use (tile cur - 2)
-                if comptime!(dq_buffers == 2) {
+                if comptime!(dq_bufs == 2) {
                     wait_free(&dq_empty0, &dq_empty1, cur);
                 } else {
                     // the one buffer: the dQ warp has read tile cur - 1 (released on its parity)
@@ -385,14 +394,11 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
                 }
                 // rows 16 w + lane / 4 (+ 8) of the tile (the dQ warp adds its live rows only)
                 let first_row = sw.q_start + r0;
-                let tile0 = ((cur & 1u32) as usize) * comptime!(if dq_buffers == 2 { bm * head_dim } else { 0usize });
-                if comptime!(row_split) {
-                    put_dq_tile::<NQ>(&mut dq_tile, tile0, &dq, key_a, dq_col0, col_a, (first_row % 8u32) as usize, head_dim, qvec, dq_cols);
-                } else {
-                    put_dq_tile::<NQ>(
-                        &mut dq_tile, tile0, &dq, key_a - cw * WG_KEYS, dq_col0, col_a, (first_row % 8u32) as usize, head_dim, qvec, dq_cols,
-                    );
-                }
+                let tile0 = ((cur & 1u32) as usize) * comptime!(if dq_bufs == 2 { bm * head_dim } else { 0usize });
+                // this thread's rows of the tile: key_a's place among the warpgroup's keys, plus the
+                // warpgroup's 64 rows under the row split (key_a itself)
+                let row_a = key_a - cw * comptime!(if row_split { 0usize } else { WG_KEYS });
+                put_dq_tile::<NQ>(&mut dq_tile, tile0, &dq, row_a, dq_col0, col_a, (first_row % 8u32) as usize, head_dim, qvec, dq_cols);
                 if ct == 0u32 {
                     let ib = ((cur & 1u32) * 4u32) as usize;
                     dq_info[ib] = first_row;
