@@ -463,7 +463,7 @@ pub fn bwd_delta<E: Float>(
 /// dq = scale * acc (the f32 dQ accumulator of the fused path) rounded to `E`, [`CONVERT_VEC`]
 /// elements per unit (16-byte loads) (2-D grid, x fastest, 256 units per cube). `head_dim` 0: the
 /// accumulator is laid out as dQ (`[total_q, heads_q, head_dim]`); else head-major (`[heads_q,
-/// total_q, head_dim]`, the 16-byte chunk `c` of row r at `c ^ (r % 8)`: `flash_bwd_ws`'s tiles).
+/// total_q, head_dim]`, the 16-byte chunk `c` of row r at `c ^ (2 r % 8)`: `flash_bwd_ws`'s tiles).
 #[cube(launch_unchecked)]
 pub fn dq_convert<E: Float, N: Size>(
     acc: &Array<Vector<f32, N>>,
@@ -482,7 +482,7 @@ pub fn dq_convert<E: Float, N: Size>(
             let i = idx as u32;
             let (c, rh) = (i % chunks, i / chunks);
             let (row, h) = (rh / heads_q, rh % heads_q);
-            src = ((h * total_q + row) * chunks + (c ^ (row % 8u32))) as usize;
+            src = ((h * total_q + row) * chunks + (c ^ ((2u32 * row) % 8u32))) as usize;
         }
         let a = acc[src];
         let mut o = Vector::<E, N>::empty();

@@ -154,12 +154,14 @@ fn add_tile<NQ: Size>(
 /// `dq_col0 + 8 nb + col_a` of the warpgroup's `cols` columns) into the tile buffer that
 /// starts at f32 `tile0` as global row
 /// `first_row + r` sits in the head-major accumulator: rows of `head_dim` f32, the 16-byte chunk
-/// `c / 4` at chunk `(c / 4) ^ ((first_row + r) % 8)` (`swz` = `first_row % 8`;
-/// `flash_bwd::dq_convert`'s head-major variant undoes it). A warp's float2 stores cover 8
-/// consecutive rows x 32 bytes, which the XOR spreads over the 32 banks twice (two wavefronts, the
-/// minimum; unswizzled rows 512 bytes apart would take eight). Written out: the XOR of a row pair
-/// is the same for both (`row_a + 8` has `row_a`'s low bits), and with `dq_col0` a multiple of 32
-/// and `col_a / 4` = 0 / 1 the chunk of block `nb` is `base_chunk + 8 (nb / 4) + ((2 (nb % 4)) ^ z)`.
+/// `c / 4` at chunk `(c / 4) ^ (2 (first_row + r) % 8)` (`swz` = `first_row % 8`;
+/// `flash_bwd::dq_convert`'s head-major variant undoes it). A float2 store is served a half-warp at
+/// a time: 4 consecutive rows x 32 bytes, which the XOR (distinct in bits 1-2 over any 4
+/// consecutive rows, bit 0 the lane's column half) spreads over the 32 banks once, so a warp's
+/// store takes two wavefronts, the minimum. (`c ^ (r % 8)` put two lanes of a half-warp on each
+/// bank: four wavefronts a store, 9% of the d128 kernel's shared-memory wavefronts, ncu.) Written
+/// out: the XOR of a row pair is the same for both (`row_a + 8`), and with `dq_col0` a multiple of
+/// 32 and `col_a / 4` = 0 / 1 the chunk of block `nb` is `base_chunk + 8 (nb / 4) + ((2 (nb % 4)) ^ z)`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn put_dq_tile<NQ: Size>(
@@ -174,7 +176,7 @@ pub fn put_dq_tile<NQ: Size>(
     #[comptime] qvec: usize,
     #[comptime] cols: usize,
 ) {
-    let z = ((swz + row_a) % 8) ^ (col_a / 4);
+    let z = ((2 * (swz + row_a)) % 8) ^ (col_a / 4);
     let base = tile0 + row_a * head_dim + dq_col0 + col_a % 4;
     #[unroll]
     for nb in 0..comptime!(cols / 8) {
@@ -186,6 +188,57 @@ pub fn put_dq_tile<NQ: Size>(
             put_dq_pair::<NQ>(dq_tile, at / qvec, dq[i], dq[i + 1], qvec);
         }
     }
+}
+
+/// A consumer's dQ of tile `cur` (rows `r0 ..` of the segment, global row `first_row`, q head `h`)
+/// into the tile buffer once the dQ warp has read its previous use (with two buffers tile
+/// `cur - 2`, with one tile `cur - 1`), then its arrival on the buffer's `dq_full`; `ct` 0 writes
+/// the buffer's destination (first row, live rows, head) for the dQ warp.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn store_dq<NQ: Size>(
+    dq_tile: &mut SharedMemory<Vector<f32, NQ>>,
+    dq_info: &mut SharedMemory<u32>,
+    dq_empty0: &Barrier,
+    dq_empty1: &Barrier,
+    dq_full0: &Barrier,
+    dq_full1: &Barrier,
+    dq: &Array<f32>,
+    cur: u32,
+    first_row: u32,
+    r0: u32,
+    row_end: u32,
+    h: u32,
+    key_a: usize,
+    cw: usize,
+    col_a: usize,
+    ct: u32,
+    dq_col0: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] qvec: usize,
+    #[comptime] bm: usize,
+) {
+    let row_split = comptime!(bm > BM);
+    let dq_cols = comptime!(if row_split { head_dim } else { head_dim / 2 });
+    if comptime!(dq_buffers(bm) == 2) {
+        wait_free(dq_empty0, dq_empty1, cur);
+    } else {
+        wait_free(dq_empty0, dq_empty1, cur + 1u32);
+    }
+    let tile0 = ((cur & 1u32) as usize) * comptime!(if dq_buffers(bm) == 2 { bm * head_dim } else { 0usize });
+    // this thread's rows of the tile: key_a's place among the warpgroup's keys, plus the
+    // warpgroup's 64 rows under the row split (key_a itself)
+    let row_a = key_a - cw * comptime!(if row_split { 0usize } else { WG_KEYS });
+    put_dq_tile::<NQ>(dq_tile, tile0, dq, row_a, dq_col0, col_a, (first_row % 8u32) as usize, head_dim, qvec, dq_cols);
+    if ct == 0u32 {
+        let ib = ((cur & 1u32) * 4u32) as usize;
+        dq_info[ib] = first_row;
+        dq_info[ib + 1] = select(r0 < row_end, min(row_end - r0, bm as u32), 0u32);
+        dq_info[ib + 2] = h;
+    }
+    // this thread's stores visible to the copy engine, then its arrival
+    fence_proxy_async();
+    release(dq_full0, dq_full1, cur, true);
 }
 
 /// The warp-specialised Hopper dK / dV kernel (module docs); arguments and comptime choices as
@@ -360,16 +413,9 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
                 store_ds_transposed::<E>(&mut ds_smem, dsb, &ds_regs, key_a, col_a, BN, bm);
             }
 
-            // ---- 3. dV += P^T dO, dK += dS^T Q ----
-            wgmma_fence();
-            key_by_dim_steps::<E>(&mut dv_acc, &p_regs, &do_smem, qb, head_dim, bm);
-            key_by_dim_steps::<E>(&mut dk_acc, &ds_regs, &q_smem, qb, head_dim, bm);
-            wgmma_commit();
-
             if fuse_dq {
-                // ---- 4. dQ[:, dq_col0..] = dS K (both consumers' dS^T halves stored) ----
-                named_barrier(DS_BARRIER, CONSUMER_THREADS);
-                wgmma_fence();
+                // ---- 3. dV += P^T dO; dQ[:, dq_col0..] = dS K (both consumers' dS^T halves
+                // stored); dK += dS^T Q. dQ is stored while dK runs ----
                 if comptime!(row_split) {
                     // the accumulator starts from zero, so it is not live across the softmax
                     // (the wgmma operands read it: registers)
@@ -378,37 +424,30 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
                         dq[i] = 0.0f32;
                     }
                 }
+                wgmma_fence();
+                key_by_dim_steps::<E>(&mut dv_acc, &p_regs, &do_smem, qb, head_dim, bm);
+                wgmma_commit();
+                named_barrier(DS_BARRIER, CONSUMER_THREADS);
+                wgmma_fence();
                 // row split: this warpgroup's 64 rows are chunk cw of the key-major dS^T
                 dq_steps::<E>(&mut dq, &ds_smem, dsb + cw * comptime!(if row_split { BN * SW_COLS } else { 0usize }), &k_smem, k_dq, dq_cols);
                 wgmma_commit();
-                // dV, dK done: the stage is free
+                key_by_dim_steps::<E>(&mut dk_acc, &ds_regs, &q_smem, qb, head_dim, bm);
+                wgmma_commit();
+                // dV, dQ done (dK may run on)
                 wgmma_wait(1u32);
-                release(&empty0, &empty1, cur, true);
+                store_dq(
+                    &mut dq_tile, &mut dq_info, &dq_empty0, &dq_empty1, &dq_full0, &dq_full1, &dq, cur, sw.q_start + r0, r0, row_end, h,
+                    key_a, cw, col_a, ct, dq_col0, head_dim, qvec, bm,
+                );
                 wgmma_wait(0u32);
-                // buffer cur % 2: the dQ warp has read its previous use (tile cur - 2)
-                if comptime!(dq_bufs == 2) {
-                    wait_free(&dq_empty0, &dq_empty1, cur);
-                } else {
-                    // the one buffer: the dQ warp has read tile cur - 1 (released on its parity)
-                    wait_free(&dq_empty0, &dq_empty1, cur + 1u32);
-                }
-                // rows 16 w + lane / 4 (+ 8) of the tile (the dQ warp adds its live rows only)
-                let first_row = sw.q_start + r0;
-                let tile0 = ((cur & 1u32) as usize) * comptime!(if dq_bufs == 2 { bm * head_dim } else { 0usize });
-                // this thread's rows of the tile: key_a's place among the warpgroup's keys, plus the
-                // warpgroup's 64 rows under the row split (key_a itself)
-                let row_a = key_a - cw * comptime!(if row_split { 0usize } else { WG_KEYS });
-                put_dq_tile::<NQ>(&mut dq_tile, tile0, &dq, row_a, dq_col0, col_a, (first_row % 8u32) as usize, head_dim, qvec, dq_cols);
-                if ct == 0u32 {
-                    let ib = ((cur & 1u32) * 4u32) as usize;
-                    dq_info[ib] = first_row;
-                    dq_info[ib + 1] = select(r0 < row_end, min(row_end - r0, bm as u32), 0u32);
-                    dq_info[ib + 2] = h;
-                }
-                // this thread's stores visible to the copy engine, then its arrival
-                fence_proxy_async();
-                release(&dq_full0, &dq_full1, cur, true);
+                release(&empty0, &empty1, cur, true);
             } else {
+                // ---- 3. dV += P^T dO, dK += dS^T Q ----
+                wgmma_fence();
+                key_by_dim_steps::<E>(&mut dv_acc, &p_regs, &do_smem, qb, head_dim, bm);
+                key_by_dim_steps::<E>(&mut dk_acc, &ds_regs, &q_smem, qb, head_dim, bm);
+                wgmma_commit();
                 wgmma_wait(0u32);
                 release(&empty0, &empty1, cur, true);
             }
