@@ -216,11 +216,7 @@ pub fn p_transposed(
     scale_log2: f32,
     #[comptime] bm: usize,
 ) {
-    let full = kw0 >= 0i32
-        && kw0 + WG_KEYS as i32 <= k_hi as i32
-        && rr0 + bm as i32 <= row_end as i32
-        && kw0 + (WG_KEYS as i32 - 1i32) <= shift + rr0 + win_r as i32
-        && kw0 >= shift + rr0 + (bm as i32 - 1i32) - win_l as i32;
+    let full = tile_full(kw0, rr0, row_end, k_hi, shift, win_l, win_r, bm);
     #[unroll]
     for nb in 0..comptime!(bm / 8) {
         #[unroll]
@@ -256,6 +252,19 @@ pub fn p_transposed(
     }
 }
 
+/// Whether every (row, key) pair of a warpgroup's 64 keys (window-local index `kw0` of the first)
+/// and the `bm` rows from `rr0` is visible: keys inside the segment (`k_hi`), rows before `row_end`,
+/// each key inside each row's window ([`p_transposed`] masks nothing then).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn tile_full(kw0: i32, rr0: i32, row_end: u32, k_hi: u32, shift: i32, win_l: u32, win_r: u32, #[comptime] bm: usize) -> bool {
+    kw0 >= 0i32
+        && kw0 + WG_KEYS as i32 <= k_hi as i32
+        && rr0 + bm as i32 <= row_end as i32
+        && kw0 + (WG_KEYS as i32 - 1i32) <= shift + rr0 + win_r as i32
+        && kw0 >= shift + rr0 + (bm as i32 - 1i32) - win_l as i32
+}
+
 /// dS^T = P^T (dP^T - delta) in place of `dp` (the m64 x `bm` accumulator of 64 keys x the query
 /// tile's `bm` rows; `s` holds P^T, delta of stage `lb` of `dl_smem`, this lane's first column pair
 /// `col_a`). P = 0 (masked) keeps dS = 0 even where dP - delta is not finite.
@@ -270,6 +279,27 @@ pub fn ds_transposed(dp: &mut Array<f32>, s: &Array<f32>, dl_smem: &SharedMemory
             for hh in 0..2usize {
                 let i = nb * 4 + hh * 2 + e2;
                 dp[i] = select(s[i] == 0.0f32, 0.0f32, s[i] * (dp[i] - dl));
+            }
+        }
+    }
+}
+
+/// [`ds_transposed`] for a tile whose pairs are all visible ([`tile_full`]): dS^T = P^T (dP^T -
+/// delta) without the select, as the math of torch's SDPA has it (a P that underflows to 0 times a
+/// non-finite dP - delta, from a non-finite dO, is NaN there too); the select keeps a masked pair's
+/// dS at 0 whatever dP - delta is, so a key never meets a row's non-finite dO. 2 of the 4
+/// instructions an element.
+#[cube]
+pub fn ds_transposed_full(dp: &mut Array<f32>, s: &Array<f32>, dl_smem: &SharedMemory<f32>, lb: usize, col_a: usize, #[comptime] bm: usize) {
+    #[unroll]
+    for nb in 0..comptime!(bm / 8) {
+        #[unroll]
+        for e2 in 0..2usize {
+            let dl = dl_smem[lb + nb * 8 + col_a + e2];
+            #[unroll]
+            for hh in 0..2usize {
+                let i = nb * 4 + hh * 2 + e2;
+                dp[i] = s[i] * (dp[i] - dl);
             }
         }
     }

@@ -44,8 +44,8 @@ use super::cards::DkdvCard;
 // registers a thread after the moves: the forward frame's split (24 x 128 + 240 x 256)
 use super::flash_fwd_ws::{release, CONSUMER_REGS, PRODUCER_REGS};
 use super::flash_bwd_sm90::{
-    ds_transposed, dq_steps, issue_q_tile, key_by_dim_steps, key_by_row_steps, lse_ahead, p_transposed, store_ds_transposed,
-    write_dkdv,
+    ds_transposed, ds_transposed_full, dq_steps, issue_q_tile, key_by_dim_steps, key_by_row_steps, lse_ahead, p_transposed, store_ds_transposed,
+    tile_full, write_dkdv,
 };
 use super::grid::cube_item_slot;
 use super::sm90::{
@@ -404,7 +404,11 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
                 args.scale_log2, bm,
             );
             wgmma_wait(0u32);
-            ds_transposed(&mut dp, &s, &dl_smem, lb, col_a, bm);
+            if tile_full(kw0, r0 as i32, row_end, sw.k_hi, sw.shift, args.win_l, args.win_r, bm) {
+                ds_transposed_full(&mut dp, &s, &dl_smem, lb, col_a, bm);
+            } else {
+                ds_transposed(&mut dp, &s, &dl_smem, lb, col_a, bm);
+            }
             pack_a_pairs::<E>(&s, &mut p_regs, comptime!(bm / 4));
             pack_a_pairs::<E>(&dp, &mut ds_regs, comptime!(bm / 4));
             let dsb = ((cur & 1u32) as usize) * comptime!(BN * bm);
