@@ -5,6 +5,7 @@ for r in rows:
     t[(r["D"], r["causal"], r["S"], r["impl"], r["tag"])].append(r["ms"])
 tags = sorted({r["tag"] for r in rows if r["tag"] != "peer"})
 print("| D | causal | S | " + " | ".join(f"kernel {x}" for x in tags) + " | " + " | ".join(f"torch {x}" for x in tags) + " | cuDNN |")
+print("|" + " --- |" * (3 + 3 * len(tags) + 1))
 for k in sorted({(r["D"], r["causal"], r["S"]) for r in rows}):
     ks = [" / ".join(f"{m:.3f}" for m in t[k + ("cubeattn_kernel", x)]) for x in tags]
     ts = [" / ".join(f"{m:.3f}" for m in t[k + ("cubeattn", x)]) for x in tags]
