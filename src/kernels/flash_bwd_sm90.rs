@@ -267,9 +267,21 @@ pub fn tile_full(kw0: i32, rr0: i32, row_end: u32, k_hi: u32, shift: i32, win_l:
 
 /// dS^T = P^T (dP^T - delta) in place of `dp` (the m64 x `bm` accumulator of 64 keys x the query
 /// tile's `bm` rows; `s` holds P^T, delta of stage `lb` of `dl_smem`, this lane's first column pair
-/// `col_a`). P = 0 (masked) keeps dS = 0 even where dP - delta is not finite.
+/// `col_a`). `masked` (a tile [`p_transposed`] may have masked, [`tile_full`] false): P = 0 keeps
+/// dS = 0 even where dP - delta is not finite, so a key never meets a masked row's non-finite dO.
+/// Without it (every pair visible) dS = P (dP - delta) as torch's SDPA math has it (a P that
+/// underflows to 0 times a non-finite dP - delta is NaN there too): 2 of the 4 instructions an
+/// element.
 #[cube]
-pub fn ds_transposed(dp: &mut Array<f32>, s: &Array<f32>, dl_smem: &SharedMemory<f32>, lb: usize, col_a: usize, #[comptime] bm: usize) {
+pub fn ds_transposed(
+    dp: &mut Array<f32>,
+    s: &Array<f32>,
+    dl_smem: &SharedMemory<f32>,
+    lb: usize,
+    col_a: usize,
+    #[comptime] bm: usize,
+    #[comptime] masked: bool,
+) {
     #[unroll]
     for nb in 0..comptime!(bm / 8) {
         #[unroll]
@@ -278,28 +290,11 @@ pub fn ds_transposed(dp: &mut Array<f32>, s: &Array<f32>, dl_smem: &SharedMemory
             #[unroll]
             for hh in 0..2usize {
                 let i = nb * 4 + hh * 2 + e2;
-                dp[i] = select(s[i] == 0.0f32, 0.0f32, s[i] * (dp[i] - dl));
-            }
-        }
-    }
-}
-
-/// [`ds_transposed`] for a tile whose pairs are all visible ([`tile_full`]): dS^T = P^T (dP^T -
-/// delta) without the select, as the math of torch's SDPA has it (a P that underflows to 0 times a
-/// non-finite dP - delta, from a non-finite dO, is NaN there too); the select keeps a masked pair's
-/// dS at 0 whatever dP - delta is, so a key never meets a row's non-finite dO. 2 of the 4
-/// instructions an element.
-#[cube]
-pub fn ds_transposed_full(dp: &mut Array<f32>, s: &Array<f32>, dl_smem: &SharedMemory<f32>, lb: usize, col_a: usize, #[comptime] bm: usize) {
-    #[unroll]
-    for nb in 0..comptime!(bm / 8) {
-        #[unroll]
-        for e2 in 0..2usize {
-            let dl = dl_smem[lb + nb * 8 + col_a + e2];
-            #[unroll]
-            for hh in 0..2usize {
-                let i = nb * 4 + hh * 2 + e2;
-                dp[i] = s[i] * (dp[i] - dl);
+                if comptime!(masked) {
+                    dp[i] = select(s[i] == 0.0f32, 0.0f32, s[i] * (dp[i] - dl));
+                } else {
+                    dp[i] = s[i] * (dp[i] - dl);
+                }
             }
         }
     }
@@ -566,7 +561,7 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
                 args.scale_log2, BM,
             );
             wgmma_wait(0u32);
-            ds_transposed(&mut dp, &s, &dl_smem, lb, col_a, BM);
+            ds_transposed(&mut dp, &s, &dl_smem, lb, col_a, BM, true);
             pack_a_pairs::<E>(&s, &mut p_regs, comptime!(BM / 4));
             pack_a_pairs::<E>(&dp, &mut ds_regs, comptime!(BM / 4));
             if fuse_dq {

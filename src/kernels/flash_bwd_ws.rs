@@ -44,7 +44,7 @@ use super::cards::DkdvCard;
 // registers a thread after the moves: the forward frame's split (24 x 128 + 240 x 256)
 use super::flash_fwd_ws::{release, CONSUMER_REGS, PRODUCER_REGS};
 use super::flash_bwd_sm90::{
-    ds_transposed, ds_transposed_full, dq_steps, issue_q_tile, key_by_dim_steps, key_by_row_steps, lse_ahead, p_transposed, store_ds_transposed,
+    ds_transposed, dq_steps, issue_q_tile, key_by_dim_steps, key_by_row_steps, lse_ahead, p_transposed, store_ds_transposed,
     tile_full, write_dkdv,
 };
 use super::grid::cube_item_slot;
@@ -405,9 +405,9 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
             );
             wgmma_wait(0u32);
             if tile_full(kw0, r0 as i32, row_end, sw.k_hi, sw.shift, args.win_l, args.win_r, bm) {
-                ds_transposed_full(&mut dp, &s, &dl_smem, lb, col_a, bm);
+                ds_transposed(&mut dp, &s, &dl_smem, lb, col_a, bm, false);
             } else {
-                ds_transposed(&mut dp, &s, &dl_smem, lb, col_a, bm);
+                ds_transposed(&mut dp, &s, &dl_smem, lb, col_a, bm, true);
             }
             pack_a_pairs::<E>(&s, &mut p_regs, comptime!(bm / 4));
             pack_a_pairs::<E>(&dp, &mut ds_regs, comptime!(bm / 4));
