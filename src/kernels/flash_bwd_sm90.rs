@@ -195,7 +195,8 @@ const LSE_AHEAD: usize = 4;
 /// block is not fully visible and a key lies outside its row's window or past the segment's keys
 /// (`k_hi`), or the row is at or past `row_end`. `key_a - key_base`: this lane's first key among
 /// the 64 (window-local index `kw0` of the first); `rr0`: the tile's first row; `col_a`: this
-/// lane's first column pair.
+/// lane's first column pair. Returns whether the tile masked nothing ([`tile_full`]), the choice of
+/// [`ds_transposed`]'s `masked`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn p_transposed(
@@ -215,7 +216,7 @@ pub fn p_transposed(
     win_r: u32,
     scale_log2: f32,
     #[comptime] bm: usize,
-) {
+) -> bool {
     let full = tile_full(kw0, rr0, row_end, k_hi, shift, win_l, win_r, bm);
     #[unroll]
     for nb in 0..comptime!(bm / 8) {
@@ -250,6 +251,7 @@ pub fn p_transposed(
             }
         }
     }
+    full
 }
 
 /// Whether every (row, key) pair of a warpgroup's 64 keys (window-local index `kw0` of the first)
@@ -257,7 +259,7 @@ pub fn p_transposed(
 /// each key inside each row's window ([`p_transposed`] masks nothing then).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-pub fn tile_full(kw0: i32, rr0: i32, row_end: u32, k_hi: u32, shift: i32, win_l: u32, win_r: u32, #[comptime] bm: usize) -> bool {
+fn tile_full(kw0: i32, rr0: i32, row_end: u32, k_hi: u32, shift: i32, win_l: u32, win_r: u32, #[comptime] bm: usize) -> bool {
     kw0 >= 0i32
         && kw0 + WG_KEYS as i32 <= k_hi as i32
         && rr0 + bm as i32 <= row_end as i32

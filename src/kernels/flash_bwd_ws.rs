@@ -45,7 +45,7 @@ use super::cards::DkdvCard;
 use super::flash_fwd_ws::{release, CONSUMER_REGS, PRODUCER_REGS};
 use super::flash_bwd_sm90::{
     ds_transposed, dq_steps, issue_q_tile, key_by_dim_steps, key_by_row_steps, lse_ahead, p_transposed, store_ds_transposed,
-    tile_full, write_dkdv,
+    write_dkdv,
 };
 use super::grid::cube_item_slot;
 use super::sm90::{
@@ -399,12 +399,12 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
             wgmma_wait(1u32);
 
             // ---- 2. P^T (while dP^T is formed), then dS^T ----
-            p_transposed(
+            let full = p_transposed(
                 &mut s, &l2, &lse_smem, lb, col_a, key_a, cw * WG_KEYS, kw0, r0 as i32, row_end, sw.k_hi, sw.shift, args.win_l, args.win_r,
                 args.scale_log2, bm,
             );
             wgmma_wait(0u32);
-            if tile_full(kw0, r0 as i32, row_end, sw.k_hi, sw.shift, args.win_l, args.win_r, bm) {
+            if full {
                 ds_transposed(&mut dp, &s, &dl_smem, lb, col_a, bm, false);
             } else {
                 ds_transposed(&mut dp, &s, &dl_smem, lb, col_a, bm, true);
@@ -444,17 +444,16 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
                     &mut dq_tile, &mut dq_info, &dq_empty0, &dq_empty1, &dq_full0, &dq_full1, &dq, cur, sw.q_start + r0, r0, row_end, h,
                     key_a, cw, col_a, ct, dq_col0, head_dim, qvec, bm,
                 );
-                wgmma_wait(0u32);
-                release(&empty0, &empty1, cur, true);
             } else {
                 // ---- 3. dV += P^T dO, dK += dS^T Q ----
                 wgmma_fence();
                 key_by_dim_steps::<E>(&mut dv_acc, &p_regs, &do_smem, qb, head_dim, bm);
                 key_by_dim_steps::<E>(&mut dk_acc, &ds_regs, &q_smem, qb, head_dim, bm);
                 wgmma_commit();
-                wgmma_wait(0u32);
-                release(&empty0, &empty1, cur, true);
             }
+            // dV, dK done: the stage is free
+            wgmma_wait(0u32);
+            release(&empty0, &empty1, cur, true);
             next_q_tile(&args.tq_list, &sw, &mut qt, hk, group, args.q_tiles_per_block, args.q_block, sparse, bm);
             g += 1u32;
         }
