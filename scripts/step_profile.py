@@ -1,4 +1,5 @@
-"""Usage: python scripts/step_profile.py (D=64 for head_dim 64), on a CUDA machine with torch and cubeattn.
+"""Usage: python scripts/step_profile.py (D=64 for head_dim 64; SHAPES="4096:0 8192:1" for other
+S:causal pairs), on a CUDA machine with torch and cubeattn.
 Where a torch-path fwd+bwd step's time goes (ours vs SDPA cuDNN), Llama3-8B heads 32/8 d128 bf16 B=1:
 per-call-synced wall median; host time of the forward call and of .backward() (no sync); a torch.profiler
 cycle of one step: the GPU timeline with gaps, top CPU ops, and every sync / copy / alloc driver call."""
@@ -18,7 +19,8 @@ for _n in ("forward_device", "backward_device", "device_workspace"):
     if hasattr(_core, _n):
         _wrap(_n)
 D = int(os.environ.get("D", "128"))
-for S, causal in [(4096, True), (8192, True), (8192, False)]:
+SHAPES = [tuple(int(x) for x in p.split(":")) for p in os.environ.get("SHAPES", "4096:1 8192:1 8192:0").split()]
+for S, causal in [(s, bool(c)) for s, c in SHAPES]:
     hq, hkv, d = 32, 8, D
     g = torch.Generator(device="cuda").manual_seed(S)
     q = torch.randn(1, S, hq, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
