@@ -81,6 +81,35 @@ fn load_stage<E: Float, NV: Size>(
     }
 }
 
+/// dS = P (dP - delta) in place of P (`s`) for the lane's two rows, `rows` = (delta, key limit,
+/// window start) of rows a and b; `masked`: zero where the key (`key0` + the lane's column) is at
+/// or past the row's limit or, with `window`, before its start.
+#[cube]
+fn ds_tile(s: &mut Array<f32>, dp: &Array<f32>, rows: (f32, f32, i32, i32, i32, i32), key0: u32, #[comptime] window: bool,
+    #[comptime] masked: bool) {
+    let (dl_a, dl_b, la, lb, lo_a, lo_b) = rows;
+    #[unroll]
+    for nb in 0..comptime!(BWD_BN / 8) {
+        #[unroll]
+        for hh in 0..2usize {
+            let dd = if comptime!(hh == 0) { dl_a } else { dl_b };
+            let lim = if comptime!(hh == 0) { la } else { lb };
+            let lo = if comptime!(hh == 0) { lo_a } else { lo_b };
+            #[unroll]
+            for e2 in 0..2usize {
+                let i = nb * 4 + hh * 2 + e2;
+                if comptime!(masked) {
+                    let key = key0 as i32 + comptime!((nb * 8 + e2) as i32);
+                    let out = key >= lim || (window && key < lo);
+                    s[i] = select(out, 0.0f32, s[i] * (dp[i] - dd));
+                } else {
+                    s[i] = s[i] * (dp[i] - dd);
+                }
+            }
+        }
+    }
+}
+
 /// The Hopper dQ pass (module docs). Grid and card as `flash_bwd::flash_bwd_dq`; [`DQ_SM90_THREADS`]
 /// units; `head_dim` a multiple of 64.
 #[allow(clippy::too_many_arguments, unused_assignments)]
@@ -194,36 +223,11 @@ pub fn flash_bwd_dq_sm90<E: Float, NV: Size>(
         }
         // two copies of the loop: inside one, ptxas if-converted the mask (a compare and a select
         // an element on every tile, ncu: 17% of the pass's instructions)
+        let rows = (dl_a, dl_b, la, lb, lo_a, lo_b);
         if needs_mask {
-            #[unroll]
-            for nb in 0..comptime!(BWD_BN / 8) {
-                #[unroll]
-                for hh in 0..2usize {
-                    let dd = if comptime!(hh == 0) { dl_a } else { dl_b };
-                    let lim = if comptime!(hh == 0) { la } else { lb };
-                    let lo = if comptime!(hh == 0) { lo_a } else { lo_b };
-                    #[unroll]
-                    for e2 in 0..2usize {
-                        let i = nb * 4 + hh * 2 + e2;
-                        let key = (kb + col_a) as i32 + comptime!((nb * 8 + e2) as i32);
-                        let masked = key >= lim || (window && key < lo);
-                        s[i] = select(masked, 0.0f32, s[i] * (dp[i] - dd));
-                    }
-                }
-            }
+            ds_tile(&mut s, &dp, rows, kb + col_a, window, true);
         } else {
-            #[unroll]
-            for nb in 0..comptime!(BWD_BN / 8) {
-                #[unroll]
-                for hh in 0..2usize {
-                    let dd = if comptime!(hh == 0) { dl_a } else { dl_b };
-                    #[unroll]
-                    for e2 in 0..2usize {
-                        let i = nb * 4 + hh * 2 + e2;
-                        s[i] = s[i] * (dp[i] - dd);
-                    }
-                }
-            }
+            ds_tile(&mut s, &dp, rows, kb + col_a, window, false);
         }
         pack_a_pairs::<E>(&s, &mut ds, comptime!(BWD_BN / 4));
 

@@ -13,10 +13,10 @@ grep -E "FAIL|panicked|test result|ERROR" $L/rust_bwd.log | head -20 >> $L/summa
 PYTHONPATH=/tmp/pyx_new timeout 100 python3 -m pytest -q -x -m "gpu or torch" tests/python/test_backward.py tests/python/test_torch.py tests/python/test_nonfinite.py -p no:cacheprovider > $L/pytest.log 2>&1; echo "pytest rc=$? ($(( $(date +%s) - t0 )) s)" >> $L/summary.txt
 tail -2 $L/pytest.log >> $L/summary.txt
 for r in 1 2; do
-  PYTHONPATH=/tmp/pyx_base timeout 90 python3 $R/ab.py main --det $([ $r = 1 ] && echo --cudnn) > $L/ab_base_$r.jsonl 2>$L/ab_base_$r.err
-  PYTHONPATH=/tmp/pyx_new timeout 90 python3 $R/ab.py lse2 --det $([ $r = 2 ] && echo --cudnn) > $L/ab_new_$r.jsonl 2>$L/ab_new_$r.err
+  PYTHONPATH=/tmp/pyx_base timeout 90 python3 bench/results/h200-2026-11-30-dsfull/ab.py main --det $([ $r = 1 ] && echo --cudnn) > $L/ab_base_$r.jsonl 2>$L/ab_base_$r.err
+  PYTHONPATH=/tmp/pyx_new timeout 90 python3 bench/results/h200-2026-11-30-dsfull/ab.py lse2 --det $([ $r = 2 ] && echo --cudnn) > $L/ab_new_$r.jsonl 2>$L/ab_new_$r.err
   echo "round $r $(( $(date +%s) - t0 )) s" >> $L/summary.txt
 done
-python3 $R/table.py $L/ab_*.jsonl > $L/table.md
+python3 bench/results/h200-2026-11-30-dsfull/table.py $L/ab_*.jsonl > $L/table.md
 tar czf $OUT/run.tgz -C $OUT logs
 cat $L/summary.txt $L/table.md
