@@ -77,6 +77,38 @@ def median_ms(fn, warmup, iters, sync=_no_sync, warm_s=0.1):
     return ts[len(ts) // 2], ts[0], ts[-1]
 
 
+def interleaved_ms(fns, warmup, iters, sync, rounds=4, warm_s=0.1):
+    """{name: (median, min, max) ms} of `iters` synced calls of each `(name, fn)` in `fns`, taken
+    in `rounds` rounds that visit every fn in turn (each round starting one fn later), after
+    `warmup` calls of each and at least `warm_s` seconds of calls in turn. A GPU's clock moves
+    with what ran just before and for how long (bench/results/h200x2-2026-11-30-cp-order): timed
+    one after the other, the first and the last impl of a row meet different clocks; in turns,
+    every impl meets the same mix."""
+    fns = list(fns)
+    t0 = time.perf_counter()
+    n = 0
+    while n < warmup or (time.perf_counter() - t0 < warm_s and n < 10000):
+        for _, fn in fns:
+            fn()
+        sync()
+        n += 1
+    per = max(1, -(-iters // rounds))
+    ts = {name: [] for name, _ in fns}
+    for r in range(rounds):
+        for j in range(len(fns)):
+            name, fn = fns[(j + r) % len(fns)]
+            for _ in range(per):
+                t = time.perf_counter()
+                fn()
+                sync()
+                ts[name].append((time.perf_counter() - t) * 1e3)
+    out = {}
+    for name, v in ts.items():
+        v.sort()
+        out[name] = (v[len(v) // 2], v[0], v[-1])
+    return out
+
+
 def _torch():
     try:
         import torch
@@ -466,7 +498,8 @@ def _cuda_fwdbwd(args, torch):
     """Forward + backward (a training step) through torch autograd, peers in the same process:
     rows `dense_fwdbwd` (keys config, S, D, causal; impl cubeattn = `flash_attn_func(...)
     .backward(g)`, cubeattn_deterministic the same with deterministic=True, cubeattn_kernel the
-    kernels alone with device-resident inputs, sdpa_cudnn, sdpa_flash) for `--config` (default:
+    kernels alone with device-resident inputs, sdpa_cudnn, sdpa_flash; the four torch steps timed
+    in turns, `interleaved_ms`) for `--config` (default:
     llama3-8b and gqa-d64), B = `--batch-size` sequences (default 1; key B), causal and not
     (`--no-causal`: only not), then (unless --dense-only) the
     grouped zigzag rows `zigzag_fwdbwd` of the first config (keys config, T, W, rank; impl cubeattn,
@@ -497,31 +530,37 @@ def _cuda_fwdbwd(args, torch):
                 k = torch.randn(B, s, hkv, d, device="cuda", dtype=tdt, requires_grad=True)
                 v = torch.randn(B, s, hkv, d, device="cuda", dtype=tdt, requires_grad=True)
                 go = torch.randn(B, s, hq, d, device="cuda", dtype=tdt)
+                q4, k4, v4 = (x.detach().transpose(1, 2).contiguous().requires_grad_(True) for x in (q, k, v))
+                go4 = go.transpose(1, 2).contiguous()
+
+                def ours(det):
+                    return lambda: cubeattn.flash_attn_func(q, k, v, causal=causal, deterministic=det).backward(go)
+
+                def sdpa(be):
+                    def step():
+                        with sdpa_kernel(be):
+                            o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=causal, enable_gqa=True)
+                        o.backward(go4)
+                    return step
+                steps = []
                 for impl, det in (("cubeattn", False), ("cubeattn_deterministic", True)):
                     why = cubeattn._core.cuda_refusal(spec, True, det, "cuda:0")
                     if why:
                         # no CUDA kernel (e.g. deterministic above head_dim 128): a CPU run is no row
                         rows.append(dict(key, impl=impl, error=why[:200]))
-                        continue
+                    else:
+                        steps.append((impl, ours(det)))
+                steps += [("sdpa_cudnn", sdpa(SDPBackend.CUDNN_ATTENTION)), ("sdpa_flash", sdpa(SDPBackend.FLASH_ATTENTION))]
+                # the torch steps timed in turns (`interleaved_ms`); one that fails is an error row
+                ok = []
+                for impl, fn in steps:
                     try:
-                        def ours():
-                            cubeattn.flash_attn_func(q, k, v, causal=causal, deterministic=det).backward(go)
-                        ms = median_ms(ours, 3, args.iterations, sync)
-                        rows.append(dict(key, impl=impl, ms=ms[0], tflops=flops / ms[0] / 1e9))
+                        fn()
+                        ok.append((impl, fn))
                     except Exception as e:
                         rows.append(dict(key, impl=impl, error=str(e)[:200]))
-                q4, k4, v4 = (x.detach().transpose(1, 2).contiguous().requires_grad_(True) for x in (q, k, v))
-                go4 = go.transpose(1, 2).contiguous()
-                for name, be in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
-                    try:
-                        def step():
-                            with sdpa_kernel(be):
-                                o = F.scaled_dot_product_attention(q4, k4, v4, is_causal=causal, enable_gqa=True)
-                            o.backward(go4)
-                        ms = median_ms(step, 3, args.iterations, sync)
-                        rows.append(dict(key, impl=name, ms=ms[0], tflops=flops / ms[0] / 1e9))
-                    except Exception as e:
-                        rows.append(dict(key, impl=name, error=str(e)[:200]))
+                for impl, ms in interleaved_ms(ok, 3, args.iterations, sync).items():
+                    rows.append(dict(key, impl=impl, ms=ms[0], tflops=flops / ms[0] / 1e9))
                 del q, k, v, go, q4, k4, v4, go4
     hq, hkv, d = CONFIGS[configs[0]]
     for T, W in ([] if args.dense_only else zigzag_cases(args.quick)):

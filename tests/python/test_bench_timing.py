@@ -1,7 +1,8 @@
-"""median_ms: the warm-up of device rows by time, the fixed warm-up of host rows and of collectives."""
+"""median_ms: the warm-up of device rows by time, the fixed warm-up of host rows and of collectives;
+interleaved_ms: impls timed in turns."""
 import time
 
-from cubeattn.bench import median_ms
+from cubeattn.bench import interleaved_ms, median_ms
 
 
 def _counter(cost_s=0.0):
@@ -38,3 +39,30 @@ def test_warm_s_zero_keeps_the_call_count_fixed():
     fn, calls = _counter(0.001)
     median_ms(fn, 2, 5, sync=lambda: None, warm_s=0.0)
     assert len(calls) == 7
+
+
+def test_interleaved_calls_each_fn_in_rotating_turns():
+    order = []
+
+    def named(name):
+        return name, lambda: order.append(name)
+    syncs = []
+    out = interleaved_ms([named("a"), named("b"), named("c")], 2, 6, sync=lambda: syncs.append(1), rounds=3, warm_s=0.0)
+    assert sorted(out) == ["a", "b", "c"]
+    # 2 warm-up calls each, then 3 rounds of 2 timed calls each
+    assert [order.count(x) for x in "abc"] == [2 + 6] * 3
+    timed = order[6:]
+    # each round starts one impl later: a a b b c c | b b c c a a | c c a a b b
+    assert timed == list("aabbcc") + list("bbccaa") + list("ccaabb")
+    # every timed call is synchronised
+    assert len(syncs) >= 18
+
+
+def test_interleaved_medians_follow_each_fn_cost():
+    fast = ("fast", lambda: time.sleep(0.001))
+    slow = ("slow", lambda: time.sleep(0.006))
+    out = interleaved_ms([slow, fast], 1, 4, sync=lambda: None, rounds=2, warm_s=0.0)
+    for name in out:
+        med, lo, hi = out[name]
+        assert lo <= med <= hi
+    assert out["slow"][0] > out["fast"][0] + 3.0
