@@ -3,7 +3,7 @@
 # `flash_fwd_ws`, cuDNN's fprop) at non-causal 4K and 8K; then `bench fwdbwd --dense-only`
 set -u
 export CUDA_PATH=/usr/local/cuda
-B=.carry/s51m; N=bench/results/h200-2026-12-01-fwd-ncu
+B=BUILD_DIR; N=bench/results/h200-2026-12-01-fwd-ncu
 L=$OUT/logs; mkdir -p $L
 python3 -m pip install -q --no-deps --target /tmp/pyx $B/cubeattn-*.whl > $L/pip.log 2>&1
 export PYTHONPATH=/tmp/pyx

@@ -3,7 +3,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export CUDA_PATH=/usr/local/cuda
-NEW=.carry/s51a; BASE=.carry/s50c; R=bench/results/h200-2026-12-01-lse2-dqmask
+NEW=BUILD_DIR; BASE=BUILD_DIR; R=bench/results/h200-2026-12-01-lse2-dqmask
 L=$OUT/logs; mkdir -p $L
 python3 -m pip install -q --no-deps --target /tmp/pyx_new $NEW/cubeattn-*.whl > $L/pip.log 2>&1
 python3 -m pip install -q --no-deps --target /tmp/pyx_base $BASE/cubeattn-*.whl >> $L/pip.log 2>&1

@@ -5,7 +5,7 @@
 # forward A/B in one build, CUBEATTN_CUDA_PERSISTENT=0 (off) against the default (on), alternating
 set -u
 export CUDA_PATH=/usr/local/cuda
-B=.carry/s51p; N=bench/results/h200-2026-12-01-persistent
+B=BUILD_DIR; N=bench/results/h200-2026-12-01-persistent
 L=$OUT/logs; mkdir -p $L
 python3 -m pip install -q --no-deps --target /tmp/pyx $B/cubeattn-*.whl > $L/pip.log 2>&1
 export PYTHONPATH=/tmp/pyx

@@ -4,7 +4,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export CUDA_PATH=/usr/local/cuda
-B=.carry/s51m
+B=BUILD_DIR
 L=$OUT/logs; mkdir -p $L
 python3 -m pip install -q --no-deps --target /tmp/pyx $B/cubeattn-*.whl > $L/pip.log 2>&1
 export PYTHONPATH=/tmp/pyx
