@@ -109,6 +109,21 @@ def interleaved_ms(fns, warmup, iters, sync, rounds=4, warm_s=0.1):
     return out
 
 
+def _rows_in_turns(steps, iterations, sync, row, error, warm_s=0.1):
+    """Times the `(impl, fn)` steps in turns (`interleaved_ms`, 3 warm-up calls each) and reports
+    each with `row(impl, (median, min, max))`; a step whose first call raises is left out and
+    reported with `error(impl, exception)`."""
+    ok = []
+    for impl, fn in steps:
+        try:
+            fn()
+            ok.append((impl, fn))
+        except Exception as e:  # report, keep the peers
+            error(impl, e)
+    for impl, ms in interleaved_ms(ok, 3, iterations, sync, warm_s=warm_s).items():
+        row(impl, ms)
+
+
 def _torch():
     try:
         import torch
@@ -249,8 +264,9 @@ def bench_cpu(args):
 def _cuda_dense(args, torch):
     """Forward at one config over args.seqlens: cubeattn through the torch call path
     (`flash_attn_func` on [B, S, H, D] CUDA tensors, what a user calls: `impl: cubeattn`), its
-    kernels alone (`cubeattn_kernel`), and SDPA's flash and cuDNN backends on the same tensors.
-    B = `--batch-size` (default 1): B sequences of S tokens."""
+    kernels alone (`cubeattn_kernel`), and SDPA's flash and cuDNN backends on the same tensors, the
+    three torch calls timed in turns (`interleaved_ms`). B = `--batch-size` (default 1): B
+    sequences of S tokens."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -272,24 +288,21 @@ def _cuda_dense(args, torch):
         k = torch.randn(B, s, hkv, d, device="cuda", dtype=tdt)
         v = torch.randn_like(k)
         try:
-            row("cubeattn", median_ms(lambda: cubeattn.flash_attn_func(q, k, v, causal=args.causal), 3,
-                                      args.iterations, sync))
-        except Exception as e:  # report, keep the peers
-            rows.append(dict(key, impl="cubeattn", error=str(e)[:200]))
-        try:
             ts = sorted(cubeattn._core.cuda_bench_forward(spec, 3, args.iterations))
             row("cubeattn_kernel", (ts[len(ts) // 2], ts[0], ts[-1]))
         except Exception as e:
             rows.append(dict(key, impl="cubeattn_kernel", error=str(e)[:200]))
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-        for name, be in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
-            try:
-                def run():
-                    with sdpa_kernel(be):
-                        F.scaled_dot_product_attention(qt, kt, vt, is_causal=args.causal, enable_gqa=True)
-                row(name, median_ms(run, 3, args.iterations, sync))
-            except Exception as e:
-                rows.append(dict(key, impl=name, error=str(e)[:200]))
+
+        def sdpa(be):
+            def run():
+                with sdpa_kernel(be):
+                    F.scaled_dot_product_attention(qt, kt, vt, is_causal=args.causal, enable_gqa=True)
+            return run
+        # the torch calls timed in turns (`interleaved_ms`)
+        steps = [("cubeattn", lambda: cubeattn.flash_attn_func(q, k, v, causal=args.causal)),
+                 ("sdpa_flash", sdpa(SDPBackend.FLASH_ATTENTION)), ("sdpa_cudnn", sdpa(SDPBackend.CUDNN_ATTENTION))]
+        _rows_in_turns(steps, args.iterations, sync, row, lambda impl, e: rows.append(dict(key, impl=impl, error=str(e)[:200])))
         del q, k, v, qt, kt, vt
     return rows
 
@@ -551,16 +564,10 @@ def _cuda_fwdbwd(args, torch):
                     else:
                         steps.append((impl, ours(det)))
                 steps += [("sdpa_cudnn", sdpa(SDPBackend.CUDNN_ATTENTION)), ("sdpa_flash", sdpa(SDPBackend.FLASH_ATTENTION))]
-                # the torch steps timed in turns (`interleaved_ms`); one that fails is an error row
-                ok = []
-                for impl, fn in steps:
-                    try:
-                        fn()
-                        ok.append((impl, fn))
-                    except Exception as e:
-                        rows.append(dict(key, impl=impl, error=str(e)[:200]))
-                for impl, ms in interleaved_ms(ok, 3, args.iterations, sync).items():
-                    rows.append(dict(key, impl=impl, ms=ms[0], tflops=flops / ms[0] / 1e9))
+                # the torch steps timed in turns (`interleaved_ms`)
+                _rows_in_turns(steps, args.iterations, sync,
+                               lambda impl, ms: rows.append(dict(key, impl=impl, ms=ms[0], tflops=flops / ms[0] / 1e9)),
+                               lambda impl, e: rows.append(dict(key, impl=impl, error=str(e)[:200])))
                 del q, k, v, go, q4, k4, v4, go4
     hq, hkv, d = CONFIGS[configs[0]]
     for T, W in ([] if args.dense_only else zigzag_cases(args.quick)):

@@ -66,3 +66,21 @@ def test_interleaved_medians_follow_each_fn_cost():
         med, lo, hi = out[name]
         assert lo <= med <= hi
     assert out["slow"][0] > out["fast"][0] + 3.0
+
+
+def test_rows_in_turns_reports_failing_steps_and_times_the_rest():
+    from cubeattn.bench import _rows_in_turns
+
+    calls = []
+
+    def bad():
+        raise RuntimeError("no kernel for this shape")
+    rows, errors = {}, {}
+    steps = [("ok", lambda: calls.append(1)), ("bad", bad)]
+    _rows_in_turns(steps, 4, lambda: None, lambda impl, ms: rows.__setitem__(impl, ms), lambda impl, e: errors.__setitem__(impl, str(e)),
+                   warm_s=0.0)
+    assert list(rows) == ["ok"] and errors == {"bad": "no kernel for this shape"}
+    med, lo, hi = rows["ok"]
+    assert 0 <= lo <= med <= hi
+    # the trial call, 3 warm-up calls, 4 timed calls
+    assert len(calls) == 1 + 3 + 4
