@@ -53,20 +53,26 @@ def _no_sync():
     pass
 
 
+def _warm_up(step, warmup, sync, warm_s, sync_every):
+    """`warmup` calls of `step`, and more until `warm_s` seconds have passed (at most 10000), synced
+    every `sync_every` calls and at the end."""
+    t0 = time.perf_counter()
+    n = 0
+    while n < warmup or (time.perf_counter() - t0 < warm_s and n < 10000):
+        step()
+        n += 1
+        if n % sync_every == 0:
+            sync()
+    sync()
+
+
 def median_ms(fn, warmup, iters, sync=_no_sync, warm_s=0.1):
     """(median, min, max) ms of `iters` calls of `fn`, each followed by `sync`, after `warmup` calls;
     on a device (a `sync` given) also after at least `warm_s` seconds of calls, as triton's do_bench
     warms up by time: the first row of a process otherwise meets the GPU at idle clocks (`warmup`
     is 2-3 calls in most rows). Pass `warm_s=0` where every process must make the same calls."""
     warm_s = warm_s if sync is not _no_sync else 0.0
-    t0 = time.perf_counter()
-    n = 0
-    while n < warmup or (time.perf_counter() - t0 < warm_s and n < 10000):
-        fn()
-        n += 1
-        if n % 16 == 0:
-            sync()
-    sync()
+    _warm_up(fn, warmup, sync, warm_s, 16)
     ts = []
     for _ in range(iters):
         t = time.perf_counter()
@@ -85,13 +91,11 @@ def interleaved_ms(fns, warmup, iters, sync, rounds=4, warm_s=0.1):
     one after the other, the first and the last impl of a row meet different clocks; in turns,
     every impl meets the same mix."""
     fns = list(fns)
-    t0 = time.perf_counter()
-    n = 0
-    while n < warmup or (time.perf_counter() - t0 < warm_s and n < 10000):
+
+    def turn():
         for _, fn in fns:
             fn()
-        sync()
-        n += 1
+    _warm_up(turn, warmup, sync, warm_s, 1)
     per = max(1, -(-iters // rounds))
     ts = {name: [] for name, _ in fns}
     for r in range(rounds):
