@@ -113,6 +113,9 @@ fn cases() -> Vec<Case> {
     vec![
         Case { name: "f16 d64 1 token", dtype: F16, d: 64, hq: 4, hkv: 4, causal: false, layout: v(&[0, 1], &[0, 1]), input_scale: 1.0, window: NOWIN },
         Case { name: "f16 d128 noncausal 1x200", dtype: F16, d: 128, hq: 4, hkv: 2, causal: false, layout: v(&[0, 200], &[0, 200]), input_scale: 1.0, window: NOWIN },
+        // non-causal d128: 176-key tiles (`FwdOptions::ws_bn`), lengths on and off them, sq != sk
+        Case { name: "bf16 d128 noncausal GQA8/2 varlen q [1,177,352,530] k [176,177,353,700]", dtype: BF16, d: 128, hq: 8, hkv: 2, causal: false, layout: v(&[0, 1, 178, 530, 1060], &[0, 176, 353, 706, 1406]), input_scale: 1.0, window: NOWIN },
+        Case { name: "f16 d128 noncausal 10x inputs q [300,300] k [1000,1500]", dtype: F16, d: 128, hq: 4, hkv: 1, causal: false, layout: v(&[0, 300, 600], &[0, 1000, 2500]), input_scale: 10.0, window: NOWIN },
         Case { name: "bf16 d128 GQA32/8 causal varlen [1,63,130]", dtype: BF16, d: 128, hq: 32, hkv: 8, causal: true, layout: v(&[0, 1, 64, 194], &[0, 1, 64, 194]), input_scale: 1.0, window: NOWIN },
         Case { name: "f16 d64 GQA8/2 causal varlen [65,129,7]", dtype: F16, d: 64, hq: 8, hkv: 2, causal: true, layout: v(&[0, 65, 194, 201], &[0, 65, 194, 201]), input_scale: 1.0, window: NOWIN },
         Case { name: "f16 d128 causal sq=50 < sk=200", dtype: F16, d: 128, hq: 8, hkv: 2, causal: true, layout: v(&[0, 50], &[0, 200]), input_scale: 1.0, window: NOWIN },
@@ -243,6 +246,8 @@ fn variants() -> Vec<(&'static str, FwdOptions)> {
         // the mma.sync kernel (the path below sm_90) on a Hopper GPU, and its tile variants
         // `flash_fwd_sm90` where the warp-specialised frame (`kernels::flash_fwd_ws`) is the default
         ("no-ws", FwdOptions { sm90_ws: false, ..all }),
+        // the warp-specialised frame's 128-key tile where the default takes the wider one (non-causal d128)
+        ("ws-bn128", FwdOptions { ws_bn: 128, ..all }),
         ("mma-sync", FwdOptions { sm90: false, ..all }),
         ("bn32", FwdOptions { block_n: 32, sm90: false, ..all }),
         ("rows16", FwdOptions { plane_rows: 16, sm90: false, ..all }),

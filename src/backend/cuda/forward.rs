@@ -32,6 +32,7 @@ use crate::kernels::flash_fwd_ws::{self, WS_THREADS};
 use crate::kernels::kv_tiles::{box_rows, kv_map_box};
 use crate::kernels::sm90::SW_COLS;
 use crate::kernels::math::LOG2E;
+use crate::spec::Window;
 use crate::kernels::rowwise_fwd::{self, ROWS_PER_CUBE};
 use crate::spec::AttnSpec;
 
@@ -239,11 +240,19 @@ pub(crate) fn tile_rows(be: &CudaBackend, spec: &AttnSpec) -> usize {
 /// 128-key tiles) and for the INT8 / FP8 variants at their 64-key tiles (8K non-causal 10.2 / 10.5
 /// vs 8.4 / 8.2 ms), so those and the V-checking calls keep `flash_fwd_sm90` with
 /// `FwdOptions::sm90_tile_for`'s tile. `k_block` (block-sparse): the frame whose tile divides it.
-/// (FA3's wider non-causal tiles do not fit: 192 keys at d128 ask 237 KiB with the shared-memory
-/// layout's padding, bench/results/h200-2026-11-29-7d0f5e9.)
-pub(crate) fn sm90_frame(hd: usize, int8: bool, check_v: bool, k_block: Option<usize>) -> (usize, bool) {
+/// `uncut`: no row's key range is cut inside the keys the call reads (non-causal, no window, K / V
+/// not paged, dense): at head_dim 128 these take `FwdOptions::ws_bn` keys a tile (FlashAttention-3's
+/// wider non-causal tile, 176: Q plus two K and two V stages 208 KiB; 192 keys ask 237 KiB with the
+/// shared-memory layout's padding, bench/results/h200-2026-11-29-7d0f5e9).
+pub(crate) fn sm90_frame(hd: usize, int8: bool, check_v: bool, k_block: Option<usize>, uncut: bool) -> (usize, bool) {
     let opts = fwd_options();
-    let ws_bn = if hd <= 128 { 128 } else { 64 };
+    let ws_bn = if hd > 128 {
+        64
+    } else if hd == 128 && uncut && k_block.is_none() {
+        opts.ws_bn as usize
+    } else {
+        128
+    };
     if opts.sm90_ws && hd >= 128 && !int8 && !check_v && k_block.is_none_or(|kb| kb.is_multiple_of(ws_bn)) {
         (ws_bn, true)
     } else {
@@ -265,8 +274,9 @@ pub(crate) fn flash_fwd_sm90_kernel(
     int8: bool,
     fp8_pv: bool,
     k_block: Option<usize>,
+    uncut: bool,
 ) -> Result<(super::compile::Func, usize)> {
-    let (bn, ws) = sm90_frame(hd, int8, check_v, k_block);
+    let (bn, ws) = sm90_frame(hd, int8, check_v, k_block, uncut);
     if ws {
         let key = KernelKey::new("flash_fwd_ws", dt, &[hd as u32, bn as u32, sparse as u32, paged as u32]);
         let f = be.kernels.get(&key, || fwd_ws_source(be.client(), dt, hd, bn, sparse, paged))?;
@@ -555,7 +565,9 @@ pub(crate) fn launch_forward(
         let f = be.kernels.get(&key, || fwd_decode_source(client, dt, hd, paged, fp.rows))?;
         (f, kv_maps_sw128(spec, p.k, p.v, flash_fwd_decode::DECODE_BN)?)
     } else if sm90 {
-        let (f, bn) = flash_fwd_sm90_kernel(be, dt, hd, false, paged, check_v, false, false, None)?;
+        // (a paged K / V keeps the tiles that divide its pages)
+        let uncut = !spec.causal && spec.window == Window::NONE && !paged;
+        let (f, bn) = flash_fwd_sm90_kernel(be, dt, hd, false, paged, check_v, false, false, None, uncut)?;
         (f, kv_maps_sw128(spec, p.k, p.v, bn)?)
     } else {
         (flash_fwd_kernel(be, dt, hd, mt, bn, BLOCK_M, false, false, paged, false)?, kv_maps(be, spec, p.k, p.v, bn, false)?)

@@ -79,7 +79,7 @@ impl SparseFrame {
         if spec.attn.dims.head_dim != 128 || !super::forward::sm90_forward(be, spec.attn) || plan_rows(spec).1 != 128 {
             return SparseFrame::Mma2;
         }
-        let (block_n, _) = super::forward::sm90_frame(spec.attn.dims.head_dim, spec.int8.is_some(), false, Some(spec.k_block));
+        let (block_n, _) = super::forward::sm90_frame(spec.attn.dims.head_dim, spec.int8.is_some(), false, Some(spec.k_block), false);
         // INT8: one K scale per lane and tile, and FP8 V^T tiles of 64-byte rows, need the
         // 64-key tiles the quantisation groups are cut for (`sparse::TILE_KEYS`)
         if spec.int8.is_some() && block_n != crate::sparse::TILE_KEYS {
@@ -244,7 +244,7 @@ pub(super) fn launch_sparse_forward(be: &CudaBackend, spec: SparseView, plan: &C
     let (f, [k_map, v_map]) = match sp.frame {
         SparseFrame::Sm90 { block_n } => {
             let fp8 = spec.int8.is_some_and(|o| o.pv_fp8);
-            let (f, bn) = super::forward::flash_fwd_sm90_kernel(be, dt, hd, true, false, false, spec.int8.is_some(), fp8, Some(spec.k_block))?;
+            let (f, bn) = super::forward::flash_fwd_sm90_kernel(be, dt, hd, true, false, false, spec.int8.is_some(), fp8, Some(spec.k_block), false)?;
             debug_assert_eq!(bn, block_n);
             let maps = match &z {
                 None => super::forward::kv_maps_sw128(spec.attn, p.k, p.v, block_n)?,
