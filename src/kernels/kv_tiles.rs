@@ -97,7 +97,7 @@ fn copy_kv_tile<E: Float>(
 }
 
 /// Rows of one tensor-map box of a K or V tile of `block_n` keys: at most a page, so that no box
-/// crosses one; a tile that is not a whole number of pages (the Hopper forward's 144-176-key tiles,
+/// crosses one; a tile that is not a whole number of pages (the Hopper forward's 144- and 160-key tiles,
 /// never paged: `backend::cuda::forward::sm90_frame`) is one box.
 pub const fn box_rows(block_n: usize) -> usize {
     if block_n < KV_PAGE || block_n % KV_PAGE != 0 { block_n } else { KV_PAGE }

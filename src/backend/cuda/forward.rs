@@ -241,8 +241,8 @@ pub(crate) fn tile_rows(be: &CudaBackend, spec: &AttnSpec) -> usize {
 /// vs 8.4 / 8.2 ms), so those and the V-checking calls keep `flash_fwd_sm90` with
 /// `FwdOptions::sm90_tile_for`'s tile. `k_block` (block-sparse): the frame whose tile divides it.
 /// `uncut`: no row's key range is cut inside the keys the call reads (non-causal, no window, K / V
-/// not paged, dense): at head_dim 128 these take `FwdOptions::ws_bn` keys a tile (FlashAttention-3's
-/// wider non-causal tile, 176: Q plus two K and two V stages 208 KiB; 192 keys ask 237 KiB with the
+/// not paged, dense): at head_dim 128 these take `FwdOptions::ws_bn` keys a tile (160: Q plus two K
+/// and two V stages 192 KiB; FlashAttention-3's 176 spilled and lost, 192 keys ask 237 KiB with the
 /// shared-memory layout's padding, bench/results/h200-2026-11-29-7d0f5e9).
 pub(crate) fn sm90_frame(hd: usize, int8: bool, check_v: bool, k_block: Option<usize>, uncut: bool) -> (usize, bool) {
     let opts = fwd_options();

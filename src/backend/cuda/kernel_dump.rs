@@ -47,7 +47,7 @@ mod tests {
             ("fwd_sm90_d256", super::super::forward::fwd_sm90_source(c, dt, 256, 64, false, false, 1, false, false, false)),
             ("fwd_ws_d128", super::super::forward::fwd_ws_source(c, dt, 128, 128, false, false)),
             // the non-causal tile (`FwdOptions::ws_bn`)
-            ("fwd_ws_d128_n176", super::super::forward::fwd_ws_source(c, dt, 128, 176, false, false)),
+            ("fwd_ws_d128_n160", super::super::forward::fwd_ws_source(c, dt, 128, 160, false, false)),
             ("fwd_ws_d64", super::super::forward::fwd_ws_source(c, dt, 64, 128, false, false)),
             ("fwd_ws_d256", super::super::forward::fwd_ws_source(c, dt, 256, 64, false, false)),
             ("fwd_ws_sparse_paged_d128_f16", super::super::forward::fwd_ws_source(c, DType::F16, 128, 128, true, true)),
