@@ -2,7 +2,7 @@
 # Builds, on a machine with cargo (no GPU or CUDA toolkit needed), what a GPU box without cargo
 # needs: the wheel (features python,cuda) and the stripped GPU test binary, into DIR.
 #   scripts/build-gpu-artifacts.sh DIR
-# Then on the GPU box:
+# and DIR/COMMIT, the commit they were built from. Then on the GPU box:
 #   CUBEATTN_WHEEL=DIR/cubeattn-*.whl CUBEATTN_TEST_BIN=DIR/gpu_main scripts/gpu-test.sh test
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 OUTDIR=${1:?usage: scripts/build-gpu-artifacts.sh DIR}
@@ -19,4 +19,9 @@ for l in sys.stdin:
 [ -n "$bin" ] || { echo "error: could not build the gpu_main test binary" >&2; exit 1; }
 cp "$bin" "$OUTDIR/gpu_main"
 strip "$OUTDIR/gpu_main" 2>/dev/null || true
+# the commit the artifacts were built from (with -dirty when the sources differ from it): benchmark
+# records take it (CUBEATTN_COMMIT) where the GPU box's checkout may be another commit
+commit=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)
+[ -n "$(git -C "$ROOT" status --porcelain -- src python tests Cargo.toml Cargo.lock pyproject.toml 2>/dev/null)" ] && commit="$commit-dirty"
+echo "$commit" > "$OUTDIR/COMMIT"
 ls -la "$OUTDIR"

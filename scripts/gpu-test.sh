@@ -129,6 +129,9 @@ ensure_wheel() {
   if [ -n "${CUBEATTN_WHEEL:-}" ]; then
     log "installing $CUBEATTN_WHEEL"
     "$PY" -m pip install -q --no-deps --force-reinstall "$CUBEATTN_WHEEL" || fail "could not install $CUBEATTN_WHEEL"
+    # benchmark records name the wheel's commit (scripts/build-gpu-artifacts.sh writes DIR/COMMIT)
+    local c; c=$(cat "$(dirname "$CUBEATTN_WHEEL")/COMMIT" 2>/dev/null || true)
+    [ -n "$c" ] && export CUBEATTN_COMMIT=${CUBEATTN_COMMIT:-$c}
   elif ! "$PY" -c "import cubeattn" >/dev/null 2>&1; then
     command -v cargo >/dev/null 2>&1 || fail "cubeattn is not installed and there is no cargo: set CUBEATTN_WHEEL to a wheel built with the cuda feature"
     log "building the wheel (features python,cuda)"
