@@ -53,6 +53,12 @@ def _no_sync():
     pass
 
 
+def _spread(ts):
+    """(median, min, max) of the times `ts`."""
+    ts = sorted(ts)
+    return ts[len(ts) // 2], ts[0], ts[-1]
+
+
 def _warm_up(step, warmup, sync, warm_s, sync_every):
     """`warmup` calls of `step`, and more until `warm_s` seconds have passed (at most 10000), synced
     every `sync_every` calls and at the end."""
@@ -79,8 +85,7 @@ def median_ms(fn, warmup, iters, sync=_no_sync, warm_s=0.1):
         fn()
         sync()
         ts.append((time.perf_counter() - t) * 1e3)
-    ts.sort()
-    return ts[len(ts) // 2], ts[0], ts[-1]
+    return _spread(ts)
 
 
 def interleaved_ms(fns, warmup, iters, sync, rounds=4, warm_s=0.1):
@@ -106,11 +111,7 @@ def interleaved_ms(fns, warmup, iters, sync, rounds=4, warm_s=0.1):
                 fn()
                 sync()
                 ts[name].append((time.perf_counter() - t) * 1e3)
-    out = {}
-    for name, v in ts.items():
-        v.sort()
-        out[name] = (v[len(v) // 2], v[0], v[-1])
-    return out
+    return {name: _spread(v) for name, v in ts.items()}
 
 
 def _rows_in_turns(steps, iterations, sync, row, error, warm_s=0.1):
@@ -292,8 +293,7 @@ def _cuda_dense(args, torch):
         k = torch.randn(B, s, hkv, d, device="cuda", dtype=tdt)
         v = torch.randn_like(k)
         try:
-            ts = sorted(cubeattn._core.cuda_bench_forward(spec, 3, args.iterations))
-            row("cubeattn_kernel", (ts[len(ts) // 2], ts[0], ts[-1]))
+            row("cubeattn_kernel", _spread(cubeattn._core.cuda_bench_forward(spec, 3, args.iterations)))
         except Exception as e:
             rows.append(dict(key, impl="cubeattn_kernel", error=str(e)[:200]))
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))

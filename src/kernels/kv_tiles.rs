@@ -100,7 +100,7 @@ fn copy_kv_tile<E: Float>(
 /// crosses one; a tile that is not a whole number of pages (the Hopper forward's 144- and 160-key tiles,
 /// never paged: `backend::cuda::forward::sm90_frame`) is one box.
 pub const fn box_rows(block_n: usize) -> usize {
-    if block_n < KV_PAGE || block_n % KV_PAGE != 0 { block_n } else { KV_PAGE }
+    if block_n < KV_PAGE || !block_n.is_multiple_of(KV_PAGE) { block_n } else { KV_PAGE }
 }
 
 /// Box (columns, rows) of the tensor-map copies of a `block_n`-key tile (sm_90+): `head_dim +

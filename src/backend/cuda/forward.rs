@@ -248,7 +248,7 @@ pub(crate) fn sm90_frame(hd: usize, int8: bool, check_v: bool, k_block: Option<u
     let opts = fwd_options();
     let ws_bn = if hd > 128 {
         64
-    } else if hd == 128 && uncut && k_block.is_none() {
+    } else if hd == 128 && uncut {
         opts.ws_bn as usize
     } else {
         128
