@@ -619,8 +619,19 @@ pub fn flash_fwd_sm90<E: Float>(
                 commit_copies(&bar_k);
             }
             let rows = (row_a, row_b, rows_lo, rows_hi);
-            score_tile::<E>(args, &mut s, &mut s_i, &q_smem, q_wg, &k_smem, cur_k, head_kv, (a0, a1), &q_sl, &mut sl, &row_lo, &row_hi,
-                rows, lane, neg_inf, &mut m_r, &mut l_r, &mut alpha, &mut o_acc, &mut p, &mut p8, block_n, head_dim, int8, fp8_pv, SM90_BLOCK_M);
+            // A listed key block that ends past the sequence's keys can hold a 64-key tile wholly
+            // past them (t0 >= t1: a 128-key block over the last 8 keys). Its V^T bytes lie past
+            // the ones `fp8_v` writes (never written: a NaN byte there times P = 0 is NaN), and
+            // every score is masked (P = 0, the reference unmoved), so such a tile is skipped;
+            // its copies still land (the barriers count them). Each MMA sequence, issue to wait,
+            // stays inside its branch.
+            let live_a = a0 < a1;
+            let live_b = ka + 1u32 < n_tiles && b0 < b1;
+            if live_a {
+                score_tile::<E>(args, &mut s, &mut s_i, &q_smem, q_wg, &k_smem, cur_k, head_kv, (a0, a1), &q_sl, &mut sl, &row_lo,
+                    &row_hi, rows, lane, neg_inf, &mut m_r, &mut l_r, &mut alpha, &mut o_acc, &mut p, &mut p8, block_n, head_dim, int8,
+                    fp8_pv, SM90_BLOCK_M);
+            }
             // the next pair's V^T is issued only after this thread saw this pair's land
             bar_v.wait_parity(kp & 1u32);
             if has_a {
@@ -632,11 +643,13 @@ pub fn flash_fwd_sm90<E: Float>(
             if has_a {
                 commit_copies(&bar_v);
             }
-            wgmma_fence();
-            pv_steps_e4m3::<E>(&mut o_acc, &p8, &v_smem, cur_v, block_n, head_dim);
-            wgmma_commit();
-            wgmma_wait(0u32);
-            if ka + 1u32 < n_tiles {
+            if live_a {
+                wgmma_fence();
+                pv_steps_e4m3::<E>(&mut o_acc, &p8, &v_smem, cur_v, block_n, head_dim);
+                wgmma_commit();
+                wgmma_wait(0u32);
+            }
+            if live_b {
                 score_tile::<E>(args, &mut s, &mut s_i, &q_smem, q_wg, &k_smem, cur_k + tile_k, head_kv, (b0, b1), &q_sl, &mut sl, &row_lo,
                     &row_hi, rows, lane, neg_inf, &mut m_r, &mut l_r, &mut alpha, &mut o_acc, &mut p, &mut p8, block_n, head_dim, int8,
                     fp8_pv, SM90_BLOCK_M);

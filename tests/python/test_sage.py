@@ -4,7 +4,7 @@ fresh random inputs (the seed is printed): causal and not, Sq == Sk and Sq != Sk
 GQA, lengths that are not multiples of 128, one token; FP8 P.V (pv_precision="fp8");
 quant_gran=None against flash_attn_func; the NHD / HND layouts; every bad argument; the index /
 spec cache; torch autograd. CPU (the CPU backend emulates the INT8 quantisation and the FP8 P.V);
-the one CUDA test is marked gpu."""
+the CUDA tests (INT8, INT8 + FP8 P.V) are marked gpu."""
 import argparse
 
 import numpy as np
@@ -339,6 +339,62 @@ def test_cuda_against_the_f64_reference(causal):
         assert cos >= 0.999 and rel <= 0.03
         fin = np.isfinite(want_lse)
         assert np.abs(lse.cpu().numpy()[fin] - want_lse[fin]).max() < 0.1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_fp8_pv_against_the_f64_reference(causal):
+    """FP8 P.V on CUDA (the Hopper kernel's INT8 + FP8 variant): the CPU tests' bounds (cosine >=
+    0.999, relative L2 <= 0.05), Sq != Sk, two sequences. Skipped where the GPU refuses FP8 P.V
+    (below sm_90)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    rng = fresh_rng(f"sage cuda fp8 causal={causal}")
+    q, k, v = inputs(rng, 2, 300, 520, 8, 2, 128, "bfloat16")
+    want, _ = reference(q, k, v, causal)
+    tq, tk, tv = (torch.from_numpy(np.asarray(x, np.float32)).bfloat16().cuda() for x in (q, k, v))
+    for gran in ("per_block", "per_warp", "per_thread"):
+        try:
+            out = cubeattn.sageattn(tq, tk, tv, is_causal=causal, quant_gran=gran, pv_precision="fp8", device="cuda")
+        except NotImplementedError as e:
+            pytest.skip(f"FP8 P.V not on this GPU: {e}")
+        assert cubeattn.last_backend() == "cuda" and out.is_cuda
+        cos, rel = accuracy(out.float().cpu().numpy(), want, v)
+        print(f"cuda fp8 {gran}: cosine {cos:.6f}, rel L2 {rel:.5f}")
+        assert cos >= 0.999 and rel <= 0.05
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sk", [64, 150, 448, 520, 576, 640])
+def test_cuda_fp8_pv_key_blocks_past_the_keys(sk):
+    """FP8 P.V where the last listed 128-key block ends past the keys (Sk not a multiple of 128):
+    its second 64-key tile holds no key, and the V^T bytes behind a sequence's keys are never
+    written (`kernels::fp8_v`). The caching allocator is handed 0xFF bytes (NaN in e4m3) before
+    every call, so a kernel that reads those bytes gives NaN (main before this test: every output
+    of these calls); every output must be finite and within the f64 bounds. One and two sequences,
+    causal and not."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    rng = fresh_rng(f"sage cuda fp8 sk={sk}")
+    for b in (1, 2):
+        q, k, v = inputs(rng, b, 64, sk, 8, 2, 128, "bfloat16")
+        tq, tk, tv = (torch.from_numpy(np.asarray(x, np.float32)).bfloat16().cuda() for x in (q, k, v))
+        for causal in (False, True):
+            want, _ = reference(q, k, v, causal)
+            for gran in ("per_block", "per_warp"):
+                junk = torch.full((1 << 24,), 255, dtype=torch.uint8, device="cuda")
+                del junk
+                try:
+                    out = cubeattn.sageattn(tq, tk, tv, is_causal=causal, quant_gran=gran, pv_precision="fp8", device="cuda")
+                except NotImplementedError as e:
+                    pytest.skip(f"FP8 P.V not on this GPU: {e}")
+                got = out.float().cpu().numpy()
+                bad = int((~np.isfinite(got)).sum())
+                cos, rel = accuracy(got, want, v)
+                print(f"B={b} Sk={sk} causal={causal} {gran}: non-finite {bad}, cosine {cos:.6f}, rel L2 {rel:.5f}")
+                assert bad == 0 and cos >= 0.999 and rel <= 0.05
 
 
 # ---------------------------------------------------------------- the benchmark's CPU behaviour
