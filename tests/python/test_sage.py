@@ -371,9 +371,9 @@ def test_cuda_fp8_pv_key_blocks_past_the_keys(sk):
     """FP8 P.V where the last listed 128-key block ends past the keys (Sk not a multiple of 128):
     its second 64-key tile holds no key, and the V^T bytes behind a sequence's keys are never
     written (`kernels::fp8_v`). The caching allocator is handed 0xFF bytes (NaN in e4m3) before
-    every call, so a kernel that reads those bytes gives NaN (main before this test: every output
-    of these calls); every output must be finite and within the f64 bounds. One and two sequences,
-    causal and not."""
+    every call, so a kernel that reads those bytes gives NaN (the kernel before the fix failed this
+    for every length here but 640); every output must be finite and within the f64 bounds. One and
+    two sequences, causal and not."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch without CUDA")
