@@ -321,16 +321,21 @@ def test_torch_inputs_that_require_grad():
     assert o_h.shape == (2, 4, 130, 64) and torch.equal(o_h.transpose(1, 2), out)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("causal", [False, True])
-def test_cuda_against_the_f64_reference(causal):
+def cuda_case(name, b, sq, sk):
+    """torch (the test skips without CUDA) and the bf16 inputs of one CUDA case: the numpy arrays
+    (for the f64 reference) and their CUDA tensors."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch without CUDA")
-    rng = fresh_rng(f"sage cuda causal={causal}")
-    q, k, v = inputs(rng, 2, 300, 520, 8, 2, 128, "bfloat16")
+    q, k, v = inputs(fresh_rng(name), b, sq, sk, 8, 2, 128, "bfloat16")
+    return torch, (q, k, v), tuple(torch.from_numpy(np.asarray(x, np.float32)).bfloat16().cuda() for x in (q, k, v))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuda_against_the_f64_reference(causal):
+    _, (q, k, v), (tq, tk, tv) = cuda_case(f"sage cuda causal={causal}", 2, 300, 520)
     want, want_lse = reference(q, k, v, causal)
-    tq, tk, tv = (torch.from_numpy(np.asarray(x, np.float32)).bfloat16().cuda() for x in (q, k, v))
     for gran in ("per_block", "per_warp", "per_thread"):
         out, lse = cubeattn.sageattn(tq, tk, tv, is_causal=causal, quant_gran=gran, return_lse=True, device="cuda")
         assert cubeattn.last_backend() == "cuda" and out.is_cuda
@@ -347,13 +352,8 @@ def test_cuda_fp8_pv_against_the_f64_reference(causal):
     """FP8 P.V on CUDA (the Hopper kernel's INT8 + FP8 variant): the CPU tests' bounds (cosine >=
     0.999, relative L2 <= 0.05), Sq != Sk, two sequences. Skipped where the GPU refuses FP8 P.V
     (below sm_90)."""
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch without CUDA")
-    rng = fresh_rng(f"sage cuda fp8 causal={causal}")
-    q, k, v = inputs(rng, 2, 300, 520, 8, 2, 128, "bfloat16")
+    _, (q, k, v), (tq, tk, tv) = cuda_case(f"sage cuda fp8 causal={causal}", 2, 300, 520)
     want, _ = reference(q, k, v, causal)
-    tq, tk, tv = (torch.from_numpy(np.asarray(x, np.float32)).bfloat16().cuda() for x in (q, k, v))
     for gran in ("per_block", "per_warp", "per_thread"):
         try:
             out = cubeattn.sageattn(tq, tk, tv, is_causal=causal, quant_gran=gran, pv_precision="fp8", device="cuda")
@@ -374,13 +374,8 @@ def test_cuda_fp8_pv_key_blocks_past_the_keys(sk):
     every call, so a kernel that reads those bytes gives NaN (the kernel before the fix failed this
     for every length here but 640); every output must be finite and within the f64 bounds. One and
     two sequences, causal and not."""
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch without CUDA")
-    rng = fresh_rng(f"sage cuda fp8 sk={sk}")
     for b in (1, 2):
-        q, k, v = inputs(rng, b, 64, sk, 8, 2, 128, "bfloat16")
-        tq, tk, tv = (torch.from_numpy(np.asarray(x, np.float32)).bfloat16().cuda() for x in (q, k, v))
+        torch, (q, k, v), (tq, tk, tv) = cuda_case(f"sage cuda fp8 sk={sk} b={b}", b, 64, sk)
         for causal in (False, True):
             want, _ = reference(q, k, v, causal)
             for gran in ("per_block", "per_warp"):
