@@ -18,14 +18,14 @@ use crate::dtype::DType;
 use crate::error::Result;
 use crate::kernels::chunk_stats::CHUNK_THREADS;
 use crate::kernels::fp8_v::{self, vt_row_bytes, VT_CHUNK, VT_THREADS};
-use crate::kernels::int8_qk::{self, MEAN_CHUNK, QUANT_THREADS, QUANT_VEC};
+use crate::kernels::int8_qk::{self, quant_rows, MEAN_CHUNK, QUANT_CUBES_PER_SM, QUANT_THREADS, QUANT_VEC};
 use crate::sparse::{GroupRule, Int8Qk};
 use crate::spec::SparseView;
 
 /// Workspace parts, in order: int8 Q, int8 K, Q scales + LSE corrections (+ with FP8 P.V the V
-/// scales and their inverses, `fp8_v`), K scales, row maxima (scratch), K chunk sums, K mean, and
-/// with FP8 P.V: V^T in e4m3, V's chunk maxima.
-fn parts(spec: SparseView) -> [usize; 9] {
+/// scales and their inverses, `fp8_v`), K scales, K chunk sums, K mean, and with FP8 P.V: V^T in
+/// e4m3, V's chunk maxima.
+fn parts(spec: SparseView) -> [usize; 8] {
     let d = &spec.attn.dims;
     let (tq, tk, hq, hkv, hd) = (d.total_q, d.total_k, d.heads_q, d.heads_kv, d.head_dim);
     let batch = spec.attn.segments.len();
@@ -39,7 +39,6 @@ fn parts(spec: SparseView) -> [usize; 9] {
         tk * hkv * hd,
         (2 * hq * tq + 2 * nv) * 4,
         tk * hkv * 4,
-        (hq * tq).max(hkv * tk) * 4,
         chunks * batch * hkv * hd * 4,
         batch * hkv * hd * 4,
         vt,
@@ -120,17 +119,17 @@ pub(crate) fn quantize(
     let pr = parts(spec);
     let (offs, _) = layout(&pr);
     let at = |i: usize| p.workspace + offs[i] as u64;
-    let (q8, k8, qsc, ksc, amax, sums, mean) = (at(0), at(1), at(2), at(3), at(4), at(5), at(6));
+    let (q8, k8, qsc, ksc, sums, mean) = (at(0), at(1), at(2), at(3), at(4), at(5));
     if opt.smooth_k {
         let f = kernel(be, "chunk_stats", dt, &[hd as u32, 0], || chunk_source(client, dt, hd, false))?;
         let mut a = Args::new();
-        a.array(p.k, (d.kv_len() / 8).max(1)).array(sums, pr[5] / 4).array(flag, 1).array(segs.0, segs.1).u32(hkv as u32);
+        a.array(p.k, (d.kv_len() / 8).max(1)).array(sums, pr[4] / 4).array(flag, 1).array(segs.0, segs.1).u32(hkv as u32);
         launch(&f, (chunks as u32, batch as u32, hkv as u32), &mut a, stream)?;
         let f = kernel(be, "int8_k_mean", DType::F32, &[hd as u32], || {
             codegen(int8_qk::int8_k_mean::Int8KMean::<CudaRuntime>::new(settings(hd as u32), client.clone(), A, A, A, (), (), hd))
         })?;
         let mut a = Args::new();
-        a.array(sums, pr[5] / 4).array(mean, pr[6] / 4).array(segs.0, segs.1).u32(hkv as u32).u32(chunks as u32);
+        a.array(sums, pr[4] / 4).array(mean, pr[5] / 4).array(segs.0, segs.1).u32(hkv as u32).u32(chunks as u32);
         launch(&f, (batch as u32, hkv as u32, 1), &mut a, stream)?;
     }
     let runs = [
@@ -141,12 +140,13 @@ pub(crate) fn quantize(
         let smooth = opt.smooth_k;
         // the group rule as constants (0: the whole block)
         let g = if rule.chunk == block && rule.period == block && rule.width == block { [0, 0, 0] } else { [rule.chunk, rule.period, rule.width] };
-        let f = kernel(be, "int8_quantize", dt, &[hd as u32, is_k as u32, smooth as u32, natural as u32, g[0] as u32, g[1] as u32, g[2] as u32], || {
-            quantize_source(client, dt, hd, is_k, smooth, natural, g)
+        let rows = quant_rows(block);
+        let f = kernel(be, "int8_quantize", dt, &[hd as u32, is_k as u32, smooth as u32, natural as u32, g[0] as u32, g[1] as u32, g[2] as u32, rows as u32], || {
+            quantize_source(client, dt, hd, is_k, smooth, natural, g, rows)
         })?;
         let mut a = Args::new();
-        a.array(x, (total * heads * hd / QUANT_VEC).max(1)).array(mean, pr[6] / 4).array(xq, (total * heads * hd / 4).max(1));
-        a.array(sc, if is_k { tk * hkv } else { 2 * hq * tq }.max(1)).array(amax, pr[4] / 4);
+        a.array(x, (total * heads * hd / QUANT_VEC).max(1)).array(mean, pr[5] / 4).array(xq, (total * heads * hd / 4).max(1));
+        a.array(sc, if is_k { tk * hkv } else { 2 * hq * tq }.max(1));
         // the LSE corrections follow the Q scales (K writes none)
         a.array(qsc + (hq * tq * 4) as u64, (hq * tq).max(1)).array(segs.0, segs.1);
         a.u32(heads as u32).u32(total as u32).u32(group as u32).u32(block as u32);
@@ -159,10 +159,10 @@ pub(crate) fn quantize(
         // V's scales after the Q scales and LSE corrections (the forward reads them there)
         let nv = batch * hkv * hd;
         let vsc = qsc + (2 * hq * tq * 4) as u64;
-        vt = at(7);
+        vt = at(6);
         vt_row = vt_row_bytes(tk, batch);
         let vchunks = spec.attn.max_seqlen_k.div_ceil(VT_CHUNK).max(1);
-        let part = at(8);
+        let part = at(7);
         // V's maxima, and the non-finite-v flag (the host zeroed it; `launch_flag` without its scan)
         let f = kernel(be, "chunk_stats", dt, &[hd as u32, 1], || chunk_source(client, dt, hd, true))?;
         let mut a = Args::new();
@@ -216,7 +216,9 @@ pub(crate) fn vt_source(client: &cubecl::prelude::ComputeClient<CudaRuntime>, dt
 
 /// CUDA source of the quantisation kernel (`int8_qk::int8_quantize`) for Q (`is_k = false`) or K,
 /// its rows in channel order (`natural`) or in the mma.sync word order, the group rule `g`
-/// (chunk, period, width; chunk 0: the whole block).
+/// (chunk, period, width; chunk 0: the whole block; else powers of two, `width <= period <= chunk
+/// <= rows`), tiles of `rows` rows (`int8_qk::quant_rows`).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn quantize_source(
     client: &cubecl::prelude::ComputeClient<CudaRuntime>,
     dt: DType,
@@ -225,11 +227,20 @@ pub(crate) fn quantize_source(
     smooth: bool,
     natural: bool,
     g: [usize; 3],
+    rows: usize,
 ) -> Result<super::compile::Source> {
+    let [chunk, period, width] = g;
+    assert!(
+        chunk == 0 || ([chunk, period, width].iter().all(|v| v.is_power_of_two()) && width <= period && period <= chunk && chunk <= rows),
+        "int8_quantize: group rule {g:?} with {rows}-row tiles"
+    );
+    assert!(rows.is_multiple_of(QUANT_THREADS * QUANT_VEC / hd), "int8_quantize: {rows}-row tiles at head_dim {hd}");
     let s = settings(QUANT_THREADS as u32);
-    if dt == DType::F16 {
-        codegen(int8_qk::int8_quantize::Int8Quantize::<f16, CudaRuntime>::new(s, client.clone(), A, A, A, A, A, A, A, (), (), (), (), (), 4, hd, is_k, smooth, natural, g[0], g[1], g[2]))
+    let mut src = if dt == DType::F16 {
+        codegen(int8_qk::int8_quantize::Int8Quantize::<f16, CudaRuntime>::new(s, client.clone(), A, A, A, A, A, A, (), (), (), (), (), 4, hd, is_k, smooth, natural, chunk, period, width, rows, false))
     } else {
-        codegen(int8_qk::int8_quantize::Int8Quantize::<bf16, CudaRuntime>::new(s, client.clone(), A, A, A, A, A, A, A, (), (), (), (), (), 4, hd, is_k, smooth, natural, g[0], g[1], g[2]))
-    }
+        codegen(int8_qk::int8_quantize::Int8Quantize::<bf16, CudaRuntime>::new(s, client.clone(), A, A, A, A, A, A, (), (), (), (), (), 4, hd, is_k, smooth, natural, chunk, period, width, rows, true))
+    }?;
+    src.cuda = super::rewrite::min_blocks(&src.entry, &src.cuda, QUANT_CUBES_PER_SM)?;
+    Ok(src)
 }

@@ -8,7 +8,8 @@ use crate::error::Result;
 /// `__launch_bounds__(threads)` on every kernel; this adds the minimum-blocks argument, which caps
 /// the registers per thread at 65536 / (blocks x threads) (NVRTC's `-maxrregcount` does not apply
 /// to a kernel that has launch bounds). Used by the d64 forward (three cubes of 128 threads:
-/// 168 registers instead of 214, 3-8% faster; docs/forward.md).
+/// 168 registers instead of 214, 3-8% faster; docs/forward.md) and the INT8 quantisation pass
+/// (`sparse_int8::quantize_source`: four cubes of 256 threads, 64 registers).
 pub(crate) fn min_blocks(entry: &str, src: &str, blocks: u32) -> Result<String> {
     let at = src.find("__launch_bounds__(").ok_or_else(|| mismatch(entry, "min_blocks", "no `__launch_bounds__(`"))?;
     let rest = &src[at + "__launch_bounds__(".len()..];
