@@ -21,8 +21,11 @@ PYB=$(mktemp -d); PYM=$(mktemp -d)
 timeout 60 python3 -m pip install -q --no-deps --target $PYB $B/cubeattn-*.whl > $L/pip.log 2>&1
 timeout 60 python3 -m pip install -q --no-deps --target $PYM $M/cubeattn-*.whl >> $L/pip.log 2>&1
 t0=$(date +%s); el() { echo $(( $(date +%s) - t0 )); }
-# a step's timeout: its cap, or what is left of 540 s
-cap() { local left=$(( 540 - $(el) )); [ $left -lt $1 ] && echo $(( left > 5 ? left : 5 )) || echo $1; }
+# the call's time (TOTAL, default 540 s) and when stage (c) stops starting runs (C_UNTIL, 400 s);
+# the recorded run used TOTAL=270 C_UNTIL=190 to fit the session's device time
+TOTAL=${TOTAL:-540}; C_UNTIL=${C_UNTIL:-400}
+# a step's timeout: its cap, or what is left of TOTAL
+cap() { local left=$(( TOTAL - $(el) )); [ $left -lt $1 ] && echo $(( left > 5 ? left : 5 )) || echo $1; }
 pack() { tar czf $OUT/run.tgz -C $OUT logs; }
 timeout 20 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.limit --format=csv > $L/gpu.txt 2>&1
 # (a)
@@ -45,7 +48,7 @@ echo "(b) pytest sparse_gpu -k int8 rc=$? ($(el) s): $(tail -1 $L/pytest_sparse_
 r=0
 for b in B M M B; do
   r=$((r + 1)); py=$PYB; [ $b = M ] && py=$PYM
-  if [ $(el) -gt 400 ]; then echo "(c) run $r ($b) skipped ($(el) s)" >> $L/summary.txt; continue; fi
+  if [ $(el) -gt $C_UNTIL ]; then echo "(c) run $r ($b) skipped ($(el) s)" >> $L/summary.txt; continue; fi
   p=""; [ $r -le 2 ] && p=--profile
   PYTHONPATH=$py timeout $(cap 60) python3 $N/prof_quant.py $b $p 10 > $L/ab_${b}_$r.jsonl 2> $L/ab_${b}_$r.err
   echo "(c) prof_quant $b run $r rc=$? ($(el) s)" >> $L/summary.txt; pack
