@@ -35,7 +35,8 @@
 //! tensors' device and on candle's stream, reading candle's buffers in place and writing the
 //! outputs (and the lse, kept on the device for the backward) into fresh candle buffers: no host
 //! copies, and no device copies of contiguous inputs. CUDA tensors take f16, bf16 (tensor cores)
-//! or f32 and head_dim 64 or 128; another head_dim is an error naming `q`. The backward on CUDA
+//! or f32 and every head_dim up to 256 (the kernels' own head dims are 32, 64, 96, 128, 192 and
+//! 256; the others run on the next one with zero columns, exactly). The backward on CUDA
 //! is the CUDA backend's default (dQ accumulated with atomics: last-bit differences run to run).
 //! candle's CUDA device runs on the per-thread default stream, one handle for every thread, while
 //! cubeattn's cached launch plans order work across streams by handle: drive one device's calls

@@ -1,7 +1,7 @@
 //! cubeattn's candle ops on candle CUDA tensors (feature `candle-cuda`): out, lse and the
 //! gradients of candle's `backward()` against (a) the same call on CPU tensors (cubeattn's CPU
 //! backend) and (b) the f64 reference (`cubeattn::reference`), for the batch, varlen and grouped
-//! calls in f16, bf16 and f32 at head_dim 64 and 128; strided and misaligned views; errors.
+//! calls in f16, bf16 and f32 at head_dim 64 and 128 (and 48, 80: padded to a kernel head dim); strided and misaligned views; errors.
 //!
 //! Every test needs a CUDA GPU and is `#[ignore]`d with that reason, so a plain `cargo test`
 //! lists them as ignored. `scripts/gpu-test.sh test candle` runs them with `--include-ignored`
@@ -108,6 +108,8 @@ fn flash_attn_matches_cpu_and_reference() {
         (1, 129, 67, 4, 1, 128, true),  // seqlen_q > seqlen_k: the first 62 rows see no key
         (2, 1, 129, 8, 2, 128, true),   // decode step
         (3, 1, 1, 2, 2, 64, true),      // single tokens
+        (2, 67, 129, 4, 2, 80, true),   // head_dim 80: the d96 kernels with zero columns
+        (1, 70, 70, 4, 2, 48, false),   // head_dim 48: the d64 kernels with zero columns
     ];
     for (ci, (b, sq, sk, hq, hkv, d, causal)) in cases.into_iter().enumerate() {
         let dts: &[CDType] = if ci == 0 { &[CDType::F16, CDType::BF16, CDType::F32] } else { &[CDType::F16, CDType::BF16] };
@@ -236,9 +238,6 @@ fn bad_arguments_give_errors_naming_them() {
     let (q, k, v) = (t(&[2, 8, 4, 64], CDType::F16), t(&[2, 8, 2, 64], CDType::F16), t(&[2, 8, 2, 64], CDType::F16));
     use cubeattn::candle::flash_attn;
     assert!(flash_attn(&q, &k, &v, 0.125, true).is_ok());
-    // a head_dim the CPU serves but no CUDA kernel does
-    let (q48, k48) = (t(&[2, 8, 4, 48], CDType::F16), t(&[2, 8, 2, 48], CDType::F16));
-    expect_err(flash_attn(&q48, &k48, &k48, 0.125, true), "q");
     expect_err(flash_attn(&q, &k.to_device(&Device::Cpu).unwrap(), &v, 0.125, true), "k");
     expect_err(flash_attn(&q, &k, &v.to_device(&Device::Cpu).unwrap(), 0.125, true), "v");
     expect_err(flash_attn(&q.to_dtype(CDType::F64).unwrap(), &k, &v, 0.125, true), "q");

@@ -342,24 +342,38 @@ fn windows_wider_than_the_sequence_change_nothing() {
 }
 
 /// The CUDA kernels take sliding windows (tests/gpu and tests/python/test_window_gpu.py check the
-/// results on a GPU); what they cannot serve is still refused by its own argument.
+/// results on a GPU), and every head_dim up to 256: those without a kernel of their own run on the
+/// next kernel head dim with zero columns (`backend::cuda::head_pad`); what cannot be served that
+/// way (the INT8 Q K^T option reads the columns it quantises) is refused naming the head_dim.
 #[cfg(feature = "cuda")]
 #[test]
-fn window_is_supported_on_cuda_and_unsupported_head_dims_are_still_refused() {
+fn window_and_every_head_dim_are_supported_on_cuda() {
+    use cubeattn::backend::cuda::check_supported;
     let spec = with_window(varlen_spec(&[(8, 8)], 2, 2, 64, DType::F16, true), 2, 0);
-    cubeattn::backend::cuda::check_supported(&spec, Pass::Forward).expect("a sliding window runs on CUDA");
-    // head_dim 192: a forward kernel and backward kernels (on Hopper: `CudaBackend::check_target`);
-    // 80: neither
-    let wide = with_window(varlen_spec(&[(8, 8)], 2, 2, 192, DType::F16, true), 2, 0);
-    cubeattn::backend::cuda::check_supported(&wide, Pass::Forward).expect("head_dim 192 has a CUDA forward");
-    for deterministic in [false, true] {
-        cubeattn::backend::cuda::check_supported(&wide, Pass::Backward { deterministic }).expect("head_dim 192 has a CUDA backward");
+    check_supported(&spec, Pass::Forward).expect("a sliding window runs on CUDA");
+    for d in 1..=cubeattn::spec::MAX_HEAD_DIM {
+        for dt in [DType::F16, DType::BF16, DType::F32] {
+            let s = with_window(varlen_spec(&[(8, 8)], 2, 2, d, dt, true), 2, 0);
+            check_supported(&s, Pass::Forward).unwrap_or_else(|e| panic!("head_dim {d} {dt:?} forward: {e}"));
+            for deterministic in [false, true] {
+                // above 128 the backward needs Hopper (`CudaBackend::check_target`), not checked here
+                check_supported(&s, Pass::Backward { deterministic }).unwrap_or_else(|e| panic!("head_dim {d} {dt:?} backward: {e}"));
+            }
+        }
     }
-    let odd = with_window(varlen_spec(&[(8, 8)], 2, 2, 80, DType::F16, true), 2, 0);
-    match cubeattn::backend::cuda::check_supported(&odd, Pass::Forward) {
-        Err(Error::Unsupported { backend, msg }) => assert!(backend == "cuda" && msg.contains("head_dim 80"), "{msg}"),
+    // block-sparse: 96 runs on the d128 kernels; with INT8 Q K^T it is refused naming both
+    let sparse = |d, int8| {
+        let m = |n| TensorMeta::new(&[n, 2, d], DType::BF16);
+        let a = AttnSpec::varlen(&m(128), &m(256), &m(256), &[0, 128], &[0, 256], 128, 256, None, false).unwrap();
+        a.with_block_index(&[0, 1, 0, 1], &[1, 2, 1, 2], 128, 128, int8).unwrap()
+    };
+    check_supported(&sparse(96, None), Pass::Forward).expect("block-sparse head_dim 96 runs padded");
+    let int8 = Some(cubeattn::Int8Qk { gran: cubeattn::QuantGran::PerBlock, smooth_k: true, pv_fp8: false });
+    match check_supported(&sparse(96, int8), Pass::Forward) {
+        Err(Error::Unsupported { backend, msg }) => assert!(backend == "cuda" && msg.contains("not 96"), "{msg}"),
         other => panic!("{other:?}"),
     }
+    check_supported(&sparse(128, int8), Pass::Forward).expect("INT8 at head_dim 128");
 }
 
 // ---------------------------------------------------------------- NaN / Inf policy

@@ -7,7 +7,7 @@
 //! nothing synchronizes.
 //!
 //! The spec was validated when the op was built (`super::*_spec`, the same as for CPU tensors);
-//! here only what the CUDA kernels add is checked: the head_dim they serve.
+//! here only what the CUDA kernels add is checked (`CudaBackend::check`: dtype, size, the GPU).
 //!
 //! Stream order: every buffer is taken with cudarc's `device_ptr` / `device_ptr_mut`, which make
 //! candle's stream wait for the buffer's last writer (and, for an output, its readers) when
@@ -21,25 +21,21 @@ use candle_core::{DeviceLocation, Layout, Shape, Storage, Tensor};
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop};
 
 use super::{invalid, to_candle, CResult};
-use crate::backend::cuda::{BwdPtrs, CudaBackend, FwdPtrs, SUPPORTED_HEAD_DIMS};
+use crate::backend::cuda::{BwdPtrs, CudaBackend, FwdPtrs};
 use crate::backend::Backend;
 use crate::error::Error;
 use crate::spec::AttnSpec;
 
-/// The CUDA backend of `dev`'s GPU, once the spec's head_dim is one the kernels serve.
+/// The CUDA backend of `dev`'s GPU, once it serves the forward of `spec` (every head_dim up to
+/// 256: those without a kernel of their own run padded, `backend::cuda::head_pad`).
 fn backend(dev: &CudaDevice, spec: &AttnSpec) -> CResult<&'static CudaBackend> {
-    let hd = spec.dims.head_dim;
-    if !SUPPORTED_HEAD_DIMS.contains(&hd) {
-        return Err(invalid(
-            "q",
-            format!("head_dim {hd} has no CUDA kernel (CUDA tensors take head_dim {SUPPORTED_HEAD_DIMS:?}); use CPU tensors for it"),
-        ));
-    }
     let gpu = match dev.location() {
         DeviceLocation::Cuda { gpu_id } => gpu_id,
         other => return Err(candle_core::Error::msg(format!("cubeattn: a CUDA storage reports device {other:?}"))),
     };
-    CudaBackend::on(gpu).map_err(to_candle)
+    let be = CudaBackend::on(gpu).map_err(to_candle)?;
+    be.check(spec, crate::backend::Pass::Forward).map_err(to_candle)?;
+    Ok(be)
 }
 
 /// Uninitialized device memory for `n` elements of `dtype` on `dev` (at least one element: the
@@ -219,7 +215,8 @@ pub(super) fn backward(
             workspace: write_ptr(&mut ws, &stream, &mut g)?,
         };
         // SAFETY: as in `forward`; dq, dk, dv are disjoint parts of `grads` (each offset a
-        // multiple of 16 bytes: head_dim is 64 or 128).
+        // multiple of 16 bytes at the kernels' head dims, whose rows are; the padded path of the
+        // other head dims copies at any alignment).
         unsafe { be.backward_device(spec, p, det, ws_bytes, s) }.map_err(to_candle)?
     };
     if !ran {

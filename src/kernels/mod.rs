@@ -11,6 +11,7 @@ pub mod flash_fwd_sm90;
 pub mod flash_fwd_ws;
 pub mod fp8_v;
 pub mod math;
+pub mod pad_cols;
 pub mod nonfinite;
 pub mod rows;
 pub mod rowwise_bwd;
@@ -47,6 +48,7 @@ pub const SOURCES: &[&str] = &[
     include_str!("fp8_v.rs"),
     include_str!("sm90.rs"),
     include_str!("math.rs"),
+    include_str!("pad_cols.rs"),
     include_str!("nonfinite.rs"),
     include_str!("rows.rs"),
     include_str!("rowwise_bwd.rs"),

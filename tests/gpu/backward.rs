@@ -202,6 +202,14 @@ fn cases() -> Vec<Case> {
     v.push(w(mk("bf16 d256 window (70,0) causal GQA8/2 varlen [1,200,300]", BF16, 256, 8, 2, true, Layout::Varlen(vec![(1, 1), (200, 200), (300, 300)]), 1.0), (70, 0)));
     v.push(w(mk("f16 d192 window (5,130) sq=300 > sk=120", F16, 192, 4, 1, false, Layout::Varlen(vec![(300, 120)]), 1.0), (5, 130)));
     v.push(mk("bf16 d256 causal inputs x4 1x300", BF16, 256, 4, 1, true, Layout::Varlen(vec![(300, 300)]), 4.0));
+    // head dims without a kernel of their own: the next kernel head dim with zero columns
+    // (`backend::cuda::head_pad`: 33 and 40 -> 64, 80 -> 96, 112 -> 128, 160 -> 192, 224 -> 256)
+    for (dtype, d) in [(BF16, 80), (F16, 40), (BF16, 112), (BF16, 160), (F16, 224), (F32, 80), (BF16, 33)] {
+        let tag = format!("{} d{d}", dtype.name());
+        v.push(mk(&format!("{tag} causal GQA4/2 varlen [1,63,130,17]"), dtype, d, 4, 2, true, Layout::Varlen(vec![(1, 1), (63, 63), (130, 130), (17, 17)]), 1.0));
+        v.push(mk(&format!("{tag} full GQA8/2 sq=70 < sk=200"), dtype, d, 8, 2, false, Layout::Varlen(vec![(70, 200)]), 1.0));
+    }
+    v.push(w(mk("bf16 d80 window (40,3) grouped overlapping kv", BF16, 80, 8, 2, false, Layout::Grouped(vec![[0, 100], [100, 170], [180, 300]], vec![[0, 100], [0, 170], [50, 400]], 310, 400), 1.0), (40, 3)));
     v
 }
 
@@ -390,11 +398,13 @@ fn backward_unsupported_head_dim_is_an_error() {
             other => panic!("wgmma {}: unexpected {:?}", b.target().wgmma, other.map(|_| ())),
         }
     }
-    // head_dim 80: no kernel on any GPU
-    let odd = build_spec(&Case { d: 80, ..c.clone() });
+    // float32 head_dim 160: padded to 192, whose backward takes f16 / bf16 only (every GPU)
+    let odd = build_spec(&Case { d: 160, dtype: DType::F32, ..c.clone() });
     let oi = make_inputs(&odd, 1.0, 4);
     match b.backward(&odd, oi.q.view(), oi.k.view(), oi.v.view(), grad_inputs(&oi, false)) {
-        Err(Error::Unsupported { backend, msg }) => assert!(backend == "cuda" && msg.contains("head_dim 80"), "{msg}"),
+        Err(Error::Unsupported { backend, msg }) => {
+            assert!(backend == "cuda" && msg.contains("head_dim 160 runs on the head_dim 192 kernels") && msg.contains("Hopper"), "{msg}")
+        }
         other => panic!("expected Unsupported, got {:?}", other.map(|_| ())),
     }
 }

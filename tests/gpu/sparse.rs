@@ -77,7 +77,7 @@ fn rel_and_nans(a: &[f64], b: &[f64]) -> (f64, usize) {
     ((num / den.max(1e-30)).sqrt(), a.iter().filter(|x| x.is_nan()).count())
 }
 
-const CASES: [Case; 6] = [
+const CASES: [Case; 8] = [
     Case { lens: &[(333, 1290), (64, 64)], hq: 4, hkv: 2, d: 128, per_kv_head: false, q_block: 64, k_block: 128, dtype: DType::BF16 },
     Case { lens: &[(600, 700)], hq: 8, hkv: 2, d: 64, per_kv_head: true, q_block: 64, k_block: 128, dtype: DType::F16 },
     Case { lens: &[(1, 1), (257, 519), (130, 2)], hq: 2, hkv: 1, d: 64, per_kv_head: false, q_block: 32, k_block: 96, dtype: DType::F16 },
@@ -85,6 +85,10 @@ const CASES: [Case; 6] = [
     Case { lens: &[(1, 513), (200, 129), (0, 70), (90, 0)], hq: 4, hkv: 1, d: 128, per_kv_head: true, q_block: 100, k_block: 200, dtype: DType::F16 },
     // 256-key blocks: the Hopper frames' 64- and 128-key tiles (2 / 4 tiles a block), ragged ends
     Case { lens: &[(300, 1100), (129, 257)], hq: 8, hkv: 2, d: 128, per_kv_head: false, q_block: 128, k_block: 256, dtype: DType::BF16 },
+    // head dims without a block-sparse kernel: 96 runs on the d128 kernels, 40 on the d64 ones,
+    // with zero columns (`backend::cuda::head_pad`)
+    Case { lens: &[(1, 1), (257, 519), (130, 200)], hq: 4, hkv: 2, d: 96, per_kv_head: false, q_block: 64, k_block: 128, dtype: DType::BF16 },
+    Case { lens: &[(300, 700)], hq: 8, hkv: 2, d: 40, per_kv_head: true, q_block: 128, k_block: 64, dtype: DType::F16 },
 ];
 
 #[test]

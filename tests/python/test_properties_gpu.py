@@ -7,8 +7,10 @@ and on torch CUDA tensors (drawn per case where torch sees the GPU):
   and many groups, GQA 1/2/4, causal, random scales, 1x/10x inputs, float32 (the row-wise
   kernels), float16 and bfloat16 (the tensor-core kernels);
 * head_dims: mostly those with CUDA kernels (forward 32, 64, 96, 128, 192, 256; backward up to
-  128; block-sparse 64 and 128: src/backend/cuda/mod.rs), some without (33, 80; 192 and 256 in
-  the backward): device="cuda" must raise (ValueError; NotImplementedError for block-sparse,
+  128, to 256 on Hopper in float16 / bfloat16; block-sparse 64 and 128: src/backend/cuda/mod.rs),
+  some without (33, 80: run on the next kernel head dim with zero columns, head_pad.rs); where
+  no kernel head dim is as wide (above 128 in the backward without Hopper, above 128 for
+  block-sparse) device="cuda" must raise (ValueError; NotImplementedError for block-sparse,
   which also has no float32 kernel) and device="auto" must run it on the CPU, correctly;
 * NaN/Inf: a masked element contributes nothing, a NaN reaches the rows that use it, and the
   NaN/Inf pattern is torch SDPA's, element by element, on every kernel family (a v with a NaN or
@@ -100,7 +102,7 @@ GPU = "cuda:0"
 class Cuda(Target):
     device = backend = "cuda"
     # mostly the kernels' head_dims; about one case in five (forward) or four (backward: 192 and
-    # 256 have a backward on Hopper only) without a kernel
+    # 256 have a backward on Hopper only) without a kernel of their own (padded, or refused)
     head_dims = KERNEL_HEAD_DIMS * 2 + SPARSE_KERNEL_HEAD_DIMS + [33, 80]
     bwd_head_dims = BWD_KERNEL_HEAD_DIMS * 2 + [33] + HOPPER_BWD_HEAD_DIMS * 2
     small_head_dims = SPARSE_KERNEL_HEAD_DIMS
@@ -123,7 +125,8 @@ class Cuda(Target):
         if hopper() and dtype != "float32":
             bwd = bwd + HOPPER_BWD_HEAD_DIMS
         dims = {"dense": KERNEL_HEAD_DIMS, "dense_bwd": bwd, "sparse": SPARSE_KERNEL_HEAD_DIMS}[api]
-        if d not in dims:
+        # a head_dim without a kernel runs on the next wider one with zero columns (head_pad.rs)
+        if d > max(dims):
             return exc, "head_dim"
         if api == "sparse" and dtype == "float32":
             return exc, "float32"

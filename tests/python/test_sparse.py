@@ -279,8 +279,9 @@ def test_block_index_dtype_and_other_arguments():
 
 
 def test_cuda_without_a_kernel_for_the_call_is_refused_and_auto_runs_on_the_cpu():
-    # head_dim 8 has no CUDA kernel: NotImplementedError naming it where CUDA runs, the
-    # "unavailable" RuntimeError where it does not; never a silent CPU run for device="cuda"
+    # float32 has no block-sparse CUDA kernel (head_dim 8 would run padded to 64 in 16-bit):
+    # NotImplementedError naming head_dim 8 and the dtype where CUDA runs, the "unavailable"
+    # RuntimeError where it does not; never a silent CPU run for device="cuda"
     q, k, v = small()
     ok = np.zeros((1, 2, 1, 1), np.int32)
     cuda = cubeattn.backend_status()["cuda_available"]

@@ -250,24 +250,34 @@ def test_cuda_inputs_off_16_byte_alignment_give_the_aligned_results(which):
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs torch with CUDA and the CUDA backend")
 def test_cuda_tensors_the_cuda_backend_refuses_run_on_the_cpu_with_a_warning():
-    """head_dim 80 has no CUDA kernel: device="auto" computes it on the CPU backend (correct
-    results, on the inputs' device) and says so with a RuntimeWarning naming the reason, forward
-    and backward; device="cuda" raises instead. A supported call warns nothing."""
+    """float32 head_dim 160 runs forward on CUDA (padded to the d192 row-wise kernels) but has no
+    CUDA backward on any GPU (above 128 the backward is the Hopper kernel, float16 / bfloat16):
+    device="auto" computes the backward on the CPU backend (correct gradients, on the inputs'
+    device) and says so with a RuntimeWarning naming the reason; device="cuda" raises instead. A
+    call the kernels serve warns nothing."""
     import warnings
 
     gen = torch.Generator().manual_seed(5)
     n = 70
-    q, k, v = (rand_t(gen, (n, h, 80), "bfloat16", "cuda") for h in (4, 2, 2))
+    q, k, v = (rand_t(gen, (n, h, 160), "float32", "cuda") for h in (4, 2, 2))
     cu = np.array([0, n], np.int32)
-    with pytest.warns(RuntimeWarning, match="CPU backend: .*head_dim 80") as rec:
+    segs = varlen_segments(cu, cu)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         out = cubeattn.flash_attn_varlen_func(q, k, v, cu, cu, n, n, causal=True)
-        out.backward(torch.ones_like(out))
-    assert len(rec) >= 2  # forward and backward
-    assert out.device.type == "cuda" and q.grad is not None and q.grad.device.type == "cuda"
-    ref, _ = ref_attention(f64(q), f64(k), f64(v), varlen_segments(cu, cu), True)
-    assert rel_err(f64(out), ref) <= max(FWD_TOL["bfloat16"][1], 2e-3)
-    with pytest.raises(ValueError, match="head_dim 80"):
-        cubeattn.flash_attn_varlen_func(q, k, v, cu, cu, n, n, causal=True, device="cuda")
+    assert cubeattn.last_backend() == "cuda"
+    ref, _ = ref_attention(f64(q), f64(k), f64(v), segs, True)
+    assert rel_err(f64(out), ref) <= FWD_TOL["float32"][1]
+    dout = torch.rand(out.shape, generator=gen).to("cuda") * 2 - 1
+    with pytest.warns(RuntimeWarning, match="CPU backend: .*head_dim 160"):
+        out.backward(dout)
+    assert q.grad is not None and q.grad.device.type == "cuda"
+    for t, want in zip((q, k, v), ref_backward(f64(q), f64(k), f64(v), f64(dout), segs, True)):
+        assert rel_err(f64(t.grad), want) <= BWD_TOL["float32"][1]
+    q1, k1, v1 = (x.detach().requires_grad_() for x in (q, k, v))
+    out1 = cubeattn.flash_attn_varlen_func(q1, k1, v1, cu, cu, n, n, causal=True, device="cuda")
+    with pytest.raises(ValueError, match="head_dim 160"):
+        out1.backward(dout)
     q2, k2, v2 = (rand_t(gen, (n, h, 128), "bfloat16", "cuda") for h in (4, 2, 2))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -275,13 +285,14 @@ def test_cuda_tensors_the_cuda_backend_refuses_run_on_the_cpu_with_a_warning():
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs torch with CUDA and the CUDA backend")
-@pytest.mark.parametrize("d", [192, 256])
-def test_head_dims_above_128_forward_and_backward(d):
-    """head_dim 192 / 256: the forward runs on the CUDA kernels (no warning); the backward runs on
-    the Hopper kernel (`flash_bwd_sm90_split`; deterministic=True: without dQ, then the dQ pass),
-    and where no CUDA kernel serves it (a GPU below sm_90) on the CPU backend under device="auto"
-    with a RuntimeWarning naming head_dim, raising under device="cuda"; every gradient matches the
-    f64 reference."""
+@pytest.mark.parametrize("d", [40, 80, 112, 160, 192, 224, 256])
+def test_head_dims_forward_and_backward(d):
+    """Head dims besides 64 / 128: the forward runs on the CUDA kernels (no warning), at 40, 80,
+    112, 160 and 224 on the next kernel head dim with zero columns (`backend::cuda::head_pad`);
+    above 128 the backward runs on the Hopper kernel (`flash_bwd_sm90_split`; deterministic=True:
+    without dQ, then the dQ pass), and where no CUDA kernel serves it (a GPU below sm_90) on the
+    CPU backend under device="auto" with a RuntimeWarning naming head_dim, raising under
+    device="cuda"; every gradient matches the f64 reference."""
     import warnings
 
     gen = torch.Generator().manual_seed(d)
@@ -305,7 +316,7 @@ def test_head_dims_above_128_forward_and_backward(d):
             ref_out, _ = ref_attention(f64(q), f64(k), f64(v), segs, True)
             assert rel_err(f64(out), ref_out) <= 2e-3
             ref = ref_backward(f64(q), f64(k), f64(v), f64(dout), segs, True)
-        on_cuda = hopper()
+        on_cuda = hopper() or d <= 128
         if on_cuda:
             with warnings.catch_warnings():
                 warnings.simplefilter("error")

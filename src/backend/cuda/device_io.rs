@@ -16,7 +16,7 @@ use super::backward::{bwd_workspace, dq_mode, launch_backward, BwdPlan, BwdPtrs,
 use super::driver::{bind, DevBuf};
 use super::forward::{fwd_tables, fwd_workspace, launch_forward, plan_opts, tile_rows, FwdPtrs};
 use super::plans::{Cached, PlanKey};
-use super::{sparse, sparse_bwd, CudaBackend, Plan};
+use super::{head_pad, sparse, sparse_bwd, CudaBackend, Plan};
 use crate::backend::{Backend, BackendKind, BackwardInputs, ForwardOutput, Gradients, Pass};
 use crate::dtype::{HostData, HostView};
 use crate::error::{invalid, Error, Result};
@@ -74,6 +74,10 @@ impl CudaBackend {
         if !has_work(spec) {
             return Ok(0);
         }
+        if let Some(ps) = head_pad::padded(spec, Pass::Forward) {
+            let inner = self.forward_workspace(&ps, stream)?;
+            return Ok(head_pad::fwd_workspace(&ps, inner));
+        }
         bind(self.ctx)?;
         let s = stream as CUstream;
         Ok(match spec.block_sparse() {
@@ -90,9 +94,21 @@ impl CudaBackend {
     /// # Safety
     /// As for [`Self::forward_workspace`].
     pub unsafe fn backward_workspace(&self, spec: &AttnSpec, deterministic: bool, stream: u64) -> Result<usize> {
+        self.backward_workspace_on(spec, deterministic, DqPath::Auto, stream)
+    }
+
+    /// [`Self::backward_workspace`] on dQ path `path`.
+    ///
+    /// # Safety
+    /// As for [`Self::forward_workspace`].
+    pub(super) unsafe fn backward_workspace_on(&self, spec: &AttnSpec, deterministic: bool, path: DqPath, stream: u64) -> Result<usize> {
         self.check(spec, Pass::Backward { deterministic })?;
         if !has_work(spec) {
             return Ok(0);
+        }
+        if let Some(ps) = head_pad::padded(spec, Pass::Backward { deterministic }) {
+            let inner = self.backward_workspace_on(&ps, deterministic, path, stream)?;
+            return Ok(head_pad::bwd_workspace_padded(&ps, inner));
         }
         bind(self.ctx)?;
         let s = stream as CUstream;
@@ -100,7 +116,7 @@ impl CudaBackend {
             Some(sp) => self.sparse_bwd_plan(sp, s).map(drop)?,
             None => self.bwd_plan(spec, s).map(drop)?,
         }
-        Ok(bwd_workspace(spec, dq_mode(Some(self), spec, deterministic, DqPath::Auto)))
+        Ok(bwd_workspace(spec, dq_mode(Some(self), spec, deterministic, path)))
     }
 
     /// [`Self::backward_device`] on an explicit dQ path.
@@ -117,6 +133,9 @@ impl CudaBackend {
         stream: u64,
     ) -> Result<bool> {
         self.check(spec, Pass::Backward { deterministic })?;
+        if let Some(ps) = head_pad::padded(spec, Pass::Backward { deterministic }) {
+            return self.backward_padded(spec, &ps, p, path, deterministic, workspace_bytes, stream);
+        }
         p.check_aligned()?;
         if !has_work(spec) {
             return Ok(false);
@@ -220,7 +239,7 @@ impl CudaBackend {
         };
         let (dqb, dkb, dvb) = (grad(d.q_len())?, grad(d.kv_len())?, grad(d.kv_len())?);
         // SAFETY: as in `forward_host`
-        let need = unsafe { self.backward_workspace(spec, det, s as u64) }?.max(bwd_workspace(spec, dq_mode(Some(self), spec, det, path)));
+        let need = unsafe { self.backward_workspace_on(spec, det, path, s as u64) }?;
         let ws = DevBuf::alloc(need)?;
         let ptrs = BwdPtrs {
             q: qb.ptr,
@@ -275,6 +294,9 @@ impl Backend for CudaBackend {
 
     unsafe fn forward_device(&self, spec: &AttnSpec, p: FwdPtrs, workspace_bytes: usize, stream: u64) -> Result<bool> {
         self.check(spec, Pass::Forward)?;
+        if let Some(ps) = head_pad::padded(spec, Pass::Forward) {
+            return self.forward_padded(spec, &ps, p, workspace_bytes, stream);
+        }
         p.check_aligned()?;
         if !has_work(spec) {
             return Ok(false);

@@ -15,6 +15,7 @@ mod compile;
 mod device_io;
 mod driver;
 mod forward;
+mod head_pad;
 mod kernel_dump;
 mod kvcache;
 mod launch;
@@ -223,10 +224,17 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// [`check_supported`] and [`Self::check_target`]: whether this GPU runs `pass` of `spec`.
+    /// [`check_supported`] and [`Self::check_target`]: whether this GPU runs `pass` of `spec` (a
+    /// head_dim without a kernel of its own: whether it runs the padded spec, `head_pad`).
     pub fn check(&self, spec: &AttnSpec, pass: Pass) -> Result<()> {
-        check_supported(spec, pass)?;
-        self.check_target(spec, pass)
+        let exact = |s: &AttnSpec| {
+            check_kernel_spec(s, pass)?;
+            self.check_target(s, pass)
+        };
+        match head_pad::padded(spec, pass) {
+            Some(ps) => head_pad::check_as(spec, &ps, exact),
+            None => exact(spec),
+        }
     }
 
     /// The CubeCL client (code generation reads the device properties from it).
@@ -276,8 +284,17 @@ pub(crate) fn window_bounds(spec: &AttnSpec) -> (u32, u32, bool) {
 
 /// Err(Unsupported) for what no CUDA kernel serves on any GPU: `pass` of `spec`, of any key set
 /// (the block-sparse conditions: `sparse::check_supported`, `sparse_bwd::check_supported`; what
-/// one GPU lacks: [`CudaBackend::check_target`]).
+/// one GPU lacks: [`CudaBackend::check_target`]). A head_dim without a kernel of its own is
+/// served when the padded spec is (`head_pad`).
 pub fn check_supported(spec: &AttnSpec, pass: Pass) -> Result<()> {
+    match head_pad::padded(spec, pass) {
+        Some(ps) => head_pad::check_as(spec, &ps, |s| check_kernel_spec(s, pass)),
+        None => check_kernel_spec(spec, pass),
+    }
+}
+
+/// [`check_supported`] of a spec the kernels run as it is (its head_dim one of theirs).
+fn check_kernel_spec(spec: &AttnSpec, pass: Pass) -> Result<()> {
     spec.check_pass(pass)?;
     let hd = spec.dims.head_dim;
     let dims = head_dims_of(pass);

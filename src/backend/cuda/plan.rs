@@ -8,6 +8,11 @@ use crate::dtype::DType;
 /// (the caller's workspace) and the plan tables (the backend's plan cache). Host-only arithmetic
 /// (no GPU needed); the VRAM estimate uses it so that it follows the plan the launch really makes.
 pub fn forward_workspace_bytes(spec: &AttnSpec) -> u64 {
+    if let Some(ps) = super::head_pad::padded(spec, Pass::Forward) {
+        // the padded copies around the padded spec's own plan and workspace
+        let inner = forward_workspace_bytes(&ps);
+        return super::head_pad::fwd_workspace(&ps, inner as usize) as u64;
+    }
     let plan = Plan::new(spec);
     // the tables the plan cache uploads, counted from the one list of them
     super::forward::fwd_tables(spec, &plan).bytes() + super::forward::fwd_workspace(spec, &plan) as u64

@@ -1,0 +1,226 @@
+//! Head dims without a kernel of their own (40, 80, 112, 160, ... : every head_dim up to 256 that
+//! is not one of [`super::head_dims_of`]): the call runs on the smallest kernel head dim above
+//! it. q, k, v (and out, dout in the backward) are copied into the workspace with zero columns
+//! after the caller's (`kernels::pad_cols`), the kernels of the wider head dim run on the copies,
+//! and the outputs are copied back without the extra columns. Zero columns add nothing to q.k
+//! and give zero columns of out, dq, dk and dv, and the scale is the spec's own (resolved from the
+//! caller's head_dim), so the result is the call's, not an approximation. The copies cost two
+//! passes over each tensor; FlashAttention-3 pads the same way inside its tiles.
+//!
+//! Block-sparse calls pad to the block-sparse kernels' head dims; the INT8 QK^T option keeps its
+//! own head dims (its quantisation reads the columns), and the kvcache path with device key counts
+//! serves the kernels' own head dims only (the caller reads the counts on the host otherwise).
+
+use cubecl::cuda::CudaRuntime;
+use cudarc::driver::sys::CUstream;
+
+use super::backward::{bwd_workspace, dq_mode, BwdPtrs, DqPath};
+use super::compile::{codegen, settings, Func, KernelKey, A};
+use super::device_io::{check_workspace, has_work};
+use super::forward::{aligned, layout, FwdPtrs};
+use super::launch::{grid_2d, launch, Args};
+use super::{head_dims_of, CudaBackend, SPARSE_HEAD_DIMS};
+use crate::backend::{Backend, Pass};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::kernels::pad_cols::{copy_cols, PAD_THREADS};
+use crate::spec::AttnSpec;
+
+/// The spec the kernels run for `pass` of `spec` when its head_dim has no kernel: the same call at
+/// the smallest kernel head dim above it. `None` when the head_dim has its own kernel, when no
+/// kernel head dim is wider, and for the INT8 QK^T option.
+pub(crate) fn padded(spec: &AttnSpec, pass: Pass) -> Option<AttnSpec> {
+    let hd = spec.dims.head_dim;
+    let dims: &[usize] = match spec.block_sparse() {
+        Some(s) if s.int8.is_some() => return None,
+        Some(_) => &SPARSE_HEAD_DIMS,
+        None => head_dims_of(pass),
+    };
+    if dims.contains(&hd) {
+        return None;
+    }
+    let d = dims.iter().copied().filter(|&d| d > hd).min()?;
+    let mut s = spec.clone();
+    s.dims.head_dim = d;
+    Some(s)
+}
+
+/// `check` of the padded spec `ps`, its refusal saying that `spec`'s head_dim runs as `ps`'s.
+pub(crate) fn check_as(spec: &AttnSpec, ps: &AttnSpec, check: impl FnOnce(&AttnSpec) -> Result<()>) -> Result<()> {
+    check(ps).map_err(|e| match e {
+        Error::Unsupported { backend, msg } => Error::Unsupported {
+            backend,
+            msg: format!("head_dim {} runs on the head_dim {} kernels with zero columns: {msg}", spec.dims.head_dim, ps.dims.head_dim),
+        },
+        other => other,
+    })
+}
+
+/// Bytes of the padded copies: (q-shaped, k-shaped) tensors at `ps`'s head_dim.
+fn copy_bytes(ps: &AttnSpec) -> (usize, usize) {
+    let es = ps.dtype.size();
+    (ps.dims.q_len() * es, ps.dims.kv_len() * es)
+}
+
+/// Forward workspace parts: q, k, v, out at the padded head_dim, then the kernels' own `inner`.
+fn fwd_parts(ps: &AttnSpec, inner: usize) -> [usize; 5] {
+    let (q, kv) = copy_bytes(ps);
+    [q, kv, kv, q, inner]
+}
+
+/// Backward workspace parts: q, k, v, out, dout, dq, dk, dv at the padded head_dim, then `inner`.
+fn bwd_parts(ps: &AttnSpec, inner: usize) -> [usize; 9] {
+    let (q, kv) = copy_bytes(ps);
+    [q, kv, kv, q, q, q, kv, kv, inner]
+}
+
+/// Workspace bytes of a padded forward whose kernels need `inner` bytes.
+pub(crate) fn fwd_workspace(ps: &AttnSpec, inner: usize) -> usize {
+    layout(&fwd_parts(ps, inner)).1
+}
+
+/// Workspace bytes of a padded backward whose kernels need `inner` bytes.
+pub(crate) fn bwd_workspace_padded(ps: &AttnSpec, inner: usize) -> usize {
+    layout(&bwd_parts(ps, inner)).1
+}
+
+/// The kernels' own backward workspace for the padded spec on dQ path `path`.
+pub(crate) fn bwd_inner(be: Option<&CudaBackend>, ps: &AttnSpec, deterministic: bool, path: DqPath) -> usize {
+    bwd_workspace(ps, dq_mode(be, ps, deterministic, path))
+}
+
+/// `kernels::pad_cols::copy_cols` moving `width` bytes per unit (raw words: the key's dtype is a
+/// fixed placeholder).
+fn copy_kernel(be: &CudaBackend, width: usize) -> Result<Func> {
+    let key = KernelKey::new("pad_cols_copy_cols", DType::F32, &[width as u32]);
+    let client = be.client();
+    be.kernels.get(&key, || {
+        let s = settings(PAD_THREADS as u32);
+        macro_rules! k {
+            ($w:ty, $n:expr) => {
+                codegen(copy_cols::CopyCols::<$w, CudaRuntime>::new(s, client.clone(), A, A, (), (), (), $n))
+            };
+        }
+        match width {
+            16 => k!(u32, 4),
+            8 => k!(u32, 2),
+            4 => k!(u32, 1),
+            2 => k!(u16, 1),
+            _ => k!(u8, 1),
+        }
+    })
+}
+
+/// Enqueues the copy of `rows` rows of `src_cols` elements at `src` into rows of `out_cols`
+/// elements at `out` (`es` bytes an element): zero columns after the source's when the output is
+/// wider, the source's first `out_cols` when it is narrower.
+#[allow(clippy::too_many_arguments)]
+unsafe fn copy(be: &CudaBackend, src: u64, src_cols: usize, out: u64, out_cols: usize, rows: usize, es: usize, s: CUstream) -> Result<()> {
+    let (sb, ob) = (src_cols * es, out_cols * es);
+    if rows == 0 || ob == 0 {
+        return Ok(());
+    }
+    let width = [16usize, 8, 4, 2, 1]
+        .into_iter()
+        .find(|&w| sb.is_multiple_of(w) && ob.is_multiple_of(w) && src.is_multiple_of(w as u64) && out.is_multiple_of(w as u64))
+        .unwrap_or(1);
+    let (sv, ov) = (sb / width, ob / width);
+    let n_vecs = rows as u64 * ov as u64;
+    let grid = grid_2d((n_vecs as usize).div_ceil(PAD_THREADS));
+    // the kernel's unit index is a u32 over the whole (padded) grid
+    let units = grid.0 as u64 * grid.1 as u64 * PAD_THREADS as u64;
+    if n_vecs > u32::MAX as u64 || rows as u64 * sv as u64 > u32::MAX as u64 || units > 1 << 32 {
+        return Err(Error::Unsupported {
+            backend: "cuda",
+            msg: format!("{rows} rows of head_dim {src_cols} -> {out_cols} are too many for the padding copy's 32-bit indexing"),
+        });
+    }
+    let f = copy_kernel(be, width)?;
+    let mut a = Args::new();
+    a.array(src, rows * sv).array(out, n_vecs as usize);
+    a.u32(sv as u32).u32(ov as u32).u32(n_vecs as u32);
+    launch(&f, grid, &mut a, s)
+}
+
+/// Rows of q-shaped and of k-shaped tensors (one row: one token of one head).
+fn rows(spec: &AttnSpec) -> (usize, usize) {
+    let d = &spec.dims;
+    (d.total_q * d.heads_q, d.total_k * d.heads_kv)
+}
+
+impl CudaBackend {
+    /// The forward of `spec` on the kernels of the padded spec `ps` (see the module docs).
+    ///
+    /// # Safety
+    /// As for [`Backend::forward_device`], with `spec`'s shapes.
+    pub(crate) unsafe fn forward_padded(&self, spec: &AttnSpec, ps: &AttnSpec, p: FwdPtrs, workspace_bytes: usize, stream: u64) -> Result<bool> {
+        aligned(&[("lse", p.lse), ("workspace", p.workspace)])?;
+        if !has_work(spec) {
+            return Ok(false);
+        }
+        let inner = self.forward_workspace(ps, stream)?;
+        let parts = fwd_parts(ps, inner);
+        let (offs, total) = layout(&parts);
+        check_workspace(total, p.workspace, workspace_bytes)?;
+        let at = |i: usize| p.workspace + offs[i] as u64;
+        let (hd, hp, es) = (spec.dims.head_dim, ps.dims.head_dim, spec.dtype.size());
+        let (rq, rk) = rows(spec);
+        let s = stream as CUstream;
+        copy(self, p.q, hd, at(0), hp, rq, es, s)?;
+        copy(self, p.k, hd, at(1), hp, rk, es, s)?;
+        copy(self, p.v, hd, at(2), hp, rk, es, s)?;
+        let inner_p = FwdPtrs { q: at(0), k: at(1), v: at(2), out: at(3), lse: p.lse, workspace: at(4) };
+        self.forward_device(ps, inner_p, parts[4], stream)?;
+        copy(self, at(3), hp, p.out, hd, rq, es, s)?;
+        Ok(true)
+    }
+
+    /// The backward of `spec` on the kernels of the padded spec `ps`, dQ path `path`.
+    ///
+    /// # Safety
+    /// As for [`Backend::backward_device`], with `spec`'s shapes.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn backward_padded(
+        &self,
+        spec: &AttnSpec,
+        ps: &AttnSpec,
+        p: BwdPtrs,
+        path: DqPath,
+        deterministic: bool,
+        workspace_bytes: usize,
+        stream: u64,
+    ) -> Result<bool> {
+        aligned(&[("lse", p.lse), ("workspace", p.workspace)])?;
+        if !has_work(spec) {
+            return Ok(false);
+        }
+        let inner = bwd_inner(Some(self), ps, deterministic, path);
+        let parts = bwd_parts(ps, inner);
+        let (offs, total) = layout(&parts);
+        check_workspace(total, p.workspace, workspace_bytes)?;
+        let at = |i: usize| p.workspace + offs[i] as u64;
+        let (hd, hp, es) = (spec.dims.head_dim, ps.dims.head_dim, spec.dtype.size());
+        let (rq, rk) = rows(spec);
+        let s = stream as CUstream;
+        for (src, i, r) in [(p.q, 0, rq), (p.k, 1, rk), (p.v, 2, rk), (p.out, 3, rq), (p.dout, 4, rq)] {
+            copy(self, src, hd, at(i), hp, r, es, s)?;
+        }
+        let inner_p = BwdPtrs {
+            q: at(0),
+            k: at(1),
+            v: at(2),
+            out: at(3),
+            lse: p.lse,
+            dout: at(4),
+            dq: at(5),
+            dk: at(6),
+            dv: at(7),
+            workspace: at(8),
+        };
+        self.backward_device_on(ps, inner_p, path, deterministic, parts[8], stream)?;
+        for (i, out, r) in [(5, p.dq, rq), (6, p.dk, rk), (7, p.dv, rk)] {
+            copy(self, at(i), hp, out, hd, r, es, s)?;
+        }
+        Ok(true)
+    }
+}
