@@ -221,7 +221,7 @@ do_validate() {
 }
 
 SAN_TOOLS=${CUBEATTN_SAN_TOOLS:-"memcheck racecheck synccheck initcheck"}
-SAN_FAMILIES=${CUBEATTN_SAN_FAMILIES:-"forward splitk backward_pass backward_atomic grouped paged decode sparse sparse_backward sparse_int8 window nonfinite head_dims"}
+SAN_FAMILIES=${CUBEATTN_SAN_FAMILIES:-"forward splitk backward_pass backward_atomic grouped paged decode sparse sparse_backward sparse_int8 window nonfinite head_dims padded"}
 
 do_sanitize() {
   check_gpu >/dev/null

@@ -224,8 +224,8 @@ def block_sparse_attn_func(q, k, v, block_index=None, q_block=DEFAULT_Q_BLOCK, k
     CPU, docs/sparse.md has the exact rule). ``block_index`` may also be a
     SparseSpec from ``cubeattn.sparse_spec`` (the index validated once, as a FlexAttention BlockMask
     is built once): the call must match its shapes, sequences and dtype. Forward on CUDA (torch
-    CUDA tensors stay on their GPU; numpy inputs are copied) for float16/bfloat16, head_dim 64/128,
-    exact QK^T; the rest runs on the CPU with ``device="auto"`` and raises NotImplementedError
+    CUDA tensors stay on their GPU; numpy inputs are copied) for float16/bfloat16, head_dim up to
+    128 (64 and 128 natively, the others padded to them with zero columns), exact QK^T; the rest runs on the CPU with ``device="auto"`` and raises NotImplementedError
     with ``device="cuda"``. The backward (torch autograd, or block_sparse_attn_backward) follows
     the same rule; on torch CUDA tensors it is enqueued on the current stream with no copies.
     ``deterministic`` (autograd's backward; flash-attn's meaning and default): False adds dQ up with
@@ -299,7 +299,7 @@ def block_sparse_attn_backward(dout, q, k, v, out, lse, block_index=None, q_bloc
     ``deterministic=True`` gives bitwise-identical gradients run to run on every device; False (the
     default, as in flash-attn) lets the CUDA kernels add dQ up with float atomics (faster; dk and
     dv stay deterministic, dq may differ in the last bits). CUDA for
-    float16/bfloat16, head_dim 64/128 (torch CUDA tensors stay on their GPU); the CPU otherwise
+    float16/bfloat16, head_dim up to 128 (torch CUDA tensors stay on their GPU); the CPU otherwise
     with ``device="auto"``, NotImplementedError with ``device="cuda"``."""
     deterministic = _flag(deterministic, "deterministic")
     dt = dtype_name(q, "q")

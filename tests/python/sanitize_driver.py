@@ -14,7 +14,9 @@ and the exact kernels it selects, forward and backward), decode (decode-sized ca
 query rows a sequence over keys off the tiles, with and without a window), paged (grouped calls over a paged K,V:
 kv_block_table, tiles across two pages, both dQ paths): head_dim 64 and 128, causal and not;
 head_dims (the other head dims: forward and split-K at 32, 96, 192, 256, both backward paths at
-32, 96, 192 and 256 (paged K,V too above 128), bf16, causal and not). Each result is checked against the CPU
+32, 96, 192 and 256 (paged K,V too above 128), bf16, causal and not); padded (head dims without
+a kernel of their own, 33, 80 and 160, on the next one with zero columns: forward, both backward
+paths, paged K,V, block-sparse at 33 and 80). Each result is checked against the CPU
 backend, so a run also fails (exit 1) on a wrong answer. numpy inputs only: no torch kernels run
 under the sanitizer. The environment switches each family needs are set here, before cubeattn
 loads (the CUDA options are read once)."""
@@ -34,6 +36,7 @@ FAMILIES = {
     "nonfinite": {},
     "paged": {},
     "head_dims": {},
+    "padded": {},
     "decode": {},
 }
 
@@ -159,8 +162,17 @@ def main(family):
         for i, name in enumerate(["out", "lse", "dq", "dk", "dv"][:len(res["cpu"])]):
             check(f"{tag} {name}", res["cuda"][i], res["cpu"][i], 5e-2 if quant_gran else 3e-2)
 
-    for d in ((32, 96, 192, 256) if family == "head_dims" else (64, 128)):
+    for d in {"head_dims": (32, 96, 192, 256), "padded": (33, 80, 160)}.get(family, (64, 128)):
         for causal in (False, True):
+            if family == "padded":
+                # the zero-column copies around the next kernel head dim's kernels (head_pad.rs)
+                varlen(d, dtypes[-1], causal, backward=False)
+                for det in (True, False):
+                    varlen(d, dtypes[-1], causal, backward=True, deterministic=det)
+                paged(d, dtypes[0], causal, False)
+                if d <= 128:
+                    sparse(d, dtypes[-1], causal, False, 64, 128, backward=True)
+                continue
             if family == "head_dims":
                 varlen(d, dtypes[-1], causal, backward=False)
                 grouped(d, dtypes[-1], causal, backward=False)
