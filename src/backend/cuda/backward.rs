@@ -281,7 +281,7 @@ pub(crate) enum DqMode {
 /// Device workspace of a backward call besides the caller's tensors: delta and, on the fused dQ
 /// path, the f32 dQ accumulator; the plan tables are counted by [`backward_plan_bytes`].
 pub fn backward_workspace_bytes(spec: &AttnSpec, deterministic: bool) -> u64 {
-    if let Some(ps) = super::head_pad::padded(spec, crate::backend::Pass::Backward { deterministic }) {
+    if let Some(ps) = super::head_pad::padded(spec, crate::backend::Pass::Backward { deterministic }, super::head_pad::wgmma_padding(None, spec)) {
         // the padded copies around the padded spec's own workspace
         let inner = super::head_pad::bwd_inner(None, &ps, deterministic, DqPath::Auto);
         return super::head_pad::bwd_workspace_padded(&ps, inner) as u64;

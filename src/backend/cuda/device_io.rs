@@ -74,7 +74,7 @@ impl CudaBackend {
         if !has_work(spec) {
             return Ok(0);
         }
-        if let Some(ps) = head_pad::padded(spec, Pass::Forward) {
+        if let Some(ps) = head_pad::padded(spec, Pass::Forward, self.pads_to_wgmma(spec)) {
             let inner = self.forward_workspace(&ps, stream)?;
             return Ok(head_pad::fwd_workspace(&ps, inner));
         }
@@ -106,7 +106,7 @@ impl CudaBackend {
         if !has_work(spec) {
             return Ok(0);
         }
-        if let Some(ps) = head_pad::padded(spec, Pass::Backward { deterministic }) {
+        if let Some(ps) = head_pad::padded(spec, Pass::Backward { deterministic }, self.pads_to_wgmma(spec)) {
             let inner = self.backward_workspace_on(&ps, deterministic, path, stream)?;
             return Ok(head_pad::bwd_workspace_padded(&ps, inner));
         }
@@ -133,7 +133,7 @@ impl CudaBackend {
         stream: u64,
     ) -> Result<bool> {
         self.check(spec, Pass::Backward { deterministic })?;
-        if let Some(ps) = head_pad::padded(spec, Pass::Backward { deterministic }) {
+        if let Some(ps) = head_pad::padded(spec, Pass::Backward { deterministic }, self.pads_to_wgmma(spec)) {
             return self.backward_padded(spec, &ps, p, path, deterministic, workspace_bytes, stream);
         }
         p.check_aligned()?;
@@ -294,7 +294,7 @@ impl Backend for CudaBackend {
 
     unsafe fn forward_device(&self, spec: &AttnSpec, p: FwdPtrs, workspace_bytes: usize, stream: u64) -> Result<bool> {
         self.check(spec, Pass::Forward)?;
-        if let Some(ps) = head_pad::padded(spec, Pass::Forward) {
+        if let Some(ps) = head_pad::padded(spec, Pass::Forward, self.pads_to_wgmma(spec)) {
             return self.forward_padded(spec, &ps, p, workspace_bytes, stream);
         }
         p.check_aligned()?;

@@ -1,6 +1,7 @@
 //! Head dims without a kernel of their own (40, 80, 112, 160, ... : every head_dim up to 256 that
 //! is not one of [`super::head_dims_of`]): the call runs on the smallest kernel head dim above
-//! it. q, k, v (and out, dout in the backward) are copied into the workspace with zero columns
+//! it, on a Hopper GPU the smallest of the wgmma kernels' (80 runs at 128 there, not on the
+//! mma.sync kernels of 96: [`padded`]). q, k, v (and out, dout in the backward) are copied into the workspace with zero columns
 //! after the caller's (`kernels::pad_cols`), the kernels of the wider head dim run on the copies,
 //! and the outputs are copied back without the extra columns. Zero columns add nothing to q.k
 //! and give zero columns of out, dq, dk and dv, and the scale is the spec's own (resolved from the
@@ -17,7 +18,7 @@ use cudarc::driver::sys::CUstream;
 use super::backward::{bwd_workspace, dq_mode, BwdPtrs, DqPath};
 use super::compile::{codegen, settings, Func, KernelKey, A};
 use super::device_io::{check_workspace, has_work};
-use super::forward::{aligned, layout, FwdPtrs};
+use super::forward::{aligned, layout, FwdPtrs, SM90_FWD_HEAD_DIMS};
 use super::launch::{grid_2d, launch, Args};
 use super::{head_dims_of, CudaBackend, SPARSE_HEAD_DIMS};
 use crate::backend::{Backend, Pass};
@@ -27,9 +28,12 @@ use crate::kernels::pad_cols::{copy_cols, PAD_THREADS};
 use crate::spec::AttnSpec;
 
 /// The spec the kernels run for `pass` of `spec` when its head_dim has no kernel: the same call at
-/// the smallest kernel head dim above it. `None` when the head_dim has its own kernel, when no
-/// kernel head dim is wider, and for the INT8 QK^T option.
-pub(crate) fn padded(spec: &AttnSpec, pass: Pass) -> Option<AttnSpec> {
+/// the smallest kernel head dim above it; with `wgmma` (the call runs on the Hopper kernels:
+/// [`CudaBackend::pads_to_wgmma`]) the smallest of theirs (`forward::SM90_FWD_HEAD_DIMS`: 64,
+/// 128, 192, 256; head_dim 80 on the d128 wgmma kernels took less time than on the d96 mma.sync
+/// ones). `None` when the head_dim has its own kernel, when no kernel head dim is wider, and for
+/// the INT8 QK^T option.
+pub(crate) fn padded(spec: &AttnSpec, pass: Pass, wgmma: bool) -> Option<AttnSpec> {
     let hd = spec.dims.head_dim;
     let dims: &[usize] = match spec.block_sparse() {
         Some(s) if s.int8.is_some() => return None,
@@ -39,10 +43,17 @@ pub(crate) fn padded(spec: &AttnSpec, pass: Pass) -> Option<AttnSpec> {
     if dims.contains(&hd) {
         return None;
     }
-    let d = dims.iter().copied().filter(|&d| d > hd).min()?;
+    let fits = |d: &usize| *d > hd && (!wgmma || SM90_FWD_HEAD_DIMS.contains(d));
+    let d = dims.iter().copied().filter(fits).min()?;
     let mut s = spec.clone();
     s.dims.head_dim = d;
     Some(s)
+}
+
+/// [`CudaBackend::pads_to_wgmma`] on `be`, or without a backend (the VRAM estimate) as on a Hopper
+/// GPU.
+pub(crate) fn wgmma_padding(be: Option<&CudaBackend>, spec: &AttnSpec) -> bool {
+    crate::config::fwd_options().sm90 && spec.dtype != DType::F32 && be.is_none_or(|b| b.target().wgmma)
 }
 
 /// `check` of the padded spec `ps`, its refusal saying that `spec`'s head_dim runs as `ps`'s.
@@ -149,6 +160,12 @@ fn rows(spec: &AttnSpec) -> (usize, usize) {
 }
 
 impl CudaBackend {
+    /// Whether a padded `spec` runs on the Hopper (wgmma) kernels' head dims here: sm_90 with
+    /// wgmma, f16 / bf16, the Hopper switch on (`FwdOptions::sm90`).
+    pub(crate) fn pads_to_wgmma(&self, spec: &AttnSpec) -> bool {
+        wgmma_padding(Some(self), spec)
+    }
+
     /// The forward of `spec` on the kernels of the padded spec `ps` (see the module docs).
     ///
     /// # Safety
@@ -222,5 +239,59 @@ impl CudaBackend {
             copy(self, at(i), hp, out, hd, r, es, s)?;
         }
         Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cuda::SUPPORTED_HEAD_DIMS;
+    use crate::spec::TensorMeta;
+
+    fn spec(d: usize) -> AttnSpec {
+        let m = |n| TensorMeta::new(&[n, 2, d], DType::BF16);
+        AttnSpec::varlen(&m(128), &m(256), &m(256), &[0, 128], &[0, 256], 128, 256, None, true).unwrap()
+    }
+
+    fn to(d: usize, pass: Pass, wgmma: bool) -> Option<usize> {
+        let s = spec(d);
+        let p = padded(&s, pass, wgmma);
+        if let Some(p) = &p {
+            // only the head_dim moves: the scale stays the caller's
+            assert_eq!((p.scale, p.dims.total_q, p.dims.heads_q), (s.scale, s.dims.total_q, s.dims.heads_q));
+        }
+        p.map(|p| p.dims.head_dim)
+    }
+
+    #[test]
+    fn padding_picks_the_next_kernel_head_dim() {
+        let bwd = Pass::Backward { deterministic: false };
+        for pass in [Pass::Forward, bwd] {
+            for (d, any, hopper) in [(1, 32, 64), (8, 32, 64), (33, 64, 64), (40, 64, 64), (80, 96, 128), (112, 128, 128), (160, 192, 192), (200, 256, 256), (255, 256, 256)] {
+                assert_eq!(to(d, pass, false), Some(any), "head_dim {d} {pass:?}");
+                assert_eq!(to(d, pass, true), Some(hopper), "head_dim {d} {pass:?} wgmma");
+            }
+            for d in SUPPORTED_HEAD_DIMS {
+                assert_eq!(to(d, pass, false), None, "head_dim {d} has its own kernel");
+                assert_eq!(to(d, pass, true), None, "head_dim {d} has its own kernel");
+            }
+        }
+        // block-sparse: 64 / 128; the INT8 option is never padded
+        let sparse = |d, int8| spec(d).with_block_index(&[0, 1, 0, 1], &[1, 2, 1, 2], 128, 128, int8).unwrap();
+        assert_eq!(padded(&sparse(96, None), Pass::Forward, false).map(|p| p.dims.head_dim), Some(128));
+        assert_eq!(padded(&sparse(33, None), bwd, true).map(|p| p.dims.head_dim), Some(64));
+        assert!(padded(&sparse(160, None), Pass::Forward, false).is_none());
+        let int8 = Some(crate::sparse::Int8Qk { gran: crate::sparse::QuantGran::PerWarp, smooth_k: false, pv_fp8: false });
+        assert!(padded(&sparse(96, int8), Pass::Forward, false).is_none());
+    }
+
+    #[test]
+    fn workspace_holds_the_padded_copies() {
+        let s = spec(80);
+        let ps = padded(&s, Pass::Forward, true).unwrap();
+        // q, k, v, out at head_dim 128 in bf16 before the kernels' own bytes
+        let copies = (128 * 2 * 128 + 2 * 256 * 2 * 128 + 128 * 2 * 128) * 2;
+        assert!(fwd_workspace(&ps, 0) >= copies && fwd_workspace(&ps, 1000) >= copies + 1000);
+        assert!(bwd_workspace_padded(&ps, 0) >= copies + (2 * 128 * 2 * 128 + 2 * 256 * 2 * 128) * 2);
     }
 }

@@ -231,7 +231,7 @@ impl CudaBackend {
             check_kernel_spec(s, pass)?;
             self.check_target(s, pass)
         };
-        match head_pad::padded(spec, pass) {
+        match head_pad::padded(spec, pass, self.pads_to_wgmma(spec)) {
             Some(ps) => head_pad::check_as(spec, &ps, exact),
             None => exact(spec),
         }
@@ -287,7 +287,7 @@ pub(crate) fn window_bounds(spec: &AttnSpec) -> (u32, u32, bool) {
 /// one GPU lacks: [`CudaBackend::check_target`]). A head_dim without a kernel of its own is
 /// served when the padded spec is (`head_pad`).
 pub fn check_supported(spec: &AttnSpec, pass: Pass) -> Result<()> {
-    match head_pad::padded(spec, pass) {
+    match head_pad::padded(spec, pass, false) {
         Some(ps) => head_pad::check_as(spec, &ps, |s| check_kernel_spec(s, pass)),
         None => check_kernel_spec(spec, pass),
     }

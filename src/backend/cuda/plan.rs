@@ -8,7 +8,7 @@ use crate::dtype::DType;
 /// (the caller's workspace) and the plan tables (the backend's plan cache). Host-only arithmetic
 /// (no GPU needed); the VRAM estimate uses it so that it follows the plan the launch really makes.
 pub fn forward_workspace_bytes(spec: &AttnSpec) -> u64 {
-    if let Some(ps) = super::head_pad::padded(spec, Pass::Forward) {
+    if let Some(ps) = super::head_pad::padded(spec, Pass::Forward, super::head_pad::wgmma_padding(None, spec)) {
         // the padded copies around the padded spec's own plan and workspace
         let inner = forward_workspace_bytes(&ps);
         return super::head_pad::fwd_workspace(&ps, inner as usize) as u64;
