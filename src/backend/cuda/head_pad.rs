@@ -1,7 +1,7 @@
 //! Head dims without a kernel of their own (40, 80, 112, 160, ... : every head_dim up to 256 that
 //! is not one of [`super::head_dims_of`]): the call runs on the smallest kernel head dim above
 //! it, on a Hopper GPU the smallest of the wgmma kernels' (80 runs at 128 there, not on the
-//! mma.sync kernels of 96: [`padded`]). q, k, v (and out, dout in the backward) are copied into the workspace with zero columns
+//! mma.sync kernels of 96; 96 itself too, but for decode-sized calls: [`padded`]). q, k, v (and out, dout in the backward) are copied into the workspace with zero columns
 //! after the caller's (`kernels::pad_cols`), the kernels of the wider head dim run on the copies,
 //! and the outputs are copied back without the extra columns. Zero columns add nothing to q.k
 //! and give zero columns of out, dq, dk and dv, and the scale is the spec's own (resolved from the
@@ -18,7 +18,7 @@ use cudarc::driver::sys::CUstream;
 use super::backward::{bwd_workspace, dq_mode, BwdPtrs, DqPath};
 use super::compile::{codegen, settings, Func, KernelKey, A};
 use super::device_io::{check_workspace, has_work};
-use super::forward::{aligned, layout, FwdPtrs, SM90_FWD_HEAD_DIMS};
+use super::forward::{aligned, layout, max_seg_rows, FwdPtrs, FEW_ROWS, SM90_FWD_HEAD_DIMS};
 use super::launch::{grid_2d, launch, Args};
 use super::{head_dims_of, CudaBackend, SPARSE_HEAD_DIMS};
 use crate::backend::{Backend, Pass};
@@ -32,7 +32,8 @@ use crate::spec::AttnSpec;
 /// [`CudaBackend::pads_to_wgmma`]) the smallest of theirs (`forward::SM90_FWD_HEAD_DIMS`: 64,
 /// 128, 192, 256; head_dim 80 on the d128 wgmma kernels took less time than on the d96 mma.sync
 /// ones). `None` when the head_dim has its own kernel, when no kernel head dim is wider, and for
-/// the INT8 QK^T option.
+/// the INT8 QK^T option. With `wgmma`, head_dim 96 has its own (mma.sync) kernels but runs padded
+/// to 128 too, except on decode-sized calls ([`wide_96`]).
 pub(crate) fn padded(spec: &AttnSpec, pass: Pass, wgmma: bool) -> Option<AttnSpec> {
     let hd = spec.dims.head_dim;
     let dims: &[usize] = match spec.block_sparse() {
@@ -40,7 +41,7 @@ pub(crate) fn padded(spec: &AttnSpec, pass: Pass, wgmma: bool) -> Option<AttnSpe
         Some(_) => &SPARSE_HEAD_DIMS,
         None => head_dims_of(pass),
     };
-    if dims.contains(&hd) {
+    if dims.contains(&hd) && !(wgmma && wide_96(spec)) {
         return None;
     }
     let fits = |d: &usize| *d > hd && (!wgmma || SM90_FWD_HEAD_DIMS.contains(d));
@@ -48,6 +49,16 @@ pub(crate) fn padded(spec: &AttnSpec, pass: Pass, wgmma: bool) -> Option<AttnSpe
     let mut s = spec.clone();
     s.dims.head_dim = d;
     Some(s)
+}
+
+/// Whether a head_dim 96 call runs on the d128 wgmma kernels (on a GPU with them): dense calls
+/// with more than `FEW_ROWS` packed rows in a sequence. There the copies cost little beside the
+/// products, and head_dim 80 padded to 128 took 11-19% less forward time and 28-32% less
+/// fwd+bwd time than head_dim 96 on its mma.sync kernels (H200, 32 / 8 heads, 8K-16K,
+/// bench/results/h200-2026-12-02-head-pad). Decode-sized calls keep the d96 kernels: they read
+/// K and V once, and the copies would read and write them again.
+fn wide_96(spec: &AttnSpec) -> bool {
+    spec.dims.head_dim == 96 && spec.block_sparse().is_none() && max_seg_rows(spec) > FEW_ROWS
 }
 
 /// [`CudaBackend::pads_to_wgmma`] on `be`, or without a backend (the VRAM estimate) as on a Hopper
@@ -273,12 +284,17 @@ mod tests {
             }
             for d in SUPPORTED_HEAD_DIMS {
                 assert_eq!(to(d, pass, false), None, "head_dim {d} has its own kernel");
-                assert_eq!(to(d, pass, true), None, "head_dim {d} has its own kernel");
+                // 96 on Hopper: the d128 wgmma kernels, but for decode-sized calls
+                assert_eq!(to(d, pass, true), (d == 96).then_some(128), "head_dim {d} wgmma");
             }
+            let m = |n, d| TensorMeta::new(&[n, 2, d], DType::BF16);
+            let decode = AttnSpec::varlen(&m(2, 96), &m(512, 96), &m(512, 96), &[0, 1, 2], &[0, 256, 512], 1, 256, None, true).unwrap();
+            assert!(padded(&decode, pass, true).is_none(), "decode-sized head_dim 96 keeps its kernels");
         }
         // block-sparse: 64 / 128; the INT8 option is never padded
         let sparse = |d, int8| spec(d).with_block_index(&[0, 1, 0, 1], &[1, 2, 1, 2], 128, 128, int8).unwrap();
         assert_eq!(padded(&sparse(96, None), Pass::Forward, false).map(|p| p.dims.head_dim), Some(128));
+        assert_eq!(padded(&sparse(96, None), Pass::Forward, true).map(|p| p.dims.head_dim), Some(128));
         assert_eq!(padded(&sparse(33, None), bwd, true).map(|p| p.dims.head_dim), Some(64));
         assert!(padded(&sparse(160, None), Pass::Forward, false).is_none());
         let int8 = Some(crate::sparse::Int8Qk { gran: crate::sparse::QuantGran::PerWarp, smooth_k: false, pv_fp8: false });
