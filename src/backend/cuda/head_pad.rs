@@ -164,10 +164,55 @@ unsafe fn copy(be: &CudaBackend, src: u64, src_cols: usize, out: u64, out_cols: 
     launch(&f, grid, &mut a, s)
 }
 
-/// Rows of q-shaped and of k-shaped tensors (one row: one token of one head).
-fn rows(spec: &AttnSpec) -> (usize, usize) {
-    let d = &spec.dims;
-    (d.total_q * d.heads_q, d.total_k * d.heads_kv)
+/// The workspace address of each part of a padded call's `parts` (after checking the caller's
+/// `workspace_bytes` at `workspace` holds them).
+fn part_addrs<const N: usize>(parts: &[usize; N], workspace: u64, workspace_bytes: usize) -> Result<[u64; N]> {
+    let (offs, total) = layout(parts);
+    check_workspace(total, workspace, workspace_bytes)?;
+    Ok(std::array::from_fn(|i| workspace + offs[i] as u64))
+}
+
+/// The row copies of one padded call: the caller's head_dim `hd`, the kernels' `hp`.
+struct Copies {
+    hd: usize,
+    hp: usize,
+    es: usize,
+    /// rows of q-shaped and of k-shaped tensors (one row: one token of one head)
+    rows_q: usize,
+    rows_k: usize,
+    stream: CUstream,
+}
+
+impl Copies {
+    fn new(spec: &AttnSpec, ps: &AttnSpec, stream: u64) -> Self {
+        let d = &spec.dims;
+        Copies {
+            hd: d.head_dim,
+            hp: ps.dims.head_dim,
+            es: spec.dtype.size(),
+            rows_q: d.total_q * d.heads_q,
+            rows_k: d.total_k * d.heads_kv,
+            stream: stream as CUstream,
+        }
+    }
+
+    fn rows(&self, q_rows: bool) -> usize {
+        if q_rows {
+            self.rows_q
+        } else {
+            self.rows_k
+        }
+    }
+
+    /// The caller's tensor at `src` into the wider copy at `out` (q-shaped rows or k-shaped).
+    unsafe fn widen(&self, be: &CudaBackend, src: u64, out: u64, q_rows: bool) -> Result<()> {
+        copy(be, src, self.hd, out, self.hp, self.rows(q_rows), self.es, self.stream)
+    }
+
+    /// The wider result at `src` into the caller's tensor at `out`.
+    unsafe fn narrow(&self, be: &CudaBackend, src: u64, out: u64, q_rows: bool) -> Result<()> {
+        copy(be, src, self.hp, out, self.hd, self.rows(q_rows), self.es, self.stream)
+    }
 }
 
 impl CudaBackend {
@@ -186,20 +231,15 @@ impl CudaBackend {
         if !has_work(spec) {
             return Ok(false);
         }
-        let inner = self.forward_workspace(ps, stream)?;
-        let parts = fwd_parts(ps, inner);
-        let (offs, total) = layout(&parts);
-        check_workspace(total, p.workspace, workspace_bytes)?;
-        let at = |i: usize| p.workspace + offs[i] as u64;
-        let (hd, hp, es) = (spec.dims.head_dim, ps.dims.head_dim, spec.dtype.size());
-        let (rq, rk) = rows(spec);
-        let s = stream as CUstream;
-        copy(self, p.q, hd, at(0), hp, rq, es, s)?;
-        copy(self, p.k, hd, at(1), hp, rk, es, s)?;
-        copy(self, p.v, hd, at(2), hp, rk, es, s)?;
-        let inner_p = FwdPtrs { q: at(0), k: at(1), v: at(2), out: at(3), lse: p.lse, workspace: at(4) };
+        let parts = fwd_parts(ps, self.forward_workspace(ps, stream)?);
+        let at = part_addrs(&parts, p.workspace, workspace_bytes)?;
+        let c = Copies::new(spec, ps, stream);
+        for (src, i, q_rows) in [(p.q, 0, true), (p.k, 1, false), (p.v, 2, false)] {
+            c.widen(self, src, at[i], q_rows)?;
+        }
+        let inner_p = FwdPtrs { q: at[0], k: at[1], v: at[2], out: at[3], lse: p.lse, workspace: at[4] };
         self.forward_device(ps, inner_p, parts[4], stream)?;
-        copy(self, at(3), hp, p.out, hd, rq, es, s)?;
+        c.narrow(self, at[3], p.out, true)?;
         Ok(true)
     }
 
@@ -222,32 +262,17 @@ impl CudaBackend {
         if !has_work(spec) {
             return Ok(false);
         }
-        let inner = bwd_inner(Some(self), ps, deterministic, path);
-        let parts = bwd_parts(ps, inner);
-        let (offs, total) = layout(&parts);
-        check_workspace(total, p.workspace, workspace_bytes)?;
-        let at = |i: usize| p.workspace + offs[i] as u64;
-        let (hd, hp, es) = (spec.dims.head_dim, ps.dims.head_dim, spec.dtype.size());
-        let (rq, rk) = rows(spec);
-        let s = stream as CUstream;
-        for (src, i, r) in [(p.q, 0, rq), (p.k, 1, rk), (p.v, 2, rk), (p.out, 3, rq), (p.dout, 4, rq)] {
-            copy(self, src, hd, at(i), hp, r, es, s)?;
+        let parts = bwd_parts(ps, bwd_inner(Some(self), ps, deterministic, path));
+        let at = part_addrs(&parts, p.workspace, workspace_bytes)?;
+        let c = Copies::new(spec, ps, stream);
+        for (src, i, q_rows) in [(p.q, 0, true), (p.k, 1, false), (p.v, 2, false), (p.out, 3, true), (p.dout, 4, true)] {
+            c.widen(self, src, at[i], q_rows)?;
         }
-        let inner_p = BwdPtrs {
-            q: at(0),
-            k: at(1),
-            v: at(2),
-            out: at(3),
-            lse: p.lse,
-            dout: at(4),
-            dq: at(5),
-            dk: at(6),
-            dv: at(7),
-            workspace: at(8),
-        };
+        let [q, k, v, out, dout, dq, dk, dv, workspace] = at;
+        let inner_p = BwdPtrs { q, k, v, out, lse: p.lse, dout, dq, dk, dv, workspace };
         self.backward_device_on(ps, inner_p, path, deterministic, parts[8], stream)?;
-        for (i, out, r) in [(5, p.dq, rq), (6, p.dk, rk), (7, p.dv, rk)] {
-            copy(self, at(i), hp, out, hd, r, es, s)?;
+        for (i, out, q_rows) in [(5, p.dq, true), (6, p.dk, false), (7, p.dv, false)] {
+            c.narrow(self, at[i], out, q_rows)?;
         }
         Ok(true)
     }
