@@ -20,6 +20,7 @@ use super::compile::{codegen, settings, Func, KernelKey, A};
 use super::device_io::{check_workspace, has_work};
 use super::forward::{aligned, layout, max_seg_rows, FwdPtrs, FEW_ROWS, SM90_FWD_HEAD_DIMS};
 use super::launch::{grid_2d, launch, Args};
+use super::zigzag::copy_width;
 use super::{head_dims_of, CudaBackend, SPARSE_HEAD_DIMS};
 use crate::backend::{Backend, Pass};
 use crate::dtype::DType;
@@ -142,10 +143,8 @@ unsafe fn copy(be: &CudaBackend, src: u64, src_cols: usize, out: u64, out_cols: 
     if rows == 0 || ob == 0 {
         return Ok(());
     }
-    let width = [16usize, 8, 4, 2, 1]
-        .into_iter()
-        .find(|&w| sb.is_multiple_of(w) && ob.is_multiple_of(w) && src.is_multiple_of(w as u64) && out.is_multiple_of(w as u64))
-        .unwrap_or(1);
+    // (powers of two: the narrower of the two widths divides both row lengths)
+    let width = copy_width(sb, src, out).min(copy_width(ob, src, out));
     let (sv, ov) = (sb / width, ob / width);
     let n_vecs = rows as u64 * ov as u64;
     let grid = grid_2d((n_vecs as usize).div_ceil(PAD_THREADS));
