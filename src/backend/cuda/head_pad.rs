@@ -1,9 +1,10 @@
 //! Head dims without a kernel of their own (40, 80, 112, 160, ... : every head_dim up to 256 that
 //! is not one of [`super::head_dims_of`]): the call runs on the smallest kernel head dim above
 //! it, on a Hopper GPU the smallest of the wgmma kernels' (80 runs at 128 there, not on the
-//! mma.sync kernels of 96; 96 itself too, but for decode-sized calls: [`padded`]). q, k, v (and out, dout in the backward) are copied into the workspace with zero columns
-//! after the caller's (`kernels::pad_cols`), the kernels of the wider head dim run on the copies,
-//! and the outputs are copied back without the extra columns. Zero columns add nothing to q.k
+//! mma.sync kernels of 96; 96 itself too, but for decode-sized calls: [`padded`]). q, k, v (and
+//! out, dout in the backward) are copied into the workspace with zero columns after the caller's
+//! (`kernels::pad_cols`), the kernels of the wider head dim run on the copies, and the outputs are
+//! copied back without the extra columns. Zero columns add nothing to q.k
 //! and give zero columns of out, dq, dk and dv, and the scale is the spec's own (resolved from the
 //! caller's head_dim), so the result is the call's, not an approximation. The copies cost two
 //! passes over each tensor; FlashAttention-3 pads the same way inside its tiles.
