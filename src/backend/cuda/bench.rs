@@ -49,7 +49,7 @@ pub enum BenchPart {
 pub fn bench(spec: &AttnSpec, warmup: usize, iters: usize, part: BenchPart, path: DqPath) -> Result<Vec<f64>> {
     let be = CudaBackend::shared()?;
     check_supported(spec, Pass::Forward)?;
-    if super::head_pad::padded(spec, Pass::Forward, be.pads_to_wgmma(spec)).is_some() {
+    if super::head_pad::padded(spec, Pass::Forward, super::head_pad::wgmma_padding(Some(be), spec)).is_some() {
         return Err(invalid("spec", format!("the kernel benchmark runs the kernels' own head dims, not head_dim {}", spec.dims.head_dim)));
     }
     if !has_work(spec) {

@@ -70,11 +70,11 @@ impl CudaBackend {
     /// # Safety
     /// `stream` must be a live stream of this device's primary context (0: the legacy stream).
     pub unsafe fn forward_workspace(&self, spec: &AttnSpec, stream: u64) -> Result<usize> {
-        self.check(spec, Pass::Forward)?;
+        let padded = self.check_padded(spec, Pass::Forward)?;
         if !has_work(spec) {
             return Ok(0);
         }
-        if let Some(ps) = head_pad::padded(spec, Pass::Forward, self.pads_to_wgmma(spec)) {
+        if let Some(ps) = padded {
             let inner = self.forward_workspace(&ps, stream)?;
             return Ok(head_pad::fwd_workspace(&ps, inner));
         }
@@ -102,11 +102,11 @@ impl CudaBackend {
     /// # Safety
     /// As for [`Self::forward_workspace`].
     pub(super) unsafe fn backward_workspace_on(&self, spec: &AttnSpec, deterministic: bool, path: DqPath, stream: u64) -> Result<usize> {
-        self.check(spec, Pass::Backward { deterministic })?;
+        let padded = self.check_padded(spec, Pass::Backward { deterministic })?;
         if !has_work(spec) {
             return Ok(0);
         }
-        if let Some(ps) = head_pad::padded(spec, Pass::Backward { deterministic }, self.pads_to_wgmma(spec)) {
+        if let Some(ps) = padded {
             let inner = self.backward_workspace_on(&ps, deterministic, path, stream)?;
             return Ok(head_pad::bwd_workspace_padded(&ps, inner));
         }
@@ -132,8 +132,7 @@ impl CudaBackend {
         workspace_bytes: usize,
         stream: u64,
     ) -> Result<bool> {
-        self.check(spec, Pass::Backward { deterministic })?;
-        if let Some(ps) = head_pad::padded(spec, Pass::Backward { deterministic }, self.pads_to_wgmma(spec)) {
+        if let Some(ps) = self.check_padded(spec, Pass::Backward { deterministic })? {
             return self.backward_padded(spec, &ps, p, path, deterministic, workspace_bytes, stream);
         }
         p.check_aligned()?;
@@ -293,8 +292,7 @@ impl Backend for CudaBackend {
     }
 
     unsafe fn forward_device(&self, spec: &AttnSpec, p: FwdPtrs, workspace_bytes: usize, stream: u64) -> Result<bool> {
-        self.check(spec, Pass::Forward)?;
-        if let Some(ps) = head_pad::padded(spec, Pass::Forward, self.pads_to_wgmma(spec)) {
+        if let Some(ps) = self.check_padded(spec, Pass::Forward)? {
             return self.forward_padded(spec, &ps, p, workspace_bytes, stream);
         }
         p.check_aligned()?;

@@ -14,14 +14,15 @@
 //! serves the kernels' own head dims only (the caller reads the counts on the host otherwise).
 
 use cubecl::cuda::CudaRuntime;
+use cubecl::prelude::{ComputeClient, Int, KernelSettings};
 use cudarc::driver::sys::CUstream;
 
 use super::backward::{bwd_workspace, dq_mode, BwdPtrs, DqPath};
-use super::compile::{codegen, settings, Func, KernelKey, A};
+use super::compile::{codegen, Source, A};
 use super::device_io::{check_workspace, has_work};
 use super::forward::{aligned, layout, max_seg_rows, FwdPtrs, FEW_ROWS, SM90_FWD_HEAD_DIMS};
 use super::launch::{grid_2d, launch, Args};
-use super::zigzag::copy_width;
+use super::word_copy::{copy_width, word_copy_kernel, WordCopy};
 use super::{head_dims_of, CudaBackend, SPARSE_HEAD_DIMS};
 use crate::backend::{Backend, Pass};
 use crate::dtype::DType;
@@ -31,7 +32,7 @@ use crate::spec::AttnSpec;
 
 /// The spec the kernels run for `pass` of `spec` when its head_dim has no kernel: the same call at
 /// the smallest kernel head dim above it; with `wgmma` (the call runs on the Hopper kernels:
-/// [`CudaBackend::pads_to_wgmma`]) the smallest of theirs (`forward::SM90_FWD_HEAD_DIMS`: 64,
+/// [`wgmma_padding`]) the smallest of theirs (`forward::SM90_FWD_HEAD_DIMS`: 64,
 /// 128, 192, 256; head_dim 80 on the d128 wgmma kernels took less time than on the d96 mma.sync
 /// ones). `None` when the head_dim has its own kernel, when no kernel head dim is wider, and for
 /// the INT8 QK^T option. With `wgmma`, head_dim 96 has its own (mma.sync) kernels but runs padded
@@ -63,8 +64,9 @@ fn wide_96(spec: &AttnSpec) -> bool {
     spec.dims.head_dim == 96 && spec.block_sparse().is_none() && max_seg_rows(spec) > FEW_ROWS
 }
 
-/// [`CudaBackend::pads_to_wgmma`] on `be`, or without a backend (the VRAM estimate) as on a Hopper
-/// GPU.
+/// Whether a padded `spec` runs on the Hopper (wgmma) kernels' head dims on `be` (sm_90 with
+/// wgmma, f16 / bf16, the Hopper switch `FwdOptions::sm90` on), or without a backend (the VRAM
+/// estimate) as on a Hopper GPU.
 pub(crate) fn wgmma_padding(be: Option<&CudaBackend>, spec: &AttnSpec) -> bool {
     crate::config::fwd_options().sm90 && spec.dtype != DType::F32 && be.is_none_or(|b| b.target().wgmma)
 }
@@ -113,26 +115,15 @@ pub(crate) fn bwd_inner(be: Option<&CudaBackend>, ps: &AttnSpec, deterministic: 
     bwd_workspace(ps, dq_mode(be, ps, deterministic, path))
 }
 
-/// `kernels::pad_cols::copy_cols` moving `width` bytes per unit (raw words: the key's dtype is a
-/// fixed placeholder).
-fn copy_kernel(be: &CudaBackend, width: usize) -> Result<Func> {
-    let key = KernelKey::new("pad_cols_copy_cols", DType::F32, &[width as u32]);
-    let client = be.client();
-    be.kernels.get(&key, || {
-        let s = settings(PAD_THREADS as u32);
-        macro_rules! k {
-            ($w:ty, $n:expr) => {
-                codegen(copy_cols::CopyCols::<$w, CudaRuntime>::new(s, client.clone(), A, A, (), (), (), $n))
-            };
-        }
-        match width {
-            16 => k!(u32, 4),
-            8 => k!(u32, 2),
-            4 => k!(u32, 1),
-            2 => k!(u16, 1),
-            _ => k!(u8, 1),
-        }
-    })
+/// `kernels::pad_cols::copy_cols` for [`word_copy_kernel`].
+struct CopyColsKernel;
+
+impl WordCopy for CopyColsKernel {
+    const NAME: &'static str = "pad_cols_copy_cols";
+    const THREADS: usize = PAD_THREADS;
+    fn source<W: Int>(s: KernelSettings, client: &ComputeClient<CudaRuntime>, n: usize) -> Result<Source> {
+        codegen(copy_cols::CopyCols::<W, CudaRuntime>::new(s, client.clone(), A, A, (), (), (), n))
+    }
 }
 
 /// Enqueues the copy of `rows` rows of `src_cols` elements at `src` into rows of `out_cols`
@@ -157,7 +148,7 @@ unsafe fn copy(be: &CudaBackend, src: u64, src_cols: usize, out: u64, out_cols: 
             msg: format!("{rows} rows of head_dim {src_cols} -> {out_cols} are too many for the padding copy's 32-bit indexing"),
         });
     }
-    let f = copy_kernel(be, width)?;
+    let f = word_copy_kernel::<CopyColsKernel>(be, width)?;
     let mut a = Args::new();
     a.array(src, rows * sv).array(out, n_vecs as usize);
     a.u32(sv as u32).u32(ov as u32).u32(n_vecs as u32);
@@ -216,12 +207,6 @@ impl Copies {
 }
 
 impl CudaBackend {
-    /// Whether a padded `spec` runs on the Hopper (wgmma) kernels' head dims here: sm_90 with
-    /// wgmma, f16 / bf16, the Hopper switch on (`FwdOptions::sm90`).
-    pub(crate) fn pads_to_wgmma(&self, spec: &AttnSpec) -> bool {
-        wgmma_padding(Some(self), spec)
-    }
-
     /// The forward of `spec` on the kernels of the padded spec `ps` (see the module docs).
     ///
     /// # Safety

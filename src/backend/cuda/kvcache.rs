@@ -65,9 +65,6 @@ fn check_kernels(be: &CudaBackend, spec: &AttnSpec) -> Result<()> {
     if spec.kv_pages().is_some() || spec.block_sparse().is_some() || !sm90_forward(be, spec) {
         return Err(unsupported("served by the sm_90 kernels only, f16 / bf16, unpaged".into()));
     }
-    if super::head_pad::padded(spec, Pass::Forward, be.pads_to_wgmma(spec)).is_some() {
-        return Err(unsupported(format!("served at the kernels' own head dims only, not head_dim {}", spec.dims.head_dim)));
-    }
     if max_seg_rows(spec) > FEW_ROWS {
         return Err(unsupported(format!("served by the few-rows kernels only (at most {FEW_ROWS} rows a sequence)")));
     }

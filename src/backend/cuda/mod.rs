@@ -28,6 +28,7 @@ mod sparse_bwd;
 mod sparse_int8;
 mod status;
 mod target;
+mod word_copy;
 mod zigzag;
 
 pub use backward::BwdPtrs;
@@ -227,13 +228,19 @@ impl CudaBackend {
     /// [`check_supported`] and [`Self::check_target`]: whether this GPU runs `pass` of `spec` (a
     /// head_dim without a kernel of its own: whether it runs the padded spec, `head_pad`).
     pub fn check(&self, spec: &AttnSpec, pass: Pass) -> Result<()> {
+        self.check_padded(spec, pass).map(drop)
+    }
+
+    /// [`Self::check`], returning the padded spec the kernels run where they run one (`head_pad`):
+    /// the one place a call's padding is decided.
+    pub(crate) fn check_padded(&self, spec: &AttnSpec, pass: Pass) -> Result<Option<AttnSpec>> {
         let exact = |s: &AttnSpec| {
             check_kernel_spec(s, pass)?;
             self.check_target(s, pass)
         };
-        match head_pad::padded(spec, pass, self.pads_to_wgmma(spec)) {
-            Some(ps) => head_pad::check_as(spec, &ps, exact),
-            None => exact(spec),
+        match head_pad::padded(spec, pass, head_pad::wgmma_padding(Some(self), spec)) {
+            Some(ps) => head_pad::check_as(spec, &ps, exact).map(|()| Some(ps)),
+            None => exact(spec).map(|()| None),
         }
     }
 

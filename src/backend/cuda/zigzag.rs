@@ -16,13 +16,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cubecl::cuda::CudaRuntime;
+use cubecl::prelude::{ComputeClient, Int, KernelSettings};
 use cudarc::driver::{result as drv, sys};
 
-use super::compile::{codegen, settings, Func, KernelKey, A};
+use super::compile::{codegen, Source, A};
 use super::driver::{bind, capturing, err, DevBuf};
 use super::launch::{grid_2d, launch, Args};
+use super::word_copy::{copy_width, word_copy_kernel, WordCopy};
 use super::CudaBackend;
-use crate::dtype::DType;
 use crate::error::{invalid, Error, Result};
 use crate::kernels::zigzag_copy::{copy_rows, COPY_THREADS, NO_ROW};
 
@@ -158,35 +159,15 @@ fn maps(ctx: usize, cu: &[i32], world_size: usize, max_chunk: usize, stream: sys
     Ok(maps)
 }
 
-/// Bytes moved per unit: the widest of 16, 8, 4, 2, 1 that divides the row length and both
-/// addresses.
-pub(crate) fn copy_width(row_bytes: usize, src: u64, out: u64) -> usize {
-    [16usize, 8, 4, 2, 1]
-        .into_iter()
-        .find(|&w| row_bytes.is_multiple_of(w) && src.is_multiple_of(w as u64) && out.is_multiple_of(w as u64))
-        .unwrap_or(1)
-}
+/// `kernels::zigzag_copy::copy_rows` for [`word_copy_kernel`].
+struct CopyRowsKernel;
 
-/// `kernels::zigzag_copy::copy_rows` moving `width` bytes per unit. The kernel copies raw words:
-/// the key's dtype is a fixed placeholder.
-fn copy_kernel(be: &CudaBackend, width: usize) -> Result<Func> {
-    let key = KernelKey::new("zigzag_copy_rows", DType::F32, &[width as u32]);
-    let client = be.client();
-    be.kernels.get(&key, || {
-        let s = settings(COPY_THREADS as u32);
-        macro_rules! k {
-            ($w:ty, $n:expr) => {
-                codegen(copy_rows::CopyRows::<$w, CudaRuntime>::new(s, client.clone(), A, A, A, (), (), $n))
-            };
-        }
-        match width {
-            16 => k!(u32, 4),
-            8 => k!(u32, 2),
-            4 => k!(u32, 1),
-            2 => k!(u16, 1),
-            _ => k!(u8, 1),
-        }
-    })
+impl WordCopy for CopyRowsKernel {
+    const NAME: &'static str = "zigzag_copy_rows";
+    const THREADS: usize = COPY_THREADS;
+    fn source<W: Int>(s: KernelSettings, client: &ComputeClient<CudaRuntime>, n: usize) -> Result<Source> {
+        codegen(copy_rows::CopyRows::<W, CudaRuntime>::new(s, client.clone(), A, A, A, (), (), n))
+    }
 }
 
 impl CudaBackend {
@@ -254,7 +235,7 @@ impl CudaBackend {
                 ),
             });
         }
-        let f = copy_kernel(self, width)?;
+        let f = word_copy_kernel::<CopyRowsKernel>(self, width)?;
         let mut a = Args::new();
         a.array(src, src_rows * row_vecs).array(map, map_len).array(out, n_vecs);
         a.u32(row_vecs as u32).u32(n_vecs as u32);
@@ -337,16 +318,5 @@ mod tests {
         assert_eq!((n, total), (14, 16));
         assert!(build_maps(&[0, 10, 4], 2, 0).is_err());
         assert!(build_maps(&[0, 8], 2, 4).is_err());
-    }
-
-    #[test]
-    fn copy_width_follows_row_length_and_alignment() {
-        assert_eq!(copy_width(384, 0x1000, 0x2000), 16);
-        assert_eq!(copy_width(384, 0x1008, 0x2000), 8);
-        assert_eq!(copy_width(24, 0x1000, 0x2000), 8);
-        assert_eq!(copy_width(12, 0x1000, 0x2000), 4);
-        assert_eq!(copy_width(6, 0x1000, 0x2000), 2);
-        assert_eq!(copy_width(256, 0x1002, 0x2000), 2);
-        assert_eq!(copy_width(3, 0x1000, 0x2000), 1);
     }
 }
