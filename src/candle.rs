@@ -8,6 +8,7 @@
 //! * [`flash_attn_varlen`]: q `[total_q, heads_q, head_dim]`, k/v `[total_k, heads_kv, head_dim]`
 //!   with cumulative sequence lengths `seqlens_q` / `seqlens_k` (1-D, `batch + 1` entries, u32,
 //!   i32 or i64).
+//! * v may have a head_dim of its own (DeepSeek's MLA: q, k 192, v 128); out then has v's.
 //! * [`grouped_flash_attn`]: cubeattn's grouped attention: group g's query rows `q_ranges[g]`
 //!   attend keys `kv_ranges[g]` of one shared K,V (ranges may overlap in keys), one call.
 //!
@@ -269,7 +270,7 @@ impl CustomOp3 for AttnFwd {
         let res = CpuBackend.forward(&self.spec, q.view(), k.view(), v.view()).map_err(to_candle)?;
         let d = &self.spec.dims;
         *lock(&self.lse) = Some(Tensor::from_vec(res.lse, (d.heads_q, d.total_q), &Device::Cpu)?);
-        Ok((storage_of(res.out), l1.shape().clone()))
+        Ok((storage_of(res.out), out_shape(l1, d.head_dim_v)))
     }
 
     #[cfg(feature = "candle-cuda")]
@@ -284,7 +285,7 @@ impl CustomOp3 for AttnFwd {
     ) -> CResult<(CudaStorage, Shape)> {
         let (out, lse) = cuda::forward(&self.spec, (s1, l1), (s2, l2), (s3, l3))?;
         *lock(&self.lse) = Some(lse);
-        Ok((out, l1.shape().clone()))
+        Ok((out, out_shape(l1, self.spec.dims.head_dim_v)))
     }
 
     #[cfg(not(feature = "candle-cuda"))]
@@ -326,12 +327,26 @@ impl CustomOp3 for AttnFwd {
         let op = AttnBwd { spec: self.spec.clone(), out: out.clone(), dout: dout.clone(), lse };
         // One call to cubeattn's backward; dq, dk, dv come back packed in one 1-D tensor.
         let packed = q.apply_op3_no_bwd(k, v, &op)?;
-        let (nq, nkv) = (self.spec.dims.q_len(), self.spec.dims.kv_len());
+        let (nq, nk, nv) = (self.spec.dims.q_len(), self.spec.dims.kv_len(), self.spec.dims.v_len());
         let dq = packed.narrow(0, 0, nq)?.reshape(q.shape())?;
-        let dk = packed.narrow(0, nq, nkv)?.reshape(k.shape())?;
-        let dv = packed.narrow(0, nq + nkv, nkv)?.reshape(v.shape())?;
+        let dk = packed.narrow(0, nq, nk)?.reshape(k.shape())?;
+        let dv = packed.narrow(0, nq + nk, nv)?.reshape(v.shape())?;
         Ok((Some(dq), Some(dk), Some(dv)))
     }
+}
+
+/// out's shape: q's (`l`) with v's head_dim last.
+fn out_shape(l: &Layout, head_dim_v: usize) -> Shape {
+    let mut dims = l.shape().dims().to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last = head_dim_v;
+    }
+    Shape::from(dims)
+}
+
+/// Elements of the packed [dq | dk | dv] of `spec`.
+pub(crate) fn grads_len(spec: &AttnSpec) -> usize {
+    spec.dims.q_len() + spec.dims.kv_len() + spec.dims.v_len()
 }
 
 /// Backward op: (q, k, v) with out, dout and lse -> [dq | dk | dv] flattened, in the input dtype.
@@ -382,8 +397,7 @@ impl CustomOp3 for AttnBwd {
             (HostData::BF16(a), HostData::BF16(b), HostData::BF16(c)) => CpuStorage::BF16(concat3(a, &b, &c)),
             _ => return Err(candle_core::Error::msg("cubeattn: backward returned mixed dtypes")),
         };
-        let n = self.spec.dims.q_len() + 2 * self.spec.dims.kv_len();
-        Ok((packed, Shape::from(n)))
+        Ok((packed, Shape::from(grads_len(&self.spec))))
     }
 
     #[cfg(feature = "candle-cuda")]
@@ -397,7 +411,7 @@ impl CustomOp3 for AttnBwd {
         l3: &Layout,
     ) -> CResult<(CudaStorage, Shape)> {
         let packed = cuda::backward(&self.spec, (s1, l1), (s2, l2), (s3, l3), &self.out, &self.dout, &self.lse)?;
-        Ok((packed, Shape::from(self.spec.dims.q_len() + 2 * self.spec.dims.kv_len())))
+        Ok((packed, Shape::from(grads_len(&self.spec))))
     }
 
     #[cfg(not(feature = "candle-cuda"))]
@@ -450,8 +464,8 @@ fn batch_spec(q: &Tensor, k: &Tensor, v: &Tensor, softmax_scale: f32, causal: bo
     if k.dims()[0] != b {
         return Err(invalid("k", format!("batch {} differs from q's batch {b}", k.dims()[0])));
     }
-    if v.dims() != k.dims() {
-        return Err(invalid("v", format!("shape {:?} must equal k's shape {:?}", v.dims(), k.dims())));
+    if v.dims()[..3] != k.dims()[..3] {
+        return Err(invalid("v", format!("shape {:?} must have k's [batch, seqlen, heads] {:?}", v.dims(), &k.dims()[..3])));
     }
     let cu = |s: usize, arg: &'static str| -> CResult<Vec<i32>> {
         (0..=b)

@@ -147,6 +147,11 @@ impl PySpec {
         let d = self.inner.dims;
         (d.total_q, d.total_k, d.heads_q, d.heads_kv, d.head_dim)
     }
+    /// v's head_dim (out's, dout's and dv's): `dims`' head_dim but for calls like DeepSeek's MLA.
+    #[getter]
+    fn head_dim_v(&self) -> usize {
+        self.inner.dims.head_dim_v
+    }
     /// Matmul FLOPs of the forward pass (over the visible pairs of a block-sparse spec).
     #[getter]
     fn forward_flops(&self) -> f64 {
@@ -211,8 +216,10 @@ impl PySpec {
             None => self.inner.keys.name().to_string(),
         };
         format!(
-            "Spec({:?}, total_q={}, total_k={}, heads={}/{}, head_dim={}, dtype={}, causal={}, scale={}, window_size={:?}, keys={})",
-            self.inner.layout, d.total_q, d.total_k, d.heads_q, d.heads_kv, d.head_dim, self.inner.dtype.name(), self.inner.causal, self.inner.scale,
+            "Spec({:?}, total_q={}, total_k={}, heads={}/{}, head_dim={}{}, dtype={}, causal={}, scale={}, window_size={:?}, keys={})",
+            self.inner.layout, d.total_q, d.total_k, d.heads_q, d.heads_kv, d.head_dim,
+            if d.is_uniform() { String::new() } else { format!(", head_dim_v={}", d.head_dim_v) },
+            self.inner.dtype.name(), self.inner.causal, self.inner.scale,
             self.inner.window.as_pair(), keys
         )
     }

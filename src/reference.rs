@@ -1,6 +1,7 @@
 //! Naive f64 attention, forward and backward: the yardstick every backend is tested against.
 //! O(rows x keys x head_dim) with no blocking; meant for tests and small checks only.
-//! Buffers use the spec's token-major layouts (`[tokens, heads, d]`, lse `[heads_q, total_q]`).
+//! Buffers use the spec's token-major layouts (`[tokens, heads, d]`, v, out, dout and dv at
+//! v's head_dim; lse `[heads_q, total_q]`).
 //! Every key set is read key by key: paged K,V through `AttnSpec::kv_row`, a block-sparse
 //! spec's block mask expanded to a token mask (`SparseView::visible`; no block logic shared with
 //! the backends).
@@ -21,9 +22,14 @@ fn row_keys(spec: &AttnSpec, si: usize, r: usize, h: usize) -> Vec<usize> {
     }
 }
 
-/// Offset of logical key `j`, kv head `hk` in k / v.
+/// Offset of logical key `j`, kv head `hk` in k.
 fn kv_at(spec: &AttnSpec, j: usize, hk: usize) -> usize {
     (spec.kv_row(j) * spec.dims.heads_kv + hk) * spec.dims.head_dim
+}
+
+/// Offset of logical key `j`, kv head `hk` in v (v's own head_dim).
+fn v_at(spec: &AttnSpec, j: usize, hk: usize) -> usize {
+    (spec.kv_row(j) * spec.dims.heads_kv + hk) * spec.dims.head_dim_v
 }
 
 /// Softmax of one (row, head) over `keys`: `(probabilities, lse)`; `None` when the row sees no
@@ -61,16 +67,16 @@ fn for_each_row(spec: &AttnSpec, mut f: impl FnMut(usize, usize, &[usize])) {
 /// Forward: `(out, lse)`; rows that see no key give out 0 and lse +inf.
 pub fn forward_f64(spec: &AttnSpec, q: &[f64], k: &[f64], v: &[f64]) -> (Vec<f64>, Vec<f64>) {
     let dm = spec.dims;
-    let d = dm.head_dim;
-    let mut out = vec![0.0; dm.q_len()];
+    let dv = dm.head_dim_v;
+    let mut out = vec![0.0; dm.out_len()];
     let mut lse = vec![f64::INFINITY; dm.lse_len()];
     for_each_row(spec, |t, h, keys| {
         let hk = h / dm.group_size();
         if let Some((p, l)) = row_probs(spec, q, k, t, h, keys) {
             lse[h * dm.total_q + t] = l;
-            let o = &mut out[(t * dm.heads_q + h) * d..][..d];
+            let o = &mut out[(t * dm.heads_q + h) * dv..][..dv];
             for (&j, pj) in keys.iter().zip(p) {
-                for (x, vv) in o.iter_mut().zip(&v[kv_at(spec, j, hk)..][..d]) {
+                for (x, vv) in o.iter_mut().zip(&v[v_at(spec, j, hk)..][..dv]) {
                     *x += pj * vv;
                 }
             }
@@ -82,21 +88,24 @@ pub fn forward_f64(spec: &AttnSpec, q: &[f64], k: &[f64], v: &[f64]) -> (Vec<f64
 /// Backward from `dout`: `(dq, dk, dv)` with exact f64 softmax.
 pub fn backward_f64(spec: &AttnSpec, q: &[f64], k: &[f64], v: &[f64], dout: &[f64]) -> GradsF64 {
     let dm = spec.dims;
-    let d = dm.head_dim;
-    let (mut dq, mut dk, mut dv) = (vec![0.0; dm.q_len()], vec![0.0; dm.kv_len()], vec![0.0; dm.kv_len()]);
+    let (d, dvd) = (dm.head_dim, dm.head_dim_v);
+    let (mut dq, mut dk, mut dv) = (vec![0.0; dm.q_len()], vec![0.0; dm.kv_len()], vec![0.0; dm.v_len()]);
     let sc = spec.scale as f64;
     for_each_row(spec, |t, h, keys| {
         let hk = h / dm.group_size();
         let Some((p, _)) = row_probs(spec, q, k, t, h, keys) else { return };
         let qo = (t * dm.heads_q + h) * d;
-        let go = &dout[qo..qo + d];
-        let dp: Vec<f64> = keys.iter().map(|&j| go.iter().zip(&v[kv_at(spec, j, hk)..][..d]).map(|(a, b)| a * b).sum()).collect();
+        let oo = (t * dm.heads_q + h) * dvd;
+        let go = &dout[oo..oo + dvd];
+        let dp: Vec<f64> = keys.iter().map(|&j| go.iter().zip(&v[v_at(spec, j, hk)..][..dvd]).map(|(a, b)| a * b).sum()).collect();
         let delta: f64 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
         for (idx, &j) in keys.iter().enumerate() {
-            let ko = kv_at(spec, j, hk);
+            let (ko, vo) = (kv_at(spec, j, hk), v_at(spec, j, hk));
             let ds = p[idx] * (dp[idx] - delta);
+            for x in 0..dvd {
+                dv[vo + x] += p[idx] * go[x];
+            }
             for x in 0..d {
-                dv[ko + x] += p[idx] * go[x];
                 dq[qo + x] += sc * ds * k[ko + x];
                 dk[ko + x] += sc * ds * q[qo + x];
             }

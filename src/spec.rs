@@ -13,8 +13,10 @@
 //! block (`BlockSparse`, seen whole through [`SparseView`]). Each is validated once, by the
 //! builder that sets it.
 //!
-//! Layout (flash-attn varlen): q `[total_q, heads_q, head_dim]`, k and v
-//! `[total_k, heads_kv, head_dim]`, all contiguous; out like q; lse `[heads_q, total_q]` f32.
+//! Layout (flash-attn varlen): q `[total_q, heads_q, head_dim]`, k `[total_k, heads_kv, head_dim]`,
+//! v `[total_k, heads_kv, head_dim_v]` (head_dim_v: v's own head_dim, as DeepSeek's MLA with 192 /
+//! 128; usually head_dim), all contiguous; out `[total_q, heads_q, head_dim_v]`; lse
+//! `[heads_q, total_q]` f32.
 
 use crate::dtype::DType;
 use crate::error::{bad_dtype, invalid, Result};
@@ -30,7 +32,11 @@ pub struct Dims {
     pub total_k: usize,
     pub heads_q: usize,
     pub heads_kv: usize,
+    /// q's and k's head_dim.
     pub head_dim: usize,
+    /// v's head_dim, and out's, dout's and dv's (`head_dim` but for calls like DeepSeek's MLA:
+    /// 192 / 128). The kernels run specs with one head_dim ([`Dims::at_head_dim`]).
+    pub head_dim_v: usize,
 }
 
 impl Dims {
@@ -43,6 +49,22 @@ impl Dims {
     }
     pub fn kv_len(&self) -> usize {
         self.total_k * self.heads_kv * self.head_dim
+    }
+    /// Elements of v (and dv).
+    pub fn v_len(&self) -> usize {
+        self.total_k * self.heads_kv * self.head_dim_v
+    }
+    /// Elements of out (and dout).
+    pub fn out_len(&self) -> usize {
+        self.total_q * self.heads_q * self.head_dim_v
+    }
+    /// Whether v has q's and k's head_dim.
+    pub fn is_uniform(&self) -> bool {
+        self.head_dim == self.head_dim_v
+    }
+    /// These dims with every head_dim `d` (what a kernel of one head_dim runs).
+    pub fn at_head_dim(&self, d: usize) -> Dims {
+        Dims { head_dim: d, head_dim_v: d, ..*self }
     }
     pub fn lse_len(&self) -> usize {
         self.heads_q * self.total_q
@@ -239,8 +261,12 @@ pub fn check_qkv(q: &TensorMeta, k: &TensorMeta, v: &TensorMeta) -> Result<(Dims
     if dk != head_dim {
         return Err(invalid("k", format!("head_dim {dk} differs from q's head_dim {head_dim}")));
     }
-    if v.shape != k.shape {
-        return Err(invalid("v", format!("shape {:?} must equal k's shape {:?}", v.shape, k.shape)));
+    if v.shape[..2] != k.shape[..2] {
+        return Err(invalid("v", format!("shape {:?} must have k's [total_k, heads_kv] = {:?}", v.shape, &k.shape[..2])));
+    }
+    let head_dim_v = v.shape[2];
+    if head_dim_v == 0 || head_dim_v > MAX_HEAD_DIM {
+        return Err(invalid("v", format!("head_dim must be in 1..={MAX_HEAD_DIM}, got {head_dim_v}")));
     }
     if heads_q % heads_kv != 0 {
         return Err(invalid(
@@ -254,7 +280,7 @@ pub fn check_qkv(q: &TensorMeta, k: &TensorMeta, v: &TensorMeta) -> Result<(Dims
     if v.dtype != q.dtype {
         return Err(bad_dtype("v", format!("{} differs from q's {}", v.dtype.name(), q.dtype.name())));
     }
-    Ok((Dims { total_q, total_k, heads_q, heads_kv, head_dim }, q.dtype))
+    Ok((Dims { total_q, total_k, heads_q, heads_kv, head_dim, head_dim_v }, q.dtype))
 }
 
 /// `softmax_scale` or the default `1/sqrt(head_dim)`; must be finite.
@@ -436,6 +462,7 @@ impl AttnSpec {
     /// block index (`kv_block_table` then; the key sets exclude each other).
     pub fn with_kv_block_table(mut self, table: &[i32]) -> Result<AttnSpec> {
         const ARG: &str = "kv_block_table";
+        self.check_uniform(ARG)?;
         let tk = self.dims.total_k;
         if !tk.is_multiple_of(KV_PAGE) {
             return Err(invalid(ARG, format!("needs total_k (k's rows) to be a multiple of {KV_PAGE}, got {tk}")));
@@ -493,6 +520,7 @@ impl AttnSpec {
         if let KeySet::Paged(_) = self.keys {
             return Err(paged_and_sparse());
         }
+        self.check_uniform("block_index")?;
         let k_lens: Vec<usize> = self.segments.iter().map(|s| s.k_len).collect();
         let d = self.dims;
         let bounds = IndexBounds { heads_q: d.heads_q, heads_kv: d.heads_kv, max_seqlen_q: self.max_seqlen_q, k_lens: &k_lens };
@@ -500,6 +528,16 @@ impl AttnSpec {
         self.keys = KeySet::BlockSparse(Box::new(sparse));
         self.check_window_keys()?;
         Ok(self)
+    }
+
+    /// `Err` naming `v` where v's head_dim is not q's and k's: the paged and block-sparse key
+    /// sets (`arg`) take one head_dim.
+    fn check_uniform(&self, arg: &str) -> Result<()> {
+        let d = self.dims;
+        if d.is_uniform() {
+            return Ok(());
+        }
+        Err(invalid("v", format!("head_dim {} differs from q's and k's {}; a {arg} takes one head_dim", d.head_dim_v, d.head_dim)))
     }
 
     /// `Err` naming `window_size` where a sliding window meets a paged or block-sparse key set:
@@ -610,13 +648,14 @@ impl AttnSpec {
         }).sum()
     }
 
-    /// Matmul FLOPs of the forward pass (4 * head_dim per visible (query, key) pair and head).
+    /// Matmul FLOPs of the forward pass (2 * (head_dim + head_dim_v) per visible (query, key)
+    /// pair and head: 4 * head_dim where v has q's head_dim).
     pub fn forward_flops(&self) -> f64 {
         let pairs = match self.block_sparse() {
             Some(s) => s.visible_pairs(),
             None => self.segments.iter().map(|s| self.segment_pairs(s)).sum::<u64>() * self.dims.heads_q as u64,
         };
-        4.0 * pairs as f64 * self.dims.head_dim as f64
+        2.0 * pairs as f64 * (self.dims.head_dim + self.dims.head_dim_v) as f64
     }
 
     /// Rows of q that no segment covers (their output is zero, their LSE +inf).

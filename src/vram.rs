@@ -30,7 +30,9 @@ const FLAG_PART_BYTES: u64 = 256;
 pub fn estimate(dims: &Dims, dtype: DType, segments: usize, backward: bool) -> VramEstimate {
     let e = dtype.size() as u64;
     let q = dims.q_len() as u64 * e;
-    let kv = dims.kv_len() as u64 * e;
+    let k = dims.kv_len() as u64 * e;
+    let v = dims.v_len() as u64 * e;
+    let o = dims.out_len() as u64 * e;
     let lse = dims.lse_len() as u64 * 4;
     let tiles = (dims.total_q.div_ceil(MIN_TILE_ROWS) + segments) as u64;
     let meta = (tiles + segments as u64) * ENTRY_BYTES;
@@ -38,8 +40,8 @@ pub fn estimate(dims: &Dims, dtype: DType, segments: usize, backward: bool) -> V
         // q, k, v, out, dout in; dq, dk, dv out; lse in; delta + work lists as workspace.
         let key_tiles = (dims.total_k.div_ceil(MIN_TILE_ROWS) + segments) as u64;
         VramEstimate {
-            inputs: 2 * q + 2 * kv + q,
-            outputs: q + 2 * kv,
+            inputs: q + k + v + 2 * o,
+            outputs: q + k + v,
             lse,
             workspace: lse + meta + key_tiles * ENTRY_BYTES,
             total: 0,
@@ -47,7 +49,7 @@ pub fn estimate(dims: &Dims, dtype: DType, segments: usize, backward: bool) -> V
     } else {
         // the row-to-segment table (one u32 per query row) and, f16/bf16, the flag
         let flag = if dtype == DType::F32 { 0 } else { FLAG_PART_BYTES };
-        VramEstimate { inputs: q + 2 * kv, outputs: q, lse, workspace: meta + 4 * dims.total_q as u64 + flag, total: 0 }
+        VramEstimate { inputs: q + k + v, outputs: o, lse, workspace: meta + 4 * dims.total_q as u64 + flag, total: 0 }
     };
     VramEstimate { total: est.inputs + est.outputs + est.lse + est.workspace, ..est }
 }
@@ -58,7 +60,7 @@ mod tests {
 
     #[test]
     fn forward_counts_each_buffer_once() {
-        let dims = Dims { total_q: 1024, total_k: 2048, heads_q: 32, heads_kv: 8, head_dim: 128 };
+        let dims = Dims { total_q: 1024, total_k: 2048, heads_q: 32, heads_kv: 8, head_dim: 128, head_dim_v: 128 };
         let e = estimate(&dims, DType::BF16, 1, false);
         assert_eq!(e.inputs, (1024 * 32 * 128 + 2 * 2048 * 8 * 128) * 2);
         assert_eq!(e.outputs, 1024 * 32 * 128 * 2);

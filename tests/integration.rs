@@ -45,7 +45,7 @@ fn check_forward(spec: &AttnSpec, seed: u64, amp: f32) -> (HostData, Vec<f32>) {
 fn check_backward(spec: &AttnSpec, seed: u64) {
     let mut r = rng(seed);
     let [(q, qf), (k, kf), (v, vf)] = random_qkv(&mut r, spec, 1.0);
-    let (dout, dof) = random(&mut r, spec.dims.q_len(), spec.dtype, 1.0);
+    let (dout, dof) = random(&mut r, spec.dims.out_len(), spec.dtype, 1.0);
     let cpu = CpuBackend;
     let fwd = cpu.forward(spec, q.view(), k.view(), v.view()).unwrap();
     let g = BackwardInputs { out: fwd.out.view(), lse: &fwd.lse, dout: dout.view(), deterministic: true };
@@ -213,6 +213,43 @@ fn invalid_inputs_name_the_argument() {
     assert_eq!(gr(&[[0, 5]], &[[-1, 5]]), Err("kv_ranges"));
     assert_eq!(gr(&[[0, 6], [5, 10]], &[[0, 5], [0, 10]]), Err("q_ranges"));
     assert!(gr(&[[0, 5], [5, 10], [7, 7]], &[[0, 5], [0, 10], [2, 2]]).is_ok());
+}
+
+/// v with a head_dim of its own (DeepSeek's MLA: 192 / 128; v wider than q; both off the kernel
+/// head dims): the CPU backend against the f64 reference, forward and backward, every dtype.
+#[test]
+fn value_head_dim_of_its_own_matches_reference() {
+    for (i, (name, spec)) in value_dim_specs(&DTYPES).iter().enumerate() {
+        let (out, _) = check_forward(spec, 900 + i as u64, 1.0);
+        assert_eq!(out.len(), spec.dims.out_len(), "{name}");
+        check_backward(spec, 950 + i as u64);
+    }
+}
+
+/// v's head_dim is checked once, naming `v`; the key sets that take one head_dim refuse another.
+#[test]
+fn value_head_dim_is_validated_naming_v() {
+    let m = |s: &[usize]| TensorMeta::new(s, DType::BF16);
+    let (q, k) = (m(&[256, 2, 192]), m(&[256, 2, 192]));
+    let cu = [0, 256];
+    let vl = |v: &TensorMeta| AttnSpec::varlen(&q, &k, v, &cu, &cu, 256, 256, None, true);
+    for bad in [m(&[256, 2, 0]), m(&[256, 2, 257]), m(&[256, 1, 128]), m(&[255, 2, 128]), m(&[256, 2])] {
+        assert_eq!(vl(&bad).map(|_| ()).map_err(err_arg), Err("v"), "{:?}", bad.shape);
+    }
+    let spec = vl(&m(&[256, 2, 128])).expect("v at its own head_dim");
+    // the scale is q's: 1 / sqrt(192)
+    assert_eq!(spec.scale, 1.0 / (192f32).sqrt());
+    assert_eq!((spec.dims.head_dim, spec.dims.head_dim_v, spec.dims.out_len()), (192, 128, 256 * 2 * 128));
+    // 2 * (192 + 128) per pair and head
+    assert_eq!(spec.forward_flops(), 2.0 * 320.0 * 2.0 * (256.0 * 257.0 / 2.0));
+    assert_eq!(spec.clone().with_kv_block_table(&[1, 0]).map(|_| ()).map_err(err_arg), Err("v"));
+    assert_eq!(spec.clone().with_block_index(&[0, 1, 0, 1], &[1, 2, 1, 2], 128, 128, None).map(|_| ()).map_err(err_arg), Err("v"));
+    // buffers: v and out at v's head_dim
+    let cpu = CpuBackend;
+    let (qd, vd) = (HostData::from_f32(DType::BF16, &vec![0.5; 256 * 2 * 192]), HostData::from_f32(DType::BF16, &vec![0.5; 256 * 2 * 128]));
+    assert_eq!(err_arg(cpu.forward(&spec, qd.view(), qd.view(), qd.view()).unwrap_err()), "v");
+    let g = BackwardInputs { out: qd.view(), lse: &[0.0; 512], dout: vd.view(), deterministic: true };
+    assert_eq!(err_arg(cpu.backward(&spec, qd.view(), qd.view(), vd.view(), g).unwrap_err()), "out");
 }
 
 #[test]

@@ -143,7 +143,7 @@ pub fn check_buffers(spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> 
     let d = &spec.dims;
     // dtype first: a buffer of another dtype also has another element count, and the dtype is
     // the error to report
-    for (name, buf, want) in [("q", q, d.q_len()), ("k", k, d.kv_len()), ("v", v, d.kv_len())] {
+    for (name, buf, want) in [("q", q, d.q_len()), ("k", k, d.kv_len()), ("v", v, d.v_len())] {
         if buf.dtype() != spec.dtype {
             return Err(crate::error::bad_dtype(
                 name,
@@ -164,8 +164,8 @@ pub fn check_backward_buffers(spec: &AttnSpec, g: &BackwardInputs) -> Result<()>
         if buf.dtype() != spec.dtype {
             return Err(crate::error::bad_dtype(name, format!("is {}, q is {}", buf.dtype().name(), spec.dtype.name())));
         }
-        if buf.len() != d.q_len() {
-            return Err(invalid(name, format!("has {} elements, q has {}", buf.len(), d.q_len())));
+        if buf.len() != d.out_len() {
+            return Err(invalid(name, format!("has {} elements, the spec's out has {}", buf.len(), d.out_len())));
         }
     }
     if g.lse.len() != d.lse_len() {

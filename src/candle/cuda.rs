@@ -138,7 +138,7 @@ pub(super) fn forward(
     let s = stream.cu_stream() as u64;
     let (qi, ki, vi) = (DevIn::new(q.0, q.1)?, DevIn::new(k.0, k.1)?, DevIn::new(v.0, v.1)?);
     let d = &spec.dims;
-    let mut out = alloc(dev, d.q_len(), q.0.dtype())?;
+    let mut out = alloc(dev, d.out_len(), q.0.dtype())?;
     let mut lse = alloc(dev, d.lse_len(), candle_core::DType::F32)?;
     // SAFETY: `s` is candle's stream of this device (same primary context as the backend).
     let ws_bytes = unsafe { be.forward_workspace(spec, s) }.map_err(to_candle)?;
@@ -160,7 +160,7 @@ pub(super) fn forward(
         unsafe { be.forward_device(spec, p, ws_bytes, s) }.map_err(to_candle)?
     };
     if !ran {
-        fill(&mut out, d.q_len(), Scalar::zero(q.0.dtype()))?;
+        fill(&mut out, d.out_len(), Scalar::zero(q.0.dtype()))?;
         fill(&mut lse, d.lse_len(), Scalar::F32(f32::INFINITY))?;
     }
     let lse = Tensor::from_storage(Storage::Cuda(lse), (d.heads_q, d.total_q), BackpropOp::none(), false);
@@ -183,15 +183,15 @@ pub(super) fn backward(
     let s = stream.cu_stream() as u64;
     let d = &spec.dims;
     let (so, sg, sl) = (
-        tensor_storage("out", out, spec, d.q_len())?,
-        tensor_storage("dout", dout, spec, d.q_len())?,
+        tensor_storage("out", out, spec, d.out_len())?,
+        tensor_storage("dout", dout, spec, d.out_len())?,
         tensor_storage("lse", lse, spec, d.lse_len())?,
     );
     let (qi, ki, vi) = (DevIn::new(q.0, q.1)?, DevIn::new(k.0, k.1)?, DevIn::new(v.0, v.1)?);
     let oi = DevIn::new(cuda_of("out", &so.0)?, so.1)?;
     let gi = DevIn::new(cuda_of("dout", &sg.0)?, sg.1)?;
     let li = DevIn::new(cuda_of("lse", &sl.0)?, sl.1)?;
-    let n = d.q_len() + 2 * d.kv_len();
+    let n = super::grads_len(spec);
     let mut grads = alloc(dev, n, q.0.dtype())?;
     // the fused dQ path (the backend's default; deterministic = false)
     let det = false;

@@ -77,6 +77,11 @@ pub fn meta(tokens: usize, heads: usize, d: usize, dtype: DType) -> TensorMeta {
 
 /// A varlen spec from per-sequence (q_len, k_len).
 pub fn varlen_spec(lens: &[(usize, usize)], hq: usize, hkv: usize, d: usize, dtype: DType, causal: bool) -> AttnSpec {
+    varlen_spec_dv(lens, hq, hkv, d, d, dtype, causal)
+}
+
+/// [`varlen_spec`] with v's own head_dim `dv`.
+pub fn varlen_spec_dv(lens: &[(usize, usize)], hq: usize, hkv: usize, d: usize, dv: usize, dtype: DType, causal: bool) -> AttnSpec {
     let mut cq = vec![0i32];
     let mut ck = vec![0i32];
     for &(a, b) in lens {
@@ -86,8 +91,27 @@ pub fn varlen_spec(lens: &[(usize, usize)], hq: usize, hkv: usize, d: usize, dty
     let (tq, tk) = (*cq.last().unwrap() as usize, *ck.last().unwrap() as usize);
     let mq = lens.iter().map(|x| x.0).max().unwrap_or(0);
     let mk = lens.iter().map(|x| x.1).max().unwrap_or(0);
-    AttnSpec::varlen(&meta(tq, hq, d, dtype), &meta(tk, hkv, d, dtype), &meta(tk, hkv, d, dtype), &cq, &ck, mq, mk, None, causal)
+    AttnSpec::varlen(&meta(tq, hq, d, dtype), &meta(tk, hkv, d, dtype), &meta(tk, hkv, dv, dtype), &cq, &ck, mq, mk, None, causal)
         .expect("valid spec")
+}
+
+/// Calls whose v has a head_dim of its own, `(name, spec)`: DeepSeek's MLA (q, k 192, v 128), v
+/// wider than q, both off the kernels' head dims; varlen with 1-token and unequal sequences,
+/// causal or not, GQA, and grouped with overlapping key ranges, uncovered rows and a window.
+pub fn value_dim_specs(dtypes: &[DType]) -> Vec<(String, AttnSpec)> {
+    let mut v = Vec::new();
+    for &dt in dtypes {
+        for (d, dv, causal) in [(192, 128, true), (192, 128, false), (64, 128, true), (128, 64, false), (40, 24, true)] {
+            let s = varlen_spec_dv(&[(1, 1), (70, 70), (37, 100), (17, 17)], 4, 2, d, dv, dt, causal);
+            v.push((format!("{} d{d} v{dv} {} GQA4/2 varlen", dt.name(), if causal { "causal" } else { "full" }), s));
+        }
+        let (qr, kr) = ([[0, 50], [50, 90], [95, 150]], [[0, 60], [0, 90], [30, 160]]);
+        let g = AttnSpec::grouped(&meta(155, 4, 192, dt), &meta(160, 2, 192, dt), &meta(160, 2, 128, dt), &qr, &kr, None, true)
+            .and_then(|s| s.with_window(24, 0))
+            .expect("valid spec");
+        v.push((format!("{} d192 v128 grouped window (24, 0)", dt.name()), g));
+    }
+    v
 }
 
 /// A grouped spec over `total_k` shared keys, groups of `q_lens` rows back to back.
@@ -122,7 +146,7 @@ pub fn grouped_ranges_spec(
 /// Random q, k, v for a spec: (data, f64 widening) each.
 pub fn random_qkv(rng: &mut StdRng, spec: &AttnSpec, amp: f32) -> [(HostData, Vec<f64>); 3] {
     let d = spec.dims;
-    [random(rng, d.q_len(), spec.dtype, amp), random(rng, d.kv_len(), spec.dtype, amp), random(rng, d.kv_len(), spec.dtype, amp)]
+    [random(rng, d.q_len(), spec.dtype, amp), random(rng, d.kv_len(), spec.dtype, amp), random(rng, d.v_len(), spec.dtype, amp)]
 }
 
 /// Rows of a `[rows, row_elems]` buffer moved by blocks of `KV_PAGE` (a paged K,V's layout):

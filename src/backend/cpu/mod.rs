@@ -15,6 +15,7 @@ mod paged;
 mod pool;
 mod sparse;
 pub(crate) mod simd;
+mod value_dim;
 
 use super::{check_backward_buffers, check_buffers, Backend, BackendKind, BackwardInputs, ForwardOutput, Gradients, Pass};
 use crate::dtype::HostView;
@@ -36,6 +37,10 @@ impl Backend for CpuBackend {
 
     fn forward(&self, spec: &AttnSpec, q: HostView, k: HostView, v: HostView) -> Result<ForwardOutput> {
         check_buffers(spec, q, k, v)?;
+        if let Some(u) = value_dim::uniform(spec) {
+            // (paged and block-sparse specs have one head_dim: their builders check it)
+            return Ok(value_dim::forward(spec, &u, q, k, v, |u, q, k, v| forward::forward(u, q, k, v)));
+        }
         if let Some(s) = spec.block_sparse() {
             return Ok(sparse::forward(s, q, k, v));
         }
@@ -49,6 +54,9 @@ impl Backend for CpuBackend {
         spec.check_pass(Pass::Backward { deterministic: grad.deterministic })?;
         check_buffers(spec, q, k, v)?;
         check_backward_buffers(spec, &grad)?;
+        if let Some(u) = value_dim::uniform(spec) {
+            return Ok(value_dim::backward(spec, &u, q, k, v, grad, |u, q, k, v, g| backward::backward(u, q, k, v, g)));
+        }
         if let Some(s) = spec.block_sparse() {
             // deterministic either way (fixed order, no atomics)
             return Ok(sparse::backward(s, q, k, v, grad));

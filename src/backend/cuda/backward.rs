@@ -284,7 +284,7 @@ pub fn backward_workspace_bytes(spec: &AttnSpec, deterministic: bool) -> u64 {
     if let Some(ps) = super::head_pad::padded(spec, crate::backend::Pass::Backward { deterministic }, super::head_pad::wgmma_padding(None, spec)) {
         // the padded copies around the padded spec's own workspace
         let inner = super::head_pad::bwd_inner(None, &ps, deterministic, DqPath::Auto);
-        return super::head_pad::bwd_workspace_padded(&ps, inner) as u64;
+        return super::head_pad::bwd_workspace_padded(spec, &ps, inner) as u64;
     }
     bwd_workspace(spec, dq_mode(None, spec, deterministic, DqPath::Auto)) as u64
 }

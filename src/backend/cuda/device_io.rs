@@ -76,7 +76,7 @@ impl CudaBackend {
         }
         if let Some(ps) = padded {
             let inner = self.forward_workspace(&ps, stream)?;
-            return Ok(head_pad::fwd_workspace(&ps, inner));
+            return Ok(head_pad::fwd_workspace(spec, &ps, inner));
         }
         bind(self.ctx)?;
         let s = stream as CUstream;
@@ -108,7 +108,7 @@ impl CudaBackend {
         }
         if let Some(ps) = padded {
             let inner = self.backward_workspace_on(&ps, deterministic, path, stream)?;
-            return Ok(head_pad::bwd_workspace_padded(&ps, inner));
+            return Ok(head_pad::bwd_workspace_padded(spec, &ps, inner));
         }
         bind(self.ctx)?;
         let s = stream as CUstream;
@@ -170,11 +170,11 @@ impl CudaBackend {
             Ok(b)
         };
         let (qb, kb, vb) = (up(q)?, up(k)?, up(v)?);
-        let ob = DevBuf::alloc(d.q_len() * es)?;
+        let ob = DevBuf::alloc(d.out_len() * es)?;
         let lb = DevBuf::alloc(d.lse_len() * 4)?;
         // no key: nothing is launched and the outputs are zeros and lse +inf; else `poison` first
         let (o0, l0) = if has_work(spec) { (poison.unwrap_or(0.0), poison.unwrap_or(0.0)) } else { (0.0, f32::INFINITY) };
-        let out0 = HostData::from_f32(spec.dtype, &vec![o0; d.q_len()]);
+        let out0 = HostData::from_f32(spec.dtype, &vec![o0; d.out_len()]);
         let lse0 = vec![l0; d.lse_len()];
         if poison.is_some() || !has_work(spec) {
             ob.upload(out0.view().as_bytes(), s)?;
@@ -186,7 +186,7 @@ impl CudaBackend {
         let ptrs = FwdPtrs { q: qb.ptr, k: kb.ptr, v: vb.ptr, out: ob.ptr, lse: lb.ptr, workspace: ws.ptr };
         unsafe { self.forward_device(spec, ptrs, ws.bytes, s as u64) }?;
         memory_probe();
-        let mut out = vec![0u8; d.q_len() * es];
+        let mut out = vec![0u8; d.out_len() * es];
         let mut lse = vec![0f32; d.lse_len()];
         ob.download(&mut out, s)?;
         lb.download(bytemuck::cast_slice_mut(&mut lse), s)?;
@@ -215,7 +215,7 @@ impl CudaBackend {
         let d = &spec.dims;
         if !has_work(spec) {
             let z = |n: usize| HostData::from_f32(spec.dtype, &vec![0.0; n]);
-            return Ok(Gradients { dq: z(d.q_len()), dk: z(d.kv_len()), dv: z(d.kv_len()) });
+            return Ok(Gradients { dq: z(d.q_len()), dk: z(d.kv_len()), dv: z(d.v_len()) });
         }
         let _g = self.host_lock.lock().unwrap_or_else(|e| e.into_inner());
         bind(self.ctx)?;
@@ -228,7 +228,7 @@ impl CudaBackend {
         };
         let (qb, kb, vb) = (up(q.as_bytes())?, up(k.as_bytes())?, up(v.as_bytes())?);
         let (ob, gb, lb) = (up(g.out.as_bytes())?, up(g.dout.as_bytes())?, up(bytemuck::cast_slice(g.lse))?);
-        let fill = HostData::from_f32(spec.dtype, &vec![poison.unwrap_or(0.0); d.q_len().max(d.kv_len())]);
+        let fill = HostData::from_f32(spec.dtype, &vec![poison.unwrap_or(0.0); d.q_len().max(d.kv_len()).max(d.v_len())]);
         let grad = |n: usize| -> Result<DevBuf> {
             let x = DevBuf::alloc(n * es)?;
             if poison.is_some() {
@@ -236,7 +236,7 @@ impl CudaBackend {
             }
             Ok(x)
         };
-        let (dqb, dkb, dvb) = (grad(d.q_len())?, grad(d.kv_len())?, grad(d.kv_len())?);
+        let (dqb, dkb, dvb) = (grad(d.q_len())?, grad(d.kv_len())?, grad(d.v_len())?);
         // SAFETY: as in `forward_host`
         let need = unsafe { self.backward_workspace_on(spec, det, path, s as u64) }?;
         let ws = DevBuf::alloc(need)?;
@@ -259,7 +259,7 @@ impl CudaBackend {
             b.download(&mut v, s)?;
             Ok(v)
         };
-        let (dq, dk, dv) = (read(&dqb, d.q_len())?, read(&dkb, d.kv_len())?, read(&dvb, d.kv_len())?);
+        let (dq, dk, dv) = (read(&dqb, d.q_len())?, read(&dkb, d.kv_len())?, read(&dvb, d.v_len())?);
         self.stream.sync().map_err(|e| Error::Device(format!("backward kernels failed: {e}")))?;
         let h = |b: &[u8]| HostData::from_bytes(spec.dtype, b);
         Ok(Gradients { dq: h(&dq), dk: h(&dk), dv: h(&dv) })

@@ -30,38 +30,40 @@ use crate::error::{Error, Result};
 use crate::kernels::pad_cols::{copy_cols, PAD_THREADS};
 use crate::spec::AttnSpec;
 
-/// The spec the kernels run for `pass` of `spec` when its head_dim has no kernel: the same call at
-/// the smallest kernel head dim above it; with `wgmma` (the call runs on the Hopper kernels:
-/// [`wgmma_padding`]) the smallest of theirs (`forward::SM90_FWD_HEAD_DIMS`: 64,
+/// The spec the kernels run for `pass` of `spec` when its head_dim has no kernel, or when v's
+/// head_dim is not q's and k's: the same call at one head_dim, the wider of the two where it has
+/// a kernel, else the smallest kernel head dim above it; with `wgmma` (the call runs on the Hopper
+/// kernels: [`wgmma_padding`]) the smallest of theirs (`forward::SM90_FWD_HEAD_DIMS`: 64,
 /// 128, 192, 256; head_dim 80 on the d128 wgmma kernels took less time than on the d96 mma.sync
-/// ones). `None` when the head_dim has its own kernel, when no kernel head dim is wider, and for
-/// the INT8 QK^T option. With `wgmma`, head_dim 96 has its own (mma.sync) kernels but runs padded
-/// to 128 too, except on decode-sized calls ([`wide_96`]).
+/// ones). `None` when the head_dim has its own kernel and v shares it, when no kernel head dim is
+/// wider, and for the INT8 QK^T option. With `wgmma`, head_dim 96 has its own (mma.sync) kernels
+/// but runs padded to 128 too, except on decode-sized calls ([`wide_96`]).
 pub(crate) fn padded(spec: &AttnSpec, pass: Pass, wgmma: bool) -> Option<AttnSpec> {
-    let hd = spec.dims.head_dim;
+    let hd = spec.dims.head_dim.max(spec.dims.head_dim_v);
     let dims: &[usize] = match spec.block_sparse() {
         Some(s) if s.int8.is_some() => return None,
         Some(_) => &SPARSE_HEAD_DIMS,
         None => head_dims_of(pass),
     };
-    if dims.contains(&hd) && !(wgmma && wide_96(spec)) {
+    let own = dims.contains(&hd) && !(wgmma && wide_96(spec, hd));
+    if own && spec.dims.is_uniform() {
         return None;
     }
     let fits = |d: &usize| *d > hd && (!wgmma || SM90_FWD_HEAD_DIMS.contains(d));
-    let d = dims.iter().copied().filter(fits).min()?;
+    let d = if own { hd } else { dims.iter().copied().filter(fits).min()? };
     let mut s = spec.clone();
-    s.dims.head_dim = d;
+    s.dims = s.dims.at_head_dim(d);
     Some(s)
 }
 
-/// Whether a head_dim 96 call runs on the d128 wgmma kernels (on a GPU with them): dense calls
-/// with more than `FEW_ROWS` packed rows in a sequence. There the copies cost little beside the
-/// products, and head_dim 80 padded to 128 took 11-19% less forward time and 28-32% less
-/// fwd+bwd time than head_dim 96 on its mma.sync kernels (H200, 32 / 8 heads, 8K-16K,
-/// bench/results/h200-2026-12-02-head-pad). Decode-sized calls keep the d96 kernels: they read
-/// K and V once, and the copies would read and write them again.
-fn wide_96(spec: &AttnSpec) -> bool {
-    spec.dims.head_dim == 96 && spec.block_sparse().is_none() && max_seg_rows(spec) > FEW_ROWS
+/// Whether a call whose wider head_dim is `hd` runs on the d128 wgmma kernels at head_dim 96 (on
+/// a GPU with them): dense calls with more than `FEW_ROWS` packed rows in a sequence. There the
+/// copies cost little beside the products, and head_dim 80 padded to 128 took 11-19% less forward
+/// time and 28-32% less fwd+bwd time than head_dim 96 on its mma.sync kernels (H200, 32 / 8
+/// heads, 8K-16K, bench/results/h200-2026-12-02-head-pad). Decode-sized calls keep the d96
+/// kernels: they read K and V once, and the copies would read and write them again.
+fn wide_96(spec: &AttnSpec, hd: usize) -> bool {
+    hd == 96 && spec.block_sparse().is_none() && max_seg_rows(spec) > FEW_ROWS
 }
 
 /// Whether a padded `spec` runs on the Hopper (wgmma) kernels' head dims on `be` (sm_90 with
@@ -76,38 +78,88 @@ pub(crate) fn check_as(spec: &AttnSpec, ps: &AttnSpec, check: impl FnOnce(&AttnS
     check(ps).map_err(|e| match e {
         Error::Unsupported { backend, msg } => Error::Unsupported {
             backend,
-            msg: format!("head_dim {} runs on the head_dim {} kernels with zero columns: {msg}", spec.dims.head_dim, ps.dims.head_dim),
+            msg: format!("head_dim {} runs on the head_dim {} kernels with zero columns: {msg}", head_dims(spec), ps.dims.head_dim),
         },
         other => other,
     })
 }
 
-/// Bytes of the padded copies: (q-shaped, k-shaped) tensors at `ps`'s head_dim.
-fn copy_bytes(ps: &AttnSpec) -> (usize, usize) {
-    let es = ps.dtype.size();
-    (ps.dims.q_len() * es, ps.dims.kv_len() * es)
+/// `spec`'s head_dim as messages name it: `192 (v: 128)` where v's differs.
+fn head_dims(spec: &AttnSpec) -> String {
+    let d = &spec.dims;
+    if d.is_uniform() {
+        d.head_dim.to_string()
+    } else {
+        format!("{} (v: {})", d.head_dim, d.head_dim_v)
+    }
+}
+
+/// One of a call's tensors as the copies see it: dq, out's gradient dout, dk and dv are copied
+/// like q, out, k and v.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Part {
+    Q,
+    K,
+    V,
+    Out,
+}
+
+impl Part {
+    /// Rows (one token of one head) and the caller's columns of this tensor in `spec`.
+    fn shape(self, spec: &AttnSpec) -> (usize, usize) {
+        let d = &spec.dims;
+        let (q_rows, k_rows) = (d.total_q * d.heads_q, d.total_k * d.heads_kv);
+        match self {
+            Part::Q => (q_rows, d.head_dim),
+            Part::K => (k_rows, d.head_dim),
+            Part::V => (k_rows, d.head_dim_v),
+            Part::Out => (q_rows, d.head_dim_v),
+        }
+    }
+
+    /// Whether the kernels of `ps` read or write the caller's tensor in place (it has their
+    /// head_dim already: q and k of a 192 / 128 call), so it has no copy.
+    fn in_place(self, spec: &AttnSpec, ps: &AttnSpec) -> bool {
+        self.shape(spec).1 == ps.dims.head_dim
+    }
+
+    /// Workspace bytes of this tensor's copy at `ps`'s head_dim (0 in place).
+    fn copy_bytes(self, spec: &AttnSpec, ps: &AttnSpec) -> usize {
+        if self.in_place(spec, ps) {
+            return 0;
+        }
+        self.shape(spec).0 * ps.dims.head_dim * ps.dtype.size()
+    }
+}
+
+/// The forward's tensors in workspace order: q, k, v, out.
+const FWD_PARTS: [Part; 4] = [Part::Q, Part::K, Part::V, Part::Out];
+/// The backward's: q, k, v, out, dout, dq, dk, dv.
+const BWD_PARTS: [Part; 8] = [Part::Q, Part::K, Part::V, Part::Out, Part::Out, Part::Q, Part::K, Part::V];
+
+/// Workspace parts of `spec` padded to `ps`: the copies of `parts`, then the kernels' own `inner`.
+fn parts_of<const N: usize, const M: usize>(spec: &AttnSpec, ps: &AttnSpec, parts: [Part; N], inner: usize) -> [usize; M] {
+    std::array::from_fn(|i| if i < N { parts[i].copy_bytes(spec, ps) } else { inner })
 }
 
 /// Forward workspace parts: q, k, v, out at the padded head_dim, then the kernels' own `inner`.
-fn fwd_parts(ps: &AttnSpec, inner: usize) -> [usize; 5] {
-    let (q, kv) = copy_bytes(ps);
-    [q, kv, kv, q, inner]
+fn fwd_parts(spec: &AttnSpec, ps: &AttnSpec, inner: usize) -> [usize; 5] {
+    parts_of(spec, ps, FWD_PARTS, inner)
 }
 
 /// Backward workspace parts: q, k, v, out, dout, dq, dk, dv at the padded head_dim, then `inner`.
-fn bwd_parts(ps: &AttnSpec, inner: usize) -> [usize; 9] {
-    let (q, kv) = copy_bytes(ps);
-    [q, kv, kv, q, q, q, kv, kv, inner]
+fn bwd_parts(spec: &AttnSpec, ps: &AttnSpec, inner: usize) -> [usize; 9] {
+    parts_of(spec, ps, BWD_PARTS, inner)
 }
 
-/// Workspace bytes of a padded forward whose kernels need `inner` bytes.
-pub(crate) fn fwd_workspace(ps: &AttnSpec, inner: usize) -> usize {
-    layout(&fwd_parts(ps, inner)).1
+/// Workspace bytes of `spec`'s forward padded to `ps`, whose kernels need `inner` bytes.
+pub(crate) fn fwd_workspace(spec: &AttnSpec, ps: &AttnSpec, inner: usize) -> usize {
+    layout(&fwd_parts(spec, ps, inner)).1
 }
 
-/// Workspace bytes of a padded backward whose kernels need `inner` bytes.
-pub(crate) fn bwd_workspace_padded(ps: &AttnSpec, inner: usize) -> usize {
-    layout(&bwd_parts(ps, inner)).1
+/// Workspace bytes of `spec`'s backward padded to `ps`, whose kernels need `inner` bytes.
+pub(crate) fn bwd_workspace_padded(spec: &AttnSpec, ps: &AttnSpec, inner: usize) -> usize {
+    layout(&bwd_parts(spec, ps, inner)).1
 }
 
 /// The kernels' own backward workspace for the padded spec on dQ path `path`.
@@ -163,46 +215,43 @@ fn part_addrs<const N: usize>(parts: &[usize; N], workspace: u64, workspace_byte
     Ok(std::array::from_fn(|i| workspace + offs[i] as u64))
 }
 
-/// The row copies of one padded call: the caller's head_dim `hd`, the kernels' `hp`.
-struct Copies {
-    hd: usize,
+/// The row copies of one padded call: the caller's `spec`, the kernels' head_dim `hp`.
+struct Copies<'a> {
+    spec: &'a AttnSpec,
     hp: usize,
-    es: usize,
-    /// rows of q-shaped and of k-shaped tensors (one row: one token of one head)
-    rows_q: usize,
-    rows_k: usize,
     stream: CUstream,
 }
 
-impl Copies {
-    fn new(spec: &AttnSpec, ps: &AttnSpec, stream: u64) -> Self {
-        let d = &spec.dims;
-        Copies {
-            hd: d.head_dim,
-            hp: ps.dims.head_dim,
-            es: spec.dtype.size(),
-            rows_q: d.total_q * d.heads_q,
-            rows_k: d.total_k * d.heads_kv,
-            stream: stream as CUstream,
+impl Copies<'_> {
+    /// Where the kernels read input `part`: the caller's tensor at `src` in place, or its copy
+    /// at `at` with zero columns after the caller's (enqueued here).
+    unsafe fn input(&self, be: &CudaBackend, part: Part, src: u64, at: u64) -> Result<u64> {
+        let (rows, cols) = part.shape(self.spec);
+        if cols == self.hp {
+            return Ok(src);
         }
+        copy(be, src, cols, at, self.hp, rows, self.spec.dtype.size(), self.stream)?;
+        Ok(at)
     }
 
-    fn rows(&self, q_rows: bool) -> usize {
-        if q_rows {
-            self.rows_q
+    /// Where the kernels write output `part`: the caller's tensor at `dst` in place, or the
+    /// workspace at `at` ([`Self::narrow`] copies it back).
+    fn output(&self, part: Part, dst: u64, at: u64) -> u64 {
+        if part.shape(self.spec).1 == self.hp {
+            dst
         } else {
-            self.rows_k
+            at
         }
     }
 
-    /// The caller's tensor at `src` into the wider copy at `out` (q-shaped rows or k-shaped).
-    unsafe fn widen(&self, be: &CudaBackend, src: u64, out: u64, q_rows: bool) -> Result<()> {
-        copy(be, src, self.hd, out, self.hp, self.rows(q_rows), self.es, self.stream)
-    }
-
-    /// The wider result at `src` into the caller's tensor at `out`.
-    unsafe fn narrow(&self, be: &CudaBackend, src: u64, out: u64, q_rows: bool) -> Result<()> {
-        copy(be, src, self.hp, out, self.hd, self.rows(q_rows), self.es, self.stream)
+    /// The kernels' output `part` at `at` into the caller's tensor at `dst`, without the extra
+    /// columns (nothing where the kernels wrote `dst` in place).
+    unsafe fn narrow(&self, be: &CudaBackend, part: Part, at: u64, dst: u64) -> Result<()> {
+        let (rows, cols) = part.shape(self.spec);
+        if cols == self.hp {
+            return Ok(());
+        }
+        copy(be, at, self.hp, dst, cols, rows, self.spec.dtype.size(), self.stream)
     }
 }
 
@@ -216,15 +265,16 @@ impl CudaBackend {
         if !has_work(spec) {
             return Ok(false);
         }
-        let parts = fwd_parts(ps, self.forward_workspace(ps, stream)?);
+        let parts = fwd_parts(spec, ps, self.forward_workspace(ps, stream)?);
         let at = part_addrs(&parts, p.workspace, workspace_bytes)?;
-        let c = Copies::new(spec, ps, stream);
-        for (src, i, q_rows) in [(p.q, 0, true), (p.k, 1, false), (p.v, 2, false)] {
-            c.widen(self, src, at[i], q_rows)?;
-        }
-        let inner_p = FwdPtrs { q: at[0], k: at[1], v: at[2], out: at[3], lse: p.lse, workspace: at[4] };
+        let c = Copies { spec, hp: ps.dims.head_dim, stream: stream as CUstream };
+        let q = c.input(self, Part::Q, p.q, at[0])?;
+        let k = c.input(self, Part::K, p.k, at[1])?;
+        let v = c.input(self, Part::V, p.v, at[2])?;
+        let out = c.output(Part::Out, p.out, at[3]);
+        let inner_p = FwdPtrs { q, k, v, out, lse: p.lse, workspace: at[4] };
         self.forward_device(ps, inner_p, parts[4], stream)?;
-        c.narrow(self, at[3], p.out, true)?;
+        c.narrow(self, Part::Out, at[3], p.out)?;
         Ok(true)
     }
 
@@ -247,17 +297,24 @@ impl CudaBackend {
         if !has_work(spec) {
             return Ok(false);
         }
-        let parts = bwd_parts(ps, bwd_inner(Some(self), ps, deterministic, path));
+        let parts = bwd_parts(spec, ps, bwd_inner(Some(self), ps, deterministic, path));
         let at = part_addrs(&parts, p.workspace, workspace_bytes)?;
-        let c = Copies::new(spec, ps, stream);
-        for (src, i, q_rows) in [(p.q, 0, true), (p.k, 1, false), (p.v, 2, false), (p.out, 3, true), (p.dout, 4, true)] {
-            c.widen(self, src, at[i], q_rows)?;
-        }
-        let [q, k, v, out, dout, dq, dk, dv, workspace] = at;
-        let inner_p = BwdPtrs { q, k, v, out, lse: p.lse, dout, dq, dk, dv, workspace };
+        let c = Copies { spec, hp: ps.dims.head_dim, stream: stream as CUstream };
+        let inner_p = BwdPtrs {
+            q: c.input(self, Part::Q, p.q, at[0])?,
+            k: c.input(self, Part::K, p.k, at[1])?,
+            v: c.input(self, Part::V, p.v, at[2])?,
+            out: c.input(self, Part::Out, p.out, at[3])?,
+            lse: p.lse,
+            dout: c.input(self, Part::Out, p.dout, at[4])?,
+            dq: c.output(Part::Q, p.dq, at[5]),
+            dk: c.output(Part::K, p.dk, at[6]),
+            dv: c.output(Part::V, p.dv, at[7]),
+            workspace: at[8],
+        };
         self.backward_device_on(ps, inner_p, path, deterministic, parts[8], stream)?;
-        for (i, out, q_rows) in [(5, p.dq, true), (6, p.dk, false), (7, p.dv, false)] {
-            c.narrow(self, at[i], out, q_rows)?;
+        for (part, i, dst) in [(Part::Q, 5, p.dq), (Part::K, 6, p.dk), (Part::V, 7, p.dv)] {
+            c.narrow(self, part, at[i], dst)?;
         }
         Ok(true)
     }
@@ -312,12 +369,34 @@ mod tests {
     }
 
     #[test]
+    fn v_of_another_head_dim_runs_at_the_wider_one() {
+        let m = |d| TensorMeta::new(&[128, 2, d], DType::BF16);
+        let mixed = |d, dv| AttnSpec::varlen(&m(d), &m(d), &m(dv), &[0, 128], &[0, 128], 128, 128, None, true).unwrap();
+        let bwd = Pass::Backward { deterministic: true };
+        for (d, dv, any, hopper) in [(192, 128, 192, 192), (128, 192, 192, 192), (64, 128, 128, 128), (128, 64, 128, 128), (40, 24, 64, 64), (96, 64, 96, 128), (80, 8, 96, 128)] {
+            for pass in [Pass::Forward, bwd] {
+                for (wgmma, want) in [(false, any), (true, hopper)] {
+                    let s = mixed(d, dv);
+                    let p = padded(&s, pass, wgmma).unwrap_or_else(|| panic!("{d}/{dv} is padded"));
+                    assert_eq!((p.dims.head_dim, p.dims.head_dim_v), (want, want), "{d}/{dv} {pass:?} wgmma {wgmma}");
+                    // the scale stays q's
+                    assert_eq!(p.scale, s.scale);
+                }
+            }
+        }
+        // q and k of a 192 / 128 call are read in place: only v, out (and dout, dv) are copied
+        let (s, ps) = (mixed(192, 128), padded(&mixed(192, 128), Pass::Forward, true).unwrap());
+        assert!(Part::Q.in_place(&s, &ps) && Part::K.in_place(&s, &ps) && !Part::V.in_place(&s, &ps) && !Part::Out.in_place(&s, &ps));
+        assert_eq!(fwd_parts(&s, &ps, 0)[..4], [0, 0, 128 * 2 * 192 * 2, 128 * 2 * 192 * 2]);
+    }
+
+    #[test]
     fn workspace_holds_the_padded_copies() {
         let s = spec(80);
         let ps = padded(&s, Pass::Forward, true).unwrap();
         // q, k, v, out at head_dim 128 in bf16 before the kernels' own bytes
         let copies = (128 * 2 * 128 + 2 * 256 * 2 * 128 + 128 * 2 * 128) * 2;
-        assert!(fwd_workspace(&ps, 0) >= copies && fwd_workspace(&ps, 1000) >= copies + 1000);
-        assert!(bwd_workspace_padded(&ps, 0) >= copies + (2 * 128 * 2 * 128 + 2 * 256 * 2 * 128) * 2);
+        assert!(fwd_workspace(&s, &ps, 0) >= copies && fwd_workspace(&s, &ps, 1000) >= copies + 1000);
+        assert!(bwd_workspace_padded(&s, &ps, 0) >= copies + (2 * 128 * 2 * 128 + 2 * 256 * 2 * 128) * 2);
     }
 }

@@ -58,9 +58,12 @@ fn check_rows(be: &CudaBackend, spec: &AttnSpec, kv: &KvAppend) -> Result<()> {
     check_kernels(be, spec)
 }
 
-/// The part of [`check_rows`] that picks the kernels: sm_90, f16 / bf16, unpaged, dense, at most
-/// `FEW_ROWS` rows a sequence.
+/// The part of [`check_rows`] that picks the kernels: sm_90, f16 / bf16, unpaged, dense, v at
+/// q's head_dim, at most `FEW_ROWS` rows a sequence.
 fn check_kernels(be: &CudaBackend, spec: &AttnSpec) -> Result<()> {
+    if !spec.dims.is_uniform() {
+        return Err(unsupported("served for caches whose v has k's head_dim only".into()));
+    }
     // (sm90_forward also excludes f32)
     if spec.kv_pages().is_some() || spec.block_sparse().is_some() || !sm90_forward(be, spec) {
         return Err(unsupported("served by the sm_90 kernels only, f16 / bf16, unpaged".into()));

@@ -304,6 +304,13 @@ pub fn check_supported(spec: &AttnSpec, pass: Pass) -> Result<()> {
 fn check_kernel_spec(spec: &AttnSpec, pass: Pass) -> Result<()> {
     spec.check_pass(pass)?;
     let hd = spec.dims.head_dim;
+    if !spec.dims.is_uniform() {
+        // (`head_pad::padded` gives such calls one head_dim wherever a kernel is wide enough)
+        return Err(Error::Unsupported {
+            backend: "cuda",
+            msg: format!("v's head_dim {} differs from q's and k's {hd}, and no CUDA kernel runs both; use the CPU backend", spec.dims.head_dim_v),
+        });
+    }
     let dims = head_dims_of(pass);
     if !dims.contains(&hd) {
         let what = if matches!(pass, Pass::Forward) { "forward" } else { "backward" };

@@ -11,7 +11,7 @@ pub fn forward_workspace_bytes(spec: &AttnSpec) -> u64 {
     if let Some(ps) = super::head_pad::padded(spec, Pass::Forward, super::head_pad::wgmma_padding(None, spec)) {
         // the padded copies around the padded spec's own plan and workspace
         let inner = forward_workspace_bytes(&ps);
-        return super::head_pad::fwd_workspace(&ps, inner as usize) as u64;
+        return super::head_pad::fwd_workspace(spec, &ps, inner as usize) as u64;
     }
     let plan = Plan::new(spec);
     // the tables the plan cache uploads, counted from the one list of them
