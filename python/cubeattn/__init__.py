@@ -4,7 +4,8 @@ path (`_forward` / `_run_backward`, `_autograd`).
 
 CubeCL CUDA kernels when the wheel was built with the ``cuda`` feature and a GPU is present; an
 exact multi-threaded CPU backend otherwise, with the same API. Names and argument order follow
-flash-attn. Layout: q ``[total_q, heads_q, head_dim]``, k/v ``[total_k, heads_kv, head_dim]``;
+flash-attn. Layout: q ``[total_q, heads_q, head_dim]``, k/v ``[total_k, heads_kv, head_dim]``
+(v may have a head_dim of its own, as DeepSeek's MLA with 192 / 128: out then has v's);
 lse ``[heads_q, total_q]`` float32. Rows that see no key get zero output and lse ``+inf``.
 torch tensors that require grad give an output attached to the autograd graph (its backward is
 cubeattn's backward; ``deterministic=`` picks the dQ path as in the explicit backward calls).
@@ -265,15 +266,22 @@ def _traced(x) -> bool:
     return torch.compiler.is_compiling() or type(x) is not torch.Tensor
 
 
-def _check_like_q(cq, named, shapes=()):
+def _out_shape(q_shape, v_shape):
+    """out's shape: q's with v's head_dim last (v may have its own head_dim, as DeepSeek's MLA
+    with q, k 192 and v 128)."""
+    return tuple(q_shape[:-1]) + (v_shape[-1],)
+
+
+def _check_like_q(cq, named, shapes=(), out_shape=None):
     """dtype of each (name, Converted) must be q's (TypeError), and the shapes of those named in
-    `shapes` q's shape (ValueError): the core sees bytes only, so a float16 / bfloat16 mix or a
-    reshaped `out` with q's element count would otherwise be read as garbage."""
+    `shapes` `out_shape` (ValueError): the core sees bytes only, so a float16 / bfloat16 mix or a
+    reshaped `out` with the same element count would otherwise be read as garbage."""
     for name, c in named:
         if c.dtype != cq.dtype:
             raise TypeError(f"invalid dtype for `{name}`: {c.dtype}; q is {cq.dtype} (they must match)")
-        if name in shapes and tuple(c.shape) != tuple(cq.shape):
-            raise ValueError(f"invalid argument `{name}`: shape {tuple(c.shape)} differs from q's {tuple(cq.shape)}")
+        if name in shapes and tuple(c.shape) != tuple(out_shape):
+            raise ValueError(f"invalid argument `{name}`: shape {tuple(c.shape)} differs from out's {tuple(out_shape)} "
+                             f"(q's with v's head_dim)")
 
 
 def _forward(spec, q, k, v, cq, ck, cv, return_lse, deterministic, device):
@@ -378,14 +386,14 @@ def _run_forward(spec, cq, ck, cv, return_lse, device):
     if gpu is not None:
         import torch
 
-        res = _forward_on_gpu(torch, spec, gpu, dev, cq.device_tensor, ck.device_tensor, cv.device_tensor, cq.shape,
-                              return_lse)
+        res = _forward_on_gpu(torch, spec, gpu, dev, cq.device_tensor, ck.device_tensor, cv.device_tensor,
+                              _out_shape(cq.shape, cv.shape), return_lse)
         if res is not None:
             return res
     out, lse, name = _core.forward(spec, cq.bytes, ck.bytes, cv.bytes, dev)
     _last.name = name
     _note_cpu_run(dev, name, spec)
-    o = from_core(out, cq.shape, cq.dtype, cq)
+    o = from_core(out, _out_shape(cq.shape, cv.shape), cq.dtype, cq)
     if not return_lse:
         return o
     return o, from_core(lse, (heads_q, total_q), "float32", cq)
@@ -508,7 +516,7 @@ def _fast_forward(key, q, k, v, deterministic, device):
         from ._autograd import attention_on_gpu
 
         return attention_on_gpu(spec, gpu, dev, w, q, k, v, deterministic, device)
-    return _forward_on_gpu(torch, spec, gpu, dev, q, k, v, q.shape, False)
+    return _forward_on_gpu(torch, spec, gpu, dev, q, k, v, _out_shape(q.shape, v.shape), False)
 
 
 def _remember_fast(key, spec, conv, device):
@@ -557,9 +565,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
             spec = varlen_spec(conv[0].shape, conv[1].shape, conv[0].dtype, cu_q, cu_k, sq, sk, softmax_scale, causal,
                                v_shape=conv[2].shape, window_size=window_size)
             _remember_fast(key, spec, conv, device)
-        return res.reshape(q.shape)
+        return res.reshape(_out_shape(q.shape, v.shape))
     o, lse = res
-    return _results(o.reshape(q.shape), _lse_batched(lse, b, sq), want_lse, probs)
+    return _results(o.reshape(_out_shape(q.shape, v.shape)), _lse_batched(lse, b, sq), want_lse, probs)
 
 
 def _lse_batched(lse, b, sq):
@@ -575,11 +583,7 @@ def _backward_on_gpu(spec, gpu, conv, lse, deterministic, dev):
     cq, ck, cv, co, cg = conv
     if not (_is_torch(lse) and lse.is_cuda and lse.device == gpu and lse.dtype == torch.float32):
         return None
-    for name, c in (("out", co), ("dout", cg)):
-        if c.dtype != cq.dtype:
-            raise TypeError(f"invalid dtype for `{name}`: {c.dtype}; q is {cq.dtype}")
-        if c.shape != cq.shape:
-            raise ValueError(f"invalid argument `{name}`: shape {c.shape} differs from q's {cq.shape}")
+    # (out and dout were checked by `_run_backward`)
     total_q, _, heads_q, _, _ = spec.dims
     lt = dense_cuda(lse.detach())
     if lt.numel() != heads_q * total_q:
@@ -624,7 +628,8 @@ def _backward_device_fast(spec, gpu, dev, q, k, v, out, lse, dout, deterministic
 def _run_backward(spec, dout, q, k, v, out, lse, deterministic, device):
     cq, ck, cv = to_core(q, "q"), to_core(k, "k"), to_core(v, "v")
     co, cg = to_core(out, "out"), to_core(dout, "dout")
-    _check_like_q(cq, (("k", ck), ("v", cv), ("out", co), ("dout", cg)), shapes=("out", "dout"))
+    _check_like_q(cq, (("k", ck), ("v", cv), ("out", co), ("dout", cg)), shapes=("out", "dout"),
+                  out_shape=_out_shape(cq.shape, cv.shape))
     dev = _device_for(device, cq, ck, cv)
     gpu = _one_gpu(dev, cq, ck, cv, co, cg)
     if gpu is not None:
@@ -717,15 +722,17 @@ def grouped_flash_attn_backward(dout, q, k, v, out, lse, q_ranges, kv_ranges, dr
 
 
 def estimate_vram(q_shape, k_shape, dtype="bfloat16", cu_seqlens_q=None, cu_seqlens_k=None, q_ranges=None,
-                  kv_ranges=None, causal=False, backward=False, deterministic=False) -> dict:
+                  kv_ranges=None, causal=False, backward=False, deterministic=False, *, v_shape=None) -> dict:
     """Bytes the CUDA backend needs for a call with these shapes: inputs, outputs, lse, workspace, total.
-    Give cu_seqlens (varlen) or q_ranges/kv_ranges (grouped); neither means one sequence."""
+    Give cu_seqlens (varlen) or q_ranges/kv_ranges (grouped); neither means one sequence. v_shape:
+    v's shape where its head_dim is not k's (k's shape otherwise)."""
     q_shape, k_shape = _shape(q_shape, "q_shape"), _shape(k_shape, "k_shape")
-    for name, shp in (("q_shape", q_shape), ("k_shape", k_shape)):
+    v_shape = k_shape if v_shape is None else _shape(v_shape, "v_shape")
+    for name, shp in (("q_shape", q_shape), ("k_shape", k_shape), ("v_shape", v_shape)):
         if len(shp) != 3:
             raise ValueError(f"invalid argument `{name}`: expected [total_tokens, heads, head_dim], got {tuple(shp)}")
     if q_ranges is not None:
-        spec = grouped_spec(q_shape, k_shape, dtype, q_ranges, kv_ranges, None, causal)
+        spec = grouped_spec(q_shape, k_shape, dtype, q_ranges, kv_ranges, None, causal, v_shape=v_shape)
     else:
         if cu_seqlens_q is None:
             cu_seqlens_q = [0, q_shape[0]]
@@ -735,7 +742,7 @@ def estimate_vram(q_shape, k_shape, dtype="bfloat16", cu_seqlens_q=None, cu_seql
         # a malformed cu_seqlens is reported by the spec under its own name, not as a bad maximum
         mq = max(0, int(np.diff(cq).max())) if cq.size > 1 else 0
         mk = max(0, int(np.diff(ck).max())) if ck.size > 1 else 0
-        spec = varlen_spec(q_shape, k_shape, dtype, cq, ck, mq, mk, None, causal)
+        spec = varlen_spec(q_shape, k_shape, dtype, cq, ck, mq, mk, None, causal, v_shape=v_shape)
     return _core.estimate_vram(spec, _flag(backward, "backward"), _flag(deterministic, "deterministic"))
 
 

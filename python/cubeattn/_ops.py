@@ -37,7 +37,7 @@ def fwd_dense(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float], c
     out, lse = flash_attn_varlen_func(_flat(q.detach()), _flat(k.detach()), _flat(v.detach()), _cu(b, sq), _cu(b, sk),
                                       sq, sk, 0.0, softmax_scale, causal, (window_left, window_right),
                                       return_lse=True, device=device)
-    return out.reshape(q.shape), lse
+    return out.reshape(tuple(q.shape[:-1]) + (v.shape[-1],)), lse
 
 
 @torch.library.custom_op(f"{_LIB}::bwd_dense", mutates_args=())
@@ -95,9 +95,10 @@ def _empty(shape, like, dtype=None):
 
 
 def _fake_fwd(q, k, v, *options):
-    """out like q (contiguous, as the real ones are), lse [heads_q, total_q] float32."""
+    """out q's shape with v's head_dim (contiguous, as the real ones are), lse [heads_q, total_q]
+    float32."""
     total_q = q.shape[0] * q.shape[1] if q.dim() == 4 else q.shape[0]
-    return _empty(q.shape, q), _empty((q.shape[-2], total_q), q, torch.float32)
+    return _empty(tuple(q.shape[:-1]) + (v.shape[-1],), q), _empty((q.shape[-2], total_q), q, torch.float32)
 
 
 def _fake_bwd(dout, q, k, v, out, lse, *options):

@@ -42,7 +42,11 @@ CONFIGS = {"llama3-8b": (32, 8, 128), "llama3-70b": (64, 8, 128), "gqa-d64": (32
            # the other head dims with CUDA kernels (forward: all; backward: 32 and 96)
            "gqa-d32": (32, 8, 32), "gqa-d96": (32, 8, 96), "gqa-d192": (16, 8, 192), "gqa-d256": (16, 8, 256),
            # head dims without a kernel of their own (run on the next one with zero columns: d96, d192)
-           "gqa-d80": (32, 8, 80), "gqa-d160": (16, 8, 160)}
+           "gqa-d80": (32, 8, 80), "gqa-d160": (16, 8, 160),
+           # v with a head_dim of its own (`V_HEAD_DIMS`): DeepSeek's MLA in training (q, k 192, v 128)
+           "mla-d192-v128": (16, 16, 192)}
+# v's head_dim where a config's is not q's and k's (dense and fwdbwd benches)
+V_HEAD_DIMS = {"mla-d192-v128": 128}
 
 
 def causal_pairs(sq, sk):
@@ -278,22 +282,25 @@ def _cuda_dense(args, torch):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     hq, hkv, d = CONFIGS[args.config]
+    dv = V_HEAD_DIMS.get(args.config, d)
     B = args.batch_size or 1
     tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     rows = []
     sync = torch.cuda.synchronize
     for s in args.seqlens:
-        flops = B * 4 * d * hq * (causal_pairs(s, s) if args.causal else s * s)
-        key = dict(what="dense_fwd", config=args.config, causal=args.causal, dtype=args.dtype, B=B, S=s, D=d)
+        flops = B * 2 * (d + dv) * hq * (causal_pairs(s, s) if args.causal else s * s)
+        key = dict(what="dense_fwd", config=args.config, causal=args.causal, dtype=args.dtype, B=B, S=s, D=d,
+                   **({"Dv": dv} if dv != d else {}))
 
         def row(impl, ms):
             rows.append(dict(key, impl=impl, ms=ms[0], ms_min=ms[1], ms_max=ms[2], tflops=flops / ms[0] / 1e9))
 
         cu = [i * s for i in range(B + 1)]
-        spec = cubeattn.varlen_spec((B * s, hq, d), (B * s, hkv, d), args.dtype, cu, cu, s, s, causal=args.causal)
+        spec = cubeattn.varlen_spec((B * s, hq, d), (B * s, hkv, d), args.dtype, cu, cu, s, s, causal=args.causal,
+                                    v_shape=(B * s, hkv, dv))
         q = torch.randn(B, s, hq, d, device="cuda", dtype=tdt)
         k = torch.randn(B, s, hkv, d, device="cuda", dtype=tdt)
-        v = torch.randn_like(k)
+        v = torch.randn(B, s, hkv, dv, device="cuda", dtype=tdt)
         try:
             row("cubeattn_kernel", _spread(cubeattn._core.cuda_bench_forward(spec, 3, args.iterations)))
         except Exception as e:
@@ -536,19 +543,22 @@ def _cuda_fwdbwd(args, torch):
     B = args.batch_size or 1
     for config in configs:
         hq, hkv, d = CONFIGS[config]
+        dv = V_HEAD_DIMS.get(config, d)
         for causal in ([True, False] if args.causal else [False]):
             for s in seqlens:
                 pairs = causal_pairs(s, s) if causal else s * s
-                flops = B * 3.5 * 4 * d * hq * pairs
-                key = dict(what="dense_fwdbwd", config=config, B=B, S=s, D=d, causal=causal)
+                flops = B * 3.5 * 2 * (d + dv) * hq * pairs
+                key = dict(what="dense_fwdbwd", config=config, B=B, S=s, D=d, causal=causal,
+                           **({"Dv": dv} if dv != d else {}))
                 cu = [i * s for i in range(B + 1)]
-                spec = cubeattn.varlen_spec((B * s, hq, d), (B * s, hkv, d), args.dtype, cu, cu, s, s, causal=causal)
+                spec = cubeattn.varlen_spec((B * s, hq, d), (B * s, hkv, d), args.dtype, cu, cu, s, s, causal=causal,
+                                            v_shape=(B * s, hkv, dv))
                 _kernel_row(rows, key, "cubeattn_kernel", flops, cubeattn._core.cuda_bench_forward_backward, spec,
                             args.iterations)
                 q = torch.randn(B, s, hq, d, device="cuda", dtype=tdt, requires_grad=True)
                 k = torch.randn(B, s, hkv, d, device="cuda", dtype=tdt, requires_grad=True)
-                v = torch.randn(B, s, hkv, d, device="cuda", dtype=tdt, requires_grad=True)
-                go = torch.randn(B, s, hq, d, device="cuda", dtype=tdt)
+                v = torch.randn(B, s, hkv, dv, device="cuda", dtype=tdt, requires_grad=True)
+                go = torch.randn(B, s, hq, dv, device="cuda", dtype=tdt)
                 q4, k4, v4 = (x.detach().transpose(1, 2).contiguous().requires_grad_(True) for x in (q, k, v))
                 go4 = go.transpose(1, 2).contiguous()
 

@@ -32,7 +32,7 @@ def ref_attention(q, k, v, segments, causal, scale=None, window=(-1, -1)):
     hkv = k.shape[1]
     g = hq // hkv
     scale = 1.0 / np.sqrt(d) if scale is None else scale
-    out = np.zeros_like(q)
+    out = np.zeros((tq, hq, v.shape[2]))  # v's head_dim (DeepSeek's MLA: q, k 192, v 128)
     lse = np.full((hq, tq), np.inf)
     for (qs, ql, ks, kl) in segments:
         if ql == 0 or kl == 0:
@@ -83,14 +83,14 @@ def ref_backward(q, k, v, dout, segments, causal, scale=None, window=(-1, -1), a
         dq[qs:qs + ql] += np.einsum("hqk,khd->qhd", ds, kk) * scale
         dkk = np.einsum("hqk,qhd->khd", ds, q[qs:qs + ql]) * scale
         dk[ks:ks + kl] += dkk.reshape(kl, hkv, g, d).sum(2)
-        dv[ks:ks + kl] += dvv.reshape(kl, hkv, g, d).sum(2)
+        dv[ks:ks + kl] += dvv.reshape(kl, hkv, g, v.shape[2]).sum(2)
         if abs_sums:
             o = np.einsum("hqk,khd->qhd", p, vv)
             ads = np.abs(ds) + p * np.einsum("qhd,qhd->hq", np.abs(o), np.abs(do))[..., None]
             sq[qs:qs + ql] += np.einsum("hqk,khd->qhd", ads, np.abs(kk)) * scale
             skk = np.einsum("hqk,qhd->khd", ads, np.abs(q[qs:qs + ql])) * scale
             sk[ks:ks + kl] += skk.reshape(kl, hkv, g, d).sum(2)
-            sv[ks:ks + kl] += np.einsum("hqk,qhd->khd", p, np.abs(do)).reshape(kl, hkv, g, d).sum(2)
+            sv[ks:ks + kl] += np.einsum("hqk,qhd->khd", p, np.abs(do)).reshape(kl, hkv, g, v.shape[2]).sum(2)
     return (dq, dk, dv, sq, sk, sv) if abs_sums else (dq, dk, dv)
 
 
@@ -220,7 +220,7 @@ def ref_sparse(q, k, v, block_index, cu_q, cu_k, q_block, k_block, causal, scale
     hkv = k.shape[1]
     g = hq // hkv
     scale = 1.0 / np.sqrt(d) if scale is None else scale
-    out = np.zeros_like(q)
+    out = np.zeros((tq, hq, v.shape[2]))  # v's head_dim (DeepSeek's MLA: q, k 192, v 128)
     lse = np.full((hq, tq), np.inf)
     grads = [np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)] if dout is not None else None
     if dout is not None:

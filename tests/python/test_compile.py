@@ -82,6 +82,17 @@ def test_dense_compiles_without_break_and_equals_eager(backend):
         assert rel_err(f64(g).reshape(want.shape), want) < 1e-4
 
 
+def test_v_with_a_head_dim_of_its_own_compiles():
+    """DeepSeek MLA shapes (q, k 48 here, v 32): the fake implementation gives out v's head_dim,
+    so a fullgraph compile runs and equals eager, gradients included."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = rand(gen, (2, 21, 4, 48)), rand(gen, (2, 21, 2, 48)), rand(gen, (2, 21, 2, 32))
+    assert_no_graph_break(dense_fn, q, k, v)
+    eager, compiled = run_eager_and_compiled(dense_fn, (q, k, v), "aot_eager")
+    assert compiled[0][0].shape == (2, 21, 4, 32)
+    assert_same(eager, compiled)
+
+
 def test_dynamic_shapes_compile_once():
     """dynamic=True: one graph serves several batch sizes and sequence lengths (the fake
     implementations give symbolic shapes)."""

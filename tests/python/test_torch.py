@@ -333,3 +333,80 @@ def test_head_dims_forward_and_backward(d):
                                                    deterministic=deterministic, device="cuda")
             with pytest.raises(ValueError, match=f"head_dim {d}"):
                 out2.backward(dout)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("d,dv", [(192, 128), (64, 96), (40, 24)])
+def test_v_with_a_head_dim_of_its_own(device, dtype, d, dv):
+    """v with its own head_dim (DeepSeek's MLA: q, k 192 and v 128; v wider than q; both off the
+    kernels' head dims): out has v's head_dim, the scale is q's 1/sqrt(d), and out, lse and every
+    gradient (autograd, varlen, GQA, causal; the batched call; the explicit backward) match the
+    f64 reference. Where CUDA has no backward for the call (f32 above head_dim 128, or a GPU below
+    sm_90 there) it runs on the CPU with a RuntimeWarning."""
+    import warnings
+
+    gen = torch.Generator().manual_seed(d + dv)
+    lens = [(1, 1), (37, 70), (64, 64)]
+    cu_q = np.cumsum([0] + [a for a, _ in lens]).astype(np.int32)
+    cu_k = np.cumsum([0] + [b for _, b in lens]).astype(np.int32)
+    q = rand_t(gen, (int(cu_q[-1]), 4, d), dtype, device)
+    k = rand_t(gen, (int(cu_k[-1]), 2, d), dtype, device)
+    v = rand_t(gen, (int(cu_k[-1]), 2, dv), dtype, device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse = cubeattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 64, 70, causal=True, return_lse=True,
+                                                   device=device)
+    assert cubeattn.last_backend() == device
+    assert out.shape == (q.shape[0], 4, dv) and out.dtype == q.dtype and out.device.type == device
+    segs = varlen_segments(cu_q, cu_k)
+    ref_out, ref_lse = ref_attention(f64(q), f64(k), f64(v), segs, True)
+    fwd_rel = max(FWD_TOL[dtype][1], 2e-3)
+    assert rel_err(f64(out), ref_out) <= fwd_rel
+    np.testing.assert_allclose(f64(lse), ref_lse, rtol=1e-3, atol=1e-3)
+    dout = (torch.rand(out.shape, generator=gen) * 2 - 1).to(out.dtype).to(device)
+    cpu_bwd = device == "cuda" and max(d, dv) > 128 and (dtype == "float32" or not hopper())
+    if cpu_bwd:
+        with pytest.warns(RuntimeWarning, match="CPU backend"):
+            out.backward(dout)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out.backward(dout)
+    ref = ref_backward(f64(q), f64(k), f64(v), f64(dout), segs, True)
+    rel = BWD_TOL[dtype][1]
+    for t, want in zip((q, k, v), ref):
+        assert t.grad.shape == t.shape and t.grad.device == t.device
+        assert rel_err(f64(t.grad), want) <= rel, (t.shape, rel_err(f64(t.grad), want))
+    # the explicit backward agrees with autograd's
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        grads = cubeattn.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, 64, 70, causal=True,
+                                                    deterministic=True, device=device)
+    for g, want in zip(grads, ref):
+        assert rel_err(f64(g), want) <= rel
+    # out / dout in q's shape (the old convention) is refused naming the argument
+    with pytest.raises(ValueError, match="`dout`.*v's head_dim"):
+        cubeattn.flash_attn_varlen_backward(torch.zeros(q.shape, dtype=q.dtype, device=device), q, k, v, out, lse,
+                                            cu_q, cu_k, 64, 70, causal=True, device=device)
+    # batched layout: [batch, seqlen, heads, dv] out
+    qb, kb, vb = (x.detach()[:40].reshape(2, 20, *x.shape[1:]) for x in (q, k, v))
+    with torch.no_grad():
+        ob = cubeattn.flash_attn_func(qb, kb, vb, causal=True, device=device)
+    assert ob.shape == (2, 20, 4, dv)
+    flat = [f64(x.reshape(40, *x.shape[2:])) for x in (qb, kb, vb)]
+    cu = np.array([0, 20, 40], np.int32)
+    want, _ = ref_attention(*flat, varlen_segments(cu, cu), True)
+    assert rel_err(f64(ob).reshape(want.shape), want) <= fwd_rel
+
+
+def test_v_of_another_token_count_or_heads_is_refused_naming_v():
+    q = torch.zeros(8, 4, 64)
+    cu = np.array([0, 8], np.int32)
+    for v in (torch.zeros(8, 3, 32), torch.zeros(7, 2, 32), torch.zeros(8, 2, 257)):
+        with pytest.raises(ValueError, match="`v`"):
+            cubeattn.flash_attn_varlen_func(q, torch.zeros(8, 2, 64), v, cu, cu, 8, 8, device="cpu")
+    # paged K,V take one head_dim
+    with pytest.raises(ValueError, match="`v`"):
+        cubeattn.grouped_flash_attn_func(torch.rand(64, 4, 64), torch.rand(64, 2, 64), torch.rand(64, 2, 32),
+                                         [[0, 64]], [[0, 64]], kv_block_table=[0], device="cpu")
