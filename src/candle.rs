@@ -4,11 +4,13 @@
 //! `candle-flash-attn`:
 //!
 //! * [`flash_attn`]: q `[batch, seqlen_q, heads_q, head_dim]`, k/v `[batch, seqlen_k, heads_kv,
-//!   head_dim]`, out like q. Every batch entry has the same lengths.
+//!   head_dim]`, out like q (with v's head_dim). Every batch entry has the same lengths.
 //! * [`flash_attn_varlen`]: q `[total_q, heads_q, head_dim]`, k/v `[total_k, heads_kv, head_dim]`
 //!   with cumulative sequence lengths `seqlens_q` / `seqlens_k` (1-D, `batch + 1` entries, u32,
 //!   i32 or i64).
-//! * v may have a head_dim of its own (DeepSeek's MLA: q, k 192, v 128); out then has v's.
+//! * v may have a head_dim of its own (DeepSeek's MLA: q, k 192, v 128); out then has v's. The
+//!   call runs at the wider head_dim, the narrower tensors copied with zero columns (on the CPU
+//!   that copy replaces the zero-copy read described under **Memory**).
 //! * [`grouped_flash_attn`]: cubeattn's grouped attention: group g's query rows `q_ranges[g]`
 //!   attend keys `kv_ranges[g]` of one shared K,V (ranges may overlap in keys), one call.
 //!
@@ -37,7 +39,8 @@
 //! outputs (and the lse, kept on the device for the backward) into fresh candle buffers: no host
 //! copies, and no device copies of contiguous inputs. CUDA tensors take f16, bf16 (tensor cores)
 //! or f32 and every head_dim up to 256 (the kernels' own head dims are 32, 64, 96, 128, 192 and
-//! 256; the others run on the next one with zero columns, exactly). The backward on CUDA
+//! 256; the others run on the next one with zero columns, exactly); the backward above head_dim 128
+//! needs f16 / bf16 on a Hopper GPU (elsewhere `backward()` returns the CUDA backend's error). The backward on CUDA
 //! is the CUDA backend's default (dQ accumulated with atomics: last-bit differences run to run).
 //! candle's CUDA device runs on the per-thread default stream, one handle for every thread, while
 //! cubeattn's cached launch plans order work across streams by handle: drive one device's calls
@@ -480,8 +483,8 @@ fn batch_spec(q: &Tensor, k: &Tensor, v: &Tensor, softmax_scale: f32, causal: bo
 
 /// Flash attention over a batch of equal-length sequences (candle-flash-attn's `flash_attn`).
 ///
-/// q `[batch, seqlen_q, heads_q, head_dim]`, k and v `[batch, seqlen_k, heads_kv, head_dim]`;
-/// returns `[batch, seqlen_q, heads_q, head_dim]`. `softmax_scale` multiplies q.k (usually
+/// q `[batch, seqlen_q, heads_q, head_dim]`, k and v `[batch, seqlen_k, heads_kv, head_dim]` (v
+/// may have its own head_dim); returns `[batch, seqlen_q, heads_q, v's head_dim]`. `softmax_scale` multiplies q.k (usually
 /// `1 / sqrt(head_dim)`); `causal` masks bottom-right aligned.
 pub fn flash_attn(q: &Tensor, k: &Tensor, v: &Tensor, softmax_scale: f32, causal: bool) -> CResult<Tensor> {
     let (spec, _) = batch_spec(q, k, v, softmax_scale, causal)?;

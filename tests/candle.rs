@@ -447,3 +447,166 @@ fn errors_are_returned_not_panics_in_backward_paths() {
     assert_eq!(dq.dtype(), CDType::BF16);
     assert!(f64s(dq).iter().all(|x| x.is_finite()) && f64s(dq).iter().any(|x| *x != 0.0));
 }
+
+/// One call whose v has a head_dim of its own: fresh random q `q_shape`, k `k_shape`, v
+/// `v_shape` (Vars) and upstream gradient `wgt` (out's shape: q's with v's head_dim), `op` ->
+/// (out, lse `[heads_q, total_q]`), then `loss.backward()`. Checks out's and the gradients' shapes
+/// and dtypes, out / lse / dq / dk / dv against `cubeattn::reference` (f64) of `spec`, and against
+/// cubeattn's own CPU forward and backward on the same data (bitwise).
+#[allow(clippy::too_many_arguments)]
+fn check_value_dim(what: &str, rng: &mut StdRng, q_shape: &[usize], k_shape: &[usize], v_shape: &[usize], dt: CDType, spec: &AttnSpec, op: PackedOp<'_>) {
+    use cubeattn::reference::{backward_f64, forward_f64};
+    let dv = *v_shape.last().unwrap();
+    let mut out_shape = q_shape.to_vec();
+    *out_shape.last_mut().unwrap() = dv;
+    assert_eq!((spec.dims.head_dim, spec.dims.head_dim_v), (*q_shape.last().unwrap(), dv), "{what}: the test's spec");
+    let q = Var::from_tensor(&rand_t(rng, q_shape, dt)).unwrap();
+    let k = Var::from_tensor(&rand_t(rng, k_shape, dt)).unwrap();
+    let v = Var::from_tensor(&rand_t(rng, v_shape, dt)).unwrap();
+    let wgt = rand_t(rng, &out_shape, dt); // dL/dout
+    let (out, lse) = op(&q, &k, &v).unwrap();
+    assert_eq!(out.dims(), out_shape.as_slice(), "{what}: out shape (q's with v's head_dim)");
+    assert_eq!(out.dtype(), dt, "{what}: out dtype");
+    assert_eq!(lse.dims(), &[spec.dims.heads_q, spec.dims.total_q], "{what}: lse shape");
+    let g = (&out * &wgt).unwrap().sum_all().unwrap().backward().unwrap();
+    let (gq, gk, gv) = (g.get(&q).unwrap(), g.get(&k).unwrap(), g.get(&v).unwrap());
+    assert_eq!((gq.dims(), gk.dims(), gv.dims()), (q_shape, k_shape, v_shape), "{what}: grad shapes (dv like v)");
+    assert_eq!((gq.dtype(), gk.dtype(), gv.dtype()), (dt, dt, dt), "{what}: grad dtypes");
+
+    // (a) cubeattn's own forward and backward on the same data: bitwise equal
+    let (hq_, hk_, hv_, hw) = (host(&q), host(&k), host(&v), host(&wgt));
+    let own = CpuBackend.forward(spec, hq_.view(), hk_.view(), hv_.view()).unwrap();
+    assert_eq!(host(&out), own.out, "{what}: out vs cubeattn API");
+    assert_eq!(lse.flatten_all().unwrap().to_vec1::<f32>().unwrap(), own.lse, "{what}: lse vs cubeattn API");
+    let inputs = BackwardInputs { out: own.out.view(), lse: &own.lse, dout: hw.view(), deterministic: true };
+    let own = CpuBackend.backward(spec, hq_.view(), hk_.view(), hv_.view(), inputs).unwrap();
+    assert_eq!(host(gq), own.dq, "{what}: dq vs cubeattn backward");
+    assert_eq!(host(gk), own.dk, "{what}: dk vs cubeattn backward");
+    assert_eq!(host(gv), own.dv, "{what}: dv vs cubeattn backward");
+
+    // (b) the f64 reference on the same (rounded) inputs
+    let (fq, fk, fv) = (f64s(&q), f64s(&k), f64s(&v));
+    let (ro, rl) = forward_f64(spec, &fq, &fk, &fv);
+    let e = rel_err(&f64s(&out), &ro);
+    eprintln!("{what}: out rel err {e:.2e}");
+    assert!(e <= tol(dt).0, "{what}: out relative error {e:e} > {:e}", tol(dt).0);
+    assert_lse(what, &lse, &Tensor::from_vec(rl, spec.dims.lse_len(), &Device::Cpu).unwrap());
+    let (rq, rk, rv) = backward_f64(spec, &fq, &fk, &fv, &f64s(&wgt));
+    for (name, got, want) in [("dq", gq, &rq), ("dk", gk, &rk), ("dv", gv, &rv)] {
+        let e = rel_err(&f64s(got), want);
+        eprintln!("{what}: {name} rel err {e:.2e}");
+        assert!(e <= tol(dt).1, "{what}: {name} relative error {e:e} > {:e}", tol(dt).1);
+    }
+}
+
+/// v with a head_dim of its own (dv != head_dim of q and k): DeepSeek's MLA (q, k 192, v 128) and
+/// v wider than q (64 / 96), through `flash_attn`, `flash_attn_varlen` and `grouped_flash_attn`
+/// (and their `_with_lse` forms): out has q's shape with v's head_dim, dv has v's shape, and out,
+/// lse and the gradients match the f64 reference.
+#[test]
+fn value_head_dim_of_its_own_matches_reference_with_gradients() {
+    let mut rng = StdRng::seed_from_u64(192_128);
+    let meta = |s: &[usize], dt: CDType| TensorMeta::new(s, our_dtype(dt));
+    // varlen per sequence (q_len, k_len): single token, q < k and q > k (rows that see no key), odd
+    let lens = [(1usize, 1usize), (67, 129), (129, 67), (5, 1), (33, 33)];
+    let (mut cq, mut ck) = (vec![0i32], vec![0i32]);
+    for &(a, b) in &lens {
+        cq.push(cq.last().unwrap() + a as i32);
+        ck.push(ck.last().unwrap() + b as i32);
+    }
+    let (tq, tk) = (*cq.last().unwrap() as usize, *ck.last().unwrap() as usize);
+    for (d, dv) in [(192, 128), (64, 96)] {
+        for dt in DTYPES {
+            // flash_attn: (b, sq, sk, hq, hkv, causal)
+            for (b, sq, sk, hq, hkv, causal) in [(2, 67, 129, 4, 2, true), (1, 70, 45, 4, 1, true), (2, 33, 50, 2, 2, false)] {
+                let what = format!("flash_attn d={d} dv={dv} b={b} sq={sq} sk={sk} hq={hq} hkv={hkv} causal={causal} {dt:?}");
+                let scale = 0.7 / (d as f32).sqrt();
+                let cu = |s: usize| (0..=b).map(|i| (i * s) as i32).collect::<Vec<_>>();
+                let spec = AttnSpec::varlen(
+                    &meta(&[b * sq, hq, d], dt),
+                    &meta(&[b * sk, hkv, d], dt),
+                    &meta(&[b * sk, hkv, dv], dt),
+                    &cu(sq),
+                    &cu(sk),
+                    sq,
+                    sk,
+                    Some(scale as f64),
+                    causal,
+                )
+                .unwrap();
+                let op = |q: &Tensor, k: &Tensor, v: &Tensor| -> R<(Tensor, Tensor)> {
+                    let (o, l) = cubeattn::candle::flash_attn_with_lse(q, k, v, scale, causal)?;
+                    assert_eq!(l.dims(), &[b, hq, sq], "{what}: lse shape");
+                    let plain = cubeattn::candle::flash_attn(q, k, v, scale, causal)?;
+                    assert_eq!(host(&plain), host(&o), "{what}: flash_attn vs flash_attn_with_lse");
+                    // [b, hq, sq] -> cubeattn's [hq, b * sq]
+                    Ok((o, l.transpose(0, 1)?.reshape((hq, b * sq))?))
+                };
+                check_value_dim(&what, &mut rng, &[b, sq, hq, d], &[b, sk, hkv, d], &[b, sk, hkv, dv], dt, &spec, &op);
+            }
+            // flash_attn_varlen, GQA 4:2
+            let (hq, hkv) = (4, 2);
+            for causal in [false, true] {
+                let what = format!("varlen d={d} dv={dv} hq={hq} hkv={hkv} causal={causal} {dt:?}");
+                let scale = 1.3 / (d as f32).sqrt();
+                let spec = AttnSpec::varlen(&meta(&[tq, hq, d], dt), &meta(&[tk, hkv, d], dt), &meta(&[tk, hkv, dv], dt), &cq, &ck, 129, 129, Some(scale as f64), causal)
+                    .unwrap();
+                let (sq, sk) = (Tensor::new(cq.as_slice(), &Device::Cpu).unwrap(), Tensor::new(ck.as_slice(), &Device::Cpu).unwrap());
+                let op = |q: &Tensor, k: &Tensor, v: &Tensor| {
+                    let (o, l) = cubeattn::candle::flash_attn_varlen_with_lse(q, k, v, &sq, &sk, 129, 129, scale, causal)?;
+                    let plain = cubeattn::candle::flash_attn_varlen(q, k, v, &sq, &sk, 129, 129, scale, causal)?;
+                    assert_eq!(host(&plain), host(&o), "{what}: plain vs with_lse");
+                    Ok((o, l))
+                };
+                check_value_dim(&what, &mut rng, &[tq, hq, d], &[tk, hkv, d], &[tk, hkv, dv], dt, &spec, &op);
+            }
+        }
+    }
+    // grouped_flash_attn, MLA dims: overlapping key ranges, 5 uncovered query rows
+    let (q_ranges, kv_ranges) = ([[0, 67], [67, 134], [139, 148]], [[0, 67], [0, 268], [30, 159]]);
+    let i32s = |r: &[[usize; 2]]| r.iter().map(|&[a, b]| [a as i32, b as i32]).collect::<Vec<_>>();
+    let (tq, tk, hq, hkv, d, dv) = (148, 268, 4, 2, 192, 128);
+    for dt in DTYPES {
+        let what = format!("grouped d={d} dv={dv} hq={hq} hkv={hkv} causal {dt:?}");
+        let spec = AttnSpec::grouped(&meta(&[tq, hq, d], dt), &meta(&[tk, hkv, d], dt), &meta(&[tk, hkv, dv], dt), &i32s(&q_ranges), &i32s(&kv_ranges), Some(0.1), true)
+            .unwrap();
+        let op = |q: &Tensor, k: &Tensor, v: &Tensor| cubeattn::candle::grouped_flash_attn_with_lse(q, k, v, &q_ranges, &kv_ranges, 0.1, true);
+        check_value_dim(&what, &mut rng, &[tq, hq, d], &[tk, hkv, d], &[tk, hkv, dv], dt, &spec, &op);
+    }
+}
+
+#[test]
+fn value_head_dim_errors_name_v() {
+    let dev = Device::Cpu;
+    let mut rng = StdRng::seed_from_u64(55);
+    let mut t = |s: &[usize]| rand_t(&mut rng, s, CDType::F32);
+    use cubeattn::candle::{flash_attn, flash_attn_varlen, grouped_flash_attn};
+    // batch: q, k [.., 192], v [.., 128]
+    let (q, k) = (t(&[2, 8, 4, 192]), t(&[2, 8, 2, 192]));
+    assert_eq!(flash_attn(&q, &k, &t(&[2, 8, 2, 128]), 0.1, true).unwrap().dims(), &[2, 8, 4, 128]);
+    expect_err(flash_attn(&q, &k, &t(&[3, 8, 2, 128]), 0.1, true), "v"); // batch
+    expect_err(flash_attn(&q, &k, &t(&[2, 9, 2, 128]), 0.1, true), "v"); // seqlen
+    expect_err(flash_attn(&q, &k, &t(&[2, 7, 2, 128]), 0.1, true), "v"); // seqlen
+    expect_err(flash_attn(&q, &k, &t(&[2, 8, 1, 128]), 0.1, true), "v"); // heads
+    expect_err(flash_attn(&q, &k, &t(&[2, 8, 4, 128]), 0.1, true), "v"); // heads (q's)
+    expect_err(flash_attn(&q, &k, &t(&[2, 8, 2, 300]), 0.1, true), "v"); // head_dim past the largest
+    expect_err(flash_attn(&q, &k, &t(&[2, 8, 2, 0]), 0.1, true), "v"); // head_dim 0
+    expect_err(flash_attn(&q, &k, &t(&[2, 8, 2, 128]).flatten_to(1).unwrap(), 0.1, true), "v"); // rank 3
+    expect_err(flash_attn(&q, &t(&[2, 8, 2, 128]), &t(&[2, 8, 2, 128]), 0.1, true), "k"); // k must keep q's head_dim
+
+    // varlen: q [10, 4, 192], k [12, 2, 192], v [12, 2, 128]
+    let (q3, k3) = (t(&[10, 4, 192]), t(&[12, 2, 192]));
+    let s = |v: &[u32]| Tensor::new(v, &dev).unwrap();
+    let (sq, sk) = (s(&[0, 4, 10]), s(&[0, 6, 12]));
+    assert_eq!(flash_attn_varlen(&q3, &k3, &t(&[12, 2, 128]), &sq, &sk, 6, 6, 0.1, true).unwrap().dims(), &[10, 4, 128]);
+    expect_err(flash_attn_varlen(&q3, &k3, &t(&[13, 2, 128]), &sq, &sk, 6, 6, 0.1, true), "v"); // tokens
+    expect_err(flash_attn_varlen(&q3, &k3, &t(&[11, 2, 128]), &sq, &sk, 6, 6, 0.1, true), "v"); // tokens
+    expect_err(flash_attn_varlen(&q3, &k3, &t(&[12, 1, 128]), &sq, &sk, 6, 6, 0.1, true), "v"); // heads
+    expect_err(flash_attn_varlen(&q3, &k3, &t(&[12, 2, 300]), &sq, &sk, 6, 6, 0.1, true), "v"); // head_dim
+
+    // grouped
+    let (qr, kr) = ([[0, 5], [5, 10]], [[0, 6], [0, 12]]);
+    assert_eq!(grouped_flash_attn(&q3, &k3, &t(&[12, 2, 128]), &qr, &kr, 0.1, true).unwrap().dims(), &[10, 4, 128]);
+    expect_err(grouped_flash_attn(&q3, &k3, &t(&[13, 2, 128]), &qr, &kr, 0.1, true), "v");
+    expect_err(grouped_flash_attn(&q3, &k3, &t(&[12, 4, 128]), &qr, &kr, 0.1, true), "v");
+}

@@ -1,7 +1,9 @@
 //! cubeattn's candle ops on candle CUDA tensors (feature `candle-cuda`): out, lse and the
 //! gradients of candle's `backward()` against (a) the same call on CPU tensors (cubeattn's CPU
 //! backend) and (b) the f64 reference (`cubeattn::reference`), for the batch, varlen and grouped
-//! calls in f16, bf16 and f32 at head_dim 64 and 128 (and 48, 80: padded to a kernel head dim); strided and misaligned views; errors.
+//! calls in f16, bf16 and f32 at head_dim 64 and 128 (and 48, 80: padded to a kernel head dim; and
+//! v with a head_dim of its own: DeepSeek's MLA, q and k 192 with v 128, and v 96 wider than q's 64);
+//! strided and misaligned views; errors.
 //!
 //! Every test needs a CUDA GPU and is `#[ignore]`d with that reason, so a plain `cargo test`
 //! lists them as ignored. `scripts/gpu-test.sh test candle` runs them with `--include-ignored`
@@ -64,13 +66,22 @@ fn run(op: Op<'_>, dev: &Device, q: &Tensor, k: &Tensor, v: &Tensor, wgt: &Tenso
     [out, lse, dq, dk, dv]
 }
 
-/// Runs `op` on CUDA and on the CPU with fresh random q `q_shape`, k and v `kv_shape`, and
-/// compares the CUDA results with the CPU ones and with the f64 reference of `spec`.
-fn check(what: &str, gpu: &Device, rng: &mut StdRng, q_shape: &[usize], kv_shape: &[usize], dt: CDType, spec: &AttnSpec, op: Op<'_>) {
-    let (q, k, v) = (rand_t(rng, q_shape, dt), rand_t(rng, kv_shape, dt), rand_t(rng, kv_shape, dt));
-    let wgt = rand_t(rng, q_shape, dt);
+/// Runs `op` on CUDA and on the CPU with fresh random q `q_shape`, k and v `kv_shape` (v with its
+/// own head_dim `dv`), and compares the CUDA results with the CPU ones and with the f64 reference
+/// of `spec`.
+#[allow(clippy::too_many_arguments)]
+fn check(what: &str, gpu: &Device, rng: &mut StdRng, q_shape: &[usize], kv_shape: &[usize], dv: usize, dt: CDType, spec: &AttnSpec, op: Op<'_>) {
+    let with_dv = |s: &[usize]| {
+        let mut s = s.to_vec();
+        *s.last_mut().unwrap() = dv;
+        s
+    };
+    let (v_shape, out_shape) = (with_dv(kv_shape), with_dv(q_shape));
+    let (q, k, v) = (rand_t(rng, q_shape, dt), rand_t(rng, kv_shape, dt), rand_t(rng, &v_shape, dt));
+    let wgt = rand_t(rng, &out_shape, dt);
     let cuda = run(op, gpu, &q, &k, &v, &wgt);
     let cpu = run(op, &Device::Cpu, &q, &k, &v, &wgt);
+    assert_eq!(cuda[0].dims(), out_shape.as_slice(), "{what}: out shape (q's with v's head_dim)");
     let (ro, rl) = forward_f64(spec, &f64s(&q), &f64s(&k), &f64s(&v));
     let (rq, rk, rv) = backward_f64(spec, &f64s(&q), &f64s(&k), &f64s(&v), &f64s(&wgt));
     let (tf, tb) = tol(dt);
@@ -88,11 +99,14 @@ fn check(what: &str, gpu: &Device, rng: &mut StdRng, q_shape: &[usize], kv_shape
     common::assert_lse(&lse, &f64s(&cpu[1]), 1e-3);
 }
 
-/// Spec of a packed call with cumulative lengths (the reference's view of every call here).
-fn varlen_spec(tq: usize, tk: usize, hq: usize, hkv: usize, d: usize, dt: CDType, cq: &[i32], ck: &[i32], scale: f32, causal: bool) -> AttnSpec {
+/// Spec of a packed call with cumulative lengths (the reference's view of every call here); v
+/// has head_dim `dv`.
+#[allow(clippy::too_many_arguments)]
+fn varlen_spec(tq: usize, tk: usize, hq: usize, hkv: usize, d: usize, dv: usize, dt: CDType, cq: &[i32], ck: &[i32], scale: f32, causal: bool) -> AttnSpec {
     let (mq, mk) = (TensorMeta::new(&[tq, hq, d], our_dtype(dt)), TensorMeta::new(&[tk, hkv, d], our_dtype(dt)));
+    let mv = TensorMeta::new(&[tk, hkv, dv], our_dtype(dt));
     let longest = |c: &[i32]| c.windows(2).map(|w| (w[1] - w[0]) as usize).max().unwrap_or(0);
-    AttnSpec::varlen(&mq, &mk, &mk, cq, ck, longest(cq), longest(ck), Some(scale as f64), causal).unwrap()
+    AttnSpec::varlen(&mq, &mk, &mv, cq, ck, longest(cq), longest(ck), Some(scale as f64), causal).unwrap()
 }
 
 #[test]
@@ -100,24 +114,27 @@ fn varlen_spec(tq: usize, tk: usize, hq: usize, hkv: usize, d: usize, dt: CDType
 fn flash_attn_matches_cpu_and_reference() {
     let Some(gpu) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(45);
-    // (b, sq, sk, hq, hkv, d, causal)
+    // (b, sq, sk, hq, hkv, d, dv, causal): dv is v's head_dim
     let cases = [
-        (2, 67, 67, 4, 4, 64, false),
-        (1, 129, 129, 8, 2, 128, true), // GQA 4:1
-        (2, 67, 129, 4, 2, 64, true),   // bottom-right, seqlen_q < seqlen_k
-        (1, 129, 67, 4, 1, 128, true),  // seqlen_q > seqlen_k: the first 62 rows see no key
-        (2, 1, 129, 8, 2, 128, true),   // decode step
-        (3, 1, 1, 2, 2, 64, true),      // single tokens
-        (2, 67, 129, 4, 2, 80, true),   // head_dim 80: the d96 kernels with zero columns
-        (1, 70, 70, 4, 2, 48, false),   // head_dim 48: the d64 kernels with zero columns
+        (2, 67, 67, 4, 4, 64, 64, false),
+        (1, 129, 129, 8, 2, 128, 128, true), // GQA 4:1
+        (2, 67, 129, 4, 2, 64, 64, true),    // bottom-right, seqlen_q < seqlen_k
+        (1, 129, 67, 4, 1, 128, 128, true),  // seqlen_q > seqlen_k: the first 62 rows see no key
+        (2, 1, 129, 8, 2, 128, 128, true),   // decode step
+        (3, 1, 1, 2, 2, 64, 64, true),       // single tokens
+        (2, 67, 129, 4, 2, 80, 80, true),    // head_dim 80: the d96 kernels with zero columns
+        (1, 70, 70, 4, 2, 48, 48, false),    // head_dim 48: the d64 kernels with zero columns
+        (2, 67, 129, 4, 2, 192, 128, true),  // DeepSeek MLA: q, k 192, v 128 (out 128)
+        (1, 129, 67, 4, 1, 192, 128, true),  // MLA with rows that see no key
+        (1, 70, 70, 4, 2, 64, 96, false),    // v wider than q, k
     ];
-    for (ci, (b, sq, sk, hq, hkv, d, causal)) in cases.into_iter().enumerate() {
+    for (ci, (b, sq, sk, hq, hkv, d, dv, causal)) in cases.into_iter().enumerate() {
         let dts: &[CDType] = if ci == 0 { &[CDType::F16, CDType::BF16, CDType::F32] } else { &[CDType::F16, CDType::BF16] };
         for &dt in dts {
-            let what = format!("flash_attn b={b} sq={sq} sk={sk} hq={hq} hkv={hkv} d={d} causal={causal} {dt:?}");
+            let what = format!("flash_attn b={b} sq={sq} sk={sk} hq={hq} hkv={hkv} d={d} dv={dv} causal={causal} {dt:?}");
             let scale = 0.7 / (d as f32).sqrt();
             let cu = |s: usize| (0..=b).map(|i| (i * s) as i32).collect::<Vec<_>>();
-            let spec = varlen_spec(b * sq, b * sk, hq, hkv, d, dt, &cu(sq), &cu(sk), scale, causal);
+            let spec = varlen_spec(b * sq, b * sk, hq, hkv, d, dv, dt, &cu(sq), &cu(sk), scale, causal);
             let op = |q: &Tensor, k: &Tensor, v: &Tensor| -> R<(Tensor, Tensor)> {
                 let (o, l) = cubeattn::candle::flash_attn_with_lse(q, k, v, scale, causal)?;
                 assert_eq!(l.dims(), &[b, hq, sq]);
@@ -126,7 +143,7 @@ fn flash_attn_matches_cpu_and_reference() {
                 // [b, hq, sq] -> cubeattn's [hq, b * sq]
                 Ok((o, l.transpose(0, 1)?.reshape((hq, b * sq))?))
             };
-            check(&what, &gpu, &mut rng, &[b, sq, hq, d], &[b, sk, hkv, d], dt, &spec, &op);
+            check(&what, &gpu, &mut rng, &[b, sq, hq, d], &[b, sk, hkv, d], dv, dt, &spec, &op);
         }
     }
 }
@@ -143,19 +160,20 @@ fn varlen_matches_cpu_and_reference() {
         ck.push(ck.last().unwrap() + b as i32);
     }
     let (tq, tk) = (*cq.last().unwrap() as usize, *ck.last().unwrap() as usize);
-    for (hq, hkv, d) in [(4, 2, 64), (2, 2, 128)] {
+    // (hq, hkv, d, dv): dv is v's head_dim (192 / 128: DeepSeek MLA)
+    for (hq, hkv, d, dv) in [(4, 2, 64, 64), (2, 2, 128, 128), (4, 2, 192, 128)] {
         for dt in [CDType::F16, CDType::BF16] {
             for causal in [false, true] {
-                let what = format!("varlen hq={hq} hkv={hkv} d={d} {dt:?} causal={causal}");
+                let what = format!("varlen hq={hq} hkv={hkv} d={d} dv={dv} {dt:?} causal={causal}");
                 let scale = 1.3 / (d as f32).sqrt();
-                let spec = varlen_spec(tq, tk, hq, hkv, d, dt, &cq, &ck, scale, causal);
+                let spec = varlen_spec(tq, tk, hq, hkv, d, dv, dt, &cq, &ck, scale, causal);
                 // the boundaries as candle-flash-attn takes them (u32), on the GPU
                 let sq = Tensor::new(cq.iter().map(|&x| x as u32).collect::<Vec<_>>(), &gpu).unwrap();
                 let sk = Tensor::new(ck.iter().map(|&x| x as u32).collect::<Vec<_>>(), &gpu).unwrap();
                 let op = |q: &Tensor, k: &Tensor, v: &Tensor| {
                     cubeattn::candle::flash_attn_varlen_with_lse(q, k, v, &sq, &sk, 129, 129, scale, causal)
                 };
-                check(&what, &gpu, &mut rng, &[tq, hq, d], &[tk, hkv, d], dt, &spec, &op);
+                check(&what, &gpu, &mut rng, &[tq, hq, d], &[tk, hkv, d], dv, dt, &spec, &op);
             }
         }
     }
@@ -182,7 +200,7 @@ fn grouped_matches_cpu_and_reference() {
                 let op = |q: &Tensor, k: &Tensor, v: &Tensor| {
                     cubeattn::candle::grouped_flash_attn_with_lse(q, k, v, &q_ranges, &kv_ranges, 0.1, causal)
                 };
-                check(&what, &gpu, &mut rng, &[tq, hq, d], &[tk, hkv, d], dt, &spec, &op);
+                check(&what, &gpu, &mut rng, &[tq, hq, d], &[tk, hkv, d], d, dt, &spec, &op);
             }
         }
     }
@@ -244,6 +262,9 @@ fn bad_arguments_give_errors_naming_them() {
     expect_err(flash_attn(&q, &k.to_dtype(CDType::BF16).unwrap(), &v, 0.125, true), "k");
     expect_err(flash_attn(&q, &t(&[2, 8, 3, 64], CDType::F16), &t(&[2, 8, 3, 64], CDType::F16), 0.125, true), "k");
     expect_err(flash_attn(&q, &k, &v, f32::NAN, true), "softmax_scale");
+    // v may have its own head_dim, but k's [batch, seqlen, heads]
+    expect_err(flash_attn(&q, &k, &t(&[2, 9, 2, 32], CDType::F16), 0.125, true), "v");
+    expect_err(flash_attn(&q, &k, &t(&[2, 8, 1, 32], CDType::F16), 0.125, true), "v");
     // the GPU is still usable after the errors
     let out = flash_attn(&q, &k, &v, 0.125, true).unwrap();
     assert!(f64s(&out).iter().all(|x| x.is_finite()));

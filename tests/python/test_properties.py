@@ -481,8 +481,9 @@ def run_varlen_malformed(data, t):
         a["k"], a["v"] = (rand(rng, (cu_k[-1], hkv, d + 1), dtype) for _ in range(2))
         exc, arg = ValueError, "k"
     elif case == "v_shape":
-        a["v"] = rand(rng, (cu_k[-1], hkv, d + data.draw(st.sampled_from([1, -d]))), dtype) \
-            if data.draw(st.booleans()) else rand(rng, (cu_k[-1], hkv + 1, d), dtype)
+        # (v may have a head_dim of its own, 1..=256; not 0 or 257, nor k's tokens or heads changed)
+        bad = data.draw(st.sampled_from([(0, 0, 0), (0, 0, 257), (0, 1, None), (1, 0, None)]))
+        a["v"] = rand(rng, (cu_k[-1] + bad[0], hkv + bad[1], d if bad[2] is None else bad[2]), dtype)
         exc, arg = ValueError, "v"
     elif case == "heads_ratio":
         h = data.draw(st.sampled_from([(3, 2), (2, 4), (5, 3), (1, 2)]))

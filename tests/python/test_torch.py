@@ -346,6 +346,9 @@ def test_v_with_a_head_dim_of_its_own(device, dtype, d, dv):
     sm_90 there) it runs on the CPU with a RuntimeWarning."""
     import warnings
 
+    # f32 above head_dim 128 (or a GPU below sm_90 there): no CUDA backward; "auto" runs it on the CPU
+    cpu_bwd = device == "cuda" and max(d, dv) > 128 and (dtype == "float32" or not hopper())
+    call_dev = "auto" if cpu_bwd else device
     gen = torch.Generator().manual_seed(d + dv)
     lens = [(1, 1), (37, 70), (64, 64)]
     cu_q = np.cumsum([0] + [a for a, _ in lens]).astype(np.int32)
@@ -356,7 +359,7 @@ def test_v_with_a_head_dim_of_its_own(device, dtype, d, dv):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         out, lse = cubeattn.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 64, 70, causal=True, return_lse=True,
-                                                   device=device)
+                                                   device=call_dev)
     assert cubeattn.last_backend() == device
     assert out.shape == (q.shape[0], 4, dv) and out.dtype == q.dtype and out.device.type == device
     segs = varlen_segments(cu_q, cu_k)
@@ -365,7 +368,6 @@ def test_v_with_a_head_dim_of_its_own(device, dtype, d, dv):
     assert rel_err(f64(out), ref_out) <= fwd_rel
     np.testing.assert_allclose(f64(lse), ref_lse, rtol=1e-3, atol=1e-3)
     dout = (torch.rand(out.shape, generator=gen) * 2 - 1).to(out.dtype).to(device)
-    cpu_bwd = device == "cuda" and max(d, dv) > 128 and (dtype == "float32" or not hopper())
     if cpu_bwd:
         with pytest.warns(RuntimeWarning, match="CPU backend"):
             out.backward(dout)
@@ -382,7 +384,12 @@ def test_v_with_a_head_dim_of_its_own(device, dtype, d, dv):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         grads = cubeattn.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, 64, 70, causal=True,
-                                                    deterministic=True, device=device)
+                                                    deterministic=True, device=call_dev)
+    if cpu_bwd:
+        # device="cuda" refuses instead, naming both head dims
+        with pytest.raises(ValueError, match=f"head_dim {d} \\(v: {dv}\\)"):
+            cubeattn.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, 64, 70, causal=True,
+                                                device="cuda")
     for g, want in zip(grads, ref):
         assert rel_err(f64(g), want) <= rel
     # out / dout in q's shape (the old convention) is refused naming the argument
