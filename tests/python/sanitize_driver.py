@@ -16,7 +16,7 @@ kv_block_table, tiles across two pages, both dQ paths): head_dim 64 and 128, cau
 head_dims (the other head dims: forward and split-K at 32, 96, 192, 256, both backward paths at
 32, 96, 192 and 256 (paged K,V too above 128), bf16, causal and not); padded (head dims without
 a kernel of their own, 33, 80 and 160, on the next one with zero columns: forward, both backward
-paths, paged K,V, block-sparse at 33 and 80). Each result is checked against the CPU
+paths, paged K,V, block-sparse at 33 and 80; v with a head_dim of its own, 192 / 128 and 64 / 128). Each result is checked against the CPU
 backend, so a run also fails (exit 1) on a wrong answer. numpy inputs only: no torch kernels run
 under the sanitizer. The environment switches each family needs are set here, before cubeattn
 loads (the CUDA options are read once)."""
@@ -74,12 +74,15 @@ def main(family):
             failures.append(name)
 
     def varlen(d, dt, causal, backward, deterministic=True, lens=((100, 100), (37, 150), (1, 1), (129, 64)),
-               window=(-1, -1), bad=None):
+               window=(-1, -1), bad=None, dv=None):
         cu_q = np.cumsum([0] + [a for a, _ in lens]).astype(np.int32)
         cu_k = np.cumsum([0] + [b for _, b in lens]).astype(np.int32)
         mq, mk = max(a for a, _ in lens), max(b for _, b in lens)
-        q, k, v = rand((cu_q[-1], 4, d), dt), rand((cu_k[-1], 2, d), dt), rand((cu_k[-1], 2, d), dt)
-        tag = f"varlen d={d} {np.dtype(dt).name} causal={causal}"
+        dv = d if dv is None else dv
+        q, k, v = rand((cu_q[-1], 4, d), dt), rand((cu_k[-1], 2, d), dt), rand((cu_k[-1], 2, dv), dt)
+        # dout: q itself where out has q's shape
+        dout = q if dv == d else rand((cu_q[-1], 4, dv), dt)
+        tag = f"varlen d={d}{'' if dv == d else f' dv={dv}'} {np.dtype(dt).name} causal={causal}"
         if window != (-1, -1):
             tag += f" window={window}"
         if bad is not None:
@@ -92,7 +95,7 @@ def main(family):
                                                        return_lse=True, device=dev)
             res[dev] = [out, lse]
             if backward:
-                res[dev] += cubeattn.flash_attn_varlen_backward(q, q, k, v, out, lse, cu_q, cu_k, mq, mk,
+                res[dev] += cubeattn.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, mq, mk,
                                                                 causal=causal, window_size=window,
                                                                 deterministic=deterministic, device=dev)
         tol = 3e-2
@@ -172,6 +175,11 @@ def main(family):
                 paged(d, dtypes[0], causal, False)
                 if d <= 128:
                     sparse(d, dtypes[-1], causal, False, 64, 128, backward=True)
+                # v with a head_dim of its own: DeepSeek's MLA (q, k read in place, v, out, dout,
+                # dv through the copies) and v wider than q (v, out, dout, dv in place)
+                for dq_, dv_ in ((192, 128), (64, 128)) if d == 160 else ():
+                    for det in (True, False):
+                        varlen(dq_, dtypes[-1], causal, backward=True, deterministic=det, dv=dv_)
                 continue
             if family == "head_dims":
                 varlen(d, dtypes[-1], causal, backward=False)

@@ -1,10 +1,13 @@
 //! Head dims without a kernel of their own (40, 80, 112, 160, ... : every head_dim up to 256 that
 //! is not one of [`super::head_dims_of`]): the call runs on the smallest kernel head dim above
 //! it, on a Hopper GPU the smallest of the wgmma kernels' (80 runs at 128 there, not on the
-//! mma.sync kernels of 96; 96 itself too, but for decode-sized calls: [`padded`]). q, k, v (and
-//! out, dout in the backward) are copied into the workspace with zero columns after the caller's
-//! (`kernels::pad_cols`), the kernels of the wider head dim run on the copies, and the outputs are
-//! copied back without the extra columns. Zero columns add nothing to q.k
+//! mma.sync kernels of 96; 96 itself too, and the 32 backward at 64, but for decode-sized calls:
+//! [`padded`]). So does a call whose v has a head_dim of its own (`Dims::head_dim_v`, DeepSeek's
+//! MLA: 192 / 128), at the wider of the two. q, k, v (and out, dout in the backward) are copied
+//! into the workspace with zero columns after the caller's (`kernels::pad_cols`; a tensor that
+//! already has the kernels' head_dim is read or written in place), the kernels of the wider head
+//! dim run on the copies, and the outputs are copied back without the extra columns. Zero columns
+//! add nothing to q.k
 //! and give zero columns of out, dq, dk and dv, and the scale is the spec's own (resolved from the
 //! caller's head_dim), so the result is the call's, not an approximation. The copies cost two
 //! passes over each tensor; FlashAttention-3 pads the same way inside its tiles.
@@ -37,7 +40,8 @@ use crate::spec::AttnSpec;
 /// 128, 192, 256; head_dim 80 on the d128 wgmma kernels took less time than on the d96 mma.sync
 /// ones). `None` when the head_dim has its own kernel and v shares it, when no kernel head dim is
 /// wider, and for the INT8 QK^T option. With `wgmma`, head_dim 96 has its own (mma.sync) kernels
-/// but runs padded to 128 too, except on decode-sized calls ([`wide_96`]).
+/// but runs padded to 128 too, and the head_dim 32 backward padded to 64, except on decode-sized
+/// calls ([`to_wgmma`]).
 pub(crate) fn padded(spec: &AttnSpec, pass: Pass, wgmma: bool) -> Option<AttnSpec> {
     let hd = spec.dims.head_dim.max(spec.dims.head_dim_v);
     let dims: &[usize] = match spec.block_sparse() {
@@ -45,7 +49,7 @@ pub(crate) fn padded(spec: &AttnSpec, pass: Pass, wgmma: bool) -> Option<AttnSpe
         Some(_) => &SPARSE_HEAD_DIMS,
         None => head_dims_of(pass),
     };
-    let own = dims.contains(&hd) && !(wgmma && wide_96(spec, hd));
+    let own = dims.contains(&hd) && !(wgmma && to_wgmma(spec, hd, pass));
     if own && spec.dims.is_uniform() {
         return None;
     }
@@ -56,14 +60,22 @@ pub(crate) fn padded(spec: &AttnSpec, pass: Pass, wgmma: bool) -> Option<AttnSpe
     Some(s)
 }
 
-/// Whether a call whose wider head_dim is `hd` runs on the d128 wgmma kernels at head_dim 96 (on
-/// a GPU with them): dense calls with more than `FEW_ROWS` packed rows in a sequence. There the
-/// copies cost little beside the products, and head_dim 80 padded to 128 took 11-19% less forward
-/// time and 28-32% less fwd+bwd time than head_dim 96 on its mma.sync kernels (H200, 32 / 8
-/// heads, 8K-16K, bench/results/h200-2026-12-02-head-pad). Decode-sized calls keep the d96
-/// kernels: they read K and V once, and the copies would read and write them again.
-fn wide_96(spec: &AttnSpec, hd: usize) -> bool {
-    hd == 96 && spec.block_sparse().is_none() && max_seg_rows(spec) > FEW_ROWS
+/// Whether a call whose wider head_dim `hd` has mma.sync kernels of its own runs `pass` on the
+/// next wgmma kernels instead (on a GPU with them): dense calls with more than `FEW_ROWS` packed
+/// rows in a sequence, at head_dim 96 (both passes, on the d128 kernels) and at head_dim 32 (the
+/// backward, on the d64 kernels). There the copies cost little beside the products. Head_dim 80
+/// padded to 128 took 11-19% less forward time and 28-32% less fwd+bwd time than head_dim 96 on
+/// its mma.sync kernels (H200, 32 / 8 heads, 8K-16K, bench/results/h200-2026-12-02-head-pad);
+/// head_dim 32 padded to 64 (the copies made by torch) 11-23% less fwd+bwd time than on its own
+/// kernels, its forward 0-7% more, so the d32 forward keeps them
+/// (bench/results/h200-2026-12-02-mla, d32). Decode-sized calls keep their kernels: they read K
+/// and V once, and the copies would read and write them again.
+fn to_wgmma(spec: &AttnSpec, hd: usize, pass: Pass) -> bool {
+    let wider = match pass {
+        Pass::Forward => hd == 96,
+        Pass::Backward { .. } => hd == 96 || hd == 32,
+    };
+    wider && spec.block_sparse().is_none() && max_seg_rows(spec) > FEW_ROWS
 }
 
 /// Whether a padded `spec` runs on the Hopper (wgmma) kernels' head dims on `be` (sm_90 with
@@ -351,12 +363,20 @@ mod tests {
             }
             for d in SUPPORTED_HEAD_DIMS {
                 assert_eq!(to(d, pass, false), None, "head_dim {d} has its own kernel");
-                // 96 on Hopper: the d128 wgmma kernels, but for decode-sized calls
-                assert_eq!(to(d, pass, true), (d == 96).then_some(128), "head_dim {d} wgmma");
+                // on Hopper: 96 on the d128 wgmma kernels, the 32 backward on the d64 ones, but
+                // for decode-sized calls
+                let want = match d {
+                    96 => Some(128),
+                    32 if pass != Pass::Forward => Some(64),
+                    _ => None,
+                };
+                assert_eq!(to(d, pass, true), want, "head_dim {d} wgmma {pass:?}");
             }
             let m = |n, d| TensorMeta::new(&[n, 2, d], DType::BF16);
-            let decode = AttnSpec::varlen(&m(2, 96), &m(512, 96), &m(512, 96), &[0, 1, 2], &[0, 256, 512], 1, 256, None, true).unwrap();
-            assert!(padded(&decode, pass, true).is_none(), "decode-sized head_dim 96 keeps its kernels");
+            for d in [32, 96] {
+                let decode = AttnSpec::varlen(&m(2, d), &m(512, d), &m(512, d), &[0, 1, 2], &[0, 256, 512], 1, 256, None, true).unwrap();
+                assert!(padded(&decode, pass, true).is_none(), "decode-sized head_dim {d} keeps its kernels");
+            }
         }
         // block-sparse: 64 / 128; the INT8 option is never padded
         let sparse = |d, int8| spec(d).with_block_index(&[0, 1, 0, 1], &[1, 2, 1, 2], 128, 128, int8).unwrap();
