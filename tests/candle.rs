@@ -509,11 +509,7 @@ fn value_head_dim_of_its_own_matches_reference_with_gradients() {
     let meta = |s: &[usize], dt: CDType| TensorMeta::new(s, our_dtype(dt));
     // varlen per sequence (q_len, k_len): single token, q < k and q > k (rows that see no key), odd
     let lens = [(1usize, 1usize), (67, 129), (129, 67), (5, 1), (33, 33)];
-    let (mut cq, mut ck) = (vec![0i32], vec![0i32]);
-    for &(a, b) in &lens {
-        cq.push(cq.last().unwrap() + a as i32);
-        ck.push(ck.last().unwrap() + b as i32);
-    }
+    let (cq, ck) = common::cu_seqlens(&lens);
     let (tq, tk) = (*cq.last().unwrap() as usize, *ck.last().unwrap() as usize);
     for (d, dv) in [(192, 128), (64, 96)] {
         for dt in DTYPES {

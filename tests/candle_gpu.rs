@@ -154,11 +154,7 @@ fn varlen_matches_cpu_and_reference() {
     let Some(gpu) = gpu() else { return };
     let mut rng = StdRng::seed_from_u64(4545);
     let lens = [(1usize, 1usize), (67, 129), (129, 67), (5, 1), (33, 33)];
-    let (mut cq, mut ck) = (vec![0i32], vec![0i32]);
-    for &(a, b) in &lens {
-        cq.push(cq.last().unwrap() + a as i32);
-        ck.push(ck.last().unwrap() + b as i32);
-    }
+    let (cq, ck) = common::cu_seqlens(&lens);
     let (tq, tk) = (*cq.last().unwrap() as usize, *ck.last().unwrap() as usize);
     // (hq, hkv, d, dv): dv is v's head_dim (192 / 128: DeepSeek MLA)
     for (hq, hkv, d, dv) in [(4, 2, 64, 64), (2, 2, 128, 128), (4, 2, 192, 128)] {

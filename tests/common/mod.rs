@@ -80,14 +80,19 @@ pub fn varlen_spec(lens: &[(usize, usize)], hq: usize, hkv: usize, d: usize, dty
     varlen_spec_dv(lens, hq, hkv, d, d, dtype, causal)
 }
 
-/// [`varlen_spec`] with v's own head_dim `dv`.
-pub fn varlen_spec_dv(lens: &[(usize, usize)], hq: usize, hkv: usize, d: usize, dv: usize, dtype: DType, causal: bool) -> AttnSpec {
-    let mut cq = vec![0i32];
-    let mut ck = vec![0i32];
+/// Cumulative sequence lengths (cu_seqlens_q, cu_seqlens_k) of per-sequence (q_len, k_len).
+pub fn cu_seqlens(lens: &[(usize, usize)]) -> (Vec<i32>, Vec<i32>) {
+    let (mut cq, mut ck) = (vec![0i32], vec![0i32]);
     for &(a, b) in lens {
         cq.push(cq.last().unwrap() + a as i32);
         ck.push(ck.last().unwrap() + b as i32);
     }
+    (cq, ck)
+}
+
+/// [`varlen_spec`] with v's own head_dim `dv`.
+pub fn varlen_spec_dv(lens: &[(usize, usize)], hq: usize, hkv: usize, d: usize, dv: usize, dtype: DType, causal: bool) -> AttnSpec {
+    let (cq, ck) = cu_seqlens(lens);
     let (tq, tk) = (*cq.last().unwrap() as usize, *ck.last().unwrap() as usize);
     let mq = lens.iter().map(|x| x.0).max().unwrap_or(0);
     let mk = lens.iter().map(|x| x.1).max().unwrap_or(0);
