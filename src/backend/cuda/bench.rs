@@ -50,7 +50,9 @@ pub fn bench(spec: &AttnSpec, warmup: usize, iters: usize, part: BenchPart, path
     let be = CudaBackend::shared()?;
     check_supported(spec, Pass::Forward)?;
     if super::head_pad::padded(spec, Pass::Forward, super::head_pad::wgmma_padding(Some(be), spec)).is_some() {
-        return Err(invalid("spec", format!("the kernel benchmark runs the kernels' own head dims, not head_dim {}", spec.dims.head_dim)));
+        let d = &spec.dims;
+        let v = if d.is_uniform() { String::new() } else { format!(" (v: {})", d.head_dim_v) };
+        return Err(invalid("spec", format!("the kernel benchmark runs the kernels' own head dims, not head_dim {}{v}", d.head_dim)));
     }
     if !has_work(spec) {
         return Err(invalid("spec", "benchmark needs at least one query, key and head"));
