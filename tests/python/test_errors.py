@@ -141,6 +141,12 @@ def test_estimate_vram_breakdown():
     assert b["total"] > e["total"]
     with pytest.raises(ValueError, match="`k`"):
         cubeattn.estimate_vram((4096, 32, 128), (4096, 7, 128), "bfloat16")
+    # v with a head_dim of its own (DeepSeek's MLA: 192 / 128): v and out at 128
+    m = cubeattn.estimate_vram((4096, 16, 192), (4096, 16, 192), "bfloat16", v_shape=(4096, 16, 128))
+    assert m["inputs"] == (4096 * 16 * 192 * 2 + 4096 * 16 * 128) * 2
+    assert m["outputs"] == 4096 * 16 * 128 * 2
+    with pytest.raises(ValueError, match="`v`"):
+        cubeattn.estimate_vram((4096, 16, 192), (4096, 16, 192), "bfloat16", v_shape=(4096, 8, 128))
 
 
 def test_backward_rejects_non_arrays_with_type_error():
