@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import (_batched_dims, _cu, _flag, _scale, _unsupported, _window, _check_device, _results, flash_attn_varlen_backward,
-               flash_attn_varlen_func, grouped_flash_attn_backward, grouped_flash_attn_func)
+from . import (_batched_dims, _cu, _flag, _out_shape, _scale, _unsupported, _window, _check_device, _results,
+               flash_attn_varlen_backward, flash_attn_varlen_func, grouped_flash_attn_backward, grouped_flash_attn_func)
 
 _LIB = "cubeattn"
 
@@ -37,7 +37,7 @@ def fwd_dense(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float], c
     out, lse = flash_attn_varlen_func(_flat(q.detach()), _flat(k.detach()), _flat(v.detach()), _cu(b, sq), _cu(b, sk),
                                       sq, sk, 0.0, softmax_scale, causal, (window_left, window_right),
                                       return_lse=True, device=device)
-    return out.reshape(tuple(q.shape[:-1]) + (v.shape[-1],)), lse
+    return out.reshape(_out_shape(q.shape, v.shape)), lse
 
 
 @torch.library.custom_op(f"{_LIB}::bwd_dense", mutates_args=())
@@ -98,7 +98,7 @@ def _fake_fwd(q, k, v, *options):
     """out q's shape with v's head_dim (contiguous, as the real ones are), lse [heads_q, total_q]
     float32."""
     total_q = q.shape[0] * q.shape[1] if q.dim() == 4 else q.shape[0]
-    return _empty(tuple(q.shape[:-1]) + (v.shape[-1],), q), _empty((q.shape[-2], total_q), q, torch.float32)
+    return _empty(_out_shape(q.shape, v.shape), q), _empty((q.shape[-2], total_q), q, torch.float32)
 
 
 def _fake_bwd(dout, q, k, v, out, lse, *options):

@@ -227,29 +227,33 @@ fn part_addrs<const N: usize>(parts: &[usize; N], workspace: u64, workspace_byte
     Ok(std::array::from_fn(|i| workspace + offs[i] as u64))
 }
 
-/// The row copies of one padded call: the caller's `spec`, the kernels' head_dim `hp`.
+/// The row copies of one padded call: the caller's `spec`, the padded spec `ps` the kernels run.
 struct Copies<'a> {
     spec: &'a AttnSpec,
-    hp: usize,
+    ps: &'a AttnSpec,
     stream: CUstream,
 }
 
 impl Copies<'_> {
+    /// Enqueues the copy of `part`'s rows from `src_cols` columns at `src` to `out_cols` at `out`.
+    unsafe fn rows(&self, be: &CudaBackend, part: Part, src: u64, src_cols: usize, out: u64, out_cols: usize) -> Result<()> {
+        copy(be, src, src_cols, out, out_cols, part.shape(self.spec).0, self.spec.dtype.size(), self.stream)
+    }
+
     /// Where the kernels read input `part`: the caller's tensor at `src` in place, or its copy
     /// at `at` with zero columns after the caller's (enqueued here).
     unsafe fn input(&self, be: &CudaBackend, part: Part, src: u64, at: u64) -> Result<u64> {
-        let (rows, cols) = part.shape(self.spec);
-        if cols == self.hp {
+        if part.in_place(self.spec, self.ps) {
             return Ok(src);
         }
-        copy(be, src, cols, at, self.hp, rows, self.spec.dtype.size(), self.stream)?;
+        self.rows(be, part, src, part.shape(self.spec).1, at, self.ps.dims.head_dim)?;
         Ok(at)
     }
 
     /// Where the kernels write output `part`: the caller's tensor at `dst` in place, or the
     /// workspace at `at` ([`Self::narrow`] copies it back).
     fn output(&self, part: Part, dst: u64, at: u64) -> u64 {
-        if part.shape(self.spec).1 == self.hp {
+        if part.in_place(self.spec, self.ps) {
             dst
         } else {
             at
@@ -259,11 +263,10 @@ impl Copies<'_> {
     /// The kernels' output `part` at `at` into the caller's tensor at `dst`, without the extra
     /// columns (nothing where the kernels wrote `dst` in place).
     unsafe fn narrow(&self, be: &CudaBackend, part: Part, at: u64, dst: u64) -> Result<()> {
-        let (rows, cols) = part.shape(self.spec);
-        if cols == self.hp {
+        if part.in_place(self.spec, self.ps) {
             return Ok(());
         }
-        copy(be, at, self.hp, dst, cols, rows, self.spec.dtype.size(), self.stream)
+        self.rows(be, part, at, self.ps.dims.head_dim, dst, part.shape(self.spec).1)
     }
 }
 
@@ -279,7 +282,7 @@ impl CudaBackend {
         }
         let parts = fwd_parts(spec, ps, self.forward_workspace(ps, stream)?);
         let at = part_addrs(&parts, p.workspace, workspace_bytes)?;
-        let c = Copies { spec, hp: ps.dims.head_dim, stream: stream as CUstream };
+        let c = Copies { spec, ps, stream: stream as CUstream };
         let q = c.input(self, Part::Q, p.q, at[0])?;
         let k = c.input(self, Part::K, p.k, at[1])?;
         let v = c.input(self, Part::V, p.v, at[2])?;
@@ -311,7 +314,7 @@ impl CudaBackend {
         }
         let parts = bwd_parts(spec, ps, bwd_inner(Some(self), ps, deterministic, path));
         let at = part_addrs(&parts, p.workspace, workspace_bytes)?;
-        let c = Copies { spec, hp: ps.dims.head_dim, stream: stream as CUstream };
+        let c = Copies { spec, ps, stream: stream as CUstream };
         let inner_p = BwdPtrs {
             q: c.input(self, Part::Q, p.q, at[0])?,
             k: c.input(self, Part::K, p.k, at[1])?,
