@@ -14,6 +14,7 @@
 //! | `CUBEATTN_CUDA_DECODE=0` | decode-sized calls (at most 32 rows of a sequence a tile) keep `flash_fwd_sm90`'s 128-row tiles instead of `kernels::flash_fwd_decode` (one-warpgroup cubes, the keys as the MMA's M; `FwdOptions::sm90_decode`) | A/B runs of the two on one GPU |
 //! | `CUBEATTN_CUDA_SM90_WS=0` | keeps `flash_fwd_sm90` where the warp-specialised wgmma forward (`kernels::flash_fwd_ws`, `FwdOptions::sm90_ws`) is the default | A/B runs of the two Hopper frames on one GPU |
 //! | `CUBEATTN_CUDA_WS_BN=128` (or 144) | keys per tile of the warp-specialised forward at head_dim 128 where no row's key range is cut (non-causal, no window, K / V not paged, not block-sparse; `FwdOptions::ws_bn`, default 160) | A/B runs of its tile widths on one GPU |
+//! | `CUBEATTN_CUDA_WS_BN_V=64` | keys per tile of the warp-specialised forward at head_dim 192 with v at most 128 wide (DeepSeek's MLA; `FwdOptions::ws_bn_v`, default 128) | A/B runs of its tile widths on one GPU |
 //! | `CUBEATTN_CUDA_SPLIT=0` | no split-K of long forward tiles | the sanitizer families (`tests/python/sanitize_driver.py`) |
 //! | `CUBEATTN_WORK_ORDER=cost` | the forward's, the dK/dV kernels' and the dQ pass's work lists strictly by cost, without taking items of close cost sequence by sequence (`FwdOptions::seq_waves`) | A/B runs of the two orders |
 //! | `CUBEATTN_BWD_DQ=pass` / `atomic` | `deterministic = false` backward calls take the separate dQ pass / the dQ fused into the dK/dV kernel with atomics, wherever the default would take the other (default: fused, except dense d64 calls on sm_90) | sanitizer families, comparisons |
@@ -158,6 +159,10 @@ impl Config {
                     Some("144") => 144,
                     _ => FwdOptions::defaults().ws_bn,
                 },
+                ws_bn_v: match var("CUBEATTN_CUDA_WS_BN_V").as_deref() {
+                    Some("64") => 64,
+                    _ => FwdOptions::defaults().ws_bn_v,
+                },
                 seq_waves: !is("CUBEATTN_WORK_ORDER", "cost"),
                 ..FwdOptions::defaults()
             },
@@ -215,6 +220,10 @@ pub struct FwdOptions {
     /// bench/results/h200-2026-12-01-ws-wide): -1 to -2% at 8K-16K, level at 4K; FlashAttention-3's
     /// 176 spilled (108 bytes) and lost 2-5%.
     pub ws_bn: u32,
+    /// Keys per tile of `kernels::flash_fwd_ws` at head_dim 192 where v is at most 128 wide
+    /// (`backend::cuda::forward::value_dim_native`, DeepSeek's MLA 192 / 128): 128
+    /// (`CUBEATTN_CUDA_WS_BN_V=64` for A/B runs; 64 is the d192 frame's tile when v is as wide as q).
+    pub ws_bn_v: u32,
     /// The work list's items of close cost taken sequence by sequence (`cuda::plan::order_by_cost`),
     /// so that a wave's cubes share a sequence's K / V in L2; off (`CUBEATTN_WORK_ORDER=cost`):
     /// strictly by cost. The backward's lists follow the process's value (`Config::fwd`).
@@ -236,6 +245,7 @@ impl FwdOptions {
             sm90_ws: true,
             sm90_decode: true,
             ws_bn: 160,
+            ws_bn_v: 128,
             seq_waves: true,
         }
     }
@@ -350,6 +360,7 @@ mod tests {
             assert_eq!(with(&[]).fwd.ws_bn, 160);
             assert_eq!(with(&[("CUBEATTN_CUDA_WS_BN", "128")]).fwd.ws_bn, 128);
             assert_eq!(with(&[("CUBEATTN_CUDA_WS_BN", "176")]).fwd.ws_bn, 160, "176 lost: not offered");
+            assert_eq!((with(&[]).fwd.ws_bn_v, with(&[("CUBEATTN_CUDA_WS_BN_V", "64")]).fwd.ws_bn_v), (128, 64));
             for bad in ["32:2", "64:3", "64:0:2", "64", "x"] {
                 assert_eq!(with(&[("CUBEATTN_CUDA_SM90_TILE", bad)]).fwd.sm90_tile, None, "{bad}");
             }

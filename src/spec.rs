@@ -35,7 +35,8 @@ pub struct Dims {
     /// q's and k's head_dim.
     pub head_dim: usize,
     /// v's head_dim, and out's, dout's and dv's (`head_dim` but for calls like DeepSeek's MLA:
-    /// 192 / 128). The kernels run specs with one head_dim ([`Dims::at_head_dim`]).
+    /// 192 / 128). The kernels run specs with one head_dim ([`Dims::at_head_dim`]), but for the
+    /// Hopper forward's warp-specialised frame, which runs v at its own.
     pub head_dim_v: usize,
 }
 

@@ -13,6 +13,10 @@
 //! exponentiates it while P V runs, then waits for P V and rescales O. Nothing stays in flight
 //! across the loop's back edge (ptxas would serialise every wgmma of the loop, docs/backward.md).
 //!
+//! v may have a head_dim of its own, narrower than q's and k's (`head_dim_v`, DeepSeek's MLA 192 /
+//! 128): V's tiles, P V and O are then as wide as v, so a 192 / 128 call pays for 128 columns of
+//! P V, not 192, and its narrower V stages leave room for 128-key tiles.
+//!
 //! The key sets are those of `flash_fwd_sm90` (same card, plan and tile iterator: dense, varlen,
 //! GQA packing, grouped, paged, sliding window, block-sparse, split-K partials, LSE); the INT8 /
 //! FP8 variants (on this frame with their 64-key tiles they lost: docs/measured-and-lost.md) and
@@ -83,12 +87,15 @@ pub(super) fn release(empty0: &Barrier, empty1: &Barrier, kt: u32, first: bool) 
 
 /// The warp-specialised Hopper forward (module docs); arguments and comptime choices as
 /// `flash_fwd_sm90` without its INT8 / FP8 / V-check variants. `block_n`: keys per tile (a
-/// multiple of 64).
+/// multiple of 64). `head_dim_v`: v's and out's head_dim (a multiple of 64, at most `head_dim`;
+/// DeepSeek's MLA: 192 / 128): the V tiles, P V's N, O and the epilogue at v's width, Q and K at
+/// `head_dim`.
 #[allow(clippy::too_many_arguments, clippy::eq_op, unused_variables)]
 #[cube(launch_unchecked)]
 pub fn flash_fwd_ws<E: Float>(
     args: &mut FwdCard<E>,
     #[comptime] head_dim: usize,
+    #[comptime] head_dim_v: usize,
     #[comptime] block_n: usize,
     #[comptime] sparse: bool,
     #[comptime] paged: bool,
@@ -105,9 +112,10 @@ pub fn flash_fwd_ws<E: Float>(
     let wg = warp / 4u32;
 
     let tile_e = comptime!(block_n * head_dim);
+    let tile_v = comptime!(block_n * head_dim_v);
     let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(block_m * head_dim), 1024usize);
     let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(2 * tile_e), 1024usize);
-    let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(2 * tile_e), 1024usize);
+    let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(2 * tile_v), 1024usize);
     let mut row_tok = SharedMemory::<u32>::new(block_m);
     let mut row_head = SharedMemory::<u32>::new(block_m);
     let mut row_lo = SharedMemory::<u32>::new(block_m);
@@ -144,7 +152,7 @@ pub fn flash_fwd_ws<E: Float>(
                     tpb_magic, block_n, sparse);
                 let (p0, _p1, pb) = tile_rows(t0, t1, &args.blocks, paged, block_n);
                 produce_tile(&args.k_map, &mut k_smem, &k_full0, &k_full1, &k_empty0, &k_empty1, kt, p0, pb, head_kv, block_n, head_dim);
-                produce_tile(&args.v_map, &mut v_smem, &v_full0, &v_full1, &v_empty0, &v_empty1, kt, p0, pb, head_kv, block_n, head_dim);
+                produce_tile(&args.v_map, &mut v_smem, &v_full0, &v_full1, &v_empty0, &v_empty1, kt, p0, pb, head_kv, block_n, head_dim_v);
             }
         }
         terminate!();
@@ -166,7 +174,7 @@ pub fn flash_fwd_ws<E: Float>(
         named_barrier(1u32, 256u32);
     }
 
-    let o_n = comptime!(head_dim / 2);
+    let o_n = comptime!(head_dim_v / 2);
     let s_n = comptime!(block_n / 2);
     let mut o_acc = Array::<f32>::new(o_n);
     #[unroll]
@@ -203,13 +211,14 @@ pub fn flash_fwd_ws<E: Float>(
         let (t0, t1) = tile_bounds(kt, klo, khi, list, &args.blocks, &list_smem, args.k_block, args.tiles_per_block,
             tpb_magic, block_n, sparse);
         let cur = ((kt & 1u32) as usize) * tile_e;
-        let prev = tile_e - cur;
+        // V(t - 1)'s stage
+        let prev = tile_v - ((kt & 1u32) as usize) * tile_v;
         wait_stage(&k_full0, &k_full1, kt);
         wgmma_fence();
         s_steps::<E>(&mut s, &mut s_i, &q_smem, q_wg, &k_smem, cur, block_n, head_dim, false, SM90_BLOCK_M);
         wgmma_commit();
         wait_stage(&v_full0, &v_full1, kt - 1u32);
-        pv_steps::<E>(&mut o_acc, &p, &v_smem, prev, block_n, head_dim);
+        pv_steps::<E>(&mut o_acc, &p, &v_smem, prev, block_n, head_dim_v);
         wgmma_commit();
         wgmma_wait(1u32);
         release(&k_empty0, &k_empty1, kt, first);
@@ -218,7 +227,7 @@ pub fn flash_fwd_ws<E: Float>(
         wgmma_wait(0u32);
         release(&v_empty0, &v_empty1, kt - 1u32, first);
         if moved {
-            rescale_o(&mut o_acc, &alpha, head_dim);
+            rescale_o(&mut o_acc, &alpha, head_dim_v);
         }
         pack_a_pairs::<E>(&s, &mut p, comptime!(block_n / 4));
     }
@@ -226,11 +235,11 @@ pub fn flash_fwd_ws<E: Float>(
         let last = n_tiles - 1u32;
         wait_stage(&v_full0, &v_full1, last);
         wgmma_fence();
-        pv_steps::<E>(&mut o_acc, &p, &v_smem, ((last & 1u32) as usize) * tile_e, block_n, head_dim);
+        pv_steps::<E>(&mut o_acc, &p, &v_smem, ((last & 1u32) as usize) * tile_v, block_n, head_dim_v);
         wgmma_commit();
         wgmma_wait(0u32);
     }
 
     write_out(args, &o_acc, &m_r, &mut l_r, &row_tok, &mut row_head, prow, row_a, row_b, lane, y, slot, 0u32, head_kv, neg_inf,
-        head_dim, false, false);
+        head_dim_v, false, false);
 }

@@ -22,6 +22,7 @@ pub const EXACT_CUBES: usize = 1024;
 /// Online softmax of one (row, head) plane over the absolute keys `[j0, j1)` of kv head
 /// `head_kv`: `qv` this lane's scaled q dimensions, `o` its output accumulator; returns the new
 /// running maximum and sum. `paged`: K,V rows through the page table `pages` (`rows::kv_row`).
+/// `head_dim_v`: v's head_dim (and `o`'s, `head_dim_v / 32` a lane).
 #[allow(clippy::too_many_arguments)]
 #[cube]
 fn visit_keys<E: Float>(
@@ -38,14 +39,18 @@ fn visit_keys<E: Float>(
     inf: f32,
     pages: &Array<u32>,
     #[comptime] head_dim: usize,
+    #[comptime] head_dim_v: usize,
     #[comptime] paged: bool,
 ) -> (f32, f32) {
     let per_lane = comptime!(head_dim / 32);
+    let per_lane_v = comptime!(head_dim_v / 32);
     let lane = UNIT_POS_PLANE as usize;
     let mut m = m0;
     let mut l = l0;
     for j in j0..j1 {
-        let kbase = (kv_row(j, pages, paged) * heads_kv + head_kv) as usize * head_dim;
+        let kv = kv_row(j, pages, paged) * heads_kv + head_kv;
+        let kbase = kv as usize * head_dim;
+        let vbase = kv as usize * head_dim_v;
         let mut part = 0.0f32;
         #[unroll]
         for i in 0..per_lane {
@@ -62,31 +67,44 @@ fn visit_keys<E: Float>(
         let p = f32::exp(sc - use_m);
         l = l * alpha + p;
         #[unroll]
-        for i in 0..per_lane {
-            o[i] = o[i] * alpha + p * f32::cast_from(v[kbase + i * 32 + lane]);
+        for i in 0..per_lane_v {
+            o[i] = o[i] * alpha + p * f32::cast_from(v[vbase + i * 32 + lane]);
         }
         m = m_new;
     }
     (m, l)
 }
 
-/// Loads this lane's scaled q dimensions of `(row, head)` into `qv` and zeroes `o`; returns the
-/// row's element offset.
+/// Loads this lane's scaled q dimensions of `(row, head)` into `qv` and zeroes `o` (v's
+/// `head_dim_v / 32` a lane).
 #[cube]
-fn load_row<E: Float>(q: &Array<E>, qv: &mut Array<f32>, o: &mut Array<f32>, row: u32, head: u32, heads_q: u32, scale: f32, #[comptime] head_dim: usize) -> usize {
+#[allow(clippy::too_many_arguments)]
+fn load_row<E: Float>(
+    q: &Array<E>,
+    qv: &mut Array<f32>,
+    o: &mut Array<f32>,
+    row: u32,
+    head: u32,
+    heads_q: u32,
+    scale: f32,
+    #[comptime] head_dim: usize,
+    #[comptime] head_dim_v: usize,
+) {
     let per_lane = comptime!(head_dim / 32);
     let lane = UNIT_POS_PLANE as usize;
     let qbase = (row * heads_q + head) as usize * head_dim;
     #[unroll]
     for i in 0..per_lane {
-        o[i] = 0.0f32;
         qv[i] = f32::cast_from(q[qbase + i * 32 + lane]) * scale;
     }
-    qbase
+    #[unroll]
+    for i in 0..comptime!(head_dim_v / 32) {
+        o[i] = 0.0f32;
+    }
 }
 
-/// Writes `o / l` and the LSE `m + ln(l)` of `(row, head)`; a row that saw no key (l = 0): zeros
-/// and LSE `inf`.
+/// Writes `o / l` (out rows of `head_dim_v`, v's head_dim) and the LSE `m + ln(l)` of `(row,
+/// head)`; a row that saw no key (l = 0): zeros and LSE `inf`.
 #[allow(clippy::too_many_arguments)]
 #[cube]
 fn write_row<E: Float>(
@@ -95,22 +113,23 @@ fn write_row<E: Float>(
     o: &Array<f32>,
     m: f32,
     l: f32,
-    qbase: usize,
     row: u32,
     head: u32,
+    heads_q: u32,
     total_q: u32,
     inf: f32,
-    #[comptime] head_dim: usize,
+    #[comptime] head_dim_v: usize,
 ) {
-    let per_lane = comptime!(head_dim / 32);
+    let per_lane = comptime!(head_dim_v / 32);
     let lane = UNIT_POS_PLANE;
+    let obase = (row * heads_q + head) as usize * head_dim_v;
     let mut inv = 0.0f32;
     if l > 0.0f32 {
         inv = 1.0f32 / l;
     }
     #[unroll]
     for i in 0..per_lane {
-        out[qbase + i * 32 + lane as usize] = E::cast_from(o[i] * inv);
+        out[obase + i * 32 + lane as usize] = E::cast_from(o[i] * inv);
     }
     if lane == 0 {
         let mut val = inf;
@@ -144,13 +163,13 @@ fn attend_row<E: Float>(
     win_r: u32,
     pages: &Array<u32>,
     #[comptime] head_dim: usize,
+    #[comptime] head_dim_v: usize,
     #[comptime] paged: bool,
 ) {
-    let per_lane = comptime!(head_dim / 32);
     let seg = row_seg[row as usize];
-    let mut o = Array::<f32>::new(per_lane);
-    let mut qv = Array::<f32>::new(per_lane);
-    let qbase = load_row::<E>(q, &mut qv, &mut o, row, head, heads_q, scale, head_dim);
+    let mut o = Array::<f32>::new(comptime!(head_dim_v / 32));
+    let mut qv = Array::<f32>::new(comptime!(head_dim / 32));
+    load_row::<E>(q, &mut qv, &mut o, row, head, heads_q, scale, head_dim, head_dim_v);
     let mut m = -inf;
     let mut l = 0.0f32;
     if seg != u32::MAX {
@@ -160,11 +179,12 @@ fn attend_row<E: Float>(
         let k_len = segs[seg as usize * 4 + 3];
         let (lo, hi) = row_keys(q_len, k_len, row - q_start, win_l, win_r);
         let head_kv = head / (heads_q / heads_kv);
-        let (m1, l1) = visit_keys::<E>(k, v, &qv, &mut o, m, l, k_start + lo, k_start + hi, heads_kv, head_kv, inf, pages, head_dim, paged);
+        let (m1, l1) = visit_keys::<E>(k, v, &qv, &mut o, m, l, k_start + lo, k_start + hi, heads_kv, head_kv, inf, pages, head_dim, head_dim_v,
+            paged);
         m = m1;
         l = l1;
     }
-    write_row::<E>(out, lse, &o, m, l, qbase, row, head, total_q, inf, head_dim);
+    write_row::<E>(out, lse, &o, m, l, row, head, heads_q, total_q, inf, head_dim_v);
 }
 
 /// The f32 forward: one cube per `ROWS_PER_CUBE` rows (`CUBE_POS_X`) of one head (`CUBE_POS_Y`).
@@ -193,7 +213,7 @@ pub fn rowwise_fwd_f32(
     if row < total_q {
         attend_row::<f32>(
             q, k, v, out, lse, row_seg, segs, row, CUBE_POS_Y, scale, heads_q, heads_kv, total_q, inf, win_l, win_r,
-            pages, head_dim, paged,
+            pages, head_dim, head_dim, paged,
         );
     }
 }
@@ -201,7 +221,8 @@ pub fn rowwise_fwd_f32(
 /// The exact forward of an f16/bf16 dense, varlen or grouped call whose v holds a non-finite
 /// element (`nonfinite[0] != 0`; else every cube returns at once). Writes every row of out and
 /// lse (rows no segment covers: zeros, lse `inf`). Grid: at most [`EXACT_CUBES`] cubes, each plane
-/// striding over the (row, head) pairs.
+/// striding over the (row, head) pairs. `head_dim_v`: v's and out's head_dim (the call's
+/// `Dims::head_dim_v`; `head_dim` where v shares q's).
 #[allow(clippy::too_many_arguments)]
 #[cube(launch_unchecked)]
 pub fn rowwise_fwd_exact<E: Float>(
@@ -222,6 +243,7 @@ pub fn rowwise_fwd_exact<E: Float>(
     win_r: u32,
     pages: &Array<u32>,
     #[comptime] head_dim: usize,
+    #[comptime] head_dim_v: usize,
     #[comptime] paged: bool,
 ) {
     if nonfinite[0] == 0u32 {
@@ -233,7 +255,8 @@ pub fn rowwise_fwd_exact<E: Float>(
     while w < pairs {
         let row = w / heads_q;
         let head = w % heads_q;
-        attend_row::<E>(q, k, v, out, lse, row_seg, segs, row, head, scale, heads_q, heads_kv, total_q, inf, win_l, win_r, pages, head_dim, paged);
+        attend_row::<E>(q, k, v, out, lse, row_seg, segs, row, head, scale, heads_q, heads_kv, total_q, inf, win_l, win_r, pages, head_dim, head_dim_v,
+            paged);
         w += stride;
     }
 }
@@ -301,7 +324,7 @@ pub fn rowwise_sparse_fwd_exact<E: Float>(
             let row = q_start + qr;
             let mut o = Array::<f32>::new(per_lane);
             let mut qv = Array::<f32>::new(per_lane);
-            let qbase = load_row::<E>(q, &mut qv, &mut o, row, head, heads_q, scale, head_dim);
+            load_row::<E>(q, &mut qv, &mut o, row, head, heads_q, scale, head_dim, head_dim);
             let (lo, hi) = row_keys(q_len, k_len, qr, win_l, win_r);
             let mut m = -inf;
             let mut l = 0.0f32;
@@ -311,12 +334,12 @@ pub fn rowwise_sparse_fwd_exact<E: Float>(
                 let j1 = min(kb * k_block + k_block, hi);
                 if j0 < j1 {
                     let (m1, l1) =
-                        visit_keys::<E>(k, v, &qv, &mut o, m, l, k_start + j0, k_start + j1, heads_kv, head / group, inf, blocks, head_dim, false);
+                        visit_keys::<E>(k, v, &qv, &mut o, m, l, k_start + j0, k_start + j1, heads_kv, head / group, inf, blocks, head_dim, head_dim, false);
                     m = m1;
                     l = l1;
                 }
             }
-            write_row::<E>(out, lse, &o, m, l, qbase, row, head, total_q, inf, head_dim);
+            write_row::<E>(out, lse, &o, m, l, row, head, heads_q, total_q, inf, head_dim);
             p += ROWS_PER_CUBE as u32;
         }
         w += CUBE_COUNT_X;

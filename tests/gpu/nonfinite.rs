@@ -11,7 +11,7 @@ use cubeattn::{AttnSpec, DType, HostData, Int8Qk, QuantGran, TensorMeta};
 use rand::{rngs::StdRng, SeedableRng};
 
 use super::{backend, random};
-use crate::common::{grouped_ranges_spec, varlen_spec};
+use crate::common::{grouped_ranges_spec, varlen_spec, varlen_spec_dv};
 
 /// Written into out and lse before the launch: finite, exact in f16 and bf16, far from any output.
 const POISON: f32 = 4096.0;
@@ -24,7 +24,7 @@ fn poisoned_v(spec: &AttnSpec, v: &HostData, bad: &[Bad]) -> HostData {
     let d = &spec.dims;
     let mut x = v.to_f32_vec();
     for &(t, h, c, val) in bad {
-        x[(t * d.heads_kv + h) * d.head_dim + c] = val;
+        x[(t * d.heads_kv + h) * d.head_dim_v + c] = val;
     }
     HostData::from_f32(spec.dtype, &x)
 }
@@ -66,7 +66,7 @@ fn run_dense(what: &str, spec: &AttnSpec, bad: &[Bad], seed: u64) {
     let d = &spec.dims;
     let q = random(d.q_len(), spec.dtype, 1.0, &mut rng);
     let k = random(d.kv_len(), spec.dtype, 1.0, &mut rng);
-    let v = poisoned_v(spec, &random(d.kv_len(), spec.dtype, 1.0, &mut rng), bad);
+    let v = poisoned_v(spec, &random(d.v_len(), spec.dtype, 1.0, &mut rng), bad);
     let f = |h: &HostData| h.view().to_f64_vec();
     let (ro, rl) = forward_f64(spec, &f(&q), &f(&k), &f(&v));
     let got = b.forward_poisoned(spec, q.view(), k.view(), v.view(), POISON).expect("forward");
@@ -117,6 +117,18 @@ fn sliding_window_edge_and_varlen_boundary() {
         let spec = varlen_spec(&[(150, 150), (40, 60)], 4, 4, d, dt, true).with_window(16, 0).expect("window");
         let bad = [(20, 0, 0, f32::NAN), (149, 2, 9, f32::INFINITY), (160, 3, 1, f32::NEG_INFINITY)];
         run_dense(&format!("{dt:?} d{d} window (16,0)"), &spec, &bad, 3);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn value_head_dim_of_its_own_takes_the_exact_path() {
+    // DeepSeek's MLA (q, k 192, v 128): on Hopper the warp-specialised frame and the exact kernel
+    // both run v and out at 128 columns; elsewhere the call runs padded to 192
+    for (dt, causal) in [(BF16, true), (F16, false)] {
+        let spec = varlen_spec_dv(&[(150, 150), (40, 60)], 4, 2, 192, 128, dt, causal);
+        let bad = [(20, 0, 0, f32::NAN), (149, 1, 127, f32::INFINITY), (160, 1, 1, f32::NEG_INFINITY)];
+        run_dense(&format!("{dt:?} d192 v128 {}", if causal { "causal" } else { "full" }), &spec, &bad, 5);
     }
 }
 

@@ -75,10 +75,11 @@ pub(crate) fn layout(parts: &[usize]) -> (Vec<usize>, usize) {
     (offs, at)
 }
 
-/// Bytes of the split-K partial outputs and LSE of a plan (both at least one element).
+/// Bytes of the split-K partial outputs (rows of out's head_dim) and LSE of a plan (both at least
+/// one element).
 fn partial_bytes(spec: &AttnSpec, plan: &Plan) -> [usize; 2] {
     let rows = plan.split_rows(spec.dims.heads_q);
-    [rows * spec.dims.head_dim * 4, rows * 4]
+    [rows * spec.dims.head_dim_v * 4, rows * 4]
 }
 
 /// The workspace parts of an f16/bf16 forward: the non-finite-v flag, then the split-K partial
@@ -202,6 +203,34 @@ pub(crate) fn sm90_forward(be: &CudaBackend, spec: &AttnSpec) -> bool {
     fwd_options().sm90 && be.target.wgmma && spec.dtype != DType::F32 && SM90_FWD_HEAD_DIMS.contains(&spec.dims.head_dim)
 }
 
+/// Whether the forward of `spec`, q and k at head_dim `hd` (the spec's or a padded one's), runs v at
+/// its own head_dim (`Dims::head_dim_v`, narrower: DeepSeek's MLA 192 / 128) on `flash_fwd_ws`
+/// rather than padded to `hd` (`head_pad`), on a GPU with wgmma: f16 / bf16, dense keys (not
+/// block-sparse, not paged), `hd` one of the frame's (128, 192, 256), v a whole number of 64-column
+/// chunks, and more than `FEW_ROWS` packed rows in a sequence (decode-sized calls run the decode
+/// and V-checking kernels, at one head_dim).
+pub(crate) fn value_dim_native(spec: &AttnSpec, hd: usize) -> bool {
+    let (o, hv) = (fwd_options(), spec.dims.head_dim_v);
+    o.sm90
+        && o.sm90_ws
+        && spec.dtype != DType::F32
+        && spec.block_sparse().is_none()
+        && spec.kv_pages().is_none()
+        && matches!(hd, 128 | 192 | 256)
+        && hv.is_multiple_of(64)
+        && hv > 0
+        && hv < hd
+        && max_seg_rows(spec) > FEW_ROWS
+}
+
+/// The refusal of a kernel other than `flash_fwd_ws` for a call whose v has head_dim `hv`, q `hd`.
+fn mixed_dims(hd: usize, hv: usize) -> crate::error::Error {
+    crate::error::Error::Unsupported {
+        backend: "cuda",
+        msg: format!("v's head_dim {hv} differs from q's {hd}: only the warp-specialised Hopper forward runs both"),
+    }
+}
+
 /// Packed rows (query rows x the heads packed with them) of the longest segment of `spec`: what
 /// the plan records as `FwdPlan::max_seg_rows`, known before a plan is built.
 pub(crate) fn max_seg_rows(spec: &AttnSpec) -> usize {
@@ -243,10 +272,15 @@ pub(crate) fn tile_rows(be: &CudaBackend, spec: &AttnSpec) -> usize {
 /// `uncut`: no row's key range is cut inside the keys the call reads (non-causal, no window, K / V
 /// not paged, dense): at head_dim 128 these take `FwdOptions::ws_bn` keys a tile (160: Q plus two K
 /// and two V stages 192 KiB; FlashAttention-3's 176 spilled and lost, 192 keys ask 237 KiB with the
-/// shared-memory layout's padding, bench/results/h200-2026-11-29-7d0f5e9).
-pub(crate) fn sm90_frame(hd: usize, int8: bool, check_v: bool, k_block: Option<usize>, uncut: bool) -> (usize, bool) {
+/// shared-memory layout's padding, bench/results/h200-2026-11-29-7d0f5e9). `hv`: v's head_dim
+/// ([`value_dim_native`]): at head_dim 192 with v at most 128 wide the frame takes
+/// `FwdOptions::ws_bn_v` keys a tile (128: Q plus two K and two V stages 208 KiB; S and O take
+/// the registers of a d128 tile).
+pub(crate) fn sm90_frame(hd: usize, hv: usize, int8: bool, check_v: bool, k_block: Option<usize>, uncut: bool) -> (usize, bool) {
     let opts = fwd_options();
-    let ws_bn = if hd > 128 {
+    let ws_bn = if hd == 192 && hv <= 128 {
+        opts.ws_bn_v as usize
+    } else if hd > 128 {
         64
     } else if hd == 128 && uncut {
         opts.ws_bn as usize
@@ -261,13 +295,15 @@ pub(crate) fn sm90_frame(hd: usize, int8: bool, check_v: bool, k_block: Option<u
 }
 
 /// The Hopper forward kernel for one set of comptime choices (`sm90_frame`: `flash_fwd_ws` or
-/// `flash_fwd_sm90`), and its keys per tile. `int8`: INT8 Q K^T (block-sparse,
-/// `cuda::sparse_int8`); `fp8_pv`: with it, FP8 P.V (`kernels::fp8_v`).
+/// `flash_fwd_sm90`), and its keys per tile. `hv`: v's head_dim (`hd` but where
+/// [`value_dim_native`] holds); `int8`: INT8 Q K^T (block-sparse, `cuda::sparse_int8`); `fp8_pv`:
+/// with it, FP8 P.V (`kernels::fp8_v`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn flash_fwd_sm90_kernel(
     be: &CudaBackend,
     dt: DType,
     hd: usize,
+    hv: usize,
     sparse: bool,
     paged: bool,
     check_v: bool,
@@ -276,11 +312,14 @@ pub(crate) fn flash_fwd_sm90_kernel(
     k_block: Option<usize>,
     uncut: bool,
 ) -> Result<(super::compile::Func, usize)> {
-    let (bn, ws) = sm90_frame(hd, int8, check_v, k_block, uncut);
+    let (bn, ws) = sm90_frame(hd, hv, int8, check_v, k_block, uncut);
     if ws {
-        let key = KernelKey::new("flash_fwd_ws", dt, &[hd as u32, bn as u32, sparse as u32, paged as u32]);
-        let f = be.kernels.get(&key, || fwd_ws_source(be.client(), dt, hd, bn, sparse, paged))?;
+        let key = KernelKey::new("flash_fwd_ws", dt, &[hd as u32, hv as u32, bn as u32, sparse as u32, paged as u32]);
+        let f = be.kernels.get(&key, || fwd_ws_source(be.client(), dt, hd, hv, bn, sparse, paged))?;
         return Ok((f, bn));
+    }
+    if hv != hd {
+        return Err(mixed_dims(hd, hv));
     }
     let cubes = fwd_options().sm90_tile_for(hd).1;
     let key = KernelKey::new(
@@ -292,10 +331,11 @@ pub(crate) fn flash_fwd_sm90_kernel(
     Ok((f, bn))
 }
 
-/// CUDA source of the warp-specialised Hopper forward (`flash_fwd_ws`): the `kernels::sm90`
-/// markers lowered, one cube per SM declared (`__launch_bounds__(384, 1)`, which `setmaxnreg`
-/// needs), barrier waits as plain `try_wait` loops.
-pub(crate) fn fwd_ws_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: usize, bn: usize, sparse: bool, paged: bool) -> Result<Source> {
+/// CUDA source of the warp-specialised Hopper forward (`flash_fwd_ws`) at head_dim `hd`, v's `hv`:
+/// the `kernels::sm90` markers lowered, one cube per SM declared (`__launch_bounds__(384, 1)`,
+/// which `setmaxnreg` needs), barrier waits as plain `try_wait` loops.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn fwd_ws_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: usize, hv: usize, bn: usize, sparse: bool, paged: bool) -> Result<Source> {
     macro_rules! k {
         ($t:ty) => {
             codegen_exp2(flash_fwd_ws::flash_fwd_ws::FlashFwdWs::<$t, CudaRuntime>::new(
@@ -303,6 +343,7 @@ pub(crate) fn fwd_ws_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: 
                 client.clone(),
                 FwdArgs::compilation(),
                 hd,
+                hv,
                 bn,
                 sparse,
                 paged,
@@ -384,16 +425,18 @@ fn map_sw128(spec: &AttnSpec, ptr: u64, cols: usize, rows: usize, block_n: usize
     Ok(MapArg { map, ptr, rows, cols })
 }
 
-/// The tensor map of K or V (`ptr`) for the Hopper forward ([`map_sw128`]).
-pub(crate) fn kv_map_sw128(spec: &AttnSpec, ptr: u64, block_n: usize) -> Result<MapArg> {
+/// The tensor map of K (`ptr`, rows of `head_dim`) or V (rows of `head_dim_v`) for the Hopper
+/// forward ([`map_sw128`]).
+pub(crate) fn kv_map_sw128(spec: &AttnSpec, ptr: u64, head_dim: usize, block_n: usize) -> Result<MapArg> {
     let d = &spec.dims;
-    let cols = d.heads_kv * d.head_dim;
-    map_sw128(spec, ptr, cols, d.kv_len() / cols.max(1), block_n)
+    let cols = d.heads_kv * head_dim;
+    map_sw128(spec, ptr, cols, d.kv_len() / (d.heads_kv * d.head_dim).max(1), block_n)
 }
 
-/// The tensor maps of K and V for the Hopper forward.
+/// The tensor maps of K and V for the Hopper forward (V at v's head_dim).
 pub(crate) fn kv_maps_sw128(spec: &AttnSpec, k: u64, v: u64, block_n: usize) -> Result<[MapArg; 2]> {
-    Ok([kv_map_sw128(spec, k, block_n)?, kv_map_sw128(spec, v, block_n)?])
+    let d = &spec.dims;
+    Ok([kv_map_sw128(spec, k, d.head_dim, block_n)?, kv_map_sw128(spec, v, d.head_dim_v, block_n)?])
 }
 
 /// The tensor map of the int8 K rows `k8` (`head_dim` bytes a row, counted in `E`: `head_dim / 2`
@@ -479,8 +522,9 @@ pub(crate) fn launch_forward(
     stream: sys::CUstream,
 ) -> Result<()> {
     let d = &spec.dims;
-    let hd = d.head_dim;
+    let (hd, hv) = (d.head_dim, d.head_dim_v);
     let (ql, kl, ll) = (d.q_len(), d.kv_len().max(1), d.lse_len());
+    let (vl, ol) = (d.v_len().max(1), d.out_len());
     let t = |i| plan.tables.get(i);
     let client = be.client();
     let dt = spec.dtype;
@@ -517,8 +561,8 @@ pub(crate) fn launch_forward(
             }
         })?;
         let mut a = Args::new();
-        a.array(p.out, ql).array(p.lse, ll).f32(f32::INFINITY);
-        launch(&f, super::launch::grid_2d(ql.max(ll).div_ceil(256)), &mut a, stream)?;
+        a.array(p.out, ol).array(p.lse, ll).f32(f32::INFINITY);
+        launch(&f, super::launch::grid_2d(ol.max(ll).div_ceil(256)), &mut a, stream)?;
     }
     let fp = &plan.host.fwd;
     let n_work = fp.n_work() as u32;
@@ -533,7 +577,7 @@ pub(crate) fn launch_forward(
     let check_v = sm90 && fp.max_seg_rows <= FEW_ROWS;
     // (`flag_zeroed`: a launch ahead on the stream zeroed it, `kv_append`; then only a scan is left)
     if !(flag_zeroed && check_v) {
-        launch_flag(be, dt, p.v, d.kv_len(), flag, flag_part_bytes(spec, &plan.host), !check_v, stream)?;
+        launch_flag(be, dt, p.v, d.v_len(), flag, flag_part_bytes(spec, &plan.host), !check_v, stream)?;
     }
     let exact = DenseExact {
         q: p.q,
@@ -556,10 +600,14 @@ pub(crate) fn launch_forward(
     let (offs, _) = layout(&parts);
     // without split tiles the partial buffers are never touched: any valid address (the flag's)
     let (part_o, part_lse) = if po_bytes == 0 { (flag, flag) } else { (p.workspace + offs[1] as u64, p.workspace + offs[2] as u64) };
-    let n_part = (po_bytes / (4 * hd)).max(1);
+    let n_part = (po_bytes / (4 * hv)).max(1);
 
     // the plan packed tiles of at most `FEW_ROWS` rows for the decode kernel (`tile_rows`)
     let decode = decode_tiles(&plan.host);
+    if hv != hd && (decode || !sm90) {
+        // (`value_dim_native` sends only calls of the warp-specialised frame here)
+        return Err(mixed_dims(hd, hv));
+    }
     let (f, [k_map, v_map]) = if decode {
         let key = KernelKey::new("flash_fwd_decode", dt, &[hd as u32, paged as u32, fp.rows as u32]);
         let f = be.kernels.get(&key, || fwd_decode_source(client, dt, hd, paged, fp.rows))?;
@@ -567,7 +615,7 @@ pub(crate) fn launch_forward(
     } else if sm90 {
         // (a paged K / V keeps the tiles that divide its pages)
         let uncut = !spec.causal && spec.window == Window::NONE && !paged;
-        let (f, bn) = flash_fwd_sm90_kernel(be, dt, hd, false, paged, check_v, false, false, None, uncut)?;
+        let (f, bn) = flash_fwd_sm90_kernel(be, dt, hd, hv, false, paged, check_v, false, false, None, uncut)?;
         (f, kv_maps_sw128(spec, p.k, p.v, bn)?)
     } else {
         (flash_fwd_kernel(be, dt, hd, mt, bn, BLOCK_M, false, false, paged, false)?, kv_maps(be, spec, p.k, p.v, bn, false)?)
@@ -577,10 +625,10 @@ pub(crate) fn launch_forward(
         v_map,
         q_s: (p.q, ql),
         k_s: (p.k, kl),
-        v_s: (p.v, kl),
-        out: (p.out, ql),
+        v_s: (p.v, vl),
+        out: (p.out, ol),
         lse: (p.lse, ll),
-        part_o: (part_o, n_part * hd),
+        part_o: (part_o, n_part * hv),
         part_lse: (part_lse, n_part),
         work: t(FwdTable::Work),
         slices: t(FwdTable::Slices),
@@ -614,10 +662,10 @@ pub(crate) fn launch_forward(
 
     // (the decode kernel merges its split tiles itself)
     if fp.n_comb() > 0 && !decode {
-        let key = KernelKey::new("combine_parts", dt, &[hd as u32]);
-        let f = be.kernels.get(&key, || combine_source(client, dt, hd))?;
+        let key = KernelKey::new("combine_parts", dt, &[hv as u32]);
+        let f = be.kernels.get(&key, || combine_source(client, dt, hv))?;
         let mut a = Args::new();
-        a.array(p.out, ql).array(p.lse, ll).array(part_o, n_part * hd).array(part_lse, n_part);
+        a.array(p.out, ol).array(p.lse, ll).array(part_o, n_part * hv).array(part_lse, n_part);
         for i in [FwdTable::Comb, FwdTable::Slices, FwdTable::Segs] {
             a.array(t(i).0, t(i).1);
         }

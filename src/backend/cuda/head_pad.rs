@@ -3,7 +3,9 @@
 //! it, on a Hopper GPU the smallest of the wgmma kernels' (80 runs at 128 there, not on the
 //! mma.sync kernels of 96; 96 itself too, and the 32 backward at 64, but for decode-sized calls:
 //! [`padded`]). So does a call whose v has a head_dim of its own (`Dims::head_dim_v`, DeepSeek's
-//! MLA: 192 / 128), at the wider of the two. q, k, v (and out, dout in the backward) are copied
+//! MLA: 192 / 128), at the wider of the two, except the Hopper forward's: its warp-specialised frame
+//! runs v at v's own head_dim (`forward::value_dim_native`), so a 192 / 128 forward has no copies,
+//! and a 160 / 128 one copies q and k only. q, k, v (and out, dout in the backward) are copied
 //! into the workspace with zero columns after the caller's (`kernels::pad_cols`; a tensor that
 //! already has the kernels' head_dim is read or written in place), the kernels of the wider head
 //! dim run on the copies, and the outputs are copied back without the extra columns. Zero columns
@@ -23,7 +25,7 @@ use cudarc::driver::sys::CUstream;
 use super::backward::{bwd_workspace, dq_mode, BwdPtrs, DqPath};
 use super::compile::{codegen, Source, A};
 use super::device_io::{check_workspace, has_work};
-use super::forward::{aligned, layout, max_seg_rows, FwdPtrs, FEW_ROWS, SM90_FWD_HEAD_DIMS};
+use super::forward::{aligned, layout, max_seg_rows, value_dim_native, FwdPtrs, FEW_ROWS, SM90_FWD_HEAD_DIMS};
 use super::launch::{grid_2d, launch, Args};
 use super::word_copy::{copy_width, word_copy_kernel, WordCopy};
 use super::{head_dims_of, CudaBackend, SPARSE_HEAD_DIMS};
@@ -41,7 +43,8 @@ use crate::spec::AttnSpec;
 /// ones). `None` when the head_dim has its own kernel and v shares it, when no kernel head dim is
 /// wider, and for the INT8 QK^T option. With `wgmma`, head_dim 96 has its own (mma.sync) kernels
 /// but runs padded to 128 too, and the head_dim 32 backward padded to 64, except on decode-sized
-/// calls ([`to_wgmma`]).
+/// calls ([`to_wgmma`]). A Hopper forward whose v is narrower keeps v's head_dim where
+/// `forward::value_dim_native` holds (`None` when q's has a kernel too).
 pub(crate) fn padded(spec: &AttnSpec, pass: Pass, wgmma: bool) -> Option<AttnSpec> {
     let hd = spec.dims.head_dim.max(spec.dims.head_dim_v);
     let dims: &[usize] = match spec.block_sparse() {
@@ -56,6 +59,13 @@ pub(crate) fn padded(spec: &AttnSpec, pass: Pass, wgmma: bool) -> Option<AttnSpe
     let fits = |d: &usize| *d > hd && (!wgmma || SM90_FWD_HEAD_DIMS.contains(d));
     let d = if own { hd } else { dims.iter().copied().filter(fits).min()? };
     let mut s = spec.clone();
+    if wgmma && pass == Pass::Forward && value_dim_native(spec, d) {
+        if d == spec.dims.head_dim {
+            return None;
+        }
+        s.dims.head_dim = d;
+        return Some(s);
+    }
     s.dims = s.dims.at_head_dim(d);
     Some(s)
 }
@@ -117,7 +127,8 @@ enum Part {
 }
 
 impl Part {
-    /// Rows (one token of one head) and the caller's columns of this tensor in `spec`.
+    /// Rows (one token of one head) and columns of this tensor in `spec` (the caller's, or the
+    /// padded spec the kernels run).
     fn shape(self, spec: &AttnSpec) -> (usize, usize) {
         let d = &spec.dims;
         let (q_rows, k_rows) = (d.total_q * d.heads_q, d.total_k * d.heads_kv);
@@ -129,18 +140,23 @@ impl Part {
         }
     }
 
-    /// Whether the kernels of `ps` read or write the caller's tensor in place (it has their
-    /// head_dim already: q and k of a 192 / 128 call), so it has no copy.
-    fn in_place(self, spec: &AttnSpec, ps: &AttnSpec) -> bool {
-        self.shape(spec).1 == ps.dims.head_dim
+    /// This tensor's columns in the padded spec `ps` the kernels run.
+    fn cols(self, ps: &AttnSpec) -> usize {
+        self.shape(ps).1
     }
 
-    /// Workspace bytes of this tensor's copy at `ps`'s head_dim (0 in place).
+    /// Whether the kernels of `ps` read or write the caller's tensor in place (it has their
+    /// width already: q and k of a 192 / 128 call), so it has no copy.
+    fn in_place(self, spec: &AttnSpec, ps: &AttnSpec) -> bool {
+        self.shape(spec).1 == self.cols(ps)
+    }
+
+    /// Workspace bytes of this tensor's copy at its width in `ps` (0 in place).
     fn copy_bytes(self, spec: &AttnSpec, ps: &AttnSpec) -> usize {
         if self.in_place(spec, ps) {
             return 0;
         }
-        self.shape(spec).0 * ps.dims.head_dim * ps.dtype.size()
+        self.shape(spec).0 * self.cols(ps) * ps.dtype.size()
     }
 }
 
@@ -246,7 +262,7 @@ impl Copies<'_> {
         if part.in_place(self.spec, self.ps) {
             return Ok(src);
         }
-        self.rows(be, part, src, part.shape(self.spec).1, at, self.ps.dims.head_dim)?;
+        self.rows(be, part, src, part.shape(self.spec).1, at, part.cols(self.ps))?;
         Ok(at)
     }
 
@@ -266,7 +282,7 @@ impl Copies<'_> {
         if part.in_place(self.spec, self.ps) {
             return Ok(());
         }
-        self.rows(be, part, at, self.ps.dims.head_dim, dst, part.shape(self.spec).1)
+        self.rows(be, part, at, part.cols(self.ps), dst, part.shape(self.spec).1)
     }
 }
 
@@ -396,21 +412,38 @@ mod tests {
         let m = |d| TensorMeta::new(&[128, 2, d], DType::BF16);
         let mixed = |d, dv| AttnSpec::varlen(&m(d), &m(d), &m(dv), &[0, 128], &[0, 128], 128, 128, None, true).unwrap();
         let bwd = Pass::Backward { deterministic: true };
-        for (d, dv, any, hopper) in [(192, 128, 192, 192), (128, 192, 192, 192), (64, 128, 128, 128), (128, 64, 128, 128), (40, 24, 64, 64), (96, 64, 96, 128), (80, 8, 96, 128)] {
-            for pass in [Pass::Forward, bwd] {
-                for (wgmma, want) in [(false, any), (true, hopper)] {
-                    let s = mixed(d, dv);
-                    let p = padded(&s, pass, wgmma).unwrap_or_else(|| panic!("{d}/{dv} is padded"));
-                    assert_eq!((p.dims.head_dim, p.dims.head_dim_v), (want, want), "{d}/{dv} {pass:?} wgmma {wgmma}");
-                    // the scale stays q's
-                    assert_eq!(p.scale, s.scale);
-                }
+        // (d, dv, any GPU, Hopper backward, Hopper forward as (q's, v's) head_dim; None: as it is)
+        let cases = [
+            (192, 128, 192, 192, None),
+            (128, 192, 192, 192, Some((192, 192))),
+            (64, 128, 128, 128, Some((128, 128))),
+            (128, 64, 128, 128, None),
+            (40, 24, 64, 64, Some((64, 64))),
+            (96, 64, 96, 128, Some((128, 64))),
+            (80, 8, 96, 128, Some((128, 128))),
+            (160, 128, 192, 192, Some((192, 128))),
+        ];
+        for (d, dv, any, hopper, hopper_fwd) in cases {
+            let s = mixed(d, dv);
+            for (pass, wgmma, want) in [(Pass::Forward, false, Some((any, any))), (bwd, false, Some((any, any))), (bwd, true, Some((hopper, hopper))), (Pass::Forward, true, hopper_fwd)] {
+                let p = padded(&s, pass, wgmma);
+                assert_eq!(p.as_ref().map(|p| (p.dims.head_dim, p.dims.head_dim_v)), want, "{d}/{dv} {pass:?} wgmma {wgmma}");
+                // the scale stays q's
+                assert!(p.is_none_or(|p| p.scale == s.scale));
             }
         }
-        // q and k of a 192 / 128 call are read in place: only v, out (and dout, dv) are copied
-        let (s, ps) = (mixed(192, 128), padded(&mixed(192, 128), Pass::Forward, true).unwrap());
+        // q and k of a 192 / 128 backward are read in place: only v, out (and dout, dv) are copied
+        let (s, ps) = (mixed(192, 128), padded(&mixed(192, 128), bwd, true).unwrap());
         assert!(Part::Q.in_place(&s, &ps) && Part::K.in_place(&s, &ps) && !Part::V.in_place(&s, &ps) && !Part::Out.in_place(&s, &ps));
         assert_eq!(fwd_parts(&s, &ps, 0)[..4], [0, 0, 128 * 2 * 192 * 2, 128 * 2 * 192 * 2]);
+        // a 160 / 128 forward on Hopper copies q and k to 192 columns; v and out stay in place
+        let (s, ps) = (mixed(160, 128), padded(&mixed(160, 128), Pass::Forward, true).unwrap());
+        assert!(!Part::Q.in_place(&s, &ps) && !Part::K.in_place(&s, &ps) && Part::V.in_place(&s, &ps) && Part::Out.in_place(&s, &ps));
+        assert_eq!(fwd_parts(&s, &ps, 0)[..4], [128 * 2 * 192 * 2, 128 * 2 * 192 * 2, 0, 0]);
+        // decode-sized calls (at most FEW_ROWS packed rows a sequence) keep one head_dim
+        let m1 = |n, d| TensorMeta::new(&[n, 2, d], DType::BF16);
+        let decode = AttnSpec::varlen(&m1(2, 192), &m1(512, 192), &m1(512, 128), &[0, 1, 2], &[0, 256, 512], 1, 256, None, true).unwrap();
+        assert_eq!(padded(&decode, Pass::Forward, true).map(|p| (p.dims.head_dim, p.dims.head_dim_v)), Some((192, 192)));
     }
 
     #[test]

@@ -85,7 +85,8 @@ pub(crate) struct DenseExact {
     pub flag: u64,
 }
 
-/// Enqueues `rowwise_fwd_exact` (f16/bf16): writes every row of out and lse when the flag is set.
+/// Enqueues `rowwise_fwd_exact` (f16/bf16): writes every row of out and lse when the flag is set
+/// (v and out at v's head_dim, `Dims::head_dim_v`).
 pub(crate) fn launch_dense_exact(
     be: &CudaBackend,
     spec: &crate::spec::AttnSpec,
@@ -94,9 +95,9 @@ pub(crate) fn launch_dense_exact(
     stream: sys::CUstream,
 ) -> Result<()> {
     let d = &spec.dims;
-    let (hd, dt) = (d.head_dim, spec.dtype);
+    let (hd, hv, dt) = (d.head_dim, d.head_dim_v, spec.dtype);
     let paged = spec.kv_pages().is_some();
-    let key = KernelKey::new("rowwise_fwd_exact", dt, &[hd as u32, paged as u32]);
+    let key = KernelKey::new("rowwise_fwd_exact", dt, &[hd as u32, hv as u32, paged as u32]);
     let f = be.kernels.get(&key, || {
         macro_rules! k {
             ($t:ty) => {
@@ -105,6 +106,7 @@ pub(crate) fn launch_dense_exact(
                     be.client().clone(),
                     A, A, A, A, A, A, A, A, (), (), (), (), (), (), (), A,
                     hd,
+                    hv,
                     paged,
                 ))
             };
@@ -112,8 +114,8 @@ pub(crate) fn launch_dense_exact(
         if dt == DType::F16 { k!(f16) } else { k!(bf16) }
     })?;
     let mut a = Args::new();
-    a.array(p.q, d.q_len()).array(p.k, d.kv_len().max(1)).array(p.v, d.kv_len().max(1));
-    a.array(p.out, d.q_len()).array(p.lse, d.lse_len());
+    a.array(p.q, d.q_len()).array(p.k, d.kv_len().max(1)).array(p.v, d.v_len().max(1));
+    a.array(p.out, d.out_len()).array(p.lse, d.lse_len());
     a.array(p.row_seg.0, p.row_seg.1).array(p.segs.0, p.segs.1).array(p.flag, 1);
     a.f32(spec.scale).u32(d.heads_q as u32).u32(d.heads_kv as u32).u32(d.total_q as u32).f32(f32::INFINITY);
     a.u32(win.0).u32(win.1).array(p.pages.0, p.pages.1);

@@ -79,7 +79,7 @@ impl SparseFrame {
         if spec.attn.dims.head_dim != 128 || !super::forward::sm90_forward(be, spec.attn) || plan_rows(spec).1 != 128 {
             return SparseFrame::Mma2;
         }
-        let (block_n, _) = super::forward::sm90_frame(spec.attn.dims.head_dim, spec.int8.is_some(), false, Some(spec.k_block), false);
+        let (block_n, _) = super::forward::sm90_frame(spec.attn.dims.head_dim, spec.attn.dims.head_dim_v, spec.int8.is_some(), false, Some(spec.k_block), false);
         // INT8: one K scale per lane and tile, and FP8 V^T tiles of 64-byte rows, need the
         // 64-key tiles the quantisation groups are cut for (`sparse::TILE_KEYS`)
         if spec.int8.is_some() && block_n != crate::sparse::TILE_KEYS {
@@ -244,13 +244,13 @@ pub(super) fn launch_sparse_forward(be: &CudaBackend, spec: SparseView, plan: &C
     let (f, [k_map, v_map]) = match sp.frame {
         SparseFrame::Sm90 { block_n } => {
             let fp8 = spec.int8.is_some_and(|o| o.pv_fp8);
-            let (f, bn) = super::forward::flash_fwd_sm90_kernel(be, dt, hd, true, false, false, spec.int8.is_some(), fp8, Some(spec.k_block), false)?;
+            let (f, bn) = super::forward::flash_fwd_sm90_kernel(be, dt, hd, hd, true, false, false, spec.int8.is_some(), fp8, Some(spec.k_block), false)?;
             debug_assert_eq!(bn, block_n);
             let maps = match &z {
                 None => super::forward::kv_maps_sw128(spec.attn, p.k, p.v, block_n)?,
                 // K's map over the int8 rows; V's over V^T in e4m3 with FP8 P.V (`kernels::fp8_v`)
                 Some((opt, z)) => {
-                    let v_map = if opt.pv_fp8 { z.vt_map(d.heads_kv, hd)? } else { super::forward::kv_map_sw128(spec.attn, p.v, block_n)? };
+                    let v_map = if opt.pv_fp8 { z.vt_map(d.heads_kv, hd)? } else { super::forward::kv_map_sw128(spec.attn, p.v, hd, block_n)? };
                     [super::forward::k8_map_sw128(spec.attn, z.k8, block_n)?, v_map]
                 }
             };
