@@ -12,6 +12,9 @@
 //! 3. dQ += dS K: 4 wgmma m64 x head_dim x k16, dS the register A operand (the accumulator layout
 //!    of step 1 packed to pairs), K the MN-major B operand read in place (the forward's P V).
 //!
+//! v may be narrower than q and k (`head_dim_v`, DeepSeek's MLA 192 / 128): dO and V are then v's
+//! width and dP = dO V^T runs over `head_dim_v`.
+//!
 //! The same card, work list, grid and key tiles as `flash_bwd_dq`; two or three cubes an SM hide
 //! each other's softmax and waits (96 KiB of shared memory a cube at head_dim 128, 48 at 64).
 
@@ -37,7 +40,8 @@ const _: () = assert!(BWD_BM == 64 && BWD_BN == 64);
 /// Window keys `kb..kb + BWD_BN` of K and V into stage `stage & 1` (element `base` of each buffer),
 /// for the barrier of that stage: a full tile by tensor-map copies (unit 0 raises the expected
 /// bytes), a tile past the segment's end by `cp.async` from every unit with its rows clamped to the
-/// segment's last key (their scores are masked). The caller commits. `tail`: which of the two.
+/// segment's last key (their scores are masked). The caller commits. V's rows and stage (element
+/// `base_v`) at `head_dim_v`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn load_stage<E: Float, NV: Size>(
@@ -52,18 +56,20 @@ fn load_stage<E: Float, NV: Size>(
     k_start: u32,
     head_kv: u32,
     #[comptime] head_dim: usize,
+    #[comptime] head_dim_v: usize,
     #[comptime] paged: bool,
 ) {
     let base = ((stage & 1u32) as usize) * comptime!(BWD_BN * head_dim);
+    let base_v = ((stage & 1u32) as usize) * comptime!(BWD_BN * head_dim_v);
     if kb + BWD_BN as u32 <= k_len {
         // a tile lies in one page (`issue_kv_tile`)
         let y = kv_row(k_start + kb, &args.blocks, paged);
         if (stage & 1u32) == 0 {
             issue_tile_boxes(&args.k_map, k_smem, bar0, base, y, y, head_kv, BWD_BN, head_dim, true);
-            issue_tile_boxes(&args.v_map, v_smem, bar0, base, y, y, head_kv, BWD_BN, head_dim, true);
+            issue_tile_boxes(&args.v_map, v_smem, bar0, base_v, y, y, head_kv, BWD_BN, head_dim_v, true);
         } else {
             issue_tile_boxes(&args.k_map, k_smem, bar1, base, y, y, head_kv, BWD_BN, head_dim, true);
-            issue_tile_boxes(&args.v_map, v_smem, bar1, base, y, y, head_kv, BWD_BN, head_dim, true);
+            issue_tile_boxes(&args.v_map, v_smem, bar1, base_v, y, y, head_kv, BWD_BN, head_dim_v, true);
         }
     } else {
         let vecs = comptime!(head_dim / 8);
@@ -76,7 +82,22 @@ fn load_stage<E: Float, NV: Size>(
             let g = (kv_row(k_start + key, &args.blocks, paged) * args.heads_kv + head_kv) as usize * head_dim + c;
             let s = base + swizzle_128b(r, c, BWD_BN);
             copy_async(&args.k_s.slice(g, g + 8), &mut k_smem.slice_mut(s, s + 8), comptime!(8u32));
-            copy_async(&args.v_s.slice(g, g + 8), &mut v_smem.slice_mut(s, s + 8), comptime!(8u32));
+            if comptime!(head_dim_v == head_dim) {
+                copy_async(&args.v_s.slice(g, g + 8), &mut v_smem.slice_mut(s, s + 8), comptime!(8u32));
+            }
+        }
+        if comptime!(head_dim_v != head_dim) {
+            let vecs_v = comptime!(head_dim_v / 8);
+            #[unroll]
+            for it in 0..comptime!(BWD_BN * (head_dim_v / 8) / DQ_SM90_THREADS) {
+                let idx = UNIT_POS as usize + it * DQ_SM90_THREADS;
+                let r = idx / vecs_v;
+                let c = (idx % vecs_v) * 8;
+                let key = min(kb + r as u32, k_len - 1u32);
+                let g = (kv_row(k_start + key, &args.blocks, paged) * args.heads_kv + head_kv) as usize * head_dim_v + c;
+                let s = base_v + swizzle_128b(r, c, BWD_BN);
+                copy_async(&args.v_s.slice(g, g + 8), &mut v_smem.slice_mut(s, s + 8), comptime!(8u32));
+            }
         }
     }
 }
@@ -111,12 +132,13 @@ fn ds_tile(s: &mut Array<f32>, dp: &Array<f32>, rows: (f32, f32, i32, i32, i32, 
 }
 
 /// The Hopper dQ pass (module docs). Grid and card as `flash_bwd::flash_bwd_dq`; [`DQ_SM90_THREADS`]
-/// units; `head_dim` a multiple of 64.
+/// units; `head_dim` a multiple of 64, `head_dim_v` (v's and dO's) too, at most `head_dim`.
 #[allow(clippy::too_many_arguments, unused_assignments)]
 #[cube(launch_unchecked)]
 pub fn flash_bwd_dq_sm90<E: Float, NV: Size>(
     args: &mut DqCard<E, NV>,
     #[comptime] head_dim: usize,
+    #[comptime] head_dim_v: usize,
     #[comptime] sparse: bool,
     #[comptime] window: bool,
     #[comptime] paged: bool,
@@ -124,10 +146,11 @@ pub fn flash_bwd_dq_sm90<E: Float, NV: Size>(
     let lane = UNIT_POS_PLANE;
     let warp = plane_broadcast(UNIT_POS / 32u32, 0u32);
     let tile_e = comptime!(BWD_BN * head_dim);
+    let tile_v = comptime!(BWD_BN * head_dim_v);
     let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(BWD_BM * head_dim), 1024usize);
-    let mut do_smem = SharedMemory::<E>::new_aligned(comptime!(BWD_BM * head_dim), 1024usize);
+    let mut do_smem = SharedMemory::<E>::new_aligned(comptime!(BWD_BM * head_dim_v), 1024usize);
     let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(2 * tile_e), 1024usize);
-    let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(2 * tile_e), 1024usize);
+    let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(2 * tile_v), 1024usize);
     let bar0 = Barrier::shared(comptime!(DQ_SM90_THREADS as u32), UNIT_POS == 0);
     let bar1 = Barrier::shared(comptime!(DQ_SM90_THREADS as u32), UNIT_POS == 0);
 
@@ -141,14 +164,14 @@ pub fn flash_bwd_dq_sm90<E: Float, NV: Size>(
     sync_cube();
     if n_tiles > 0 {
         let (f0, _f1) = dq_tile(args, &it, &list_smem, 0u32, sparse);
-        load_stage(args, &mut k_smem, &mut v_smem, &bar0, &bar1, 0u32, f0, k_len, k_start, head_kv, head_dim, paged);
+        load_stage(args, &mut k_smem, &mut v_smem, &bar0, &bar1, 0u32, f0, k_len, k_start, head_kv, head_dim, head_dim_v, paged);
         commit_stage(&bar0, &bar1, 0u32);
     }
     // Q and dO of the tile's rows (zero past the segment's end), swizzled
     stage_rows::<E, NV>(&args.q, &mut q_smem, tile_start, q_len, q_start + tile_start, args.heads_q, head, &args.segs, BWD_BM,
         head_dim, DQ_SM90_THREADS, false, true);
     stage_rows::<E, NV>(&args.dout, &mut do_smem, tile_start, q_len, q_start + tile_start, args.heads_q, head, &args.segs, BWD_BM,
-        head_dim, DQ_SM90_THREADS, false, true);
+        head_dim_v, DQ_SM90_THREADS, false, true);
     fence_proxy_async();
     sync_cube();
 
@@ -177,7 +200,8 @@ pub fn flash_bwd_dq_sm90<E: Float, NV: Size>(
         sync_cube();
         if kt + 1u32 < n_tiles {
             let next = dq_next_tile(args, &it, &list_smem, kt, kb, sparse);
-            load_stage(args, &mut k_smem, &mut v_smem, &bar0, &bar1, kt + 1u32, next, k_len, k_start, head_kv, head_dim, paged);
+            load_stage(args, &mut k_smem, &mut v_smem, &bar0, &bar1, kt + 1u32, next, k_len, k_start, head_kv, head_dim, head_dim_v,
+                paged);
             commit_stage(&bar0, &bar1, kt + 1u32);
         }
         wait_stage(&bar0, &bar1, kt);
@@ -186,12 +210,13 @@ pub fn flash_bwd_dq_sm90<E: Float, NV: Size>(
             fence_proxy_async();
         }
         let base = ((kt & 1u32) as usize) * tile_e;
+        let base_v = ((kt & 1u32) as usize) * tile_v;
 
         // ---- 1. S = Q K^T, dP = dO V^T; P while dP runs ----
         wgmma_fence();
         key_by_row_steps::<E>(&mut s, &q_smem, 0usize, BWD_BM, &k_smem, base, head_dim, BWD_BN);
         wgmma_commit();
-        key_by_row_steps::<E>(&mut dp, &do_smem, 0usize, BWD_BM, &v_smem, base, head_dim, BWD_BN);
+        key_by_row_steps::<E>(&mut dp, &do_smem, 0usize, BWD_BM, &v_smem, base_v, head_dim_v, BWD_BN);
         wgmma_commit();
         wgmma_wait(1u32);
         #[unroll]

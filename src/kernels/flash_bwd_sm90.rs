@@ -50,7 +50,9 @@ const _: () = assert!(BN == 2 * WG_KEYS && BM == 64);
 /// Q / dO tiles and of lse / delta, committed to `bar0` (even `g`) or `bar1`: by tensor-map copies
 /// (unit `tid` 0; 64-column x `bm`-row boxes) when every row lies inside the segment, else by
 /// `cp.async` of the `threads` units with rows clamped to the segment's last (the caller masks
-/// them); lse / delta by `cp.async` of those units.
+/// them); lse / delta by `cp.async` of those units. `head_dim_v`: dO's head_dim (v's; `head_dim` but
+/// for `flash_bwd_sm90_split` with v at its own, DeepSeek's MLA): dO's stage `g % 2` at element
+/// `(g % 2) bm head_dim_v`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn issue_q_tile<E: Float>(
@@ -75,15 +77,17 @@ pub fn issue_q_tile<E: Float>(
     total_q: u32,
     tid: u32,
     #[comptime] head_dim: usize,
+    #[comptime] head_dim_v: usize,
     #[comptime] threads: usize,
     #[comptime] bm: usize,
 ) {
     let stage = (g & 1u32) as usize;
     let base = stage * comptime!(bm * head_dim);
+    let base_v = stage * comptime!(bm * head_dim_v);
     if r0 + bm as u32 <= q_len {
         if tid == 0 {
             let ts = E::type_size();
-            let bytes = comptime!((2 * bm * head_dim * ts) as u32);
+            let bytes = comptime!((bm * (head_dim + head_dim_v) * ts) as u32);
             let y = (q_start + r0) as i32;
             if stage == 0 {
                 bar0.expect_tx(bytes);
@@ -94,12 +98,30 @@ pub fn issue_q_tile<E: Float>(
             for c in 0..comptime!(head_dim / SW_COLS) {
                 let x = (h * head_dim as u32) as i32 + comptime!((c * SW_COLS) as i32);
                 let a = base + comptime!(c * bm * SW_COLS);
+                // (dO's chunk beside Q's where they share the width; else after them)
                 if stage == 0 {
                     bar0.tma_load_2d(q_map, &mut q_smem.slice_mut(a, a + comptime!(bm * SW_COLS)), y, x);
-                    bar0.tma_load_2d(do_map, &mut do_smem.slice_mut(a, a + comptime!(bm * SW_COLS)), y, x);
+                    if comptime!(head_dim_v == head_dim) {
+                        bar0.tma_load_2d(do_map, &mut do_smem.slice_mut(a, a + comptime!(bm * SW_COLS)), y, x);
+                    }
                 } else {
                     bar1.tma_load_2d(q_map, &mut q_smem.slice_mut(a, a + comptime!(bm * SW_COLS)), y, x);
-                    bar1.tma_load_2d(do_map, &mut do_smem.slice_mut(a, a + comptime!(bm * SW_COLS)), y, x);
+                    if comptime!(head_dim_v == head_dim) {
+                        bar1.tma_load_2d(do_map, &mut do_smem.slice_mut(a, a + comptime!(bm * SW_COLS)), y, x);
+                    }
+                }
+            }
+            if comptime!(head_dim_v != head_dim) {
+                // dO's chunks at v's width
+                #[unroll]
+                for c in 0..comptime!(head_dim_v / SW_COLS) {
+                    let x = (h * head_dim_v as u32) as i32 + comptime!((c * SW_COLS) as i32);
+                    let a = base_v + comptime!(c * bm * SW_COLS);
+                    if stage == 0 {
+                        bar0.tma_load_2d(do_map, &mut do_smem.slice_mut(a, a + comptime!(bm * SW_COLS)), y, x);
+                    } else {
+                        bar1.tma_load_2d(do_map, &mut do_smem.slice_mut(a, a + comptime!(bm * SW_COLS)), y, x);
+                    }
                 }
             }
         }
@@ -114,7 +136,22 @@ pub fn issue_q_tile<E: Float>(
             let src = ((q_start + row) * heads_q + h) as usize * head_dim + c;
             let dst = base + swizzle_128b(r, c, bm);
             copy_async(&q_s.slice(src, src + 8), &mut q_smem.slice_mut(dst, dst + 8), 8u32);
-            copy_async(&do_s.slice(src, src + 8), &mut do_smem.slice_mut(dst, dst + 8), 8u32);
+            if comptime!(head_dim_v == head_dim) {
+                copy_async(&do_s.slice(src, src + 8), &mut do_smem.slice_mut(dst, dst + 8), 8u32);
+            }
+        }
+        if comptime!(head_dim_v != head_dim) {
+            let vecs_v = comptime!(head_dim_v / 8);
+            #[unroll]
+            for it in 0..comptime!(bm * (head_dim_v / 8) / threads) {
+                let idx = tid as usize + it * threads;
+                let r = idx / vecs_v;
+                let c = (idx % vecs_v) * 8;
+                let row = min(r0 + r as u32, q_len - 1u32);
+                let src = ((q_start + row) * heads_q + h) as usize * head_dim_v + c;
+                let dst = base_v + swizzle_128b(r, c, bm);
+                copy_async(&do_s.slice(src, src + 8), &mut do_smem.slice_mut(dst, dst + 8), 8u32);
+            }
         }
     }
     issue_lse_delta(lse, delta, lse_smem, dl_smem, stage * bm, r0, q_len, q_start, h, total_q, tid, threads, bm);
@@ -498,7 +535,7 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
         if n_it > 0 {
             issue_q_tile::<E>(
                 &args.q_map, &args.do_map, &args.q_s, &args.do_s, &args.lse, &args.delta, &mut q_smem, &mut do_smem,
-                &mut lse_smem, &mut dl_smem, &bar0, &bar1, g_tile, h, r0, q_len, q_start, args.heads_q, args.total_q, UNIT_POS, head_dim, SM90_BWD_THREADS, BM,
+                &mut lse_smem, &mut dl_smem, &bar0, &bar1, g_tile, h, r0, q_len, q_start, args.heads_q, args.total_q, UNIT_POS, head_dim, head_dim, SM90_BWD_THREADS, BM,
             );
         }
         let mut hq = 0u32;
@@ -541,7 +578,7 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
                 issue_q_tile::<E>(
                     &args.q_map, &args.do_map, &args.q_s, &args.do_s, &args.lse, &args.delta, &mut q_smem, &mut do_smem,
                     &mut lse_smem, &mut dl_smem, &bar0, &bar1, g_tile, h_next, r0_next, q_len, q_start, args.heads_q,
-                    args.total_q, UNIT_POS, head_dim, SM90_BWD_THREADS, BM,
+                    args.total_q, UNIT_POS, head_dim, head_dim, SM90_BWD_THREADS, BM,
                 );
             }
             wait_stage(&bar0, &bar1, cur);

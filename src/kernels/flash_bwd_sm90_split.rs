@@ -17,6 +17,9 @@
 //! of the tile's Q / dO stage, lse / delta and P^T has ended, so the next tile's copies may be
 //! issued and warpgroup 0 may start its S^T while warpgroup 1 finishes its dQ part).
 //!
+//! v may be narrower than q and k (`head_dim_v`, DeepSeek's MLA 192 / 128): V, dO and dV are then
+//! v's width (dP^T = V dO^T over `head_dim_v`, dV's N `head_dim_v`), S^T, dK and dQ q's.
+//!
 //! The walk, the work list (64-key tiles), the K / V staging, the query-tile copies and P^T
 //! (`p_transposed`) are those of `flash_bwd_sm90` (same card: `cards::DkdvCard`); dense and paged
 //! K / V, no block-sparse variant (the block-sparse kernels serve head_dim 64 and 128).
@@ -45,12 +48,14 @@ const _: () = assert!(BN == 64 && BM == 64 && SM90_BWD_THREADS == 2 * WG);
 /// the dK / dV card (`cards::DkdvCard`), dense 64-key tiles (`tq_list` the page table when
 /// `paged`); with `fuse_dq`, `dq_acc` the fused dQ's f32 accumulator (float2 atomics with `qvec`
 /// 2), without it no dQ (the deterministic path's dQ pass forms it); `q_map` / `do_map`
-/// 128-byte-swizzled maps with 64-column x 64-row boxes.
+/// 128-byte-swizzled maps with 64-column x 64-row boxes. `head_dim_v`: v's, dO's and dV's head_dim
+/// (a multiple of 64, at most `head_dim`).
 #[allow(clippy::too_many_arguments, unused_variables, unused_assignments)]
 #[cube(launch_unchecked)]
 pub fn flash_bwd_sm90_split<E: Float, NV: Size, NQ: Size>(
     args: &mut DkdvCard<E, NV, NQ>,
     #[comptime] head_dim: usize,
+    #[comptime] head_dim_v: usize,
     #[comptime] fuse_dq: bool,
     #[comptime] qvec: usize,
     #[comptime] paged: bool,
@@ -67,9 +72,9 @@ pub fn flash_bwd_sm90_split<E: Float, NV: Size, NQ: Size>(
     let col_a = ((lane % 4u32) * 2u32) as usize;
 
     let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(BN * head_dim), 1024usize);
-    let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(BN * head_dim), 1024usize);
+    let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(BN * head_dim_v), 1024usize);
     let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(2 * BM * head_dim), 1024usize);
-    let mut do_smem = SharedMemory::<E>::new_aligned(comptime!(2 * BM * head_dim), 1024usize);
+    let mut do_smem = SharedMemory::<E>::new_aligned(comptime!(2 * BM * head_dim_v), 1024usize);
     // P^T in f32, [value][thread]: warpgroup 0 writes, warpgroup 1 reads its twin's values
     let mut p_smem = SharedMemory::<f32>::new_aligned(comptime!(BN * BM), 16usize);
     // dS^T key-major ([key][row], one 64-column chunk of BN rows), the A operand of dQ = dS K
@@ -86,14 +91,14 @@ pub fn flash_bwd_sm90_split<E: Float, NV: Size, NQ: Size>(
 
     stage_rows::<E, NV>(&args.k, &mut k_smem, key0, key_lim, key0, args.heads_kv, hk, &args.tq_list, BN, head_dim,
         SM90_BWD_THREADS, paged, true);
-    stage_rows::<E, NV>(&args.v, &mut v_smem, key0, key_lim, key0, args.heads_kv, hk, &args.tq_list, BN, head_dim,
+    stage_rows::<E, NV>(&args.v, &mut v_smem, key0, key_lim, key0, args.heads_kv, hk, &args.tq_list, BN, head_dim_v,
         SM90_BWD_THREADS, paged, true);
     // K, V visible to the async proxy (the MMAs), barrier initialisation before the first commit
     fence_proxy_async();
     sync_cube();
     let mut g_tile = 0u32;
 
-    // dV (warpgroup 0) or dK (warpgroup 1) of the cube's 64 keys: 64 x head_dim
+    // dV (warpgroup 0: its first head_dim_v / 2) or dK (warpgroup 1) of the cube's 64 keys: 64 x head_dim
     let acc_n = comptime!(head_dim / 2);
     let mut acc = Array::<f32>::new(acc_n);
     #[unroll]
@@ -121,7 +126,8 @@ pub fn flash_bwd_sm90_split<E: Float, NV: Size, NQ: Size>(
         if n_it > 0 {
             issue_q_tile::<E>(
                 &args.q_map, &args.do_map, &args.q_s, &args.do_s, &args.lse, &args.delta, &mut q_smem, &mut do_smem,
-                &mut lse_smem, &mut dl_smem, &bar0, &bar1, g_tile, h, r0, q_len, q_start, args.heads_q, args.total_q, UNIT_POS, head_dim, SM90_BWD_THREADS, BM,
+                &mut lse_smem, &mut dl_smem, &bar0, &bar1, g_tile, h, r0, q_len, q_start, args.heads_q, args.total_q, UNIT_POS, head_dim, head_dim_v,
+                SM90_BWD_THREADS, BM,
             );
         }
         let mut hq = 0u32;
@@ -142,11 +148,12 @@ pub fn flash_bwd_sm90_split<E: Float, NV: Size, NQ: Size>(
                 issue_q_tile::<E>(
                     &args.q_map, &args.do_map, &args.q_s, &args.do_s, &args.lse, &args.delta, &mut q_smem, &mut do_smem,
                     &mut lse_smem, &mut dl_smem, &bar0, &bar1, g_tile, h_next, r0_next, q_len, q_start, args.heads_q,
-                    args.total_q, UNIT_POS, head_dim, SM90_BWD_THREADS, BM,
+                    args.total_q, UNIT_POS, head_dim, head_dim_v, SM90_BWD_THREADS, BM,
                 );
             }
             wait_stage(&bar0, &bar1, cur);
             let qb = ((cur & 1u32) as usize) * comptime!(BM * head_dim);
+            let db = ((cur & 1u32) as usize) * comptime!(BM * head_dim_v);
             let lb = ((cur & 1u32) as usize) * BM;
             let rr0 = r0 as i32;
 
@@ -168,7 +175,7 @@ pub fn flash_bwd_sm90_split<E: Float, NV: Size, NQ: Size>(
                 pack_a_pairs::<E>(&x, &mut a_regs, comptime!(BM / 4));
             } else {
                 wgmma_fence();
-                key_by_row_steps::<E>(&mut x, &v_smem, 0usize, BN, &do_smem, qb, head_dim, BM);
+                key_by_row_steps::<E>(&mut x, &v_smem, 0usize, BN, &do_smem, db, head_dim_v, BM);
                 wgmma_commit();
                 wgmma_wait(0u32);
             }
@@ -178,7 +185,7 @@ pub fn flash_bwd_sm90_split<E: Float, NV: Size, NQ: Size>(
             if wg == 0u32 {
                 // ---- 3. dV += P^T dO ----
                 wgmma_fence();
-                key_by_dim_steps::<E>(&mut acc, &a_regs, &do_smem, qb, head_dim, BM);
+                key_by_dim_steps::<E>(&mut acc, &a_regs, &do_smem, db, head_dim_v, BM);
                 wgmma_commit();
                 wgmma_wait(0u32);
             } else {
@@ -261,11 +268,14 @@ pub fn flash_bwd_sm90_split<E: Float, NV: Size, NQ: Size>(
             let key = key0 + (key_a + (e / 2) * 8) as u32;
             if key < key_lim {
                 let col = nb * 8 + col_a + e % 2;
-                let gi = (kv_row(key, &args.tq_list, paged) * args.heads_kv + hk) as usize * head_dim + col;
+                let row = (kv_row(key, &args.tq_list, paged) * args.heads_kv + hk) as usize;
                 if wg == 0u32 {
-                    args.dv[gi] = E::cast_from(acc[nb * 4 + e]);
+                    // dV's first head_dim_v columns
+                    if comptime!(nb * 8 < head_dim_v) {
+                        args.dv[row * head_dim_v + col] = E::cast_from(acc[nb * 4 + e]);
+                    }
                 } else {
-                    args.dk[gi] = E::cast_from(acc[nb * 4 + e] * args.scale);
+                    args.dk[row * head_dim + col] = E::cast_from(acc[nb * 4 + e] * args.scale);
                 }
             }
         }

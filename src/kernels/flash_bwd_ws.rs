@@ -317,7 +317,7 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
                     issue_q_tile::<E>(
                         &args.q_map, &args.do_map, &args.q_s, &args.do_s, &args.lse, &args.delta, &mut q_smem, &mut do_smem,
                         &mut lse_smem, &mut dl_smem, &full0, &full1, g, qt.h, qt.r0, sw.q_len, sw.q_start, args.heads_q,
-                        args.total_q, lane, head_dim, LOADERS, bm,
+                        args.total_q, lane, head_dim, head_dim, LOADERS, bm,
                     );
                     next_q_tile(&args.tq_list, &sw, &mut qt, hk, group, args.q_tiles_per_block, args.q_block, sparse, bm);
                     g += 1u32;

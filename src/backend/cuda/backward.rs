@@ -326,6 +326,15 @@ fn pass_is_faster(be: Option<&CudaBackend>, spec: &AttnSpec) -> bool {
     dense_sm90 && SPLIT_BWD_HEAD_DIMS.contains(&hd) && be.is_none_or(|be| dq_sm90(be, spec.dtype, hd))
 }
 
+/// The refusal of a backward kernel other than the split one and the wgmma dQ pass for a call whose
+/// v has head_dim `hv`, q `hd` (`value_dim_native` sends only those calls here).
+fn mixed_dims(hd: usize, hv: usize) -> crate::error::Error {
+    crate::error::Error::Unsupported {
+        backend: "cuda",
+        msg: format!("v's head_dim {hv} differs from q's {hd}: only the Hopper backward above head_dim 128 runs both"),
+    }
+}
+
 /// Runs `$e` with the type alias `$k` bound to the element type of `$dt`.
 macro_rules! by_dtype {
     ($dt:expr, $k:ident, $($e:tt)*) => {
@@ -337,16 +346,17 @@ macro_rules! by_dtype {
     };
 }
 
-/// Enqueues delta = rowsum(dO * O) (f32 `[heads_q, total_q]` at `delta`).
+/// Enqueues delta = rowsum(dO * O) (f32 `[heads_q, total_q]` at `delta`; out and dout at v's
+/// head_dim).
 pub(crate) fn launch_delta(be: &CudaBackend, spec: &AttnSpec, p: &BwdPtrs, delta: u64, stream: sys::CUstream) -> Result<()> {
     let d = &spec.dims;
-    let (hd, dt) = (d.head_dim, spec.dtype);
+    let (hd, dt) = (d.head_dim_v, spec.dtype);
     let f = be.kernels.get(&KernelKey::new("bwd_delta", dt, &[hd as u32]), || {
         by_dtype!(dt, T, codegen(flash_bwd::bwd_delta::BwdDelta::<T, CudaRuntime>::new(
             settings(32 * DELTA_PLANES as u32), be.client().clone(), A, A, A, (), (), hd)))
     })?;
     let mut a = Args::new();
-    a.array(p.out, d.q_len()).array(p.dout, d.q_len()).array(delta, d.lse_len()).u32(d.heads_q as u32).u32(d.total_q as u32);
+    a.array(p.out, d.out_len()).array(p.dout, d.out_len()).array(delta, d.lse_len()).u32(d.heads_q as u32).u32(d.total_q as u32);
     launch(&f, grid_2d((d.total_q * d.heads_q).div_ceil(DELTA_PLANES)), &mut a, stream)
 }
 
@@ -456,15 +466,16 @@ pub(crate) fn dkdv_wide_source(
 /// maps below sm_90).
 fn q_maps(spec: &AttnSpec, p: &BwdPtrs, boxes: Option<(u32, u32, bool)>) -> Result<[MapArg; 2]> {
     let d = &spec.dims;
-    let (rows, cols) = (d.total_q, d.heads_q * d.head_dim);
-    let map = |ptr| -> Result<MapArg> {
+    let rows = d.total_q;
+    // dO's rows at v's head_dim
+    let map = |ptr, cols: usize| -> Result<MapArg> {
         let map = match boxes {
             Some((bc, br, sw128)) => tile_map_2d(spec.dtype, ptr, cols, rows, cols * spec.dtype.size(), bc, br, sw128)?,
             None => sys::CUtensorMap { opaque: [0; 16] },
         };
         Ok(MapArg { map, ptr, rows, cols })
     };
-    Ok([map(p.q)?, map(p.dout)?])
+    Ok([map(p.q, d.heads_q * d.head_dim)?, map(p.dout, d.heads_q * d.head_dim_v)?])
 }
 
 /// Head dims of the Hopper dK/dV kernel (two warpgroups of 64 keys, dK and dV of 64 keys x
@@ -529,25 +540,46 @@ pub(crate) fn dkdv_sm90_kernel(be: &CudaBackend, dt: DType, v: Sm90Dkdv) -> Resu
     be.kernels.get(&key, || dkdv_sm90_source(be.client(), dt, v))
 }
 
-/// The Hopper dK/dV kernel above head_dim 128 (`flash_bwd_sm90_split`; `fused`: dQ by
-/// `qvec`-float atomics, else none).
-pub(crate) fn dkdv_split_kernel(be: &CudaBackend, dt: DType, hd: usize, fused: bool, qvec: usize, paged: bool) -> Result<Func> {
-    let key = KernelKey::new("flash_bwd_sm90_split", dt, &[hd as u32, fused as u32, qvec as u32, paged as u32]);
-    be.kernels.get(&key, || dkdv_split_source(be.client(), dt, hd, fused, qvec, paged))
+/// The Hopper dK/dV kernel above head_dim 128 (`flash_bwd_sm90_split`; `hv`: v's head_dim, `hd`
+/// but where [`value_dim_native`] holds; `fused`: dQ by `qvec`-float atomics, else none).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn dkdv_split_kernel(be: &CudaBackend, dt: DType, hd: usize, hv: usize, fused: bool, qvec: usize, paged: bool) -> Result<Func> {
+    let key = KernelKey::new("flash_bwd_sm90_split", dt, &[hd as u32, hv as u32, fused as u32, qvec as u32, paged as u32]);
+    be.kernels.get(&key, || dkdv_split_source(be.client(), dt, hd, hv, fused, qvec, paged))
+}
+
+/// Whether the backward of `spec`, q and k at head_dim `hd` (the spec's or a padded one's), runs v
+/// (and out, dout, dv) at v's own head_dim (`Dims::head_dim_v`, narrower: DeepSeek's MLA 192 /
+/// 128) rather than padded to `hd` (`head_pad`), on a GPU with wgmma: `flash_bwd_sm90_split` and
+/// the wgmma dQ pass (`hd` 192 or 256, f16 / bf16, dense keys, not paged, the Hopper switches on),
+/// v a whole number of 64-column chunks.
+pub(crate) fn value_dim_native(spec: &AttnSpec, hd: usize) -> bool {
+    let hv = spec.dims.head_dim_v;
+    crate::config::fwd_options().sm90
+        && crate::config::get().bwd_dq_sm90
+        && spec.dtype != DType::F32
+        && spec.block_sparse().is_none()
+        && spec.kv_pages().is_none()
+        && SPLIT_BWD_HEAD_DIMS.contains(&hd)
+        && hv.is_multiple_of(64)
+        && hv > 0
+        && hv < hd
 }
 
 /// CUDA source of [`dkdv_split_kernel`]: the `kernels::sm90` markers lowered, one cube per SM.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn dkdv_split_source(
     client: &ComputeClient<CudaRuntime>,
     dt: DType,
     hd: usize,
+    hv: usize,
     fused: bool,
     qvec: usize,
     paged: bool,
 ) -> Result<Source> {
     let mut src = by_dtype!(dt, T, codegen_exp2(flash_bwd_sm90_split::flash_bwd_sm90_split::FlashBwdSm90Split::<T, CudaRuntime>::new(
         settings(SM90_BWD_THREADS as u32), client.clone(), DkdvArgs::compilation(),
-        BWD_LOAD_VEC, qvec, hd, fused, qvec, paged), true))?;
+        BWD_LOAD_VEC, qvec, hd, hv, fused, qvec, paged), true))?;
     src.cuda = super::rewrite::sm90::lower_bounded(&src.entry, &src.cuda, 1)?;
     Ok(src)
 }
@@ -624,8 +656,10 @@ pub(crate) fn launch_dkdv_wide(
                 msg: format!("head_dim {} backward: only the Hopper kernel (dense key sets, sm_90)", d.head_dim),
             });
         }
-        let f = dkdv_split_kernel(be, spec.dtype, d.head_dim, acc.is_some(), qvec, paged)?;
+        let f = dkdv_split_kernel(be, spec.dtype, d.head_dim, d.head_dim_v, acc.is_some(), qvec, paged)?;
         (f, q_maps(spec, p, Some((SW_COLS as u32, BWD_BM as u32, true)))?, true)
+    } else if !d.is_uniform() {
+        return Err(mixed_dims(d.head_dim, d.head_dim_v));
     } else if sm90_backward(be, spec, acc) {
         let (hd, fused) = (d.head_dim, acc.is_some());
         let ws = ws_backward(hd, fused, sparse.is_some());
@@ -645,6 +679,7 @@ pub(crate) fn launch_dkdv_wide(
         (f, q_maps(spec, p, tma.then_some((bc, br, false)))?, false)
     };
     let (ql, kl, ll) = (d.q_len(), d.kv_len(), d.lse_len());
+    let (vl, ol) = (d.v_len(), d.out_len());
     // the f32 dQ accumulator of the fused path (as atomics of `qvec` floats and as the bulk
     // reductions' rows); without it any valid address
     let acc = match acc {
@@ -656,15 +691,15 @@ pub(crate) fn launch_dkdv_wide(
         q_map,
         do_map,
         k: (p.k, kl / BWD_LOAD_VEC),
-        v: (p.v, kl / BWD_LOAD_VEC),
+        v: (p.v, vl / BWD_LOAD_VEC),
         lse: (p.lse, ll),
         delta: (delta, ll),
         dk: (p.dk, kl),
-        dv: (p.dv, kl),
+        dv: (p.dv, vl),
         dq_acc: acc,
         dq_rows: acc,
         q_s: (p.q, ql),
-        do_s: (p.dout, ql),
+        do_s: (p.dout, ol),
         ktiles: t.work,
         tile_off: t.tile_off,
         tile_segs: t.tile_segs,
@@ -718,25 +753,28 @@ pub(crate) fn dq_sm90(be: &CudaBackend, dt: DType, hd: usize) -> bool {
     crate::config::get().bwd_dq_sm90 && be.target.wgmma && be.target.tma && dt != DType::F32 && matches!(hd, 64 | 128 | 192 | 256)
 }
 
-/// The Hopper dQ pass kernel for one set of comptime choices.
-pub(crate) fn dq_sm90_kernel(be: &CudaBackend, dt: DType, hd: usize, sparse: bool, window: bool, paged: bool) -> Result<Func> {
-    let key = KernelKey::new("flash_bwd_dq_sm90", dt, &[hd as u32, sparse as u32, window as u32, paged as u32]);
-    be.kernels.get(&key, || dq_sm90_source(be.client(), dt, hd, sparse, window, paged))
+/// The Hopper dQ pass kernel for one set of comptime choices (`hv`: v's and dO's head_dim).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn dq_sm90_kernel(be: &CudaBackend, dt: DType, hd: usize, hv: usize, sparse: bool, window: bool, paged: bool) -> Result<Func> {
+    let key = KernelKey::new("flash_bwd_dq_sm90", dt, &[hd as u32, hv as u32, sparse as u32, window as u32, paged as u32]);
+    be.kernels.get(&key, || dq_sm90_source(be.client(), dt, hd, hv, sparse, window, paged))
 }
 
 /// CUDA source of [`dq_sm90_kernel`]: the `kernels::sm90` markers lowered, the cubes an SM declared
 /// by shared memory: three at head_dim 64 (48 KiB a cube), two at 128 (96 KiB), one at 192 / 256
 /// (144 / 192 KiB).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn dq_sm90_source(
     client: &ComputeClient<CudaRuntime>,
     dt: DType,
     hd: usize,
+    hv: usize,
     sparse: bool,
     window: bool,
     paged: bool,
 ) -> Result<Source> {
     let mut src = by_dtype!(dt, T, codegen_exp2(flash_bwd_dq_sm90::flash_bwd_dq_sm90::FlashBwdDqSm90::<T, CudaRuntime>::new(
-        settings(DQ_SM90_THREADS as u32), client.clone(), DqArgs::compilation(), BWD_LOAD_VEC, hd, sparse, window, paged), true))?;
+        settings(DQ_SM90_THREADS as u32), client.clone(), DqArgs::compilation(), BWD_LOAD_VEC, hd, hv, sparse, window, paged), true))?;
     src.cuda = super::rewrite::sm90::lower_bounded(&src.entry, &src.cuda, match hd { 0..=64 => 3, 65..=128 => 2, _ => 1 })?;
     Ok(src)
 }
@@ -758,12 +796,14 @@ pub(crate) fn launch_dq(
     stream: sys::CUstream,
 ) -> Result<()> {
     let d = &spec.dims;
-    let (hd, dt) = (d.head_dim, spec.dtype);
+    let (hd, hv, dt) = (d.head_dim, d.head_dim_v, spec.dtype);
     let (ql, kl, ll) = (d.q_len(), d.kv_len(), d.lse_len());
     let (win_l, win_r, window) = window_bounds(spec);
     let paged = spec.kv_pages().is_some() && sparse.is_none();
     let (f, [k_map, v_map]) = if dq_sm90(be, dt, hd) {
-        (dq_sm90_kernel(be, dt, hd, sparse.is_some(), window, paged)?, kv_maps_sw128(spec, p.k, p.v, BWD_BN)?)
+        (dq_sm90_kernel(be, dt, hd, hv, sparse.is_some(), window, paged)?, kv_maps_sw128(spec, p.k, p.v, BWD_BN)?)
+    } else if hv != hd {
+        return Err(mixed_dims(hd, hv));
     } else {
         // full key tiles by tensor maps on sm_90+ (`BwdPtrs::check_aligned`)
         let tma = super::forward::kv_tma(be, hd);
@@ -776,12 +816,12 @@ pub(crate) fn launch_dq(
         k_map,
         v_map,
         q: (p.q, qv),
-        dout: (p.dout, qv),
+        dout: (p.dout, d.out_len() / BWD_LOAD_VEC),
         lse: (p.lse, ll),
         delta: (delta, ll),
         dq: (p.dq, ql),
         k_s: (p.k, kl),
-        v_s: (p.v, kl),
+        v_s: (p.v, d.v_len()),
         work,
         segs,
         tile_ref,

@@ -3,9 +3,10 @@
 //! it, on a Hopper GPU the smallest of the wgmma kernels' (80 runs at 128 there, not on the
 //! mma.sync kernels of 96; 96 itself too, and the 32 backward at 64, but for decode-sized calls:
 //! [`padded`]). So does a call whose v has a head_dim of its own (`Dims::head_dim_v`, DeepSeek's
-//! MLA: 192 / 128), at the wider of the two, except the Hopper forward's: its warp-specialised frame
-//! runs v at v's own head_dim (`forward::value_dim_native`), so a 192 / 128 forward has no copies,
-//! and a 160 / 128 one copies q and k only. q, k, v (and out, dout in the backward) are copied
+//! MLA: 192 / 128), at the wider of the two, except on the Hopper kernels that run v at v's own
+//! head_dim (the forward's warp-specialised frame, `forward::value_dim_native`; the backward above
+//! head_dim 128, `backward::value_dim_native`), so a 192 / 128 call has no copies, and a 160 / 128
+//! one copies q and k (and dq, dk) only. q, k, v (and out, dout in the backward) are copied
 //! into the workspace with zero columns after the caller's (`kernels::pad_cols`; a tensor that
 //! already has the kernels' head_dim is read or written in place), the kernels of the wider head
 //! dim run on the copies, and the outputs are copied back without the extra columns. Zero columns
@@ -22,7 +23,7 @@ use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::{ComputeClient, Int, KernelSettings};
 use cudarc::driver::sys::CUstream;
 
-use super::backward::{bwd_workspace, dq_mode, BwdPtrs, DqPath};
+use super::backward::{self, bwd_workspace, dq_mode, BwdPtrs, DqPath};
 use super::compile::{codegen, Source, A};
 use super::device_io::{check_workspace, has_work};
 use super::forward::{aligned, layout, max_seg_rows, value_dim_native, FwdPtrs, FEW_ROWS, SM90_FWD_HEAD_DIMS};
@@ -43,8 +44,9 @@ use crate::spec::AttnSpec;
 /// ones). `None` when the head_dim has its own kernel and v shares it, when no kernel head dim is
 /// wider, and for the INT8 QK^T option. With `wgmma`, head_dim 96 has its own (mma.sync) kernels
 /// but runs padded to 128 too, and the head_dim 32 backward padded to 64, except on decode-sized
-/// calls ([`to_wgmma`]). A Hopper forward whose v is narrower keeps v's head_dim where
-/// `forward::value_dim_native` holds (`None` when q's has a kernel too).
+/// calls ([`to_wgmma`]). On Hopper a call whose v is narrower keeps v's head_dim where
+/// `forward::value_dim_native` (the forward) or `backward::value_dim_native` (the backward,
+/// above head_dim 128) holds (`None` when q's has a kernel too).
 pub(crate) fn padded(spec: &AttnSpec, pass: Pass, wgmma: bool) -> Option<AttnSpec> {
     let hd = spec.dims.head_dim.max(spec.dims.head_dim_v);
     let dims: &[usize] = match spec.block_sparse() {
@@ -59,7 +61,11 @@ pub(crate) fn padded(spec: &AttnSpec, pass: Pass, wgmma: bool) -> Option<AttnSpe
     let fits = |d: &usize| *d > hd && (!wgmma || SM90_FWD_HEAD_DIMS.contains(d));
     let d = if own { hd } else { dims.iter().copied().filter(fits).min()? };
     let mut s = spec.clone();
-    if wgmma && pass == Pass::Forward && value_dim_native(spec, d) {
+    let native = match pass {
+        Pass::Forward => value_dim_native(spec, d),
+        Pass::Backward { .. } => backward::value_dim_native(spec, d),
+    };
+    if wgmma && native {
         if d == spec.dims.head_dim {
             return None;
         }
@@ -414,32 +420,37 @@ mod tests {
         let bwd = Pass::Backward { deterministic: true };
         // (d, dv, any GPU, Hopper backward, Hopper forward as (q's, v's) head_dim; None: as it is)
         let cases = [
-            (192, 128, 192, 192, None),
-            (128, 192, 192, 192, Some((192, 192))),
-            (64, 128, 128, 128, Some((128, 128))),
-            (128, 64, 128, 128, None),
-            (40, 24, 64, 64, Some((64, 64))),
-            (96, 64, 96, 128, Some((128, 64))),
-            (80, 8, 96, 128, Some((128, 128))),
-            (160, 128, 192, 192, Some((192, 128))),
+            (192, 128, 192, None, None),
+            (128, 192, 192, Some((192, 192)), Some((192, 192))),
+            (64, 128, 128, Some((128, 128)), Some((128, 128))),
+            (128, 64, 128, Some((128, 128)), None),
+            (40, 24, 64, Some((64, 64)), Some((64, 64))),
+            (96, 64, 96, Some((128, 128)), Some((128, 64))),
+            (80, 8, 96, Some((128, 128)), Some((128, 128))),
+            (160, 128, 192, Some((192, 128)), Some((192, 128))),
+            (256, 192, 256, None, None),
         ];
-        for (d, dv, any, hopper, hopper_fwd) in cases {
+        for (d, dv, any, hopper_bwd, hopper_fwd) in cases {
             let s = mixed(d, dv);
-            for (pass, wgmma, want) in [(Pass::Forward, false, Some((any, any))), (bwd, false, Some((any, any))), (bwd, true, Some((hopper, hopper))), (Pass::Forward, true, hopper_fwd)] {
+            for (pass, wgmma, want) in [(Pass::Forward, false, Some((any, any))), (bwd, false, Some((any, any))), (bwd, true, hopper_bwd), (Pass::Forward, true, hopper_fwd)] {
                 let p = padded(&s, pass, wgmma);
                 assert_eq!(p.as_ref().map(|p| (p.dims.head_dim, p.dims.head_dim_v)), want, "{d}/{dv} {pass:?} wgmma {wgmma}");
                 // the scale stays q's
                 assert!(p.is_none_or(|p| p.scale == s.scale));
             }
         }
-        // q and k of a 192 / 128 backward are read in place: only v, out (and dout, dv) are copied
-        let (s, ps) = (mixed(192, 128), padded(&mixed(192, 128), bwd, true).unwrap());
+        // q and k of a padded 192 / 128 backward are read in place: only v, out (and dout, dv) are copied
+        let (s, ps) = (mixed(192, 128), padded(&mixed(192, 128), bwd, false).unwrap());
         assert!(Part::Q.in_place(&s, &ps) && Part::K.in_place(&s, &ps) && !Part::V.in_place(&s, &ps) && !Part::Out.in_place(&s, &ps));
         assert_eq!(fwd_parts(&s, &ps, 0)[..4], [0, 0, 128 * 2 * 192 * 2, 128 * 2 * 192 * 2]);
-        // a 160 / 128 forward on Hopper copies q and k to 192 columns; v and out stay in place
+        // a 160 / 128 call on Hopper copies q and k (and dq, dk) to 192 columns; v, out (and dout,
+        // dv) stay in place
         let (s, ps) = (mixed(160, 128), padded(&mixed(160, 128), Pass::Forward, true).unwrap());
         assert!(!Part::Q.in_place(&s, &ps) && !Part::K.in_place(&s, &ps) && Part::V.in_place(&s, &ps) && Part::Out.in_place(&s, &ps));
         assert_eq!(fwd_parts(&s, &ps, 0)[..4], [128 * 2 * 192 * 2, 128 * 2 * 192 * 2, 0, 0]);
+        let ps = padded(&s, bwd, true).unwrap();
+        let qk = 128 * 2 * 192 * 2;
+        assert_eq!(bwd_parts(&s, &ps, 0)[..8], [qk, qk, 0, 0, 0, qk, qk, 0]);
         // decode-sized calls (at most FEW_ROWS packed rows a sequence) keep one head_dim
         let m1 = |n, d| TensorMeta::new(&[n, 2, d], DType::BF16);
         let decode = AttnSpec::varlen(&m1(2, 192), &m1(512, 192), &m1(512, 128), &[0, 1, 2], &[0, 256, 512], 1, 256, None, true).unwrap();
