@@ -16,7 +16,8 @@ kv_block_table, tiles across two pages, both dQ paths): head_dim 64 and 128, cau
 head_dims (the other head dims: forward and split-K at 32, 96, 192, 256, both backward paths at
 32, 96, 192 and 256 (paged K,V too above 128), bf16, causal and not); padded (head dims without
 a kernel of their own, 33, 80 and 160, on the next one with zero columns: forward, both backward
-paths, paged K,V, block-sparse at 33 and 80; v with a head_dim of its own, 192 / 128 and 64 / 128). Each result is checked against the CPU
+paths, paged K,V, block-sparse at 33 and 80; v with a head_dim of its own, 192 / 128, 160 / 128
+and 64 / 128). Each result is checked against the CPU
 backend, so a run also fails (exit 1) on a wrong answer. numpy inputs only: no torch kernels run
 under the sanitizer. The environment switches each family needs are set here, before cubeattn
 loads (the CUDA options are read once)."""
@@ -175,9 +176,10 @@ def main(family):
                 paged(d, dtypes[0], causal, False)
                 if d <= 128:
                     sparse(d, dtypes[-1], causal, False, 64, 128, backward=True)
-                # v with a head_dim of its own: DeepSeek's MLA (q, k read in place, v, out, dout,
-                # dv through the copies) and v wider than q (v, out, dout, dv in place)
-                for dq_, dv_ in ((192, 128), (64, 128)) if d == 160 else ():
+                # v with a head_dim of its own: DeepSeek's MLA (on Hopper no copies: v, out, dout,
+                # dv at 128 in the kernels), 160 / 128 (q, k, dq, dk copied to 192) and v wider
+                # than q (padded to 128: v, out, dout, dv in place)
+                for dq_, dv_ in ((192, 128), (160, 128), (64, 128)) if d == 160 else ():
                     for det in (True, False):
                         varlen(dq_, dtypes[-1], causal, backward=True, deterministic=det, dv=dv_)
                 continue
