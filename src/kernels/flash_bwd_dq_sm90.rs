@@ -72,33 +72,39 @@ fn load_stage<E: Float, NV: Size>(
             issue_tile_boxes(&args.v_map, v_smem, bar1, base_v, y, y, head_kv, BWD_BN, head_dim_v, true);
         }
     } else {
-        let vecs = comptime!(head_dim / 8);
-        #[unroll]
-        for it in 0..comptime!(BWD_BN * (head_dim / 8) / DQ_SM90_THREADS) {
-            let idx = UNIT_POS as usize + it * DQ_SM90_THREADS;
-            let r = idx / vecs;
-            let c = (idx % vecs) * 8;
-            let key = min(kb + r as u32, k_len - 1u32);
-            let g = (kv_row(k_start + key, &args.blocks, paged) * args.heads_kv + head_kv) as usize * head_dim + c;
-            let s = base + swizzle_128b(r, c, BWD_BN);
-            copy_async(&args.k_s.slice(g, g + 8), &mut k_smem.slice_mut(s, s + 8), comptime!(8u32));
-            if comptime!(head_dim_v == head_dim) {
-                copy_async(&args.v_s.slice(g, g + 8), &mut v_smem.slice_mut(s, s + 8), comptime!(8u32));
-            }
-        }
-        if comptime!(head_dim_v != head_dim) {
-            let vecs_v = comptime!(head_dim_v / 8);
-            #[unroll]
-            for it in 0..comptime!(BWD_BN * (head_dim_v / 8) / DQ_SM90_THREADS) {
-                let idx = UNIT_POS as usize + it * DQ_SM90_THREADS;
-                let r = idx / vecs_v;
-                let c = (idx % vecs_v) * 8;
-                let key = min(kb + r as u32, k_len - 1u32);
-                let g = (kv_row(k_start + key, &args.blocks, paged) * args.heads_kv + head_kv) as usize * head_dim_v + c;
-                let s = base_v + swizzle_128b(r, c, BWD_BN);
-                copy_async(&args.v_s.slice(g, g + 8), &mut v_smem.slice_mut(s, s + 8), comptime!(8u32));
-            }
-        }
+        kv_rows_async(&args.k_s, k_smem, base, kb, k_len, k_start, args.heads_kv, head_kv, &args.blocks, head_dim, paged);
+        kv_rows_async(&args.v_s, v_smem, base_v, kb, k_len, k_start, args.heads_kv, head_kv, &args.blocks, head_dim_v, paged);
+    }
+}
+
+/// `cp.async` copies of window keys `kb..kb + BWD_BN` of kv head `head_kv` (`width` columns a head;
+/// rows clamped to the segment's last key, `k_len - 1`; through the page table `pages` when
+/// `paged`) into the swizzled stage at element `base` of `smem`, by every unit.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn kv_rows_async<E: Float>(
+    src: &Array<E>,
+    smem: &mut SharedMemory<E>,
+    base: usize,
+    kb: u32,
+    k_len: u32,
+    k_start: u32,
+    heads_kv: u32,
+    head_kv: u32,
+    pages: &Array<u32>,
+    #[comptime] width: usize,
+    #[comptime] paged: bool,
+) {
+    let vecs = comptime!(width / 8);
+    #[unroll]
+    for it in 0..comptime!(BWD_BN * (width / 8) / DQ_SM90_THREADS) {
+        let idx = UNIT_POS as usize + it * DQ_SM90_THREADS;
+        let r = idx / vecs;
+        let c = (idx % vecs) * 8;
+        let key = min(kb + r as u32, k_len - 1u32);
+        let g = (kv_row(k_start + key, pages, paged) * heads_kv + head_kv) as usize * width + c;
+        let s = base + swizzle_128b(r, c, BWD_BN);
+        copy_async(&src.slice(g, g + 8), &mut smem.slice_mut(s, s + 8), comptime!(8u32));
     }
 }
 
