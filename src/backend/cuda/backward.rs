@@ -554,16 +554,10 @@ pub(crate) fn dkdv_split_kernel(be: &CudaBackend, dt: DType, hd: usize, hv: usiz
 /// the wgmma dQ pass (`hd` 192 or 256, f16 / bf16, dense keys, not paged, the Hopper switches on),
 /// v a whole number of 64-column chunks.
 pub(crate) fn value_dim_native(spec: &AttnSpec, hd: usize) -> bool {
-    let hv = spec.dims.head_dim_v;
     crate::config::fwd_options().sm90
         && crate::config::get().bwd_dq_sm90
-        && spec.dtype != DType::F32
-        && spec.block_sparse().is_none()
-        && spec.kv_pages().is_none()
         && SPLIT_BWD_HEAD_DIMS.contains(&hd)
-        && hv.is_multiple_of(64)
-        && hv > 0
-        && hv < hd
+        && super::forward::narrower_v_chunks(spec, hd)
 }
 
 /// CUDA source of [`dkdv_split_kernel`]: the `kernels::sm90` markers lowered, one cube per SM.

@@ -210,17 +210,21 @@ pub(crate) fn sm90_forward(be: &CudaBackend, spec: &AttnSpec) -> bool {
 /// chunks, and more than `FEW_ROWS` packed rows in a sequence (decode-sized calls run the decode
 /// and V-checking kernels, at one head_dim).
 pub(crate) fn value_dim_native(spec: &AttnSpec, hd: usize) -> bool {
-    let (o, hv) = (fwd_options(), spec.dims.head_dim_v);
-    o.sm90
-        && o.sm90_ws
-        && spec.dtype != DType::F32
+    let o = fwd_options();
+    o.sm90 && o.sm90_ws && matches!(hd, 128 | 192 | 256) && narrower_v_chunks(spec, hd) && max_seg_rows(spec) > FEW_ROWS
+}
+
+/// What every Hopper kernel that runs v at its own head_dim asks of a call, q and k at `hd`: f16 /
+/// bf16, dense keys (not block-sparse, not paged), v a whole number of 64-column chunks narrower
+/// than `hd` (this and `backward::value_dim_native`).
+pub(crate) fn narrower_v_chunks(spec: &AttnSpec, hd: usize) -> bool {
+    let hv = spec.dims.head_dim_v;
+    spec.dtype != DType::F32
         && spec.block_sparse().is_none()
         && spec.kv_pages().is_none()
-        && matches!(hd, 128 | 192 | 256)
         && hv.is_multiple_of(64)
         && hv > 0
         && hv < hd
-        && max_seg_rows(spec) > FEW_ROWS
 }
 
 /// The refusal of a kernel other than `flash_fwd_ws` for a call whose v has head_dim `hv`, q `hd`.
