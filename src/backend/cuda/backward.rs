@@ -329,10 +329,7 @@ fn pass_is_faster(be: Option<&CudaBackend>, spec: &AttnSpec) -> bool {
 /// The refusal of a backward kernel other than the split one and the wgmma dQ pass for a call whose
 /// v has head_dim `hv`, q `hd` (`value_dim_native` sends only those calls here).
 fn mixed_dims(hd: usize, hv: usize) -> crate::error::Error {
-    crate::error::Error::Unsupported {
-        backend: "cuda",
-        msg: format!("v's head_dim {hv} differs from q's {hd}: only the Hopper backward above head_dim 128 runs both"),
-    }
+    super::forward::mixed_dims(hd, hv, "the Hopper backward above head_dim 128")
 }
 
 /// Runs `$e` with the type alias `$k` bound to the element type of `$dt`.

@@ -216,7 +216,7 @@ pub(crate) fn value_dim_native(spec: &AttnSpec, hd: usize) -> bool {
 
 /// What every Hopper kernel that runs v at its own head_dim asks of a call, q and k at `hd`: f16 /
 /// bf16, dense keys (not block-sparse, not paged), v a whole number of 64-column chunks narrower
-/// than `hd` (this and `backward::value_dim_native`).
+/// than `hd` (this and `backward::value_dim_native`; `head_pad::value_dim_native` picks by pass).
 pub(crate) fn narrower_v_chunks(spec: &AttnSpec, hd: usize) -> bool {
     let hv = spec.dims.head_dim_v;
     spec.dtype != DType::F32
@@ -227,13 +227,17 @@ pub(crate) fn narrower_v_chunks(spec: &AttnSpec, hd: usize) -> bool {
         && hv < hd
 }
 
-/// The refusal of a kernel other than `flash_fwd_ws` for a call whose v has head_dim `hv`, q `hd`.
-fn mixed_dims(hd: usize, hv: usize) -> crate::error::Error {
+/// The refusal of a kernel that does not run v at its own head_dim for a call whose v has head_dim
+/// `hv`, q `hd`; `kernels`: those that do (the `value_dim_native` checks send only calls of theirs).
+pub(crate) fn mixed_dims(hd: usize, hv: usize, kernels: &str) -> crate::error::Error {
     crate::error::Error::Unsupported {
         backend: "cuda",
-        msg: format!("v's head_dim {hv} differs from q's {hd}: only the warp-specialised Hopper forward runs both"),
+        msg: format!("v's head_dim {hv} differs from q's {hd}: only {kernels} runs both"),
     }
 }
+
+/// Which kernels run v at its own head_dim in the forward ([`mixed_dims`]).
+const FWD_MIXED: &str = "the warp-specialised Hopper forward";
 
 /// Packed rows (query rows x the heads packed with them) of the longest segment of `spec`: what
 /// the plan records as `FwdPlan::max_seg_rows`, known before a plan is built.
@@ -323,7 +327,7 @@ pub(crate) fn flash_fwd_sm90_kernel(
         return Ok((f, bn));
     }
     if hv != hd {
-        return Err(mixed_dims(hd, hv));
+        return Err(mixed_dims(hd, hv, FWD_MIXED));
     }
     let cubes = fwd_options().sm90_tile_for(hd).1;
     let key = KernelKey::new(
@@ -610,7 +614,7 @@ pub(crate) fn launch_forward(
     let decode = decode_tiles(&plan.host);
     if hv != hd && (decode || !sm90) {
         // (`value_dim_native` sends only calls of the warp-specialised frame here)
-        return Err(mixed_dims(hd, hv));
+        return Err(mixed_dims(hd, hv, FWD_MIXED));
     }
     let (f, [k_map, v_map]) = if decode {
         let key = KernelKey::new("flash_fwd_decode", dt, &[hd as u32, paged as u32, fp.rows as u32]);

@@ -26,7 +26,7 @@ use cudarc::driver::sys::CUstream;
 use super::backward::{self, bwd_workspace, dq_mode, BwdPtrs, DqPath};
 use super::compile::{codegen, Source, A};
 use super::device_io::{check_workspace, has_work};
-use super::forward::{aligned, layout, max_seg_rows, value_dim_native, FwdPtrs, FEW_ROWS, SM90_FWD_HEAD_DIMS};
+use super::forward::{self, aligned, layout, max_seg_rows, FwdPtrs, FEW_ROWS, SM90_FWD_HEAD_DIMS};
 use super::launch::{grid_2d, launch, Args};
 use super::word_copy::{copy_width, word_copy_kernel, WordCopy};
 use super::{head_dims_of, CudaBackend, SPARSE_HEAD_DIMS};
@@ -61,11 +61,7 @@ pub(crate) fn padded(spec: &AttnSpec, pass: Pass, wgmma: bool) -> Option<AttnSpe
     let fits = |d: &usize| *d > hd && (!wgmma || SM90_FWD_HEAD_DIMS.contains(d));
     let d = if own { hd } else { dims.iter().copied().filter(fits).min()? };
     let mut s = spec.clone();
-    let native = match pass {
-        Pass::Forward => value_dim_native(spec, d),
-        Pass::Backward { .. } => backward::value_dim_native(spec, d),
-    };
-    if wgmma && native {
+    if wgmma && value_dim_native(spec, pass, d) {
         if d == spec.dims.head_dim {
             return None;
         }
@@ -74,6 +70,15 @@ pub(crate) fn padded(spec: &AttnSpec, pass: Pass, wgmma: bool) -> Option<AttnSpe
     }
     s.dims = s.dims.at_head_dim(d);
     Some(s)
+}
+
+/// Whether `pass` of `spec`, q and k at head_dim `hd`, runs v at v's own head_dim on a GPU with
+/// wgmma (`forward::value_dim_native`, `backward::value_dim_native`).
+pub(crate) fn value_dim_native(spec: &AttnSpec, pass: Pass, hd: usize) -> bool {
+    match pass {
+        Pass::Forward => forward::value_dim_native(spec, hd),
+        Pass::Backward { .. } => backward::value_dim_native(spec, hd),
+    }
 }
 
 /// Whether a call whose wider head_dim `hd` has mma.sync kernels of its own runs `pass` on the

@@ -304,14 +304,9 @@ pub fn check_supported(spec: &AttnSpec, pass: Pass) -> Result<()> {
 fn check_kernel_spec(spec: &AttnSpec, pass: Pass) -> Result<()> {
     spec.check_pass(pass)?;
     let hd = spec.dims.head_dim;
-    let native_v = match pass {
-        Pass::Forward => forward::value_dim_native(spec, hd),
-        Pass::Backward { .. } => backward::value_dim_native(spec, hd),
-    };
-    if !spec.dims.is_uniform() && !native_v {
+    if !spec.dims.is_uniform() && !head_pad::value_dim_native(spec, pass, hd) {
         // (`head_pad::padded` gives such calls one head_dim wherever a kernel is wide enough, or
-        // leaves v's to the Hopper kernels that run it: `forward::value_dim_native`,
-        // `backward::value_dim_native`)
+        // leaves v's to the Hopper kernels that run it: `head_pad::value_dim_native`)
         return Err(Error::Unsupported {
             backend: "cuda",
             msg: format!("v's head_dim {} differs from q's and k's {hd}, and no CUDA kernel runs both; use the CPU backend", spec.dims.head_dim_v),
