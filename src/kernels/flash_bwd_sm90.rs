@@ -52,7 +52,9 @@ const _: () = assert!(BN == 2 * WG_KEYS && BM == 64);
 /// `cp.async` of the `threads` units with rows clamped to the segment's last (the caller masks
 /// them); lse / delta by `cp.async` of those units. `head_dim_v`: dO's head_dim (v's; `head_dim` but
 /// for `flash_bwd_sm90_split` with v at its own, DeepSeek's MLA): dO's stage `g % 2` at element
-/// `(g % 2) bm head_dim_v`.
+/// `(g % 2) bm head_dim_v`. Where the widths agree Q's and dO's copies of a chunk are issued
+/// together from one address computation: the same copies through a helper per tensor made
+/// ptxas spill 100-700 bytes in `flash_bwd_ws`, whose producer warp runs this with 24 registers.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn issue_q_tile<E: Float>(
@@ -94,75 +96,68 @@ pub fn issue_q_tile<E: Float>(
             } else {
                 bar1.expect_tx(bytes);
             }
-            head_boxes(q_map, q_smem, bar0, bar1, stage, base, y, h, head_dim, bm);
-            head_boxes(do_map, do_smem, bar0, bar1, stage, base_v, y, h, head_dim_v, bm);
+            #[unroll]
+            for c in 0..comptime!(head_dim / SW_COLS) {
+                let x = (h * head_dim as u32) as i32 + comptime!((c * SW_COLS) as i32);
+                let a = base + comptime!(c * bm * SW_COLS);
+                // (dO's chunk beside Q's where they share the width; else after them)
+                if stage == 0 {
+                    bar0.tma_load_2d(q_map, &mut q_smem.slice_mut(a, a + comptime!(bm * SW_COLS)), y, x);
+                    if comptime!(head_dim_v == head_dim) {
+                        bar0.tma_load_2d(do_map, &mut do_smem.slice_mut(a, a + comptime!(bm * SW_COLS)), y, x);
+                    }
+                } else {
+                    bar1.tma_load_2d(q_map, &mut q_smem.slice_mut(a, a + comptime!(bm * SW_COLS)), y, x);
+                    if comptime!(head_dim_v == head_dim) {
+                        bar1.tma_load_2d(do_map, &mut do_smem.slice_mut(a, a + comptime!(bm * SW_COLS)), y, x);
+                    }
+                }
+            }
+            if comptime!(head_dim_v != head_dim) {
+                // dO's chunks at v's width
+                #[unroll]
+                for c in 0..comptime!(head_dim_v / SW_COLS) {
+                    let x = (h * head_dim_v as u32) as i32 + comptime!((c * SW_COLS) as i32);
+                    let a = base_v + comptime!(c * bm * SW_COLS);
+                    if stage == 0 {
+                        bar0.tma_load_2d(do_map, &mut do_smem.slice_mut(a, a + comptime!(bm * SW_COLS)), y, x);
+                    } else {
+                        bar1.tma_load_2d(do_map, &mut do_smem.slice_mut(a, a + comptime!(bm * SW_COLS)), y, x);
+                    }
+                }
+            }
         }
     } else {
-        head_rows_async(q_s, q_smem, base, r0, q_len, q_start, heads_q, h, tid, head_dim, threads, bm);
-        head_rows_async(do_s, do_smem, base_v, r0, q_len, q_start, heads_q, h, tid, head_dim_v, threads, bm);
+        let vecs = comptime!(head_dim / 8);
+        #[unroll]
+        for it in 0..comptime!(bm * (head_dim / 8) / threads) {
+            let idx = tid as usize + it * threads;
+            let r = idx / vecs;
+            let c = (idx % vecs) * 8;
+            let row = min(r0 + r as u32, q_len - 1u32);
+            let src = ((q_start + row) * heads_q + h) as usize * head_dim + c;
+            let dst = base + swizzle_128b(r, c, bm);
+            copy_async(&q_s.slice(src, src + 8), &mut q_smem.slice_mut(dst, dst + 8), 8u32);
+            if comptime!(head_dim_v == head_dim) {
+                copy_async(&do_s.slice(src, src + 8), &mut do_smem.slice_mut(dst, dst + 8), 8u32);
+            }
+        }
+        if comptime!(head_dim_v != head_dim) {
+            let vecs_v = comptime!(head_dim_v / 8);
+            #[unroll]
+            for it in 0..comptime!(bm * (head_dim_v / 8) / threads) {
+                let idx = tid as usize + it * threads;
+                let r = idx / vecs_v;
+                let c = (idx % vecs_v) * 8;
+                let row = min(r0 + r as u32, q_len - 1u32);
+                let src = ((q_start + row) * heads_q + h) as usize * head_dim_v + c;
+                let dst = base_v + swizzle_128b(r, c, bm);
+                copy_async(&do_s.slice(src, src + 8), &mut do_smem.slice_mut(dst, dst + 8), 8u32);
+            }
+        }
     }
     issue_lse_delta(lse, delta, lse_smem, dl_smem, stage * bm, r0, q_len, q_start, h, total_q, tid, threads, bm);
     commit_stage(bar0, bar1, g);
-}
-
-/// Tensor-map copies of rows `y..y + bm` of head `h` (`width` columns a head, 64-column boxes) into
-/// the swizzled stage at element `base` of `smem`, on `bar0` (`stage` 0) or `bar1`. One unit.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn head_boxes<E: Float>(
-    map: &TensorMap<E, Tiled>,
-    smem: &mut SharedMemory<E>,
-    bar0: &Barrier,
-    bar1: &Barrier,
-    stage: usize,
-    base: usize,
-    y: i32,
-    h: u32,
-    #[comptime] width: usize,
-    #[comptime] bm: usize,
-) {
-    #[unroll]
-    for c in 0..comptime!(width / SW_COLS) {
-        let x = (h * width as u32) as i32 + comptime!((c * SW_COLS) as i32);
-        let a = base + comptime!(c * bm * SW_COLS);
-        if stage == 0 {
-            bar0.tma_load_2d(map, &mut smem.slice_mut(a, a + comptime!(bm * SW_COLS)), y, x);
-        } else {
-            bar1.tma_load_2d(map, &mut smem.slice_mut(a, a + comptime!(bm * SW_COLS)), y, x);
-        }
-    }
-}
-
-/// `cp.async` copies of segment rows `r0..r0 + bm` of head `h` (`width` columns a head; rows
-/// clamped to the segment's last, `q_len - 1`) into the swizzled stage at element `base` of `smem`,
-/// by the `threads` units numbered `tid`.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn head_rows_async<E: Float>(
-    src: &Array<E>,
-    smem: &mut SharedMemory<E>,
-    base: usize,
-    r0: u32,
-    q_len: u32,
-    q_start: u32,
-    heads_q: u32,
-    h: u32,
-    tid: u32,
-    #[comptime] width: usize,
-    #[comptime] threads: usize,
-    #[comptime] bm: usize,
-) {
-    let vecs = comptime!(width / 8);
-    #[unroll]
-    for it in 0..comptime!(bm * (width / 8) / threads) {
-        let idx = tid as usize + it * threads;
-        let r = idx / vecs;
-        let c = (idx % vecs) * 8;
-        let row = min(r0 + r as u32, q_len - 1u32);
-        let at = ((q_start + row) * heads_q + h) as usize * width + c;
-        let dst = base + swizzle_128b(r, c, bm);
-        copy_async(&src.slice(at, at + 8), &mut smem.slice_mut(dst, dst + 8), 8u32);
-    }
 }
 
 /// `acc = A B^T` over `head_dim` for the warpgroup's 64 keys (A: rows `a_row0..` of the swizzled
