@@ -55,6 +55,8 @@ const _: () = assert!(BN == 2 * WG_KEYS && BM == 64);
 /// `(g % 2) bm head_dim_v`. Where the widths agree Q's and dO's copies of a chunk are issued
 /// together from one address computation: the same copies through a helper per tensor made
 /// ptxas spill 100-700 bytes in `flash_bwd_ws`, whose producer warp runs this with 24 registers.
+/// `rolled`: the `cp.async` copies of a partial tile in a loop rather than unrolled (the producer
+/// of `flash_bwd_ws192`, whose 32 registers do not hold the unrolled addresses).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn issue_q_tile<E: Float>(
@@ -82,6 +84,7 @@ pub fn issue_q_tile<E: Float>(
     #[comptime] head_dim_v: usize,
     #[comptime] threads: usize,
     #[comptime] bm: usize,
+    #[comptime] rolled: bool,
 ) {
     let stage = (g & 1u32) as usize;
     let base = stage * comptime!(bm * head_dim);
@@ -129,7 +132,7 @@ pub fn issue_q_tile<E: Float>(
         }
     } else {
         let vecs = comptime!(head_dim / 8);
-        #[unroll]
+        #[unroll(!rolled)]
         for it in 0..comptime!(bm * (head_dim / 8) / threads) {
             let idx = tid as usize + it * threads;
             let r = idx / vecs;
@@ -144,7 +147,7 @@ pub fn issue_q_tile<E: Float>(
         }
         if comptime!(head_dim_v != head_dim) {
             let vecs_v = comptime!(head_dim_v / 8);
-            #[unroll]
+            #[unroll(!rolled)]
             for it in 0..comptime!(bm * (head_dim_v / 8) / threads) {
                 let idx = tid as usize + it * threads;
                 let r = idx / vecs_v;
@@ -256,7 +259,7 @@ pub fn p_transposed(
     scale_log2: f32,
     #[comptime] bm: usize,
 ) -> bool {
-    let full = tile_full(kw0, rr0, row_end, k_hi, shift, win_l, win_r, bm);
+    let full = tile_full(kw0, rr0, row_end, k_hi, shift, win_l, win_r, WG_KEYS, bm);
     #[unroll]
     for nb in 0..comptime!(bm / 8) {
         #[unroll]
@@ -293,16 +296,26 @@ pub fn p_transposed(
     full
 }
 
-/// Whether every (row, key) pair of a warpgroup's 64 keys (window-local index `kw0` of the first)
-/// and the `bm` rows from `rr0` is visible: keys inside the segment (`k_hi`), rows before `row_end`,
-/// each key inside each row's window ([`p_transposed`] masks nothing then).
+/// Whether every (row, key) pair of a warpgroup's `keys` keys (64 here; window-local index `kw0`
+/// of the first) and the `bm` rows from `rr0` is visible: keys inside the segment (`k_hi`), rows
+/// before `row_end`, each key inside each row's window ([`p_transposed`] masks nothing then).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn tile_full(kw0: i32, rr0: i32, row_end: u32, k_hi: u32, shift: i32, win_l: u32, win_r: u32, #[comptime] bm: usize) -> bool {
+pub(super) fn tile_full(
+    kw0: i32,
+    rr0: i32,
+    row_end: u32,
+    k_hi: u32,
+    shift: i32,
+    win_l: u32,
+    win_r: u32,
+    #[comptime] keys: usize,
+    #[comptime] bm: usize,
+) -> bool {
     kw0 >= 0i32
-        && kw0 + WG_KEYS as i32 <= k_hi as i32
+        && kw0 + keys as i32 <= k_hi as i32
         && rr0 + bm as i32 <= row_end as i32
-        && kw0 + (WG_KEYS as i32 - 1i32) <= shift + rr0 + win_r as i32
+        && kw0 + (keys as i32 - 1i32) <= shift + rr0 + win_r as i32
         && kw0 >= shift + rr0 + (bm as i32 - 1i32) - win_l as i32
 }
 
@@ -537,7 +550,7 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
         if n_it > 0 {
             issue_q_tile::<E>(
                 &args.q_map, &args.do_map, &args.q_s, &args.do_s, &args.lse, &args.delta, &mut q_smem, &mut do_smem,
-                &mut lse_smem, &mut dl_smem, &bar0, &bar1, g_tile, h, r0, q_len, q_start, args.heads_q, args.total_q, UNIT_POS, head_dim, head_dim, SM90_BWD_THREADS, BM,
+                &mut lse_smem, &mut dl_smem, &bar0, &bar1, g_tile, h, r0, q_len, q_start, args.heads_q, args.total_q, UNIT_POS, head_dim, head_dim, SM90_BWD_THREADS, BM, false,
             );
         }
         let mut hq = 0u32;
@@ -580,7 +593,7 @@ pub fn flash_bwd_sm90<E: Float, NV: Size, NQ: Size>(
                 issue_q_tile::<E>(
                     &args.q_map, &args.do_map, &args.q_s, &args.do_s, &args.lse, &args.delta, &mut q_smem, &mut do_smem,
                     &mut lse_smem, &mut dl_smem, &bar0, &bar1, g_tile, h_next, r0_next, q_len, q_start, args.heads_q,
-                    args.total_q, UNIT_POS, head_dim, head_dim, SM90_BWD_THREADS, BM,
+                    args.total_q, UNIT_POS, head_dim, head_dim, SM90_BWD_THREADS, BM, false,
                 );
             }
             wait_stage(&bar0, &bar1, cur);

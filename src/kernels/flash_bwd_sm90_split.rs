@@ -127,7 +127,7 @@ pub fn flash_bwd_sm90_split<E: Float, NV: Size, NQ: Size>(
             issue_q_tile::<E>(
                 &args.q_map, &args.do_map, &args.q_s, &args.do_s, &args.lse, &args.delta, &mut q_smem, &mut do_smem,
                 &mut lse_smem, &mut dl_smem, &bar0, &bar1, g_tile, h, r0, q_len, q_start, args.heads_q, args.total_q, UNIT_POS, head_dim, head_dim_v,
-                SM90_BWD_THREADS, BM,
+                SM90_BWD_THREADS, BM, false,
             );
         }
         let mut hq = 0u32;
@@ -148,7 +148,7 @@ pub fn flash_bwd_sm90_split<E: Float, NV: Size, NQ: Size>(
                 issue_q_tile::<E>(
                     &args.q_map, &args.do_map, &args.q_s, &args.do_s, &args.lse, &args.delta, &mut q_smem, &mut do_smem,
                     &mut lse_smem, &mut dl_smem, &bar0, &bar1, g_tile, h_next, r0_next, q_len, q_start, args.heads_q,
-                    args.total_q, UNIT_POS, head_dim, head_dim_v, SM90_BWD_THREADS, BM,
+                    args.total_q, UNIT_POS, head_dim, head_dim_v, SM90_BWD_THREADS, BM, false,
                 );
             }
             wait_stage(&bar0, &bar1, cur);

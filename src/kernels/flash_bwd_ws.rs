@@ -84,36 +84,39 @@ const CONSUMER_THREADS: u32 = 256;
 /// The named barrier that publishes both consumers' dS^T halves.
 const DS_BARRIER: u32 = 1;
 
-/// Segment `si` of the cube's walk for kv head `hk`.
+/// Segment `si` of the walk of a cube of `bn` keys for kv head `hk`.
 #[cube]
-fn walk<E: Float, NV: Size, NQ: Size>(
+#[allow(clippy::too_many_arguments)]
+pub(super) fn walk<E: Float, NV: Size, NQ: Size>(
     args: &DkdvCard<E, NV, NQ>,
     ki: &KeyItem,
     si: u32,
     hk: u32,
     group: u32,
     #[comptime] sparse: bool,
+    #[comptime] bn: usize,
     #[comptime] bm: usize,
 ) -> SegWalk {
     seg_walk(
-        &args.segs, &args.tile_segs, &args.tq_off, ki, si, BN as u32, hk, args.heads_kv, group, args.idx_heads,
+        &args.segs, &args.tile_segs, &args.tq_off, ki, si, bn as u32, hk, args.heads_kv, group, args.idx_heads,
         args.k_blocks, args.q_tiles_per_block, args.win_l, args.win_r, sparse, bm,
     )
 }
 
 /// The query tiles of this cube's walk (every segment's `n_it`): the dQ warp's loop bound.
 #[cube]
-fn count_tiles<E: Float, NV: Size, NQ: Size>(
+pub(super) fn count_tiles<E: Float, NV: Size, NQ: Size>(
     args: &DkdvCard<E, NV, NQ>,
     ki: &KeyItem,
     hk: u32,
     #[comptime] sparse: bool,
+    #[comptime] bn: usize,
     #[comptime] bm: usize,
 ) -> u32 {
     let group = args.heads_q / args.heads_kv;
     let mut n = 0u32;
     for si in ki.s_begin..ki.s_end {
-        let sw = walk(args, ki, si, hk, group, sparse, bm);
+        let sw = walk(args, ki, si, hk, group, sparse, bn, bm);
         n += sw.n_it;
     }
     n
@@ -124,9 +127,10 @@ fn count_tiles<E: Float, NV: Size, NQ: Size>(
 /// head_dim]`, where they are contiguous) by one bulk reduce-add of lane 0 (64 row adds of the
 /// row-major accumulator took 7-9% more fwd+bwd time: docs/backward.md). `rows` 0: nothing to add.
 /// Once the copy engine has read the buffer it is free again (`dq_empty` of its parity).
+/// `buf_elems`: f32 elements from buffer 0 to buffer 1 (0: one buffer).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn add_tile<NQ: Size>(
+pub(super) fn add_tile<NQ: Size>(
     dq_tile: &SharedMemory<Vector<f32, NQ>>,
     acc: &mut Array<Vector<f32, NQ>>,
     dq_empty0: &Barrier,
@@ -138,11 +142,11 @@ fn add_tile<NQ: Size>(
     h: u32,
     total_q: u32,
     #[comptime] head_dim: usize,
-    #[comptime] bm: usize,
+    #[comptime] buf_elems: usize,
 ) {
     if lane == 0u32 && rows > 0u32 {
         let d = comptime!(head_dim as u32);
-        let src = (j & 1u32) * comptime!(if dq_buffers(bm) == 2 { (bm * head_dim) as u32 } else { 0u32 });
+        let src = (j & 1u32) * comptime!(buf_elems as u32);
         bulk_add_f32::<NQ>(acc, (h * total_q + first_row) * d, dq_tile, src, rows * d * 4u32);
         tma_group_commit();
         tma_group_wait_read(0u32);
@@ -309,7 +313,7 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
             // ---- the loading warp: every query tile of the walk into stage g % 2 ----
             let mut g = 0u32;
             for si in ki.s_begin..ki.s_end {
-                let sw = walk(args, &ki, si, hk, group, sparse, bm);
+                let sw = walk(args, &ki, si, hk, group, sparse, BN, bm);
                 let mut qt = first_q_tile(&args.tq_list, &sw, hk, group, args.q_block, sparse);
                 for it in 0..sw.n_it {
                     // stage g % 2 waits for the consumers' release of its use g - 2
@@ -317,7 +321,7 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
                     issue_q_tile::<E>(
                         &args.q_map, &args.do_map, &args.q_s, &args.do_s, &args.lse, &args.delta, &mut q_smem, &mut do_smem,
                         &mut lse_smem, &mut dl_smem, &full0, &full1, g, qt.h, qt.r0, sw.q_len, sw.q_start, args.heads_q,
-                        args.total_q, lane, head_dim, head_dim, LOADERS, bm,
+                        args.total_q, lane, head_dim, head_dim, LOADERS, bm, false,
                     );
                     next_q_tile(&args.tq_list, &sw, &mut qt, hk, group, args.q_tiles_per_block, args.q_block, sparse, bm);
                     g += 1u32;
@@ -327,13 +331,13 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
         if fuse_dq {
             if warp == 1u32 {
                 // ---- the dQ warp: each tile's rows added to the accumulator by the copy engine ----
-                let n = count_tiles(args, &ki, hk, sparse, bm);
+                let n = count_tiles(args, &ki, hk, sparse, BN, bm);
                 for j in 0..n {
                     wait_stage(&dq_full0, &dq_full1, j);
                     let ib = ((j & 1u32) * 4u32) as usize;
                     add_tile::<NQ>(
                         &dq_tile, &mut args.dq_rows, &dq_empty0, &dq_empty1, j, lane, dq_info[ib], dq_info[ib + 1], dq_info[ib + 2],
-                        args.total_q, head_dim, bm,
+                        args.total_q, head_dim, comptime!(if dq_buffers(bm) == 2 { bm * head_dim } else { 0usize }),
                     );
                 }
             }
@@ -374,7 +378,7 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
 
     let mut g = 0u32;
     for si in ki.s_begin..ki.s_end {
-        let sw = walk(args, &ki, si, hk, group, sparse, bm);
+        let sw = walk(args, &ki, si, hk, group, sparse, BN, bm);
         // window-local index of this warpgroup's first key (may be negative)
         let kw0 = (key0 as i32 + (cw * WG_KEYS) as i32) - sw.k_start as i32;
         let mut qt = first_q_tile(&args.tq_list, &sw, hk, group, args.q_block, sparse);

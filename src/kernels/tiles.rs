@@ -34,6 +34,9 @@ pub const WIDE_BN: usize = 128;
 /// Keys per cube (and per key tile of the work list) of the Hopper dK/dV kernel above head_dim 128
 /// (`flash_bwd_sm90_split`: one wgmma row block of 64 keys, dV in one warpgroup, dK in the other).
 pub const SPLIT_BN: usize = 64;
+/// Keys per cube of the warp-specialised backward at head_dim 192 (`flash_bwd_ws192`: 32 per
+/// consumer warpgroup).
+pub const WS192_BN: usize = 96;
 /// u32 words per block-sparse dK/dV work item: (sequence, first window key, keys, key block).
 pub const SPARSE_KWORK_WORDS: usize = 4;
 /// An entry of the transposed block index is `query block | index head << SPARSE_QB_BITS`.

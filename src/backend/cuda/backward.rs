@@ -46,9 +46,10 @@ use crate::error::Result;
 use crate::kernels::bulk_reduce::dq_tile_stride;
 use crate::kernels::flash_bwd;
 use crate::kernels::flash_bwd_dq_sm90::{self, DQ_SM90_THREADS};
-use crate::kernels::tiles::{BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, CONVERT_VEC, DELTA_PLANES, PAD, SPLIT_BN, WIDE_BN, WIDE_PLANES};
+use crate::kernels::tiles::{BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, CONVERT_VEC, DELTA_PLANES, PAD, SPLIT_BN, WIDE_BN, WIDE_PLANES, WS192_BN};
 use crate::kernels::flash_bwd_sm90::{self, SM90_BWD_THREADS};
 use crate::kernels::flash_bwd_ws::{self, BWD_WS_THREADS};
+use crate::kernels::flash_bwd_ws192::{self, BWD_WS192_THREADS};
 use crate::kernels::flash_bwd_sm90_split;
 use crate::kernels::flash_bwd_wide;
 use crate::kernels::sm90::SW_COLS;
@@ -129,10 +130,12 @@ impl BwdPlan {
 
 /// Keys per dK/dV tile of a backward of `spec`: the row-wise kernel's [`BWD_BN`]-key tiles for
 /// f32; for f16 / bf16 the 128-key tensor-core kernels up to head_dim 128, above it the Hopper
-/// kernel's [`SPLIT_BN`] (the only one there).
+/// kernels' [`WS192_BN`] ([`ws192_backward`]) or [`SPLIT_BN`].
 fn key_tile(spec: &AttnSpec) -> usize {
     if spec.dtype == DType::F32 {
         BWD_BN
+    } else if ws192_backward(spec) {
+        WS192_BN
     } else if SPLIT_BWD_HEAD_DIMS.contains(&spec.dims.head_dim) {
         SPLIT_BN
     } else {
@@ -322,6 +325,9 @@ pub(crate) fn dq_mode(be: Option<&CudaBackend>, spec: &AttnSpec, deterministic: 
 /// causal 8K, +2-3% causal 4K (H200, bench/results/h200-2026-11-30-fused-d64).
 fn pass_is_faster(be: Option<&CudaBackend>, spec: &AttnSpec) -> bool {
     let hd = spec.dims.head_dim;
+    if ws192_backward(spec) {
+        return false;
+    }
     let dense_sm90 = spec.block_sparse().is_none() && be.is_none_or(|be| super::forward::sm90_forward(be, spec));
     dense_sm90 && SPLIT_BWD_HEAD_DIMS.contains(&hd) && be.is_none_or(|be| dq_sm90(be, spec.dtype, hd))
 }
@@ -545,6 +551,38 @@ pub(crate) fn dkdv_split_kernel(be: &CudaBackend, dt: DType, hd: usize, hv: usiz
     be.kernels.get(&key, || dkdv_split_source(be.client(), dt, hd, hv, fused, qvec, paged))
 }
 
+/// Whether the dK/dV kernel of `spec` is the warp-specialised one at head_dim 192
+/// (`flash_bwd_ws192`: three consumer warpgroups, 96-key cubes, the fused dQ by bulk adds): q and
+/// k at 192, v at 64 or 128 (at 192 its tiles pass 227 KiB of shared memory), f16 / bf16, dense
+/// keys, not paged (paged calls with v narrower run v padded: `head_pad`). A function of the spec
+/// alone: the plan's key tiles follow it. Elsewhere above head_dim 128 `flash_bwd_sm90_split`.
+/// `CUBEATTN_BWD_SM90_WS=0` turns it off.
+pub(crate) fn ws192_backward(spec: &AttnSpec) -> bool {
+    let d = &spec.dims;
+    crate::config::get().bwd_sm90_ws
+        && spec.dtype != DType::F32
+        && d.head_dim == 192
+        && matches!(d.head_dim_v, 64 | 128)
+        && spec.block_sparse().is_none()
+        && spec.kv_pages().is_none()
+}
+
+/// The warp-specialised dK/dV kernel at head_dim 192 ([`ws192_backward`]; `hv`: v's head_dim;
+/// `fused`: dQ added by bulk reductions to the head-major accumulator, else none).
+pub(crate) fn dkdv_ws192_kernel(be: &CudaBackend, dt: DType, hv: usize, fused: bool, qvec: usize) -> Result<Func> {
+    let key = KernelKey::new("flash_bwd_ws192", dt, &[hv as u32, fused as u32, qvec as u32]);
+    be.kernels.get(&key, || dkdv_ws192_source(be.client(), dt, hv, fused, qvec))
+}
+
+/// CUDA source of [`dkdv_ws192_kernel`]: the `kernels::sm90` markers lowered, one cube per SM.
+pub(crate) fn dkdv_ws192_source(client: &ComputeClient<CudaRuntime>, dt: DType, hv: usize, fused: bool, qvec: usize) -> Result<Source> {
+    let mut src = by_dtype!(dt, T, codegen_exp2(flash_bwd_ws192::flash_bwd_ws192::FlashBwdWs192::<T, CudaRuntime>::new(
+        settings(BWD_WS192_THREADS as u32), client.clone(), DkdvArgs::compilation(),
+        BWD_LOAD_VEC, qvec, hv, fused, qvec), true))?;
+    src.cuda = super::rewrite::sm90::lower_bounded(&src.entry, &src.cuda, 1)?;
+    Ok(src)
+}
+
 /// Whether the backward of `spec`, q and k at head_dim `hd` (the spec's or a padded one's), runs v
 /// (and out, dout, dv) at v's own head_dim (`Dims::head_dim_v`, narrower: DeepSeek's MLA 192 /
 /// 128) rather than padded to `hd` (`head_pad`), on a GPU with wgmma: `flash_bwd_sm90_split` and
@@ -647,7 +685,12 @@ pub(crate) fn launch_dkdv_wide(
                 msg: format!("head_dim {} backward: only the Hopper kernel (dense key sets, sm_90)", d.head_dim),
             });
         }
-        let f = dkdv_split_kernel(be, spec.dtype, d.head_dim, d.head_dim_v, acc.is_some(), qvec, paged)?;
+        let f = if ws192_backward(spec) {
+            head_major = acc.is_some();
+            dkdv_ws192_kernel(be, spec.dtype, d.head_dim_v, acc.is_some(), qvec)?
+        } else {
+            dkdv_split_kernel(be, spec.dtype, d.head_dim, d.head_dim_v, acc.is_some(), qvec, paged)?
+        };
         (f, q_maps(spec, p, Some((SW_COLS as u32, BWD_BM as u32, true)))?, true)
     } else if !d.is_uniform() {
         return Err(mixed_dims(d.head_dim, d.head_dim_v));
