@@ -100,14 +100,14 @@ pub fn varlen_spec_dv(lens: &[(usize, usize)], hq: usize, hkv: usize, d: usize, 
         .expect("valid spec")
 }
 
-/// Calls whose v has a head_dim of its own, `(name, spec)`: DeepSeek's MLA (q, k 192, v 128), v
-/// wider than q, both off the kernels' head dims, q off them and v on them (160 / 128); varlen
+/// Calls whose v has a head_dim of its own, `(name, spec)`: DeepSeek's MLA (q, k 192, v 128), 192 /
+/// 64, v wider than q, both off the kernels' head dims, q off them and v on them (160 / 128); varlen
 /// with 1-token and unequal sequences, causal or not, GQA, sequences of several key tiles with
 /// ragged ends, and grouped with overlapping key ranges, uncovered rows and a window.
 pub fn value_dim_specs(dtypes: &[DType]) -> Vec<(String, AttnSpec)> {
     let mut v = Vec::new();
     for &dt in dtypes {
-        let cases = [(192, 128, true), (192, 128, false), (64, 128, true), (128, 64, false), (40, 24, true), (160, 128, true), (256, 192, false)];
+        let cases = [(192, 128, true), (192, 128, false), (192, 64, true), (64, 128, true), (128, 64, false), (40, 24, true), (160, 128, true), (256, 192, false)];
         for (d, dv, causal) in cases {
             let s = varlen_spec_dv(&[(1, 1), (70, 70), (37, 100), (17, 17)], 4, 2, d, dv, dt, causal);
             v.push((format!("{} d{d} v{dv} {} GQA4/2 varlen", dt.name(), if causal { "causal" } else { "full" }), s));
