@@ -70,8 +70,8 @@ const STAGERS: usize = 384;
 /// Named barriers: P^T / dS^T free (every consumer's MMAs of the last tile done), then stored.
 const FREE_BARRIER: u32 = 1;
 const READY_BARRIER: u32 = 2;
-/// Registers a thread after the moves: 32 x 128 + 160 x 384, the 64 K of the SM.
-const PRODUCER_REGS: u32 = 32;
+/// Registers a thread after the moves: 24 x 128 + 160 x 384 of the SM's 64 K (`flash_bwd_ws`'s spare 1 K).
+const PRODUCER_REGS: u32 = 24;
 const CONSUMER_REGS: u32 = 160;
 
 /// `acc (m64 x n) = A B^T` over `k_dim` columns: A the 64 rows of the swizzled tile at element
