@@ -1,5 +1,5 @@
-//! The warp-specialised Hopper dK / dV kernel at head_dim 192 with v at most 128 wide (DeepSeek's
-//! MLA 192 / 128): the query rows are the MMAs' M side, three consumer warpgroups split the cube's
+//! The warp-specialised Hopper dK / dV kernel at head_dim 192 with v 128 wide (DeepSeek's MLA 192 /
+//! 128): the query rows are the MMAs' M side, three consumer warpgroups split the cube's
 //! keys for S / dP and the head_dim columns for dK / dV / dQ.
 //!
 //! `flash_bwd_ws` keeps dK and dV of its warpgroup's 64 keys x head_dim in registers: 192 f32 a
@@ -176,7 +176,8 @@ fn store_key_major<E: Float>(smem: &mut SharedMemory<E>, x: &Array<f32>, row_a: 
 
 /// The warp-specialised dK / dV kernel at head_dim 192 (module docs); arguments as
 /// `flash_bwd_ws::flash_bwd_ws` (dense, not paged, 96-key tiles; `q_map` / `do_map` with 64-column x
-/// 64-row boxes); `head_dim_v`: v's, dO's and dV's head_dim (64 or 128).
+/// 64-row boxes); `head_dim_v`: v's, dO's and dV's head_dim (128; at 64 the producer spills at 24
+/// registers).
 #[allow(clippy::too_many_arguments, unused_variables, unused_assignments)]
 #[cube(launch_unchecked)]
 pub fn flash_bwd_ws192<E: Float, NV: Size, NQ: Size>(

@@ -553,8 +553,9 @@ pub(crate) fn dkdv_split_kernel(be: &CudaBackend, dt: DType, hd: usize, hv: usiz
 
 /// Whether the dK/dV kernel of `spec` is the warp-specialised one at head_dim 192
 /// (`flash_bwd_ws192`: three consumer warpgroups, 96-key cubes, the fused dQ by bulk adds): q and
-/// k at 192, v at 64 or 128 (at 192 its tiles pass 227 KiB of shared memory), f16 / bf16, dense
-/// keys, not paged (paged calls with v narrower run v padded: `head_pad`). A function of the spec
+/// k at 192, v at 128 (DeepSeek's MLA; at 192 its tiles pass 227 KiB of shared memory, at 64 its
+/// producer spills 128 bytes at 24 registers), f16 / bf16, dense keys, not paged (paged calls with
+/// v narrower run v padded: `head_pad`). A function of the spec
 /// alone: the plan's key tiles follow it. Elsewhere above head_dim 128 `flash_bwd_sm90_split`.
 /// `CUBEATTN_BWD_SM90_WS=0` turns it off.
 pub(crate) fn ws192_backward(spec: &AttnSpec) -> bool {
@@ -562,7 +563,7 @@ pub(crate) fn ws192_backward(spec: &AttnSpec) -> bool {
     crate::config::get().bwd_sm90_ws
         && spec.dtype != DType::F32
         && d.head_dim == 192
-        && matches!(d.head_dim_v, 64 | 128)
+        && d.head_dim_v == 128
         && spec.block_sparse().is_none()
         && spec.kv_pages().is_none()
 }

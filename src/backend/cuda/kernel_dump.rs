@@ -130,10 +130,10 @@ mod tests {
             ("bwd_split_nodq_d192_v128", dkdv_split_source(c, dt, 192, 128, false, 2, false)),
             ("bwd_split_d192_v128", dkdv_split_source(c, dt, 192, 128, true, 2, false)),
             ("bwd_split_nodq_d256", dkdv_split_source(c, dt, 256, 256, false, 2, false)),
-            // head_dim 192 with v at 128 or 64 (DeepSeek's MLA): three consumer warpgroups
+            // head_dim 192 with v at 128 (DeepSeek's MLA): three consumer warpgroups
             ("bwd_ws192_fused_v128", dkdv_ws192_source(c, dt, 128, true, 2)),
             ("bwd_ws192_v128", dkdv_ws192_source(c, dt, 128, false, 2)),
-            ("bwd_ws192_fused_v64_f16", dkdv_ws192_source(c, DType::F16, 64, true, 2)),
+            ("bwd_ws192_fused_v128_f16", dkdv_ws192_source(c, DType::F16, 128, true, 2)),
             ("dq_d192", dq_source(c, dt, 192, false, false, false, true)),
             ("dq_d256", dq_source(c, dt, 256, false, false, false, true)),
             ("fwd_d128_pre90", fwd_source(c, dt, 128, 2, 64, 128, false, false, false, false, false)),

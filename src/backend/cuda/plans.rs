@@ -26,12 +26,14 @@ use crate::spec::{AttnSpec, Window};
 /// Entries kept per device and direction.
 pub const CAPACITY: usize = 256;
 
-/// What a plan depends on: the call's shape (dims, dtype, causal, sliding window, segments, the
-/// page table of a paged K,V) and the options that change the plan.
+/// What a plan depends on: the call's shape (dims, v's head_dim included, dtype, causal, sliding
+/// window, segments, the page table of a paged K,V) and the options that change the plan. (v's
+/// head_dim picks the backward's key tiles at head_dim 192: `backward::key_tile`; without it a
+/// 192 / 128 call took the 64-key plan of an earlier 192 / 192 call over the same segments.)
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
 pub(crate) struct PlanKey {
     dtype: DType,
-    dims: [usize; 5],
+    dims: [usize; 6],
     causal: bool,
     window: Window,
     segs: Vec<[usize; 4]>,
@@ -46,7 +48,7 @@ impl PlanKey {
         let d = &spec.dims;
         PlanKey {
             dtype: spec.dtype,
-            dims: [d.total_q, d.total_k, d.heads_q, d.heads_kv, d.head_dim],
+            dims: [d.total_q, d.total_k, d.heads_q, d.heads_kv, d.head_dim, d.head_dim_v],
             causal: spec.causal,
             window: spec.window,
             segs: spec.segments.iter().map(|s| [s.q_start, s.q_len, s.k_start, s.k_len]).collect(),
@@ -261,5 +263,23 @@ impl<P: PlanKind> PlanCache<P> {
     /// Number of cached plans (tests).
     pub fn len(&self) -> usize {
         self.inner.lock().unwrap_or_else(|e| e.into_inner()).0.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::TensorMeta;
+
+    /// Calls that differ only in v's head_dim have plans of their own (the backward's key tiles
+    /// follow it at head_dim 192).
+    #[test]
+    fn plan_key_tells_value_head_dims_apart() {
+        let spec = |dv| {
+            let m = |h, d| TensorMeta::new(&[300, h, d], DType::BF16);
+            AttnSpec::varlen(&m(4, 192), &m(2, 192), &m(2, dv), &[0, 100, 300], &[0, 100, 300], 200, 200, None, true).unwrap()
+        };
+        assert_eq!(PlanKey::new(&spec(128), 0), PlanKey::new(&spec(128), 0));
+        assert_ne!(PlanKey::new(&spec(192), 0), PlanKey::new(&spec(128), 0));
     }
 }
