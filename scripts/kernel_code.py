@@ -14,6 +14,11 @@ the `dump_tensor_core_kernels` test (src/backend/cuda/kernel_dump.rs).
         those are compared as sets, local names are renumbered by first use, and everything
         else is compared line by line. Exit 1 if any differs.
         A refactor of the #[cube] code that keeps every kernel "same" cannot change its results.
+    python3 scripts/kernel_code.py same-ptx DIR_A DIR_B
+        for the kernels `same` finds different, whether NVRTC makes the same PTX of both (sm_90a,
+        cubeattn's options): a source that differs only in what the compiler folds (a loop index
+        CubeCL leaves as `uint32(0) * uint32(32)`, say) compiles to the same code. Needs CUDA_PATH
+        with lib/libnvrtc.so* and include/. Exit 1 if any PTX differs.
 """
 import collections
 import ctypes
@@ -33,10 +38,29 @@ def nvrtc():
     raise SystemExit(f"no libnvrtc under {CUDA}")
 
 
+def options(arch):
+    inc = os.path.join(CUDA, "include")
+    return [f"--gpu-architecture={arch}", f"--include-path={inc}", f"--include-path={inc}/cccl", "-ftz=true"]
+
+
+def compile_ptx(lib, path, arch="compute_90a"):
+    """The PTX NVRTC makes of one source (None if it does not compile)."""
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), open(path).read().encode(), b"k.cu", 0, None, None) == 0
+    opts = options(arch)
+    arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+    if lib.nvrtcCompileProgram(prog, len(opts), arr):
+        return None
+    n = ctypes.c_size_t()
+    lib.nvrtcGetPTXSize(prog, ctypes.byref(n))
+    buf = ctypes.create_string_buffer(n.value)
+    lib.nvrtcGetPTX(prog, buf)
+    return buf.value
+
+
 def compile_cubin(lib, path, arch="sm_90a"):
     src = open(path).read()
-    inc = os.path.join(CUDA, "include")
-    opts = [f"--gpu-architecture={arch}", f"--include-path={inc}", f"--include-path={inc}/cccl", "-ftz=true"]
+    opts = options(arch)
     prog = ctypes.c_void_p()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"k.cu", 0, None, None) == 0
     arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
@@ -137,6 +161,20 @@ def same(a, b):
     return 1 if bad else 0
 
 
+def same_ptx(a, b):
+    lib = nvrtc()
+    bad = 0
+    for path in sorted(glob.glob(os.path.join(a, "*.cu"))):
+        other = os.path.join(b, os.path.basename(path))
+        if os.path.exists(other) and canon(path) == canon(other):
+            continue
+        pa = compile_ptx(lib, path)
+        ok = pa is not None and os.path.exists(other) and pa == compile_ptx(lib, other)
+        bad += not ok
+        print(("same ptx " if ok else "DIFF ptx ") + os.path.basename(path))
+    return 1 if bad else 0
+
+
 def count(d):
     lib = nvrtc()
     for path in sorted(glob.glob(os.path.join(d, "*.cu"))):
@@ -161,6 +199,8 @@ def count(d):
 if __name__ == "__main__":
     if len(sys.argv) >= 4 and sys.argv[1] == "same":
         sys.exit(same(sys.argv[2], sys.argv[3]))
+    if len(sys.argv) >= 4 and sys.argv[1] == "same-ptx":
+        sys.exit(same_ptx(sys.argv[2], sys.argv[3]))
     if len(sys.argv) >= 3 and sys.argv[1] == "count":
         count(sys.argv[2])
     else:

@@ -20,9 +20,10 @@
 //!   128-key kernel on an H100; docs/backward.md).
 //!
 //! f16/bf16 run on tensor cores (mma.sync or wgmma, f32 accumulation); f32 runs on plain kernels
-//! (always deterministic). Above head_dim 128 only the Hopper kernel `flash_bwd_sm90_split` (64-key
-//! cubes, fused dQ, `deterministic = false`); the head dims each pass serves:
-//! `super::head_dims_of`, `CudaBackend::check_target`.
+//! (always deterministic). Above head_dim 128 only the Hopper kernels: `flash_bwd_ws192` for
+//! DeepSeek's MLA (192 / 128, 96-key cubes, [`ws192_backward`]), else `flash_bwd_sm90_split`
+//! (64-key cubes); the head dims each pass serves: `super::head_dims_of`,
+//! `CudaBackend::check_target`.
 //!
 //! Workspace (caller-provided device memory, [`bwd_workspace`]): delta (f32 per query row and
 //! head) and on the atomic path the f32 dQ accumulator (`total_q * heads_q * head_dim * 4`
@@ -319,7 +320,9 @@ pub(crate) fn dq_mode(be: Option<&CudaBackend>, spec: &AttnSpec, deterministic: 
 /// a Hopper GPU), dense f16/bf16 calls on sm_90 at head_dim 192 / 256 with the wgmma pass
 /// ([`dq_sm90`]): the split kernel without dQ plus the pass took 14-18% less than the split kernel
 /// with the fused dQ, causal 4K / 8K and non-causal 8K (H200, torch path,
-/// bench/results/h200-2026-11-29-dq-sm90-d256). At head_dim 64 the pass was the default until the
+/// bench/results/h200-2026-11-29-dq-sm90-d256); not where [`ws192_backward`] holds (its fused dQ:
+/// fwd+bwd 0.74-0.75x the split kernel plus the pass at 8K, bench/results/h200-2026-12-02-ws192).
+/// At head_dim 64 the pass was the default until the
 /// fused dQ ran on `flash_bwd_ws` with 128-row tiles ([`ws_rows`]): against the ws kernel without
 /// dQ plus the pass, fwd+bwd kernel time -6% at 16K causal and not, -2.5% non-causal 8K, the same
 /// causal 8K, +2-3% causal 4K (H200, bench/results/h200-2026-11-30-fused-d64).
@@ -486,8 +489,8 @@ fn q_maps(spec: &AttnSpec, p: &BwdPtrs, boxes: Option<(u32, u32, bool)>) -> Resu
 const SM90_BWD_HEAD_DIMS: [usize; 2] = [64, 128];
 /// Head dims of the Hopper dK/dV kernel with the products split between its warpgroups
 /// (`flash_bwd_sm90_split`: 64 keys a cube, dV in one warpgroup and dK in the other; dQ fused, or
-/// by the dQ pass for deterministic calls): the backward's only dK/dV kernel there
-/// (`CudaBackend::check_target`).
+/// by the dQ pass for deterministic calls): with `flash_bwd_ws192` ([`ws192_backward`]) the
+/// backward's only dK/dV kernels there (`CudaBackend::check_target`).
 pub(crate) const SPLIT_BWD_HEAD_DIMS: [usize; 2] = [192, 256];
 
 /// Whether the dK/dV kernel of `spec` is the Hopper one (`flash_bwd_sm90`): where the forward is
