@@ -195,12 +195,13 @@ pub fn put_dq_tile<NQ: Size>(
 }
 
 /// A consumer's dQ of tile `cur` (rows `r0 ..` of the segment, global row `first_row`, q head `h`)
-/// into the tile buffer once the dQ warp has read its previous use (with two buffers tile
-/// `cur - 2`, with one tile `cur - 1`), then its arrival on the buffer's `dq_full`; `ct` 0 writes
-/// the buffer's destination (first row, live rows, head) for the dQ warp.
+/// into the tile buffer once the dQ warp has read its previous use (`two_buffers`: tile `cur - 2`,
+/// else tile `cur - 1`), then its arrival on the buffer's `dq_full`; `ct` 0 writes the buffer's
+/// destination (first row, live rows, head) for the dQ warp. This thread's rows of the tile are
+/// `key_a - cw row_step` (+ 8), its columns `cols` from `dq_col0` ([`put_dq_tile`]).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn store_dq<NQ: Size>(
+pub(super) fn store_dq<NQ: Size>(
     dq_tile: &mut SharedMemory<Vector<f32, NQ>>,
     dq_info: &mut SharedMemory<u32>,
     dq_empty0: &Barrier,
@@ -221,19 +222,18 @@ fn store_dq<NQ: Size>(
     #[comptime] head_dim: usize,
     #[comptime] qvec: usize,
     #[comptime] bm: usize,
+    #[comptime] row_step: usize,
+    #[comptime] cols: usize,
+    #[comptime] two_buffers: bool,
 ) {
-    let row_split = comptime!(bm > BM);
-    let dq_cols = comptime!(if row_split { head_dim } else { head_dim / 2 });
-    if comptime!(dq_buffers(bm) == 2) {
+    if comptime!(two_buffers) {
         wait_free(dq_empty0, dq_empty1, cur);
     } else {
         wait_free(dq_empty0, dq_empty1, cur + 1u32);
     }
-    let tile0 = ((cur & 1u32) as usize) * comptime!(if dq_buffers(bm) == 2 { bm * head_dim } else { 0usize });
-    // this thread's rows of the tile: key_a's place among the warpgroup's keys, plus the
-    // warpgroup's 64 rows under the row split (key_a itself)
-    let row_a = key_a - cw * comptime!(if row_split { 0usize } else { WG_KEYS });
-    put_dq_tile::<NQ>(dq_tile, tile0, dq, row_a, dq_col0, col_a, (first_row % 8u32) as usize, head_dim, qvec, dq_cols);
+    let tile0 = ((cur & 1u32) as usize) * comptime!(if two_buffers { bm * head_dim } else { 0usize });
+    let row_a = key_a - cw * comptime!(row_step);
+    put_dq_tile::<NQ>(dq_tile, tile0, dq, row_a, dq_col0, col_a, (first_row % 8u32) as usize, head_dim, qvec, cols);
     if ct == 0u32 {
         let ib = ((cur & 1u32) * 4u32) as usize;
         dq_info[ib] = first_row;
@@ -243,6 +243,79 @@ fn store_dq<NQ: Size>(
     // this thread's stores visible to the copy engine, then its arrival
     fence_proxy_async();
     release(dq_full0, dq_full1, cur, true);
+}
+
+/// The producer warpgroup's work in a warp-specialised dK / dV kernel of `bn`-key cubes: warp 0
+/// issues every query tile of the walk into stage `g % 2` (Q, dO at `head_dim_v`, lse, delta;
+/// `rolled`: the partial-tile copies in a loop, `flash_bwd_sm90::issue_q_tile`) once the consumers
+/// have released its use `g - 2`; with `fuse_dq`, warp 1 adds each stored dQ tile to the
+/// accumulator by the copy engine (`buf_elems`: f32 elements between the two tile buffers, 0 for
+/// one). The other warps return at once.
+#[cube]
+#[allow(clippy::too_many_arguments, unused_variables)]
+pub(super) fn produce<E: Float, NV: Size, NQ: Size>(
+    args: &mut DkdvCard<E, NV, NQ>,
+    ki: &KeyItem,
+    hk: u32,
+    group: u32,
+    q_smem: &mut SharedMemory<E>,
+    do_smem: &mut SharedMemory<E>,
+    lse_smem: &mut SharedMemory<f32>,
+    dl_smem: &mut SharedMemory<f32>,
+    full0: &Barrier,
+    full1: &Barrier,
+    empty0: &Barrier,
+    empty1: &Barrier,
+    dq_tile: &SharedMemory<Vector<f32, NQ>>,
+    dq_info: &SharedMemory<u32>,
+    dq_full0: &Barrier,
+    dq_full1: &Barrier,
+    dq_empty0: &Barrier,
+    dq_empty1: &Barrier,
+    warp: u32,
+    lane: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] head_dim_v: usize,
+    #[comptime] sparse: bool,
+    #[comptime] fuse_dq: bool,
+    #[comptime] bn: usize,
+    #[comptime] bm: usize,
+    #[comptime] rolled: bool,
+    #[comptime] buf_elems: usize,
+) {
+    if warp == 0u32 {
+        // ---- the loading warp: every query tile of the walk into stage g % 2 ----
+        let mut g = 0u32;
+        for si in ki.s_begin..ki.s_end {
+            let sw = walk(args, ki, si, hk, group, sparse, bn, bm);
+            let mut qt = first_q_tile(&args.tq_list, &sw, hk, group, args.q_block, sparse);
+            for it in 0..sw.n_it {
+                // stage g % 2 waits for the consumers' release of its use g - 2
+                wait_free(empty0, empty1, g);
+                issue_q_tile::<E>(
+                    &args.q_map, &args.do_map, &args.q_s, &args.do_s, &args.lse, &args.delta, q_smem, do_smem,
+                    lse_smem, dl_smem, full0, full1, g, qt.h, qt.r0, sw.q_len, sw.q_start, args.heads_q,
+                    args.total_q, lane, head_dim, head_dim_v, LOADERS, bm, rolled,
+                );
+                next_q_tile(&args.tq_list, &sw, &mut qt, hk, group, args.q_tiles_per_block, args.q_block, sparse, bm);
+                g += 1u32;
+            }
+        }
+    }
+    if fuse_dq {
+        if warp == 1u32 {
+            // ---- the dQ warp: each tile's rows added to the accumulator by the copy engine ----
+            let n = count_tiles(args, ki, hk, sparse, bn, bm);
+            for j in 0..n {
+                wait_stage(dq_full0, dq_full1, j);
+                let ib = ((j & 1u32) * 4u32) as usize;
+                add_tile::<NQ>(
+                    dq_tile, &mut args.dq_rows, dq_empty0, dq_empty1, j, lane, dq_info[ib], dq_info[ib + 1], dq_info[ib + 2],
+                    args.total_q, head_dim, buf_elems,
+                );
+            }
+        }
+    }
 }
 
 /// The warp-specialised Hopper dK / dV kernel (module docs); arguments and comptime choices as
@@ -309,39 +382,11 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
 
     if wg == 0u32 {
         setmaxnreg(false, PRODUCER_REGS);
-        if warp == 0u32 {
-            // ---- the loading warp: every query tile of the walk into stage g % 2 ----
-            let mut g = 0u32;
-            for si in ki.s_begin..ki.s_end {
-                let sw = walk(args, &ki, si, hk, group, sparse, BN, bm);
-                let mut qt = first_q_tile(&args.tq_list, &sw, hk, group, args.q_block, sparse);
-                for it in 0..sw.n_it {
-                    // stage g % 2 waits for the consumers' release of its use g - 2
-                    wait_free(&empty0, &empty1, g);
-                    issue_q_tile::<E>(
-                        &args.q_map, &args.do_map, &args.q_s, &args.do_s, &args.lse, &args.delta, &mut q_smem, &mut do_smem,
-                        &mut lse_smem, &mut dl_smem, &full0, &full1, g, qt.h, qt.r0, sw.q_len, sw.q_start, args.heads_q,
-                        args.total_q, lane, head_dim, head_dim, LOADERS, bm, false,
-                    );
-                    next_q_tile(&args.tq_list, &sw, &mut qt, hk, group, args.q_tiles_per_block, args.q_block, sparse, bm);
-                    g += 1u32;
-                }
-            }
-        }
-        if fuse_dq {
-            if warp == 1u32 {
-                // ---- the dQ warp: each tile's rows added to the accumulator by the copy engine ----
-                let n = count_tiles(args, &ki, hk, sparse, BN, bm);
-                for j in 0..n {
-                    wait_stage(&dq_full0, &dq_full1, j);
-                    let ib = ((j & 1u32) * 4u32) as usize;
-                    add_tile::<NQ>(
-                        &dq_tile, &mut args.dq_rows, &dq_empty0, &dq_empty1, j, lane, dq_info[ib], dq_info[ib + 1], dq_info[ib + 2],
-                        args.total_q, head_dim, comptime!(if dq_buffers(bm) == 2 { bm * head_dim } else { 0usize }),
-                    );
-                }
-            }
-        }
+        produce::<E, NV, NQ>(
+            args, &ki, hk, group, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, &full0, &full1, &empty0, &empty1, &dq_tile, &dq_info,
+            &dq_full0, &dq_full1, &dq_empty0, &dq_empty1, warp, lane, head_dim, head_dim, sparse, fuse_dq, BN, bm, false,
+            comptime!(if dq_buffers(bm) == 2 { bm * head_dim } else { 0usize }),
+        );
         terminate!();
     }
 
@@ -444,9 +489,12 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
                 wgmma_commit();
                 // dV, dQ done (dK may run on)
                 wgmma_wait(1u32);
+                // this thread's rows of the tile: key_a's place among the warpgroup's keys, plus
+                // the warpgroup's 64 rows under the row split (key_a itself)
                 store_dq(
                     &mut dq_tile, &mut dq_info, &dq_empty0, &dq_empty1, &dq_full0, &dq_full1, &dq, cur, sw.q_start + r0, r0, row_end, h,
-                    key_a, cw, col_a, ct, dq_col0, head_dim, qvec, bm,
+                    key_a, cw, col_a, ct, dq_col0, head_dim, qvec, bm, comptime!(if row_split { 0usize } else { WG_KEYS }), dq_cols,
+                    comptime!(dq_buffers(bm) == 2),
                 );
             } else {
                 // ---- 3. dV += P^T dO, dK += dS^T Q ----

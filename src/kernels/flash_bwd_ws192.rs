@@ -38,8 +38,8 @@ use cubecl::prelude::*;
 
 use super::bwd_walk::{first_q_tile, key_item, next_q_tile};
 use super::cards::DkdvCard;
-use super::flash_bwd_sm90::{issue_q_tile, tile_full};
-use super::flash_bwd_ws::{add_tile, count_tiles, put_dq_tile, walk};
+use super::flash_bwd_sm90::tile_full;
+use super::flash_bwd_ws::{produce, store_dq, walk};
 use super::flash_fwd_ws::release;
 use super::grid::cube_item_slot;
 use super::math::{fast_exp2, LOG2E};
@@ -47,7 +47,7 @@ use super::sm90::{
     fence_proxy_async, named_barrier, setmaxnreg, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_ss, wgmma_wait, SW_COLS,
     SW_ROW,
 };
-use super::staging::{stage_rows, wait_free, wait_stage};
+use super::staging::{stage_rows, wait_stage};
 use super::tiles::{BWD_BM, WS192_BN};
 
 /// Threads per cube: a producer warpgroup and three consumer warpgroups.
@@ -230,38 +230,10 @@ pub fn flash_bwd_ws192<E: Float, NV: Size, NQ: Size>(
 
     if wg == 0u32 {
         setmaxnreg(false, PRODUCER_REGS);
-        if warp == 0u32 {
-            // ---- the loading warp: every query tile of the walk into stage g % 2 ----
-            let mut g = 0u32;
-            for si in ki.s_begin..ki.s_end {
-                let sw = walk(args, &ki, si, hk, group, false, BN, BM);
-                let mut qt = first_q_tile(&args.tq_list, &sw, hk, group, args.q_block, false);
-                for it in 0..sw.n_it {
-                    wait_free(&empty0, &empty1, g);
-                    issue_q_tile::<E>(
-                        &args.q_map, &args.do_map, &args.q_s, &args.do_s, &args.lse, &args.delta, &mut q_smem, &mut do_smem,
-                        &mut lse_smem, &mut dl_smem, &full0, &full1, g, qt.h, qt.r0, sw.q_len, sw.q_start, args.heads_q,
-                        args.total_q, lane, HD, head_dim_v, LOADERS, BM, true,
-                    );
-                    next_q_tile(&args.tq_list, &sw, &mut qt, hk, group, args.q_tiles_per_block, args.q_block, false, BM);
-                    g += 1u32;
-                }
-            }
-        }
-        if fuse_dq {
-            if warp == 1u32 {
-                // ---- the dQ warp: each stored tile added to the accumulator by the copy engine ----
-                let n = count_tiles(args, &ki, hk, false, BN, BM);
-                for j in 0..n {
-                    wait_stage(&dq_full0, &dq_full1, j);
-                    let ib = ((j & 1u32) * 4u32) as usize;
-                    add_tile::<NQ>(
-                        &dq_tile, &mut args.dq_rows, &dq_empty0, &dq_empty1, j, lane, dq_info[ib], dq_info[ib + 1], dq_info[ib + 2],
-                        args.total_q, HD, 0usize,
-                    );
-                }
-            }
-        }
+        produce::<E, NV, NQ>(
+            args, &ki, hk, group, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, &full0, &full1, &empty0, &empty1, &dq_tile,
+            &dq_info, &dq_full0, &dq_full1, &dq_empty0, &dq_empty1, warp, lane, HD, head_dim_v, false, fuse_dq, BN, BM, true, 0usize,
+        );
         terminate!();
     }
 
@@ -389,18 +361,10 @@ pub fn flash_bwd_ws192<E: Float, NV: Size, NQ: Size>(
             if fuse_dq {
                 // ---- 5. dQ done (dK / dV may run on): into the tile once the dQ warp has read the last ----
                 wgmma_wait(1u32);
-                let first_row = sw.q_start + r0;
-                wait_free(&dq_empty0, &dq_empty1, cur + 1u32);
-                put_dq_tile::<NQ>(&mut dq_tile, 0usize, &dq, row_a, cw * SW_COLS, col_a, (first_row % 8u32) as usize, HD, qvec, SW_COLS);
-                if ct == 0u32 {
-                    let ib = ((cur & 1u32) * 4u32) as usize;
-                    dq_info[ib] = first_row;
-                    dq_info[ib + 1] = select(r0 < row_end, min(row_end - r0, BM as u32), 0u32);
-                    dq_info[ib + 2] = h;
-                }
-                // this thread's stores visible to the copy engine, then its arrival
-                fence_proxy_async();
-                release(&dq_full0, &dq_full1, cur, true);
+                store_dq(
+                    &mut dq_tile, &mut dq_info, &dq_empty0, &dq_empty1, &dq_full0, &dq_full1, &dq, cur, sw.q_start + r0, r0, row_end, h,
+                    row_a, cw, col_a, ct, cw * SW_COLS, HD, qvec, BM, 0usize, SW_COLS, false,
+                );
             }
             // dV, dK done: the stage is free
             wgmma_wait(0u32);

@@ -14,7 +14,7 @@ for tool in racecheck memcheck synccheck; do
   TMO=110 step ${tool}_padded env CUBEATTN_CACHE_DIR=$L/kc $CS --tool $tool --error-exitcode 99 --log-file $L/$tool-padded.log python tests/python/sanitize_driver.py padded
 done
 rm -rf $L/kc
-TMO=60 step stress python $D/stress.py
+TMO=60 step stress python $D/../run2/stress.py
 TMO=150 step rust_vbwd $D/gpu_main --include-ignored --test-threads=1 --nocapture value_head_dim_of_its_own_backward
 TMO=110 step rust_bwd $D/gpu_main --include-ignored --test-threads=1 --nocapture backward_matches_f64_reference
 grep -c FAIL $L/driver_padded.txt; tail -1 $L/driver_padded.txt
