@@ -56,7 +56,7 @@ const _: () = assert!(BN == 2 * WG_KEYS && BM == 64);
 /// together from one address computation: the same copies through a helper per tensor made
 /// ptxas spill 100-700 bytes in `flash_bwd_ws`, whose producer warp runs this with 24 registers.
 /// `rolled`: the `cp.async` copies of a partial tile in a loop rather than unrolled (the producer
-/// of `flash_bwd_ws192`, whose 24 registers do not hold the unrolled addresses: 96-124 at 32).
+/// of `flash_bwd_ws_cols`, whose 24 registers do not hold the unrolled addresses: 96-124 at 32).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn issue_q_tile<E: Float>(

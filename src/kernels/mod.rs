@@ -23,7 +23,7 @@ pub mod flash_bwd_wide;
 pub mod flash_bwd_sm90;
 pub mod flash_bwd_sm90_split;
 pub mod flash_bwd_ws;
-pub mod flash_bwd_ws192;
+pub mod flash_bwd_ws_cols;
 pub mod fragments;
 pub mod grid;
 pub mod int8_qk;
@@ -60,7 +60,7 @@ pub const SOURCES: &[&str] = &[
     include_str!("flash_bwd_sm90.rs"),
     include_str!("flash_bwd_sm90_split.rs"),
     include_str!("flash_bwd_ws.rs"),
-    include_str!("flash_bwd_ws192.rs"),
+    include_str!("flash_bwd_ws_cols.rs"),
     include_str!("fragments.rs"),
     include_str!("grid.rs"),
     include_str!("int8_qk.rs"),

@@ -20,8 +20,8 @@
 //!   128-key kernel on an H100; docs/backward.md).
 //!
 //! f16/bf16 run on tensor cores (mma.sync or wgmma, f32 accumulation); f32 runs on plain kernels
-//! (always deterministic). Above head_dim 128 only the Hopper kernels: `flash_bwd_ws192` for
-//! DeepSeek's MLA (192 / 128, 96-key cubes, [`ws192_backward`]), else `flash_bwd_sm90_split`
+//! (always deterministic). Above head_dim 128 only the Hopper kernels: `flash_bwd_ws_cols` (192 /
+//! 128 (DeepSeek's MLA), 192 / 192, 256 / 256; [`ws_cols_backward`]), else `flash_bwd_sm90_split`
 //! (64-key cubes); the head dims each pass serves: `super::head_dims_of`,
 //! `CudaBackend::check_target`.
 //!
@@ -47,10 +47,11 @@ use crate::error::Result;
 use crate::kernels::bulk_reduce::dq_tile_stride;
 use crate::kernels::flash_bwd;
 use crate::kernels::flash_bwd_dq_sm90::{self, DQ_SM90_THREADS};
-use crate::kernels::tiles::{BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, CONVERT_VEC, DELTA_PLANES, PAD, SPLIT_BN, WIDE_BN, WIDE_PLANES, WS192_BN};
+use crate::kernels::tiles::{BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, CONVERT_VEC, DELTA_PLANES, PAD, SPLIT_BN, WIDE_BN, WIDE_PLANES};
+use crate::kernels::tiles::{ws_cols_bn, ws_cols_dq_tile, ws_cols_threads};
 use crate::kernels::flash_bwd_sm90::{self, SM90_BWD_THREADS};
 use crate::kernels::flash_bwd_ws::{self, BWD_WS_THREADS};
-use crate::kernels::flash_bwd_ws192::{self, BWD_WS192_THREADS};
+use crate::kernels::flash_bwd_ws_cols;
 use crate::kernels::flash_bwd_sm90_split;
 use crate::kernels::flash_bwd_wide;
 use crate::kernels::sm90::SW_COLS;
@@ -131,12 +132,12 @@ impl BwdPlan {
 
 /// Keys per dK/dV tile of a backward of `spec`: the row-wise kernel's [`BWD_BN`]-key tiles for
 /// f32; for f16 / bf16 the 128-key tensor-core kernels up to head_dim 128, above it the Hopper
-/// kernels' [`WS192_BN`] ([`ws192_backward`]) or [`SPLIT_BN`].
+/// kernels' [`ws_cols_bn`] ([`ws_cols_backward`]) or [`SPLIT_BN`].
 fn key_tile(spec: &AttnSpec) -> usize {
     if spec.dtype == DType::F32 {
         BWD_BN
-    } else if ws192_backward(spec) {
-        WS192_BN
+    } else if ws_cols_backward(spec) {
+        ws_cols_bn(spec.dims.head_dim)
     } else if SPLIT_BWD_HEAD_DIMS.contains(&spec.dims.head_dim) {
         SPLIT_BN
     } else {
@@ -320,15 +321,16 @@ pub(crate) fn dq_mode(be: Option<&CudaBackend>, spec: &AttnSpec, deterministic: 
 /// a Hopper GPU), dense f16/bf16 calls on sm_90 at head_dim 192 / 256 with the wgmma pass
 /// ([`dq_sm90`]): the split kernel without dQ plus the pass took 14-18% less than the split kernel
 /// with the fused dQ, causal 4K / 8K and non-causal 8K (H200, torch path,
-/// bench/results/h200-2026-11-29-dq-sm90-d256); not where [`ws192_backward`] holds (its fused dQ:
-/// fwd+bwd 0.74-0.75x the split kernel plus the pass at 8K, bench/results/h200-2026-12-02-ws192).
+/// bench/results/h200-2026-11-29-dq-sm90-d256); not where [`ws_cols_backward`] holds (its fused dQ
+/// at 192 / 128: fwd+bwd 0.74-0.75x the split kernel plus the pass at 8K,
+/// bench/results/h200-2026-12-02-ws192).
 /// At head_dim 64 the pass was the default until the
 /// fused dQ ran on `flash_bwd_ws` with 128-row tiles ([`ws_rows`]): against the ws kernel without
 /// dQ plus the pass, fwd+bwd kernel time -6% at 16K causal and not, -2.5% non-causal 8K, the same
 /// causal 8K, +2-3% causal 4K (H200, bench/results/h200-2026-11-30-fused-d64).
 fn pass_is_faster(be: Option<&CudaBackend>, spec: &AttnSpec) -> bool {
     let hd = spec.dims.head_dim;
-    if ws192_backward(spec) {
+    if ws_cols_backward(spec) {
         return false;
     }
     let dense_sm90 = spec.block_sparse().is_none() && be.is_none_or(|be| super::forward::sm90_forward(be, spec));
@@ -489,7 +491,7 @@ fn q_maps(spec: &AttnSpec, p: &BwdPtrs, boxes: Option<(u32, u32, bool)>) -> Resu
 const SM90_BWD_HEAD_DIMS: [usize; 2] = [64, 128];
 /// Head dims of the Hopper dK/dV kernel with the products split between its warpgroups
 /// (`flash_bwd_sm90_split`: 64 keys a cube, dV in one warpgroup and dK in the other; dQ fused, or
-/// by the dQ pass for deterministic calls): with `flash_bwd_ws192` ([`ws192_backward`]) the
+/// by the dQ pass for deterministic calls): with `flash_bwd_ws_cols` ([`ws_cols_backward`]) the
 /// backward's only dK/dV kernels there (`CudaBackend::check_target`).
 pub(crate) const SPLIT_BWD_HEAD_DIMS: [usize; 2] = [192, 256];
 
@@ -554,35 +556,41 @@ pub(crate) fn dkdv_split_kernel(be: &CudaBackend, dt: DType, hd: usize, hv: usiz
     be.kernels.get(&key, || dkdv_split_source(be.client(), dt, hd, hv, fused, qvec, paged))
 }
 
-/// Whether the dK/dV kernel of `spec` is the warp-specialised one at head_dim 192
-/// (`flash_bwd_ws192`: three consumer warpgroups, 96-key cubes, the fused dQ by bulk adds): q and
-/// k at 192, v at 128 (DeepSeek's MLA; at 192 its tiles pass 227 KiB of shared memory, at 64 its
-/// producer spills 128 bytes at 24 registers), f16 / bf16, dense keys, not paged (paged calls with
-/// v narrower run v padded: `head_pad`). A function of the spec
-/// alone: the plan's key tiles follow it. Elsewhere above head_dim 128 `flash_bwd_sm90_split`.
-/// `CUBEATTN_BWD_SM90_WS=0` turns it off.
-pub(crate) fn ws192_backward(spec: &AttnSpec) -> bool {
+/// Whether the dK/dV kernel of `spec` is the column-split warp-specialised one
+/// (`flash_bwd_ws_cols`: consumer warpgroups of 32 keys and 64 or 128 columns, [`ws_cols_bn`]-key
+/// cubes): q and k at 192 with v at 128 (DeepSeek's MLA; at 64 its producer spills 128 bytes at 24
+/// registers) or 192, or all at 256; f16 / bf16, dense keys, not paged (paged calls with v narrower
+/// run v padded: `head_pad`). A function of the spec alone: the plan's key tiles follow it.
+/// Elsewhere above head_dim 128 `flash_bwd_sm90_split`. `CUBEATTN_BWD_SM90_WS=0` turns it off.
+pub(crate) fn ws_cols_backward(spec: &AttnSpec) -> bool {
     let d = &spec.dims;
     crate::config::get().bwd_sm90_ws
         && spec.dtype != DType::F32
-        && d.head_dim == 192
-        && d.head_dim_v == 128
+        && matches!((d.head_dim, d.head_dim_v), (192, 128) | (192, 192) | (256, 256))
         && spec.block_sparse().is_none()
         && spec.kv_pages().is_none()
 }
 
-/// The warp-specialised dK/dV kernel at head_dim 192 ([`ws192_backward`]; `hv`: v's head_dim;
-/// `fused`: dQ added by bulk reductions to the head-major accumulator, else none).
-pub(crate) fn dkdv_ws192_kernel(be: &CudaBackend, dt: DType, hv: usize, fused: bool, qvec: usize) -> Result<Func> {
-    let key = KernelKey::new("flash_bwd_ws192", dt, &[hv as u32, fused as u32, qvec as u32]);
-    be.kernels.get(&key, || dkdv_ws192_source(be.client(), dt, hv, fused, qvec))
+/// The column-split warp-specialised dK/dV kernel ([`ws_cols_backward`]; `hd` / `hv`: q's and v's
+/// head dims; `fused`: dQ by bulk reductions into the head-major accumulator where
+/// [`ws_cols_dq_tile`] holds, else by `qvec`-float atomics into the token-major one; else none).
+pub(crate) fn dkdv_ws_cols_kernel(be: &CudaBackend, dt: DType, hd: usize, hv: usize, fused: bool, qvec: usize) -> Result<Func> {
+    let key = KernelKey::new("flash_bwd_ws_cols", dt, &[hd as u32, hv as u32, fused as u32, qvec as u32]);
+    be.kernels.get(&key, || dkdv_ws_cols_source(be.client(), dt, hd, hv, fused, qvec))
 }
 
-/// CUDA source of [`dkdv_ws192_kernel`]: the `kernels::sm90` markers lowered, one cube per SM.
-pub(crate) fn dkdv_ws192_source(client: &ComputeClient<CudaRuntime>, dt: DType, hv: usize, fused: bool, qvec: usize) -> Result<Source> {
-    let mut src = by_dtype!(dt, T, codegen_exp2(flash_bwd_ws192::flash_bwd_ws192::FlashBwdWs192::<T, CudaRuntime>::new(
-        settings(BWD_WS192_THREADS as u32), client.clone(), DkdvArgs::compilation(),
-        BWD_LOAD_VEC, qvec, hv, fused, qvec), true))?;
+/// CUDA source of [`dkdv_ws_cols_kernel`]: the `kernels::sm90` markers lowered, one cube per SM.
+pub(crate) fn dkdv_ws_cols_source(
+    client: &ComputeClient<CudaRuntime>,
+    dt: DType,
+    hd: usize,
+    hv: usize,
+    fused: bool,
+    qvec: usize,
+) -> Result<Source> {
+    let mut src = by_dtype!(dt, T, codegen_exp2(flash_bwd_ws_cols::flash_bwd_ws_cols::FlashBwdWsCols::<T, CudaRuntime>::new(
+        settings(ws_cols_threads(hd) as u32), client.clone(), DkdvArgs::compilation(),
+        BWD_LOAD_VEC, qvec, hd, hv, fused, qvec), true))?;
     src.cuda = super::rewrite::sm90::lower_bounded(&src.entry, &src.cuda, 1)?;
     Ok(src)
 }
@@ -689,9 +697,9 @@ pub(crate) fn launch_dkdv_wide(
                 msg: format!("head_dim {} backward: only the Hopper kernel (dense key sets, sm_90)", d.head_dim),
             });
         }
-        let f = if ws192_backward(spec) {
-            head_major = acc.is_some();
-            dkdv_ws192_kernel(be, spec.dtype, d.head_dim_v, acc.is_some(), qvec)?
+        let f = if ws_cols_backward(spec) {
+            head_major = acc.is_some() && ws_cols_dq_tile(d.head_dim, d.head_dim_v);
+            dkdv_ws_cols_kernel(be, spec.dtype, d.head_dim, d.head_dim_v, acc.is_some(), qvec)?
         } else {
             dkdv_split_kernel(be, spec.dtype, d.head_dim, d.head_dim_v, acc.is_some(), qvec, paged)?
         };
@@ -1026,6 +1034,7 @@ impl CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::tiles::ws_cols_smem;
     use crate::spec::TensorMeta;
 
     fn spec(dtype: DType, d: usize, causal: bool) -> AttnSpec {
@@ -1044,8 +1053,11 @@ mod tests {
             assert_eq!(dq_mode(None, &b64, false, DqPath::Auto), DqMode::Fused, "d64: the fused dQ on 128-row tiles");
         }
         let b256 = spec(DType::BF16, 256, true);
-        if !crate::config::get().bwd_dq_atomic {
-            assert_eq!(dq_mode(None, &b256, false, DqPath::Auto), DqMode::Pass, "d256 on sm_90: the pass is faster");
+        if !crate::config::get().bwd_dq_atomic && !ws_cols_backward(&b256) {
+            assert_eq!(dq_mode(None, &b256, false, DqPath::Auto), DqMode::Pass, "d256 on the split kernel: the pass is faster");
+        }
+        if !crate::config::get().bwd_dq_pass && ws_cols_backward(&b256) {
+            assert_eq!(dq_mode(None, &b256, false, DqPath::Auto), DqMode::Fused, "d256 on flash_bwd_ws_cols: its fused dQ");
         }
         assert_eq!(dq_mode(None, &b64, false, DqPath::Atomic), DqMode::Fused);
         assert_eq!(dq_mode(None, &f32s, true, DqPath::Auto), DqMode::Pass);
@@ -1062,6 +1074,28 @@ mod tests {
         // the parts do not overlap: the accumulator starts past delta's end
         let (delta, a) = workspace_ptrs(&b128, DqMode::Fused, 0);
         assert!(delta + lse as u64 <= a && a as usize + acc <= bwd_workspace(&b128, DqMode::Fused));
+    }
+
+    /// Every head_dim pair `flash_bwd_ws_cols` serves fits an SM's 227 KiB with its dQ path (lse,
+    /// delta, dQ destinations and barriers take under 2 KiB beside the tiles), and only 192 / 128
+    /// has room for the dQ tile.
+    #[test]
+    fn ws_cols_tiles_fit_shared_memory() {
+        let m = |h, d| TensorMeta::new(&[300, h, d], DType::BF16);
+        let mut served = vec![];
+        for (hd, hv) in [(192, 64), (192, 128), (192, 192), (256, 128), (256, 256), (128, 128)] {
+            let s = AttnSpec::varlen(&m(8, hd), &m(2, hd), &m(2, hv), &[0, 100, 300], &[0, 100, 300], 200, 200, None, true).unwrap();
+            if ws_cols_backward(&s) {
+                served.push((hd, hv));
+                assert!(ws_cols_smem(hd, hv, ws_cols_dq_tile(hd, hv)) + 2048 <= 227 * 1024, "{hd} / {hv}");
+                assert_eq!(key_tile(&s), ws_cols_bn(hd));
+            }
+        }
+        if crate::config::get().bwd_sm90_ws {
+            assert_eq!(served, [(192, 128), (192, 192), (256, 256)]);
+        }
+        assert!(ws_cols_dq_tile(192, 128) && !ws_cols_dq_tile(192, 192) && !ws_cols_dq_tile(256, 256));
+        assert_eq!((ws_cols_bn(192), ws_cols_bn(256), ws_cols_threads(192), ws_cols_threads(256)), (96, 64, 512, 384));
     }
 
     #[test]
