@@ -321,9 +321,12 @@ pub(crate) fn dq_mode(be: Option<&CudaBackend>, spec: &AttnSpec, deterministic: 
 /// a Hopper GPU), dense f16/bf16 calls on sm_90 at head_dim 192 / 256 with the wgmma pass
 /// ([`dq_sm90`]): the split kernel without dQ plus the pass took 14-18% less than the split kernel
 /// with the fused dQ, causal 4K / 8K and non-causal 8K (H200, torch path,
-/// bench/results/h200-2026-11-29-dq-sm90-d256); not where [`ws_cols_backward`] holds (its fused dQ
-/// at 192 / 128: fwd+bwd 0.74-0.75x the split kernel plus the pass at 8K,
-/// bench/results/h200-2026-12-02-ws192).
+/// bench/results/h200-2026-11-29-dq-sm90-d256); on `flash_bwd_ws_cols` ([`ws_cols_backward`]) only
+/// at head_dim 256, whose fused dQ by atomics (64 KiB of float2 reductions a tile) took 1.15-1.23x
+/// the time of the kernel without dQ plus the pass (fwd+bwd, 8K / 16K,
+/// bench/results/h200-2026-12-03-ws-cols run1); at 192 / 128 its fused dQ by the tile took
+/// 0.74-0.75x the split kernel plus the pass at 8K (bench/results/h200-2026-12-02-ws192), at 192 /
+/// 192 by atomics 0.97-1.02x the pass.
 /// At head_dim 64 the pass was the default until the
 /// fused dQ ran on `flash_bwd_ws` with 128-row tiles ([`ws_rows`]): against the ws kernel without
 /// dQ plus the pass, fwd+bwd kernel time -6% at 16K causal and not, -2.5% non-causal 8K, the same
@@ -331,7 +334,7 @@ pub(crate) fn dq_mode(be: Option<&CudaBackend>, spec: &AttnSpec, deterministic: 
 fn pass_is_faster(be: Option<&CudaBackend>, spec: &AttnSpec) -> bool {
     let hd = spec.dims.head_dim;
     if ws_cols_backward(spec) {
-        return false;
+        return hd == 256;
     }
     let dense_sm90 = spec.block_sparse().is_none() && be.is_none_or(|be| super::forward::sm90_forward(be, spec));
     dense_sm90 && SPLIT_BWD_HEAD_DIMS.contains(&hd) && be.is_none_or(|be| dq_sm90(be, spec.dtype, hd))
@@ -1053,11 +1056,12 @@ mod tests {
             assert_eq!(dq_mode(None, &b64, false, DqPath::Auto), DqMode::Fused, "d64: the fused dQ on 128-row tiles");
         }
         let b256 = spec(DType::BF16, 256, true);
-        if !crate::config::get().bwd_dq_atomic && !ws_cols_backward(&b256) {
-            assert_eq!(dq_mode(None, &b256, false, DqPath::Auto), DqMode::Pass, "d256 on the split kernel: the pass is faster");
+        if !crate::config::get().bwd_dq_atomic {
+            assert_eq!(dq_mode(None, &b256, false, DqPath::Auto), DqMode::Pass, "d256 on sm_90: the pass is faster");
         }
-        if !crate::config::get().bwd_dq_pass && ws_cols_backward(&b256) {
-            assert_eq!(dq_mode(None, &b256, false, DqPath::Auto), DqMode::Fused, "d256 on flash_bwd_ws_cols: its fused dQ");
+        let b192 = spec(DType::BF16, 192, true);
+        if !crate::config::get().bwd_dq_pass && ws_cols_backward(&b192) {
+            assert_eq!(dq_mode(None, &b192, false, DqPath::Auto), DqMode::Fused, "192 / 192 on flash_bwd_ws_cols: its fused dQ");
         }
         assert_eq!(dq_mode(None, &b64, false, DqPath::Atomic), DqMode::Fused);
         assert_eq!(dq_mode(None, &f32s, true, DqPath::Auto), DqMode::Pass);
