@@ -1,6 +1,6 @@
-//! The warp-specialised Hopper dK / dV kernel above head_dim 128 (192, 256; v at q's head_dim or,
-//! at 192, 128 wide: DeepSeek's MLA): the query rows are the MMAs' M side, the consumer
-//! warpgroups split the cube's keys for S / dP and the head_dim columns for dK / dV / dQ.
+//! The warp-specialised Hopper dK / dV kernel at head_dim 192 (v at 192, or 128: DeepSeek's MLA):
+//! the query rows are the MMAs' M side, three consumer warpgroups split the cube's keys for S / dP
+//! and the head_dim columns for dK / dV / dQ.
 //!
 //! `flash_bwd_ws` keeps dK and dV of its warpgroup's 64 keys x head_dim in registers: 192 f32 a
 //! thread at head_dim 192, more than a thread has beside S^T and dP^T. `flash_bwd_sm90_split`
@@ -8,37 +8,34 @@
 //! the second waits for the first's P^T at two cube barriers a tile with nothing else to run (ncu:
 //! a quarter of the issue slots busy).
 //!
-//! Consumer warpgroups: three of 64 columns at head_dim 192, two of 128 at 256
-//! ([`ws_cols_consumers`]); each forms S and dP over its own 32 keys, so a cube holds
-//! [`ws_cols_bn`] keys (96 / 64). Warpgroup 0 is the producer (`setmaxnreg` down): warp 0 issues
-//! every query tile (Q, dO, lse, delta) into two stages, as `flash_bwd_ws`'s; where the fused dQ
-//! goes through a tile (warp 1) it adds each stored dQ tile into the head-major f32 accumulator by
-//! one bulk reduce-add. Consumer `c`, per query tile of 64 rows:
+//! Here one cube = [`WS_COLS_BN`] = 96 keys, 512 threads. Warpgroup 0 is the producer
+//! (`setmaxnreg` down): warp 0 issues every query tile (Q, dO, lse, delta) into two stages, as
+//! `flash_bwd_ws`'s; where the fused dQ goes through a tile ([`ws_cols_dq_tile`]: v at 128), warp 1
+//! adds each stored dQ tile into the head-major f32 accumulator by one bulk reduce-add. Warpgroups
+//! 1-3 are the consumers; consumer `c`, per query tile of 64 rows:
 //! 1. S = Q K_c^T and dP = dO V_c^T over its 32 keys (`m64n32`, shared operands, both K-major);
 //! 2. P = 2^(S scale log2 e - lse log2 e) (masked where its block is not wholly visible),
 //!    dS = P (dP - delta): the rows are the accumulator's, so each thread reads lse and delta of
 //!    two rows;
 //! 3. after a named barrier (every consumer's MMAs of the last tile have read P^T / dS^T) stores
 //!    its keys' P and dS key-major ([key][row], 128-byte swizzle) and meets the others at a second;
-//! 4. per 64-column chunk of its columns: dQ[:, chunk] = dS K (`m64n64`, A = dS MN-major, B = K
-//!    MN-major), dV^T[chunk] += dO^T P (where v has the chunk) and dK^T[chunk] += Q^T dS
-//!    (`m64` x the cube's keys, A = dO^T / Q^T MN-major from the query stage, B = P^T / dS^T
-//!    K-major): each consumer holds its columns of dK and dV for all the cube's keys (48 + 48 f32
-//!    a thread at 192, 64 + 64 at 256);
-//! 5. dQ out: into the f32 tile once the dQ warp has read the last ([`ws_cols_dq_tile`]: 192 /
-//!    128, one 48 KiB buffer), else by float2 atomics from registers into the token-major
-//!    accumulator (the tile does not fit beside two query stages: 192 / 192, 256), while dK / dV
-//!    run; the stage is released when its MMAs are done.
+//! 4. dQ[:, 64 c ..] = dS K (`m64n64`, A = dS MN-major, B = K MN-major), dV^T[64 c ..] += dO^T P
+//!    (for `c` < head_dim_v / 64) and dK^T[64 c ..] += Q^T dS (`m64n96`, A = dO^T / Q^T MN-major
+//!    from the query stage, B = P^T / dS^T K-major): each consumer holds 64 columns of dK and dV
+//!    for all 96 keys (48 + 48 f32 a thread);
+//! 5. dQ out while dK / dV run: its 64 columns into the f32 tile (one buffer: 48 KiB) once the dQ
+//!    warp has read the last, or, at v 192 (the tile does not fit beside two query stages), added
+//!    to the token-major accumulator by float2 atomics; the stage is released when its MMAs are
+//!    done.
 //!
-//! Shared memory ([`ws_cols_smem`]): 192 / 128 K 36, V 24, Q 2 x 24, dO 2 x 16, P^T 12, dS^T 12,
-//! dQ 48 KiB (212 KiB); 192 / 192 192 KiB; 256 / 256 K 32, V 32, Q 2 x 32, dO 2 x 32, P^T 8,
-//! dS^T 8 (208 KiB). Registers after `setmaxnreg`: 24 a producer thread, 160 a consumer thread of
-//! three, 240 of two.
+//! Shared memory ([`ws_cols_smem`]): at v 128 K 36, V 24, Q 2 x 24, dO 2 x 16, P^T 12, dS^T 12,
+//! dQ 48 KiB (212 KiB); at v 192 K 36, V 36, Q 2 x 24, dO 2 x 24, P^T 12, dS^T 12 (192 KiB).
 //!
-//! The host plan ([`ws_cols_bn`]-key tiles, `backward::key_tile`), card (`cards::DkdvCard`), work
-//! list, segment walk (dense, varlen, GQA, grouped windows) and query-tile copies are those of
-//! `flash_bwd_ws`; no block-sparse or paged variant (block-sparse calls serve head dims up to 128;
-//! paged ones above 128 run `flash_bwd_sm90_split`).
+//! The host plan (96-key tiles, `backward::key_tile`), card (`cards::DkdvCard`), work list, segment
+//! walk (dense, varlen, GQA, grouped windows) and query-tile copies are those of `flash_bwd_ws`; no
+//! block-sparse or paged variant (block-sparse calls serve head dims up to 128; paged ones at 192
+//! run `flash_bwd_sm90_split`). At head_dim 256 two consumer warpgroups of 128 columns over 64-key
+//! cubes measured level with `flash_bwd_sm90_split` (docs/measured-and-lost.md).
 
 use cubecl::prelude::barrier::Barrier;
 use cubecl::prelude::*;
@@ -56,29 +53,31 @@ use super::sm90::{
 };
 use super::bulk_reduce::add_dq_pair;
 use super::staging::{stage_rows, wait_stage};
-use super::tiles::{ws_cols_bn, ws_cols_consumers, ws_cols_dq_tile, BWD_BM, WS_COLS_WG_KEYS};
+use super::tiles::{ws_cols_dq_tile, BWD_BM, WS_COLS_BN};
 
+/// Threads per cube: a producer warpgroup and three consumer warpgroups.
+pub const BWD_WS_COLS_THREADS: usize = 512;
+/// q's and k's head_dim.
+const HD: usize = 192;
+const BN: usize = WS_COLS_BN;
 const BM: usize = BWD_BM;
 /// Keys of S / dP per consumer warpgroup.
-const WG_KEYS: usize = WS_COLS_WG_KEYS;
-const _: () = assert!(BM == 64 && WG_KEYS == 32);
+const WG_KEYS: usize = 32;
+/// Consumer warpgroups: one per 64 columns of head_dim.
+const CONSUMERS: usize = 3;
+const _: () = assert!(BN == CONSUMERS * WG_KEYS && HD == CONSUMERS * SW_COLS && BM == 64);
 /// The loading warp's lanes (a `full` phase's copy arrivals).
 const LOADERS: usize = 32;
+/// Consumer threads (the `empty` and `dq_full` arrivals, the named barriers' count).
+const CONSUMER_THREADS: u32 = 384;
+/// Units that stage K and V (a multiple of a warpgroup dividing 96 rows x 24 or 16 vectors).
+const STAGERS: usize = 384;
 /// Named barriers: P^T / dS^T free (every consumer's MMAs of the last tile done), then stored.
 const FREE_BARRIER: u32 = 1;
 const READY_BARRIER: u32 = 2;
-/// Registers a producer thread keeps after `setmaxnreg`.
+/// Registers a thread after the moves: 24 x 128 + 160 x 384 of the SM's 64 K (`flash_bwd_ws`'s spare 1 K).
 const PRODUCER_REGS: u32 = 24;
-
-/// Registers a consumer thread takes by `setmaxnreg` with `consumers` consumer warpgroups: 24 x 128
-/// + 160 x 384 or 240 x 256 of the SM's 64 K (the spare 1 K as `flash_bwd_ws`'s).
-const fn consumer_regs(consumers: usize) -> u32 {
-    if consumers == 2 {
-        240
-    } else {
-        160
-    }
-}
+const CONSUMER_REGS: u32 = 160;
 
 /// `acc (m64 x n) = A B^T` over `k_dim` columns: A the 64 rows of the swizzled tile at element
 /// `a0` of `a` (64 rows a chunk), B the `n` rows at element `b0` of the swizzled tile `b`
@@ -106,45 +105,31 @@ fn rows_by_keys<E: Float>(
     }
 }
 
-/// `acc[acc0 ..] (m64 x bn keys) += A^T B` over the tile's 64 rows: A^T the 64 columns at element
-/// `a0` of the query stage (Q or dO: 64 rows of a chunk, MN-major), B the key-major `[key][row]`
-/// tile `b` (P^T or dS^T, K-major): dV^T += dO^T P, dK^T += Q^T dS. The caller fences before and
-/// commits after.
+/// `acc (m64 x 96 keys) += A^T B` over the tile's 64 rows: A^T the 64 columns at element `a0` of
+/// the query stage (Q or dO: 64 rows of a chunk, MN-major), B the key-major `[key][row]` tile `b`
+/// (P^T or dS^T, K-major): dV^T += dO^T P, dK^T += Q^T dS. The caller fences before and commits
+/// after.
 #[cube]
-fn cols_by_keys<E: Float>(
-    acc: &mut Array<f32>,
-    a: &SharedMemory<E>,
-    a0: usize,
-    b: &SharedMemory<E>,
-    #[comptime] acc0: usize,
-    #[comptime] bn: usize,
-) {
+fn cols_by_keys<E: Float>(acc: &mut Array<f32>, a: &SharedMemory<E>, a0: usize, b: &SharedMemory<E>) {
     #[unroll]
     for ks in 0..comptime!(BM / 16) {
         let a_off = a0 + comptime!(ks * 16 * SW_COLS);
         let b_off = comptime!(ks * 16);
-        wgmma_ss::<E>(acc, a, a_off as u32, b, b_off as u32, acc0, bn, true, comptime!((BM * SW_ROW) as u32), false, 0u32, true);
+        wgmma_ss::<E>(acc, a, a_off as u32, b, b_off as u32, 0usize, BN, true, comptime!((BM * SW_ROW) as u32), false, 0u32, true);
     }
 }
 
-/// `dq[acc0 ..] (m64 x 64) = dS K[:, cols]` over the cube's `bn` keys: A = dS from the key-major
-/// tile (MN-major), B = the 64 columns of K at element `k0` (MN-major). The caller fences before
-/// and commits after.
+/// `dq (m64 x 64) = dS K[:, cols]` over the cube's 96 keys: A = dS from the key-major tile
+/// (MN-major), B = the 64 columns of K at element `k0` (MN-major). The caller fences before and
+/// commits after.
 #[cube]
-fn rows_by_cols<E: Float>(
-    dq: &mut Array<f32>,
-    ds_smem: &SharedMemory<E>,
-    k_smem: &SharedMemory<E>,
-    k0: usize,
-    #[comptime] acc0: usize,
-    #[comptime] bn: usize,
-) {
+fn rows_by_cols<E: Float>(dq: &mut Array<f32>, ds_smem: &SharedMemory<E>, k_smem: &SharedMemory<E>, k0: usize) {
     #[unroll]
-    for ks in 0..comptime!(bn / 16) {
+    for ks in 0..comptime!(BN / 16) {
         let off = comptime!(ks * 16 * SW_COLS);
         wgmma_ss::<E>(
-            dq, ds_smem, off as u32, k_smem, (k0 + off) as u32, acc0, SW_COLS, true, comptime!((bn * SW_ROW) as u32), true,
-            comptime!((bn * SW_ROW) as u32), comptime!(ks > 0),
+            dq, ds_smem, off as u32, k_smem, (k0 + off) as u32, 0usize, SW_COLS, true, comptime!((BN * SW_ROW) as u32), true,
+            comptime!((BN * SW_ROW) as u32), comptime!(ks > 0),
         );
     }
 }
@@ -174,9 +159,9 @@ fn ds_rows(dp: &mut Array<f32>, s: &Array<f32>, d0: f32, d1: f32, #[comptime] ma
 
 /// This thread's 16 values of an `m64n32` accumulator (rows `row_a`, `row_a + 8` of the tile,
 /// keys `8 nb + col_a (+ 1)` of consumer `cw`'s 32) stored to the key-major `[key][row]` tile
-/// (128-byte swizzle, `bn` key rows) in the element type.
+/// (128-byte swizzle, [`BN`] key rows) in the element type.
 #[cube]
-fn store_key_major<E: Float>(smem: &mut SharedMemory<E>, x: &Array<f32>, row_a: usize, col_a: usize, cw: usize, #[comptime] bn: usize) {
+fn store_key_major<E: Float>(smem: &mut SharedMemory<E>, x: &Array<f32>, row_a: usize, col_a: usize, cw: usize) {
     // rows row_a (+ 8): their 16-byte unit's first row, and the row inside it
     let unit_row = row_a - row_a % 8;
     let r_in = row_a % 8;
@@ -187,77 +172,64 @@ fn store_key_major<E: Float>(smem: &mut SharedMemory<E>, x: &Array<f32>, row_a: 
             let key = cw * WG_KEYS + nb * 8 + col_a + e2;
             #[unroll]
             for hh in 0..2usize {
-                let at = swizzle_128b(key, unit_row + hh * 8, bn) + r_in;
+                let at = swizzle_128b(key, unit_row + hh * 8, BN) + r_in;
                 smem[at] = E::cast_from(x[nb * 4 + hh * 2 + e2]);
             }
         }
     }
 }
 
-/// The column-split warp-specialised dK / dV kernel (module docs); arguments as
-/// `flash_bwd_ws::flash_bwd_ws` (dense, not paged, [`ws_cols_bn`]-key tiles; `q_map` / `do_map`
-/// with 64-column x 64-row boxes). `head_dim`: q's and k's (192 or 256); `head_dim_v`: v's, dO's and
-/// dV's (a multiple of 64 up to `head_dim`; at 64 the producer spills at 24 registers); `fuse_dq`:
-/// dQ into `dq_rows` head-major by the tile where [`ws_cols_dq_tile`] holds, else into `dq_acc`
-/// token-major by `qvec`-float atomics.
+/// The warp-specialised dK / dV kernel at head_dim 192 (module docs); arguments as
+/// `flash_bwd_ws::flash_bwd_ws` (dense, not paged, 96-key tiles; `q_map` / `do_map` with 64-column x
+/// 64-row boxes); `head_dim_v`: v's, dO's and dV's head_dim (128 or 192; at 64 the producer spills
+/// at 24 registers); `fuse_dq`: dQ into `dq_rows` head-major by the tile where [`ws_cols_dq_tile`]
+/// holds, else into `dq_acc` token-major by `qvec`-float atomics.
 #[allow(clippy::too_many_arguments, unused_variables, unused_assignments)]
 #[cube(launch_unchecked)]
 pub fn flash_bwd_ws_cols<E: Float, NV: Size, NQ: Size>(
     args: &mut DkdvCard<E, NV, NQ>,
-    #[comptime] head_dim: usize,
     #[comptime] head_dim_v: usize,
     #[comptime] fuse_dq: bool,
     #[comptime] qvec: usize,
 ) {
-    let consumers = comptime!(ws_cols_consumers(head_dim));
-    // 64-column chunks of head_dim per consumer
-    let chunks = comptime!(head_dim / SW_COLS / consumers);
-    let bn = comptime!(ws_cols_bn(head_dim));
-    let dq_by_tile = comptime!(fuse_dq && ws_cols_dq_tile(head_dim, head_dim_v));
+    let dq_by_tile = comptime!(fuse_dq && ws_cols_dq_tile(head_dim_v));
     let dq_atomic = comptime!(fuse_dq && !dq_by_tile);
-    // consumer threads: the `empty` and `dq_full` arrivals, the named barriers' count; they stage
-    // K and V too (a multiple of a warpgroup dividing the tiles' rows x vectors)
-    let cthreads = comptime!(consumers * 128);
-    comptime!(assert!(head_dim == consumers * chunks * SW_COLS && !(dq_by_tile && chunks != 1)));
-
     let lane = UNIT_POS_PLANE;
     // warp and warpgroup broadcast from lane 0: uniform, so descriptors stay in uniform registers
     let warp = plane_broadcast(UNIT_POS / 32u32, 0u32);
     let wg = warp / 4u32;
 
-    let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(bn * head_dim), 1024usize);
-    let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(bn * head_dim_v), 1024usize);
-    let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(2 * BM * head_dim), 1024usize);
+    let mut k_smem = SharedMemory::<E>::new_aligned(comptime!(BN * HD), 1024usize);
+    let mut v_smem = SharedMemory::<E>::new_aligned(comptime!(BN * head_dim_v), 1024usize);
+    let mut q_smem = SharedMemory::<E>::new_aligned(comptime!(2 * BM * HD), 1024usize);
     let mut do_smem = SharedMemory::<E>::new_aligned(comptime!(2 * BM * head_dim_v), 1024usize);
     // P^T and dS^T key-major: [key][row], one 64-row chunk
-    let mut pt_smem = SharedMemory::<E>::new_aligned(comptime!(bn * BM), 1024usize);
-    let mut ds_smem = SharedMemory::<E>::new_aligned(comptime!(bn * BM), 1024usize);
-    // one dQ tile of 64 rows x head_dim f32, chunks swizzled by row (`flash_bwd_ws::put_dq_tile`)
-    let mut dq_tile =
-        SharedMemory::<Vector<f32, NQ>>::new_aligned(comptime!(if dq_by_tile { BM * head_dim / qvec } else { 1usize }), 128usize);
+    let mut pt_smem = SharedMemory::<E>::new_aligned(comptime!(BN * BM), 1024usize);
+    let mut ds_smem = SharedMemory::<E>::new_aligned(comptime!(BN * BM), 1024usize);
+    // one dQ tile of 64 rows x 192 f32, chunks swizzled by row (`flash_bwd_ws::put_dq_tile`)
+    let mut dq_tile = SharedMemory::<Vector<f32, NQ>>::new_aligned(comptime!(if dq_by_tile { BM * HD / qvec } else { 1usize }), 128usize);
     // each use's destination: first global row, rows, head
     let mut dq_info = SharedMemory::<u32>::new(8usize);
     let mut lse_smem = SharedMemory::<f32>::new(comptime!(2 * BM));
     let mut dl_smem = SharedMemory::<f32>::new(comptime!(2 * BM));
     let full0 = Barrier::shared(comptime!(LOADERS as u32), UNIT_POS == 0);
     let full1 = Barrier::shared(comptime!(LOADERS as u32), UNIT_POS == 0);
-    let empty0 = Barrier::shared(comptime!(cthreads as u32), UNIT_POS == 0);
-    let empty1 = Barrier::shared(comptime!(cthreads as u32), UNIT_POS == 0);
-    let dq_full0 = Barrier::shared(comptime!(cthreads as u32), UNIT_POS == 0);
-    let dq_full1 = Barrier::shared(comptime!(cthreads as u32), UNIT_POS == 0);
+    let empty0 = Barrier::shared(CONSUMER_THREADS, UNIT_POS == 0);
+    let empty1 = Barrier::shared(CONSUMER_THREADS, UNIT_POS == 0);
+    let dq_full0 = Barrier::shared(CONSUMER_THREADS, UNIT_POS == 0);
+    let dq_full1 = Barrier::shared(CONSUMER_THREADS, UNIT_POS == 0);
     let dq_empty0 = Barrier::shared(comptime!(LOADERS as u32), UNIT_POS == 0);
     let dq_empty1 = Barrier::shared(comptime!(LOADERS as u32), UNIT_POS == 0);
 
     let (item, hk) = cube_item_slot(args.heads_kv, args.kv_outer, false);
     let group = args.heads_q / args.heads_kv;
-    let ki = key_item(&args.ktiles, &args.tile_off, &args.segs, item, 0u32, args.total_k, false, bn);
+    let ki = key_item(&args.ktiles, &args.tile_off, &args.segs, item, 0u32, args.total_k, false, BN);
     let (key0, key_lim) = (ki.key0, ki.key_lim);
 
-    // K, V staged once (swizzled, bn rows a chunk; keys past the tensor's zero)
-    if UNIT_POS < comptime!(cthreads as u32) {
-        stage_rows::<E, NV>(&args.k, &mut k_smem, key0, key_lim, key0, args.heads_kv, hk, &args.tq_list, bn, head_dim, cthreads, false,
-            true);
-        stage_rows::<E, NV>(&args.v, &mut v_smem, key0, key_lim, key0, args.heads_kv, hk, &args.tq_list, bn, head_dim_v, cthreads,
+    // K, V staged once (swizzled, 96 rows a chunk; keys past the tensor's zero)
+    if UNIT_POS < STAGERS as u32 {
+        stage_rows::<E, NV>(&args.k, &mut k_smem, key0, key_lim, key0, args.heads_kv, hk, &args.tq_list, BN, HD, STAGERS, false, true);
+        stage_rows::<E, NV>(&args.v, &mut v_smem, key0, key_lim, key0, args.heads_kv, hk, &args.tq_list, BN, head_dim_v, STAGERS,
             false, true);
     }
     // K, V visible to the async proxy (the MMAs), barrier initialisation before any use
@@ -268,27 +240,24 @@ pub fn flash_bwd_ws_cols<E: Float, NV: Size, NQ: Size>(
         setmaxnreg(false, PRODUCER_REGS);
         produce::<E, NV, NQ>(
             args, &ki, hk, group, &mut q_smem, &mut do_smem, &mut lse_smem, &mut dl_smem, &full0, &full1, &empty0, &empty1, &dq_tile,
-            &dq_info, &dq_full0, &dq_full1, &dq_empty0, &dq_empty1, warp, lane, head_dim, head_dim_v, false, dq_by_tile, bn, BM, true,
-            0usize,
+            &dq_info, &dq_full0, &dq_full1, &dq_empty0, &dq_empty1, warp, lane, HD, head_dim_v, false, dq_by_tile, BN, BM, true, 0usize,
         );
         terminate!();
     }
 
-    // ---- consumers: warpgroup cw of keys cw * 32 .. (S, dP) and of the 64-column chunks
-    // cw * chunks .. (dK, dV, dQ) ----
-    setmaxnreg(true, comptime!(consumer_regs(consumers)));
+    // ---- consumers: warpgroup cw of keys cw * 32 .. (S, dP) and columns cw * 64 .. (dK, dV, dQ) ----
+    setmaxnreg(true, CONSUMER_REGS);
     let cw = (wg - 1u32) as usize;
     let ct = cw as u32 * 128u32 + UNIT_POS % 128u32;
-    // this lane's first accumulator row (a row of the query tile for S, dP, dQ; a column of a
-    // 64-column chunk for dK^T, dV^T), + 8 for the second
+    // this lane's first accumulator row (a row of the query tile for S, dP, dQ; a column of the
+    // warpgroup's 64 for dK^T, dV^T), + 8 for the second
     let row_a = ((warp % 4u32) * 16u32 + lane / 4u32) as usize;
     // this lane's first accumulator column pair (a key for S, dP, dK^T, dV^T; a column for dQ)
     let col_a = ((lane % 4u32) * 2u32) as usize;
-    let chunk0 = cw * chunks;
-    // v's chunks: the last consumers' hold none when v is narrower
-    let dv_chunks = comptime!(head_dim_v / SW_COLS);
+    // dV's columns are 64 per consumer too: the last ones hold none when v is narrower
+    let has_dv = cw < comptime!(head_dim_v / SW_COLS);
 
-    let acc_n = comptime!(chunks * bn / 2);
+    let acc_n = comptime!(BN / 2);
     let mut dk_acc = Array::<f32>::new(acc_n);
     let mut dv_acc = Array::<f32>::new(acc_n);
     #[unroll]
@@ -298,13 +267,16 @@ pub fn flash_bwd_ws_cols<E: Float, NV: Size, NQ: Size>(
     }
     let mut s = Array::<f32>::new(comptime!(WG_KEYS / 2));
     let mut dp = Array::<f32>::new(comptime!(WG_KEYS / 2));
-    let mut dq = Array::<f32>::new(comptime!(if fuse_dq { chunks * SW_COLS / 2 } else { 1usize }));
+    let mut dq = Array::<f32>::new(comptime!(if fuse_dq { SW_COLS / 2 } else { 1usize }));
+    // this consumer's 64 columns of K (the dQ product's B) and of the query stages (dK^T's and
+    // dV^T's A), as element offsets of their chunk
+    let k_cols = cw * comptime!(BN * SW_COLS);
+    let stage_cols = cw * comptime!(BM * SW_COLS);
     let key_off = cw * comptime!(WG_KEYS * SW_COLS);
-    let hq = args.heads_q;
 
     let mut g = 0u32;
     for si in ki.s_begin..ki.s_end {
-        let sw = walk(args, &ki, si, hk, group, false, bn, BM);
+        let sw = walk(args, &ki, si, hk, group, false, BN, BM);
         // window-local index of this consumer's first key (may be negative)
         let kw0 = (key0 as i32 + (cw * WG_KEYS) as i32) - sw.k_start as i32;
         let mut qt = first_q_tile(&args.tq_list, &sw, hk, group, args.q_block, false);
@@ -316,15 +288,15 @@ pub fn flash_bwd_ws_cols<E: Float, NV: Size, NQ: Size>(
                 // a tile past the segment's end came by cp.async (generic proxy)
                 fence_proxy_async();
             }
-            let qb = ((cur & 1u32) as usize) * comptime!(BM * head_dim);
+            let qb = ((cur & 1u32) as usize) * comptime!(BM * HD);
             let db = ((cur & 1u32) as usize) * comptime!(BM * head_dim_v);
             let lb = ((cur & 1u32) as usize) * BM;
 
             // ---- 1. S = Q K_c^T, dP = dO V_c^T (64 rows x 32 keys) ----
             wgmma_fence();
-            rows_by_keys::<E>(&mut s, &q_smem, qb, &k_smem, key_off, bn, WG_KEYS, head_dim);
+            rows_by_keys::<E>(&mut s, &q_smem, qb, &k_smem, key_off, BN, WG_KEYS, HD);
             wgmma_commit();
-            rows_by_keys::<E>(&mut dp, &do_smem, db, &v_smem, key_off, bn, WG_KEYS, head_dim_v);
+            rows_by_keys::<E>(&mut dp, &do_smem, db, &v_smem, key_off, BN, WG_KEYS, head_dim_v);
             wgmma_commit();
             let l0 = lse_smem[lb + row_a] * LOG2E;
             let l1 = lse_smem[lb + row_a + 8] * LOG2E;
@@ -377,36 +349,29 @@ pub fn flash_bwd_ws_cols<E: Float, NV: Size, NQ: Size>(
             }
 
             // ---- 3. P^T, dS^T key-major once every consumer's MMAs of the last tile have read them ----
-            named_barrier(FREE_BARRIER, comptime!(cthreads as u32));
-            store_key_major::<E>(&mut pt_smem, &s, row_a, col_a, cw, bn);
-            store_key_major::<E>(&mut ds_smem, &dp, row_a, col_a, cw, bn);
+            named_barrier(FREE_BARRIER, CONSUMER_THREADS);
+            store_key_major::<E>(&mut pt_smem, &s, row_a, col_a, cw);
+            store_key_major::<E>(&mut ds_smem, &dp, row_a, col_a, cw);
             fence_proxy_async();
-            named_barrier(READY_BARRIER, comptime!(cthreads as u32));
+            named_barrier(READY_BARRIER, CONSUMER_THREADS);
 
-            // ---- 4. per chunk: dQ[:, chunk] = dS K[:, chunk]; dV^T[chunk] += dO^T P; dK^T[chunk] += Q^T dS ----
+            // ---- 4. dQ[:, cols] = dS K[:, cols]; dV^T[cols] += dO^T P; dK^T[cols] += Q^T dS ----
             wgmma_fence();
             if fuse_dq {
-                #[unroll]
-                for j in 0..chunks {
-                    rows_by_cols::<E>(&mut dq, &ds_smem, &k_smem, (chunk0 + j) * comptime!(bn * SW_COLS), comptime!(j * SW_COLS / 2), bn);
-                }
+                rows_by_cols::<E>(&mut dq, &ds_smem, &k_smem, k_cols);
                 wgmma_commit();
             }
-            #[unroll]
-            for j in 0..chunks {
-                let stage_cols = (chunk0 + j) * comptime!(BM * SW_COLS);
-                if chunk0 + j < dv_chunks {
-                    cols_by_keys::<E>(&mut dv_acc, &do_smem, db + stage_cols, &pt_smem, comptime!(j * bn / 2), bn);
-                }
-                cols_by_keys::<E>(&mut dk_acc, &q_smem, qb + stage_cols, &ds_smem, comptime!(j * bn / 2), bn);
+            if has_dv {
+                cols_by_keys::<E>(&mut dv_acc, &do_smem, db + stage_cols, &pt_smem);
             }
+            cols_by_keys::<E>(&mut dk_acc, &q_smem, qb + stage_cols, &ds_smem);
             wgmma_commit();
             if dq_by_tile {
                 // ---- 5. dQ done (dK / dV may run on): into the tile once the dQ warp has read the last ----
                 wgmma_wait(1u32);
                 store_dq(
                     &mut dq_tile, &mut dq_info, &dq_empty0, &dq_empty1, &dq_full0, &dq_full1, &dq, cur, sw.q_start + r0, r0, row_end, h,
-                    row_a, cw, col_a, ct, cw * SW_COLS, head_dim, qvec, BM, 0usize, SW_COLS, false,
+                    row_a, cw, col_a, ct, cw * SW_COLS, HD, qvec, BM, 0usize, SW_COLS, false,
                 );
             }
             if dq_atomic {
@@ -416,15 +381,11 @@ pub fn flash_bwd_ws_cols<E: Float, NV: Size, NQ: Size>(
                 for hh in 0..2usize {
                     let rl = r0 + (row_a + hh * 8) as u32;
                     if rl < row_end {
-                        let row = ((sw.q_start + rl) * hq + h) as usize * head_dim;
+                        let gv = ((((sw.q_start + rl) * args.heads_q + h) as usize) * HD + cw * SW_COLS + col_a) / qvec;
                         #[unroll]
-                        for j in 0..chunks {
-                            let gv = (row + (chunk0 + j) * SW_COLS + col_a) / qvec;
-                            #[unroll]
-                            for nb in 0..comptime!(SW_COLS / 8) {
-                                let i = comptime!(j * SW_COLS / 2 + nb * 4 + hh * 2);
-                                add_dq_pair::<NQ>(&args.dq_acc, gv + comptime!(nb * 8 / qvec), dq[i], dq[i + 1], qvec);
-                            }
+                        for nb in 0..comptime!(SW_COLS / 8) {
+                            let i = nb * 4 + hh * 2;
+                            add_dq_pair::<NQ>(&args.dq_acc, gv + comptime!(nb * 8 / qvec), dq[i], dq[i + 1], qvec);
                         }
                     }
                 }
@@ -437,28 +398,23 @@ pub fn flash_bwd_ws_cols<E: Float, NV: Size, NQ: Size>(
         }
     }
 
-    // ---- dK (scaled), dV: this consumer's chunks of every key below key_lim (zero for keys no
+    // ---- dK (scaled), dV: this consumer's 64 columns of every key below key_lim (zero for keys no
     // segment sees) ----
-    let hd = comptime!(head_dim as u32);
     let hv = comptime!(head_dim_v as u32);
     #[unroll]
-    for j in 0..chunks {
-        let has_dv = chunk0 + j < dv_chunks;
+    for nb in 0..comptime!(BN / 8) {
         #[unroll]
-        for nb in 0..comptime!(bn / 8) {
-            #[unroll]
-            for e2 in 0..2usize {
-                let key = key0 + (nb * 8 + col_a + e2) as u32;
-                if key < key_lim {
-                    let row = key * args.heads_kv + hk;
-                    #[unroll]
-                    for hh in 0..2usize {
-                        let col = ((chunk0 + j) * SW_COLS + row_a + hh * 8) as u32;
-                        let i = comptime!(j * bn / 2 + nb * 4 + hh * 2 + e2);
-                        args.dk[(row * hd + col) as usize] = E::cast_from(dk_acc[i] * args.scale);
-                        if has_dv {
-                            args.dv[(row * hv + col) as usize] = E::cast_from(dv_acc[i]);
-                        }
+        for e2 in 0..2usize {
+            let key = key0 + (nb * 8 + col_a + e2) as u32;
+            if key < key_lim {
+                let row = key * args.heads_kv + hk;
+                #[unroll]
+                for hh in 0..2usize {
+                    let col = (cw * SW_COLS + row_a + hh * 8) as u32;
+                    let i = nb * 4 + hh * 2 + e2;
+                    args.dk[(row * comptime!(HD as u32) + col) as usize] = E::cast_from(dk_acc[i] * args.scale);
+                    if has_dv {
+                        args.dv[(row * hv + col) as usize] = E::cast_from(dv_acc[i]);
                     }
                 }
             }

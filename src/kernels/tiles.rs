@@ -34,40 +34,21 @@ pub const WIDE_BN: usize = 128;
 /// Keys per cube (and per key tile of the work list) of the Hopper dK/dV kernel above head_dim 128
 /// (`flash_bwd_sm90_split`: one wgmma row block of 64 keys, dV in one warpgroup, dK in the other).
 pub const SPLIT_BN: usize = 64;
-/// Keys of S / dP per consumer warpgroup of the column-split warp-specialised backward
-/// (`flash_bwd_ws_cols`, head_dim 192 and 256).
-pub const WS_COLS_WG_KEYS: usize = 32;
-/// Consumer warpgroups of `flash_bwd_ws_cols` at head_dim `hd`: two of 128 columns at 256, three
-/// of 64 at 192.
-pub const fn ws_cols_consumers(hd: usize) -> usize {
-    if hd == 256 {
-        2
-    } else {
-        3
-    }
-}
-/// Keys per cube of `flash_bwd_ws_cols` at head_dim `hd` (32 a consumer warpgroup: 64 at 256, 96
-/// at 192).
-pub const fn ws_cols_bn(hd: usize) -> usize {
-    ws_cols_consumers(hd) * WS_COLS_WG_KEYS
-}
-/// Threads per cube of `flash_bwd_ws_cols`: a producer warpgroup and the consumers.
-pub const fn ws_cols_threads(hd: usize) -> usize {
-    128 * (ws_cols_consumers(hd) + 1)
-}
-/// Bytes of `flash_bwd_ws_cols`'s shared tiles at head_dim `hd`, v `hv` (16-bit elements: K, V,
-/// two stages of Q and dO, P^T, dS^T; with `dq_tile` the fused dQ's 64-row f32 tile).
-pub const fn ws_cols_smem(hd: usize, hv: usize, dq_tile: bool) -> usize {
-    let bn = ws_cols_bn(hd);
+/// Keys per cube of the column-split warp-specialised backward at head_dim 192
+/// (`flash_bwd_ws_cols`: 32 per consumer warpgroup).
+pub const WS_COLS_BN: usize = 96;
+/// Bytes of `flash_bwd_ws_cols`'s shared tiles with v at `hv` (16-bit elements: K, V, two stages
+/// of Q and dO, P^T, dS^T; with `dq_tile` the fused dQ's 64-row f32 tile).
+pub const fn ws_cols_smem(hv: usize, dq_tile: bool) -> usize {
+    let (hd, bn) = (192, WS_COLS_BN);
     let tiles = 2 * (bn * hd + bn * hv + 2 * BWD_BM * hd + 2 * BWD_BM * hv + 2 * bn * BWD_BM);
     tiles + if dq_tile { BWD_BM * hd * 4 } else { 0 }
 }
 /// Whether `flash_bwd_ws_cols`'s fused dQ goes through the f32 tile and bulk reduce-adds (the
 /// tiles fit in 224 KiB, leaving room for lse, delta and the barriers of the 227 KiB an SM gives a
-/// cube: 192 / 128), else by float2 atomics from registers (192 / 192: 240 KiB with the tile,
-/// 256 / 256: 272 KiB).
-pub const fn ws_cols_dq_tile(hd: usize, hv: usize) -> bool {
-    ws_cols_smem(hd, hv, true) <= 224 * 1024
+/// cube: v at 128, 212 KiB), else by float2 atomics from registers (v at 192: 240 KiB with the tile).
+pub const fn ws_cols_dq_tile(hv: usize) -> bool {
+    ws_cols_smem(hv, true) <= 224 * 1024
 }
 /// u32 words per block-sparse dK/dV work item: (sequence, first window key, keys, key block).
 pub const SPARSE_KWORK_WORDS: usize = 4;

@@ -21,8 +21,8 @@
 //!
 //! f16/bf16 run on tensor cores (mma.sync or wgmma, f32 accumulation); f32 runs on plain kernels
 //! (always deterministic). Above head_dim 128 only the Hopper kernels: `flash_bwd_ws_cols` (192 /
-//! 128 (DeepSeek's MLA), 192 / 192, 256 / 256; [`ws_cols_backward`]), else `flash_bwd_sm90_split`
-//! (64-key cubes); the head dims each pass serves: `super::head_dims_of`,
+//! 128 (DeepSeek's MLA) and 192 / 192, 96-key cubes, [`ws_cols_backward`]), else
+//! `flash_bwd_sm90_split` (64-key cubes); the head dims each pass serves: `super::head_dims_of`,
 //! `CudaBackend::check_target`.
 //!
 //! Workspace (caller-provided device memory, [`bwd_workspace`]): delta (f32 per query row and
@@ -48,10 +48,10 @@ use crate::kernels::bulk_reduce::dq_tile_stride;
 use crate::kernels::flash_bwd;
 use crate::kernels::flash_bwd_dq_sm90::{self, DQ_SM90_THREADS};
 use crate::kernels::tiles::{BWD_BM, BWD_BN, BWD_LOAD_VEC, BWD_PLANES, CONVERT_VEC, DELTA_PLANES, PAD, SPLIT_BN, WIDE_BN, WIDE_PLANES};
-use crate::kernels::tiles::{ws_cols_bn, ws_cols_dq_tile, ws_cols_threads};
+use crate::kernels::tiles::{ws_cols_dq_tile, WS_COLS_BN};
 use crate::kernels::flash_bwd_sm90::{self, SM90_BWD_THREADS};
 use crate::kernels::flash_bwd_ws::{self, BWD_WS_THREADS};
-use crate::kernels::flash_bwd_ws_cols;
+use crate::kernels::flash_bwd_ws_cols::{self, BWD_WS_COLS_THREADS};
 use crate::kernels::flash_bwd_sm90_split;
 use crate::kernels::flash_bwd_wide;
 use crate::kernels::sm90::SW_COLS;
@@ -132,12 +132,12 @@ impl BwdPlan {
 
 /// Keys per dK/dV tile of a backward of `spec`: the row-wise kernel's [`BWD_BN`]-key tiles for
 /// f32; for f16 / bf16 the 128-key tensor-core kernels up to head_dim 128, above it the Hopper
-/// kernels' [`ws_cols_bn`] ([`ws_cols_backward`]) or [`SPLIT_BN`].
+/// kernels' [`WS_COLS_BN`] ([`ws_cols_backward`]) or [`SPLIT_BN`].
 fn key_tile(spec: &AttnSpec) -> usize {
     if spec.dtype == DType::F32 {
         BWD_BN
     } else if ws_cols_backward(spec) {
-        ws_cols_bn(spec.dims.head_dim)
+        WS_COLS_BN
     } else if SPLIT_BWD_HEAD_DIMS.contains(&spec.dims.head_dim) {
         SPLIT_BN
     } else {
@@ -321,12 +321,10 @@ pub(crate) fn dq_mode(be: Option<&CudaBackend>, spec: &AttnSpec, deterministic: 
 /// a Hopper GPU), dense f16/bf16 calls on sm_90 at head_dim 192 / 256 with the wgmma pass
 /// ([`dq_sm90`]): the split kernel without dQ plus the pass took 14-18% less than the split kernel
 /// with the fused dQ, causal 4K / 8K and non-causal 8K (H200, torch path,
-/// bench/results/h200-2026-11-29-dq-sm90-d256); on `flash_bwd_ws_cols` ([`ws_cols_backward`]) only
-/// at head_dim 256, whose fused dQ by atomics (64 KiB of float2 reductions a tile) took 1.15-1.23x
-/// the time of the kernel without dQ plus the pass (fwd+bwd, 8K / 16K,
-/// bench/results/h200-2026-12-03-ws-cols run1); at 192 / 128 its fused dQ by the tile took
-/// 0.74-0.75x the split kernel plus the pass at 8K (bench/results/h200-2026-12-02-ws192), at 192 /
-/// 192 by atomics 0.97-1.02x the pass.
+/// bench/results/h200-2026-11-29-dq-sm90-d256); not on `flash_bwd_ws_cols` ([`ws_cols_backward`]):
+/// at 192 / 128 its fused dQ by the tile took 0.74-0.75x the split kernel plus the pass at 8K
+/// (bench/results/h200-2026-12-02-ws192), at 192 / 192 by atomics 0.96-1.02x the time of the
+/// kernel without dQ plus the pass (bench/results/h200-2026-12-03-ws-cols).
 /// At head_dim 64 the pass was the default until the
 /// fused dQ ran on `flash_bwd_ws` with 128-row tiles ([`ws_rows`]): against the ws kernel without
 /// dQ plus the pass, fwd+bwd kernel time -6% at 16K causal and not, -2.5% non-causal 8K, the same
@@ -334,7 +332,7 @@ pub(crate) fn dq_mode(be: Option<&CudaBackend>, spec: &AttnSpec, deterministic: 
 fn pass_is_faster(be: Option<&CudaBackend>, spec: &AttnSpec) -> bool {
     let hd = spec.dims.head_dim;
     if ws_cols_backward(spec) {
-        return hd == 256;
+        return false;
     }
     let dense_sm90 = spec.block_sparse().is_none() && be.is_none_or(|be| super::forward::sm90_forward(be, spec));
     dense_sm90 && SPLIT_BWD_HEAD_DIMS.contains(&hd) && be.is_none_or(|be| dq_sm90(be, spec.dtype, hd))
@@ -560,40 +558,35 @@ pub(crate) fn dkdv_split_kernel(be: &CudaBackend, dt: DType, hd: usize, hv: usiz
 }
 
 /// Whether the dK/dV kernel of `spec` is the column-split warp-specialised one
-/// (`flash_bwd_ws_cols`: consumer warpgroups of 32 keys and 64 or 128 columns, [`ws_cols_bn`]-key
-/// cubes): q and k at 192 with v at 128 (DeepSeek's MLA; at 64 its producer spills 128 bytes at 24
-/// registers) or 192, or all at 256; f16 / bf16, dense keys, not paged (paged calls with v narrower
-/// run v padded: `head_pad`). A function of the spec alone: the plan's key tiles follow it.
-/// Elsewhere above head_dim 128 `flash_bwd_sm90_split`. `CUBEATTN_BWD_SM90_WS=0` turns it off.
+/// (`flash_bwd_ws_cols`: three consumer warpgroups of 32 keys and 64 columns, 96-key cubes): q
+/// and k at 192 with v at 128 (DeepSeek's MLA; at 64 its producer spills 128 bytes at 24
+/// registers) or 192; f16 / bf16, dense keys, not paged (paged calls with v narrower run v padded:
+/// `head_pad`). A function of the spec alone: the plan's key tiles follow it. Elsewhere above
+/// head_dim 128 (256: its two-consumer form measured level, docs/measured-and-lost.md)
+/// `flash_bwd_sm90_split`. `CUBEATTN_BWD_SM90_WS=0` turns it off.
 pub(crate) fn ws_cols_backward(spec: &AttnSpec) -> bool {
     let d = &spec.dims;
     crate::config::get().bwd_sm90_ws
         && spec.dtype != DType::F32
-        && matches!((d.head_dim, d.head_dim_v), (192, 128) | (192, 192) | (256, 256))
+        && d.head_dim == 192
+        && matches!(d.head_dim_v, 128 | 192)
         && spec.block_sparse().is_none()
         && spec.kv_pages().is_none()
 }
 
-/// The column-split warp-specialised dK/dV kernel ([`ws_cols_backward`]; `hd` / `hv`: q's and v's
-/// head dims; `fused`: dQ by bulk reductions into the head-major accumulator where
-/// [`ws_cols_dq_tile`] holds, else by `qvec`-float atomics into the token-major one; else none).
-pub(crate) fn dkdv_ws_cols_kernel(be: &CudaBackend, dt: DType, hd: usize, hv: usize, fused: bool, qvec: usize) -> Result<Func> {
-    let key = KernelKey::new("flash_bwd_ws_cols", dt, &[hd as u32, hv as u32, fused as u32, qvec as u32]);
-    be.kernels.get(&key, || dkdv_ws_cols_source(be.client(), dt, hd, hv, fused, qvec))
+/// The column-split warp-specialised dK/dV kernel ([`ws_cols_backward`]; `hv`: v's head_dim;
+/// `fused`: dQ by bulk reductions into the head-major accumulator where [`ws_cols_dq_tile`] holds,
+/// else by `qvec`-float atomics into the token-major one; else none).
+pub(crate) fn dkdv_ws_cols_kernel(be: &CudaBackend, dt: DType, hv: usize, fused: bool, qvec: usize) -> Result<Func> {
+    let key = KernelKey::new("flash_bwd_ws_cols", dt, &[hv as u32, fused as u32, qvec as u32]);
+    be.kernels.get(&key, || dkdv_ws_cols_source(be.client(), dt, hv, fused, qvec))
 }
 
 /// CUDA source of [`dkdv_ws_cols_kernel`]: the `kernels::sm90` markers lowered, one cube per SM.
-pub(crate) fn dkdv_ws_cols_source(
-    client: &ComputeClient<CudaRuntime>,
-    dt: DType,
-    hd: usize,
-    hv: usize,
-    fused: bool,
-    qvec: usize,
-) -> Result<Source> {
+pub(crate) fn dkdv_ws_cols_source(client: &ComputeClient<CudaRuntime>, dt: DType, hv: usize, fused: bool, qvec: usize) -> Result<Source> {
     let mut src = by_dtype!(dt, T, codegen_exp2(flash_bwd_ws_cols::flash_bwd_ws_cols::FlashBwdWsCols::<T, CudaRuntime>::new(
-        settings(ws_cols_threads(hd) as u32), client.clone(), DkdvArgs::compilation(),
-        BWD_LOAD_VEC, qvec, hd, hv, fused, qvec), true))?;
+        settings(BWD_WS_COLS_THREADS as u32), client.clone(), DkdvArgs::compilation(),
+        BWD_LOAD_VEC, qvec, hv, fused, qvec), true))?;
     src.cuda = super::rewrite::sm90::lower_bounded(&src.entry, &src.cuda, 1)?;
     Ok(src)
 }
@@ -701,8 +694,8 @@ pub(crate) fn launch_dkdv_wide(
             });
         }
         let f = if ws_cols_backward(spec) {
-            head_major = acc.is_some() && ws_cols_dq_tile(d.head_dim, d.head_dim_v);
-            dkdv_ws_cols_kernel(be, spec.dtype, d.head_dim, d.head_dim_v, acc.is_some(), qvec)?
+            head_major = acc.is_some() && ws_cols_dq_tile(d.head_dim_v);
+            dkdv_ws_cols_kernel(be, spec.dtype, d.head_dim_v, acc.is_some(), qvec)?
         } else {
             dkdv_split_kernel(be, spec.dtype, d.head_dim, d.head_dim_v, acc.is_some(), qvec, paged)?
         };
@@ -1081,7 +1074,7 @@ mod tests {
     }
 
     /// Every head_dim pair `flash_bwd_ws_cols` serves fits an SM's 227 KiB with its dQ path (lse,
-    /// delta, dQ destinations and barriers take under 2 KiB beside the tiles), and only 192 / 128
+    /// delta, dQ destinations and barriers take under 2 KiB beside the tiles), and only v at 128
     /// has room for the dQ tile.
     #[test]
     fn ws_cols_tiles_fit_shared_memory() {
@@ -1091,15 +1084,14 @@ mod tests {
             let s = AttnSpec::varlen(&m(8, hd), &m(2, hd), &m(2, hv), &[0, 100, 300], &[0, 100, 300], 200, 200, None, true).unwrap();
             if ws_cols_backward(&s) {
                 served.push((hd, hv));
-                assert!(ws_cols_smem(hd, hv, ws_cols_dq_tile(hd, hv)) + 2048 <= 227 * 1024, "{hd} / {hv}");
-                assert_eq!(key_tile(&s), ws_cols_bn(hd));
+                assert!(ws_cols_smem(hv, ws_cols_dq_tile(hv)) + 2048 <= 227 * 1024, "{hd} / {hv}");
+                assert_eq!(key_tile(&s), WS_COLS_BN);
             }
         }
         if crate::config::get().bwd_sm90_ws {
-            assert_eq!(served, [(192, 128), (192, 192), (256, 256)]);
+            assert_eq!(served, [(192, 128), (192, 192)]);
         }
-        assert!(ws_cols_dq_tile(192, 128) && !ws_cols_dq_tile(192, 192) && !ws_cols_dq_tile(256, 256));
-        assert_eq!((ws_cols_bn(192), ws_cols_bn(256), ws_cols_threads(192), ws_cols_threads(256)), (96, 64, 512, 384));
+        assert!(ws_cols_dq_tile(128) && !ws_cols_dq_tile(192));
     }
 
     #[test]

@@ -130,16 +130,13 @@ mod tests {
             ("bwd_split_nodq_d192_v128", dkdv_split_source(c, dt, 192, 128, false, 2, false)),
             ("bwd_split_d192_v128", dkdv_split_source(c, dt, 192, 128, true, 2, false)),
             ("bwd_split_nodq_d256", dkdv_split_source(c, dt, 256, 256, false, 2, false)),
-            // the column-split warp-specialised kernel: 192 with v at 128 (DeepSeek's MLA; dQ by the
-            // tile) or 192 (dQ by atomics), three consumer warpgroups; 256, two
-            ("bwd_ws_cols_d192_fused_v128", dkdv_ws_cols_source(c, dt, 192, 128, true, 2)),
-            ("bwd_ws_cols_d192_v128", dkdv_ws_cols_source(c, dt, 192, 128, false, 2)),
-            ("bwd_ws_cols_d192_fused_v128_f16", dkdv_ws_cols_source(c, DType::F16, 192, 128, true, 2)),
-            ("bwd_ws_cols_d192_fused", dkdv_ws_cols_source(c, dt, 192, 192, true, 2)),
-            ("bwd_ws_cols_d192", dkdv_ws_cols_source(c, dt, 192, 192, false, 2)),
-            ("bwd_ws_cols_d256_fused", dkdv_ws_cols_source(c, dt, 256, 256, true, 2)),
-            ("bwd_ws_cols_d256", dkdv_ws_cols_source(c, dt, 256, 256, false, 2)),
-            ("bwd_ws_cols_d256_fused_f16", dkdv_ws_cols_source(c, DType::F16, 256, 256, true, 2)),
+            // the column-split warp-specialised kernel at 192, v at 128 (DeepSeek's MLA; dQ by the
+            // tile) or 192 (dQ by atomics): three consumer warpgroups
+            ("bwd_ws_cols_d192_fused_v128", dkdv_ws_cols_source(c, dt, 128, true, 2)),
+            ("bwd_ws_cols_d192_v128", dkdv_ws_cols_source(c, dt, 128, false, 2)),
+            ("bwd_ws_cols_d192_fused_v128_f16", dkdv_ws_cols_source(c, DType::F16, 128, true, 2)),
+            ("bwd_ws_cols_d192_fused", dkdv_ws_cols_source(c, dt, 192, true, 2)),
+            ("bwd_ws_cols_d192", dkdv_ws_cols_source(c, dt, 192, false, 2)),
             ("dq_d192", dq_source(c, dt, 192, false, false, false, true)),
             ("dq_d256", dq_source(c, dt, 256, false, false, false, true)),
             ("fwd_d128_pre90", fwd_source(c, dt, 128, 2, 64, 128, false, false, false, false, false)),
