@@ -28,7 +28,7 @@
 //!    to the token-major accumulator by float2 atomics; the stage is released when its MMAs are
 //!    done.
 //!
-//! Shared memory ([`ws_cols_smem`]): at v 128 K 36, V 24, Q 2 x 24, dO 2 x 16, P^T 12, dS^T 12,
+//! Shared memory (`tiles::ws_cols_smem`): at v 128 K 36, V 24, Q 2 x 24, dO 2 x 16, P^T 12, dS^T 12,
 //! dQ 48 KiB (212 KiB); at v 192 K 36, V 36, Q 2 x 24, dO 2 x 24, P^T 12, dS^T 12 (192 KiB).
 //!
 //! The host plan (96-key tiles, `backward::key_tile`), card (`cards::DkdvCard`), work list, segment
