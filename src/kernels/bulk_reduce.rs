@@ -20,6 +20,7 @@
 
 use cubecl::prelude::barrier::copy_async;
 use cubecl::prelude::*;
+use super::sm90::SW_COLS;
 
 /// f32 per row of the shared dQ tile: head_dim + 8, so that a plane's float2 stores of its
 /// accumulator fragments are conflict-free: a half-warp's 16 lanes (4 rows x 4 column pairs) start
@@ -116,6 +117,28 @@ pub fn add_dq_pair<NQ: Size>(acc: &Array<Atomic<Vector<f32, NQ>>>, vi: usize, x0
         let mut v1 = Vector::<f32, NQ>::empty();
         v1[0] = x1;
         acc[vi + 1].fetch_add(v1);
+    }
+}
+
+/// Adds one row of a thread's `m64n64` dQ fragment to the f32 accumulator by [`add_dq_pair`]: its
+/// pairs at `i0 + 4 nb` (`i0` 0: row `row_a` of the accumulator layout, 2: row `row_a + 8`) to
+/// the row's 64 columns from vector `gv`; `valid` false adds zeros (a row past the segment whose
+/// address stays in the tensor).
+#[cube]
+pub fn add_dq_row64<NQ: Size>(
+    acc: &Array<Atomic<Vector<f32, NQ>>>,
+    dq: &Array<f32>,
+    gv: usize,
+    valid: bool,
+    #[comptime] i0: usize,
+    #[comptime] qv: usize,
+) {
+    #[unroll]
+    for nb in 0..comptime!(SW_COLS / 8) {
+        let i = i0 + nb * 4;
+        let x0 = select(valid, dq[i], 0.0f32);
+        let x1 = select(valid, dq[i + 1], 0.0f32);
+        add_dq_pair::<NQ>(acc, gv + comptime!(nb * 8 / qv), x0, x1, qv);
     }
 }
 

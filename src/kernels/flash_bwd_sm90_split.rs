@@ -29,7 +29,7 @@ use cubecl::prelude::*;
 
 use super::bwd_walk::{key_item, seg_walk};
 use super::cards::DkdvCard;
-use super::bulk_reduce::add_dq_pair;
+use super::bulk_reduce::add_dq_row64;
 use super::flash_bwd_sm90::{issue_q_tile, key_by_dim_steps, key_by_row_steps, lse_ahead, p_transposed, store_ds_transposed, SM90_BWD_THREADS};
 use super::grid::cube_item_slot;
 use super::rows::kv_row;
@@ -242,13 +242,7 @@ pub fn flash_bwd_sm90_split<E: Float, NV: Size, NQ: Size>(
                         let rl = r0 + (key_a + hh * 8) as u32;
                         let ok = rl < q_len;
                         let gv = (((min(q_start + rl, last)) * args.heads_q + h) as usize * head_dim + part * SW_COLS + col_a) / qvec;
-                        #[unroll]
-                        for nb in 0..comptime!(SW_COLS / 8) {
-                            let i = nb * 4 + hh * 2;
-                            let x0 = select(ok, dq[i], 0.0f32);
-                            let x1 = select(ok, dq[i + 1], 0.0f32);
-                            add_dq_pair::<NQ>(&args.dq_acc, gv + comptime!(nb * 8 / qvec), x0, x1, qvec);
-                        }
+                        add_dq_row64::<NQ>(&args.dq_acc, &dq, gv, ok, comptime!(hh * 2), qvec);
                     }
                 }
             }

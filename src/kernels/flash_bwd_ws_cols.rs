@@ -51,7 +51,7 @@ use super::sm90::{
     fence_proxy_async, named_barrier, setmaxnreg, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_ss, wgmma_wait, SW_COLS,
     SW_ROW,
 };
-use super::bulk_reduce::add_dq_pair;
+use super::bulk_reduce::add_dq_row64;
 use super::staging::{stage_rows, wait_stage};
 use super::tiles::{ws_cols_dq_tile, BWD_BM, WS_COLS_BN};
 
@@ -382,11 +382,7 @@ pub fn flash_bwd_ws_cols<E: Float, NV: Size, NQ: Size>(
                     let rl = r0 + (row_a + hh * 8) as u32;
                     if rl < row_end {
                         let gv = ((((sw.q_start + rl) * args.heads_q + h) as usize) * HD + cw * SW_COLS + col_a) / qvec;
-                        #[unroll]
-                        for nb in 0..comptime!(SW_COLS / 8) {
-                            let i = nb * 4 + hh * 2;
-                            add_dq_pair::<NQ>(&args.dq_acc, gv + comptime!(nb * 8 / qvec), dq[i], dq[i + 1], qvec);
-                        }
+                        add_dq_row64::<NQ>(&args.dq_acc, &dq, gv, true, comptime!(hh * 2), qvec);
                     }
                 }
             }
