@@ -529,14 +529,19 @@ def _cuda_fwdbwd(args, torch):
     llama3-8b and gqa-d64), B = `--batch-size` sequences (default 1; key B), causal and not
     (`--no-causal`: only not), then (unless --dense-only) the
     grouped zigzag rows `zigzag_fwdbwd` of the first config (keys config, T, W, rank; impl cubeattn,
-    cubeattn_kernel, cubeattn_kernel_two_calls as in _zigzag_ours, sdpa_flash_two_calls).
+    cubeattn_kernel, cubeattn_kernel_two_calls as in _zigzag_ours, sdpa_flash_two_calls,
+    cudnn_split_merge: cuDNN on each chunk's causal square and non-causal prefix, merged by LSE,
+    `_lse_split`).
     FLOPs = 3.5 x the forward matmul FLOPs."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
 
+    from . import _lse_split
+
     tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     sync = torch.cuda.synchronize
+    split_op = _lse_split.CudnnOp()
     rows = []
     configs = [args.config] if args.config else ["llama3-8b", "gqa-d64"]
     seqlens = args.seqlens if args.seqlens_given else ([8192] if args.quick else [4096, 8192, 16384, 32768])
@@ -604,6 +609,13 @@ def _cuda_fwdbwd(args, torch):
                                                            attn_mask=causal_lower_right(C, e), enable_gqa=True)
                     o.backward(go)
             _timed_row(rows, key, "sdpa_flash_two_calls", zz.flops, two_calls, args.iterations, sync)
+
+            def cudnn_split_merge():
+                # per chunk the causal square and the non-causal prefix by cuDNN, merged by their
+                # LSE; the backward runs cuDNN's on each part with the merged out and LSE (exact)
+                for qq, e in zip(qs, ends):
+                    _lse_split.lower_right_causal(qq, k[:, :, :e], v[:, :, :e], split_op).backward(go)
+            _timed_row(rows, key, "cudnn_split_merge", zz.flops, cudnn_split_merge, args.iterations, sync)
             del qs, k, v, go
     return rows
 
