@@ -58,6 +58,9 @@ macro_rules! fwd_card {
                 /// The window's bounds (`rows::row_keys`).
                 scalar win_l: u32,
                 scalar win_r: u32,
+                /// Dense: non-zero launches the cubes kv head outer (`grid::cube_item_slot`;
+                /// block-sparse launches go items fastest always).
+                scalar kv_outer: u32,
             }
         }
     };

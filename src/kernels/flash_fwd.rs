@@ -260,7 +260,7 @@ pub fn flash_fwd_mma2<E: Float>(
     // One cube per (work item, head slot y < heads_q / hp); block-sparse items fastest.
     let mut list_smem = SharedMemory::<u32>::new(comptime!(if sparse { LIST_SMEM } else { 1usize }));
     let wi = work_item(&args.work, &args.tile_ref, &args.blocks, &mut list_smem, args.heads_q, args.heads_kv, args.hp,
-        args.tiles_per_block, threads, block_n, sparse);
+        args.tiles_per_block, args.kv_outer, threads, block_n, sparse);
     let (y, head_base, head_kv) = (wi.y, wi.head_base, wi.head_kv);
     let (slice_off, n_slices, klo, khi, slot) = (wi.slice_off, wi.n_slices, wi.klo, wi.khi, wi.slot);
     let (n_tiles, list, tpb_magic) = (wi.n_tiles, wi.list, wi.tpb_magic);
@@ -694,12 +694,13 @@ pub(crate) fn work_item(
     heads_kv: u32,
     hp: u32,
     tiles_per_block: u32,
+    items_fastest: u32,
     #[comptime] threads: usize,
     #[comptime] block_n: usize,
     #[comptime] sparse: bool,
 ) -> WorkItem {
     let ys = heads_q / hp;
-    let (xi, y) = cube_item_slot(ys, 0u32, sparse);
+    let (xi, y) = cube_item_slot(ys, items_fastest, sparse);
     let item = xi as usize * WORK_WORDS;
     let head_base = y * hp;
     let group = heads_q / heads_kv;

@@ -464,7 +464,7 @@ pub fn flash_fwd_sm90<E: Float>(
 
     let mut list_smem = SharedMemory::<u32>::new(comptime!(if sparse { LIST_SMEM } else { 1usize }));
     let wi = work_item(&args.work, &args.tile_ref, &args.blocks, &mut list_smem, args.heads_q, args.heads_kv, args.hp,
-        args.tiles_per_block, threads, block_n, sparse);
+        args.tiles_per_block, args.kv_outer, threads, block_n, sparse);
     let (y, head_base, head_kv) = (wi.y, wi.head_base, wi.head_kv);
     let (slice_off, n_slices, klo, slot) = (wi.slice_off, wi.n_slices, wi.klo, wi.slot);
     let (list, tpb_magic) = (wi.list, wi.tpb_magic);

@@ -133,7 +133,7 @@ pub fn flash_fwd_ws<E: Float>(
 
     let mut list_smem = SharedMemory::<u32>::new(comptime!(if sparse { LIST_SMEM } else { 1usize }));
     let wi = work_item(&args.work, &args.tile_ref, &args.blocks, &mut list_smem, args.heads_q, args.heads_kv, args.hp,
-        args.tiles_per_block, threads, block_n, sparse);
+        args.tiles_per_block, args.kv_outer, threads, block_n, sparse);
     let (y, head_base, head_kv) = (wi.y, wi.head_base, wi.head_kv);
     let (slice_off, n_slices, klo, khi, slot) = (wi.slice_off, wi.n_slices, wi.klo, wi.khi, wi.slot);
     let (n_tiles, list, tpb_magic) = (wi.n_tiles, wi.list, wi.tpb_magic);

@@ -657,6 +657,7 @@ pub(crate) fn launch_forward(
         tiles_per_block: 1,
         win_l,
         win_r,
+        kv_outer: kv_outer(spec, sm90 && !decode) as u32,
     };
     let mut a = args.args();
     if decode {
@@ -682,6 +683,17 @@ pub(crate) fn launch_forward(
         launch(&f, (fp.n_comb() as u32, y, 1), &mut a, stream)?;
     }
     launch_dense_exact(be, spec, &exact, (win_l, win_r), stream)
+}
+
+/// Whether the dense forward's cubes go kv head outer (`grid::cube_item_slot`): Hopper calls
+/// (`hopper`: the wgmma frames, not decode) without a causal mask or window, whose work items all
+/// cost the same. Heads fastest, the cubes running at once read every kv head's K / V (64 MB at 16K
+/// tokens, 8 kv heads, d128: past L2; ncu at 8K: 86% L2 hits and 4x cuDNN's DRAM traffic,
+/// bench/results/h200-2026-12-01-fwd-ncu); kv head outer they share one kv head's, as the
+/// backward's dK/dV cubes do (`backward::kv_outer`). Causal calls keep heads fastest (the work
+/// list's most expensive items of every head first). `CUBEATTN_FWD_ORDER` overrides it.
+fn kv_outer(spec: &AttnSpec, hopper: bool) -> bool {
+    crate::config::get().fwd_order.unwrap_or(hopper && !spec.causal && spec.window == Window::NONE)
 }
 
 table_names! {

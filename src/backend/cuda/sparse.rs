@@ -306,6 +306,7 @@ pub(super) fn launch_sparse_forward(be: &CudaBackend, spec: SparseView, plan: &C
         tiles_per_block: sp.tiles_per_block,
         win_l,
         win_r,
+        kv_outer: 0,
     };
     launch(&f, (sp.n_items as u32 * sp.ys, 1, 1), &mut args.args(), stream)?;
     let exact = SparseExact {
