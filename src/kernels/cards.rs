@@ -163,6 +163,8 @@ macro_rules! dq_card {
                 /// The window's bounds (`rows::row_keys`).
                 scalar win_l: u32,
                 scalar win_r: u32,
+                /// Dense: non-zero launches the cubes kv head outer (`grid::cube_item_slot`).
+                scalar kv_outer: u32,
             }
         }
     };

@@ -65,7 +65,7 @@ pub struct DqItem {
 #[cube]
 #[allow(unused_assignments)]
 pub fn dq_item<E: Float, NV: Size>(args: &DqCard<E, NV>, list_smem: &mut SharedMemory<u32>, #[comptime] sparse: bool) -> DqItem {
-    let (tile, head) = cube_item_slot(args.heads_q, 0u32, sparse);
+    let (tile, head) = cube_item_slot(args.heads_q, args.kv_outer, sparse);
     let tile = tile as usize;
     let group = args.heads_q / args.heads_kv;
     let head_kv = head / group;

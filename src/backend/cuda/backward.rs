@@ -644,8 +644,8 @@ pub(crate) fn dkdv_sm90_source(client: &ComputeClient<CudaRuntime>, dt: DType, v
     Ok(src)
 }
 
-/// Whether the dense dK/dV cubes go kv head outer (`grid::cube_item_slot`): non-causal calls
-/// without a window (their key tiles all cost the same). The cubes running at once then share one
+/// Whether the dense dK/dV cubes, and the dQ pass's (query tile, q head) cubes, go kv head outer
+/// (`grid::cube_item_slot`): non-causal calls without a window (their tiles all cost the same). The cubes running at once then share one
 /// kv head's query tiles and dQ rows in L2 (ncu, non-causal 32K heads fastest: 310 GB of DRAM
 /// traffic, L2 hit rate 42%; cuDNN's 5.4 GB, 98%): 3.4% less fwd+bwd time at 32K
 /// (bench/results/h200-2026-11-29-bwd-order); with the one-add dQ also 1.5 / 2.5% less at 8K / 16K
@@ -842,7 +842,8 @@ pub(crate) fn launch_dq(
     let (ql, kl, ll) = (d.q_len(), d.kv_len(), d.lse_len());
     let (win_l, win_r, window) = window_bounds(spec);
     let paged = spec.kv_pages().is_some() && sparse.is_none();
-    let (f, [k_map, v_map]) = if dq_sm90(be, dt, hd) {
+    let hopper = dq_sm90(be, dt, hd);
+    let (f, [k_map, v_map]) = if hopper {
         (dq_sm90_kernel(be, dt, hd, hv, sparse.is_some(), window, paged)?, kv_maps_sw128(spec, p.k, p.v, BWD_BN)?)
     } else if hv != hd {
         return Err(mixed_dims(hd, hv));
@@ -878,6 +879,8 @@ pub(crate) fn launch_dq(
         tiles_per_block,
         win_l,
         win_r,
+        // dense non-causal: the cubes running at once share one kv head's K / V in L2
+        kv_outer: (sparse.is_none() && kv_outer(spec, hopper)) as u32,
     };
     launch(&f, ((n_work * d.heads_q) as u32, 1, 1), &mut args.args(), stream)
 }
