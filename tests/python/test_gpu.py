@@ -88,15 +88,19 @@ def test_gpu_repeated_calls_do_not_grow_device_memory():
     assert before - free() < 64 << 20, "device memory grew by more than 64 MiB over 10 calls"
 
 
-def test_auto_falls_back_to_cpu_for_head_dims_without_a_kernel():
+def test_auto_falls_back_to_cpu_for_calls_without_a_kernel():
+    # every head_dim the API takes (up to 256) has a CUDA kernel now (those without their own run
+    # padded); float32 block-sparse attention has none: device="auto" takes the CPU for it,
+    # device="cuda" raises NotImplementedError naming the dtype
     rng = np.random.default_rng(10)
-    q = rand(rng, (50, 4, 40), "float16")
-    out = cubeattn.flash_attn_varlen_func(q, q, q, [0, 50], [0, 50], 50, 50, causal=True, device="auto")
+    q = rand(rng, (1, 256, 2, 64), "float32")
+    ix = np.array([[[[0, -1], [0, 1]]] * 2], np.int32)  # [B, H, q_blocks, top_k], 128-blocks
+    out = cubeattn.block_sparse_attn_func(q, q, q, ix, q_block=128, k_block=128, device="auto")
     assert cubeattn.last_backend() == "cpu"
-    with pytest.raises(ValueError, match="head_dim"):
-        cubeattn.flash_attn_varlen_func(q, q, q, [0, 50], [0, 50], 50, 50, device="cuda")
-    ref, _ = ref_attention(q, q, q, [(0, 50, 0, 50)], True)
-    assert rel_err(out.astype(np.float64), ref) < 2e-3
+    with pytest.raises(NotImplementedError, match="float32"):
+        cubeattn.block_sparse_attn_func(q, q, q, ix, q_block=128, k_block=128, device="cuda")
+    want = cubeattn.block_sparse_attn_func(q, q, q, ix, q_block=128, k_block=128, device="cpu")
+    assert np.array_equal(out, want)
 
 
 def test_gpu_device_index():

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One nvidia-h200 call on the build of aa7711c (.carry/dqo; main's sources since, docs only after):
+# the GPU pytest files (-m "gpu or torch") and compute-sanitizer memcheck / synccheck of the forward,
+# split-K and backward_pass families, whose launches changed order (kv head outer).
+set -u
+cd "$(dirname "$0")/../../.."
+B=.carry/dqo
+export CUDA_PATH=${CUDA_PATH:-/usr/local/cuda} CUBEATTN_REQUIRE_GPU=1
+export CUBEATTN_COMMIT=$(cat $B/COMMIT) CUBEATTN_CACHE_DIR=$(mktemp -d)
+PYX=$(mktemp -d); timeout 120 python3 -m pip install -q --no-deps --target $PYX $B/cubeattn-*.whl > /dev/null 2>&1
+export PYTHONPATH=$PYX
+L=$(mktemp -d)/logs; mkdir -p $L
+t0=$(date +%s); el() { echo $(( $(date +%s) - t0 )); }
+pack() { tar -C $(dirname $L) -czf $OUT/logs.tgz logs; }
+step() { local n=$1; shift; local s=$(date +%s); timeout ${TMO:-120} "$@" > $L/$n.txt 2>&1; local rc=$?; echo "$n rc=$rc $(( $(date +%s)-s ))s (at $(el) s): $(tail -1 $L/$n.txt | cut -c1-150)" | tee -a $L/summary.txt; pack; }
+T=tests/python
+TMO=300 step pytest_core python3 -m pytest -q -x -m "gpu or torch" -p no:cacheprovider $T/test_gpu.py $T/test_torch.py $T/test_window_gpu.py $T/test_zigzag_gpu.py $T/test_kvcache_gpu.py $T/test_decode_gpu.py $T/test_nonfinite.py $T/test_sparse_gpu.py $T/test_compile_gpu.py
+CS=$(command -v compute-sanitizer || echo $CUDA_PATH/bin/compute-sanitizer)
+for fam in forward splitk backward_pass; do
+  for tool in memcheck synccheck; do
+    [ $(el) -gt 520 ] && break 2
+    TMO=60 step ${tool}_$fam $CS --tool $tool --error-exitcode 99 python3 $T/sanitize_driver.py $fam
+  done
+done
+pack
+cat $L/summary.txt
+grep -E "passed|failed" $L/pytest_core.txt | tail -3
