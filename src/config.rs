@@ -106,6 +106,13 @@ impl Config {
     fn from(var: impl Fn(&str) -> Option<String>) -> Config {
         #[cfg(feature = "cuda")]
         let is = |name: &str, value: &str| var(name).as_deref() == Some(value);
+        // a cube-order switch: `kv` (kv head outer), `heads` (heads fastest), else the default
+        #[cfg(feature = "cuda")]
+        let order = |name: &str| match var(name).as_deref() {
+            Some("kv") => Some(true),
+            Some("heads") => Some(false),
+            _ => None,
+        };
         Config {
             cpu_gemm: var("CUBEATTN_CPU_KERNEL").as_deref() == Some("gemm"),
             #[cfg(feature = "cuda")]
@@ -139,20 +146,9 @@ impl Config {
             #[cfg(feature = "cuda")]
             bwd_dq_sm90: on_unless_zero(&var("CUBEATTN_BWD_DQ_SM90")),
             #[cfg(feature = "cuda")]
-            bwd_order: if is("CUBEATTN_BWD_ORDER", "kv") {
-                Some(true)
-            } else if is("CUBEATTN_BWD_ORDER", "heads") {
-                Some(false)
-            } else {
-                None
-            },
-            fwd_order: if is("CUBEATTN_FWD_ORDER", "kv") {
-                Some(true)
-            } else if is("CUBEATTN_FWD_ORDER", "heads") {
-                Some(false)
-            } else {
-                None
-            },
+            bwd_order: order("CUBEATTN_BWD_ORDER"),
+            #[cfg(feature = "cuda")]
+            fwd_order: order("CUBEATTN_FWD_ORDER"),
             #[cfg(feature = "cuda")]
             bwd_ws_rows: match var("CUBEATTN_BWD_WS_ROWS").as_deref() {
                 Some("64") => Some(64),

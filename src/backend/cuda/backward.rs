@@ -655,8 +655,7 @@ pub(crate) fn dkdv_sm90_source(client: &ComputeClient<CudaRuntime>, dt: DType, v
 /// start late), 16K 2% faster, 32K the same. `CUBEATTN_BWD_ORDER` overrides it. Measured on the
 /// Hopper kernels only: the mma.sync kernel (`hopper` false) keeps heads fastest.
 fn kv_outer(spec: &AttnSpec, hopper: bool) -> bool {
-    let (_, _, window) = window_bounds(spec);
-    crate::config::get().bwd_order.unwrap_or(hopper && !spec.causal && !window)
+    crate::config::get().bwd_order.unwrap_or(super::kv_outer_default(spec, hopper))
 }
 
 /// Enqueues the dK/dV kernel over `n_work` work items x heads_kv: dense, 128-key tiles of the

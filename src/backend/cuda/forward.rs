@@ -693,7 +693,7 @@ pub(crate) fn launch_forward(
 /// backward's dK/dV cubes do (`backward::kv_outer`). Causal calls keep heads fastest (the work
 /// list's most expensive items of every head first). `CUBEATTN_FWD_ORDER` overrides it.
 fn kv_outer(spec: &AttnSpec, hopper: bool) -> bool {
-    crate::config::get().fwd_order.unwrap_or(hopper && !spec.causal && spec.window == Window::NONE)
+    crate::config::get().fwd_order.unwrap_or(super::kv_outer_default(spec, hopper))
 }
 
 table_names! {

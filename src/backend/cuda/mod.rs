@@ -289,6 +289,15 @@ pub(crate) fn window_bounds(spec: &AttnSpec) -> (u32, u32, bool) {
     (side(spec.window.left), right, !spec.window.is_none())
 }
 
+/// Whether a dense launch's cubes go kv head outer by default (`grid::cube_item_slot`): on the
+/// Hopper kernels (`hopper`), for calls without a causal mask or window, whose work items all cost
+/// the same; the cubes running at once then share one kv head's tensors in L2. The forward
+/// (`forward::kv_outer`), the dK/dV kernels and the dQ pass (`backward::kv_outer`) take it, each
+/// behind its own override.
+pub(crate) fn kv_outer_default(spec: &AttnSpec, hopper: bool) -> bool {
+    hopper && !spec.causal && spec.window.is_none()
+}
+
 /// Err(Unsupported) for what no CUDA kernel serves on any GPU: `pass` of `spec`, of any key set
 /// (the block-sparse conditions: `sparse::check_supported`, `sparse_bwd::check_supported`; what
 /// one GPU lacks: [`CudaBackend::check_target`]). A head_dim without a kernel of its own is
