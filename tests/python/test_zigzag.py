@@ -281,11 +281,13 @@ def test_layer_rejects_bad_input_before_any_collective():
 
 # ---------------------------------------------------------------- the in-place read, every rank emulated
 
-def check_in_place_read(w, lens, dtype, causal, device, stride_heads=(4, 2), d=64, seed=0):
+def check_in_place_read(w, lens, dtype, causal, device, stride_heads=(4, 2), d=64, seed=0, fwd_exact=True):
     """Every rank r of a W-rank zigzag layer, emulated in one process: the grouped call over the
     gathered K,V read in place (the layer's kv_block_table) against the same call over K,V in
     sequence order (the ordered copy): out, lse, dq bit for bit (deterministic backward), dk and dv
-    bit for bit in the gathered layout (rank-major, what the reduce-scatter takes)."""
+    bit for bit in the gathered layout (rank-major, what the reduce-scatter takes).
+    `fwd_exact=False`: the two forwards may sum their keys in tiles of different widths (out to a
+    relative L2 of 2e-3, lse to 1e-4); the backward, fed the same out and lse, stays bit for bit."""
     import torch
 
     from cubeattn import zigzag as zz
@@ -306,8 +308,13 @@ def check_in_place_read(w, lens, dtype, causal, device, stride_heads=(4, 2), d=6
         o1, l1 = cubeattn.grouped_flash_attn_func(lq, k, v, *args, causal=causal, return_lse=True)
         o2, l2 = cubeattn.grouped_flash_attn_func(lq, kg, vg, *args, causal=causal, return_lse=True,
                                                   kv_block_table=plan.kv_block_table)
-        same(o1.cpu().float().numpy(), o2.cpu().float().numpy())
-        same(l1.cpu().numpy(), l2.cpu().numpy())
+        a, b = o1.cpu().double().numpy(), o2.cpu().double().numpy()
+        if fwd_exact:
+            same(o1.cpu().float().numpy(), o2.cpu().float().numpy())
+            same(l1.cpu().numpy(), l2.cpu().numpy())
+        else:
+            assert np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30) < 2e-3
+            assert np.abs(l1.cpu().double().numpy() - l2.cpu().double().numpy()).max() < 1e-4
         for det in (True, False):
             g1 = cubeattn.grouped_flash_attn_backward(lg, lq, k, v, o1, l1, *args, causal=causal, deterministic=det)
             g2 = cubeattn.grouped_flash_attn_backward(lg, lq, kg, vg, o1, l1, *args, causal=causal,

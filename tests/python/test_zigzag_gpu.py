@@ -180,4 +180,8 @@ def test_in_place_read_of_every_rank_equals_the_ordered_call(w, dtype, causal):
     collectives are the gloo / NCCL tests' part): bit for bit the ordered call (test_zigzag.py)."""
     m = 2 * w * 64
     lens = [3 * m, m, 0] if w < 8 else [m, 2 * m]
-    check_in_place_read(w, lens, dtype, causal, "cuda", stride_heads=(8, 2), d=128 if w % 2 else 64, seed=w)
+    d = 128 if w % 2 else 64
+    # On Hopper a non-causal 16-bit d128 forward over K,V in sequence order takes 160-key tiles, and
+    # the paged in-place read 128-key ones (docs/forward.md): the same sums in another order
+    exact = causal or d != 128 or dtype == "float32"
+    check_in_place_read(w, lens, dtype, causal, "cuda", stride_heads=(8, 2), d=d, seed=w, fwd_exact=exact)
