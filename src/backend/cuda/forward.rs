@@ -616,6 +616,9 @@ pub(crate) fn launch_forward(
         // (`value_dim_native` sends only calls of the warp-specialised frame here)
         return Err(mixed_dims(hd, hv, FWD_MIXED));
     }
+    // whether the kernel is the warp-specialised frame (`sm90_frame`): its causal calls go kv head
+    // outer too ([`kv_outer`])
+    let mut ws = false;
     let (f, [k_map, v_map]) = if decode {
         let key = KernelKey::new("flash_fwd_decode", dt, &[hd as u32, paged as u32, fp.rows as u32]);
         let f = be.kernels.get(&key, || fwd_decode_source(client, dt, hd, paged, fp.rows))?;
@@ -624,6 +627,7 @@ pub(crate) fn launch_forward(
         // (a paged K / V keeps the tiles that divide its pages)
         let uncut = !spec.causal && spec.window == Window::NONE && !paged;
         let (f, bn) = flash_fwd_sm90_kernel(be, dt, hd, hv, false, paged, check_v, false, false, None, uncut)?;
+        ws = sm90_frame(hd, hv, false, check_v, None, uncut).1;
         (f, kv_maps_sw128(spec, p.k, p.v, bn)?)
     } else {
         (flash_fwd_kernel(be, dt, hd, mt, bn, BLOCK_M, false, false, paged, false)?, kv_maps(be, spec, p.k, p.v, bn, false)?)
@@ -657,7 +661,7 @@ pub(crate) fn launch_forward(
         tiles_per_block: 1,
         win_l,
         win_r,
-        kv_outer: kv_outer(spec, sm90 && !decode) as u32,
+        kv_outer: kv_outer(spec, sm90 && !decode, ws) as u32,
     };
     let mut a = args.args();
     if decode {
@@ -686,14 +690,17 @@ pub(crate) fn launch_forward(
 }
 
 /// Whether the dense forward's cubes go kv head outer (`grid::cube_item_slot`): Hopper calls
-/// (`hopper`: the wgmma frames, not decode) without a causal mask or window, whose work items all
-/// cost the same. Heads fastest, the cubes running at once read every kv head's K / V (64 MB at 16K
-/// tokens, 8 kv heads, d128: past L2; ncu at 8K: 86% L2 hits and 4x cuDNN's DRAM traffic,
-/// bench/results/h200-2026-12-01-fwd-ncu); kv head outer they share one kv head's, as the
-/// backward's dK/dV cubes do (`backward::kv_outer`). Causal calls keep heads fastest (the work
-/// list's most expensive items of every head first). `CUBEATTN_FWD_ORDER` overrides it.
-fn kv_outer(spec: &AttnSpec, hopper: bool) -> bool {
-    crate::config::get().fwd_order.unwrap_or(super::kv_outer_default(spec, hopper))
+/// (`hopper`: the wgmma frames, not decode) without a window, causal ones only on the
+/// warp-specialised frame (`ws`). Heads fastest, the cubes running at once read every kv head's
+/// K / V (64 MB at 16K tokens, 8 kv heads, d128: past L2; ncu at 8K: 86% L2 hits and 4x cuDNN's
+/// DRAM traffic, bench/results/h200-2026-12-01-fwd-ncu); kv head outer they share one kv head's, as
+/// the backward's non-causal dK/dV cubes do (`backward::kv_outer`). Causal calls on the
+/// warp-specialised frame gained too (d128 -2 to -4% at 4K-32K, one zigzag rank's grouped call up
+/// to -4% at T = 64K), but not on `flash_fwd_sm90` at d64 (+1.5-3.5% at 8K, level at 16K:
+/// bench/results/h200-2026-12-03-causal-order). `CUBEATTN_FWD_ORDER` overrides it.
+fn kv_outer(spec: &AttnSpec, hopper: bool, ws: bool) -> bool {
+    let causal_ws = hopper && ws && spec.window.is_none();
+    crate::config::get().fwd_order.unwrap_or(super::kv_outer_default(spec, hopper) || causal_ws)
 }
 
 table_names! {
