@@ -661,7 +661,7 @@ pub(crate) fn launch_forward(
         tiles_per_block: 1,
         win_l,
         win_r,
-        kv_outer: kv_outer(spec, sm90 && !decode, ws) as u32,
+        kv_outer: kv_outer(spec, sm90 && !decode, ws, (n_work * y) as usize) as u32,
     };
     let mut a = args.args();
     if decode {
@@ -697,11 +697,18 @@ pub(crate) fn launch_forward(
 /// the backward's non-causal dK/dV cubes do (`backward::kv_outer`). Causal calls on the
 /// warp-specialised frame gained too (d128 -2 to -4% at 4K-32K, one zigzag rank's grouped call up
 /// to -4% at T = 64K), but not on `flash_fwd_sm90` at d64 (+1.5-3.5% at 8K, level at 16K:
-/// bench/results/h200-2026-12-03-causal-order). `CUBEATTN_FWD_ORDER` overrides it.
-fn kv_outer(spec: &AttnSpec, hopper: bool, ws: bool) -> bool {
-    let causal_ws = hopper && ws && spec.window.is_none();
+/// bench/results/h200-2026-12-03-causal-order). The smallest causal call measured there (d128 4K,
+/// 1024 cubes) has 7.8 waves of cubes: a causal launch of fewer than [`CAUSAL_KV_OUTER_WAVES`]
+/// (`cubes` over the SM count) keeps heads fastest, where the last kv head's longest items would
+/// start with little work left beside them. `CUBEATTN_FWD_ORDER` overrides it.
+fn kv_outer(spec: &AttnSpec, hopper: bool, ws: bool, cubes: usize) -> bool {
+    let causal_ws =
+        hopper && ws && spec.window.is_none() && cubes >= CAUSAL_KV_OUTER_WAVES * super::plan::sm_count();
     crate::config::get().fwd_order.unwrap_or(super::kv_outer_default(spec, hopper) || causal_ws)
 }
+
+/// Waves of cubes a causal launch needs to go kv head outer ([`kv_outer`]).
+const CAUSAL_KV_OUTER_WAVES: usize = 6;
 
 table_names! {
     /// The tables of a cached forward plan ([`fwd_tables`]).
