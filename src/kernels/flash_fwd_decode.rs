@@ -108,7 +108,7 @@ fn over_warps(red: &SharedMemory<f32>, c: usize, #[comptime] rows_n: usize, #[co
 /// split tiles `arrivals` (one zeroed counter per partial slot `y * n_slots + s`; a tile counts on
 /// its first slot's) and `slot_parts` (per slot: the tile's first slot and its parts); `rows_n`:
 /// the plan's rows a tile (a multiple of 8, at most 32).
-#[allow(clippy::too_many_arguments, unused_variables)]
+#[allow(clippy::too_many_arguments, clippy::eq_op, unused_variables)]
 #[cube(launch_unchecked)]
 pub fn flash_fwd_decode<E: Float>(
     args: &mut FwdCard<E>,
