@@ -3,34 +3,13 @@ tensor maps and bulk copies, scalar dQ atomics, the `test_wait` spin, P / dS sto
 `stmatrix`; with `CUBEATTN_BWD_Q_STAGES=1` also the one-stage dK/dV kernel of GPUs with less shared
 memory), run on whatever GPU is present (marked `gpu`). The switch is read once per process, so
 each case runs in a child process; its results are checked here against the f64 reference."""
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
-from conftest import BWD_TOL, FWD_TOL, rand, ref_attention, ref_backward, rel_err, varlen_segments
+from child_case import run_child, varlen_inputs
+from conftest import BWD_TOL, FWD_TOL, ref_attention, ref_backward, rel_err, varlen_segments
 
 pytestmark = pytest.mark.gpu
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-# The child: forward + backward of the inputs in `path` on the CUDA backend, results back to `path`.
-CHILD = """
-import sys, numpy as np, cubeattn
-from conftest import np_dtype
-path, causal, det = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1"
-a = dict(np.load(path))
-for n in ("q", "k", "v", "dout"):
-    a[n] = a[n].astype(np_dtype("bfloat16"))
-args = (a["q"], a["k"], a["v"], a["cu_q"], a["cu_k"], int(a["mq"]), int(a["mk"]))
-out, lse = cubeattn.flash_attn_varlen_func(*args, causal=causal, return_lse=True, device="cuda")
-assert cubeattn.last_backend() == "cuda", cubeattn.last_backend()
-dq, dk, dv = cubeattn.flash_attn_varlen_backward(a["dout"], *args[:3], out, lse, *args[3:], causal=causal,
-                                                 deterministic=det, device="cuda")
-np.savez(path, **{n: x.astype(np.float32) for n, x in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv))})
-"""
 
 
 @pytest.fixture(scope="module")
@@ -40,15 +19,10 @@ def cache_dir(tmp_path_factory):
 
 
 def run_portable(tmp_path, cache, arrays, causal, det, one_stage):
-    path = str(tmp_path / "io.npz")
-    np.savez(path, **arrays)
-    env = dict(os.environ, CUBEATTN_CUDA_PORTABLE="1", CUBEATTN_CACHE_DIR=cache)
+    env = dict(CUBEATTN_CUDA_PORTABLE="1", CUBEATTN_CACHE_DIR=cache)
     if one_stage:
         env["CUBEATTN_BWD_Q_STAGES"] = "1"
-    r = subprocess.run([sys.executable, "-c", CHILD, path, str(int(causal)), str(int(det))], env=env, cwd=HERE,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return dict(np.load(path))
+    return run_child(str(tmp_path / "io.npz"), arrays, env, causal, det, "bfloat16")
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -62,14 +36,7 @@ def test_pre_sm90_kernels_match_the_f64_reference(tmp_path, cache_dir, d, causal
     dtype = "bfloat16"
     rng = np.random.default_rng(40 + d + 2 * causal + det + 4 * one_stage)
     lens = [(1, 1), (130, 300), (64, 64), (257, 190)]
-    cu_q = np.cumsum([0] + [a for a, _ in lens]).astype(np.int32)
-    cu_k = np.cumsum([0] + [b for _, b in lens]).astype(np.int32)
-    q = rand(rng, (cu_q[-1], 4, d), dtype)
-    k, v = rand(rng, (cu_k[-1], 2, d), dtype), rand(rng, (cu_k[-1], 2, d), dtype)
-    dout = rand(rng, q.shape, dtype)
-    # float32 copies of the bf16 values (exact); the child rounds them back to bf16
-    arrays = dict(q=q.astype(np.float32), k=k.astype(np.float32), v=v.astype(np.float32),
-                  dout=dout.astype(np.float32), cu_q=cu_q, cu_k=cu_k, mq=257, mk=300)
+    q, k, v, dout, cu_q, cu_k, arrays = varlen_inputs(rng, lens, 4, 2, d, dtype)
     got = run_portable(tmp_path, cache_dir, arrays, causal, det, one_stage)
     segs = varlen_segments(cu_q, cu_k)
     ref_out, _ = ref_attention(q, k, v, segs, causal)
