@@ -308,11 +308,11 @@ def check_in_place_read(w, lens, dtype, causal, device, stride_heads=(4, 2), d=6
         o1, l1 = cubeattn.grouped_flash_attn_func(lq, k, v, *args, causal=causal, return_lse=True)
         o2, l2 = cubeattn.grouped_flash_attn_func(lq, kg, vg, *args, causal=causal, return_lse=True,
                                                   kv_block_table=plan.kv_block_table)
-        a, b = o1.cpu().double().numpy(), o2.cpu().double().numpy()
         if fwd_exact:
             same(o1.cpu().float().numpy(), o2.cpu().float().numpy())
             same(l1.cpu().numpy(), l2.cpu().numpy())
         else:
+            a, b = o1.cpu().double().numpy(), o2.cpu().double().numpy()
             assert np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30) < 2e-3
             assert np.abs(l1.cpu().double().numpy() - l2.cpu().double().numpy()).max() < 1e-4
         for det in (True, False):

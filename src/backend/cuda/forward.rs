@@ -303,7 +303,7 @@ pub(crate) fn sm90_frame(hd: usize, hv: usize, int8: bool, check_v: bool, k_bloc
 }
 
 /// The Hopper forward kernel for one set of comptime choices (`sm90_frame`: `flash_fwd_ws` or
-/// `flash_fwd_sm90`), and its keys per tile. `hv`: v's head_dim (`hd` but where
+/// `flash_fwd_sm90`), its keys per tile, and whether it is `flash_fwd_ws`. `hv`: v's head_dim (`hd` but where
 /// [`value_dim_native`] holds); `int8`: INT8 Q K^T (block-sparse, `cuda::sparse_int8`); `fp8_pv`:
 /// with it, FP8 P.V (`kernels::fp8_v`).
 #[allow(clippy::too_many_arguments)]
@@ -319,12 +319,12 @@ pub(crate) fn flash_fwd_sm90_kernel(
     fp8_pv: bool,
     k_block: Option<usize>,
     uncut: bool,
-) -> Result<(super::compile::Func, usize)> {
+) -> Result<(super::compile::Func, usize, bool)> {
     let (bn, ws) = sm90_frame(hd, hv, int8, check_v, k_block, uncut);
     if ws {
         let key = KernelKey::new("flash_fwd_ws", dt, &[hd as u32, hv as u32, bn as u32, sparse as u32, paged as u32]);
         let f = be.kernels.get(&key, || fwd_ws_source(be.client(), dt, hd, hv, bn, sparse, paged))?;
-        return Ok((f, bn));
+        return Ok((f, bn, true));
     }
     if hv != hd {
         return Err(mixed_dims(hd, hv, FWD_MIXED));
@@ -336,7 +336,7 @@ pub(crate) fn flash_fwd_sm90_kernel(
         &[hd as u32, bn as u32, sparse as u32, paged as u32, cubes, check_v as u32, int8 as u32, fp8_pv as u32],
     );
     let f = be.kernels.get(&key, || fwd_sm90_source(be.client(), dt, hd, bn, sparse, paged, cubes, check_v, int8, fp8_pv))?;
-    Ok((f, bn))
+    Ok((f, bn, false))
 }
 
 /// CUDA source of the warp-specialised Hopper forward (`flash_fwd_ws`) at head_dim `hd`, v's `hv`:
@@ -616,21 +616,18 @@ pub(crate) fn launch_forward(
         // (`value_dim_native` sends only calls of the warp-specialised frame here)
         return Err(mixed_dims(hd, hv, FWD_MIXED));
     }
-    // whether the kernel is the warp-specialised frame (`sm90_frame`): its causal calls go kv head
-    // outer too ([`kv_outer`])
-    let mut ws = false;
-    let (f, [k_map, v_map]) = if decode {
+    // `ws`: the warp-specialised frame, whose causal calls go kv head outer too ([`kv_outer`])
+    let (f, [k_map, v_map], ws) = if decode {
         let key = KernelKey::new("flash_fwd_decode", dt, &[hd as u32, paged as u32, fp.rows as u32]);
         let f = be.kernels.get(&key, || fwd_decode_source(client, dt, hd, paged, fp.rows))?;
-        (f, kv_maps_sw128(spec, p.k, p.v, flash_fwd_decode::DECODE_BN)?)
+        (f, kv_maps_sw128(spec, p.k, p.v, flash_fwd_decode::DECODE_BN)?, false)
     } else if sm90 {
         // (a paged K / V keeps the tiles that divide its pages)
         let uncut = !spec.causal && spec.window == Window::NONE && !paged;
-        let (f, bn) = flash_fwd_sm90_kernel(be, dt, hd, hv, false, paged, check_v, false, false, None, uncut)?;
-        ws = sm90_frame(hd, hv, false, check_v, None, uncut).1;
-        (f, kv_maps_sw128(spec, p.k, p.v, bn)?)
+        let (f, bn, ws) = flash_fwd_sm90_kernel(be, dt, hd, hv, false, paged, check_v, false, false, None, uncut)?;
+        (f, kv_maps_sw128(spec, p.k, p.v, bn)?, ws)
     } else {
-        (flash_fwd_kernel(be, dt, hd, mt, bn, BLOCK_M, false, false, paged, false)?, kv_maps(be, spec, p.k, p.v, bn, false)?)
+        (flash_fwd_kernel(be, dt, hd, mt, bn, BLOCK_M, false, false, paged, false)?, kv_maps(be, spec, p.k, p.v, bn, false)?, false)
     };
     let args = FwdArgs {
         k_map,
@@ -691,7 +688,7 @@ pub(crate) fn launch_forward(
 
 /// Whether the dense forward's cubes go kv head outer (`grid::cube_item_slot`): Hopper calls
 /// (`hopper`: the wgmma frames, not decode) without a window, causal ones only on the
-/// warp-specialised frame (`ws`). Heads fastest, the cubes running at once read every kv head's
+/// warp-specialised frame (`ws`, a Hopper frame itself). Heads fastest, the cubes running at once read every kv head's
 /// K / V (64 MB at 16K tokens, 8 kv heads, d128: past L2; ncu at 8K: 86% L2 hits and 4x cuDNN's
 /// DRAM traffic, bench/results/h200-2026-12-01-fwd-ncu); kv head outer they share one kv head's, as
 /// the backward's non-causal dK/dV cubes do (`backward::kv_outer`). Causal calls on the
@@ -702,8 +699,7 @@ pub(crate) fn launch_forward(
 /// (`cubes` over the SM count) keeps heads fastest, where the last kv head's longest items would
 /// start with little work left beside them. `CUBEATTN_FWD_ORDER` overrides it.
 fn kv_outer(spec: &AttnSpec, hopper: bool, ws: bool, cubes: usize) -> bool {
-    let causal_ws =
-        hopper && ws && spec.window.is_none() && cubes >= CAUSAL_KV_OUTER_WAVES * super::plan::sm_count();
+    let causal_ws = ws && spec.window.is_none() && cubes >= CAUSAL_KV_OUTER_WAVES * super::plan::sm_count();
     crate::config::get().fwd_order.unwrap_or(super::kv_outer_default(spec, hopper) || causal_ws)
 }
 

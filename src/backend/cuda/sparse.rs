@@ -244,7 +244,7 @@ pub(super) fn launch_sparse_forward(be: &CudaBackend, spec: SparseView, plan: &C
     let (f, [k_map, v_map]) = match sp.frame {
         SparseFrame::Sm90 { block_n } => {
             let fp8 = spec.int8.is_some_and(|o| o.pv_fp8);
-            let (f, bn) = super::forward::flash_fwd_sm90_kernel(be, dt, hd, hd, true, false, false, spec.int8.is_some(), fp8, Some(spec.k_block), false)?;
+            let (f, bn, _) = super::forward::flash_fwd_sm90_kernel(be, dt, hd, hd, true, false, false, spec.int8.is_some(), fp8, Some(spec.k_block), false)?;
             debug_assert_eq!(bn, block_n);
             let maps = match &z {
                 None => super::forward::kv_maps_sw128(spec.attn, p.k, p.v, block_n)?,
