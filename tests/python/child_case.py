@@ -11,8 +11,9 @@ from conftest import rand
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# The child: forward + backward of the inputs in `path`, results back to `path` (out, dq, dk, dv
-# as float32, exact for 16-bit values; lse as returned).
+# The child: forward + backward of the inputs in `path` (with their sliding window `win` where
+# given), results back to `path` (out, dq, dk, dv as float32, exact for 16-bit values; lse as
+# returned).
 CHILD = """
 import sys, numpy as np, cubeattn
 from conftest import np_dtype
@@ -21,10 +22,11 @@ a = dict(np.load(path))
 for n in ("q", "k", "v", "dout"):
     a[n] = a[n].astype(np_dtype(dtype))
 args = (a["q"], a["k"], a["v"], a["cu_q"], a["cu_k"], int(a["mq"]), int(a["mk"]))
-out, lse = cubeattn.flash_attn_varlen_func(*args, causal=causal, return_lse=True, device="cuda")
+win = tuple(int(x) for x in a.get("win", (-1, -1)))
+out, lse = cubeattn.flash_attn_varlen_func(*args, causal=causal, window_size=win, return_lse=True, device="cuda")
 assert cubeattn.last_backend() == "cuda", cubeattn.last_backend()
 dq, dk, dv = cubeattn.flash_attn_varlen_backward(a["dout"], *args[:3], out, lse, *args[3:], causal=causal,
-                                                 deterministic=det, device="cuda")
+                                                 window_size=win, deterministic=det, device="cuda")
 np.savez(path, lse=lse, **{n: x.astype(np.float32) for n, x in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv))})
 """
 

@@ -658,6 +658,12 @@ fn kv_outer(spec: &AttnSpec, hopper: bool) -> bool {
     crate::config::get().bwd_order.unwrap_or(super::kv_outer_default(spec, hopper))
 }
 
+/// [`kv_outer`] for the dQ pass's (query tile, q head) cubes, behind its own override
+/// (`CUBEATTN_DQ_ORDER`).
+fn dq_kv_outer(spec: &AttnSpec, hopper: bool) -> bool {
+    crate::config::get().dq_order.unwrap_or(super::kv_outer_default(spec, hopper))
+}
+
 /// Enqueues the dK/dV kernel over `n_work` work items x heads_kv: dense, 128-key tiles of the
 /// shared key axis; block-sparse (`sparse` = (q_block, index heads, key blocks per sequence slot,
 /// query tiles per query block)), items of at most 128 keys of one key block. `acc`: the f32 dQ
@@ -879,7 +885,7 @@ pub(crate) fn launch_dq(
         win_l,
         win_r,
         // dense non-causal: the cubes running at once share one kv head's K / V in L2
-        kv_outer: (sparse.is_none() && kv_outer(spec, hopper)) as u32,
+        kv_outer: (sparse.is_none() && dq_kv_outer(spec, hopper)) as u32,
     };
     launch(&f, ((n_work * d.heads_q) as u32, 1, 1), &mut args.args(), stream)
 }

@@ -616,7 +616,7 @@ pub(crate) fn launch_forward(
         // (`value_dim_native` sends only calls of the warp-specialised frame here)
         return Err(mixed_dims(hd, hv, FWD_MIXED));
     }
-    // `ws`: the warp-specialised frame, whose causal calls go kv head outer too ([`kv_outer`])
+    // `ws`: the warp-specialised frame, whose causal and window calls go kv head outer too ([`kv_outer`])
     let (f, [k_map, v_map], ws) = if decode {
         let key = KernelKey::new("flash_fwd_decode", dt, &[hd as u32, paged as u32, fp.rows as u32]);
         let f = be.kernels.get(&key, || fwd_decode_source(client, dt, hd, paged, fp.rows))?;
@@ -658,7 +658,7 @@ pub(crate) fn launch_forward(
         tiles_per_block: 1,
         win_l,
         win_r,
-        kv_outer: kv_outer(spec, sm90 && !decode, ws, (n_work * y) as usize) as u32,
+        kv_outer: kv_outer(spec, sm90 && !decode, ws, n_work as usize, (n_work * y) as usize) as u32,
     };
     let mut a = args.args();
     if decode {
@@ -686,25 +686,41 @@ pub(crate) fn launch_forward(
     launch_dense_exact(be, spec, &exact, (win_l, win_r), stream)
 }
 
-/// Whether the dense forward's cubes go kv head outer (`grid::cube_item_slot`): Hopper calls
-/// (`hopper`: the wgmma frames, not decode) without a window, causal ones only on the
-/// warp-specialised frame (`ws`, a Hopper frame itself). Heads fastest, the cubes running at once read every kv head's
-/// K / V (64 MB at 16K tokens, 8 kv heads, d128: past L2; ncu at 8K: 86% L2 hits and 4x cuDNN's
-/// DRAM traffic, bench/results/h200-2026-12-01-fwd-ncu); kv head outer they share one kv head's, as
-/// the backward's non-causal dK/dV cubes do (`backward::kv_outer`). Causal calls on the
-/// warp-specialised frame gained too (d128 -2 to -4% at 4K-32K, one zigzag rank's grouped call up
-/// to -4% at T = 64K), but not on `flash_fwd_sm90` at d64 (+1.5-3.5% at 8K, level at 16K:
-/// bench/results/h200-2026-12-03-causal-order). The smallest causal call measured there (d128 4K,
-/// 1024 cubes) has 7.8 waves of cubes: a causal launch of fewer than [`CAUSAL_KV_OUTER_WAVES`]
-/// (`cubes` over the SM count) keeps heads fastest, where the last kv head's longest items would
-/// start with little work left beside them. `CUBEATTN_FWD_ORDER` overrides it.
-fn kv_outer(spec: &AttnSpec, hopper: bool, ws: bool, cubes: usize) -> bool {
-    let causal_ws = ws && spec.window.is_none() && cubes >= CAUSAL_KV_OUTER_WAVES * super::plan::sm_count();
-    crate::config::get().fwd_order.unwrap_or(super::kv_outer_default(spec, hopper) || causal_ws)
+/// Whether the dense forward's cubes go kv head outer (`grid::cube_item_slot`) on the Hopper
+/// kernels (`hopper`: the wgmma frames, not decode). Heads fastest, the cubes running at once read
+/// every kv head's K / V (64 MB at 16K tokens, 8 kv heads, d128: past L2; ncu at 8K: 86% L2 hits
+/// and 4x cuDNN's DRAM traffic, bench/results/h200-2026-12-01-fwd-ncu); kv head outer they share
+/// one kv head's, as the backward's non-causal dK/dV cubes do (`backward::kv_outer`).
+/// - Calls without a causal mask or window: always (`kv_outer_default`).
+/// - Causal or window calls on the warp-specialised frame (`ws`, a Hopper frame itself) with at
+///   least [`KV_OUTER_WAVES`] waves of `cubes` (over the SM count): causal d128 -2 to -4% at
+///   4K-32K, one zigzag rank's grouped call up to -4% at T = 64K
+///   (bench/results/h200-2026-12-03-causal-order); window calls -1 to -2.6% at 16K-32K
+///   (h200-2026-12-03-order-rules). Below 6 waves the last kv head's longest items start with
+///   little work beside them: causal d128 B = 1 at 1K / 2K (1.9 / 3.9 waves) took 14% / 7% more
+///   time kv head outer, level at 3K (5.8 waves), -1.5% at B = 4 1K (7.8 waves).
+/// - Causal calls without a window on `flash_fwd_sm90` (d64, two cubes an SM) with at least
+///   [`SM90_CAUSAL_KV_OUTER_ITEMS`] work items a head slot (`items`): -1.4 to -2.1% at B = 1 32K
+///   and B = 2 16K, level at B = 4 8K (256 items each), but +2.5 to +3.9% at 8K-16K with B = 1
+///   (64-128 items) and +1.4% at B = 4 2K (h200-2026-12-03-order-rules).
+///
+/// `CUBEATTN_FWD_ORDER` overrides it.
+fn kv_outer(spec: &AttnSpec, hopper: bool, ws: bool, items: usize, cubes: usize) -> bool {
+    let masked = if ws {
+        cubes >= KV_OUTER_WAVES * super::plan::sm_count()
+    } else {
+        hopper && spec.causal && spec.window.is_none() && items >= SM90_CAUSAL_KV_OUTER_ITEMS
+    };
+    crate::config::get().fwd_order.unwrap_or(super::kv_outer_default(spec, hopper) || masked)
 }
 
-/// Waves of cubes a causal launch needs to go kv head outer ([`kv_outer`]).
-const CAUSAL_KV_OUTER_WAVES: usize = 6;
+/// Waves of cubes a causal or window launch of the warp-specialised frame needs to go kv head
+/// outer ([`kv_outer`]).
+const KV_OUTER_WAVES: usize = 6;
+
+/// Work items a head slot a causal launch of `flash_fwd_sm90` needs to go kv head outer
+/// ([`kv_outer`]).
+const SM90_CAUSAL_KV_OUTER_ITEMS: usize = 256;
 
 table_names! {
     /// The tables of a cached forward plan ([`fwd_tables`]).
