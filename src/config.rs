@@ -21,7 +21,7 @@
 //! | `CUBEATTN_BWD_SM90_WS=0` | keeps `flash_bwd_sm90` where the warp-specialised wgmma dK/dV kernel (`kernels::flash_bwd_ws`) is the default (head_dim 128; 64 without the fused dQ) | A/B runs of the two Hopper backward frames on one GPU |
 //! | `CUBEATTN_BWD_DQ_SM90=0` | the dQ pass runs the `mma.sync` kernel on sm_90 too, instead of the wgmma one (`flash_bwd_dq_sm90`, head_dim 64, 128, 192, 256) | A/B runs of the two dQ passes |
 //! | `CUBEATTN_BWD_ORDER=kv` / `heads` | the dense dK/dV cubes launched kv head outer / heads fastest, wherever the default (`backward::kv_outer`) takes the other | A/B runs of the two orders |
-//! | `CUBEATTN_DQ_ORDER=kv` / `heads` | the same for the dQ pass's cubes (`backward::dq_kv_outer`) | A/B runs of the two orders |
+//! | `CUBEATTN_DQ_ORDER=kv` / `heads` | the same for the dQ pass's cubes (`backward::kv_outer`) | A/B runs of the two orders |
 //! | `CUBEATTN_FWD_ORDER=kv` / `heads` | the dense Hopper forward's cubes launched kv head outer / heads fastest, wherever the default (`forward::kv_outer`) takes the other | A/B runs of the two orders |
 //! | `CUBEATTN_BWD_Q_STAGES=1` | the dK/dV kernel with one query-tile stage (what GPUs with less shared memory get) on any GPU | `tests/python/test_portable_gpu.py` |
 //! | `CUBEATTN_CPU_KERNEL=gemm` | the CPU backend's gemm-crate path instead of its AVX-512 tiles | `examples/cpu_forward.rs`, docs/cpu.md |
@@ -82,7 +82,7 @@ pub(crate) struct Config {
     #[cfg(feature = "cuda")]
     pub bwd_order: Option<bool>,
     /// `CUBEATTN_DQ_ORDER=kv` / `heads`: the dQ pass's cubes kv head outer / heads fastest
-    /// wherever the default would take the other (`backward::dq_kv_outer`).
+    /// wherever the default would take the other (`backward::kv_outer`).
     #[cfg(feature = "cuda")]
     pub dq_order: Option<bool>,
     /// `CUBEATTN_FWD_ORDER=kv` / `heads`: the dense Hopper forward's cubes kv head outer / heads

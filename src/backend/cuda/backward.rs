@@ -652,16 +652,13 @@ pub(crate) fn dkdv_sm90_source(client: &ComputeClient<CudaRuntime>, dt: DType, v
 /// and the same at 4K (h200x2-2026-11-29-two-tiles; before, only launches whose key tiles filled a
 /// wave took it). Causal calls keep heads fastest (the work list's most expensive tiles of every
 /// head first): kv head outer made causal 4K / 8K 29% / 7% slower (the last heads' longest tiles
-/// start late), 16K 2% faster, 32K the same. `CUBEATTN_BWD_ORDER` overrides it. Measured on the
-/// Hopper kernels only: the mma.sync kernel (`hopper` false) keeps heads fastest.
-fn kv_outer(spec: &AttnSpec, hopper: bool) -> bool {
-    crate::config::get().bwd_order.unwrap_or(super::kv_outer_default(spec, hopper))
-}
-
-/// [`kv_outer`] for the dQ pass's (query tile, q head) cubes, behind its own override
-/// (`CUBEATTN_DQ_ORDER`).
-fn dq_kv_outer(spec: &AttnSpec, hopper: bool) -> bool {
-    crate::config::get().dq_order.unwrap_or(super::kv_outer_default(spec, hopper))
+/// start late), 16K 2% faster, 32K the same. The dQ pass takes the same rule: its causal cubes kv
+/// head outer measured level to +2.8% (bench/results/h200-2026-12-03-order-rules). `over`: the
+/// launch's override (`CUBEATTN_BWD_ORDER` for the dK/dV cubes, `CUBEATTN_DQ_ORDER` for the dQ
+/// pass's). Measured on the Hopper kernels only: the mma.sync kernel (`hopper` false) keeps heads
+/// fastest.
+fn kv_outer(over: Option<bool>, spec: &AttnSpec, hopper: bool) -> bool {
+    over.unwrap_or(super::kv_outer_default(spec, hopper))
 }
 
 /// Enqueues the dK/dV kernel over `n_work` work items x heads_kv: dense, 128-key tiles of the
@@ -765,7 +762,7 @@ pub(crate) fn launch_dkdv_wide(
         q_tiles_per_block,
         win_l,
         win_r,
-        kv_outer: (sparse.is_none() && kv_outer(spec, hopper)) as u32,
+        kv_outer: (sparse.is_none() && kv_outer(crate::config::get().bwd_order, spec, hopper)) as u32,
     };
     launch(&f, ((n_work * d.heads_kv) as u32, 1, 1), &mut args.args(), stream)?;
     Ok(head_major)
@@ -885,7 +882,7 @@ pub(crate) fn launch_dq(
         win_l,
         win_r,
         // dense non-causal: the cubes running at once share one kv head's K / V in L2
-        kv_outer: (sparse.is_none() && dq_kv_outer(spec, hopper)) as u32,
+        kv_outer: (sparse.is_none() && kv_outer(crate::config::get().dq_order, spec, hopper)) as u32,
     };
     launch(&f, ((n_work * d.heads_q) as u32, 1, 1), &mut args.args(), stream)
 }
