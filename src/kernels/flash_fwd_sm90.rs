@@ -25,7 +25,7 @@ use super::int8_qk::{dot_biased, MAGIC};
 use super::flash_fwd::{fill_rows, rows_key_end, tile_bounds, work_item, LIST_SMEM, M_INIT, NONE, RESCALE_SLACK, SLICE_WORDS};
 use super::kv_tiles::{issue_tile_boxes, tile_rows};
 use super::math::{fast_exp2, LN2};
-use super::sm90::{fence_proxy_async, pack_a_pairs, pack_p_e4m3, store_pair, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_rs_e4m3,
+use super::sm90::{copy16_out, fence_proxy_async, named_barrier_at, pack_a_pairs, pack_p_e4m3, store_pair, store_pair_shared, swizzle_128b, wgmma_commit, wgmma_fence, wgmma_rs, wgmma_rs_e4m3,
     wgmma_ss, wgmma_ss_s8, wgmma_wait, SW_COLS, SW_ROW};
 use super::staging::commit_copies;
 use crate::format::KV_PAGE;
@@ -740,8 +740,8 @@ pub fn flash_fwd_sm90<E: Float>(
         }
     }
 
-    write_out(args, &o_acc, &m_r, &mut l_r, &row_tok, &mut row_head, prow, row_a, row_b, lane, y, slot, seq, head_kv, neg_inf, head_dim,
-        int8, fp8_pv);
+    write_out(args, &o_acc, &m_r, &mut l_r, &row_tok, &mut row_head, prow, row_a, row_b, lane, y, slot, seq, head_kv, neg_inf,
+        &mut q_smem, 0usize, 0u32, head_dim, int8, fp8_pv, false);
 }
 
 /// A lane's two rows of a warp whose rows start at `prow` (`row_a`, `row_b` = `row_a + 8`), the
@@ -774,6 +774,13 @@ pub(super) fn lane_rows(
 /// The epilogue of the Hopper forward frames: `l` reduced over the 4 lanes of a row, O normalised
 /// and written (with the LSE) to the output, or to the split-K partials of slot `slot`. `int8` /
 /// `fp8_pv`: the LSE corrections and V scales of those variants (`flash_fwd_sm90`).
+///
+/// `staged` (`flash_fwd_ws`, neither variant): O goes to the output through shared memory. The
+/// warpgroup's threads put their rounded pairs into `stage` (its 64 rows from `wg_row0` of the Q
+/// tile, 128-byte swizzled as Q, which none of its MMAs reads any more), meet at the warpgroup's
+/// named barrier (`2 + wg_row0 / 64`), then store 16-byte row chunks: a warp writes two whole rows
+/// a store where the pairs wrote 4 bytes to each of 8 rows (the epilogue took ~4.2 K cycles a
+/// cube, 4.5% of a 4K non-causal d128 cube: docs/forward.md).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn write_out<E: Float>(
@@ -792,9 +799,13 @@ pub(super) fn write_out<E: Float>(
     seq: u32,
     head_kv: u32,
     neg_inf: f32,
+    stage: &mut SharedMemory<E>,
+    wg_row0: usize,
+    wg_unit: u32,
     #[comptime] head_dim: usize,
     #[comptime] int8: bool,
     #[comptime] fp8_pv: bool,
+    #[comptime] staged: bool,
 ) {
     let block_m = comptime!(SM90_BLOCK_M);
     let o_blocks = comptime!(head_dim / 8);
@@ -813,25 +824,50 @@ pub(super) fn write_out<E: Float>(
     }
 
     if slot == NONE {
-        #[unroll]
-        for ob in 0..o_blocks {
-            // the lane's two adjacent columns of a row as one 4-byte store
+        if comptime!(staged) {
             #[unroll]
-            for i in 0..2usize {
-                let tr = pick_row(i, row_a, row_b);
-                let tok = row_tok[tr];
+            for ob in 0..o_blocks {
+                #[unroll]
+                for i in 0..2usize {
+                    let tr = pick_row(i, row_a, row_b);
+                    let at = swizzle_128b(tr, ob * 8, block_m) + acc_col(lane, 0usize) as usize;
+                    store_pair_shared::<E>(stage, at, o_acc[ob * 4 + 2 * i] * inv_r[i], o_acc[ob * 4 + 2 * i + 1] * inv_r[i]);
+                }
+            }
+            named_barrier_at(2u32 + wg_row0 as u32 / 64u32, 128u32);
+            let units = comptime!(head_dim / 8);
+            #[unroll]
+            for it in 0..comptime!(64 * head_dim / 8 / 128) {
+                let idx = wg_unit as usize + it * 128;
+                let r = wg_row0 + idx / units;
+                let c = (idx % units) * 8;
+                let tok = row_tok[r];
                 if tok != NONE {
-                    let col = ob * 8 + acc_col(lane, 0usize) as usize;
-                    let g = (tok * args.heads_q + row_head[tr]) as usize * head_dim + col;
-                    let mut o0 = o_acc[ob * 4 + 2 * i] * inv_r[i];
-                    let mut o1 = o_acc[ob * 4 + 2 * i + 1] * inv_r[i];
-                    if fp8_pv {
-                        // V's per-channel scales (`fp8_v_scales`), after the Q scales and LSE corrections
-                        let sc = (2u32 * args.heads_q * args.total_q) as usize + (seq * args.heads_kv + head_kv) as usize * head_dim + col;
-                        o0 *= args.part_lse[sc];
-                        o1 *= args.part_lse[sc + 1];
+                    let g = (tok * args.heads_q + row_head[r]) as usize * head_dim + c;
+                    copy16_out::<E>(&mut args.out, g, stage, swizzle_128b(r, c, block_m));
+                }
+            }
+        } else {
+            #[unroll]
+            for ob in 0..o_blocks {
+                // the lane's two adjacent columns of a row as one 4-byte store
+                #[unroll]
+                for i in 0..2usize {
+                    let tr = pick_row(i, row_a, row_b);
+                    let tok = row_tok[tr];
+                    if tok != NONE {
+                        let col = ob * 8 + acc_col(lane, 0usize) as usize;
+                        let g = (tok * args.heads_q + row_head[tr]) as usize * head_dim + col;
+                        let mut o0 = o_acc[ob * 4 + 2 * i] * inv_r[i];
+                        let mut o1 = o_acc[ob * 4 + 2 * i + 1] * inv_r[i];
+                        if fp8_pv {
+                            // V's per-channel scales (`fp8_v_scales`), after the Q scales and LSE corrections
+                            let sc = (2u32 * args.heads_q * args.total_q) as usize + (seq * args.heads_kv + head_kv) as usize * head_dim + col;
+                            o0 *= args.part_lse[sc];
+                            o1 *= args.part_lse[sc + 1];
+                        }
+                        store_pair::<E>(&mut args.out, g, o0, o1);
                     }
-                    store_pair::<E>(&mut args.out, g, o0, o1);
                 }
             }
         }

@@ -97,6 +97,14 @@ pub fn named_barrier(#[comptime] id: u32, #[comptime] threads: u32) {
     intrinsic!(|scope| marker(scope, format!("named_barrier {id} {threads}"), vec![]))
 }
 
+/// `bar.sync id, threads` with the barrier `id` (1..=15) known only at run time (uniform over the
+/// warps that meet): a consumer warpgroup's own barrier, `threads` a multiple of 32.
+#[cube]
+#[allow(unused_variables)]
+pub fn named_barrier_at(id: u32, #[comptime] threads: u32) {
+    intrinsic!(|scope| marker(scope, format!("named_barrier_at {threads}"), vec![*id.expand]))
+}
+
 /// `acc[acc0 .. acc0 + n / 2] (+)= A B` for one m64 x n x k16 step, both operands in shared memory
 /// (128-byte swizzle): A is 64 rows, K-major (`a_mn` false: rows 128 bytes apart per 64 columns of
 /// K), or MN-major (`a_mn`: the 64 rows contiguous, K rows 128 bytes apart, as dS^T stored
@@ -247,6 +255,30 @@ pub fn store_pair<E: Float>(out: &mut Array<E>, idx: usize, a: f32, b: f32) {
         let t = elem_name::<E>(scope);
         let args = vec![*out.expand, *idx.expand, *a.expand, *b.expand];
         marker(scope, format!("store_pair {t}"), args)
+    })
+}
+
+/// [`store_pair`] into shared memory: `out[idx]`, `out[idx + 1]` = `a`, `b` as one 4-byte store.
+#[cube]
+#[allow(unused_variables)]
+pub fn store_pair_shared<E: Float>(out: &mut SharedMemory<E>, idx: usize, a: f32, b: f32) {
+    intrinsic!(|scope| {
+        let t = elem_name::<E>(scope);
+        let args = vec![*out.expand, *idx.expand, *a.expand, *b.expand];
+        marker(scope, format!("store_pair {t}"), args)
+    })
+}
+
+/// One 16-byte store: global `dst[dst_idx .. dst_idx + 8]` = shared `src[src_idx .. src_idx + 8]`
+/// (f16 / bf16 elements; both indices multiples of 8, `dst` 16-byte aligned). CubeCL copies a
+/// global array's elements one by one.
+#[cube]
+#[allow(unused_variables)]
+pub fn copy16_out<E: Float>(dst: &mut Array<E>, dst_idx: usize, src: &SharedMemory<E>, src_idx: usize) {
+    intrinsic!(|scope| {
+        let _t = elem_name::<E>(scope);
+        let args = vec![*dst.expand, *dst_idx.expand, *src.expand, *src_idx.expand];
+        marker(scope, "copy16_out".into(), args)
     })
 }
 

@@ -78,6 +78,13 @@ fn lower_marker(text: &str) -> Option<Lowered> {
             let n: u32 = n.parse().ok().filter(|&n| n > 0 && n % 32 == 0 && n <= 1024)?;
             Some(simple(&format!("named_barrier_{id}_{n}"), &format!("bar.sync {id}, {n};")))
         }
+        ["named_barrier_at", n] => {
+            let n: u32 = n.parse().ok().filter(|&n| n > 0 && n % 32 == 0 && n <= 1024)?;
+            let helper = format!("__cubeattn_named_barrier_at_{n}");
+            let definition =
+                format!("__device__ __forceinline__ void {helper}(unsigned id) {{\n  asm volatile(\"bar.sync %0, {n};\\n\" :: \"r\"(id) : \"memory\");\n}}\n");
+            Some(Lowered { helper, definition })
+        }
         ["wgmma_ss", t, rest @ ..] => {
             let eb = elem_bytes(t)?;
             let [n, acc0, a_mn, a_lbo, b_mn, b_lbo, accum] = parse_nums(rest)?.try_into().ok()?;
@@ -146,6 +153,14 @@ fn lower_marker(text: &str) -> Option<Lowered> {
             let definition = format!(
                 "__device__ __forceinline__ void {helper}(void* out, unsigned idx, float a, float b) {{\n  \
                  reinterpret_cast<{pair}*>(out)[idx >> 1] = {cvt}(a, b);\n}}\n"
+            );
+            Some(Lowered { helper, definition })
+        }
+        ["copy16_out"] => {
+            let helper = "__cubeattn_copy16_out".to_string();
+            let definition = format!(
+                "__device__ __forceinline__ void {helper}(void* dst, unsigned dst_idx, const void* src, unsigned src_idx) {{\n  \
+                 reinterpret_cast<uint4*>(dst)[dst_idx >> 3] = reinterpret_cast<const uint4*>(src)[src_idx >> 3];\n}}\n"
             );
             Some(Lowered { helper, definition })
         }
@@ -290,7 +305,8 @@ pub(crate) fn lower(entry: &str, src: &str) -> Result<String> {
         let low = lower_marker(text).ok_or_else(bad)?;
         let want = match text.split(' ').next() {
             Some("wgmma_ss" | "wgmma_ss_s8" | "e4m3x4" | "bulk_add") => 5,
-            Some("wgmma_rs" | "wgmma_rs_e4m3" | "store_pair") => 4,
+            Some("wgmma_rs" | "wgmma_rs_e4m3" | "store_pair" | "copy16_out") => 4,
+            Some("named_barrier_at") => 1,
             Some("pack_p_e4m3") => 2,
             _ => 0,
         };
@@ -376,6 +392,8 @@ mod tests {
         let ws = lower("k_", &kernel(&format!("printf(\"{MARK}setmaxnreg dec 40\");\nprintf(\"{MARK}setmaxnreg inc 232\");\nprintf(\"{MARK}named_barrier 1 256\");\n"))).unwrap();
         assert!(ws.contains("setmaxnreg.dec.sync.aligned.u32 40;") && ws.contains("setmaxnreg.inc.sync.aligned.u32 232;"), "{ws}");
         assert!(ws.contains("bar.sync 1, 256;") && ws.contains("__cubeattn_named_barrier_1_256();"), "{ws}");
+        let staged = lower("k_", &kernel(&format!("printf(\"{MARK}named_barrier_at 128\", id);\nprintf(\"{MARK}copy16_out\", out,g,stage,at);\n"))).unwrap();
+        assert!(staged.contains("bar.sync %0, 128;") && staged.contains("__cubeattn_copy16_out(out, g, stage, at);"), "{staged}");
         for bad in ["setmaxnreg inc 20", "setmaxnreg inc 233", "setmaxnreg up 64", "named_barrier 0 256", "named_barrier 1 100"] {
             assert!(lower("k", &kernel(&format!("printf(\"{MARK}{bad}\");\n"))).is_err(), "{bad}");
         }
