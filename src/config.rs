@@ -14,7 +14,6 @@
 //! | `CUBEATTN_CUDA_DECODE=0` | decode-sized calls (at most 32 rows of a sequence a tile) keep `flash_fwd_sm90`'s 128-row tiles instead of `kernels::flash_fwd_decode` (one-warpgroup cubes, the keys as the MMA's M; `FwdOptions::sm90_decode`) | A/B runs of the two on one GPU |
 //! | `CUBEATTN_CUDA_SM90_WS=0` | keeps `flash_fwd_sm90` where the warp-specialised wgmma forward (`kernels::flash_fwd_ws`, `FwdOptions::sm90_ws`) is the default | A/B runs of the two Hopper frames on one GPU |
 //! | `CUBEATTN_CUDA_WS_BN=128` (or 144) | keys per tile of the warp-specialised forward at head_dim 128 where no row's key range is cut (non-causal, no window, K / V not paged, not block-sparse; `FwdOptions::ws_bn`, default 160) | A/B runs of its tile widths on one GPU |
-//! | `CUBEATTN_FWD_OUT=direct` | the warp-specialised forward stores O from its accumulators (4-byte pairs) and tests the non-finite-v flag first, instead of O through shared memory in 16-byte row chunks with the flag tested after the prologue's loads (`FwdOptions::ws_staged_out`) | A/B runs on one GPU |
 //! | `CUBEATTN_CUDA_WS_BN_V=64` | keys per tile of the warp-specialised forward at head_dim 192 with v at most 128 wide (DeepSeek's MLA; `FwdOptions::ws_bn_v`, default 128) | A/B runs of its tile widths on one GPU |
 //! | `CUBEATTN_CUDA_SPLIT=0` | no split-K of long forward tiles | the sanitizer families (`tests/python/sanitize_driver.py`) |
 //! | `CUBEATTN_WORK_ORDER=cost` | the forward's, the dK/dV kernels' and the dQ pass's work lists strictly by cost, without taking items of close cost sequence by sequence (`FwdOptions::seq_waves`) | A/B runs of the two orders |
@@ -180,7 +179,6 @@ impl Config {
                     _ => FwdOptions::defaults().ws_bn_v,
                 },
                 seq_waves: !is("CUBEATTN_WORK_ORDER", "cost"),
-                ws_staged_out: !is("CUBEATTN_FWD_OUT", "direct"),
                 ..FwdOptions::defaults()
             },
         }
@@ -245,10 +243,6 @@ pub struct FwdOptions {
     /// so that a wave's cubes share a sequence's K / V in L2; off (`CUBEATTN_WORK_ORDER=cost`):
     /// strictly by cost. The backward's lists follow the process's value (`Config::fwd`).
     pub seq_waves: bool,
-    /// `kernels::flash_fwd_ws` writes O through shared memory in 16-byte row chunks and tests the
-    /// non-finite-v flag after its prologue's loads (`CUBEATTN_FWD_OUT=direct`: the 4-byte pair
-    /// stores from the accumulators, the flag first; A/B runs).
-    pub ws_staged_out: bool,
 }
 
 #[cfg(feature = "cuda")]
@@ -268,7 +262,6 @@ impl FwdOptions {
             ws_bn: 160,
             ws_bn_v: 128,
             seq_waves: true,
-            ws_staged_out: true,
         }
     }
 

@@ -99,14 +99,10 @@ pub fn flash_fwd_ws<E: Float>(
     #[comptime] block_n: usize,
     #[comptime] sparse: bool,
     #[comptime] paged: bool,
-    #[comptime] staged: bool,
 ) {
     // v holds a NaN or Inf (`nonfinite::v_nonfinite`): the exact row-wise kernel writes this call.
-    // `staged`: the flag's load overlaps the work item's and the rows' loads, tested after them
+    // The flag is tested after the work item's and the rows' loads, so its load overlaps theirs
     let flag = args.nonfinite[0];
-    if !comptime!(staged) && flag != 0u32 {
-        terminate!();
-    }
     let threads = comptime!(WS_THREADS);
     let block_m = comptime!(SM90_BLOCK_M);
     let lane = UNIT_POS_PLANE;
@@ -144,7 +140,7 @@ pub fn flash_fwd_ws<E: Float>(
         &args.slices, &args.segs, slice_off, n_slices, args.hp, head_base, klo, khi, &mut row_tok, &mut row_head, &mut row_lo,
         &mut row_hi, args.win_l, args.win_r, threads, block_m,
     );
-    if comptime!(staged) && flag != 0u32 {
+    if flag != 0u32 {
         terminate!();
     }
     sync_cube();
@@ -247,5 +243,5 @@ pub fn flash_fwd_ws<E: Float>(
     }
 
     write_out(args, &o_acc, &m_r, &mut l_r, &row_tok, &mut row_head, prow, row_a, row_b, lane, y, slot, 0u32, head_kv, neg_inf,
-        &mut q_smem, cw * 64, ct % 128u32, head_dim_v, false, false, staged);
+        &mut q_smem, cw * 64, ct % 128u32, head_dim_v, false, false, true);
 }

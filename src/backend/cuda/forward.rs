@@ -322,9 +322,8 @@ pub(crate) fn flash_fwd_sm90_kernel(
 ) -> Result<(super::compile::Func, usize, bool)> {
     let (bn, ws) = sm90_frame(hd, hv, int8, check_v, k_block, uncut);
     if ws {
-        let staged = fwd_options().ws_staged_out;
-        let key = KernelKey::new("flash_fwd_ws", dt, &[hd as u32, hv as u32, bn as u32, sparse as u32, paged as u32, staged as u32]);
-        let f = be.kernels.get(&key, || fwd_ws_source(be.client(), dt, hd, hv, bn, sparse, paged, staged))?;
+        let key = KernelKey::new("flash_fwd_ws", dt, &[hd as u32, hv as u32, bn as u32, sparse as u32, paged as u32]);
+        let f = be.kernels.get(&key, || fwd_ws_source(be.client(), dt, hd, hv, bn, sparse, paged))?;
         return Ok((f, bn, true));
     }
     if hv != hd {
@@ -344,16 +343,7 @@ pub(crate) fn flash_fwd_sm90_kernel(
 /// the `kernels::sm90` markers lowered, one cube per SM declared (`__launch_bounds__(384, 1)`,
 /// which `setmaxnreg` needs), barrier waits as plain `try_wait` loops.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn fwd_ws_source(
-    client: &ComputeClient<CudaRuntime>,
-    dt: DType,
-    hd: usize,
-    hv: usize,
-    bn: usize,
-    sparse: bool,
-    paged: bool,
-    staged: bool,
-) -> Result<Source> {
+pub(crate) fn fwd_ws_source(client: &ComputeClient<CudaRuntime>, dt: DType, hd: usize, hv: usize, bn: usize, sparse: bool, paged: bool) -> Result<Source> {
     macro_rules! k {
         ($t:ty) => {
             codegen_exp2(flash_fwd_ws::flash_fwd_ws::FlashFwdWs::<$t, CudaRuntime>::new(
@@ -365,7 +355,6 @@ pub(crate) fn fwd_ws_source(
                 bn,
                 sparse,
                 paged,
-                staged,
             ), true)
         };
     }

@@ -47,14 +47,14 @@ mod tests {
             ("fwd_sm90_d64", super::super::forward::fwd_sm90_source(c, dt, 64, 128, false, false, 2, false, false, false)),
             ("fwd_sm90_d192", super::super::forward::fwd_sm90_source(c, dt, 192, 64, false, false, 1, false, false, false)),
             ("fwd_sm90_d256", super::super::forward::fwd_sm90_source(c, dt, 256, 64, false, false, 1, false, false, false)),
-            ("fwd_ws_d128", super::super::forward::fwd_ws_source(c, dt, 128, 128, 128, false, false, true)),
+            ("fwd_ws_d128", super::super::forward::fwd_ws_source(c, dt, 128, 128, 128, false, false)),
             // the non-causal tile (`FwdOptions::ws_bn`)
-            ("fwd_ws_d128_n160", super::super::forward::fwd_ws_source(c, dt, 128, 128, 160, false, false, true)),
-            ("fwd_ws_d64", super::super::forward::fwd_ws_source(c, dt, 64, 64, 128, false, false, true)),
-            ("fwd_ws_d256", super::super::forward::fwd_ws_source(c, dt, 256, 256, 64, false, false, true)),
+            ("fwd_ws_d128_n160", super::super::forward::fwd_ws_source(c, dt, 128, 128, 160, false, false)),
+            ("fwd_ws_d64", super::super::forward::fwd_ws_source(c, dt, 64, 64, 128, false, false)),
+            ("fwd_ws_d256", super::super::forward::fwd_ws_source(c, dt, 256, 256, 64, false, false)),
             // v with a head_dim of its own (DeepSeek's MLA), 128-key tiles (`FwdOptions::ws_bn_v`)
-            ("fwd_ws_d192_v128", super::super::forward::fwd_ws_source(c, dt, 192, 128, 128, false, false, true)),
-            ("fwd_ws_sparse_paged_d128_f16", super::super::forward::fwd_ws_source(c, DType::F16, 128, 128, 128, true, true, true)),
+            ("fwd_ws_d192_v128", super::super::forward::fwd_ws_source(c, dt, 192, 128, 128, false, false)),
+            ("fwd_ws_sparse_paged_d128_f16", super::super::forward::fwd_ws_source(c, DType::F16, 128, 128, 128, true, true)),
             ("fwd_sm90_d128_check_v", super::super::forward::fwd_sm90_source(c, dt, 128, 64, false, false, 2, true, false, false)),
             ("fwd_sm90_paged_d128_f16", super::super::forward::fwd_sm90_source(c, DType::F16, 128, 64, false, true, 2, false, false, false)),
             // block-sparse on the Hopper kernel (d128, 128-row cubes, k_block a multiple of 64)
