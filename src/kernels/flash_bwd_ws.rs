@@ -45,11 +45,12 @@ use super::cards::DkdvCard;
 use super::flash_fwd_ws::{release, CONSUMER_REGS, PRODUCER_REGS};
 use super::flash_bwd_sm90::{
     ds_transposed, dq_steps, issue_q_tile, key_by_dim_steps, key_by_row_steps, lse_ahead, p_transposed, store_ds_transposed,
-    write_dkdv,
 };
 use super::grid::cube_item_slot;
+use super::rows::kv_row;
 use super::sm90::{
-    bulk_add_f32, fence_proxy_async, named_barrier, pack_a_pairs, setmaxnreg, wgmma_commit, wgmma_fence, wgmma_wait, SW_COLS,
+    bulk_add_f32, copy16_out, fence_proxy_async, named_barrier, named_barrier_at, pack_a_pairs, setmaxnreg, store_pair_shared,
+    swizzle_128b, wgmma_commit, wgmma_fence, wgmma_wait, SW_COLS,
 };
 use super::staging::{stage_rows, wait_free, wait_stage};
 use super::tiles::{BWD_BM, WIDE_BN};
@@ -512,5 +513,58 @@ pub fn flash_bwd_ws<E: Float, NV: Size, NQ: Size>(
     }
 
     // ---- dK, dV (zero for keys no segment sees; sparse: the item's keys only) ----
-    write_dkdv::<E, NV, NQ>(args, &dk_acc, &dv_acc, key0, key_lim, key_a, col_a, hk, head_dim, paged);
+    // every consumer's MMAs are done (the fused dQ = dS K reads both warpgroups' K rows)
+    named_barrier(DS_BARRIER, CONSUMER_THREADS);
+    write_dkdv_staged::<E, NV, NQ>(args, &dk_acc, &dv_acc, &mut k_smem, &mut v_smem, key0, key_lim, key_a, col_a, hk, cw,
+        ct % 128u32, head_dim, paged);
+}
+
+/// dK (scaled) and dV of this consumer warpgroup's 64 keys out through shared memory, as the
+/// forward's `write_out` does O: the rounded accumulator pairs go into the warpgroup's own rows of
+/// the K and V tiles (128-byte swizzled, 128 rows a chunk; the caller has made sure no MMA reads
+/// them any more), the warpgroup meets at its named barrier (2 + `cw`), then each thread stores
+/// 16-byte row chunks of the keys below `key_lim`. The element-wise stores of `write_dkdv` took
+/// ~19 K cycles a cube (2-4% of a d128 causal cube at 4K-8K: docs/backward.md).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn write_dkdv_staged<E: Float, NV: Size, NQ: Size>(
+    args: &mut DkdvCard<E, NV, NQ>,
+    dk_acc: &Array<f32>,
+    dv_acc: &Array<f32>,
+    k_smem: &mut SharedMemory<E>,
+    v_smem: &mut SharedMemory<E>,
+    key0: u32,
+    key_lim: u32,
+    key_a: usize,
+    col_a: usize,
+    hk: u32,
+    cw: usize,
+    wg_unit: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] paged: bool,
+) {
+    #[unroll]
+    for nb in 0..comptime!(head_dim / 8) {
+        #[unroll]
+        for i in 0..2usize {
+            let at = swizzle_128b(key_a + i * 8, nb * 8, BN) + col_a;
+            store_pair_shared::<E>(k_smem, at, dk_acc[nb * 4 + 2 * i] * args.scale, dk_acc[nb * 4 + 2 * i + 1] * args.scale);
+            store_pair_shared::<E>(v_smem, at, dv_acc[nb * 4 + 2 * i], dv_acc[nb * 4 + 2 * i + 1]);
+        }
+    }
+    named_barrier_at(2u32 + cw as u32, 128u32);
+    let units = comptime!(head_dim / 8);
+    #[unroll]
+    for it in 0..comptime!(WG_KEYS * head_dim / 8 / 128) {
+        let idx = wg_unit as usize + it * 128;
+        let r = cw * WG_KEYS + idx / units;
+        let c = (idx % units) * 8;
+        let key = key0 + r as u32;
+        if key < key_lim {
+            let g = (kv_row(key, &args.tq_list, paged) * args.heads_kv + hk) as usize * head_dim + c;
+            let at = swizzle_128b(r, c, BN);
+            copy16_out::<E>(&mut args.dk, g, k_smem, at);
+            copy16_out::<E>(&mut args.dv, g, v_smem, at);
+        }
+    }
 }
