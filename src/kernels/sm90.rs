@@ -251,22 +251,20 @@ pub fn e4m3x4(out: &mut Array<u32>, #[comptime] i: usize, x0: f32, x1: f32, x2: 
 #[cube]
 #[allow(unused_variables)]
 pub fn store_pair<E: Float>(out: &mut Array<E>, idx: usize, a: f32, b: f32) {
-    intrinsic!(|scope| {
-        let t = elem_name::<E>(scope);
-        let args = vec![*out.expand, *idx.expand, *a.expand, *b.expand];
-        marker(scope, format!("store_pair {t}"), args)
-    })
+    intrinsic!(|scope| pair_marker::<E>(scope, vec![*out.expand, *idx.expand, *a.expand, *b.expand]))
 }
 
 /// [`store_pair`] into shared memory: `out[idx]`, `out[idx + 1]` = `a`, `b` as one 4-byte store.
 #[cube]
 #[allow(unused_variables)]
 pub fn store_pair_shared<E: Float>(out: &mut SharedMemory<E>, idx: usize, a: f32, b: f32) {
-    intrinsic!(|scope| {
-        let t = elem_name::<E>(scope);
-        let args = vec![*out.expand, *idx.expand, *a.expand, *b.expand];
-        marker(scope, format!("store_pair {t}"), args)
-    })
+    intrinsic!(|scope| pair_marker::<E>(scope, vec![*out.expand, *idx.expand, *a.expand, *b.expand]))
+}
+
+/// The marker of [`store_pair`] and [`store_pair_shared`] (the helper takes a generic pointer).
+fn pair_marker<E: CubePrimitive>(scope: &mut Scope, args: Vec<cubecl::ir::Variable>) {
+    let t = elem_name::<E>(scope);
+    marker(scope, format!("store_pair {t}"), args)
 }
 
 /// One 16-byte store: global `dst[dst_idx .. dst_idx + 8]` = shared `src[src_idx .. src_idx + 8]`
